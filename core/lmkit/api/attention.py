@@ -1,0 +1,88 @@
+"""The AttentionBackend contract and the per-step metadata it is planned with."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, built once per step by the model runner.
+
+    Tokens of all requests are packed along one axis, request after request.
+    Device tensors (on the model's device):
+
+    * ``query_start_loc``: int32 ``[num_reqs + 1]`` (``cu_seqlens_q``).
+    * ``seq_lens``: int32 ``[num_reqs]``, context length after this step's tokens.
+    * ``block_tables``: int32 ``[num_reqs, max_num_blocks_per_req]``.
+    * ``slot_mapping``: int64 ``[num_tokens]``, cache slot of each new token
+      (``block_id * block_size + offset``).
+
+    Host copies (``*_cpu``) serve planning without a device sync.
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_decodes: int = 0  # requests with query length 1 (when the runner orders decodes first)
+    num_decode_tokens: int = 0
+    extra: dict[str, Any] | None = None
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a KV cache, for one model.
+
+    Constructed once per model as ``cls(num_heads=..., num_kv_heads=..., head_size=...,
+    scale=..., dtype=..., device=..., block_size=..., sliding_window=None, options=...)``.
+    The runner calls :meth:`plan` once per step on the host, then every attention layer
+    calls :meth:`run`. ``run`` must do no host work and no device-to-host sync, so that
+    it can be captured in a CUDA graph when the spec declares ``"cuda_graphs"``.
+    """
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
+                 options: Any = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.options = options
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (the runner allocates it)."""
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare for one step (host work, scratch buffers). Called once per step."""
+
+    @abstractmethod
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write ``k``, ``v`` into ``kv_cache`` at ``slot_mapping``, then attend.
+
+        All new tokens' K/V are written before any attention is computed, so a request
+        may attend to blocks another request of the same step fills (prefix sharing).
+
+        :param q: ``[num_tokens, num_heads, head_size]``
+        :param k: ``[num_tokens, num_kv_heads, head_size]``
+        :param v: ``[num_tokens, num_kv_heads, head_size]``
+        :param kv_cache: this layer's cache, shaped as :meth:`kv_cache_shape`.
+        :return: ``[num_tokens, num_heads, head_size]``, causal within each request.
+        """

@@ -1,0 +1,55 @@
+"""The Executor contract: start model workers and drive them one step at a time."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.worker.output import ModelRunnerOutput
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine core needs to know about the loaded model."""
+
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    kv_bytes_per_block: int  # all layers, K and V
+    available_kv_bytes: int  # memory the KV cache may use on this device
+    device: str
+    dtype: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Executor(ABC):
+    """Runs the model for the engine core.
+
+    Constructed as ``cls(config, stack, options=opts)`` where ``stack`` is the resolved
+    :class:`~lmkit.plugins.resolve.ResolvedStack` (chosen names and options; a worker in
+    another process resolves the names in its own plugin manager).
+    """
+
+    @abstractmethod
+    def start(self) -> ModelInfo:
+        """Start workers, load weights, profile memory; return facts about the model."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step's forward and sampling."""
+
+    @abstractmethod
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every worker's model runner; one result per worker."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop workers and release their memory. Safe to call twice."""

@@ -1,0 +1,21 @@
+"""Typed configuration and its sources (file, environment, CLI)."""
+
+from lmkit.config.schema import (
+    DEFAULT_MODEL,
+    AttentionConfig,
+    CacheConfig,
+    ExecutorConfig,
+    LMKitConfig,
+    ModelConfig,
+    OffloadConfig,
+    SchedulerConfig,
+    ServerConfig,
+    SpeculativeConfig,
+    StructuredOutputConfig,
+)
+
+__all__ = [
+    "DEFAULT_MODEL", "AttentionConfig", "CacheConfig", "ExecutorConfig", "LMKitConfig",
+    "ModelConfig", "OffloadConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
+    "StructuredOutputConfig",
+]

@@ -1,0 +1,131 @@
+"""The typed configuration: one pydantic model per section, validated at the boundary.
+
+Each pluggable section has ``backend`` (``auto`` or a registered name) and ``options``,
+which are validated against the chosen spec's options model when the stack is resolved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BackendSection(Section):
+    """A section that selects a plugin implementation."""
+
+    backend: str = Field("auto", description="'auto' or the name of a registered implementation.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the chosen implementation."
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("backend must not be empty; use 'auto' or a registered name")
+        return v
+
+
+class OptionalBackendSection(BackendSection):
+    """A section whose feature is off unless a backend is named (``backend: none``)."""
+
+    backend: str = Field("none", description="'none' (off), 'auto', or a registered name.")
+
+
+class ModelConfig(Section):
+    model: str = Field(DEFAULT_MODEL, description="Model alias, local path, GGUF file or hub id.")
+    source: str = Field("auto", description="Model source plugin, or 'auto' to detect.")
+    tokenizer: str | None = Field(None, description="Tokenizer path if different from the model.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; 'auto' is float32 on CPU, bfloat16 on CUDA."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length; defaults to the model's own."
+    )
+    seed: int = Field(0, description="Seed for requests that give none.")
+    cache_dir: str | None = Field(None, description="Where fetched and converted models live.")
+
+
+class CacheConfig(Section):
+    block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks by content hash.")
+    num_blocks: int | None = Field(None, gt=0, description="Fix the KV pool size in blocks.")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV pool size in GiB on CPU (default 2 GiB)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory lmkit may use (model + KV cache)."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+
+class SchedulerConfig(BackendSection):
+    max_num_batched_tokens: int = Field(
+        2048, gt=0, description="Token budget of one engine step (prefill chunks + decodes)."
+    )
+    max_num_seqs: int = Field(64, gt=0, description="Most requests running at once.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+
+
+class AttentionConfig(BackendSection):
+    pass
+
+
+class ExecutorConfig(BackendSection):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; 'auto' picks CUDA when available."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+
+
+class SpeculativeConfig(OptionalBackendSection):
+    num_speculative_tokens: int = Field(4, gt=0, le=64, description="Draft tokens per step (k).")
+
+
+class StructuredOutputConfig(OptionalBackendSection):
+    backend: str = Field("auto", description="'none', 'auto', or a registered name.")
+
+
+class OffloadConfig(OptionalBackendSection):
+    pass
+
+
+class ServerConfig(Section):
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="Bearer key required on every route but /health.")
+    cors_origins: list[str] = Field(default_factory=list, description="CORS allow-list; off if empty.")
+    served_model_name: str | None = None
+    max_queued_requests: int = Field(1024, gt=0, description="Beyond this, answer 429.")
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+
+
+class LMKitConfig(Section):
+    """The whole configuration. Precedence: CLI flags > environment > file > defaults."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    plugins: list[str] = Field(
+        default_factory=list, description="Extra plugins to load (-p NAME), or block (no:NAME)."
+    )

@@ -1,0 +1,1 @@
+"""Requests, their sampling parameters and outputs; the engine core and its step loop."""

@@ -1,0 +1,65 @@
+"""Exception types for user and plugin input. Each message says what was asked,
+what exists, and how to fix it."""
+
+from __future__ import annotations
+
+
+class LMKitError(Exception):
+    """Base class of every error lmkit raises on purpose."""
+
+
+class ConfigError(LMKitError, ValueError):
+    """A configuration value (file, environment, CLI flag) is invalid."""
+
+
+class PluginError(LMKitError):
+    """A plugin failed to load, registered something invalid, or is incompatible."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin named explicitly (``-p NAME`` or ``LMKIT_PLUGINS``) could not be loaded."""
+
+
+class PluginAPIVersionError(PluginError):
+    """A plugin does not support this lmkit's ``PLUGIN_API_VERSION``."""
+
+
+class DuplicateSpecError(PluginError):
+    """Two plugins registered the same name for the same kind."""
+
+
+class UnknownBackendError(ConfigError):
+    """A backend was asked for by a name that no plugin registered."""
+
+
+class NoBackendError(ConfigError):
+    """No registered backend of a kind fits what the configuration needs."""
+
+
+class StackConflictError(ConfigError):
+    """The chosen backends of different kinds are incompatible with each other."""
+
+
+class ModelNotFoundError(LMKitError, FileNotFoundError):
+    """A model path, alias or hub id could not be resolved to local files."""
+
+
+class ModelLoadError(LMKitError):
+    """Model files exist but could not be read (corrupt, truncated, unsupported)."""
+
+
+class InvalidRequestError(LMKitError, ValueError):
+    """A request or its sampling parameters are invalid.
+
+    ``param`` names the offending field and ``code`` is a machine-readable reason
+    (e.g. ``context_length_exceeded``); the server maps these onto OpenAI-shaped errors.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineDeadError(LMKitError, RuntimeError):
+    """The engine core stopped; requests in flight cannot complete."""

@@ -1,0 +1,1 @@
+"""lmkit.kv_cache"""

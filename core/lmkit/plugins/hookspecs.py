@@ -1,0 +1,236 @@
+"""The lmkit hook specifications: the plugin author's reference.
+
+A plugin is a module (or object) with functions marked ``@lmkit.hookimpl`` whose names
+match the hooks below, plus a module attribute declaring the plugin API versions it
+supports::
+
+    import lmkit
+    from lmkit.api import Spec, Caps
+
+    LMKIT_PLUGIN_API = ">=1.0,<2"
+
+    @lmkit.hookimpl
+    def register_attention_backends(register):
+        register(Spec(name="mine", target="my_pkg.backend:MyBackend",
+                      caps=Caps({"multi_token_query"}, {"device": {"cuda"}}),
+                      requires=("my_kernels",), needs_cuda=True, priority=50))
+
+Publish it through the ``lmkit`` entry-point group of your package::
+
+    [project.entry-points.lmkit]
+    mine = "my_pkg.plugin"
+
+There are three families of hooks:
+
+* **Contribution hooks** (``register_*``) receive a ``register(spec)`` callback. They run
+  once per plugin manager, in every process that builds one, so they must be idempotent
+  and free of side effects: build :class:`~lmkit.api.Spec` objects and pass them on,
+  never import CUDA libraries (the spec's ``target`` is loaded lazily).
+* **Decision hooks** (``firstresult=True``) are consulted only when the user left a
+  choice to lmkit (``backend: auto``). Return ``None`` to abstain.
+* **Lifecycle hooks** run at engine-step granularity or coarser, never per layer or
+  per token; the hot path calls resolved objects, not the plugin manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from lmkit.plugins.registry import Registration
+    from lmkit.plugins.spec import Needs, Spec
+
+PROJECT = "lmkit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[["Spec"], None]
+
+
+# --------------------------------------------------------------------------------------
+# Contribution hooks
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_schedulers(register: Register) -> None:
+    """Register scheduler implementations.
+
+    The loaded target is a subclass of :class:`lmkit.api.Scheduler` (usually of
+    :class:`lmkit.api.PagedScheduler`, overriding only the queueing policy). It is
+    constructed as ``cls(config, num_blocks=..., options=...)`` where ``config`` is the
+    engine's :class:`~lmkit.config.LMKitConfig` and ``options`` an instance of the
+    spec's options model.
+
+    :param register: call ``register(Spec(...))`` once per implementation.
+    """
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register attention backends.
+
+    The loaded target is a subclass of :class:`lmkit.api.AttentionBackend`. Declare in
+    ``caps`` what it supports: ``values={"device": {...}, "dtype": {...},
+    "head_size": {...}}`` and features such as ``"multi_token_query"`` (several query
+    tokens per decoding request, needed by speculative decoding) and ``"cuda_graphs"``.
+    Use ``needs_cuda=True`` and ``requires=("flashinfer",)`` for availability, so that
+    ``lmkit plugins list`` explains why it is unavailable instead of failing.
+
+    :param register: call ``register(Spec(...))`` once per backend.
+    """
+
+
+@hookspec
+def register_executors(register: Register) -> None:
+    """Register executors (how model workers are started and driven).
+
+    The loaded target is a subclass of :class:`lmkit.api.Executor`, constructed as
+    ``cls(config, stack, options=...)``. Declare ``caps.values["device"]``.
+
+    :param register: call ``register(Spec(...))`` once per executor.
+    """
+
+
+@hookspec
+def register_spec_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers (draft-token sources).
+
+    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`. Verification is
+    done by the core, so a proposer only proposes. Declare what it needs of the rest of
+    the stack in ``stack_needs`` (usually ``{"attention": Needs({"multi_token_query"})}``)
+    and its own abilities in ``caps`` (``"hidden_states"`` if it consumes the target's
+    hidden states, ``"own_kv_cache"``, ``values={"max_k": ...}``).
+
+    :param register: call ``register(Spec(...))`` once per proposer.
+    """
+
+
+@hookspec
+def register_structured_output_backends(register: Register) -> None:
+    """Register structured-output (constrained decoding) backends.
+
+    The loaded target is a subclass of :class:`lmkit.api.StructuredOutputBackend`.
+    Declare the constraint types it handles as features: ``json_schema``,
+    ``json_object``, ``regex``, ``grammar``, ``choice``, ``structural_tag``.
+
+    :param register: call ``register(Spec(...))`` once per backend.
+    """
+
+
+@hookspec
+def register_offload_managers(register: Register) -> None:
+    """Register KV-cache offload tiers.
+
+    The loaded target is a subclass of :class:`lmkit.api.OffloadManager` that stores
+    and loads KV blocks by content hash below the device cache (CPU memory, disk, ...).
+
+    :param register: call ``register(Spec(...))`` once per tier.
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures.
+
+    ``Spec.name`` and ``Spec.aliases`` are Hugging Face ``architectures`` names (e.g.
+    ``"LlamaForCausalLM"``); the engine picks the spec matching the model's config. The
+    loaded target is a :class:`torch.nn.Module` subclass following
+    :class:`lmkit.api.CausalLM`.
+
+    :param register: call ``register(Spec(...))`` once per architecture family.
+    """
+
+
+@hookspec
+def register_model_sources(register: Register) -> None:
+    """Register places model weights come from (local directories, GGUF files, hubs).
+
+    The loaded target follows :class:`lmkit.api.ModelSource`: ``matches(ref)`` says
+    whether it understands a model reference and ``fetch(ref, cache_dir)`` returns local
+    files. Sources are tried in priority order; the first that matches wins.
+
+    :param register: call ``register(Spec(...))`` once per source.
+    """
+
+
+@hookspec
+def register_commands(app: Any) -> None:
+    """Add sub-commands to the ``lmkit`` CLI.
+
+    :param app: the root :class:`typer.Typer`; call ``app.command()(fn)`` or
+        ``app.add_typer(sub_app, name=...)``. Import heavy libraries inside the command
+        function, not at module level, so that ``lmkit --help`` stays fast.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# Decision hooks
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def choose_implementation(
+    kind: str, candidates: Sequence[Registration], needs: Needs
+) -> str | None:
+    """Pick one implementation among ``candidates`` when the user asked for ``auto``.
+
+    Only candidates with no reasons against them are passed, best priority first.
+    The first non-``None`` answer wins; if every plugin abstains, the candidate with the
+    highest priority is taken. Returning a name that is not among ``candidates`` is an
+    error.
+
+    :param kind: the extension point, e.g. ``"attention"``.
+    :param candidates: the eligible registrations (``.name``, ``.spec``, ``.plugin``).
+    :param needs: what the configuration needs of this kind.
+    :return: the chosen name, or ``None`` to abstain.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# Lifecycle hooks
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def configure(config: Any) -> None:
+    """Called once the configuration is loaded and validated, before the stack is
+    resolved. Read-only: use it to check settings your plugin cares about and raise
+    :class:`lmkit.errors.ConfigError` on a problem.
+
+    :param config: the effective :class:`~lmkit.config.LMKitConfig`.
+    """
+
+
+@hookspec
+def engine_started(engine: Any) -> None:
+    """Called once the engine core has loaded the model and allocated the KV cache.
+
+    :param engine: the :class:`~lmkit.engine.core.EngineCore`; ``engine.stack`` is the
+        resolved stack and ``engine.stats()`` its counters.
+    """
+
+
+@hookspec
+def engine_step(engine: Any) -> Any:
+    """Wraps one engine step (schedule, execute, update). Implement it as a wrapper
+    (``@lmkit.hookimpl(wrapper=True)``): ``yield`` to run
+    the step and receive its outputs (a list of per-request outputs); return them.
+
+    Keep it cheap: it runs once per step, on the engine's busy loop::
+
+        @lmkit.hookimpl(wrapper=True)
+        def engine_step(engine):
+            t0 = time.perf_counter()
+            outputs = yield
+            record(time.perf_counter() - t0)
+            return outputs
+    """
+
+
+@hookspec
+def engine_stopped(engine: Any) -> None:
+    """Called once when the engine core shuts down (normally or after an error)."""

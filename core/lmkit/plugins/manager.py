@@ -1,0 +1,268 @@
+"""Finding, loading and checking plugins; collecting their registrations.
+
+Order: the ``lmkit`` distribution's own entry points (the built-ins), then every other
+distribution's entry points in the ``lmkit`` group, then plugins named with ``-p``.
+``-p no:NAME`` blocks a plugin; ``LMKIT_PLUGINS`` (comma-separated) is an allow-list for
+third-party entry points; ``LMKIT_DISABLE_PLUGIN_AUTOLOAD=1`` turns third-party discovery
+off. A plugin asked for by name that fails is fatal; an auto-loaded one that fails is
+recorded in :attr:`PluginHost.plugins` and shown by ``lmkit plugins list``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from lmkit.errors import PluginAPIVersionError, PluginError, PluginLoadError
+from lmkit.plugins import hookspecs
+from lmkit.plugins.kinds import REGISTER_HOOKS
+from lmkit.plugins.registry import Registry, suggest
+from lmkit.plugins.spec import Needs
+from lmkit.version import PLUGIN_API_VERSION
+
+ENTRY_POINT_GROUP = "lmkit"
+CORE_DIST = "lmkit"
+API_ATTR = "LMKIT_PLUGIN_API"
+
+
+@dataclass
+class PluginInfo:
+    """What ``lmkit plugins list`` shows for one plugin."""
+
+    name: str
+    source: str  # "builtin" | "entrypoint" | "cli" | "object"
+    module: str = ""
+    dist: str | None = None
+    version: str | None = None
+    status: str = "loaded"  # "loaded" | "failed" | "blocked" | "not allowed"
+    error: str | None = None
+    api: str | None = None
+    hooks: list[str] = field(default_factory=list)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_api_version(name: str, declared: Any) -> None:
+    """Raise PluginAPIVersionError unless ``declared`` admits :data:`PLUGIN_API_VERSION`."""
+    if declared is None:
+        raise PluginAPIVersionError(
+            f"plugin {name!r} does not declare the plugin API versions it supports; "
+            f'add {API_ATTR} = ">=1.0,<2" to the plugin module (lmkit\'s is {PLUGIN_API_VERSION}).'
+        )
+    try:
+        spec = SpecifierSet(str(declared))
+    except InvalidSpecifier as e:
+        raise PluginAPIVersionError(
+            f"plugin {name!r} declares {API_ATTR} = {declared!r}, which is not a version "
+            f'specifier like ">=1.0,<2".'
+        ) from e
+    if Version(PLUGIN_API_VERSION) not in spec:
+        raise PluginAPIVersionError(
+            f"plugin {name!r} supports lmkit plugin API {declared}, but this lmkit provides "
+            f"{PLUGIN_API_VERSION}. Upgrade the plugin or install a matching lmkit."
+        )
+
+
+class PluginHost:
+    """A pluggy manager plus the registry built from it. One per process."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.registry = Registry()
+        self.plugins: dict[str, PluginInfo] = {}
+        self._blocked: set[str] = set()
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def load(
+        cls,
+        plugins: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        extra: Sequence[tuple[str, object]] = (),
+    ) -> PluginHost:
+        """Build a host: built-ins, entry points, then ``plugins`` (``-p`` values).
+
+        ``extra`` registers in-process plugin objects (``(name, module_or_object)``),
+        as tests and embedding applications do.
+        """
+        env = os.environ if env is None else env
+        host = cls()
+        wanted = [p for p in plugins if not p.startswith("no:")]
+        host._blocked = {p[3:] for p in plugins if p.startswith("no:")}
+        allow_raw = env.get("LMKIT_PLUGINS")
+        allow = {s.strip() for s in allow_raw.split(",") if s.strip()} if allow_raw else None
+        autoload = not _truthy(env.get("LMKIT_DISABLE_PLUGIN_AUTOLOAD"))
+
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        by_name = {ep.name: ep for ep in eps}
+        builtin = [ep for ep in eps if _dist_name(ep) == CORE_DIST]
+        third = [ep for ep in eps if _dist_name(ep) != CORE_DIST]
+        for ep in builtin:
+            host._load_entry_point(ep, "builtin", fatal=False)
+        for ep in third:
+            dist = _dist_name(ep)
+            named = allow is not None and (ep.name in allow or dist in allow)
+            if ep.name in wanted:
+                continue  # loaded below as a named plugin
+            if allow is not None and not named:
+                host._record(ep.name, "entrypoint", ep.value, ep, status="not allowed")
+                continue
+            if not autoload and not named:
+                continue
+            host._load_entry_point(ep, "entrypoint", fatal=named)
+        for name, obj in extra:
+            host.register(obj, name, source="object", fatal=True)
+        for name in wanted:
+            if name in host.plugins and host.plugins[name].status == "loaded":
+                continue
+            if name in by_name:
+                host._load_entry_point(by_name[name], "cli", fatal=True)
+            else:
+                host._load_module(name)
+        if allow:
+            missing = sorted(allow - set(host.plugins) - {_dist_name(e) for e in third})
+            if missing:
+                raise PluginLoadError(
+                    f"LMKIT_PLUGINS names {', '.join(map(repr, missing))}, which no installed "
+                    f"distribution provides; installed: {', '.join(e.name for e in third) or 'none'}."
+                )
+        host.collect()
+        return host
+
+    def _record(self, name: str, source: str, module: str, ep: Any = None, **kw: Any
+                ) -> PluginInfo:
+        info = PluginInfo(name=name, source=source, module=module,
+                          dist=_dist_name(ep) if ep else None,
+                          version=_dist_version(ep) if ep else None, **kw)
+        self.plugins[name] = info
+        return info
+
+    def _load_entry_point(self, ep: md.EntryPoint, source: str, fatal: bool) -> None:
+        if ep.name in self._blocked or ep.value in self._blocked:
+            self._record(ep.name, source, ep.value, ep, status="blocked")
+            return
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plugin must not take the process down
+            reason = f"{type(e).__name__}: {e}"
+            if fatal:
+                raise PluginLoadError(
+                    f"plugin {ep.name!r} ({ep.value}) failed to import: {reason}"
+                ) from e
+            self._record(ep.name, source, ep.value, ep, status="failed", error=reason)
+            return
+        self.register(obj, ep.name, source=source, fatal=fatal, ep=ep)
+
+    def _load_module(self, name: str) -> None:
+        if name in self._blocked:
+            return
+        try:
+            obj = importlib.import_module(name)
+        except ImportError as e:
+            known = [ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)]
+            raise PluginLoadError(
+                f"plugin {name!r} not found: it is neither an installed lmkit entry point "
+                f"nor an importable module ({e}). Installed plugins: {', '.join(known) or 'none'}."
+                + suggest(name, known)
+            ) from e
+        except Exception as e:
+            raise PluginLoadError(
+                f"plugin {name!r} failed to import: {type(e).__name__}: {e}"
+            ) from e
+        self.register(obj, name, source="cli", fatal=True)
+
+    def register(self, obj: object, name: str, *, source: str = "object", fatal: bool = True,
+                 ep: md.EntryPoint | None = None) -> None:
+        """Register one plugin object after checking its API version and hook names."""
+        module = getattr(obj, "__name__", type(obj).__name__)
+        info = self._record(name, source, ep.value if ep else module, ep,
+                            api=str(getattr(obj, API_ATTR, None)))
+        try:
+            check_api_version(name, getattr(obj, API_ATTR, None))
+            self.pm.register(obj, name=name)
+            unknown = [hc.name for hc in self.pm.get_hookcallers(obj) or [] if not hc.has_spec()]
+            if unknown:
+                self.pm.unregister(obj)
+                known = [h for h in dir(hookspecs) if not h.startswith("_")]
+                hints = "".join(suggest(h, known) for h in unknown)
+                raise PluginError(
+                    f"plugin {name!r} implements unknown hook(s) {', '.join(unknown)}.{hints}"
+                )
+        except PluginError as e:
+            if fatal:
+                raise
+            info.status, info.error = "failed", str(e)
+            return
+        except Exception as e:
+            if fatal:
+                raise PluginLoadError(f"plugin {name!r} could not be registered: {e}") from e
+            info.status, info.error = "failed", f"{type(e).__name__}: {e}"
+            return
+        info.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(obj) or [])
+
+    # ---------------------------------------------------------------- registrations
+
+    def collect(self) -> None:
+        """Run every ``register_*`` hook, attributing each spec to its plugin."""
+        self.pm.check_pending()
+        for kind, hook_name in REGISTER_HOOKS.items():
+            for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
+                info = self.plugins.get(impl.plugin_name)
+
+                def register(spec: Any, _kind: str = kind, _info: PluginInfo | None = info,
+                             _plugin: str = impl.plugin_name) -> None:
+                    self.registry.add(_kind, spec, _plugin,
+                                      _info.dist if _info else None,
+                                      _info.version if _info else None)
+
+                try:
+                    impl.function(register)
+                except PluginError:
+                    raise
+                except Exception as e:
+                    fatal = info is None or info.source in ("cli", "object")
+                    msg = (f"plugin {impl.plugin_name!r} failed in {hook_name}: "
+                           f"{type(e).__name__}: {e}")
+                    if fatal:
+                        raise PluginError(msg) from e
+                    info.status, info.error = "failed", msg + "\n" + traceback.format_exc(limit=3)
+
+    # ---------------------------------------------------------------- selection
+
+    def select(self, kind: str, choice: str, needs: Needs | None = None):
+        """Select an implementation of ``kind`` (see :meth:`Registry.select`)."""
+
+        def decide(k, candidates, n):
+            return self.pm.hook.choose_implementation(kind=k, candidates=list(candidates), needs=n)
+
+        return self.registry.select(kind, choice, needs or Needs(), decide)
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    def failures(self) -> list[PluginInfo]:
+        return [p for p in self.plugins.values() if p.status == "failed"]
+
+
+def _dist_name(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else None
+
+
+def _dist_version(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.version if dist is not None else None

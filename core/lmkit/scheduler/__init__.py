@@ -1,0 +1,1 @@
+"""Scheduling: what runs in each engine step."""

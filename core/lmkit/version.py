@@ -1,0 +1,9 @@
+"""Version numbers: the distribution's, and the plugin contract's."""
+
+__version__ = "0.1.0"
+
+# The plugin contract's version. Bump the minor number for backwards-compatible
+# additions to hookspecs or interfaces; bump the major number for breaking changes.
+# Plugins declare the range they support with a module attribute, e.g.
+# ``LMKIT_PLUGIN_API = ">=1.0,<2"``.
+PLUGIN_API_VERSION = "1.0"

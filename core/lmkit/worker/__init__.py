@@ -1,0 +1,1 @@
+"""The model runner: persistent input batch, forward, sampling."""

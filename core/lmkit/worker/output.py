@@ -1,0 +1,31 @@
+"""What the executor hands back to the scheduler each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmkit.engine.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request, in ``req_ids`` order.
+
+    ``sampled_token_ids[i]`` is empty for a request whose prefill chunk did not reach
+    the end of its prompt; it holds one token for a decode, and up to k+1 accepted
+    tokens with speculative decoding.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # speculative decoding: number of draft tokens proposed / accepted per request
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.req_ids)}

@@ -1,0 +1,1 @@
+"""lmkit Triton kernels, each with a torch reference."""

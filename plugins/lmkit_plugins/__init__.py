@@ -1,0 +1,1 @@
+"""First-party lmkit plugins, registered through the "lmkit" entry-point group."""

@@ -30,6 +30,7 @@ from lmkit.errors import (
     PluginError,
 )
 from lmkit.plugins.hookspecs import hookimpl
+from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.registry import Registration
 from lmkit.plugins.resolve import ResolvedStack
 from lmkit.plugins.spec import Caps, Needs, NoOptions, Spec
@@ -64,7 +65,7 @@ __all__ = [
     "CausalLM", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
     "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
-    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "Proposal", "ProposerInput",
+    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
     "TransferJob", "hookimpl", *_LAZY,

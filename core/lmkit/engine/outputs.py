@@ -42,6 +42,10 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
+    # what this step added (streaming); empty when nothing changed
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -214,7 +214,7 @@ def engine_started(engine: Any) -> None:
     """
 
 
-@hookspec
+@hookspec(firstresult=True)
 def engine_step(engine: Any) -> Any:
     """Wraps one engine step (schedule, execute, update). Implement it as a wrapper
     (``@lmkit.hookimpl(wrapper=True)``): ``yield`` to run

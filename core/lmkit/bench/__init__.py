@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and latency, side by side with a peer engine."""

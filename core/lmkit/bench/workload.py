@@ -1,0 +1,88 @@
+"""Seeded benchmark workloads: token-id prompts with fixed output lengths."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmkit.bench.prompts import CHAT_PROMPTS
+from lmkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids with the number of tokens to generate for each (EOS ignored)."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> str:
+        n = len(self.prompts)
+        return (f"{self.name}: {n} requests, {self.num_prompt_tokens} prompt tokens "
+                f"(mean {self.num_prompt_tokens / max(n, 1):.0f}), {self.num_output_tokens} "
+                f"output tokens (mean {self.num_output_tokens / max(n, 1):.0f})")
+
+
+def _lengths(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab_size: int, seed: int = 0) -> Workload:
+    """Random token ids; lengths uniform in the given closed ranges."""
+    rng = random.Random(seed)
+    ins = _lengths(rng, n, *input_len)
+    outs = _lengths(rng, n, *output_len)
+    hi = min(vocab_size, 32000) - 1
+    prompts = [[rng.randint(10, hi) for _ in range(k)] for k in ins]
+    return Workload(f"random(in={input_len}, out={output_len}, seed={seed})", prompts, outs)
+
+
+def chat_workload(tokenizer: Any, n: int, output_len: int, seed: int = 0) -> Workload:
+    """``n`` of the built-in chat prompts (seeded order), rendered with the chat template."""
+    from lmkit.text.chat import render_chat
+
+    rng = random.Random(seed)
+    texts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n)]
+    rng.shuffle(texts)
+    prompts = [
+        list(tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": t}]),
+                              add_special_tokens=False))
+        for t in texts
+    ]
+    return Workload(f"chat(n={n}, out={output_len}, seed={seed})", prompts, [output_len] * n)
+
+
+def file_workload(path: Path, tokenizer: Any, default_output_len: int) -> Workload:
+    """JSON lines: ``{"prompt": str | [ids], "output_len": int?}`` per line."""
+    prompts, outs = [], []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read workload file {path}: {e}") from e
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            prompt = item["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{no}: expected a JSON object with a 'prompt' ({e})") from e
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        prompts.append(list(ids))
+        outs.append(int(item.get("output_len", default_output_len)))
+    if not prompts:
+        raise ConfigError(f"workload file {path} has no prompts")
+    return Workload(f"file({path})", prompts, outs)

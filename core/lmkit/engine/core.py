@@ -1,0 +1,160 @@
+"""The engine core: one busy loop of schedule -> execute -> update.
+
+It owns the scheduler and the executor; it knows nothing about text. Frontends
+(``LLM`` in-process, the API server over ZMQ) feed it validated :class:`Request` objects
+and turn its :class:`EngineCoreOutput` s into text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from lmkit.config.schema import LMKitConfig
+from lmkit.engine.outputs import EngineCoreOutput
+from lmkit.engine.request import Request, RequestStatus
+from lmkit.errors import ConfigError
+from lmkit.plugins.manager import PluginHost
+from lmkit.plugins.resolve import ResolvedStack, resolve_stack
+from lmkit.plugins.spec import Needs
+
+logger = logging.getLogger(__name__)
+
+
+def model_head_size(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class EngineCore:
+    """Requests in, tokens out.
+
+    Construction resolves the model files and the plugin stack (cross-checked before any
+    weights load), starts the executor, sizes the KV pool from the memory the executor
+    reports, and builds the scheduler.
+    """
+
+    def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
+                 progress: bool = True) -> None:
+        from lmkit.loading.resolve import resolve_model
+        from lmkit.loading.weights import load_hf_config
+
+        self.host = host or PluginHost.load(config.plugins)
+        self.host.hook.configure(config=config)
+        cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else None
+        self.model_dir: Path = resolve_model(config.model.model, self.host, cache_dir,
+                                             source=config.model.source, progress=progress)
+        hf_config = load_hf_config(self.model_dir)
+        self.hf_config = hf_config
+        self.stack: ResolvedStack = resolve_stack(
+            config, self.host, Needs(values={"head_size": model_head_size(hf_config)}))
+        self.config = self._runtime_config(config, hf_config)
+
+        executor_reg = self.stack.get("executor")
+        assert executor_reg is not None
+        self.executor = executor_reg.spec.load()(
+            self.config, self.stack, options=self.stack.options["executor"], host=self.host)
+        try:
+            self.model_info = self.executor.start()
+            self.num_blocks = self._num_blocks()
+            self.executor.initialize_kv_cache(self.num_blocks)
+            sched_reg = self.stack.get("scheduler")
+            assert sched_reg is not None
+            self.scheduler = sched_reg.spec.load()(
+                self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._step_hooked = bool(self.host.hook.engine_step.get_hookimpls())
+        self._num_steps = 0
+        self._started = time.monotonic()
+        self._closed = False
+        self.host.hook.engine_started(engine=self)
+
+    # ------------------------------------------------------------------ setup
+
+    def _runtime_config(self, config: LMKitConfig, hf_config: Any) -> LMKitConfig:
+        """A copy of ``config`` with the model directory and context length filled in."""
+        native = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
+        asked = config.model.max_model_len
+        if asked is not None and native is not None and asked > native:
+            raise ConfigError(
+                f"model.max_model_len={asked} exceeds the model's context of {native} tokens "
+                f"(max_position_embeddings in {self.model_dir / 'config.json'}); lower it.")
+        max_len = asked or native or 2048
+        cfg = config.model_copy(deep=True)
+        cfg.model.model = str(self.model_dir)
+        cfg.model.max_model_len = max_len
+        cfg.scheduler.max_num_batched_tokens = max(
+            cfg.scheduler.max_num_batched_tokens,
+            1 if cfg.scheduler.enable_chunked_prefill else max_len)
+        return cfg
+
+    def _num_blocks(self) -> int:
+        info = self.model_info
+        cfg = self.config
+        if cfg.cache.num_blocks is not None:
+            num_blocks = cfg.cache.num_blocks
+        else:
+            num_blocks = info.available_kv_bytes // info.kv_bytes_per_block
+        block_size = cfg.cache.block_size
+        need = -(-int(cfg.model.max_model_len or 1) // block_size)
+        if num_blocks < need:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens), fewer than one request of "
+                f"max_model_len={cfg.model.max_model_len} needs ({need} blocks). Give it more "
+                "memory (cache.kv_cache_memory_gb / cache.gpu_memory_utilization / "
+                "cache.num_blocks) or lower model.max_model_len.")
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
+                    num_blocks * info.kv_bytes_per_block / 2**30)
+        return int(num_blocks)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (see :class:`~lmkit.engine.processor.InputProcessor`)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests; unknown or finished ids are ignored."""
+        ids = list(request_ids)
+        if ids:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one engine step; returns outputs of requests that advanced or finished."""
+        if self._step_hooked:
+            return self.host.hook.engine_step.call_extra([self._step], {"engine": self})
+        return self._step(self)
+
+    def _step(self, engine: EngineCore) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute(scheduler_output)
+        self._num_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler and cache counters plus engine-level facts, for metrics."""
+        stats = dict(self.scheduler.get_stats())
+        stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
+                     uptime_s=time.monotonic() - self._started)
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the executor; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.executor.shutdown()
+        finally:
+            self.host.hook.engine_stopped(engine=self)

@@ -1,0 +1,155 @@
+"""From engine-core outputs to user-facing :class:`RequestOutput`: incremental
+detokenization, stop strings, logprobs, and folding ``n`` completions into one output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmkit.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
+from lmkit.engine.request import Request
+
+
+@dataclass
+class _Completion:
+    """Text state of one engine request (one of a parent's ``n`` completions)."""
+
+    index: int
+    parent: _Parent
+    detokenizer: Any
+    stop: Any
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self, delta_text: str = "", delta_ids: list[int] | None = None,
+               delta_logprobs: list[TokenLogprob] | None = None) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            delta_text=delta_text, delta_token_ids=delta_ids or [],
+            delta_logprobs=delta_logprobs,
+        )
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    children: dict[int, _Completion] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.children) == self.n and all(
+            c.finish_reason is not None for c in self.children.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    """Outputs of one step: one cumulative RequestOutput (with per-completion deltas) per
+    parent request that changed, and the engine request ids to abort (stop strings)."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    abort_ids: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Keeps per-request text state; lives in the frontend (API process or ``LLM``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._by_engine_id: dict[str, _Completion] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def add_request(self, request: Request, prompt_text: str | None,
+                    parent_id: str | None = None, index: int = 0, n: int = 1) -> None:
+        """Track ``request`` as completion ``index`` of parent ``parent_id`` (itself if None)."""
+        from lmkit.text.detokenizer import IncrementalDetokenizer
+        from lmkit.text.stop import StopStringMatcher
+
+        pid = parent_id or request.request_id
+        parent = self._parents.get(pid)
+        if parent is None:
+            parent = _Parent(pid, prompt_text, list(request.prompt_token_ids), n)
+            self._parents[pid] = parent
+        params = request.sampling_params
+        comp = _Completion(
+            index=index, parent=parent,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                               skip_special_tokens=params.skip_special_tokens),
+            stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        parent.children[index] = comp
+        self._by_engine_id[request.request_id] = comp
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def abort(self, parent_id: str) -> list[str]:
+        """Forget a parent request; returns the engine ids of its completions to abort."""
+        parent = self._parents.get(parent_id)
+        return [] if parent is None else self._forget(parent)
+
+    def _forget(self, parent: _Parent) -> list[str]:
+        self._parents.pop(parent.request_id, None)
+        ids = [eid for eid, c in self._by_engine_id.items() if c.parent is parent]
+        for eid in ids:
+            del self._by_engine_id[eid]
+        return ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        changed: dict[str, tuple[_Parent, dict[int, tuple[str, list[int], Any]]]] = {}
+        for out in outputs:
+            comp = self._by_engine_id.get(out.request_id)
+            if comp is None or comp.finish_reason is not None:
+                continue
+            parent = comp.parent
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = out.prompt_logprobs
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            delta_text, hit = self._push_text(comp, out.new_token_ids)
+            comp.token_ids.extend(out.new_token_ids)
+            if comp.logprobs is not None and out.new_logprobs:
+                comp.logprobs.extend(out.new_logprobs)
+            if hit is not None:
+                comp.finish_reason, comp.stop_reason = "stop", hit
+                result.abort_ids.append(out.request_id)
+            elif out.finish_reason is not None:
+                delta_text += comp.stop.flush()
+                comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+            comp.text += delta_text
+            entry = changed.setdefault(parent.request_id, (parent, {}))
+            prev = entry[1].get(comp.index)
+            ids = (prev[1] if prev else []) + list(out.new_token_ids)
+            text = (prev[0] if prev else "") + delta_text
+            entry[1][comp.index] = (text, ids, out.new_logprobs)
+        for parent, deltas in changed.values():
+            outs = []
+            for idx in sorted(parent.children):
+                comp = parent.children[idx]
+                d = deltas.get(idx)
+                outs.append(comp.output(d[0], d[1], d[2]) if d else comp.output())
+            ro = RequestOutput(
+                request_id=parent.request_id, prompt=parent.prompt,
+                prompt_token_ids=parent.prompt_token_ids, outputs=outs,
+                finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
+                num_cached_tokens=parent.num_cached_tokens,
+            )
+            result.request_outputs.append(ro)
+            if parent.finished:
+                self._forget(parent)
+        return result
+
+    @staticmethod
+    def _push_text(comp: _Completion, token_ids: list[int]) -> tuple[str, str | None]:
+        new_text = comp.detokenizer.push(token_ids) if token_ids else ""
+        return comp.stop.feed(new_text)

@@ -1,0 +1,100 @@
+"""Turning user input (text, token ids, chat messages) into validated requests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lmkit.engine.request import Request
+from lmkit.engine.sampling_params import SamplingParams
+from lmkit.errors import InvalidRequestError
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts against the model's context and vocabulary.
+
+    ``extra_eos_token_ids`` (from the model's generation config) stop generation like
+    EOS does; they are added to each request's ``stop_token_ids``.
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int, eos_token_id: int | None,
+                 vocab_size: int, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+
+    def tokenize(self, prompt: str | Sequence[int] | None,
+                 messages: list[dict[str, Any]] | None = None,
+                 chat_kwargs: dict[str, Any] | None = None) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) for a text prompt, token ids, or chat messages."""
+        if messages is not None:
+            from lmkit.text.chat import render_chat
+
+            text = render_chat(self.tokenizer, messages, **(chat_kwargs or {}))
+            return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt",
+                                          code="invalid_value")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if prompt is None:
+            raise InvalidRequestError("a prompt or messages is required", param="prompt",
+                                      code="missing")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt",
+                                      code="invalid_value")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
+                param="prompt", code="invalid_value")
+        return None, ids
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, priority: int = 0,
+                     cache_salt: str | None = None) -> Request:
+        """A validated :class:`Request`; raises InvalidRequestError with an OpenAI-style code."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n_prompt} tokens, but this model's context is "
+                f"{self.max_model_len} tokens (at least one must be left to generate); "
+                "shorten the prompt", param="prompt", code="context_length_exceeded")
+        room = self.max_model_len - n_prompt
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's context is {self.max_model_len} tokens; the prompt has "
+                f"{n_prompt} and max_tokens asks for {max_tokens} more ({n_prompt + max_tokens} "
+                f"in all); lower max_tokens to at most {room}",
+                param="max_tokens", code="context_length_exceeded")
+        for t in [*params.stop_token_ids, *(params.logit_bias or {})]:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(f"token id {t} is outside the vocabulary "
+                                          f"[0, {self.vocab_size})", param="stop_token_ids"
+                                          if t in params.stop_token_ids else "logit_bias",
+                                          code="invalid_value")
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+            if extra:
+                params = _with(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        return Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
+                       priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
+
+
+def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling parameters of the ``index``-th of ``n`` completions: n=1, and a distinct
+    but reproducible seed when the parent has one."""
+    seed = None if params.seed is None else params.seed + index
+    return _with(params, n=1, seed=seed)

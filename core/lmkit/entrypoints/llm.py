@@ -1,0 +1,256 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM.chat(messages)``.
+
+The engine core runs in this process; requests are batched continuously, so passing
+many prompts at once is much faster than one at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lmkit.config.schema import LMKitConfig
+from lmkit.engine.outputs import RequestOutput
+from lmkit.engine.sampling_params import SamplingParams
+from lmkit.plugins.manager import PluginHost
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+
+# Short keyword arguments of LLM(...) and the config paths they set.
+SHORT_OPTIONS = {
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "seed": "model.seed",
+    "tokenizer": "model.tokenizer",
+    "block_size": "cache.block_size",
+    "enable_prefix_caching": "cache.enable_prefix_caching",
+    "num_blocks": "cache.num_blocks",
+    "kv_cache_memory_gb": "cache.kv_cache_memory_gb",
+    "gpu_memory_utilization": "cache.gpu_memory_utilization",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+    "scheduler": "scheduler.backend",
+    "attention": "attention.backend",
+    "executor": "executor.backend",
+    "device": "executor.device",
+    "enforce_eager": "executor.enforce_eager",
+    "speculative": "speculative.backend",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "structured_output": "structured_output.backend",
+    "offload": "offload.backend",
+}
+
+
+def build_config(model: str | None, config: LMKitConfig | str | Path | None,
+                 overrides: Mapping[str, Any]) -> LMKitConfig:
+    """A config from a file or object plus keyword overrides (short names or dotted paths)."""
+    from lmkit.config.loader import load_config
+
+    cli: dict[str, Any] = {}
+    if model is not None:
+        cli["model.model"] = model
+    for key, value in overrides.items():
+        path = SHORT_OPTIONS.get(key, key)
+        if "." not in path:
+            known = ", ".join(sorted(SHORT_OPTIONS))
+            raise TypeError(f"LLM() got an unknown option {key!r}; use a dotted config path "
+                            f"(e.g. 'scheduler.max_num_seqs') or one of: {known}")
+        cli[path] = value
+    if isinstance(config, LMKitConfig):
+        base = config.model_dump()
+        for path, value in cli.items():
+            node = base
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return LMKitConfig.model_validate(base)
+    cfg, _ = load_config(config, cli, env={})
+    return cfg
+
+
+class LLM:
+    """An in-process inference engine.
+
+    Args:
+        model: alias, local directory, ``.gguf`` file, hub id or ``pypi:PACKAGE``;
+            the default model when omitted.
+        config: an :class:`LMKitConfig`, or a YAML/TOML file path.
+        plugins: extra plugins to load (``-p`` values, ``no:NAME`` to block).
+        progress: show download/conversion and generation progress bars.
+        **options: short options (``max_num_seqs=8``, ``attention="torch"``, see
+            :data:`SHORT_OPTIONS`) or dotted config paths (``**{"cache.block_size": 32}``).
+    """
+
+    def __init__(self, model: str | None = None, *, config: LMKitConfig | str | Path | None = None,
+                 plugins: Sequence[str] = (), progress: bool = False, **options: Any) -> None:
+        from lmkit.engine.core import EngineCore
+        from lmkit.engine.output_processor import OutputProcessor
+        from lmkit.engine.processor import InputProcessor
+
+        cfg = build_config(model, config, options)
+        if plugins:
+            cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *plugins]})
+        self.host = PluginHost.load(cfg.plugins)
+        self.engine = EngineCore(cfg, self.host, progress=progress)
+        self.config = self.engine.config
+        from lmkit.loading.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        eos, extra = _eos_ids(self.tokenizer, self.engine.model_dir)
+        self.input_processor = InputProcessor(
+            self.tokenizer, int(self.config.model.max_model_len or 0), eos,
+            self.engine.model_info.vocab_size, extra)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``."""
+        items = _as_prompt_list(prompts)
+        return self._run([(p, None) for p in items], sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, **chat_kwargs: Any) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}``) or several."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run([(None, c) for c in convs], sampling_params, use_tqdm, None,
+                         chat_kwargs)
+
+    def stream(self, prompt: Prompt | None = None,
+               sampling_params: SamplingParams | None = None,
+               messages: Messages | None = None) -> Iterator[RequestOutput]:
+        """Yield one request's output as it grows; each carries ``delta_text`` per completion."""
+        params = sampling_params or SamplingParams()
+        rid = self._submit(prompt, messages, params)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self._step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request submitted by :meth:`stream` (no-op when finished)."""
+        self.engine.abort_requests(self.output_processor.abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _submit(self, prompt: Prompt | None, messages: Messages | None,
+                params: SamplingParams, priority: int = 0,
+                chat_kwargs: dict[str, Any] | None = None) -> str:
+        from lmkit.engine.processor import child_params
+
+        rid = str(next(self._ids))
+        text, ids = self.input_processor.tokenize(prompt, messages, chat_kwargs)
+        if params.n == 1:
+            requests = [(self.input_processor.make_request(rid, ids, params, priority), 0)]
+        else:
+            requests = [
+                (self.input_processor.make_request(f"{rid}-{i}", ids, child_params(params, i),
+                                                   priority), i)
+                for i in range(params.n)
+            ]
+        for req, index in requests:
+            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=params.n)
+        for req, _ in requests:
+            self.engine.add_request(req)
+        return rid
+
+    def _step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(self.engine.step())
+        if processed.abort_ids:
+            self.engine.abort_requests(processed.abort_ids)
+        return processed.request_outputs
+
+    def _run(self, items: list[tuple[Prompt | None, Messages | None]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool, priority: Sequence[int] | None,
+             chat_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(f"got {len(items)} prompts but {len(params_list)} sampling params")
+        order: dict[str, int] = {}
+        submitted: list[str] = []
+        try:
+            for i, ((prompt, messages), params) in enumerate(zip(items, params_list, strict=True)):
+                rid = self._submit(prompt, messages, params,
+                                   priority[i] if priority is not None else 0, chat_kwargs)
+                order[rid] = i
+                submitted.append(rid)
+            results: list[RequestOutput | None] = [None] * len(items)
+            bar = _progress(len(items)) if use_tqdm else None
+            while self.engine.has_unfinished_requests():
+                for out in self._step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            for rid in submitted:
+                self.abort(rid)
+            raise
+        missing = [i for i, r in enumerate(results) if r is None]
+        assert not missing, f"requests {missing} never finished"
+        return results  # type: ignore[return-value]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    seq = list(prompts)
+    if seq and all(isinstance(t, int) for t in seq):
+        return [seq]  # one prompt given as token ids
+    return seq
+
+
+def _eos_ids(tokenizer: Any, model_dir: Path) -> tuple[int | None, list[int]]:
+    """The tokenizer's EOS and any extra EOS ids from the generation config."""
+    eos = tokenizer.eos_token_id
+    extra: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        ids = gen.eos_token_id
+        extra = [ids] if isinstance(ids, int) else list(ids or [])
+    except (OSError, ValueError):
+        pass
+    if eos is None and extra:
+        eos, extra = extra[0], extra[1:]
+    return eos, [t for t in extra if t != eos]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

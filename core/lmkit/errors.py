@@ -5,7 +5,14 @@ from __future__ import annotations
 
 
 class LMKitError(Exception):
-    """Base class of every error lmkit raises on purpose."""
+    """Base class of every error lmkit raises on purpose.
+
+    The CLI prints these as one paragraph, without a traceback, and exits with
+    :attr:`exit_code`: 2 for a problem with what the user asked for (configuration,
+    plugins, model names, requests), 1 for a failure while running.
+    """
+
+    exit_code = 2
 
 
 class ConfigError(LMKitError, ValueError):
@@ -47,6 +54,8 @@ class ModelNotFoundError(LMKitError, FileNotFoundError):
 class ModelLoadError(LMKitError):
     """Model files exist but could not be read (corrupt, truncated, unsupported)."""
 
+    exit_code = 1
+
 
 class InvalidRequestError(LMKitError, ValueError):
     """A request or its sampling parameters are invalid.
@@ -63,3 +72,5 @@ class InvalidRequestError(LMKitError, ValueError):
 
 class EngineDeadError(LMKitError, RuntimeError):
     """The engine core stopped; requests in flight cannot complete."""
+
+    exit_code = 1

@@ -1,5 +1,6 @@
 """Typed configuration and its sources (file, environment, CLI)."""
 
+from lmkit.config.loader import load_config
 from lmkit.config.schema import (
     DEFAULT_MODEL,
     AttentionConfig,
@@ -17,5 +18,5 @@ from lmkit.config.schema import (
 __all__ = [
     "DEFAULT_MODEL", "AttentionConfig", "CacheConfig", "ExecutorConfig", "LMKitConfig",
     "ModelConfig", "OffloadConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
-    "StructuredOutputConfig",
+    "StructuredOutputConfig", "load_config",
 ]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from lmkit.config.errors import origin_in
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -127,5 +129,23 @@ class LMKitConfig(Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(
-        default_factory=list, description="Extra plugins to load (-p NAME), or block (no:NAME)."
+        default_factory=list,
+        description="Extra plugins to load (-p NAME), or block (no:NAME). Adds up across "
+        "file, environment and CLI instead of being replaced.",
     )
+
+    # dotted path -> (layer, label) for every value set by a file, variable or flag;
+    # filled by lmkit.config.load_config. Metadata only: not part of equality.
+    _origins: dict[str, tuple[str, str]] = PrivateAttr(default_factory=dict)
+
+    def source_of(self, path: str) -> str | None:
+        """Where the value at dotted ``path`` came from, e.g. ``"config file 'lmkit.yaml',
+        line 4"`` or ``"environment variable LMKIT_ATTENTION__BACKEND"``; ``None`` for a
+        default (or a config not built by :func:`lmkit.config.load_config`)."""
+        found = origin_in(self._origins, path)
+        return found[1] if found else None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LMKitConfig):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()

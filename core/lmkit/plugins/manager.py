@@ -14,7 +14,7 @@ import importlib
 import importlib.metadata as md
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +25,9 @@ from packaging.version import Version
 from lmkit.errors import PluginAPIVersionError, PluginError, PluginLoadError
 from lmkit.plugins import hookspecs
 from lmkit.plugins.kinds import REGISTER_HOOKS
-from lmkit.plugins.registry import Registry, suggest
+from lmkit.plugins.registry import Registration, Registry, suggest
 from lmkit.plugins.spec import Needs
-from lmkit.version import PLUGIN_API_VERSION
+from lmkit.version import PLUGIN_API_VERSION, __version__
 
 ENTRY_POINT_GROUP = "lmkit"
 CORE_DIST = "lmkit"
@@ -36,41 +36,61 @@ API_ATTR = "LMKIT_PLUGIN_API"
 
 @dataclass
 class PluginInfo:
-    """What ``lmkit plugins list`` shows for one plugin."""
+    """What ``lmkit plugins list`` shows for one plugin.
+
+    ``source`` is how it was found: ``builtin`` (an entry point of the lmkit
+    distribution), ``entrypoint`` (another distribution's), ``cli`` (``-p NAME``) or
+    ``object`` (passed in-process). ``status`` is ``loaded``, ``failed`` (``error`` says
+    why, ``detail`` holds the end of the traceback), ``blocked`` (``-p no:NAME``),
+    ``not allowed`` (left out by ``LMKIT_PLUGINS``) or ``not loaded``
+    (``LMKIT_DISABLE_PLUGIN_AUTOLOAD``). ``api`` is the declared
+    ``LMKIT_PLUGIN_API`` range.
+    """
 
     name: str
-    source: str  # "builtin" | "entrypoint" | "cli" | "object"
+    source: str
     module: str = ""
     dist: str | None = None
     version: str | None = None
-    status: str = "loaded"  # "loaded" | "failed" | "blocked" | "not allowed"
+    status: str = "loaded"  # "loaded" | "failed" | "blocked" | "not allowed" | "not loaded"
     error: str | None = None
+    detail: str | None = None
     api: str | None = None
     hooks: list[str] = field(default_factory=list)
+
+    @property
+    def origin(self) -> str:
+        """``name (dist version)``, or just the name for a plugin outside a distribution."""
+        return f"{self.name} ({self.dist} {self.version})" if self.dist else self.name
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def check_api_version(name: str, declared: Any) -> None:
-    """Raise PluginAPIVersionError unless ``declared`` admits :data:`PLUGIN_API_VERSION`."""
+def check_api_version(name: str, declared: Any, origin: str | None = None) -> None:
+    """Raise PluginAPIVersionError unless ``declared`` admits :data:`PLUGIN_API_VERSION`.
+
+    :param name: the plugin's name; ``origin`` (``name (dist version)``) is shown if given.
+    """
+    name = origin or repr(name)
     if declared is None:
         raise PluginAPIVersionError(
-            f"plugin {name!r} does not declare the plugin API versions it supports; "
+            f"plugin {name} does not declare the plugin API versions it supports; "
             f'add {API_ATTR} = ">=1.0,<2" to the plugin module (lmkit\'s is {PLUGIN_API_VERSION}).'
         )
     try:
         spec = SpecifierSet(str(declared))
     except InvalidSpecifier as e:
         raise PluginAPIVersionError(
-            f"plugin {name!r} declares {API_ATTR} = {declared!r}, which is not a version "
+            f"plugin {name} declares {API_ATTR} = {declared!r}, which is not a version "
             f'specifier like ">=1.0,<2".'
         ) from e
     if Version(PLUGIN_API_VERSION) not in spec:
         raise PluginAPIVersionError(
-            f"plugin {name!r} supports lmkit plugin API {declared}, but this lmkit provides "
-            f"{PLUGIN_API_VERSION}. Upgrade the plugin or install a matching lmkit."
+            f"plugin {name} supports lmkit plugin API {declared}, but this lmkit "
+            f"({__version__}) provides plugin API {PLUGIN_API_VERSION}. Upgrade the plugin, "
+            "install an lmkit it supports, or block it with -p no:NAME."
         )
 
 
@@ -121,6 +141,8 @@ class PluginHost:
                 host._record(ep.name, "entrypoint", ep.value, ep, status="not allowed")
                 continue
             if not autoload and not named:
+                host._record(ep.name, "entrypoint", ep.value, ep, status="not loaded",
+                             error="LMKIT_DISABLE_PLUGIN_AUTOLOAD is set; load it with -p NAME")
                 continue
             host._load_entry_point(ep, "entrypoint", fatal=named)
         for name, obj in extra:
@@ -162,7 +184,8 @@ class PluginHost:
                 raise PluginLoadError(
                     f"plugin {ep.name!r} ({ep.value}) failed to import: {reason}"
                 ) from e
-            self._record(ep.name, source, ep.value, ep, status="failed", error=reason)
+            self._record(ep.name, source, ep.value, ep, status="failed", error=reason,
+                         detail=traceback.format_exc(limit=-3))
             return
         self.register(obj, ep.name, source=source, fatal=fatal, ep=ep)
 
@@ -186,12 +209,17 @@ class PluginHost:
 
     def register(self, obj: object, name: str, *, source: str = "object", fatal: bool = True,
                  ep: md.EntryPoint | None = None) -> None:
-        """Register one plugin object after checking its API version and hook names."""
+        """Register one plugin object after checking its API version and hook names.
+
+        ``fatal=False`` (auto-loaded plugins) records a failure in :attr:`plugins`
+        instead of raising.
+        """
         module = getattr(obj, "__name__", type(obj).__name__)
+        declared = getattr(obj, API_ATTR, None)
         info = self._record(name, source, ep.value if ep else module, ep,
-                            api=str(getattr(obj, API_ATTR, None)))
+                            api=None if declared is None else str(declared))
         try:
-            check_api_version(name, getattr(obj, API_ATTR, None))
+            check_api_version(name, declared, info.origin)
             self.pm.register(obj, name=name)
             unknown = [hc.name for hc in self.pm.get_hookcallers(obj) or [] if not hc.has_spec()]
             if unknown:
@@ -210,51 +238,86 @@ class PluginHost:
             if fatal:
                 raise PluginLoadError(f"plugin {name!r} could not be registered: {e}") from e
             info.status, info.error = "failed", f"{type(e).__name__}: {e}"
+            info.detail = traceback.format_exc(limit=-3)
             return
         info.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(obj) or [])
 
     # ---------------------------------------------------------------- registrations
 
     def collect(self) -> None:
-        """Run every ``register_*`` hook, attributing each spec to its plugin."""
+        """Run every ``register_*`` hook, attributing each spec to its plugin.
+
+        A plugin that fails here (an exception, an invalid or duplicate spec) is fatal if
+        it was asked for by name; an auto-loaded one is marked failed, its registrations
+        are withdrawn and it is unregistered, so that nothing half-registered remains.
+        """
         self.pm.check_pending()
         for kind, hook_name in REGISTER_HOOKS.items():
-            for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
-                info = self.plugins.get(impl.plugin_name)
 
-                def register(spec: Any, _kind: str = kind, _info: PluginInfo | None = info,
-                             _plugin: str = impl.plugin_name) -> None:
-                    self.registry.add(_kind, spec, _plugin,
-                                      _info.dist if _info else None,
-                                      _info.version if _info else None)
+            def register_for(plugin: str, _kind: str = kind) -> Any:
+                info = self.plugins.get(plugin)
 
-                try:
-                    impl.function(register)
-                except PluginError:
-                    raise
-                except Exception as e:
-                    fatal = info is None or info.source in ("cli", "object")
-                    msg = (f"plugin {impl.plugin_name!r} failed in {hook_name}: "
-                           f"{type(e).__name__}: {e}")
-                    if fatal:
-                        raise PluginError(msg) from e
-                    info.status, info.error = "failed", msg + "\n" + traceback.format_exc(limit=3)
+                def register(spec: Any) -> None:
+                    self.registry.add(_kind, spec, plugin, info.dist if info else None,
+                                      info.version if info else None)
+
+                return register
+
+            self.call_each(hook_name, lambda plugin: {"register": register_for(plugin)})
+
+    def add_commands(self, app: Any) -> None:
+        """Let every plugin add CLI sub-commands to ``app`` (``register_commands``)."""
+        self.call_each("register_commands", lambda plugin: {"app": app})
+
+    def call_each(self, hook_name: str, kwargs_for: Callable[[str], dict[str, Any]]) -> None:
+        """Call each implementation of ``hook_name`` separately, in registration order, so
+        that one failing plugin is attributed and handled (see :meth:`collect`) without
+        stopping the others. ``kwargs_for(plugin_name)`` gives the hook's arguments."""
+        for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
+            kwargs = kwargs_for(impl.plugin_name)
+            try:
+                impl.function(*[kwargs[a] for a in impl.argnames])
+            except Exception as e:
+                self._fail(impl.plugin_name, hook_name, e)
+
+    def _fail(self, plugin: str, hook_name: str, error: Exception) -> None:
+        info = self.plugins.get(plugin)
+        if isinstance(error, PluginError):
+            msg = str(error)
+        else:
+            msg = f"plugin {plugin!r} failed in {hook_name}: {type(error).__name__}: {error}"
+        if info is None or info.source in ("cli", "object"):
+            if isinstance(error, PluginError):
+                raise error
+            raise PluginError(msg) from error
+        info.status, info.error = "failed", msg
+        info.detail = "".join(traceback.format_exception(error, limit=-3))
+        info.hooks = []
+        self.registry.remove_plugin(plugin)
+        if self.pm.has_plugin(plugin):
+            self.pm.unregister(name=plugin)
 
     # ---------------------------------------------------------------- selection
 
-    def select(self, kind: str, choice: str, needs: Needs | None = None):
-        """Select an implementation of ``kind`` (see :meth:`Registry.select`)."""
+    def select(self, kind: str, choice: str, needs: Needs | None = None) -> Registration:
+        """Select an implementation of ``kind`` (see :meth:`Registry.select`); under
+        ``auto`` the ``choose_implementation`` hook is consulted."""
 
-        def decide(k, candidates, n):
-            return self.pm.hook.choose_implementation(kind=k, candidates=list(candidates), needs=n)
+        def decide(k: str, candidates: Sequence[Registration], n: Needs) -> str | None:
+            answer = self.pm.hook.choose_implementation(kind=k, candidates=list(candidates),
+                                                        needs=n)
+            return None if answer is None else str(answer)
 
         return self.registry.select(kind, choice, needs or Needs(), decide)
 
     @property
     def hook(self) -> Any:
+        """The pluggy hook relay: ``host.hook.engine_started(engine=...)``."""
         return self.pm.hook
 
     def failures(self) -> list[PluginInfo]:
+        """The plugins that failed to load or register (auto-loaded ones only; a named
+        plugin that fails raises instead)."""
         return [p for p in self.plugins.values() if p.status == "failed"]
 
 

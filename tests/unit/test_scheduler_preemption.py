@@ -1,0 +1,159 @@
+"""Preemption by recompute, victim policies (fcfs, priority) and freedom from starvation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from lmkit.scheduler.paged import PagedScheduler
+from lmkit_plugins.schedulers.fcfs import FCFSScheduler
+from lmkit_plugins.schedulers.priority import PriorityScheduler
+from test_scheduler_fakes import FakeRunner, drive, make_config, make_request, reference_output
+
+
+def step(sched, runner):
+    so = sched.schedule()
+    return so, sched.update_from_output(so, runner.execute(so))
+
+
+@pytest.mark.parametrize("cls", [FCFSScheduler, PriorityScheduler])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_tiny_pool_preempts_and_outputs_match_unconstrained_run(cls, prefix_caching):
+    rng = random.Random(7)
+    shared = [rng.randrange(1000) for _ in range(9)]
+    specs = [(shared + [rng.randrange(1000) for _ in range(rng.randrange(2, 14))],
+              rng.randrange(10, 25), rng.randrange(3)) for _ in range(10)]
+
+    def run(num_blocks):
+        cfg = make_config(block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
+                          prefix_caching=prefix_caching)
+        sched = cls(cfg, num_blocks=num_blocks)
+        for i, (prompt, max_tokens, prio) in enumerate(specs):
+            sched.add_request(make_request(f"r{i}", prompt, max_tokens, arrival=float(i),
+                                           priority=prio))
+        return sched, drive(sched, FakeRunner(num_blocks, 4))
+
+    big_sched, big = run(400)
+    small_sched, small = run(14)
+    assert big_sched.num_preemptions == 0 and small_sched.num_preemptions >= 3
+    assert small.outputs == big.outputs
+    for i, (prompt, max_tokens, _) in enumerate(specs):
+        assert small.outputs[f"r{i}"] == reference_output(make_request("x", prompt, max_tokens))
+    preempted = set().union(*(so.preempted_req_ids for so in small.steps))
+    resumed = [nd for so in small.steps for nd in so.scheduled_new_reqs if nd.output_token_ids]
+    assert preempted and resumed and {nd.req_id for nd in resumed} <= preempted
+    for nd in resumed:  # resumed with everything generated so far
+        assert nd.output_token_ids == small.outputs[nd.req_id][:len(nd.output_token_ids)]
+    assert small_sched.get_stats()["num_preemptions"] == small_sched.num_preemptions
+    assert small_sched.kv_cache_manager.usage == 0.0
+
+
+def _three_running(cls, arrivals, priorities=(0, 0, 0)):
+    """Three 4-token prompts filling a 3-block pool; their first decode needs a block each."""
+    sched = cls(make_config(block_size=4), num_blocks=4)
+    runner = FakeRunner(4, 4)
+    for i, (arrival, prio) in enumerate(zip(arrivals, priorities, strict=True)):
+        sched.add_request(make_request(f"r{i}", [i] * 4, max_tokens=3, arrival=arrival,
+                                       priority=prio))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"r0": 4, "r1": 4, "r2": 4}
+    return sched, runner
+
+
+def test_fcfs_preempts_the_latest_arrival():
+    sched, runner = _three_running(FCFSScheduler, arrivals=(0.0, 2.0, 1.0))
+    so, _ = step(sched, runner)
+    # r0 needs a block: r1 (latest arrival) goes; then r2 needs one and is itself the latest
+    assert so.num_scheduled_tokens == {"r0": 1}
+    assert so.preempted_req_ids == {"r1", "r2"}
+    assert [r.request_id for r in sched.waiting] == ["r2", "r1"]
+    assert all(sched.requests[r].num_computed_tokens == 0 for r in ("r1", "r2"))
+    assert sched.requests["r1"].num_preemptions == 1 and sched.num_preemptions == 2
+    res = drive(sched, runner)
+    assert set(res.finish_reasons) == {"r0", "r1", "r2"}
+
+
+def test_priority_preempts_the_least_important():
+    sched, runner = _three_running(PriorityScheduler, arrivals=(0.0, 1.0, 2.0),
+                                   priorities=(0, 5, 1))
+    so, _ = step(sched, runner)
+    # r0 needs a block: r1 (priority 5) goes; r2 (priority 1) then preempts itself
+    assert so.preempted_req_ids == {"r1", "r2"} and so.num_scheduled_tokens == {"r0": 1}
+    assert [sched.waiting.pop().request_id for _ in range(2)] == ["r2", "r1"]
+
+
+def test_priority_victim_scheduled_earlier_in_the_step_is_taken_back():
+    sched = PriorityScheduler(make_config(block_size=4), num_blocks=4)  # 3 usable blocks
+    runner = FakeRunner(4, 4)
+    sched.add_request(make_request("r1", [7, 7], max_tokens=5, arrival=0.0, priority=9))
+    step(sched, runner)
+    sched.add_request(make_request("r0", [0] * 4, max_tokens=5, arrival=1.0, priority=0))
+    sched.add_request(make_request("r2", [2] * 4, max_tokens=5, arrival=2.0, priority=1))
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"r1": 1, "r0": 4, "r2": 4}  # the pool is now full
+    # r1 decodes within its block and is scheduled first; then r0 needs a block, and the
+    # least important request is r1, already in this step: it is taken back out
+    so = sched.schedule()
+    assert so.preempted_req_ids == {"r1", "r2"} and so.num_scheduled_tokens == {"r0": 1}
+    assert so.scheduled_cached_reqs.req_ids == ["r0"] and so.total_num_scheduled_tokens == 1
+    assert sched.requests["r1"].num_computed_tokens == 0
+    sched.update_from_output(so, runner.execute(so))
+    res = drive(sched, runner)
+    assert set(res.finish_reasons) == {"r0", "r1", "r2"}
+
+
+def _low_running_then_high_arrives(cls):
+    sched = cls(make_config(block_size=4), num_blocks=7)  # 6 usable blocks
+    runner = FakeRunner(7, 4)
+    low = make_request("low", list(range(16)), max_tokens=8, arrival=0.0, priority=5)
+    sched.add_request(low)
+    step(sched, runner)  # low holds 4 blocks
+    sched.add_request(make_request("high", list(range(50, 60)), max_tokens=4, arrival=1.0))
+    return sched, runner
+
+
+def test_priority_arrival_preempts_a_less_important_running_request():
+    sched, runner = _low_running_then_high_arrives(PriorityScheduler)
+    so, outs = step(sched, runner)
+    assert so.preempted_req_ids == {"low"} and so.num_scheduled_tokens == {"high": 10}
+    res = drive(sched, runner)
+    assert res.outputs["low"] == reference_output(make_request("x", list(range(16)), 8))[1:]
+    assert outs[0].new_token_ids + res.outputs["high"] == reference_output(make_request("x", list(range(50, 60)), 4))
+
+
+def test_fcfs_arrival_waits_for_blocks_instead():
+    sched, runner = _low_running_then_high_arrives(FCFSScheduler)
+    so, _ = step(sched, runner)
+    assert so.preempted_req_ids == set() and so.num_scheduled_tokens == {"low": 1}
+    assert sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("cls", [PagedScheduler, PriorityScheduler])
+def test_long_prompt_flood_starves_nobody(cls):
+    cfg = make_config(block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=160)
+    sched = cls(cfg, num_blocks=48)
+    runner = FakeRunner(48, 4)
+    sched.add_request(make_request("first", [1, 2, 3], max_tokens=40, arrival=0.0))
+    rng = random.Random(3)
+    flood = [make_request(f"long{i}", [rng.randrange(1000) for _ in range(100)], max_tokens=5,
+                          arrival=1.0 + i) for i in range(25)]
+    pending = list(flood)
+
+    def arrive(s, n):
+        if pending:
+            s.add_request(pending.pop(0))
+
+    res = drive(sched, runner, on_step=arrive)
+    assert set(res.finish_reasons) == {"first"} | {r.request_id for r in flood}
+    # the first request decodes every step from its prefill to its end
+    steps_with_first = [i for i, so in enumerate(res.steps) if "first" in so.num_scheduled_tokens]
+    assert steps_with_first == list(range(steps_with_first[0], steps_with_first[0] + 40))
+    # the flood is admitted in arrival order
+    first_step = {}
+    for i, so in enumerate(res.steps):
+        for nd in so.scheduled_new_reqs:
+            first_step.setdefault(nd.req_id, i)
+    order = sorted(first_step, key=first_step.get)
+    assert order == ["first"] + [r.request_id for r in flood]
+    for r in flood:
+        assert res.outputs[r.request_id] == reference_output(r, 160)

@@ -1,0 +1,119 @@
+"""``lmkit serve [MODEL]``: the OpenAI-compatible server.
+
+Takes the shared configuration options (``--config``, ``--attn``, ``--spec``, ...) plus
+the server's own (``--host``, ``--port``, ``--api-key``, ...); ``LMKIT_API_KEY`` is read
+when no key is given. Prints the resolved plugin stack and the URL once the model is
+loaded; SIGINT/SIGTERM drain requests in flight and stop the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+
+from lmkit.cli.options import ConfigOptions, build_config, config_options
+from lmkit.errors import ConfigError
+
+SERVER_PANEL = "Server"
+
+
+def _server_overrides(host: str | None, port: int | None, api_key: str | None,
+                      served_model_name: str | None, cors_origin: list[str] | None,
+                      max_queued_requests: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if host is not None:
+        out["host"] = host
+    if port is not None:
+        out["port"] = port
+    if api_key is not None:
+        out["api_key"] = api_key
+    if served_model_name is not None:
+        out["served_model_name"] = served_model_name
+    if cors_origin:
+        out["cors_origins"] = list(cors_origin)
+    if max_queued_requests is not None:
+        out["max_queued_requests"] = max_queued_requests
+    return out
+
+
+def _print_ready(llm: Any, url: str, api_key: bool) -> None:
+    from lmkit.cli.render import print_table, print_text
+
+    ready = llm.ready
+    rows = []
+    for kind, entry in ready.stack.get("stack", {}).items():
+        if entry is None:
+            rows.append((kind, "none", "-", "-"))
+        else:
+            rows.append((kind, entry["name"], entry["plugin"], entry.get("version") or "-"))
+    print_table(f"lmkit serving {ready.model_dir} on {ready.stack.get('device')} "
+                f"({ready.stack.get('dtype')}), context {ready.max_model_len}",
+                ("kind", "backend", "plugin", "version"), rows)
+    print_text(f"OpenAI-compatible API at {url}/v1"
+               + ("  (API key required)" if api_key else ""), style="bold green")
+    print_text(f"health {url}/health  metrics {url}/metrics  stack {url}/v1/lmkit/stack")
+
+
+@config_options
+def serve(
+    model_arg: Annotated[str | None, typer.Argument(
+        metavar="MODEL", help="Model alias, local path, GGUF file or hub id "
+        "(default: the configured model, smollm2-135m-instruct).")] = None,
+    *,
+    opts: ConfigOptions,
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Bind address (default 127.0.0.1: this machine only).",
+        rich_help_panel=SERVER_PANEL)] = None,
+    port: Annotated[int | None, typer.Option(
+        "--port", help="Port (default 8000; 0 picks a free one).",
+        rich_help_panel=SERVER_PANEL)] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health "
+        "(or set LMKIT_API_KEY).", rich_help_panel=SERVER_PANEL)] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The model name clients use (default: MODEL).",
+        rich_help_panel=SERVER_PANEL)] = None,
+    cors_origin: Annotated[list[str] | None, typer.Option(
+        "--cors-origin", help="Allow browser requests from this origin. Repeatable; CORS is "
+        "off by default.", rich_help_panel=SERVER_PANEL)] = None,
+    max_queued_requests: Annotated[int | None, typer.Option(
+        "--max-queued-requests", help="Requests allowed to wait beyond --max-num-seqs before "
+        "the server answers 429.", rich_help_panel=SERVER_PANEL)] = None,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", help="Seconds SIGTERM waits for requests in flight.",
+        rich_help_panel=SERVER_PANEL)] = 30.0,
+    log_level: Annotated[str, typer.Option(
+        "--log-level", help="uvicorn log level.", rich_help_panel=SERVER_PANEL)] = "info",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from lmkit.serve.server import run_server
+
+    if model_arg is not None:
+        if opts.values.get("model") not in (None, model_arg):
+            raise ConfigError(f"the model is given twice ({model_arg!r} and --model "
+                              f"{opts.values['model']!r}); give it once.")
+        opts = ConfigOptions({**opts.values, "model": model_arg})
+    config, _ = build_config(opts)
+    overrides = _server_overrides(host, port, api_key, served_model_name, cors_origin,
+                                  max_queued_requests)
+    if "api_key" not in overrides and not config.server.api_key and os.environ.get(
+            "LMKIT_API_KEY"):
+        overrides["api_key"] = os.environ["LMKIT_API_KEY"]
+    if overrides:
+        from lmkit.config.schema import LMKitConfig
+
+        data = config.model_dump()
+        data["server"].update(overrides)
+        try:
+            config = LMKitConfig.model_validate(data)
+        except ValueError as e:
+            raise ConfigError(f"invalid server option: {e}") from e
+    run_server(config, log_level=log_level, shutdown_timeout=shutdown_timeout,
+               on_ready=lambda llm, url: _print_ready(llm, url, bool(config.server.api_key)))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``lmkit serve`` to the root app."""
+    app.command("serve")(serve)

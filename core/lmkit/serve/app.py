@@ -1,0 +1,171 @@
+"""The FastAPI application: state, middleware, routes, and the engine's lifecycle.
+
+The app starts listening before the model is loaded: the engine process starts in the
+background from the lifespan hook, ``/health`` answers 503 until it is ready (and again
+if it dies), and the generation routes answer 503 meanwhile. Middleware, outermost
+first: CORS (only when origins are configured), API key, body-size limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+
+from lmkit.config.schema import LMKitConfig
+from lmkit.serve.async_llm import AsyncLLM
+from lmkit.serve.errors import APIError, install_error_handlers
+from lmkit.serve.limits import AdmissionController
+from lmkit.serve.logprobs import TokenTexts
+from lmkit.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What every route needs; one per app, at ``app.state.lmkit``."""
+
+    config: LMKitConfig
+    served_model_name: str
+    metrics: ServerMetrics
+    admission: AdmissionController
+    llm: AsyncLLM | None = None
+    startup_error: str | None = None
+    created: float = 0.0
+    accepted_model_names: set[str] = field(default_factory=set)
+    _token_texts: TokenTexts | None = None
+
+    def require_llm(self) -> AsyncLLM:
+        """The running engine, or a 503 saying why there is none."""
+        if self.llm is None:
+            if self.startup_error:
+                raise APIError(503, f"the engine failed to start: {self.startup_error}",
+                               code="engine_dead")
+            raise APIError(503, "the model is still loading; retry shortly (GET /health "
+                           "turns 200 when ready)", code="model_loading",
+                           headers={"Retry-After": "5"})
+        if not self.llm.is_healthy:
+            raise APIError(503, f"the engine is not running: {self.llm.dead_reason}",
+                           code="engine_dead")
+        return self.llm
+
+    def check_model(self, name: str) -> None:
+        """404 unless ``name`` is the model this server serves."""
+        if name not in self.accepted_model_names:
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
+                           f"{self.served_model_name!r} (see GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    def token_texts(self, llm: AsyncLLM) -> TokenTexts:
+        """Per-token text of ``llm``'s tokenizer (cached across requests)."""
+        if self._token_texts is None or self._token_texts.tokenizer is not llm.tokenizer:
+            self._token_texts = TokenTexts(llm.tokenizer)
+        return self._token_texts
+
+    def engine_stats(self) -> dict[str, float]:
+        return self.llm.stats if self.llm is not None else {}
+
+
+def get_state(request: Request) -> ServerState:
+    """The :class:`ServerState` of the app handling ``request``."""
+    return request.app.state.lmkit  # type: ignore[no-any-return]
+
+
+def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | None = None,
+              on_startup_failure: Callable[[BaseException], None] | None = None,
+              engine_env: dict[str, str] | None = None,
+              startup_timeout: float | None = None) -> FastAPI:
+    """An app serving ``config``'s model; the engine starts when the app's lifespan does.
+
+    ``on_ready`` runs once the engine is up (the CLI prints the stack and URL there);
+    ``on_startup_failure`` runs if it cannot start (the CLI stops the server there).
+    """
+    from lmkit.serve.routes_admin import router as admin_router
+    from lmkit.serve.routes_chat import router as chat_router
+    from lmkit.serve.routes_completions import router as completions_router
+
+    server = config.server
+    served = server.served_model_name or config.model.model
+    state_box: dict[str, ServerState] = {}
+
+    def engine_stats() -> dict[str, float]:
+        return state_box["state"].engine_stats()
+
+    metrics = ServerMetrics(engine_stats)
+    # what the engine can run at once plus a bounded queue
+    capacity = config.scheduler.max_num_seqs + server.max_queued_requests
+    state = ServerState(config=config, served_model_name=served, metrics=metrics,
+                        admission=AdmissionController(capacity),
+                        accepted_model_names={served, config.model.model})
+    state_box["state"] = state
+
+    async def start_engine() -> None:
+        import time
+
+        try:
+            llm = await AsyncLLM.start(config, observer=metrics, env=engine_env,
+                                       startup_timeout=startup_timeout)
+        except BaseException as e:
+            state.startup_error = str(e)
+            logger.error("the engine failed to start: %s", e)
+            if on_startup_failure is not None:
+                on_startup_failure(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        state.llm = llm
+        state.created = time.time()
+        if on_ready is not None:
+            on_ready(llm)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(start_engine(), name="lmkit-engine-start")
+        try:
+            yield
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if state.llm is not None:
+                await state.llm.shutdown()
+
+    app = FastAPI(title="lmkit", version=_version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lmkit = state
+    install_error_handlers(app)
+    app.include_router(admin_router)
+    app.include_router(completions_router)
+    app.include_router(chat_router)
+    _add_middleware(app, config)
+    return app
+
+
+def _add_middleware(app: FastAPI, config: LMKitConfig) -> None:
+    from lmkit.serve.auth import APIKeyMiddleware
+    from lmkit.serve.limits import BodySizeLimitMiddleware
+
+    server = config.server
+    # add_middleware wraps: the last added runs first
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    if server.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(server.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["authorization", "content-type"])
+
+
+def _version() -> str:
+    from lmkit.version import __version__
+
+    return __version__
+

@@ -1,0 +1,175 @@
+"""The frontend's side of the engine-core channel: start the process, talk to it, watch it.
+
+The client binds two ZMQ ``ipc://`` sockets in a private temp dir (mode 0700): a PUSH
+socket for requests and a PULL socket for outputs. Every call is ``zmq.asyncio``, so
+the API process's event loop never blocks on the engine. :meth:`EngineCoreClient.recv`
+notices within :data:`DEATH_POLL_S` when the engine process has exited and raises
+:class:`~lmkit.errors.EngineDeadError`, so nothing waits forever on a dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from lmkit.errors import EngineDeadError, LMKitError
+from lmkit.serve.messages import (
+    EngineFailed,
+    EngineReady,
+    FromEngine,
+    Shutdown,
+    ToEngine,
+    make_encoder,
+    make_frontend_decoder,
+)
+
+DEATH_POLL_S = 0.2  # how often a quiet channel checks whether the engine process lives
+
+
+class EngineStartupError(LMKitError):
+    """The engine-core process failed before it was ready; the message says why."""
+
+
+class EngineCoreClient:
+    """Owns the engine-core process and both ends of its channel.
+
+    ``config_json`` is ``LMKitConfig.model_dump(mode="json")``; ``env`` adds environment
+    variables for the engine process (e.g. ``OMP_NUM_THREADS``).
+    """
+
+    def __init__(self, config_json: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.config_json = config_json
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dead_reason: str | None = None
+        self._tmpdir = Path(tempfile.mkdtemp(prefix="lmkit-serve-"))  # 0700
+        self._ctx = zmq.asyncio.Context()
+        self._encoder = make_encoder()
+        self._decoder = make_frontend_decoder()
+        self._to_engine = self._ctx.socket(zmq.PUSH)
+        self._to_engine.setsockopt(zmq.LINGER, 0)
+        self._to_engine.setsockopt(zmq.SNDHWM, 0)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.setsockopt(zmq.LINGER, 0)
+        self.input_addr = f"ipc://{self._tmpdir / 'input.sock'}"
+        self.output_addr = f"ipc://{self._tmpdir / 'output.sock'}"
+        self._to_engine.bind(self.input_addr)
+        self._from_engine.bind(self.output_addr)
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The engine-core process id, once started."""
+        return self.proc.pid if self.proc else None
+
+    def is_alive(self) -> bool:
+        """True while the engine process runs and has not been declared dead."""
+        return self.dead_reason is None and self.proc is not None and self.proc.poll() is None
+
+    async def start(self, timeout: float | None = None) -> EngineReady:
+        """Start the process and wait for :class:`EngineReady`.
+
+        Raises :class:`EngineStartupError` with the engine's own message if it fails to
+        build (bad model, bad config, ...) or exits, and after ``timeout`` seconds.
+        """
+        handshake = self._tmpdir / "handshake.json"
+        handshake.write_text(json.dumps({
+            "config": self.config_json, "input_addr": self.input_addr,
+            "output_addr": self.output_addr, "parent_pid": os.getpid(),
+        }))
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmkit.serve.core_proc", str(handshake)],
+            env=env, stdin=subprocess.DEVNULL,
+        )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                await self.close(kill=True)
+                raise EngineStartupError(
+                    f"the engine did not become ready within {timeout:.0f}s; raise the "
+                    "startup timeout, or check that the model loads with `lmkit generate`")
+            try:
+                message = await self.recv(timeout=remaining)
+            except EngineDeadError as e:
+                raise EngineStartupError(f"the engine process failed to start: {e}") from None
+            if message is None:
+                continue
+            if isinstance(message, EngineReady):
+                return message
+            if isinstance(message, EngineFailed):
+                await self.close(kill=True)
+                raise EngineStartupError(f"the engine failed to start: {message.error}")
+
+    async def send(self, message: ToEngine) -> None:
+        """Send one message to the engine; raises EngineDeadError if it is gone."""
+        if not self.is_alive():
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+        await self._to_engine.send(self._encoder.encode(message), copy=False)
+
+    async def recv(self, timeout: float | None = None) -> FromEngine | None:
+        """The next message from the engine, or None after ``timeout`` seconds.
+
+        Raises :class:`EngineDeadError` once the process has exited (after delivering
+        whatever it sent before dying) or after it reported :class:`EngineFailed`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            wait = DEATH_POLL_S if deadline is None else min(DEATH_POLL_S, deadline - time.monotonic())
+            if await self._from_engine.poll(max(0, int(wait * 1000)), zmq.POLLIN):
+                frame = await self._from_engine.recv(copy=False)
+                message = self._decoder.decode(frame.buffer)
+                if isinstance(message, EngineFailed):  # fatal whenever it arrives
+                    self.dead_reason = f"the engine failed: {message.error}"
+                return message
+            if self.proc is not None and self.proc.poll() is not None:
+                self.dead_reason = (f"the engine process exited with status "
+                                    f"{self.proc.returncode}")
+                raise EngineDeadError(self.dead_reason)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    async def close(self, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop the engine (politely unless ``kill``), close the sockets, remove the temp dir."""
+        if self._closed:
+            return
+        self._closed = True
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            if not kill:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._to_engine.send(self._encoder.encode(Shutdown()))
+                await _wait_exit(proc, timeout)
+            if proc.poll() is None:
+                proc.terminate()
+                await _wait_exit(proc, 5.0)
+            if proc.poll() is None:
+                proc.kill()
+                await _wait_exit(proc, 5.0)
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+        self._to_engine.close()
+        self._from_engine.close()
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)

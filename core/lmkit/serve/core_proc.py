@@ -1,0 +1,251 @@
+"""The engine-core process: one busy loop over ``EngineCore.step()``.
+
+Started by :class:`lmkit.serve.core_client.EngineCoreClient` as
+``python -m lmkit.serve.core_proc HANDSHAKE_FILE``. The handshake file (JSON, in a
+private temp dir) holds the config and the two ZMQ addresses the frontend bound. The
+loop reads requests and aborts from a PULL socket without blocking while requests are
+running, steps the engine, and pushes the outputs back; it blocks on the socket only
+when the engine is idle. Stats go out periodically so the frontend's metrics stay fresh.
+
+The process exits when told to (:class:`Shutdown` or SIGTERM), when its parent dies, or
+with status 1 after sending :class:`EngineFailed` when the engine raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Protocol
+
+import zmq
+
+from lmkit.errors import LMKitError
+from lmkit.serve.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    RequestRejected,
+    Shutdown,
+    StatsQuery,
+    make_encoder,
+    make_engine_decoder,
+    numeric_stats,
+)
+
+IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
+STATS_INTERVAL_S = 0.5
+PARENT_CHECK_INTERVAL_S = 1.0
+
+
+class StepEngine(Protocol):
+    """The part of :class:`lmkit.engine.core.EngineCore` the loop drives."""
+
+    def add_request(self, request: Any) -> None: ...
+    def abort_requests(self, request_ids: Any) -> None: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict[str, float | int]: ...
+
+
+class EngineCoreProc:
+    """Drives an engine core from a ZMQ channel until shut down.
+
+    ``input_addr`` is where the frontend's PUSH socket is bound (requests, aborts, stats
+    queries); ``output_addr`` where its PULL socket is bound (outputs, rejections, stats).
+    """
+
+    def __init__(self, engine: StepEngine, input_addr: str, output_addr: str,
+                 parent_pid: int | None = None, ctx: zmq.Context | None = None) -> None:
+        self.engine = engine
+        self.ctx = ctx or zmq.Context.instance()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.LINGER, 0)
+        self.input.connect(input_addr)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)  # let the last outputs leave on exit
+        self.output.setsockopt(zmq.SNDHWM, 0)
+        self.output.connect(output_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+        self.encoder = make_encoder()
+        self.decoder = make_engine_decoder()
+        self.parent_pid = parent_pid
+        self.should_stop = False
+        self._last_stats_at = 0.0
+        self._last_stats: dict[str, float] | None = None
+        self._last_parent_check = time.monotonic()
+
+    def send(self, message: Any) -> None:
+        """Encode and push one message to the frontend."""
+        self.output.send(self.encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        """The busy loop: drain input, step while there is work, report stats."""
+        while not self.should_stop:
+            busy = self.engine.has_unfinished_requests()
+            self._drain_input(timeout_ms=0 if busy else IDLE_POLL_MS)
+            if self.should_stop:
+                break
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                if outputs:
+                    self.send(EngineOutputs(outputs=outputs))
+            self._maybe_send_stats()
+            self._check_parent()
+
+    def close(self) -> None:
+        """Close both sockets (pending outputs get LINGER time to leave)."""
+        self.input.close()
+        self.output.close()
+
+    # ----------------------------------------------------------------- input
+
+    def _drain_input(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(frame.buffer))
+            if self.should_stop:
+                return
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                self.engine.add_request(message.to_request())
+            except (LMKitError, ValueError) as e:
+                # A bad request is refused alone; the engine and other requests go on.
+                self.send(RequestRejected(request_id=message.request_id, message=str(e),
+                                          param=getattr(e, "param", None),
+                                          code=getattr(e, "code", None)))
+        elif isinstance(message, AbortRequests):
+            self.engine.abort_requests(message.request_ids)
+        elif isinstance(message, StatsQuery):
+            self.send(EngineStats(stats=numeric_stats(self.engine.stats()),
+                                  query_id=message.query_id))
+        elif isinstance(message, Shutdown):
+            self.should_stop = True
+
+    # ---------------------------------------------------------- housekeeping
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_at < STATS_INTERVAL_S:
+            return
+        self._last_stats_at = now
+        stats = numeric_stats(self.engine.stats())
+        if stats != self._last_stats:
+            self._last_stats = stats
+            self.send(EngineStats(stats=stats))
+
+    def _check_parent(self) -> None:
+        if self.parent_pid is None:
+            return
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_INTERVAL_S:
+            return
+        self._last_parent_check = now
+        if os.getppid() != self.parent_pid:
+            # The API process is gone; nobody can read our outputs.
+            self.should_stop = True
+
+
+def _plugin_rows(host: Any) -> list[dict[str, Any]]:
+    return [
+        {"name": p.name, "source": p.source, "dist": p.dist, "version": p.version,
+         "status": p.status, "error": p.error}
+        for p in host.plugins.values()
+    ]
+
+
+def _ready_message(engine: Any, host: Any) -> EngineReady:
+    info = engine.model_info
+    tokenizer = engine.tokenizer
+    return EngineReady(
+        model_dir=str(engine.model_dir),
+        max_model_len=int(info.max_model_len),
+        vocab_size=int(info.vocab_size),
+        eos_token_id=engine.eos_token_id if hasattr(engine, "eos_token_id")
+        else tokenizer.eos_token_id,
+        stack=engine.stack.as_dict(),
+        plugins=_plugin_rows(host),
+        stats=numeric_stats(engine.stats()),
+    )
+
+
+def serve_engine_core(handshake_file: Path) -> int:
+    """Build the engine from the handshake, report readiness, run the loop; exit status."""
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.engine.core import EngineCore
+    from lmkit.plugins.manager import PluginHost
+
+    handshake = json.loads(handshake_file.read_text())
+    config = LMKitConfig.model_validate(handshake["config"])
+    ctx = zmq.Context()
+    early = ctx.socket(zmq.PUSH)  # to report a failure before the loop exists
+    early.setsockopt(zmq.LINGER, 2000)
+    early.connect(handshake["output_addr"])
+    encoder = make_encoder()
+    try:
+        host = PluginHost.load(config.plugins)
+        engine = EngineCore(config, host)
+    except BaseException as e:  # report every startup failure, then exit
+        early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__)))
+        early.close()
+        return 1
+    early.close()
+
+    proc = EngineCoreProc(engine, handshake["input_addr"], handshake["output_addr"],
+                          parent_pid=handshake.get("parent_pid"), ctx=ctx)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        proc.should_stop = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    status = 0
+    try:
+        proc.send(_ready_message(engine, host))
+        proc.run()
+    except BaseException as e:
+        proc.send(EngineFailed(error=_describe(e), error_type=type(e).__name__))
+        traceback.print_exc()
+        status = 1
+    finally:
+        try:
+            engine.shutdown()
+        finally:
+            proc.close()
+            ctx.term()
+    return status
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, LMKitError):
+        return str(e)
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the engine-core process (``python -m lmkit.serve.core_proc FILE``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m lmkit.serve.core_proc HANDSHAKE_FILE "
+                 "(started by the lmkit server; not meant to be run by hand)")
+    # Ctrl-C reaches the whole process group; the API process decides how to stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(serve_engine_core(Path(argv[0])))
+
+
+if __name__ == "__main__":
+    main()

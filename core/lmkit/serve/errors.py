@@ -1,0 +1,146 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Route code raises :class:`APIError` (or lets an :class:`InvalidRequestError` or
+:class:`EngineDeadError` through); the handlers installed by :func:`install_error_handlers`
+turn every failure into this shape with the right status, so clients of the official
+``openai`` library get their usual exception types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from lmkit.errors import EngineDeadError, InvalidRequestError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI-shaped JSON body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500
+                                       else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI returns for an error."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """This error as a response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @classmethod
+    def from_exception(cls, e: BaseException) -> APIError:
+        """Map lmkit's exceptions onto statuses: bad input 400, dead engine 503, else 500."""
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, InvalidRequestError):
+            return cls(400, str(e), param=e.param, code=e.code or "invalid_value")
+        if isinstance(e, EngineDeadError):
+            return cls(503, f"the engine is not running: {e}", code="engine_dead",
+                       headers={"Retry-After": "5"})
+        return cls(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+def error_body(message: str, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """``{"error": {...}}`` as OpenAI shapes it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    # loc is e.g. ("body", "messages", 0, "content"); OpenAI names "messages[0].content"
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """A pydantic validation failure of the request body as a 400 naming the field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    param = _validation_param(tuple(first.get("loc", ())))
+    kind = str(first.get("type", ""))
+    if kind == "json_invalid":
+        return APIError(400, "the request body is not valid JSON: " + str(first.get("msg")),
+                        code="invalid_json")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_parameter")
+    if kind == "missing":
+        return APIError(400, f"missing required parameter: {param}", param=param,
+                        code="missing_required_parameter")
+    msg = "; ".join(
+        f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
+        for e in errors[:5]
+    )
+    return APIError(400, msg, param=param, code="invalid_value")
+
+
+def _answer(request: Request, error: APIError) -> JSONResponse:
+    # requests that never reached the engine still count in lmkit_requests_total
+    state = getattr(request.app.state, "lmkit", None)
+    if state is not None and request.method == "POST":
+        outcome = ("refused" if error.status == 429 else "error" if error.status >= 500
+                   else "invalid")
+        state.metrics.count(outcome)
+    return error.response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error raised in a route in the OpenAI shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _answer(request, exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _answer(request, APIError.from_exception(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _answer(request, APIError.from_exception(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _answer(request, validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /v1/models, " \
+                      "/v1/completions, /v1/chat/completions"
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)
+                        ).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return _answer(request, APIError.from_exception(exc))

@@ -1,0 +1,123 @@
+"""Prometheus metrics of the server (``GET /metrics``).
+
+Request-level series are measured in the API process as outputs arrive (time to first
+token, inter-token latency, end-to-end latency, requests by outcome, prompt and
+generated tokens). Engine-level series (running and waiting requests, KV-cache usage,
+prefix-cache hit rate, preemptions) come from ``EngineCore.stats()``, which the engine
+process sends over the channel periodically; every numeric stat is also exported as
+``lmkit_engine_stat{stat="..."}``. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# (metric, help, stat keys to try in order) for the engine's gauges and counters
+_ENGINE_GAUGES = (
+    ("lmkit_num_requests_running", "Requests running in the engine.",
+     ("num_running_reqs", "num_running", "num_running_requests")),
+    ("lmkit_num_requests_waiting", "Requests waiting in the engine's queue.",
+     ("num_waiting_reqs", "num_waiting", "num_waiting_requests")),
+    ("lmkit_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).",
+     ("kv_cache_usage", "kv_usage", "kv_cache_usage_ratio")),
+)
+_ENGINE_COUNTERS = (
+    ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
+     ("num_preemptions", "preemptions")),
+    ("lmkit_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     ("prefix_cache_queries",)),
+    ("lmkit_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     ("prefix_cache_hits",)),
+)
+
+
+def _first(stats: dict[str, float], keys: tuple[str, ...]) -> float | None:
+    for k in keys:
+        if k in stats:
+            return float(stats[k])
+    return None
+
+
+class EngineStatsCollector:
+    """Turns the latest ``EngineCore.stats()`` into Prometheus families on each scrape."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.get_stats() or {}
+        for name, doc, keys in _ENGINE_GAUGES:
+            value = _first(stats, keys)
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, keys in _ENGINE_COUNTERS:
+            value = _first(stats, keys)
+            if value is not None:
+                yield CounterMetricFamily(name, doc, value=value)
+        hits = _first(stats, ("prefix_cache_hits",))
+        queries = _first(stats, ("prefix_cache_queries",))
+        rate = _first(stats, ("prefix_cache_hit_rate",))
+        if rate is None and hits is not None and queries:
+            rate = hits / queries
+        if rate is not None:
+            yield GaugeMetricFamily("lmkit_prefix_cache_hit_rate",
+                                    "Prefix-cache hits / queries (tokens) since start.", value=rate)
+        every = GaugeMetricFamily("lmkit_engine_stat", "Every numeric EngineCore.stats() value.",
+                                  labels=["stat"])
+        for key in sorted(stats):
+            every.add_metric([key], float(stats[key]))
+        yield every
+
+
+class ServerMetrics:
+    """The server's registry; also the :class:`RequestObserver` of every request."""
+
+    def __init__(self, get_engine_stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lmkit_requests", "Requests by outcome (stop, length, abort, "
+                                "error, rejected, invalid, refused).", ["outcome"], registry=r)
+        self.ttft = Histogram("lmkit_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("lmkit_inter_token_latency_seconds",
+                             "Time between consecutive output tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("lmkit_e2e_request_latency_seconds", "Request latency, arrival "
+                             "to last token.", buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("lmkit_prompt_tokens", "Prompt tokens of finished "
+                                     "requests.", registry=r)
+        self.generation_tokens = Counter("lmkit_generation_tokens", "Generated tokens.",
+                                         registry=r)
+        r.register(EngineStatsCollector(get_engine_stats))  # type: ignore[arg-type]
+
+    # RequestObserver
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_tokens(self, num_tokens: int, inter_token_s: float) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(inter_token_s)
+
+    def on_finish(self, outcome: str, e2e_s: float, num_prompt_tokens: int,
+                  num_generated_tokens: int) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+
+    def count(self, outcome: str) -> None:
+        """Count a request that never reached the engine (refused with 429, invalid)."""
+        self.requests.labels(outcome=outcome).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,219 @@
+"""OpenAI request bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Validated once at the boundary (pydantic, ``extra="forbid"``: an unknown argument is a
+400, as with OpenAI). Fields beyond OpenAI's (``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``ignore_eos``, ...) are lmkit extensions that the ``openai``
+client sends through ``extra_body``. :meth:`to_sampling_params` maps a body onto
+:class:`lmkit.SamplingParams`, whose own validation names the offending field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from lmkit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from lmkit.errors import InvalidRequestError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both endpoints."""
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # lmkit / vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+    def _check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                      param="stream_options", code="invalid_value")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = float(value)
+            except ValueError:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                    param="logit_bias", code="invalid_value") from None
+        return out
+
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+        self._check_stream_options()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=self._logit_bias(),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch as a list of prompts, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", param="prompt",
+                                      code="invalid_value")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Sampling parameters; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by this server", param="suffix",
+                                      code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                f"best_of ({self.best_of}) different from n ({self.n}) is not supported; "
+                "leave best_of unset", param="best_of", code="unsupported_parameter")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                      f"{self.logprobs}", param="logprobs", code="invalid_value")
+        prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; content is text or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                    raise ValueError(f"content part type {part.get('type')!r} is not "
+                                     "supported; this server takes text parts only")
+        return v
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for the chat template."""
+        return [m.as_template_dict() for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Sampling parameters; no ``max_tokens`` means "until the context is full"."""
+        if self.tools:
+            raise InvalidRequestError("tool calling is not supported by this server yet",
+                                      param="tools", code="unsupported_parameter")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format {self.response_format.type!r} is not supported by this "
+                "server; only 'text'", param="response_format", code="unsupported_parameter")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true",
+                                          param="top_logprobs", code="invalid_value")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                    param="top_logprobs", code="invalid_value")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(max_tokens, logprobs)

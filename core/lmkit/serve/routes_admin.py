@@ -1,0 +1,67 @@
+"""``/health``, ``/v1/models``, ``/metrics`` and ``/v1/lmkit/stack``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from lmkit.serve.app import get_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 when the engine is running; 503 while loading, after a failed start, or dead."""
+    state = get_state(request)
+    llm = state.llm
+    if llm is None:
+        status = "failed" if state.startup_error else "loading"
+        return JSONResponse({"status": status, "error": state.startup_error}, status_code=503)
+    if not llm.is_healthy:
+        return JSONResponse({"status": "dead", "error": llm.dead_reason}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The served model, in OpenAI's list shape."""
+    state = get_state(request)
+    llm = state.llm
+    card: dict[str, Any] = {
+        "id": state.served_model_name, "object": "model", "created": int(state.created),
+        "owned_by": "lmkit", "root": state.config.model.model,
+    }
+    if llm is not None:
+        card["max_model_len"] = llm.max_model_len
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of the server's and the engine's metrics."""
+    body, content_type = get_state(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/v1/lmkit/stack")
+async def stack(request: Request) -> dict[str, Any]:
+    """The resolved plugin stack (with versions), the loaded plugins, and engine facts."""
+    state = get_state(request)
+    llm = state.require_llm()
+    ready = llm.ready
+    from lmkit.version import PLUGIN_API_VERSION, __version__
+
+    return {
+        "lmkit_version": __version__,
+        "plugin_api_version": PLUGIN_API_VERSION,
+        "model": state.served_model_name,
+        "model_dir": ready.model_dir,
+        "max_model_len": ready.max_model_len,
+        **ready.stack,
+        "plugins": ready.plugins,
+        "engine_pid": llm.engine_pid,
+        "stats": llm.stats,
+    }

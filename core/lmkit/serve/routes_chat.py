@@ -1,0 +1,121 @@
+"""``POST /v1/chat/completions``: the tokenizer's chat template (sandboxed) over the
+messages, then generation, streamed as ``chat.completion.chunk`` events or answered
+as one ``chat.completion``."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from lmkit.engine.outputs import RequestOutput
+from lmkit.serve.app import get_state
+from lmkit.serve.handler import created_now, respond
+from lmkit.serve.logprobs import TokenTexts, chat_logprobs
+from lmkit.serve.protocol import ChatCompletionRequest
+
+router = APIRouter()
+
+
+class ChatFormatter:
+    """OpenAI chat-completion JSON for one conversation, ``n`` choices."""
+
+    def __init__(self, body: ChatCompletionRequest, request_id: str, model: str,
+                 texts: TokenTexts) -> None:
+        self.body = body
+        self.id = request_id
+        self.model = model
+        self.created = created_now()
+        self.texts = texts
+        self.num_top = (body.top_logprobs or 0) if body.logprobs else None
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self._started = False
+        self._finished: set[int] = set()
+        self._usage_counts = (0, 0)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "system_fingerprint": None, "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = self._usage() if self.continuous_usage else None
+        return chunk
+
+    def _usage(self) -> dict[str, int]:
+        prompt, completion = self._usage_counts
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def _track(self, output: RequestOutput) -> None:
+        self._usage_counts = (len(output.prompt_token_ids),
+                              sum(len(c.token_ids) for c in output.outputs))
+
+    def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        self._track(output)
+        chunks = []
+        if not self._started:
+            self._started = True
+            for i in range(self.body.n):
+                chunks.append(self._chunk([{
+                    "index": i, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]))
+        for c in output.outputs:
+            if c.index in self._finished:
+                continue
+            if c.delta_text or (self.num_top is not None and c.delta_logprobs):
+                logprobs = None
+                if self.num_top is not None:
+                    logprobs = chat_logprobs(self.texts, c.delta_logprobs or [], self.num_top)
+                chunks.append(self._chunk([{
+                    "index": c.index, "delta": {"content": c.delta_text},
+                    "logprobs": logprobs, "finish_reason": None}]))
+            if c.finish_reason is not None:
+                self._finished.add(c.index)
+                chunks.append(self._chunk([{
+                    "index": c.index, "delta": {}, "logprobs": None,
+                    "finish_reason": c.finish_reason}]))
+        return chunks
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        chunk = self._chunk([])
+        chunk["usage"] = self._usage()
+        return [chunk]
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        (output,) = outputs
+        self._track(output)
+        choices = []
+        for c in output.outputs:
+            logprobs = None
+            if self.num_top is not None:
+                logprobs = chat_logprobs(self.texts, c.logprobs or [], self.num_top)
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": c.finish_reason,
+            })
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None, "choices": choices,
+                "usage": self._usage()}
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """Answer the conversation; see OpenAI's ``POST /v1/chat/completions``."""
+    state = get_state(request)
+    state.check_model(body.model)
+    params = body.to_sampling_params()  # 400s need no engine
+    llm = state.require_llm()
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    chat_kwargs = None if body.add_generation_prompt else {"add_generation_prompt": False}
+    stream = llm.generate(None, params, messages=body.template_messages(), request_id=rid,
+                          priority=body.priority, chat_kwargs=chat_kwargs)
+    formatter = ChatFormatter(body, rid, body.model, state.token_texts(llm))
+    return await respond(request, state, params.n, [stream], formatter, body.stream)

@@ -273,7 +273,8 @@ class PluginHost:
         """Call each implementation of ``hook_name`` separately, in registration order, so
         that one failing plugin is attributed and handled (see :meth:`collect`) without
         stopping the others. ``kwargs_for(plugin_name)`` gives the hook's arguments."""
-        for impl in reversed(getattr(self.pm.hook, hook_name).get_hookimpls()):
+        # get_hookimpls() is in registration order (pluggy *calls* them in reverse)
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             kwargs = kwargs_for(impl.plugin_name)
             try:
                 impl.function(*[kwargs[a] for a in impl.argnames])

@@ -108,8 +108,9 @@ def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path) -> dict[str, str]:
         except Exception as e:
             raise ModelLoadError(
                 f"transformers {transformers.__version__} cannot convert {gguf_path}: "
-                f"{type(e).__name__}: {e}. Only architectures that transformers' GGUF support "
-                "covers can be converted; alternatively pass a Hugging Face directory."
+                f"{type(e).__name__}: {str(e).rstrip('.')}. Only architectures that "
+                "transformers' GGUF support covers can be converted; alternatively pass a "
+                "Hugging Face directory."
             ) from e
     finally:
         shutil.rmtree(link_dir, ignore_errors=True)  # removes the link, not the GGUF

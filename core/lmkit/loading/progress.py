@@ -4,6 +4,7 @@ stderr when enabled, silence when not (tests, ``progress=False``, servers)."""
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
@@ -46,9 +47,11 @@ def byte_bar(total: int, description: str, enabled: bool) -> Iterator[Callable[[
 
 @contextlib.contextmanager
 def library_progress(enabled: bool) -> Iterator[None]:
-    """Let transformers / huggingface_hub show their own tqdm bars only if ``enabled``.
+    """Let transformers show its own tqdm bars only if ``enabled``.
 
-    Their switches are process-wide, so the previous state is restored on exit.
+    When disabled, transformers' progress switch is turned off and Python-level stderr
+    is redirected to a discarded buffer (some of its bars use tqdm directly). Both are
+    process-wide, so the previous state is restored on exit.
     """
     if enabled:
         yield
@@ -58,7 +61,8 @@ def library_progress(enabled: bool) -> Iterator[None]:
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

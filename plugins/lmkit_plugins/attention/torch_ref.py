@@ -1,0 +1,208 @@
+"""Reference paged attention in plain torch (CPU and CUDA).
+
+KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+(index 0 keys, 1 values). :meth:`TorchAttention.plan` splits the step's requests into
+at most two groups, decodes (one query token) and the rest, and builds per group, once
+per step: the block ids whose keys it gathers, the query rows and the boolean mask.
+:meth:`TorchAttention.run` then writes the new K/V through ``slot_mapping`` and runs one
+``scaled_dot_product_attention`` per group over the gathered, padded K/V. Query heads
+that share a KV head are folded into the query axis, so K/V are never repeated.
+
+Query token ``i`` of a request whose context before this step is ``c`` sits at position
+``c + i`` and sees the keys at positions ``<= c + i`` (and ``> c + i - window`` with a
+sliding window). The backend reads only blocks listed in ``block_tables``; stale slots in
+a request's last block are masked out. KV caches must be allocated zeroed (the model
+runner does), so that masked-out padding never holds NaN bit patterns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lmkit.api import AttentionBackend, AttentionMetadata
+
+Rows = slice | torch.Tensor  # token or request rows: a slice when contiguous
+
+
+@dataclass
+class _Group:
+    """Requests attended by one padded SDPA call."""
+
+    num_reqs: int
+    max_query_len: int
+    kv_len: int  # keys gathered per request (the group's longest context)
+    num_kv_blocks: int
+    block_ids: torch.Tensor  # int64 [num_reqs * num_kv_blocks], on device
+    query_rows: Rows  # packed token rows; [num_reqs * max_query_len] when padded
+    out_rows: Rows  # packed token rows the valid outputs go to
+    valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
+    mask: torch.Tensor | None  # bool [num_reqs, 1, heads_per_kv * max_query_len, kv_len]
+
+
+@dataclass
+class _Plan:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    groups: list[_Group]
+    covers_all: bool  # one group, all tokens in order, no padding: return its output as is
+
+
+def _contiguous(idx: np.ndarray) -> slice | None:
+    """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1``, else None."""
+    if len(idx) and idx[-1] - idx[0] == len(idx) - 1:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return None
+
+
+class TorchAttention(AttentionBackend):
+    """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Handles prefill, prefill over a cached prefix, chunked prefill, decode and
+    multi-token decode queries (speculative decoding) in one mixed batch; GQA and an
+    optional sliding window. It is the reference the fast backends are tested against.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        self.heads_per_kv = self.num_heads // self.num_kv_heads
+        self._plan: _Plan | None = None
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Group the step's requests and build their gather indices and masks."""
+        md = metadata
+        qsl = md.query_start_loc_cpu[: md.num_reqs + 1].numpy().astype(np.int64)
+        seq_lens = md.seq_lens_cpu[: md.num_reqs].numpy().astype(np.int64)
+        query_lens = np.diff(qsl)
+        is_decode = query_lens == 1
+        groups = []
+        for reqs in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
+            if len(reqs):
+                groups.append(self._plan_group(md, reqs, qsl, query_lens, seq_lens))
+        num_tokens = md.num_actual_tokens
+        covers_all = (len(groups) == 1 and groups[0].valid_rows is None
+                      and groups[0].query_rows == slice(0, num_tokens))
+        self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
+
+    def _plan_group(self, md: AttentionMetadata, reqs: np.ndarray, qsl: np.ndarray,
+                    query_lens: np.ndarray, seq_lens: np.ndarray) -> _Group:
+        device = md.block_tables.device
+        num_reqs = len(reqs)
+        q_lens, s_lens = query_lens[reqs], seq_lens[reqs]
+        max_q, kv_len = int(q_lens.max()), int(s_lens.max())
+        num_kv_blocks = -(-kv_len // self.block_size)
+        req_slice = _contiguous(reqs)
+        if req_slice is not None:
+            tables = md.block_tables[req_slice, :num_kv_blocks]
+        else:
+            tables = md.block_tables[torch.from_numpy(reqs).to(device), :num_kv_blocks]
+        block_ids = tables.reshape(-1).to(torch.int64)
+
+        starts = qsl[reqs]
+        if max_q == 1:  # decodes: one row each, no padding
+            rows: Rows = _contiguous(starts) or torch.from_numpy(starts).to(device)
+            query_rows, out_rows, valid_rows = rows, rows, None
+        elif num_reqs == 1:
+            rows = slice(int(starts[0]), int(starts[0]) + max_q)
+            query_rows, out_rows, valid_rows = rows, rows, None
+        else:  # pad every request to max_q rows; padding repeats its last token
+            offsets = np.arange(max_q)
+            padded = starts[:, None] + np.minimum(offsets[None, :], q_lens[:, None] - 1)
+            valid = (offsets[None, :] < q_lens[:, None]).reshape(-1)
+            query_rows = torch.from_numpy(padded.reshape(-1)).to(device)
+            valid_rows = torch.from_numpy(np.flatnonzero(valid)).to(device)
+            dest = padded.reshape(-1)[valid]
+            out_rows = _contiguous(dest) or torch.from_numpy(dest).to(device)
+
+        mask = None
+        needs_mask = (max_q > 1 or self.sliding_window is not None
+                      or bool((s_lens != kv_len).any()))
+        if needs_mask:
+            mask = self._build_mask(q_lens, s_lens, max_q, kv_len, device)
+        return _Group(num_reqs, max_q, kv_len, num_kv_blocks, block_ids, query_rows,
+                      out_rows, valid_rows, mask)
+
+    def _build_mask(self, q_lens: np.ndarray, s_lens: np.ndarray, max_q: int, kv_len: int,
+                    device: torch.device) -> torch.Tensor:
+        """bool ``[R, 1, heads_per_kv * max_q, kv_len]``: query i of request r sees key j."""
+        q_lens_t = torch.from_numpy(q_lens).to(device)
+        ctx = torch.from_numpy(s_lens - q_lens).to(device)
+        offsets = torch.arange(max_q, device=device)
+        keys = torch.arange(kv_len, device=device)
+        q_pos = ctx[:, None] + offsets[None, :]  # [R, max_q]
+        allowed = keys[None, None, :] <= q_pos[:, :, None]  # [R, max_q, kv_len]
+        if self.sliding_window is not None:
+            allowed &= keys[None, None, :] > (q_pos - self.sliding_window)[:, :, None]
+        # padded query rows attend to key 0 only, so that no row is empty (NaN)
+        pad = offsets[None, :] >= q_lens_t[:, None]
+        allowed = torch.where(pad[:, :, None], keys[None, None, :] == 0, allowed)
+        num_reqs = len(q_lens)
+        return (allowed[:, None].expand(num_reqs, self.heads_per_kv, max_q, kv_len)
+                .reshape(num_reqs, 1, self.heads_per_kv * max_q, kv_len))
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write ``k``/``v`` at ``slot_mapping``, then attend every request causally.
+
+        :param q: ``[num_tokens, num_heads, head_size]``
+        :param k: ``[num_tokens, num_kv_heads, head_size]``
+        :param v: ``[num_tokens, num_kv_heads, head_size]``
+        :return: ``[num_tokens, num_heads, head_size]``
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("TorchAttention.run() called before plan() for this step")
+        n = plan.num_tokens
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        flat[0].index_copy_(0, plan.slot_mapping, k[:n])
+        flat[1].index_copy_(0, plan.slot_mapping, v[:n])
+        if plan.covers_all and q.shape[0] == n:
+            return self._attend(plan.groups[0], q, kv_cache).view(n, self.num_heads,
+                                                                   self.head_size)
+        out = q.new_zeros(q.shape[0], self.num_heads, self.head_size)
+        for group in plan.groups:
+            o = self._attend(group, q, kv_cache)
+            if group.valid_rows is not None:
+                o = o.index_select(0, group.valid_rows)
+            if isinstance(group.out_rows, slice):
+                out[group.out_rows] = o
+            else:
+                out.index_copy_(0, group.out_rows, o)
+        return out
+
+    def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""
+        num_blocks = kv_cache.shape[1]
+        r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
+                                self.heads_per_kv, self.head_size)
+        # kv: [2, R * num_kv_blocks, block_size * hkv * d] -> [2, R, kv_len, hkv, d]
+        kv = kv_cache.view(2, num_blocks, -1).index_select(1, g.block_ids)
+        kv = kv.view(2, r, g.num_kv_blocks * self.block_size, hkv, d)[:, :, :g.kv_len]
+        key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, hkv, kv_len, d]
+        if isinstance(g.query_rows, slice):
+            rows = q[g.query_rows]  # [R * max_q, heads, d]
+        else:
+            rows = q.index_select(0, g.query_rows)
+        if max_q == 1:
+            query = rows.reshape(r, hkv, gq, d)
+        else:  # [R, max_q, hkv, gq, d] -> [R, hkv, gq * max_q, d]
+            query = (rows.reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
+                     .reshape(r, hkv, gq * max_q, d))
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=g.mask, scale=self.scale)
+        if max_q == 1:
+            return o.reshape(r, self.num_heads, d)
+        return (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
+                .reshape(r * max_q, self.num_heads, d))

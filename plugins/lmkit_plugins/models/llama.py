@@ -1,0 +1,313 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM2 in one implementation.
+
+The variants differ only in data read from the HF config:
+
+* Qwen2: bias on the q/k/v projections.
+* Qwen3: RMSNorm over each query and key head before RoPE; explicit ``head_dim``.
+* Mistral (and Qwen with ``use_sliding_window``): a sliding attention window.
+* Llama 3.x: ``llama3`` RoPE scaling; SmolLM2 and small Qwen: tied embeddings.
+
+Tokens are packed along one axis (no batch axis). Projections are fused (QKV and
+gate-up); :meth:`LlamaForCausalLM.load_weights` maps the HF checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError
+from torch import nn
+
+from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, silu_and_mul
+from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+
+# checkpoint tensors that carry no weights of ours (older exports save RoPE buffers)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """Shapes and variant switches of a Llama-family model, read from its HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> LlamaDims:
+        model_type = getattr(cfg, "model_type", "llama")
+        num_heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias, o_bias = attention_bias, attention_bias
+        if model_type == "qwen2":  # Qwen2 always has q/k/v bias and no o_proj bias
+            qkv_bias, o_bias = True, False
+        if model_type == "mistral":
+            qkv_bias = o_bias = False
+        return cls(
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_layers=int(cfg.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(cfg),
+        )
+
+
+def _sliding_window(cfg: Any) -> int | None:
+    """The attention window all layers share, or None for full attention."""
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", None) is False or not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if not layer_types:
+        return int(window)  # Mistral: every layer slides
+    kinds = set(layer_types)
+    if kinds == {"sliding_attention"}:
+        return int(window)
+    if "sliding_attention" in kinds:
+        raise ModelLoadError(
+            "this model mixes sliding-window and full-attention layers (layer_types); lmkit's "
+            "Llama-family implementation needs one attention kind for all layers. Set "
+            "use_sliding_window=false in config.json to run it with full attention.")
+    return None
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+
+    def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        self.q_size = dims.num_heads * dims.head_dim
+        self.kv_size = dims.num_kv_heads * dims.head_dim
+        self.rotary = rotary
+        kw = {"dtype": dtype, "device": device}
+        self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                  "v": self.kv_size}, bias=dims.qkv_bias, **kw)
+        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **kw)
+        self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
+        self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [n, q_size + 2 * kv_size]
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # rotate query and key heads together: [n, num_heads + num_kv_heads, head_dim]
+            qk = self.rotary.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        out = attn.run(self.layer_idx, q, k, v, kv_cache)  # [n, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate-up projection."""
+
+    def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        size = dims.intermediate_size
+        self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
+                                   bias=dims.mlp_bias, **kw)
+        self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks around a residual stream."""
+
+    def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(dims, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size,
+                                           dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(dims, i, rotary, dtype, device) for i in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``)."""
+
+    def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        dims = LlamaDims.from_hf(hf_config)
+        self.dims = dims
+        dtype, device = ctx.dtype, torch.device(ctx.device)
+        self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
+                                      dims.head_dim, device)
+        self.model = LlamaModel(dims, self.rotary, dtype, device)
+        self.lm_head = None if dims.tie_word_embeddings else Linear(
+            dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
+        self.attn: AttentionBackend = ctx.attention_cls(
+            num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
+            scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
+            sliding_window=dims.sliding_window, options=ctx.attention_options)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, ctx.attn, ctx.kv_caches[i])
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.logits(hidden_states)
+        return self.lm_head(hidden_states).float()
+
+    # ------------------------------------------------------------------ loading
+
+    def _weight_targets(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        """HF checkpoint name -> how to load it into the fused parameters."""
+        targets: dict[str, Callable[[torch.Tensor], None]] = {}
+
+        def whole(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+            def load(t: torch.Tensor) -> None:
+                if tuple(t.shape) != tuple(param.shape):
+                    raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} does "
+                                         f"not match the model's {tuple(param.shape)}")
+                param.copy_(t)
+            return load
+
+        def shard(linear: Linear, part: str, kind: str) -> Callable[[torch.Tensor], None]:
+            if kind == "weight":
+                return lambda t: linear.load_shard(part, weight=t)
+            return lambda t: linear.load_shard(part, bias=t)
+
+        def linear_names(prefix: str, linear: Linear, parts: dict[str, str]) -> None:
+            kinds = ("weight", "bias") if linear.bias is not None else ("weight",)
+            for hf_name, part in parts.items():
+                for kind in kinds:
+                    targets[f"{prefix}.{hf_name}.{kind}"] = shard(linear, part, kind)
+
+        embed = self.model.embed_tokens
+        targets["model.embed_tokens.weight"] = whole(embed.weight, "model.embed_tokens.weight")
+        targets["model.norm.weight"] = whole(self.model.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = shard(self.lm_head, "weight", "weight")
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}"
+            attn, mlp = layer.self_attn, layer.mlp
+            linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
+                                                           "v_proj": "v"})
+            linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"})
+            linear_names(f"{p}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
+            linear_names(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"})
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
+                                                      f"{p}.{norm}.weight")
+            if attn.q_norm is not None:
+                targets[f"{p}.self_attn.q_norm.weight"] = whole(attn.q_norm.weight, "q_norm")
+                targets[f"{p}.self_attn.k_norm.weight"] = whole(attn.k_norm.weight, "k_norm")
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors, fusing q/k/v and gate/up; return the names used.
+
+        A tied model ignores a checkpoint's ``lm_head.weight`` (it is the embedding).
+
+        Raises:
+            ModelLoadError: tensors the model needs are missing, the checkpoint has
+                tensors this model does not know, or a shape does not match.
+        """
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            load = targets.get(name)
+            if load is None:
+                if name.endswith(_IGNORED_SUFFIXES) or (
+                        name == "lm_head.weight" and self.lm_head is None):
+                    continue
+                unexpected.append(name)
+                continue
+            try:
+                load(tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"weight {name}: {e}") from e
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing or unexpected:
+            raise ModelLoadError(_describe_mismatch(missing, unexpected))
+        return loaded
+
+
+def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 12) -> str:
+    def listing(names: list[str]) -> str:
+        shown = ", ".join(names[:limit])
+        return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+    parts = ["the checkpoint does not match the model built from config.json:"]
+    if missing:
+        parts.append(f"missing {len(missing)} weight(s): {listing(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)} weight(s): {listing(unexpected)}")
+    parts.append("Check that config.json belongs to these weights (architecture, layer count, "
+                 "tie_word_embeddings).")
+    return "\n  ".join(parts)

@@ -1,0 +1,100 @@
+"""Write new tokens' keys and values into the paged KV cache through ``slot_mapping``.
+
+Cache layout (shared by every lmkit attention backend, so they are interchangeable)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]
+              (index 0 holds keys, index 1 values)
+
+Token ``t`` goes to slot ``slot_mapping[t] = block_id * block_size + offset``, i.e.
+``kv_cache[:, block_id, offset]``. A negative slot marks a padding token (a CUDA-graph
+batch padded to a captured size) and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmkit_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, next_power_of_2
+
+__all__ = ["reshape_and_cache"]
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+):
+    # One program copies HEADS_PER_PROGRAM heads of one token: [heads, head_size].
+    tok = tl.program_id(0)
+    head_start = tl.program_id(1) * HEADS_PER_PROGRAM
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = head_start + tl.arange(0, HEADS_PER_PROGRAM)
+        dims = tl.arange(0, HEAD_PAD)
+        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE)
+        k = tl.load(k_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :],
+                    mask=mask)
+        v = tl.load(v_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :],
+                    mask=mask)
+        kc = (k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
+              + heads[:, None] * stride_kc_head + dims[None, :])
+        vc = (v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
+              + heads[:, None] * stride_vc_head + dims[None, :])
+        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Store ``key`` and ``value`` rows in ``kv_cache`` at ``slot_mapping`` (in place).
+
+    :param key: ``[num_tokens_padded, num_kv_heads, head_size]``; rows may be strided
+        (a view into a fused QKV output), the last dimension must have unit stride.
+    :param value: same shape as ``key``.
+    :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, same dtype
+        as ``key`` (float32, float16 or bfloat16); keys in ``[0]``, values in ``[1]``.
+    :param slot_mapping: int64 (or int32) ``[num_tokens]`` with ``num_tokens <=
+        num_tokens_padded``; only the first ``num_tokens`` rows are written, and a
+        negative slot skips its row.
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = kv_cache.device
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    if kv_cache.shape[0] != 2:
+        raise ValueError("kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, "
+                         f"head_size] (keys, values); got {list(kv_cache.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(name, t, ndim=3, dtypes=(kv_cache.dtype,), device=device,
+                     last_dim_contiguous=True)
+        check_shape(name, t, (None, num_kv_heads, head_size))
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 device=device, contiguous=True)
+    num_tokens = slot_mapping.shape[0]
+    if key.shape[0] < num_tokens or value.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {num_tokens} entries but key/value have only "
+                         f"{key.shape[0]}/{value.shape[0]} rows")
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    head_pad = next_power_of_2(head_size)
+    # About 4K elements per program: all heads of a token for usual models.
+    heads_per_program = min(next_power_of_2(num_kv_heads), max(1, 4096 // head_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
+    _reshape_and_cache_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, HEADS_PER_PROGRAM=heads_per_program,
+        num_warps=4,
+    )

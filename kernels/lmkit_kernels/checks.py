@@ -1,0 +1,80 @@
+"""Argument checks shared by the kernel launchers, and small launch helpers.
+
+Every launcher validates its tensors here before it launches anything, so a wrong
+shape, dtype, device or stride is a :class:`ValueError` naming the argument, what was
+expected and what arrived -- never a silent out-of-bounds read on the device.
+These checks read only tensor metadata (no device synchronisation), so launchers stay
+safe to call inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def dot_needs_f32(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands of ``dtype`` must be upcast to float32 before the dot.
+
+    The interpreter computes ``tl.dot`` in numpy, which has no bfloat16: bf16 operands
+    come out as garbage. On the GPU bf16 dots run natively on tensor cores.
+    """
+    return is_interpreting() and dtype == torch.bfloat16
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_tensor(name: str, t: object, *, ndim: int | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None,
+                 device: torch.device | None = None, last_dim_contiguous: bool = False,
+                 contiguous: bool = False) -> torch.Tensor:
+    """Validate one launcher argument and return it.
+
+    :param name: the argument's name, used in the error message.
+    :param ndim: required number of dimensions.
+    :param dtypes: allowed dtypes.
+    :param device: the device it must be on (the launcher's main tensor's device).
+    :param last_dim_contiguous: require ``stride(-1) == 1`` (kernels index the last
+        dimension with unit stride and take the other strides as arguments).
+    :param contiguous: require a fully contiguous tensor.
+    :raises ValueError: on the first mismatch, saying how to fix it.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; "
+                         f"expected one of: {allowed}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other tensors are on {device}; "
+                         f"move it with .to({str(device)!r})")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()} for shape "
+                         f"{tuple(t.shape)}); call .contiguous() first")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension (strides "
+                         f"{t.stride()}); call .contiguous() first")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> None:
+    """Raise ValueError unless ``t.shape`` matches ``expected`` (``None`` = any size)."""
+    shape = tuple(t.shape)
+    if len(shape) != len(expected) or any(
+            e is not None and s != e for s, e in zip(shape, expected, strict=False)):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(shape)}")

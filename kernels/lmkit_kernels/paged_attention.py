@@ -1,0 +1,185 @@
+"""Paged attention over lmkit's KV cache: the one launcher for decode and prefill.
+
+Cache layout (every lmkit backend uses it, so backends are interchangeable)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]   # keys, values
+
+A batch packs the new tokens of all requests along one axis (``query_start_loc``,
+int32 ``[num_reqs + 1]``); ``seq_lens`` (int32 ``[num_reqs]``) counts each request's
+cached tokens including this step's, all already written to the cache
+(:func:`lmkit_kernels.cache_write.reshape_and_cache`); ``block_tables`` (int32
+``[num_reqs, max_blocks]``) maps a request's logical blocks to cache blocks.
+
+When every request has one new token (``max_query_len == 1``) the split-K decode
+kernel runs (:mod:`lmkit_kernels.paged_decode`); otherwise the causal prefill kernel
+(:mod:`lmkit_kernels.paged_prefill`), which also handles decode rows mixed in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from lmkit_kernels.checks import (
+    FLOAT_DTYPES,
+    check_shape,
+    check_tensor,
+    dot_needs_f32,
+    next_power_of_2,
+)
+from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
+from lmkit_kernels.paged_prefill import paged_prefill_kernel
+
+__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention"]
+
+MAX_HEAD_SIZE = 256
+MAX_SPLITS = 16
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the CPU interpreter: a small, fixed number keeps tests deterministic
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many slices to cut each request's context into for decode.
+
+    Aims at about eight programs per SM (enough loads in flight to saturate memory
+    bandwidth), a power of two up to :data:`MAX_SPLITS`. Depends only on the batch
+    shape, never on context lengths, so a CUDA graph captured with short contexts
+    replays as well with long ones.
+    """
+    programs = max(1, num_reqs * num_kv_heads)
+    want = max(1, 8 * _sm_count(device) // programs)
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def _prefill_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized to fit shared memory on sm80+."""
+    if dtype == torch.float32:
+        return (32, 32, 4, 1) if head_pad >= 256 else (32, 32, 4, 2)
+    if head_pad >= 256:
+        return 64, 32, 8, 1
+    return 64, 64, 4, 2
+
+
+def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    if dtype == torch.float32 or head_pad >= 256:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, *, max_query_len: int,
+                    scale: float | None = None, out: torch.Tensor | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context.
+
+    :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
+        rows may be strided, the last dimension must have unit stride). Rows past
+        ``query_start_loc[-1]`` (CUDA-graph padding) are left untouched in ``out``.
+    :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, q's dtype;
+        ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+    :param query_start_loc: int32 ``[num_reqs + 1]``, cumulative query lengths.
+    :param seq_lens: int32 ``[num_reqs]``, context length including this step's tokens
+        (0 for a padding request: its rows get zeros).
+    :param block_tables: int32 ``[num_reqs, max_blocks]``.
+    :param max_query_len: host-side maximum of the query lengths; 1 selects decode.
+    :param scale: softmax scale, default ``head_size ** -0.5``.
+    :param out: optional output, shaped and typed like ``q``.
+    :param num_splits: decode only: context slices per request (a power of two up to
+        :data:`MAX_SPLITS`); default :func:`choose_num_splits`.
+    :return: ``out``, ``[num_tokens, num_heads, head_size]``.
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device = q.device
+    num_tokens, num_heads, head_size = q.shape
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), device=device,
+                 last_dim_contiguous=True)
+    check_shape("kv_cache", kv_cache, (2, None, None, None, head_size))
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads}) for grouped-query attention")
+    if head_size > MAX_HEAD_SIZE:
+        raise ValueError(f"head_size {head_size} is above the supported {MAX_HEAD_SIZE}")
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
+                 device=device, contiguous=True)
+    num_reqs = query_start_loc.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device,
+                 contiguous=True)
+    check_shape("seq_lens", seq_lens, (num_reqs,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
+                 last_dim_contiguous=True)
+    if block_tables.shape[0] < num_reqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device,
+                     last_dim_contiguous=True)
+        check_shape("out", out, tuple(q.shape))
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if num_reqs <= 0 or max_query_len == 0 or num_tokens == 0:
+        return out
+    scale_log2 = (head_size ** -0.5 if scale is None else scale) * _LOG2E
+    group = num_heads // num_kv_heads
+    head_pad = max(16, next_power_of_2(head_size))
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    flags = dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, PAGE_SIZE=block_size,
+                 DOT_F32=dot_needs_f32(q.dtype), DOT_IEEE=q.dtype == torch.float32)
+
+    if max_query_len == 1:
+        splits = choose_num_splits(num_reqs, num_kv_heads, device) if num_splits is None \
+            else num_splits
+        if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
+            raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
+                             f"got {splits}")
+        block_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
+        if splits > 1:
+            part_out = torch.empty((num_reqs, num_heads, splits, head_pad), dtype=torch.float32,
+                                   device=device)
+            part_lse = torch.empty((num_reqs, num_heads, splits), dtype=torch.float32,
+                                   device=device)
+        else:
+            part_out = part_lse = out  # unused by the kernel
+        paged_decode_kernel[(num_reqs, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            query_start_loc, seq_lens, block_tables, scale_log2,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+            NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
+            NUM_SPLITS=splits, BLOCK_N=block_n, **flags,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        if splits > 1:
+            reduce_splits_kernel[(num_reqs, num_heads)](
+                out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, NUM_SPLITS=splits, HEAD_SIZE=head_size,
+                HEAD_PAD=head_pad, num_warps=4,
+            )
+        return out
+
+    block_m, block_n, num_warps, num_stages = _prefill_config(head_pad, q.dtype)
+    group_pad = next_power_of_2(group)
+    block_q = max(1, block_m // group_pad)
+    block_m = block_q * group_pad
+    assert block_m >= 16, "tl.dot needs at least 16 rows"
+    grid = (math.ceil(max_query_len / block_q), num_reqs, num_kv_heads)
+    paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        **flags, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+

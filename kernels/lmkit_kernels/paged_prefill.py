@@ -1,0 +1,102 @@
+"""Triton kernel: causal attention of several new tokens per request over a paged cache.
+
+Serves prefill, prefill with a cached prefix, chunked prefill and multi-token decode
+(speculative verification) alike: request ``r`` has ``q_len`` new tokens at positions
+``seq_len - q_len .. seq_len - 1`` and attends to all ``seq_len`` cached tokens up to
+each query's own position. Launch through :func:`lmkit_kernels.paged_attention.paged_attention`.
+
+GQA without repeated loads: one program takes ``BLOCK_Q`` query tokens of one request
+times all ``GROUP`` query heads that share one KV head, flattened into
+``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, so every K/V tile is read once for the group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attention_dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in float32; exact float32 products when ``IEEE`` (else TF32
+    for float32 inputs on tensor cores; fp16/bf16 inputs are unaffected)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_bt_req,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        ctx_len = seq_len - q_len  # cached tokens before this step's first query
+
+        # BLOCK_M = BLOCK_Q * GROUP_PAD rows: token-major, head-minor within the group
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD
+        head = kv_head * GROUP + offs_m % GROUP_PAD
+        row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        q_rows = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                    + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        # the last token of this tile sees keys up to its own position
+        kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+        for start_n in range(0, kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_end
+            block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+            # k: [HEAD_PAD, BLOCK_N] (transposed gather), v: [BLOCK_N, HEAD_PAD]
+            k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block
+                        + slot[None, :] * stride_kc_slot + kv_head * stride_kc_head
+                        + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block
+                        + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
+                        + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows that have seen no visible key yet keep m = -inf; shift them by 0
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])

@@ -130,10 +130,10 @@ def test_penalties_change_the_greedy_choice_and_skip_unpenalised_rows():
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
               SamplingParams(temperature=0.0)]
     md = build(params, 3, prompts=[[0], [0]])
-    assert md.penalties.prompt_mask[1].sum() == 0  # the other row's prompt isn't scanned
+    assert md.penalties.seen_rows.tolist() == [0]  # the other row's prompt isn't scanned
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1, 0]
     md = build([SamplingParams(temperature=0.0, presence_penalty=1.0)], 3, outputs=[[0]])
-    assert md.penalties.prompt_mask is None
+    assert md.penalties.seen_rows is None  # no repetition penalty: prompt not scanned
     assert Sampler()(logits[:1], md).sampled_token_ids.tolist() == [1]
 
 
@@ -179,3 +179,20 @@ def test_shapes_are_checked():
         Sampler()(torch.zeros(2, 4), md)
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingMetadata.build([SamplingParams()], [], [[]], [None], [None], 4, CPU)
+
+
+def test_top_p_candidate_path_matches_full_sort():
+    from lmkit.sample.filters import _top_p_by_sort
+
+    torch.manual_seed(3)
+    vocab = 3000
+    # Peaked rows (nucleus well inside the 256 candidates) and flat rows (nucleus of
+    # thousands of tokens: the sort fallback), in one batch.
+    logits = torch.cat([torch.randn(4, vocab) * 4, torch.randn(3, vocab) * 0.05])
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.9, 0.3, 1.0])
+    got = apply_top_k_top_p(logits.clone(), None, top_p)
+    want = _top_p_by_sort(logits.clone(), top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    num_kept = (~torch.isinf(got)).sum(-1).tolist()
+    assert num_kept[3] == num_kept[6] == vocab  # top_p = 1: off
+    assert num_kept[4] > 256 and 1 <= num_kept[0] < 256

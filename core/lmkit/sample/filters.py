@@ -38,9 +38,12 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     Args:
         logits: float32 ``[num_rows, vocab]``, modified in place.
         top_k: int64 ``[num_rows]``; a value >= vocab turns the filter off for that row.
-        max_top_k: the largest ``top_k`` below vocab over the rows (bounds the topk call).
+        max_top_k: the largest ``top_k`` below vocab over the rows (bounds the topk call);
+            0 to compute it here (one device-to-host sync).
     """
     vocab_size = logits.shape[-1]
+    if max_top_k <= 0:
+        max_top_k = int(top_k.max())
     max_top_k = min(max_top_k, vocab_size)
     values = logits.topk(max_top_k, dim=-1).values  # [num_rows, max_top_k], descending
     k = top_k.clamp(min=1, max=max_top_k)
@@ -49,39 +52,58 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill_(logits < kth, _NEG_INF)
 
 
+# Top-p first looks for the nucleus among this many most likely tokens; rows whose
+# nucleus is larger (very flat distributions) fall back to a full sort.
+_TOP_P_CANDIDATES = 256
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
     max_top_k: int = 0,
 ) -> torch.Tensor:
     """Apply top-k, then top-p (nucleus), in place; either may be ``None`` (off for all rows).
 
-    Top-p keeps the smallest set of most likely tokens whose probability mass reaches
-    ``top_p`` (the most likely token is always kept). It needs one sort of the row; with
-    top-k alone a ``topk`` of ``max_top_k`` suffices.
+    Top-p keeps the most likely tokens while the probability mass before them (in
+    order of decreasing probability) is below ``top_p``, measured on the distribution
+    left by top-k; the most likely token is always kept. Tokens tied with the last kept
+    one are kept too, as in top-k. Most nuclei lie within a few hundred tokens, so a
+    ``topk`` of candidates replaces the full sort for the rows where that is enough.
 
     Args:
         logits: float32 ``[num_rows, vocab]``.
         top_k: int64 ``[num_rows]`` (>= vocab: off) or ``None``.
         top_p: float32 ``[num_rows]`` in (0, 1] (1.0: off) or ``None``.
-        max_top_k: largest active ``top_k``, used when ``top_p`` is ``None``.
+        max_top_k: largest active ``top_k`` (bounds the ``topk`` call; 0: compute it).
     """
-    if top_p is None:
-        if top_k is None:
-            return logits
-        return apply_top_k(logits, top_k, max_top_k)
-    # Ascending sort: the tokens to drop are a prefix of each sorted row.
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-    vocab_size = logits.shape[-1]
     if top_k is not None:
-        first_kept = (vocab_size - top_k.clamp(min=1, max=vocab_size)).unsqueeze(1)
-        kth = logits_sort.gather(1, first_kept)  # [num_rows, 1]
-        logits_sort.masked_fill_(logits_sort < kth, _NEG_INF)
-    probs_sort = logits_sort.softmax(dim=-1)
-    cum_probs = probs_sort.cumsum(dim=-1)  # mass of this token and all less likely ones
+        apply_top_k(logits, top_k, max_top_k)
+    if top_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    num_candidates = min(_TOP_P_CANDIDATES, logits.shape[-1])
+    cand_probs = probs.topk(num_candidates, dim=-1).values  # [num_rows, num_candidates]
+    mass_before = cand_probs.cumsum(dim=-1) - cand_probs  # exclusive cumulative sum
+    is_off = top_p >= 1.0
+    # The nucleus fits among the candidates once their total mass reaches top_p.
+    fits = is_off | (mass_before[:, -1] + cand_probs[:, -1] >= top_p)
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1)  # [num_rows]
+    threshold = cand_probs.gather(1, (num_kept - 1).unsqueeze(1))  # [num_rows, 1]
+    threshold.masked_fill_(~fits.unsqueeze(1) | is_off.unsqueeze(1), 0.0)
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+    if not bool(fits.all()):
+        rows = torch.nonzero(~fits).flatten()
+        logits[rows] = _top_p_by_sort(logits[rows], top_p[rows])
+    return logits
+
+
+def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p over a full ascending sort of each row (returns a new tensor)."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    cum_probs = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # this token + less likely ones
     drop = cum_probs <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
     logits_sort.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, logits_idx, logits_sort)
+    return torch.empty_like(logits).scatter_(1, logits_idx, logits_sort)
 
 
 def logits_to_probs(

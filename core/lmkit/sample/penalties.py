@@ -4,7 +4,8 @@ bias, the min_tokens mask, and repetition / frequency / presence penalties.
 Every function acts in place on float32 logits ``[num_rows, vocab]`` and is vectorised
 over the batch; the tensors they take are built once per step by
 :class:`lmkit.sample.metadata.SamplingMetadata`. Rows that do not ask for an adjustment
-carry neutral values (penalty 1.0 or 0.0), which leave their logits bit-for-bit unchanged.
+carry neutral values (penalty 1.0 or 0.0) and no token pairs, so their logits are not
+touched.
 """
 
 from __future__ import annotations
@@ -20,30 +21,37 @@ from lmkit.engine.sampling_params import SamplingParams
 
 @dataclass
 class PenaltyTensors:
-    """Per-row penalty parameters and the token statistics they act on.
+    """Per-row penalty parameters and, sparsely, the tokens they act on.
 
-    ``prompt_mask`` is ``None`` when no row has a repetition penalty (the prompt matters
-    only to that one); ``output_counts`` is always present. Rows without penalties have
-    empty statistics and neutral parameters.
+    Penalties only touch tokens a request has seen, so they are stored as (row, token)
+    pairs rather than ``[num_rows, vocab]`` tables: applying them costs O(tokens seen),
+    not O(rows x vocab). Rows without penalties contribute no pairs.
     """
 
     repetition: torch.Tensor  # float32 [num_rows], 1.0 = off
     frequency: torch.Tensor  # float32 [num_rows], 0.0 = off
     presence: torch.Tensor  # float32 [num_rows], 0.0 = off
-    output_counts: torch.Tensor  # int32 [num_rows, vocab]: times each token was generated
-    prompt_mask: torch.Tensor | None  # bool [num_rows, vocab]: token occurs in the prompt
+    # Distinct generated tokens and how often each was generated.
+    output_rows: torch.Tensor  # int64 [num_pairs]
+    output_token_ids: torch.Tensor  # int64 [num_pairs]
+    output_counts: torch.Tensor  # float32 [num_pairs]
+    # Distinct tokens in prompt or output, for rows with a repetition penalty (else None).
+    seen_rows: torch.Tensor | None = None  # int64 [num_seen]
+    seen_token_ids: torch.Tensor | None = None  # int64 [num_seen]
 
 
-def _scatter_rows(
+def _distinct_pairs(
     token_ids: Sequence[Sequence[int]], rows: Sequence[int], vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten the token lists of ``rows`` into (row index, token id) int64 tensors."""
+    """Distinct (row, token id) pairs of the token lists of ``rows``, as flat indices
+    ``row * vocab_size + token`` (int64) and the number of times each occurs."""
     lengths = torch.tensor([len(token_ids[r]) for r in rows], dtype=torch.int64)
     row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64), lengths)
     tok_idx = torch.tensor(list(chain.from_iterable(token_ids[r] for r in rows)), dtype=torch.int64)
     # Token ids outside the logits' width cannot be penalised (they can't be sampled).
     keep = (tok_idx >= 0) & (tok_idx < vocab_size)
-    return row_idx[keep], tok_idx[keep]
+    flat = row_idx[keep] * vocab_size + tok_idx[keep]
+    return torch.unique(flat, return_counts=True)
 
 
 def build_penalty_tensors(
@@ -55,34 +63,33 @@ def build_penalty_tensors(
 ) -> PenaltyTensors | None:
     """Build the penalty tensors for one step, or ``None`` when no row uses penalties.
 
-    Only rows with penalties contribute token statistics, so a batch where one request
-    asks for a penalty pays for that request's tokens only (O(its tokens)).
+    Only rows with penalties are scanned, so a batch where one request asks for a
+    penalty pays for that request's tokens only; the prompt is scanned only for a
+    repetition penalty.
     """
     rows = [i for i, p in enumerate(params) if p.needs_penalties]
     if not rows:
         return None
-    num_rows = len(params)
-    counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32)
-    row_idx, tok_idx = _scatter_rows(output_token_ids, rows, vocab_size)
-    counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=torch.int32),
-                      accumulate=True)
-    prompt_mask = None
-    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if rep_rows:
-        prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool)
-        row_idx, tok_idx = _scatter_rows(prompt_token_ids, rep_rows, vocab_size)
-        prompt_mask[row_idx, tok_idx] = True
-        prompt_mask = prompt_mask.to(device)
-    return PenaltyTensors(
+    out_flat, out_counts = _distinct_pairs(output_token_ids, rows, vocab_size)
+    pen = PenaltyTensors(
         repetition=torch.tensor([p.repetition_penalty for p in params],
                                 dtype=torch.float32).to(device),
         frequency=torch.tensor([p.frequency_penalty for p in params],
                                dtype=torch.float32).to(device),
         presence=torch.tensor([p.presence_penalty for p in params],
                               dtype=torch.float32).to(device),
-        output_counts=counts.to(device),
-        prompt_mask=prompt_mask,
+        output_rows=(out_flat // vocab_size).to(device),
+        output_token_ids=(out_flat % vocab_size).to(device),
+        output_counts=out_counts.to(torch.float32).to(device),
     )
+    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        prompt_flat, _ = _distinct_pairs(prompt_token_ids, rep_rows, vocab_size)
+        rep_out = out_flat[torch.isin(out_flat // vocab_size, torch.tensor(rep_rows))]
+        seen = torch.unique(torch.cat([prompt_flat, rep_out]))
+        pen.seen_rows = (seen // vocab_size).to(device)
+        pen.seen_token_ids = (seen % vocab_size).to(device)
+    return pen
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
@@ -100,13 +107,16 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     Returns:
         ``logits``.
     """
-    output_mask = penalties.output_counts > 0  # [num_rows, vocab]
-    if penalties.prompt_mask is not None:
-        seen = output_mask | penalties.prompt_mask
-        scale = torch.where(seen, penalties.repetition.unsqueeze(1), 1.0)  # [num_rows, vocab]
-        logits.copy_(torch.where(logits > 0, logits / scale, logits * scale))
-    logits -= penalties.frequency.unsqueeze(1) * penalties.output_counts
-    logits -= penalties.presence.unsqueeze(1) * output_mask
+    if penalties.seen_rows is not None:
+        rows, token_ids = penalties.seen_rows, penalties.seen_token_ids
+        values = logits[rows, token_ids]  # [num_seen]
+        scale = penalties.repetition[rows]
+        logits[rows, token_ids] = torch.where(values > 0, values / scale, values * scale)
+    rows, token_ids = penalties.output_rows, penalties.output_token_ids
+    if rows.numel():
+        # Pairs are distinct, so a plain indexed write is exact.
+        logits[rows, token_ids] -= (penalties.frequency[rows] * penalties.output_counts
+                                    + penalties.presence[rows])
     return logits
 
 

@@ -65,20 +65,26 @@ def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 
 def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row by the exponential race: ``argmax(probs / E)``, E ~ Exp(1).
+    """Draw one token per row by inverting the row's cumulative distribution.
 
-    Token ``i`` wins with probability ``probs[i] / sum(probs)``. Rows in ``generators``
-    draw their noise from their own generator; the other rows share one draw from the
-    default generator. Returns int64 ``[num_rows]``.
+    Each row uses a single uniform number ``u``: the token is the first whose cumulative
+    probability exceeds ``u * total``. A token with zero probability does not raise the
+    cumulative sum, so it can never be drawn. Rows in ``generators`` draw ``u`` from
+    their own generator (one number per step, whatever else is in the batch); the other
+    rows share one draw from the default generator. Returns int64 ``[num_rows]``.
     """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    num_rows = probs.shape[0]
+    cdf = probs.cumsum(dim=-1)  # [num_rows, vocab]
+    u = torch.empty(num_rows, 1, dtype=cdf.dtype, device=cdf.device)
+    if len(generators) < num_rows:
+        u.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax would pick.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        u[row].uniform_(generator=generator)
+    total = cdf[:, -1:]
+    # Stay strictly below the total, which rounding in u * total could otherwise reach.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # The clamp only matters for rows that are NaN (e.g. a model that produced NaN logits).
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 class Sampler:

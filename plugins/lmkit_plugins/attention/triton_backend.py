@@ -1,0 +1,118 @@
+"""Paged attention with lmkit's own Triton kernels (:mod:`lmkit_kernels`).
+
+Same cache layout as the torch reference, ``[2, num_blocks, block_size, num_kv_heads,
+head_size]``, so the two are interchangeable on one cache. :meth:`TritonAttention.plan`
+does O(batch) host work once per step: it counts the leading one-token (decode)
+requests and picks the decode kernel's split count. :meth:`TritonAttention.run` per
+layer writes the new K/V through ``slot_mapping`` and launches the split-K decode
+kernel for the leading decodes and the causal prefill kernel for the rest (prefill,
+cached prefix, chunked prefill, multi-token decode). It reads only device tensors and
+host values fixed at plan time, so a pure-decode step can be captured in a CUDA graph:
+the runner keeps the metadata tensors at fixed addresses and calls ``plan`` before
+capture and before every replay. The decode split count depends on the batch shape
+only, so a graph captured with short contexts stays fast with long ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from lmkit.api import AttentionBackend, AttentionMetadata
+from lmkit_kernels.cache_write import reshape_and_cache
+from lmkit_kernels.paged_attention import MAX_HEAD_SIZE, choose_num_splits, paged_attention
+
+from lmkit_plugins.attention import TritonAttentionOptions
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _TritonPlan:
+    num_reqs: int
+    num_tokens: int
+    num_decodes: int  # leading requests with one query token
+    num_splits: int  # decode context slices
+    max_prefill_query_len: int  # over the requests after the leading decodes
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention on CUDA with the Triton kernels of :mod:`lmkit_kernels`.
+
+    Supports float32/float16/bfloat16, head sizes up to 256, GQA, mixed
+    prefill/decode batches, cached prefixes and chunked prefill. No sliding window.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if self.sliding_window is not None:
+            raise ValueError("the triton attention backend has no sliding-window support; "
+                             "use --attn torch or --attn flashinfer for this model")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_size > MAX_HEAD_SIZE:
+            raise ValueError(f"head_size {self.head_size} is above the triton backend's "
+                             f"maximum {MAX_HEAD_SIZE}; use --attn torch")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype} is not supported by the triton backend "
+                             "(float32, float16, bfloat16)")
+        self.options = self.options or TritonAttentionOptions()
+        self._plan: _TritonPlan | None = None
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys, then values."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Count the leading decode requests and fix the decode split count (host only)."""
+        md = metadata
+        num_reqs = md.num_reqs
+        qsl = md.query_start_loc_cpu[: num_reqs + 1].numpy()
+        query_lens = np.diff(qsl)
+        not_decode = np.flatnonzero(query_lens != 1)
+        num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
+        max_prefill = int(query_lens[num_decodes:].max()) if num_decodes < num_reqs else 0
+        splits = self.options.decode_num_splits or choose_num_splits(
+            max(num_decodes, 1), self.num_kv_heads, md.block_tables.device)
+        self._plan = _TritonPlan(
+            num_reqs=num_reqs, num_tokens=md.num_actual_tokens, num_decodes=num_decodes,
+            num_splits=splits, max_prefill_query_len=max_prefill,
+            query_start_loc=md.query_start_loc[: num_reqs + 1],
+            seq_lens=md.seq_lens[:num_reqs], block_tables=md.block_tables[:num_reqs],
+            slot_mapping=md.slot_mapping[: md.num_actual_tokens],
+        )
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """Write ``k``/``v`` at ``slot_mapping``, then attend every request causally.
+
+        :param q: ``[num_tokens, num_heads, head_size]`` (rows past the step's tokens,
+            CUDA-graph padding, come back as zeros)
+        :param k: ``[num_tokens, num_kv_heads, head_size]``
+        :param v: ``[num_tokens, num_kv_heads, head_size]``
+        :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+        :return: ``[num_tokens, num_heads, head_size]`` in ``q``'s dtype
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("TritonAttention.run() called before plan() for this step")
+        reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
+        out = torch.empty_like(q)
+        if q.shape[0] > plan.num_tokens:
+            out[plan.num_tokens:].zero_()
+        nd = plan.num_decodes
+        if nd:
+            paged_attention(q, kv_cache, plan.query_start_loc[: nd + 1], plan.seq_lens[:nd],
+                            plan.block_tables[:nd], max_query_len=1, scale=self.scale,
+                            out=out, num_splits=plan.num_splits)
+        if nd < plan.num_reqs:
+            paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],
+                            plan.block_tables[nd:], max_query_len=plan.max_prefill_query_len,
+                            scale=self.scale, out=out)
+        return out

@@ -126,10 +126,10 @@ def test_prefix_hit_reported_and_outputs_unchanged():
 
 def test_budget_and_max_num_seqs_hold_on_random_workloads():
     rng = random.Random(1234)
-    for trial in range(12):
+    for trial in range(40):
         budget = rng.choice([8, 16, 33, 64])
         max_seqs = rng.choice([1, 2, 5, 16])
-        num_blocks = rng.choice([24, 48, 200])
+        num_blocks = rng.choice([21, 24, 48, 200])
         cfg = make_config(block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           max_model_len=80, prefix_caching=rng.random() < 0.7)
         sched = PagedScheduler(cfg, num_blocks=num_blocks)
@@ -212,3 +212,55 @@ def test_stats_report_the_counters():
     assert stats["kv_cache_usage"] == pytest.approx(3 / 31)
     assert stats["prefix_cache_queries"] == 9 and stats["prefix_cache_hits"] == 0
     assert stats["num_preemptions"] == 0 and stats["num_evictions"] == 0
+
+
+@pytest.mark.parametrize("cls_name", ["fcfs", "priority"])
+def test_random_mix_of_drafts_aborts_priorities_and_tiny_pools(cls_name):
+    from lmkit_plugins.schedulers.fcfs import FCFSScheduler
+    from lmkit_plugins.schedulers.priority import PriorityScheduler
+    from test_scheduler_fakes import next_token
+
+    cls = {"fcfs": FCFSScheduler, "priority": PriorityScheduler}[cls_name]
+    rng = random.Random(99)
+    for trial in range(15):
+        num_blocks = rng.choice([26, 40, 120])
+        cfg = make_config(block_size=4, max_num_batched_tokens=rng.choice([6, 16, 40]),
+                          max_num_seqs=rng.choice([2, 4, 8]), max_model_len=96,
+                          spec_backend="ngram", num_spec=2)
+        sched = cls(cfg, num_blocks=num_blocks)
+        shared = [rng.randrange(1000) for _ in range(rng.randrange(0, 20))]
+        reqs = [make_request(f"t{trial}-{i}", shared + [rng.randrange(1000) for _ in
+                                                        range(rng.randrange(1, 30))],
+                             max_tokens=rng.randrange(1, 30), arrival=float(i),
+                             priority=rng.randrange(3)) for i in range(rng.randrange(4, 14))]
+        pending, aborted = list(reqs), set()
+
+        def on_step(s, n, pending=pending, aborted=aborted):
+            if pending and rng.random() < 0.6:
+                s.add_request(pending.pop(0))
+            if s.requests and rng.random() < 0.05:
+                victim = rng.choice(sorted(s.requests))
+                aborted.add(victim)
+                s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            for r in s.running:  # drafts: sometimes right, sometimes not
+                if r.num_computed_tokens == r.num_tokens - 1 and rng.random() < 0.7:
+                    t = list(r.all_token_ids)
+                    for _ in range(2):
+                        t.append(next_token(t) if rng.random() < 0.6 else rng.randrange(1000))
+                    r.spec_token_ids = t[-2:]
+
+        runner = FakeRunner(num_blocks, 4)  # one KV memory: the prefix cache points into it
+        sched.add_request(pending.pop(0))
+        res = drive(sched, runner, on_step=on_step)
+        while pending:
+            sched.add_request(pending.pop(0))
+            more = drive(sched, runner, on_step=on_step)
+            for rid, toks in more.outputs.items():
+                res.outputs.setdefault(rid, []).extend(toks)
+        for r in reqs:
+            got, want = res.outputs.get(r.request_id, []), reference_output(r, 96)
+            if r.request_id in aborted:
+                assert got == want[:len(got)]
+            else:
+                assert got == want, (trial, r.request_id)
+        assert sched.kv_cache_manager.usage == 0.0 and not sched.has_unfinished_requests()

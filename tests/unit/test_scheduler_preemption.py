@@ -157,3 +157,52 @@ def test_long_prompt_flood_starves_nobody(cls):
     assert order == ["first"] + [r.request_id for r in flood]
     for r in flood:
         assert res.outputs[r.request_id] == reference_output(r, 160)
+
+
+def test_victim_taken_back_leaves_no_uncomputed_blocks_in_the_prefix_cache():
+    cfg = make_config(block_size=4, max_num_batched_tokens=16)
+    sched = PriorityScheduler(cfg, num_blocks=9)  # 8 usable blocks
+    runner = FakeRunner(9, 4)
+    a = make_request("A", list(range(8)), max_tokens=4, arrival=0.0, priority=0)
+    v = make_request("V", list(range(100, 119)), max_tokens=2, arrival=1.0, priority=9)
+    sched.add_request(a)
+    sched.add_request(v)
+    so, outs = step(sched, runner)
+    assert so.num_scheduled_tokens == {"A": 8, "V": 8}
+    sched.add_request(make_request("R", [7, 7, 7], max_tokens=3, arrival=2.0, priority=0))
+    # V's chunk (positions 8..18) registers two more full blocks and fills the pool; then
+    # R preempts V: those two blocks were never computed and must leave the prefix cache
+    so, more = step(sched, runner)
+    assert so.preempted_req_ids == {"V"} and so.num_scheduled_tokens == {"A": 1, "R": 3}
+    cached = sched.kv_cache_manager.block_pool.cached_blocks
+    assert v.block_hashes[0] in cached and v.block_hashes[1] in cached
+    assert v.block_hashes[2] not in cached and v.block_hashes[3] not in cached
+    res = drive(sched, runner)
+    a_tokens = [t for o in outs + more if o.request_id == "A" for t in o.new_token_ids]
+    assert a_tokens + res.outputs["A"] == reference_output(a)
+    assert res.outputs["V"] == reference_output(v)
+
+
+def test_admission_does_not_preempt_a_request_whose_new_blocks_it_shares():
+    cfg = make_config(block_size=4, max_num_batched_tokens=8)
+    sched = PriorityScheduler(cfg, num_blocks=5)  # 4 usable blocks
+    runner = FakeRunner(5, 4)
+    v_prompt = list(range(100, 112))
+    v = make_request("V", v_prompt, max_tokens=2, arrival=0.0, priority=9)
+    sched.add_request(v)
+    step(sched, runner)  # V: positions 0..7
+    w1 = make_request("W1", v_prompt + [5], max_tokens=2, arrival=1.0, priority=0)
+    w2 = make_request("W2", [1, 2, 3], max_tokens=2, arrival=2.0, priority=0)
+    sched.add_request(w1)
+    sched.add_request(w2)
+    so, outs = step(sched, runner)
+    # W1 hits V's third block, which V computes in this very step: V must not be preempted
+    # for W2 now, or W1 would read KV nobody wrote
+    assert so.preempted_req_ids == set()
+    assert so.num_scheduled_tokens == {"V": 4, "W1": 1}
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12
+    res = drive(sched, runner)
+    got = {o.request_id: o.new_token_ids for o in outs}
+    for r in (v, w1):
+        assert got[r.request_id] + res.outputs[r.request_id] == reference_output(r)
+    assert res.outputs["W2"] == reference_output(w2)

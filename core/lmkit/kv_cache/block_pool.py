@@ -181,6 +181,15 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         return True
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Withdraw ``block`` from the prefix cache without evicting it: it was
+        registered for a step that then did not run it, so its contents are not the
+        tokens its hash names."""
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
         for block in blocks:

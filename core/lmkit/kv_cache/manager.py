@@ -173,11 +173,29 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release ``request``'s blocks, last block first (tail blocks are evicted
-        before the shared prefix). Cached blocks stay findable until evicted."""
+        before the shared prefix). Cached blocks stay findable until evicted.
+
+        Blocks registered for tokens past ``request.num_computed_tokens`` (scheduled
+        this step, then preempted before the step ran) are withdrawn from the cache
+        first: their KV was never written.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        if not blocks:
+            return
+        for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
+            self.block_pool.uncache_block(block)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def has_pending_shared_blocks(self, request: Request) -> bool:
+        """Whether another request references one of ``request``'s blocks that is
+        registered but not computed yet (it hit them this step, counting on
+        ``request`` to compute them in this step). Such a request must not be
+        preempted now."""
+        start = request.num_computed_tokens // self.block_size
+        end = self.num_cached_blocks.get(request.request_id, 0)
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        return any(b.ref_cnt > 1 for b in blocks[start:end])
 
     def get_block_ids(self, request: Request) -> list[int]:
         """``request``'s block table (a new list)."""

@@ -238,8 +238,8 @@ class PagedScheduler(Scheduler):
             new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
             while new_block_ids is None:
                 victim = self.choose_admission_victim(request, self.running)
-                if victim is None:
-                    return
+                if victim is None or manager.has_pending_shared_blocks(victim):
+                    return  # (a victim whose new blocks this step's admissions share stays)
                 self._preempt(victim, plan)
                 new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
             popped = self.waiting.pop()

@@ -4,6 +4,11 @@ Built once per step by the model runner (O(batch) Python work, plus O(tokens) fo
 rows that use penalties), then consumed by :class:`lmkit.sample.sampler.Sampler`
 without any per-row Python. Fields a step does not need are ``None`` so the sampler
 skips that work entirely.
+
+Speculative decoding verifies several positions per request: build the metadata with
+one row per position (the request's params repeated, its output ids extended by the
+drafts before that position), then :func:`lmkit.sample.sampler.adjust_logits` and
+:func:`lmkit.sample.sampler.compute_probs` give the target distribution of every row.
 """
 
 from __future__ import annotations

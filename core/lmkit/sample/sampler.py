@@ -116,6 +116,7 @@ class Sampler:
                 sampled[md.logprob_rows], raw_logprobs,
                 [n for n in md.num_logprobs if n is not None])
             logprobs = [None] * md.num_rows
-            for row, entry in zip(md.logprob_rows.tolist(), asking, strict=True):
+            rows = [i for i, n in enumerate(md.num_logprobs) if n is not None]
+            for row, entry in zip(rows, asking, strict=True):
                 logprobs[row] = entry
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)

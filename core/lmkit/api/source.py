@@ -12,6 +12,9 @@ class ModelSource(Protocol):
     Hugging Face-style directory: ``config.json``, ``*.safetensors``, tokenizer files.
 
     Sources are tried in priority order; the first whose :meth:`matches` is true fetches.
+    Sources are constructed with no arguments. A source may also define an optional
+    classmethod ``known_refs() -> list[str]`` (e.g. its aliases), which lmkit lists in
+    "model not found" errors with a did-you-mean suggestion.
     """
 
     @classmethod

@@ -30,6 +30,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "lmkit.cli.plugins_cmd",
     "lmkit.cli.config_cmd",
     "lmkit.cli.serve",
+    "lmkit.cli.generate",
+    "lmkit.cli.chat",
+    "lmkit.cli.bench",
 )
 
 HELP = (

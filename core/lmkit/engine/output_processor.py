@@ -124,8 +124,14 @@ class OutputProcessor:
                 comp.finish_reason, comp.stop_reason = "stop", hit
                 result.abort_ids.append(out.request_id)
             elif out.finish_reason is not None:
-                delta_text += comp.stop.flush()
-                comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                # text held back for an incomplete character, then for a partial stop string
+                tail, hit = comp.stop.feed(comp.detokenizer.flush())
+                delta_text += tail
+                if hit is not None:
+                    comp.finish_reason, comp.stop_reason = "stop", hit
+                else:
+                    delta_text += comp.stop.flush()
+                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
             comp.text += delta_text
             entry = changed.setdefault(parent.request_id, (parent, {}))
             prev = entry[1].get(comp.index)

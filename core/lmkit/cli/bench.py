@@ -1,0 +1,128 @@
+"""``lmkit bench throughput|latency``: lmkit beside a peer engine on one workload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lmkit.cli.options import ConfigOptions, build_config, config_options
+
+bench_app = typer.Typer(help="Benchmarks, run side by side with a peer engine.",
+                        no_args_is_help=True)
+WORKLOAD = "Workload"
+
+
+def _setup(opts: ConfigOptions, threads: int | None):
+    from lmkit.bench.offline import BenchSetup
+    from lmkit.cli.generate import status
+    from lmkit.cli.options import build_host
+    from lmkit.loading.resolve import resolve_model
+    from lmkit.plugins.resolve import resolve_device
+
+    config, provenance = build_config(opts)
+    host = build_host(config)
+    status(f"resolving {config.model.model} ...")
+    cache = Path(config.model.cache_dir) if config.model.cache_dir else None
+    model_dir = resolve_model(config.model.model, host, cache, source=config.model.source)
+    device, dtype = resolve_device(config)
+    # engine options: every setting not left at its default (the model is passed apart)
+    options = {path: _get(config, path) for path, layer in provenance.items()
+               if layer != "default" and path not in ("model.model", "plugins")}
+    if config.plugins:
+        options["plugins"] = list(config.plugins)
+    return BenchSetup(config.model.model, str(model_dir), options, dtype, device, threads), host
+
+
+def _get(config, path: str):
+    node = config
+    for part in path.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: str, seed: int,
+              dataset: Path | None):
+    from lmkit.bench.offline import make_workload
+    from lmkit.loading.tokenizer import load_tokenizer
+    from lmkit.loading.weights import load_hf_config
+
+    tokenizer = load_tokenizer(Path(setup.model_dir))
+    vocab = load_hf_config(Path(setup.model_dir)).vocab_size
+    return make_workload(kind, tokenizer, vocab, num_prompts, _range(input_len),
+                         _range(output_len), seed, dataset)
+
+
+def _range(text: str) -> tuple[int, int]:
+    from lmkit.errors import ConfigError
+
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError as e:
+        raise ConfigError(f"expected a length like 64 or 100:1024, got {text!r}") from e
+    if not 0 < a <= b:
+        raise ConfigError(f"expected 0 < low <= high in {text!r}")
+    return a, b
+
+
+def _finish(report, out: Path | None) -> None:
+    from lmkit.bench.offline import format_report, save_report
+    from lmkit.cli.render import print_text
+
+    print_text(format_report(report))
+    if out is not None:
+        save_report(report, out)
+
+
+Workload = Annotated[str, typer.Option(help="chat (built-in prompts), random (token ids) or file.",
+                                       rich_help_panel=WORKLOAD)]
+NumPrompts = Annotated[int, typer.Option(help="Requests in the workload.", rich_help_panel=WORKLOAD)]
+InputLen = Annotated[str, typer.Option(help="Prompt length N or LOW:HIGH (random workload).",
+                                       rich_help_panel=WORKLOAD)]
+OutputLen = Annotated[str, typer.Option(help="Output length N or LOW:HIGH (EOS ignored).",
+                                        rich_help_panel=WORKLOAD)]
+Seed = Annotated[int, typer.Option(help="Workload seed.", rich_help_panel=WORKLOAD)]
+Dataset = Annotated[Path | None, typer.Option(help="JSON lines file for --workload file.",
+                                              rich_help_panel=WORKLOAD)]
+Peer = Annotated[str, typer.Option(help="Peer engine run on the same workload: hf or none.")]
+Threads = Annotated[int | None, typer.Option(help="torch CPU threads for both sides.")]
+Out = Annotated[Path | None, typer.Option("--out", help="Write the JSON report here.")]
+
+
+@bench_app.command("throughput")
+@config_options
+def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPrompts = 32,
+               input_len: InputLen = "128", output_len: OutputLen = "64", seed: Seed = 0,
+               dataset: Dataset = None, peer: Peer = "hf", hf_batch_size: Annotated[
+                   int | None, typer.Option(help="HF static batch size (default: all).")] = None,
+               threads: Threads = None, out: Out = None) -> None:
+    """Offline throughput: every request submitted at once (requests/s, tokens/s, memory)."""
+    from lmkit.bench import offline
+    from lmkit.cli.generate import status
+
+    setup, _ = _setup(opts, threads)
+    wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
+    status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))
+    _finish(offline.throughput(setup, wl, peer, hf_batch_size), out)
+
+
+@bench_app.command("latency")
+@config_options
+def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPrompts = 4,
+            input_len: InputLen = "128", output_len: OutputLen = "64", seed: Seed = 0,
+            dataset: Dataset = None, peer: Peer = "hf", threads: Threads = None,
+            out: Out = None) -> None:
+    """Single-stream decode: one request at a time (TTFT, time per output token, tokens/s)."""
+    from lmkit.bench import offline
+    from lmkit.cli.generate import status
+
+    setup, _ = _setup(opts, threads)
+    wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
+    status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))
+    _finish(offline.latency(setup, wl, peer), out)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

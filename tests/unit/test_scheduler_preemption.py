@@ -206,3 +206,31 @@ def test_admission_does_not_preempt_a_request_whose_new_blocks_it_shares():
     for r in (v, w1):
         assert got[r.request_id] + res.outputs[r.request_id] == reference_output(r)
     assert res.outputs["W2"] == reference_output(w2)
+
+
+def test_admission_drops_hits_on_blocks_its_victim_had_not_computed():
+    cfg = make_config(block_size=4, max_num_batched_tokens=12)
+    sched = PriorityScheduler(cfg, num_blocks=8)  # 7 usable blocks
+    runner = FakeRunner(8, 4)
+    a = make_request("A", list(range(8)), max_tokens=20, arrival=0.0, priority=0)
+    v_prompt = list(range(100, 116))
+    v = make_request("V", v_prompt, max_tokens=2, arrival=1.0, priority=9)
+    sched.add_request(a)
+    outs = step(sched, runner)[1]
+    sched.add_request(v)
+    outs += step(sched, runner)[1]  # A decodes, V computes positions 0..10
+    w = make_request("W", v_prompt[:12] + [5], max_tokens=2, arrival=2.0, priority=0)
+    sched.add_request(w)
+    # V's last chunk (11..15) registers V's 3rd block, which W hits; the pool is full, so
+    # W preempts V, and V never computes that block: W must compute from position 8
+    so, more = step(sched, runner)
+    assert so.preempted_req_ids == {"V"}
+    (new,) = so.scheduled_new_reqs
+    assert new.req_id == "W" and new.num_computed_tokens == 8
+    assert so.num_scheduled_tokens == {"A": 1, "W": 5}
+    res = drive(sched, runner)
+    got = {}
+    for o in outs + more:
+        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for r in (a, v, w):
+        assert got.get(r.request_id, []) + res.outputs[r.request_id] == reference_output(r)

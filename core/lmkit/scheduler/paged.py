@@ -230,18 +230,26 @@ class PagedScheduler(Scheduler):
             if request.request_id in plan.preempted:
                 break  # preempted this very step (for an admission): not back before next
             hits, num_hit_tokens = manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            if num_new > plan.token_budget:
-                if not self.enable_chunked_prefill:
-                    break  # waits (and holds back later arrivals) until the budget frees
-                num_new = plan.token_budget
-            new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
-            while new_block_ids is None:
+            while True:
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > plan.token_budget:
+                    if not self.enable_chunked_prefill:
+                        return  # waits (and holds back later arrivals) until the budget frees
+                    num_new = plan.token_budget
+                new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
+                if new_block_ids is not None:
+                    break
                 victim = self.choose_admission_victim(request, self.running)
                 if victim is None or manager.has_pending_shared_blocks(victim):
                     return  # (a victim whose new blocks this step's admissions share stays)
                 self._preempt(victim, plan)
-                new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
+                # blocks the victim registered this step left the cache: so do the hits
+                # from the first of them on
+                for i, block in enumerate(hits):
+                    if block.block_hash is None:
+                        hits = hits[:i]
+                        num_hit_tokens = i * self.block_size
+                        break
             popped = self.waiting.pop()
             assert popped is request, "the waiting queue's peek and pop disagree"
             request.status = RequestStatus.RUNNING

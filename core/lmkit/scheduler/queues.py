@@ -45,7 +45,8 @@ class WaitingQueue(ABC):
         """Remove ``request`` (raises ``ValueError`` if absent)."""
 
     @abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """Number of queued requests."""
 
     @abstractmethod
     def __iter__(self) -> Iterator[Request]:

@@ -1,0 +1,246 @@
+"""The model runner's persistent view of the running requests.
+
+:class:`InputBatch` keeps one row per request the runner holds, in preallocated numpy
+arrays: its known tokens (prompt + output), how many of them are computed, its block
+table. Rows stay dense (a removed row is filled by the last one), so a step's host
+work is a handful of vectorised numpy operations over the scheduled rows, never a
+loop over tokens. :meth:`InputBatch.prepare` turns one step's schedule into the
+packed ``input_ids``, ``positions`` and ``slot_mapping`` the model and the attention
+backend consume (vLLM v1's ``InputBatch`` / ``_prepare_inputs`` in spirit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmkit.engine.outputs import TokenLogprob
+from lmkit.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about one request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+    num_computed_tokens: int
+    # prompt logprobs gathered over the prefill chunks; None once sent (or not asked)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class StepInputs:
+    """One step's packed inputs, as views of the batch's persistent host buffers.
+
+    Requests appear in step order (decodes first); ``rows`` maps step order to batch rows.
+    """
+
+    rows: np.ndarray  # int64 [num_reqs], batch row of each scheduled request
+    num_scheduled: np.ndarray  # int64 [num_reqs]
+    cu_num_tokens: np.ndarray  # int64 [num_reqs], end of each request's tokens
+    num_computed: np.ndarray  # int64 [num_reqs], computed before this step
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_tables: torch.Tensor  # int32 [num_reqs, num_blocks_this_step]
+    num_decodes: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_num_tokens[-1]) if len(self.cu_num_tokens) else 0
+
+
+class InputBatch:
+    """Dense rows of per-request token and block-table state, plus step buffers.
+
+    Args:
+        max_num_reqs: rows to preallocate (grows if more requests arrive).
+        max_model_len: token capacity per row (grows if a row needs more).
+        block_size: tokens per KV block.
+        max_num_tokens: step buffer capacity in tokens (grows if a step needs more).
+        pin_memory: page-lock the step buffers (CUDA: asynchronous host-to-device copies).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
+                 max_num_tokens: int, pin_memory: bool = False) -> None:
+        self.block_size = block_size
+        self.pin_memory = pin_memory
+        self.req_ids: list[str] = []  # row -> request id (dense)
+        self.row_of: dict[str, int] = {}
+        self._resize_rows(max(max_num_reqs, 1), max_model_len + 1,
+                          -(-max_model_len // block_size) + 1)
+        self._alloc_step(max(max_num_tokens, 1), max(max_num_reqs, 1))
+
+    # ------------------------------------------------------------------ storage
+
+    def _resize_rows(self, num_rows: int, token_width: int, block_width: int) -> None:
+        """(Re)allocate the row arrays, keeping the live rows' contents."""
+        n = len(self.req_ids)
+        old = getattr(self, "token_ids", None)
+        if old is not None:
+            num_rows = max(num_rows, old.shape[0])
+            token_width = max(token_width, old.shape[1])
+            block_width = max(block_width, self.block_table.shape[1])
+        token_ids = np.zeros((num_rows, token_width), dtype=np.int64)
+        num_tokens = np.zeros(num_rows, dtype=np.int64)
+        num_computed = np.zeros(num_rows, dtype=np.int64)
+        block_table = np.zeros((num_rows, block_width), dtype=np.int32)
+        num_blocks = np.zeros(num_rows, dtype=np.int64)
+        if old is not None:
+            token_ids[:n, :old.shape[1]] = old[:n]
+            num_tokens[:n] = self.num_tokens[:n]
+            num_computed[:n] = self.num_computed[:n]
+            block_table[:n, :self.block_table.shape[1]] = self.block_table[:n]
+            num_blocks[:n] = self.num_blocks[:n]
+        self.token_ids, self.num_tokens, self.num_computed = token_ids, num_tokens, num_computed
+        self.block_table, self.num_blocks = block_table, num_blocks
+
+    def _alloc_step(self, max_num_tokens: int, max_num_reqs: int) -> None:
+        # torch tensors sharing memory with numpy views: filled in numpy, handed on as torch
+        def buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, pin_memory=self.pin_memory)
+
+        self._input_ids = buffer(max_num_tokens, dtype=torch.int64)
+        self._positions = buffer(max_num_tokens, dtype=torch.int64)
+        self._slot_mapping = buffer(max_num_tokens, dtype=torch.int64)
+        self._query_start_loc = buffer(max_num_reqs + 1, dtype=torch.int32)
+        self._seq_lens = buffer(max_num_reqs, dtype=torch.int32)
+        self._block_tables = buffer(max_num_reqs, self.block_table.shape[1], dtype=torch.int32)
+        self._arange = np.arange(max(max_num_tokens, self.token_ids.shape[1]), dtype=np.int64)
+
+    # ------------------------------------------------------------------ rows
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add_request(self, state: CachedRequestState, block_ids: list[int]) -> int:
+        """Give ``state`` a row holding its tokens and block table; returns the row."""
+        row = len(self.req_ids)
+        need_tokens = state.num_tokens + 1
+        need_blocks = len(block_ids)
+        if (row >= self.token_ids.shape[0] or need_tokens > self.token_ids.shape[1]
+                or need_blocks > self.block_table.shape[1]):
+            self._resize_rows(2 * row + 1, need_tokens, need_blocks)
+        self.req_ids.append(state.req_id)
+        self.row_of[state.req_id] = row
+        n_prompt = state.num_prompt_tokens
+        self.token_ids[row, :n_prompt] = state.prompt_token_ids
+        self.token_ids[row, n_prompt:state.num_tokens] = state.output_token_ids
+        self.num_tokens[row] = state.num_tokens
+        self.num_computed[row] = state.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, block_ids)
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        """Drop a request's row; the last row moves into the hole (rows stay dense)."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        last = len(self.req_ids) - 1
+        if row != last:
+            moved = self.req_ids[last]
+            self.req_ids[row] = moved
+            self.row_of[moved] = row
+            width = int(self.num_tokens[last])
+            self.token_ids[row, :width] = self.token_ids[last, :width]
+            self.num_tokens[row] = self.num_tokens[last]
+            self.num_computed[row] = self.num_computed[last]
+            nb = int(self.num_blocks[last])
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            self.num_blocks[row] = nb
+        self.req_ids.pop()
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        """Extend a row's block table with newly allocated blocks."""
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            self._resize_rows(0, 0, 2 * end)
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Commit sampled tokens to a row (the scheduler appends its own copy)."""
+        start = int(self.num_tokens[row])
+        end = start + len(token_ids)
+        if end > self.token_ids.shape[1]:
+            self._resize_rows(0, 2 * end, 0)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
+
+    def write_draft_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Place draft tokens after a row's known tokens, uncommitted (inputs only)."""
+        start = int(self.num_tokens[row])
+        end = start + len(token_ids)
+        if end > self.token_ids.shape[1]:
+            self._resize_rows(0, 2 * end, 0)
+        self.token_ids[row, start:end] = token_ids
+
+    # ------------------------------------------------------------------ one step
+
+    def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray, num_decodes: int
+                ) -> StepInputs:
+        """Build the packed inputs of one step (vectorised; O(num_tokens) numpy work).
+
+        Request ``i`` (batch row ``rows[i]``) runs its tokens
+        ``[num_computed, num_computed + num_scheduled[i])``.
+        """
+        num_reqs = len(rows)
+        cu = np.cumsum(num_scheduled)
+        total = int(cu[-1])
+        if total > self._input_ids.shape[0] or num_reqs > self._seq_lens.shape[0]:
+            self._alloc_step(max(total, self._input_ids.shape[0]),
+                             max(num_reqs, self._seq_lens.shape[0]))
+        if self._block_tables.shape[1] < self.block_table.shape[1]:
+            self._alloc_step(self._input_ids.shape[0], self._seq_lens.shape[0])
+        num_computed = self.num_computed[rows]
+        # token k of the step belongs to request req_of[k], at offset k - start
+        req_of = np.repeat(np.arange(num_reqs), num_scheduled)
+        offsets = self._arange[:total] - np.repeat(cu - num_scheduled, num_scheduled)
+        positions = num_computed[req_of] + offsets
+        token_rows = rows[req_of]
+        width = self.token_ids.shape[1]
+        input_ids = self._input_ids[:total].numpy()
+        np.take(self.token_ids.reshape(-1), token_rows * width + positions, out=input_ids)
+        self._positions[:total].numpy()[:] = positions
+        blocks = self.block_table[token_rows, positions // self.block_size]
+        self._slot_mapping[:total].numpy()[:] = blocks * self.block_size + positions % self.block_size
+        qsl = self._query_start_loc[:num_reqs + 1].numpy()
+        qsl[0] = 0
+        qsl[1:] = cu
+        seq_lens = num_computed + num_scheduled
+        self._seq_lens[:num_reqs].numpy()[:] = seq_lens
+        num_step_blocks = max(1, int(-(-seq_lens.max() // self.block_size)))
+        tables = self._block_tables[:num_reqs, :num_step_blocks]
+        tables.numpy()[:] = self.block_table[rows, :num_step_blocks]
+        return StepInputs(
+            rows=rows, num_scheduled=num_scheduled, cu_num_tokens=cu, num_computed=num_computed,
+            input_ids=self._input_ids[:total], positions=self._positions[:total],
+            slot_mapping=self._slot_mapping[:total],
+            query_start_loc=self._query_start_loc[:num_reqs + 1],
+            seq_lens=self._seq_lens[:num_reqs], block_tables=tables, num_decodes=num_decodes)

@@ -1,0 +1,398 @@
+"""The model runner: loads the model, owns the KV cache, runs one step at a time.
+
+Per step (:meth:`ModelRunner.execute_model`): update the persistent request states
+from the schedule, pack the inputs in the :class:`InputBatch` (vectorised host work,
+O(batch) Python), plan the attention backend once, run the forward, take logits only
+where a request samples, sample, and append the sampled tokens to the runner's own
+copy of each request. The only device-to-host synchronisation is reading the sampled
+tokens (plus logprobs when asked).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lmkit.api.attention import AttentionMetadata
+from lmkit.api.model import ForwardContext, ModelBuildContext
+from lmkit.engine.outputs import TokenLogprob
+from lmkit.errors import ModelLoadError, UnknownBackendError
+from lmkit.loading.weights import iterate_weights, load_hf_config
+from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from lmkit.worker import memory
+from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from lmkit.worker.output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugins.resolve import ResolvedStack
+    from lmkit.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Runs the model of ``model_dir`` for the engine, one scheduled step at a time.
+
+    Args:
+        config: the engine's configuration (``model.max_model_len`` filled in).
+        stack: the resolved stack: device, dtype and the chosen attention backend.
+        host: the plugin host whose registry knows the model architectures.
+        model_dir: a local HF-style model directory.
+    """
+
+    def __init__(self, config: LMKitConfig, stack: ResolvedStack, host: PluginHost,
+                 model_dir: Path) -> None:
+        self.config = config
+        self.stack = stack
+        self.host = host
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(stack.device)
+        self.dtype = DTYPES[stack.dtype]
+        self.block_size = config.cache.block_size
+        self.model: Any = None
+        self.hf_config: Any = None
+        self.architecture = ""
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self) -> None:
+        """Build the model for the config's architecture and load its weights."""
+        hf_config = load_hf_config(self.model_dir)
+        self.hf_config = hf_config
+        reg = self._model_registration(hf_config)
+        attention = self.stack.get("attention")
+        if attention is None:
+            raise ModelLoadError("no attention backend was resolved for this stack")
+        ctx = ModelBuildContext(
+            dtype=self.dtype, device=self.device, block_size=self.block_size,
+            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
+        model = reg.spec.load()(hf_config, ctx)
+        model.load_weights(iterate_weights(self.model_dir))
+        self.model = model.eval() if hasattr(model, "eval") else model
+        self.vocab_size = int(hf_config.vocab_size)
+        self.num_layers = int(hf_config.num_hidden_layers)
+        self.max_model_len = max_model_len(hf_config, self.config.model.max_model_len)
+        self.default_eos_token_id = _default_eos(hf_config, self.model_dir)
+        sched = self.config.scheduler
+        self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, self.block_size,
+                                      sched.max_num_batched_tokens,
+                                      pin_memory=self.device.type == "cuda")
+        self._device_inputs = _DeviceInputs(self.device) if self.device.type != "cpu" else None
+        logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
+                    self.device, self.stack.dtype)
+
+    def _model_registration(self, hf_config: Any) -> Any:
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        known = sorted({k for r in self.host.registry.all("model")
+                        for k in (r.name, *r.spec.aliases)})
+        for arch in archs:
+            try:
+                reg = self.host.registry.get("model", arch)
+            except UnknownBackendError:
+                continue
+            self.architecture = arch
+            return reg
+        raise ModelLoadError(
+            f"model architecture {', '.join(archs) or '(none: config.json has no architectures)'}"
+            f" of {self.model_dir} is not supported; supported architectures: "
+            f"{', '.join(known) or 'none (no model plugin is loaded)'}. Install a plugin that "
+            "registers it (register_models) or use a supported model.")
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across all layers."""
+        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype)
+
+    def available_kv_bytes(self) -> int:
+        """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
+        if self.device.type != "cuda":
+            return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
+        return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
+                                     self._profile_run)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` zeroed KV blocks per layer."""
+        self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
+                                                   self.dtype, self.device)
+        self.num_blocks = num_blocks
+
+    def _profile_run(self) -> None:
+        """The largest step the scheduler can produce, on a scratch KV cache."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        num_reqs = max(1, min(sched.max_num_seqs, num_tokens))
+        q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        q_lens[: num_tokens % num_reqs] += 1
+        blocks_per_req = -(-int(q_lens.max()) // self.block_size)
+        caches = memory.allocate_kv_caches(self.model.attn, self.num_layers,
+                                           num_reqs * blocks_per_req, self.dtype, self.device)
+        batch = InputBatch(num_reqs, int(q_lens.max()), self.block_size, num_tokens)
+        for i, n in enumerate(q_lens):
+            state = CachedRequestState(f"profile-{i}", [0] * int(n), [], None, None, None, 0)
+            batch.add_request(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
+        step = batch.prepare(np.arange(num_reqs), q_lens, 0)
+        with torch.inference_mode():
+            hidden = self._forward(step, caches)
+            self.model.compute_logits(hidden[: num_reqs]).argmax(dim=-1)
+        del caches, hidden
+
+    # ------------------------------------------------------------------ one step
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; returns sampled tokens per scheduled request."""
+        so = scheduler_output
+        self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            return ModelRunnerOutput()
+        order, step = self._prepare_step(so)
+        with torch.inference_mode():
+            hidden = self._forward(step, self.kv_caches)
+            plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
+            sampled, logprobs = self._sample(hidden, order, plan)
+            prompt_logprobs = self._prompt_logprobs(hidden, order, step)
+        return self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Drop finished and preempted requests, add new ones, extend block tables."""
+        batch = self.input_batch
+        for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+            if self.requests.pop(rid, None) is not None:
+                batch.remove_request(rid)
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.requests:  # resent (resumed) without a preemption notice
+                self.requests.pop(new.req_id)
+                batch.remove_request(new.req_id)
+            params = new.sampling_params
+            resumed = bool(new.output_token_ids)
+            state = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids), sampling_params=params,
+                generator=(make_generator(params.seed, self.device)
+                           if params.seed is not None else None),
+                eos_token_id=_eos_of(new, self.default_eos_token_id),
+                num_computed_tokens=new.num_computed_tokens,
+                # positions before the first computed one have no logprobs (prefix hits)
+                prompt_logprobs=([None] * (new.num_computed_tokens + 1)
+                                 if params.prompt_logprobs is not None and not resumed else None))
+            self.requests[new.req_id] = state
+            batch.add_request(state, list(new.block_ids))
+        cached = so.scheduled_cached_reqs
+        for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                 cached.num_computed_tokens, strict=True):
+            state = self.requests[rid]
+            row = batch.row_of[rid]
+            state.num_computed_tokens = num_computed
+            batch.num_computed[row] = num_computed
+            if new_blocks:
+                batch.append_block_ids(row, new_blocks)
+
+    def _prepare_step(self, so: SchedulerOutput) -> tuple[list[str], StepInputs]:
+        """Order the scheduled requests (decodes first) and pack their inputs."""
+        spec = so.scheduled_spec_decode_tokens
+        decodes, others = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            (decodes if n == 1 and rid not in spec else others).append(rid)
+        order = decodes + others
+        batch = self.input_batch
+        row_of = batch.row_of
+        rows = np.fromiter((row_of[r] for r in order), dtype=np.int64, count=len(order))
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in order),
+                                    dtype=np.int64, count=len(order))
+        for rid, drafts in spec.items():
+            if drafts:
+                batch.write_draft_tokens(row_of[rid], drafts)
+        return order, batch.prepare(rows, num_scheduled, len(decodes))
+
+    def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``."""
+        dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
+        seq_lens = step.seq_lens.numpy()
+        md = AttentionMetadata(
+            num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
+            max_query_len=int(step.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
+            block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
+            query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
+            num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes)
+        attn = self.model.attn
+        attn.plan(md)
+        return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sampling_plan(self, order: list[str], step: StepInputs,
+                       spec: dict[str, list[int]]) -> list[tuple[int, int, list[int]]]:
+        """Which requests sample this step: ``(step index, first hidden row, drafts)``.
+
+        A request samples when its chunk reaches the end of its known tokens; with
+        draft tokens it gets logits at the last known token and at every draft
+        (``len(drafts) + 1`` rows), which speculative verification consumes.
+        """
+        plan = []
+        ends = step.num_computed + step.num_scheduled
+        for i, rid in enumerate(order):
+            drafts = spec.get(rid) or []
+            if ends[i] - len(drafts) >= self.requests[rid].num_tokens:
+                plan.append((i, int(step.cu_num_tokens[i]) - 1 - len(drafts), drafts))
+        return plan
+
+    def _sample(self, hidden: torch.Tensor, order: list[str],
+                plan: list[tuple[int, int, list[int]]]
+                ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """Sample every planned row in one sampler call; returns tokens per row."""
+        if not plan:
+            return [], None
+        rows: list[int] = []
+        params, prompts, outputs, generators, eos = [], [], [], [], []
+        for i, first_row, drafts in plan:
+            state = self.requests[order[i]]
+            for j in range(len(drafts) + 1):
+                rows.append(first_row + j)
+                params.append(state.sampling_params)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(state.output_token_ids + drafts[:j] if j else
+                               state.output_token_ids)
+                generators.append(state.generator)
+                eos.append(state.eos_token_id)
+        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        md = SamplingMetadata.build(params, prompts, outputs, generators, eos,
+                                    self.vocab_size, hidden.device)
+        out = self.sampler(logits, md)
+        return out.sampled_token_ids.tolist(), out.logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
+                         ) -> dict[str, list[TokenLogprob | None]]:
+        """Accumulate prompt logprobs over this step's chunks; return completed lists."""
+        done: dict[str, list[TokenLogprob | None]] = {}
+        for i, rid in enumerate(order):
+            state = self.requests[rid]
+            if state.prompt_logprobs is None:
+                continue
+            start = int(step.num_computed[i])
+            end = start + int(step.num_scheduled[i])
+            # row at position p scores prompt token p + 1
+            last = min(end, state.num_prompt_tokens - 1)
+            if last > start:
+                first_row = int(step.cu_num_tokens[i] - step.num_scheduled[i])
+                logits = self.model.compute_logits(
+                    hidden[first_row:first_row + last - start])
+                targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
+                state.prompt_logprobs.extend(compute_prompt_logprobs(
+                    logits, targets, state.sampling_params.prompt_logprobs))
+            if end >= state.num_prompt_tokens:
+                done[rid] = state.prompt_logprobs
+                state.prompt_logprobs = None
+        return done
+
+    def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],
+                sampled: list[int], logprobs: list[TokenLogprob | None] | None,
+                prompt_logprobs: dict[str, list[TokenLogprob | None]],
+                so: SchedulerOutput) -> ModelRunnerOutput:
+        """Verify drafts, append tokens to the runner's copies, build the output."""
+        out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order],
+                                prompt_logprobs=prompt_logprobs)
+        if logprobs is not None:
+            out.logprobs = [[] for _ in order]
+        k = 0
+        for i, _, drafts in plan:
+            rid = order[i]
+            tokens = sampled[k:k + len(drafts) + 1]
+            num_accepted = accept_drafts(drafts, tokens)
+            tokens = tokens[:num_accepted + 1]
+            if drafts:
+                out.num_draft_tokens[rid] = len(drafts)
+                out.num_accepted_tokens[rid] = num_accepted
+            if out.logprobs is not None:
+                out.logprobs[i] = [lp for lp in logprobs[k:k + len(tokens)] if lp is not None]
+            k += len(drafts) + 1
+            out.sampled_token_ids[i] = tokens
+            self.requests[rid].output_token_ids.extend(tokens)
+            self.input_batch.append_tokens(self.input_batch.row_of[rid], tokens)
+        return out
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> int:
+    """Speculative verification by exact match: how many drafts to accept.
+
+    ``sampled[j]`` was drawn from the target model at draft position ``j`` (given the
+    drafts before it), so accepting drafts while they equal the target's own samples,
+    then taking the target's sample at the first mismatch (or the bonus token), yields
+    exactly the target distribution, for greedy and random sampling alike.
+    Rejection sampling with draft probabilities accepts more and can replace this.
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
+
+
+def max_model_len(hf_config: Any, asked: int | None) -> int:
+    """The context length: the config's ``max_model_len`` if set and smaller than the
+    model's ``max_position_embeddings``, else the latter (2048 if neither is known)."""
+    native = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    candidates = [n for n in (native, asked or 0) if n > 0]
+    return min(candidates) if candidates else 2048
+
+
+def _eos_of(new: Any, default: int | None) -> int | None:
+    eos = getattr(new, "eos_token_id", None)
+    return default if eos is None else eos
+
+
+def _default_eos(hf_config: Any, model_dir: Path) -> int | None:
+    """The model's EOS id (generation_config.json first, then config.json)."""
+    ids: Any = None
+    try:
+        from transformers import GenerationConfig
+
+        ids = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+    except (OSError, ValueError):
+        ids = None
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if isinstance(ids, (list, tuple)):
+        ids = ids[0] if ids else None
+    return ids
+
+
+class _DeviceInputs:
+    """Persistent device copies of a step's inputs (fixed addresses, for CUDA graphs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _put(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or any(b < h for b, h in zip(buf.shape, host.shape, strict=True)):
+            shape = tuple(max(2 * h, b) for h, b in zip(
+                host.shape, buf.shape if buf is not None else host.shape, strict=True))
+            buf = torch.zeros(shape, dtype=host.dtype, device=self.device)
+            self._buffers[name] = buf
+        view = buf[tuple(slice(0, h) for h in host.shape)]
+        view.copy_(host, non_blocking=True)
+        return view
+
+    def copy(self, step: StepInputs) -> StepInputs:
+        """Copy ``step``'s tensors into the device buffers; returns device views."""
+        return StepInputs(
+            rows=step.rows, num_scheduled=step.num_scheduled, cu_num_tokens=step.cu_num_tokens,
+            num_computed=step.num_computed, input_ids=self._put("input_ids", step.input_ids),
+            positions=self._put("positions", step.positions),
+            slot_mapping=self._put("slot_mapping", step.slot_mapping),
+            query_start_loc=self._put("query_start_loc", step.query_start_loc),
+            seq_lens=self._put("seq_lens", step.seq_lens),
+            block_tables=self._put("block_tables", step.block_tables),
+            num_decodes=step.num_decodes)

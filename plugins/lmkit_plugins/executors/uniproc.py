@@ -1,0 +1,84 @@
+"""The ``uniproc`` executor: one model runner in the engine-core process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lmkit.api import (
+    Executor,
+    LMKitConfig,
+    ModelInfo,
+    ModelRunnerOutput,
+    PluginHost,
+    ResolvedStack,
+    SchedulerOutput,
+)
+
+
+class UniProcExecutor(Executor):
+    """Runs a single :class:`~lmkit.api.ModelRunner` in this process, on this device.
+
+    Args:
+        config: the engine's configuration; ``config.model.model`` is a local model
+            directory (the engine resolves aliases and hub ids before this point).
+        stack: the resolved stack (device, dtype, attention backend).
+        options: this executor's options (it takes none).
+        host: the plugin host to find model architectures in; loaded from
+            ``config.plugins`` when not given.
+    """
+
+    def __init__(self, config: LMKitConfig, stack: ResolvedStack, options: Any = None,
+                 host: PluginHost | None = None) -> None:
+        self.config = config
+        self.stack = stack
+        self.options = options
+        self.host = host if host is not None else PluginHost.load(config.plugins)
+        self.runner: Any = None
+
+    def start(self) -> ModelInfo:
+        """Load the model and measure memory; return what the engine needs to know."""
+        from lmkit.api import ModelRunner
+
+        runner = ModelRunner(self.config, self.stack, self.host, Path(self.config.model.model))
+        runner.load_model()
+        self.runner = runner
+        return ModelInfo(
+            architecture=runner.architecture,
+            vocab_size=runner.vocab_size,
+            max_model_len=runner.max_model_len,
+            num_layers=runner.num_layers,
+            kv_bytes_per_block=runner.kv_bytes_per_block(),
+            available_kv_bytes=runner.available_kv_bytes(),
+            device=str(runner.device),
+            dtype=self.stack.dtype,
+            extra={"eos_token_id": runner.default_eos_token_id},
+        )
+
+    def _require_runner(self) -> Any:
+        if self.runner is None:
+            raise RuntimeError("UniProcExecutor.start() must be called first")
+        return self.runner
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks."""
+        self._require_runner().initialize_kv_cache(num_blocks)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step's forward and sampling."""
+        return self._require_runner().execute_model(scheduler_output)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``[runner.method(*args, **kwargs)]`` (one worker)."""
+        return [getattr(self._require_runner(), method)(*args, **kwargs)]
+
+    def shutdown(self) -> None:
+        """Release the model and KV cache. Safe to call twice."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.kv_caches = []
+            runner.model = None
+            if runner.device.type == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()

@@ -180,7 +180,8 @@ def _fields_table(model: dict[str, Any], defs: dict[str, Any], env_prefix: str |
         header = "| field | type | default | environment variable | description |"
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, prop in model.get("properties", {}).items():
-        cells = [f"`{name}`", _type(prop, defs), _default(prop)]
+        required = name in model.get("required", [])
+        cells = [f"`{name}`", _type(prop, defs), "required" if required else _default(prop)]
         if env_prefix:
             cells.append(f"`{env_prefix}{name.upper()}`")
         cells.append(_one_line(prop.get("description", "")))
@@ -207,9 +208,10 @@ def _type(prop: dict[str, Any], defs: dict[str, Any]) -> str:
 
 
 def _default(prop: dict[str, Any]) -> str:
-    if "default" not in prop:
-        return "required"
-    return f"`{json.dumps(prop['default'])}`"
+    if "default" in prop:
+        return f"`{json.dumps(prop['default'])}`"
+    empty = {"object": "{}", "array": "[]"}.get(prop.get("type", ""))
+    return f"`{empty}`" if empty else "-"  # a default_factory the schema cannot show
 
 
 def _one_line(text: str) -> str:

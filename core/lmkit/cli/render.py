@@ -32,7 +32,7 @@ def print_error(error: BaseException) -> None:
     """One paragraph on stderr: ``error: <message>``, without a traceback."""
     text = Text("error: ", style="bold red")
     text.append(str(error))
-    stderr().print(text)
+    stderr().print(text, soft_wrap=True)  # the terminal wraps; copied text stays whole
 
 
 def print_json(data: Any) -> None:
@@ -53,5 +53,5 @@ def print_table(title: str | None, header: Sequence[str], rows: Sequence[Sequenc
 
 
 def print_text(text: str, style: str | None = None) -> None:
-    """A line on stdout, shown literally."""
-    stdout().print(Text(text, style=style or ""))
+    """A line on stdout, shown literally and not re-wrapped."""
+    stdout().print(Text(text, style=style or ""), soft_wrap=True)

@@ -75,7 +75,8 @@ def _format_one(e: Any, prefix: str, model: type[BaseModel] | None) -> str:
         return msg + (f"; did you mean {hint!r}?" if hint else "")
     if e["type"] == "missing":
         return f"{path}: required field is missing"
-    return f"{path}: {e['msg']} (got {shown})"
+    msg = e["msg"].removeprefix("Value error, ")  # a validator's own words
+    return f"{path}: {msg} (got {shown})"
 
 
 def field_annotation(model: type[BaseModel] | None, loc: Iterable[Any]) -> Any:

@@ -16,6 +16,8 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class Section(BaseModel):
+    """Base of every config section: unknown fields are errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -43,6 +45,8 @@ class OptionalBackendSection(BackendSection):
 
 
 class ModelConfig(Section):
+    """Which model to run, where its files come from, and its numeric type."""
+
     model: str = Field(DEFAULT_MODEL, description="Model alias, local path, GGUF file or hub id.")
     source: str = Field("auto", description="Model source plugin, or 'auto' to detect.")
     tokenizer: str | None = Field(None, description="Tokenizer path if different from the model.")
@@ -57,6 +61,8 @@ class ModelConfig(Section):
 
 
 class CacheConfig(Section):
+    """The paged KV cache: block size, prefix caching and how much memory it takes."""
+
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks by content hash.")
     num_blocks: int | None = Field(None, gt=0, description="Fix the KV pool size in blocks.")
@@ -71,11 +77,13 @@ class CacheConfig(Section):
     @classmethod
     def _pow2(cls, v: int) -> int:
         if v & (v - 1):
-            raise ValueError(f"block_size must be a power of two, got {v}")
+            raise ValueError("must be a power of two, such as 16 or 32")
         return v
 
 
 class SchedulerConfig(BackendSection):
+    """The scheduler plugin and the per-step budgets every scheduler honours."""
+
     max_num_batched_tokens: int = Field(
         2048, gt=0, description="Token budget of one engine step (prefill chunks + decodes)."
     )
@@ -84,10 +92,12 @@ class SchedulerConfig(BackendSection):
 
 
 class AttentionConfig(BackendSection):
-    pass
+    """The attention backend plugin (paged attention kernels)."""
 
 
 class ExecutorConfig(BackendSection):
+    """The executor plugin (how model workers run) and the device they run on."""
+
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the model runs; 'auto' picks CUDA when available."
     )
@@ -95,18 +105,25 @@ class ExecutorConfig(BackendSection):
 
 
 class SpeculativeConfig(OptionalBackendSection):
+    """Speculative decoding: the draft proposer plugin (off unless named) and k."""
+
     num_speculative_tokens: int = Field(4, gt=0, le=64, description="Draft tokens per step (k).")
 
 
 class StructuredOutputConfig(OptionalBackendSection):
+    """Constrained decoding (JSON schema, regex, grammar): the backend plugin; on when one
+    is installed."""
+
     backend: str = Field("auto", description="'none', 'auto', or a registered name.")
 
 
 class OffloadConfig(OptionalBackendSection):
-    pass
+    """KV-cache offload to a slower tier (CPU memory, disk): the tier plugin, off unless named."""
 
 
 class ServerConfig(Section):
+    """The OpenAI-compatible HTTP server (`lmkit serve`)."""
+
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="Bearer key required on every route but /health.")

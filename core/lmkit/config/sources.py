@@ -8,6 +8,7 @@ layers (CLI > environment > file > defaults) and validates the result.
 from __future__ import annotations
 
 import re
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -122,16 +123,18 @@ def parse_text_value(path: str, raw: str) -> Any:
 
 
 def _is_text_field(path: str) -> bool:
+    """Whether the field at ``path`` holds text: ``str``, ``str | None`` or a Literal of
+    strings (``None`` is allowed; lists, numbers and mappings are not text)."""
     annotation = field_annotation(LMKitConfig, path.split("."))
     if annotation is None:
         return False
-    args = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Literal:
-        args = [annotation]
-    return bool(args) and all(
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = [a for a in (typing.get_args(annotation) if union else (annotation,))
+               if a is not type(None)]
+    return bool(members) and all(
         a is str or (typing.get_origin(a) is typing.Literal
                      and all(isinstance(v, str) for v in typing.get_args(a)))
-        for a in args
+        for a in members
     )
 
 

@@ -219,7 +219,7 @@ class PluginHost:
         info = self._record(name, source, ep.value if ep else module, ep,
                             api=None if declared is None else str(declared))
         try:
-            check_api_version(name, declared, info.origin)
+            check_api_version(name, declared, info.origin if info.dist else None)
             self.pm.register(obj, name=name)
             unknown = [hc.name for hc in self.pm.get_hookcallers(obj) or [] if not hc.has_spec()]
             if unknown:

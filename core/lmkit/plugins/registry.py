@@ -148,7 +148,8 @@ class Registry:
         """The no-fit error: every candidate, its plugin and version, and its reasons."""
         candidates = self.all(kind)
         if not candidates:
-            return f"no {kind.replace('_', ' ')} is registered by any plugin."
+            return (f"no {kind.replace('_', ' ')} is registered by any plugin; install or load "
+                    "(-p NAME) a plugin that provides one (`lmkit plugins list` shows what loaded).")
         rows = [
             (r.name, r.plugin, r.version or "-", "; ".join(r.spec.why_not(needs)) or "ok")
             for r in candidates

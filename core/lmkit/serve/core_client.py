@@ -75,8 +75,8 @@ class EngineCoreClient:
         return self.proc.pid if self.proc else None
 
     def is_alive(self) -> bool:
-        """True while the engine process runs and has not been declared dead."""
-        return self.dead_reason is None and self.proc is not None and self.proc.poll() is None
+        """False once the engine process has exited or been declared dead."""
+        return self.dead_reason is None and (self.proc is None or self.proc.poll() is None)
 
     async def start(self, timeout: float | None = None) -> EngineReady:
         """Start the process and wait for :class:`EngineReady`.

@@ -1,0 +1,228 @@
+"""AsyncLLM and the engine-core channel, driven by a scripted engine in a thread.
+
+The real :class:`EngineCoreProc` loop, ZMQ sockets, msgspec messages, input and output
+processors and tokenizer are used; only the model is replaced by a script that emits the
+same tokens for every request, so these tests need no weights and take seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from lmkit.config.schema import LMKitConfig
+from lmkit.engine.outputs import EngineCoreOutput
+from lmkit.engine.sampling_params import SamplingParams
+from lmkit.errors import EngineDeadError, InvalidRequestError
+from lmkit.serve.async_llm import AsyncLLM
+from lmkit.serve.core_client import EngineCoreClient
+from lmkit.serve.core_proc import EngineCoreProc
+from lmkit.serve.messages import EngineReady
+
+SCRIPT = " one two three four five six seven eight nine ten"
+
+
+class ScriptedEngine:
+    """Emits the tokens of SCRIPT one per step to every request (cycling)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.running: dict[str, object] = {}
+        self.aborted: list[str] = []
+        self.num_added = 0
+
+    def add_request(self, request) -> None:
+        if request.prompt_token_ids[0] == 0:  # stands for "the scheduler cannot take it"
+            raise InvalidRequestError("prompt starts with token 0", param="prompt",
+                                      code="unschedulable")
+        self.num_added += 1
+        self.running[request.request_id] = request
+
+    def abort_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            if self.running.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[EngineCoreOutput]:
+        time.sleep(0.005)
+        outs = []
+        for rid, req in list(self.running.items()):
+            tok = self.tokens[req.num_output_tokens % len(self.tokens)]
+            req.append_output_token_ids([tok])
+            done = req.num_output_tokens >= req.max_tokens
+            outs.append(EngineCoreOutput(rid, [tok], "length" if done else None))
+            if done:
+                del self.running[rid]
+        return outs
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running_reqs": len(self.running), "kv_cache_usage": 0.1 * len(self.running)}
+
+
+@pytest.fixture
+def harness(smollm2_tokenizer):
+    """(AsyncLLM factory, scripted engine) with the engine loop running in a thread."""
+    engine = ScriptedEngine(smollm2_tokenizer.encode(SCRIPT))
+    state = {}
+
+    async def make() -> AsyncLLM:
+        client = EngineCoreClient(LMKitConfig().model_dump(mode="json"))
+        proc = EngineCoreProc(engine, client.input_addr, client.output_addr)
+        thread = threading.Thread(target=proc.run, daemon=True)
+        thread.start()
+        state.update(proc=proc, thread=thread)
+        ready = EngineReady(model_dir="/nonexistent", max_model_len=64, vocab_size=49152,
+                            eos_token_id=smollm2_tokenizer.eos_token_id, stack={}, plugins=[],
+                            stats={})
+        llm = AsyncLLM(client, ready, LMKitConfig(), smollm2_tokenizer)
+        llm._loop_task = asyncio.create_task(llm._output_loop())
+        return llm
+
+    make.state = state
+    yield make, engine
+    if "proc" in state:
+        state["proc"].should_stop = True
+        state["thread"].join(5)
+        state["proc"].close()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def collect(agen):
+    outs = [o async for o in agen]
+    return outs
+
+
+def test_stream_deltas_concatenate_and_n_fans_out(harness):
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        outs = await collect(llm.generate("Hi", SamplingParams(n=3, max_tokens=5)))
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    final = outs[-1]
+    assert final.finished and len(final.outputs) == 3
+    for c in final.outputs:
+        assert c.text == " one two three four five" and c.finish_reason == "length"
+        assert "".join(o.outputs[c.index].delta_text for o in outs) == c.text
+    assert engine.num_added == 3
+
+
+def test_stop_string_truncates_and_aborts_in_engine(harness):
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        outs = await collect(llm.generate("Hi", SamplingParams(max_tokens=10, stop=[" four"])))
+        await asyncio.sleep(0.1)
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    assert outs[-1].outputs[0].text == " one two three"
+    assert outs[-1].outputs[0].finish_reason == "stop"
+    assert len(engine.aborted) == 1  # the engine stopped generating for it
+
+
+def test_closing_the_stream_aborts_the_request(harness):
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        agen = llm.generate("Hi", SamplingParams(max_tokens=60))
+        first = await agen.__anext__()
+        await agen.aclose()
+        await asyncio.sleep(0.1)
+        in_flight = llm.num_in_flight
+        await llm.shutdown()
+        return first, in_flight
+
+    first, in_flight = run(main())
+    assert not first.finished and in_flight == 0
+    assert engine.aborted and not engine.running
+
+
+def test_engine_rejection_is_an_invalid_request_and_others_go_on(harness):
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(llm.generate([0, 5, 6], SamplingParams(max_tokens=3)))
+        outs = await collect(llm.generate("Hi", SamplingParams(max_tokens=2)))
+        stats = await llm.get_stats()
+        await llm.shutdown()
+        return info.value, outs, stats
+
+    err, outs, stats = run(main())
+    assert err.code == "unschedulable" and err.param == "prompt"
+    assert outs[-1].outputs[0].text == " one two"
+    assert stats == {"num_running_reqs": 0.0, "kv_cache_usage": 0.0}
+
+
+def test_context_length_is_checked_before_the_engine(harness):
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(llm.generate("Hi", SamplingParams(max_tokens=100)))
+        await llm.shutdown()
+        return info.value
+
+    assert run(main()).code == "context_length_exceeded"
+    assert engine.num_added == 0
+
+
+def test_dead_engine_process_fails_requests_in_flight(harness):
+    make, engine = harness
+    state = make.state
+
+    async def main():
+        llm = await make()
+        # Stand-in for the engine process: the client watches it like the real one.
+        llm.client.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        agen = llm.generate("Hi", SamplingParams(max_tokens=60))
+        await agen.__anext__()
+        state["proc"].should_stop = True  # a dead engine sends nothing more
+        llm.client.proc.kill()
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        elapsed = time.monotonic() - t0
+        healthy = llm.is_healthy
+        with pytest.raises(EngineDeadError):
+            await collect(llm.generate("Hi", SamplingParams(max_tokens=2)))
+        await llm.shutdown()
+        return elapsed, healthy
+
+    elapsed, healthy = run(main())
+    assert elapsed < 2.0 and not healthy
+
+
+def test_recv_notices_a_dead_process_quickly():
+    async def main():
+        client = EngineCoreClient({})
+        client.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="status 3"):
+            while True:
+                await client.recv(timeout=5)
+        elapsed = time.monotonic() - t0
+        await client.close(kill=True)
+        return elapsed
+
+    assert run(main()) < 5

@@ -1,0 +1,104 @@
+"""``lmkit bench serve``: benchmark a running lmkit (or any OpenAI-compatible) server.
+
+Attached to the ``bench`` group by :func:`register`. The workload's prompts are token
+ids; for the ``chat`` and ``file`` workloads the tokenizer comes from the server's model
+directory (``GET /v1/lmkit/stack``), which must be readable from this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from lmkit.errors import ConfigError
+
+PANEL = "Workload"
+
+
+def _server_model_dir(url: str, api_key: str | None) -> Path | None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{url}/v1/lmkit/stack", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach the server at {url}: {e}; start one with "
+                          "`lmkit serve` or pass --url") from e
+    if resp.status_code != 200:
+        return None
+    path = Path(resp.json().get("model_dir", ""))
+    return path if (path / "config.json").is_file() else None
+
+
+def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_len: str,
+              output_len: str, seed: int, dataset: Path | None) -> Any:
+    from lmkit.bench.offline import make_workload
+    from lmkit.cli.bench import _range
+
+    model_dir = _server_model_dir(url, api_key)
+    tokenizer, vocab = None, 32000
+    if model_dir is not None:
+        from lmkit.loading.tokenizer import load_tokenizer
+        from lmkit.loading.weights import load_hf_config
+
+        tokenizer = load_tokenizer(model_dir)
+        vocab = int(load_hf_config(model_dir).vocab_size)
+    elif kind != "random":
+        raise ConfigError(f"the {kind} workload needs the server's tokenizer, but its model "
+                          "directory is not readable here; use --workload random")
+    try:
+        return make_workload(kind, tokenizer, vocab, num_prompts, _range(input_len),
+                             _range(output_len), seed, dataset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def bench_serve(
+    url: Annotated[str, typer.Option(help="Server base URL.")] = "http://127.0.0.1:8000",
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", help="Bearer key (default: LMKIT_API_KEY).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name (default: the server's).")] = None,
+    workload: Annotated[str, typer.Option(help="random (token ids), chat (built-in prompts) "
+                                          "or file.", rich_help_panel=PANEL)] = "random",
+    num_prompts: Annotated[int, typer.Option(help="Requests per run.",
+                                             rich_help_panel=PANEL)] = 64,
+    input_len: Annotated[str, typer.Option(help="Prompt length N or LOW:HIGH (random).",
+                                           rich_help_panel=PANEL)] = "128",
+    output_len: Annotated[str, typer.Option(help="Output length N or LOW:HIGH (EOS ignored).",
+                                            rich_help_panel=PANEL)] = "64",
+    seed: Annotated[int, typer.Option(help="Workload and arrival seed.",
+                                      rich_help_panel=PANEL)] = 0,
+    dataset: Annotated[Path | None, typer.Option(help="JSON lines file for --workload file.",
+                                                 rich_help_panel=PANEL)] = None,
+    concurrency: Annotated[list[int] | None, typer.Option(
+        "--concurrency", help="Closed-loop clients; repeat for a sweep.")] = None,
+    request_rate: Annotated[list[float] | None, typer.Option(
+        "--request-rate", help="Poisson arrival rate in requests/s ('inf': all at once); "
+        "repeat for a sweep.")] = None,
+    max_concurrency: Annotated[int | None, typer.Option(
+        help="Cap on requests in flight for --request-rate runs.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the JSON report here.")] = None,
+) -> None:
+    """Online serving benchmark: TTFT, TPOT, ITL (mean/p50/p99), throughput, errors."""
+    from lmkit.bench.serve import format_serve_report, run_serve_bench
+    from lmkit.cli.render import print_text
+
+    url = url.rstrip("/")
+    api_key = api_key or os.environ.get("LMKIT_API_KEY")
+    wl = _workload(url, api_key, workload, num_prompts, input_len, output_len, seed, dataset)
+    print_text(f"{wl.describe()}; against {url}")
+    report = run_serve_bench(url, wl, concurrency=concurrency or (), request_rates=request_rate
+                             or (), max_concurrency=max_concurrency, api_key=api_key,
+                             model=model, seed=seed)
+    print_text(format_serve_report(report))
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Add ``serve`` to the ``lmkit bench`` group."""
+    bench_app.command("serve")(bench_serve)

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from lmkit.platform import cuda_device_count
+
+# Without CUDA, Triton kernels run in its CPU interpreter. Triton decides that when a
+# kernel (or triton.language itself) is first imported, so it is set here, before any
+# test module is collected.
+if cuda_device_count() == 0:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -35,65 +35,70 @@ def paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + req)
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    # this split's key range, in whole BLOCK_N tiles
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * split_len
-    kv_end = tl.minimum(kv_start + split_len, seq_len)
+    # a request with no query row (padding) has nothing to write
+    if tl.load(query_start_loc_ptr + req + 1) > q_row:
+        seq_len = tl.load(seq_lens_ptr + req)
+        # this split's key range, in whole BLOCK_N tiles
+        split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        kv_start = split * split_len
+        kv_end = tl.minimum(kv_start + split_len, seq_len)
 
-    # ROWS: the group's heads padded to a power of two >= 16 (tl.dot's minimum)
-    offs_g = tl.arange(0, ROWS)
-    g_ok = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_SIZE
-    q = tl.load(q_ptr + q_row * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-    for start_n in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
-        block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % PAGE_SIZE
-        k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block + slot[None, :] * stride_kc_slot
-                    + kv_head * stride_kc_head + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
-                    + kv_head * stride_vc_head + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+        # ROWS: the group's heads padded to a power of two >= 16 (tl.dot's minimum)
+        offs_g = tl.arange(0, ROWS)
+        g_ok = offs_g < GROUP
+        head = kv_head * GROUP + offs_g
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_SIZE
+        q = tl.load(q_ptr + q_row * stride_q_tok + head[:, None] * stride_q_head
+                    + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [ROWS, BLOCK_N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
-        m_i = m_new
+            q = q.to(tl.float32)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    mask = g_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # partials: out [num_reqs, NUM_HEADS, NUM_SPLITS, HEAD_PAD], lse [.., NUM_SPLITS]
-        # (log2 domain; -inf for an empty split)
-        part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
-        tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], out,
-                 mask=g_ok[:, None])
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
-        tl.store(part_lse_ptr + part, lse, mask=g_ok)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+        bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+        for start_n in range(kv_start, kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_end
+            block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+            k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block
+                        + slot[None, :] * stride_kc_slot + kv_head * stride_kc_head
+                        + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block
+                        + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
+                        + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_PAD]
+            if DOT_F32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [ROWS, BLOCK_N]
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
+            m_i = m_new
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        mask = g_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head
+                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # partials: out [num_reqs, NUM_HEADS, NUM_SPLITS, HEAD_PAD], lse [.., NUM_SPLITS]
+            # (log2 domain; -inf for an empty split)
+            part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
+            tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], out,
+                     mask=g_ok[:, None])
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_lse_ptr + part, lse, mask=g_ok)
 
 
 @triton.jit
@@ -107,15 +112,16 @@ def reduce_splits_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    base = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_PAD)
-    lse = tl.load(part_lse_ptr + base + offs_s)  # [NUM_SPLITS]
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # 0 for empty splits
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
-    total = tl.sum(w, axis=0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + q_row * stride_o_tok + head * stride_o_head + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    if tl.load(query_start_loc_ptr + req + 1) > q_row:
+        base = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_PAD)
+        lse = tl.load(part_lse_ptr + base + offs_s)  # [NUM_SPLITS]
+        lse_max = tl.max(lse, axis=0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp2(lse - lse_max)  # 0 for empty splits
+        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+        total = tl.sum(w, axis=0)
+        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + q_row * stride_o_tok + head * stride_o_head + offs_d,
+                 out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

@@ -1,0 +1,252 @@
+"""lmkit_kernels' Triton kernels against their torch references, in Triton's CPU
+interpreter (``TRITON_INTERPRET=1``), at tiny shapes.
+
+Covers paged attention (decode with and without split-K, prefill, prefill over a cached
+prefix, chunked prefill, mixed batches, GQA, block sizes 16/32, head sizes 64/80/128,
+float32/float16/bfloat16), the KV-cache write and top-k/top-p sampling, plus the
+``triton`` attention backend against the torch reference backend. On a machine with
+CUDA this module runs only when TRITON_INTERPRET=1 is set for the whole session (the
+compiled kernels are covered by tests/gpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA is available: compiled kernels are tested in tests/gpu (set "
+                "TRITON_INTERPRET=1 to run the interpreter tests here)", allow_module_level=True)
+# Must precede the first import of triton (tests/conftest.py sets it on CPU-only machines).
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(tl.zeros, InterpretedFunction):  # kernels would be compiled, not interpreted
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this module "
+                "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+from lmkit.api import AttentionMetadata  # noqa: E402
+from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
+from lmkit_kernels.paged_attention import paged_attention  # noqa: E402
+from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
+from lmkit_kernels.reference import (  # noqa: E402
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    sample_ref,
+    top_k_top_p_mask_ref,
+)
+from lmkit_kernels.sampling import sample  # noqa: E402
+from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
+from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _attend(batch, **kwargs):
+    return paged_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                           batch.block_tables, max_query_len=batch.max_query_len, **kwargs)
+
+
+def _check_attention(batch, out, dtype):
+    head_size = batch.q.shape[-1]
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                              batch.block_tables, head_size ** -0.5)
+    n = batch.num_tokens
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_size"), [(16, 64), (32, 128)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode(dtype, block_size, head_size, num_heads, num_kv_heads, num_splits):
+    # contexts shorter than, equal to and several times one 64-token tile
+    reqs = [(4, 1), (63, 1), (150, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, block_size=block_size, dtype=dtype)
+    _check_attention(batch, _attend(batch, num_splits=num_splits), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "head_size"), [(16, 64), (32, 128)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)])
+def test_prefill_cached_prefix_and_chunks(dtype, block_size, head_size, num_heads, num_kv_heads):
+    # a fresh prompt, a prompt over a cached prefix, a later chunk of a chunked prefill,
+    # and a decode row mixed in
+    reqs = [(0, 19), (37, 11), (70, 40), (25, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, block_size=block_size, dtype=dtype, seed=1)
+    _check_attention(batch, _attend(batch), dtype)
+
+
+def test_head_size_not_power_of_two_and_default_splits():
+    batch = make_paged_batch([(40, 1), (9, 1)], num_heads=4, num_kv_heads=4, head_size=80,
+                             block_size=16, dtype=torch.float16, seed=2)
+    _check_attention(batch, _attend(batch), torch.float16)
+    batch = make_paged_batch([(40, 5), (0, 3)], num_heads=6, num_kv_heads=2, head_size=80,
+                             block_size=16, seed=3)  # group of 3 (padded to 4)
+    _check_attention(batch, _attend(batch), torch.float32)
+
+
+def test_padding_rows_and_empty_requests():
+    """Rows past the batch are untouched; a zero-length padding request gets zeros."""
+    batch = make_paged_batch([(20, 1), (0, 0)], num_heads=2, num_kv_heads=1, head_size=64,
+                             block_size=16, extra_rows=2, seed=4)
+    assert batch.query_start_loc.tolist() == [0, 1, 1]  # the second owns no query row...
+    out = torch.full_like(batch.q, 7.0)
+    paged_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                    batch.block_tables, max_query_len=1, out=out, num_splits=2)
+    _check_attention(batch, out, torch.float32)
+    assert torch.all(out[1:] == 7.0)
+    # ...or, in a padded decode batch, a row with seq_len 0: its output is zeros
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
+    seq_lens = torch.tensor([21, 0], dtype=torch.int32)
+    paged_attention(batch.q, batch.kv_cache, qsl, seq_lens, batch.block_tables,
+                    max_query_len=1, out=out, num_splits=2)
+    assert torch.all(out[1] == 0.0)
+
+
+def test_launcher_rejects_bad_arguments():
+    batch = make_paged_batch([(5, 2)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    with pytest.raises(ValueError, match="kv_cache has dtype float16"):
+        paged_attention(batch.q, batch.kv_cache.half(), *args, max_query_len=2)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention(batch.q[:, :3], batch.kv_cache, *args, max_query_len=2)
+    with pytest.raises(ValueError, match="unit stride"):
+        paged_attention(batch.q.transpose(1, 2).contiguous().transpose(1, 2), batch.kv_cache,
+                        *args, max_query_len=2)
+    with pytest.raises(ValueError, match="seq_lens has dtype int64"):
+        paged_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens.long(),
+                        batch.block_tables, max_query_len=2)
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        paged_attention(batch.q, batch.kv_cache, *args, max_query_len=1, num_splits=3)
+    with pytest.raises(ValueError, match=r"kv_cache must have shape \[2, \*, \*, \*, 64\]"):
+        paged_attention(batch.q, batch.kv_cache[..., :32], *args, max_query_len=2)
+
+
+# ---------------------------------------------------------------- KV-cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_reshape_and_cache(dtype, block_size):
+    num_kv_heads, head_size, num_blocks = 3, 64, 6
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(dtype)
+    expected = kv_cache.clone()
+    # k and v as strided views into a fused QKV output, two padding rows at the end
+    qkv = torch.randn(9, 4 + 2 * num_kv_heads, head_size).to(dtype)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size)[:7]
+    slots[2] = -1  # a padding token: skipped
+    reshape_and_cache(key, value, kv_cache, slots)
+    reshape_and_cache_ref(key, value, expected, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_reshape_and_cache_rejects_bad_arguments():
+    kv_cache = torch.zeros(2, 4, 16, 2, 64)
+    key = torch.randn(3, 2, 64)
+    with pytest.raises(ValueError, match="key must have shape"):
+        reshape_and_cache(key[:, :1], key, kv_cache, torch.arange(3))
+    with pytest.raises(ValueError, match="slot_mapping has 4 entries"):
+        reshape_and_cache(key, key, kv_cache, torch.arange(4))
+    with pytest.raises(ValueError, match="value has dtype float16"):
+        reshape_and_cache(key, key.half(), kv_cache, torch.arange(3))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sample_matches_reference_with_shared_noise():
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 8, 300
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.tensor([1.0, 0.5, 0.0, 1.5, 1.0, 0.8, 2.0, 1.0])
+    top_k = torch.tensor([0, 5, 7, 40, vocab, 1, 300, 12])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.7, 0.2, 1.0, 0.95, 0.6])
+    noise = torch.empty(rows, vocab).exponential_(generator=gen)
+    got = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
+    assert torch.equal(got, sample_ref(logits, temperature, top_k, top_p, noise))
+    assert got[2] == logits[2].argmax()  # temperature 0: greedy
+    assert got[5] == logits[5].argmax()  # top-k 1
+    # bfloat16 logits, no temperature, top-k only
+    got = sample(logits.bfloat16(), top_k=top_k, noise=noise)
+    assert torch.equal(got, sample_ref(logits.bfloat16(), None, top_k, None, noise))
+
+
+@pytest.mark.parametrize("mode", ["top_k", "top_p", "both"])
+def test_sample_threshold_is_exact(mode):
+    """Force each token in turn to win the race if kept: the kernel must keep exactly
+    the reference's top-k/top-p set (thresholds placed between cumulative masses)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 16
+    row = torch.randn(vocab, generator=gen) * 2
+    probs = row.double().softmax(-1).sort(descending=True).values
+    k = 9 if mode != "top_p" else 0
+    kept_probs = probs[:k] / probs[:k].sum() if k else probs
+    cum = kept_probs.cumsum(0)
+    p = float((cum[4] + cum[5]) / 2) if mode != "top_k" else 1.0  # keep exactly 6
+    logits = row.expand(vocab, vocab).contiguous()
+    noise = torch.ones(vocab, vocab)
+    noise[torch.arange(vocab), torch.arange(vocab)] = 1e-30  # row i: token i wins if kept
+    top_k = torch.full((vocab,), k)
+    top_p = torch.full((vocab,), p)
+    got = sample(logits, top_k=top_k, top_p=top_p, noise=noise)
+    keep = top_k_top_p_mask_ref(logits, top_k, top_p)[0]
+    assert int(keep.sum()) == (6 if mode != "top_k" else 9)
+    wins = got == torch.arange(vocab)
+    assert torch.equal(wins, keep)
+
+
+def test_sample_in_kernel_noise_is_seeded_and_follows_the_distribution():
+    rows, vocab = 120, 4
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(rows, vocab).contiguous()
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 1
+    first = sample(logits, seeds=seeds)
+    assert torch.equal(first[:8], sample(logits[:8], seeds=seeds[:8]))  # same seed, same draw
+    freq = torch.bincount(first, minlength=vocab).float() / rows
+    expected = logits[0].softmax(-1)  # 0.64, 0.24, 0.09, 0.03
+    assert torch.all((freq - expected).abs() < 0.15), (freq, expected)
+    # top-k 2 never draws the two least likely tokens
+    kept = sample(logits[:24], top_k=torch.full((24,), 2), seeds=seeds[:24] + 1)
+    assert set(kept.tolist()) == {0, 1}
+
+
+# ---------------------------------------------------------------- triton backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_matches_torch_reference(dtype):
+    # decodes first, then a fresh prompt, a cached-prefix prompt and a chunk; padded rows
+    reqs = [(30, 1), (70, 1), (0, 9), (33, 20), (100, 3)]
+    kwargs = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    batch = make_paged_batch(reqs, dtype=dtype, extra_rows=3, table_width=12, seed=5, **kwargs)
+    md = AttentionMetadata(
+        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
+        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu)
+    outputs, caches = [], []
+    for cls in (TorchAttention, TritonAttention):
+        backend = cls(scale=64 ** -0.5, dtype=dtype, device=torch.device("cpu"), **kwargs)
+        assert backend.kv_cache_shape(7) == (2, 7, 16, 2, 64)
+        cache = batch.kv_cache.clone()
+        backend.plan(md)
+        outputs.append(backend.run(0, batch.q, batch.k, batch.v, cache))
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    n = batch.num_tokens
+    torch.testing.assert_close(outputs[1][:n].float(), outputs[0][:n].float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(outputs[1][n:] == 0)

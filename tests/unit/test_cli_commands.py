@@ -138,6 +138,34 @@ def test_config_check_errors_exit_2_without_traceback(args: tuple[str, ...], mes
     assert "Traceback" not in result.output
 
 
+CHECKER = """
+import lmkit
+from lmkit.api import ConfigError
+
+LMKIT_PLUGIN_API = ">=1.0,<2"
+
+
+@lmkit.hookimpl
+def configure(config):
+    print("configure saw max_num_seqs", config.scheduler.max_num_seqs)
+    if config.scheduler.max_num_seqs > 100:
+        raise ConfigError("this site runs at most 100 sequences")
+"""
+
+
+def test_config_check_runs_the_configure_hook(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "lmkit_site_checker.py").write_text(CHECKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run("config", "check", "--device", "cpu", "-p", "lmkit_site_checker",
+                 "--max-num-seqs", "7")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("configure saw max_num_seqs 7\n")
+    result = run("config", "check", "--device", "cpu", "-p", "lmkit_site_checker",
+                 "--max-num-seqs", "101")
+    assert (result.exit_code, result.stderr) == (2, "error: this site runs at most 100 sequences\n")
+
+
 def test_config_schema_is_json_schema_with_plugin_names() -> None:
     schema = json.loads(run("config", "schema").stdout)
     assert schema["$schema"].startswith("https://json-schema.org/")

@@ -1,5 +1,5 @@
 """Whole-stack resolution: cross-kind needs, options validated against the chosen spec,
-the configure hook, optional kinds, and errors that say where a bad setting came from."""
+optional kinds, and errors that say where a bad setting came from."""
 
 from __future__ import annotations
 
@@ -137,21 +137,6 @@ def test_a_required_kind_with_no_registration_is_an_error() -> None:
     host = isolated_host(("att", plugin(register_attention_backends=registering(PLAIN))))
     with pytest.raises(NoBackendError, match="no scheduler is registered by any plugin; install or load"):
         resolve_stack(config(), host)
-
-
-def test_configure_hook_sees_the_config_first_and_may_reject_it() -> None:
-    seen: list[int] = []
-
-    def configure(config: Any) -> None:
-        seen.append(config.scheduler.max_num_seqs)
-        if config.scheduler.max_num_seqs > 100:
-            raise ConfigError("checker: max_num_seqs above 100 is not supported by this site")
-
-    host = isolated_host(("core", core_plugin(PLAIN)), ("checker", plugin(configure=configure)))
-    resolve_stack(config({"scheduler.max_num_seqs": 7}), host)
-    assert seen == [7]
-    with pytest.raises(ConfigError, match="not supported by this site"):
-        resolve_stack(config({"scheduler.max_num_seqs": 101}), host)
 
 
 def test_resolved_stack_describes_itself_as_json() -> None:

@@ -48,6 +48,7 @@ def check(opts: ConfigOptions, as_json: JsonFlag = False) -> None:
     a model. Exits 2 with the reasons when it does not fit together."""
     config, _ = build_config(opts)
     host = build_host(config)
+    host.hook.configure(config=config)  # plugins' own checks, as at engine start
     stack = resolve_stack(config, host)
     if as_json:
         print_json(stack.as_dict())

@@ -43,7 +43,9 @@ def print_json(data: Any) -> None:
 def print_table(title: str | None, header: Sequence[str], rows: Sequence[Sequence[Any]],
                 styles: Sequence[str | None] | None = None) -> None:
     """A table on stdout; cells are shown literally (``[x]`` is text, not markup)."""
-    table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
+    if title:
+        print_text(title, style="bold")  # not a table title: those are padded to full width
+    table = Table(show_lines=False, header_style="bold")
     for i, name in enumerate(header):
         style = styles[i] if styles else None
         table.add_column(name, style=style, overflow="fold")

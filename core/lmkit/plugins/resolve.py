@@ -77,7 +77,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
                   ) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.
 
-    Calls the ``configure`` hook first. Kinds are resolved so that those which impose
+    Kinds are resolved so that those which impose
     needs on others (a proposer's ``stack_needs``) come first: under ``auto`` the
     imposed needs steer the choice; an explicitly named backend that lacks them is a
     :class:`StackConflictError` naming both sides. An optional kind (speculative,
@@ -88,7 +88,6 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     :raises ConfigError: (or a subclass) with every reason and where the offending
         setting came from.
     """
-    host.hook.configure(config=config)
     device, dtype = resolve_device(config)
     base = {
         "executor": Needs(values={"device": device}),

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -46,7 +45,7 @@ class LMKitGroup(TyperGroup):
     """The root command group: turns :class:`LMKitError` into a short message and an exit
     code, for every sub-command including plugins' ones."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors its own click)
         try:
             return super().invoke(ctx)
         except LMKitError as e:

@@ -153,7 +153,7 @@ def test_a_misspelled_choice_suggests_the_closest_one() -> None:
         load_config(None, {"executor.device": "cdua"}, {})
     assert str(exc.value) == (
         "invalid configuration:\n  executor.device: Input should be 'auto', 'cpu' or 'cuda' "
-        "(got 'cdua'); did you mean 'cuda'? [set by command-line option --set executor.device=...]")
+        "(got 'cdua'); did you mean 'cuda'? [set by explicit setting executor.device]")
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:

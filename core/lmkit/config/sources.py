@@ -117,7 +117,7 @@ def parse_text_value(path: str, raw: str) -> Any:
     if _is_text_field(path):
         return raw
     try:
-        return yaml.load(raw, Loader=_TextLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(raw, Loader=_TextLoader)  # a SafeLoader subclass: no object tags
     except yaml.YAMLError:
         return raw
 
@@ -189,13 +189,14 @@ def env_layer(env: Mapping[str, str]) -> Layer:
 
 
 def cli_layer(cli: Mapping[str, Any], flags: Mapping[str, str] | None = None) -> Layer:
-    """The layer set by CLI flags: ``cli`` maps dotted paths to values (already typed;
-    ``--set`` values go through :func:`parse_text_value` first). ``flags`` names the flag
-    that set each path, for error messages."""
+    """The layer set by CLI flags or by a program (``LLM(max_num_seqs=8)``): ``cli`` maps
+    dotted paths to values (already typed; ``--set`` values go through
+    :func:`parse_text_value` first). ``flags`` names the flag that set each path, for
+    error messages; paths without one were set by the calling program."""
     layer = Layer("cli")
     for path, value in cli.items():
         if isinstance(value, BaseModel):
             value = value.model_dump()
-        flag = (flags or {}).get(path) or f"--set {path}=..."
-        layer.set(path, value, f"command-line option {flag}")
+        flag = (flags or {}).get(path)
+        layer.set(path, value, f"command-line option {flag}" if flag else f"explicit setting {path}")
     return layer

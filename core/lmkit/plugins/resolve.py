@@ -77,11 +77,12 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
                   ) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.
 
-    Kinds are resolved so that those which impose
-    needs on others (a proposer's ``stack_needs``) come first: under ``auto`` the
-    imposed needs steer the choice; an explicitly named backend that lacks them is a
-    :class:`StackConflictError` naming both sides. An optional kind (speculative,
-    structured output, offload) left on ``auto`` is off when nothing registered fits.
+    Kinds that impose needs on others (a proposer's ``stack_needs``) are resolved
+    first: under ``auto`` the imposed needs steer the choice; an explicitly named
+    backend that lacks them is a :class:`StackConflictError` naming both sides. An
+    optional kind (speculative, structured output, offload) left on ``auto`` is off when
+    nothing registered fits. The ``configure`` hook is the caller's to run first (the
+    engine and ``lmkit config check`` do).
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
         its config is known.

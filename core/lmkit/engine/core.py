@@ -70,6 +70,7 @@ class EngineCore:
             raise
         self._step_hooked = bool(self.host.hook.engine_step.get_hookimpls())
         self._num_steps = 0
+        self._num_scheduled_tokens = 0
         self._started = time.monotonic()
         self._closed = False
         self.host.hook.engine_started(engine=self)
@@ -101,7 +102,8 @@ class EngineCore:
         else:
             num_blocks = info.available_kv_bytes // info.kv_bytes_per_block
         block_size = cfg.cache.block_size
-        need = -(-int(cfg.model.max_model_len or 1) // block_size)
+        # one request of max_model_len tokens, plus block 0 (the scheduler's null block)
+        need = -(-int(cfg.model.max_model_len or 1) // block_size) + 1
         if num_blocks < need:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
@@ -140,12 +142,14 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
         self._num_steps += 1
+        self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache counters plus engine-level facts, for metrics."""
         stats = dict(self.scheduler.get_stats())
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
+                     num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
         return stats
 

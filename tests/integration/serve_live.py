@@ -1,0 +1,79 @@
+"""A live lmkit server on loopback for integration tests (uvicorn in a thread, the engine
+core in its own process, exactly as ``lmkit serve`` runs them)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+from lmkit.config.schema import LMKitConfig
+from lmkit.serve.app import build_app
+
+
+class LiveServer:
+    """``with LiveServer(config) as server:`` serves until the block ends."""
+
+    def __init__(self, config: LMKitConfig, startup_timeout: float = 300.0) -> None:
+        self.config = config
+        self.app = build_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+            timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.startup_timeout = startup_timeout
+        self.url = ""
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.lmkit
+
+    @property
+    def headers(self) -> dict[str, str]:
+        key = self.config.server.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        while True:
+            if self.state.startup_error:
+                self.__exit__()
+                raise RuntimeError(f"engine failed to start: {self.state.startup_error}")
+            if httpx.get(f"{self.url}/health").status_code == 200:
+                return self
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("engine not ready in time")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's latest pushed stats (``GET /v1/lmkit/stack``)."""
+        resp = httpx.get(f"{self.url}/v1/lmkit/stack", headers=self.headers)
+        resp.raise_for_status()
+        return resp.json()["stats"]
+
+    def wait_idle(self, idle_usage: float, timeout: float = 10.0) -> dict[str, float]:
+        """Poll until no request runs or waits and KV usage is back to ``idle_usage``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine_stats()
+            if (stats.get("num_running") == 0 and stats.get("num_waiting") == 0
+                    and stats.get("kv_cache_usage") == idle_usage):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout}s: {stats}")
+            time.sleep(0.1)

@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-
 from lmkit.config.schema import LMKitConfig
 from lmkit.serve.app import build_app
 

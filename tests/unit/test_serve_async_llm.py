@@ -79,7 +79,7 @@ def harness(smollm2_tokenizer):
         thread.start()
         state.update(proc=proc, thread=thread)
         ready = EngineReady(model_dir="/nonexistent", max_model_len=64, vocab_size=49152,
-                            eos_token_id=smollm2_tokenizer.eos_token_id, stack={}, plugins=[],
+                            stack={}, plugins=[],
                             stats={})
         llm = AsyncLLM(client, ready, LMKitConfig(), smollm2_tokenizer)
         llm._loop_task = asyncio.create_task(llm._output_loop())

@@ -58,7 +58,7 @@ def test_outputs_and_replies_round_trip():
     enc = make_encoder()
     got = dec.decode(enc.encode(EngineOutputs(outputs=[out])))
     assert got.outputs == [out]
-    ready = EngineReady(model_dir="/m", max_model_len=2048, vocab_size=100, eos_token_id=2,
+    ready = EngineReady(model_dir="/m", max_model_len=2048, vocab_size=100,
                         stack={"device": "cpu"}, plugins=[{"name": "x"}], stats={"a": 1.0})
     assert dec.decode(enc.encode(ready)) == ready
     rej = RequestRejected(request_id="r", message="bad", param="prompt", code="c")

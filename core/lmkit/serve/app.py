@@ -44,8 +44,7 @@ class ServerState:
         """The running engine, or a 503 saying why there is none."""
         if self.llm is None:
             if self.startup_error:
-                raise APIError(503, f"the engine failed to start: {self.startup_error}",
-                               code="engine_dead")
+                raise APIError(503, self.startup_error, code="engine_dead")
             raise APIError(503, "the model is still loading; retry shortly (GET /health "
                            "turns 200 when ready)", code="model_loading",
                            headers={"Retry-After": "5"})
@@ -112,7 +111,7 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
                                        startup_timeout=startup_timeout)
         except BaseException as e:
             state.startup_error = str(e)
-            logger.error("the engine failed to start: %s", e)
+            logger.error("%s", e)
             if on_startup_failure is not None:
                 on_startup_failure(e)
             if isinstance(e, asyncio.CancelledError):

@@ -59,8 +59,6 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.observer = observer
         eos, extra = _eos_ids(tokenizer, ready.model_dir)
-        if ready.eos_token_id is not None:
-            eos = ready.eos_token_id
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, eos,
                                               ready.vocab_size, extra)
         self.output_processor = OutputProcessor(tokenizer)

@@ -89,16 +89,20 @@ class EngineCoreProc:
 
     def run(self) -> None:
         """The busy loop: drain input, step while there is work, report stats."""
+        was_busy = False
         while not self.should_stop:
             busy = self.engine.has_unfinished_requests()
             self._drain_input(timeout_ms=0 if busy else IDLE_POLL_MS)
             if self.should_stop:
                 break
-            if self.engine.has_unfinished_requests():
+            busy = self.engine.has_unfinished_requests()
+            if busy:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(EngineOutputs(outputs=outputs))
-            self._maybe_send_stats()
+            # going idle: report at once, so gauges (running, KV usage) settle to idle
+            self._maybe_send_stats(force=was_busy and not busy)
+            was_busy = busy
             self._check_parent()
 
     def close(self) -> None:
@@ -139,14 +143,16 @@ class EngineCoreProc:
 
     # ---------------------------------------------------------- housekeeping
 
-    def _maybe_send_stats(self) -> None:
+    def _maybe_send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_stats_at < STATS_INTERVAL_S:
+        if not force and now - self._last_stats_at < STATS_INTERVAL_S:
             return
         self._last_stats_at = now
         stats = numeric_stats(self.engine.stats())
-        if stats != self._last_stats:
-            self._last_stats = stats
+        # send only on change (ignoring clocks, which always change)
+        key = {k: v for k, v in stats.items() if not k.endswith("_s")}
+        if force or key != self._last_stats:
+            self._last_stats = key
             self.send(EngineStats(stats=stats))
 
     def _check_parent(self) -> None:
@@ -171,13 +177,10 @@ def _plugin_rows(host: Any) -> list[dict[str, Any]]:
 
 def _ready_message(engine: Any, host: Any) -> EngineReady:
     info = engine.model_info
-    tokenizer = engine.tokenizer
     return EngineReady(
         model_dir=str(engine.model_dir),
-        max_model_len=int(info.max_model_len),
+        max_model_len=int(engine.config.model.max_model_len or info.max_model_len),
         vocab_size=int(info.vocab_size),
-        eos_token_id=engine.eos_token_id if hasattr(engine, "eos_token_id")
-        else tokenizer.eos_token_id,
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),

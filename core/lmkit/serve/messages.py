@@ -83,7 +83,6 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
     model_dir: str
     max_model_len: int
     vocab_size: int
-    eos_token_id: int | None
     stack: dict[str, Any]  # ResolvedStack.as_dict()
     plugins: list[dict[str, Any]]  # name, source, dist, version, status per loaded plugin
     stats: dict[str, float]

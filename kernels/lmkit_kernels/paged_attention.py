@@ -49,13 +49,15 @@ def _sm_count(device: torch.device) -> int:
 def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many slices to cut each request's context into for decode.
 
-    Aims at about eight programs per SM (enough loads in flight to saturate memory
-    bandwidth), a power of two up to :data:`MAX_SPLITS`. Depends only on the batch
+    Aims at about four programs (of four warps) per SM, enough loads in flight to
+    saturate memory bandwidth without the cost of merging partials: on an H100, 64
+    requests x 8 KV heads with 4096-token contexts ran best unsplit (99% of the copy
+    bandwidth, against 93% with 2 splits). A power of two up to :data:`MAX_SPLITS`. Depends only on the batch
     shape, never on context lengths, so a CUDA graph captured with short contexts
     replays as well with long ones.
     """
     programs = max(1, num_reqs * num_kv_heads)
-    want = max(1, 8 * _sm_count(device) // programs)
+    want = max(1, 4 * _sm_count(device) // programs)
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 

@@ -1,0 +1,175 @@
+"""Benchmark K: decode attention alone against the device's memory bandwidth.
+
+64 sequences x 4096 cached tokens with Llama-3.1-8B's attention heads (32 query heads,
+8 KV heads, head size 128, bf16) by default. For each available attention backend
+(torch, triton, flashinfer) it plans one decode step and times ``run()`` (the new
+token's K/V write plus attention) with CUDA events over many iterations, then reports
+the bytes one call must move (K and V of every cached token, plus q and the output),
+the achieved GB/s, and that as a fraction of the copy bandwidth measured in the same
+run (a large device-to-device copy; bytes read + written over time). Backends that
+declare ``cuda_graphs`` are also timed replaying a CUDA graph of 32 calls, as the engine
+runs decode, which leaves out the per-kernel launch cost that dominates small batches::
+
+    python bench/attention_decode.py --out k.json
+    python bench/attention_decode.py --backends triton --sweep-splits --out k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+from lmkit.api import AttentionMetadata, PluginHost
+from lmkit_kernels.random_batch import make_paged_batch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def time_cuda(fn, *, warmup: int, iters: int) -> float:
+    """Mean seconds per call of ``fn`` on the current stream (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth(num_bytes: int, *, warmup: int, iters: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / time_cuda(lambda: dst.copy_(src), warmup=warmup, iters=iters)
+
+
+def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
+    """Time one backend's decode ``run()``; returns a result row (or the skip reason)."""
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    spec = host.registry.get("attention", name).spec
+    reasons = spec.unavailable_reasons()
+    if reasons:
+        return {"backend": name, "skipped": "; ".join(reasons)}
+    cls = spec.load()
+    dtype = DTYPES[args.dtype]
+    backend = cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                  head_size=args.head_size, scale=args.head_size ** -0.5, dtype=dtype,
+                  device=torch.device("cuda"), block_size=args.block_size,
+                  options=spec.validate_options(options or {}))
+    md = AttentionMetadata(
+        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=1,
+        max_seq_len=batch.max_seq_len, query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_tables=batch.block_tables,
+        slot_mapping=batch.slot_mapping, query_start_loc_cpu=batch.query_start_loc_cpu,
+        seq_lens_cpu=batch.seq_lens_cpu, num_decodes=batch.num_reqs,
+        num_decode_tokens=batch.num_tokens)
+    backend.plan(md)
+    seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache),
+                        warmup=args.warmup, iters=args.iters)
+    elem = batch.kv_cache.element_size()
+    kv_bytes = 2 * int(batch.seq_lens_cpu.sum()) * args.num_kv_heads * args.head_size * elem
+    qo_bytes = 2 * batch.q[: batch.num_tokens].numel() * elem
+    total = kv_bytes + qo_bytes
+    row = {"backend": name, "options": options or {}, "bytes": total,
+           "eager_us_per_call": seconds * 1e6, "eager_gb_per_s": total / seconds / 1e9}
+    if "cuda_graphs" in spec.caps.features and args.graph_layers > 0:
+        md.extra = {"cuda_graph": True}
+        seconds = graph_seconds_per_call(backend, md, batch, args)
+        row.update(graph_us_per_call=seconds * 1e6, graph_gb_per_s=total / seconds / 1e9)
+    return row
+
+
+def graph_seconds_per_call(backend, md, batch, args) -> float:
+    """Seconds per ``run()`` replayed from a CUDA graph of ``args.graph_layers`` calls
+    (as the engine runs decode: one graph per step, no per-kernel launch cost)."""
+    backend.plan(md)
+    call = lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(args.graph_layers):
+            call()
+    iters = max(3, args.iters // args.graph_layers)
+    return time_cuda(graph.replay, warmup=2, iters=iters) / args.graph_layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4096,
+                        help="cached tokens per sequence, the new one included")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--backends", default="torch,triton,flashinfer")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy test")
+    parser.add_argument("--graph-layers", type=int, default=32,
+                        help="also time backends that support CUDA graphs by replaying a "
+                        "graph of this many calls (0: eager only)")
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="also time triton with decode_num_splits 1, 2, 4, 8, 16")
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("attention_decode needs a CUDA device", file=sys.stderr)
+        return 2
+
+    batch = make_paged_batch([(args.context - 1, 1)] * args.num_seqs, num_heads=args.num_heads,
+                             num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+                             block_size=args.block_size, dtype=DTYPES[args.dtype], device="cuda")
+    bandwidth = copy_bandwidth(int(args.copy_gib * 2 ** 30), warmup=args.warmup,
+                               iters=max(20, args.iters // 5))
+    runs = [(name.strip(), None) for name in args.backends.split(",") if name.strip()]
+    if args.sweep_splits:
+        runs += [("triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16)]
+    results = []
+    for name, options in runs:
+        row = bench_backend(name, batch, args, options)
+        for mode in ("eager", "graph"):
+            if f"{mode}_gb_per_s" in row:
+                row[f"{mode}_fraction_of_copy_bw"] = row[f"{mode}_gb_per_s"] * 1e9 / bandwidth
+        results.append(row)
+
+    device = torch.cuda.get_device_name()
+    print(f"decode attention: {args.num_seqs} seqs x {args.context} tokens, heads "
+          f"{args.num_heads}/{args.num_kv_heads}x{args.head_size}, {args.dtype}, "
+          f"block {args.block_size}, on {device}")
+    print(f"copy bandwidth (read+write): {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'backend':<28}{'MB moved':>9}  {'eager us':>9}{'GB/s':>6}{'of bw':>7}  "
+          f"{'graph us':>9}{'GB/s':>6}{'of bw':>7}")
+    for row in results:
+        label = row["backend"] + "".join(f" {k}={v}" for k, v in (row.get("options") or {}).items())
+        if "skipped" in row:
+            print(f"{label:<28}  skipped: {row['skipped']}")
+            continue
+        line = f"{label:<28}{row['bytes'] / 1e6:>9.1f}"
+        for mode in ("eager", "graph"):
+            if f"{mode}_us_per_call" in row:
+                line += (f"  {row[f'{mode}_us_per_call']:>9.1f}{row[f'{mode}_gb_per_s']:>6.0f}"
+                         f"{row[f'{mode}_fraction_of_copy_bw']:>7.1%}")
+        print(line)
+    report = {"benchmark": "K: decode attention", "device": device,
+              "torch": torch.__version__, "python": platform.python_version(),
+              "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "copy_bandwidth_bytes_per_s": bandwidth, "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The triton and flashinfer attention backends against the torch reference backend on
+CUDA: the same random paged caches, bf16 and fp16, head sizes 64/128/256, a decode
+batch, mixed prefill+decode batches with cached prefixes and chunks, and a decode
+step captured in a CUDA graph and replayed (identical to the eager result).
+
+The flashinfer cases skip when flashinfer is not installed. FlashInfer compiles its
+kernels on first use (JIT, minutes): run this file with a generous timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter; unset it",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from lmkit.api import AttentionMetadata, PluginHost  # noqa: E402
+from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
+from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
+
+CUDA = torch.device("cuda")
+TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
+    not HAS_FLASHINFER, reason="flashinfer is not installed"))]
+# FlashInfer compiles one module per (dtype, head size, kernel): keep its matrix small
+CONFIGS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
+           (torch.float16, 128)]
+
+
+def _backend_class(name):
+    """The backend class, loaded through the plugin registry as the engine does."""
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    registration = host.registry.get("attention", name)
+    assert registration.spec.unavailable_reasons() == []
+    return registration.spec.load()
+
+
+def _make(cls, dtype, head_size, num_heads=32, num_kv_heads=8, block_size=16):
+    return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+               scale=head_size ** -0.5, dtype=dtype, device=CUDA, block_size=block_size)
+
+
+def _metadata(batch, **extra):
+    return AttentionMetadata(
+        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
+        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
+        extra=extra or None)
+
+
+def _run(backend, batch, md=None):
+    """Plan and run one layer on a copy of the batch's cache; returns (out, cache)."""
+    cache = batch.kv_cache.clone()
+    backend.plan(md or _metadata(batch))
+    out = backend.run(0, batch.q, batch.k, batch.v, cache)
+    torch.cuda.synchronize()
+    return out, cache
+
+
+def _compare(name, reqs, dtype, head_size, extra_rows=0, block_size=16, seed=0):
+    batch = make_paged_batch(reqs, num_heads=32, num_kv_heads=8, head_size=head_size,
+                             block_size=block_size, dtype=dtype, device=CUDA,
+                             extra_rows=extra_rows, table_width=320, seed=seed)
+    ref, ref_cache = _run(_make(TorchAttention, dtype, head_size, block_size=block_size), batch)
+    out, cache = _run(_make(_backend_class(name), dtype, head_size, block_size=block_size),
+                      batch)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert torch.equal(cache, ref_cache)  # the same K/V written to the same slots
+    n = batch.num_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    assert torch.all(out[n:] == 0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("dtype", "head_size"), CONFIGS)
+def test_decode_batch(name, dtype, head_size):
+    reqs = [(c, 1) for c in (0, 15, 16, 100, 1023, 2048, 4095, 300, 7, 64)]
+    _compare(name, reqs, dtype, head_size, extra_rows=3)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("dtype", "head_size"), CONFIGS)
+def test_mixed_prefill_decode_with_cached_prefix(name, dtype, head_size):
+    # decodes first (as the runner orders them), then a fresh prompt, a prompt over a
+    # cached prefix, a chunk of a chunked prefill and a multi-token (speculative) query
+    reqs = [(40, 1), (3000, 1), (1, 1), (0, 500), (256, 100), (1500, 512), (77, 5)]
+    _compare(name, reqs, dtype, head_size, seed=1)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_prefill_first_then_decodes_block_32(name):
+    reqs = [(0, 37), (500, 1), (16, 1), (999, 64)]
+    _compare(name, reqs, torch.bfloat16, 128, block_size=32, seed=2)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_cuda_graph_replay_is_identical_to_eager(name, dtype):
+    head_size, num_reqs = 128, 8
+    kwargs = dict(num_heads=32, num_kv_heads=8, head_size=head_size, block_size=16,
+                  dtype=dtype, device=CUDA, num_blocks=1200, table_width=260)
+    state = make_paged_batch([(20, 1)] * num_reqs, **kwargs)  # fixed-address buffers
+    backend = _make(_backend_class(name), dtype, head_size)
+    backend.plan(_metadata(state, cuda_graph=True))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        backend.run(0, state.q, state.k, state.v, state.kv_cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.run(0, state.q, state.k, state.v, state.kv_cache)
+
+    # the next step: longer contexts, other blocks, new inputs, written in place
+    step = make_paged_batch([(4000, 1), (3, 1), (2047, 1), (160, 1)] * 2, seed=5, **kwargs)
+    for field in ("q", "k", "v", "kv_cache", "seq_lens", "block_tables", "slot_mapping"):
+        getattr(state, field).copy_(getattr(step, field))
+    md = _metadata(step, cuda_graph=True)
+    md.query_start_loc, md.seq_lens = state.query_start_loc, state.seq_lens
+    md.block_tables, md.slot_mapping = state.block_tables, state.slot_mapping
+    backend.plan(md)
+    graph.replay()
+    replayed = graph_out.clone()
+    backend.plan(md)
+    eager = backend.run(0, state.q, state.k, state.v, state.kv_cache)
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
+    ref, _ = _run(_make(TorchAttention, dtype, head_size), step)
+    torch.testing.assert_close(replayed.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_auto_prefers_flashinfer_then_triton_on_cuda():
+    from lmkit.api import Needs
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    chosen = host.registry.select("attention", "auto",
+                                  Needs(values={"device": "cuda", "dtype": "bfloat16"}))
+    assert chosen.name == ("flashinfer" if HAS_FLASHINFER else "triton")

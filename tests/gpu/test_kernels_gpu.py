@@ -1,0 +1,146 @@
+"""lmkit_kernels' compiled Triton kernels on CUDA against their torch references.
+
+Real shapes: long contexts (split-K decode), long prompts, head sizes 64/128/256, GQA
+(32 query heads on 8 KV heads), bf16/fp16/fp32, a real vocabulary for sampling, and a
+decode launch captured in a CUDA graph and replayed over longer contexts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter; unset it",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
+from lmkit_kernels.paged_attention import paged_attention  # noqa: E402
+from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
+from lmkit_kernels.reference import (  # noqa: E402
+    paged_attention_ref,
+    reshape_and_cache_ref,
+    sample_ref,
+)
+from lmkit_kernels.sampling import sample  # noqa: E402
+
+CUDA = torch.device("cuda")
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _check(batch, out, dtype):
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                              batch.block_tables, batch.q.shape[-1] ** -0.5)
+    n = batch.num_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _attend(batch, **kwargs):
+    return paged_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                           batch.block_tables, max_query_len=batch.max_query_len, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (8, 8)])
+@pytest.mark.parametrize("num_splits", [None, 1, 16])
+def test_decode(dtype, head_size, num_heads, num_kv_heads, num_splits):
+    reqs = [(0, 1), (15, 1), (16, 1), (777, 1), (2500, 1), (4095, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, block_size=16, dtype=dtype, device=CUDA)
+    _check(batch, _attend(batch, num_splits=num_splits), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_cached_prefix_chunks_and_decodes(dtype, head_size, block_size):
+    # fresh prompts, prompts over cached prefixes, chunks of a chunked prefill, decodes
+    reqs = [(0, 700), (512, 300), (1000, 64), (33, 1), (0, 1), (2000, 5), (100, 129)]
+    batch = make_paged_batch(reqs, num_heads=32, num_kv_heads=8, head_size=head_size,
+                             block_size=block_size, dtype=dtype, device=CUDA, seed=1)
+    _check(batch, _attend(batch), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_size_80_and_group_7(dtype):
+    batch = make_paged_batch([(300, 1), (50, 40), (0, 17)], num_heads=28, num_kv_heads=4,
+                             head_size=80, block_size=16, dtype=dtype, device=CUDA, seed=2)
+    _check(batch, _attend(batch), dtype)
+
+
+def test_decode_graph_replay_over_longer_contexts():
+    """A decode launch captured with short contexts replays correctly with long ones."""
+    kwargs = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                  dtype=torch.bfloat16, device=CUDA, num_blocks=2048, table_width=300)
+    short = make_paged_batch([(10, 1)] * 8, **kwargs)
+    long = make_paged_batch([(4000, 1), (10, 1), (2047, 1), (0, 1)] * 2, seed=3, **kwargs)
+    out = torch.empty_like(short.q)
+    args = (short.q, short.kv_cache, short.query_start_loc, short.seq_lens, short.block_tables)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        paged_attention(*args, max_query_len=1, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args, max_query_len=1, out=out)
+    for name in ("q", "kv_cache", "seq_lens", "block_tables"):
+        getattr(short, name).copy_(getattr(long, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(long, out, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reshape_and_cache(dtype):
+    num_blocks, block_size, num_kv_heads, head_size = 512, 16, 8, 128
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size,
+                           device=CUDA).to(dtype)
+    expected = kv_cache.clone()
+    qkv = torch.randn(1000, 32 + 2 * num_kv_heads, head_size, device=CUDA).to(dtype)
+    key, value = qkv[:, 32:32 + num_kv_heads], qkv[:, 32 + num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, device=CUDA)[:990]
+    slots[::7] = -1
+    reshape_and_cache(key, value, kv_cache, slots)
+    reshape_and_cache_ref(key, value, expected, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_matches_reference(dtype):
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    rows, vocab = 64, 151936
+    logits = (torch.randn(rows, vocab, device=CUDA, generator=gen) * 4).to(dtype)
+    temperature = torch.rand(rows, device=CUDA, generator=gen) + 0.3
+    temperature[::9] = 0.0  # some greedy rows
+    top_k = torch.randint(-1, 200, (rows,), device=CUDA, generator=gen)
+    top_k[::5] = vocab  # off
+    top_p = torch.rand(rows, device=CUDA, generator=gen) * 0.9 + 0.1
+    top_p[::4] = 1.0  # off
+    noise = torch.empty(rows, vocab, device=CUDA).exponential_(generator=gen)
+    got = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
+    ref = sample_ref(logits, temperature, top_k, top_p, noise)
+    # rows can differ only where float summation order moves a top-p boundary token
+    assert (got == ref).float().mean().item() >= 0.95
+    assert torch.equal(got[::9], logits[::9].float().argmax(dim=-1))
+
+
+def test_sample_in_kernel_noise_follows_the_distribution():
+    rows, vocab = 200_000, 6
+    logits = torch.tensor([1.5, 1.0, 0.5, 0.0, -0.5, -1.0], device=CUDA).expand(rows, vocab)
+    logits = logits.contiguous()
+    seeds = torch.randint(0, 2 ** 62, (rows,), device=CUDA)
+    freq = torch.bincount(sample(logits, seeds=seeds), minlength=vocab).float() / rows
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=5e-3, rtol=0)
+    top = sample(logits, top_k=torch.full((rows,), 3, device=CUDA),
+                 top_p=torch.full((rows,), 0.9, device=CUDA), seeds=seeds)
+    kept = logits[0, :3].softmax(-1)  # top-3 masses 0.51, 0.31, 0.19: top-p 0.9 keeps all 3
+    torch.testing.assert_close(torch.bincount(top, minlength=vocab).float()[:3] / rows, kept,
+                               atol=5e-3, rtol=0)

@@ -258,8 +258,8 @@ class AsyncLLM:
         """Fail what is still in flight, stop the engine process, close the channel."""
         self._shutting_down = True
         self._fail_all(EngineDeadError("the server is shutting down"))
-        await self.client.close(timeout=timeout)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        await self.client.close(timeout=timeout)

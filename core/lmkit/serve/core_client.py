@@ -76,7 +76,9 @@ class EngineCoreClient:
 
     def is_alive(self) -> bool:
         """False once the engine process has exited or been declared dead."""
-        return self.dead_reason is None and (self.proc is None or self.proc.poll() is None)
+        if self.dead_reason is None and self.proc is not None and self.proc.poll() is not None:
+            self.dead_reason = f"the engine process exited with status {self.proc.returncode}"
+        return self.dead_reason is None
 
     async def start(self, timeout: float | None = None) -> EngineReady:
         """Start the process and wait for :class:`EngineReady`.
@@ -128,19 +130,18 @@ class EngineCoreClient:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self.dead_reason is not None:
-                raise EngineDeadError(self.dead_reason)
-            wait = DEATH_POLL_S if deadline is None else min(DEATH_POLL_S, deadline - time.monotonic())
-            if await self._from_engine.poll(max(0, int(wait * 1000)), zmq.POLLIN):
+            dead = not self.is_alive()  # still deliver what it sent before dying
+            wait = 0.0 if dead else DEATH_POLL_S
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            if await self._from_engine.poll(int(wait * 1000), zmq.POLLIN):
                 frame = await self._from_engine.recv(copy=False)
                 message = self._decoder.decode(frame.buffer)
-                if isinstance(message, EngineFailed):  # fatal whenever it arrives
-                    self.dead_reason = f"the engine failed: {message.error}"
+                if isinstance(message, EngineFailed) and self.dead_reason is None:
+                    self.dead_reason = f"the engine failed: {message.error}"  # fatal
                 return message
-            if self.proc is not None and self.proc.poll() is not None:
-                self.dead_reason = (f"the engine process exited with status "
-                                    f"{self.proc.returncode}")
-                raise EngineDeadError(self.dead_reason)
+            if dead:
+                raise EngineDeadError(self.dead_reason or "the engine process is not running")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 

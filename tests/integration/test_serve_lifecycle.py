@@ -1,0 +1,147 @@
+"""Server lifecycle on a tiny random-weight Llama (fast to load): a killed engine process,
+graceful SIGTERM through ``lmkit serve``, and a model that cannot load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from lmkit.config.schema import LMKitConfig
+from serve_live import LiveServer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(smollm2_dir, tmp_path_factory):
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+def long_body(stream=False, max_tokens=6000):
+    return {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": stream}
+
+
+def read_stream(url, body):
+    """(status, parsed events, saw [DONE]) of one streaming completion."""
+    events, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, [json.loads(resp.read())], False
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return 200, events, done
+
+
+def test_killed_engine_fails_in_flight_requests_and_health(tiny_dir):
+    config = LMKitConfig.model_validate({"model": {"model": str(tiny_dir)},
+                                         "server": {"served_model_name": "tiny"}})
+    with LiveServer(config) as server, ThreadPoolExecutor(4) as pool:
+        blocking = [pool.submit(httpx.post, f"{server.url}/v1/completions", json=long_body(),
+                                timeout=120) for _ in range(2)]
+        streaming = pool.submit(read_stream, server.url, long_body(stream=True))
+        deadline = time.monotonic() + 30
+        while server.engine_stats().get("num_running") != 3:
+            assert time.monotonic() < deadline, "requests never started"
+            time.sleep(0.05)
+        os.kill(server.state.llm.engine_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(f"{server.url}/health").status_code != 503:
+            assert time.monotonic() - killed < 5, "/health still 200 five seconds after"
+            time.sleep(0.05)
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "dead" and "exited" in health["error"]
+        for fut in blocking:
+            resp = fut.result(timeout=10)
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "engine_dead"
+        status, events, done = streaming.result(timeout=10)
+        assert status == 200 and done and events[-1]["error"]["code"] == "engine_dead"
+        assert time.monotonic() - killed < 5
+        after = httpx.post(f"{server.url}/v1/completions", json=long_body(max_tokens=2))
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_dead"
+
+
+def _start_cli(args, env=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "lmkit.cli.main", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+
+
+def test_cli_sigterm_drains_in_flight_requests(tiny_dir):
+    proc = _start_cli([str(tiny_dir), "--port", "0", "--served-model-name", "tiny",
+                       "--log-level", "warning"])
+    lines: list[str] = []
+    found = threading.Event()
+    url = {}
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"OpenAI-compatible API at (http://\S+)/v1", line)
+            if m:
+                url["base"] = m.group(1)
+                found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert found.wait(240), "".join(lines)
+        out = "".join(lines)
+        assert "scheduler" in out and "fcfs" in out  # the resolved stack is printed
+        base = url["base"]
+        engine_pid = httpx.get(f"{base}/v1/lmkit/stack").json()["engine_pid"]
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(read_stream, base, long_body(stream=True, max_tokens=400))
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{base}/v1/lmkit/stack").json()["stats"].get("num_running") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            status, events, done = fut.result(timeout=60)
+        assert status == 200 and done  # drained, not cut off
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # uvicorn re-raises the handled signal once shut down, as an unhandled one would end
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in "".join(lines)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{engine_pid}"):
+            assert time.monotonic() < deadline, "engine process outlived the server"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_reports_a_model_that_cannot_load(tmp_path):
+    proc = _start_cli([str(tmp_path / "missing-model"), "--port", "0"])
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "missing-model" in out and "error" in out.lower()

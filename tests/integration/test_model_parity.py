@@ -47,6 +47,15 @@ def build_hf_model(variant: str, directory: Path):
     return model
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
@@ -54,11 +63,12 @@ def variant(request, tmp_path_factory):
     return request.param, model, directory
 
 
-def make_runner(model_dir: Path, block_size: int = 16) -> ModelRunner:
+def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu") -> ModelRunner:
     config = LMKitConfig.model_validate({
         "model": {"model": str(model_dir), "dtype": "float32"},
         "cache": {"block_size": block_size},
-        "executor": {"device": "cpu"},
+        "attention": {"backend": "torch"},
+        "executor": {"device": device},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
@@ -154,12 +164,12 @@ def check_against_hf(model, driver: Driver):
         assert tokens[len(prompt):] == hf_greedy(model, prompt, NEW_TOKENS), rid
         expected = hf_logits(model, tokens[:-1])
         got = torch.stack([driver.logits[rid][p] for p in range(len(tokens) - 1)])
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=1e-4)
 
 
-def test_batched_prefill_then_decodes_match_hf(variant):
+def test_batched_prefill_then_decodes_match_hf(variant, device):
     _, model, directory = variant
-    driver = Driver(make_runner(directory, block_size=16))
+    driver = Driver(make_runner(directory, block_size=16, device=device))
     out = driver.step({rid: len(p) for rid, p in PROMPTS.items()}, PROMPTS)
     assert all(len(s) == 1 for s in out.sampled_token_ids)
     for _ in range(NEW_TOKENS - 1):
@@ -167,9 +177,9 @@ def test_batched_prefill_then_decodes_match_hf(variant):
     check_against_hf(model, driver)
 
 
-def test_chunked_prefill_mixed_with_decodes_matches_hf(variant):
+def test_chunked_prefill_mixed_with_decodes_matches_hf(variant, device):
     _, model, directory = variant
-    driver = Driver(make_runner(directory, block_size=4))
+    driver = Driver(make_runner(directory, block_size=4, device=device))
     # "c" (33 tokens) is prefilled in chunks of 7, 13 and 13 while "a" and "b" decode
     out = driver.step({"a": 5, "c": 7}, {"a": PROMPTS["a"], "c": PROMPTS["c"]})
     assert out.sampled_token_ids[out.req_ids.index("c")] == []

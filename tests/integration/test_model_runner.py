@@ -46,6 +46,7 @@ def lmkit_config(model_dir: Path, block_size: int = 4) -> LMKitConfig:
     return LMKitConfig.model_validate({
         "model": {"model": str(model_dir), "dtype": "float32"},
         "cache": {"block_size": block_size, "kv_cache_memory_gb": 0.001},
+        "attention": {"backend": "torch"},
         "executor": {"device": "cpu"},
     })
 

@@ -10,15 +10,23 @@ from lmkit.api import AttentionMetadata
 from lmkit_plugins.attention.torch_ref import TorchAttention
 
 DTYPE = torch.float64
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-def make_backend(num_heads, num_kv_heads, head_size, block_size, sliding_window=None):
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def make_backend(num_heads, num_kv_heads, head_size, block_size, sliding_window=None,
+                 device=torch.device("cpu")):
     return TorchAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                          scale=head_size ** -0.5, dtype=DTYPE, device=torch.device("cpu"),
+                          scale=head_size ** -0.5, dtype=DTYPE, device=device,
                           block_size=block_size, sliding_window=sliding_window)
 
 
-def make_metadata(reqs, block_size, block_tables):
+def make_metadata(reqs, block_size, block_tables, device=torch.device("cpu")):
     """``reqs``: list of (context_len, query_len); ``block_tables``: per request list."""
     q_lens = [q for _, q in reqs]
     seq_lens = [c + q for c, q in reqs]
@@ -34,9 +42,10 @@ def make_metadata(reqs, block_size, block_tables):
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     return AttentionMetadata(
         num_reqs=len(reqs), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), query_start_loc=qsl, seq_lens=seq, block_tables=tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq)
+        max_seq_len=max(seq_lens), query_start_loc=qsl.to(device), seq_lens=seq.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq)
 
 
 def dense_reference(q, k_all, v_all, ctx, scale, window):
@@ -45,8 +54,8 @@ def dense_reference(q, k_all, v_all, ctx, scale, window):
     k = k_all.repeat_interleave(group, dim=1)
     v = v_all.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(q.shape[0])[:, None] + ctx
-    k_pos = torch.arange(k.shape[0])[None, :]
+    q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + ctx
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= k_pos > q_pos - window
@@ -59,14 +68,16 @@ class PagedWorld:
 
     def __init__(self, backend, num_blocks, seed=0):
         self.backend = backend
+        self.device = backend.device
         self.gen = torch.Generator().manual_seed(seed)
-        self.cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=DTYPE)
+        self.cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=DTYPE,
+                                 device=self.device)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.tables: dict[int, list[int]] = {}
 
     def rand(self, *shape):
-        return torch.randn(*shape, generator=self.gen, dtype=DTYPE)
+        return torch.randn(*shape, generator=self.gen, dtype=DTYPE).to(self.device)
 
     def prefill_cached(self, rid, length):
         """Put ``length`` tokens of request ``rid`` into the cache directly (a cached prefix)."""
@@ -102,7 +113,7 @@ class PagedWorld:
             qs.append(self.rand(q_len, b.num_heads, b.head_size))
             ks.append(self.rand(q_len, b.num_kv_heads, b.head_size))
             vs.append(self.rand(q_len, b.num_kv_heads, b.head_size))
-        md = make_metadata(reqs, b.block_size, tables)
+        md = make_metadata(reqs, b.block_size, tables, self.device)
         b.plan(md)
         q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
         out = b.run(0, q, k, v, self.cache)
@@ -120,24 +131,25 @@ class PagedWorld:
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_prefill_then_decodes(block_size, head_size, heads):
-    world = PagedWorld(make_backend(*heads, head_size, block_size), num_blocks=256)
+def test_prefill_then_decodes(block_size, head_size, heads, device):
+    backend = make_backend(*heads, head_size, block_size, device=device)
+    world = PagedWorld(backend, num_blocks=256)
     world.step([(0, 13), (1, 40), (2, 1)])
     for _ in range(3):
         world.step([(0, 1), (1, 1), (2, 1)])
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_prefill_over_cached_prefix(block_size):
-    world = PagedWorld(make_backend(8, 2, 64, block_size), num_blocks=300)
+def test_prefill_over_cached_prefix(block_size, device):
+    world = PagedWorld(make_backend(8, 2, 64, block_size, device=device), num_blocks=300)
     world.prefill_cached(0, 37)
     world.prefill_cached(1, 32)
     world.step([(0, 11), (1, 20), (2, 9)])
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_chunked_prefill_mixed_with_decodes(block_size):
-    world = PagedWorld(make_backend(6, 3, 64, block_size), num_blocks=128)
+def test_chunked_prefill_mixed_with_decodes(block_size, device):
+    world = PagedWorld(make_backend(6, 3, 64, block_size, device=device), num_blocks=128)
     world.step([(0, 5), (1, 3)])
     # decodes first, then a chunk of a long prompt, then decodes after it (unordered)
     world.step([(0, 1), (2, 17), (1, 1)])
@@ -145,9 +157,9 @@ def test_chunked_prefill_mixed_with_decodes(block_size):
     world.step([(1, 1), (2, 1), (3, 6), (0, 1)])
 
 
-def test_multi_token_decode_queries():
+def test_multi_token_decode_queries(device):
     # speculative decoding: several query tokens per request on top of a long context
-    world = PagedWorld(make_backend(8, 2, 64, 16), num_blocks=64)
+    world = PagedWorld(make_backend(8, 2, 64, 16, device=device), num_blocks=64)
     world.prefill_cached(0, 50)
     world.prefill_cached(1, 21)
     world.step([(0, 4), (1, 3)])
@@ -155,15 +167,16 @@ def test_multi_token_decode_queries():
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_sliding_window(block_size):
-    world = PagedWorld(make_backend(4, 2, 64, block_size, sliding_window=8), num_blocks=256)
+def test_sliding_window(block_size, device):
+    backend = make_backend(4, 2, 64, block_size, sliding_window=8, device=device)
+    world = PagedWorld(backend, num_blocks=256)
     world.prefill_cached(0, 20)
     world.step([(0, 12), (1, 30), (2, 5)])
     world.step([(0, 1), (1, 1), (2, 7)])
 
 
-def test_single_request_full_batch_fast_path():
-    world = PagedWorld(make_backend(4, 1, 64, 16), num_blocks=32)
+def test_single_request_full_batch_fast_path(device):
+    world = PagedWorld(make_backend(4, 1, 64, 16, device=device), num_blocks=32)
     world.step([(0, 33)])
     world.step([(0, 1)])
     world.step([(0, 1), (1, 1)])

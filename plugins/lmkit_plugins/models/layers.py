@@ -97,10 +97,13 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # one fused kernel; bit-identical to the float32 formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # half precision: normalise in float32, round, then scale (HF's order)
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
-        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(dtype)
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

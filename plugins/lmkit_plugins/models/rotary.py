@@ -101,19 +101,27 @@ class RotaryEmbedding(torch.nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [n]`` -> ``(cos, sin)``, each ``[n, 1, rotary_dim // 2]`` in ``dtype``.
+        """``positions [n]`` -> ``(cos, sin)``, each ``[n, 1, rotary_dim]`` in ``dtype``.
 
-        Computed once per step and shared by every layer.
+        ``sin`` carries the sign of "rotate half" (``[-sin, sin]``), so that
+        :meth:`apply` is one multiply and one fused multiply-add. Computed once per
+        step and shared by every layer.
         """
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+        return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x: [n, heads, head_dim]`` (any strides); returns a new contiguous tensor."""
-        half = self.rotary_dim // 2
-        x1 = x[..., :half]
-        x2 = x[..., half:self.rotary_dim]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        if self.rotary_dim == self.head_dim:
-            return rotated
-        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
+        """Rotate ``x: [n, heads, head_dim]`` (any strides); returns a new contiguous tensor.
+
+        ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+        """
+        dim, half = self.rotary_dim, self.rotary_dim // 2
+        if dim == self.head_dim:
+            swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+            return torch.addcmul(x * cos, swapped, sin)
+        rot = x[..., :dim]
+        swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((torch.addcmul(rot * cos, swapped, sin), x[..., dim:]), dim=-1)

@@ -78,12 +78,15 @@ class MiniScheduler:
         self.params: dict[str, SamplingParams] = {}
         self.computed: dict[str, int] = {}
         self.blocks: dict[str, list[int]] = {}
+        self.eos: dict[str, int | None] = {}
         self.known: set[str] = set()  # requests the runner holds
         self.pending_finished: set[str] = set()
         self.pending_preempted: set[str] = set()
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
+    def add(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
+            eos: int | None = None) -> None:
         self.prompt[rid], self.output[rid], self.params[rid] = list(prompt), [], params
+        self.eos[rid] = eos
         self.computed[rid], self.blocks[rid] = 0, []
 
     def finish(self, rid: str) -> None:
@@ -113,7 +116,7 @@ class MiniScheduler:
             else:
                 so.scheduled_new_reqs.append(NewRequestData(
                     rid, self.prompt[rid], list(self.output[rid]), self.params[rid],
-                    list(self.blocks[rid]), self.computed[rid]))
+                    list(self.blocks[rid]), self.computed[rid], eos_token_id=self.eos[rid]))
                 self.known.add(rid)
             so.num_scheduled_tokens[rid] = n
         so.total_num_scheduled_tokens = sum(work.values())
@@ -253,6 +256,19 @@ def test_draft_tokens_are_verified(tiny):
     for _ in range(3):
         sched.step({"a": 1})
     assert sched.output["a"] == expected
+
+
+def test_eos_is_banned_below_min_tokens(tiny):
+    model, directory = tiny
+    greedy = hf_greedy(model, PROMPT_C, 1)[0]
+    sched = MiniScheduler(make_runner(directory))
+    # the request's EOS is the greedy token: min_tokens forbids it at first
+    sched.add("m", PROMPT_C, SamplingParams(temperature=0.0, min_tokens=2, max_tokens=8),
+              eos=greedy)
+    sched.add("n", PROMPT_C, GREEDY, eos=greedy)
+    sched.step({"m": 2, "n": 2})
+    assert sched.output["n"] == [greedy]
+    assert sched.output["m"] != [greedy] and len(sched.output["m"]) == 1
 
 
 def test_uniproc_executor_lifecycle(tiny):

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugins.manager import PluginHost
     from lmkit.plugins.resolve import ResolvedStack
-    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.scheduler.output import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -346,9 +346,8 @@ def max_model_len(hf_config: Any, asked: int | None) -> int:
     return min(candidates) if candidates else 2048
 
 
-def _eos_of(new: Any, default: int | None) -> int | None:
-    eos = getattr(new, "eos_token_id", None)
-    return default if eos is None else eos
+def _eos_of(new: NewRequestData, default: int | None) -> int | None:
+    return default if new.eos_token_id is None else new.eos_token_id
 
 
 def _default_eos(hf_config: Any, model_dir: Path) -> int | None:

@@ -1,0 +1,231 @@
+"""A paged KV cache driven step by step, with dense causal attention as the oracle.
+
+:class:`AttentionWorld` builds each step's :class:`~lmkit.api.AttentionMetadata` the
+way the model runner does (decode requests first, block tables wider than needed,
+block ids scattered over the pool, block 0 never used), runs the backend under test,
+and compares every request's output with dense causal attention computed in float64
+over the full key/value history the world remembers. Requests can share cached
+prefix blocks (:meth:`AttentionWorld.fork`), as prefix-cache hits do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmkit.api.attention import AttentionBackend, AttentionMetadata
+
+# (atol, rtol) against the float64 oracle, per dtype of the backend's inputs
+TOLERANCES = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float64: (1e-9, 1e-9),
+}
+EXTRA_TABLE_WIDTH = 3  # block-table columns past the longest request (as the runner pads)
+
+
+@dataclass
+class AttentionCase:
+    """One backend configuration the suite instantiates."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    sliding_window: int | None = None
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        window = f", sliding_window {self.sliding_window}" if self.sliding_window else ""
+        return (f"heads {self.num_heads}/{self.num_kv_heads} (query/kv), head_size "
+                f"{self.head_size}, block_size {self.block_size}, {dtype} on "
+                f"{self.device.type}{window}")
+
+    def build(self, cls: type, options: Any) -> AttentionBackend:
+        """Construct the backend as the model does."""
+        return cls(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                   head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
+                   device=self.device, block_size=self.block_size,
+                   sliding_window=self.sliding_window, options=options)
+
+
+@dataclass
+class _Req:
+    keys: torch.Tensor  # float64 [num_tokens, num_kv_heads, head_size] (CPU)
+    values: torch.Tensor
+    blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepMismatch:
+    """The first request of a step whose output is wrong."""
+
+    rid: int
+    context: int
+    query_len: int
+    detail: str
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int,
+                    scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of ``q`` ``[q_len, H, D]`` at positions ``context + i`` over
+    ``k``/``v`` ``[context + q_len, Hkv, D]`` (float64); returns ``[q_len, H, D]``."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(q.shape[0])[:, None] + context
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class AttentionWorld:
+    """Requests with KV history in a paged cache owned by one backend instance."""
+
+    def __init__(self, backend: AttentionBackend, case: AttentionCase, num_blocks: int,
+                 seed: int = 0) -> None:
+        self.backend = backend
+        self.case = case
+        self.gen = torch.Generator().manual_seed(seed)
+        shape = tuple(backend.kv_cache_shape(num_blocks))
+        self.cache = torch.zeros(shape, dtype=case.dtype, device=case.device)
+        # block 0 is the runner's null block: never handed out
+        order = torch.randperm(num_blocks - 1, generator=self.gen) + 1
+        self.free: list[int] = order.tolist()
+        self.reqs: dict[int, _Req] = {}
+        self.num_steps = 0
+
+    def _rand(self, *shape: int) -> torch.Tensor:
+        """Random data as the backend's dtype sees it, returned in float64 (CPU)."""
+        x = torch.randn(*shape, generator=self.gen, dtype=torch.float32)
+        return x.to(self.case.dtype).to(torch.float64)
+
+    def _ensure_blocks(self, req: _Req, length: int) -> None:
+        need = -(-length // self.case.block_size)
+        while len(req.blocks) < need:
+            if not self.free:
+                raise RuntimeError("conformance world ran out of KV blocks (a suite bug)")
+            req.blocks.append(self.free.pop())
+
+    def fork(self, rid: int, parent: int, num_tokens: int) -> None:
+        """Start request ``rid`` whose first ``num_tokens`` (whole blocks) are a cached
+        prefix shared with ``parent``'s blocks, as a prefix-cache hit is."""
+        bs = self.case.block_size
+        if num_tokens % bs:
+            raise ValueError("a shared prefix covers whole blocks")
+        p = self.reqs[parent]
+        self.reqs[rid] = _Req(p.keys[:num_tokens].clone(), p.values[:num_tokens].clone(),
+                              list(p.blocks[: num_tokens // bs]))
+
+    def context_len(self, rid: int) -> int:
+        """Tokens of ``rid`` already in the cache."""
+        return self.reqs[rid].keys.shape[0] if rid in self.reqs else 0
+
+    def metadata(self, work: list[tuple[int, int]], contexts: dict[int, int]
+                 ) -> AttentionMetadata:
+        """The step's metadata for ``work`` (``(rid, query_len)`` in batch order), each
+        request starting after ``contexts[rid]`` cached tokens."""
+        bs, device = self.case.block_size, self.case.device
+        q_lens = [q for _, q in work]
+        ctx = [contexts[rid] for rid, _ in work]
+        seq_lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
+        width = max(len(self.reqs[rid].blocks) for rid, _ in work) + EXTRA_TABLE_WIDTH
+        tables = torch.zeros(len(work), width, dtype=torch.int32)
+        slots = []
+        for i, (rid, q) in enumerate(work):
+            blocks = self.reqs[rid].blocks
+            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(ctx[i], ctx[i] + q)]
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq = torch.tensor(seq_lens, dtype=torch.int32)
+        num_decodes = 0
+        while num_decodes < len(work) and q_lens[num_decodes] == 1:
+            num_decodes += 1
+        return AttentionMetadata(
+            num_reqs=len(work), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), query_start_loc=qsl.to(device), seq_lens=seq.to(device),
+            block_tables=tables.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_decodes=num_decodes,
+            num_decode_tokens=num_decodes)
+
+    def step(self, work: list[tuple[int, int]],
+             forks: dict[int, tuple[int, int]] | None = None,
+             run: Callable[..., torch.Tensor] | None = None) -> StepMismatch | None:
+        """Run one step and compare every request with the oracle.
+
+        :param work: ``(rid, query_len)`` pairs; decodes are moved first, as the runner
+            orders them.
+        :param forks: ``{child: (parent, num_tokens)}``: ``child`` (in ``work``) starts
+            this step on a shared prefix of ``parent``'s blocks that ``parent`` (also in
+            ``work``) fills this very step.
+        :param run: called as ``run(q, k, v, kv_cache)`` instead of ``backend.run(0, ...)``
+            after ``plan`` (e.g. to replay a captured CUDA graph).
+        :return: the first mismatch, or None.
+        """
+        c = self.case
+        forks = forks or {}
+        work = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
+        new_kv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        contexts: dict[int, int] = {}
+        empty = torch.zeros(0, c.num_kv_heads, c.head_size, dtype=torch.float64)
+        for rid, q_len in sorted(work, key=lambda w: w[0] in forks):
+            if rid in forks:
+                self.fork(rid, *forks[rid])
+            req = self.reqs.setdefault(rid, _Req(empty, empty))
+            contexts[rid] = req.keys.shape[0]
+            q = self._rand(q_len, c.num_heads, c.head_size)
+            k = self._rand(q_len, c.num_kv_heads, c.head_size)
+            v = self._rand(q_len, c.num_kv_heads, c.head_size)
+            new_kv[rid] = (q, k, v)
+            self._ensure_blocks(req, contexts[rid] + q_len)
+            req.keys, req.values = torch.cat([req.keys, k]), torch.cat([req.values, v])
+        md = self.metadata(work, contexts)
+        qs = [new_kv[rid][0] for rid, _ in work]
+        ks = [new_kv[rid][1] for rid, _ in work]
+        vs = [new_kv[rid][2] for rid, _ in work]
+
+        def dev(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts).to(dtype=c.dtype, device=c.device)
+
+        q = dev(qs)
+        self.backend.plan(md)
+        if run is None:
+            out = self.backend.run(0, q, dev(ks), dev(vs), self.cache)
+        else:
+            out = run(q, dev(ks), dev(vs), self.cache)
+        self.num_steps += 1
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            return StepMismatch(work[0][0], contexts[work[0][0]], work[0][1],
+                                f"run() returned {tuple(out.shape)} {out.dtype}; expected "
+                                f"{tuple(q.shape)} {q.dtype} (the shape and dtype of q)")
+        out64 = out.detach().to("cpu", torch.float64)
+        atol, rtol = TOLERANCES.get(c.dtype, (1e-2, 1e-2))
+        start = 0
+        for (rid, q_len), qi in zip(work, qs, strict=True):
+            req, ctx = self.reqs[rid], contexts[rid]
+            ref = dense_attention(qi, req.keys, req.values, ctx, c.head_size ** -0.5,
+                                  c.sliding_window)
+            got = out64[start:start + q_len]
+            start += q_len
+            err = (got - ref).abs()
+            bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
+            if bool(bad.any()):
+                tok, head, _ = (int(i) for i in bad.nonzero()[0])
+                return StepMismatch(rid, ctx, q_len, (
+                    f"output differs from causal attention over the request's "
+                    f"{ctx + q_len} keys: max abs error {float(err.nan_to_num(math.inf).max()):.3g} "
+                    f"> tolerance {atol:g} + {rtol:g}*|ref|; first at query token {tok} "
+                    f"(position {ctx + tok}), head {head}"))
+        return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -79,6 +80,7 @@ class EngineCoreProc:
         self.decoder = make_engine_decoder()
         self.parent_pid = parent_pid
         self.should_stop = False
+        self.parent_gone = False
         self._last_stats_at = 0.0
         self._last_stats: dict[str, float] | None = None
         self._last_parent_check = time.monotonic()
@@ -164,7 +166,7 @@ class EngineCoreProc:
         self._last_parent_check = now
         if os.getppid() != self.parent_pid:
             # The API process is gone; nobody can read our outputs.
-            self.should_stop = True
+            self.parent_gone = self.should_stop = True
 
 
 def _plugin_rows(host: Any) -> list[dict[str, Any]]:
@@ -230,6 +232,8 @@ def serve_engine_core(handshake_file: Path) -> int:
         finally:
             proc.close()
             ctx.term()
+            if proc.parent_gone:  # nobody else will remove the channel's directory
+                shutil.rmtree(handshake_file.parent, ignore_errors=True)
     return status
 
 

@@ -212,6 +212,8 @@ class ModelRunner:
         for rid, drafts in spec.items():
             if drafts:
                 batch.write_draft_tokens(row_of[rid], drafts)
+        if self._device_inputs is not None:
+            self._device_inputs.wait_for_copies()  # the host buffers are about to change
         return order, batch.prepare(rows, num_scheduled, len(decodes))
 
     def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -372,6 +374,13 @@ class _DeviceInputs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def wait_for_copies(self) -> None:
+        """Block until the last step's host-to-device copies have read their sources."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _put(self, name: str, host: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -386,7 +395,7 @@ class _DeviceInputs:
 
     def copy(self, step: StepInputs) -> StepInputs:
         """Copy ``step``'s tensors into the device buffers; returns device views."""
-        return StepInputs(
+        out = StepInputs(
             rows=step.rows, num_scheduled=step.num_scheduled, cu_num_tokens=step.cu_num_tokens,
             num_computed=step.num_computed, input_ids=self._put("input_ids", step.input_ids),
             positions=self._put("positions", step.positions),
@@ -395,3 +404,6 @@ class _DeviceInputs:
             seq_lens=self._put("seq_lens", step.seq_lens),
             block_tables=self._put("block_tables", step.block_tables),
             num_decodes=step.num_decodes)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out

@@ -194,6 +194,26 @@ def test_models_and_stack(server):
     assert any(p["name"] for p in stack["plugins"])
 
 
+def test_metrics_cover_requests_latencies_and_engine(server, client):
+    client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=4)
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    for name in ("lmkit_time_to_first_token_seconds_count",
+                 "lmkit_inter_token_latency_seconds_count",
+                 "lmkit_e2e_request_latency_seconds_count", "lmkit_prompt_tokens_total",
+                 "lmkit_generation_tokens_total"):
+        assert values[name] > 0, name
+    assert sum(v for k, v in values.items() if k.startswith("lmkit_requests_total")) > 0
+    for name in ("lmkit_num_requests_running", "lmkit_num_requests_waiting",
+                 "lmkit_kv_cache_usage_ratio", "lmkit_prefix_cache_hit_rate",
+                 "lmkit_num_preemptions_total"):
+        assert name in values, name
+
+
 # ------------------------------------------------------------------ invalid inputs
 
 
@@ -224,6 +244,8 @@ INVALID = [
      {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("unknown_model", "/v1/chat/completions", {**CHAT, "model": "gpt-5"}, 404,
      "model_not_found"),
+    ("template_code", "/v1/chat/completions", {**CHAT, "chat_template": "{{ 7 * 7 }}"}, 400,
+     "unknown_parameter"),
 ]
 
 

@@ -1,1 +1,13 @@
-"""lmkit Triton kernels, each with a torch reference."""
+"""lmkit Triton kernels, each with one checking launcher and a torch reference.
+
+* :mod:`~lmkit_kernels.paged_attention` -- ``paged_attention``: decode (split-K) and
+  causal prefill over the paged KV cache (kernels in ``paged_decode``/``paged_prefill``)
+* :mod:`~lmkit_kernels.cache_write` -- ``reshape_and_cache``: new K/V through
+  ``slot_mapping``
+* :mod:`~lmkit_kernels.sampling` -- ``sample``: temperature / top-k / top-p sampling
+  (kernels in ``sampling_kernels``)
+* :mod:`~lmkit_kernels.reference` -- the torch references the tests compare against
+* :mod:`~lmkit_kernels.random_batch` -- random paged batches for tests and benchmarks
+
+Importing this package imports nothing heavy; each module imports torch and triton.
+"""

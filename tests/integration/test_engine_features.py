@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lmkit import LLM, SamplingParams
 from lmkit.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from lmkit import LLM, SamplingParams
 from lmkit.bench.prompts import CHAT_PROMPTS
 

@@ -25,7 +25,7 @@ from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from lmkit.worker import memory
-from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, self.block_size,
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
-        self._device_inputs = _DeviceInputs(self.device) if self.device.type != "cpu" else None
+        self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
         logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype)
 
@@ -366,44 +366,3 @@ def _default_eos(hf_config: Any, model_dir: Path) -> int | None:
     if isinstance(ids, (list, tuple)):
         ids = ids[0] if ids else None
     return ids
-
-
-class _DeviceInputs:
-    """Persistent device copies of a step's inputs (fixed addresses, for CUDA graphs)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._copied: torch.cuda.Event | None = None
-
-    def wait_for_copies(self) -> None:
-        """Block until the last step's host-to-device copies have read their sources."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-
-    def _put(self, name: str, host: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or any(b < h for b, h in zip(buf.shape, host.shape, strict=True)):
-            shape = tuple(max(2 * h, b) for h, b in zip(
-                host.shape, buf.shape if buf is not None else host.shape, strict=True))
-            buf = torch.zeros(shape, dtype=host.dtype, device=self.device)
-            self._buffers[name] = buf
-        view = buf[tuple(slice(0, h) for h in host.shape)]
-        view.copy_(host, non_blocking=True)
-        return view
-
-    def copy(self, step: StepInputs) -> StepInputs:
-        """Copy ``step``'s tensors into the device buffers; returns device views."""
-        out = StepInputs(
-            rows=step.rows, num_scheduled=step.num_scheduled, cu_num_tokens=step.cu_num_tokens,
-            num_computed=step.num_computed, input_ids=self._put("input_ids", step.input_ids),
-            positions=self._put("positions", step.positions),
-            slot_mapping=self._put("slot_mapping", step.slot_mapping),
-            query_start_loc=self._put("query_start_loc", step.query_start_loc),
-            seq_lens=self._put("seq_lens", step.seq_lens),
-            block_tables=self._put("block_tables", step.block_tables),
-            num_decodes=step.num_decodes)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return out

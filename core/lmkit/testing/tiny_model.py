@@ -34,15 +34,20 @@ def make_byte_tokenizer():
 
 def _byte_of(ch: str) -> int:
     """The byte GPT-2's byte-level alphabet maps to character ``ch``."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return bs[cs.index(ord(ch))]
+    return _BYTE_OF_CHAR[ch]
+
+
+def _byte_alphabet() -> dict[str, int]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in chars)
+    for n, b in enumerate(extra):
+        chars[b] = chr(256 + n)
+    return {ch: b for b, ch in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_alphabet()
 
 
 def make_tiny_model(directory: str | Path, *, vocab_size: int = 320, num_layers: int = 2,

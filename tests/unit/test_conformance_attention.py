@@ -1,0 +1,120 @@
+"""The attention conformance suite: the torch reference passes it through the pytest
+base class; deliberately broken backends fail it with the property and input named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lmkit.api import Caps, Spec
+from lmkit.plugins.manager import PluginHost
+from lmkit.testing import ConformanceFailure
+from lmkit.testing.attention import AttentionConformance, check_attention_backend
+from lmkit_plugins.attention.torch_ref import TorchAttention
+
+CPU_CAPS = Caps({"prefix_caching", "chunked_prefill", "multi_token_query", "sliding_window"},
+                {"device": {"cpu"}, "dtype": {"float32"}})
+
+
+class TestTorchReference(AttentionConformance):
+    @pytest.fixture
+    def attention_backend(self):
+        host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+        return host.registry.get("attention", "torch")
+
+
+class DropsCachedPrefix(TorchAttention):
+    """Writes the cache but attends only to the tokens of the current step."""
+
+    def plan(self, metadata):
+        super().plan(metadata)
+        self._qsl = metadata.query_start_loc_cpu.tolist()
+
+    def run(self, layer, q, k, v, kv_cache):
+        super().run(layer, q, k, v, kv_cache)
+        out, group = torch.empty_like(q), self.num_heads // self.num_kv_heads
+        for a, b in zip(self._qsl, self._qsl[1:], strict=False):
+            qq = q[a:b].transpose(0, 1)
+            kk = k[a:b].repeat_interleave(group, 1).transpose(0, 1)
+            vv = v[a:b].repeat_interleave(group, 1).transpose(0, 1)
+            out[a:b] = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                      scale=self.scale).transpose(0, 1)
+        return out
+
+
+class InterleavedGQA(TorchAttention):
+    """Maps query head h to KV head h % num_kv_heads instead of h // group."""
+
+    def run(self, layer, q, k, v, kv_cache):
+        n, hkv, d = q.shape[0], self.num_kv_heads, self.head_size
+        g = self.num_heads // hkv
+        regrouped = q.view(n, g, hkv, d).transpose(1, 2).reshape(n, self.num_heads, d)
+        out = super().run(layer, regrouped, k, v, kv_cache)
+        return out.view(n, hkv, g, d).transpose(1, 2).reshape(n, self.num_heads, d)
+
+
+class IgnoresWindow(TorchAttention):
+    """Claims sliding_window but attends to the whole context."""
+
+    def __init__(self, **kwargs):
+        kwargs["sliding_window"] = None
+        super().__init__(**kwargs)
+
+
+def spec(cls, caps=CPU_CAPS):
+    return Spec(name=cls.__name__.lower(), target=lambda: cls, caps=caps)
+
+
+def test_torch_reference_passes_every_applicable_property():
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    results = check_attention_backend(host.registry.get("attention", "torch"))
+    assert results["prefill over a cached prefix"] == "passed"
+    assert results["dtypes"] == "passed"
+    assert results["cuda graphs"].startswith("not applicable")
+
+
+def test_a_backend_that_drops_the_cached_prefix_fails_with_the_input():
+    s = spec(DropsCachedPrefix)
+    assert check_attention_backend(s, only=["prefill"]) == {"prefill": "passed"}
+    with pytest.raises(ConformanceFailure) as exc:
+        check_attention_backend(s, only=["prefill over a cached prefix"])
+    msg = str(exc.value)
+    assert "'dropscachedprefix' fails property 'prefill over a cached prefix'" in msg
+    assert "heads 8/2 (query/kv), head_size 64, block_size 16, float32 on cpu" in msg
+    assert "step 2 (prefills over cached prefixes): [req 1: context 32, query 9" in msg
+    assert "max abs error" in msg
+
+
+def test_wrong_gqa_head_mapping_fails_but_mha_and_mqa_pass():
+    s = spec(InterleavedGQA)
+    with pytest.raises(ConformanceFailure, match="(?s)fails property 'decode'.*heads 8/2.*head 1"):
+        check_attention_backend(s, only=["decode"])
+    with pytest.raises(ConformanceFailure, match="heads 8/2") as exc:
+        check_attention_backend(s, only=["GQA and head sizes"])
+    assert "heads 4/4" not in str(exc.value)  # MHA ran first and passed
+
+
+def test_a_claimed_feature_that_is_ignored_fails():
+    with pytest.raises(ConformanceFailure, match="fails property 'sliding window'"):
+        check_attention_backend(spec(IgnoresWindow), only=["sliding window"])
+
+
+def test_an_unclaimed_feature_must_be_refused():
+    caps = Caps({"prefix_caching", "chunked_prefill"}, {"device": {"cpu"}, "dtype": {"float32"}})
+    with pytest.raises(ConformanceFailure, match="sliding_window=7 succeeded"):
+        check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])
+    results = check_attention_backend(spec(TorchAttention, caps), only=[
+        "sliding window", "multi-token decode queries", "prefill over a cached prefix"])
+    assert results["prefill over a cached prefix"] == "passed"
+    assert results["sliding window"] == "not applicable: torchattention does not claim " \
+        "'sliding_window'"
+    assert results["multi-token decode queries"].startswith("not applicable")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine case")
+def test_a_cuda_only_backend_is_not_applicable_on_cpu():
+    cuda_only = Caps({"prefix_caching"}, {"device": {"cuda"}, "dtype": {"bfloat16"}})
+    results = check_attention_backend(spec(TorchAttention, cuda_only))
+    assert results["prefill"] == ("not applicable: torchattention runs on cuda only and this "
+                                  "machine has no CUDA device")
+    assert all(r.startswith("not applicable") for r in results.values())

@@ -1,0 +1,51 @@
+"""The executor conformance suite: uniproc passes against itself; an executor that
+samples wrong tokens or hides workers fails with the step named."""
+
+from __future__ import annotations
+
+import pytest
+from lmkit.api import Spec
+from lmkit.plugins.manager import PluginHost
+from lmkit.testing import ConformanceFailure
+from lmkit.testing.executor import check_executor
+from lmkit.testing.tiny_model import make_tiny_model
+from lmkit_plugins.executors.uniproc import UniProcExecutor
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-executor"))
+
+
+class OffByOne(UniProcExecutor):
+    """Samples the next token id for the third request."""
+
+    def execute(self, scheduler_output):
+        out = super().execute(scheduler_output)
+        out.sampled_token_ids = [[(t + 1) % 320 for t in ids] if rid == "r2" else ids
+                                 for rid, ids in zip(out.req_ids, out.sampled_token_ids,
+                                                     strict=True)]
+        return out
+
+
+class NoWorkers(UniProcExecutor):
+    def call(self, method, *args, **kwargs):
+        return []
+
+
+def test_uniproc_passes(model_dir):
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    results = check_executor(host.registry.get("executor", "uniproc"), model_dir=model_dir)
+    assert set(results.values()) == {"passed"}
+
+
+def test_wrong_tokens_and_hidden_workers_fail(model_dir):
+    with pytest.raises(ConformanceFailure) as exc:
+        check_executor(Spec(name="off-by-one", target=lambda: OffByOne), model_dir=model_dir,
+                       only=["tokens equal uniproc"])
+    msg = str(exc.value)
+    assert "'off-by-one' fails property 'tokens equal uniproc'" in msg
+    assert "step 1 (scheduled {" in msg and "uniproc sampled" in msg
+    with pytest.raises(ConformanceFailure, match="returned \\[\\]; expected a list"):
+        check_executor(Spec(name="no-workers", target=lambda: NoWorkers), model_dir=model_dir,
+                       only=["call reaches every worker"])

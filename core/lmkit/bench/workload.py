@@ -86,3 +86,15 @@ def file_workload(path: Path, tokenizer: Any, default_output_len: int) -> Worklo
     if not prompts:
         raise ConfigError(f"workload file {path} has no prompts")
     return Workload(f"file({path})", prompts, outs)
+
+
+def parse_length_range(text: str) -> tuple[int, int]:
+    """``"64"`` -> (64, 64); ``"100:1024"`` -> (100, 1024)."""
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError as e:
+        raise ConfigError(f"expected a length like 64 or 100:1024, got {text!r}") from e
+    if not 0 < a <= b:
+        raise ConfigError(f"expected 0 < low <= high in {text!r}")
+    return a, b

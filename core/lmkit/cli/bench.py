@@ -45,26 +45,14 @@ def _get(config, path: str):
 def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: str, seed: int,
               dataset: Path | None):
     from lmkit.bench.offline import make_workload
+    from lmkit.bench.workload import parse_length_range
     from lmkit.loading.tokenizer import load_tokenizer
     from lmkit.loading.weights import load_hf_config
 
     tokenizer = load_tokenizer(Path(setup.model_dir))
     vocab = load_hf_config(Path(setup.model_dir)).vocab_size
-    return make_workload(kind, tokenizer, vocab, num_prompts, _range(input_len),
-                         _range(output_len), seed, dataset)
-
-
-def _range(text: str) -> tuple[int, int]:
-    from lmkit.errors import ConfigError
-
-    lo, _, hi = text.partition(":")
-    try:
-        a, b = int(lo), int(hi or lo)
-    except ValueError as e:
-        raise ConfigError(f"expected a length like 64 or 100:1024, got {text!r}") from e
-    if not 0 < a <= b:
-        raise ConfigError(f"expected 0 < low <= high in {text!r}")
-    return a, b
+    return make_workload(kind, tokenizer, vocab, num_prompts, parse_length_range(input_len),
+                         parse_length_range(output_len), seed, dataset)
 
 
 def _finish(report, out: Path | None) -> None:
@@ -125,4 +113,7 @@ def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPr
 
 
 def register(app: typer.Typer) -> None:
+    from lmkit.cli.bench_serve import register as register_serve
+
+    register_serve(bench_app)
     app.add_typer(bench_app, name="bench")

@@ -37,7 +37,7 @@ def _server_model_dir(url: str, api_key: str | None) -> Path | None:
 def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_len: str,
               output_len: str, seed: int, dataset: Path | None) -> Any:
     from lmkit.bench.offline import make_workload
-    from lmkit.cli.bench import _range
+    from lmkit.bench.workload import parse_length_range
 
     model_dir = _server_model_dir(url, api_key)
     tokenizer, vocab = None, 32000
@@ -51,8 +51,8 @@ def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_
         raise ConfigError(f"the {kind} workload needs the server's tokenizer, but its model "
                           "directory is not readable here; use --workload random")
     try:
-        return make_workload(kind, tokenizer, vocab, num_prompts, _range(input_len),
-                             _range(output_len), seed, dataset)
+        return make_workload(kind, tokenizer, vocab, num_prompts, parse_length_range(input_len),
+                             parse_length_range(output_len), seed, dataset)
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

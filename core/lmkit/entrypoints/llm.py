@@ -98,10 +98,10 @@ class LLM:
         self.host = PluginHost.load(cfg.plugins)
         self.engine = EngineCore(cfg, self.host, progress=progress)
         self.config = self.engine.config
-        from lmkit.loading.tokenizer import load_tokenizer
+        from lmkit.loading.tokenizer import eos_token_ids, load_tokenizer
 
         self.tokenizer = load_tokenizer(self.engine.model_dir)
-        eos, extra = _eos_ids(self.tokenizer, self.engine.model_dir)
+        eos, extra = eos_token_ids(self.tokenizer, self.engine.model_dir)
         self.input_processor = InputProcessor(
             self.tokenizer, int(self.config.model.max_model_len or 0), eos,
             self.engine.model_info.vocab_size, extra)
@@ -231,23 +231,6 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if seq and all(isinstance(t, int) for t in seq):
         return [seq]  # one prompt given as token ids
     return seq
-
-
-def _eos_ids(tokenizer: Any, model_dir: Path) -> tuple[int | None, list[int]]:
-    """The tokenizer's EOS and any extra EOS ids from the generation config."""
-    eos = tokenizer.eos_token_id
-    extra: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-        ids = gen.eos_token_id
-        extra = [ids] if isinstance(ids, int) else list(ids or [])
-    except (OSError, ValueError):
-        pass
-    if eos is None and extra:
-        eos, extra = extra[0], extra[1:]
-    return eos, [t for t in extra if t != eos]
 
 
 def _progress(total: int) -> Any:

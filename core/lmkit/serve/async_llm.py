@@ -51,14 +51,14 @@ class AsyncLLM:
                  tokenizer: Any, observer: RequestObserver | None = None) -> None:
         from lmkit.engine.output_processor import OutputProcessor
         from lmkit.engine.processor import InputProcessor
-        from lmkit.entrypoints.llm import _eos_ids
+        from lmkit.loading.tokenizer import eos_token_ids
 
         self.client = client
         self.ready = ready
         self.config = config
         self.tokenizer = tokenizer
         self.observer = observer
-        eos, extra = _eos_ids(tokenizer, ready.model_dir)
+        eos, extra = eos_token_ids(tokenizer, ready.model_dir)
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, eos,
                                               ready.vocab_size, extra)
         self.output_processor = OutputProcessor(tokenizer)

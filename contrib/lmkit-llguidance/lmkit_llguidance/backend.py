@@ -14,6 +14,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 from lmkit.api import Grammar, InvalidRequestError, StructuredOutputBackend
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -115,7 +116,12 @@ class LLGuidanceBackend(StructuredOutputBackend):
         if kind == "grammar":
             if not isinstance(spec, str):
                 raise InvalidRequestError(f"a grammar constraint must be a string, got {spec!r}")
-            lark = llguidance.gbnf_to_lark(spec) if "::=" in spec else spec
+            lark = spec
+            if "::=" in spec:
+                try:
+                    lark = gbnf_to_lark(spec)
+                except GbnfToLarkError as e:
+                    raise InvalidRequestError(f"invalid GBNF grammar: {e}") from e
             return llguidance.LLMatcher.grammar_from_lark(lark)
         raise InvalidRequestError(
             f"the llguidance backend does not support {kind!r} constraints; it supports json, "

@@ -32,6 +32,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "lmkit.cli.generate",
     "lmkit.cli.chat",
     "lmkit.cli.bench",
+    "lmkit.cli.plugin_new",
 )
 
 HELP = (

@@ -1,0 +1,39 @@
+"""``lmkit plugin new NAME --kind KIND``: start a plugin package that passes lmkit's
+conformance suite as generated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lmkit.cli.render import print_text
+from lmkit.scaffold.kinds import SCAFFOLD_KINDS
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``plugin`` command group (``lmkit plugin new``) to ``app``."""
+    group = typer.Typer(help="Write new plugins (see `lmkit plugins` to inspect installed "
+                             "ones).", no_args_is_help=True)
+    group.command("new")(new)
+    app.add_typer(group, name="plugin")
+
+
+def new(
+    name: Annotated[str, typer.Argument(help="Package and plugin name, e.g. 'my-attention'.")],
+    kind: Annotated[str, typer.Option("--kind", "-k",
+                                      help=f"One of: {', '.join(SCAFFOLD_KINDS)}.")],
+    directory: Annotated[Path, typer.Option("--dir", help="Where to create the package "
+                                            "folder.")] = Path("."),
+) -> None:
+    """Write a plugin package NAME/: pyproject with the lmkit entry point, the spec, a
+    minimal working implementation, and tests running lmkit's conformance suite."""
+    from lmkit.scaffold.generate import new_plugin
+
+    root = new_plugin(name, kind, directory)
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    print_text(f"created {kind} plugin {name!r} in {root}:")
+    for f in files:
+        print_text(f"  {f}")
+    print_text(f"next: pip install -e {root} && pytest {root / 'tests'}")

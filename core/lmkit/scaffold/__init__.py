@@ -1,0 +1,2 @@
+"""Plugin package scaffolds: ``lmkit plugin new NAME --kind KIND`` (see
+:func:`lmkit.scaffold.generate.new_plugin`)."""

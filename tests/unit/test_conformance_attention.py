@@ -118,3 +118,16 @@ def test_a_cuda_only_backend_is_not_applicable_on_cpu():
     assert results["prefill"] == ("not applicable: torchattention runs on cuda only and this "
                                   "machine has no CUDA device")
     assert all(r.startswith("not applicable") for r in results.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+def test_gpu_backends_pass_including_cuda_graph_replay(name):
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    reg = host.registry.get("attention", name)
+    if reg.spec.unavailable_reasons():
+        pytest.skip("; ".join(reg.spec.unavailable_reasons()))
+    results = check_attention_backend(reg)
+    assert results["cuda graphs"] == "passed"
+    assert results["prefill over a cached prefix"] == "passed"

@@ -27,6 +27,7 @@ TOLERANCES = {
     torch.float64: (1e-9, 1e-9),
 }
 EXTRA_TABLE_WIDTH = 3  # block-table columns past the longest request (as the runner pads)
+MAX_REQS, MAX_TOKENS = 32, 2048  # sizes of the persistent metadata buffers
 
 
 @dataclass
@@ -105,6 +106,13 @@ class AttentionWorld:
         self.free: list[int] = order.tolist()
         self.reqs: dict[int, _Req] = {}
         self.num_steps = 0
+        # persistent device buffers, updated in place each step as the runner's are (a
+        # backend may keep references to them, e.g. inside a captured CUDA graph)
+        dev = case.device
+        self._qsl = torch.zeros(MAX_REQS + 1, dtype=torch.int32, device=dev)
+        self._seq_lens = torch.zeros(MAX_REQS, dtype=torch.int32, device=dev)
+        self._tables = torch.zeros(MAX_REQS, num_blocks, dtype=torch.int32, device=dev)
+        self._slots = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=dev)
 
     def _rand(self, *shape: int) -> torch.Tensor:
         """Random data as the backend's dtype sees it, returned in float64 (CPU)."""
@@ -135,12 +143,14 @@ class AttentionWorld:
     def metadata(self, work: list[tuple[int, int]], contexts: dict[int, int]
                  ) -> AttentionMetadata:
         """The step's metadata for ``work`` (``(rid, query_len)`` in batch order), each
-        request starting after ``contexts[rid]`` cached tokens."""
-        bs, device = self.case.block_size, self.case.device
+        request starting after ``contexts[rid]`` cached tokens. Device tensors are views
+        of persistent buffers (the block table a strided view, as the runner's is)."""
+        bs = self.case.block_size
         q_lens = [q for _, q in work]
         ctx = [contexts[rid] for rid, _ in work]
         seq_lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
-        width = max(len(self.reqs[rid].blocks) for rid, _ in work) + EXTRA_TABLE_WIDTH
+        width = min(max(len(self.reqs[rid].blocks) for rid, _ in work) + EXTRA_TABLE_WIDTH,
+                    self._tables.shape[1])
         tables = torch.zeros(len(work), width, dtype=torch.int32)
         slots = []
         for i, (rid, q) in enumerate(work):
@@ -152,13 +162,19 @@ class AttentionWorld:
         num_decodes = 0
         while num_decodes < len(work) and q_lens[num_decodes] == 1:
             num_decodes += 1
+        n, t = len(work), len(slots)
+        if n > MAX_REQS or t > MAX_TOKENS:
+            raise ValueError("conformance world: step too large (a suite bug)")
+        self._qsl[: n + 1].copy_(qsl)
+        self._seq_lens[:n].copy_(seq)
+        self._tables[:n, :width].copy_(tables)
+        self._slots[:t].copy_(torch.tensor(slots, dtype=torch.int64))
         return AttentionMetadata(
-            num_reqs=len(work), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens), query_start_loc=qsl.to(device), seq_lens=seq.to(device),
-            block_tables=tables.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_decodes=num_decodes,
-            num_decode_tokens=num_decodes)
+            num_reqs=n, num_actual_tokens=t, max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), query_start_loc=self._qsl[: n + 1],
+            seq_lens=self._seq_lens[:n], block_tables=self._tables[:n, :width],
+            slot_mapping=self._slots[:t], query_start_loc_cpu=qsl, seq_lens_cpu=seq,
+            num_decodes=num_decodes, num_decode_tokens=num_decodes)
 
     def step(self, work: list[tuple[int, int]],
              forks: dict[int, tuple[int, int]] | None = None,

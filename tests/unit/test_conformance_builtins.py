@@ -1,0 +1,54 @@
+"""Every built-in implementation of every stack kind that can run on this machine
+passes its conformance suite. Implementations registered later (a proposer, a grammar
+backend, an offload tier) are picked up here automatically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lmkit.plugins.manager import PluginHost
+from lmkit.testing.attention import check_attention_backend
+from lmkit.testing.executor import check_executor
+from lmkit.testing.offload import check_offload_manager
+from lmkit.testing.scheduler import check_scheduler
+from lmkit.testing.spec_decode import check_spec_proposer
+from lmkit.testing.structured_output import check_structured_output_backend
+
+HOST = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+SUITES = {
+    "attention": check_attention_backend,
+    "scheduler": check_scheduler,
+    "executor": check_executor,
+    "spec_proposer": check_spec_proposer,
+    "structured_output": check_structured_output_backend,
+    "offload": check_offload_manager,
+}
+BUILTINS = [pytest.param(kind, reg.name, id=f"{kind}-{reg.name}")
+            for kind in SUITES for reg in HOST.registry.all(kind)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-builtins"))
+
+
+def test_the_sweep_covers_the_builtins_present_today():
+    names = {(kind, name) for kind, name in (p.values for p in BUILTINS)}
+    assert {("attention", "torch"), ("scheduler", "fcfs"), ("scheduler", "priority"),
+            ("executor", "uniproc")} <= names
+
+
+@pytest.mark.parametrize(("kind", "name"), BUILTINS)
+def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureRequest) -> None:
+    reg = HOST.registry.get(kind, name)
+    if reg.spec.unavailable_reasons():
+        pytest.skip(f"{name} cannot run here: {'; '.join(reg.spec.unavailable_reasons())}")
+    if kind in ("executor", "spec_proposer"):
+        results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
+    else:
+        results = SUITES[kind](reg)
+    assert "passed" in results.values()
+    assert all(r == "passed" or r.startswith("not applicable") for r in results.values())

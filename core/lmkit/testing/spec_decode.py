@@ -183,6 +183,11 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
     base = [o.outputs[0].token_ids for o in LLM(str(model_dir), **common).generate(prompts, params)]
     spec_llm = LLM(str(model_dir), speculative=t.spec.name, num_speculative_tokens=3, **common)
     got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    stats = spec_llm.engine.stats()
+    drafts = sum(v for k, v in stats.items() if "draft" in k and isinstance(v, (int, float)))
+    if not drafts:
+        raise NotApplicable("the engine reported no draft tokens for these prompts (no "
+                            "'*draft*' counter in engine stats, or zero): nothing was verified")
     for prompt, a, b in zip(prompts, base, got, strict=True):
         if a != b:
             raise t.fail(SUITE, "end to end", f"greedy, prompt {prompt!r}, k=3",

@@ -91,5 +91,8 @@ def test_refuses_bad_names_kinds_and_existing_folders(generated: Path) -> None:
     assert result.exit_code == 2 and "already exists" in result.output
     result = lmkit("plugin", "new", "Bad_Name", "--kind", "scheduler", "--dir", str(generated))
     assert result.exit_code == 2 and "lowercase letters, digits and single dashes" in result.output
+    result = lmkit("plugin", "new", "fcfs", "--kind", "scheduler", "--dir", str(generated))
+    assert result.exit_code == 2
+    assert "scheduler 'fcfs' is already registered by plugin lmkit.schedulers" in result.output
     result = lmkit("plugin", "new", "fine", "--kind", "sampler", "--dir", str(generated))
     assert result.exit_code == 2 and "choose one of: attention, scheduler" in result.output

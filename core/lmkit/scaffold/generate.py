@@ -31,6 +31,18 @@ def _layout(kind: ScaffoldKind, module: str) -> dict[str, str]:
     }
 
 
+def _check_unregistered(name: str, kind: ScaffoldKind) -> None:
+    """Refuse a name an installed plugin already registers for the kind (the new
+    plugin would be rejected as a duplicate when loaded)."""
+    from lmkit.plugins.manager import PluginHost
+
+    host = PluginHost.load()
+    for reg in host.registry.all(kind.registry_kind):
+        if name == reg.name or name in reg.spec.aliases:
+            raise ConfigError(f"{kind.registry_kind.replace('_', ' ')} {name!r} is already "
+                              f"registered by plugin {reg.origin}; choose another name")
+
+
 def new_plugin(name: str, kind: str, directory: Path | str = ".") -> Path:
     """Write the package for plugin ``name`` of ``kind`` into ``directory/name``.
 
@@ -46,6 +58,7 @@ def new_plugin(name: str, kind: str, directory: Path | str = ".") -> Path:
         raise ConfigError(f"unknown plugin kind {kind!r}; choose one of: "
                           f"{', '.join(SCAFFOLD_KINDS)}")
     spec = SCAFFOLD_KINDS[kind]
+    _check_unregistered(name, spec)
     root = Path(directory) / name
     if root.exists():
         raise ConfigError(f"{root} already exists; choose another name or --dir")

@@ -15,7 +15,7 @@ seeded-sampling requests in a KV pool small enough to force preemption; every st
 * ``shutdown twice``: ``shutdown()`` may be called twice.
 
 Use :func:`check_executor`, or subclass :class:`ExecutorConformance` and define an
-``executor`` fixture returning the spec or class (optionally a ``model_dir`` fixture).
+``executor`` fixture returning the spec or class (and optionally set ``model_dir``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class _Pair:
         try:
             self.info = self.candidate.start()
         except Exception as e:
+            self.reference.shutdown()
             raise t.fail(SUITE, "model info", WORKLOAD,
                          f"start() raised {type(e).__name__}: {e}") from e
 
@@ -184,25 +185,24 @@ def check_executor(executor: Any, options: Any = None, model_dir: str | Path | N
 
 class ExecutorConformance:
     """pytest base class: one test per executor property. Define an ``executor``
-    fixture returning the spec or class; override the ``model_dir`` fixture to use
-    another model (default: a tiny random Llama written to a temporary folder)."""
+    fixture returning the spec or class; set ``model_dir`` (a path) to load another
+    model than a fresh tiny random Llama."""
 
-    def _check(self, executor: Any, model_dir: Any, prop: str) -> None:
+    model_dir: str | Path | None = None
+
+    def _check(self, executor: Any, prop: str) -> None:
         t = resolve_target(executor)
+        model_dir = Path(self.model_dir) if self.model_dir else None
         skip_if_not_applicable(lambda: _with_pair(t, model_dir, PROPERTIES[prop]))
 
-    def model_dir(self) -> Path | None:
-        """The model directory to load (``None``: a fresh tiny random model)."""
-        return None
-
     def test_model_info(self, executor: Any) -> None:
-        self._check(executor, self.model_dir(), "model info")
+        self._check(executor, "model info")
 
     def test_tokens_equal_uniproc(self, executor: Any) -> None:
-        self._check(executor, self.model_dir(), "tokens equal uniproc")
+        self._check(executor, "tokens equal uniproc")
 
     def test_call_reaches_every_worker(self, executor: Any) -> None:
-        self._check(executor, self.model_dir(), "call reaches every worker")
+        self._check(executor, "call reaches every worker")
 
     def test_shutdown_twice(self, executor: Any) -> None:
-        self._check(executor, self.model_dir(), "shutdown twice")
+        self._check(executor, "shutdown twice")

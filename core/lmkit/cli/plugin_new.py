@@ -27,8 +27,10 @@ def new(
     directory: Annotated[Path, typer.Option("--dir", help="Where to create the package "
                                             "folder.")] = Path("."),
 ) -> None:
-    """Write a plugin package NAME/: pyproject with the lmkit entry point, the spec, a
-    minimal working implementation, and tests running lmkit's conformance suite."""
+    """Write a plugin package that installs and passes lmkit's conformance suite.
+
+    NAME/ gets pyproject.toml (lmkit entry point), the spec, an implementation, tests/.
+    """
     from lmkit.scaffold.generate import new_plugin
 
     root = new_plugin(name, kind, directory)

@@ -10,6 +10,8 @@ Properties:
   given, are ``[num_drafts, vocab]`` distributions giving their draft positive mass;
 * ``deterministic``: the same batch gives the same drafts twice, and on a fresh
   instance;
+* ``incremental updates``: histories growing over steps (``num_new_tokens`` set) give
+  the drafts a fresh instance gives for the whole histories;
 * ``inputs untouched``: ``propose`` does not modify the token lists it is given;
 * ``remove_requests``: forgetting some requests, then proposing for the others and for
   new ones, works and stays deterministic;
@@ -71,13 +73,23 @@ def _build(t: Target, k: int) -> Any:
                      f"constructing the proposer raised {type(e).__name__}: {e}") from e
 
 
-def _propose(t: Target, prop: str, proposer: Any, k: int, desc: str, req_ids: list[str],
-             tokens: list[list[int]]) -> list[list[int]]:
+def _input(req_ids: list[str], tokens: list[list[int]], k: int,
+           num_new_tokens: list[int] | None) -> Any:
+    from dataclasses import fields
+
     from lmkit.api.spec_decode import ProposerInput
 
+    if num_new_tokens is not None and "num_new_tokens" in {f.name for f in fields(ProposerInput)}:
+        return ProposerInput(list(req_ids), tokens, k, num_new_tokens=num_new_tokens)
+    return ProposerInput(list(req_ids), tokens, k)
+
+
+def _propose(t: Target, prop: str, proposer: Any, k: int, desc: str, req_ids: list[str],
+             tokens: list[list[int]], num_new_tokens: list[int] | None = None
+             ) -> list[list[int]]:
     where = f"{desc}, k={k}"
     try:
-        proposal = proposer.propose(ProposerInput(list(req_ids), tokens, k))
+        proposal = proposer.propose(_input(req_ids, tokens, k, num_new_tokens))
     except Exception as e:
         raise t.fail(SUITE, prop, where, f"propose() raised {type(e).__name__}: {e}") from e
     drafts = proposal.draft_token_ids
@@ -133,6 +145,28 @@ def deterministic(t: Target) -> None:
         if not a == b == c:
             raise t.fail(SUITE, "deterministic", f"{desc}, k={k}",
                          f"drafts differ between calls: {a}, then {b}, fresh instance {c}")
+
+
+def incremental(t: Target) -> None:
+    """Histories that grow step by step (with ``num_new_tokens``) give the drafts a
+    fresh instance gives for the whole histories."""
+    k, rng = 3, random.Random(5)
+    proposer = _build(t, k)
+    _, req_ids, histories = batches()[3]
+    grown = [list(h[:3]) for h in histories]
+    seen = [0] * len(grown)
+    for step in range(12):
+        for h, full in zip(grown, histories, strict=True):
+            h.extend(full[len(h):len(h) + rng.randint(1, 3)] or [rng.randrange(VOCAB_SIZE)])
+        new = [len(h) - n for h, n in zip(grown, seen, strict=True)]
+        seen = [len(h) for h in grown]
+        desc = f"step {step + 1} of growing histories (new tokens {new})"
+        got = _propose(t, "incremental updates", proposer, k, desc, req_ids, grown, new)
+        want = _propose(t, "incremental updates", _build(t, k), k, desc, req_ids, grown)
+        if got != want:
+            raise t.fail(SUITE, "incremental updates", f"{desc}, k={k}",
+                         f"drafts {got} after incremental updates; a fresh instance given the "
+                         f"whole histories drafts {want}")
 
 
 def inputs_untouched(t: Target) -> None:
@@ -197,6 +231,7 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
 def _checks(t: Target, model_dir: str | Path | None) -> dict[str, Callable[[], None]]:
     return {"valid drafts": lambda: valid_drafts(t), "deterministic": lambda: deterministic(t),
             "inputs untouched": lambda: inputs_untouched(t),
+            "incremental updates": lambda: incremental(t),
             "remove_requests": lambda: remove_requests(t),
             "end to end": lambda: end_to_end(t, model_dir)}
 
@@ -227,6 +262,9 @@ class SpecProposerConformance:
 
     def test_deterministic(self, spec_proposer: Any) -> None:
         self._check(spec_proposer, "deterministic")
+
+    def test_incremental_updates(self, spec_proposer: Any) -> None:
+        self._check(spec_proposer, "incremental updates")
 
     def test_inputs_untouched(self, spec_proposer: Any) -> None:
         self._check(spec_proposer, "inputs untouched")

@@ -117,7 +117,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [n, q_size + 2 * kv_size]
+        qkv = self.qkv_proj.forward(hidden)  # [n, q_size + 2 * kv_size]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -125,11 +125,12 @@ class LlamaAttention(nn.Module):
             qk = self.rotary.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
+            q = self.q_norm.forward(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(
+                qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         out = attn.run(self.layer_idx, q, k, v, kv_cache)  # [n, num_heads, head_dim]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -144,7 +145,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,14 +163,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        # submodules' forward is called directly: nn.Module.__call__ (hooks, which
+        # nothing here uses) costs ~0.5 ms per step over 30 layers on a CPU
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm.forward(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, attn, kv_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.forward(hidden, residual)
+        hidden = self.self_attn.forward(hidden, cos, sin, attn, kv_cache)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.mlp.forward(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -210,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, ctx.attn, ctx.kv_caches[i])
-        hidden, _ = self.model.norm(hidden, residual)
+            hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
+                                             ctx.kv_caches[i])
+        hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

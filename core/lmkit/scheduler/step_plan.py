@@ -70,6 +70,7 @@ class StepPlan:
                     sampling_params=request.sampling_params,
                     block_ids=block_ids_of(request),
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_id=request.eos_token_id,
                 ))
             else:
                 cached.req_ids.append(rid)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmkit_plugins.models.fused_ops import fused_ops_enabled, rms_norm_kernel
+
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -106,6 +108,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
+        # CUDA half precision: one fused Triton kernel (see lmkit_plugins.models.fused_ops)
+        self._fused = rms_norm_kernel() if fused_ops_enabled(device, dtype) else None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -118,6 +122,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._fused is not None and x.dim() == 2:
+            return self._fused(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

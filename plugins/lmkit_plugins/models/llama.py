@@ -21,6 +21,11 @@ import torch
 from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError
 from torch import nn
 
+from lmkit_plugins.models.fused_ops import (
+    fused_ops_enabled,
+    rotary_qk_kernel,
+    silu_and_mul_kernel,
+)
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, silu_and_mul
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 
@@ -113,6 +118,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **kw)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
+        # CUDA half precision: q/k norm + RoPE in one in-place kernel (fused_ops)
+        self._rotary_qk = rotary_qk_kernel() if fused_ops_enabled(device, dtype) else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -120,7 +127,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj.forward(hidden)  # [n, q_size + 2 * kv_size]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self._rotary_qk is not None:
+            self._rotary_qk(qkv, cos, sin, num_heads=self.num_heads,
+                            num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
+                            q_norm=None if self.q_norm is None else self.q_norm.weight,
+                            k_norm=None if self.k_norm is None else self.k_norm.weight,
+                            eps=1e-6 if self.q_norm is None else self.q_norm.eps)
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
             # rotate query and key heads together: [n, num_heads + num_kv_heads, head_dim]
             qk = self.rotary.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -143,9 +158,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
+        self.act = silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+        return self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,59 @@
+"""SwiGLU's ``silu(gate) * up`` over a fused gate-up projection, in one kernel.
+
+With torch ops this is a chunk, a SiLU and a multiply (two kernels, three passes);
+here each program reads a tile of ``gate`` and ``up`` and writes the product once.
+Rounding follows torch's half-precision ops: SiLU rounded to the dtype, then the
+product rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmkit_kernels.checks import FLOAT_DTYPES, check_tensor
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+    # program (row, tile): out[row, tile] = silu(x[row, tile]) * x[row, size + tile]
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+    y = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :d]) * gate_up[:, d:]`` for ``gate_up: [num_tokens, 2 * d]``.
+
+    :param gate_up: float32, float16 or bfloat16; the last dimension must have unit
+        stride and an even size.
+    :return: a new ``[num_tokens, d]`` tensor in ``gate_up``'s dtype.
+    :raises ValueError: on a shape, dtype or stride mismatch.
+    """
+    check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_tokens, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even last dimension (gate, then up); got {width}")
+    size = width // 2
+    out = torch.empty((num_tokens, size), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens and size:
+        grid = (num_tokens, triton.cdiv(size, _BLOCK))
+        _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size,
+                                   BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The torch reference of :func:`silu_and_mul`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,119 @@
+"""The fused layer kernels (RMSNorm with residual add, SiLU-and-multiply, q/k norm +
+RoPE) against their torch references, in Triton's CPU interpreter at tiny shapes.
+
+The interpreter rounds to bfloat16 by truncation (the GPU rounds to nearest), so half
+precision is compared within two units in the last place; float32 is near exact.
+The compiled kernels run on CUDA in tests/gpu/test_engine_gpu.py (whole models).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA is available: compiled kernels are tested in tests/gpu",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(tl.zeros, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from lmkit_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from lmkit_kernels.norm import rms_norm, rms_norm_ref  # noqa: E402
+from lmkit_kernels.rotary import rotary_qk_, rotary_qk_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close(actual, expected, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    else:  # two units in the last place
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        torch.testing.assert_close(actual.float(), expected.float(), atol=2 * ulp,
+                                   rtol=2 * ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 80, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(80, generator=g)).to(dtype)
+    res = torch.randn(7, 80, generator=g).to(dtype) if with_residual else None
+    x_before = x.clone()
+    out = rms_norm(x, w, 1e-5, res)
+    ref = rms_norm_ref(x, w, 1e-5, res)
+    if with_residual:
+        _close(out[0], ref[0], dtype)
+        _close(out[1], ref[1], dtype)
+    else:
+        _close(out, ref, dtype)
+    assert torch.equal(x, x_before)  # inputs are not modified
+
+
+def test_rms_norm_strided_rows():
+    x = torch.randn(4, 64)
+    view = x[:, :32]  # row stride 64, unit last stride
+    w = torch.rand(32) + 0.5
+    _close(rms_norm(view, w, 1e-6), rms_norm_ref(view, w, 1e-6), torch.float32)
+
+
+def test_rms_norm_rejects_bad_weight():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm(torch.randn(2, 16), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="weight has dtype"):
+        rms_norm(torch.randn(2, 16), torch.ones(16, dtype=torch.float64), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    gate_up = torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = silu_and_mul(gate_up)
+    assert out.shape == (5, 1100)
+    _close(out, silu_and_mul_ref(gate_up), dtype)
+
+
+def test_silu_and_mul_rejects_odd_width():
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_qk_matches_reference(dtype, rotary_dim, qk_norm):
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, size, n = 6, 2, 32, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * size, generator=g).to(dtype)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] * 0.37
+    freqs = pos * torch.linspace(1.0, 0.01, rotary_dim // 2)[None, :]
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None, :].to(dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None, :].to(dtype)
+    norms = {}
+    if qk_norm:
+        norms = {"q_norm": (1 + 0.2 * torch.randn(size, generator=g)).to(dtype),
+                 "k_norm": (1 + 0.2 * torch.randn(size, generator=g)).to(dtype)}
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_size=size, eps=1e-6, **norms)
+    expected = rotary_qk_ref(qkv, cos, sin, **kw)
+    actual = qkv.clone()
+    rotary_qk_(actual, cos, sin, **kw)
+    _close(actual, expected, dtype)
+    v_start = (heads + kv_heads) * size
+    assert torch.equal(actual[:, v_start:], qkv[:, v_start:])  # value heads untouched
+
+
+def test_rotary_qk_checks_arguments():
+    qkv = torch.randn(3, (4 + 2 * 2) * 16)
+    cos = torch.ones(3, 1, 16)
+    with pytest.raises(ValueError, match="columns"):
+        rotary_qk_(qkv, cos, cos, num_heads=4, num_kv_heads=1, head_size=16)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        rotary_qk_(qkv, cos, cos, num_heads=4, num_kv_heads=2, head_size=16,
+                   q_norm=torch.ones(16))

@@ -19,6 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None  # banned by the sampler while below min_tokens
 
 
 @dataclass(slots=True)

@@ -63,7 +63,9 @@ def test_text_parts_are_joined():
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
 ])
 def test_invalid_chat_values_name_their_param(kwargs, param):
     with pytest.raises(InvalidRequestError) as info:

@@ -115,6 +115,17 @@ class StructuredOutputConfig(OptionalBackendSection):
     is installed."""
 
     backend: str = Field("auto", description="'none', 'auto', or a registered name.")
+    compile_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a request waits for its grammar to compile; past "
+        "it the request is refused (400) and the compilation is abandoned.")
+    num_compile_threads: int = Field(
+        2, gt=0, le=64, description="Grammars compiled at once, off the engine's step loop.")
+    grammar_cache_size: int = Field(
+        256, ge=0, description="Compiled grammars kept for reuse (least recently used out; 0 "
+        "disables the cache).")
+    grammar_cache_mb: float = Field(
+        512.0, ge=0, description="Memory the grammar cache may hold, as the backend reports "
+        "it (0: no limit but grammar_cache_size).")
 
 
 class OffloadConfig(OptionalBackendSection):

@@ -8,6 +8,7 @@ from typing import Any
 from lmkit.engine.request import Request
 from lmkit.engine.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
+from lmkit.structured.constraint import validate_structured_outputs
 
 
 class InputProcessor:
@@ -79,6 +80,7 @@ class InputProcessor:
                                           f"[0, {self.vocab_size})", param="stop_token_ids"
                                           if t in params.stop_token_ids else "logit_bias",
                                           code="invalid_value")
+        validate_structured_outputs(params.structured_outputs)  # compiled by the engine
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             if extra:

@@ -2,8 +2,10 @@
 
 Validated once at the boundary (pydantic, ``extra="forbid"``: an unknown argument is a
 400, as with OpenAI). Fields beyond OpenAI's (``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``ignore_eos``, ...) are lmkit extensions that the ``openai``
-client sends through ``extra_body``. :meth:`to_sampling_params` maps a body onto
+``repetition_penalty``, ``ignore_eos``, ``structured_outputs``, ...) are lmkit extensions
+that the ``openai`` client sends through ``extra_body``. ``response_format`` (``text``,
+``json_object``, ``json_schema``) and ``structured_outputs`` (``json``, ``regex``,
+``grammar``, ``choice``, ...) become ``SamplingParams.structured_outputs``. :meth:`to_sampling_params` maps a body onto
 :class:`lmkit.SamplingParams`, whose own validation names the offending field.
 """
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lmkit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from lmkit.errors import InvalidRequestError
+from lmkit.structured.constraint import validate_structured_outputs
 
 
 class _Body(BaseModel):
@@ -24,6 +27,50 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: a named schema; ``strict`` is accepted (lmkit
+    always enforces the schema and never adds properties it does not name)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The equivalent ``structured_outputs`` (``None`` for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "response_format of type json_schema needs json_schema.schema (a JSON "
+                    "schema object)", param="response_format", code="invalid_value")
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputs(_Body):
+    """The lmkit extension ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        """The constraint as ``SamplingParams.structured_outputs``."""
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class _SamplingFields(_Body):
@@ -51,11 +98,30 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def _check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options", code="invalid_value")
+
+    def _structured_outputs(self) -> dict[str, Any] | None:
+        """The request's constraint, from ``response_format`` or ``structured_outputs``."""
+        from_format = self.response_format.constraint() if self.response_format else None
+        if self.structured_outputs is None:
+            constraint, param = from_format, "response_format"
+        elif from_format is not None:
+            raise InvalidRequestError("give either response_format or structured_outputs, "
+                                      "not both", param="structured_outputs",
+                                      code="invalid_value")
+        else:
+            constraint, param = self.structured_outputs.constraint(), "structured_outputs"
+        try:
+            validate_structured_outputs(constraint)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=param, code=e.code) from None
+        return constraint
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -94,6 +160,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured_outputs(),
         )
 
 
@@ -173,11 +240,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -186,7 +248,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -200,10 +261,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools:
             raise InvalidRequestError("tool calling is not supported by this server yet",
                                       param="tools", code="unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"response_format {self.response_format.type!r} is not supported by this "
-                "server; only 'text'", param="response_format", code="unsupported_parameter")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true",

@@ -1,0 +1,118 @@
+"""Constraints: ``SamplingParams.structured_outputs`` parsed and validated.
+
+The request side names a constraint with one key (``{"json": schema}``,
+``{"regex": "..."}``, ``{"grammar": "..."}``, ``{"choice": [...]}``,
+``{"json_object": True}``, ``{"structural_tag": ...}``). Validation here is
+backend-independent (shape and types), so the frontend refuses a malformed request
+before it reaches the engine; whether the constraint compiles is the backend's to say.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmkit.errors import InvalidRequestError
+
+# constraint kind -> the backend capability (Caps feature) it needs
+KIND_FEATURES = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "grammar": "grammar",
+    "choice": "choice",
+    "structural_tag": "structural_tag",
+}
+PARAM = "structured_outputs"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint: ``kind`` (a key of :data:`KIND_FEATURES`), its
+    ``spec``, and ``key``, the canonical text that identifies it in the grammar cache
+    (JSON with the spec's own key order: property order matters to the output)."""
+
+    kind: str
+    spec: Any
+    key: str
+
+    @property
+    def feature(self) -> str:
+        """The backend capability this constraint needs."""
+        return KIND_FEATURES[self.kind]
+
+    def describe(self, limit: int = 80) -> str:
+        """``kind`` plus the start of the spec, for messages."""
+        text = self.key.split(":", 1)[1]
+        return f"{self.kind} {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _bad(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=PARAM, code="invalid_value")
+
+
+def parse_constraint(structured_outputs: Mapping[str, Any]) -> Constraint:
+    """The :class:`Constraint` of a request's ``structured_outputs``.
+
+    Raises:
+        InvalidRequestError: not exactly one known kind, or a spec of the wrong type.
+    """
+    if not isinstance(structured_outputs, Mapping):
+        raise _bad(f"structured_outputs must be an object such as {{\"json\": SCHEMA}}, got "
+                   f"{type(structured_outputs).__name__}")
+    kinds = [k for k, v in structured_outputs.items() if v is not None]
+    unknown = [k for k in kinds if k not in KIND_FEATURES]
+    if unknown:
+        raise _bad(f"unknown structured_outputs kind {unknown[0]!r}; use one of "
+                   f"{', '.join(KIND_FEATURES)}")
+    if len(kinds) != 1:
+        raise _bad(f"structured_outputs must name exactly one constraint (one of "
+                   f"{', '.join(KIND_FEATURES)}), got {len(kinds)}: {kinds}")
+    kind = kinds[0]
+    spec = _check_spec(kind, structured_outputs[kind])
+    return Constraint(kind, spec, f"{kind}:{json.dumps(spec, separators=(',', ':'))}")
+
+
+def _check_spec(kind: str, spec: Any) -> Any:
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise _bad(f"the json schema is not valid JSON: {e}") from None
+        if not isinstance(spec, (dict, bool)):
+            raise _bad(f"a json constraint must be a JSON schema (an object), got "
+                       f"{type(spec).__name__}")
+        return spec
+    if kind == "json_object":
+        if spec is not True:
+            raise _bad(f"json_object takes true, got {spec!r}")
+        return True
+    if kind in ("regex", "grammar"):
+        if not isinstance(spec, str) or not spec.strip():
+            raise _bad(f"a {kind} constraint must be a non-empty string, got {spec!r:.80}")
+        return spec
+    if kind == "choice":
+        if not (isinstance(spec, (list, tuple)) and spec
+                and all(isinstance(c, str) and c for c in spec)):
+            raise _bad(f"a choice constraint must be a non-empty list of non-empty strings, "
+                       f"got {spec!r:.80}")
+        return list(spec)
+    # structural_tag: the backend's own format
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise _bad(f"the structural_tag is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise _bad(f"a structural_tag constraint must be an object, got {type(spec).__name__}")
+    return spec
+
+
+def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None) -> None:
+    """Raise :class:`InvalidRequestError` if ``structured_outputs`` is malformed
+    (``None`` is fine: no constraint)."""
+    if structured_outputs is not None:
+        parse_constraint(structured_outputs)

@@ -1,0 +1,316 @@
+"""The structured-output manager: grammars from admission to the last token.
+
+The engine core calls it at five points (see :class:`StructuredOutputManager`): a
+constrained request is held here, not in the scheduler, until its grammar is compiled
+(so no scheduler needs to know about grammars and the step loop never waits for a
+compiler); each step it fills the bitmask rows of the scheduled constrained requests;
+after the step it advances their grammars with the tokens the scheduler accepted and
+ends those whose grammar terminated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import TYPE_CHECKING, Any
+
+from lmkit.api.structured_output import Grammar, StructuredOutputBackend
+from lmkit.engine.request import Request, RequestStatus
+from lmkit.errors import InvalidRequestError
+from lmkit.structured.cache import GrammarCache
+from lmkit.structured.compile_pool import CompileJob, CompilePool
+from lmkit.structured.constraint import PARAM, Constraint, parse_constraint
+from lmkit.structured.rows import fill_rows
+
+if TYPE_CHECKING:
+    from lmkit.api.scheduler import Scheduler
+    from lmkit.engine.outputs import EngineCoreOutput
+    from lmkit.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.01  # how long an otherwise idle step waits for a compilation to finish
+
+
+class RequestGrammar:
+    """A request's structured-output state (``request.structured_output``): its
+    constraint, the compile job, the time by which the grammar must be ready, and the
+    grammar once it is (:attr:`is_ready`)."""
+
+    __slots__ = ("constraint", "job", "deadline", "grammar")
+
+    def __init__(self, constraint: Constraint, job: CompileJob, deadline: float) -> None:
+        self.constraint = constraint
+        self.job = job
+        self.deadline = deadline
+        self.grammar: Grammar | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.grammar is not None
+
+
+class StructuredOutputManager:
+    """Compiles constraints through one backend and drives the requests' grammars.
+
+    Args:
+        make_backend: builds the backend (``cls(tokenizer, vocab_size, options=...)``);
+            called once, in a compile thread, when the first constraint arrives.
+        backend_name: the backend's registered name (for messages).
+        features: the constraint features its spec declares (``Caps.features``).
+        vocab_size: the width of the model's logits (the bitmask's).
+        compile_timeout_s: how long a request may wait for its grammar.
+        num_compile_threads: compilations at once.
+        cache_size, cache_bytes: bounds of the LRU of compiled grammars.
+
+    Engine-core calls: :meth:`add_request`, :meth:`admit` (start of a step),
+    :meth:`fill_bitmask` (after scheduling), :meth:`advance` (after the scheduler's
+    update), :meth:`abort`; :meth:`take_rejected` hands over the requests refused since.
+    """
+
+    def __init__(self, make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
+                 features: Iterable[str], vocab_size: int, compile_timeout_s: float = 30.0,
+                 num_compile_threads: int = 2, cache_size: int = 256,
+                 cache_bytes: int = 0) -> None:
+        self.backend_name = backend_name
+        self.features = frozenset(features)
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.cache = GrammarCache(cache_size, cache_bytes)
+        self.pool = CompilePool(num_compile_threads)
+        self._make_backend = make_backend
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Future[Any]] = {}  # constraint key -> its compilation
+        self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
+        self._active: dict[str, RequestGrammar] = {}  # admitted to the scheduler
+        self._rejected: list[tuple[str, InvalidRequestError]] = []
+        self.num_compile_timeouts = 0
+
+    # -- requests in ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate ``request``'s constraint and start compiling it; the request reaches
+        the scheduler through :meth:`admit` once its grammar is ready.
+
+        Raises:
+            InvalidRequestError: a malformed constraint, a kind this backend does not
+                support, or an id already waiting here.
+        """
+        constraint = parse_constraint(request.sampling_params.structured_outputs or {})
+        if constraint.feature not in self.features:
+            raise InvalidRequestError(
+                f"the {self.backend_name!r} structured-output backend does not support "
+                f"{constraint.feature} constraints (it supports: "
+                f"{', '.join(sorted(self.features)) or 'none'}); use another constraint, or "
+                "choose a backend that has it with structured_output.backend",
+                param=PARAM, code="unsupported_constraint")
+        rid = request.request_id
+        if rid in self._pending or rid in self._active:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id",
+                                      code="duplicate_request_id")
+        job = self.pool.submit(self._build_grammar, constraint)
+        request.structured_output = RequestGrammar(
+            constraint, job, time.monotonic() + self.compile_timeout_s)
+        self._pending[rid] = request
+
+    def has_pending(self) -> bool:
+        """Whether any request waits for its grammar."""
+        return bool(self._pending)
+
+    def admit(self, scheduler: Scheduler, idle: bool = False) -> None:
+        """Hand requests whose grammar is ready to ``scheduler``; refuse those whose
+        compilation failed or overran ``compile_timeout_s``. With ``idle`` (nothing
+        else to run), first wait up to :data:`IDLE_WAIT_S` for a compilation to end."""
+        if not self._pending:
+            return
+        if idle:
+            wait([r.structured_output.job.future for r in self._pending.values()],
+                 timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for rid, request in list(self._pending.items()):
+            state: RequestGrammar = request.structured_output
+            future = state.job.future
+            if future.done():
+                del self._pending[rid]
+                try:
+                    state.grammar = future.result()
+                    scheduler.add_request(request)
+                except InvalidRequestError as e:
+                    self._reject(request, e)
+                    continue
+                except Exception as e:  # a backend bug: this request fails, the engine goes on
+                    logger.exception("structured-output backend %r failed", self.backend_name)
+                    self._reject(request, InvalidRequestError(
+                        f"the {self.backend_name!r} backend failed to compile the "
+                        f"{state.constraint.describe()} constraint: {type(e).__name__}: {e}",
+                        param=PARAM, code="constraint_compile_failed"))
+                    continue
+                self._active[rid] = state
+            elif now >= state.deadline:
+                del self._pending[rid]
+                self.pool.abandon(state.job)
+                self.num_compile_timeouts += 1
+                self._reject(request, InvalidRequestError(
+                    f"compiling the {state.constraint.describe()} constraint took longer than "
+                    f"structured_output.compile_timeout_s = {self.compile_timeout_s:g}s; "
+                    "simplify it (fewer string patterns, smaller bounds) or raise the limit",
+                    param=PARAM, code="constraint_compile_timeout"))
+
+    def take_rejected(self) -> list[tuple[str, InvalidRequestError]]:
+        """``(request id, error)`` of every request refused since the last call (they
+        never reached the scheduler and produce no output)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Forget these requests (waiting or admitted); unknown ids are ignored."""
+        for rid in request_ids:
+            request = self._pending.pop(rid, None)
+            if request is not None:
+                request.structured_output.job.future.cancel()
+            self._active.pop(rid, None)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Fill ``grammar_bitmask`` and ``structured_output_request_ids`` of a planned
+        step: each scheduled constrained request gets ``1 + len(drafts)`` consecutive
+        rows from ``structured_output_request_ids[req_id]`` (row ``j``: the mask after
+        its first ``j`` draft tokens; see :func:`lmkit.structured.rows.fill_rows`)."""
+        from lmkit.sample.bitmask import allocate_bitmask
+
+        scheduled = [(rid, self._active[rid]) for rid in scheduler_output.num_scheduled_tokens
+                     if rid in self._active]
+        if not scheduled:
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = sum(1 + len(spec.get(rid) or ()) for rid, _ in scheduled)
+        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        row = 0
+        for rid, state in scheduled:
+            drafts = spec.get(rid) or []
+            scheduler_output.structured_output_request_ids[rid] = row
+            assert state.grammar is not None, "an admitted request has its grammar"
+            fill_rows(state.grammar, bitmask, row, drafts)
+            row += 1 + len(drafts)
+        scheduler_output.grammar_bitmask = bitmask
+
+    def advance(self, outputs: list[EngineCoreOutput], scheduler: Scheduler) -> None:
+        """Advance grammars over the tokens each output appended; a request whose
+        grammar terminated without the scheduler stopping it ends now (``stop``)."""
+        for out in outputs:
+            state = self._active.get(out.request_id)
+            if state is None:
+                continue
+            grammar = state.grammar
+            assert grammar is not None
+            if out.new_token_ids and not grammar.accept_tokens(list(out.new_token_ids)):
+                message = (f"the model produced tokens {out.new_token_ids} that the "
+                           f"{state.constraint.describe()} constraint does not allow (was the "
+                           "bitmask applied? min_tokens may have banned the only allowed "
+                           "token)")
+                logger.error("request %s: %s", out.request_id, message)
+                if out.finish_reason is None:
+                    scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ERROR)
+                    out.finish_reason, out.stop_reason = "error", message
+            elif out.finish_reason is None and grammar.is_terminated():
+                scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
+                out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+            if out.finish_reason is not None:
+                del self._active[out.request_id]
+
+    def num_valid_draft_tokens(self, request_id: str, draft_token_ids: list[int]) -> int:
+        """How many leading ``draft_token_ids`` the request's grammar allows (all of them
+        for an unconstrained request); the grammar is left as it was. A proposer's
+        drafts can be cut to this before they are scheduled, so that no verification
+        slot is spent on a token the grammar forbids."""
+        state = self._active.get(request_id)
+        if state is None or state.grammar is None:
+            return len(draft_token_ids)
+        grammar, n = state.grammar, 0
+        for token in draft_token_ids:
+            if grammar.is_terminated() or not grammar.accept_tokens([token]):
+                break
+            n += 1
+        grammar.rollback(n)
+        return n
+
+    # -- housekeeping -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: waiting for grammars, constrained requests running,
+        compile timeouts, abandoned compile threads, and the grammar cache's."""
+        return {"num_grammars_compiling": len(self._pending),
+                "num_constrained_requests": len(self._active),
+                "grammar_compile_timeouts": self.num_compile_timeouts,
+                "grammar_compile_threads_abandoned": self.pool.num_abandoned,
+                **self.cache.stats()}
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (a running compilation finishes in the background)."""
+        self.pool.shutdown()
+
+    # -- compile threads --------------------------------------------------------------
+
+    def _reject(self, request: Request, error: InvalidRequestError) -> None:
+        request.status = RequestStatus.FINISHED_ERROR
+        self._rejected.append((request.request_id, error))
+
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on first use (thread-safe); a construction error is kept
+        and raised again as an :class:`InvalidRequestError` for every request."""
+        with self._lock:
+            if self._backend is None and self._backend_error is None:
+                try:
+                    self._backend = self._make_backend()
+                except Exception as e:
+                    logger.exception("cannot start structured-output backend %r",
+                                     self.backend_name)
+                    self._backend_error = e
+            if self._backend_error is not None:
+                e = self._backend_error
+                raise InvalidRequestError(
+                    f"the {self.backend_name!r} structured-output backend could not start: "
+                    f"{type(e).__name__}: {e}", param=PARAM, code="backend_unavailable")
+            assert self._backend is not None
+            return self._backend
+
+    def _build_grammar(self, constraint: Constraint) -> Grammar:
+        """(compile thread) A fresh grammar: the shared compilation from the cache, from
+        a compilation of the same constraint already running, or compiled now."""
+        backend = self.backend()
+        shared = self.cache.get(constraint.key)
+        if shared is None:
+            shared = self._compile_shared(backend, constraint)
+        return backend.new_grammar(shared)
+
+    def _compile_shared(self, backend: StructuredOutputBackend, constraint: Constraint) -> Any:
+        key = constraint.key
+        with self._lock:
+            running = self._inflight.get(key)
+            if running is None:
+                if key in self.cache:
+                    hit = self.cache.get(key)
+                    if hit is not None:
+                        return hit
+                mine: Future[Any] = Future()
+                self._inflight[key] = mine
+        if running is not None:
+            return running.result()
+        try:
+            shared = backend.compile_shared(constraint.kind, constraint.spec)
+            self.cache.put(key, shared, backend.shared_size_bytes(shared))
+        except BaseException as e:
+            mine.set_exception(e)
+            raise
+        else:
+            mine.set_result(shared)
+            return shared
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)

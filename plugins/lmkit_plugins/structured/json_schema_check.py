@@ -1,0 +1,64 @@
+"""JSON-schema keywords the xgrammar backend would silently ignore.
+
+xgrammar compiles most of JSON Schema into its grammar, but a few keywords it does not
+enforce are dropped without an error (``uniqueItems``, ``not``, ``if``/``then``/``else``,
+``dependentRequired``, ``allOf`` with several subschemas). A request using them could
+get output that does not validate, so the backend refuses them up front, naming the
+keyword and where it is in the schema. ``format`` values xgrammar does not know are
+let through: JSON Schema treats ``format`` as an annotation unless a validator opts in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+# keyword -> why it is refused
+UNSUPPORTED = {
+    "not": "negated subschemas are not enforced",
+    "if": "conditional subschemas (if/then/else) are not enforced",
+    "then": "conditional subschemas (if/then/else) are not enforced",
+    "else": "conditional subschemas (if/then/else) are not enforced",
+    "dependentRequired": "dependent required properties are not enforced",
+}
+
+# where subschemas live: name -> how they are held
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "items", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else")
+
+
+def unsupported_keywords(schema: Any) -> list[tuple[str, str, str]]:
+    """Every ``(keyword, JSON pointer, reason)`` in ``schema`` the backend cannot enforce."""
+    return list(_walk(schema, "#"))
+
+
+def _walk(schema: Any, path: str) -> Iterator[tuple[str, str, str]]:
+    if not isinstance(schema, dict):
+        return
+    for keyword, reason in UNSUPPORTED.items():
+        if keyword in schema:
+            yield keyword, path, reason
+    if schema.get("uniqueItems") is True:
+        yield "uniqueItems", path, "unique array items are not enforced"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        yield "allOf", path, "only a single allOf subschema is supported"
+    for name in _SCHEMA_MAPS:
+        sub = schema.get(name)
+        if isinstance(sub, dict):
+            for key, value in sub.items():
+                yield from _walk(value, f"{path}/{name}/{key}")
+    for name in _SCHEMA_LISTS:
+        sub = schema.get(name)
+        if isinstance(sub, list):
+            for i, value in enumerate(sub):
+                yield from _walk(value, f"{path}/{name}/{i}")
+    for name in _SCHEMA_VALUES:
+        sub = schema.get(name)
+        if isinstance(sub, list):  # draft-4 tuple "items"
+            for i, value in enumerate(sub):
+                yield from _walk(value, f"{path}/{name}/{i}")
+        else:
+            yield from _walk(sub, f"{path}/{name}")

@@ -25,6 +25,7 @@ from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from lmkit.worker import memory
+from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.output import ModelRunnerOutput
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
 
     # ------------------------------------------------------------------ setup
 
@@ -126,6 +128,7 @@ class ModelRunner:
         self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
+        self.cuda_graphs = maybe_capture(self)
 
     def _profile_run(self) -> None:
         """The largest step the scheduler can produce, on a scratch KV cache."""
@@ -218,6 +221,9 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``."""
+        graphs = self.cuda_graphs
+        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+            return graphs.replay(step)  # pure decode: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         seq_lens = step.seq_lens.numpy()
         md = AttentionMetadata(

@@ -1,0 +1,223 @@
+"""CUDA graphs for decode steps: capture the model's forward once per padded batch size,
+replay it for every pure-decode step.
+
+A decode step of a small model (or any model at a small batch) is hundreds of short
+kernels; launching them one by one from Python costs more than running them. A
+captured graph launches them all at once. Graphs need fixed tensor addresses and
+shapes, so :class:`CudaGraphRunner` keeps persistent device buffers for the step's
+inputs and attention metadata, sized for the largest captured batch, and pads a
+step of ``n`` requests up to the next captured size ``bs``:
+
+* padding requests get one query token each (``query_start_loc`` is ``0..bs``), a
+  context of 0 tokens (``seq_lens = 0``: the attention kernels return zeros) and
+  cache slot ``-1`` (the cache write skips it); their outputs are never read.
+* the attention backend's ``plan()`` runs on the host outside the graph, with the
+  padded metadata (``extra["cuda_graph"] = True``), before capture and before every
+  replay; the kernels it planned read the metadata buffers at their fixed addresses.
+
+Per replay the host packs ``input_ids | positions | slot_mapping`` into one pinned
+buffer (one host-to-device copy), copies ``seq_lens`` and the used block-table
+columns, plans, and replays. Only backends whose spec declares ``cuda_graphs`` are
+captured; ``executor.enforce_eager`` (``--enforce-eager``) turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lmkit.api.attention import AttentionMetadata
+from lmkit.api.model import ForwardContext
+
+if TYPE_CHECKING:
+    from lmkit.worker.input_batch import StepInputs
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """The padded batch sizes to capture, ascending, ending at ``min(max_num_seqs, limit)``.
+
+    1, 2, 4, then steps of 8 to 64, of 16 to 256 and of 32 to 512: from 32 requests on,
+    padding adds at most a quarter to a batch, and nothing at batch 1.
+    """
+    cap = max(1, min(max_num_seqs, limit))
+    candidates = [1, 2, 4, *range(8, 65, 8), *range(80, 257, 16), *range(288, 513, 32)]
+    sizes = [s for s in candidates if s < cap]
+    return [*sizes, cap]
+
+
+class CudaGraphRunner:
+    """Captured decode forwards of one model, one per padded batch size.
+
+    Args:
+        model: the runner's model (``model(input_ids, positions, ctx) -> hidden``,
+            ``model.attn`` its attention backend).
+        kv_caches: the runner's KV caches (fixed for the graphs' lifetime).
+        device: the CUDA device.
+        max_num_seqs: the scheduler's request limit (the largest size captured).
+        max_model_len: the context limit (sizes the block-table buffer).
+        block_size: tokens per KV block.
+        use_graphs: capture and replay graphs (CUDA only). ``False`` runs the same
+            padded, fixed-buffer forward eagerly at "replay" (on any device): the
+            padding path without graph capture, for tests and debugging.
+    """
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 use_graphs: bool = True) -> None:
+        self.model = model
+        self.use_graphs = use_graphs and torch.device(device).type == "cuda"
+        pin = torch.device(device).type == "cuda"
+        self.attn = model.attn
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size) + 1
+        bs, width = self.max_bs, self.max_blocks
+        # device buffers read by the graphs (fixed addresses)
+        self._packed = torch.zeros(3 * bs, dtype=torch.int64, device=device)
+        self._seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
+        self._block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        # pinned host staging; the host copies of query_start_loc never change
+        self._h_packed = torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin)
+        self._h_seq_lens = torch.zeros(bs, dtype=torch.int32, pin_memory=pin)
+        self._h_blocks = torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin)
+        self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self) -> None:
+        """Capture one graph per size, largest first (smaller ones reuse its memory pool)."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):
+                self._stage_padding_only(bs)
+                self._upload(bs, 0, 1)
+                self.attn.plan(self._metadata(bs))
+                self._run_model(bs)  # warm-up: compiles kernels, creates library handles
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._run_model(bs)
+                self._graphs[bs] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB",
+                    len(self._graphs), self.sizes[0], self.max_bs, self.capture_seconds,
+                    used / 2**20)
+
+    def _run_model(self, bs: int) -> torch.Tensor:
+        ids, positions = self._packed[:bs], self._packed[bs:2 * bs]
+        return self.model(ids, positions, ForwardContext(self.attn, self.kv_caches))
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        """The padded decode metadata of a graph of size ``bs`` (device views fixed)."""
+        h_seq_lens = self._h_seq_lens[:bs]
+        return AttentionMetadata(
+            num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
+            max_seq_len=max(1, int(h_seq_lens.numpy().max())),
+            query_start_loc=self._query_start_loc[:bs + 1], seq_lens=self._seq_lens[:bs],
+            block_tables=self._block_tables[:bs], slot_mapping=self._packed[2 * bs:3 * bs],
+            query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
+            num_decodes=bs, num_decode_tokens=bs, extra={"cuda_graph": True})
+
+    # ------------------------------------------------------------------ replay
+
+    def padded_size(self, num_reqs: int) -> int:
+        """The smallest captured size holding ``num_reqs`` requests."""
+        i = int(np.searchsorted(self.sizes, num_reqs))
+        return self.sizes[i]
+
+    def can_replay(self, step: StepInputs) -> bool:
+        """Whether ``step`` is pure decode (one token per request) within the sizes."""
+        n = step.num_reqs
+        return (0 < n <= self.max_bs and step.num_decodes == n and step.num_tokens == n
+                and step.block_tables.shape[1] <= self.max_blocks)
+
+    def replay(self, step: StepInputs) -> torch.Tensor:
+        """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden ``[n, hidden]``.
+
+        The result is a view of the graph's output buffer, valid until the next replay.
+        """
+        n = step.num_reqs
+        bs = self.padded_size(n)
+        self._wait_for_copies()
+        packed = self._h_packed.numpy()
+        packed[:n] = step.input_ids.numpy()
+        packed[bs:bs + n] = step.positions.numpy()
+        packed[2 * bs:2 * bs + n] = step.slot_mapping.numpy()
+        self._stage_padding_only(bs, n)
+        self._h_seq_lens.numpy()[:n] = step.seq_lens.numpy()
+        width = step.block_tables.shape[1]
+        self._h_blocks[:n * width].numpy().reshape(n, width)[:] = step.block_tables.numpy()
+        self._upload(bs, n, width)
+        self.attn.plan(self._metadata(bs))
+        if not self.use_graphs:
+            return self._run_model(bs)[:n]
+        graph, hidden = self._graphs[bs]
+        graph.replay()
+        return hidden[:n]
+
+    def _stage_padding_only(self, bs: int, n: int = 0) -> None:
+        """Host staging of padding rows ``n..bs``: token 0 at position 0, no slot, no context."""
+        packed = self._h_packed.numpy()
+        packed[n:bs] = 0
+        packed[bs + n:2 * bs] = 0
+        packed[2 * bs + n:3 * bs] = -1
+        self._h_seq_lens.numpy()[n:bs] = 0
+
+    def _upload(self, bs: int, n: int, width: int) -> None:
+        """Copy the staged rows to the device buffers (asynchronous, pinned)."""
+        self._packed[:3 * bs].copy_(self._h_packed[:3 * bs], non_blocking=True)
+        self._seq_lens[:bs].copy_(self._h_seq_lens[:bs], non_blocking=True)
+        if n:
+            self._block_tables[:n, :width].copy_(
+                self._h_blocks[:n * width].view(n, width), non_blocking=True)
+        if self.use_graphs:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _wait_for_copies(self) -> None:
+        """The staging buffers are about to change: the last upload must have read them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
+def maybe_capture(runner: Any) -> CudaGraphRunner | None:
+    """Capture decode graphs for a model runner when they apply, else ``None``.
+
+    They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
+    backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly).
+    """
+    if runner.device.type != "cuda" or runner.config.executor.enforce_eager:
+        return None
+    attention = runner.stack.get("attention")
+    if attention is None or "cuda_graphs" not in attention.spec.caps.features:
+        name = attention.name if attention is not None else "none"
+        logger.info("attention backend %s cannot be captured in CUDA graphs: decode runs "
+                    "eagerly", name)
+        return None
+    graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
+                             runner.config.scheduler.max_num_seqs, runner.max_model_len,
+                             runner.block_size)
+    graphs.capture()
+    return graphs

@@ -1,0 +1,120 @@
+"""The CUDA-graph runner's padded decode path, on the CPU.
+
+:class:`CudaGraphRunner` pads a decode step of ``n`` requests to a captured size and
+runs it from fixed buffers. With ``use_graphs=False`` it does exactly that without
+capturing, so here -- a tiny Llama with the ``triton`` attention backend in Triton's
+interpreter -- the padded forward must give the eager forward's hidden states and
+leave the KV cache as the eager step does (padding rows write nothing). On CUDA the
+same path is captured and replayed (tests/gpu/test_engine_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA is available: the graph path is tested in tests/gpu",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+import numpy as np  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(tl.zeros, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from lmkit.api.attention import AttentionMetadata  # noqa: E402
+from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
+from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402
+from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
+from lmkit.worker.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
+from lmkit.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
+from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
+from lmkit_plugins.models.llama import LlamaForCausalLM  # noqa: E402
+
+BLOCK = 16
+CPU = torch.device("cpu")
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
+    assert sizes == sorted(set(sizes))
+    assert capture_sizes(2000)[-1] == 512
+    # from 32 requests on, padding adds at most a quarter
+    steps = [(a, b) for a, b in zip(sizes, sizes[1:], strict=False) if a >= 32]
+    assert steps and all(b / (a + 1) <= 1.25 for a, b in steps)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
+                           num_heads=4, num_kv_heads=2)
+    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
+                            attention_cls=TritonAttention)
+    model = LlamaForCausalLM(load_hf_config(path), ctx)
+    model.load_weights(iterate_weights(path))
+    return model.eval()
+
+
+def _decode_step(context_lens):
+    """A decode step for requests with these contexts (block ids spread over the pool)."""
+    batch = InputBatch(8, 256, BLOCK, 64)
+    rng = np.random.default_rng(0)
+    for i, ctx in enumerate(context_lens):
+        tokens = rng.integers(0, 256, ctx + 1).tolist()
+        state = CachedRequestState(str(i), tokens, [], None, None, None, ctx)
+        num_blocks = -(-(ctx + 1) // BLOCK)
+        batch.add_request(state, [1 + 10 * i + j for j in range(num_blocks)])
+    n = len(context_lens)
+    return batch.prepare(np.arange(n), np.ones(n, dtype=np.int64), n)
+
+
+def _eager(model, step, caches):
+    md = AttentionMetadata(
+        num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens, max_query_len=1,
+        max_seq_len=int(step.seq_lens.max()), query_start_loc=step.query_start_loc,
+        seq_lens=step.seq_lens, block_tables=step.block_tables,
+        slot_mapping=step.slot_mapping, query_start_loc_cpu=step.query_start_loc,
+        seq_lens_cpu=step.seq_lens, num_decodes=step.num_reqs,
+        num_decode_tokens=step.num_reqs)
+    model.attn.plan(md)
+    return model(step.input_ids, step.positions, ForwardContext(model.attn, caches))
+
+
+@pytest.mark.parametrize("context_lens", [[5], [40, 3, 17], [0, 33, 15, 64, 2]])
+def test_padded_decode_matches_eager(tiny_model, context_lens):
+    model = tiny_model
+    shape = model.attn.kv_cache_shape(64)
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn(shape, generator=g) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+    step = _decode_step(context_lens)
+    with torch.inference_mode():
+        expected = _eager(model, step, eager_caches)
+        runner = CudaGraphRunner(model, caches, CPU, max_num_seqs=8, max_model_len=256,
+                                 block_size=BLOCK, use_graphs=False)
+        assert runner.can_replay(step)
+        padded = runner.padded_size(len(context_lens))
+        assert padded >= len(context_lens) and padded in runner.sizes
+        actual = runner.replay(step)
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(caches, eager_caches, strict=True):
+        assert torch.equal(got, want)  # the same slots written, padding wrote nothing
+
+
+def test_prefill_steps_are_not_replayed(tiny_model):
+    batch = InputBatch(4, 128, BLOCK, 64)
+    state = CachedRequestState("p", list(range(10)), [], None, None, None, 0)
+    batch.add_request(state, [1])
+    step = batch.prepare(np.arange(1), np.array([10]), 0)
+    runner = CudaGraphRunner(tiny_model, [], CPU, max_num_seqs=4, max_model_len=128,
+                             block_size=BLOCK, use_graphs=False)
+    assert not runner.can_replay(step)

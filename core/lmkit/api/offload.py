@@ -1,14 +1,36 @@
-"""The OffloadManager contract: a slower KV tier addressed by block content hash."""
+"""The OffloadManager contract: a slower KV tier addressed by block content hash.
+
+The engine drives a tier from two places (see ``docs/offload.md``):
+
+* the **scheduler** asks :meth:`OffloadManager.lookup` at admission how much of a
+  request's prefix the tier holds beyond the device prefix cache;
+* the **model runner**, which owns the device KV cache, runs the step's transfers
+  before the forward: first :meth:`~OffloadManager.store` of the blocks the device
+  prefix cache evicted this step (their device blocks are reused by this very step),
+  then :meth:`~OffloadManager.load` into freshly allocated device blocks, and reports
+  what :meth:`~OffloadManager.poll` says has finished.
+
+Blocks are named by the chained content hashes of :mod:`lmkit.kv_cache.hashing`
+(32 bytes, stable across processes and restarts), so equal hashes mean equal contents
+and a tier may skip storing a hash it already holds.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from lmkit.config.schema import LMKitConfig
+
+FINGERPRINT_VERSION = b"lmkit-kv-fingerprint-v1"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
@@ -24,35 +46,97 @@ class TransferJob:
 class OffloadManager(ABC):
     """Stores KV blocks leaving the device cache and loads them back on a prefix hit.
 
-    Constructed as ``cls(config, kv_caches, options=opts)`` where ``kv_caches`` are the
-    per-layer device cache tensors. A failed or corrupt load must report the job as
-    failed (the engine then recomputes), never hand back wrong data.
+    Constructed as ``cls(config, kv_caches, options=opts)``: ``config`` is the engine's
+    runtime configuration (``model.model`` is the resolved model directory and
+    ``attention.backend`` the resolved backend name, so both can name a persistent
+    store), ``kv_caches`` the per-layer device cache tensors in the layout of the
+    built-in attention backends, ``[2, num_blocks, block_size, num_kv_heads,
+    head_size]`` (block ``b`` of a layer is ``cache[:, b]``).
+
+    Ordering rules the engine relies on:
+
+    * :meth:`store` must have *read* the device blocks before any work issued later on
+      the device can overwrite them: copy synchronously, or (CUDA) copy on a side
+      stream and make the current stream wait for that read before returning.
+    * :meth:`load` writes device blocks that the engine neither reads nor writes until
+      :meth:`poll` reports the job; work issued earlier on the current stream (a
+      store reading the same blocks) must happen before the load writes them.
+    * A failed or corrupt load reports the job as failed (the engine then recomputes
+      those tokens); it never reports success with wrong data.
     """
 
     @abstractmethod
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``block_hashes`` this tier holds."""
+        """How many *leading* blocks of ``block_hashes`` this tier holds (stopping at the
+        first it does not). The engine calls it when it is about to load, so a tier may
+        count it as an access in its eviction order."""
 
     @abstractmethod
     def store(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
-        """Start copying device blocks ``block_ids`` out under ``block_hashes``."""
+        """Start copying device blocks ``block_ids`` out under ``block_hashes``.
+
+        Storing more than fits evicts older entries instead of failing; hashes already
+        held may be skipped (same hash, same contents)."""
 
     @abstractmethod
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
-        """Start copying held blocks into device blocks ``block_ids``."""
+        """Start copying held blocks into device blocks ``block_ids``; the job fails if
+        any of them is missing or damaged."""
 
     @abstractmethod
     def poll(self) -> list[tuple[TransferJob, bool]]:
-        """Finished jobs since the last poll, each with success (True) or failure."""
+        """Finished jobs since the last poll, each with success (True) or failure;
+        every job is reported exactly once."""
 
     @abstractmethod
     def usage(self) -> tuple[int, int]:
         """``(bytes_used, bytes_capacity)``."""
 
+    def stats(self) -> dict[str, int]:
+        """Tier-internal counters, e.g. ``{"evictions": n}`` (blocks the tier dropped to
+        make room); the engine adds them to its ``offload_*`` stats. Optional."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional
-        """Release memory and file handles."""
+        """Finish pending writes, release memory and file handles. Safe to call twice."""
 
 
 def kv_layer_tensors(kv_caches: Sequence[torch.Tensor]) -> int:
     """Number of layers (helper for implementations sizing their buffers)."""
     return len(kv_caches)
+
+
+def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor]) -> bytes:
+    """32 bytes naming the model and the KV layout, for tiers that persist blocks.
+
+    Two engines get the same fingerprint when they run the same model files (the
+    directory, its ``config.json``, and the name, size and modification time of each
+    weight file) with the same attention backend, block size, dtype and per-layer
+    block shape; the device pool size does not count. Blocks stored under one
+    fingerprint must never be loaded under another.
+    """
+    h = hashlib.blake2b(FINGERPRINT_VERSION, digest_size=32)
+
+    def add(*parts: object) -> None:
+        for part in parts:
+            raw = part if isinstance(part, bytes) else str(part).encode()
+            h.update(len(raw).to_bytes(8, "little") + raw)
+
+    model = Path(str(config.model.model))
+    add("model", model)
+    if model.is_dir():
+        config_json = model / "config.json"
+        add(config_json.read_bytes() if config_json.is_file() else b"")
+        for f in sorted(model.iterdir()):
+            if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+                st = f.stat()
+                add(f.name, st.st_size, st.st_mtime_ns)
+    elif model.is_file():
+        st = model.stat()
+        add(st.st_size, st.st_mtime_ns)
+    add("attention", config.attention.backend, "block_size", config.cache.block_size)
+    add("layers", len(kv_caches))
+    for cache in kv_caches:
+        # every dimension but the pool size (dim 1)
+        add(str(cache.dtype), tuple(cache.shape[:1]) + tuple(cache.shape[2:]))
+    return h.digest()

@@ -17,6 +17,7 @@ from lmkit.config.schema import LMKitConfig
 from lmkit.engine.outputs import EngineCoreOutput
 from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import ConfigError
+from lmkit.offload.attach import attach_offload
 from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.resolve import ResolvedStack, resolve_stack
 from lmkit.plugins.spec import Needs
@@ -65,6 +66,7 @@ class EngineCore:
             assert sched_reg is not None
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
+            self.offload = attach_offload(self.stack, self.scheduler, self.executor)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -151,6 +153,8 @@ class EngineCore:
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
+        if self.offload is not None:
+            stats.update(self.offload.stats())
         return stats
 
     def shutdown(self) -> None:
@@ -159,6 +163,8 @@ class EngineCore:
             return
         self._closed = True
         try:
+            if self.offload is not None:
+                self.offload.close()  # finishes pending disk writes; never raises
             self.executor.shutdown()
         finally:
             self.host.hook.engine_stopped(engine=self)

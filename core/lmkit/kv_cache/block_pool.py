@@ -16,7 +16,7 @@ requests' tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from lmkit.kv_cache.hashing import BlockHash
 
@@ -120,6 +120,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # on_evict(block_id, block_hash): a cached block is being handed out as a fresh
+        # one; its contents are still intact (an offload tier stores them)
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -160,6 +163,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block.block_hash)
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None

@@ -81,6 +81,8 @@ class PagedScheduler(Scheduler):
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
+        # KV offload (lmkit.offload.OffloadCoordinator): attached by the engine when a tier is on
+        self.offload: Any = None
 
     # -- policy hooks -------------------------------------------------------------
 
@@ -193,7 +195,10 @@ class PagedScheduler(Scheduler):
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished, self.finished_req_ids = self.finished_req_ids, set()
-        return plan.to_output(self.kv_cache_manager.get_block_ids, finished)
+        output = plan.to_output(self.kv_cache_manager.get_block_ids, finished)
+        if self.offload is not None:  # blocks to store / load before the forward
+            output.kv_transfers = self.offload.take_transfers()
+        return output
 
     def _schedule_running(self, plan: StepPlan) -> None:
         req_index = 0
@@ -229,6 +234,8 @@ class PagedScheduler(Scheduler):
             request = self.waiting.peek()
             if request.request_id in plan.preempted:
                 break  # preempted this very step (for an admission): not back before next
+            if self.offload is not None and self.offload.defer_admission(request):
+                return  # its prefix is coming back from the offload tier: admitted after
             hits, num_hit_tokens = manager.get_computed_blocks(request)
             while True:
                 num_new = request.num_tokens - num_hit_tokens
@@ -280,6 +287,8 @@ class PagedScheduler(Scheduler):
         """Append sampled tokens with stop checks, roll back rejected drafts, free
         finished requests; one output per request that got tokens, finished, or got
         prompt logprobs (a partial prefill chunk otherwise produces none)."""
+        if self.offload is not None:
+            self.offload.on_loads_finished(runner_output.finished_kv_loads)
         row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []

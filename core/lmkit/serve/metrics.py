@@ -3,7 +3,7 @@
 Request-level series are measured in the API process as outputs arrive (time to first
 token, inter-token latency, end-to-end latency, requests by outcome, prompt and
 generated tokens). Engine-level series (running and waiting requests, KV-cache usage,
-prefix-cache hit rate, preemptions) come from ``EngineCore.stats()``, which the engine
+prefix-cache hit rate, preemptions, KV offload) come from ``EngineCore.stats()``, which the engine
 process sends over the channel periodically; every numeric stat is also exported as
 ``lmkit_engine_stat{stat="..."}``. Each server has its own registry.
 """
@@ -29,6 +29,9 @@ _ENGINE_GAUGES = (
      ("num_waiting_reqs", "num_waiting", "num_waiting_requests")),
     ("lmkit_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).",
      ("kv_cache_usage", "kv_usage", "kv_cache_usage_ratio")),
+    ("lmkit_offload_used_bytes", "Bytes held by the KV offload tier.", ("offload_used_bytes",)),
+    ("lmkit_offload_capacity_bytes", "Capacity of the KV offload tier in bytes.",
+     ("offload_capacity_bytes",)),
 )
 _ENGINE_COUNTERS = (
     ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
@@ -37,6 +40,20 @@ _ENGINE_COUNTERS = (
      ("prefix_cache_queries",)),
     ("lmkit_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
      ("prefix_cache_hits",)),
+    ("lmkit_offload_stored_blocks", "KV blocks evicted from the device and sent to the "
+     "offload tier.", ("offload_stored_blocks",)),
+    ("lmkit_offload_hit_tokens", "Prompt tokens found in the offload tier at admission.",
+     ("offload_hit_tokens",)),
+    ("lmkit_offload_loaded_blocks", "KV blocks loaded back from the offload tier.",
+     ("offload_loaded_blocks",)),
+    ("lmkit_offload_bytes_stored", "Bytes copied to the offload tier.", ("offload_bytes_stored",)),
+    ("lmkit_offload_bytes_loaded", "Bytes copied back from the offload tier.",
+     ("offload_bytes_loaded",)),
+    ("lmkit_offload_evictions", "KV blocks the offload tier dropped to make room.",
+     ("offload_evictions",)),
+    ("lmkit_offload_failed_loads", "Offload loads that failed (recomputed instead).",
+     ("offload_failed_loads",)),
+    ("lmkit_offload_failed_stores", "Offload stores that failed.", ("offload_failed_stores",)),
 )
 
 

@@ -24,6 +24,8 @@ class ModelRunnerOutput:
     # speculative decoding: number of draft tokens proposed / accepted per request
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # KV offload: loads (by the scheduler's transfer id) that finished, with success
+    finished_kv_loads: dict[int, bool] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

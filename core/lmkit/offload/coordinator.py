@@ -1,0 +1,184 @@
+"""The scheduler side of KV offload: what goes to the tier, and what comes back.
+
+* **Stores.** The block pool calls :meth:`OffloadCoordinator.on_evict` when it hands
+  out a cached block as a fresh one. The block's contents are still intact (nothing
+  runs between planning a step and the runner's transfers), so the coordinator queues
+  a store, and the runner copies the block out before this step's forward reuses it.
+* **Loads.** At admission (:meth:`OffloadCoordinator.defer_admission`), when the tier
+  holds blocks past the device prefix-cache hit, the coordinator takes fresh device
+  blocks for them, queues a load, and holds the request back. The request's device
+  hits and the load's blocks stay referenced by the coordinator, so nothing evicts or
+  reuses them meanwhile.
+* **Completion.** The runner reports finished loads
+  (:meth:`OffloadCoordinator.on_loads_finished`). A successful load registers its
+  blocks in the device prefix cache and releases them; the request is then admitted
+  through the ordinary path and finds them as prefix-cache hits. A failed load
+  registers nothing: the request recomputes those tokens and never loads again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmkit.kv_cache.hashing import BlockHash, update_block_hashes
+from lmkit.offload.transfers import KVTransfers, LoadRequest
+
+if TYPE_CHECKING:
+    from lmkit.engine.request import Request
+    from lmkit.kv_cache.block_pool import KVCacheBlock
+    from lmkit.kv_cache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+LOAD_FAILED = "offload_load_failed"  # key in Request.extra: never load for it again
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A load in flight and the blocks held for it."""
+
+    request: Request
+    hits: list[KVCacheBlock]  # device prefix-cache hits before the loaded blocks
+    blocks: list[KVCacheBlock]  # destinations, in token order
+    block_hashes: list[BlockHash]
+
+
+class OffloadCoordinator:
+    """Connects a :class:`~lmkit.kv_cache.manager.KVCacheManager` to an offload tier.
+
+    Args:
+        kv_cache_manager: the scheduler's manager; the coordinator installs itself as
+            its block pool's eviction listener.
+        lookup: ``lookup(block_hashes) -> int``, how many leading blocks the tier holds
+            (the tier lives with the device caches, in the runner).
+        worker_stats: returns the runner-side counters (bytes moved, tier usage, ...).
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager,
+                 lookup: Callable[[list[BlockHash]], int],
+                 worker_stats: Callable[[], dict[str, int]] | None = None) -> None:
+        self.manager = kv_cache_manager
+        self.pool = kv_cache_manager.block_pool
+        self.block_size = kv_cache_manager.block_size
+        self.lookup = lookup
+        self.worker_stats = worker_stats
+        self.pool.on_evict = self.on_evict
+        self._store_hashes: list[BlockHash] = []
+        self._store_block_ids: list[int] = []
+        self._loads: list[LoadRequest] = []
+        self._pending: dict[int, PendingLoad] = {}  # transfer id -> load in flight
+        self._loading: dict[str, int] = {}  # request id -> transfer id
+        self._ids = itertools.count()
+        self.num_stored_blocks = 0
+        self.num_hit_tokens = 0
+        self.num_load_jobs = 0
+        self.num_loaded_blocks = 0
+        self.num_failed_loads = 0
+
+    # -- stores -------------------------------------------------------------------
+
+    def on_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        """The pool is reusing cached block ``block_id``: store it before it is."""
+        self._store_hashes.append(block_hash)
+        self._store_block_ids.append(block_id)
+
+    # -- loads --------------------------------------------------------------------
+
+    def is_loading(self, request: Request) -> bool:
+        """Whether a load for ``request`` is in flight."""
+        return request.request_id in self._loading
+
+    def defer_admission(self, request: Request) -> bool:
+        """Called before ``request`` is admitted. True means "not this step": its load
+        is in flight, or one was just started for the tier's part of its prefix."""
+        if self.is_loading(request):
+            return True
+        if request.extra.get(LOAD_FAILED) or request.sampling_params.prompt_logprobs is not None:
+            return False
+        hashes = update_block_hashes(request, self.block_size, self.manager.hash_seed)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        start = len(hits)
+        if start >= max_hit_blocks:
+            return False
+        num_blocks = self.lookup(hashes[start:max_hit_blocks])
+        # the hits sitting in the free queue stop being free once held
+        num_free = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
+        num_blocks = min(num_blocks, num_free)
+        if num_blocks <= 0:
+            return False
+        self.pool.touch(hits)
+        blocks = self.pool.get_new_blocks(num_blocks)  # evictions queue stores first
+        load_hashes = list(hashes[start:start + num_blocks])
+        transfer_id = next(self._ids)
+        self._loads.append(LoadRequest(transfer_id, load_hashes, [b.block_id for b in blocks]))
+        self._pending[transfer_id] = PendingLoad(request, hits, blocks, load_hashes)
+        self._loading[request.request_id] = transfer_id
+        self.num_hit_tokens += num_blocks * self.block_size
+        self.num_load_jobs += 1
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's stores and loads (``SchedulerOutput.kv_transfers``), or None."""
+        if not self._store_hashes and not self._loads:
+            return None
+        transfers = KVTransfers(self._store_hashes, self._store_block_ids, self._loads)
+        self.num_stored_blocks += len(self._store_hashes)
+        self._store_hashes, self._store_block_ids, self._loads = [], [], []
+        return transfers
+
+    def on_loads_finished(self, results: dict[int, bool]) -> None:
+        """Register successful loads in the device prefix cache; release the held blocks.
+
+        A request aborted while its load ran still gets its (valid) blocks cached."""
+        for transfer_id, ok in results.items():
+            pending = self._pending.pop(transfer_id, None)
+            if pending is None:
+                logger.warning("offload: the runner reported unknown load %d", transfer_id)
+                continue
+            request = pending.request
+            if self._loading.get(request.request_id) == transfer_id:
+                del self._loading[request.request_id]
+            if ok:
+                for block, block_hash in zip(pending.blocks, pending.block_hashes, strict=True):
+                    self.pool.cache_block(block, block_hash)
+                self.num_loaded_blocks += len(pending.blocks)
+            else:
+                request.extra[LOAD_FAILED] = True
+                self.num_failed_loads += 1
+                logger.info("offload: loading %d blocks for request %s failed; recomputing",
+                            len(pending.blocks), request.request_id)
+            # last-first, so that the prefix is the last to be evicted
+            self.pool.free_blocks(reversed(pending.hits + pending.blocks))
+
+    @property
+    def has_pending_loads(self) -> bool:
+        """Whether loads are queued or in flight."""
+        return bool(self._pending)
+
+    # -- metrics ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """``offload_*`` counters: ``stored_blocks`` (evictions sent to the tier),
+        ``hit_tokens`` (tokens found in the tier at admission), ``load_jobs``,
+        ``loaded_blocks`` and ``failed_loads``, plus the runner's (bytes moved, failed
+        stores, tier usage and capacity, tier evictions)."""
+        stats: dict[str, Any] = {
+            "offload_stored_blocks": self.num_stored_blocks,
+            "offload_hit_tokens": self.num_hit_tokens,
+            "offload_load_jobs": self.num_load_jobs,
+            "offload_loaded_blocks": self.num_loaded_blocks,
+            "offload_failed_loads": self.num_failed_loads,
+        }
+        if self.worker_stats is not None:
+            stats.update(self.worker_stats())
+        return stats

@@ -1,0 +1,163 @@
+"""The runner side of KV offload: the tier lives next to the device KV cache.
+
+The model runner builds an :class:`OffloadWorker` with its KV caches
+(:func:`build_offload_worker`), runs each step's :class:`~lmkit.offload.transfers.KVTransfers`
+before the forward (:meth:`OffloadWorker.start`) and reports finished loads in
+``ModelRunnerOutput.finished_kv_loads`` (:meth:`OffloadWorker.finished_loads`). The
+scheduler reaches :meth:`OffloadWorker.lookup` and :meth:`OffloadWorker.stats` through
+``executor.call("offload_call", ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmkit.errors import ConfigError
+from lmkit.offload.transfers import KVTransfers
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmkit.api.offload import OffloadManager
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugins.resolve import ResolvedStack
+
+logger = logging.getLogger(__name__)
+
+WAIT_WARN_S = 30.0  # warn when a load has not finished after this long
+
+
+class OffloadWorker:
+    """Drives one :class:`~lmkit.api.OffloadManager` for the model runner.
+
+    Args:
+        manager: the tier, built over the runner's KV caches.
+        name: the tier's registered name (for messages).
+        block_bytes: bytes of one KV block across all layers.
+    """
+
+    def __init__(self, manager: OffloadManager, name: str, block_bytes: int) -> None:
+        self.manager = manager
+        self.name = name
+        self.block_bytes = block_bytes
+        self._stores: dict[int, int] = {}  # tier job id -> number of blocks
+        self._loads: dict[int, tuple[int, int]] = {}  # tier job id -> (transfer id, blocks)
+        self._finished: dict[int, bool] = {}  # transfer id -> success, not reported yet
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
+        self.num_failed_stores = 0
+        self._closed = False
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the tier holds."""
+        return self.manager.lookup(block_hashes)
+
+    def start(self, transfers: KVTransfers | None) -> None:
+        """Issue a step's stores, then its loads (before the step's forward)."""
+        if not transfers:
+            return
+        if transfers.store_hashes:
+            job = self.manager.store(transfers.store_hashes, transfers.store_block_ids)
+            self._stores[job.job_id] = len(transfers.store_hashes)
+        for load in transfers.loads:
+            job = self.manager.load(load.block_hashes, load.block_ids)
+            self._loads[job.job_id] = (load.transfer_id, len(load.block_ids))
+
+    def finished_loads(self, wait: bool = False) -> dict[int, bool]:
+        """Loads finished since the last call: transfer id -> success.
+
+        With ``wait`` (a step with nothing to compute), block until every load in
+        flight has finished instead of returning to an idle engine loop. A load is
+        never reported before the tier says it finished: its blocks are released for
+        reuse as soon as it is.
+        """
+        self._poll()
+        started = time.monotonic()
+        warned = False
+        while wait and self._loads:
+            time.sleep(0.0002)
+            self._poll()
+            if not warned and time.monotonic() - started > WAIT_WARN_S:
+                warned = True
+                logger.warning("offload tier %r: %d load(s) unfinished after %.0f s", self.name,
+                               len(self._loads), WAIT_WARN_S)
+        done, self._finished = self._finished, {}
+        return done
+
+    def _poll(self) -> None:
+        for job, ok in self.manager.poll():
+            if job.job_id in self._loads:
+                transfer_id, num_blocks = self._loads.pop(job.job_id)
+                self._finished[transfer_id] = bool(ok)
+                if ok:
+                    self.bytes_loaded += num_blocks * self.block_bytes
+            elif job.job_id in self._stores:
+                num_blocks = self._stores.pop(job.job_id)
+                if ok:
+                    self.bytes_stored += num_blocks * self.block_bytes
+                else:
+                    self.num_failed_stores += 1
+            else:
+                logger.warning("offload tier %r reported job %d, which is not in flight",
+                               self.name, job.job_id)
+
+    def stats(self) -> dict[str, int]:
+        """Runner-side ``offload_*`` counters and the tier's own."""
+        used, capacity = self.manager.usage()
+        stats = {
+            "offload_bytes_stored": self.bytes_stored,
+            "offload_bytes_loaded": self.bytes_loaded,
+            "offload_failed_stores": self.num_failed_stores,
+            "offload_used_bytes": used,
+            "offload_capacity_bytes": capacity,
+        }
+        for key, value in self.manager.stats().items():
+            stats[f"offload_{key}"] = value
+        return stats
+
+    def close(self) -> None:
+        """Wait for loads in flight, then close the tier (finishes its pending writes)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.finished_loads(wait=True)
+        self.manager.close()
+
+
+def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
+                         kv_caches: list[torch.Tensor], attn: Any) -> OffloadWorker | None:
+    """The offload tier the stack names, built over ``kv_caches``; None when offload is off.
+
+    Logs the memory the tier takes (part of the startup memory report).
+
+    Raises:
+        ConfigError: prefix caching is off (offload extends the prefix cache), or the
+            attention backend's KV layout is not ``[2, num_blocks, ...]``.
+    """
+    reg = stack.get("offload")
+    if reg is None:
+        return None
+    if not config.cache.enable_prefix_caching:
+        raise ConfigError(
+            f"offload tier {reg.name!r} extends the prefix cache, which is off "
+            "(cache.enable_prefix_caching: false); turn prefix caching on or set "
+            "offload.backend: none")
+    one, two = attn.kv_cache_shape(1), attn.kv_cache_shape(2)
+    if len(one) < 2 or one[1] != 1 or two[1] != 2 or one[:1] + one[2:] != two[:1] + two[2:]:
+        raise ConfigError(
+            f"offload tier {reg.name!r} needs KV caches laid out as [2, num_blocks, ...], but "
+            f"the attention backend's are {tuple(two)} for 2 blocks; choose a built-in "
+            "attention backend or set offload.backend: none")
+    tier_config = config.model_copy(deep=True)
+    attention = stack.get("attention")
+    if attention is not None:
+        tier_config.attention.backend = attention.name
+    manager = reg.spec.load()(tier_config, kv_caches, options=stack.options["offload"])
+    block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
+    _, capacity = manager.usage()
+    logger.info("KV offload: tier %r, %.2f GiB (%d blocks of %.2f MiB)", reg.name,
+                capacity / 2**30, capacity // max(block_bytes, 1), block_bytes / 2**20)
+    return OffloadWorker(manager, reg.name, block_bytes)

@@ -1,0 +1,29 @@
+"""Built-in KV offload tiers: ``cpu`` (host memory), ``disk`` (a directory) and
+``cpu+disk`` (host memory spilling to a directory). See ``docs/offload.md``."""
+
+from lmkit.api import Caps, Spec, hookimpl
+
+from lmkit_plugins.offload.options import CPUDiskTierOptions, CPUTierOptions, DiskTierOptions
+
+LMKIT_PLUGIN_API = ">=1.0,<2"
+
+_CAPS = Caps(values={"device": {"cpu", "cuda"}})
+
+
+@hookimpl
+def register_offload_managers(register):
+    register(Spec(
+        name="cpu", target="lmkit_plugins.offload.cpu_tier:CPUTier", priority=100, caps=_CAPS,
+        options=CPUTierOptions,
+        description="Host memory pool (page-locked on CUDA), LRU or ARC eviction.",
+    ))
+    register(Spec(
+        name="cpu+disk", target="lmkit_plugins.offload.stacked:CPUDiskTier", priority=50,
+        caps=_CAPS, options=CPUDiskTierOptions,
+        description="Host memory pool whose evictions are written to a disk directory.",
+    ))
+    register(Spec(
+        name="disk", target="lmkit_plugins.offload.disk_tier:DiskTier", priority=30, caps=_CAPS,
+        options=DiskTierOptions,
+        description="Checksummed block files in a directory; persists across restarts.",
+    ))

@@ -1,0 +1,154 @@
+"""Moving whole KV blocks between the device caches and host memory.
+
+A *host block* is one block of every layer, contiguous: ``[num_layers, 2, block_elems]``
+(K then V per layer, ``block_elems = block_size * num_kv_heads * head_size``), so that
+one block is one copy and one file. Tiers keep host blocks as rows of a tensor
+``[rows, num_layers, 2, block_elems]``.
+
+On CUDA the copies run on the copier's own stream through a device staging buffer:
+a store gathers the blocks into staging with one indexed copy per layer, then copies
+staging to the (pinned) host rows; a load does the reverse. The current stream then
+waits only for the gather (the device blocks may be overwritten once it is done), not
+for the host copies, which overlap the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+DEFAULT_STAGING_BYTES = 128 * 2**20
+
+
+def runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ``rows``: ``(first index, first row, length)``."""
+    out: list[tuple[int, int, int]] = []
+    for i, row in enumerate(rows):
+        if out and out[-1][1] + out[-1][2] == row:
+            first, start, length = out[-1]
+            out[-1] = (first, start, length + 1)
+        else:
+            out.append((i, row, 1))
+    return out
+
+
+class BlockCopier:
+    """Copies blocks of ``kv_caches`` (each ``[2, num_blocks, ...]``) to and from host rows.
+
+    Args:
+        kv_caches: the per-layer device caches.
+        staging_bytes: CUDA only, the device staging buffer (a job larger than it is
+            copied in chunks).
+    """
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor],
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        if not kv_caches:
+            raise ValueError("an offload tier needs at least one KV cache tensor")
+        first = kv_caches[0]
+        for cache in kv_caches:
+            if (cache.shape != first.shape or cache.dtype != first.dtype
+                    or cache.device != first.device or cache.dim() < 3 or cache.shape[0] != 2
+                    or not cache.is_contiguous()):
+                raise ValueError(
+                    "offload tiers need contiguous per-layer KV caches of one shape and dtype, "
+                    f"laid out [2, num_blocks, ...]; got {tuple(cache.shape)} {cache.dtype}")
+        self.num_blocks = int(first.shape[1])
+        self.caches = [c.view(2, self.num_blocks, -1) for c in kv_caches]  # [2, blocks, E]
+        self.block_elems = int(self.caches[0].shape[2])
+        self.block_shape = (len(self.caches), 2, self.block_elems)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.block_bytes = len(self.caches) * 2 * self.block_elems * first.element_size()
+        self.is_cuda = self.device.type == "cuda"
+        self.stream: Any = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.staging_rows = max(1, staging_bytes // self.block_bytes)
+        self._staging: torch.Tensor | None = None
+
+    def host_rows(self, num_rows: int, pin: bool = False) -> torch.Tensor:
+        """A new host tensor of ``num_rows`` blocks: ``[num_rows, layers, 2, E]``."""
+        return torch.empty((num_rows, *self.block_shape), dtype=self.dtype, pin_memory=pin)
+
+    # -- device -> host -----------------------------------------------------------
+
+    def gather(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
+        """Copy device blocks ``block_ids`` into ``host[rows]``.
+
+        Returns None when the copy is complete (CPU), else a CUDA event recorded after
+        it; either way later work on the current stream cannot overwrite the blocks
+        before they were read.
+        """
+        if not block_ids:
+            return None
+        if not self.is_cuda:
+            ids = torch.tensor(block_ids, dtype=torch.long)
+            index = torch.tensor(rows, dtype=torch.long)
+            for layer, cache in enumerate(self.caches):
+                host[index, layer] = cache.index_select(1, ids).transpose(0, 1)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        stream = self.stream
+        with torch.cuda.stream(stream):
+            stream.wait_stream(current)  # the blocks' last writes come first
+            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            staging = self._staging_buffer()
+            read = torch.cuda.Event()
+            for start in range(0, len(block_ids), self.staging_rows):
+                chunk = ids[start:start + self.staging_rows]
+                n = chunk.numel()
+                for layer, cache in enumerate(self.caches):
+                    staging[:n, layer].copy_(cache.index_select(1, chunk).transpose(0, 1))
+                if start + self.staging_rows >= len(block_ids):
+                    read.record(stream)
+                for i, row, length in runs(rows[start:start + n]):
+                    host[row:row + length].copy_(staging[i:i + length], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        current.wait_event(read)  # the forward may overwrite the blocks once read
+        return done
+
+    # -- host -> device -----------------------------------------------------------
+
+    def scatter(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
+        """Copy ``host[rows]`` into device blocks ``block_ids``.
+
+        Returns None when complete (CPU), else a CUDA event to wait for. Work already
+        issued on the current stream (stores reading these blocks) happens first.
+        """
+        if not block_ids:
+            return None
+        if not self.is_cuda:
+            ids = torch.tensor(block_ids, dtype=torch.long)
+            index = torch.tensor(rows, dtype=torch.long)
+            for layer, cache in enumerate(self.caches):
+                cache[:, ids] = host[index, layer].transpose(0, 1)
+            return None
+        current = torch.cuda.current_stream(self.device)
+        stream = self.stream
+        with torch.cuda.stream(stream):
+            stream.wait_stream(current)
+            ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            staging = self._staging_buffer()
+            for start in range(0, len(block_ids), self.staging_rows):
+                chunk = ids[start:start + self.staging_rows]
+                n = chunk.numel()
+                for i, row, length in runs(rows[start:start + n]):
+                    staging[i:i + length].copy_(host[row:row + length], non_blocking=True)
+                for layer, cache in enumerate(self.caches):
+                    cache[:, chunk] = staging[:n, layer].transpose(0, 1)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty((self.staging_rows, *self.block_shape), dtype=self.dtype,
+                                        device=self.device)
+        return self._staging
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far."""
+        if self.stream is not None:
+            self.stream.synchronize()

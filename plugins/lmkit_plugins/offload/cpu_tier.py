@@ -1,0 +1,142 @@
+"""The ``cpu`` tier: KV blocks in a host memory pool of fixed size.
+
+The pool is one tensor of ``size_gb`` worth of host blocks (page-locked with CUDA, so
+copies run asynchronously on the copier's stream), a map from block hash to pool slot,
+and an eviction policy (LRU, or ARC) over the held hashes. Memory is trusted: loads do
+not verify checksums, which keeps a load at the speed of the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lmkit.api import ConfigError, LMKitConfig, OffloadManager, TransferJob
+
+from lmkit_plugins.offload.copier import BlockCopier
+from lmkit_plugins.offload.jobs import JobBook
+from lmkit_plugins.offload.options import CPUTierOptions
+from lmkit_plugins.offload.policy import make_policy
+
+logger = logging.getLogger(__name__)
+
+# spill(block_hash, host_block): a held block is being evicted; host_block ([layers, 2,
+# E]) is valid only during the call
+Spill = Callable[[bytes, torch.Tensor], None]
+
+
+class CPUTier(OffloadManager):
+    """Host-memory offload tier.
+
+    Args:
+        config: the engine configuration (unused beyond construction checks).
+        kv_caches: the device caches, ``[2, num_blocks, ...]`` per layer.
+        options: :class:`~lmkit_plugins.offload.options.CPUTierOptions`.
+    """
+
+    def __init__(self, config: LMKitConfig, kv_caches: Sequence[torch.Tensor],
+                 options: CPUTierOptions | None = None) -> None:
+        options = options or CPUTierOptions()
+        self.copier = BlockCopier(kv_caches)
+        self.num_slots = int(options.size_gb * 2**30) // self.copier.block_bytes
+        if self.num_slots < 1:
+            raise ConfigError(
+                f"offload tier 'cpu': size_gb={options.size_gb} holds no KV block of "
+                f"{self.copier.block_bytes / 2**20:.2f} MiB; raise offload.options.size_gb")
+        pin = options.pin_memory if options.pin_memory is not None else self.copier.is_cuda
+        self.pinned = bool(pin) and torch.cuda.is_available()
+        self.pool = self.copier.host_rows(self.num_slots, pin=self.pinned)
+        self.slot_of: dict[bytes, int] = {}
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() gives 0, 1, ...
+        self.policy = make_policy(options.eviction, self.num_slots)
+        self.jobs = JobBook()
+        self.spill: Spill | None = None  # set by a tier below this one (cpu+disk)
+        self.num_evictions = 0
+        logger.info("offload tier 'cpu': %.2f GiB of %s host memory, %d blocks, %s eviction",
+                    self.num_slots * self.copier.block_bytes / 2**30,
+                    "page-locked" if self.pinned else "pageable", self.num_slots, options.eviction)
+
+    # -- contract -----------------------------------------------------------------
+
+    def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.slot_of:
+                break
+            self.policy.touch(block_hash)
+            n += 1
+        return n
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether ``block_hash`` is held (no access recorded)."""
+        return block_hash in self.slot_of
+
+    def store(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
+        job = self.jobs.new("store", block_hashes, block_ids)
+        wanted: dict[bytes, int] = {}  # hash -> device block, new ones only
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+            if block_hash in self.slot_of:
+                self.policy.touch(block_hash)  # same hash, same contents: nothing to copy
+            else:
+                wanted[block_hash] = block_id
+        new = list(wanted.items())
+        if self.spill is None:
+            new = new[-self.num_slots:]  # more than fits: the last ones win
+        event = None
+        # (with a tier below, a batch larger than the pool goes through it in pool-sized
+        # chunks: each chunk's arrival spills the previous one)
+        for start in range(0, len(new), self.num_slots):
+            chunk = new[start:start + self.num_slots]
+            fresh = {h for h, _ in chunk}  # not copied yet: nothing to spill if evicted
+            for block_hash, _ in chunk:
+                self._take_slot(block_hash, fresh)
+            copies = [(self.slot_of[h], b) for h, b in chunk if h in self.slot_of]
+            event = self.copier.gather([b for _, b in copies], self.pool,
+                                       [s for s, _ in copies])
+        return self.jobs.finish(job, True, event)
+
+    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
+        job = self.jobs.new("load", block_hashes, block_ids)
+        slots = [self.slot_of.get(h) for h in block_hashes]
+        if any(s is None for s in slots) or len(slots) != len(block_ids):
+            return self.jobs.finish(job, False)
+        for block_hash in block_hashes:
+            self.policy.touch(block_hash)
+        event = self.copier.scatter(self.pool, slots, block_ids)  # type: ignore[arg-type]
+        return self.jobs.finish(job, True, event)
+
+    def poll(self) -> list[tuple[TransferJob, bool]]:
+        return self.jobs.poll()
+
+    def usage(self) -> tuple[int, int]:
+        block = self.copier.block_bytes
+        return len(self.slot_of) * block, self.num_slots * block
+
+    def stats(self) -> dict[str, int]:
+        return {"evictions": self.num_evictions}
+
+    def close(self) -> None:
+        self.copier.synchronize()
+
+    # -- slots --------------------------------------------------------------------
+
+    def _take_slot(self, block_hash: bytes, fresh: set[bytes]) -> int:
+        """Give ``block_hash`` a slot, evicting (and spilling) what the policy says;
+        ``fresh`` hashes have no contents yet."""
+        for victim in self.policy.insert(block_hash):
+            slot = self.slot_of.pop(victim)  # type: ignore[call-overload]
+            self.num_evictions += 1
+            if self.spill is not None and victim not in fresh:
+                self.copier.synchronize()  # the slot's own copy may still be running
+                self.spill(victim, self.pool[slot])  # type: ignore[arg-type]
+            self.free_slots.append(slot)
+        slot = self.free_slots.pop()
+        self.slot_of[block_hash] = slot
+        return slot
+
+    def host_block(self, block_hash: bytes) -> Any:
+        """The held host block of ``block_hash`` (a view into the pool), or None."""
+        slot = self.slot_of.get(block_hash)
+        return None if slot is None else self.pool[slot]

@@ -1,0 +1,258 @@
+"""Block files of the ``disk`` tier: their format, and opening them safely.
+
+Layout: ``<root>/<model+layout id>/<h[0:2]>/<h[2:4]>/<block hash hex>.kv``, where the
+id is the first 32 hex digits of the fingerprint (:func:`lmkit.api.offload.kv_cache_fingerprint`).
+A file is a 128-byte header, then the payload (one host block, ``[layers, 2, E]``)::
+
+    magic "LMKVBLK\\0" | format version u32 | header size u32 | fingerprint 32 B |
+    block hash 32 B | payload length u64 | BLAKE2b-256 of the payload 32 B | 8 B zero
+
+Files are written to a temporary name, fsynced, then renamed over the final name, so
+a reader sees a whole file or none. Every directory below the root and every file is
+opened relative to its parent's descriptor with ``O_NOFOLLOW``: a symlink anywhere
+inside the root fails the open instead of leading outside. A read succeeds only when
+the file is a regular file of exactly the expected size whose header names this
+format, this fingerprint and this block hash, and whose payload matches the checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+MAGIC = b"LMKVBLK\x00"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sII32s32sQ32s8x")
+HEADER_SIZE = HEADER.size  # 128
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 3600.0  # temporary files older than this are leftovers of a crash
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+
+
+class BadBlockFile(Exception):
+    """A block file that must not be used (the message says why)."""
+
+
+def checksum(payload: memoryview | bytes) -> bytes:
+    """BLAKE2b-256 of ``payload``."""
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def encode_header(fingerprint: bytes, block_hash: bytes, payload: memoryview) -> bytes:
+    """The header of a file holding ``payload`` for ``block_hash``."""
+    return HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, fingerprint, block_hash,
+                       payload.nbytes, checksum(payload))
+
+
+def verify(data: memoryview, fingerprint: bytes, block_hash: bytes, payload_bytes: int) -> None:
+    """Raise :class:`BadBlockFile` unless ``data`` (a whole file) is this block's."""
+    if data.nbytes != HEADER_SIZE + payload_bytes:
+        raise BadBlockFile(f"size {data.nbytes}, expected {HEADER_SIZE + payload_bytes}")
+    magic, version, header_size, fp, h, length, digest = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadBlockFile("not an lmkit KV block file (bad magic)")
+    if version != FORMAT_VERSION or header_size != HEADER_SIZE:
+        raise BadBlockFile(f"format version {version}, expected {FORMAT_VERSION}")
+    if fp != fingerprint:
+        raise BadBlockFile("written for another model or KV layout")
+    if h != block_hash:
+        raise BadBlockFile("holds another block")
+    if length != payload_bytes:
+        raise BadBlockFile(f"payload length {length}, expected {payload_bytes}")
+    if checksum(data[HEADER_SIZE:]) != digest:
+        raise BadBlockFile("checksum mismatch")
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class BlockDirectory:
+    """The block files of one fingerprint under ``root``.
+
+    Safe to use from several threads (each call opens its own descriptors).
+    """
+
+    def __init__(self, root: Path, fingerprint: bytes) -> None:
+        if not (_O_NOFOLLOW and _O_DIRECTORY) or os.open not in os.supports_dir_fd:
+            raise OSError("the disk offload tier needs O_NOFOLLOW and directory descriptors "
+                          "(Linux, macOS)")
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.fingerprint = fingerprint
+        self.name = fingerprint.hex()[:32]
+        root_fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        try:
+            self.dir_fd = self._subdir(root_fd, self.name, create=True)
+        finally:
+            os.close(root_fd)
+
+    @staticmethod
+    def _subdir(parent_fd: int, name: str, create: bool) -> int:
+        if create:
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+
+    def _open_parent(self, block_hash: bytes, create: bool) -> int:
+        """The descriptor of ``block_hash``'s directory (raises if it is a symlink)."""
+        hexh = block_hash.hex()
+        fd1 = self._subdir(self.dir_fd, hexh[:2], create)
+        try:
+            return self._subdir(fd1, hexh[2:4], create)
+        finally:
+            os.close(fd1)
+
+    def path_of(self, block_hash: bytes) -> Path:
+        """Where ``block_hash``'s file lives (for messages and tests)."""
+        hexh = block_hash.hex()
+        return self.root / self.name / hexh[:2] / hexh[2:4] / f"{hexh}{SUFFIX}"
+
+    def write(self, block_hash: bytes, payload: memoryview) -> None:
+        """Write ``payload`` as ``block_hash``'s file (temporary name, fsync, rename)."""
+        header = encode_header(self.fingerprint, block_hash, payload)
+        name = block_hash.hex() + SUFFIX
+        tmp = f"{name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
+        parent = self._open_parent(block_hash, create=True)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                         0o600, dir_fd=parent)
+            try:
+                try:
+                    _write_all(fd, header)
+                    _write_all(fd, payload)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=parent)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(parent)
+
+    def read(self, block_hash: bytes, payload_bytes: int) -> bytearray:
+        """The verified file of ``block_hash`` (header included).
+
+        Raises:
+            BadBlockFile: damaged, truncated, foreign, or not a regular file.
+            OSError: missing, or reached through a symlink.
+        """
+        parent = self._open_parent(block_hash, create=False)
+        try:
+            fd = os.open(block_hash.hex() + SUFFIX, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC,
+                         dir_fd=parent)
+        finally:
+            os.close(parent)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadBlockFile("not a regular file")
+            expected = HEADER_SIZE + payload_bytes
+            if st.st_size != expected:
+                raise BadBlockFile(f"size {st.st_size}, expected {expected}")
+            data = bytearray(expected)
+            view = memoryview(data)
+            got = 0
+            while got < expected:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise BadBlockFile(f"short read: {got} of {expected} bytes")
+                got += n
+            verify(view, self.fingerprint, block_hash, payload_bytes)
+            os.utime(fd)  # recently used: kept longer after a restart
+            return data
+        finally:
+            os.close(fd)
+
+    def unlink(self, block_hash: bytes) -> None:
+        """Remove ``block_hash``'s file (a symlink in its place is removed, not followed);
+        missing files are fine."""
+        try:
+            parent = self._open_parent(block_hash, create=False)
+        except OSError:
+            return
+        try:
+            os.unlink(block_hash.hex() + SUFFIX, dir_fd=parent)
+        except OSError:
+            pass
+        finally:
+            os.close(parent)
+
+    def scan(self, file_bytes: int) -> Iterator[tuple[bytes, int]]:
+        """``(block hash, mtime_ns)`` of every well-formed file a previous run left.
+
+        Skips symlinks; removes stale temporary files and files of the wrong size."""
+        now = time.time()
+        for sub1 in _subdirs(self.dir_fd):
+            fd1 = self._subdir(self.dir_fd, sub1, create=False)
+            try:
+                for sub2 in _subdirs(fd1):
+                    fd2 = self._subdir(fd1, sub2, create=False)
+                    try:
+                        yield from self._scan_leaf(fd2, file_bytes, now)
+                    finally:
+                        os.close(fd2)
+            finally:
+                os.close(fd1)
+
+    @staticmethod
+    def _scan_leaf(fd: int, file_bytes: int, now: float) -> Iterator[tuple[bytes, int]]:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if entry.name.endswith(TMP_SUFFIX):
+                    if now - st.st_mtime > STALE_TMP_S:
+                        _unlink_quietly(entry.name, fd)
+                    continue
+                stem = entry.name.removesuffix(SUFFIX)
+                if not entry.name.endswith(SUFFIX) or len(stem) != 64 or not _is_hex(stem):
+                    continue
+                if st.st_size != file_bytes:
+                    _unlink_quietly(entry.name, fd)
+                    continue
+                yield bytes.fromhex(stem), st.st_mtime_ns
+
+    def close(self) -> None:
+        """Close the directory descriptor. Safe to call twice."""
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+def _subdirs(fd: int) -> list[str]:
+    with os.scandir(fd) as entries:
+        return [e.name for e in entries
+                if len(e.name) == 2 and _is_hex(e.name) and e.is_dir(follow_symlinks=False)]
+
+
+def _is_hex(s: str) -> bool:
+    return all(c in "0123456789abcdef" for c in s)
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass

@@ -1,0 +1,182 @@
+"""KV offload in the engine (tiny random model, CPU): prefixes pushed out of a small
+device pool come back from the tier with greedy outputs identical to recomputing them;
+tier capacity limits hold; the disk tier survives a restart; damaged, truncated and
+symlinked block files are misses that recompute, never wrong output."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from lmkit import LLM, SamplingParams
+from lmkit.kv_cache.hashing import hash_block_tokens
+from lmkit.testing.tiny_model import make_tiny_model
+
+BLOCK = 16
+PREFIX = 15 * BLOCK  # 240 tokens: one prefix nearly fills the device pool
+ENGINE = dict(block_size=BLOCK, num_blocks=20, max_model_len=256)  # 19 usable blocks
+# tiny model: 2 layers x K,V x 16 tokens x 2 KV heads x head size 16 x float32
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-offload"))
+
+
+def prefix(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(PREFIX)]
+
+
+P1, P2, P3 = prefix(1), prefix(2), prefix(3)
+# P1 first, then two other prefixes that push it out of the device pool, then P1 again
+PROMPTS = [P1 + [1, 2, 3], P2 + [4, 5], P3 + [6], P1 + [7, 8, 9, 10], P2 + [11]]
+
+
+def generate(llm: LLM, prompts=PROMPTS) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs, one request at a time (so that each one's prefix is evicted)."""
+    outs = [llm.generate([p], PARAMS)[0] for p in prompts]
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Outputs without offload: every pushed-out prefix is recomputed."""
+    with LLM(str(model_dir), **ENGINE) as llm:
+        tokens, cached = generate(llm)
+        assert cached[3] < PREFIX // 2, "the device pool was meant to lose P1"
+        return tokens
+
+
+def tier_options(name: str, path, blocks: int = 200) -> dict:
+    size = blocks * (BLOCK_BYTES + 128) / 2**30
+    return {"cpu": {"size_gb": size}, "disk": {"size_gb": size, "path": str(path)},
+            "cpu+disk": {"cpu_size_gb": size / 4, "disk_size_gb": size,
+                         "path": str(path)}}[name]
+
+
+def offload_llm(model_dir, name: str, options: dict) -> LLM:
+    return LLM(str(model_dir), offload=name, **ENGINE, **{"offload.options": options})
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "cpu+disk"])
+def test_tier_hits_match_recompute(model_dir, reference, tier, tmp_path):
+    with offload_llm(model_dir, tier, tier_options(tier, tmp_path)) as llm:
+        tokens, cached = generate(llm)
+        stats = llm.stats()
+    assert tokens == reference
+    assert stats["offload_stored_blocks"] > 0
+    assert stats["offload_loaded_blocks"] >= PREFIX // BLOCK - 4, stats
+    assert stats["offload_failed_loads"] == 0
+    assert cached[3] == PREFIX, "P1's whole prefix should have come back from the tier"
+    assert stats["offload_bytes_loaded"] == stats["offload_loaded_blocks"] * BLOCK_BYTES
+
+
+def test_arc_eviction_matches_recompute(model_dir, reference):
+    with offload_llm(model_dir, "cpu", {"size_gb": 0.001, "eviction": "arc"}) as llm:
+        tokens, _ = generate(llm)
+        assert llm.stats()["offload_loaded_blocks"] > 0
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_capacity_limit(model_dir, reference, tier, tmp_path):
+    capacity_blocks = 6
+    options = tier_options(tier, tmp_path, blocks=capacity_blocks)
+    with offload_llm(model_dir, tier, options) as llm:
+        tokens, _ = generate(llm)
+        stats = llm.stats()
+    assert tokens == reference
+    assert stats["offload_evictions"] > 0
+    assert stats["offload_used_bytes"] <= stats["offload_capacity_bytes"]
+    assert stats["offload_capacity_bytes"] // (BLOCK_BYTES + (128 if tier == "disk" else 0)) \
+        == capacity_blocks
+    if tier == "disk":
+        files = [p for p in tmp_path.rglob("*") if p.is_file()]
+        assert 0 < len(files) <= capacity_blocks
+        assert not [p for p in files if not p.name.endswith(".kv")], "temporary files left"
+
+
+def block_files(root, prompt: list[int]) -> list:
+    """The disk tier's files of ``prompt``'s full blocks, in order."""
+    (subdir,) = [p for p in root.iterdir() if p.is_dir()]
+    paths, parent = [], None
+    for i in range(len(prompt) // BLOCK):
+        parent = hash_block_tokens(parent, prompt[i * BLOCK:(i + 1) * BLOCK])
+        h = parent.hex()
+        paths.append(subdir / h[:2] / h[2:4] / f"{h}.kv")
+    return paths
+
+
+@pytest.fixture
+def filled_disk(model_dir, tmp_path):
+    """A disk tier directory holding P1's blocks, written by an engine now shut down."""
+    with offload_llm(model_dir, "disk", tier_options("disk", tmp_path)) as llm:
+        generate(llm, PROMPTS[:3])
+    assert all(p.is_file() for p in block_files(tmp_path, P1)), "P1 should be on disk"
+    return tmp_path
+
+
+def test_disk_tier_survives_restart(model_dir, reference, filled_disk):
+    with offload_llm(model_dir, "disk", tier_options("disk", filled_disk)) as llm:
+        tokens, cached = generate(llm, [PROMPTS[3]])
+        stats = llm.stats()
+    assert tokens == [reference[3]]
+    assert cached == [PREFIX]
+    assert stats["offload_loaded_blocks"] == PREFIX // BLOCK
+    assert stats["offload_failed_loads"] == 0
+
+
+def damage(path, how: str, tmp_path) -> None:
+    if how == "corrupted":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+    elif how == "symlinked":
+        # a valid file of the same block, but outside the cache root: must not be followed
+        outside = tmp_path / "outside.kv"
+        outside.write_bytes(path.read_bytes())
+        path.unlink()
+        path.symlink_to(outside)
+    elif how == "symlinked-dir":
+        # the hashed subdirectory replaced by a link to a copy of itself outside the root
+        import shutil
+
+        outside = tmp_path / "outside-dir"
+        shutil.copytree(path.parent, outside)
+        shutil.rmtree(path.parent)
+        path.parent.symlink_to(outside)
+
+
+@pytest.mark.parametrize("how", ["corrupted", "truncated", "symlinked", "symlinked-dir"])
+def test_damaged_files_are_misses(model_dir, reference, filled_disk, how, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    with offload_llm(model_dir, "disk", tier_options("disk", filled_disk)) as llm:
+        # damaged after the engine indexed the directory: caught when loaded
+        damage(block_files(filled_disk, P1)[5], how, outside)
+        tokens, cached = generate(llm, [PROMPTS[3]])
+        stats = llm.stats()
+    assert tokens == [reference[3]]
+    assert stats["offload_failed_loads"] == 1
+    assert stats["offload_bad_files"] >= 1
+    assert cached == [0], "a failed load is recomputed, not half used"
+
+
+def test_damaged_files_found_at_startup_are_misses(model_dir, reference, filled_disk,
+                                                   tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    files = block_files(filled_disk, P1)
+    damage(files[0], "truncated", outside)
+    damage(files[1], "symlinked", outside)
+    with offload_llm(model_dir, "disk", tier_options("disk", filled_disk)) as llm:
+        tokens, cached = generate(llm, [PROMPTS[3]])
+        stats = llm.stats()
+    assert tokens == [reference[3]]
+    assert stats["offload_load_jobs"] == 0  # the index never held the damaged blocks
+    assert not files[0].exists(), "a file of the wrong size is removed at startup"

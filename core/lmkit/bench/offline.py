@@ -11,7 +11,13 @@ from typing import Any
 
 from lmkit.bench import sides
 from lmkit.bench.measure import run_isolated
-from lmkit.bench.workload import Workload, chat_workload, file_workload, random_workload
+from lmkit.bench.workload import (
+    Workload,
+    chat_workload,
+    copy_workload,
+    file_workload,
+    random_workload,
+)
 
 PEERS = ("hf", "none")
 
@@ -31,16 +37,18 @@ class BenchSetup:
 def make_workload(kind: str, tokenizer: Any, vocab_size: int, num_prompts: int,
                   input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
                   dataset: Path | None = None) -> Workload:
-    """The workload named by ``kind``: ``chat``, ``random`` or ``file``."""
+    """The workload named by ``kind``: ``chat``, ``copy``, ``random`` or ``file``."""
     if kind == "chat":
         return chat_workload(tokenizer, num_prompts, output_len[0], seed)
+    if kind == "copy":
+        return copy_workload(tokenizer, num_prompts, seed)
     if kind == "random":
         return random_workload(num_prompts, input_len, output_len, vocab_size, seed)
     if kind == "file":
         if dataset is None:
             raise ValueError("--workload file needs --dataset PATH")
         return file_workload(dataset, tokenizer, output_len[0])
-    raise ValueError(f"unknown workload {kind!r}; choose chat, random or file")
+    raise ValueError(f"unknown workload {kind!r}; choose chat, copy, random or file")
 
 
 def _rates(result: dict[str, Any], workload: Workload) -> dict[str, Any]:
@@ -104,7 +112,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['bench']} — {report['workload']}",
              f"model: {report['model']}  machine: {report['machine']}"]
     keys = ["elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-            "ttft_ms", "tpot_ms", "peak_rss_gb", "peak_cuda_gb", "num_preemptions"]
+            "ttft_ms", "tpot_ms", "peak_rss_gb", "peak_cuda_gb", "num_preemptions",
+            "spec_acceptance_rate", "spec_mean_accepted_length"]
     for side in ("lmkit", "hf"):
         if side not in report:
             continue

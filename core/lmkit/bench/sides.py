@@ -35,7 +35,8 @@ def lmkit_throughput(model: str, options: dict[str, Any], workload: Workload,
     llm.shutdown()
     return {"elapsed_s": elapsed, "output_tokens": produced,
             "num_preemptions": stats.get("num_preemptions", 0),
-            "stack": {k: v for k, v in llm.engine.stack.names().items() if v}}
+            "stack": {k: v for k, v in llm.engine.stack.names().items() if v},
+            **{k: v for k, v in stats.items() if k.startswith("spec_")}}
 
 
 def hf_throughput(model_dir: str, workload: Workload, dtype: str, device: str,

@@ -65,6 +65,52 @@ def chat_workload(tokenizer: Any, n: int, output_len: int, seed: int = 0) -> Wor
     return Workload(f"chat(n={n}, out={output_len}, seed={seed})", prompts, [output_len] * n)
 
 
+# Modules whose docstrings (prose shipped with lmkit) are the passages of copy_workload.
+COPY_PASSAGE_MODULES = (
+    "lmkit.worker.input_batch", "lmkit.kv_cache.block_pool", "lmkit.sample.sampler",
+    "lmkit.sample.filters", "lmkit.sample.logprobs", "lmkit.kv_cache.hashing",
+    "lmkit.scheduler.paged", "lmkit.sample.metadata", "lmkit.serve.metrics",
+    "lmkit.sample.penalties",
+)
+
+
+def copy_passages() -> list[str]:
+    """Prose passages shipped with lmkit: module docstrings, markup stripped (read from
+    source, nothing imported)."""
+    import ast
+    import importlib.util
+    import re
+
+    passages = []
+    for name in COPY_PASSAGE_MODULES:
+        spec = importlib.util.find_spec(name)
+        doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text())) if spec and \
+            spec.origin else None
+        if doc:
+            doc = re.sub(r":\w+:`~?([^`]*)`", r"\1", doc).replace("``", "")
+            passages.append(" ".join(doc.split()))
+    return passages
+
+
+def copy_workload(tokenizer: Any, n: int, seed: int = 0) -> Workload:
+    """Copy-heavy chat prompts (speculative decoding by prompt lookup shines here): each
+    asks to repeat a passage of :func:`copy_passages` exactly; its output length is the
+    passage's length in tokens, so the answer is mostly the copy."""
+    from lmkit.text.chat import render_chat
+
+    passages = copy_passages()
+    rng = random.Random(seed)
+    order = [passages[i % len(passages)] for i in range(n)]
+    rng.shuffle(order)
+    prompts, outs = [], []
+    for text in order:
+        msg = {"role": "user", "content": f"Repeat the following text exactly:\n\n{text}"}
+        prompts.append(list(tokenizer.encode(render_chat(tokenizer, [msg]),
+                                             add_special_tokens=False)))
+        outs.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    return Workload(f"copy(n={n}, seed={seed})", prompts, outs)
+
+
 def file_workload(path: Path, tokenizer: Any, default_output_len: int) -> Workload:
     """JSON lines: ``{"prompt": str | [ids], "output_len": int?}`` per line."""
     prompts, outs = [], []

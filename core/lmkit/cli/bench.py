@@ -64,7 +64,8 @@ def _finish(report, out: Path | None) -> None:
         save_report(report, out)
 
 
-Workload = Annotated[str, typer.Option(help="chat (built-in prompts), random (token ids) or file.",
+Workload = Annotated[str, typer.Option(help="chat (built-in prompts), copy (repeat a passage), random "
+                                       "(token ids) or file.",
                                        rich_help_panel=WORKLOAD)]
 NumPrompts = Annotated[int, typer.Option(help="Requests in the workload.", rich_help_panel=WORKLOAD)]
 InputLen = Annotated[str, typer.Option(help="Prompt length N or LOW:HIGH (random workload).",

@@ -21,6 +21,7 @@ from lmkit.offload.attach import attach_offload
 from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.resolve import ResolvedStack, resolve_stack
 from lmkit.plugins.spec import Needs
+from lmkit.spec_decode.manager import ProposerManager
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class EngineCore:
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
             self.offload = attach_offload(self.stack, self.scheduler, self.executor)
+            self.spec_decode = ProposerManager.from_stack(self.config, self.stack,
+                                                          self.model_info.vocab_size)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -122,12 +125,16 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a validated request (see :class:`~lmkit.engine.processor.InputProcessor`)."""
         self.scheduler.add_request(request)
+        if self.spec_decode is not None:
+            self.spec_decode.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests; unknown or finished ids are ignored."""
         ids = list(request_ids)
         if ids:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            if self.spec_decode is not None:
+                self.spec_decode.remove_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -142,10 +149,15 @@ class EngineCore:
 
     def _step(self, engine: EngineCore) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        if self.spec_decode is not None:
+            self.spec_decode.before_execute(scheduler_output)
         runner_output = self.executor.execute(scheduler_output)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.spec_decode is not None:  # drafts for the next step
+            self.spec_decode.after_step(scheduler_output, runner_output, outputs)
+        return outputs
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache counters plus engine-level facts, for metrics."""
@@ -155,6 +167,8 @@ class EngineCore:
                      uptime_s=time.monotonic() - self._started)
         if self.offload is not None:
             stats.update(self.offload.stats())
+        if self.spec_decode is not None:
+            stats.update(self.spec_decode.get_stats())
         return stats
 
     def shutdown(self) -> None:

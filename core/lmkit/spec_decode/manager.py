@@ -1,0 +1,191 @@
+"""The engine core's side of speculative decoding: asks the proposer plugin for drafts.
+
+After each step's :meth:`~lmkit.api.Scheduler.update_from_output`, :meth:`ProposerManager.
+after_step` collects the requests that got tokens and are still decoding, asks the
+proposer for up to ``k`` drafts each in one call, validates them and sets
+``request.spec_token_ids``; the scheduler schedules them (with their KV slots) in the
+next step, the model runner verifies them, and the scheduler rolls back the rejected
+ones. Drafts are only ever a guess: verification keeps the output distribution the
+target model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
+from lmkit.engine.request import Request, RequestStatus
+from lmkit.errors import ConfigError, PluginError
+from lmkit.spec_decode.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.engine.outputs import EngineCoreOutput
+    from lmkit.plugins.resolve import ResolvedStack
+    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.worker.output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+# features of proposers that must run next to the model (in the model runner)
+_RUNNER_HOSTED = ("hidden_states", "own_kv_cache")
+
+
+class ProposerManager:
+    """Runs one :class:`~lmkit.api.SpecProposer` for the engine core.
+
+    Args:
+        proposer: the constructed proposer.
+        name: its registered name (for error messages).
+        num_speculative_tokens: ``k``.
+        vocab_size: draft ids must lie in ``[0, vocab_size)``.
+    """
+
+    def __init__(self, proposer: SpecProposer, name: str, num_speculative_tokens: int,
+                 vocab_size: int) -> None:
+        self.proposer = proposer
+        self.name = name
+        self.k = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.requests: dict[str, Request] = {}
+        self.num_seen: dict[str, int] = {}  # tokens of each request the proposer has seen
+        self.draft_probs: dict[str, Any] = {}  # request id -> [num_drafts, vocab] tensor
+        self.stats = SpecDecodeStats(num_speculative_tokens)
+        self.propose_time_s = 0.0
+
+    @classmethod
+    def from_stack(cls, config: LMKitConfig, stack: ResolvedStack,
+                   vocab_size: int) -> ProposerManager | None:
+        """The manager for the stack's proposer, or ``None`` when speculation is off.
+
+        Raises:
+            ConfigError: the proposer needs the target's hidden states or a KV cache of
+                its own, which only a runner-hosted proposer can have.
+        """
+        reg = stack.get("spec_proposer")
+        if reg is None:
+            return None
+        hosted = sorted(set(_RUNNER_HOSTED) & reg.spec.caps.features)
+        if hosted:
+            raise ConfigError(
+                f"speculative proposer {reg.name!r} (plugin {reg.plugin}) declares "
+                f"{', '.join(hosted)}: it must run inside the model runner, but this engine "
+                "runs proposers in the engine core on token ids only. Use a token-based "
+                "proposer (e.g. --spec ngram) or turn speculation off (--spec none).")
+        proposer = reg.spec.load()(config, options=stack.options["spec_proposer"])
+        k = config.speculative.num_speculative_tokens
+        logger.info("speculative decoding: proposer %s, %d draft tokens per step", reg.name, k)
+        return cls(proposer, reg.name, k, vocab_size)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Track a request the engine accepted (only eligible ones are proposed for)."""
+        self.requests[request.request_id] = request
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or aborted requests (unknown ids are ignored)."""
+        ids = {rid for rid in request_ids if rid in self.requests}
+        if not ids:
+            return
+        for rid in ids:
+            del self.requests[rid]
+            self._reset(rid)
+        self.proposer.remove_requests(ids)
+
+    def _reset(self, rid: str) -> None:
+        self.num_seen.pop(rid, None)
+        self.draft_probs.pop(rid, None)
+
+    @staticmethod
+    def is_eligible(request: Request) -> bool:
+        """Whether ``request`` may speculate: decoding, not opted out, without a grammar
+        (constrained decoding does not verify drafts yet), and with two or more tokens
+        still to generate (the last one needs no draft)."""
+        params = request.sampling_params
+        if (request.status != RequestStatus.RUNNING or not params.use_spec_decode
+                or params.structured_outputs is not None):
+            return False
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return False  # prefilling (or scheduled ahead)
+        return request.max_tokens is None or request.num_output_tokens + 1 < request.max_tokens
+
+    # ------------------------------------------------------------------ the step
+
+    def before_execute(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand the runner the draft distributions of this step's scheduled drafts."""
+        if not self.draft_probs:
+            return
+        spec_probs = getattr(scheduler_output, "spec_draft_probs", None)
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            probs = self.draft_probs.pop(rid, None)
+            if probs is not None and spec_probs is not None:
+                spec_probs[rid] = probs[:len(drafts)]
+
+    def after_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                   outputs: list[EngineCoreOutput]) -> None:
+        """Record the step's verifications, forget finished and preempted requests, and
+        set new drafts on the requests that are still decoding."""
+        self.stats.record_step(runner_output.num_draft_tokens, runner_output.num_accepted_tokens)
+        finished = [o.request_id for o in outputs if o.finish_reason is not None]
+        self.remove_requests(finished)
+        preempted = scheduler_output.preempted_req_ids & self.requests.keys()
+        if preempted:  # their KV is gone: a proposer's per-request state must go too
+            for rid in preempted:
+                self._reset(rid)
+            self.proposer.remove_requests(set(preempted))
+        batch = [r for o in outputs if o.new_token_ids
+                 and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r)]
+        if batch:
+            self.propose(batch)
+
+    def propose(self, requests: list[Request]) -> None:
+        """Ask the proposer for drafts for ``requests`` and set their ``spec_token_ids``.
+
+        Raises:
+            PluginError: the proposer returned malformed drafts.
+        """
+        ids = [r.request_id for r in requests]
+        tokens = [r.all_token_ids for r in requests]
+        num_new = [len(t) - self.num_seen.get(rid, 0) for rid, t in zip(ids, tokens, strict=True)]
+        started = time.perf_counter()
+        proposal = self.proposer.propose(ProposerInput(ids, tokens, self.k, num_new))
+        self.propose_time_s += time.perf_counter() - started
+        drafts = self._validate(proposal, ids)
+        probs = proposal.draft_probs
+        num_proposed = 0
+        for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            request.spec_token_ids = draft
+            num_proposed += len(draft)
+            self.num_seen[request.request_id] = len(tokens[i])
+            if probs is not None and probs[i] is not None and draft:
+                self.draft_probs[request.request_id] = probs[i]
+            else:
+                self.draft_probs.pop(request.request_id, None)
+        self.stats.record_proposals(num_proposed)
+
+    def _validate(self, proposal: Proposal, ids: list[str]) -> list[list[int]]:
+        drafts = proposal.draft_token_ids
+        probs = proposal.draft_probs
+        if len(drafts) != len(ids) or (probs is not None and len(probs) != len(ids)):
+            raise PluginError(
+                f"speculative proposer {self.name!r} returned {len(drafts)} draft lists"
+                + (f" and {len(probs)} draft_probs entries" if probs is not None else "")
+                + f" for {len(ids)} requests; it must return one per request (empty for none)")
+        out = [list(d[:self.k]) for d in drafts]
+        flat = [t for d in out for t in d]
+        if flat and (min(flat) < 0 or max(flat) >= self.vocab_size):
+            bad = next(t for t in flat if not 0 <= t < self.vocab_size)
+            raise PluginError(f"speculative proposer {self.name!r} drafted token id {bad}, "
+                              f"outside the model's vocabulary [0, {self.vocab_size})")
+        return out
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters for ``EngineCore.stats()`` (see :class:`SpecDecodeStats`), plus the
+        time spent proposing."""
+        out = self.stats.as_dict()
+        out["spec_propose_time_s"] = self.propose_time_s
+        return out

@@ -1,0 +1,43 @@
+"""Built-in speculative-decoding proposers: ``ngram`` (prompt lookup).
+
+Speculation is off unless named: ``--spec ngram --spec-tokens K``, or in a config file
+``speculative: {backend: ngram, num_speculative_tokens: 4, options: {prompt_lookup_max: 4,
+prompt_lookup_min: 2}}``.
+"""
+
+from lmkit.api import Caps, Needs, Spec, hookimpl
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LMKIT_PLUGIN_API = ">=1.0,<2"
+
+
+class NgramOptions(BaseModel):
+    """Options of the ``ngram`` proposer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=64, description="Longest suffix (in tokens) looked up in the request's "
+        "prompt and output; tried first.")
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=64, description="Shortest suffix looked up; shorter matches propose "
+        "nothing.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NgramOptions":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
+
+
+@hookimpl
+def register_spec_proposers(register):
+    register(Spec(
+        name="ngram", target="lmkit_plugins.spec.ngram:NgramProposer", priority=10,
+        options=NgramOptions,
+        caps=Caps(values={"max_k": set(range(1, 65))}),
+        stack_needs={"attention": Needs({"multi_token_query"})},
+        description="Prompt lookup: drafts what followed the latest earlier match of the "
+                    "last n tokens (CPU, no draft model).",
+    ))

@@ -47,6 +47,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # draft distributions of proposers that give them: request id -> [num_drafts, vocab]
+    spec_draft_probs: dict[str, Any] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     # structured output: request id -> row of ``grammar_bitmask`` ([rows, vocab/32] int32)

@@ -32,6 +32,10 @@ _ENGINE_GAUGES = (
     ("lmkit_offload_used_bytes", "Bytes held by the KV offload tier.", ("offload_used_bytes",)),
     ("lmkit_offload_capacity_bytes", "Capacity of the KV offload tier in bytes.",
      ("offload_capacity_bytes",)),
+    ("lmkit_spec_decode_acceptance_rate", "Accepted / verified draft tokens since start.",
+     ("spec_acceptance_rate",)),
+    ("lmkit_spec_decode_mean_accepted_length", "Tokens emitted per draft verification "
+     "(1 + accepted drafts), mean since start.", ("spec_mean_accepted_length",)),
 )
 _ENGINE_COUNTERS = (
     ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
@@ -54,7 +58,14 @@ _ENGINE_COUNTERS = (
     ("lmkit_offload_failed_loads", "Offload loads that failed (recomputed instead).",
      ("offload_failed_loads",)),
     ("lmkit_offload_failed_stores", "Offload stores that failed.", ("offload_failed_stores",)),
+    ("lmkit_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+     ("spec_num_draft_tokens",)),
+    ("lmkit_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     ("spec_num_accepted_tokens",)),
+    ("lmkit_spec_decode_num_drafts", "Verifications: (request, step) pairs with drafts.",
+     ("spec_num_verifications",)),
 )
+_SPEC_POSITION_PREFIX = "spec_acceptance_rate_pos_"
 
 
 def _first(stats: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -88,6 +99,13 @@ class EngineStatsCollector:
         if rate is not None:
             yield GaugeMetricFamily("lmkit_prefix_cache_hit_rate",
                                     "Prefix-cache hits / queries (tokens) since start.", value=rate)
+        per_position = GaugeMetricFamily(
+            "lmkit_spec_decode_acceptance_rate_per_position", "Of the verifications with a "
+            "draft at this position, the fraction that accepted it.", labels=["position"])
+        for key in sorted(k for k in stats if k.startswith(_SPEC_POSITION_PREFIX)):
+            per_position.add_metric([key[len(_SPEC_POSITION_PREFIX):]], float(stats[key]))
+        if per_position.samples:
+            yield per_position
         every = GaugeMetricFamily("lmkit_engine_stat", "Every numeric EngineCore.stats() value.",
                                   labels=["stat"])
         for key in sorted(stats):

@@ -119,11 +119,10 @@ class ProposerManager:
         """Hand the runner the draft distributions of this step's scheduled drafts."""
         if not self.draft_probs:
             return
-        spec_probs = getattr(scheduler_output, "spec_draft_probs", None)
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             probs = self.draft_probs.pop(rid, None)
-            if probs is not None and spec_probs is not None:
-                spec_probs[rid] = probs[:len(drafts)]
+            if probs is not None:
+                scheduler_output.spec_draft_probs[rid] = probs[:len(drafts)]
 
     def after_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                    outputs: list[EngineCoreOutput]) -> None:

@@ -16,12 +16,11 @@ from typing import Any
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.outputs import EngineCoreOutput
 from lmkit.engine.request import Request, RequestStatus
-from lmkit.errors import ConfigError
-from lmkit.offload.attach import attach_offload
+from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.resolve import ResolvedStack, resolve_stack
 from lmkit.plugins.spec import Needs
-from lmkit.spec_decode.manager import ProposerManager
+from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +66,8 @@ class EngineCore:
             assert sched_reg is not None
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
-            self.offload = attach_offload(self.stack, self.scheduler, self.executor)
-            self.spec_decode = ProposerManager.from_stack(self.config, self.stack,
-                                                          self.model_info.vocab_size)
+            self.structured_output = StructuredOutputManager.from_stack(
+                self.config, self.stack, self.model_dir, self.model_info.vocab_size)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -123,21 +121,32 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request (see :class:`~lmkit.engine.processor.InputProcessor`)."""
+        """Queue a validated request (see :class:`~lmkit.engine.processor.InputProcessor`).
+        A constrained request waits for its grammar outside the scheduler; if the grammar
+        fails to compile it is refused later (:meth:`take_rejected_requests`)."""
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise structured_output_off_error(self.config)
+            self.structured_output.add_request(request)
+            return
         self.scheduler.add_request(request)
-        if self.spec_decode is not None:
-            self.spec_decode.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests; unknown or finished ids are ignored."""
         ids = list(request_ids)
         if ids:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            if self.spec_decode is not None:
-                self.spec_decode.remove_requests(ids)
+            if self.structured_output is not None:
+                self.structured_output.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (
+            self.structured_output is not None and self.structured_output.has_pending())
+
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
+        """``(request id, error)`` of requests refused after :meth:`add_request` took them
+        (a constraint that did not compile, or not in time); they produce no output."""
+        return self.structured_output.take_rejected() if self.structured_output else []
 
     # ------------------------------------------------------------------ the loop
 
@@ -148,15 +157,18 @@ class EngineCore:
         return self._step(self)
 
     def _step(self, engine: EngineCore) -> list[EngineCoreOutput]:
+        grammars = self.structured_output
+        if grammars is not None:  # constrained requests whose grammar is ready join
+            grammars.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
         scheduler_output = self.scheduler.schedule()
-        if self.spec_decode is not None:
-            self.spec_decode.before_execute(scheduler_output)
+        if grammars is not None:
+            grammars.fill_bitmask(scheduler_output)
         runner_output = self.executor.execute(scheduler_output)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.spec_decode is not None:  # drafts for the next step
-            self.spec_decode.after_step(scheduler_output, runner_output, outputs)
+        if grammars is not None:  # accepted tokens advance grammars; terminated ones end
+            grammars.advance(outputs, self.scheduler)
         return outputs
 
     def stats(self) -> dict[str, Any]:
@@ -165,10 +177,8 @@ class EngineCore:
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
-        if self.offload is not None:
-            stats.update(self.offload.stats())
-        if self.spec_decode is not None:
-            stats.update(self.spec_decode.get_stats())
+        if self.structured_output is not None:
+            stats.update(self.structured_output.stats())
         return stats
 
     def shutdown(self) -> None:
@@ -176,9 +186,9 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         try:
-            if self.offload is not None:
-                self.offload.close()  # finishes pending disk writes; never raises
             self.executor.shutdown()
         finally:
             self.host.hook.engine_stopped(engine=self)

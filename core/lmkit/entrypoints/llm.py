@@ -183,6 +183,8 @@ class LLM:
 
     def _step(self) -> list[RequestOutput]:
         processed = self.output_processor.process_outputs(self.engine.step())
+        for _, error in self.engine.take_rejected_requests():
+            raise error  # e.g. a JSON schema that did not compile
         if processed.abort_ids:
             self.engine.abort_requests(processed.abort_ids)
         return processed.request_outputs

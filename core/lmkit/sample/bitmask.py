@@ -13,6 +13,7 @@ own kernel on GPU).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -136,3 +137,17 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     pin = logits.device.type == "cuda"
     mask = (mask.pin_memory() if pin else mask).to(logits.device, non_blocking=pin)
     apply(logits, mask, rows)
+
+
+def bitmask_kernel(registration: Any) -> ApplyBitmask:
+    """The structured-output backend's ``apply_token_bitmask`` (the registration chosen
+    for ``structured_output``, loaded on first call), or :func:`apply_token_bitmask`
+    when there is none."""
+    if registration is None:
+        return apply_token_bitmask
+
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor,
+              indices: Sequence[int] | None = None) -> None:
+        registration.spec.load().apply_token_bitmask(logits, bitmask, indices)
+
+    return apply

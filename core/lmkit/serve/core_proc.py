@@ -79,6 +79,9 @@ class EngineCoreProc:
         self.encoder = make_encoder()
         self.decoder = make_engine_decoder()
         self.parent_pid = parent_pid
+        # requests the engine refuses after taking them (a grammar that did not compile);
+        # engines that decide at add_request have none
+        self._take_rejected = getattr(engine, "take_rejected_requests", list)
         self.should_stop = False
         self.parent_gone = False
         self._last_stats_at = 0.0
@@ -102,6 +105,10 @@ class EngineCoreProc:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(EngineOutputs(outputs=outputs))
+                for rid, error in self._take_rejected():
+                    self.send(RequestRejected(request_id=rid, message=str(error),
+                                              param=getattr(error, "param", None),
+                                              code=getattr(error, "code", None)))
             # going idle: report at once, so gauges (running, KV usage) settle to idle
             self._maybe_send_stats(force=was_busy and not busy)
             was_busy = busy

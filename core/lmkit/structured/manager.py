@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
@@ -27,7 +28,9 @@ from lmkit.structured.rows import fill_rows
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler import Scheduler
+    from lmkit.config.schema import LMKitConfig
     from lmkit.engine.outputs import EngineCoreOutput
+    from lmkit.plugins.resolve import ResolvedStack
     from lmkit.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,28 @@ class StructuredOutputManager:
         self._active: dict[str, RequestGrammar] = {}  # admitted to the scheduler
         self._rejected: list[tuple[str, InvalidRequestError]] = []
         self.num_compile_timeouts = 0
+
+    @classmethod
+    def from_stack(cls, config: LMKitConfig, stack: ResolvedStack, model_dir: Path,
+                   vocab_size: int) -> StructuredOutputManager | None:
+        """The manager for the stack's structured-output backend (``None`` when off).
+        The backend itself (and the tokenizer in ``model_dir``) is loaded on first use."""
+        reg = stack.get("structured_output")
+        if reg is None:
+            return None
+        section = config.structured_output
+        options = stack.options.get("structured_output")
+
+        def make_backend() -> StructuredOutputBackend:
+            from lmkit.loading.tokenizer import load_tokenizer
+
+            return reg.spec.load()(load_tokenizer(Path(model_dir)), vocab_size, options=options)
+
+        return cls(make_backend, reg.name, reg.spec.caps.features, vocab_size,
+                   compile_timeout_s=section.compile_timeout_s,
+                   num_compile_threads=section.num_compile_threads,
+                   cache_size=section.grammar_cache_size,
+                   cache_bytes=int(section.grammar_cache_mb * 2**20))
 
     # -- requests in ------------------------------------------------------------------
 
@@ -314,3 +339,14 @@ class StructuredOutputManager:
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
+
+
+def structured_output_off_error(config: LMKitConfig) -> InvalidRequestError:
+    """The error for a constrained request to an engine with structured output off."""
+    backend = config.structured_output.backend
+    why = ("structured_output.backend is 'none'" if backend == "none" else
+           "no structured-output backend is installed (pip install 'lmkit[xgrammar]')")
+    return InvalidRequestError(
+        f"this engine cannot constrain output: {why}; start it with a structured-output "
+        "backend, or send the request without structured_outputs / response_format",
+        param=PARAM, code="structured_output_unavailable")

@@ -22,10 +22,9 @@ from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.engine.outputs import TokenLogprob
 from lmkit.errors import ModelLoadError, UnknownBackendError
 from lmkit.loading.weights import iterate_weights, load_hf_config
-from lmkit.offload.worker import OffloadWorker, build_offload_worker
+from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
-from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
@@ -67,8 +66,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.spec_sampler = SpecDecodeSampler(self.sampler)  # verifies draft tokens
-        self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
+        # structured output: the backend's bitmask kernel (torch on CPU)
+        self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
 
     # ------------------------------------------------------------------ setup
@@ -132,17 +131,7 @@ class ModelRunner:
         self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
-        self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
-                                            self.model.attn)
         self.cuda_graphs = maybe_capture(self)
-
-    def offload_call(self, method: str, *args: Any) -> Any:
-        """Call ``method`` (``lookup``, ``stats``, ``close``) of the KV offload worker, as
-        the scheduler does through ``executor.call``; None without offload."""
-        return getattr(self.offload, method)(*args) if self.offload is not None else None
-
-    def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
-        return self.offload.finished_loads(wait) if self.offload is not None else {}
 
     def _profile_run(self) -> None:
         """The largest step the scheduler can produce, on a scratch KV cache."""
@@ -170,19 +159,15 @@ class ModelRunner:
         """Run one scheduled step; returns sampled tokens per scheduled request."""
         so = scheduler_output
         self._update_states(so)
-        if self.offload is not None:  # this step's stores, then its loads, before the forward
-            self.offload.start(so.kv_transfers)
         if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput(finished_kv_loads=self._finished_kv_loads(wait=True))
+            return ModelRunnerOutput()
         order, step = self._prepare_step(so)
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
-            verified = self._sample(hidden, order, plan, getattr(so, "spec_draft_probs", None))
+            sampled, logprobs = self._sample(hidden, order, plan, so=so)
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
-        out = self._commit(order, plan, verified, prompt_logprobs)
-        out.finished_kv_loads = self._finished_kv_loads()
-        return out
+        return self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drop finished and preempted requests, add new ones, extend block tables."""
@@ -274,11 +259,11 @@ class ModelRunner:
         return plan
 
     def _sample(self, hidden: torch.Tensor, order: list[str],
-                plan: list[tuple[int, int, list[int]]], draft_probs: dict[str, Any] | None
-                ) -> VerifiedTokens:
-        """Sample (and verify drafts) for every planned request in one call."""
+                plan: list[tuple[int, int, list[int]]], so: SchedulerOutput | None = None
+                ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """Sample every planned row in one sampler call; returns tokens per row."""
         if not plan:
-            return VerifiedTokens([], [])
+            return [], None
         rows: list[int] = []
         params, prompts, outputs, generators, eos = [], [], [], [], []
         for i, first_row, drafts in plan:
@@ -293,10 +278,15 @@ class ModelRunner:
                 eos.append(state.eos_token_id)
         index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
         logits = self.model.compute_logits(hidden.index_select(0, index))
+        if so is not None and so.grammar_bitmask is not None:  # structured output
+            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
+                                  [order[i] for i, _, _ in plan],
+                                  [len(drafts) + 1 for _, _, drafts in plan],
+                                  self.apply_token_bitmask)
         md = SamplingMetadata.build(params, prompts, outputs, generators, eos,
                                     self.vocab_size, hidden.device)
-        probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
-        return self.spec_sampler(logits, md, [drafts for _, _, drafts in plan], probs)
+        out = self.sampler(logits, md)
+        return out.sampled_token_ids.tolist(), out.logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                          ) -> dict[str, list[TokenLogprob | None]]:
@@ -323,25 +313,45 @@ class ModelRunner:
         return done
 
     def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],
-                verified: VerifiedTokens, prompt_logprobs: dict[str, list[TokenLogprob | None]]
-                ) -> ModelRunnerOutput:
-        """Append the accepted tokens to the runner's copies, build the output."""
+                sampled: list[int], logprobs: list[TokenLogprob | None] | None,
+                prompt_logprobs: dict[str, list[TokenLogprob | None]],
+                so: SchedulerOutput) -> ModelRunnerOutput:
+        """Verify drafts, append tokens to the runner's copies, build the output."""
         out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order],
                                 prompt_logprobs=prompt_logprobs)
-        if verified.logprobs is not None:
+        if logprobs is not None:
             out.logprobs = [[] for _ in order]
-        for n, (i, _, drafts) in enumerate(plan):
+        k = 0
+        for i, _, drafts in plan:
             rid = order[i]
-            tokens = verified.token_ids[n]  # accepted drafts + 1
+            tokens = sampled[k:k + len(drafts) + 1]
+            num_accepted = accept_drafts(drafts, tokens)
+            tokens = tokens[:num_accepted + 1]
             if drafts:
                 out.num_draft_tokens[rid] = len(drafts)
-                out.num_accepted_tokens[rid] = verified.num_accepted[n]
-            if out.logprobs is not None and verified.logprobs is not None:
-                out.logprobs[i] = verified.logprobs[n]
+                out.num_accepted_tokens[rid] = num_accepted
+            if out.logprobs is not None:
+                out.logprobs[i] = [lp for lp in logprobs[k:k + len(tokens)] if lp is not None]
+            k += len(drafts) + 1
             out.sampled_token_ids[i] = tokens
             self.requests[rid].output_token_ids.extend(tokens)
             self.input_batch.append_tokens(self.input_batch.row_of[rid], tokens)
         return out
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> int:
+    """Speculative verification by exact match: how many drafts to accept.
+
+    ``sampled[j]`` was drawn from the target model at draft position ``j`` (given the
+    drafts before it), so accepting drafts while they equal the target's own samples,
+    then taking the target's sample at the first mismatch (or the bonus token), yields
+    exactly the target distribution, for greedy and random sampling alike.
+    Rejection sampling with draft probabilities accepts more and can replace this.
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
 
 
 def max_model_len(hf_config: Any, asked: int | None) -> int:

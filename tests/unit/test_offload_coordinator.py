@@ -50,7 +50,7 @@ class OffloadingRunner(FakeRunner):
         super().__init__(num_blocks, block_size)
         self.tier, self.rng = tier, rng
         self.fail_rate, self.max_delay = fail_rate, max_delay
-        self.in_flight: list[list] = []  # [steps left, transfer id, hashes, ids, ok]
+        self.in_flight: list[list] = []  # [steps left, transfer id, data, ids, ok]
         self.num_loads = self.num_failed = 0
 
     def execute(self, so):
@@ -66,19 +66,20 @@ class OffloadingRunner(FakeRunner):
                       and all(h in self.tier.blocks for h in load.block_hashes))
                 for b in load.block_ids:
                     self.kv[b] = [GARBAGE] * self.block_size  # a copy in progress
+                data = [list(self.tier.blocks[h]) for h in load.block_hashes] if ok else None
                 self.in_flight.append([self.rng.randint(0, self.max_delay), load.transfer_id,
-                                       load.block_hashes, load.block_ids, ok])
+                                       data, load.block_ids, ok])
         out = super().execute(so)
         still = []
         for entry in self.in_flight:
-            left, transfer_id, hashes, ids, ok = entry
+            left, transfer_id, data, ids, ok = entry
             if left > 0:
                 entry[0] -= 1
                 still.append(entry)
                 continue
             if ok:
-                for h, b in zip(hashes, ids, strict=True):
-                    self.kv[b] = list(self.tier.blocks[h])
+                for block, b in zip(data, ids, strict=True):
+                    self.kv[b] = block
             self.num_loads += 1
             self.num_failed += not ok
             out.finished_kv_loads[transfer_id] = ok
@@ -156,13 +157,17 @@ def test_failed_load_registers_nothing_and_is_not_retried():
     assert coordinator.stats()["offload_failed_loads"] == 1
 
 
-def test_loads_never_take_more_than_the_free_blocks():
-    manager = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
+def test_load_waits_for_room_in_the_pool():
+    manager = KVCacheManager(num_blocks=6, block_size=4)  # 5 usable blocks
     coordinator = OffloadCoordinator(manager, lambda hashes: len(hashes))
-    req = make_request("r", list(range(30)))
+    other = make_request("other", list(range(100, 112)))
+    manager.allocate_slots(other, 12)  # holds 3 blocks
+    req = make_request("r", list(range(17)))  # the tier holds its 4 full blocks
+    assert coordinator.defer_admission(req) and coordinator.take_transfers() is None
+    manager.free(other)
     assert coordinator.defer_admission(req)
     (load,) = coordinator.take_transfers().loads
-    assert len(load.block_ids) == 3 and manager.num_free_blocks == 0
+    assert len(load.block_ids) == 4
 
 
 def test_prompt_logprobs_requests_skip_the_tier():

@@ -94,7 +94,8 @@ class OffloadCoordinator:
 
     def defer_admission(self, request: Request) -> bool:
         """Called before ``request`` is admitted. True means "not this step": its load
-        is in flight, or one was just started for the tier's part of its prefix."""
+        is in flight, one was just started for the tier's part of its prefix, or the
+        tier holds more of it than the pool has free blocks for yet."""
         if self.is_loading(request):
             return True
         if request.extra.get(LOAD_FAILED) or request.sampling_params.prompt_logprobs is not None:
@@ -111,11 +112,12 @@ class OffloadCoordinator:
         if start >= max_hit_blocks:
             return False
         num_blocks = self.lookup(hashes[start:max_hit_blocks])
+        if num_blocks == 0:
+            return False
         # the hits sitting in the free queue stop being free once held
         num_free = self.pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0)
-        num_blocks = min(num_blocks, num_free)
-        if num_blocks <= 0:
-            return False
+        if num_blocks > num_free:
+            return True  # wait for room (running requests free it): loading beats recomputing
         self.pool.touch(hits)
         blocks = self.pool.get_new_blocks(num_blocks)  # evictions queue stores first
         load_hashes = list(hashes[start:start + num_blocks])

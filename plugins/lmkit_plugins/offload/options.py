@@ -37,8 +37,8 @@ class DiskTierOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(default_factory=default_disk_path,
-                      description="Cache root; blocks live under <path>/<model+layout id>/.")
+    path: str = Field(default_factory=default_disk_path, description="Cache root; blocks "
+                      "live in a subdirectory per model and KV layout.")
     size_gb: float = Field(32.0, gt=0, description="Disk space for KV blocks, in GiB.")
     eviction: Eviction = Field("lru", description="'lru' or 'arc'.")
     io_threads: int = Field(4, ge=1, le=64, description="Threads reading and writing files.")

@@ -1,0 +1,140 @@
+"""KV offload on CUDA: the tiers' asynchronous copies (side stream, page-locked host
+pool) are bit-exact and ordered against the compute stream, and tier hits in the
+engine give the same greedy outputs as device prefix-cache hits."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from lmkit.config.schema import LMKitConfig  # noqa: E402
+from lmkit_plugins.offload.cpu_tier import CPUTier  # noqa: E402
+from lmkit_plugins.offload.disk_tier import DiskTier  # noqa: E402
+from lmkit_plugins.offload.options import (  # noqa: E402
+    CPUDiskTierOptions,
+    CPUTierOptions,
+    DiskTierOptions,
+)
+from lmkit_plugins.offload.stacked import CPUDiskTier  # noqa: E402
+
+CUDA = torch.device("cuda")
+# 4 layers of [2, 256 blocks, 16 tokens, 8 KV heads, 128] bf16: 1 MiB per block
+LAYERS, BLOCKS = 4, 256
+SHAPE = (2, BLOCKS, 16, 8, 128)
+
+
+def h(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def caches(seed: int = 0) -> list:
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen, device=CUDA, dtype=torch.bfloat16)
+            for _ in range(LAYERS)]
+
+
+def wait(tier, job) -> bool:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for done, ok in tier.poll():
+            if done.job_id == job.job_id:
+                return ok
+        time.sleep(0.001)
+    raise AssertionError(f"job {job} never finished")
+
+
+def make(kind: str, kv, tmp_path):
+    config = LMKitConfig()
+    if kind == "cpu":
+        return CPUTier(config, kv, CPUTierOptions(size_gb=0.5))
+    if kind == "disk":
+        return DiskTier(config, kv, DiskTierOptions(size_gb=0.5, path=str(tmp_path)))
+    return CPUDiskTier(config, kv, CPUDiskTierOptions(cpu_size_gb=0.05, disk_size_gb=0.5,
+                                                      path=str(tmp_path)))
+
+
+def test_cpu_tier_pool_is_page_locked():
+    tier = CPUTier(LMKitConfig(), caches(), CPUTierOptions(size_gb=0.1))
+    assert tier.pinned and tier.pool.is_pinned()
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk", "cpu+disk"])
+def test_store_reads_before_the_blocks_are_overwritten(kind, tmp_path):
+    """Store 128 blocks, then at once overwrite them on the compute stream (as the
+    step's forward does): the tier must hold the old contents; loading them into other
+    blocks gives them back bit for bit, and blocks outside the load are untouched."""
+    kv = caches()
+    original = [c.clone() for c in kv]
+    tier = make(kind, kv, tmp_path)
+    src, dst = list(range(1, 129)), list(range(128, 256))
+    job = tier.store([h(i) for i in src], src)
+    for cache in kv:  # queued right behind the store's read on the current stream
+        cache[:, 1:129].fill_(7.0)
+    assert wait(tier, job)
+    for cache in kv:
+        cache.zero_()
+    job = tier.load([h(i) for i in src], dst)
+    assert wait(tier, job)
+    torch.cuda.synchronize()
+    for cache, orig in zip(kv, original, strict=True):
+        assert torch.equal(cache[:, dst].view(torch.int16), orig[:, src].view(torch.int16))
+        assert not cache[:, :128].any()
+    tier.close()
+
+
+def test_many_interleaved_jobs_stay_ordered(tmp_path):
+    """Stores and loads issued back to back without waiting, reusing the same device
+    blocks, each reading what the previous one left."""
+    kv = caches(1)
+    tier = make("cpu", kv, tmp_path)
+    expected = {}
+    jobs = []
+    for round_ in range(12):
+        ids = list(range(1 + (round_ % 4) * 32, 1 + (round_ % 4) * 32 + 32))
+        for cache in kv:
+            cache[:, ids].fill_(float(round_))
+        expected[round_] = [c[:, ids].clone() for c in kv]
+        jobs.append(tier.store([h(1000 * round_ + i) for i in ids], ids))
+    torch.cuda.synchronize()
+    for round_ in range(12):
+        job = tier.load([h(1000 * round_ + i) for i in range(1, 33)], list(range(200, 232)))
+        assert wait(tier, job)
+        for cache, want in zip(kv, expected[round_], strict=True):
+            assert torch.equal(cache[:, 200:232], want)
+    tier.close()
+
+
+def test_engine_tier_hits_match_device_cache_hits(tmp_path):
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    p1, p2, p3 = (torch.randint(0, 256, (240,), generator=gen).tolist() for _ in range(3))
+    prompts = [p1 + [1], p2 + [2], p3 + [3], p1 + [4, 5], p2 + [6]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = dict(dtype="bfloat16", block_size=16, max_model_len=256)
+
+    def run(**kw):
+        with LLM(str(model), **engine, **kw) as llm:
+            outs = [llm.generate([p], params)[0] for p in prompts]
+            return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], \
+                llm.stats()
+
+    big, big_cached, _ = run(num_blocks=200)
+    for tier, options in (("cpu", {"size_gb": 0.01}),
+                          ("cpu+disk", {"cpu_size_gb": 0.001, "disk_size_gb": 0.01,
+                                        "path": str(tmp_path / "kv")})):
+        small, small_cached, stats = run(num_blocks=20, offload=tier,
+                                         **{"offload.options": options})
+        assert small == big, tier
+        assert small_cached == big_cached, tier
+        assert stats["offload_loaded_blocks"] > 0 and stats["offload_failed_loads"] == 0

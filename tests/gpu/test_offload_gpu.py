@@ -112,6 +112,28 @@ def test_many_interleaved_jobs_stay_ordered(tmp_path):
     tier.close()
 
 
+def test_host_slots_reused_across_directions():
+    """A load issued right behind the store that wrote its host slots (not polled yet)
+    reads the stored data; a store that evicts the slots a load is still reading does
+    not overwrite them first."""
+    kv = caches(2)
+    # 64 host blocks: storing 64 new ones evicts everything held
+    tier = CPUTier(LMKitConfig(), kv, CPUTierOptions(size_gb=64 / 1024))
+    ids = list(range(1, 65))
+    want = [c[:, ids].clone() for c in kv]
+    tier.store([h(i) for i in ids], ids)
+    load = tier.load([h(i) for i in ids], list(range(100, 164)))  # no wait in between
+    for cache in kv:  # new contents for the next store, after the load's read
+        cache[:, ids].add_(1.0)
+    tier.store([h(1000 + i) for i in ids], ids)  # evicts (reuses) every slot just loaded
+    assert wait(tier, load)
+    torch.cuda.synchronize()
+    for cache, w in zip(kv, want, strict=True):
+        assert torch.equal(cache[:, 100:164], w)
+    assert tier.lookup([h(1000 + i) for i in ids]) == 64 and tier.lookup([h(1)]) == 0
+    tier.close()
+
+
 def test_engine_tier_hits_match_device_cache_hits(tmp_path):
     from lmkit import LLM, SamplingParams
     from lmkit.testing.tiny_model import make_tiny_model

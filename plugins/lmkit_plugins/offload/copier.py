@@ -5,11 +5,12 @@ A *host block* is one block of every layer, contiguous: ``[num_layers, 2, block_
 one block is one copy and one file. Tiers keep host blocks as rows of a tensor
 ``[rows, num_layers, 2, block_elems]``.
 
-On CUDA the copies run on the copier's own stream through a device staging buffer:
-a store gathers the blocks into staging with one indexed copy per layer, then copies
-staging to the (pinned) host rows; a load does the reverse. The current stream then
-waits only for the gather (the device blocks may be overwritten once it is done), not
-for the host copies, which overlap the forward.
+On CUDA the copies run on the copier's own streams, one for stores and one for loads
+(so that both directions of the bus are busy at once), each through its own device
+staging buffer: a store gathers the blocks into staging with one indexed copy per
+layer, then copies staging to the (page-locked) host rows; a load does the reverse.
+After a store, the current stream waits only for the gather of its last chunk (the
+device blocks may be overwritten once read), not for the host copies.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-DEFAULT_STAGING_BYTES = 128 * 2**20
+DEFAULT_STAGING_BYTES = 256 * 2**20  # per direction
 
 
 def runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -39,8 +40,8 @@ class BlockCopier:
 
     Args:
         kv_caches: the per-layer device caches.
-        staging_bytes: CUDA only, the device staging buffer (a job larger than it is
-            copied in chunks).
+        staging_bytes: CUDA only, the device staging buffer of each direction (a job
+            larger than it is copied in chunks).
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor],
@@ -63,9 +64,11 @@ class BlockCopier:
         self.device = first.device
         self.block_bytes = len(self.caches) * 2 * self.block_elems * first.element_size()
         self.is_cuda = self.device.type == "cuda"
-        self.stream: Any = torch.cuda.Stream(self.device) if self.is_cuda else None
+        cuda = self.is_cuda
+        self.store_stream: Any = torch.cuda.Stream(self.device) if cuda else None
+        self.load_stream: Any = torch.cuda.Stream(self.device) if cuda else None
         self.staging_rows = max(1, staging_bytes // self.block_bytes)
-        self._staging: torch.Tensor | None = None
+        self._staging: dict[str, torch.Tensor] = {}
 
     def host_rows(self, num_rows: int, pin: bool = False) -> torch.Tensor:
         """A new host tensor of ``num_rows`` blocks: ``[num_rows, layers, 2, E]``."""
@@ -73,8 +76,10 @@ class BlockCopier:
 
     # -- device -> host -----------------------------------------------------------
 
-    def gather(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int]) -> Any:
-        """Copy device blocks ``block_ids`` into ``host[rows]``.
+    def gather(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int],
+               wait_for: Sequence[Any] = ()) -> Any:
+        """Copy device blocks ``block_ids`` into ``host[rows]``, after the CUDA events
+        ``wait_for`` (loads still reading those host rows).
 
         Returns None when the copy is complete (CPU), else a CUDA event recorded after
         it; either way later work on the current stream cannot overwrite the blocks
@@ -89,11 +94,13 @@ class BlockCopier:
                 host[index, layer] = cache.index_select(1, ids).transpose(0, 1)
             return None
         current = torch.cuda.current_stream(self.device)
-        stream = self.stream
+        stream = self.store_stream
         with torch.cuda.stream(stream):
             stream.wait_stream(current)  # the blocks' last writes come first
+            for event in wait_for:
+                stream.wait_event(event)
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            staging = self._staging_buffer()
+            staging = self._staging_buffer("store")
             read = torch.cuda.Event()
             for start in range(0, len(block_ids), self.staging_rows):
                 chunk = ids[start:start + self.staging_rows]
@@ -111,8 +118,10 @@ class BlockCopier:
 
     # -- host -> device -----------------------------------------------------------
 
-    def scatter(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int]) -> Any:
-        """Copy ``host[rows]`` into device blocks ``block_ids``.
+    def scatter(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int],
+                wait_for: Sequence[Any] = ()) -> Any:
+        """Copy ``host[rows]`` into device blocks ``block_ids``, after the CUDA events
+        ``wait_for`` (stores still writing those host rows).
 
         Returns None when complete (CPU), else a CUDA event to wait for. Work already
         issued on the current stream (stores reading these blocks) happens first.
@@ -126,11 +135,15 @@ class BlockCopier:
                 cache[:, ids] = host[index, layer].transpose(0, 1)
             return None
         current = torch.cuda.current_stream(self.device)
-        stream = self.stream
+        stream = self.load_stream
         with torch.cuda.stream(stream):
+            # after the compute stream's work so far, which includes waiting for the
+            # reads of the stores issued before (a load may target a just-evicted block)
             stream.wait_stream(current)
+            for event in wait_for:
+                stream.wait_event(event)
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            staging = self._staging_buffer()
+            staging = self._staging_buffer("load")
             for start in range(0, len(block_ids), self.staging_rows):
                 chunk = ids[start:start + self.staging_rows]
                 n = chunk.numel()
@@ -142,13 +155,15 @@ class BlockCopier:
             done.record(stream)
         return done
 
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty((self.staging_rows, *self.block_shape), dtype=self.dtype,
-                                        device=self.device)
-        return self._staging
+    def _staging_buffer(self, direction: str) -> torch.Tensor:
+        """The staging buffer of ``direction`` (allocated on its stream, first use)."""
+        if direction not in self._staging:
+            self._staging[direction] = torch.empty(
+                (self.staging_rows, *self.block_shape), dtype=self.dtype, device=self.device)
+        return self._staging[direction]
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far."""
-        if self.stream is not None:
-            self.stream.synchronize()
+        for stream in (self.store_stream, self.load_stream):
+            if stream is not None:
+                stream.synchronize()

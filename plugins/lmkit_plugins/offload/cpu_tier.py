@@ -53,6 +53,9 @@ class CPUTier(OffloadManager):
         self.policy = make_policy(options.eviction, self.num_slots)
         self.jobs = JobBook()
         self.spill: Spill | None = None  # set by a tier below this one (cpu+disk)
+        # CUDA: slot -> (direction, event) of the last copy touching it; a copy in the
+        # other direction (its own stream) waits for it
+        self._slot_copy: dict[int, tuple[str, Any]] = {}
         self.num_evictions = 0
         logger.info("offload tier 'cpu': %.2f GiB of %s host memory, %d blocks, %s eviction",
                     self.num_slots * self.copier.block_bytes / 2**30,
@@ -93,18 +96,23 @@ class CPUTier(OffloadManager):
             for block_hash, _ in chunk:
                 self._take_slot(block_hash, fresh)
             copies = [(self.slot_of[h], b) for h, b in chunk if h in self.slot_of]
-            event = self.copier.gather([b for _, b in copies], self.pool,
-                                       [s for s, _ in copies])
+            slots = [s for s, _ in copies]
+            event = self.copier.gather([b for _, b in copies], self.pool, slots,
+                                       self._pending_copies(slots, "load"))
+            self._mark(slots, "store", event)
         return self.jobs.finish(job, True, event)
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
         job = self.jobs.new("load", block_hashes, block_ids)
-        slots = [self.slot_of.get(h) for h in block_hashes]
-        if any(s is None for s in slots) or len(slots) != len(block_ids):
+        found = [self.slot_of.get(h) for h in block_hashes]
+        slots = [s for s in found if s is not None]
+        if len(slots) != len(found) or len(slots) != len(block_ids):
             return self.jobs.finish(job, False)
         for block_hash in block_hashes:
             self.policy.touch(block_hash)
-        event = self.copier.scatter(self.pool, slots, block_ids)  # type: ignore[arg-type]
+        event = self.copier.scatter(self.pool, slots, block_ids,
+                                    self._pending_copies(slots, "store"))
+        self._mark(slots, "load", event)
         return self.jobs.finish(job, True, event)
 
     def poll(self) -> list[tuple[TransferJob, bool]]:
@@ -135,6 +143,23 @@ class CPUTier(OffloadManager):
         slot = self.free_slots.pop()
         self.slot_of[block_hash] = slot
         return slot
+
+    def _pending_copies(self, slots: Sequence[int], direction: str) -> list[Any]:
+        """Unfinished CUDA copies in ``direction`` touching ``slots`` (deduplicated)."""
+        events: dict[int, Any] = {}
+        for slot in slots:
+            last = self._slot_copy.get(slot)
+            if last is not None and last[0] == direction and id(last[1]) not in events:
+                if last[1].query():
+                    del self._slot_copy[slot]
+                else:
+                    events[id(last[1])] = last[1]
+        return list(events.values())
+
+    def _mark(self, slots: Sequence[int], direction: str, event: Any) -> None:
+        if event is not None:
+            for slot in slots:
+                self._slot_copy[slot] = (direction, event)
 
     def host_block(self, block_hash: bytes) -> Any:
         """The held host block of ``block_hash`` (a view into the pool), or None."""

@@ -60,7 +60,7 @@ FLAGS: tuple[Flag, ...] = (
          "Speculative-decoding proposer, 'auto' or 'none'."),
     Flag("spec_tokens", ("--spec-tokens",), "speculative.num_speculative_tokens", int | None,
          "Draft tokens per step."),
-    Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier, 'auto' or 'none'."),
+    Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),
     Flag("max_num_seqs", ("--max-num-seqs",), "scheduler.max_num_seqs", int | None,
          "Most requests running at once."),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), "scheduler.max_num_batched_tokens",

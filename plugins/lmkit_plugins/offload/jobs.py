@@ -40,8 +40,3 @@ class JobBook:
                 still.append((job, ok, event))
         self._open = still
         return done
-
-    @property
-    def num_in_flight(self) -> int:
-        """Jobs whose copies may still run."""
-        return sum(1 for _, _, event in self._open if event is not None and not event.query())

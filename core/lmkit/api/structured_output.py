@@ -103,6 +103,14 @@ class StructuredOutputBackend(ABC):
         (``structured_output.grammar_cache_mb``); 0 when unknown (the default)."""
         return 0
 
+    def fill_bitmasks(self, grammars: Sequence[Grammar], bitmask: torch.Tensor,
+                      rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``grammars[i]``: a step's rows at once (requests
+        without draft tokens). The default calls each grammar's :meth:`Grammar.fill_bitmask`
+        in turn; a backend may fill them in parallel."""
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.fill_bitmask(bitmask, row)
+
     @staticmethod
     def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                             indices: Sequence[int] | None = None) -> None:

@@ -217,12 +217,20 @@ class StructuredOutputManager:
         num_rows = sum(1 + len(spec.get(rid) or ()) for rid, _ in scheduled)
         bitmask = allocate_bitmask(num_rows, self.vocab_size)
         row = 0
+        plain: list[Grammar] = []  # requests without drafts: filled in one backend call
+        plain_rows: list[int] = []
         for rid, state in scheduled:
             drafts = spec.get(rid) or []
             scheduler_output.structured_output_request_ids[rid] = row
             assert state.grammar is not None, "an admitted request has its grammar"
-            fill_rows(state.grammar, bitmask, row, drafts)
+            if drafts:
+                fill_rows(state.grammar, bitmask, row, drafts)
+            else:
+                plain.append(state.grammar)
+                plain_rows.append(row)
             row += 1 + len(drafts)
+        if plain:
+            self.backend().fill_bitmasks(plain, bitmask, plain_rows)
         scheduler_output.grammar_bitmask = bitmask
 
     def advance(self, outputs: list[EngineCoreOutput], scheduler: Scheduler) -> None:

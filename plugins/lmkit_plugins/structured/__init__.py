@@ -23,6 +23,9 @@ class XGrammarOptions(BaseModel):
     compiler_threads: int = Field(
         1, gt=0, le=64, description="Threads xgrammar uses inside one compilation (the "
         "engine runs structured_output.num_compile_threads compilations at once).")
+    fill_threads: int | None = Field(
+        None, gt=0, le=256, description="Threads filling one step's token masks in parallel; "
+        "default: xgrammar's choice (half the CPU cores).")
 
 
 SPEC = Spec(

@@ -186,6 +186,21 @@ def test_a_slow_compilation_is_refused_while_others_proceed():
     assert any(k.startswith("choice:") and "slow" in k for k in manager.cache._entries)
 
 
+def test_requests_stuck_behind_runaway_compilations_are_refused_as_busy():
+    CountingBackend.release.clear()
+    manager = make_manager(compile_timeout_s=0.1, num_compile_threads=1, queue_timeout_s=0.3)
+    manager.pool.max_abandoned = 0  # no replacement thread: the queue stalls
+    scheduler = FakeScheduler()
+    manager.add_request(request("slow", choice=["slow"]))
+    manager.add_request(request("queued", choice=["fast"]))
+    admit_all(manager, scheduler)
+    rejected = dict(manager.take_rejected())
+    assert rejected["slow"].code == "constraint_compile_timeout"
+    assert rejected["queued"].code == "constraint_compile_busy"
+    assert "waited 0.3s for a compile thread" in str(rejected["queued"])
+    CountingBackend.release.set()
+
+
 def test_identical_constraints_compile_once_and_unique_ones_stay_bounded():
     manager, scheduler = make_manager(cache_size=8), FakeScheduler()
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -116,8 +116,9 @@ class StructuredOutputConfig(OptionalBackendSection):
 
     backend: str = Field("auto", description="'none', 'auto', or a registered name.")
     compile_timeout_s: float = Field(
-        30.0, gt=0, description="Longest a request waits for its grammar to compile; past "
-        "it the request is refused (400) and the compilation is abandoned.")
+        30.0, gt=0, description="Longest a grammar may take to compile (from when a compile "
+        "thread starts on it); past it the request is refused (400) and the compilation is "
+        "abandoned.")
     num_compile_threads: int = Field(
         2, gt=0, le=64, description="Grammars compiled at once, off the engine's step loop.")
     grammar_cache_size: int = Field(

@@ -40,15 +40,17 @@ IDLE_WAIT_S = 0.01  # how long an otherwise idle step waits for a compilation to
 
 class RequestGrammar:
     """A request's structured-output state (``request.structured_output``): its
-    constraint, the compile job, the time by which the grammar must be ready, and the
-    grammar once it is (:attr:`is_ready`)."""
+    constraint, the compile job, when the job was queued and when its compilation
+    started (the time limit counts from there), and the grammar once it is ready
+    (:attr:`is_ready`)."""
 
-    __slots__ = ("constraint", "job", "deadline", "grammar")
+    __slots__ = ("constraint", "job", "queued_at", "compile_started_at", "grammar")
 
-    def __init__(self, constraint: Constraint, job: CompileJob, deadline: float) -> None:
+    def __init__(self, constraint: Constraint) -> None:
         self.constraint = constraint
-        self.job = job
-        self.deadline = deadline
+        self.job: CompileJob | None = None
+        self.queued_at = time.monotonic()
+        self.compile_started_at: float | None = None
         self.grammar: Grammar | None = None
 
     @property
@@ -65,9 +67,12 @@ class StructuredOutputManager:
         backend_name: the backend's registered name (for messages).
         features: the constraint features its spec declares (``Caps.features``).
         vocab_size: the width of the model's logits (the bitmask's).
-        compile_timeout_s: how long a request may wait for its grammar.
+        compile_timeout_s: how long a grammar may take to compile, from the moment a
+            compile thread starts on it.
         num_compile_threads: compilations at once.
         cache_size, cache_bytes: bounds of the LRU of compiled grammars.
+        queue_timeout_s: how long a request may wait for a free compile thread (default:
+            ten compile timeouts, at least a minute).
 
     Engine-core calls: :meth:`add_request`, :meth:`admit` (start of a step),
     :meth:`fill_bitmask` (after scheduling), :meth:`advance` (after the scheduler's
@@ -77,11 +82,14 @@ class StructuredOutputManager:
     def __init__(self, make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
                  features: Iterable[str], vocab_size: int, compile_timeout_s: float = 30.0,
                  num_compile_threads: int = 2, cache_size: int = 256,
-                 cache_bytes: int = 0) -> None:
+                 cache_bytes: int = 0, queue_timeout_s: float | None = None) -> None:
         self.backend_name = backend_name
         self.features = frozenset(features)
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        # waiting for a thread (behind runaway compilations) is bounded too
+        self.queue_timeout_s = (max(60.0, 10 * compile_timeout_s) if queue_timeout_s is None
+                                else queue_timeout_s)
         self.cache = GrammarCache(cache_size, cache_bytes)
         self.pool = CompilePool(num_compile_threads)
         self._make_backend = make_backend
@@ -138,9 +146,9 @@ class StructuredOutputManager:
         if rid in self._pending or rid in self._active:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id",
                                       code="duplicate_request_id")
-        job = self.pool.submit(self._build_grammar, constraint)
-        request.structured_output = RequestGrammar(
-            constraint, job, time.monotonic() + self.compile_timeout_s)
+        state = RequestGrammar(constraint)
+        state.job = self.pool.submit(self._build_grammar, state)
+        request.structured_output = state
         self._pending[rid] = request
 
     def has_pending(self) -> bool:
@@ -176,15 +184,31 @@ class StructuredOutputManager:
                         param=PARAM, code="constraint_compile_failed"))
                     continue
                 self._active[rid] = state
-            elif now >= state.deadline:
-                del self._pending[rid]
-                self.pool.abandon(state.job)
-                self.num_compile_timeouts += 1
-                self._reject(request, InvalidRequestError(
-                    f"compiling the {state.constraint.describe()} constraint took longer than "
-                    f"structured_output.compile_timeout_s = {self.compile_timeout_s:g}s; "
-                    "simplify it (fewer string patterns, smaller bounds) or raise the limit",
-                    param=PARAM, code="constraint_compile_timeout"))
+            else:
+                error = self._overdue(state, now)
+                if error is not None:
+                    del self._pending[rid]
+                    self.pool.abandon(state.job)
+                    self._reject(request, error)
+
+    def _overdue(self, state: RequestGrammar, now: float) -> InvalidRequestError | None:
+        """The refusal of a compilation past ``compile_timeout_s`` (timed from its start),
+        or queued past ``queue_timeout_s`` behind others; ``None`` while in time."""
+        started = state.compile_started_at
+        if started is not None and now - started > self.compile_timeout_s:
+            self.num_compile_timeouts += 1
+            return InvalidRequestError(
+                f"compiling the {state.constraint.describe()} constraint took longer than "
+                f"structured_output.compile_timeout_s = {self.compile_timeout_s:g}s; "
+                "simplify it (fewer string patterns, smaller bounds) or raise the limit",
+                param=PARAM, code="constraint_compile_timeout")
+        if started is None and now - state.queued_at > self.queue_timeout_s:
+            return InvalidRequestError(
+                f"the grammar compiler is busy ({self.pool.num_abandoned} compilations overran "
+                f"their time limit and still run); the {state.constraint.describe()} "
+                f"constraint waited {self.queue_timeout_s:g}s for a compile thread; retry later",
+                param=PARAM, code="constraint_compile_busy")
+        return None
 
     def take_rejected(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of every request refused since the last call (they
@@ -313,10 +337,13 @@ class StructuredOutputManager:
             assert self._backend is not None
             return self._backend
 
-    def _build_grammar(self, constraint: Constraint) -> Grammar:
+    def _build_grammar(self, state: RequestGrammar) -> Grammar:
         """(compile thread) A fresh grammar: the shared compilation from the cache, from
-        a compilation of the same constraint already running, or compiled now."""
+        a compilation of the same constraint already running, or compiled now. The time
+        limit starts once the backend exists (building it is a one-off cost)."""
         backend = self.backend()
+        state.compile_started_at = time.monotonic()
+        constraint = state.constraint
         shared = self.cache.get(constraint.key)
         if shared is None:
             shared = self._compile_shared(backend, constraint)

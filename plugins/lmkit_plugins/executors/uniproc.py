@@ -76,6 +76,7 @@ class UniProcExecutor(Executor):
         """Release the model and KV cache. Safe to call twice."""
         runner, self.runner = self.runner, None
         if runner is not None:
+            runner.cuda_graphs = None  # the graphs hold the model, caches and their pool
             runner.kv_caches = []
             runner.model = None
             if runner.device.type == "cuda":

@@ -1,0 +1,201 @@
+"""The two sides of the GPU engine benchmark, each run in its own process by
+``bench/gpu_engine.py``: lmkit's engine core and Hugging Face transformers' continuous
+batching, on token-id workloads with EOS ignored.
+
+lmkit is driven through :class:`lmkit.engine.core.EngineCore` (requests in, token ids
+out; no tokenizer, no detokenization, as nano-vllm's and vLLM's throughput benchmarks
+count). Every engine step is timed; steps in which every request decodes one token are
+"decode steps", and for them the bytes the GPU must read -- all weights once plus the
+K/V of every cached token -- over the step's wall time gives the achieved bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+Workload = dict[str, Any]  # {"name", "prompts": [[ids]], "output_lens": [n]}
+
+
+def _summary(name: str, elapsed: float, output_tokens: int, prompt_tokens: int,
+             **extra: Any) -> dict[str, Any]:
+    return {"workload": name, "elapsed_s": elapsed, "output_tokens": output_tokens,
+            "prompt_tokens": prompt_tokens, "output_tokens_per_s": output_tokens / elapsed,
+            **extra}
+
+
+# ---------------------------------------------------------------------- lmkit
+
+
+def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload],
+               facts: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine for ``model_dir``, warm it up, run each workload; results."""
+    import torch
+    from lmkit.engine.core import EngineCore
+    from lmkit.entrypoints.llm import build_config
+
+    t0 = time.perf_counter()
+    engine = EngineCore(build_config(model_dir, None, options), progress=False)
+    runner = engine.executor.runner
+    startup = time.perf_counter() - t0
+    info: dict[str, Any] = {
+        "startup_s": startup, "stack": {k: v for k, v in engine.stack.names().items() if v},
+        "num_kv_blocks": engine.num_blocks, "block_size": engine.config.cache.block_size,
+        "cuda_graph_sizes": runner.cuda_graphs.sizes if runner.cuda_graphs else None,
+        "cuda_graph_capture_s": runner.cuda_graphs.capture_seconds if runner.cuda_graphs
+        else None, "results": []}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    recorder = _StepRecorder(engine)
+    for wl in workloads:
+        # token ids shifted so that the timed run gets no prefix-cache hits from it
+        top = max(max(p) for p in wl["prompts"]) + 1
+        warm = {"name": "warmup", "prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
+                                              for p in wl["prompts"][:8]],
+                "output_lens": [min(n, 24) for n in wl["output_lens"][:8]]}
+        _run_engine(engine, warm, recorder)
+        result = _run_engine(engine, wl, recorder)
+        result.update(_decode_bandwidth(recorder.steps, facts))
+        info["results"].append(result)
+    if torch.cuda.is_available():
+        info["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    engine.shutdown()
+    return info
+
+
+class _StepRecorder:
+    """Times every ``engine.step()`` and keeps what was scheduled in it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.steps: list[tuple[float, Any]] = []
+        self._last: Any = None
+        schedule = engine.scheduler.schedule
+
+        def recording_schedule() -> Any:
+            self._last = schedule()
+            return self._last
+
+        engine.scheduler.schedule = recording_schedule
+
+    def step(self) -> list[Any]:
+        t = time.perf_counter()
+        outputs = self.engine.step()
+        self.steps.append((time.perf_counter() - t, self._last))
+        return outputs
+
+
+def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str, Any]:
+    from lmkit.engine.request import Request
+    from lmkit.engine.sampling_params import SamplingParams
+
+    recorder.steps = []
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    for i, (prompt, n) in enumerate(zip(wl["prompts"], wl["output_lens"], strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(Request(f"{wl['name']}-{i}", list(prompt), params))
+    produced = 0
+    while engine.has_unfinished_requests():
+        for out in recorder.step():
+            if out.new_token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = time.perf_counter()
+            produced += len(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(map(len, wl["prompts"]))
+    extra: dict[str, Any] = {"num_steps": len(recorder.steps)}
+    if len(wl["prompts"]) == 1 and produced > 1:  # latency: time per output token
+        t_first = next(iter(first_token.values()))
+        extra["ttft_ms"] = 1e3 * (t_first - start)
+        extra["tpot_ms"] = 1e3 * (start + elapsed - t_first) / (produced - 1)
+    stats = engine.stats()
+    extra["num_preemptions"] = stats.get("num_preemptions", 0)
+    return _summary(wl["name"], elapsed, produced, prompt_tokens, **extra)
+
+
+def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> dict[str, Any]:
+    """Bytes read per pure-decode step (weights + cached K/V) over its wall time."""
+    total_time = total_bytes = 0.0
+    count = 0
+    for dt, so in steps:
+        if so is None or so.scheduled_new_reqs or not so.num_scheduled_tokens:
+            continue
+        if any(n != 1 for n in so.num_scheduled_tokens.values()):
+            continue
+        context = sum(so.scheduled_cached_reqs.num_computed_tokens) + len(so.num_scheduled_tokens)
+        total_bytes += facts["decode_weight_bytes"] + context * facts["kv_bytes_per_token"]
+        total_time += dt
+        count += 1
+    if not count:
+        return {"decode_steps": 0}
+    return {"decode_steps": count, "decode_time_s": total_time,
+            "decode_step_ms": 1e3 * total_time / count,
+            "decode_bytes_per_step": total_bytes / count,
+            "decode_achieved_bytes_per_s": total_bytes / total_time}
+
+
+# ---------------------------------------------------------------------- HF peer
+
+
+def hf_side(model_dir: str, workloads: list[Workload], attn: str = "paged|sdpa"
+            ) -> dict[str, Any]:
+    """transformers' continuous batching (``init_continuous_batching`` manager, greedy,
+    EOS disabled) on each workload; per-request ``max_new_tokens``."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        attn_implementation=attn, device_map=device)
+    model.eval()
+    info: dict[str, Any] = {"load_s": time.perf_counter() - t0, "attn_implementation": attn,
+                            "results": []}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    for wl in workloads:
+        info["results"].append(_hf_run(model, wl, GenerationConfig))
+    return info
+
+
+def _hf_run(model: Any, wl: Workload, generation_config_cls: Any) -> dict[str, Any]:
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    max_new = max(wl["output_lens"])
+    gen = generation_config_cls(max_new_tokens=max_new, do_sample=False, eos_token_id=-1,
+                                pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(map(len, wl["prompts"])),
+                          max_generated_length=max_new, num_requests=len(wl["prompts"]))
+    latency = len(wl["prompts"]) == 1
+    t_setup = time.perf_counter()
+    # no inference_mode here: the manager's loop runs in its own thread, outside it
+    with model.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=600, workload_hints=hints) as manager:
+        setup = time.perf_counter() - t_setup
+        start = time.perf_counter()
+        ids = [manager.add_request(input_ids=list(p), request_id=f"{wl['name']}-{i}",
+                                   max_new_tokens=n, eos_token_id=-1,
+                                   record_timestamps=latency)
+               for i, (p, n) in enumerate(zip(wl["prompts"], wl["output_lens"], strict=True))]
+        results: dict[str, Any] = {}
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=5)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop stopped with "
+                                       f"{len(ids) - len(results)} requests unfinished")
+                continue
+            if out.is_finished():
+                if out.error:
+                    raise RuntimeError(f"transformers request {out.request_id}: {out.error}")
+                results[out.request_id] = out
+        elapsed = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in results.values())
+    extra: dict[str, Any] = {"setup_s": setup}
+    if latency:
+        stamps = next(iter(results.values())).timestamps or []
+        if len(stamps) > 1:
+            extra["tpot_ms"] = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return _summary(wl["name"], elapsed, produced, sum(map(len, wl["prompts"])), **extra)

@@ -1,0 +1,292 @@
+"""GPU engine benchmarks W1-W3: lmkit against transformers' continuous batching, in one run,
+and against the device's memory bandwidth.
+
+* W1: Qwen3-0.6B shape; 256 sequences, prompt and output lengths uniform in
+  [100, 1024], token ids uniform in [0, 10000), seed 0 (nano-vllm's benchmark).
+* W2: Llama-3.1-8B shape; one 128-token prompt, 256 output tokens: ms per output token.
+* W3: Llama-3.1-8B shape; 256 prompts of 512 tokens, 256 output tokens each.
+
+Models are random bf16 weights of the real shapes (:mod:`gpu_bench_models`), written
+once per run (to /dev/shm when it has room). Each side runs in its own process
+(:mod:`gpu_bench_sides`); EOS is ignored, sampling is greedy. The device's copy
+bandwidth is measured first; every decode result is also reported as the bytes a
+decode step must read (all weights + the cached K/V) over its wall time, as a fraction
+of that bandwidth. The peer may run on the first N requests of W1/W3
+(``--hf-subset W1=32,W3=64``), which the report says.
+
+    python bench/gpu_engine.py --out gpu_engine.json
+    python bench/gpu_engine.py --smoke --out /tmp/smoke.json      # CPU, toy sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench_models as models  # noqa: E402
+import gpu_bench_sides as sides  # noqa: E402
+
+SMALL, LARGE = "qwen3-0.6b", "llama-3.1-8b"
+ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
+
+
+def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
+    """W1-W3 as token ids (fixed seed); toy sizes with ``smoke``."""
+    rng = np.random.default_rng(0)
+    n1, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
+    vocab = 1000 if smoke else 10000
+    prompt_lens = rng.integers(lo, hi + 1, n1)
+    output_lens = rng.integers(lo, hi + 1, n1)
+    w1 = [rng.integers(0, vocab, int(n)).tolist() for n in prompt_lens]
+    p2, o2 = (16, 8) if smoke else (128, 256)
+    n3, p3, o3 = (6, 32, 8) if smoke else (256, 512, 256)
+    return {
+        "W1": {"name": "W1", "prompts": w1, "output_lens": output_lens.tolist()},
+        "W2": {"name": "W2", "prompts": [rng.integers(0, vocab, p2).tolist()],
+               "output_lens": [o2]},
+        "W3": {"name": "W3", "prompts": [rng.integers(0, vocab, p3).tolist() for _ in range(n3)],
+               "output_lens": [o3] * n3},
+    }
+
+
+def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), or None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    bw = 2 * num_bytes * iters / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    """Run one side in a fresh Python process; its result dict (or the error)."""
+    job_file = workdir / f"job-{side}-{job['tag']}.json"
+    result_file = workdir / f"result-{side}-{job['tag']}.json"
+    job_file.write_text(json.dumps(job))
+    cmd = [sys.executable, __file__, "--side", side, "--job", str(job_file),
+           "--result", str(result_file)]
+    print(f"\n=== {side} {job['tag']}: {', '.join(w['name'] for w in job['workloads'])}",
+          flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not result_file.exists():
+        return {"error": f"exit status {proc.returncode}"}
+    result = json.loads(result_file.read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _side_main(side: str, job_file: Path, result_file: Path) -> None:
+    job = json.loads(job_file.read_text())
+    if side == "lmkit":
+        result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
+                                  job["facts"])
+    else:
+        result = sides.hf_side(job["model_dir"], job["workloads"], job.get("attn", "paged|sdpa"))
+    result_file.write_text(json.dumps(result, indent=1, default=str))
+
+
+def _subset(wl: sides.Workload, n: int | None) -> sides.Workload:
+    if not n or n >= len(wl["prompts"]):
+        return wl
+    return {**wl, "prompts": wl["prompts"][:n], "output_lens": wl["output_lens"][:n],
+            "subset_of": len(wl["prompts"])}
+
+
+def parse_subsets(text: str) -> dict[str, int]:
+    """``"W1=32,W3=64"`` -> ``{"W1": 32, "W3": 64}``."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, n = part.partition("=")
+        out[name.strip().upper()] = int(n)
+    return out
+
+
+def model_root(arg: str | None, need_bytes: int) -> Path:
+    """Where to write the model directories: ``arg``, else /dev/shm with room, else /tmp."""
+    if arg:
+        return Path(arg)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > need_bytes * 1.2:
+        return Path(tempfile.mkdtemp(prefix="lmkit-bench-", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="lmkit-bench-"))
+
+
+def combine(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per workload: lmkit, the peer, their ratio, bandwidth fractions."""
+    bw = report.get("copy_bandwidth_bytes_per_s")
+    rows = []
+    for name in report["workloads"]:
+        model = SMALL if name == "W1" else LARGE
+        lm = _find(report["lmkit"].get(model, {}), name)
+        hf = _find(report["hf"].get(model, {}), name)
+        row: dict[str, Any] = {"workload": name, "model": model,
+                               "requests": len(report["workload_sizes"][name])}
+        if lm:
+            row.update(lmkit_tok_s=lm["output_tokens_per_s"], lmkit_elapsed_s=lm["elapsed_s"],
+                       lmkit_output_tokens=lm["output_tokens"])
+            for key in ("tpot_ms", "ttft_ms", "decode_step_ms", "decode_achieved_bytes_per_s",
+                        "decode_bytes_per_step", "num_preemptions"):
+                if key in lm:
+                    row[f"lmkit_{key}"] = lm[key]
+            if bw and "decode_achieved_bytes_per_s" in lm:
+                row["lmkit_decode_bandwidth_fraction"] = lm["decode_achieved_bytes_per_s"] / bw
+            if bw and "tpot_ms" in lm:
+                limit_ms = 1e3 * lm["decode_bytes_per_step"] / bw if "decode_bytes_per_step" \
+                    in lm else None
+                row["bandwidth_limit_ms_per_token"] = limit_ms
+        if hf:
+            row.update(hf_tok_s=hf["output_tokens_per_s"], hf_requests=len(
+                report["hf_workloads"][name]["prompts"]))
+            if "tpot_ms" in hf:
+                row["hf_tpot_ms"] = hf["tpot_ms"]
+            if lm:
+                row["ratio_tok_s"] = lm["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def _find(side: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for r in side.get("results", []):
+        if r["workload"] == name:
+            return r
+    return None
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text table of :func:`combine`'s rows."""
+    bw = report.get("copy_bandwidth_bytes_per_s")
+    lines = [f"device: {report.get('gpu', 'cpu')}   copy bandwidth: "
+             f"{bw / 1e12:.2f} TB/s" if bw else "device: cpu (no bandwidth limit)"]
+    subset = False
+    head = f"{'':4} {'lmkit tok/s':>12} {'HF tok/s':>10} {'ratio':>7} {'ms/tok':>8} " \
+           f"{'HF ms/tok':>9} {'decode step':>11} {'bw frac':>8}"
+    lines.append(head)
+    for r in report["rows"]:
+        def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
+            v = r.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        hf = f("hf_tok_s", ".0f")
+        if r.get("hf_requests", 0) and r["hf_requests"] != r.get("requests"):
+            hf += "*"
+            subset = True
+        lines.append(f"{r['workload']:4} {f('lmkit_tok_s', '.0f'):>12} {hf:>10} "
+                     f"{f('ratio_tok_s', '.1f'):>7} {f('lmkit_tpot_ms', '.2f'):>8} "
+                     f"{f('hf_tpot_ms', '.1f'):>9} {f('lmkit_decode_step_ms', '.2f'):>11} "
+                     f"{f('lmkit_decode_bandwidth_fraction', '.2f'):>8}")
+    if subset:
+        lines.append("* HF ran the first N requests of the workload (see hf_requests)")
+    for side in ("lmkit", "hf"):
+        for model, res in report[side].items():
+            if "error" in res:
+                lines.append(f"{side} {model}: ERROR {res['error']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="write the JSON report here")
+    ap.add_argument("--smoke", action="store_true", help="toy models and workloads (CPU ok)")
+    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--peer", choices=("hf", "none"), default="hf")
+    ap.add_argument("--hf-subset", default="", help="e.g. W1=32,W3=64: peer runs the first N")
+    ap.add_argument("--attention", default="auto", help="lmkit attention backend")
+    ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
+    ap.add_argument("--model-root", help="where to write the random models")
+    ap.add_argument("--side-timeout", type=float, default=900.0)
+    ap.add_argument("--side", choices=("lmkit", "hf"), help=argparse.SUPPRESS)
+    ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.side:
+        _side_main(args.side, args.job, args.result)
+        return 0
+
+    import torch
+
+    names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    all_workloads = make_workloads(args.smoke)
+    subsets = parse_subsets(args.hf_subset)
+    report: dict[str, Any] = {
+        "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
+        "platform": platform.platform(), "torch": torch.__version__,
+        "workload_sizes": {n: all_workloads[n]["output_lens"] for n in names},
+        "lmkit": {}, "hf": {}, "hf_workloads": {}}
+    if torch.cuda.is_available():
+        report["gpu"] = torch.cuda.get_device_name(0)
+        report["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+    small, large = ("tiny-qwen3", "tiny-llama") if args.smoke else (SMALL, LARGE)
+    plan = [(SMALL, small, [n for n in names if n == "W1"]),
+            (LARGE, large, [n for n in names if n in ("W2", "W3")])]
+    need = sum(models.model_facts(models.hf_config(m))["param_bytes"] for _, m, w in plan if w)
+    root = model_root(args.model_root, need)
+    options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager)
+    if args.smoke:
+        options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    try:
+        for key, model_name, wl_names in plan:
+            if not wl_names:
+                continue
+            t0 = time.perf_counter()
+            model_dir = models.write_model(model_name, root / model_name)
+            facts = models.model_facts(models.hf_config(model_name))
+            report.setdefault("models", {})[key] = {"name": model_name, **facts,
+                                                    "write_s": time.perf_counter() - t0}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            wls = [all_workloads[n] for n in wl_names]
+            job = {"tag": key, "model_dir": str(model_dir), "options": options,
+                   "workloads": wls, "facts": facts}
+            report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
+            if args.peer == "hf":
+                hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
+                for w in hf_wls:
+                    report["hf_workloads"][w["name"]] = w
+                report["hf"][key] = run_side("hf", {**job, "workloads": hf_wls}, root,
+                                             args.side_timeout)
+            shutil.rmtree(model_dir, ignore_errors=True)
+    finally:
+        if not args.model_root:
+            shutil.rmtree(root, ignore_errors=True)
+    report["rows"] = combine(report)
+    report["hf_workloads"] = {k: {"requests": len(v["prompts"]), "subset_of": v.get("subset_of")}
+                              for k, v in report["hf_workloads"].items()}
+    report["workload_sizes"] = {k: v for k, v in report["workload_sizes"].items()}
+    text = format_table(report)
+    print("\n" + text, flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

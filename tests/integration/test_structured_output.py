@@ -229,3 +229,16 @@ def test_structured_output_off_is_a_clear_error(smollm2_dir):
     with LLM(str(smollm2_dir), dtype="float32", structured_output="none") as plain:
         with pytest.raises(InvalidRequestError, match="structured_output.backend is 'none'"):
             plain.generate("Hello", SamplingParams(structured_outputs={"regex": "a"}))
+
+
+def test_cli_generate_with_a_json_schema_file(smollm2_dir, tmp_path):
+    from lmkit.cli.main import build_app
+    from typer.testing import CliRunner
+
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(SCHEMAS["person"]))
+    result = CliRunner().invoke(build_app(), [
+        "generate", "Describe a person as JSON.", "--model", str(smollm2_dir),
+        "--json-schema", str(schema_file), "--temperature", "0", "--max-tokens", "60"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(result.stdout.strip()), SCHEMAS["person"])

@@ -6,6 +6,8 @@
   ``slot_mapping``
 * :mod:`~lmkit_kernels.sampling` -- ``sample``: temperature / top-k / top-p sampling
   (kernels in ``sampling_kernels``)
+* :mod:`~lmkit_kernels.rejection_sample` -- ``rejection_sample``: speculative-decoding
+  verification (greedy prefix, rejection sampling), with its torch reference
 * :mod:`~lmkit_kernels.reference` -- the torch references the tests compare against
 * :mod:`~lmkit_kernels.random_batch` -- random paged batches for tests and benchmarks
 

@@ -28,8 +28,12 @@ def _summary(name: str, elapsed: float, output_tokens: int, prompt_tokens: int,
 
 
 def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload],
-               facts: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine for ``model_dir``, warm it up, run each workload; results."""
+               facts: dict[str, Any], profile_steps: int = 0) -> dict[str, Any]:
+    """Start one engine for ``model_dir``, warm it up, run each workload; results.
+
+    With ``profile_steps``, each workload is then replayed until its decode phase and
+    that many decode steps run under the torch profiler (kernel table in the result).
+    """
     import torch
     from lmkit.engine.core import EngineCore
     from lmkit.entrypoints.llm import build_config
@@ -59,6 +63,9 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
         info["results"].append(result)
     if torch.cuda.is_available():
         info["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile_steps:
+        info["profiles"] = {wl["name"]: _profile_decode(engine, wl, recorder, profile_steps)
+                            for wl in workloads}
     engine.shutdown()
     return info
 
@@ -111,6 +118,54 @@ def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str,
     stats = engine.stats()
     extra["num_preemptions"] = stats.get("num_preemptions", 0)
     return _summary(wl["name"], elapsed, produced, prompt_tokens, **extra)
+
+
+def _profile_decode(engine: Any, wl: Workload, recorder: _StepRecorder, steps: int
+                    ) -> dict[str, Any]:
+    """Run ``wl`` (short outputs) to its decode phase, profile ``steps`` decode steps."""
+    import torch
+    from lmkit.engine.request import Request
+    from lmkit.engine.sampling_params import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    top = max(max(p) for p in wl["prompts"]) + 1
+    ids = []
+    for i, prompt in enumerate(wl["prompts"]):
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+        ids.append(f"profile-{i}")
+        engine.add_request(Request(ids[-1], [(t + 11) % top for t in prompt], params))
+    recorder.steps = []
+    while engine.has_unfinished_requests():  # prefill, then one decode step
+        recorder.step()
+        so = recorder.steps[-1][1]
+        if not so.scheduled_new_reqs and all(n == 1 for n in so.num_scheduled_tokens.values()):
+            break
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    recorder.steps = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            recorder.step()
+    engine.abort_requests(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = sum(dt for dt, _ in recorder.steps)
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", None)
+                     or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    kernels = sorted(((device_us(e), e.count, e.key) for e in events if device_us(e) > 0),
+                     reverse=True)
+    gpu_us = sum(t for t, _, _ in kernels)
+    batch = len(recorder.steps[-1][1].num_scheduled_tokens) if recorder.steps else 0
+    return {"steps": len(recorder.steps), "batch": batch,
+            "wall_ms_per_step": 1e3 * wall / max(1, len(recorder.steps)),
+            "gpu_busy_ms_per_step": gpu_us / 1e3 / max(1, len(recorder.steps)),
+            "kernels_per_step": sum(c for _, c, _ in kernels) / max(1, len(recorder.steps)),
+            "top_kernels": [{"us_per_step": t / max(1, len(recorder.steps)), "calls": c,
+                             "name": k[:120]} for t, c, k in kernels[:25]]}
 
 
 def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     job = json.loads(job_file.read_text())
     if side == "lmkit":
         result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
-                                  job["facts"])
+                                  job["facts"], job.get("profile_steps", 0))
     else:
         result = sides.hf_side(job["model_dir"], job["workloads"], job.get("attn", "paged|sdpa"))
     result_file.write_text(json.dumps(result, indent=1, default=str))
@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
     ap.add_argument("--model-root", help="where to write the random models")
     ap.add_argument("--side-timeout", type=float, default=900.0)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="then profile this many decode steps per workload (torch profiler)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -235,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     all_workloads = make_workloads(args.smoke)
+    if args.scale < 1.0:
+        for name in ("W1", "W3"):
+            keep = max(1, int(len(all_workloads[name]["prompts"]) * args.scale))
+            all_workloads[name] = _subset(all_workloads[name], keep)
     subsets = parse_subsets(args.hf_subset)
     report: dict[str, Any] = {
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             wls = [all_workloads[n] for n in wl_names]
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
-                   "workloads": wls, "facts": facts}
+                   "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
             if args.peer == "hf":
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]

@@ -108,6 +108,7 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):
+                self._wait_for_copies()
                 self._stage_padding_only(bs)
                 self._upload(bs, 0, 1)
                 self.attn.plan(self._metadata(bs))

@@ -91,7 +91,8 @@ class BlockCopier:
             ids = torch.tensor(block_ids, dtype=torch.long)
             index = torch.tensor(rows, dtype=torch.long)
             for layer, cache in enumerate(self.caches):
-                host[index, layer] = cache.index_select(1, ids).transpose(0, 1)
+                for kv in (0, 1):  # host[:, layer, kv]: [rows, E], strided
+                    host[:, layer, kv].index_copy_(0, index, cache[kv].index_select(0, ids))
             return None
         current = torch.cuda.current_stream(self.device)
         stream = self.store_stream
@@ -132,7 +133,8 @@ class BlockCopier:
             ids = torch.tensor(block_ids, dtype=torch.long)
             index = torch.tensor(rows, dtype=torch.long)
             for layer, cache in enumerate(self.caches):
-                cache[:, ids] = host[index, layer].transpose(0, 1)
+                for kv in (0, 1):
+                    cache[kv].index_copy_(0, ids, host[:, layer, kv].index_select(0, index))
             return None
         current = torch.cuda.current_stream(self.device)
         stream = self.load_stream
@@ -150,7 +152,7 @@ class BlockCopier:
                 for i, row, length in runs(rows[start:start + n]):
                     staging[i:i + length].copy_(host[row:row + length], non_blocking=True)
                 for layer, cache in enumerate(self.caches):
-                    cache[:, chunk] = staging[:n, layer].transpose(0, 1)
+                    cache.index_copy_(1, chunk, staging[:n, layer].transpose(0, 1))
             done = torch.cuda.Event()
             done.record(stream)
         return done

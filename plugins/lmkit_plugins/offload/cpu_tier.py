@@ -57,9 +57,12 @@ class CPUTier(OffloadManager):
         # other direction (its own stream) waits for it
         self._slot_copy: dict[int, tuple[str, Any]] = {}
         self.num_evictions = 0
-        logger.info("offload tier 'cpu': %.2f GiB of %s host memory, %d blocks, %s eviction",
+        staging = (f", plus 2 x {self.copier.staging_rows * self.copier.block_bytes / 2**20:.0f}"
+                   " MiB of device staging" if self.copier.is_cuda else "")
+        logger.info("offload tier 'cpu': %.2f GiB of %s host memory, %d blocks, %s eviction%s",
                     self.num_slots * self.copier.block_bytes / 2**30,
-                    "page-locked" if self.pinned else "pageable", self.num_slots, options.eviction)
+                    "page-locked" if self.pinned else "pageable", self.num_slots, options.eviction,
+                    staging)
 
     # -- contract -----------------------------------------------------------------
 

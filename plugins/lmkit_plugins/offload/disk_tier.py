@@ -56,12 +56,14 @@ class DiskTier(OffloadManager):
         config: the engine configuration (names the model for the fingerprint).
         kv_caches: the device caches, ``[2, num_blocks, ...]`` per layer.
         options: :class:`~lmkit_plugins.offload.options.DiskTierOptions`.
+        copier: share another tier's copier (its streams and staging buffers).
     """
 
     def __init__(self, config: LMKitConfig, kv_caches: Sequence[torch.Tensor],
-                 options: DiskTierOptions | None = None) -> None:
+                 options: DiskTierOptions | None = None, copier: BlockCopier | None = None
+                 ) -> None:
         options = options or DiskTierOptions()
-        self.copier = BlockCopier(kv_caches)
+        self.copier = copier or BlockCopier(kv_caches)
         self.block_bytes = self.copier.block_bytes
         self.file_bytes = HEADER_SIZE + self.block_bytes
         capacity = int(options.size_gb * 2**30) // self.file_bytes

@@ -34,7 +34,7 @@ class CPUDiskTier(OffloadManager):
         options = options or CPUDiskTierOptions()
         self.cpu = CPUTier(config, kv_caches, options.cpu())
         try:
-            self.disk = DiskTier(config, kv_caches, options.disk())
+            self.disk = DiskTier(config, kv_caches, options.disk(), copier=self.cpu.copier)
         except BaseException:
             self.cpu.close()
             raise

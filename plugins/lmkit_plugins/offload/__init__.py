@@ -7,7 +7,7 @@ from lmkit_plugins.offload.options import CPUDiskTierOptions, CPUTierOptions, Di
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
-_CAPS = Caps(values={"device": {"cpu", "cuda"}})
+_CAPS = Caps(values={"device": frozenset({"cpu", "cuda"})})
 
 
 @hookimpl

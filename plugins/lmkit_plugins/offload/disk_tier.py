@@ -253,4 +253,4 @@ class DiskTier(OffloadManager):
 
 def _payload(data: torch.Tensor) -> memoryview:
     """The bytes of host block ``data`` (no copy)."""
-    return memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]

@@ -13,8 +13,10 @@ sides alternate:
 So both sides produce the same number of tokens in the same batches, and the
 difference is the cost of constraining: filling the bitmask rows, applying them to the
 logits, advancing the grammars. Reported: output tokens/s of both sides (best round)
-and their ratio; then, from one instrumented constrained pass, the per-token mask cost
-(fill + apply + advance, per constrained token: p50 and p99 over steps) and its parts.
+and their ratio (and the median ratio of back-to-back rounds, less sensitive to load on a
+shared machine); then, from one instrumented constrained pass, the per-token mask cost
+(fill + apply + advance, per constrained token: p50 and p99 over steps), its parts, and
+the share of that pass's time spent on masks.
 Every constrained output is checked against its schema (``jsonschema``)::
 
     python bench/structured_output.py --device cpu --dtype float32 --threads 2
@@ -161,8 +163,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sides[side].append(produced / elapsed)
     timer = MaskTimer(llm, cuda=args.device == "cuda")
     timer.install()
+    t0 = time.perf_counter()
     llm.chat(convs, constrained())
+    instrumented_s = time.perf_counter() - t0
     timer.uninstall()
+    mask_s = sum(st["fill_s"] + st["apply_s"] + st["advance_s"] for st in timer.steps)
     stats = llm.stats()
     llm.shutdown()
     best = {k: max(v) for k, v in sides.items()}
@@ -174,6 +179,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cold_first_pass_s": cold_s,
         "free_tokens_per_s": best["free"], "constrained_tokens_per_s": best["constrained"],
         "constrained_over_free": best["constrained"] / best["free"],
+        # each round's two sides ran back to back: their ratio is the least load-sensitive
+        "median_round_ratio": statistics.median(
+            c / f for c, f in zip(sides["constrained"], sides["free"], strict=True)),
+        # share of a constrained pass spent on masks (same run, so load cancels out)
+        "mask_share_of_time": mask_s / instrumented_s,
         "rounds": sides, "mask_cost": timer.summary(),
         "grammar_cache": {k: v for k, v in stats.items() if k.startswith("grammar_cache")},
     }
@@ -199,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
           f"invalid outputs: {result['invalid_outputs']}")
     print(f"  free        {result['free_tokens_per_s']:9.1f} tok/s")
     print(f"  constrained {result['constrained_tokens_per_s']:9.1f} tok/s   "
-          f"ratio {result['constrained_over_free']:.3f}")
+          f"ratio {result['constrained_over_free']:.3f} (best rounds), "
+          f"{result['median_round_ratio']:.3f} (median of paired rounds)")
+    print(f"  masks take {100 * result['mask_share_of_time']:.1f}% of a constrained pass")
     print(f"  mask cost per constrained token: p50 {m['total_us_per_token_p50']:.1f} us, "
           f"p99 {m['total_us_per_token_p99']:.1f} us  (fill p50 "
           f"{m['fill_us_per_token_p50']:.1f}, apply p50 {m['apply_us_per_token_p50']:.1f}, "

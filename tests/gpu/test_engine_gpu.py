@@ -3,10 +3,12 @@ with CUDA graphs on and off.
 
 Teacher forcing: lmkit generates greedily (bf16) with the top-5 logprobs of every
 prompt and output position; transformers then scores the same token sequences in one
-forward, in bf16 and in float32. At every position lmkit's argmax must equal HF bf16's
-at >= 99% of positions, and lmkit's top-5 logprobs must be as close to HF float32 as
-HF's own bf16 run is (mean error at most twice HF bf16's plus 0.02): "within bf16
-tolerance". Decode positions run through the captured graphs when graphs are on.
+forward, in bf16 and in float32. lmkit's argmax must equal HF bf16's at >= 99% of the
+positions HF decides stably (its own bf16 and float32 runs agree: on a 135M model a
+percent or two of positions are ties at bf16 precision, where they disagree too),
+and lmkit's top-5 logprobs must be as close to HF float32 as HF's own bf16 run is
+(mean error at most twice HF bf16's plus 0.02): "within bf16 tolerance". Decode
+positions run through the captured graphs when graphs are on.
 
 Models: SmolLM2-135M-Instruct (the default model; ``LMKIT_TEST_SMOLLM2`` may point at
 its GGUF file or converted directory, else the ``smollm2_dir`` fixture fetches it),
@@ -170,7 +172,15 @@ def _positions(out):
 
 
 def _check_against_hf(outs, hf16, hf32) -> dict[str, float]:
-    agree = total = 0
+    """Argmax agreement with HF bf16 and top-5 logprob error against HF float32.
+
+    Agreement counts every position, and separately the positions HF decides stably
+    (its bf16 and float32 runs pick the same token): a position where rounding alone
+    flips HF's own argmax is a tie at bf16 precision, which no bf16 engine can be
+    expected to break HF's way. lmkit must agree at >= 99% of the stable positions,
+    and overall at least as often as HF bf16 agrees with HF float32, less 1%.
+    """
+    agree = total = stable = agree_stable = hf_self = 0
     err = floor = 0.0
     n_err = 0
     for out in outs:
@@ -179,16 +189,25 @@ def _check_against_hf(outs, hf16, hf32) -> dict[str, float]:
         for row, top in _positions(out):
             assert len(top) == TOP
             total += 1
-            agree += int(top[0][0] == int(ref16[row].argmax()))
+            hf_token = int(ref16[row].argmax())
+            same = int(top[0][0] == hf_token)
+            agree += same
+            if hf_token == int(ref32[row].argmax()):
+                hf_self += 1
+                stable += 1
+                agree_stable += same
             for tok, lp in top:
                 err += abs(lp - float(ref32[row, tok]))
                 floor += abs(float(ref16[row, tok]) - float(ref32[row, tok]))
                 n_err += 1
+    assert total > 0 and stable > 0
     stats = {"positions": total, "argmax_agreement": agree / total,
+             "stable_positions": stable, "argmax_agreement_stable": agree_stable / stable,
+             "hf_bf16_vs_fp32_agreement": hf_self / total,
              "mean_abs_err": err / n_err, "hf_bf16_mean_abs_err": floor / n_err}
     print(stats)
-    assert total > 0
-    assert stats["argmax_agreement"] >= 0.99, stats
+    assert stats["argmax_agreement_stable"] >= 0.99, stats
+    assert stats["argmax_agreement"] >= stats["hf_bf16_vs_fp32_agreement"] - 0.01, stats
     assert stats["mean_abs_err"] <= 2 * stats["hf_bf16_mean_abs_err"] + 0.02, stats
     return stats
 

@@ -117,3 +117,28 @@ def test_rotary_qk_checks_arguments():
     with pytest.raises(ValueError, match="both q_norm and k_norm"):
         rotary_qk_(qkv, cos, cos, num_heads=4, num_kv_heads=2, head_size=16,
                    q_norm=torch.ones(16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_small_m_linear_matches_reference(dtype, rows):
+    from lmkit_kernels.gemv import small_m_linear, small_m_linear_ref
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    w = torch.randn(70, 200, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    for bias in (None, b):
+        out = small_m_linear(x, w, bias, block_n=16, block_k=64)
+        ref = small_m_linear_ref(x, w, bias)
+        assert out.shape == (rows, 70)
+        scale = ref.float().abs().max()
+        assert (out.float() - ref.float()).abs().max() <= 1e-2 * scale
+
+
+def test_small_m_linear_rejects_large_batches():
+    from lmkit_kernels.gemv import small_m_linear
+
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        small_m_linear(torch.randn(17, 8, dtype=torch.bfloat16),
+                       torch.randn(4, 8, dtype=torch.bfloat16))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmkit_plugins.models.fused_ops import fused_ops_enabled, rms_norm_kernel
+from lmkit_plugins.models.fused_ops import fused_ops_enabled, linear_kernel, rms_norm_kernel
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -70,7 +70,7 @@ class Linear(nn.Module):
             requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
-        self.kernel = cpu_linear_kernel(device, dtype)
+        self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
 
     def load_shard(self, shard: str, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> None:
@@ -145,7 +145,7 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
-        self.kernel = cpu_linear_kernel(device, dtype)
+        self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, hidden]

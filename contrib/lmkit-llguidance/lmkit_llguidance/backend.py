@@ -134,13 +134,26 @@ class LLGuidanceBackend(StructuredOutputBackend):
             InvalidRequestError: the constraint is malformed (the message is llguidance's
                 diagnosis, e.g. the position of a regex error).
         """
+        return self.new_grammar(self.compile_shared(kind, spec))
+
+    def compile_shared(self, kind: str, spec: Any) -> str:
+        """The validated llguidance grammar (a JSON string) for a constraint: what lmkit
+        caches per constraint and shares between requests."""
         source = self.grammar_source(kind, spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             source, self.ll_tokenizer)
         if is_error:
             raise InvalidRequestError(
                 f"invalid {kind} constraint: {'; '.join(m.strip() for m in messages)}")
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, source)
+        return source
+
+    def new_grammar(self, shared: str) -> LLGuidanceGrammar:
+        """A fresh matcher over a validated grammar."""
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, shared)
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {kind} constraint: {matcher.get_error()}")
+            raise InvalidRequestError(f"invalid constraint: {matcher.get_error()}")
         return LLGuidanceGrammar(matcher, self.eos_token_ids)
+
+    def shared_size_bytes(self, shared: str) -> int:
+        """The grammar text's size (the matcher's state is per request)."""
+        return len(shared)

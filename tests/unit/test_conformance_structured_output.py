@@ -96,6 +96,7 @@ def test_a_correct_choice_backend_passes():
         "multi-token accept and rollback": "passed",
         "invalid constraints": "not applicable: ChoiceGrammar claims neither regex nor "
                                "json_schema",
+        "shared compilation and batch filling": "passed",
     }
 
 
@@ -122,3 +123,19 @@ def test_bitmask_helper_sets_sign_bits_correctly():
     mask = torch.zeros(1, 10, dtype=torch.int32)
     g.fill_bitmask(mask, 0)
     assert int(mask[0, 0]) == -(1 << 31)
+
+
+class SharedStateBackend(ChoiceBackend):
+    """Hands every request the same grammar object: requests would share their state."""
+
+    def compile_shared(self, kind, spec):
+        return self.compile(kind, spec)
+
+    def new_grammar(self, shared):
+        return shared
+
+
+def test_grammars_sharing_state_fail_the_shared_compilation_property():
+    broken = Spec(name="shared-state", target=lambda: SharedStateBackend, caps=Caps({"choice"}))
+    with pytest.raises(ConformanceFailure, match="must not share state"):
+        check_structured_output_backend(broken, only=["shared compilation and batch filling"])

@@ -19,7 +19,10 @@ at every state. For each constraint kind the spec claims (``choice``, ``regex``,
 * ``language``: for finite constraints the set of complete strings reachable through
   the masks equals the constraint's language; for JSON, random walks through the
   masks yield only documents that parse and match the schema;
-* ``invalid constraints``: a malformed regex or schema raises ``InvalidRequestError``.
+* ``invalid constraints``: a malformed regex or schema raises ``InvalidRequestError``;
+* ``shared compilation and batch filling``: grammars from one ``compile_shared`` result
+  (what the engine caches) start like ``compile``'s and never share state;
+  ``fill_bitmasks`` writes exactly the rows one ``fill_bitmask`` per grammar would.
 
 Use :func:`check_structured_output_backend`, or subclass
 :class:`StructuredOutputConformance` and define a ``structured_output_backend``
@@ -53,6 +56,7 @@ EOS = NUM_BYTE_TOKENS
 ROWS, ROW = 3, 1  # the bitmask has 3 rows; the suite fills row 1
 SENTINEL = 0x5A5A5A5A
 STATES = "bitmask, accept, rollback and termination per state"
+SHARED = "shared compilation and batch filling"
 
 
 class Probe:
@@ -286,6 +290,43 @@ def _invalid(t: Target) -> None:
         raise NotApplicable(f"{t.name} claims neither regex nor json_schema")
 
 
+def _shared(t: Target) -> None:
+    """Grammars made by ``new_grammar`` from one ``compile_shared`` result start like
+    ``compile``'s and never share state; ``fill_bitmasks`` equals one fill per grammar."""
+    backend = _backend(t)
+    prop = SHARED
+    for case in _cases(t):
+        try:
+            shared = backend.compile_shared(case.kind, case.spec)
+            one, two = backend.new_grammar(shared), backend.new_grammar(shared)
+        except Exception as e:
+            raise t.fail(SUITE, prop, case.describe(), f"compile_shared/new_grammar raised "
+                         f"{type(e).__name__}: {e}") from e
+        first, second = Probe(t, prop, case, one), Probe(t, prop, case, two)
+        start = Probe(t, prop, case, _compile(t, backend, prop, case)).state()
+        if first.state() != start:
+            raise first.fail("new_grammar(compile_shared(...)) starts in another state (mask or "
+                             "termination) than compile(...)")
+        walk = next((w for w in (_walk(t, prop, case, backend, s) for s in range(6)) if w), None)
+        path = walk[1] if walk and walk[1] else sorted(first.mask() - {EOS})[:1]
+        if not first.accept(path):
+            raise first.fail(f"accept_tokens({path}) refused a path the masks allow")
+        if second.state() != start:
+            raise second.fail("advancing one grammar changed another made from the same "
+                              "compile_shared result: they must not share state")
+        words = -(-VOCAB_SIZE // 32)
+        batch = torch.full((ROWS + 1, words), SENTINEL, dtype=torch.int32)
+        backend.fill_bitmasks([one, two], batch, [2, 0])
+        rows = {0: second.raw_mask(), 2: first.raw_mask()}
+        for r in range(ROWS + 1):
+            got = batch[r].numpy().tobytes()
+            want = rows.get(r, torch.full((words,), SENTINEL, dtype=torch.int32).numpy().tobytes())
+            if got != want:
+                raise first.fail(f"fill_bitmasks([a, b], bitmask, [2, 0]) wrote row {r} "
+                                 + ("differently from fill_bitmask" if r in rows else
+                                    "although no grammar was given that row"))
+
+
 def _checks(t: Target) -> dict[str, Callable[[], None]]:
     def states() -> None:
         backend = _backend(t)
@@ -299,7 +340,8 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
     return {STATES: states,
             "language": lambda: _language(t),
             "multi-token accept and rollback": lambda: _multi_token(t),
-            "invalid constraints": lambda: _invalid(t)}
+            "invalid constraints": lambda: _invalid(t),
+            SHARED: lambda: _shared(t)}
 
 
 def check_structured_output_backend(backend: Any, options: Any = None,
@@ -332,3 +374,6 @@ class StructuredOutputConformance:
 
     def test_invalid_constraints(self, structured_output_backend: Any) -> None:
         self._check(structured_output_backend, "invalid constraints")
+
+    def test_shared_compilation_and_batch_filling(self, structured_output_backend: Any) -> None:
+        self._check(structured_output_backend, SHARED)

@@ -68,8 +68,10 @@ def request(rid: str, **constraint) -> Request:
 
 def admit_all(manager, scheduler, timeout=10.0):
     deadline = time.monotonic() + timeout
+    admitted = []
     while manager.has_pending() and time.monotonic() < deadline:
-        manager.admit(scheduler, idle=True)
+        admitted += manager.admit(scheduler, idle=True)
+    assert admitted == scheduler.added[len(scheduler.added) - len(admitted):]
 
 
 def allowed(bitmask, row) -> set[int]:

@@ -155,12 +155,14 @@ class StructuredOutputManager:
         """Whether any request waits for its grammar."""
         return bool(self._pending)
 
-    def admit(self, scheduler: Scheduler, idle: bool = False) -> None:
+    def admit(self, scheduler: Scheduler, idle: bool = False) -> list[Request]:
         """Hand requests whose grammar is ready to ``scheduler``; refuse those whose
         compilation failed or overran ``compile_timeout_s``. With ``idle`` (nothing
-        else to run), first wait up to :data:`IDLE_WAIT_S` for a compilation to end."""
+        else to run), first wait up to :data:`IDLE_WAIT_S` for a compilation to end.
+        Returns the requests admitted (for other per-request state, e.g. a proposer's)."""
+        admitted: list[Request] = []
         if not self._pending:
-            return
+            return admitted
         if idle:
             wait([r.structured_output.job.future for r in self._pending.values()],
                  timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
@@ -184,12 +186,14 @@ class StructuredOutputManager:
                         param=PARAM, code="constraint_compile_failed"))
                     continue
                 self._active[rid] = state
+                admitted.append(request)
             else:
                 error = self._overdue(state, now)
                 if error is not None:
                     del self._pending[rid]
                     self.pool.abandon(state.job)
                     self._reject(request, error)
+        return admitted
 
     def _overdue(self, state: RequestGrammar, now: float) -> InvalidRequestError | None:
         """The refusal of a compilation past ``compile_timeout_s`` (timed from its start),

@@ -5,8 +5,10 @@ and the bitmask kernel against lmkit's torch reference."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
+import jsonschema
 import pytest
 import torch
 from lmkit.errors import InvalidRequestError
@@ -16,6 +18,7 @@ from lmkit.testing.tiny_model import make_byte_tokenizer
 pytest.importorskip("xgrammar")
 from lmkit_plugins.structured import XGrammarOptions  # noqa: E402
 from lmkit_plugins.structured.json_schema_check import unsupported_keywords  # noqa: E402
+from lmkit_plugins.structured.json_schema_rewrite import rewrite_short_strings  # noqa: E402
 from lmkit_plugins.structured.xgrammar_backend import XGrammarBackend  # noqa: E402
 
 EOS, VOCAB = 256, 320
@@ -163,3 +166,34 @@ def test_kernel_matches_the_torch_reference():
     apply_token_bitmask(expected, bitmask, [0, 3])
     XGrammarBackend.apply_token_bitmask(logits, bitmask, [0, 3])
     assert torch.equal(logits, expected)
+
+
+def test_short_string_bounds_compile_as_an_equivalent_pattern(backend):
+    bounded = {"type": "string", "minLength": 2, "maxLength": 4}
+    schema = {"type": "object", "properties": {"s": bounded, "t": {"anyOf": [bounded]}},
+              "required": ["s"], "additionalProperties": False}
+    rewritten = rewrite_short_strings(schema)
+    assert rewritten["properties"]["s"] == {"type": "string", "pattern": "^[\\s\\S]{2,4}$"}
+    assert rewritten["properties"]["t"]["anyOf"][0] == rewritten["properties"]["s"]
+    assert schema["properties"]["s"] == bounded  # a copy
+    for kept in ({"type": "string", "maxLength": 1000}, {"maxLength": 3, "pattern": "^a+$"},
+                 {"maxLength": 3, "format": "date"}):
+        assert rewrite_short_strings(kept) == kept
+    rng = random.Random(0)
+    pieces = ["a", "b", " ", "é", '\\"', "\\\\", "\\n", "\\u00e9", "\\t", "\\/", '"']
+    seen = set()
+    for _ in range(400):
+        body = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+        doc = '{"s":"' + body + '"}'
+        try:
+            value = json.loads(doc)
+            jsonschema.validate(value, schema)
+            valid = True
+        except (ValueError, jsonschema.ValidationError):
+            valid = False
+        accepted = complete(backend, "json", schema, doc)
+        assert not accepted or valid, doc  # never accepts what the schema refuses
+        if valid and all(c in "ab é" for c in body):
+            assert accepted, doc  # and accepts plain strings of every allowed length
+            seen.add(len(value["s"]))
+    assert seen == {2, 3, 4}

@@ -21,6 +21,7 @@ import xgrammar as xgr
 from lmkit.api import Grammar, InvalidRequestError, StructuredOutputBackend
 
 from lmkit_plugins.structured.json_schema_check import unsupported_keywords
+from lmkit_plugins.structured.json_schema_rewrite import rewrite_short_strings
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 COMPACT_SEPARATORS = (",", ":")
@@ -206,7 +207,7 @@ class XGrammarBackend(StructuredOutputBackend):
                 param="structured_outputs", code="unsupported_constraint")
         flexible = self.whitespace_flexible
         return self.compiler.compile_json_schema(
-            json.dumps(schema), any_whitespace=flexible,
+            json.dumps(rewrite_short_strings(schema)), any_whitespace=flexible,
             separators=None if flexible else COMPACT_SEPARATORS,
             # strict: no properties or items beyond the schema's (still valid output);
             # json_object allows any object

@@ -66,6 +66,7 @@ class EngineCore:
             assert sched_reg is not None
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
+            self._reserve_decode_lookahead_slots()
             self.structured_output = StructuredOutputManager.from_stack(
                 self.config, self.stack, self.model_dir, self.model_info.vocab_size)
         except BaseException:
@@ -117,6 +118,16 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, block_size,
                     num_blocks * info.kv_bytes_per_block / 2**30)
         return int(num_blocks)
+
+    def _reserve_decode_lookahead_slots(self) -> None:
+        """With CUDA graphs the runner launches each decode step before it is scheduled
+        (lmkit.worker.gpu_lookahead); the scheduler then keeps one more KV slot per request."""
+        from lmkit.worker.gpu_lookahead import decode_lookahead_slots
+
+        slots = decode_lookahead_slots(self.config, self.stack)
+        current = getattr(self.scheduler, "num_lookahead_tokens", None)
+        if slots and isinstance(current, int) and current < slots:
+            self.scheduler.num_lookahead_tokens = slots
 
     # ------------------------------------------------------------------ requests
 

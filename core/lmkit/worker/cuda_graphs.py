@@ -158,18 +158,37 @@ class CudaGraphRunner:
 
         The result is a view of the graph's output buffer, valid until the next replay.
         """
-        n = step.num_reqs
+        return self.run_decode(step.input_ids.numpy(), step.positions.numpy(),
+                               step.slot_mapping.numpy(), step.seq_lens.numpy(),
+                               step.block_tables.numpy())
+
+    def run_decode(self, input_ids: np.ndarray | None, positions: np.ndarray,
+                   slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                   device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph for a decode step of ``n = len(positions)`` requests.
+
+        :param input_ids: int64 ``[n]`` host token ids, or ``None`` with
+            ``device_input_ids``: int64 ``[n]`` on the device (e.g. the previous step's
+            sampled tokens, not yet read back), copied in stream order.
+        :param positions: int64 ``[n]``; ``slot_mapping`` int64 ``[n]``; ``seq_lens``
+            int32 ``[n]``; ``block_tables`` int32 ``[n, width]`` (the used columns).
+        :return: hidden ``[n, hidden]``, a view of the graph's output buffer.
+        """
+        n = len(positions)
         bs = self.padded_size(n)
         self._wait_for_copies()
         packed = self._h_packed.numpy()
-        packed[:n] = step.input_ids.numpy()
-        packed[bs:bs + n] = step.positions.numpy()
-        packed[2 * bs:2 * bs + n] = step.slot_mapping.numpy()
+        if input_ids is not None:
+            packed[:n] = input_ids
+        packed[bs:bs + n] = positions
+        packed[2 * bs:2 * bs + n] = slot_mapping
         self._stage_padding_only(bs, n)
-        self._h_seq_lens.numpy()[:n] = step.seq_lens.numpy()
-        width = step.block_tables.shape[1]
-        self._h_blocks[:n * width].numpy().reshape(n, width)[:] = step.block_tables.numpy()
+        self._h_seq_lens.numpy()[:n] = seq_lens
+        width = block_tables.shape[1]
+        self._h_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
         self._upload(bs, n, width)
+        if device_input_ids is not None:
+            self._packed[:n].copy_(device_input_ids)
         self.attn.plan(self._metadata(bs))
         if not self.use_graphs:
             return self._run_model(bs)[:n]

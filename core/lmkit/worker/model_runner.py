@@ -27,6 +27,7 @@ from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
+from lmkit.worker.gpu_lookahead import DecodeLookahead
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.output import ModelRunnerOutput
 
@@ -69,6 +70,7 @@ class ModelRunner:
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
+        self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
 
     # ------------------------------------------------------------------ setup
 
@@ -132,6 +134,7 @@ class ModelRunner:
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
         self.cuda_graphs = maybe_capture(self)
+        self.lookahead = DecodeLookahead.maybe(self)
 
     def _profile_run(self) -> None:
         """The largest step the scheduler can produce, on a scratch KV cache."""
@@ -161,13 +164,20 @@ class ModelRunner:
         self._update_states(so)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput()
+        if self.lookahead is not None:  # the decode step launched ahead of the scheduler
+            ahead = self.lookahead.take(so)
+            if ahead is not None:
+                return ahead
         order, step = self._prepare_step(so)
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
             sampled, logprobs = self._sample(hidden, order, plan, so=so)
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
-        return self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
+        out = self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
+        if self.lookahead is not None:
+            self.lookahead.after_step(so, order, step)
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drop finished and preempted requests, add new ones, extend block tables."""

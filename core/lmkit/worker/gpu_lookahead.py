@@ -1,0 +1,221 @@
+"""Running the next decode step before the scheduler asks for it (CUDA graphs, greedy).
+
+A decode step's host work -- scheduling, appending tokens and stop checks, packing
+the next inputs -- leaves the GPU idle between steps unless the next step is already
+queued. After a pure-decode step in which every request sampled one token greedily,
+the next step is predictable: the same requests, one token each, at the next
+position, with the tokens just sampled as inputs. :class:`DecodeLookahead` launches
+that step right away (graph replay + greedy sampling, no host sync), so the GPU runs
+it while the engine processes the step before. When the scheduler's next step is
+that step -- or a subset of it, e.g. after some requests finished -- the runner takes
+its results instead of running it again, and launches the one after, feeding the
+still-unread sampled tokens on the device straight into the graph's inputs. Anything
+else (a new or resumed request, draft tokens, a grammar bitmask, offload transfers,
+a request at another position) discards the prediction and the step runs normally.
+
+A request is predicted only when its next cache slot is already allocated (its
+block table covers the next position) and it samples greedily without logprobs,
+penalties, logit bias, a pending ``min_tokens`` or structured output, so that the
+speculative step computes exactly what the normal path would. Its KV write lands in
+the request's own, not yet full block: if the request finished meanwhile the slot is
+rewritten by whoever gets the block before it is read. The engine has the scheduler
+reserve one slot past each request's scheduled tokens (:func:`decode_lookahead_slots`),
+so that the next slot is there even when the next token starts a new block.
+``LMKIT_DECODE_LOOKAHEAD=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lmkit.worker.output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.worker.input_batch import StepInputs
+
+
+@dataclass
+class _Pending:
+    """A decode step launched ahead: its requests, positions and unread tokens."""
+
+    req_ids: list[str]
+    index: dict[str, int]
+    positions: np.ndarray  # int64 [n], the position each request computes
+    tokens: torch.Tensor  # int64 [n] on the device, sampled greedily
+    host_tokens: torch.Tensor  # int64 [n], their (pinned) host copy, valid once ``ready``
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: done)
+
+
+@dataclass
+class LookaheadStats:
+    """How often predicted steps were launched and used."""
+
+    launched: int = 0
+    used: int = 0
+    discarded: int = 0
+
+
+class DecodeLookahead:
+    """Launches predicted decode steps for a model runner with CUDA graphs.
+
+    Args:
+        runner: the :class:`~lmkit.worker.model_runner.ModelRunner` (its requests,
+            input batch, model and ``cuda_graphs``).
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.graphs = runner.cuda_graphs
+        self.pending: _Pending | None = None
+        self.stats = LookaheadStats()
+
+    @classmethod
+    def maybe(cls, runner: Any) -> DecodeLookahead | None:
+        """A lookahead for ``runner`` when it replays decode graphs (and it is not off)."""
+        if runner.cuda_graphs is None or getattr(runner, "offload", None) is not None:
+            return None
+        if not decode_lookahead_slots(runner.config, runner.stack):
+            return None
+        return cls(runner)
+
+    # ------------------------------------------------------------------ launching
+
+    def after_step(self, so: SchedulerOutput, order: list[str], step: StepInputs) -> None:
+        """After a normally run step: launch the next decode step if it is predictable."""
+        self.pending = None
+        n = len(order)
+        if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
+            return
+        batch = self.runner.input_batch
+        rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
+        # each request got exactly one token: its next input is known
+        if not np.array_equal(batch.num_tokens[rows], batch.num_computed[rows] + 2):
+            return
+        if self._launchable(order, rows):
+            self._launch(order, rows, None)
+
+    def take(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The output of ``so`` if it is (a subset of) the step launched ahead: commits
+        its tokens and launches the following step first. ``None``: run ``so`` normally.
+
+        Call after the runner applied ``so``'s state changes (finished requests, blocks).
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        order = list(so.num_scheduled_tokens)
+        if not self._matches(so, order, pending):
+            self._count("discarded")
+            return None
+        self._count("used")
+        idx = [pending.index[r] for r in order]
+        tokens = pending.tokens
+        if idx != list(range(len(pending.req_ids))):
+            tokens = tokens[torch.tensor(idx, dtype=torch.int64).to(tokens.device,
+                                                                    non_blocking=True)]
+        batch = self.runner.input_batch
+        rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
+        if self._launchable(order, rows):
+            self._launch(order, rows, tokens)  # queued before this step's tokens are read
+        if pending.ready is not None:
+            pending.ready.synchronize()  # this step's tokens only, not the one just queued
+        host = pending.host_tokens.tolist()
+        sampled = [host[i] for i in idx]
+        requests = self.runner.requests
+        for rid, row, token in zip(order, rows.tolist(), sampled, strict=True):
+            requests[rid].output_token_ids.append(token)
+            batch.append_tokens(row, [token])
+        return ModelRunnerOutput(req_ids=order, sampled_token_ids=[[t] for t in sampled])
+
+    def _matches(self, so: SchedulerOutput, order: list[str], pending: _Pending) -> bool:
+        if not order or so.scheduled_new_reqs or not _plain(so):
+            return False
+        if any(n != 1 for n in so.num_scheduled_tokens.values()):
+            return False
+        cached = so.scheduled_cached_reqs
+        if len(cached.req_ids) != len(order):
+            return False
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            i = pending.index.get(rid)
+            if i is None or int(pending.positions[i]) != computed:
+                return False
+        return True
+
+    def _launchable(self, order: list[str], rows: np.ndarray) -> bool:
+        """Greedy, plain requests whose next position has an allocated slot."""
+        runner = self.runner
+        if len(order) > self.graphs.max_bs:
+            return False
+        for rid in order:
+            state = runner.requests[rid]
+            if state.prompt_logprobs is not None or not _greedy_plain(
+                    state.sampling_params, len(state.output_token_ids)):
+                return False
+        batch = runner.input_batch
+        nxt = batch.num_computed[rows] + 1
+        return bool(np.all(nxt // batch.block_size < batch.num_blocks[rows])
+                    and np.all(nxt < runner.max_model_len))
+
+    def _launch(self, order: list[str], rows: np.ndarray, device_ids: torch.Tensor | None
+                ) -> None:
+        """Replay the decode graph for ``order`` at each request's next position."""
+        batch = self.runner.input_batch
+        bs = batch.block_size
+        positions = batch.num_computed[rows] + 1
+        ids = None if device_ids is not None else batch.token_ids[rows, positions]
+        slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (positions + 1).astype(np.int32)
+        width = int(-(-int(seq_lens.max()) // bs))
+        with torch.inference_mode():
+            hidden = self.graphs.run_decode(ids, positions, slots, seq_lens,
+                                            batch.block_table[rows, :width], device_ids)
+            tokens = self.runner.model.compute_logits(hidden).argmax(dim=-1)
+            ready = None
+            if tokens.is_cuda:  # read back asynchronously, ahead of any later launch
+                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                host.copy_(tokens, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                host = tokens
+        self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
+                                positions.copy(), tokens, host, ready)
+        self._count("launched")
+
+    def _count(self, what: str) -> None:
+        setattr(self.stats, what, getattr(self.stats, what) + 1)
+
+
+def decode_lookahead_slots(config: Any, stack: Any) -> int:
+    """KV slots per request the scheduler must reserve past the scheduled tokens for the
+    runner to launch decode steps ahead: 1 when it will (CUDA, graphs on, a backend that
+    can be captured, no offload tier, ``LMKIT_DECODE_LOOKAHEAD`` not ``0``), else 0."""
+    if os.environ.get("LMKIT_DECODE_LOOKAHEAD", "1").strip() in ("0", "false", "off", "no"):
+        return 0
+    attention = stack.get("attention")
+    if (stack.device != "cuda" or config.executor.enforce_eager or attention is None
+            or "cuda_graphs" not in attention.spec.caps.features
+            or config.offload.backend != "none"):
+        return 0
+    return 1
+
+
+def _plain(so: SchedulerOutput) -> bool:
+    """No drafts, grammar bitmask or offload transfers in ``so``."""
+    return (not any(so.scheduled_spec_decode_tokens.values())
+            and getattr(so, "grammar_bitmask", None) is None
+            and not getattr(so, "kv_transfers", None))
+
+
+def _greedy_plain(p: Any, num_output_tokens: int) -> bool:
+    """Greedy sampling that the argmax of the raw logits reproduces exactly."""
+    return (p.temperature == 0 and p.logprobs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and num_output_tokens >= p.min_tokens
+            and getattr(p, "structured_outputs", None) is None)

@@ -1,0 +1,108 @@
+"""Decode steps launched ahead of the scheduler (:mod:`lmkit.worker.gpu_lookahead`), on
+the CPU: the runner with the padded decode path (``CudaGraphRunner(use_graphs=False)``,
+the ``triton`` backend in Triton's interpreter) driven by the real FCFS scheduler.
+
+With the lookahead on, every request must get exactly the tokens it gets with the
+lookahead off, while requests finish at different steps (the prediction is used for
+the survivors), a request arrives mid-run (the prediction is discarded) and requests
+cross block boundaries (no slot yet: nothing is launched ahead).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CUDA is available: the lookahead runs in tests/gpu", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(tl.zeros, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+from lmkit.config.schema import LMKitConfig  # noqa: E402
+from lmkit.engine.request import Request  # noqa: E402
+from lmkit.engine.sampling_params import SamplingParams  # noqa: E402
+from lmkit.plugins.manager import PluginHost  # noqa: E402
+from lmkit.plugins.resolve import resolve_stack  # noqa: E402
+from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
+from lmkit.worker.cuda_graphs import CudaGraphRunner  # noqa: E402
+from lmkit.worker.gpu_lookahead import DecodeLookahead  # noqa: E402
+from lmkit.worker.model_runner import ModelRunner  # noqa: E402
+
+NUM_BLOCKS = 64
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
+                           num_heads=4, num_kv_heads=2)
+
+
+def _run(model_dir, lookahead: bool, slots: int = 0):
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": 256},
+        "cache": {"block_size": BLOCK, "num_blocks": NUM_BLOCKS},
+        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+        "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
+        "structured_output": {"backend": "none"},
+    })
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    stack = resolve_stack(config, host)
+    stack.entries["attention"] = host.registry.get("attention", "triton")  # interpreted
+    stack.options["attention"] = None
+    runner = ModelRunner(config, stack, host, model_dir)
+    runner.load_model()
+    runner.initialize_kv_cache(NUM_BLOCKS)
+    runner.cuda_graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
+                                         8, runner.max_model_len, BLOCK, use_graphs=False)
+    runner.lookahead = DecodeLookahead(runner) if lookahead else None
+    scheduler = host.registry.get("scheduler", "fcfs").spec.load()(
+        config, num_blocks=NUM_BLOCKS, options=None)
+    scheduler.num_lookahead_tokens = slots  # as the engine reserves it on CUDA
+
+    def request(rid, prompt_len, max_tokens):
+        prompt = [(7 * int(rid) + 3 * i) % 256 for i in range(prompt_len)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return Request(rid, prompt, params)
+
+    for rid, n, m in (("0", 5, 24), ("1", 14, 7), ("2", 30, 16)):
+        scheduler.add_request(request(rid, n, m))
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while scheduler.has_unfinished_requests():
+        if step in (10, 11, 12):  # arrivals mid-run
+            scheduler.add_request(request(str(step - 7), 9, 8))
+        so = scheduler.schedule()
+        out = runner.execute_model(so)
+        for eo in scheduler.update_from_output(so, out):
+            tokens.setdefault(eo.request_id, []).extend(eo.new_token_ids)
+        step += 1
+    return tokens, runner.lookahead
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    tokens, _ = _run(model_dir, lookahead=False)
+    assert {r: len(t) for r, t in tokens.items()} == {"0": 24, "1": 7, "2": 16, "3": 8,
+                                                       "4": 8, "5": 8}
+    return tokens
+
+
+@pytest.mark.parametrize("slots", [0, 1])
+def test_lookahead_gives_the_same_tokens(model_dir, expected, slots):
+    actual, lookahead = _run(model_dir, lookahead=True, slots=slots)
+    assert actual == expected
+    stats = lookahead.stats
+    print(stats)
+    assert stats.discarded >= 1  # an arrival
+    assert stats.launched >= stats.used + stats.discarded
+    # with a reserved slot the next block is always there: more steps come from the
+    # prediction than when each block boundary interrupts it
+    assert stats.used >= (15 if slots else 8)

@@ -63,6 +63,8 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
         info["results"].append(result)
     if torch.cuda.is_available():
         info["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if getattr(runner, "lookahead", None) is not None:
+        info["decode_lookahead"] = vars(runner.lookahead.stats).copy()
     if profile_steps:
         info["profiles"] = {wl["name"]: _profile_decode(engine, wl, recorder, profile_steps)
                             for wl in workloads}

@@ -94,14 +94,22 @@ def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float) -> d
     print(f"\n=== {side} {job['tag']}: {', '.join(w['name'] for w in job['workloads'])}",
           flush=True)
     t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.get("env", {})}
     try:
-        proc = subprocess.run(cmd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(cmd, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0 or not result_file.exists():
+        if side == "lmkit" and "LMKIT_DECODE_LOOKAHEAD" not in job.get("env", {}):
+            print("lmkit failed; once more without the decode lookahead", flush=True)
+            retry = run_side(side, {**job, "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}, workdir,
+                             timeout)
+            retry["retried_without_lookahead_after"] = f"exit status {proc.returncode}"
+            return retry
         return {"error": f"exit status {proc.returncode}"}
     result = json.loads(result_file.read_text())
     result["wall_s"] = time.perf_counter() - t0
+    result["env"] = job.get("env", {})
     return result
 
 
@@ -205,6 +213,11 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{f('lmkit_decode_bandwidth_fraction', '.2f'):>8}")
     if subset:
         lines.append("* HF ran the first N requests of the workload (see hf_requests)")
+    for res in report.get("lmkit_no_lookahead", {}).values():
+        for r in res.get("results", []):
+            extra = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
+            lines.append(f"{r['workload']} without the decode lookahead: "
+                         f"{r['output_tokens_per_s']:.0f} tok/s{extra}")
     for side in ("lmkit", "hf"):
         for model, res in report[side].items():
             if "error" in res:
@@ -225,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-timeout", type=float, default=900.0)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="then profile this many decode steps per workload (torch profiler)")
+    ap.add_argument("--lookahead-ab", action="store_true",
+                    help="also run lmkit with the decode lookahead off (LMKIT_DECODE_LOOKAHEAD=0)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "hf"), help=argparse.SUPPRESS)
@@ -275,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
+            if args.lookahead_ab:
+                report.setdefault("lmkit_no_lookahead", {})[key] = run_side(
+                    "lmkit", {**job, "tag": key + "-nola", "profile_steps": 0,
+                              "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}, root, args.side_timeout)
             if args.peer == "hf":
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
                 for w in hf_wls:

@@ -269,3 +269,27 @@ def test_smollm2_float32_greedy_equals_hf(smollm2, hf_refs, backend, graphs):
         if stop is not None:  # both stop at EOS; lmkit's output ends with it
             expected = expected[:stop + 1]
         assert list(out.outputs[0].token_ids) == expected
+
+
+GRAPH_BACKENDS = [b for b in BACKENDS if b != "torch"]  # the ones captured in CUDA graphs
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_llama8b_shape_greedy_decode_lookahead(llama8b_shape, backend):
+    """Plain greedy requests (no logprobs) decode through steps launched ahead of the
+    scheduler (lmkit.worker.gpu_lookahead); the tokens follow the copy circuit."""
+    prompts = _random_prompts(llama8b_shape_vocab(llama8b_shape))
+    llm = LLM(str(llama8b_shape), attention=backend, dtype="bfloat16", **ENGINE)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                    ignore_eos=True))
+        lookahead = llm.engine.executor.runner.lookahead
+        assert lookahead is not None and lookahead.stats.used > NEW_TOKENS // 2
+    finally:
+        llm.shutdown()
+    for out in outs:
+        seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        n = len(out.prompt_token_ids)
+        assert len(seq) == n + NEW_TOKENS
+        if n >= 2:
+            assert seq[n:] == [seq[i - 2] for i in range(n, len(seq))]

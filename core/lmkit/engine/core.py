@@ -17,6 +17,7 @@ from lmkit.config.schema import LMKitConfig
 from lmkit.engine.outputs import EngineCoreOutput
 from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import ConfigError, InvalidRequestError
+from lmkit.offload.attach import attach_offload
 from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.resolve import ResolvedStack, resolve_stack
 from lmkit.plugins.spec import Needs
@@ -66,6 +67,7 @@ class EngineCore:
             assert sched_reg is not None
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
+            self.offload = attach_offload(self.stack, self.scheduler, self.executor)
             self._reserve_decode_lookahead_slots()
             self.structured_output = StructuredOutputManager.from_stack(
                 self.config, self.stack, self.model_dir, self.model_info.vocab_size)
@@ -188,6 +190,8 @@ class EngineCore:
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
+        if self.offload is not None:
+            stats.update(self.offload.stats())
         if self.structured_output is not None:
             stats.update(self.structured_output.stats())
         return stats
@@ -200,6 +204,8 @@ class EngineCore:
         if self.structured_output is not None:
             self.structured_output.shutdown()
         try:
+            if self.offload is not None:
+                self.offload.close()  # finishes pending disk writes; never raises
             self.executor.shutdown()
         finally:
             self.host.hook.engine_stopped(engine=self)

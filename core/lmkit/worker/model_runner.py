@@ -23,6 +23,7 @@ from lmkit.engine.outputs import TokenLogprob
 from lmkit.errors import ModelLoadError, UnknownBackendError
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
+from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from lmkit.worker import memory
@@ -67,6 +68,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
@@ -133,8 +135,18 @@ class ModelRunner:
         self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
+        self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
+                                            self.model.attn)
         self.cuda_graphs = maybe_capture(self)
         self.lookahead = DecodeLookahead.maybe(self)
+
+    def offload_call(self, method: str, *args: Any) -> Any:
+        """Call ``method`` (``lookup``, ``stats``, ``close``) of the KV offload worker, as
+        the scheduler does through ``executor.call``; None without offload."""
+        return getattr(self.offload, method)(*args) if self.offload is not None else None
+
+    def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
+        return self.offload.finished_loads(wait) if self.offload is not None else {}
 
     def _profile_run(self) -> None:
         """The largest step the scheduler can produce, on a scratch KV cache."""
@@ -162,11 +174,14 @@ class ModelRunner:
         """Run one scheduled step; returns sampled tokens per scheduled request."""
         so = scheduler_output
         self._update_states(so)
+        if self.offload is not None:  # this step's stores, then its loads, before the forward
+            self.offload.start(so.kv_transfers)
         if not so.total_num_scheduled_tokens:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(finished_kv_loads=self._finished_kv_loads(wait=True))
         if self.lookahead is not None:  # the decode step launched ahead of the scheduler
             ahead = self.lookahead.take(so)
             if ahead is not None:
+                ahead.finished_kv_loads = self._finished_kv_loads()
                 return ahead
         order, step = self._prepare_step(so)
         with torch.inference_mode():
@@ -177,6 +192,7 @@ class ModelRunner:
         out = self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
+        out.finished_kv_loads = self._finished_kv_loads()
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -227,9 +227,15 @@ def _hf_run(model: Any, wl: Workload, generation_config_cls: Any) -> dict[str, A
                           max_generated_length=max_new, num_requests=len(wl["prompts"]))
     latency = len(wl["prompts"]) == 1
     t_setup = time.perf_counter()
+    cb_config = None
+    if model.device.type == "cpu":  # --smoke: a small cache, not 90% of the host's memory
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cb_config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=512)
     # no inference_mode here: the manager's loop runs in its own thread, outside it
     with model.continuous_batching_context_manager(
-            generation_config=gen, block=True, timeout=600, workload_hints=hints) as manager:
+            generation_config=gen, block=True, timeout=600, workload_hints=hints,
+            continuous_batching_config=cb_config) as manager:
         setup = time.perf_counter() - t_setup
         start = time.perf_counter()
         ids = [manager.add_request(input_ids=list(p), request_id=f"{wl['name']}-{i}",

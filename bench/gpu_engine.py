@@ -225,6 +225,12 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write(report: dict[str, Any], out: Path | None) -> None:
+    """Save what has been measured so far (a later time limit keeps it)."""
+    if out:
+        out.write_text(json.dumps(report, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write the JSON report here")
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager)
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    ab_jobs: list[tuple[str, dict[str, Any]]] = []
     try:
         for key, model_name, wl_names in plan:
             if not wl_names:
@@ -290,17 +297,22 @@ def main(argv: list[str] | None = None) -> int:
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
-            if args.lookahead_ab:
-                report.setdefault("lmkit_no_lookahead", {})[key] = run_side(
-                    "lmkit", {**job, "tag": key + "-nola", "profile_steps": 0,
-                              "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}, root, args.side_timeout)
+            if args.lookahead_ab:  # run last, so that a time limit cuts only these
+                ab_jobs.append((key, {**job, "tag": key + "-nola", "profile_steps": 0,
+                                      "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}))
             if args.peer == "hf":
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
                 for w in hf_wls:
                     report["hf_workloads"][w["name"]] = w
                 report["hf"][key] = run_side("hf", {**job, "workloads": hf_wls}, root,
                                              args.side_timeout)
-            shutil.rmtree(model_dir, ignore_errors=True)
+            _write(report, args.out)
+            if not args.lookahead_ab:
+                shutil.rmtree(model_dir, ignore_errors=True)
+        for key, job in ab_jobs:
+            report.setdefault("lmkit_no_lookahead", {})[key] = run_side(
+                "lmkit", job, root, args.side_timeout)
+            _write(report, args.out)
     finally:
         if not args.model_root:
             shutil.rmtree(root, ignore_errors=True)

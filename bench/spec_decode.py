@@ -1,19 +1,19 @@
 """Speculative decoding (``--spec ngram``) against plain decoding, side by side.
 
-For each workload and batch size, the same engine runs the same requests twice, each
-side in its own process one after the other (same machine, same load): without
-speculation, then with ``ngram`` prompt lookup. Greedy, EOS ignored, every output length
-fixed by the workload. Reported per row: output tokens/s of both sides, the speedup,
-the mean accepted length (tokens emitted per verification: 1 + accepted drafts) and
-the draft acceptance rate; the two sides' outputs are also compared (greedy outputs
-must be identical).
+For each workload and batch size, one process loads the same model twice, as a plain
+engine and as one with ``ngram`` prompt lookup, and times the same requests on each,
+alternately, ``--repeats`` times (the first side alternates too), so both see the same
+machine load; the medians are reported. Greedy, EOS ignored, every output length fixed
+by the workload. Per row: output tokens/s of both sides, the speedup (and each pair's),
+the mean accepted length (tokens emitted per verification: 1 + accepted drafts), the
+draft acceptance rate, and whether the greedy outputs were identical (they must be).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
 measures the overhead when drafts are rare or wrong). Batch 1 runs the requests one at
 a time (``max_num_seqs=1``); batch B submits B requests at once::
 
-    python bench/spec_decode.py --device cpu --dtype float32 --threads 2 --out spec.json
+    python bench/spec_decode.py --device cpu --dtype float32 --threads 1 --out spec.json
     python bench/spec_decode.py --device cuda --dtype bfloat16 --batches 1 32 256
 """
 
@@ -26,28 +26,57 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmkit.bench import sides
 from lmkit.bench.measure import run_isolated
 from lmkit.bench.workload import Workload, chat_workload, copy_workload
 
 
-def outputs_side(model: str, options: dict[str, Any], workload: Workload,
-                 threads: int | None) -> dict[str, Any]:
-    """:func:`lmkit.bench.sides.lmkit_throughput` plus the output token ids (to compare)."""
+def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any],
+                workload: Workload, threads: int | None, repeats: int) -> dict[str, Any]:
+    """Both engines in one process, timed alternately ``repeats`` times each (which one
+    goes first alternates too), so both sides see the same machine load."""
+    import statistics
+    import time
+
     import torch
     from lmkit import SamplingParams
     from lmkit.entrypoints.llm import LLM
 
-    result = sides.lmkit_throughput(model, options, workload, threads)
     if threads:
         torch.set_num_threads(threads)
-    llm = LLM(model, **options)  # again, untimed: the outputs for the identity check
+    engines = {"plain": LLM(model, **base_opts), "ngram": LLM(model, **spec_opts)}
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in workload.output_lens]
-    result["token_ids"] = [o.outputs[0].token_ids for o in llm.generate(workload.prompts,
-                                                                       params)]
-    llm.shutdown()
-    return result
+    times: dict[str, list[float]] = {"plain": [], "ngram": []}
+    tokens: dict[str, list[list[int]]] = {}
+    for llm in engines.values():
+        llm.generate([workload.prompts[0][:32]] * 2, warm)
+    before = engines["ngram"].stats()
+    for r in range(repeats):
+        for name in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
+            t0 = time.perf_counter()
+            outs = engines[name].generate(workload.prompts, params)
+            times[name].append(time.perf_counter() - t0)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    after = engines["ngram"].stats()
+    for llm in engines.values():
+        llm.shutdown()
+    spec = {k: after[k] - before.get(k, 0) for k in after
+            if k.startswith("spec_num_") and isinstance(after[k], (int, float))}
+    verifications = max(spec.get("spec_num_verifications", 0), 1)
+    drafted = max(spec.get("spec_num_draft_tokens", 0), 1)
+    produced = sum(map(len, tokens["plain"]))
+    return {"output_tokens": produced,
+            "plain_s": statistics.median(times["plain"]),
+            "ngram_s": statistics.median(times["ngram"]),
+            "pair_speedups": [b / s for b, s in zip(times["plain"], times["ngram"],
+                                                    strict=True)],
+            "mean_accepted_length": 1 + spec.get("spec_num_accepted_tokens", 0) / verifications,
+            "acceptance_rate": spec.get("spec_num_accepted_tokens", 0) / drafted,
+            "acceptance_rate_per_position": [
+                after[f"spec_acceptance_rate_pos_{j}"] for j in range(64)
+                if f"spec_acceptance_rate_pos_{j}" in after],
+            "outputs_identical": tokens["plain"] == tokens["ngram"]}
 
 
 def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int) -> Workload:
@@ -64,38 +93,30 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
     wl = make(kind, tokenizer, n, args.chat_output_len, args.seed)
     base_opts: dict[str, Any] = {"device": args.device, "dtype": args.dtype,
                                  "max_num_seqs": batch}
+    if args.device == "cuda":  # two engines share the GPU
+        base_opts["gpu_memory_utilization"] = 0.4
     spec_opts = {**base_opts, "speculative": "ngram",
                  "num_speculative_tokens": args.spec_tokens,
                  "speculative.options": {"prompt_lookup_max": args.prompt_lookup_max,
                                          "prompt_lookup_min": args.prompt_lookup_min}}
     print(f"[{kind} batch {batch}] {wl.describe()}", file=sys.stderr, flush=True)
-    fn = outputs_side if args.check_outputs else sides.lmkit_throughput
-    base = run_isolated(fn, model_dir, base_opts, wl, args.threads)
-    spec = run_isolated(fn, model_dir, spec_opts, wl, args.threads)
-    row = {"workload": kind, "batch": batch, "num_requests": n,
-           "output_tokens": wl.num_output_tokens,
-           "base_tokens_per_s": base["output_tokens"] / base["elapsed_s"],
-           "spec_tokens_per_s": spec["output_tokens"] / spec["elapsed_s"],
-           "base_elapsed_s": base["elapsed_s"], "spec_elapsed_s": spec["elapsed_s"],
-           "mean_accepted_length": spec.get("spec_mean_accepted_length", 0.0),
-           "acceptance_rate": spec.get("spec_acceptance_rate", 0.0),
-           "acceptance_rate_per_position": [
-               spec[f"spec_acceptance_rate_pos_{j}"] for j in range(args.spec_tokens)
-               if f"spec_acceptance_rate_pos_{j}" in spec]}
-    row["speedup"] = row["spec_tokens_per_s"] / row["base_tokens_per_s"]
-    if args.check_outputs:
-        row["outputs_identical"] = base["token_ids"] == spec["token_ids"]
+    r = run_isolated(paired_side, model_dir, base_opts, spec_opts, wl, args.threads,
+                     args.repeats)
+    row = {"workload": kind, "batch": batch, "num_requests": n, **r,
+           "base_tokens_per_s": r["output_tokens"] / r["plain_s"],
+           "spec_tokens_per_s": r["output_tokens"] / r["ngram_s"],
+           "speedup": r["plain_s"] / r["ngram_s"]}
     print(format_row(row), file=sys.stderr, flush=True)
     return row
 
 
 def format_row(r: dict[str, Any]) -> str:
-    same = "" if "outputs_identical" not in r else \
-        f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
+    pairs = ", ".join(f"{x:.2f}" for x in r["pair_speedups"])
     return (f"{r['workload']:5s} batch {r['batch']:4d}  plain {r['base_tokens_per_s']:8.1f} tok/s"
             f"  ngram {r['spec_tokens_per_s']:8.1f} tok/s  speedup {r['speedup']:5.2f}x"
-            f"  mean accepted length {r['mean_accepted_length']:4.2f}"
-            f"  acceptance {r['acceptance_rate']:.2f}{same}")
+            f" (pairs: {pairs})  mean accepted length {r['mean_accepted_length']:4.2f}"
+            f"  acceptance {r['acceptance_rate']:.2f}"
+            f"  identical={'yes' if r['outputs_identical'] else 'NO'}")
 
 
 def main() -> None:
@@ -112,10 +133,10 @@ def main() -> None:
     ap.add_argument("--chat-output-len", type=int, default=128)
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-check-outputs", dest="check_outputs", action="store_false",
-                    help="skip the second, untimed run that compares greedy outputs")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs of each side, alternating (the median is reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args()
 

@@ -2,7 +2,7 @@
 
 Speculation is off unless named: ``--spec ngram --spec-tokens K``, or in a config file
 ``speculative: {backend: ngram, num_speculative_tokens: 4, options: {prompt_lookup_max: 4,
-prompt_lookup_min: 2}}``.
+prompt_lookup_min: 3}}``.
 """
 
 from lmkit.api import Caps, Needs, Spec, hookimpl
@@ -20,8 +20,8 @@ class NgramOptions(BaseModel):
         4, ge=1, le=64, description="Longest suffix (in tokens) looked up in the request's "
         "prompt and output; tried first.")
     prompt_lookup_min: int = Field(
-        2, ge=1, le=64, description="Shortest suffix looked up; shorter matches propose "
-        "nothing.")
+        3, ge=1, le=64, description="Shortest suffix looked up; shorter matches propose "
+        "nothing (1-2 token matches are mostly chance in open-ended text).")
 
     @model_validator(mode="after")
     def _ordered(self) -> "NgramOptions":

@@ -25,7 +25,8 @@ class XGrammarOptions(BaseModel):
         "engine runs structured_output.num_compile_threads compilations at once).")
     fill_threads: int | None = Field(
         None, gt=0, le=256, description="Threads filling one step's token masks in parallel; "
-        "default: xgrammar's choice (half the CPU cores).")
+        "default: a quarter of the CPU cores, 1 to 8 (more competes with the model's CPU "
+        "threads).")
 
 
 SPEC = Spec(

@@ -12,6 +12,7 @@ wraps a fresh ``GrammarMatcher`` around it.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -103,9 +104,8 @@ class XGrammarBackend(StructuredOutputBackend):
                 f"xgrammar cannot use this tokenizer ({type(tokenizer).__name__}): {e}; it "
                 "needs a Hugging Face tokenizer with a known vocabulary type") from e
         self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
-        fill_threads = getattr(options, "fill_threads", None)
         self.batch_matcher = xgr.BatchGrammarMatcher(
-            max_threads=fill_threads if fill_threads else "auto")
+            max_threads=getattr(options, "fill_threads", None) or default_fill_threads())
         # caching is the engine's (a bounded LRU shared by every backend)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads,
                                             cache_enabled=False)
@@ -212,6 +212,13 @@ class XGrammarBackend(StructuredOutputBackend):
             # strict: no properties or items beyond the schema's (still valid output);
             # json_object allows any object
             strict_mode=kind == "json")
+
+
+def default_fill_threads() -> int:
+    """Mask-filling threads: a quarter of the CPU cores, 1 to 8. More would compete with
+    the model's own CPU threads (with two cores, xgrammar's default halved CPU decode
+    throughput), and a step's fills rarely need more."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 def choice_ebnf(spec: Any) -> str:

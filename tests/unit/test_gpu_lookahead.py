@@ -41,7 +41,7 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=1, hidden_size=64,
                            num_heads=4, num_kv_heads=2)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,6 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
                 workload: Workload, threads: int | None, repeats: int) -> dict[str, Any]:
     """Both engines in one process, timed alternately ``repeats`` times each (which one
     goes first alternates too), so both sides see the same machine load."""
-    import statistics
     import time
 
     import torch
@@ -114,7 +114,8 @@ def format_row(r: dict[str, Any]) -> str:
     pairs = ", ".join(f"{x:.2f}" for x in r["pair_speedups"])
     return (f"{r['workload']:5s} batch {r['batch']:4d}  plain {r['base_tokens_per_s']:8.1f} tok/s"
             f"  ngram {r['spec_tokens_per_s']:8.1f} tok/s  speedup {r['speedup']:5.2f}x"
-            f" (pairs: {pairs})  mean accepted length {r['mean_accepted_length']:4.2f}"
+            f" (pairs: {pairs}; median {statistics.median(r['pair_speedups']):.2f}x)"
+            f"  mean accepted length {r['mean_accepted_length']:4.2f}"
             f"  acceptance {r['acceptance_rate']:.2f}"
             f"  identical={'yes' if r['outputs_identical'] else 'NO'}")
 

@@ -1,10 +1,13 @@
 """Structured output on CUDA: xgrammar's bitmask kernel and lmkit's torch version on the
 GPU against the token-by-token reference, and constrained generation with SmolLM2 in
-bf16 (CUDA graphs on) whose outputs all validate."""
+bf16 (CUDA graphs on) whose outputs all validate. SmolLM2 comes from
+``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted directory) or the ``smollm2_dir``
+fixture."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,9 +45,25 @@ def test_cuda_kernels_match_the_cpu_version(dtype, indices):
         assert torch.equal(out.cpu(), expected)
 
 
-def test_constrained_generation_on_cuda_validates(smollm2_dir):
+@pytest.fixture(scope="module")
+def smollm2(request, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct: ``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted
+    directory) or the ``smollm2_dir`` fixture."""
+    path = os.environ.get("LMKIT_TEST_SMOLLM2")
+    if not path:
+        return request.getfixturevalue("smollm2_dir")
+    if Path(path).is_dir():
+        return Path(path)
+    from lmkit.loading.resolve import resolve_model
+    from lmkit.plugins.manager import PluginHost
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    return resolve_model(path, host, cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
+
+
+def test_constrained_generation_on_cuda_validates(smollm2):
     names = list(SCHEMAS)
-    with LLM(str(smollm2_dir), device="cuda", dtype="bfloat16", max_num_seqs=64,
+    with LLM(str(smollm2), device="cuda", dtype="bfloat16", max_num_seqs=64,
              max_model_len=512) as llm:
         params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=80,
                                  structured_outputs={"json": SCHEMAS[n]})

@@ -21,6 +21,7 @@ from lmkit.offload.attach import attach_offload
 from lmkit.plugins.manager import PluginHost
 from lmkit.plugins.resolve import ResolvedStack, resolve_stack
 from lmkit.plugins.spec import Needs
+from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class EngineCore:
             self._reserve_decode_lookahead_slots()
             self.structured_output = StructuredOutputManager.from_stack(
                 self.config, self.stack, self.model_dir, self.model_info.vocab_size)
+            self.spec_decode = ProposerManager.from_stack(self.config, self.stack,
+                                                          self.model_info.vocab_size)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -143,6 +146,8 @@ class EngineCore:
             self.structured_output.add_request(request)
             return
         self.scheduler.add_request(request)
+        if self.spec_decode is not None:
+            self.spec_decode.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests; unknown or finished ids are ignored."""
@@ -151,6 +156,8 @@ class EngineCore:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             if self.structured_output is not None:
                 self.structured_output.abort(ids)
+            if self.spec_decode is not None:
+                self.spec_decode.remove_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or (
@@ -176,12 +183,16 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if grammars is not None:
             grammars.fill_bitmask(scheduler_output)
+        if self.spec_decode is not None:
+            self.spec_decode.before_execute(scheduler_output)
         runner_output = self.executor.execute(scheduler_output)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if grammars is not None:  # accepted tokens advance grammars; terminated ones end
             grammars.advance(outputs, self.scheduler)
+        if self.spec_decode is not None:  # drafts for the next step
+            self.spec_decode.after_step(scheduler_output, runner_output, outputs)
         return outputs
 
     def stats(self) -> dict[str, Any]:
@@ -192,6 +203,8 @@ class EngineCore:
                      uptime_s=time.monotonic() - self._started)
         if self.offload is not None:
             stats.update(self.offload.stats())
+        if self.spec_decode is not None:
+            stats.update(self.spec_decode.get_stats())
         if self.structured_output is not None:
             stats.update(self.structured_output.stats())
         return stats

@@ -26,6 +26,7 @@ from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.gpu_lookahead import DecodeLookahead
@@ -68,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.spec_sampler = SpecDecodeSampler(self.sampler)  # verifies draft tokens
         self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
@@ -187,9 +189,9 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
-            sampled, logprobs = self._sample(hidden, order, plan, so=so)
+            verified = self._sample(hidden, order, plan, so)
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
-        out = self._commit(order, plan, sampled, logprobs, prompt_logprobs, so)
+        out = self._commit(order, plan, verified, prompt_logprobs)
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
         out.finished_kv_loads = self._finished_kv_loads()
@@ -286,10 +288,10 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, order: list[str],
                 plan: list[tuple[int, int, list[int]]], so: SchedulerOutput | None = None
-                ) -> tuple[list[int], list[TokenLogprob | None] | None]:
-        """Sample every planned row in one sampler call; returns tokens per row."""
+                ) -> VerifiedTokens:
+        """Sample (and verify drafts) for every planned request in one call."""
         if not plan:
-            return [], None
+            return VerifiedTokens([], [])
         rows: list[int] = []
         params, prompts, outputs, generators, eos = [], [], [], [], []
         for i, first_row, drafts in plan:
@@ -311,8 +313,9 @@ class ModelRunner:
                                   self.apply_token_bitmask)
         md = SamplingMetadata.build(params, prompts, outputs, generators, eos,
                                     self.vocab_size, hidden.device)
-        out = self.sampler(logits, md)
-        return out.sampled_token_ids.tolist(), out.logprobs
+        draft_probs = so.spec_draft_probs if so is not None else None
+        probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
+        return self.spec_sampler(logits, md, [drafts for _, _, drafts in plan], probs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                          ) -> dict[str, list[TokenLogprob | None]]:
@@ -339,45 +342,25 @@ class ModelRunner:
         return done
 
     def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],
-                sampled: list[int], logprobs: list[TokenLogprob | None] | None,
-                prompt_logprobs: dict[str, list[TokenLogprob | None]],
-                so: SchedulerOutput) -> ModelRunnerOutput:
-        """Verify drafts, append tokens to the runner's copies, build the output."""
+                verified: VerifiedTokens, prompt_logprobs: dict[str, list[TokenLogprob | None]]
+                ) -> ModelRunnerOutput:
+        """Append the accepted tokens to the runner's copies, build the output."""
         out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order],
                                 prompt_logprobs=prompt_logprobs)
-        if logprobs is not None:
+        if verified.logprobs is not None:
             out.logprobs = [[] for _ in order]
-        k = 0
-        for i, _, drafts in plan:
+        for n, (i, _, drafts) in enumerate(plan):
             rid = order[i]
-            tokens = sampled[k:k + len(drafts) + 1]
-            num_accepted = accept_drafts(drafts, tokens)
-            tokens = tokens[:num_accepted + 1]
+            tokens = verified.token_ids[n]  # accepted drafts + 1
             if drafts:
                 out.num_draft_tokens[rid] = len(drafts)
-                out.num_accepted_tokens[rid] = num_accepted
-            if out.logprobs is not None:
-                out.logprobs[i] = [lp for lp in logprobs[k:k + len(tokens)] if lp is not None]
-            k += len(drafts) + 1
+                out.num_accepted_tokens[rid] = verified.num_accepted[n]
+            if out.logprobs is not None and verified.logprobs is not None:
+                out.logprobs[i] = verified.logprobs[n]
             out.sampled_token_ids[i] = tokens
             self.requests[rid].output_token_ids.extend(tokens)
             self.input_batch.append_tokens(self.input_batch.row_of[rid], tokens)
         return out
-
-
-def accept_drafts(drafts: list[int], sampled: list[int]) -> int:
-    """Speculative verification by exact match: how many drafts to accept.
-
-    ``sampled[j]`` was drawn from the target model at draft position ``j`` (given the
-    drafts before it), so accepting drafts while they equal the target's own samples,
-    then taking the target's sample at the first mismatch (or the bonus token), yields
-    exactly the target distribution, for greedy and random sampling alike.
-    Rejection sampling with draft probabilities accepts more and can replace this.
-    """
-    n = 0
-    while n < len(drafts) and drafts[n] == sampled[n]:
-        n += 1
-    return n
 
 
 def max_model_len(hf_config: Any, asked: int | None) -> int:

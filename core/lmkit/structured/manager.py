@@ -57,6 +57,12 @@ class RequestGrammar:
     def is_ready(self) -> bool:
         return self.grammar is not None
 
+    @property
+    def future(self) -> Future[Any]:
+        """The compile job's future (the job is submitted right after construction)."""
+        assert self.job is not None, "add_request submits the job"
+        return self.job.future
+
 
 class StructuredOutputManager:
     """Compiles constraints through one backend and drives the requests' grammars.
@@ -164,12 +170,12 @@ class StructuredOutputManager:
         if not self._pending:
             return admitted
         if idle:
-            wait([r.structured_output.job.future for r in self._pending.values()],
+            wait([r.structured_output.future for r in self._pending.values()],
                  timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         now = time.monotonic()
         for rid, request in list(self._pending.items()):
             state: RequestGrammar = request.structured_output
-            future = state.job.future
+            future = state.future
             if future.done():
                 del self._pending[rid]
                 try:
@@ -191,7 +197,8 @@ class StructuredOutputManager:
                 error = self._overdue(state, now)
                 if error is not None:
                     del self._pending[rid]
-                    self.pool.abandon(state.job)
+                    if state.job is not None:
+                        self.pool.abandon(state.job)
                     self._reject(request, error)
         return admitted
 
@@ -225,7 +232,7 @@ class StructuredOutputManager:
         for rid in request_ids:
             request = self._pending.pop(rid, None)
             if request is not None:
-                request.structured_output.job.future.cancel()
+                request.structured_output.future.cancel()
             self._active.pop(rid, None)
 
     # -- one step ---------------------------------------------------------------------
@@ -334,10 +341,10 @@ class StructuredOutputManager:
                                      self.backend_name)
                     self._backend_error = e
             if self._backend_error is not None:
-                e = self._backend_error
+                error = self._backend_error
                 raise InvalidRequestError(
                     f"the {self.backend_name!r} structured-output backend could not start: "
-                    f"{type(e).__name__}: {e}", param=PARAM, code="backend_unavailable")
+                    f"{type(error).__name__}: {error}", param=PARAM, code="backend_unavailable")
             assert self._backend is not None
             return self._backend
 

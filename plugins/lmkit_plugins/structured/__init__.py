@@ -35,7 +35,8 @@ SPEC = Spec(
     requires=("xgrammar",),
     priority=50,
     options=XGrammarOptions,
-    caps=Caps({"json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"}),
+    caps=Caps(frozenset({"json_schema", "json_object", "regex", "grammar", "choice",
+                         "structural_tag"})),
     description="Constrained decoding with xgrammar (JSON schema, regex, EBNF/Lark, choice, "
                 "structural tags); CUDA bitmask kernel on GPU.",
 )

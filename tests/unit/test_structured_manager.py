@@ -183,15 +183,15 @@ def test_a_slow_compilation_is_refused_while_others_proceed():
     assert manager.stats()["grammar_compile_threads_abandoned"] == 1
     CountingBackend.release.set()  # the abandoned compilation ends; its result is cached
     deadline = time.monotonic() + 5
-    while manager.pool.num_abandoned and time.monotonic() < deadline:
+    while manager.compiler.pool.num_abandoned and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert any(k.startswith("choice:") and "slow" in k for k in manager.cache._entries)
+    assert any(k.startswith("choice:") and "slow" in k for k in manager.compiler.cache._entries)
 
 
 def test_requests_stuck_behind_runaway_compilations_are_refused_as_busy():
     CountingBackend.release.clear()
     manager = make_manager(compile_timeout_s=0.1, num_compile_threads=1, queue_timeout_s=0.3)
-    manager.pool.max_abandoned = 0  # no replacement thread: the queue stalls
+    manager.compiler.pool.max_abandoned = 0  # no replacement thread: the queue stalls
     scheduler = FakeScheduler()
     manager.add_request(request("slow", choice=["slow"]))
     manager.add_request(request("queued", choice=["fast"]))
@@ -209,12 +209,12 @@ def test_identical_constraints_compile_once_and_unique_ones_stay_bounded():
     for i in range(6):
         manager.add_request(request(f"same-{i}", json=schema))
     admit_all(manager, scheduler)
-    backend = manager.backend()
+    backend = manager.compiler.backend()
     assert backend.num_compiled == 1 and len(scheduler.added) == 6
     for i in range(40):
         manager.add_request(request(f"unique-{i}", regex=f"x{i}"))
     admit_all(manager, scheduler)
-    assert len(manager.cache) <= 8 and manager.cache.evictions >= 33
+    assert len(manager.compiler.cache) <= 8 and manager.compiler.cache.evictions >= 33
     assert backend.num_compiled == 41
 
 

@@ -11,19 +11,17 @@ ends those whose grammar terminated.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import InvalidRequestError
-from lmkit.structured.cache import GrammarCache
-from lmkit.structured.compile_pool import CompileJob, CompilePool
-from lmkit.structured.constraint import PARAM, Constraint, parse_constraint
+from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
+from lmkit.structured.constraint import PARAM, parse_constraint
 from lmkit.structured.rows import fill_rows
 
 if TYPE_CHECKING:
@@ -36,32 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.01  # how long an otherwise idle step waits for a compilation to finish
-
-
-class RequestGrammar:
-    """A request's structured-output state (``request.structured_output``): its
-    constraint, the compile job, when the job was queued and when its compilation
-    started (the time limit counts from there), and the grammar once it is ready
-    (:attr:`is_ready`)."""
-
-    __slots__ = ("constraint", "job", "queued_at", "compile_started_at", "grammar")
-
-    def __init__(self, constraint: Constraint) -> None:
-        self.constraint = constraint
-        self.job: CompileJob | None = None
-        self.queued_at = time.monotonic()
-        self.compile_started_at: float | None = None
-        self.grammar: Grammar | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return self.grammar is not None
-
-    @property
-    def future(self) -> Future[Any]:
-        """The compile job's future (the job is submitted right after construction)."""
-        assert self.job is not None, "add_request submits the job"
-        return self.job.future
 
 
 class StructuredOutputManager:
@@ -96,13 +68,8 @@ class StructuredOutputManager:
         # waiting for a thread (behind runaway compilations) is bounded too
         self.queue_timeout_s = (max(60.0, 10 * compile_timeout_s) if queue_timeout_s is None
                                 else queue_timeout_s)
-        self.cache = GrammarCache(cache_size, cache_bytes)
-        self.pool = CompilePool(num_compile_threads)
-        self._make_backend = make_backend
-        self._backend: StructuredOutputBackend | None = None
-        self._backend_error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._inflight: dict[str, Future[Any]] = {}  # constraint key -> its compilation
+        self.compiler = GrammarCompiler(make_backend, backend_name, num_compile_threads,
+                                        cache_size, cache_bytes)
         self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
         self._active: dict[str, RequestGrammar] = {}  # admitted to the scheduler
         self._rejected: list[tuple[str, InvalidRequestError]] = []
@@ -153,7 +120,7 @@ class StructuredOutputManager:
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id",
                                       code="duplicate_request_id")
         state = RequestGrammar(constraint)
-        state.job = self.pool.submit(self._build_grammar, state)
+        self.compiler.submit(state)
         request.structured_output = state
         self._pending[rid] = request
 
@@ -197,8 +164,7 @@ class StructuredOutputManager:
                 error = self._overdue(state, now)
                 if error is not None:
                     del self._pending[rid]
-                    if state.job is not None:
-                        self.pool.abandon(state.job)
+                    self.compiler.abandon(state)
                     self._reject(request, error)
         return admitted
 
@@ -215,8 +181,9 @@ class StructuredOutputManager:
                 param=PARAM, code="constraint_compile_timeout")
         if started is None and now - state.queued_at > self.queue_timeout_s:
             return InvalidRequestError(
-                f"the grammar compiler is busy ({self.pool.num_abandoned} compilations overran "
-                f"their time limit and still run); the {state.constraint.describe()} "
+                f"the grammar compiler is busy ({self.compiler.pool.num_abandoned} "
+                "compilations overran their time limit and still run); the "
+                f"{state.constraint.describe()} "
                 f"constraint waited {self.queue_timeout_s:g}s for a compile thread; retry later",
                 param=PARAM, code="constraint_compile_busy")
         return None
@@ -265,7 +232,7 @@ class StructuredOutputManager:
                 plain_rows.append(row)
             row += 1 + len(drafts)
         if plain:
-            self.backend().fill_bitmasks(plain, bitmask, plain_rows)
+            self.compiler.backend().fill_bitmasks(plain, bitmask, plain_rows)
         scheduler_output.grammar_bitmask = bitmask
 
     def advance(self, outputs: list[EngineCoreOutput], scheduler: Scheduler) -> None:
@@ -316,75 +283,16 @@ class StructuredOutputManager:
         return {"num_grammars_compiling": len(self._pending),
                 "num_constrained_requests": len(self._active),
                 "grammar_compile_timeouts": self.num_compile_timeouts,
-                "grammar_compile_threads_abandoned": self.pool.num_abandoned,
-                **self.cache.stats()}
+                "grammar_compile_threads_abandoned": self.compiler.pool.num_abandoned,
+                **self.compiler.cache.stats()}
 
     def shutdown(self) -> None:
         """Stop the compile threads (a running compilation finishes in the background)."""
-        self.pool.shutdown()
-
-    # -- compile threads --------------------------------------------------------------
+        self.compiler.shutdown()
 
     def _reject(self, request: Request, error: InvalidRequestError) -> None:
         request.status = RequestStatus.FINISHED_ERROR
         self._rejected.append((request.request_id, error))
-
-    def backend(self) -> StructuredOutputBackend:
-        """The backend, built on first use (thread-safe); a construction error is kept
-        and raised again as an :class:`InvalidRequestError` for every request."""
-        with self._lock:
-            if self._backend is None and self._backend_error is None:
-                try:
-                    self._backend = self._make_backend()
-                except Exception as e:
-                    logger.exception("cannot start structured-output backend %r",
-                                     self.backend_name)
-                    self._backend_error = e
-            if self._backend_error is not None:
-                error = self._backend_error
-                raise InvalidRequestError(
-                    f"the {self.backend_name!r} structured-output backend could not start: "
-                    f"{type(error).__name__}: {error}", param=PARAM, code="backend_unavailable")
-            assert self._backend is not None
-            return self._backend
-
-    def _build_grammar(self, state: RequestGrammar) -> Grammar:
-        """(compile thread) A fresh grammar: the shared compilation from the cache, from
-        a compilation of the same constraint already running, or compiled now. The time
-        limit starts once the backend exists (building it is a one-off cost)."""
-        backend = self.backend()
-        state.compile_started_at = time.monotonic()
-        constraint = state.constraint
-        shared = self.cache.get(constraint.key)
-        if shared is None:
-            shared = self._compile_shared(backend, constraint)
-        return backend.new_grammar(shared)
-
-    def _compile_shared(self, backend: StructuredOutputBackend, constraint: Constraint) -> Any:
-        key = constraint.key
-        with self._lock:
-            running = self._inflight.get(key)
-            if running is None:
-                if key in self.cache:
-                    hit = self.cache.get(key)
-                    if hit is not None:
-                        return hit
-                mine: Future[Any] = Future()
-                self._inflight[key] = mine
-        if running is not None:
-            return running.result()
-        try:
-            shared = backend.compile_shared(constraint.kind, constraint.spec)
-            self.cache.put(key, shared, backend.shared_size_bytes(shared))
-        except BaseException as e:
-            mine.set_exception(e)
-            raise
-        else:
-            mine.set_result(shared)
-            return shared
-        finally:
-            with self._lock:
-                self._inflight.pop(key, None)
 
 
 def structured_output_off_error(config: LMKitConfig) -> InvalidRequestError:

@@ -112,7 +112,10 @@ class SpecDecodeSampler:
         raw_logprobs = None
         if md.logprob_rows is not None:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
-        adjusted = adjust_logits(logits.to(torch.float32, copy=True), md)
+        if md.all_greedy and not md.needs_logit_adjustment:
+            adjusted = logits  # only read (argmax): no copy
+        else:
+            adjusted = adjust_logits(logits.to(torch.float32, copy=True), md)
         greedy_ids = None if md.all_random else adjusted.argmax(dim=-1)
         if md.all_greedy:
             assert greedy_ids is not None

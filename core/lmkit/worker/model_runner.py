@@ -22,8 +22,8 @@ from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.engine.outputs import TokenLogprob
 from lmkit.errors import ModelLoadError, UnknownBackendError
 from lmkit.loading.weights import iterate_weights, load_hf_config
-from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
+from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens

@@ -62,15 +62,18 @@ SCHEMAS = {
 
 
 class MaskTimer:
-    """Wraps the engine's fill / advance and the runner's bitmask kernel with timers."""
+    """Wraps the engine's fill / advance and the runner's bitmask application (row
+    reordering, host-to-device copy, kernel) with timers (uniproc executor)."""
 
     def __init__(self, llm: Any, cuda: bool) -> None:
         self.manager = llm.engine.structured_output
-        self.runner = llm.engine.executor.runner
         self.cuda = cuda
         self.steps: list[dict[str, float]] = []
+        import lmkit.worker.model_runner as model_runner
+
+        self.model_runner = model_runner
         self._orig = (self.manager.fill_bitmask, self.manager.advance,
-                      self.runner.apply_token_bitmask)
+                      model_runner.apply_grammar_bitmask)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -88,10 +91,10 @@ class MaskTimer:
             self.steps.append({"fill_s": time.perf_counter() - t0, "rows": rows,
                                "apply_s": 0.0, "advance_s": 0.0})
 
-        def timed_apply(logits: Any, bitmask: Any, indices: Any = None) -> None:
+        def timed_apply(*args: Any) -> None:  # rows to the sampler's order, copy, kernel
             self._sync()
             t0 = time.perf_counter()
-            apply(logits, bitmask, indices)
+            apply(*args)
             self._sync()
             self.steps[-1]["apply_s"] += time.perf_counter() - t0
 
@@ -101,12 +104,12 @@ class MaskTimer:
             self.steps[-1]["advance_s"] += time.perf_counter() - t0
 
         self.manager.fill_bitmask, self.manager.advance = timed_fill, timed_advance
-        self.runner.apply_token_bitmask = timed_apply
+        self.model_runner.apply_grammar_bitmask = timed_apply
 
     def uninstall(self) -> None:
         fill, advance, apply = self._orig
         self.manager.fill_bitmask, self.manager.advance = fill, advance
-        self.runner.apply_token_bitmask = apply
+        self.model_runner.apply_grammar_bitmask = apply
 
     def summary(self) -> dict[str, float]:
         """Per constrained token (one bitmask row): p50 / p99 over steps, microseconds."""

@@ -86,3 +86,11 @@ def test_scheduler_rows_are_scattered_to_the_sampler_rows_with_drafts():
     assert [int(r.argmax()) for r in logits[[1, 2, 3, 5]]] == [5, 6, 7, 9]
     assert torch.isfinite(logits[[0, 4]]).all()
     assert logits_bitmask(bitmask, {"x": 0}, ["a"], [1]) is None
+
+
+def test_rows_already_in_the_sampler_order_are_used_as_they_are():
+    bitmask = allocate_bitmask(3, 64)
+    aligned, rows = logits_bitmask(bitmask, {"a": 0, "b": 1, "c": 2}, ["a", "b", "c"], [1, 1, 1])
+    assert aligned is bitmask and rows == [0, 1, 2]
+    swapped, rows = logits_bitmask(bitmask, {"a": 1, "b": 0, "c": 2}, ["a", "b", "c"], [1, 1, 1])
+    assert swapped is not bitmask and rows == [0, 1, 2]

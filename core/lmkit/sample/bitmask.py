@@ -118,8 +118,11 @@ def logits_bitmask(bitmask: torch.Tensor, first_row_of: Mapping[str, int],
         row += n
     if not logit_rows:
         return None
+    if logit_rows == mask_rows and row == bitmask.shape[0]:
+        return bitmask, logit_rows  # already aligned (every sampled row constrained, in order)
     aligned = torch.full((row, bitmask.shape[1]), -1, dtype=torch.int32)
-    aligned[logit_rows] = bitmask[mask_rows]
+    aligned.index_copy_(0, torch.tensor(logit_rows),
+                        bitmask.index_select(0, torch.tensor(mask_rows)))
     return aligned, logit_rows
 
 

@@ -1,8 +1,8 @@
 """Structured output end to end on SmolLM2-135M-Instruct (CPU) with the ``xgrammar``
 backend: 24 JSON schemas plus regex, choice and EBNF constraints, greedy and sampled in
 one batch, every output parsed and validated; under preemption; with draft tokens
-(bitmask rows per draft position, rejected drafts rolled back); n > 1, streaming, stop
-strings, ignore_eos; and refusals."""
+(bitmask rows per draft position, rejected drafts rolled back), given by hand and by the
+ngram proposer; n > 1, streaming, stop strings, ignore_eos; and refusals."""
 
 from __future__ import annotations
 
@@ -184,6 +184,26 @@ def test_draft_positions_get_their_own_rows_and_rejected_drafts_roll_back(llm):
     assert num_steps < len(reference)  # accepted drafts emitted several tokens per step
     jsonschema.validate(json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True)),
                         schema)
+
+
+def test_ngram_speculation_on_constrained_requests_is_lossless(llm, smollm2_dir):
+    docs = {"order": {"items": [{"name": "apple", "qty": 3}, {"name": "pear", "qty": 2}]},
+            "address": {"name": "Ada", "address": {"street": "Main Street 1", "zip": "90210"}},
+            "weather": {"sky": "rainy", "wind_kmh": 12, "alerts": ["storm", "flood"]}}
+    convs = [chat(f"Repeat this JSON exactly: {json.dumps(d, separators=(',', ':'))}")
+             for d in docs.values()]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                             structured_outputs={"json": SCHEMAS[n]}) for n in docs]
+    reference = [o.outputs[0].token_ids for o in llm.chat(convs, params)]
+    with LLM(str(smollm2_dir), dtype="float32", max_num_seqs=8, max_model_len=512,
+             speculative="ngram", num_speculative_tokens=4) as spec:
+        outs = spec.chat(convs, params)
+        stats = spec.stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    for name, out in zip(docs, outs, strict=True):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[name])
+    assert stats["spec_num_accepted_tokens"] > 0  # the copies were drafted and accepted
 
 
 def test_n_streaming_and_stop_strings(llm):

@@ -61,19 +61,19 @@ def manager(*requests: Request) -> tuple[ProposerManager, Recorder]:
 def test_drafts_go_to_decoding_requests_that_may_speculate():
     ok = decoding("ok")
     opted_out = decoding("opted-out", use_spec_decode=False)
-    grammar = decoding("grammar", structured_outputs={"regex": "a+"})
+    grammar = decoding("grammar", structured_outputs={"regex": "a+"})  # speculates too
     prefilling = decoding("prefilling")
     prefilling.num_computed_tokens = 1
     last_token = decoding("last", max_tokens=2)  # one more token to go: nothing to draft
-    reqs = [ok, opted_out, grammar, prefilling, last_token]
+    reqs = [ok, grammar, opted_out, prefilling, last_token]
     m, proposer = manager(*reqs)
     m.after_step(SchedulerOutput(), ModelRunnerOutput(), [out(r.request_id) for r in reqs])
     (call,) = proposer.calls
-    assert call.req_ids == ["ok"] and call.token_ids == [[1, 2, 3, 4]]
-    assert call.num_new_tokens == [4] and call.num_spec_tokens == K
-    assert ok.spec_token_ids == [7, 7, 7]
-    assert all(r.spec_token_ids == [] for r in reqs[1:])
-    assert m.get_stats()["spec_num_proposed_tokens"] == 3
+    assert call.req_ids == ["ok", "grammar"] and call.token_ids == [[1, 2, 3, 4]] * 2
+    assert call.num_new_tokens == [4, 4] and call.num_spec_tokens == K
+    assert ok.spec_token_ids == grammar.spec_token_ids == [7, 7, 7]
+    assert all(r.spec_token_ids == [] for r in reqs[2:])
+    assert m.get_stats()["spec_num_proposed_tokens"] == 6
     # the next step tells the proposer only the newly accepted tokens
     ok.append_output_token_ids([5, 6])
     ok.num_computed_tokens = ok.num_tokens - 1

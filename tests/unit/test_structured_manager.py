@@ -61,8 +61,9 @@ def make_manager(features=SPEC.caps.features, **kwargs) -> StructuredOutputManag
                                    features, VOCAB, **kwargs)
 
 
-def request(rid: str, **constraint) -> Request:
-    return Request(rid, [1, 2, 3], SamplingParams(structured_outputs=constraint),
+def request(rid: str, use_spec_decode: bool = True, **constraint) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(structured_outputs=constraint,
+                                                  use_spec_decode=use_spec_decode),
                    eos_token_id=EOS)
 
 
@@ -111,6 +112,18 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_grammar_as_it_was():
     assert allowed(so2.grammar_bitmask, 0) == {ord("a")}  # drafts were rolled back
     assert manager.num_valid_draft_tokens("a", ids("abx")) == 2
     assert manager.num_valid_draft_tokens("unconstrained", ids("xyz")) == 3
+
+
+def test_drafts_are_cut_to_what_the_grammar_allows():
+    manager, scheduler = make_manager(), FakeScheduler()
+    manager.add_request(request("a", regex="abc"))
+    manager.add_request(request("b", regex="abc", use_spec_decode=False))
+    admit_all(manager, scheduler)
+    a, b = scheduler.added
+    a.spec_token_ids, b.spec_token_ids = ids("abxc"), ids("x")
+    assert manager.trim_draft_tokens() == 2
+    assert a.spec_token_ids == ids("ab") and b.spec_token_ids == ids("x")  # b opted out
+    assert manager.stats()["grammar_drafts_trimmed"] == 2
 
 
 def test_grammars_advance_and_a_terminated_grammar_ends_its_request():

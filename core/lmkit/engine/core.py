@@ -179,7 +179,11 @@ class EngineCore:
     def _step(self, engine: EngineCore) -> list[EngineCoreOutput]:
         grammars = self.structured_output
         if grammars is not None:  # constrained requests whose grammar is ready join
-            grammars.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
+            admitted = grammars.admit(self.scheduler,
+                                      idle=not self.scheduler.has_unfinished_requests())
+            if self.spec_decode is not None:
+                for request in admitted:
+                    self.spec_decode.add_request(request)
         scheduler_output = self.scheduler.schedule()
         if grammars is not None:
             grammars.fill_bitmask(scheduler_output)
@@ -193,6 +197,8 @@ class EngineCore:
             grammars.advance(outputs, self.scheduler)
         if self.spec_decode is not None:  # drafts for the next step
             self.spec_decode.after_step(scheduler_output, runner_output, outputs)
+            if grammars is not None:  # only drafts the grammars allow
+                grammars.trim_draft_tokens()
         return outputs
 
     def stats(self) -> dict[str, Any]:

@@ -102,12 +102,12 @@ class ProposerManager:
 
     @staticmethod
     def is_eligible(request: Request) -> bool:
-        """Whether ``request`` may speculate: decoding, not opted out, without a grammar
-        (constrained decoding does not verify drafts yet), and with two or more tokens
-        still to generate (the last one needs no draft)."""
+        """Whether ``request`` may speculate: decoding, not opted out, and with two or more
+        tokens still to generate (the last one needs no draft). Constrained requests
+        speculate too: their grammar gives every draft position its own bitmask row, and
+        the engine cuts their drafts to what the grammar allows."""
         params = request.sampling_params
-        if (request.status != RequestStatus.RUNNING or not params.use_spec_decode
-                or params.structured_outputs is not None):
+        if request.status != RequestStatus.RUNNING or not params.use_spec_decode:
             return False
         if request.num_computed_tokens != request.num_tokens - 1:
             return False  # prefilling (or scheduled ahead)

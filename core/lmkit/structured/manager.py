@@ -72,8 +72,10 @@ class StructuredOutputManager:
                                         cache_size, cache_bytes)
         self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
         self._active: dict[str, RequestGrammar] = {}  # admitted to the scheduler
+        self._drafting: dict[str, Request] = {}  # admitted requests that may get drafts
         self._rejected: list[tuple[str, InvalidRequestError]] = []
         self.num_compile_timeouts = 0
+        self.num_drafts_trimmed = 0
 
     @classmethod
     def from_stack(cls, config: LMKitConfig, stack: ResolvedStack, model_dir: Path,
@@ -159,6 +161,8 @@ class StructuredOutputManager:
                         param=PARAM, code="constraint_compile_failed"))
                     continue
                 self._active[rid] = state
+                if request.sampling_params.use_spec_decode:
+                    self._drafting[rid] = request
                 admitted.append(request)
             else:
                 error = self._overdue(state, now)
@@ -201,6 +205,7 @@ class StructuredOutputManager:
             if request is not None:
                 request.structured_output.future.cancel()
             self._active.pop(rid, None)
+            self._drafting.pop(rid, None)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -258,6 +263,7 @@ class StructuredOutputManager:
                 out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
             if out.finish_reason is not None:
                 del self._active[out.request_id]
+                self._drafting.pop(out.request_id, None)
 
     def num_valid_draft_tokens(self, request_id: str, draft_token_ids: list[int]) -> int:
         """How many leading ``draft_token_ids`` the request's grammar allows (all of them
@@ -275,6 +281,21 @@ class StructuredOutputManager:
         grammar.rollback(n)
         return n
 
+    def trim_draft_tokens(self) -> int:
+        """Cut every constrained request's draft tokens (``spec_token_ids``, set by a
+        proposer) to what its grammar allows, so that no verification slot is spent on
+        a forbidden token; returns how many drafts were dropped."""
+        dropped = 0
+        for rid, request in self._drafting.items():
+            drafts = request.spec_token_ids
+            if drafts:
+                keep = self.num_valid_draft_tokens(rid, drafts)
+                if keep < len(drafts):
+                    request.spec_token_ids = drafts[:keep]
+                    dropped += len(drafts) - keep
+        self.num_drafts_trimmed += dropped
+        return dropped
+
     # -- housekeeping -----------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
@@ -283,6 +304,7 @@ class StructuredOutputManager:
         return {"num_grammars_compiling": len(self._pending),
                 "num_constrained_requests": len(self._active),
                 "grammar_compile_timeouts": self.num_compile_timeouts,
+                "grammar_drafts_trimmed": self.num_drafts_trimmed,
                 "grammar_compile_threads_abandoned": self.compiler.pool.num_abandoned,
                 **self.compiler.cache.stats()}
 

@@ -96,9 +96,6 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
     if args.device == "cuda":  # two engines share the GPU
         base_opts["gpu_memory_utilization"] = 0.4
     spec_opts = {**base_opts, "speculative": "ngram",
-                 # the KV budget counts the whole process's GPU memory, the first engine's
-                 # included, so the second engine's fraction is cumulative
-                 **({"gpu_memory_utilization": 0.8} if args.device == "cuda" else {}),
                  "num_speculative_tokens": args.spec_tokens,
                  "speculative.options": {"prompt_lookup_max": args.prompt_lookup_max,
                                          "prompt_lookup_min": args.prompt_lookup_min}}

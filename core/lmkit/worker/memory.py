@@ -29,11 +29,15 @@ def cpu_kv_budget(kv_cache_memory_gb: float | None) -> int:
 
 
 def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float,
-                   profile: Callable[[], None]) -> int:
+                   profile: Callable[[], None], baseline: int = 0) -> int:
     """Bytes left for the KV cache on ``device`` after running ``profile`` once.
 
-    ``profile`` runs the largest forward (and logits) the runner will ever run, with
-    the weights already loaded. The result may be 0 (the caller reports it).
+    ``gpu_memory_utilization`` is this engine's share of the device (as in vLLM v1):
+    memory that other engines of the same process held before this one started
+    (``baseline``, bytes allocated through torch) is not counted against it, and the
+    result never exceeds what is free now. ``profile`` runs the largest forward (and
+    logits) the runner will ever run, with the weights already loaded. The result may
+    be 0 (the caller reports it).
     """
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -45,8 +49,9 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float,
     free, total = torch.cuda.mem_get_info(device)
     # used on the device but not through torch's allocator: context, cuBLAS, others
     outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    budget = int(gpu_memory_utilization * total) - peak - outside_torch
-    return max(0, budget)
+    budget = int(gpu_memory_utilization * total) - (peak - baseline) - outside_torch
+    headroom = 256 * 2**20  # allocator fragmentation, cuBLAS workspaces created later
+    return max(0, min(budget, free - headroom))
 
 
 def allocate_kv_caches(attn: Any, num_layers: int, num_blocks: int, dtype: torch.dtype,

@@ -62,6 +62,9 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.device = torch.device(stack.device)
         self.dtype = DTYPES[stack.dtype]
+        # memory other engines of this process already hold (not this engine's to count)
+        self._baseline_bytes = (torch.cuda.memory_allocated(self.device)
+                                if self.device.type == "cuda" else 0)
         self.block_size = config.cache.block_size
         self.model: Any = None
         self.hf_config: Any = None
@@ -130,7 +133,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
-                                     self._profile_run)
+                                     self._profile_run, baseline=self._baseline_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""

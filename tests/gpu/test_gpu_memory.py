@@ -1,0 +1,29 @@
+"""KV-cache sizing on CUDA: ``gpu_memory_utilization`` is each engine's own share."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+
+def test_two_engines_in_one_process_both_get_their_share(tmp_path):
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.3)
+    second = LLM(str(model_dir), device="cuda", gpu_memory_utilization=0.3)
+    try:
+        a, b = first.engine.num_blocks, second.engine.num_blocks
+        # the second engine does not count the first one's KV cache against its share
+        assert b > 0.8 * a, (a, b)
+        outs = [e.generate([[5, 6, 7]], params)[0].outputs[0].token_ids for e in (first, second)]
+        assert outs[0] == outs[1] and len(outs[0]) == 8
+    finally:
+        first.shutdown()
+        second.shutdown()

@@ -1,4 +1,5 @@
-"""A fake model runner and a driver loop for scheduler tests (plus tests of the fakes).
+"""A driver loop for scheduler tests around :class:`lmkit.testing.fake_runner.FakeRunner`
+(plus tests of the fakes).
 
 The fake runner knows requests only through ``SchedulerOutput`` (as a real runner
 does), writes each computed token id into a fake paged KV memory through the block
@@ -16,14 +17,7 @@ from lmkit.engine.request import Request
 from lmkit.engine.sampling_params import SamplingParams
 from lmkit.scheduler.output import SchedulerOutput
 from lmkit.scheduler.paged import PagedScheduler
-from lmkit.worker.output import ModelRunnerOutput
-
-VOCAB = 1000
-
-
-def next_token(history: list[int]) -> int:
-    """The fake model: a deterministic function of the whole token history."""
-    return hash(tuple(history)) % VOCAB
+from lmkit.testing.fake_runner import FakeRunner, next_token
 
 
 def make_config(block_size: int = 4, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
@@ -55,66 +49,6 @@ def reference_output(request: Request, max_model_len: int = 512) -> list[int]:
         tokens.append(tok)
         out.append(tok)
     return out
-
-
-@dataclass
-class _RunnerState:
-    tokens: list[int]
-    block_ids: list[int]
-    num_computed: int
-
-
-class FakeRunner:
-    """Executes ``SchedulerOutput`` against a fake paged KV memory (see module doc)."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.states: dict[str, _RunnerState] = {}
-
-    def _read(self, st: _RunnerState, length: int) -> list[int]:
-        bs = self.block_size
-        return [self.kv[st.block_ids[p // bs]][p % bs] for p in range(length)]
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.states.pop(rid, None)
-        for nd in so.scheduled_new_reqs:
-            assert nd.req_id not in self.states, f"{nd.req_id} sent as new twice"
-            self.states[nd.req_id] = _RunnerState(
-                list(nd.prompt_token_ids) + list(nd.output_token_ids), list(nd.block_ids),
-                nd.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                 cached.num_computed_tokens, strict=True):
-            st = self.states[rid]
-            assert num_computed == st.num_computed, (rid, num_computed, st.num_computed)
-            st.block_ids.extend(new_blocks)
-        out = ModelRunnerOutput()
-        bs = self.block_size
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self.states[rid]
-            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
-            seq = st.tokens + drafts
-            start, end = st.num_computed, st.num_computed + n
-            assert 0 < n and end <= len(seq), (rid, start, n, len(seq))
-            assert len(st.block_ids) * bs >= end, f"{rid}: no slot for position {end - 1}"
-            for pos in range(start, end):
-                block_id = st.block_ids[pos // bs]
-                assert block_id != 0, "the null block must never hold tokens"
-                self.kv[block_id][pos % bs] = seq[pos]
-            sampled: list[int] = []
-            if end >= len(st.tokens):  # reached the last known token: sample (and verify)
-                for i in range(len(drafts) + 1):
-                    sampled.append(next_token(self._read(st, len(st.tokens) + i)))
-                    if i < len(drafts) and drafts[i] != sampled[-1]:
-                        break
-            num_rejected = len(drafts) + 1 - len(sampled) if sampled and drafts else 0
-            st.num_computed = end - num_rejected
-            st.tokens.extend(sampled)
-            out.req_ids.append(rid)
-            out.sampled_token_ids.append(sampled)
-        return out
 
 
 def check_invariants(sched: PagedScheduler, so: SchedulerOutput) -> None:

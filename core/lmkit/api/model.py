@@ -38,6 +38,10 @@ class CausalLM(Protocol):
     ``__init__(hf_config, ctx: ModelBuildContext)`` builds it; it must create one
     attention backend instance (``ctx.attention_cls(...)``) and expose it as
     ``self.attn`` so the runner can plan it once per step.
+
+    Optionally, a classmethod ``attention_needs(hf_config) -> lmkit.api.Needs`` declares
+    what the model needs of the attention backend (e.g. the ``"sliding_window"``
+    feature); stack resolution then refuses or avoids backends that lack it.
     """
 
     attn: AttentionBackend

@@ -32,6 +32,19 @@ def model_head_size(hf_config: Any) -> int:
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
+def model_attention_needs(host: PluginHost, hf_config: Any) -> Needs:
+    """What the model needs of attention: its head size, plus whatever its architecture
+    plugin declares through an optional ``attention_needs(hf_config)`` classmethod
+    (e.g. a sliding window). An unknown architecture fails here, before weights load."""
+    needs = Needs(values={"head_size": model_head_size(hf_config)})
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        return needs
+    model_cls = host.registry.get("model", archs[0]).spec.load()
+    declared = getattr(model_cls, "attention_needs", None)
+    return needs.merge(declared(hf_config)) if declared is not None else needs
+
+
 class EngineCore:
     """Requests in, tokens out.
 
@@ -53,7 +66,7 @@ class EngineCore:
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
         self.stack: ResolvedStack = resolve_stack(
-            config, self.host, Needs(values={"head_size": model_head_size(hf_config)}))
+            config, self.host, model_attention_needs(self.host, hf_config))
         self.config = self._runtime_config(config, hf_config)
 
         executor_reg = self.stack.get("executor")

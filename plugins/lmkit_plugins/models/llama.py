@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError
+from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError, Needs
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import (
@@ -206,6 +206,14 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``)."""
+
+    @classmethod
+    def attention_needs(cls, hf_config: Any) -> Needs:
+        """What this model needs of the attention backend, known from its config alone
+        (so that stack resolution can refuse or avoid a backend before weights load)."""
+        window = _sliding_window(hf_config)
+        return Needs(features={"sliding_window"} if window else set(),
+                     values={"head_size": LlamaDims.from_hf(hf_config).head_dim})
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()

@@ -60,23 +60,6 @@ ENGINE = dict(max_num_seqs=8, max_model_len=2048, num_blocks=1024, device=DEVICE
 
 
 @pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory) -> Path:
-    """The converted SmolLM2-135M-Instruct directory."""
-    path = os.environ.get("LMKIT_TEST_SMOLLM2")
-    if not path:
-        return request.getfixturevalue("smollm2_dir")
-    path = Path(path)
-    if path.is_dir():
-        return path
-    from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.manager import PluginHost
-
-    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    return resolve_model(str(path), host, cache_dir=tmp_path_factory.mktemp("cache"),
-                         progress=False)
-
-
-@pytest.fixture(scope="module")
 def llama8b_shape(tmp_path_factory) -> Path:
     """Llama-3.1-8B's shape with 2 layers, first layer a previous-token copy circuit."""
     return write_copy_circuit_model(tmp_path_factory.mktemp("llama8b"), llama_config(2),

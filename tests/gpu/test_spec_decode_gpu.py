@@ -10,7 +10,6 @@ SmolLM2 comes from ``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted directory)
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -57,22 +56,6 @@ def test_kernel_matches_reference_at_a_real_vocabulary(with_q):
     ref_out, ref_acc = rejection_sample_ref(**args)
     assert torch.equal(out.cpu(), ref_out) and torch.equal(num_acc.cpu(), ref_acc)
     assert int(num_acc.sum()) > 0
-
-
-@pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory) -> Path:
-    path = os.environ.get("LMKIT_TEST_SMOLLM2")
-    if not path:
-        return request.getfixturevalue("smollm2_dir")
-    path = Path(path)
-    if path.is_dir():
-        return path
-    from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.manager import PluginHost
-
-    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    return resolve_model(str(path), host, cache_dir=tmp_path_factory.mktemp("cache"),
-                         progress=False)
 
 
 def _prompts(llm: LLM) -> list[list[int]]:

@@ -7,7 +7,6 @@ fixture."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -43,22 +42,6 @@ def test_cuda_kernels_match_the_cpu_version(dtype, indices):
         out = logits.cuda()
         kernel(out, bitmask.cuda(), indices)
         assert torch.equal(out.cpu(), expected)
-
-
-@pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct: ``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted
-    directory) or the ``smollm2_dir`` fixture."""
-    path = os.environ.get("LMKIT_TEST_SMOLLM2")
-    if not path:
-        return request.getfixturevalue("smollm2_dir")
-    if Path(path).is_dir():
-        return Path(path)
-    from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.manager import PluginHost
-
-    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    return resolve_model(path, host, cache_dir=tmp_path_factory.mktemp("cache"), progress=False)
 
 
 def test_constrained_generation_on_cuda_validates(smollm2):

@@ -42,6 +42,7 @@ if DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
+from lmkit.bench.prompts import CHAT_PROMPTS  # noqa: E402
 from lmkit.entrypoints.llm import LLM  # noqa: E402
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -74,7 +75,12 @@ def _smollm2_prompts(model_dir: Path) -> list[list[int]]:
              "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
              "Photosynthesis is the process by which green plants " * 12,
              "Q: What is 17 times 3?\nA:"]
-    return [tok(t)["input_ids"] for t in texts]
+    raw = [tok(t)["input_ids"] for t in texts]
+    # and 16 chat prompts through the chat template: about 1,000 scored positions, so
+    # that one tie broken the other way moves agreement by 0.1%, not 0.4%
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                     add_generation_prompt=True) for t in CHAT_PROMPTS[:16]]
+    return raw + [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
 
 
 def llama8b_shape_vocab(model_dir: Path) -> int:

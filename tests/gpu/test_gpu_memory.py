@@ -27,3 +27,23 @@ def test_two_engines_in_one_process_both_get_their_share(tmp_path):
     finally:
         first.shutdown()
         second.shutdown()
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_shutdown_returns_the_engines_memory(tmp_path, attention):
+    """After ``shutdown`` an engine holds no device memory (KV cache, graphs, lookahead),
+    so engines created one after another each get the full share."""
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = torch.cuda.memory_allocated()
+    blocks = []
+    for _ in range(3):  # 3 x 0.6 of the device: only fits if each one is released
+        with LLM(str(model_dir), device="cuda", attention=attention,
+                 gpu_memory_utilization=0.6) as llm:
+            blocks.append(llm.engine.num_blocks)
+            assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 8
+        assert torch.cuda.memory_allocated() - before < 64 * 2**20
+    assert min(blocks) > 0.9 * max(blocks), blocks

@@ -76,10 +76,17 @@ class UniProcExecutor(Executor):
         """Release the model and KV cache. Safe to call twice."""
         runner, self.runner = self.runner, None
         if runner is not None:
-            runner.cuda_graphs = None  # the graphs hold the model, caches and their pool
+            # everything that holds the model, the KV caches or graph memory pools: the
+            # graphs, the decode lookahead (which holds the graphs), the offload worker
+            runner.lookahead = None
+            runner.cuda_graphs = None
+            runner.offload = None
             runner.kv_caches = []
             runner.model = None
             if runner.device.type == "cuda":
+                import gc
+
                 import torch
 
+                gc.collect()  # reference cycles (modules, graphs) would hold device memory
                 torch.cuda.empty_cache()

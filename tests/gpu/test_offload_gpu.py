@@ -25,9 +25,16 @@ from lmkit_plugins.offload.options import (  # noqa: E402
 from lmkit_plugins.offload.stacked import CPUDiskTier  # noqa: E402
 
 CUDA = torch.device("cuda")
-# 4 layers of [2, 256 blocks, 16 tokens, 8 KV heads, 128] bf16: 1 MiB per block
+# 4 layers of [2, 256 blocks, 16 tokens, 8 KV heads, 128] bf16: a block is 32 KiB of K
+# and 32 KiB of V per layer, 256 KiB in all (a host block holds every layer's)
 LAYERS, BLOCKS = 4, 256
 SHAPE = (2, BLOCKS, 16, 8, 128)
+BLOCK_BYTES = LAYERS * 2 * 16 * 8 * 128 * 2
+
+
+def gib(num_blocks: int) -> float:
+    """The size_gb of a pool of ``num_blocks`` blocks."""
+    return num_blocks * BLOCK_BYTES / 2**30
 
 
 def h(i: int) -> bytes:
@@ -53,11 +60,21 @@ def wait(tier, job) -> bool:
 def make(kind: str, kv, tmp_path):
     config = LMKitConfig()
     if kind == "cpu":
-        return CPUTier(config, kv, CPUTierOptions(size_gb=0.5))
+        return CPUTier(config, kv, CPUTierOptions(size_gb=gib(1024)))
     if kind == "disk":
-        return DiskTier(config, kv, DiskTierOptions(size_gb=0.5, path=str(tmp_path)))
-    return CPUDiskTier(config, kv, CPUDiskTierOptions(cpu_size_gb=0.05, disk_size_gb=0.5,
+        return DiskTier(config, kv, DiskTierOptions(size_gb=gib(1024), path=str(tmp_path)))
+    # a host level of 48 blocks: most of a 128-block store spills to disk
+    return CPUDiskTier(config, kv, CPUDiskTierOptions(cpu_size_gb=gib(48),
+                                                      disk_size_gb=gib(1024),
                                                       path=str(tmp_path)))
+
+
+def test_block_geometry():
+    """The sizes below are in blocks of BLOCK_BYTES; a wrong guess made the two
+    sequence tests fail (a 4x larger pool than meant, and loads of unstored hashes)."""
+    tier = CPUTier(LMKitConfig(), caches(), CPUTierOptions(size_gb=gib(64)))
+    assert tier.copier.block_bytes == BLOCK_BYTES and tier.num_slots == 64
+    tier.close()
 
 
 def test_cpu_tier_pool_is_page_locked():
@@ -97,15 +114,19 @@ def test_many_interleaved_jobs_stay_ordered(tmp_path):
     tier = make("cpu", kv, tmp_path)
     expected = {}
     jobs = []
+
+    def ids_of(round_: int) -> list[int]:  # rounds 0, 4, 8 reuse blocks 1-32, ...
+        return list(range(1 + (round_ % 4) * 32, 1 + (round_ % 4) * 32 + 32))
+
     for round_ in range(12):
-        ids = list(range(1 + (round_ % 4) * 32, 1 + (round_ % 4) * 32 + 32))
+        ids = ids_of(round_)
         for cache in kv:
             cache[:, ids].fill_(float(round_))
         expected[round_] = [c[:, ids].clone() for c in kv]
         jobs.append(tier.store([h(1000 * round_ + i) for i in ids], ids))
     torch.cuda.synchronize()
     for round_ in range(12):
-        job = tier.load([h(1000 * round_ + i) for i in range(1, 33)], list(range(200, 232)))
+        job = tier.load([h(1000 * round_ + i) for i in ids_of(round_)], list(range(200, 232)))
         assert wait(tier, job)
         for cache, want in zip(kv, expected[round_], strict=True):
             assert torch.equal(cache[:, 200:232], want)
@@ -118,7 +139,7 @@ def test_host_slots_reused_across_directions():
     not overwrite them first."""
     kv = caches(2)
     # 64 host blocks: storing 64 new ones evicts everything held
-    tier = CPUTier(LMKitConfig(), kv, CPUTierOptions(size_gb=64 / 1024))
+    tier = CPUTier(LMKitConfig(), kv, CPUTierOptions(size_gb=gib(64)))
     ids = list(range(1, 65))
     want = [c[:, ids].clone() for c in kv]
     tier.store([h(i) for i in ids], ids)
@@ -131,6 +152,31 @@ def test_host_slots_reused_across_directions():
     for cache, w in zip(kv, want, strict=True):
         assert torch.equal(cache[:, 100:164], w)
     assert tier.lookup([h(1000 + i) for i in ids]) == 64 and tier.lookup([h(1)]) == 0
+    tier.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cpu+disk"])
+def test_load_now_orders_the_current_stream_after_the_copy(kind, tmp_path):
+    """A same-step load: work queued on the compute stream right after ``load_now``
+    (the step's forward) sees the loaded blocks, with no wait on the host; blocks the
+    tier no longer holds are refused without a copy."""
+    kv = caches(3)
+    tier = make(kind, kv, tmp_path)
+    src = list(range(1, 41))  # fits the host level of cpu+disk
+    want = [c[:, src].clone() for c in kv]
+    tier.store([h(i) for i in src], src)
+    for cache in kv:  # after the store's read
+        cache[:, src].zero_()
+    assert tier.resident([h(i) for i in src]) == len(src)
+    job = tier.load_now([h(i) for i in src], list(range(201, 241)))
+    assert job is not None
+    seen = [c[:, 201:241].clone() for c in kv]  # queued on the current stream, no sync
+    torch.cuda.synchronize()
+    for got, w in zip(seen, want, strict=True):
+        assert torch.equal(got.view(torch.int16), w.view(torch.int16))
+    assert wait(tier, job)
+    assert tier.load_now([h(1), h(99999)], [250, 251]) is None
+    assert tier.resident([h(1), h(99999), h(2)]) == 1
     tier.close()
 
 
@@ -151,7 +197,7 @@ def test_engine_tier_hits_match_device_cache_hits(tmp_path):
             return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs], \
                 llm.stats()
 
-    big, big_cached, _ = run(num_blocks=200)
+    big, big_cached, big_stats = run(num_blocks=200)
     for tier, options in (("cpu", {"size_gb": 0.01}),
                           ("cpu+disk", {"cpu_size_gb": 0.001, "disk_size_gb": 0.01,
                                         "path": str(tmp_path / "kv")})):
@@ -160,3 +206,5 @@ def test_engine_tier_hits_match_device_cache_hits(tmp_path):
         assert small == big, tier
         assert small_cached == big_cached, tier
         assert stats["offload_loaded_blocks"] > 0 and stats["offload_failed_loads"] == 0
+        if tier == "cpu":  # every hit computed in the step of its load: no extra step
+            assert stats["num_steps"] == big_stats["num_steps"], stats

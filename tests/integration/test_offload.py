@@ -180,3 +180,56 @@ def test_damaged_files_found_at_startup_are_misses(model_dir, reference, filled_
     assert tokens == [reference[3]]
     assert stats["offload_load_jobs"] == 0  # the index never held the damaged blocks
     assert not files[0].exists(), "a file of the wrong size is removed at startup"
+
+
+def steps_of(llm: LLM, prompt: list[int]) -> tuple[list[int], int, int]:
+    """Greedy output, cached prompt tokens and engine steps of ``prompt`` alone."""
+    before = llm.stats()["num_steps"]
+    tokens, cached = generate(llm, [prompt])
+    return tokens[0], cached[0], llm.stats()["num_steps"] - before
+
+
+@pytest.mark.parametrize("tier, extra_steps", [("cpu", 0), ("cpu+disk", 0), ("disk", 1)])
+def test_tier_hit_is_computed_in_the_step_of_its_load(model_dir, reference, tier, extra_steps,
+                                                      tmp_path):
+    """A prefix held in host memory is loaded and its suffix computed in one step: the
+    first token comes as soon as when the prefix is recomputed (one prefill step, then
+    a step per further token). A disk read takes one step more."""
+    with offload_llm(model_dir, tier, tier_options(tier, tmp_path, blocks=400)) as llm:
+        generate(llm, PROMPTS[:3])
+        tokens, cached, steps = steps_of(llm, PROMPTS[3])
+        stats = llm.stats()
+    assert tokens == reference[3]
+    assert cached == PREFIX and stats["offload_loaded_blocks"] >= PREFIX // BLOCK
+    assert steps == len(reference[3]) + extra_steps
+
+
+def test_refused_same_step_load_is_recomputed(model_dir, reference, monkeypatch):
+    """The tier refuses a same-step load (as when a store pushed the blocks out since
+    the lookup), after scribbling over its destination blocks: the step that computed
+    the request on them is thrown away, and the request comes back through an
+    asynchronous load with the right output."""
+    import torch
+    from lmkit_plugins.offload.cpu_tier import CPUTier
+
+    refused = []
+
+    def refuse_once(self, block_hashes, block_ids):
+        if refused:
+            return original(self, block_hashes, block_ids)
+        refused.append(list(block_ids))
+        for cache in self.copier.caches:  # [2, blocks, E]
+            cache[:, list(block_ids)] = torch.randn_like(cache[:, list(block_ids)])
+        return None
+
+    original = CPUTier.load_now
+    monkeypatch.setattr(CPUTier, "load_now", refuse_once)
+    with offload_llm(model_dir, "cpu", tier_options("cpu", None, blocks=400)) as llm:
+        generate(llm, PROMPTS[:3])
+        tokens, cached, steps = steps_of(llm, PROMPTS[3])
+        stats = llm.stats()
+    assert refused, "the hit was meant to take the same-step path"
+    assert tokens == reference[3]
+    assert stats["offload_failed_loads"] == 1
+    assert cached == PREFIX, "the retry loads the prefix (asynchronously)"
+    assert steps == len(reference[3]) + 2  # the step thrown away, the load's step

@@ -3,9 +3,10 @@
 A fake tier keeps copies of fake KV blocks by hash. The runner executes each step's
 transfers as the contract says a real one may: a store reads the blocks at once; a
 load scribbles over its destination blocks at once and writes the real contents only
-when it completes, a few steps later (or never, when it fails). A block handed out
-while its load is in flight, or a failed load whose blocks were trusted, therefore
-shows up as a wrong token against the reference outputs.
+when it completes, a few steps later (or never, when it fails). A same-step load (a
+resident tier) completes before the step's forward, or fails leaving the scribbles.
+A block handed out while its load is in flight, or a failed load whose blocks were
+trusted, therefore shows up as a wrong token against the reference outputs.
 """
 
 from __future__ import annotations
@@ -26,20 +27,22 @@ GARBAGE = -7
 
 
 class FakeTier:
-    """Copies of fake KV blocks by hash, LRU, at most ``capacity``."""
+    """Copies of fake KV blocks by hash, LRU, at most ``capacity``; a ``resident`` tier
+    offers same-step loads."""
 
-    def __init__(self, capacity: int = 10**9) -> None:
+    def __init__(self, capacity: int = 10**9, resident: bool = False) -> None:
         self.blocks: OrderedDict[bytes, list] = OrderedDict()
         self.capacity = capacity
+        self.resident = resident
 
-    def lookup(self, hashes) -> int:
+    def lookup(self, hashes) -> int | tuple[int, int]:
         n = 0
         for h in hashes:
             if h not in self.blocks:
                 break
             self.blocks.move_to_end(h)
             n += 1
-        return n
+        return (n, n) if self.resident else n
 
 
 class OffloadingRunner(FakeRunner):
@@ -51,7 +54,7 @@ class OffloadingRunner(FakeRunner):
         self.tier, self.rng = tier, rng
         self.fail_rate, self.max_delay = fail_rate, max_delay
         self.in_flight: list[list] = []  # [steps left, transfer id, data, ids, ok]
-        self.num_loads = self.num_failed = 0
+        self.num_loads = self.num_failed = self.num_same_step = 0
 
     def execute(self, so):
         t = so.kv_transfers
@@ -67,8 +70,12 @@ class OffloadingRunner(FakeRunner):
                 for b in load.block_ids:
                     self.kv[b] = [GARBAGE] * self.block_size  # a copy in progress
                 data = [list(self.tier.blocks[h]) for h in load.block_hashes] if ok else None
-                self.in_flight.append([self.rng.randint(0, self.max_delay), load.transfer_id,
-                                       data, load.block_ids, ok])
+                delay = 0 if load.same_step else self.rng.randint(0, self.max_delay)
+                self.num_same_step += load.same_step
+                if load.same_step and ok:  # done before the forward
+                    for block, b in zip(data, load.block_ids, strict=True):
+                        self.kv[b] = block
+                self.in_flight.append([delay, load.transfer_id, data, load.block_ids, ok])
         out = super().execute(so)
         still = []
         for entry in self.in_flight:
@@ -195,12 +202,13 @@ def test_aborted_while_loading_releases_blocks_when_the_load_finishes():
     assert sched.kv_cache_manager.num_free_blocks == 15  # all back; loaded ones cached
 
 
-def run_workload(seed: int, fail_rate: float, max_delay: int, tier_capacity: int) -> OffloadingRunner:
+def run_workload(seed: int, fail_rate: float, max_delay: int, tier_capacity: int,
+                 resident: bool = False) -> OffloadingRunner:
     rng = random.Random(seed)
     block_size, num_blocks = 4, 24
     sched = PagedScheduler(make_config(block_size=block_size, max_num_batched_tokens=32,
                                        max_num_seqs=4), num_blocks=num_blocks)
-    tier = FakeTier(tier_capacity)
+    tier = FakeTier(tier_capacity, resident)
     attach(sched, tier)
     runner = OffloadingRunner(num_blocks, block_size, tier, rng, fail_rate, max_delay)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
@@ -235,3 +243,18 @@ def test_workload_with_slow_and_failing_loads_and_a_small_tier():
     for seed in range(3):
         runner = run_workload(seed=seed, fail_rate=0.3, max_delay=3, tier_capacity=12)
         assert runner.num_loads > 3 and runner.num_failed > 0
+
+
+def test_workload_with_same_step_loads():
+    runner = run_workload(seed=1, fail_rate=0.0, max_delay=0, tier_capacity=10**9,
+                          resident=True)
+    assert runner.num_same_step > 5 and runner.num_failed == 0
+
+
+def test_workload_with_failing_same_step_loads_and_a_small_tier():
+    """A failed same-step load leaves garbage in blocks the step's forward read: the
+    request's output of that step must be thrown away and the request admitted again."""
+    for seed in range(4):
+        runner = run_workload(seed=seed, fail_rate=0.3, max_delay=3, tier_capacity=12,
+                              resident=True)
+        assert runner.num_same_step > 3 and runner.num_failed > 0

@@ -7,8 +7,10 @@ The engine drives a tier from two places (see ``docs/offload.md``):
 * the **model runner**, which owns the device KV cache, runs the step's transfers
   before the forward: first :meth:`~OffloadManager.store` of the blocks the device
   prefix cache evicted this step (their device blocks are reused by this very step),
-  then :meth:`~OffloadManager.load` into freshly allocated device blocks, and reports
-  what :meth:`~OffloadManager.poll` says has finished.
+  then :meth:`~OffloadManager.load` into freshly allocated device blocks (or, for
+  blocks the tier holds in memory, :meth:`~OffloadManager.load_now`, so that the step's
+  forward already reads them), and reports what :meth:`~OffloadManager.poll` says has
+  finished.
 
 Blocks are named by the chained content hashes of :mod:`lmkit.kv_cache.hashing`
 (32 bytes, stable across processes and restarts), so equal hashes mean equal contents
@@ -91,6 +93,26 @@ class OffloadManager(ABC):
     @abstractmethod
     def usage(self) -> tuple[int, int]:
         """``(bytes_used, bytes_capacity)``."""
+
+    def resident(self, block_hashes: Sequence[bytes]) -> int:
+        """How many *leading* blocks of ``block_hashes`` :meth:`load_now` could load at
+        once (held in memory the tier owns, no read that could fail). Records no access.
+        Optional: the default, 0, means every load takes the asynchronous path."""
+        return 0
+
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                 ) -> TransferJob | None:
+        """Load blocks that the engine's forward of this very step reads (a prefix hit
+        computed in the step of its load). Optional; only called for blocks
+        :meth:`resident` counted.
+
+        Returns None, having started nothing, when some block is no longer resident (a
+        store since the lookup evicted it); the engine then recomputes. A returned job
+        cannot fail, and work issued later on the current stream runs after the copy
+        (CPU: it is complete; CUDA: the current stream waits for its event). :meth:`poll`
+        reports the job as usual.
+        """
+        return None
 
     def stats(self) -> dict[str, int]:
         """Tier-internal counters, e.g. ``{"evictions": n}`` (blocks the tier dropped to

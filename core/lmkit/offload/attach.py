@@ -19,14 +19,16 @@ logger = logging.getLogger(__name__)
 class EngineOffload(OffloadCoordinator):
     """The coordinator of a running engine: the tier is reached through ``executor``
     (``executor.call("offload_call", ...)`` on every worker; a lookup takes the smallest
-    answer, so that a block counts only when every worker holds its share)."""
+    answers, so that a block counts only when every worker holds its share, and is
+    resident only when every worker's share is)."""
 
     def __init__(self, scheduler: Any, executor: Executor) -> None:
         self.executor = executor
         super().__init__(scheduler.kv_cache_manager, self._lookup, self._worker_stats)
 
-    def _lookup(self, block_hashes: list[bytes]) -> int:
-        return min(self.executor.call("offload_call", "lookup", block_hashes))
+    def _lookup(self, block_hashes: list[bytes]) -> tuple[int, int]:
+        answers = self.executor.call("offload_call", "lookup", block_hashes)
+        return min(held for held, _ in answers), min(resident for _, resident in answers)
 
     def _worker_stats(self) -> dict[str, int]:
         merged: dict[str, int] = {}

@@ -6,14 +6,24 @@
   a store, and the runner copies the block out before this step's forward reuses it.
 * **Loads.** At admission (:meth:`OffloadCoordinator.defer_admission`), when the tier
   holds blocks past the device prefix-cache hit, the coordinator takes fresh device
-  blocks for them, queues a load, and holds the request back. The request's device
-  hits and the load's blocks stay referenced by the coordinator, so nothing evicts or
-  reuses them meanwhile.
+  blocks for them and queues a load. The request's device hits and the load's blocks
+  stay referenced by the coordinator until the load is reported, so nothing evicts or
+  reuses them meanwhile. Then either
+
+  - **same step**: the tier holds every block in memory (``resident``), so the load
+    cannot fail once started; the request is admitted in this very step with the
+    loaded blocks after its hits (:meth:`OffloadCoordinator.loaded_blocks`), and the
+    step computes its suffix after the copy; or
+  - **later**: the request is held back until the load is reported (a disk read).
+
 * **Completion.** The runner reports finished loads
   (:meth:`OffloadCoordinator.on_loads_finished`). A successful load registers its
-  blocks in the device prefix cache and releases them; the request is then admitted
-  through the ordinary path and finds them as prefix-cache hits. A failed load
-  registers nothing: the request recomputes those tokens and never loads again.
+  blocks in the device prefix cache and releases them; a held-back request is then
+  admitted through the ordinary path and finds them as prefix-cache hits. A failed
+  load registers nothing: the request recomputes those tokens and never loads again.
+  A same-step load fails only when a store since the lookup pushed the blocks out of
+  the tier; the scheduler then takes the request's admission back (what the step
+  computed for it is discarded) and it is admitted again without same-step loads.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOAD_FAILED = "offload_load_failed"  # key in Request.extra: never load for it again
+NO_SAME_STEP = "offload_no_same_step"  # key in Request.extra: a same-step load failed
 
 
 @dataclass(slots=True)
@@ -45,6 +56,7 @@ class PendingLoad:
     hits: list[KVCacheBlock]  # device prefix-cache hits before the loaded blocks
     blocks: list[KVCacheBlock]  # destinations, in token order
     block_hashes: list[BlockHash]
+    same_step: bool = False  # the request is admitted in the step of its load
 
 
 class OffloadCoordinator:
@@ -53,13 +65,15 @@ class OffloadCoordinator:
     Args:
         kv_cache_manager: the scheduler's manager; the coordinator installs itself as
             its block pool's eviction listener.
-        lookup: ``lookup(block_hashes) -> int``, how many leading blocks the tier holds
-            (the tier lives with the device caches, in the runner).
+        lookup: ``lookup(block_hashes)``, how many leading blocks the tier holds (the
+            tier lives with the device caches, in the runner): an int, or ``(held,
+            resident)`` where ``resident`` of them can be loaded in the step that
+            computes the request (``OffloadManager.resident``).
         worker_stats: returns the runner-side counters (bytes moved, tier usage, ...).
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager,
-                 lookup: Callable[[list[BlockHash]], int],
+                 lookup: Callable[[list[BlockHash]], int | tuple[int, int]],
                  worker_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self.manager = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
@@ -72,6 +86,7 @@ class OffloadCoordinator:
         self._loads: list[LoadRequest] = []
         self._pending: dict[int, PendingLoad] = {}  # transfer id -> load in flight
         self._loading: dict[str, int] = {}  # request id -> transfer id
+        self._in_flight: dict[BlockHash, int] = {}  # hash being loaded -> transfer id
         self._ids = itertools.count()
         self.num_stored_blocks = 0
         self.num_hit_tokens = 0
@@ -94,8 +109,12 @@ class OffloadCoordinator:
 
     def defer_admission(self, request: Request) -> bool:
         """Called before ``request`` is admitted. True means "not this step": its load
-        is in flight, one was just started for the tier's part of its prefix, or the
-        tier holds more of it than the pool has free blocks for yet."""
+        is in flight, one was just started for the tier's part of its prefix (and must
+        finish first), another request's load brings part of it, or the tier holds
+        more of it than the pool has free blocks for yet.
+
+        False with a same-step load started: admit it now, taking the loaded blocks
+        from :meth:`loaded_blocks` (or call :meth:`keep_waiting` if it cannot be)."""
         if self.is_loading(request):
             return True
         if request.extra.get(LOAD_FAILED) or request.sampling_params.prompt_logprobs is not None:
@@ -111,7 +130,10 @@ class OffloadCoordinator:
         start = len(hits)
         if start >= max_hit_blocks:
             return False
-        num_blocks = self.lookup(hashes[start:max_hit_blocks])
+        if any(h in self._in_flight for h in hashes[start:max_hit_blocks]):
+            return True  # registered once that load is reported: wait rather than copy twice
+        found = self.lookup(hashes[start:max_hit_blocks])
+        num_blocks, num_resident = (found, 0) if isinstance(found, int) else found
         if num_blocks == 0:
             return False
         # the hits sitting in the free queue stop being free once held
@@ -121,13 +143,44 @@ class OffloadCoordinator:
         self.pool.touch(hits)
         blocks = self.pool.get_new_blocks(num_blocks)  # evictions queue stores first
         load_hashes = list(hashes[start:start + num_blocks])
+        same_step = num_resident >= num_blocks and not request.extra.get(NO_SAME_STEP)
         transfer_id = next(self._ids)
-        self._loads.append(LoadRequest(transfer_id, load_hashes, [b.block_id for b in blocks]))
-        self._pending[transfer_id] = PendingLoad(request, hits, blocks, load_hashes)
+        self._loads.append(LoadRequest(transfer_id, load_hashes, [b.block_id for b in blocks],
+                                       same_step))
+        self._pending[transfer_id] = PendingLoad(request, hits, blocks, load_hashes, same_step)
         self._loading[request.request_id] = transfer_id
+        for block_hash in load_hashes:
+            self._in_flight[block_hash] = transfer_id
         self.num_hit_tokens += num_blocks * self.block_size
         self.num_load_jobs += 1
-        return True
+        return not same_step
+
+    def _is_same_step(self, request: Request) -> bool:
+        transfer_id = self._loading.get(request.request_id)
+        return transfer_id is not None and self._pending[transfer_id].same_step \
+            and any(load.transfer_id == transfer_id for load in self._loads)
+
+    def loaded_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The blocks of ``request``'s same-step load started this step (to follow its
+        device prefix-cache hits), counted as prefix-cache hits; [] if it has none.
+
+        The request's prefix-cache hits must be the ones found when the load started
+        (the coordinator holds them, so they are)."""
+        if not self._is_same_step(request):
+            return []
+        pending = self._pending[self._loading[request.request_id]]
+        self.manager.prefix_cache_hits += len(pending.blocks) * self.block_size
+        return list(pending.blocks)
+
+    def keep_waiting(self, request: Request) -> None:
+        """``request`` was given a same-step load but is not admitted this step after
+        all (no budget or room for its other tokens): its load finishes on its own, and
+        it waits for it as for any other."""
+        transfer_id = self._loading[request.request_id]
+        self._pending[transfer_id].same_step = False
+        for load in self._loads:
+            if load.transfer_id == transfer_id:
+                load.same_step = False
 
     def take_transfers(self) -> KVTransfers | None:
         """This step's stores and loads (``SchedulerOutput.kv_transfers``), or None."""
@@ -138,10 +191,16 @@ class OffloadCoordinator:
         self._store_hashes, self._store_block_ids, self._loads = [], [], []
         return transfers
 
-    def on_loads_finished(self, results: dict[int, bool]) -> None:
+    def on_loads_finished(self, results: dict[int, bool]) -> list[tuple[Request, int]]:
         """Register successful loads in the device prefix cache; release the held blocks.
 
-        A request aborted while its load ran still gets its (valid) blocks cached."""
+        A request aborted while its load ran still gets its (valid) blocks cached.
+
+        Returns ``(request, num_valid_tokens)`` for each failed same-step load: the
+        request was admitted with blocks that hold no valid data, so the scheduler must
+        take that admission back; only its first ``num_valid_tokens`` (its device
+        prefix-cache hits) are sound."""
+        taken_back: list[tuple[Request, int]] = []
         for transfer_id, ok in results.items():
             pending = self._pending.pop(transfer_id, None)
             if pending is None:
@@ -150,10 +209,20 @@ class OffloadCoordinator:
             request = pending.request
             if self._loading.get(request.request_id) == transfer_id:
                 del self._loading[request.request_id]
+            for block_hash in pending.block_hashes:
+                if self._in_flight.get(block_hash) == transfer_id:
+                    del self._in_flight[block_hash]
             if ok:
                 for block, block_hash in zip(pending.blocks, pending.block_hashes, strict=True):
                     self.pool.cache_block(block, block_hash)
                 self.num_loaded_blocks += len(pending.blocks)
+            elif pending.same_step:
+                request.extra[NO_SAME_STEP] = True  # next time: the asynchronous path
+                self.num_failed_loads += 1
+                taken_back.append((request, len(pending.hits) * self.block_size))
+                logger.info("offload: the tier no longer held the %d blocks of request %s "
+                            "loaded for this step; it is admitted again", len(pending.blocks),
+                            request.request_id)
             else:
                 request.extra[LOAD_FAILED] = True
                 self.num_failed_loads += 1
@@ -161,6 +230,7 @@ class OffloadCoordinator:
                             len(pending.blocks), request.request_id)
             # last-first, so that the prefix is the last to be evicted
             self.pool.free_blocks(reversed(pending.hits + pending.blocks))
+        return taken_back
 
     @property
     def has_pending_loads(self) -> bool:

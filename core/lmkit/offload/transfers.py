@@ -14,12 +14,17 @@ class LoadRequest:
     """Copy the tier's blocks ``block_hashes`` into device blocks ``block_ids``.
 
     ``transfer_id`` is the scheduler's name for the load; the runner reports it back in
-    ``ModelRunnerOutput.finished_kv_loads`` with its success.
+    ``ModelRunnerOutput.finished_kv_loads`` with its success. A ``same_step`` load is
+    read by this step's forward (its request was admitted in the step): the runner
+    starts it with ``OffloadManager.load_now`` and reports it in this step's output,
+    failed when the tier no longer had the blocks (the scheduler then throws away what
+    the step computed for the request).
     """
 
     transfer_id: int
     block_hashes: list[bytes]
     block_ids: list[int]
+    same_step: bool = False
 
 
 @dataclass(slots=True)
@@ -29,9 +34,10 @@ class KVTransfers:
     1. ``store_hashes`` / ``store_block_ids``: blocks the device prefix cache evicted
        while this step was planned. Their device blocks are handed out again in this
        same step, so they are copied out first.
-    2. ``loads``: tier hits of requests waiting for admission, into device blocks the
-       scheduler holds for them (no forward touches those blocks until the load is
-       reported finished).
+    2. ``loads``: tier hits into device blocks the scheduler holds for them. A load of
+       a request still waiting is touched by no forward until it is reported
+       finished; a ``same_step`` load is read by this step's forward, which runs after
+       the copy.
     """
 
     store_hashes: list[bytes] = field(default_factory=list)

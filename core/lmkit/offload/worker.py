@@ -21,7 +21,7 @@ from lmkit.offload.transfers import KVTransfers
 if TYPE_CHECKING:
     import torch
 
-    from lmkit.api.offload import OffloadManager
+    from lmkit.api.offload import OffloadManager, TransferJob
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugins.resolve import ResolvedStack
 
@@ -46,38 +46,60 @@ class OffloadWorker:
         self._stores: dict[int, int] = {}  # tier job id -> number of blocks
         self._loads: dict[int, tuple[int, int]] = {}  # tier job id -> (transfer id, blocks)
         self._finished: dict[int, bool] = {}  # transfer id -> success, not reported yet
+        self._same_step: set[int] = set()  # tier job ids of same-step loads in flight
         self.bytes_stored = 0
         self.bytes_loaded = 0
         self.num_failed_stores = 0
         self._closed = False
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of ``block_hashes`` the tier holds."""
-        return self.manager.lookup(block_hashes)
+    def lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(held, resident)``: how many leading blocks of ``block_hashes`` the tier
+        holds, and how many of those it could load in the step that reads them
+        (:meth:`~lmkit.api.OffloadManager.resident`)."""
+        held = self.manager.lookup(block_hashes)
+        return held, (min(self.manager.resident(block_hashes[:held]), held) if held else 0)
 
     def start(self, transfers: KVTransfers | None) -> None:
-        """Issue a step's stores, then its loads (before the step's forward)."""
+        """Issue a step's stores, then its loads (before the step's forward).
+
+        A ``same_step`` load goes through ``load_now``: the forward issued after this
+        call reads its blocks. One the tier refuses (or that raises) is reported failed
+        in this step's :meth:`finished_loads`."""
         if not transfers:
             return
         if transfers.store_hashes:
-            job = self.manager.store(transfers.store_hashes, transfers.store_block_ids)
-            self._stores[job.job_id] = len(transfers.store_hashes)
+            store = self.manager.store(transfers.store_hashes, transfers.store_block_ids)
+            self._stores[store.job_id] = len(transfers.store_hashes)
         for load in transfers.loads:
-            job = self.manager.load(load.block_hashes, load.block_ids)
+            job: TransferJob | None
+            if load.same_step:
+                try:
+                    job = self.manager.load_now(load.block_hashes, load.block_ids)
+                except Exception:
+                    logger.exception("offload tier %r: a load for this step failed", self.name)
+                    job = None
+                if job is None:
+                    self._finished[load.transfer_id] = False
+                    continue
+                self._same_step.add(job.job_id)
+            else:
+                job = self.manager.load(load.block_hashes, load.block_ids)
             self._loads[job.job_id] = (load.transfer_id, len(load.block_ids))
 
     def finished_loads(self, wait: bool = False) -> dict[int, bool]:
         """Loads finished since the last call: transfer id -> success.
 
         With ``wait`` (a step with nothing to compute), block until every load in
-        flight has finished instead of returning to an idle engine loop. A load is
-        never reported before the tier says it finished: its blocks are released for
-        reuse as soon as it is.
+        flight has finished instead of returning to an idle engine loop. Same-step
+        loads are always reported by the step that started them (their copies came
+        before its forward, so this waits at most for the event to be seen). A load
+        is never reported before the tier says it finished: its blocks are released
+        for reuse as soon as it is.
         """
         self._poll()
         started = time.monotonic()
         warned = False
-        while wait and self._loads:
+        while (wait and self._loads) or self._same_step:
             time.sleep(0.0002)
             self._poll()
             if not warned and time.monotonic() - started > WAIT_WARN_S:
@@ -91,6 +113,7 @@ class OffloadWorker:
         for job, ok in self.manager.poll():
             if job.job_id in self._loads:
                 transfer_id, num_blocks = self._loads.pop(job.job_id)
+                self._same_step.discard(job.job_id)
                 self._finished[transfer_id] = bool(ok)
                 if ok:
                     self.bytes_loaded += num_blocks * self.block_bytes

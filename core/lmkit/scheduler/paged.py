@@ -83,6 +83,7 @@ class PagedScheduler(Scheduler):
         self.num_preemptions = 0
         # KV offload (lmkit.offload.OffloadCoordinator): attached by the engine when a tier is on
         self.offload: Any = None
+        self._taken_back: set[str] = set()  # admissions undone since the last schedule()
 
     # -- policy hooks -------------------------------------------------------------
 
@@ -198,6 +199,8 @@ class PagedScheduler(Scheduler):
         output = plan.to_output(self.kv_cache_manager.get_block_ids, finished)
         if self.offload is not None:  # blocks to store / load before the forward
             output.kv_transfers = self.offload.take_transfers()
+            output.preempted_req_ids |= self._taken_back  # the runner drops their state
+            self._taken_back = set()
         return output
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -234,18 +237,27 @@ class PagedScheduler(Scheduler):
             request = self.waiting.peek()
             if request.request_id in plan.preempted:
                 break  # preempted this very step (for an admission): not back before next
-            if self.offload is not None and self.offload.defer_admission(request):
-                return  # its prefix is coming back from the offload tier: admitted after
+            loaded: list[Any] = []  # blocks an offload load fills before this step's forward
+            if self.offload is not None:
+                if self.offload.defer_admission(request):
+                    return  # its prefix is coming back from the offload tier: admitted after
+                loaded = self.offload.loaded_blocks(request)
             hits, num_hit_tokens = manager.get_computed_blocks(request)
+            num_hit_tokens += len(loaded) * self.block_size
             while True:
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > plan.token_budget:
                     if not self.enable_chunked_prefill:
+                        if loaded:
+                            self.offload.keep_waiting(request)
                         return  # waits (and holds back later arrivals) until the budget frees
                     num_new = plan.token_budget
-                new_block_ids = manager.allocate_slots(request, num_new, 0, hits)
+                new_block_ids = manager.allocate_slots(request, num_new, 0, hits + loaded)
                 if new_block_ids is not None:
                     break
+                if loaded:  # no room beside its loaded prefix: admitted once the load is done
+                    self.offload.keep_waiting(request)
+                    return
                 victim = self.choose_admission_victim(request, self.running)
                 if victim is None or manager.has_pending_shared_blocks(victim):
                     return  # (a victim whose new blocks this step's admissions share stays)
@@ -265,6 +277,26 @@ class PagedScheduler(Scheduler):
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             plan.schedule(request, num_new, None)
+
+    def _take_back(self, request: Request, num_valid_tokens: int) -> None:
+        """Undo ``request``'s admission in the step just run: its prefix load from the
+        offload tier failed, so that step computed it on blocks without valid data. Its
+        output is discarded, its blocks freed (those registered past its first
+        ``num_valid_tokens`` tokens withdrawn from the prefix cache), and it waits at
+        the front of the queue to be admitted again."""
+        if request.status != RequestStatus.RUNNING:
+            return  # finished (aborted) or preempted since: nothing of it is in use
+        self.running.remove(request)
+        request.num_computed_tokens = num_valid_tokens
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        if not request.output_token_ids:
+            request.num_cached_tokens = -1  # set again at its real admission
+        request.status = (RequestStatus.PREEMPTED if request.output_token_ids
+                          else RequestStatus.WAITING)
+        self.waiting.add_front(request)
+        self._taken_back.add(request.request_id)
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         """Preempt by recompute: free the victim's blocks and queue it again."""
@@ -288,7 +320,9 @@ class PagedScheduler(Scheduler):
         finished requests; one output per request that got tokens, finished, or got
         prompt logprobs (a partial prefill chunk otherwise produces none)."""
         if self.offload is not None:
-            self.offload.on_loads_finished(runner_output.finished_kv_loads)
+            for request, num_valid in self.offload.on_loads_finished(
+                    runner_output.finished_kv_loads):
+                self._take_back(request, num_valid)
         row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []

@@ -157,6 +157,12 @@ class BlockCopier:
             done.record(stream)
         return done
 
+    def current_waits_for(self, event: Any) -> None:
+        """Make work issued later on the current stream wait for ``event`` (a copy's, from
+        :meth:`gather` or :meth:`scatter`); nothing for None (a complete copy)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     def _staging_buffer(self, direction: str) -> torch.Tensor:
         """The staging buffer of ``direction`` (allocated on its stream, first use)."""
         if direction not in self._staging:

@@ -3,7 +3,9 @@
 The pool is one tensor of ``size_gb`` worth of host blocks (page-locked with CUDA, so
 copies run asynchronously on the copier's stream), a map from block hash to pool slot,
 and an eviction policy (LRU, or ARC) over the held hashes. Memory is trusted: loads do
-not verify checksums, which keeps a load at the speed of the copy.
+not verify checksums, which keeps a load at the speed of the copy. Every held block is
+resident: a load either fails at once (the block is gone) or cannot fail, so the
+engine may compute a request in the step its prefix is loaded (``load_now``).
 """
 
 from __future__ import annotations
@@ -107,16 +109,27 @@ class CPUTier(OffloadManager):
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
         job = self.jobs.new("load", block_hashes, block_ids)
-        found = [self.slot_of.get(h) for h in block_hashes]
-        slots = [s for s in found if s is not None]
-        if len(slots) != len(found) or len(slots) != len(block_ids):
+        slots = self._slots(block_hashes, block_ids)
+        if slots is None:
             return self.jobs.finish(job, False)
+        return self.jobs.finish(job, True, self._scatter(block_hashes, slots, block_ids))
+
+    def resident(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
         for block_hash in block_hashes:
-            self.policy.touch(block_hash)
-        event = self.copier.scatter(self.pool, slots, block_ids,
-                                    self._pending_copies(slots, "store"))
-        self._mark(slots, "load", event)
-        return self.jobs.finish(job, True, event)
+            if block_hash not in self.slot_of:
+                break
+            n += 1
+        return n
+
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                 ) -> TransferJob | None:
+        slots = self._slots(block_hashes, block_ids)
+        if slots is None:
+            return None
+        event = self._scatter(block_hashes, slots, block_ids)
+        self.copier.current_waits_for(event)  # the step's forward reads the blocks
+        return self.jobs.finish(self.jobs.new("load", block_hashes, block_ids), True, event)
 
     def poll(self) -> list[tuple[TransferJob, bool]]:
         return self.jobs.poll()
@@ -132,6 +145,25 @@ class CPUTier(OffloadManager):
         self.copier.synchronize()
 
     # -- slots --------------------------------------------------------------------
+
+    def _slots(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[int] | None:
+        """The pool slots of ``block_hashes``, or None if one is not held."""
+        found = [self.slot_of.get(h) for h in block_hashes]
+        slots = [s for s in found if s is not None]
+        if len(slots) != len(found) or len(slots) != len(block_ids):
+            return None
+        return slots
+
+    def _scatter(self, block_hashes: Sequence[bytes], slots: list[int],
+                 block_ids: Sequence[int]) -> Any:
+        """Copy held ``slots`` into device blocks ``block_ids`` (an access of each hash);
+        returns the copy's CUDA event, or None when complete."""
+        for block_hash in block_hashes:
+            self.policy.touch(block_hash)
+        event = self.copier.scatter(self.pool, slots, block_ids,
+                                    self._pending_copies(slots, "store"))
+        self._mark(slots, "load", event)
+        return event
 
     def _take_slot(self, block_hash: bytes, fresh: set[bytes]) -> int:
         """Give ``block_hash`` a slot, evicting (and spilling) what the policy says;

@@ -80,6 +80,19 @@ class CPUDiskTier(OffloadManager):
         self._track(job, parts)
         return job
 
+    def resident(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks held in host memory (blocks only on disk need a read)."""
+        return self.cpu.resident(block_hashes)
+
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                 ) -> TransferJob | None:
+        part = self.cpu.load_now(block_hashes, block_ids)
+        if part is None:
+            return None  # (some block went to disk since the lookup)
+        job = self.jobs.new("load", block_hashes, block_ids)
+        self._track(job, [("cpu", part)])
+        return job
+
     def poll(self) -> list[tuple[TransferJob, bool]]:
         for level, tier in (("cpu", self.cpu), ("disk", self.disk)):
             for part, ok in tier.poll():

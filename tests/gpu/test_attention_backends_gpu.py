@@ -142,6 +142,28 @@ def test_decode_cuda_graph_replay_is_identical_to_eager(name, dtype):
     torch.testing.assert_close(replayed.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_model_written_kv_skips_the_backends_write(name):
+    """Both backends opt in to the model's fused K/V write: ``kv_write_slots`` is the
+    step's slot_mapping, and ``run(..., kv_written=True)`` reads the cache as the model
+    left it (junk k/v arguments are not written) with the same result."""
+    reqs = [(40, 1), (3000, 1), (0, 300), (256, 100)]
+    batch = make_paged_batch(reqs, num_heads=32, num_kv_heads=8, head_size=128,
+                             block_size=16, dtype=torch.bfloat16, device=CUDA, extra_rows=2,
+                             table_width=320, seed=6)
+    backend = _make(_backend_class(name), torch.bfloat16, 128)
+    backend.plan(_metadata(batch))
+    assert torch.equal(backend.kv_write_slots(), batch.slot_mapping[:batch.num_tokens])
+    cache = batch.kv_cache.clone()
+    expected = backend.run(0, batch.q, batch.k, batch.v, cache)
+    written = cache.clone()
+    junk = torch.full_like(batch.k, 100.0)
+    out = backend.run(0, batch.q, junk, junk, cache, kv_written=True)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, written)
+    assert torch.equal(out, expected)
+
+
 def test_auto_prefers_flashinfer_then_triton_on_cuda():
     from lmkit.api import Needs
 

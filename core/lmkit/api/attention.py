@@ -74,7 +74,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            kv_cache: torch.Tensor) -> torch.Tensor:
+            kv_cache: torch.Tensor, *, kv_written: bool = False) -> torch.Tensor:
         """Write ``k``, ``v`` into ``kv_cache`` at ``slot_mapping``, then attend.
 
         All new tokens' K/V are written before any attention is computed, so a request
@@ -84,5 +84,23 @@ class AttentionBackend(ABC):
         :param k: ``[num_tokens, num_kv_heads, head_size]``
         :param v: ``[num_tokens, num_kv_heads, head_size]``
         :param kv_cache: this layer's cache, shaped as :meth:`kv_cache_shape`.
+        :param kv_written: ``True`` when the model has already stored this step's K/V at
+            the slots :meth:`kv_write_slots` returned: skip the write. Passed only to
+            backends that opt in there; others may leave it out of their signature.
         :return: ``[num_tokens, num_heads, head_size]``, causal within each request.
         """
+
+    def kv_write_slots(self) -> torch.Tensor | None:
+        """Opt-in: the planned step's ``slot_mapping`` if the model may write new K/V
+        into the cache itself, else ``None`` (the default: :meth:`run` writes them).
+
+        A model can store K/V in the kernel that produces them (fused with RoPE, say),
+        saving the backend's separate cache-write pass. A backend may opt in only if
+        its per-layer cache is laid out ``[2, num_blocks, block_size, num_kv_heads,
+        head_size]`` (keys at index 0, values at 1; token ``t`` at ``[:, slot // block_size,
+        slot % block_size]``) and its :meth:`run` honours ``kv_written=True``. The
+        returned int64 ``[num_tokens]`` tensor (a negative slot is a padding token, not
+        written) must be the one :meth:`run` would use, at the same address on every
+        replay of a CUDA graph. Called after :meth:`plan`, before the layers run.
+        """
+        return None

@@ -165,9 +165,17 @@ class FlashInferAttention(AttentionBackend):
 
     # ------------------------------------------------------------------ run
 
+    def kv_write_slots(self) -> torch.Tensor:
+        """This step's ``slot_mapping``: models may write K/V themselves (the cache is
+        lmkit's layout) and call ``run(..., kv_written=True)``."""
+        if self._plan is None:
+            raise RuntimeError("FlashInferAttention.kv_write_slots() called before plan()")
+        return self._plan.slot_mapping
+
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write ``k``/``v`` at ``slot_mapping``, then attend every request causally.
+            kv_cache: torch.Tensor, *, kv_written: bool = False) -> torch.Tensor:
+        """Write ``k``/``v`` at ``slot_mapping`` (unless the caller already did:
+        ``kv_written``), then attend every request causally.
 
         :param q: ``[num_tokens, num_heads, head_size]`` (rows past the step's tokens,
             CUDA-graph padding, come back as zeros)
@@ -179,7 +187,8 @@ class FlashInferAttention(AttentionBackend):
         plan = self._plan
         if plan is None:
             raise RuntimeError("FlashInferAttention.run() called before plan() for this step")
-        reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
+        if not kv_written:
+            reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
         n, nd = plan.num_tokens, plan.num_decodes

@@ -4,7 +4,8 @@ Same cache layout as the torch reference, ``[2, num_blocks, block_size, num_kv_h
 head_size]``, so the two are interchangeable on one cache. :meth:`TritonAttention.plan`
 does O(batch) host work once per step: it counts the leading one-token (decode)
 requests and picks the decode kernel's split count. :meth:`TritonAttention.run` per
-layer writes the new K/V through ``slot_mapping`` and launches the split-K decode
+layer writes the new K/V through ``slot_mapping`` (unless the model already did, see
+:meth:`TritonAttention.kv_write_slots`) and launches the split-K decode
 kernel for the leading decodes and the causal prefill kernel for the rest (prefill,
 cached prefix, chunked prefill, multi-token decode). It reads only device tensors and
 host values fixed at plan time, so a pure-decode step can be captured in a CUDA graph:
@@ -88,21 +89,33 @@ class TritonAttention(AttentionBackend):
             slot_mapping=md.slot_mapping[: md.num_actual_tokens],
         )
 
+    def kv_write_slots(self) -> torch.Tensor:
+        """This step's ``slot_mapping``: models may write K/V themselves (fused with
+        RoPE, :func:`lmkit_kernels.rotary.rotary_qk_`) and call ``run(...,
+        kv_written=True)``; the cache layout is the one that function writes."""
+        if self._plan is None:
+            raise RuntimeError("TritonAttention.kv_write_slots() called before plan()")
+        return self._plan.slot_mapping
+
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write ``k``/``v`` at ``slot_mapping``, then attend every request causally.
+            kv_cache: torch.Tensor, *, kv_written: bool = False) -> torch.Tensor:
+        """Write ``k``/``v`` at ``slot_mapping`` (unless ``kv_written``), then attend
+        every request causally.
 
         :param q: ``[num_tokens, num_heads, head_size]`` (rows past the step's tokens,
             CUDA-graph padding, come back as zeros)
         :param k: ``[num_tokens, num_kv_heads, head_size]``
         :param v: ``[num_tokens, num_kv_heads, head_size]``
         :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+        :param kv_written: the caller has already stored ``k``/``v`` at
+            :meth:`kv_write_slots`.
         :return: ``[num_tokens, num_heads, head_size]`` in ``q``'s dtype
         """
         plan = self._plan
         if plan is None:
             raise RuntimeError("TritonAttention.run() called before plan() for this step")
-        reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
+        if not kv_written:
+            reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
         out = torch.empty_like(q)
         if q.shape[0] > plan.num_tokens:
             out[plan.num_tokens:].zero_()

@@ -3,7 +3,11 @@
 On CUDA in half precision the per-layer elementwise work (residual add + RMSNorm,
 q/k norm + RoPE, SiLU-and-multiply) is memory- and launch-bound; as torch ops it is
 about 25 kernels per decoder layer, which at batch 1 costs as much time as reading
-the weights. :mod:`lmkit_kernels` does each in one kernel (three to four per layer).
+the weights. :mod:`lmkit_kernels` does each in one kernel (three to four per layer);
+the RoPE kernel also writes K/V to the cache when the attention backend allows it
+(:meth:`lmkit.api.AttentionBackend.kv_write_slots`). All of them round where Hugging
+Face's half-precision modules round, so their results are HF's bit for bit (up to
+the order of float32 sums).
 Projections of at most :data:`SMALL_BATCH` rows (decode at small batch) stream their
 weight through :func:`lmkit_kernels.gemv.small_m_linear`, which on an H100 reads it
 5-15% faster than cuBLAS at one row (bench/gemv_bandwidth.py); larger ones use cuBLAS.
@@ -49,7 +53,8 @@ def silu_and_mul_kernel() -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def rotary_qk_kernel() -> Callable[..., None]:
-    """In-place q/k norm + RoPE on a fused QKV output: :func:`lmkit_kernels.rotary.rotary_qk_`."""
+    """In-place q/k norm + RoPE on a fused QKV output, optionally storing K/V in the
+    paged cache in the same pass: :func:`lmkit_kernels.rotary.rotary_qk_`."""
     from lmkit_kernels.rotary import rotary_qk_
 
     return rotary_qk_

@@ -122,17 +122,23 @@ class LlamaAttention(nn.Module):
         self._rotary_qk = rotary_qk_kernel() if fused_ops_enabled(device, dtype) else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend, kv_cache: torch.Tensor) -> torch.Tensor:
+                attn: AttentionBackend, kv_cache: torch.Tensor,
+                kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv_slots``: the backend's :meth:`~lmkit.api.AttentionBackend.kv_write_slots`;
+        with the fused kernel, K/V then go to the cache in the RoPE kernel."""
         n = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # [n, q_size + 2 * kv_size]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
+        kv_written = kv_slots is not None and self._rotary_qk is not None
         if self._rotary_qk is not None:
             self._rotary_qk(qkv, cos, sin, num_heads=self.num_heads,
                             num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
                             q_norm=None if self.q_norm is None else self.q_norm.weight,
                             k_norm=None if self.k_norm is None else self.k_norm.weight,
-                            eps=1e-6 if self.q_norm is None else self.q_norm.eps)
+                            eps=1e-6 if self.q_norm is None else self.q_norm.eps,
+                            kv_cache=kv_cache if kv_written else None,
+                            slot_mapping=kv_slots if kv_written else None)
             q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim)
         elif self.q_norm is None:
@@ -144,7 +150,10 @@ class LlamaAttention(nn.Module):
             k = self.k_norm.forward(
                 qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
             q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        out = attn.run(self.layer_idx, q, k, v, kv_cache)  # [n, num_heads, head_dim]
+        if kv_written:  # [n, num_heads, head_dim]
+            out = attn.run(self.layer_idx, q, k, v, kv_cache, kv_written=True)
+        else:
+            out = attn.run(self.layer_idx, q, k, v, kv_cache)
         return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
@@ -177,8 +186,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(dims, dtype, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
+                kv_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # submodules' forward is called directly: nn.Module.__call__ (hooks, which
         # nothing here uses) costs ~0.5 ms per step over 30 layers on a CPU
         if residual is None:
@@ -186,7 +195,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(hidden, cos, sin, attn, kv_cache)
+        hidden = self.self_attn.forward(hidden, cos, sin, attn, kv_cache, kv_slots)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
@@ -223,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
         self.model = LlamaModel(dims, self.rotary, dtype, device)
+        self._fused_ops = fused_ops_enabled(device, dtype)
         self.lm_head = None if dims.tie_word_embeddings else Linear(
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
         self.attn: AttentionBackend = ctx.attention_cls(
@@ -235,10 +245,12 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        # fused kernels write K/V in the RoPE kernel when the backend lets them
+        kv_slots = ctx.attn.kv_write_slots() if self._fused_ops else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
-                                             ctx.kv_caches[i])
+                                             ctx.kv_caches[i], kv_slots)
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 

@@ -2,8 +2,10 @@
 
 With torch ops this is a chunk, a SiLU and a multiply (two kernels, three passes);
 here each program reads a tile of ``gate`` and ``up`` and writes the product once.
-Rounding follows torch's half-precision ops: SiLU rounded to the dtype, then the
-product rounded.
+Rounding follows torch's half-precision ops (and so Hugging Face's MLP): SiLU
+computed in float32 as ``x / (1 + exp(-x))`` with an accurate ``exp`` and an IEEE
+division (torch's CUDA formula; Triton's default ``exp`` and ``/`` are approximate),
+rounded to the dtype, then the product rounded.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from lmkit_kernels.checks import FLOAT_DTYPES, check_tensor
+from lmkit_kernels.checks import FLOAT_DTYPES, check_tensor, is_interpreting
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -20,14 +23,19 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr,
+                         ACCURATE_EXP: tl.constexpr):
     # program (row, tile): out[row, tile] = silu(x[row, tile]) * x[row, size + tile]
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+    if ACCURATE_EXP:  # libdevice expf, as torch's CUDA kernel (tl.exp is ex2.approx)
+        e = libdevice.exp(-gate)
+    else:  # the CPU interpreter: numpy's exp
+        e = tl.exp(-gate)
+    act = tl.math.div_rn(gate, 1.0 + e).to(x_ptr.dtype.element_ty)
     y = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -49,7 +57,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens and size:
         grid = (num_tokens, triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size,
-                                   BLOCK=_BLOCK, num_warps=4)
+                                   BLOCK=_BLOCK, ACCURATE_EXP=not is_interpreting(),
+                                   num_warps=4)
     return out
 
 

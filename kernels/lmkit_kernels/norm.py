@@ -6,7 +6,9 @@ square, mean, rsqrt, scale, add), each a launch and a pass over the activations.
 kernel reads ``x`` (and ``residual``) once and writes the normed rows (and the sum).
 
 Rounding follows Hugging Face's half-precision RMSNorm: the residual sum is rounded to
-the input dtype, normalised in float32, rounded again, then scaled by the weight.
+the input dtype, normalised in float32, rounded again, then scaled by the weight (and
+rounded). The mean square is the sum times ``1 / hidden_size`` rounded to float32, as
+torch's ``mean`` computes it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ __all__ = ["rms_norm", "rms_norm_ref"]
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
-    hidden_size, eps,
+    hidden_size, inv_hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program normalises one row: [hidden_size].
@@ -37,7 +39,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, axis=0) / hidden_size
+    variance = tl.sum(xf * xf, axis=0) * inv_hidden_size
     normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = w.to(tl.float32) * normed.to(tl.float32)
@@ -74,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, res_out,
             x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-            res_out.stride(0), hidden, float(eps),
+            res_out.stride(0), hidden, 1.0 / hidden, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
         )

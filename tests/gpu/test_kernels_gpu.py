@@ -144,3 +144,93 @@ def test_sample_in_kernel_noise_follows_the_distribution():
     kept = logits[0, :3].softmax(-1)  # top-3 masses 0.51, 0.31, 0.19: top-p 0.9 keeps all 3
     torch.testing.assert_close(torch.bincount(top, minlength=vocab).float()[:3] / rows, kept,
                                atol=5e-3, rtol=0)
+
+
+# ---------------------------------------------------------------- fused layer kernels
+
+
+def _differs_by_at_most_one_ulp_rarely(actual, expected):
+    """Bit-equal but for a float32 reduction order: under 0.1% of elements differ, by
+    one ulp where it rounded (a few where later ops, RoPE after a q/k norm, carry it)."""
+    differ = actual != expected
+    assert differ.float().mean().item() < 1e-3, f"{int(differ.sum())} elements differ"
+    ulp = (2.0 ** -7 if actual.dtype == torch.bfloat16 else 2.0 ** -10)
+    assert torch.all((actual.float() - expected.float()).abs()
+                     <= 4 * ulp * expected.float().abs().clamp_min(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_with_cache_write(dtype, qk_norm):
+    """Llama-8B heads: RoPE in place equals the HF-rounded reference bit for bit (norms:
+    up to a reduction-order ulp), and K/V land where reshape_and_cache puts them."""
+    from lmkit_kernels.rotary import rotary_qk_, rotary_qk_ref
+
+    heads, kv_heads, size, n = 32, 8, 128, 777
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * size, device=CUDA, generator=gen).to(dtype)
+    pos = torch.randint(0, 100_000, (n,), device=CUDA, generator=gen).float()[:, None]
+    freqs = pos * (1.0 / 500000.0 ** (torch.arange(0, size, 2, device=CUDA) / size))[None]
+    cos = torch.cat((freqs.cos(), freqs.cos()), -1)[:, None].to(dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)[:, None].to(dtype)
+    norms = {}
+    if qk_norm:
+        norms = {name: (1 + 0.2 * torch.randn(size, device=CUDA, generator=gen)).to(dtype)
+                 for name in ("q_norm", "k_norm")}
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, head_size=size, **norms)
+    cache = torch.randn(2, 100, 16, kv_heads, size, device=CUDA, generator=gen).to(dtype)
+    slots = torch.randperm(1600, device=CUDA, generator=gen)[:n - 5]  # 5 padding rows
+    slots[::9] = -1
+    out, written = qkv.clone(), cache.clone()
+    rotary_qk_(out, cos, sin, kv_cache=written, slot_mapping=slots, **kw)
+    expected = rotary_qk_ref(qkv, cos, sin, **kw)
+    if qk_norm:
+        _differs_by_at_most_one_ulp_rarely(out, expected)
+    else:
+        assert torch.equal(out, expected)
+    rows = out.view(n, -1, size)
+    reshape_and_cache_ref(rows[:, heads:heads + kv_heads], rows[:, heads + kv_heads:], cache,
+                          slots)
+    assert torch.equal(written, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_layer_kernels_round_like_transformers(dtype):
+    """The compiled kernels against transformers' own modules on the GPU: RoPE and the
+    residual add bit for bit; RMSNorm and SiLU-and-multiply up to rare reduction-order ulps."""
+    transformers = pytest.importorskip("transformers")
+    from lmkit_kernels.activation import silu_and_mul
+    from lmkit_kernels.norm import rms_norm
+    from lmkit_kernels.rotary import rotary_qk_
+    from transformers.models.llama import modeling_llama as hf
+
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    heads, kv_heads, size, n, hidden = 32, 8, 128, 300, 4096
+    config = transformers.LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, rope_theta=500000.0)
+    positions = torch.arange(n, device=CUDA) * 37
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * size, device=CUDA, generator=gen).to(dtype)
+    cos, sin = hf.LlamaRotaryEmbedding(config).to(CUDA)(qkv[None], positions[None])
+    q = qkv[:, :heads * size].view(1, n, heads, size).transpose(1, 2)
+    k = qkv[:, heads * size:(heads + kv_heads) * size].view(1, n, kv_heads, size).transpose(1, 2)
+    q_hf, k_hf = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    sign = torch.cat((-torch.ones(size // 2), torch.ones(size // 2))).to(CUDA, dtype)
+    out = qkv.clone()
+    rotary_qk_(out, cos[0, :, None], sin[0, :, None] * sign, num_heads=heads,
+               num_kv_heads=kv_heads, head_size=size)
+    rotated = out.view(n, -1, size)
+    assert torch.equal(rotated[:, :heads], q_hf[0].transpose(0, 1))
+    assert torch.equal(rotated[:, heads:heads + kv_heads], k_hf[0].transpose(0, 1))
+
+    x = (torch.randn(n, hidden, device=CUDA, generator=gen) * 3).to(dtype)
+    res = (torch.randn(n, hidden, device=CUDA, generator=gen) * 5).to(dtype)
+    norm = hf.LlamaRMSNorm(hidden, 1e-5).to(CUDA)
+    norm.weight.data = 1 + 0.2 * torch.randn(hidden, device=CUDA, generator=gen)
+    norm.to(dtype)
+    with torch.no_grad():
+        normed, summed = rms_norm(x, norm.weight.data, 1e-5, res)
+        assert torch.equal(summed, res + x)
+        _differs_by_at_most_one_ulp_rarely(normed, norm(res + x))
+    gate, up = (torch.randn(2, n, 14336, device=CUDA, generator=gen) * 4).to(dtype)
+    _differs_by_at_most_one_ulp_rarely(silu_and_mul(torch.cat((gate, up), -1)),
+                                       torch.nn.functional.silu(gate) * up)

@@ -3,8 +3,8 @@
 The inverse frequencies follow the checkpoint's ``rope_parameters`` (transformers 5.x)
 or ``rope_theta`` + ``rope_scaling`` (4.x): ``default``, ``linear`` and ``llama3``
 scaling are supported. cos/sin are computed once per step from the positions (no
-table of ``max_position_embeddings`` rows) exactly as HF does, in float32, so logits
-match HF bit for bit up to the attention kernel.
+table of ``max_position_embeddings`` rows) exactly as HF does, in float32, and applied
+with HF's rounding, so logits match HF bit for bit up to the attention kernel.
 """
 
 from __future__ import annotations
@@ -116,12 +116,14 @@ class RotaryEmbedding(torch.nn.Module):
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x: [n, heads, head_dim]`` (any strides); returns a new contiguous tensor.
 
-        ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+        ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, as three
+        ops rounded to ``x``'s dtype each, like transformers' ``apply_rotary_pos_emb``
+        (a fused multiply-add rounds once and differs from it in half precision).
         """
         dim, half = self.rotary_dim, self.rotary_dim // 2
         if dim == self.head_dim:
             swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-            return torch.addcmul(x * cos, swapped, sin)
+            return (x * cos).add_(swapped * sin)
         rot = x[..., :dim]
         swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((torch.addcmul(rot * cos, swapped, sin), x[..., dim:]), dim=-1)
+        return torch.cat(((rot * cos).add_(swapped * sin), x[..., dim:]), dim=-1)

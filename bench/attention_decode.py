@@ -12,6 +12,10 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
 
     python bench/attention_decode.py --out k.json
     python bench/attention_decode.py --backends triton --sweep-splits --out k.json
+    python bench/attention_decode.py --num-seqs 1 --context 384 --out w2_attn.json  # W2-like
+
+The triton backend is timed twice: merging its context slices inside the decode kernel
+(the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(int(args.copy_gib * 2 ** 30), warmup=args.warmup,
                                iters=max(20, args.iters // 5))
     runs = [(name.strip(), None) for name in args.backends.split(",") if name.strip()]
+    if "triton" in [name for name, _ in runs]:  # the slice merge as a second launch
+        runs.append(("triton", {"decode_merge_in_kernel": False}))
     if args.sweep_splits:
         runs += [("triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16)]
     results = []

@@ -11,8 +11,10 @@ cached tokens including this step's, all already written to the cache
 ``[num_reqs, max_blocks]``) maps a request's logical blocks to cache blocks.
 
 When every request has one new token (``max_query_len == 1``) the split-K decode
-kernel runs (:mod:`lmkit_kernels.paged_decode`); otherwise the causal prefill kernel
-(:mod:`lmkit_kernels.paged_prefill`), which also handles decode rows mixed in.
+kernel runs (:mod:`lmkit_kernels.paged_decode`), merging its context slices in the same
+launch when given a zeroed counter buffer (:func:`split_counters`); otherwise the
+causal prefill kernel (:mod:`lmkit_kernels.paged_prefill`), which also handles decode
+rows mixed in.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from lmkit_kernels.checks import (
 from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
 
-__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention"]
+__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention",
+           "split_counters"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16
@@ -61,6 +64,19 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) ->
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
+def split_counters(num_reqs: int, num_kv_heads: int, device: torch.device | str
+                   ) -> torch.Tensor:
+    """A zeroed int32 counter buffer for ``num_reqs`` requests' decode launches.
+
+    Passed to :func:`paged_attention` as ``split_counters``, it lets the decode kernel
+    merge its context slices itself (one launch instead of two). Every launch leaves it
+    zeroed again, so allocate it once (outside CUDA-graph capture) and reuse it for
+    every layer and step -- but never for two launches running at the same time
+    (different streams): they would count on the same counters.
+    """
+    return torch.zeros(max(1, num_reqs * num_kv_heads), dtype=torch.int32, device=device)
+
+
 def _prefill_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized to fit shared memory on sm80+."""
     if dtype == torch.float32:
@@ -80,7 +96,8 @@ def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, max_query_len: int,
                     scale: float | None = None, out: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None,
+                    split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
@@ -96,7 +113,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     :param scale: softmax scale, default ``head_size ** -0.5``.
     :param out: optional output, shaped and typed like ``q``.
     :param num_splits: decode only: context slices per request (a power of two up to
-        :data:`MAX_SPLITS`); default :func:`choose_num_splits`.
+        :data:`MAX_SPLITS`); default :func:`choose_num_splits`. A context needs at most
+        one slice per ``BLOCK_N`` tokens (64 for half precision); unneeded slices exit
+        at once, and a one-slice context is written without a merge.
+    :param split_counters: decode only: a zeroed int32 buffer of at least ``num_reqs *
+        num_kv_heads`` counters (:func:`split_counters`, left zeroed by every launch):
+        the decode kernel then merges the slices itself; without it a second kernel
+        merges them.
     :return: ``out``, ``[num_tokens, num_heads, head_size]``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -148,6 +171,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                              f"got {splits}")
         block_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
+        fused_merge = split_counters is not None and splits > 1
+        if fused_merge:
+            check_tensor("split_counters", split_counters, ndim=1, dtypes=(torch.int32,),
+                         device=device, contiguous=True)
+            if split_counters.shape[0] < num_reqs * num_kv_heads:
+                raise ValueError(f"split_counters has {split_counters.shape[0]} entries; "
+                                 f"num_reqs * num_kv_heads = {num_reqs * num_kv_heads} needed")
         if splits > 1:
             part_out = torch.empty((num_reqs, num_heads, splits, head_pad), dtype=torch.float32,
                                    device=device)
@@ -157,17 +187,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             part_out = part_lse = out  # unused by the kernel
         paged_decode_kernel[(num_reqs, num_kv_heads, splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
+            split_counters if fused_merge else seq_lens,
             query_start_loc, seq_lens, block_tables, scale_log2,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            NUM_HEADS=num_heads, GROUP=group, ROWS=max(16, next_power_of_2(group)),
-            NUM_SPLITS=splits, BLOCK_N=block_n, **flags,
-            num_warps=num_warps, num_stages=num_stages,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            ROWS=max(16, next_power_of_2(group)), NUM_SPLITS=splits, FUSED_MERGE=fused_merge,
+            BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages,
         )
-        if splits > 1:
+        if splits > 1 and not fused_merge:
             reduce_splits_kernel[(num_reqs, num_heads)](
-                out, part_out, part_lse, query_start_loc, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, NUM_SPLITS=splits, HEAD_SIZE=head_size,
-                HEAD_PAD=head_pad, num_warps=4,
+                out, part_out, part_lse, query_start_loc, seq_lens, out.stride(0),
+                out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits, BLOCK_N=block_n,
+                HEAD_SIZE=head_size, HEAD_PAD=head_pad, num_warps=4,
             )
         return out
 

@@ -2,11 +2,22 @@
 
 Decode is bound by reading the cache, so the work is spread over
 ``num_reqs x num_kv_heads x NUM_SPLITS`` programs: each reads one slice of one request's
-context for one KV head -- once for all ``GROUP`` query heads sharing it -- and, when
-the context is split, leaves a partial result (normalised output and log-sum-exp) that
-:func:`reduce_splits_kernel` merges. Slices are sized from each request's own
-``seq_len`` on the device, so a grid fixed at CUDA-graph capture stays correct for any
-context length. Launch through :func:`lmkit_kernels.paged_attention.paged_attention`.
+context for one KV head -- once for all ``GROUP`` query heads sharing it. Slices are
+whole ``BLOCK_N`` tiles sized from each request's own ``seq_len`` on the device, so a
+grid fixed at CUDA-graph capture stays correct for any context length, and a short
+context uses fewer slices than the grid has (the rest exit at once): a context of at
+most ``BLOCK_N`` tokens is one slice, whose program writes the output directly.
+
+With several slices, each leaves a partial result (normalised output and log-sum-exp)
+that must be merged:
+
+* ``FUSED_MERGE`` (one launch): after storing its partial, each program counts itself
+  in on a per-(request, KV head) counter (an acquire-release atomic); the last to arrive
+  merges all partials, writes the output and resets the counter to zero, so the
+  zeroed counter buffer can be reused by the next launch (and CUDA-graph replay).
+* otherwise :func:`reduce_splits_kernel` merges them in a second launch.
+
+Launch through :func:`lmkit_kernels.paged_attention.paged_attention`.
 """
 
 from __future__ import annotations
@@ -18,29 +29,37 @@ from lmkit_kernels.paged_prefill import attention_dot
 
 
 @triton.jit
+def decode_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(split_len, active)``: each slice's length (whole tiles) and how many slices a
+    context of ``seq_len`` tokens fills (at least 1: an empty context writes zeros)."""
+    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    active = tl.maximum((seq_len + split_len - 1) // tl.maximum(split_len, 1), 1)
+    return split_len, active
+
+
+@triton.jit
 def paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_bt_req,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    # a request with no query row (padding) has nothing to write
-    if tl.load(query_start_loc_ptr + req + 1) > q_row:
-        seq_len = tl.load(seq_lens_ptr + req)
-        # this split's key range, in whole BLOCK_N tiles
-        split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N)
+    # a request with no query row (padding) has nothing to write; idle slices exit
+    if (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active):
         kv_start = split * split_len
         kv_end = tl.minimum(kv_start + split_len, seq_len)
 
@@ -87,41 +106,71 @@ def paged_decode_kernel(
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         mask = g_ok[:, None] & d_ok[None, :]
-        if NUM_SPLITS == 1:
-            tl.store(out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head
-                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        out_ptrs = out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        if active == 1:
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             # partials: out [num_reqs, NUM_HEADS, NUM_SPLITS, HEAD_PAD], lse [.., NUM_SPLITS]
-            # (log2 domain; -inf for an empty split)
-            part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
-            tl.store(part_out_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], out,
-                     mask=g_ok[:, None])
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            tl.store(part_lse_ptr + part, lse, mask=g_ok)
+            # (log2 domain)
+            rows = req.to(tl.int64) * NUM_HEADS + head  # [ROWS]
+            tl.store(part_out_ptr + (rows * NUM_SPLITS + split)[:, None] * HEAD_PAD
+                     + offs_d[None, :], out, mask=g_ok[:, None])
+            lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))
+            tl.store(part_lse_ptr + rows * NUM_SPLITS + split, lse, mask=g_ok)
+            if FUSED_MERGE:
+                # every thread's partial is stored before one thread releases the count
+                tl.debug_barrier()
+                counter = counter_ptr + req.to(tl.int64) * NUM_KV_HEADS + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == active - 1:  # the last slice: merge, then reset the counter
+                    merged = merge_partials(part_out_ptr, part_lse_ptr, rows, g_ok, active,
+                                            NUM_SPLITS, ROWS, HEAD_PAD)
+                    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def merge_partials(part_out_ptr, part_lse_ptr, rows, row_ok, active,
+                   NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """``[ROWS, HEAD_PAD]``: the first ``active`` partials of each of ``rows``, weighted
+    by their sums of exps. Loads bypass L1 (``.cg``): other programs wrote them."""
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_ok = offs_s < active
+    lse = tl.load(part_lse_ptr + rows[:, None] * NUM_SPLITS + offs_s[None, :],
+                  mask=row_ok[:, None] & s_ok[None, :], other=float("-inf"),
+                  cache_modifier=".cg")  # [ROWS, NUM_SPLITS]
+    lse_max = tl.max(lse, axis=1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max[:, None])  # 0 past the active slices
+    total = tl.sum(w, axis=1)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    for s in range(0, active):
+        part = tl.load(part_out_ptr + (rows * NUM_SPLITS + s)[:, None] * HEAD_PAD
+                       + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+        acc += part * w_s[:, None]
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit
 def reduce_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     stride_o_tok, stride_o_head,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
-    """Merge one (request, query head)'s split partials, weighted by their sums of exps."""
+    """Merge one (request, query head)'s slice partials (the second launch, when the
+    decode kernel does not merge them itself); one-slice requests are already written."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    if tl.load(query_start_loc_ptr + req + 1) > q_row:
-        base = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-        offs_s = tl.arange(0, NUM_SPLITS)
+    _, active = decode_split(tl.load(seq_lens_ptr + req), NUM_SPLITS, BLOCK_N)
+    if (tl.load(query_start_loc_ptr + req + 1) > q_row) & (active > 1):
+        rows = req.to(tl.int64) * NUM_HEADS + head + tl.arange(0, 1)  # [1]
+        merged = merge_partials(part_out_ptr, part_lse_ptr, rows, rows >= 0, active,
+                                NUM_SPLITS, 1, HEAD_PAD)  # [1, HEAD_PAD]
         offs_d = tl.arange(0, HEAD_PAD)
-        lse = tl.load(part_lse_ptr + base + offs_s)  # [NUM_SPLITS]
-        lse_max = tl.max(lse, axis=0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w = tl.exp2(lse - lse_max)  # 0 for empty splits
-        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
-        total = tl.sum(w, axis=0)
-        out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(out_ptr + q_row * stride_o_tok + head * stride_o_head + offs_d,
-                 out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+        tl.store(out_ptr + q_row * stride_o_tok + head * stride_o_head + offs_d[None, :],
+                 merged.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < HEAD_SIZE)

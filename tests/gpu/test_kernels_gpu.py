@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
-from lmkit_kernels.paged_attention import paged_attention  # noqa: E402
+from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.reference import (  # noqa: E402
     paged_attention_ref,
@@ -50,11 +50,31 @@ def _attend(batch, **kwargs):
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (8, 8)])
 @pytest.mark.parametrize("num_splits", [None, 1, 16])
-def test_decode(dtype, head_size, num_heads, num_kv_heads, num_splits):
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+def test_decode(dtype, head_size, num_heads, num_kv_heads, num_splits, merge_in_kernel):
     reqs = [(0, 1), (15, 1), (16, 1), (777, 1), (2500, 1), (4095, 1)]
     batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_size=head_size, block_size=16, dtype=dtype, device=CUDA)
-    _check(batch, _attend(batch, num_splits=num_splits), dtype)
+    counters = split_counters(len(reqs), num_kv_heads, CUDA) if merge_in_kernel else None
+    for _ in range(3):  # the counters come back to zero for the next launch
+        _check(batch, _attend(batch, num_splits=num_splits, split_counters=counters), dtype)
+    assert counters is None or torch.all(counters == 0)
+
+
+def test_decode_merge_in_kernel_many_launches():
+    """The one-launch merge under load: 64 requests x 16 slices, 50 launches back to
+    back (a lost update or a stale partial would show as a wrong row)."""
+    reqs = [(int(c), 1) for c in torch.randint(1, 3000, (64,), generator=torch.Generator()
+                                               .manual_seed(4))]
+    batch = make_paged_batch(reqs, num_heads=32, num_kv_heads=8, head_size=128,
+                             block_size=16, dtype=torch.bfloat16, device=CUDA, seed=4)
+    counters = split_counters(64, 8, CUDA)
+    first = _attend(batch, num_splits=16, split_counters=counters)
+    _check(batch, first, torch.bfloat16)
+    torch.testing.assert_close(first, _attend(batch, num_splits=16), atol=2e-2, rtol=0)
+    for _ in range(50):  # deterministic: every launch gives the same bits
+        assert torch.equal(_attend(batch, num_splits=16, split_counters=counters), first)
+    assert torch.all(counters == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -83,19 +103,22 @@ def test_decode_graph_replay_over_longer_contexts():
     long = make_paged_batch([(4000, 1), (10, 1), (2047, 1), (0, 1)] * 2, seed=3, **kwargs)
     out = torch.empty_like(short.q)
     args = (short.q, short.kv_cache, short.query_start_loc, short.seq_lens, short.block_tables)
+    counters = split_counters(8, 8, CUDA)  # the merge in the decode kernel, replayed
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile outside the capture
-        paged_attention(*args, max_query_len=1, out=out)
+        paged_attention(*args, max_query_len=1, out=out, split_counters=counters)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_attention(*args, max_query_len=1, out=out)
+        paged_attention(*args, max_query_len=1, out=out, split_counters=counters)
     for name in ("q", "kv_cache", "seq_lens", "block_tables"):
         getattr(short, name).copy_(getattr(long, name))
-    graph.replay()
+    for _ in range(3):
+        graph.replay()
     torch.cuda.synchronize()
     _check(long, out, torch.bfloat16)
+    assert torch.all(counters == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -31,7 +31,7 @@ if not isinstance(tl.zeros, InterpretedFunction):  # kernels would be compiled, 
 
 from lmkit.api import AttentionMetadata  # noqa: E402
 from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
-from lmkit_kernels.paged_attention import paged_attention  # noqa: E402
+from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.reference import (  # noqa: E402
     paged_attention_ref,
@@ -74,6 +74,29 @@ def test_decode(dtype, block_size, head_size, num_heads, num_kv_heads, num_split
     batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_size=head_size, block_size=block_size, dtype=dtype)
     _check_attention(batch, _attend(batch, num_splits=num_splits), dtype)
+
+
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "num_splits"),
+                         [(torch.float32, 2, 2, 2), (torch.bfloat16, 8, 2, 8)])
+def test_decode_merges_slices_in_one_launch(dtype, num_heads, num_kv_heads, num_splits):
+    """With a counter buffer the last slice to finish merges the partials: the same
+    result, the counters left at zero for the next launch (run twice), and short
+    contexts (one slice, written directly) mixed with long ones and a padding row."""
+    reqs = [(4, 1), (63, 1), (64, 1), (200, 1), (0, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=64, block_size=16, dtype=dtype, seed=7)
+    counters = split_counters(batch.num_reqs, num_kv_heads, "cpu")
+    assert counters.shape == (batch.num_reqs * num_kv_heads,)
+    for _ in range(2):
+        out = _attend(batch, num_splits=num_splits, split_counters=counters)
+        _check_attention(batch, out, dtype)
+        assert torch.all(counters == 0)
+    two_launches = _attend(batch, num_splits=num_splits)
+    assert torch.equal(out, two_launches)
+    batch.seq_lens[4] = 0  # a padded decode row without context: zeros
+    assert torch.all(_attend(batch, num_splits=num_splits, split_counters=counters)[4] == 0)
+    with pytest.raises(ValueError, match="split_counters has 3 entries"):
+        _attend(batch, num_splits=num_splits, split_counters=counters[:3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

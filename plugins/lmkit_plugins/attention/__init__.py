@@ -21,6 +21,10 @@ class TritonAttentionOptions(BaseModel):
     decode_num_splits: int | None = Field(
         None, description="Context slices per request in the decode kernel (a power of two "
         "up to 16); default: chosen from the batch shape and the number of SMs.")
+    decode_merge_in_kernel: bool = Field(
+        True, description="Merge the decode kernel's context slices in the same launch "
+        "(the last slice to finish merges, counted with atomics); false: a second kernel "
+        "merges them.")
 
 
 class FlashInferAttentionOptions(BaseModel):

@@ -3,7 +3,9 @@
 Same cache layout as the torch reference, ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``, so the two are interchangeable on one cache. :meth:`TritonAttention.plan`
 does O(batch) host work once per step: it counts the leading one-token (decode)
-requests and picks the decode kernel's split count. :meth:`TritonAttention.run` per
+requests and picks the decode kernel's split count (the kernel merges its slices in the
+same launch, counting them on counters this backend keeps zeroed; option
+``decode_merge_in_kernel``). :meth:`TritonAttention.run` per
 layer writes the new K/V through ``slot_mapping`` (unless the model already did, see
 :meth:`TritonAttention.kv_write_slots`) and launches the split-K decode
 kernel for the leading decodes and the causal prefill kernel for the rest (prefill,
@@ -22,7 +24,12 @@ import numpy as np
 import torch
 from lmkit.api import AttentionBackend, AttentionMetadata
 from lmkit_kernels.cache_write import reshape_and_cache
-from lmkit_kernels.paged_attention import MAX_HEAD_SIZE, choose_num_splits, paged_attention
+from lmkit_kernels.paged_attention import (
+    MAX_HEAD_SIZE,
+    choose_num_splits,
+    paged_attention,
+    split_counters,
+)
 
 from lmkit_plugins.attention import TritonAttentionOptions
 
@@ -65,6 +72,10 @@ class TritonAttention(AttentionBackend):
                              "(float32, float16, bfloat16)")
         self.options = self.options or TritonAttentionOptions()
         self._plan: _TritonPlan | None = None
+        # zeroed counters of the one-launch decode merge, grown in plan() (never during
+        # CUDA-graph capture); outgrown buffers stay alive for graphs captured with them
+        self._counters: torch.Tensor | None = None
+        self._old_counters: list[torch.Tensor] = []
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys, then values."""
@@ -81,6 +92,8 @@ class TritonAttention(AttentionBackend):
         max_prefill = int(query_lens[num_decodes:].max()) if num_decodes < num_reqs else 0
         splits = self.options.decode_num_splits or choose_num_splits(
             max(num_decodes, 1), self.num_kv_heads, md.block_tables.device)
+        if self.options.decode_merge_in_kernel and num_decodes:
+            self._grow_counters(num_decodes, md.block_tables.device)
         self._plan = _TritonPlan(
             num_reqs=num_reqs, num_tokens=md.num_actual_tokens, num_decodes=num_decodes,
             num_splits=splits, max_prefill_query_len=max_prefill,
@@ -88,6 +101,14 @@ class TritonAttention(AttentionBackend):
             seq_lens=md.seq_lens[:num_reqs], block_tables=md.block_tables[:num_reqs],
             slot_mapping=md.slot_mapping[: md.num_actual_tokens],
         )
+
+    def _grow_counters(self, num_reqs: int, device: torch.device) -> None:
+        """Make the split counters hold ``num_reqs`` requests (at least 64 at first)."""
+        need = num_reqs * self.num_kv_heads
+        if self._counters is None or self._counters.shape[0] < need:
+            if self._counters is not None:
+                self._old_counters.append(self._counters)
+            self._counters = split_counters(max(num_reqs, 64), self.num_kv_heads, device)
 
     def kv_write_slots(self) -> torch.Tensor:
         """This step's ``slot_mapping``: models may write K/V themselves (fused with
@@ -123,7 +144,8 @@ class TritonAttention(AttentionBackend):
         if nd:
             paged_attention(q, kv_cache, plan.query_start_loc[: nd + 1], plan.seq_lens[:nd],
                             plan.block_tables[:nd], max_query_len=1, scale=self.scale,
-                            out=out, num_splits=plan.num_splits)
+                            out=out, num_splits=plan.num_splits,
+                            split_counters=self._counters)
         if nd < plan.num_reqs:
             paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],
                             plan.block_tables[nd:], max_query_len=plan.max_prefill_query_len,

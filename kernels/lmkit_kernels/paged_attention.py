@@ -35,7 +35,7 @@ from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
 
 __all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention",
-           "split_counters"]
+           "prefill_config", "split_counters"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16
@@ -77,12 +77,27 @@ def split_counters(num_reqs: int, num_kv_heads: int, device: torch.device | str
     return torch.zeros(max(1, num_reqs * num_kv_heads), dtype=torch.int32, device=device)
 
 
-def _prefill_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), sized to fit shared memory on sm80+."""
+@functools.cache
+def _is_hopper_or_newer(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def prefill_config(head_pad: int, dtype: torch.dtype, device: torch.device,
+                   rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel, sized to fit
+    shared memory on sm80+; ``rows`` is the longest query times the padded group.
+
+    On Hopper (228 KiB of shared memory) half precision with head size <= 128 takes
+    128-row tiles over 8 warps and three stages of K/V in flight when a request has
+    that many rows; elsewhere 64-row tiles over 4 warps.
+    """
     if dtype == torch.float32:
         return (32, 32, 4, 1) if head_pad >= 256 else (32, 32, 4, 2)
+    hopper = _is_hopper_or_newer(device)
     if head_pad >= 256:
-        return 64, 32, 8, 1
+        return 64, 32, 8, 2 if hopper else 1
+    if hopper and rows >= 128:
+        return 128, 64, 8, 3
     return 64, 64, 4, 2
 
 
@@ -97,7 +112,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, max_query_len: int,
                     scale: float | None = None, out: torch.Tensor | None = None,
                     num_splits: int | None = None,
-                    split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                    split_counters: torch.Tensor | None = None,
+                    prefill_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
@@ -120,6 +136,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         num_kv_heads`` counters (:func:`split_counters`, left zeroed by every launch):
         the decode kernel then merges the slices itself; without it a second kernel
         merges them.
+    :param prefill_tiles: prefill only, for tuning: ``(BLOCK_M, BLOCK_N, num_warps,
+        num_stages)`` instead of :func:`prefill_config`'s choice (powers of two,
+        ``BLOCK_M, BLOCK_N >= 16``).
     :return: ``out``, ``[num_tokens, num_heads, head_size]``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -202,8 +221,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             )
         return out
 
-    block_m, block_n, num_warps, num_stages = _prefill_config(head_pad, q.dtype)
     group_pad = next_power_of_2(group)
+    if prefill_tiles is not None and (
+            len(prefill_tiles) != 4 or min(prefill_tiles[:2]) < 16
+            or any(t < 1 or t & (t - 1) for t in prefill_tiles[:3]) or prefill_tiles[3] < 1):
+        raise ValueError("prefill_tiles must be (BLOCK_M, BLOCK_N, num_warps, num_stages): "
+                         f"powers of two with BLOCK_M, BLOCK_N >= 16; got {prefill_tiles}")
+    block_m, block_n, num_warps, num_stages = prefill_tiles or prefill_config(
+        head_pad, q.dtype, device, max_query_len * group_pad)
     block_q = max(1, block_m // group_pad)
     block_m = block_q * group_pad
     assert block_m >= 16, "tl.dot needs at least 16 rows"

@@ -8,6 +8,12 @@ each query's own position. Launch through :func:`lmkit_kernels.paged_attention.p
 GQA without repeated loads: one program takes ``BLOCK_Q`` query tokens of one request
 times all ``GROUP`` query heads that share one KV head, flattened into
 ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows, so every K/V tile is read once for the group.
+
+Causal tile skipping: a program reads only the keys its last token sees, in two loops:
+the keys before its first token, visible to every row, in whole tiles with no mask
+(most of a long prompt's work), then the few tiles along the diagonal with the causal
+mask. Programs are launched heaviest first (the last query tiles of each request see
+the most keys), so the short ones fill in at the end of the wave.
 """
 
 from __future__ import annotations
@@ -27,6 +33,47 @@ def attention_dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
+                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                 scale_log2, offs_d, d_ok,
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """One online-softmax step over keys ``start_n .. start_n + BLOCK_N``. Without
+    ``CAUSAL`` every key of the tile is visible to every row (no masks)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if CAUSAL:
+        n_ok = offs_n < kv_end
+        block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        block = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    slot = (offs_n % PAGE_SIZE)[:, None]
+    # k, v: [BLOCK_N, HEAD_PAD], gathered page by page
+    k = tl.load(k_base + block[:, None] * stride_kc_block + slot * stride_kc_slot
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + block[:, None] * stride_vc_block + slot * stride_vc_slot
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = attention_dot(q, tl.trans(k), DOT_IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows that have seen no visible key yet keep m = -inf; shift them by 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = m_safe
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -40,7 +87,7 @@ def paged_prefill_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     req = tl.program_id(1)
     kv_head = tl.program_id(2)
 
@@ -67,35 +114,24 @@ def paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-        # the last token of this tile sees keys up to its own position
-        kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
         bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-        for start_n in range(0, kv_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_end
-            block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            slot = offs_n % PAGE_SIZE
-            # k: [HEAD_PAD, BLOCK_N] (transposed gather), v: [BLOCK_N, HEAD_PAD]
-            k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block
-                        + slot[None, :] * stride_kc_slot + kv_head * stride_kc_head
-                        + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block
-                        + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
-                        + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows that have seen no visible key yet keep m = -inf; shift them by 0
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
-            m_i = m_new
+        k_base = k_cache_ptr + kv_head * stride_kc_head
+        v_base = v_cache_ptr + kv_head * stride_vc_head
+        # keys before the tile's first token: visible to all rows, whole tiles, no mask
+        first_pos = ctx_len + q_tile * BLOCK_Q
+        full_end = first_pos // BLOCK_N * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, start_n, seq_len, bt_row, k_base, v_base,
+                stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, False, DOT_F32, DOT_IEEE)
+        # the diagonal: the tile's last token sees keys up to its own position
+        kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        for start_n in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
+                stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
+                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, True, DOT_F32, DOT_IEEE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty),

@@ -88,6 +88,19 @@ def test_prefill_cached_prefix_chunks_and_decodes(dtype, head_size, block_size):
     _check(batch, _attend(batch), dtype)
 
 
+@pytest.mark.parametrize("tiles", [None, (64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                   (64, 32, 4, 3)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(16, 8), (32, 8)])
+def test_prefill_tiles_gqa(tiles, num_heads, num_kv_heads):
+    """Qwen3-0.6B (group 2) and Llama-8B (group 4) heads, the default and other tiles of
+    bench/attention_prefill.py --sweep-tiles: long prompts, a cached prefix, a chunk."""
+    reqs = [(0, 1024), (0, 100), (300, 517), (1000, 64), (0, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=128, block_size=16, dtype=torch.bfloat16, device=CUDA,
+                             seed=5)
+    _check(batch, _attend(batch, prefill_tiles=tiles), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_head_size_80_and_group_7(dtype):
     batch = make_paged_batch([(300, 1), (50, 40), (0, 17)], num_heads=28, num_kv_heads=4,

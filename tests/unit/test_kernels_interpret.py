@@ -111,6 +111,19 @@ def test_prefill_cached_prefix_and_chunks(dtype, block_size, head_size, num_head
     _check_attention(batch, _attend(batch), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [(32, 16, 4, 1), (16, 32, 4, 1)])
+def test_prefill_tile_sizes(dtype, tiles):
+    """Small tiles: many whole unmasked tiles before each query tile's diagonal, tiles
+    ending inside a page and pages inside a tile, a cached prefix not a tile multiple."""
+    reqs = [(0, 50), (33, 20), (5, 1), (100, 3)]
+    batch = make_paged_batch(reqs, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                             dtype=dtype, seed=8)
+    _check_attention(batch, _attend(batch, prefill_tiles=tiles), dtype)
+    with pytest.raises(ValueError, match="prefill_tiles must be"):
+        _attend(batch, prefill_tiles=(8, 16, 4, 1))
+
+
 def test_head_size_not_power_of_two_and_default_splits():
     batch = make_paged_batch([(40, 1), (9, 1)], num_heads=4, num_kv_heads=4, head_size=80,
                              block_size=16, dtype=torch.float16, seed=2)

@@ -10,9 +10,11 @@ when not. Two sides run, each in its own process:
   hits through the engine's ``offload_*`` stats. Then throughput of a batch of
   requests as the fraction of them whose prefix is in the tier rises.
 
-TTFT is the wall time of one request with ``max_tokens=1``. The hit TTFT is also put
-against the copy floor: the prefix's KV bytes over the host-to-device bandwidth
-measured in the same run (a page-locked copy on CUDA, a memcpy on CPU).
+TTFT is the wall time of one request with ``max_tokens=1``; the engine steps it took
+are recorded too (a hit from host memory takes one step: its load and its suffix run
+in the same step). The hit TTFT is also put against the copy floor: the prefix's KV
+bytes over the host-to-device bandwidth measured in the same run (a page-locked copy
+on CUDA, a memcpy on CPU).
 
     # CPU: SmolLM2-135M, 2k-token prefixes
     python bench/offload.py --out offload-cpu.json
@@ -128,20 +130,22 @@ def side(args: argparse.Namespace, offload: str) -> dict[str, Any]:
             ttft(llm, prompts.prompt(warm))
             ttft(llm, prompts.prompt(prompts.prefix()))
             ttft(llm, prompts.prompt(warm))
-        misses, hits, previous = [], [], prompts.prefix()
+        misses, hits, hit_steps, previous = [], [], [], prompts.prefix()
         ttft(llm, prompts.prompt(previous))
         for _ in range(args.reps):
             fresh = prompts.prefix()
             misses.append(ttft(llm, prompts.prompt(fresh))[0])  # pushes `previous` out
             if offload != "none":
-                before = llm.stats()["offload_loaded_blocks"]
+                before = llm.stats()
                 seconds, cached = ttft(llm, prompts.prompt(previous))
-                loaded = llm.stats()["offload_loaded_blocks"] - before
+                after = llm.stats()
+                loaded = after["offload_loaded_blocks"] - before["offload_loaded_blocks"]
                 assert cached >= args.prefix_len - args.block_size and loaded > 0, \
                     f"expected a tier hit: {cached} cached tokens, {loaded} blocks loaded"
                 hits.append(seconds)
+                hit_steps.append(after["num_steps"] - before["num_steps"])
             previous = fresh
-        result.update(ttft_miss_s=misses, ttft_hit_s=hits)
+        result.update(ttft_miss_s=misses, ttft_hit_s=hits, hit_steps=hit_steps)
         if offload != "none" and args.batch:
             result["throughput"] = [throughput(llm, prompts, args, rate) for rate in args.hit_rates]
         result["stats"] = {k: v for k, v in llm.stats().items() if k.startswith("offload_")}
@@ -239,6 +243,8 @@ def summarize(args: argparse.Namespace, sides: list[dict[str, Any]], prefix_byte
         "model": args.model, "prefix_tokens": args.prefix_len, "tier": args.tier,
         "prefix_kv_mib": prefix_bytes / 2**20,
         "ttft_tier_hit_ms": hit * 1e3, "ttft_miss_with_tier_ms": miss * 1e3,
+        "ttft_tier_hit_min_ms": min(tier["ttft_hit_s"]) * 1e3,
+        "engine_steps_per_hit": statistics.median(tier["hit_steps"]),
         "speedup_vs_miss_same_engine": miss / hit,
         "h2d_bandwidth_gb_s": bandwidth / 1e9,
         "copy_floor_ms": prefix_bytes / bandwidth * 1e3,

@@ -57,6 +57,20 @@ def wait(tier, job) -> bool:
     raise AssertionError(f"job {job} never finished")
 
 
+def wait_all(tier, *jobs) -> bool:
+    """Whether every one of ``jobs`` succeeded (``wait`` drops the other jobs it polls)."""
+    left, ok = {job.job_id for job in jobs}, True
+    deadline = time.monotonic() + 60
+    while left and time.monotonic() < deadline:
+        for done, success in tier.poll():
+            if done.job_id in left:
+                left.discard(done.job_id)
+                ok = ok and success
+        time.sleep(0.001)
+    assert not left, f"jobs {left} never finished"
+    return ok
+
+
 def make(kind: str, kv, tmp_path):
     config = LMKitConfig()
     if kind == "cpu":
@@ -177,6 +191,38 @@ def test_load_now_orders_the_current_stream_after_the_copy(kind, tmp_path):
     assert wait(tier, job)
     assert tier.load_now([h(1), h(99999)], [250, 251]) is None
     assert tier.resident([h(1), h(99999), h(2)]) == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("order", ["same", "reversed"])
+def test_load_now_into_blocks_the_step_stores(order, tmp_path):
+    """The engine's hit step: a store of evicted blocks, then at once a same-step load
+    into those very blocks (told of the store, so that it waits per staging chunk
+    rather than for the whole store). Small staging buffers make both run in 8 chunks.
+    The store must get the old contents, the compute stream the loaded ones."""
+    kv = caches(4)
+    tier = make("cpu", kv, tmp_path)
+    tier.copier.staging_rows = 16
+    evicted, other = list(range(1, 129)), list(range(129, 257))
+    tier.store([h(5000 + i) for i in other], other)  # the prefix coming back
+    loaded = [c[:, other].clone() for c in kv]
+    torch.cuda.synchronize()
+    old = [c[:, evicted].clone() for c in kv]
+    store = tier.store([h(i) for i in evicted], evicted)
+    targets = evicted if order == "same" else evicted[::-1]
+    job = tier.load_now([h(5000 + i) for i in other], targets, after_store=store)
+    seen = [c[:, targets].clone() for c in kv]  # the step's forward, queued at once
+    assert wait_all(tier, store, job)
+    torch.cuda.synchronize()
+    for got, want in zip(seen, loaded, strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for cache in kv:
+        cache[:, other].zero_()
+    back = tier.load([h(i) for i in evicted], other)
+    assert wait(tier, back)
+    torch.cuda.synchronize()
+    for cache, want in zip(kv, old, strict=True):
+        assert torch.equal(cache[:, other].view(torch.int16), want.view(torch.int16))
     tier.close()
 
 

@@ -214,9 +214,9 @@ def test_refused_same_step_load_is_recomputed(model_dir, reference, monkeypatch)
 
     refused = []
 
-    def refuse_once(self, block_hashes, block_ids):
+    def refuse_once(self, block_hashes, block_ids, after_store=None):
         if refused:
-            return original(self, block_hashes, block_ids)
+            return original(self, block_hashes, block_ids, after_store)
         refused.append(list(block_ids))
         for cache in self.copier.caches:  # [2, blocks, E]
             cache[:, list(block_ids)] = torch.randn_like(cache[:, list(block_ids)])

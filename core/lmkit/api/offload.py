@@ -100,11 +100,16 @@ class OffloadManager(ABC):
         Optional: the default, 0, means every load takes the asynchronous path."""
         return 0
 
-    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-                 ) -> TransferJob | None:
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                 after_store: TransferJob | None = None) -> TransferJob | None:
         """Load blocks that the engine's forward of this very step reads (a prefix hit
         computed in the step of its load). Optional; only called for blocks
         :meth:`resident` counted.
+
+        ``after_store`` is the step's :meth:`store`, started just before this call with
+        no work issued on the current stream in between (but the waits of earlier
+        ``load_now`` calls), or None. A tier may then write each device block once that
+        store has read it, instead of after all the store queued on the current stream.
 
         Returns None, having started nothing, when some block is no longer resident (a
         store since the lookup evicted it); the engine then recomputes. A returned job

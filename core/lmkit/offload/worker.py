@@ -62,19 +62,22 @@ class OffloadWorker:
     def start(self, transfers: KVTransfers | None) -> None:
         """Issue a step's stores, then its loads (before the step's forward).
 
-        A ``same_step`` load goes through ``load_now``: the forward issued after this
-        call reads its blocks. One the tier refuses (or that raises) is reported failed
-        in this step's :meth:`finished_loads`."""
+        ``same_step`` loads go first, through ``load_now``, told of the store just
+        issued (nothing else is issued in between), so that a copy need not wait for all
+        of that store: the forward issued after this call reads their blocks. One the
+        tier refuses (or that raises) is reported failed in this step's
+        :meth:`finished_loads`."""
         if not transfers:
             return
+        store = None
         if transfers.store_hashes:
             store = self.manager.store(transfers.store_hashes, transfers.store_block_ids)
             self._stores[store.job_id] = len(transfers.store_hashes)
-        for load in transfers.loads:
+        for load in sorted(transfers.loads, key=lambda load: not load.same_step):
             job: TransferJob | None
             if load.same_step:
                 try:
-                    job = self.manager.load_now(load.block_hashes, load.block_ids)
+                    job = self.manager.load_now(load.block_hashes, load.block_ids, store)
                 except Exception:
                     logger.exception("offload tier %r: a load for this step failed", self.name)
                     job = None

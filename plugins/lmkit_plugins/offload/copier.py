@@ -11,11 +11,18 @@ staging buffer: a store gathers the blocks into staging with one indexed copy pe
 layer, then copies staging to the (page-locked) host rows; a load does the reverse.
 After a store, the current stream waits only for the gather of its last chunk (the
 device blocks may be overwritten once read), not for the host copies.
+
+A job larger than the staging buffer is copied in chunks, so a store's last gather
+comes after the host copies of its earlier chunks. A load issued right after a store
+(``after=`` the store's :class:`StoreReads`) therefore does not wait for the whole
+store: it copies host rows into staging at once, and before writing each chunk of
+device blocks waits only for the gathers of the store chunks that read those blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +40,16 @@ def runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((i, row, 1))
     return out
+
+
+@dataclass
+class StoreReads:
+    """When a CUDA store read its device blocks: ``before``, an event of the current
+    stream just before the store was issued; ``chunks``, per staging chunk the device
+    block ids it gathered and the event recorded once they were read."""
+
+    before: Any
+    chunks: list[tuple[frozenset[int], Any]] = field(default_factory=list)
 
 
 class BlockCopier:
@@ -69,6 +86,7 @@ class BlockCopier:
         self.load_stream: Any = torch.cuda.Stream(self.device) if cuda else None
         self.staging_rows = max(1, staging_bytes // self.block_bytes)
         self._staging: dict[str, torch.Tensor] = {}
+        self.last_reads: StoreReads | None = None  # of the latest gather (CUDA)
 
     def host_rows(self, num_rows: int, pin: bool = False) -> torch.Tensor:
         """A new host tensor of ``num_rows`` blocks: ``[num_rows, layers, 2, E]``."""
@@ -83,8 +101,9 @@ class BlockCopier:
 
         Returns None when the copy is complete (CPU), else a CUDA event recorded after
         it; either way later work on the current stream cannot overwrite the blocks
-        before they were read.
+        before they were read. On CUDA, :attr:`last_reads` tells when each was read.
         """
+        self.last_reads = None
         if not block_ids:
             return None
         if not self.is_cuda:
@@ -96,36 +115,42 @@ class BlockCopier:
             return None
         current = torch.cuda.current_stream(self.device)
         stream = self.store_stream
+        reads = StoreReads(torch.cuda.Event())
+        reads.before.record(current)
         with torch.cuda.stream(stream):
-            stream.wait_stream(current)  # the blocks' last writes come first
+            stream.wait_event(reads.before)  # the blocks' last writes come first
             for event in wait_for:
                 stream.wait_event(event)
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
             staging = self._staging_buffer("store")
-            read = torch.cuda.Event()
             for start in range(0, len(block_ids), self.staging_rows):
                 chunk = ids[start:start + self.staging_rows]
                 n = chunk.numel()
                 for layer, cache in enumerate(self.caches):
                     staging[:n, layer].copy_(cache.index_select(1, chunk).transpose(0, 1))
-                if start + self.staging_rows >= len(block_ids):
-                    read.record(stream)
+                read = torch.cuda.Event()
+                read.record(stream)
+                reads.chunks.append((frozenset(block_ids[start:start + n]), read))
                 for i, row, length in runs(rows[start:start + n]):
                     host[row:row + length].copy_(staging[i:i + length], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        current.wait_event(read)  # the forward may overwrite the blocks once read
+        current.wait_event(reads.chunks[-1][1])  # the forward may overwrite the blocks once read
+        self.last_reads = reads
         return done
 
     # -- host -> device -----------------------------------------------------------
 
     def scatter(self, host: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int],
-                wait_for: Sequence[Any] = ()) -> Any:
+                wait_for: Sequence[Any] = (), after: StoreReads | None = None) -> Any:
         """Copy ``host[rows]`` into device blocks ``block_ids``, after the CUDA events
         ``wait_for`` (stores still writing those host rows).
 
         Returns None when complete (CPU), else a CUDA event to wait for. Work already
-        issued on the current stream (stores reading these blocks) happens first.
+        issued on the current stream (stores reading these blocks) happens first; or,
+        with ``after`` (the reads of a store issued right before, with nothing issued
+        on the current stream since), work issued before that store, and each device
+        block is written once that store read it.
         """
         if not block_ids:
             return None
@@ -139,18 +164,26 @@ class BlockCopier:
         current = torch.cuda.current_stream(self.device)
         stream = self.load_stream
         with torch.cuda.stream(stream):
-            # after the compute stream's work so far, which includes waiting for the
-            # reads of the stores issued before (a load may target a just-evicted block)
-            stream.wait_stream(current)
+            if after is None:
+                # after the compute stream's work so far, which includes waiting for the
+                # reads of the stores issued before (a load may target a just-evicted block)
+                stream.wait_stream(current)
+            else:
+                stream.wait_event(after.before)
             for event in wait_for:
                 stream.wait_event(event)
             ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
             staging = self._staging_buffer("load")
+            pending = list(after.chunks) if after is not None else []
             for start in range(0, len(block_ids), self.staging_rows):
                 chunk = ids[start:start + self.staging_rows]
                 n = chunk.numel()
                 for i, row, length in runs(rows[start:start + n]):
                     staging[i:i + length].copy_(host[row:row + length], non_blocking=True)
+                targets = set(block_ids[start:start + n])
+                for read in [r for r in pending if r[0] & targets]:  # store reads first
+                    stream.wait_event(read[1])
+                    pending.remove(read)
                 for layer, cache in enumerate(self.caches):
                     cache.index_copy_(1, chunk, staging[:n, layer].transpose(0, 1))
             done = torch.cuda.Event()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lmkit.api import ConfigError, LMKitConfig, OffloadManager, TransferJob
 
-from lmkit_plugins.offload.copier import BlockCopier
+from lmkit_plugins.offload.copier import BlockCopier, StoreReads
 from lmkit_plugins.offload.jobs import JobBook
 from lmkit_plugins.offload.options import CPUTierOptions
 from lmkit_plugins.offload.policy import make_policy
@@ -58,6 +58,8 @@ class CPUTier(OffloadManager):
         # CUDA: slot -> (direction, event) of the last copy touching it; a copy in the
         # other direction (its own stream) waits for it
         self._slot_copy: dict[int, tuple[str, Any]] = {}
+        # CUDA: the latest store's job id and when it read its device blocks
+        self._store_reads: tuple[int, StoreReads] | None = None
         self.num_evictions = 0
         staging = (f", plus 2 x {self.copier.staging_rows * self.copier.block_bytes / 2**20:.0f}"
                    " MiB of device staging" if self.copier.is_cuda else "")
@@ -93,6 +95,7 @@ class CPUTier(OffloadManager):
         if self.spill is None:
             new = new[-self.num_slots:]  # more than fits: the last ones win
         event = None
+        reads: StoreReads | None = None
         # (with a tier below, a batch larger than the pool goes through it in pool-sized
         # chunks: each chunk's arrival spills the previous one)
         for start in range(0, len(new), self.num_slots):
@@ -105,6 +108,12 @@ class CPUTier(OffloadManager):
             event = self.copier.gather([b for _, b in copies], self.pool, slots,
                                        self._pending_copies(slots, "load"))
             self._mark(slots, "store", event)
+            last = self.copier.last_reads
+            if reads is None:
+                reads = last
+            elif last is not None:
+                reads.chunks += last.chunks
+        self._store_reads = (job.job_id, reads) if reads is not None else None
         return self.jobs.finish(job, True, event)
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
@@ -122,12 +131,16 @@ class CPUTier(OffloadManager):
             n += 1
         return n
 
-    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-                 ) -> TransferJob | None:
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                 after_store: TransferJob | None = None) -> TransferJob | None:
         slots = self._slots(block_hashes, block_ids)
         if slots is None:
             return None
-        event = self._scatter(block_hashes, slots, block_ids)
+        after = None  # the store's reads, when it was the one just before
+        if after_store is not None and self._store_reads is not None \
+                and self._store_reads[0] == after_store.job_id:
+            after = self._store_reads[1]
+        event = self._scatter(block_hashes, slots, block_ids, after)
         self.copier.current_waits_for(event)  # the step's forward reads the blocks
         return self.jobs.finish(self.jobs.new("load", block_hashes, block_ids), True, event)
 
@@ -155,13 +168,14 @@ class CPUTier(OffloadManager):
         return slots
 
     def _scatter(self, block_hashes: Sequence[bytes], slots: list[int],
-                 block_ids: Sequence[int]) -> Any:
-        """Copy held ``slots`` into device blocks ``block_ids`` (an access of each hash);
-        returns the copy's CUDA event, or None when complete."""
+                 block_ids: Sequence[int], after: StoreReads | None = None) -> Any:
+        """Copy held ``slots`` into device blocks ``block_ids`` (an access of each hash),
+        ``after`` a store's reads (see :meth:`BlockCopier.scatter`); returns the copy's
+        CUDA event, or None when complete."""
         for block_hash in block_hashes:
             self.policy.touch(block_hash)
         event = self.copier.scatter(self.pool, slots, block_ids,
-                                    self._pending_copies(slots, "store"))
+                                    self._pending_copies(slots, "store"), after)
         self._mark(slots, "load", event)
         return event
 

@@ -42,6 +42,7 @@ class CPUDiskTier(OffloadManager):
         self.jobs = JobBook()
         self._parent: dict[tuple[str, int], int] = {}  # (level, its job id) -> our job id
         self._open: dict[int, tuple[TransferJob, int, bool]] = {}  # id -> (job, parts left, ok)
+        self._last_store: tuple[int, TransferJob] | None = None  # (our job id, the cpu part)
 
     def _spill(self, block_hash: bytes, block: torch.Tensor) -> None:
         self.disk.put(block_hash, block.clone())
@@ -62,7 +63,9 @@ class CPUDiskTier(OffloadManager):
 
     def store(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
         job = self.jobs.new("store", block_hashes, block_ids)
-        self._track(job, [("cpu", self.cpu.store(block_hashes, block_ids))])
+        part = self.cpu.store(block_hashes, block_ids)
+        self._track(job, [("cpu", part)])
+        self._last_store = (job.job_id, part)
         return job
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
@@ -84,9 +87,13 @@ class CPUDiskTier(OffloadManager):
         """Leading blocks held in host memory (blocks only on disk need a read)."""
         return self.cpu.resident(block_hashes)
 
-    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
-                 ) -> TransferJob | None:
-        part = self.cpu.load_now(block_hashes, block_ids)
+    def load_now(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                 after_store: TransferJob | None = None) -> TransferJob | None:
+        store = None  # the host pool's part of that store
+        if after_store is not None and self._last_store is not None \
+                and self._last_store[0] == after_store.job_id:
+            store = self._last_store[1]
+        part = self.cpu.load_now(block_hashes, block_ids, store)
         if part is None:
             return None  # (some block went to disk since the lookup)
         job = self.jobs.new("load", block_hashes, block_ids)

@@ -6,7 +6,9 @@ alternately, ``--repeats`` times (the first side alternates too), so both see th
 machine load; the medians are reported. Greedy, EOS ignored, every output length fixed
 by the workload. Per row: output tokens/s of both sides, the speedup (and each pair's),
 the mean accepted length (tokens emitted per verification: 1 + accepted drafts), the
-draft acceptance rate, and whether the greedy outputs were identical (they must be).
+draft acceptance rate, whether the greedy outputs were identical (they must be) and, on
+CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
+graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
@@ -51,6 +53,8 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     tokens: dict[str, list[list[int]]] = {}
     for llm in engines.values():
         llm.generate([workload.prompts[0][:32]] * 2, warm)
+    graphs = _graph_runner(engines["ngram"])
+    replays_before = graphs.num_flattened_replays if graphs is not None else 0
     before = engines["ngram"].stats()
     for r in range(repeats):
         for name in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
@@ -59,6 +63,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             times[name].append(time.perf_counter() - t0)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
     after = engines["ngram"].stats()
+    graph_steps = graphs.num_flattened_replays - replays_before if graphs is not None else 0
     for llm in engines.values():
         llm.shutdown()
     spec = {k: after[k] - before.get(k, 0) for k in after
@@ -76,7 +81,15 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             "acceptance_rate_per_position": [
                 after[f"spec_acceptance_rate_pos_{j}"] for j in range(64)
                 if f"spec_acceptance_rate_pos_{j}" in after],
-            "outputs_identical": tokens["plain"] == tokens["ngram"]}
+            "outputs_identical": tokens["plain"] == tokens["ngram"],
+            "graph_verify_steps": graph_steps,
+            "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
+
+
+def _graph_runner(llm: Any) -> Any:
+    """The engine's CUDA-graph runner (in-process executor on CUDA), else None."""
+    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
+    return getattr(runner, "cuda_graphs", None)
 
 
 def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int) -> Workload:
@@ -117,7 +130,8 @@ def format_row(r: dict[str, Any]) -> str:
             f" (pairs: {pairs}; median {statistics.median(r['pair_speedups']):.2f}x)"
             f"  mean accepted length {r['mean_accepted_length']:4.2f}"
             f"  acceptance {r['acceptance_rate']:.2f}"
-            f"  identical={'yes' if r['outputs_identical'] else 'NO'}")
+            f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
+            f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}")
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """Speculative decoding on CUDA: the compiled rejection-sampling kernel against its
 torch reference at a real vocabulary, and the engine with ``--spec ngram`` on SmolLM2
 (float32 greedy outputs identical to plain decoding for every attention backend that
-runs float32, with CUDA graphs on; bf16 runs with drafts accepted).
+runs float32, with CUDA graphs on; bf16 runs with drafts accepted). With a backend that
+can be captured, verification steps must be replayed through the decode CUDA graphs
+(flattened, one decode row per token: ``CudaGraphRunner.num_flattened_replays``).
 
 SmolLM2 comes from ``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted directory) or the
 ``smollm2_dir`` fixture.
@@ -78,8 +80,14 @@ def test_greedy_outputs_identical_float32(smollm2, attention):
                  max_num_seqs=max_num_seqs, **common) as llm:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             stats = llm.stats()
+            graphs = llm.engine.executor.runner.cuda_graphs
         assert got == base, f"max_num_seqs={max_num_seqs}"
         assert stats["spec_mean_accepted_length"] > 2.0
+        if attention == "torch":  # no cuda_graphs capability: everything eager
+            assert graphs is None
+        else:  # graphs sized for 1 + k tokens per request, verification replayed
+            assert graphs is not None and graphs.max_bs == min(5 * max_num_seqs, 512)
+            assert graphs.num_flattened_replays > 0, "verification steps ran eagerly"
 
 
 def test_bfloat16_runs_and_accepts_drafts(smollm2):
@@ -88,5 +96,7 @@ def test_bfloat16_runs_and_accepts_drafts(smollm2):
              num_speculative_tokens=4) as llm:
         outs = llm.generate(_prompts(llm), params)
         stats = llm.stats()
+        graphs = llm.engine.executor.runner.cuda_graphs
     assert all(len(o.outputs[0].token_ids) == 96 for o in outs)
     assert stats["spec_mean_accepted_length"] > 2.0
+    assert graphs is not None and graphs.num_flattened_replays > 0  # flashinfer/triton

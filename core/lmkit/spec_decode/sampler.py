@@ -13,6 +13,12 @@ exactly as they would have one token at a time. Then, all batched:
    recovery distributions, one draw per row, one acceptance uniform per draft;
 3. accepted prefix per request, output tokens, one device-to-host copy.
 
+A step whose rows are all greedy and ask no logprobs (the common case of a copy
+workload) takes a shorter path, :meth:`SpecDecodeSampler.verify_greedy`: one argmax
+over the (adjusted) logits, one device-to-host copy of the targets, and the accepted
+prefixes found on the host. The model runner calls it directly, without building
+sampling metadata, when no request needs its logits adjusted.
+
 Seeded requests draw every random number from their own generator (per row, in row
 order, then per draft), so they stay reproducible whatever else is in the batch.
 """
@@ -103,12 +109,16 @@ class SpecDecodeSampler:
             tokens = out.sampled_token_ids.tolist()
             lps = None if out.logprobs is None else [[lp] if lp else [] for lp in out.logprobs]
             return VerifiedTokens([[t] for t in tokens], [0] * len(tokens), lps)
-        layout = _DraftLayout.build(drafts, logits.device)
-        if logits.dim() != 2 or logits.shape[0] != md.num_rows or md.num_rows != (
-                len(drafts) + len(layout.rows)):
+        num_rows = len(drafts) + sum(map(len, drafts))
+        if logits.dim() != 2 or logits.shape[0] != md.num_rows or md.num_rows != num_rows:
             raise ValueError(f"SpecDecodeSampler expects logits and metadata with one row per "
-                             f"draft plus one per request ({len(drafts) + len(layout.rows)}); "
-                             f"got logits {tuple(logits.shape)}, metadata {md.num_rows} rows")
+                             f"draft plus one per request ({num_rows}); got logits "
+                             f"{tuple(logits.shape)}, metadata {md.num_rows} rows")
+        if md.all_greedy and md.logprob_rows is None:
+            if md.needs_logit_adjustment:
+                logits = adjust_logits(logits.to(torch.float32, copy=True), md)
+            return self.verify_greedy(logits, drafts)
+        layout = _DraftLayout.build(drafts, logits.device)
         raw_logprobs = None
         if md.logprob_rows is not None:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
@@ -139,6 +149,40 @@ class SpecDecodeSampler:
         if raw_logprobs is not None:
             logprobs = self._logprobs(out_tokens, raw_logprobs, md, layout, accepted_l)
         return VerifiedTokens(token_ids, accepted_l, logprobs)
+
+    @staticmethod
+    def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]
+                      ) -> VerifiedTokens:
+        """Verify a step whose rows are all greedy on these logits (already adjusted, or
+        needing no adjustment) and ask no logprobs: one argmax on the device, one
+        device-to-host copy of the ``[num_rows]`` targets, then the accepted prefixes
+        on the host (O(drafts) Python, no further device work).
+
+        Args:
+            logits: ``[num_rows, vocab]``, ``len(drafts[i]) + 1`` rows per request.
+            drafts: per request its draft token ids (empty: a plain decode).
+
+        Returns:
+            per request the accepted drafts then the target token after them.
+        """
+        targets = logits.argmax(dim=-1).tolist()  # the one device-to-host copy
+        if len(targets) != len(drafts) + sum(map(len, drafts)):
+            raise ValueError(f"verify_greedy expects one logits row per draft plus one per "
+                             f"request; got {len(targets)} rows for {len(drafts)} requests "
+                             f"with {sum(map(len, drafts))} drafts")
+        token_ids, num_accepted = [], []
+        start = 0
+        for draft in drafts:
+            k = len(draft)
+            accepted = 0
+            while accepted < k and draft[accepted] == targets[start + accepted]:
+                accepted += 1
+            # accepted drafts equal the targets at their rows: emit targets up to the
+            # first mismatch (its target is the correction) or the bonus row
+            token_ids.append(targets[start:start + accepted + 1])
+            num_accepted.append(accepted)
+            start += k + 1
+        return VerifiedTokens(token_ids, num_accepted)
 
     @staticmethod
     def _sample_random(probs_in: torch.Tensor, md: SamplingMetadata, layout: _DraftLayout,

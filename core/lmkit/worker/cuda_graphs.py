@@ -19,6 +19,16 @@ Per replay the host packs ``input_ids | positions | slot_mapping`` into one pinn
 buffer (one host-to-device copy), copies ``seq_lens`` and the used block-table
 columns, plans, and replays. Only backends whose spec declares ``cuda_graphs`` are
 captured; ``executor.enforce_eager`` (``--enforce-eager``) turns graphs off.
+
+Speculative verification steps (``1 + k`` query tokens per request: the last known
+token and its drafts) replay the same graphs, *flattened*: every query token becomes
+a decode row of its own, at its position ``p`` with ``seq_len = p + 1``, its
+request's block-table row and its own cache slot. That is exact because every layer
+writes the K/V of all the step's tokens to the cache before it attends (the torch,
+triton and flashinfer backends all do), so the row of token ``p`` sees the drafts
+before it and nothing after. The rows come out in the step's token order. With
+speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (at most
+:data:`MAX_CAPTURE_SIZE`); a larger step runs eagerly.
 """
 
 from __future__ import annotations
@@ -67,11 +77,15 @@ class CudaGraphRunner:
         use_graphs: capture and replay graphs (CUDA only). ``False`` runs the same
             padded, fixed-buffer forward eagerly at "replay" (on any device): the
             padding path without graph capture, for tests and debugging.
+        max_query_len: the most query tokens of one request a replayed step may have:
+            1 for plain decode, ``1 + k`` with ``k`` speculative tokens (verification
+            steps are replayed flattened, one row per token). The largest captured size
+            is ``max_num_seqs * max_query_len`` (at most :data:`MAX_CAPTURE_SIZE`).
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
                  max_num_seqs: int, max_model_len: int, block_size: int,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, max_query_len: int = 1) -> None:
         self.model = model
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
         pin = torch.device(device).type == "cuda"
@@ -79,7 +93,8 @@ class CudaGraphRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
+        self.max_query_len = max(1, max_query_len)
+        self.sizes = capture_sizes(max_num_seqs * self.max_query_len)
         self.max_bs = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size) + 1
         bs, width = self.max_bs, self.max_blocks
@@ -96,6 +111,8 @@ class CudaGraphRunner:
         self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.num_replays = 0  # steps run through :meth:`replay`
+        self.num_flattened_replays = 0  # of which with several query tokens per request
 
     # ------------------------------------------------------------------ capture
 
@@ -142,25 +159,39 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ replay
 
-    def padded_size(self, num_reqs: int) -> int:
-        """The smallest captured size holding ``num_reqs`` requests."""
-        i = int(np.searchsorted(self.sizes, num_reqs))
+    def padded_size(self, num_rows: int) -> int:
+        """The smallest captured size holding ``num_rows`` decode rows (tokens)."""
+        i = int(np.searchsorted(self.sizes, num_rows))
         return self.sizes[i]
 
     def can_replay(self, step: StepInputs) -> bool:
-        """Whether ``step`` is pure decode (one token per request) within the sizes."""
-        n = step.num_reqs
-        return (0 < n <= self.max_bs and step.num_decodes == n and step.num_tokens == n
+        """Whether ``step`` can run through a graph: at most :attr:`max_query_len` query
+        tokens per request (1: pure decode; ``1 + k``: speculative verification) and at
+        most the largest captured size in all."""
+        n = step.num_tokens
+        return (0 < n <= self.max_bs and int(step.num_scheduled.max()) <= self.max_query_len
                 and step.block_tables.shape[1] <= self.max_blocks)
 
     def replay(self, step: StepInputs) -> torch.Tensor:
-        """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden ``[n, hidden]``.
+        """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden
+        ``[num_tokens, hidden]`` in the step's token order.
 
-        The result is a view of the graph's output buffer, valid until the next replay.
+        A step with several query tokens per request is flattened: token ``t`` at
+        position ``p`` becomes a decode row with ``seq_len = p + 1`` over its request's
+        block table (see the module docstring). The result is a view of the graph's
+        output buffer, valid until the next replay.
         """
-        return self.run_decode(step.input_ids.numpy(), step.positions.numpy(),
-                               step.slot_mapping.numpy(), step.seq_lens.numpy(),
-                               step.block_tables.numpy())
+        positions = step.positions.numpy()
+        tables = step.block_tables.numpy()
+        self.num_replays += 1
+        if step.num_tokens == step.num_reqs:  # pure decode: one row per request
+            seq_lens = step.seq_lens.numpy()
+        else:  # flattened: one row per token, its request's block table repeated
+            self.num_flattened_replays += 1
+            seq_lens = (positions + 1).astype(np.int32)
+            tables = np.repeat(tables, step.num_scheduled, axis=0)
+        return self.run_decode(step.input_ids.numpy(), positions, step.slot_mapping.numpy(),
+                               seq_lens, tables)
 
     def run_decode(self, input_ids: np.ndarray | None, positions: np.ndarray,
                    slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -226,7 +257,9 @@ def maybe_capture(runner: Any) -> CudaGraphRunner | None:
     """Capture decode graphs for a model runner when they apply, else ``None``.
 
     They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
-    backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly).
+    backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly). With a
+    speculative proposer in the stack, verification steps (``1 + k`` tokens per
+    request) are replayed too, flattened.
     """
     if runner.device.type != "cuda" or runner.config.executor.enforce_eager:
         return None
@@ -236,8 +269,10 @@ def maybe_capture(runner: Any) -> CudaGraphRunner | None:
         logger.info("attention backend %s cannot be captured in CUDA graphs: decode runs "
                     "eagerly", name)
         return None
+    spec_k = (runner.config.speculative.num_speculative_tokens
+              if runner.stack.get("spec_proposer") is not None else 0)
     graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
                              runner.config.scheduler.max_num_seqs, runner.max_model_len,
-                             runner.block_size)
+                             runner.block_size, max_query_len=1 + spec_k)
     graphs.capture()
     return graphs

@@ -26,6 +26,7 @@ from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
@@ -295,30 +296,28 @@ class ModelRunner:
         """Sample (and verify drafts) for every planned request in one call."""
         if not plan:
             return VerifiedTokens([], [])
-        rows: list[int] = []
-        params, prompts, outputs, generators, eos = [], [], [], [], []
-        for i, first_row, drafts in plan:
-            state = self.requests[order[i]]
-            for j in range(len(drafts) + 1):
-                rows.append(first_row + j)
-                params.append(state.sampling_params)
-                prompts.append(state.prompt_token_ids)
-                outputs.append(state.output_token_ids + drafts[:j] if j else
-                               state.output_token_ids)
-                generators.append(state.generator)
-                eos.append(state.eos_token_id)
-        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        by_state = [(self.requests[order[i]], first_row, drafts)
+                    for i, first_row, drafts in plan]
+        drafts = [d for _, _, d in plan]
+        rows = hidden_rows(by_state)  # a slice when contiguous: no gather
+        if isinstance(rows, list):
+            index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows] if isinstance(rows, slice)
+                                           else hidden.index_select(0, index))
         if so is not None and so.grammar_bitmask is not None:  # structured output
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   [order[i] for i, _, _ in plan],
-                                  [len(drafts) + 1 for _, _, drafts in plan],
-                                  self.apply_token_bitmask)
-        md = SamplingMetadata.build(params, prompts, outputs, generators, eos,
-                                    self.vocab_size, hidden.device)
+                                  [len(d) + 1 for d in drafts], self.apply_token_bitmask)
+        if all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
+               for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
+            return self.spec_sampler.verify_greedy(logits, drafts)
+        # one row per sampled position; outputs extended by drafts are views, not copies
+        r = sampling_rows(by_state)
+        md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
+                                    r.eos_token_ids, self.vocab_size, hidden.device)
         draft_probs = so.spec_draft_probs if so is not None else None
         probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
-        return self.spec_sampler(logits, md, [drafts for _, _, drafts in plan], probs)
+        return self.spec_sampler(logits, md, drafts, probs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                          ) -> dict[str, list[TokenLogprob | None]]:

@@ -1,0 +1,120 @@
+"""The host side of a verification step: sampling rows without copies of the output
+(:mod:`lmkit.spec_decode.rows`) and the all-greedy verification path of
+:class:`SpecDecodeSampler` (one argmax, one device-to-host copy), checked against the
+general path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lmkit.engine.sampling_params import SamplingParams
+from lmkit.sample.metadata import SamplingMetadata
+from lmkit.spec_decode.rows import (
+    DraftExtendedTokens,
+    hidden_rows,
+    is_plain_greedy,
+    sampling_rows,
+)
+from lmkit.spec_decode.sampler import SpecDecodeSampler
+
+CPU = torch.device("cpu")
+VOCAB = 24
+
+
+def test_draft_extended_tokens_reads_like_the_concatenation():
+    base, drafts = [5, 6, 7], [1, 2, 3]
+    view = DraftExtendedTokens(base, drafts, 2)
+    want = base + drafts[:2]
+    assert len(view) == 5 and list(view) == want
+    assert [view[i] for i in range(-5, 5)] == want + want
+    assert view[1:4] == want[1:4] and view.count(6) == 1 and 2 in view and 3 not in view
+    with pytest.raises(IndexError):
+        view[5]
+    base.append(9)  # a view, not a copy
+    assert list(view) == [5, 6, 7, 9, 1, 2]
+
+
+def _state(output, **params):
+    return SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, **params),
+                           prompt_token_ids=[1, 2], output_token_ids=output, generator=None,
+                           eos_token_id=0)
+
+
+def test_sampling_rows_copy_nothing_and_extend_outputs_where_read():
+    plain, penalised, short = [3] * 50, [4, 5], [6]
+    plan = [(_state(plain), 0, [8, 9]), (_state(penalised, repetition_penalty=1.5), 3, [10]),
+            (_state(short, min_tokens=3), 5, [11, 12])]
+    assert hidden_rows(plan) == slice(0, 8)
+    rows = sampling_rows(plan)
+    # only read for its length, already past min_tokens: the same list at every row
+    assert all(o is plain for o in rows.outputs[:3])
+    assert [list(o) for o in rows.outputs[3:]] == [[4, 5], [4, 5, 10], [6], [6, 11],
+                                                   [6, 11, 12]]
+    assert len(rows.params) == len(rows.prompts) == len(rows.generators) == 8
+    assert hidden_rows([(_state([]), 0, []), (_state([]), 4, [1])]) == [0, 4, 5]
+
+
+def test_plain_greedy_is_what_the_raw_argmax_samples():
+    def plain(num_output_tokens=5, **kw):
+        return is_plain_greedy(SamplingParams(temperature=0.0, **kw), num_output_tokens)
+
+    assert plain() and plain(min_tokens=5) and plain(structured_outputs={"regex": "a+"})
+    assert not plain(min_tokens=6) and not plain(logprobs=0) and not plain(logit_bias={1: 1})
+    assert not plain(presence_penalty=0.5) and not plain(repetition_penalty=1.1)
+    assert not is_plain_greedy(SamplingParams(temperature=0.5), 5)
+
+
+def test_metadata_from_rows_equals_metadata_from_copies():
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.2, min_tokens=4)
+    output, drafts = [3, 4, 3], [4, 7, 9]
+    rows = sampling_rows([(SimpleNamespace(sampling_params=params, prompt_token_ids=[2, 3],
+                                           output_token_ids=output, generator=None,
+                                           eos_token_id=1), 0, drafts)])
+    copies = [output + drafts[:j] for j in range(4)]
+    got = SamplingMetadata.build(rows.params, rows.prompts, rows.outputs, rows.generators,
+                                 rows.eos_token_ids, VOCAB, CPU)
+    want = SamplingMetadata.build([params] * 4, [[2, 3]] * 4, copies, [None] * 4, [1] * 4,
+                                  VOCAB, CPU)
+    for name in ("output_rows", "output_token_ids", "output_counts", "seen_rows",
+                 "seen_token_ids"):
+        assert torch.equal(getattr(got.penalties, name), getattr(want.penalties, name)), name
+    assert torch.equal(got.banned_rows, want.banned_rows)  # min_tokens 4: 3 tokens at row 0
+    assert got.banned_rows.tolist() == [0]
+
+
+def _verify(logits, params, drafts):
+    rows = sampling_rows([(_state([1, 2, 3]), 0, d) for d in drafts])
+    md = SamplingMetadata.build([params] * len(rows.params), rows.prompts, rows.outputs,
+                                rows.generators, rows.eos_token_ids, VOCAB, CPU)
+    return SpecDecodeSampler()(logits, md, drafts)
+
+
+@pytest.mark.parametrize("bias", [None, {5: 3.0, 7: -2.0}])
+def test_greedy_fast_path_matches_the_general_path(bias):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        drafts = [torch.randint(0, VOCAB, (int(k),), generator=g).tolist()
+                  for k in torch.randint(0, 5, (6,), generator=g)]
+        num_rows = sum(map(len, drafts)) + len(drafts)
+        logits = torch.randn(num_rows, VOCAB, generator=g) * 3
+        if bias:
+            logits[:, 5] -= 3.0  # the bias decides some argmaxes
+        # make drafts right at a random prefix of their rows, so runs get accepted
+        targets = logits.clone()
+        for tok, b in (bias or {}).items():
+            targets[:, tok] += b
+        top, start = targets.argmax(-1).tolist(), 0
+        for d in drafts:
+            keep = int(torch.randint(0, len(d) + 1, (1,), generator=g))
+            d[:keep] = top[start:start + keep]
+            start += len(d) + 1
+        fast = _verify(logits, SamplingParams(temperature=0.0, logit_bias=bias), drafts)
+        general = _verify(logits, SamplingParams(temperature=0.0, logit_bias=bias,
+                                                 logprobs=1), drafts)  # logprobs: general
+        assert fast.logprobs is None and general.logprobs is not None
+        assert fast.token_ids == general.token_ids, trial
+        assert fast.num_accepted == general.num_accepted, trial
+        assert fast.num_accepted == [len(t) - 1 for t in fast.token_ids]

@@ -110,6 +110,7 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
         base_opts["gpu_memory_utilization"] = 0.4
     spec_opts = {**base_opts, "speculative": "ngram",
                  "num_speculative_tokens": args.spec_tokens,
+                 "speculative.disable_by_batch_size": args.disable_by_batch_size,
                  "speculative.options": {"prompt_lookup_max": args.prompt_lookup_max,
                                          "prompt_lookup_min": args.prompt_lookup_min}}
     print(f"[{kind} batch {batch}] {wl.describe()}", file=sys.stderr, flush=True)
@@ -149,6 +150,8 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="speculative.disable_by_batch_size: no drafts above this batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs of each side, alternating (the median is reported)")
@@ -168,7 +171,8 @@ def main() -> None:
               "machine": {"platform": platform.platform(), "device": args.device,
                           "dtype": args.dtype, "threads": args.threads},
               "spec_tokens": args.spec_tokens, "prompt_lookup_max": args.prompt_lookup_max,
-              "prompt_lookup_min": args.prompt_lookup_min, "rows": rows}
+              "prompt_lookup_min": args.prompt_lookup_min,
+              "disable_by_batch_size": args.disable_by_batch_size, "rows": rows}
     print("\n".join(format_row(r) for r in rows))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

@@ -118,3 +118,66 @@ def test_greedy_fast_path_matches_the_general_path(bias):
         assert fast.token_ids == general.token_ids, trial
         assert fast.num_accepted == general.num_accepted, trial
         assert fast.num_accepted == [len(t) - 1 for t in fast.token_ids]
+
+
+def test_speculation_pauses_after_steps_with_a_large_batch():
+    from lmkit.api import Proposal, SpecProposer
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.engine.outputs import EngineCoreOutput
+    from lmkit.engine.request import Request, RequestStatus
+    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.spec_decode.manager import ProposerManager
+    from lmkit.worker.output import ModelRunnerOutput
+
+    class Sevens(SpecProposer):
+        def __init__(self):
+            self.calls = []
+
+        def propose(self, batch):
+            self.calls.append(list(batch.num_new_tokens))
+            return Proposal([[7, 7] for _ in batch.req_ids])
+
+    assert LMKitConfig.model_validate(
+        {"speculative": {"disable_by_batch_size": 2}}).speculative.disable_by_batch_size == 2
+    requests = []
+    for rid in "abc":
+        r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=20))
+        r.status = RequestStatus.RUNNING
+        requests.append(r)
+    proposer = Sevens()
+    m = ProposerManager(proposer, "sevens", 2, vocab_size=100, disable_by_batch_size=2)
+    for r in requests:
+        m.add_request(r)
+
+    def step(running):
+        for r in running:
+            r.append_output_token_ids([4])
+            r.num_computed_tokens = r.num_tokens - 1
+        so = SchedulerOutput(num_scheduled_tokens={r.request_id: 1 for r in running})
+        m.after_step(so, ModelRunnerOutput(), [EngineCoreOutput(r.request_id, [4])
+                                               for r in running])
+
+    step(requests)  # 3 running > 2: nothing proposed
+    assert proposer.calls == [] and all(r.spec_token_ids == [] for r in requests)
+    assert m.get_stats()["spec_num_steps_off"] == 1
+    step(requests[:2])  # 2 running: drafts, and the proposer sees every token since
+    assert proposer.calls == [[5, 5]] and requests[0].spec_token_ids == [7, 7]
+
+
+def test_disable_by_batch_size_through_the_engine(tmp_path):
+    from lmkit import LLM
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path))
+    common = dict(device="cpu", dtype="float32", max_model_len=256, num_blocks=96,
+                  block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["abcabcabcabc", "0123401234", "the cat sat on the mat; the cat"]
+    with LLM(model, **common) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(model, speculative="ngram", **{"speculative.disable_by_batch_size": 2},
+             **common) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+    assert got == base
+    assert stats["spec_num_steps_off"] > 0  # three running: off

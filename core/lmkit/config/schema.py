@@ -108,6 +108,10 @@ class SpeculativeConfig(OptionalBackendSection):
     """Speculative decoding: the draft proposer plugin (off unless named) and k."""
 
     num_speculative_tokens: int = Field(4, gt=0, le=64, description="Draft tokens per step (k).")
+    disable_by_batch_size: int | None = Field(
+        None, gt=0, description="Propose no drafts after a step that ran more than this many "
+        "requests (large batches are compute-bound: verifying drafts may cost more than it "
+        "saves); unset: always speculate.")
 
 
 class StructuredOutputConfig(OptionalBackendSection):

@@ -6,7 +6,9 @@ proposer for up to ``k`` drafts each in one call, validates them and sets
 ``request.spec_token_ids``; the scheduler schedules them (with their KV slots) in the
 next step, the model runner verifies them, and the scheduler rolls back the rejected
 ones. Drafts are only ever a guess: verification keeps the output distribution the
-target model's.
+target model's. With ``speculative.disable_by_batch_size`` set, a step that ran more
+requests than that is followed by a plain decode step (nothing proposed): large
+batches are compute-bound, and there verifying drafts can cost more than it saves.
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ class ProposerManager:
         name: its registered name (for error messages).
         num_speculative_tokens: ``k``.
         vocab_size: draft ids must lie in ``[0, vocab_size)``.
+        disable_by_batch_size: propose nothing after a step that ran more requests than
+            this (``speculative.disable_by_batch_size``); ``None``: always propose.
     """
 
     def __init__(self, proposer: SpecProposer, name: str, num_speculative_tokens: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
         self.name = name
         self.k = num_speculative_tokens
         self.vocab_size = vocab_size
+        self.disable_by_batch_size = disable_by_batch_size
+        self.num_steps_off = 0  # steps after which nothing was proposed (batch too large)
         self.requests: dict[str, Request] = {}
         self.num_seen: dict[str, int] = {}  # tokens of each request the proposer has seen
         self.draft_probs: dict[str, Any] = {}  # request id -> [num_drafts, vocab] tensor
@@ -77,8 +83,10 @@ class ProposerManager:
                 "proposer (e.g. --spec ngram) or turn speculation off (--spec none).")
         proposer = reg.spec.load()(config, options=stack.options["spec_proposer"])
         k = config.speculative.num_speculative_tokens
-        logger.info("speculative decoding: proposer %s, %d draft tokens per step", reg.name, k)
-        return cls(proposer, reg.name, k, vocab_size)
+        off_above = config.speculative.disable_by_batch_size
+        logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,
+                    k, f", off above {off_above} running requests" if off_above else "")
+        return cls(proposer, reg.name, k, vocab_size, off_above)
 
     # ------------------------------------------------------------------ requests
 
@@ -138,8 +146,13 @@ class ProposerManager:
             self.proposer.remove_requests(set(preempted))
         batch = [r for o in outputs if o.new_token_ids
                  and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r)]
-        if batch:
-            self.propose(batch)
+        if not batch:
+            return
+        limit = self.disable_by_batch_size
+        if limit is not None and len(scheduler_output.num_scheduled_tokens) > limit:
+            self.num_steps_off += 1  # the next step decodes plainly (the proposer
+            return  # catches up on the skipped tokens at its next call: num_new_tokens)
+        self.propose(batch)
 
     def propose(self, requests: list[Request]) -> None:
         """Ask the proposer for drafts for ``requests`` and set their ``spec_token_ids``.
@@ -187,4 +200,5 @@ class ProposerManager:
         time spent proposing."""
         out = self.stats.as_dict()
         out["spec_propose_time_s"] = self.propose_time_s
+        out["spec_num_steps_off"] = self.num_steps_off
         return out

@@ -58,7 +58,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (num_tokens, triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size,
                                    BLOCK=_BLOCK, ACCURATE_EXP=not is_interpreting(),
-                                   num_warps=4)
+                                   num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -79,6 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             res_out.stride(0), hidden, 1.0 / hidden, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
+            enable_fp_fusion=False,  # round where torch rounds (no FMA contraction)
         )
     return out if residual is None else (out, res_out)
 

@@ -154,6 +154,8 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_h
         HEAD_PAD=max(16, next_power_of_2(head_size)), ROT=rot, HEADS=per_program,
         HAS_NORM=q_norm is not None, WRITE_CACHE=write_cache,
         PAGE_SIZE=kv_cache.shape[2] if write_cache else 1, num_warps=4,
+        # no mul+add -> FMA contraction: each product is rounded, as in transformers
+        enable_fp_fusion=False,
     )
 
 

@@ -219,11 +219,13 @@ class InputBatch:
         if self._block_tables.shape[1] < self.block_table.shape[1]:
             self._alloc_step(self._input_ids.shape[0], self._seq_lens.shape[0])
         num_computed = self.num_computed[rows]
-        # token k of the step belongs to request req_of[k], at offset k - start
-        req_of = np.repeat(np.arange(num_reqs), num_scheduled)
-        offsets = self._arange[:total] - np.repeat(cu - num_scheduled, num_scheduled)
-        positions = num_computed[req_of] + offsets
-        token_rows = rows[req_of]
+        if total == num_reqs:  # one token per request (decodes): token k is request k's
+            positions, token_rows = num_computed, rows
+        else:  # token k of the step belongs to request req_of[k], at offset k - start
+            req_of = np.repeat(np.arange(num_reqs), num_scheduled)
+            offsets = self._arange[:total] - np.repeat(cu - num_scheduled, num_scheduled)
+            positions = num_computed[req_of] + offsets
+            token_rows = rows[req_of]
         width = self.token_ids.shape[1]
         input_ids = self._input_ids[:total].numpy()
         np.take(self.token_ids.reshape(-1), token_rows * width + positions, out=input_ids)

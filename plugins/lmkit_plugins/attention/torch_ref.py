@@ -166,9 +166,11 @@ class TorchAttention(AttentionBackend):
         if plan is None:
             raise RuntimeError("TorchAttention.run() called before plan() for this step")
         n = plan.num_tokens
-        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-        flat[0].index_copy_(0, plan.slot_mapping, k[:n])
-        flat[1].index_copy_(0, plan.slot_mapping, v[:n])
+        if k.shape[0] != n:  # padded (CUDA graph) inputs: only the first n rows are tokens
+            k, v = k[:n], v[:n]
+        # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d] at the slots
+        kv_cache.view(2, -1, self.num_kv_heads, self.head_size).index_copy_(
+            1, plan.slot_mapping, torch.stack((k, v)))
         if plan.covers_all and q.shape[0] == n:
             return self._attend(plan.groups[0], q, kv_cache).view(n, self.num_heads,
                                                                    self.head_size)
@@ -188,12 +190,16 @@ class TorchAttention(AttentionBackend):
         num_blocks = kv_cache.shape[1]
         r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
-        # kv: [2, R * num_kv_blocks, block_size * hkv * d] -> [2, R, kv_len, hkv, d]
+        # kv: [2, R * num_kv_blocks, block_size * hkv * d], contiguous; key j of request i,
+        # head h starts at i * per_req + j * hkv * d + h * d (values after all keys)
         kv = kv_cache.view(2, num_blocks, -1).index_select(1, g.block_ids)
-        kv = kv.view(2, r, g.num_kv_blocks * self.block_size, hkv, d)[:, :, :g.kv_len]
-        key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, hkv, kv_len, d]
+        per_req = g.num_kv_blocks * self.block_size * hkv * d
+        size, stride = (r, hkv, g.kv_len, d), (per_req, d, hkv * d, 1)
+        key = kv.as_strided(size, stride)  # [R, hkv, kv_len, d]
+        value = kv.as_strided(size, stride, r * per_req)
         if isinstance(g.query_rows, slice):
-            rows = q[g.query_rows]  # [R * max_q, heads, d]
+            # [R * max_q, heads, d]; all of q as is when the group is the whole step
+            rows = q if g.query_rows == slice(0, q.shape[0]) else q[g.query_rows]
         else:
             rows = q.index_select(0, g.query_rows)
         if max_q == 1:

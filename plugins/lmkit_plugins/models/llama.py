@@ -258,7 +258,8 @@ class LlamaForCausalLM(nn.Module):
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
         if self.lm_head is None:
             return self.model.embed_tokens.logits(hidden_states)
-        return self.lm_head(hidden_states).float()
+        # contiguous: a CPU head whose vocabulary is a multiple of 512 returns a view
+        return self.lm_head(hidden_states).float().contiguous()
 
     # ------------------------------------------------------------------ loading
 

@@ -2,9 +2,10 @@
 
 The inverse frequencies follow the checkpoint's ``rope_parameters`` (transformers 5.x)
 or ``rope_theta`` + ``rope_scaling`` (4.x): ``default``, ``linear`` and ``llama3``
-scaling are supported. cos/sin are computed once per step from the positions (no
-table of ``max_position_embeddings`` rows) exactly as HF does, in float32, and applied
-with HF's rounding, so logits match HF bit for bit up to the attention kernel.
+scaling are supported. cos/sin are computed once per step from the positions exactly
+as HF does, in float32 (on the CPU, rows of a table grown to the largest position seen,
+computed by the same ops), and applied with HF's rounding, so logits match HF bit for
+bit up to the attention kernel.
 """
 
 from __future__ import annotations
@@ -98,15 +99,41 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rope.rotary_dim
         self.register_buffer("inv_freq", inverse_frequencies(rope).to(device), persistent=False)
+        # CPU: dtype -> float [2, num_positions, 1, rotary_dim] (cos, sin) of positions 0..
+        self._cpu_tables: dict[torch.dtype, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [n]`` -> ``(cos, sin)``, each ``[n, 1, rotary_dim]`` in ``dtype``.
 
-        ``sin`` carries the sign of "rotate half" (``[-sin, sin]``), so that
-        :meth:`apply` is one multiply and one fused multiply-add. Computed once per
-        step and shared by every layer.
+        ``sin`` carries the sign of "rotate half" (``[-sin, sin]``). Computed once per
+        step and shared by every layer. On the CPU the rows come from a table (one
+        ``index_select`` instead of about ten small ops per step).
         """
+        if positions.device.type == "cpu" and positions.numel():
+            table = self._cpu_table(int(positions.max()) + 1, dtype)
+            rows = table.index_select(1, positions)  # [2, n, 1, rotary_dim]
+            return rows[0], rows[1]
+        return self._compute_cos_sin(positions, dtype)
+
+    def _cpu_table(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU table covering positions ``[0, num_positions)``, grown by doubling.
+
+        Rows come from :meth:`_compute_cos_sin` (the same elementwise ops as the direct
+        path), in chunks small enough that torch runs each op in one pass.
+        """
+        table = self._cpu_tables.get(dtype)
+        if table is not None and table.shape[1] >= num_positions:
+            return table
+        size = max(num_positions, 256, 2 * table.shape[1] if table is not None else 0)
+        chunks = [torch.stack(self._compute_cos_sin(torch.arange(s, min(s + 128, size)), dtype))
+                  for s in range(0, size, 128)]
+        table = torch.cat(chunks, dim=1)
+        self._cpu_tables[dtype] = table
+        return table
+
+    def _compute_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
@@ -122,8 +149,11 @@ class RotaryEmbedding(torch.nn.Module):
         """
         dim, half = self.rotary_dim, self.rotary_dim // 2
         if dim == self.head_dim:
-            swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-            return (x * cos).add_(swapped * sin)
+            # halves as an axis: flip(2) swaps them ([x1, x2] -> [x2, x1]) in one op
+            n, heads = x.shape[0], x.shape[1]
+            x2 = x.view(n, heads, 2, half)
+            out = (x2 * cos.view(-1, 1, 2, half)).add_(x2.flip(2) * sin.view(-1, 1, 2, half))
+            return out.view(n, heads, dim)
         rot = x[..., :dim]
         swapped = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)
         return torch.cat(((rot * cos).add_(swapped * sin), x[..., dim:]), dim=-1)

@@ -104,6 +104,7 @@ def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str,
     for i, (prompt, n) in enumerate(zip(wl["prompts"], wl["output_lens"], strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         engine.add_request(Request(f"{wl['name']}-{i}", list(prompt), params))
+    submit_s = time.perf_counter() - start
     produced = 0
     while engine.has_unfinished_requests():
         for out in recorder.step():
@@ -112,7 +113,7 @@ def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str,
             produced += len(out.new_token_ids)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(map(len, wl["prompts"]))
-    extra: dict[str, Any] = {"num_steps": len(recorder.steps)}
+    extra: dict[str, Any] = {"num_steps": len(recorder.steps), "submit_s": submit_s}
     if len(wl["prompts"]) == 1 and produced > 1:  # latency: time per output token
         t_first = next(iter(first_token.values()))
         extra["ttft_ms"] = 1e3 * (t_first - start)
@@ -174,18 +175,20 @@ def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> 
     """Bytes read per pure-decode step (weights + cached K/V) over its wall time."""
     total_time = total_bytes = 0.0
     count = 0
+    others: list[tuple[float, int]] = []  # (ms, tokens) of every other step
     for dt, so in steps:
-        if so is None or so.scheduled_new_reqs or not so.num_scheduled_tokens:
-            continue
-        if any(n != 1 for n in so.num_scheduled_tokens.values()):
+        if (so is None or so.scheduled_new_reqs or not so.num_scheduled_tokens
+                or any(n != 1 for n in so.num_scheduled_tokens.values())):
+            tokens = sum(so.num_scheduled_tokens.values()) if so is not None else 0
+            others.append((round(1e3 * dt, 2), tokens))
             continue
         context = sum(so.scheduled_cached_reqs.num_computed_tokens) + len(so.num_scheduled_tokens)
         total_bytes += facts["decode_weight_bytes"] + context * facts["kv_bytes_per_token"]
         total_time += dt
         count += 1
     if not count:
-        return {"decode_steps": 0}
-    return {"decode_steps": count, "decode_time_s": total_time,
+        return {"decode_steps": 0, "other_steps_ms_tokens": others[:64]}
+    return {"other_steps_ms_tokens": others[:64], "decode_steps": count, "decode_time_s": total_time,
             "decode_step_ms": 1e3 * total_time / count,
             "decode_bytes_per_step": total_bytes / count,
             "decode_achieved_bytes_per_s": total_bytes / total_time}

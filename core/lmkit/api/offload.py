@@ -60,6 +60,9 @@ class OffloadManager(ABC):
     * :meth:`store` must have *read* the device blocks before any work issued later on
       the device can overwrite them: copy synchronously, or (CUDA) copy on a side
       stream and make the current stream wait for that read before returning.
+    * :meth:`store_computed` (write-through, optional) reads blocks that stay cached:
+      the current stream need not wait; the engine calls :meth:`store` with a block
+      (its eviction) or :meth:`fence` before anything can overwrite it.
     * :meth:`load` writes device blocks that the engine neither reads nor writes until
       :meth:`poll` reports the job; work issued earlier on the current stream (a
       store reading the same blocks) must happen before the load writes them.
@@ -118,6 +121,28 @@ class OffloadManager(ABC):
         reports the job as usual.
         """
         return None
+
+    def store_computed(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                       ) -> TransferJob | None:
+        """Write-through: start copying device blocks ``block_ids`` out under
+        ``block_hashes`` right after the forward that computed them, while they stay in
+        the device prefix cache (the engine calls it after issuing the step's forward).
+
+        Unlike :meth:`store`, the current stream need not wait for the read: the engine
+        passes a block to :meth:`store` (its eviction, before the step that reuses it)
+        or calls :meth:`fence` before any later work can overwrite it, and the tier
+        orders that work after the read then (and a :meth:`load_now` into it after the
+        read of those blocks). Hashes already held should be skipped.
+
+        Optional: None (the default) means the tier does not store on computation, and
+        blocks reach it when they are evicted."""
+        return None
+
+    def fence(self) -> None:  # noqa: B027 - optional
+        """Make work issued later on the current stream wait until every
+        :meth:`store_computed` so far has read its device blocks (the engine is about
+        to reuse blocks without passing them to :meth:`store`, e.g. after a prefix-cache
+        reset). Optional; nothing to do for a tier without :meth:`store_computed`."""
 
     def stats(self) -> dict[str, int]:
         """Tier-internal counters, e.g. ``{"evictions": n}`` (blocks the tier dropped to

@@ -136,6 +136,10 @@ class StructuredOutputConfig(OptionalBackendSection):
 class OffloadConfig(OptionalBackendSection):
     """KV-cache offload to a slower tier (CPU memory, disk): the tier plugin, off unless named."""
 
+    store_policy: Literal["write_through", "on_evict"] = Field(
+        "write_through", description="When blocks go to the tier: 'write_through' (right "
+        "after the step computing them, so evictions copy nothing) or 'on_evict'.")
+
 
 class ServerConfig(Section):
     """The OpenAI-compatible HTTP server (`lmkit serve`)."""

@@ -81,7 +81,9 @@ class EngineCore:
             assert sched_reg is not None
             self.scheduler = sched_reg.spec.load()(
                 self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
-            self.offload = attach_offload(self.stack, self.scheduler, self.executor)
+            self.offload = attach_offload(
+                self.stack, self.scheduler, self.executor,
+                write_through=self.config.offload.store_policy == "write_through")
             self._reserve_decode_lookahead_slots()
             self.structured_output = StructuredOutputManager.from_stack(
                 self.config, self.stack, self.model_dir, self.model_info.vocab_size)

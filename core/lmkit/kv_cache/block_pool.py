@@ -123,6 +123,9 @@ class BlockPool:
         # on_evict(block_id, block_hash): a cached block is being handed out as a fresh
         # one; its contents are still intact (an offload tier stores them)
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # on_cache(block): ``block`` was just registered under its hash (an offload
+        # tier's write-through stores it once the step computing it has run)
+        self.on_cache: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -184,6 +187,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.on_cache is not None:
+            self.on_cache(block)
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:

@@ -22,9 +22,10 @@ class EngineOffload(OffloadCoordinator):
     answers, so that a block counts only when every worker holds its share, and is
     resident only when every worker's share is)."""
 
-    def __init__(self, scheduler: Any, executor: Executor) -> None:
+    def __init__(self, scheduler: Any, executor: Executor, write_through: bool = True) -> None:
         self.executor = executor
-        super().__init__(scheduler.kv_cache_manager, self._lookup, self._worker_stats)
+        super().__init__(scheduler.kv_cache_manager, self._lookup, self._worker_stats,
+                         write_through)
 
     def _lookup(self, block_hashes: list[bytes]) -> tuple[int, int]:
         answers = self.executor.call("offload_call", "lookup", block_hashes)
@@ -46,10 +47,10 @@ class EngineOffload(OffloadCoordinator):
             logger.exception("closing the KV offload tier failed")
 
 
-def attach_offload(stack: ResolvedStack, scheduler: Any, executor: Executor
-                   ) -> EngineOffload | None:
+def attach_offload(stack: ResolvedStack, scheduler: Any, executor: Executor,
+                   write_through: bool = True) -> EngineOffload | None:
     """Connect the scheduler to the offload tier the runner built; None when offload
-    is off.
+    is off. ``write_through``: ``offload.store_policy`` is ``write_through``.
 
     Raises:
         ConfigError: the scheduler is not a paged scheduler with a ``kv_cache_manager``
@@ -63,6 +64,6 @@ def attach_offload(stack: ResolvedStack, scheduler: Any, executor: Executor
             f"offload tier {reg.name!r} needs a scheduler built on lmkit's PagedScheduler "
             f"(with a kv_cache_manager), but {type(scheduler).__name__} is not; choose "
             "another scheduler or set offload.backend: none")
-    coordinator = EngineOffload(scheduler, executor)
+    coordinator = EngineOffload(scheduler, executor, write_through)
     scheduler.offload = coordinator
     return coordinator

@@ -4,6 +4,10 @@
   out a cached block as a fresh one. The block's contents are still intact (nothing
   runs between planning a step and the runner's transfers), so the coordinator queues
   a store, and the runner copies the block out before this step's forward reuses it.
+* **Write-through** (``offload.store_policy: write_through``, the default). Every
+  block registered in the prefix cache (full, computed by this step's forward) is also
+  sent as a write-through store, which the runner issues right after the forward; by
+  the time the block is evicted the tier holds it, and that store copies nothing.
 * **Loads.** At admission (:meth:`OffloadCoordinator.defer_admission`), when the tier
   holds blocks past the device prefix-cache hit, the coordinator takes fresh device
   blocks for them and queues a load. The request's device hits and the load's blocks
@@ -70,17 +74,27 @@ class OffloadCoordinator:
             resident)`` where ``resident`` of them can be loaded in the step that
             computes the request (``OffloadManager.resident``).
         worker_stats: returns the runner-side counters (bytes moved, tier usage, ...).
+        write_through: also store each full block right after the step that computes
+            it (``offload.store_policy: write_through``), so that its eviction later
+            finds it in the tier and costs no copy; False stores on eviction only.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager,
                  lookup: Callable[[list[BlockHash]], int | tuple[int, int]],
-                 worker_stats: Callable[[], dict[str, int]] | None = None) -> None:
+                 worker_stats: Callable[[], dict[str, int]] | None = None,
+                 write_through: bool = False) -> None:
         self.manager = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
         self.block_size = kv_cache_manager.block_size
         self.lookup = lookup
         self.worker_stats = worker_stats
         self.pool.on_evict = self.on_evict
+        self.write_through = write_through
+        if write_through:
+            self.pool.on_cache = self.on_cache
+        self._computed: list[tuple[KVCacheBlock, BlockHash]] = []  # registered this step
+        self._fence = False
+        self._loading_back = False  # registering loaded blocks (the tier has them)
         self._store_hashes: list[BlockHash] = []
         self._store_block_ids: list[int] = []
         self._loads: list[LoadRequest] = []
@@ -89,6 +103,7 @@ class OffloadCoordinator:
         self._in_flight: dict[BlockHash, int] = {}  # hash being loaded -> transfer id
         self._ids = itertools.count()
         self.num_stored_blocks = 0
+        self.num_written_blocks = 0
         self.num_hit_tokens = 0
         self.num_load_jobs = 0
         self.num_loaded_blocks = 0
@@ -100,6 +115,17 @@ class OffloadCoordinator:
         """The pool is reusing cached block ``block_id``: store it before it is."""
         self._store_hashes.append(block_hash)
         self._store_block_ids.append(block_id)
+
+    def on_cache(self, block: KVCacheBlock) -> None:
+        """The pool registered ``block`` (full, computed by this step): write it through
+        after the step's forward, unless it came from the tier."""
+        if not self._loading_back and block.block_hash is not None:
+            self._computed.append((block, block.block_hash))
+
+    def fence_writes(self) -> None:
+        """The prefix cache is being reset: blocks written through lose their hash
+        without an eviction, so the next step orders itself after their reads."""
+        self._fence = True
 
     # -- loads --------------------------------------------------------------------
 
@@ -183,12 +209,20 @@ class OffloadCoordinator:
                 load.same_step = False
 
     def take_transfers(self) -> KVTransfers | None:
-        """This step's stores and loads (``SchedulerOutput.kv_transfers``), or None."""
-        if not self._store_hashes and not self._loads:
+        """This step's stores, loads and write-through stores
+        (``SchedulerOutput.kv_transfers``), or None."""
+        # registered this step and still registered (not withdrawn by a preemption)
+        written = [(b, h) for b, h in self._computed if b.block_hash == h]
+        self._computed = []
+        if not self._store_hashes and not self._loads and not written and not self._fence:
             return None
-        transfers = KVTransfers(self._store_hashes, self._store_block_ids, self._loads)
+        transfers = KVTransfers(self._store_hashes, self._store_block_ids, self._loads,
+                                [h for _, h in written], [b.block_id for b, _ in written],
+                                self._fence)
         self.num_stored_blocks += len(self._store_hashes)
+        self.num_written_blocks += len(written)
         self._store_hashes, self._store_block_ids, self._loads = [], [], []
+        self._fence = False
         return transfers
 
     def on_loads_finished(self, results: dict[int, bool]) -> list[tuple[Request, int]]:
@@ -213,8 +247,13 @@ class OffloadCoordinator:
                 if self._in_flight.get(block_hash) == transfer_id:
                     del self._in_flight[block_hash]
             if ok:
-                for block, block_hash in zip(pending.blocks, pending.block_hashes, strict=True):
-                    self.pool.cache_block(block, block_hash)
+                self._loading_back = True
+                try:
+                    for block, block_hash in zip(pending.blocks, pending.block_hashes,
+                                                 strict=True):
+                        self.pool.cache_block(block, block_hash)
+                finally:
+                    self._loading_back = False
                 self.num_loaded_blocks += len(pending.blocks)
             elif pending.same_step:
                 request.extra[NO_SAME_STEP] = True  # next time: the asynchronous path
@@ -241,11 +280,13 @@ class OffloadCoordinator:
 
     def stats(self) -> dict[str, Any]:
         """``offload_*`` counters: ``stored_blocks`` (evictions sent to the tier),
+        ``written_blocks`` (computed blocks written through),
         ``hit_tokens`` (tokens found in the tier at admission), ``load_jobs``,
         ``loaded_blocks`` and ``failed_loads``, plus the runner's (bytes moved, failed
         stores, tier usage and capacity, tier evictions)."""
         stats: dict[str, Any] = {
             "offload_stored_blocks": self.num_stored_blocks,
+            "offload_written_blocks": self.num_written_blocks,
             "offload_hit_tokens": self.num_hit_tokens,
             "offload_load_jobs": self.num_load_jobs,
             "offload_loaded_blocks": self.num_loaded_blocks,

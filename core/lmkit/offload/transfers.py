@@ -29,7 +29,7 @@ class LoadRequest:
 
 @dataclass(slots=True)
 class KVTransfers:
-    """One step's transfers, run by the runner before the forward in this order:
+    """One step's transfers, run by the runner (1 and 2 before the forward) in this order:
 
     1. ``store_hashes`` / ``store_block_ids``: blocks the device prefix cache evicted
        while this step was planned. Their device blocks are handed out again in this
@@ -38,11 +38,21 @@ class KVTransfers:
        a request still waiting is touched by no forward until it is reported
        finished; a ``same_step`` load is read by this step's forward, which runs after
        the copy.
+    3. ``write_hashes`` / ``write_block_ids`` (write-through): blocks registered in
+       the prefix cache this step, whose KV this step's forward computes; stored right
+       after the forward is issued (``OffloadManager.store_computed``), so that their
+       eviction later costs no copy. Skipped when a same-step load of the step failed.
+
+    ``fence``: the prefix cache was reset, so blocks written through may be reused
+    without an eviction: the tier orders this step after their reads first.
     """
 
     store_hashes: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
+    write_hashes: list[bytes] = field(default_factory=list)
+    write_block_ids: list[int] = field(default_factory=list)
+    fence: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.store_hashes or self.loads)
+        return bool(self.store_hashes or self.loads or self.write_hashes or self.fence)

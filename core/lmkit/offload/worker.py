@@ -2,7 +2,8 @@
 
 The model runner builds an :class:`OffloadWorker` with its KV caches
 (:func:`build_offload_worker`), runs each step's :class:`~lmkit.offload.transfers.KVTransfers`
-before the forward (:meth:`OffloadWorker.start`) and reports finished loads in
+before the forward (:meth:`OffloadWorker.start`; write-through stores after it,
+:meth:`OffloadWorker.after_forward`) and reports finished loads in
 ``ModelRunnerOutput.finished_kv_loads`` (:meth:`OffloadWorker.finished_loads`). The
 scheduler reaches :meth:`OffloadWorker.lookup` and :meth:`OffloadWorker.stats` through
 ``executor.call("offload_call", ...)``.
@@ -47,6 +48,7 @@ class OffloadWorker:
         self._loads: dict[int, tuple[int, int]] = {}  # tier job id -> (transfer id, blocks)
         self._finished: dict[int, bool] = {}  # transfer id -> success, not reported yet
         self._same_step: set[int] = set()  # tier job ids of same-step loads in flight
+        self._step_load_failed = False  # a same-step load of this step was refused
         self.bytes_stored = 0
         self.bytes_loaded = 0
         self.num_failed_stores = 0
@@ -67,8 +69,11 @@ class OffloadWorker:
         of that store: the forward issued after this call reads their blocks. One the
         tier refuses (or that raises) is reported failed in this step's
         :meth:`finished_loads`."""
+        self._step_load_failed = False
         if not transfers:
             return
+        if transfers.fence:
+            self.manager.fence()
         store = None
         if transfers.store_hashes:
             store = self.manager.store(transfers.store_hashes, transfers.store_block_ids)
@@ -83,11 +88,24 @@ class OffloadWorker:
                     job = None
                 if job is None:
                     self._finished[load.transfer_id] = False
+                    self._step_load_failed = True
                     continue
                 self._same_step.add(job.job_id)
             else:
                 job = self.manager.load(load.block_hashes, load.block_ids)
             self._loads[job.job_id] = (load.transfer_id, len(load.block_ids))
+
+    def after_forward(self, transfers: KVTransfers | None) -> None:
+        """Issue the step's write-through stores (``store_computed``), after its forward.
+
+        Skipped when a same-step load of the step failed: the forward then computed a
+        request on blocks without valid data, and the scheduler withdraws what it
+        registered for it (the other blocks reach the tier when evicted)."""
+        if not transfers or not transfers.write_hashes or self._step_load_failed:
+            return
+        job = self.manager.store_computed(transfers.write_hashes, transfers.write_block_ids)
+        if job is not None:
+            self._stores[job.job_id] = len(transfers.write_hashes)
 
     def finished_loads(self, wait: bool = False) -> dict[int, bool]:
         """Loads finished since the last call: transfer id -> success.

@@ -379,4 +379,6 @@ class PagedScheduler(Scheduler):
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash; returns how many were dropped."""
+        if self.offload is not None:  # blocks written through are reused without eviction
+            self.offload.fence_writes()
         return self.kv_cache_manager.reset_prefix_cache()

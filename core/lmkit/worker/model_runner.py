@@ -192,6 +192,8 @@ class ModelRunner:
         order, step = self._prepare_step(so)
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches)
+            if self.offload is not None:  # write-through stores read what the forward wrote
+                self.offload.after_forward(so.kv_transfers)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
             verified = self._sample(hidden, order, plan, so)
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)

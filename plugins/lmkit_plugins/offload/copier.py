@@ -87,6 +87,7 @@ class BlockCopier:
         self.staging_rows = max(1, staging_bytes // self.block_bytes)
         self._staging: dict[str, torch.Tensor] = {}
         self.last_reads: StoreReads | None = None  # of the latest gather (CUDA)
+        self._pending_reads: dict[int, Any] = {}  # device block -> deferred read's event
 
     def host_rows(self, num_rows: int, pin: bool = False) -> torch.Tensor:
         """A new host tensor of ``num_rows`` blocks: ``[num_rows, layers, 2, E]``."""
@@ -95,13 +96,16 @@ class BlockCopier:
     # -- device -> host -----------------------------------------------------------
 
     def gather(self, block_ids: Sequence[int], host: torch.Tensor, rows: Sequence[int],
-               wait_for: Sequence[Any] = ()) -> Any:
+               wait_for: Sequence[Any] = (), deferred: bool = False) -> Any:
         """Copy device blocks ``block_ids`` into ``host[rows]``, after the CUDA events
         ``wait_for`` (loads still reading those host rows).
 
         Returns None when the copy is complete (CPU), else a CUDA event recorded after
         it; either way later work on the current stream cannot overwrite the blocks
         before they were read. On CUDA, :attr:`last_reads` tells when each was read.
+        ``deferred`` (CUDA, write-through of blocks that stay cached): the current
+        stream does not wait; the reads are kept per block until :meth:`take_reads`
+        or :meth:`fence` orders the current stream after them.
         """
         self.last_reads = None
         if not block_ids:
@@ -135,9 +139,34 @@ class BlockCopier:
                     host[row:row + length].copy_(staging[i:i + length], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        current.wait_event(reads.chunks[-1][1])  # the forward may overwrite the blocks once read
+        if deferred:
+            for blocks, read in reads.chunks:
+                for block_id in blocks:
+                    self._pending_reads[block_id] = read
+        else:  # the forward may overwrite the blocks once read
+            current.wait_event(reads.chunks[-1][1])
         self.last_reads = reads
         return done
+
+    def take_reads(self, block_ids: Sequence[int]) -> list[tuple[frozenset[int], Any]]:
+        """The unfinished deferred reads (see :meth:`gather`) of ``block_ids``, which
+        the caller now orders later work after: ``(block ids, event)`` per event."""
+        if not self._pending_reads:
+            return []
+        by_event: dict[int, tuple[set[int], Any]] = {}
+        for block_id in block_ids:
+            read = self._pending_reads.pop(block_id, None)
+            if read is not None and not read.query():
+                by_event.setdefault(id(read), (set(), read))[0].add(block_id)
+        return [(frozenset(ids), read) for ids, read in by_event.values()]
+
+    def fence(self) -> None:
+        """Make later work on the current stream wait for every deferred read."""
+        if self._pending_reads:
+            current = torch.cuda.current_stream(self.device)
+            for read in {id(r): r for r in self._pending_reads.values()}.values():
+                current.wait_event(read)
+            self._pending_reads.clear()
 
     # -- host -> device -----------------------------------------------------------
 

@@ -61,6 +61,7 @@ class CPUTier(OffloadManager):
         # CUDA: the latest store's job id and when it read its device blocks
         self._store_reads: tuple[int, StoreReads] | None = None
         self.num_evictions = 0
+        self.num_copied_out = 0  # blocks copied into the pool (held ones are skipped)
         staging = (f", plus 2 x {self.copier.staging_rows * self.copier.block_bytes / 2**20:.0f}"
                    " MiB of device staging" if self.copier.is_cuda else "")
         logger.info("offload tier 'cpu': %.2f GiB of %s host memory, %d blocks, %s eviction%s",
@@ -84,7 +85,45 @@ class CPUTier(OffloadManager):
         return block_hash in self.slot_of
 
     def store(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
+        """Store evicted blocks (those written through are held already: no copy, only
+        ordered after the write-through's reads, see :meth:`store_computed`)."""
         job = self.jobs.new("store", block_hashes, block_ids)
+        before = self._cuda_event()  # the current stream's work before this store
+        written = self.copier.take_reads(block_ids)  # write-through reads still running
+        event, reads = self._copy_out(block_hashes, block_ids, deferred=False)
+        if written:
+            reads = reads or StoreReads(before)
+            reads.chunks += written
+            for _, read in written:  # the step's forward may overwrite them once read
+                self.copier.current_waits_for(read)
+        self._store_reads = (job.job_id, reads) if reads is not None else None
+        return self.jobs.finish(job, True, event)
+
+    def store_computed(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                       ) -> TransferJob:
+        """Write-through of blocks just computed (they stay in the device cache): on CUDA
+        the current stream does not wait for the read; the eviction :meth:`store` of a
+        block, or :meth:`fence`, does."""
+        job = self.jobs.new("store", block_hashes, block_ids)
+        event, _ = self._copy_out(block_hashes, block_ids, deferred=True)
+        return self.jobs.finish(job, True, event)
+
+    def fence(self) -> None:
+        if self.copier.is_cuda:
+            self.copier.fence()
+
+    def _cuda_event(self) -> Any:
+        """An event recorded now on the current stream (CUDA), else None."""
+        if not self.copier.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.copier.device))
+        return event
+
+    def _copy_out(self, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                  deferred: bool) -> tuple[Any, StoreReads | None]:
+        """Copy the blocks not held yet into slots; returns the last copy's CUDA event
+        (None when complete) and when the device blocks were read (CUDA)."""
         wanted: dict[bytes, int] = {}  # hash -> device block, new ones only
         for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
             if block_hash in self.slot_of:
@@ -106,15 +145,15 @@ class CPUTier(OffloadManager):
             copies = [(self.slot_of[h], b) for h, b in chunk if h in self.slot_of]
             slots = [s for s, _ in copies]
             event = self.copier.gather([b for _, b in copies], self.pool, slots,
-                                       self._pending_copies(slots, "load"))
+                                       self._pending_copies(slots, "load"), deferred)
             self._mark(slots, "store", event)
             last = self.copier.last_reads
             if reads is None:
                 reads = last
             elif last is not None:
                 reads.chunks += last.chunks
-        self._store_reads = (job.job_id, reads) if reads is not None else None
-        return self.jobs.finish(job, True, event)
+            self.num_copied_out += len(copies)
+        return event, reads
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
         job = self.jobs.new("load", block_hashes, block_ids)
@@ -152,7 +191,7 @@ class CPUTier(OffloadManager):
         return len(self.slot_of) * block, self.num_slots * block
 
     def stats(self) -> dict[str, int]:
-        return {"evictions": self.num_evictions}
+        return {"evictions": self.num_evictions, "copied_out_blocks": self.num_copied_out}
 
     def close(self) -> None:
         self.copier.synchronize()

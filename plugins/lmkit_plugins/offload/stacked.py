@@ -68,6 +68,20 @@ class CPUDiskTier(OffloadManager):
         self._last_store = (job.job_id, part)
         return job
 
+    def store_computed(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]
+                       ) -> TransferJob:
+        """Write-through into host memory (see :meth:`CPUTier.store_computed`); skips
+        blocks the disk holds, which need no second copy."""
+        job = self.jobs.new("store", block_hashes, block_ids)
+        keep = [i for i, h in enumerate(block_hashes) if not self.disk.holds(h)]
+        part = self.cpu.store_computed([block_hashes[i] for i in keep],
+                                       [block_ids[i] for i in keep])
+        self._track(job, [("cpu", part)])
+        return job
+
+    def fence(self) -> None:
+        self.cpu.fence()
+
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferJob:
         job = self.jobs.new("load", block_hashes, block_ids)
         in_cpu = [self.cpu.holds(h) for h in block_hashes]

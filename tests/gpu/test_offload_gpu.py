@@ -203,7 +203,7 @@ def test_load_now_into_blocks_the_step_stores(order, tmp_path):
     kv = caches(4)
     tier = make("cpu", kv, tmp_path)
     tier.copier.staging_rows = 16
-    evicted, other = list(range(1, 129)), list(range(129, 257))
+    evicted, other = list(range(0, 128)), list(range(128, BLOCKS))  # ids < BLOCKS (256)
     tier.store([h(5000 + i) for i in other], other)  # the prefix coming back
     loaded = [c[:, other].clone() for c in kv]
     torch.cuda.synchronize()

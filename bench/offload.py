@@ -120,7 +120,8 @@ def side(args: argparse.Namespace, offload: str) -> dict[str, Any]:
                                 num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                                 max_num_batched_tokens=args.max_num_batched_tokens)
     if offload != "none":
-        opts.update(offload=offload, **{"offload.options": {"size_gb": args.tier_gb}})
+        opts.update(offload=offload, **{"offload.options": {"size_gb": args.tier_gb},
+                                        "offload.store_policy": args.store_policy})
     llm = LLM(args.model_path, **opts)
     prompts = Prompts(args.prefix_len, args.suffix_len, seed=1)
     result: dict[str, Any] = {"side": offload}
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=[0.0, 0.25, 0.5, 0.75, 1.0] if cuda else [0.0, 0.5, 1.0])
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--tier", default="cpu")
+    p.add_argument("--store-policy", default="write_through", choices=("write_through", "on_evict"),
+                   help="when blocks are stored to the tier")
     p.add_argument("--tier-gb", type=float, default=None, help="default: the batch + 3 prefixes")
     p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 2048)

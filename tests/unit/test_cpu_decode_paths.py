@@ -161,3 +161,22 @@ def test_vocab_embedding_in_transposed_memory_looks_up_and_scores_the_same(vocab
         assert torch.equal(logits, _onednn_linear(hidden, table, None))
         torch.testing.assert_close(emb.logits(hidden[:1]), hidden[:1] @ table.T,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_decode_only_steps_plan_one_group_and_match_dense_attention(window):
+    from test_torch_attention import PagedWorld, make_backend
+
+    backend = make_backend(6, 2, 64, 16, sliding_window=window)
+    world = PagedWorld(backend, num_blocks=128)
+    world.prefill_cached(0, 37)
+    world.prefill_cached(1, 5)
+    world.step([(2, 9)])
+    for work in ([(0, 1), (1, 1), (2, 1)], [(1, 1)], [(2, 1), (0, 1)]):
+        world.step(work)  # against dense causal attention
+        plan = backend._plan
+        assert plan.covers_all and len(plan.groups) == 1
+        group = plan.groups[0]
+        assert group.max_query_len == 1 and group.query_rows == slice(0, len(work))
+        # unequal contexts or a window need the mask; one request without a window does not
+        assert (group.mask is None) == (len(work) == 1 and window is None)

@@ -82,18 +82,36 @@ class TorchAttention(AttentionBackend):
     def plan(self, metadata: AttentionMetadata) -> None:
         """Group the step's requests and build their gather indices and masks."""
         md = metadata
-        qsl = md.query_start_loc_cpu[: md.num_reqs + 1].numpy().astype(np.int64)
+        num_tokens = md.num_actual_tokens
         seq_lens = md.seq_lens_cpu[: md.num_reqs].numpy().astype(np.int64)
+        if num_tokens == md.num_reqs > 0:  # decodes only (one token each): one group, in order
+            self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens],
+                               [self._plan_decodes(md, seq_lens)], covers_all=True)
+            return
+        qsl = md.query_start_loc_cpu[: md.num_reqs + 1].numpy().astype(np.int64)
         query_lens = np.diff(qsl)
         is_decode = query_lens == 1
         groups = []
         for reqs in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
             if len(reqs):
                 groups.append(self._plan_group(md, reqs, qsl, query_lens, seq_lens))
-        num_tokens = md.num_actual_tokens
         covers_all = (len(groups) == 1 and groups[0].valid_rows is None
                       and groups[0].query_rows == slice(0, num_tokens))
         self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
+
+    def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
+        """:meth:`_plan_group` for a step whose every request decodes one token (the
+        common step of single-stream and batched decoding), with less host work."""
+        num_reqs = md.num_reqs
+        kv_len = int(seq_lens.max())
+        num_kv_blocks = -(-kv_len // self.block_size)
+        block_ids = md.block_tables[:num_reqs, :num_kv_blocks].reshape(-1).to(torch.int64)
+        mask = None
+        if self.sliding_window is not None or bool((seq_lens != kv_len).any()):
+            mask = self._build_mask(np.ones(num_reqs, dtype=np.int64), seq_lens, 1, kv_len,
+                                    md.block_tables.device)
+        rows = slice(0, num_reqs)
+        return _Group(num_reqs, 1, kv_len, num_kv_blocks, block_ids, rows, rows, None, mask)
 
     def _plan_group(self, md: AttentionMetadata, reqs: np.ndarray, qsl: np.ndarray,
                     query_lens: np.ndarray, seq_lens: np.ndarray) -> _Group:

@@ -73,7 +73,12 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
     return acc, m_new, l_i
 
 
-@triton.jit
+# The backend passes the prefill part of a mixed step as views starting after its
+# decode requests: those int32 arrays begin at any 4-byte offset. Specialising on their
+# 16-byte alignment would compile a second kernel (about a second, in the middle of
+# serving) the first time a step has a number of decodes not divisible by 4.
+@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr",
+                                            "block_tables_ptr"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

@@ -51,6 +51,7 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     recorder = _StepRecorder(engine)
+    compiles = _watch_jit_compiles()
     for wl in workloads:
         # token ids shifted so that the timed run gets no prefix-cache hits from it
         top = max(max(p) for p in wl["prompts"]) + 1
@@ -58,7 +59,9 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
                                               for p in wl["prompts"][:8]],
                 "output_lens": [min(n, 24) for n in wl["output_lens"][:8]]}
         _run_engine(engine, warm, recorder)
+        compiles.clear()
         result = _run_engine(engine, wl, recorder)
+        result["jit_compiles_during_run"] = list(compiles)
         result.update(_decode_bandwidth(recorder.steps, facts))
         info["results"].append(result)
     if torch.cuda.is_available():
@@ -70,6 +73,24 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
                             for wl in workloads}
     engine.shutdown()
     return info
+
+
+def _watch_jit_compiles() -> list[str]:
+    """Triton kernels compiled from now on (name and specialisation), as a list that
+    grows; empty if this Triton has no compile hook. A compile in a timed run costs
+    about a second of that run."""
+    events: list[str] = []
+    try:
+        from triton import knobs
+
+        def hook(*, repr: str, **_: Any) -> bool:
+            events.append(repr[:300])
+            return False  # compile as usual
+
+        knobs.runtime.jit_cache_hook = hook
+    except (ImportError, AttributeError):
+        pass
+    return events
 
 
 class _StepRecorder:

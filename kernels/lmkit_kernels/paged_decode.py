@@ -37,7 +37,9 @@ def decode_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return split_len, active
 
 
-@triton.jit
+# The eager block table's row stride changes as the runner's buffer grows; a 16-divisible
+# specialisation of it would compile a new variant mid-run (seconds on a busy step).
+@triton.jit(do_not_specialize=["stride_bt_req"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

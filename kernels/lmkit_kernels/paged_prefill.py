@@ -76,9 +76,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
 # The backend passes the prefill part of a mixed step as views starting after its
 # decode requests: those int32 arrays begin at any 4-byte offset. Specialising on their
 # 16-byte alignment would compile a second kernel (about a second, in the middle of
-# serving) the first time a step has a number of decodes not divisible by 4.
+# serving) the first time a step has a number of decodes not divisible by 4. Likewise
+# the block table's row stride, which changes as the runner's eager buffer grows.
 @triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr",
-                                            "block_tables_ptr"])
+                                            "block_tables_ptr"],
+            do_not_specialize=["stride_bt_req"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

@@ -150,6 +150,31 @@ def test_partial_prefill_samples_nothing_then_decodes_match_hf(tiny):
     assert sched.output["b"] == hf_greedy(model, PROMPT_B, 8)
 
 
+def test_step_shape_warm_up_runs_mixed_steps_on_scratch_caches(tiny):
+    """The JIT warm-up (run at start-up on CUDA) plans decodes mixed with a short and
+    a long prefill over a cached prefix; the runner's KV cache and requests are left
+    as they were."""
+    model, directory = tiny
+    runner = make_runner(directory)
+    sched = MiniScheduler(runner)
+    sched.add("a", PROMPT_A)
+    sched.step({"a": sched.prefill("a")})
+    kv_before = [c.clone() for c in runner.kv_caches]
+    planned, plan = [], runner.model.attn.plan
+    runner.model.attn.plan = lambda md: (planned.append(
+        (md.num_decodes, md.query_start_loc_cpu.diff().tolist(), md.seq_lens_cpu.tolist())),
+        plan(md))
+    runner._warm_up_step_shapes()
+    runner.model.attn.plan = plan
+    long = 128 - 40  # the tiny model's max_model_len (128) leaves room for a 16-token prefix
+    assert planned == [(3, [1, 1, 1, 5, long], [34, 18, 41, 5, long + 16]),
+                       (1, [1, 7], [21, 7]), (3, [1, 1, 1], [10, 31, 65])]
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, runner.kv_caches, strict=True))
+    for _ in range(5):
+        sched.step({"a": 1})
+    assert sched.output["a"] == hf_greedy(model, PROMPT_A, 6)
+
+
 def test_finished_and_new_requests_reuse_rows(tiny):
     model, directory = tiny
     sched = MiniScheduler(make_runner(directory))

@@ -61,6 +61,29 @@ class IgnoresWindow(TorchAttention):
         super().__init__(**kwargs)
 
 
+class WritesKVItself(TorchAttention):
+    """Opts in to model-written K/V: ``run(..., kv_written=True)`` skips the write."""
+
+    def kv_write_slots(self):
+        return self._plan.slot_mapping
+
+    def run(self, layer, q, k, v, kv_cache, *, kv_written=False):
+        if not kv_written:
+            return super().run(layer, q, k, v, kv_cache)
+        slots, flat = self._plan.slot_mapping, kv_cache.view(2, -1, *k.shape[1:])
+        saved = flat[:, slots].clone()
+        out = super().run(layer, q, k, v, kv_cache)  # rewrites the same values
+        assert torch.equal(flat[:, slots], saved), "the model's K/V were not in the cache"
+        return out
+
+
+class OffByOneSlots(WritesKVItself):
+    """Hands the model slots one past the ones its kernels read."""
+
+    def kv_write_slots(self):
+        return self._plan.slot_mapping + 1
+
+
 def spec(cls, caps=CPU_CAPS):
     return Spec(name=cls.__name__.lower(), target=lambda: cls, caps=caps)
 
@@ -131,3 +154,16 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
     results = check_attention_backend(reg)
     assert results["cuda graphs"] == "passed"
     assert results["prefill over a cached prefix"] == "passed"
+
+
+def test_model_written_kv_is_checked_for_backends_that_opt_in():
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    torch_ref = check_attention_backend(host.registry.get("attention", "torch"),
+                                        only=["model-written K/V"])
+    assert torch_ref == {"model-written K/V": "not applicable: torch does not opt in: "
+                                              "kv_write_slots() returns None"}
+    assert check_attention_backend(spec(WritesKVItself), only=["model-written K/V"]) == {
+        "model-written K/V": "passed"}
+    with pytest.raises(ConformanceFailure, match="(?s)fails property 'model-written K/V'.*"
+                                                 "differs from the step's slot_mapping"):
+        check_attention_backend(spec(OffByOneSlots), only=["model-written K/V"])

@@ -24,6 +24,12 @@ class AttentionMetadata:
       (``block_id * block_size + offset``).
 
     Host copies (``*_cpu``) serve planning without a device sync.
+
+    ``cuda_graph`` is ``True`` when the step's :meth:`AttentionBackend.run` calls are
+    captured in, or replayed from, a CUDA graph (pure decode, padded to the captured
+    batch size). A backend whose ``plan`` allocates new device buffers per step must
+    then write into buffers it keeps for the graph instead: the graph reads the
+    addresses it saw at capture.
     """
 
     num_reqs: int
@@ -38,7 +44,8 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0  # requests with query length 1 (when the runner orders decodes first)
     num_decode_tokens: int = 0
-    extra: dict[str, Any] | None = None
+    cuda_graph: bool = False
+    extra: dict[str, Any] | None = None  # backend-specific, set by custom runners
 
 
 class AttentionBackend(ABC):

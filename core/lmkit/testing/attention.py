@@ -15,6 +15,9 @@ runner builds it. Properties:
 * ``GQA and head sizes``, ``block sizes``, ``dtypes``: the whole workload over every
   head layout, head size (the claimed ``head_size`` values, else 64, 80, 128), block
   size (claimed ``block_size`` values, else 16 and 32) and claimed dtype;
+* ``model-written K/V``: when the backend opts in through ``kv_write_slots()``, the
+  suite stores each step's K/V itself at those slots, in the documented layout, and
+  calls ``run(..., kv_written=True)``;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
   raises when constructed with one, instead of silently ignoring it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured
@@ -93,7 +96,8 @@ def _require(t: Target, feature: str) -> None:
         raise NotApplicable(f"{t.name} does not claim {feature!r}")
 
 
-def _run(t: Target, prop: str, case: AttentionCase, workload: Workload) -> None:
+def _run(t: Target, prop: str, case: AttentionCase, workload: Workload,
+         model_writes_kv: bool = False) -> None:
     """Build the backend for ``case``, run ``workload``'s steps, fail on a mismatch."""
     try:
         backend = case.build(t.cls, t.options)
@@ -107,7 +111,9 @@ def _run(t: Target, prop: str, case: AttentionCase, workload: Workload) -> None:
                               for rid, q in work)
         where = f"{case.describe()}; step {world.num_steps + 1} ({label}): [{described}]"
         try:
-            bad = world.step(work, forks)
+            bad = world.step(work, forks, model_writes_kv=model_writes_kv)
+        except NotApplicable as e:
+            raise NotApplicable(f"{t.name} {e}") from None
         except Exception as e:
             raise t.fail(SUITE, prop, where, f"plan()/run() raised {type(e).__name__}: {e}"
                          ) from e
@@ -214,6 +220,9 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         case = replace(base_case(t), sliding_window=7)
         _run(t, "sliding window", case, full_workload)
 
+    def model_written_kv() -> None:
+        _run(t, "model-written K/V", base_case(t), full_workload, model_writes_kv=True)
+
     def unclaimed_refused() -> None:
         if t.spec is None:
             raise NotApplicable("no spec given: the claimed features are unknown")
@@ -244,6 +253,7 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         "GQA and head sizes": heads_and_sizes,
         "block sizes": block_sizes,
         "dtypes": dtypes,
+        "model-written K/V": model_written_kv,
         "unclaimed features refused": unclaimed_refused,
         "cuda graphs": lambda: check_cuda_graphs(t),
     }
@@ -252,7 +262,8 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
 def check_cuda_graphs(t: Target) -> None:
     """``run`` captured once in a CUDA graph, then replayed after ``plan`` for later
     decode steps of the same shape, gives the oracle's result (only for specs claiming
-    ``cuda_graphs``)."""
+    ``cuda_graphs``). Those steps are planned with ``metadata.cuda_graph = True``, as
+    the runner plans the steps it captures and replays."""
     _require(t, "cuda_graphs")
     if not torch.cuda.is_available():
         raise NotApplicable("no CUDA device")
@@ -263,7 +274,8 @@ def check_cuda_graphs(t: Target) -> None:
     world = AttentionWorld(backend, case, NUM_BLOCKS)
     world.step([(0, 9), (1, 17), (2, 4), (3, 30)])
     work = [(0, 1), (1, 1), (2, 1), (3, 1)]
-    backend.plan(world.metadata(work, {rid: world.context_len(rid) for rid, _ in work}))
+    contexts = {rid: world.context_len(rid) for rid, _ in work}
+    backend.plan(world.metadata(work, contexts, cuda_graph=True))
     q = torch.zeros(len(work), case.num_heads, case.head_size, dtype=case.dtype,
                     device=case.device)
     k = torch.zeros(len(work), case.num_kv_heads, case.head_size, dtype=case.dtype,
@@ -291,7 +303,7 @@ def check_cuda_graphs(t: Target) -> None:
         return out.clone()
 
     for i in range(3):
-        bad = world.step(work, run=replay)
+        bad = world.step(work, run=replay, cuda_graph=True)
         if bad is not None:
             raise t.fail(SUITE, prop, f"{case.describe()}; replayed decode step {i + 1}",
                          f"request {bad.rid} (context {bad.context}): {bad.detail}")
@@ -352,6 +364,9 @@ class AttentionConformance:
 
     def test_dtypes(self, attention_backend: Any) -> None:
         self._check(attention_backend, "dtypes")
+
+    def test_model_written_kv(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "model-written K/V")
 
     def test_unclaimed_features_refused(self, attention_backend: Any) -> None:
         self._check(attention_backend, "unclaimed features refused")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
+from lmkit.testing.failure import NotApplicable
 
 # (atol, rtol) against the float64 oracle, per dtype of the backend's inputs
 TOLERANCES = {
@@ -140,11 +141,12 @@ class AttentionWorld:
         """Tokens of ``rid`` already in the cache."""
         return self.reqs[rid].keys.shape[0] if rid in self.reqs else 0
 
-    def metadata(self, work: list[tuple[int, int]], contexts: dict[int, int]
-                 ) -> AttentionMetadata:
+    def metadata(self, work: list[tuple[int, int]], contexts: dict[int, int],
+                 cuda_graph: bool = False) -> AttentionMetadata:
         """The step's metadata for ``work`` (``(rid, query_len)`` in batch order), each
         request starting after ``contexts[rid]`` cached tokens. Device tensors are views
-        of persistent buffers (the block table a strided view, as the runner's is)."""
+        of persistent buffers (the block table a strided view, as the runner's is);
+        ``cuda_graph`` marks a step captured in or replayed from a CUDA graph."""
         bs = self.case.block_size
         q_lens = [q for _, q in work]
         ctx = [contexts[rid] for rid, _ in work]
@@ -174,11 +176,36 @@ class AttentionWorld:
             max_seq_len=max(seq_lens), query_start_loc=self._qsl[: n + 1],
             seq_lens=self._seq_lens[:n], block_tables=self._tables[:n, :width],
             slot_mapping=self._slots[:t], query_start_loc_cpu=qsl, seq_lens_cpu=seq,
-            num_decodes=num_decodes, num_decode_tokens=num_decodes)
+            num_decodes=num_decodes, num_decode_tokens=num_decodes, cuda_graph=cuda_graph)
+
+    def _write_kv_as_the_model(self, md: AttentionMetadata, k: torch.Tensor,
+                               v: torch.Tensor) -> str | None:
+        """Store ``k``/``v`` where :meth:`AttentionBackend.kv_write_slots` says, in the
+        layout its docstring fixes; return what is wrong with the opt-in, if anything."""
+        slots = self.backend.kv_write_slots()
+        if slots is None:
+            raise NotApplicable("does not opt in: kv_write_slots() returns None")
+        n, c = md.num_actual_tokens, self.case
+        if slots.dtype != torch.int64 or slots.dim() != 1 or slots.shape[0] < n:
+            return (f"kv_write_slots() returned {slots.dtype} {tuple(slots.shape)}; expected "
+                    f"int64 [{n}] (the step's slot_mapping)")
+        if not torch.equal(slots[:n].cpu(), md.slot_mapping[:n].cpu()):
+            return "kv_write_slots() differs from the step's slot_mapping"
+        expected = (2, self.cache.shape[1], c.block_size, c.num_kv_heads, c.head_size)
+        if tuple(self.cache.shape) != expected:
+            return (f"the backend opts in to model-written K/V but its cache is shaped "
+                    f"{tuple(self.cache.shape)}, not [2, num_blocks, block_size, "
+                    f"num_kv_heads, head_size] = {expected}")
+        flat = self.cache.view(2, -1, c.num_kv_heads, c.head_size)
+        flat[0].index_copy_(0, slots[:n], k[:n])
+        flat[1].index_copy_(0, slots[:n], v[:n])
+        return None
 
     def step(self, work: list[tuple[int, int]],
              forks: dict[int, tuple[int, int]] | None = None,
-             run: Callable[..., torch.Tensor] | None = None) -> StepMismatch | None:
+             run: Callable[..., torch.Tensor] | None = None,
+             cuda_graph: bool = False, model_writes_kv: bool = False
+             ) -> StepMismatch | None:
         """Run one step and compare every request with the oracle.
 
         :param work: ``(rid, query_len)`` pairs; decodes are moved first, as the runner
@@ -188,6 +215,9 @@ class AttentionWorld:
             ``work``) fills this very step.
         :param run: called as ``run(q, k, v, kv_cache)`` instead of ``backend.run(0, ...)``
             after ``plan`` (e.g. to replay a captured CUDA graph).
+        :param cuda_graph: plan the step as one replayed from a CUDA graph.
+        :param model_writes_kv: store K/V at the slots ``kv_write_slots()`` returns, as a
+            model that fuses the cache write does, and call ``run(..., kv_written=True)``.
         :return: the first mismatch, or None.
         """
         c = self.case
@@ -207,7 +237,7 @@ class AttentionWorld:
             new_kv[rid] = (q, k, v)
             self._ensure_blocks(req, contexts[rid] + q_len)
             req.keys, req.values = torch.cat([req.keys, k]), torch.cat([req.values, v])
-        md = self.metadata(work, contexts)
+        md = self.metadata(work, contexts, cuda_graph)
         qs = [new_kv[rid][0] for rid, _ in work]
         ks = [new_kv[rid][1] for rid, _ in work]
         vs = [new_kv[rid][2] for rid, _ in work]
@@ -215,12 +245,17 @@ class AttentionWorld:
         def dev(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.cat(parts).to(dtype=c.dtype, device=c.device)
 
-        q = dev(qs)
+        q, k, v = dev(qs), dev(ks), dev(vs)
         self.backend.plan(md)
-        if run is None:
-            out = self.backend.run(0, q, dev(ks), dev(vs), self.cache)
+        if run is not None:
+            out = run(q, k, v, self.cache)
+        elif model_writes_kv:
+            problem = self._write_kv_as_the_model(md, k, v)
+            if problem:
+                return StepMismatch(work[0][0], contexts[work[0][0]], work[0][1], problem)
+            out = self.backend.run(0, q, k, v, self.cache, kv_written=True)
         else:
-            out = run(q, dev(ks), dev(vs), self.cache)
+            out = self.backend.run(0, q, k, v, self.cache)
         self.num_steps += 1
         if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
             return StepMismatch(work[0][0], contexts[work[0][0]], work[0][1],

@@ -12,7 +12,7 @@ step of ``n`` requests up to the next captured size ``bs``:
   context of 0 tokens (``seq_lens = 0``: the attention kernels return zeros) and
   cache slot ``-1`` (the cache write skips it); their outputs are never read.
 * the attention backend's ``plan()`` runs on the host outside the graph, with the
-  padded metadata (``extra["cuda_graph"] = True``), before capture and before every
+  padded metadata (``cuda_graph=True``), before capture and before every
   replay; the kernels it planned read the metadata buffers at their fixed addresses.
 
 Per replay the host packs ``input_ids | positions | slot_mapping`` into one pinned
@@ -155,7 +155,7 @@ class CudaGraphRunner:
             query_start_loc=self._query_start_loc[:bs + 1], seq_lens=self._seq_lens[:bs],
             block_tables=self._block_tables[:bs], slot_mapping=self._packed[2 * bs:3 * bs],
             query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
-            num_decodes=bs, num_decode_tokens=bs, extra={"cuda_graph": True})
+            num_decodes=bs, num_decode_tokens=bs, cuda_graph=True)
 
     # ------------------------------------------------------------------ replay
 

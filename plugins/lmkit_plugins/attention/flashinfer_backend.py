@@ -14,7 +14,7 @@ requests and on the prefill wrapper (causal) for the rest. :meth:`run` then call
 wrappers' ``run()`` for every layer.
 
 CUDA graphs: a step the runner captures or replays must say so with
-``metadata.extra["cuda_graph"] = True`` (and be pure decode). Such steps use a decode
+``metadata.cuda_graph = True`` (and be pure decode). Such steps use a decode
 wrapper built with ``use_cuda_graph=True`` and fixed index buffers, one per batch size
 (created on first use, kept for the graphs that captured it), whose ``plan()`` rewrites
 those buffers in place before each replay. Other steps use the ordinary wrappers.
@@ -101,7 +101,7 @@ class FlashInferAttention(AttentionBackend):
         kv_indptr[1:] = torch.cumsum(num_pages, 0)
         kv_indices = self._gather_page_indices(md.block_tables[:num_reqs], num_pages, kv_indptr)
 
-        use_graph = bool((md.extra or {}).get("cuda_graph"))
+        use_graph = md.cuda_graph
         if use_graph and num_decodes != num_reqs:
             raise RuntimeError("flashinfer attention can capture only pure-decode steps in a "
                                f"CUDA graph; this step has {num_reqs - num_decodes} requests "

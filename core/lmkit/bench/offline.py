@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,34 +64,69 @@ def _rates(result: dict[str, Any], workload: Workload) -> dict[str, Any]:
 
 
 def throughput(setup: BenchSetup, workload: Workload, peer: str = "hf",
-               hf_batch_size: int | None = None) -> dict[str, Any]:
-    """Run lmkit then the peer on ``workload``; return both results and their ratio."""
-    report: dict[str, Any] = {"bench": "throughput", "workload": workload.describe(),
-                              "machine": _machine(setup), "model": setup.model}
-    report["lmkit"] = _rates(run_isolated(
-        sides.lmkit_throughput, setup.model_dir, setup.options, workload, setup.threads),
-        workload)
-    if peer == "hf":
-        report["hf"] = _rates(run_isolated(
-            sides.hf_throughput, setup.model_dir, workload, setup.dtype, setup.device,
-            hf_batch_size or len(workload.prompts), setup.threads), workload)
-        report["ratio_output_tokens_per_s"] = (report["lmkit"]["output_tokens_per_s"]
-                                              / report["hf"]["output_tokens_per_s"])
-    return report
+               hf_batch_size: int | None = None, rounds: int = 1) -> dict[str, Any]:
+    """Run lmkit and the peer on ``workload`` (``rounds`` times, see :func:`_paired`);
+    return both results and their ratio."""
+    def run_lmkit() -> dict[str, Any]:
+        return run_isolated(sides.lmkit_throughput, setup.model_dir, setup.options, workload,
+                            setup.threads)
+
+    def run_hf() -> dict[str, Any]:
+        return run_isolated(sides.hf_throughput, setup.model_dir, workload, setup.dtype,
+                            setup.device, hf_batch_size or len(workload.prompts), setup.threads)
+
+    return _paired("throughput", setup, workload, run_lmkit, run_hf if peer == "hf" else None,
+                   rounds)
 
 
-def latency(setup: BenchSetup, workload: Workload, peer: str = "hf") -> dict[str, Any]:
-    """Single-stream decode: one request at a time, lmkit then the peer."""
-    report: dict[str, Any] = {"bench": "latency", "workload": workload.describe(),
+def latency(setup: BenchSetup, workload: Workload, peer: str = "hf",
+            rounds: int = 1) -> dict[str, Any]:
+    """Single-stream decode: one request at a time, lmkit and the peer (``rounds`` times,
+    see :func:`_paired`)."""
+    def run_lmkit() -> dict[str, Any]:
+        return run_isolated(sides.lmkit_latency, setup.model_dir, setup.options, workload,
+                            setup.threads)
+
+    def run_hf() -> dict[str, Any]:
+        return run_isolated(sides.hf_latency, setup.model_dir, workload, setup.dtype,
+                            setup.device, setup.threads)
+
+    return _paired("latency", setup, workload, run_lmkit, run_hf if peer == "hf" else None,
+                   rounds)
+
+
+def _paired(bench: str, setup: BenchSetup, workload: Workload,
+            run_lmkit: Callable[[], dict[str, Any]],
+            run_peer: Callable[[], dict[str, Any]] | None, rounds: int) -> dict[str, Any]:
+    """Run both sides ``rounds`` times, alternating which goes first (lmkit first in
+    round 1), so that a machine whose speed drifts (a shared host's memory bandwidth)
+    weighs on both. Each round gives a ratio; the report's ratio is their median and
+    each side's figures are those of the median round (all rounds are kept)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    report: dict[str, Any] = {"bench": bench, "workload": workload.describe(),
                               "machine": _machine(setup), "model": setup.model}
-    report["lmkit"] = _rates(run_isolated(
-        sides.lmkit_latency, setup.model_dir, setup.options, workload, setup.threads), workload)
-    if peer == "hf":
-        report["hf"] = _rates(run_isolated(
-            sides.hf_latency, setup.model_dir, workload, setup.dtype, setup.device,
-            setup.threads), workload)
-        report["ratio_output_tokens_per_s"] = (report["lmkit"]["output_tokens_per_s"]
-                                              / report["hf"]["output_tokens_per_s"])
+    results: list[dict[str, Any]] = []
+    for i in range(rounds):
+        order = ["lmkit", "hf"] if i % 2 == 0 else ["hf", "lmkit"]
+        entry: dict[str, Any] = {}
+        for side in order:
+            if side == "lmkit":
+                entry["lmkit"] = _rates(run_lmkit(), workload)
+            elif run_peer is not None:
+                entry["hf"] = _rates(run_peer(), workload)
+        if "hf" in entry:
+            entry["ratio_output_tokens_per_s"] = (entry["lmkit"]["output_tokens_per_s"]
+                                                  / entry["hf"]["output_tokens_per_s"])
+        results.append(entry)
+    key = "ratio_output_tokens_per_s" if run_peer is not None else None
+    ranked = sorted(results, key=lambda e: e[key] if key else e["lmkit"]["output_tokens_per_s"])
+    median = ranked[(len(ranked) - 1) // 2]
+    report.update(median)
+    if rounds > 1:
+        report["rounds"] = results
+        if key:
+            report["ratio_per_round"] = [e[key] for e in results]
     return report
 
 
@@ -121,7 +157,12 @@ def format_report(report: dict[str, Any]) -> str:
         vals = "  ".join(f"{k}={r[k]:.3f}" if isinstance(r[k], float) else f"{k}={r[k]}"
                          for k in keys if k in r)
         lines.append(f"  {side:6s} {vals}")
-    if "ratio_output_tokens_per_s" in report:
+    if "ratio_per_round" in report:
+        rounds = ", ".join(f"{r:.2f}x" for r in report["ratio_per_round"])
+        lines.append(f"  lmkit/hf output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x "
+                     f"(median of {len(report['ratio_per_round'])} rounds: {rounds}; the "
+                     f"figures above are the median round's)")
+    elif "ratio_output_tokens_per_s" in report:
         lines.append(f"  lmkit/hf output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x")
     return "\n".join(lines)
 

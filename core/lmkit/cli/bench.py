@@ -78,6 +78,9 @@ Dataset = Annotated[Path | None, typer.Option(help="JSON lines file for --worklo
 Peer = Annotated[str, typer.Option(help="Peer engine run on the same workload: hf or none.")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads for both sides.")]
 Out = Annotated[Path | None, typer.Option("--out", help="Write the JSON report here.")]
+Rounds = Annotated[int, typer.Option(
+    min=1, help="Run both sides this many times, alternating which goes first; report the "
+                "median round's ratio (for machines whose speed drifts).")]
 
 
 @bench_app.command("throughput")
@@ -86,7 +89,7 @@ def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: Nu
                input_len: InputLen = "128", output_len: OutputLen = "64", seed: Seed = 0,
                dataset: Dataset = None, peer: Peer = "hf", hf_batch_size: Annotated[
                    int | None, typer.Option(help="HF static batch size (default: all).")] = None,
-               threads: Threads = None, out: Out = None) -> None:
+               threads: Threads = None, rounds: Rounds = 1, out: Out = None) -> None:
     """Offline throughput: every request submitted at once (requests/s, tokens/s, memory)."""
     from lmkit.bench import offline
     from lmkit.cli.generate import status
@@ -94,7 +97,7 @@ def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: Nu
     setup, _ = _setup(opts, threads)
     wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
     status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))
-    _finish(offline.throughput(setup, wl, peer, hf_batch_size), out)
+    _finish(offline.throughput(setup, wl, peer, hf_batch_size, rounds), out)
 
 
 @bench_app.command("latency")
@@ -102,7 +105,7 @@ def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: Nu
 def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPrompts = 4,
             input_len: InputLen = "128", output_len: OutputLen = "64", seed: Seed = 0,
             dataset: Dataset = None, peer: Peer = "hf", threads: Threads = None,
-            out: Out = None) -> None:
+            rounds: Rounds = 1, out: Out = None) -> None:
     """Single-stream decode: one request at a time (TTFT, time per output token, tokens/s)."""
     from lmkit.bench import offline
     from lmkit.cli.generate import status
@@ -110,7 +113,7 @@ def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPr
     setup, _ = _setup(opts, threads)
     wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
     status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))
-    _finish(offline.latency(setup, wl, peer), out)
+    _finish(offline.latency(setup, wl, peer, rounds), out)
 
 
 def register(app: typer.Typer) -> None:

@@ -10,23 +10,13 @@ same path is captured and replayed (tests/gpu/test_engine_gpu.py).
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from interpret_mode import require_triton_interpreter
 
+require_triton_interpreter("CUDA is available: the graph path is tested in tests/gpu")
 torch = pytest.importorskip("torch")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA is available: the graph path is tested in tests/gpu",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+
 import numpy as np  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
-
 from lmkit.api.attention import AttentionMetadata  # noqa: E402
 from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
 from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402

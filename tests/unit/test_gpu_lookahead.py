@@ -10,20 +10,11 @@ cross block boundaries (no slot yet: nothing is launched ahead).
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from interpret_mode import require_triton_interpreter
 
+require_triton_interpreter("CUDA is available: the lookahead runs in tests/gpu")
 torch = pytest.importorskip("torch")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA is available: the lookahead runs in tests/gpu", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 from lmkit.config.schema import LMKitConfig  # noqa: E402
 from lmkit.engine.request import Request  # noqa: E402

@@ -13,22 +13,12 @@ a result may sit one unit in the last place away, rarely; those tests bound it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from interpret_mode import require_triton_interpreter
 
-torch = pytest.importorskip("torch")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA is available: compiled kernels are tested in tests/gpu",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
 pytest.importorskip("transformers")
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+torch = pytest.importorskip("torch")
 
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.interpreter import bf16_round_to_nearest  # noqa: E402

@@ -11,23 +11,12 @@ compiled kernels are covered by tests/gpu).
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from interpret_mode import require_triton_interpreter
 
+require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu (set "
+                "TRITON_INTERPRET=1 to run the interpreter tests here)")
 torch = pytest.importorskip("torch")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA is available: compiled kernels are tested in tests/gpu (set "
-                "TRITON_INTERPRET=1 to run the interpreter tests here)", allow_module_level=True)
-# Must precede the first import of triton (tests/conftest.py sets it on CPU-only machines).
-os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if not isinstance(tl.zeros, InterpretedFunction):  # kernels would be compiled, not interpreted
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this module "
-                "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 from lmkit.api import AttentionMetadata  # noqa: E402
 from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402

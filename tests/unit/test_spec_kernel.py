@@ -5,22 +5,11 @@ with CUDA the compiled kernel is tested by tests/gpu/test_spec_decode_gpu.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from interpret_mode import require_triton_interpreter
 
+require_triton_interpreter("CUDA is available: the compiled kernel is tested in tests/gpu")
 torch = pytest.importorskip("torch")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CUDA is available: the compiled kernel is tested in tests/gpu",
-                allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
-pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if not isinstance(tl.zeros, InterpretedFunction):
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this module "
-                "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 from lmkit.spec_decode import rejection  # noqa: E402
 from lmkit_kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402

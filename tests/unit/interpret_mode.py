@@ -1,0 +1,34 @@
+"""The preamble of every test module that runs lmkit's Triton kernels in Triton's CPU
+interpreter (``TRITON_INTERPRET=1``).
+
+Call :func:`require_triton_interpreter` at the top of the module, before importing
+anything that imports triton. It skips the whole module when triton is missing, when
+CUDA is available (the compiled kernels are tested in tests/gpu) unless
+``TRITON_INTERPRET=1`` is set for the session, and when triton was imported before the
+interpreter could be switched on (its kernels would then be compiled, not interpreted).
+tests/conftest.py sets ``TRITON_INTERPRET=1`` on CPU-only machines before any import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+CUDA_REASON = ("CUDA is available: the compiled kernels are tested in tests/gpu (set "
+               "TRITON_INTERPRET=1 to run the interpreter tests here)")
+
+
+def require_triton_interpreter(cuda_reason: str = CUDA_REASON) -> None:
+    """Switch Triton to its interpreter or skip the calling module (see the module doc)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(cuda_reason, allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'lmkit[test]')")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this module "
+                    "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)

@@ -66,13 +66,8 @@ def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
                   head_size=args.head_size, scale=args.head_size ** -0.5, dtype=dtype,
                   device=torch.device("cuda"), block_size=args.block_size,
                   options=spec.validate_options(options or {}))
-    md = AttentionMetadata(
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens, max_query_len=1,
-        max_seq_len=batch.max_seq_len, query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens, block_tables=batch.block_tables,
-        slot_mapping=batch.slot_mapping, query_start_loc_cpu=batch.query_start_loc_cpu,
-        seq_lens_cpu=batch.seq_lens_cpu, num_decodes=batch.num_reqs,
-        num_decode_tokens=batch.num_tokens)
+    md = AttentionMetadata(**batch.metadata_kwargs(
+        max_query_len=1, num_decodes=batch.num_reqs, num_decode_tokens=batch.num_tokens))
     backend.plan(md)
     seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache),
                         warmup=args.warmup, iters=args.iters)
@@ -83,7 +78,7 @@ def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
     row = {"backend": name, "options": options or {}, "bytes": total,
            "eager_us_per_call": seconds * 1e6, "eager_gb_per_s": total / seconds / 1e9}
     if "cuda_graphs" in spec.caps.features and args.graph_layers > 0:
-        md.extra = {"cuda_graph": True}
+        md.cuda_graph = True
         seconds = graph_seconds_per_call(backend, md, batch, args)
         row.update(graph_us_per_call=seconds * 1e6, graph_gb_per_s=total / seconds / 1e9)
     return row

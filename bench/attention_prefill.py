@@ -62,12 +62,7 @@ def causal_flops(lengths: list[int], context: int, num_heads: int, head_size: in
 
 
 def metadata(batch) -> AttentionMetadata:
-    return AttentionMetadata(
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
-        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu)
+    return AttentionMetadata(**batch.metadata_kwargs())
 
 
 def sdpa_reference(batch, lengths, context, group):

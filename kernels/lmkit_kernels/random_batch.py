@@ -39,6 +39,19 @@ class PagedBatch:
         """Number of requests in the batch."""
         return self.seq_lens.shape[0]
 
+    def metadata_kwargs(self, **overrides: object) -> dict[str, object]:
+        """This step as keyword arguments of ``lmkit.api.AttentionMetadata`` (the kernels
+        package does not import lmkit), with ``overrides`` applied, e.g.
+        ``AttentionMetadata(**batch.metadata_kwargs(cuda_graph=True))``."""
+        fields: dict[str, object] = dict(
+            num_reqs=self.num_reqs, num_actual_tokens=self.num_tokens,
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_tables=self.block_tables, slot_mapping=self.slot_mapping,
+            query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu)
+        fields.update(overrides)
+        return fields
+
 
 def make_paged_batch(reqs: Sequence[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
                      head_size: int, block_size: int, dtype: torch.dtype = torch.float32,

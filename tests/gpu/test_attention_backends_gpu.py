@@ -50,14 +50,8 @@ def _make(cls, dtype, head_size, num_heads=32, num_kv_heads=8, block_size=16):
                scale=head_size ** -0.5, dtype=dtype, device=CUDA, block_size=block_size)
 
 
-def _metadata(batch, **extra):
-    return AttentionMetadata(
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
-        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
-        extra=extra or None)
+def _metadata(batch, **overrides):
+    return AttentionMetadata(**batch.metadata_kwargs(**overrides))
 
 
 def _run(backend, batch, md=None):

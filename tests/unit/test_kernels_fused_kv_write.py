@@ -91,12 +91,7 @@ def test_rotary_cache_arguments_are_checked():
 
 
 def _metadata(batch):
-    return AttentionMetadata(
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
-        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu)
+    return AttentionMetadata(**batch.metadata_kwargs())
 
 
 def test_triton_backend_skips_its_write_when_the_model_wrote_kv():

@@ -256,12 +256,7 @@ def test_triton_backend_matches_torch_reference(dtype):
     reqs = [(30, 1), (70, 1), (0, 9), (33, 20), (100, 3)]
     kwargs = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
     batch = make_paged_batch(reqs, dtype=dtype, extra_rows=3, table_width=12, seed=5, **kwargs)
-    md = AttentionMetadata(
-        num_reqs=batch.num_reqs, num_actual_tokens=batch.num_tokens,
-        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-        block_tables=batch.block_tables, slot_mapping=batch.slot_mapping,
-        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu)
+    md = AttentionMetadata(**batch.metadata_kwargs())
     outputs, caches = [], []
     for cls in (TorchAttention, TritonAttention):
         backend = cls(scale=64 ** -0.5, dtype=dtype, device=torch.device("cpu"), **kwargs)

@@ -30,6 +30,7 @@ from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
+from lmkit.worker.dummy_steps import profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.output import ModelRunnerOutput
@@ -134,7 +135,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
-                                     self._profile_run, baseline=self._baseline_bytes)
+                                     lambda: profile_run(self), baseline=self._baseline_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""
@@ -144,7 +145,7 @@ class ModelRunner:
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
                                             self.model.attn)
         if self.device.type == "cuda":
-            self._warm_up_step_shapes()
+            warm_up_step_shapes(self)
         self.cuda_graphs = maybe_capture(self)
         self.lookahead = DecodeLookahead.maybe(self)
 
@@ -155,54 +156,6 @@ class ModelRunner:
 
     def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
         return self.offload.finished_loads(wait) if self.offload is not None else {}
-
-    def _profile_run(self) -> None:
-        """The largest step the scheduler can produce, on a scratch KV cache."""
-        sched = self.config.scheduler
-        num_tokens = sched.max_num_batched_tokens
-        num_reqs = max(1, min(sched.max_num_seqs, num_tokens))
-        q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
-        q_lens[: num_tokens % num_reqs] += 1
-        self._dummy_step(q_lens, np.zeros(num_reqs, dtype=np.int64))
-
-    def _warm_up_step_shapes(self) -> None:
-        """Run the step shapes serving meets before serving does, so that JIT kernels
-        (Triton, FlashInfer) compile their variants here and not in the middle of a
-        busy step: decodes mixed with a short and a long prefill over a cached prefix,
-        decodes with one short prefill, and eager decodes."""
-        sched = self.config.scheduler
-        budget, max_len = sched.max_num_batched_tokens, self.max_model_len
-        long = max(1, min(200, budget - 8, max_len - 40))
-        shapes = [([1, 1, 1, 5, long], [33, 17, 40, 0, min(16, max_len - long)]),
-                  ([1, 7], [20, 0]), ([1, 1, 1], [9, 30, 64])]
-        for q_lens, contexts in shapes:
-            q, c = np.array(q_lens, dtype=np.int64), np.array(contexts, dtype=np.int64)
-            keep = min(len(q), sched.max_num_seqs)
-            q, c = q[:keep], np.clip(c[:keep], 0, np.maximum(0, max_len - q[:keep]))
-            if q.sum() <= budget:
-                self._dummy_step(q, c)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _dummy_step(self, q_lens: np.ndarray, contexts: np.ndarray) -> None:
-        """One forward pass (and LM head) over made-up tokens on a scratch KV cache:
-        request ``i`` runs ``q_lens[i]`` tokens after ``contexts[i]`` cached ones; the
-        leading one-token requests are the step's decodes."""
-        num_reqs, lens = len(q_lens), q_lens + contexts
-        blocks_per_req = -(-int(lens.max()) // self.block_size)
-        caches = memory.allocate_kv_caches(self.model.attn, self.num_layers,
-                                           num_reqs * blocks_per_req, self.dtype, self.device)
-        batch = InputBatch(num_reqs, int(lens.max()), self.block_size, int(q_lens.sum()))
-        for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
-            state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], None, None, None, int(c))
-            batch.add_request(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
-        not_decode = np.flatnonzero(q_lens != 1)
-        num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
-        step = batch.prepare(np.arange(num_reqs), q_lens, num_decodes)
-        with torch.inference_mode():
-            hidden = self._forward(step, caches)
-            self.model.compute_logits(hidden[np.cumsum(q_lens) - 1]).argmax(dim=-1)
-        del caches, hidden
 
     # ------------------------------------------------------------------ one step
 

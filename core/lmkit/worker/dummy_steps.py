@@ -1,0 +1,67 @@
+"""Steps over made-up tokens on a scratch KV cache, outside serving: the largest step
+(to measure peak memory before the KV cache is sized) and the step shapes serving will
+meet (to compile JIT kernel variants at startup)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lmkit.worker import memory
+from lmkit.worker.input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from lmkit.worker.model_runner import ModelRunner
+
+
+def profile_run(runner: ModelRunner) -> None:
+    """The largest step the scheduler can produce, on a scratch KV cache."""
+    sched = runner.config.scheduler
+    num_tokens = sched.max_num_batched_tokens
+    num_reqs = max(1, min(sched.max_num_seqs, num_tokens))
+    q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+    q_lens[: num_tokens % num_reqs] += 1
+    dummy_step(runner, q_lens, np.zeros(num_reqs, dtype=np.int64))
+
+
+def warm_up_step_shapes(runner: ModelRunner) -> None:
+    """Run the step shapes serving meets before serving does, so that JIT kernels
+    (Triton, FlashInfer) compile their variants here and not in the middle of a
+    busy step: decodes mixed with a short and a long prefill over a cached prefix,
+    decodes with one short prefill, and eager decodes."""
+    sched = runner.config.scheduler
+    budget, max_len = sched.max_num_batched_tokens, runner.max_model_len
+    long = max(1, min(200, budget - 8, max_len - 40))
+    shapes = [([1, 1, 1, 5, long], [33, 17, 40, 0, min(16, max_len - long)]),
+              ([1, 7], [20, 0]), ([1, 1, 1], [9, 30, 64])]
+    for q_lens, contexts in shapes:
+        q, c = np.array(q_lens, dtype=np.int64), np.array(contexts, dtype=np.int64)
+        keep = min(len(q), sched.max_num_seqs)
+        q, c = q[:keep], np.clip(c[:keep], 0, np.maximum(0, max_len - q[:keep]))
+        if q.sum() <= budget:
+            dummy_step(runner, q, c)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def dummy_step(runner: ModelRunner, q_lens: np.ndarray, contexts: np.ndarray) -> None:
+    """One forward pass (and LM head) over made-up tokens on a scratch KV cache:
+    request ``i`` runs ``q_lens[i]`` tokens after ``contexts[i]`` cached ones; the
+    leading one-token requests are the step's decodes."""
+    num_reqs, lens = len(q_lens), q_lens + contexts
+    blocks_per_req = -(-int(lens.max()) // runner.block_size)
+    caches = memory.allocate_kv_caches(runner.model.attn, runner.num_layers,
+                                       num_reqs * blocks_per_req, runner.dtype, runner.device)
+    batch = InputBatch(num_reqs, int(lens.max()), runner.block_size, int(q_lens.sum()))
+    for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
+        state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], None, None, None, int(c))
+        batch.add_request(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
+    not_decode = np.flatnonzero(q_lens != 1)
+    num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
+    step = batch.prepare(np.arange(num_reqs), q_lens, num_decodes)
+    with torch.inference_mode():
+        hidden = runner._forward(step, caches)
+        runner.model.compute_logits(hidden[np.cumsum(q_lens) - 1]).argmax(dim=-1)
+    del caches, hidden

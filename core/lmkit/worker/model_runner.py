@@ -285,10 +285,12 @@ class ModelRunner:
                     for i, first_row, drafts in plan]
         drafts = [d for _, _, d in plan]
         rows = hidden_rows(by_state)  # a slice when contiguous: no gather
-        if isinstance(rows, list):
+        if isinstance(rows, slice):
+            selected = hidden[rows]
+        else:
             index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows] if isinstance(rows, slice)
-                                           else hidden.index_select(0, index))
+            selected = hidden.index_select(0, index)
+        logits = self.model.compute_logits(selected)
         if so is not None and so.grammar_bitmask is not None:  # structured output
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   [order[i] for i, _, _ in plan],

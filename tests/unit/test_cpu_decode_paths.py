@@ -3,9 +3,11 @@
 Single-stream decode on the CPU is bound by per-op overhead around the weight reads, so
 the torch path takes shortcuts: RoPE cos/sin rows come from a table, RoPE swaps halves
 with one ``flip``, SiLU-and-multiply slices instead of ``chunk``, and float32
-projections keep their weights as transposed views of ``[in, out]`` memory (oneDNN's
-faster layout). Each must leave the numbers alone (or, for one-row projections, within
-float32 rounding of the plain product).
+projections without the C row-GEMV kernel keep their weights as transposed views of
+``[in, out]`` memory (oneDNN's faster layout; the tests here turn the C kernel off to
+check that path, tests/unit/test_cpu_row_gemv.py checks the kernel). Each must leave
+the numbers alone (or, for one-row projections, within float32 rounding of the plain
+product).
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ def test_silu_and_mul_equals_silu_of_gate_times_up():
     assert torch.equal(silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
 
 
+@pytest.fixture
+def no_row_gemv(monkeypatch):
+    """The layers as built on a machine where the C row-GEMV kernel is not available."""
+    import lmkit_plugins.models.layers as layers
+
+    monkeypatch.setattr(layers, "_row_gemv", lambda: None)
+
+
 def _onednn_or_skip():
     kernel = cpu_linear_kernel(CPU, torch.float32)
     if kernel is not _onednn_linear:
@@ -92,7 +102,7 @@ def _onednn_or_skip():
     return kernel
 
 
-def test_weight_row_length_rule():
+def test_weight_row_length_rule(no_row_gemv):
     onednn = _onednn_or_skip()
     assert cpu_weight_row_length(onednn, torch.float32, 960) == 960  # SmolLM2 QKV
     assert cpu_weight_row_length(onednn, torch.float32, 576) == 576  # o_proj, down_proj
@@ -115,7 +125,7 @@ def _loaded_linear(out_parts: dict[str, int], in_features: int, seed: int):
 
 @pytest.mark.parametrize("parts,row", [({"q": 576, "k": 192, "v": 192}, 960),
                                        ({"gate": 1536, "up": 1536}, 3104)])
-def test_linear_in_transposed_memory_loads_and_computes_the_same_product(parts, row):
+def test_linear_in_transposed_memory_loads_and_computes_the_same_product(parts, row, no_row_gemv):
     _onednn_or_skip()
     lin, weight, bias = _loaded_linear(parts, 576, seed=3)
     out = sum(parts.values())
@@ -133,7 +143,7 @@ def test_linear_in_transposed_memory_loads_and_computes_the_same_product(parts, 
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_silu_and_mul_of_a_padded_projection_output():
+def test_silu_and_mul_of_a_padded_projection_output(no_row_gemv):
     _onednn_or_skip()
     lin, weight, _ = _loaded_linear({"gate": 1536, "up": 1536}, 576, seed=5)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
@@ -144,7 +154,7 @@ def test_silu_and_mul_of_a_padded_projection_output():
 
 
 @pytest.mark.parametrize("vocab", [1000, 1024])  # 1024: padded to keep rows off 2 KiB
-def test_vocab_embedding_in_transposed_memory_looks_up_and_scores_the_same(vocab):
+def test_vocab_embedding_in_transposed_memory_looks_up_and_scores_the_same(vocab, no_row_gemv):
     from lmkit_plugins.models.layers import VocabEmbedding
 
     _onednn_or_skip()

@@ -1,12 +1,14 @@
 """Building blocks of decoder-only models over packed tokens (no batch axis).
 
-Weights are ``[out, in]`` tensors everywhere. On the CPU, float32 and bfloat16
-projections go through oneDNN's linear kernel (the one torch.compile's CPU backend
-emits) rather than ``F.linear``'s MKL GEMM: on the AMD CPUs this runs on it reads
-weights at close to memory bandwidth for single-row decode GEMVs and is about twice as
-fast for small batches (see :func:`cpu_linear_kernel`). Float32 projections keep that
-``[out, in]`` weight as a transposed view of ``[in, out]`` memory, which oneDNN runs
-faster still (see :func:`cpu_weight_row_length`).
+Weights are ``[out, in]`` tensors everywhere. On the CPU, float32 projections of
+decode-sized inputs (at most four rows) run lmkit's C row-GEMV kernel
+(:mod:`lmkit_kernels.cpu.row_gemv`), which reads contiguous ``[out, in]`` weights as
+one sequential stream per thread, close to the machine's read bandwidth; larger
+float32 inputs and bfloat16 go through oneDNN's linear kernel (the one torch.compile's
+CPU backend emits) rather than ``F.linear``'s MKL GEMM, about twice as fast for small
+batches on the AMD CPUs measured (see :func:`cpu_linear_kernel`). Without the C
+kernel, float32 projections keep the ``[out, in]`` weight as a transposed view of
+``[in, out]`` memory, which oneDNN runs faster (see :func:`cpu_weight_row_length`).
 """
 
 from __future__ import annotations
@@ -48,20 +50,49 @@ def _onednn_works() -> bool:
 def cpu_linear_kernel(device: torch.device | str, dtype: torch.dtype) -> LinearFn:
     """The ``(x, weight [out, in], bias) -> x @ weight.T + bias`` to use on ``device``.
 
-    oneDNN on the CPU for float32/bfloat16 when this torch build has it, else
-    ``F.linear`` (CUDA, float16, or a torch without oneDNN).
+    On the CPU: for float32, when the C row-GEMV kernel builds on this machine, that
+    kernel for inputs of up to :data:`lmkit_kernels.cpu.row_gemv.MAX_ROWS` rows and
+    oneDNN for larger ones (:func:`_row_gemv_or_onednn`); otherwise oneDNN for
+    float32/bfloat16 when this torch build has it. Else ``F.linear`` (CUDA, float16,
+    or a torch without oneDNN).
     """
     if (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and _onednn_works()):
+        if dtype == torch.float32 and _row_gemv() is not None:
+            return _row_gemv_or_onednn
         return _onednn_linear
     return F.linear
+
+
+@functools.cache
+def _row_gemv() -> LinearFn | None:
+    from lmkit_kernels.cpu.row_gemv import MAX_ROWS, unchecked_row_gemv
+
+    global _ROW_GEMV_MAX_ROWS
+    _ROW_GEMV_MAX_ROWS = MAX_ROWS
+    return unchecked_row_gemv()
+
+
+_ROW_GEMV_MAX_ROWS = 0  # set when the kernel loads
+
+
+def _row_gemv_or_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """Float32 on the CPU over a contiguous ``[out, in]`` weight: the C row-GEMV kernel
+    for decode-sized inputs, oneDNN for the rest (prefill, large batches)."""
+    if x.dim() == 2 and x.shape[0] <= _ROW_GEMV_MAX_ROWS:
+        return _row_gemv()(x, weight, bias)  # type: ignore[misc]
+    return _onednn_linear(x, weight, bias)
 
 
 def cpu_weight_row_length(kernel: LinearFn, dtype: torch.dtype, out_features: int
                           ) -> int | None:
     """How a projection run by ``kernel`` stores its ``[out, in]`` weight: ``None`` for
     contiguous ``[out, in]`` memory, else the row length ``r >= out_features`` of
-    ``[in, r]`` memory that the weight is a transposed view of.
+    ``[in, r]`` memory that the weight is a transposed view of. Only plain oneDNN
+    float32 projections get the transposed layout; with the C row-GEMV kernel
+    (:func:`cpu_linear_kernel`) weights stay contiguous ``[out, in]``, the layout it
+    streams.
 
     oneDNN chooses its implementation from the weight's memory layout. With ``[in,
     out]`` memory a float32 projection runs oneDNN's AVX-512 matmul (``[out, in]`` gets

@@ -1,0 +1,181 @@
+"""The C row-GEMV kernel (CPU decode projections) and how it is built and chosen.
+
+The kernel computes ``x @ w.T + b`` for up to four float32 rows; each output is one dot
+product in a fixed order, so a row's result must not depend on the other rows in the
+call or on the thread count. The builder compiles the C source once per source,
+compiler and flags, and turns every failure into a :class:`KernelUnavailable` with the
+reason (callers then keep torch's linear).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from lmkit_kernels.cpu import build  # noqa: E402
+from lmkit_kernels.cpu.row_gemv import (  # noqa: E402
+    MAX_ROWS,
+    row_gemv_available,
+    row_gemv_linear,
+    row_gemv_unavailable_reason,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def kernel():
+    if not row_gemv_available():
+        pytest.skip(f"C row-GEMV kernel not available here: {row_gemv_unavailable_reason()}")
+
+
+def _problem(m, n, k, seed, *, ldw=None, ldx=None):
+    g = torch.Generator().manual_seed(seed)
+    w_mem = torch.randn(n, ldw or k, generator=g)
+    x_mem = torch.randn(m, ldx or k, generator=g)
+    return x_mem[:, :k], w_mem[:, :k], torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (21, 37), (5, 16), (1, 7), (130, 300)])
+def test_matches_torch_for_every_row_count_and_tail(kernel, m, n, k):
+    x, w, b = _problem(m, n, k, seed=m * 1000 + n + k)
+    got = row_gemv_linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(row_gemv_linear(x, w, None), x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_strided_weight_rows_and_input_rows(kernel):
+    # rows further apart than k (padded memory, slices of a fused output)
+    x, w, b = _problem(3, 200, 100, seed=7, ldw=132, ldx=150)
+    assert not w.is_contiguous() and not x.is_contiguous()
+    torch.testing.assert_close(row_gemv_linear(x, w, b), torch.addmm(b, x, w.t()),
+                               rtol=1e-5, atol=1e-4)
+    # a column-strided x is copied, not misread
+    x_t = torch.randn(100, 2).t()
+    torch.testing.assert_close(row_gemv_linear(x_t, w, None), x_t @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count(kernel):
+    x, w, b = _problem(4, 1000, 576, seed=11)
+    together = row_gemv_linear(x, w, b)
+    for i in range(4):
+        alone = row_gemv_linear(x[i:i + 1], w, b)
+        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = row_gemv_linear(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, together)
+
+
+def test_zero_rows(kernel):
+    x, w, b = _problem(0, 8, 16, seed=3)
+    assert row_gemv_linear(x, w, b).shape == (0, 8)
+
+
+def test_refuses_inputs_it_does_not_take(kernel):
+    x, w, b = _problem(MAX_ROWS + 1, 8, 16, seed=4)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        row_gemv_linear(x, w, b)
+    with pytest.raises(ValueError, match="float32"):
+        row_gemv_linear(x[:1].double(), w.double(), None)
+    with pytest.raises(ValueError, match="weight rows must be contiguous"):
+        row_gemv_linear(x[:1], torch.randn(16, 8).t(), None)
+    with pytest.raises(ValueError, match=r"are not \[m, in\] and \[out, in\]"):
+        row_gemv_linear(x[:1], w[:, :15], None)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \[8\]"):
+        row_gemv_linear(x[:1], w, torch.randn(9))
+
+
+def test_model_linear_uses_the_kernel_for_decode_rows_and_onednn_beyond(kernel):
+    from lmkit_plugins.models.layers import Linear, _onednn_linear, _row_gemv_or_onednn
+
+    lin = Linear(576, {"gate": 1536, "up": 1536}, bias=True, dtype=torch.float32, device=CPU)
+    assert lin.kernel is _row_gemv_or_onednn
+    assert lin.weight.is_contiguous() and lin.weight.shape == (3072, 576)  # no padding
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(3072, 576, generator=g), torch.randn(3072, generator=g)
+    lin.load_shard("gate", weight=weight[:1536], bias=bias[:1536])
+    lin.load_shard("up", weight=weight[1536:], bias=bias[1536:])
+    x = torch.randn(MAX_ROWS + 1, 576, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(lin.forward(x[:MAX_ROWS]), row_gemv_linear(x[:MAX_ROWS], weight, bias))
+        assert torch.equal(lin.forward(x), _onednn_linear(x, weight, bias))
+
+
+# ---------------------------------------------------------------- building
+
+
+def test_compiles_once_per_source_and_reuses_the_library(tmp_path):
+    try:
+        build.find_compiler()
+    except build.KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    src = tmp_path / "answer.c"
+    src.write_text("int answer(void) { return 42; }\n")
+    first = build.compile_library(src, directory=tmp_path / "cache")
+    stamp = first.stat().st_mtime_ns
+    assert build.compile_library(src, directory=tmp_path / "cache") == first
+    assert first.stat().st_mtime_ns == stamp  # not rebuilt
+    src.write_text("int answer(void) { return 43; }\n")
+    assert build.compile_library(src, directory=tmp_path / "cache") != first  # edited source
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so", ".so"]  # no temp files
+
+
+def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path):
+    try:
+        build.find_compiler()
+    except build.KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    src = tmp_path / "broken.c"
+    src.write_text("int broken(void) { return undeclared_name; }\n")
+    with pytest.raises(build.KernelUnavailable, match=r"(?s)compiling broken.c failed.*undeclared_name"):
+        build.compile_library(src, directory=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # the failed output is removed
+
+
+def test_no_compiler_is_a_clear_reason(monkeypatch):
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(build.KernelUnavailable, match="no C compiler found"):
+        build.find_compiler()
+
+
+def test_cache_dir_and_switch_follow_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("LMKIT_CACHE", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "kernels"
+    monkeypatch.setenv("LMKIT_CPU_KERNELS", "0")
+    assert build.kernels_disabled()
+    monkeypatch.setenv("LMKIT_CPU_KERNELS", "1")
+    assert not build.kernels_disabled()
+
+
+def test_without_the_kernel_float32_layers_fall_back_to_onednn(monkeypatch):
+    import lmkit_plugins.models.layers as layers
+
+    monkeypatch.setattr(layers, "_row_gemv", lambda: None)
+    kernel = layers.cpu_linear_kernel(CPU, torch.float32)
+    assert kernel is not layers._row_gemv_or_onednn
+    assert layers.cpu_linear_kernel(CPU, torch.bfloat16) is not layers._row_gemv_or_onednn
+
+
+def test_the_kernel_shares_torchs_openmp_runtime(kernel):
+    runtimes = build.openmp_runtimes()
+    if not runtimes:
+        pytest.skip("no /proc/self/maps here")
+    assert len(runtimes) == 1, runtimes  # one thread pool: torch's
+    assert os.path.exists(next(iter(runtimes)))
+
+
+def test_the_source_ships_with_the_package():
+    from lmkit_kernels.cpu import row_gemv
+
+    assert row_gemv.SOURCE.exists() and row_gemv.SOURCE.suffix == ".c"
+    assert Path(row_gemv.SOURCE).read_text().count("lmkit_row_gemv(") == 1

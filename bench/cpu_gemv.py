@@ -65,15 +65,15 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for _, k in shapes}
         variants = {
-            "onednn [in,out]": lambda: [onednn(xs[w.shape[1]], w, None, "none", [], "")
-                                        for w in col_major],
-            "onednn [out,in]": lambda: [onednn(xs[w.shape[1]], w, None, "none", [], "")
-                                        for w in row_major],
+            "onednn [in,out]": lambda xs=xs: [onednn(xs[w.shape[1]], w, None, "none", [], "")
+                                              for w in col_major],
+            "onednn [out,in]": lambda xs=xs: [onednn(xs[w.shape[1]], w, None, "none", [], "")
+                                              for w in row_major],
             "stream read": stream.sum,
         }
         if kernel is not None and m <= MAX_ROWS and row_gemv_available():
-            variants["row_gemv [out,in]"] = lambda: [kernel(xs[w.shape[1]], w, None)
-                                                     for w in row_major]
+            variants["row_gemv [out,in]"] = lambda xs=xs: [kernel(xs[w.shape[1]], w, None)
+                                                           for w in row_major]
         rounds: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, fn in variants.items():

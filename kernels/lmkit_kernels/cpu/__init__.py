@@ -1,7 +1,11 @@
-"""lmkit's C kernels for the CPU, compiled on first use (see :mod:`.build`).
+"""lmkit's C kernels for CPU decode, compiled on first use (see :mod:`.build`).
 
 * :mod:`~lmkit_kernels.cpu.row_gemv` -- ``row_gemv_linear``: float32 ``x @ w.T + b``
   for decode-sized inputs (at most four rows), one sequential weight stream per thread
+* :mod:`~lmkit_kernels.cpu.paged_decode` -- ``paged_decode_attention``: float32 decode
+  attention straight from the paged KV cache (the ``cpu`` attention backend)
+* :mod:`~lmkit_kernels.cpu.rms_norm` -- ``add_rms_norm``: float32 residual add +
+  RMSNorm for decode-sized inputs
 
-Importing this package imports nothing heavy; :mod:`.row_gemv` imports torch.
+Importing this package imports nothing heavy; the kernel modules import torch.
 """

@@ -141,3 +141,18 @@ def load_library(source: Path) -> ctypes.CDLL:
             f"({sorted(after - before)} besides {sorted(before)}); two thread pools on "
             f"the same cores are slower than torch's own kernels")
     return lib
+
+
+def load_kernel_library(source: Path, abi_symbol: str, abi: int) -> ctypes.CDLL:
+    """:func:`load_library`, then check the library's ``abi_symbol()`` returns ``abi``
+    (a stale or foreign library is refused rather than called with the wrong arguments)."""
+    if kernels_disabled():
+        raise KernelUnavailable(f"turned off by {DISABLE_ENV}=0")
+    lib = load_library(source)
+    try:
+        found = getattr(lib, abi_symbol)()
+    except AttributeError as exc:
+        raise KernelUnavailable(f"{source.name}: no {abi_symbol}() in the library") from exc
+    if found != abi:
+        raise KernelUnavailable(f"{source.name}: library ABI {found}, expected {abi}")
+    return lib

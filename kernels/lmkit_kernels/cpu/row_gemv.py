@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lmkit_kernels.cpu.build import KernelUnavailable, kernels_disabled, load_library
+from lmkit_kernels.cpu.build import KernelUnavailable, load_kernel_library
 
 __all__ = ["MAX_ROWS", "row_gemv_available", "row_gemv_linear", "row_gemv_unavailable_reason",
            "unchecked_row_gemv"]
@@ -40,12 +40,8 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 @functools.cache
 def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
     """The loaded ``lmkit_row_gemv`` function, or ``None`` and the reason."""
-    if kernels_disabled():
-        return None, "turned off by LMKIT_CPU_KERNELS=0"
     try:
-        lib = load_library(SOURCE)
-        if lib.lmkit_row_gemv_abi() != ABI:
-            raise KernelUnavailable(f"{SOURCE.name}: library ABI does not match")
+        lib = load_kernel_library(SOURCE, "lmkit_row_gemv_abi", ABI)
         if not lib.lmkit_row_gemv_supported():
             raise KernelUnavailable("this CPU does not run AVX-512F code")
         fn = lib.lmkit_row_gemv

@@ -2,9 +2,10 @@
 
 Under ``attention: auto`` on a CUDA device the highest-priority available backend wins:
 ``flashinfer`` (60) when the ``flashinfer`` package is installed, else ``triton`` (50),
-else ``torch`` (10). On CPU only ``torch`` is available. All three share one KV-cache
-layout, ``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable
-by name (``--attn torch|triton|flashinfer``).
+else ``torch`` (10). On the CPU, ``cpu`` (20) for float32 (the reference with
+decode-only steps in a C kernel), else ``torch``. All four share one KV-cache layout,
+``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable by name
+(``--attn torch|cpu|triton|flashinfer``).
 """
 
 from lmkit.api import Caps, Spec, hookimpl
@@ -47,6 +48,15 @@ def register_attention_backends(register):
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"}},
         ),
         description="Reference paged attention in plain torch (CPU and CUDA).",
+    ))
+    register(Spec(
+        name="cpu", target="lmkit_plugins.attention.cpu_backend:CpuAttention", priority=20,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window"},
+            {"device": {"cpu"}, "dtype": {"float32"}},
+        ),
+        description="Reference paged attention with decode steps in lmkit's C kernel "
+                    "(CPU, float32).",
     ))
     register(Spec(
         name="triton", target="lmkit_plugins.attention.triton_backend:TritonAttention",

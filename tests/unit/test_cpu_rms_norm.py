@@ -66,7 +66,7 @@ def test_the_model_norm_uses_it_for_decode_rows_and_torch_beyond(kernel, monkeyp
     norm = RMSNorm(64, 1e-6, dtype=torch.float32, device=CPU)
     assert norm._cpu_rows is not None
     norm.weight.copy_(torch.randn(64))
-    x, r = torch.randn(6, 64), torch.randn(6, 64)
+    x, r = torch.randn(MAX_ROWS + 2, 64), torch.randn(MAX_ROWS + 2, 64)
     with torch.inference_mode():
         small, small_sum = norm.forward(x[:MAX_ROWS], r[:MAX_ROWS])
         big, big_sum = norm.forward(x, r)

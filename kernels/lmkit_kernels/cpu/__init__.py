@@ -1,11 +1,11 @@
 """lmkit's C kernels for CPU decode, compiled on first use (see :mod:`.build`).
 
 * :mod:`~lmkit_kernels.cpu.row_gemv` -- ``row_gemv_linear``: float32 ``x @ w.T + b``
-  for decode-sized inputs (at most four rows), one sequential weight stream per thread
+  for decode batches (at most 32 rows), one sequential weight stream per thread
 * :mod:`~lmkit_kernels.cpu.paged_decode` -- ``paged_decode_attention``: float32 decode
   attention straight from the paged KV cache (the ``cpu`` attention backend)
 * :mod:`~lmkit_kernels.cpu.rms_norm` -- ``add_rms_norm``: float32 residual add +
-  RMSNorm for decode-sized inputs
+  RMSNorm for decode batches
 
 Importing this package imports nothing heavy; the kernel modules import torch.
 """

@@ -22,7 +22,7 @@ __all__ = ["MAX_ROWS", "add_rms_norm", "rms_norm_kernel", "rms_norm_unavailable_
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 4
+MAX_ROWS = 32  # decode batches
 SOURCE = Path(__file__).with_name("rms_norm.c")
 ABI = 1
 _P, _L = ctypes.c_void_p, ctypes.c_long

@@ -9,8 +9,9 @@
  * The threads split w's rows into contiguous slices: each thread reads its slice as
  * one sequential stream (four rows at a time, each weight vector used for up to four
  * rows of x), which is what keeps a memory-bound matrix-vector product near the
- * machine's read bandwidth. Rows of x come in blocks of four; a block re-reads the
- * slice, so the kernel is meant for m up to a few blocks.
+ * machine's read bandwidth. Rows of x come in blocks of four, each block passing over
+ * a chunk of 16 weight rows while the chunk is in cache; the kernel is meant for
+ * decode batches (m up to a few dozen), not prefill.
  *
  * Built at run time by lmkit_kernels/cpu/build.py with -fopenmp; in-process it shares
  * torch's OpenMP runtime (same libgomp), so it uses the same worker threads.
@@ -21,6 +22,7 @@
 
 #define ROWS 4   /* weight rows per step */
 #define XROWS 4  /* rows of x per step */
+#define CHUNK 16 /* weight rows kept in cache while every block of x rows passes */
 
 /* 1 when this CPU (and OS) runs AVX-512F code, else 0: the kernel is only used then. */
 int lmkit_row_gemv_supported(void) {
@@ -69,18 +71,23 @@ typedef void (*tile_fn)(const float*, long, const float*, long, const float*, fl
 static const tile_fn TILES4[XROWS + 1] = {0, tile_4_1, tile_4_2, tile_4_3, tile_4_4};
 static const tile_fn TILES1[XROWS + 1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4};
 
-/* Rows [n0, n1) of w against all m rows of x. */
+/* Rows [n0, n1) of w against all m rows of x, in chunks of CHUNK weight rows: a chunk
+ * comes from memory once (for the first block of x rows) and from the L1/L2 cache for
+ * the other blocks, so m up to a few dozen rows still reads the weight once. */
 static void row_slice(const float* x, long ldx, const float* w, long ldw, const float* b,
                       float* y, long ldy, long m, long n0, long n1, long k) {
-    for (long i0 = 0; i0 < m; i0 += XROWS) {
-        long mm = m - i0 < XROWS ? m - i0 : XROWS;
-        const float* xb = x + i0 * ldx;
-        float* yb = y + i0 * ldy;
-        long n = n0;
-        for (; n + ROWS <= n1; n += ROWS)
-            TILES4[mm](xb, ldx, w + n * ldw, ldw, b ? b + n : NULL, yb + n, ldy, k);
-        for (; n < n1; n++)
-            TILES1[mm](xb, ldx, w + n * ldw, ldw, b ? b + n : NULL, yb + n, ldy, k);
+    for (long c0 = n0; c0 < n1; c0 += CHUNK) {
+        long c1 = c0 + CHUNK < n1 ? c0 + CHUNK : n1;
+        for (long i0 = 0; i0 < m; i0 += XROWS) {
+            long mm = m - i0 < XROWS ? m - i0 : XROWS;
+            const float* xb = x + i0 * ldx;
+            float* yb = y + i0 * ldy;
+            long n = c0;
+            for (; n + ROWS <= c1; n += ROWS)
+                TILES4[mm](xb, ldx, w + n * ldw, ldw, b ? b + n : NULL, yb + n, ldy, k);
+            for (; n < c1; n++)
+                TILES1[mm](xb, ldx, w + n * ldw, ldw, b ? b + n : NULL, yb + n, ldy, k);
+        }
     }
 }
 

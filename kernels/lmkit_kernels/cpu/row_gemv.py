@@ -8,9 +8,10 @@ float32 projections at 39-40 GB/s where oneDNN reaches 30 GB/s (``bench/cpu_gemv
 Each output element is one dot product in a fixed order, so a row's result is the same
 whatever else shares the call and however many threads run it.
 
-:func:`row_gemv_linear` is used for inputs of at most :data:`MAX_ROWS` rows; callers
-keep torch (oneDNN) for larger ones, where the kernel would read the weight once per
-four rows.
+:func:`row_gemv_linear` is used for inputs of at most :data:`MAX_ROWS` rows (decode
+batches: from 1 to 32 rows it is 30% faster to within 8% slower than oneDNN on the
+``[in, out]`` layout, and faster than oneDNN on this ``[out, in]`` one); callers keep
+oneDNN for larger ones (prefill), which it runs as fast as either layout.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["MAX_ROWS", "row_gemv_available", "row_gemv_linear", "row_gemv_unavai
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # inputs up to this many rows take the kernel (one pass over the weight)
+MAX_ROWS = 32  # inputs up to this many rows take the kernel (decode batches)
 SOURCE = Path(__file__).with_name("row_gemv.c")
 ABI = 1
 

@@ -1,7 +1,7 @@
 """Building blocks of decoder-only models over packed tokens (no batch axis).
 
 Weights are ``[out, in]`` tensors everywhere. On the CPU, float32 projections of
-decode-sized inputs (at most four rows) run lmkit's C row-GEMV kernel
+decode batches (at most 32 rows) run lmkit's C row-GEMV kernel
 (:mod:`lmkit_kernels.cpu.row_gemv`), which reads contiguous ``[out, in]`` weights as
 one sequential stream per thread, close to the machine's read bandwidth; larger
 float32 inputs and bfloat16 go through oneDNN's linear kernel (the one torch.compile's
@@ -176,7 +176,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-_CPU_NORM_MAX_ROWS = 4  # lmkit_kernels.cpu.rms_norm.MAX_ROWS
+_CPU_NORM_MAX_ROWS = 32  # lmkit_kernels.cpu.rms_norm.MAX_ROWS
 
 
 def cpu_rms_norm_kernel(device: torch.device | str, dtype: torch.dtype

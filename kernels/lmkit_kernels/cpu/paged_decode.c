@@ -8,8 +8,9 @@
  * [max(0, seq_len - window), seq_len) (window 0: all).
  *
  * Per (request, query head): scores = scale * q . k_j, softmax with the maximum
- * subtracted, out = sum_j p_j v_j, all in float32 in a fixed order, so a request's
- * output does not depend on the rest of the batch or the thread count. Work is split
+ * subtracted (a vectorised exp of about 1 ulp), out = sum_j p_j v_j / sum_j p_j, all
+ * in float32 in a fixed order, so a request's output does not depend on the rest of
+ * the batch or the thread count. Work is split
  * over (request, KV head) pairs across OpenMP threads when there is enough of it.
  *
  * Built at run time by lmkit_kernels/cpu/build.py with -O3 -fopenmp.
@@ -36,55 +37,84 @@ void lmkit_store_kv(const float* k, long ldk, const float* v, long ldv,
     }
 }
 
-static float dot(const float* a, const float* b, long n) {
-    float acc[16] = {0};
-    long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        #pragma omp simd
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    }
-    for (; i < n; i++) acc[i % 16] += a[i] * b[i];
-    for (int w = 8; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    return acc[0];
+/* Each hot function is compiled for AVX-512, AVX2 and baseline x86-64 and picked when
+ * the library loads (GCC target_clones), so the loops vectorise on any x86-64 CPU. */
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float dot(const float* a, const float* b, long n) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (long i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
 }
 
-/* One (request, KV head): its `group` query heads over keys [start, end). */
+/* exp(x) for x <= 0 (softmax after subtracting the maximum), vectorisable: Cephes'
+ * expf range reduction and polynomial (about 1 ulp), 0 below -87.3. */
+INLINE float exp_nonpositive(float x) {
+    float t = x * 1.44269504088896341f;
+    float n = (float)(int)(t - 0.5f); /* round(t) for t <= 0 */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int i; float f; } scale = {.i = ((int)n + 127) << 23};
+    return x < -87.3f ? 0.0f : p * scale.f;
+}
+
+/* One request: all its query heads over keys [start, end); scores is num_heads *
+ * (end - start) floats. Keys and values are read in cache order, each slot's row (all
+ * KV heads) once, so every block is one sequential read. */
+CLONES
 static void attend(const float* q, float* out, const float* kcache, const float* vcache,
-                   const int32_t* table, long start, long end, long kvh, long group,
+                   const int32_t* table, long start, long end, long num_heads,
                    long num_kv_heads, long head_size, long block_size, float scale,
                    float* scores) {
-    long kv_width = num_kv_heads * head_size;
-    if (end <= start) { /* no keys (not a decode step): zeros, not NaN */
-        memset(out + kvh * group * head_size, 0, group * head_size * sizeof(float));
-        return;
+    long kv_width = num_kv_heads * head_size, len = end - start;
+    long group = num_heads / num_kv_heads;
+    memset(out, 0, num_heads * head_size * sizeof(float));
+    if (len <= 0) return; /* no keys (not a decode step): zeros, not NaN */
+    for (long j = start; j < end; j++) {
+        long slot = (long)table[j / block_size] * block_size + j % block_size; /* per key */
+        const float* kr = kcache + slot * kv_width;
+        for (long kh = 0, h = 0; kh < num_kv_heads; kh++)
+            for (long g = 0; g < group; g++, h++)
+                scores[h * len + (j - start)] =
+                    scale * dot(q + h * head_size, kr + kh * head_size, head_size);
     }
-    for (long g = 0; g < group; g++) {
-        const float* qh = q + (kvh * group + g) * head_size;
-        float* oh = out + (kvh * group + g) * head_size;
-        float mx = -INFINITY;
-        for (long j = start; j < end; j++) {
-            long slot = (long)table[j / block_size] * block_size + j % block_size;
-            float s = scale * dot(qh, kcache + slot * kv_width + kvh * head_size, head_size);
-            scores[j - start] = s;
-            if (s > mx) mx = s;
+    float inv[num_heads];
+    for (long h = 0; h < num_heads; h++) {
+        float* sh = scores + h * len;
+        float mx = -INFINITY, denom = 0.0f;
+        for (long j = 0; j < len; j++) mx = sh[j] > mx ? sh[j] : mx;
+        #pragma omp simd reduction(+ : denom)
+        for (long j = 0; j < len; j++) {
+            sh[j] = exp_nonpositive(sh[j] - mx);
+            denom += sh[j];
         }
-        float denom = 0.0f;
-        for (long j = 0; j < end - start; j++) {
-            scores[j] = expf(scores[j] - mx);
-            denom += scores[j];
+        inv[h] = 1.0f / denom;
+    }
+    for (long j = start; j < end; j++) {
+        long slot = (long)table[j / block_size] * block_size + j % block_size;
+        const float* vr = vcache + slot * kv_width;
+        for (long kh = 0, h = 0; kh < num_kv_heads; kh++) {
+            const float* vh = vr + kh * head_size;
+            for (long g = 0; g < group; g++, h++) {
+                float p = scores[h * len + (j - start)];
+                float* oh = out + h * head_size;
+                #pragma omp simd
+                for (long i = 0; i < head_size; i++) oh[i] += p * vh[i];
+            }
         }
-        for (long i = 0; i < head_size; i++) oh[i] = 0.0f;
-        for (long j = start; j < end; j++) {
-            long slot = (long)table[j / block_size] * block_size + j % block_size;
-            const float* vr = vcache + slot * kv_width + kvh * head_size;
-            float p = scores[j - start];
-            #pragma omp simd
-            for (long i = 0; i < head_size; i++) oh[i] += p * vr[i];
-        }
-        float inv = 1.0f / denom;
+    }
+    for (long h = 0; h < num_heads; h++) {
+        float* oh = out + h * head_size;
         #pragma omp simd
-        for (long i = 0; i < head_size; i++) oh[i] *= inv;
+        for (long i = 0; i < head_size; i++) oh[i] *= inv[h];
     }
 }
 
@@ -98,27 +128,26 @@ int lmkit_paged_decode(const float* q, long ldq, const float* cache, long num_sl
                        int threads) {
     long kv_width = num_kv_heads * head_size;
     const float* vcache = cache + num_slots * kv_width;
-    long group = num_heads / num_kv_heads, max_len = 0, work = 0;
+    long max_len = 0, work = 0;
     for (long r = 0; r < num_reqs; r++) {
         if (seq_lens[r] > max_len) max_len = seq_lens[r];
         work += seq_lens[r];
     }
     /* below ~16K key reads per call, waking threads costs more than it saves */
-    if (work * num_heads < 16384) threads = 1;
+    if (work * num_heads < 16384 || num_reqs < 2) threads = 1;
     if (threads < 1) threads = 1;
-    size_t per_thread = (size_t)(max_len > 0 ? max_len : 1);
+    size_t per_thread = (size_t)num_heads * (size_t)(max_len > 0 ? max_len : 1);
     float* scratch = malloc(per_thread * (size_t)threads * sizeof(float));
     if (!scratch) return -1;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float* scores = scratch + per_thread * (size_t)omp_get_thread_num();
         #pragma omp for schedule(dynamic, 1)
-        for (long task = 0; task < num_reqs * num_kv_heads; task++) {
-            long r = task / num_kv_heads, kvh = task % num_kv_heads;
+        for (long r = 0; r < num_reqs; r++) {
             long end = seq_lens[r];
             long start = window > 0 && end > window ? end - window : 0;
             attend(q + r * ldq, out + r * num_heads * head_size, cache, vcache,
-                   block_tables + r * ldbt, start, end, kvh, group, num_kv_heads,
+                   block_tables + r * ldbt, start, end, num_heads, num_kv_heads,
                    head_size, block_size, scale, scores);
         }
     }

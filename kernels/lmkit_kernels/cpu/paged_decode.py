@@ -4,7 +4,8 @@ For a step in which every request decodes one token, :func:`paged_decode_attenti
 stores the step's keys and values at their slots and attends each request's query
 straight from its cache blocks (``paged_decode.c``). torch's path gathers every
 request's blocks into a contiguous copy and runs ``scaled_dot_product_attention``,
-about 70 us per layer for a single SmolLM2 stream; the kernel takes a few.
+about 70 us per layer for a single SmolLM2 stream (2-core AMD EPYC, ~80 tokens of
+context); the kernel takes about 21 us there, 12 us of it computing.
 
 The cache layout is the one every lmkit backend shares,
 ``[2, num_blocks, block_size, num_kv_heads, head_size]``.

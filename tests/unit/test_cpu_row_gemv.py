@@ -114,11 +114,15 @@ def test_model_linear_uses_the_kernel_for_decode_rows_and_onednn_beyond(kernel):
 # ---------------------------------------------------------------- building
 
 
-def test_compiles_once_per_source_and_reuses_the_library(tmp_path):
+@pytest.fixture
+def compiler():
     try:
-        build.find_compiler()
+        return build.find_compiler()
     except build.KernelUnavailable as exc:
         pytest.skip(str(exc))
+
+
+def test_compiles_once_per_source_and_reuses_the_library(tmp_path, compiler):
     src = tmp_path / "answer.c"
     src.write_text("int answer(void) { return 42; }\n")
     first = build.compile_library(src, directory=tmp_path / "cache")
@@ -130,16 +134,24 @@ def test_compiles_once_per_source_and_reuses_the_library(tmp_path):
     assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so", ".so"]  # no temp files
 
 
-def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path):
-    try:
-        build.find_compiler()
-    except build.KernelUnavailable as exc:
-        pytest.skip(str(exc))
+def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, compiler):
     src = tmp_path / "broken.c"
     src.write_text("int broken(void) { return undeclared_name; }\n")
     with pytest.raises(build.KernelUnavailable, match=r"(?s)compiling broken.c failed.*undeclared_name"):
         build.compile_library(src, directory=tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []  # the failed output is removed
+
+
+def test_a_library_of_another_abi_is_refused_with_one_warning(tmp_path, compiler, monkeypatch,
+                                                             caplog):
+    monkeypatch.setenv("LMKIT_CACHE", str(tmp_path))
+    src = tmp_path / "future.c"
+    src.write_text("int future_abi(void) { return 2; }\n")
+    with caplog.at_level("WARNING"):
+        lib, reason = build.bind_kernel_library(src, "future_abi", 1, functions={},
+                                                what="future kernel", fallback="torch")
+    assert lib is None and reason == "future.c: library ABI 2, expected 1"
+    assert caplog.messages == ["future kernel not used (torch instead): " + reason]
 
 
 def test_no_compiler_is_a_clear_reason(monkeypatch):

@@ -24,7 +24,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -156,3 +158,29 @@ def load_kernel_library(source: Path, abi_symbol: str, abi: int) -> ctypes.CDLL:
     if found != abi:
         raise KernelUnavailable(f"{source.name}: library ABI {found}, expected {abi}")
     return lib
+
+
+Signature = tuple[Sequence[Any], Any]  # ctypes argtypes, restype
+
+
+def bind_kernel_library(source: Path, abi_symbol: str, abi: int, *,
+                        functions: dict[str, Signature], what: str, fallback: str,
+                        check: Callable[[ctypes.CDLL], None] | None = None,
+                        ) -> tuple[ctypes.CDLL | None, str]:
+    """Load ``source`` (:func:`load_kernel_library`), declare ``functions``' signatures
+    and run ``check(lib)`` (which raises :class:`KernelUnavailable` to refuse it).
+
+    Returns ``(lib, "")``, or ``(None, reason)`` after one warning that names ``what``
+    is not used and the ``fallback`` that runs instead.
+    """
+    try:
+        lib = load_kernel_library(source, abi_symbol, abi)
+        for name, (argtypes, restype) in functions.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), restype
+        if check is not None:
+            check(lib)
+    except KernelUnavailable as exc:
+        logger.warning("%s not used (%s instead): %s", what, fallback, exc)
+        return None, str(exc)
+    return lib, ""

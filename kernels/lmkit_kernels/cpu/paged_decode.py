@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from lmkit_kernels.cpu.build import KernelUnavailable, load_kernel_library
+from lmkit_kernels.cpu.build import bind_kernel_library
 
 __all__ = ["decode_attention_kernel", "paged_decode_attention",
            "paged_decode_unavailable_reason"]
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 ABI = 1
@@ -37,17 +34,12 @@ DecodeFn = Callable[..., torch.Tensor]
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    try:
-        lib = load_kernel_library(SOURCE, "lmkit_paged_decode_abi", ABI)
-    except KernelUnavailable as exc:
-        logger.warning("CPU paged decode kernel not used (torch attention instead): %s", exc)
-        return None, str(exc)
-    lib.lmkit_store_kv.argtypes = [_P, _L, _P, _L, _P, _L, _P, _L, _L]
-    lib.lmkit_store_kv.restype = None
-    lib.lmkit_paged_decode.argtypes = [_P, _L, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _L,
-                                       ctypes.c_float, _L, ctypes.c_int]
-    lib.lmkit_paged_decode.restype = ctypes.c_int
-    return lib, ""
+    return bind_kernel_library(
+        SOURCE, "lmkit_paged_decode_abi", ABI, what="CPU paged decode kernel",
+        fallback="torch attention", functions={
+            "lmkit_store_kv": ([_P, _L, _P, _L, _P, _L, _P, _L, _L], None),
+            "lmkit_paged_decode": ([_P, _L, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _L,
+                                    ctypes.c_float, _L, ctypes.c_int], ctypes.c_int)})
 
 
 def paged_decode_unavailable_reason() -> str:

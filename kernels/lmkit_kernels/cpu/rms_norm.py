@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from lmkit_kernels.cpu.build import KernelUnavailable, load_kernel_library
+from lmkit_kernels.cpu.build import bind_kernel_library
 
 __all__ = ["MAX_ROWS", "add_rms_norm", "rms_norm_kernel", "rms_norm_unavailable_reason"]
-
-logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # decode batches
 SOURCE = Path(__file__).with_name("rms_norm.c")
@@ -33,14 +30,10 @@ NormFn = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float],
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    try:
-        lib = load_kernel_library(SOURCE, "lmkit_rms_norm_abi", ABI)
-    except KernelUnavailable as exc:
-        logger.warning("CPU RMSNorm kernel not used (torch ops instead): %s", exc)
-        return None, str(exc)
-    lib.lmkit_add_rms_norm.argtypes = [_P, _L, _P, _L, _P, ctypes.c_float, _P, _P, _L, _L]
-    lib.lmkit_add_rms_norm.restype = None
-    return lib, ""
+    return bind_kernel_library(
+        SOURCE, "lmkit_rms_norm_abi", ABI, what="CPU RMSNorm kernel", fallback="torch ops",
+        functions={"lmkit_add_rms_norm": (
+            [_P, _L, _P, _L, _P, ctypes.c_float, _P, _P, _L, _L], None)})
 
 
 def rms_norm_unavailable_reason() -> str:

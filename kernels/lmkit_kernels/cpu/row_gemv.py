@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from lmkit_kernels.cpu.build import KernelUnavailable, load_kernel_library
+from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
 
 __all__ = ["MAX_ROWS", "row_gemv_available", "row_gemv_linear", "row_gemv_unavailable_reason",
            "unchecked_row_gemv"]
-
-logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # inputs up to this many rows take the kernel (decode batches)
 SOURCE = Path(__file__).with_name("row_gemv.c")
@@ -41,18 +38,18 @@ _P, _L = ctypes.c_void_p, ctypes.c_long
 @functools.cache
 def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
     """The loaded ``lmkit_row_gemv`` function, or ``None`` and the reason."""
-    try:
-        lib = load_kernel_library(SOURCE, "lmkit_row_gemv_abi", ABI)
-        if not lib.lmkit_row_gemv_supported():
-            raise KernelUnavailable("this CPU does not run AVX-512F code")
-        fn = lib.lmkit_row_gemv
-        fn.argtypes = [_P, _L, _P, _L, _P, _P, _L, _L, _L, _L, ctypes.c_int]
-        fn.restype = None
-        _self_check(fn)
-    except KernelUnavailable as exc:
-        logger.warning("CPU row-GEMV kernel not used (torch's linear instead): %s", exc)
-        return None, str(exc)
-    return fn, ""
+    lib, reason = bind_kernel_library(
+        SOURCE, "lmkit_row_gemv_abi", ABI, what="CPU row-GEMV kernel",
+        fallback="torch's linear", check=_check,
+        functions={"lmkit_row_gemv": ([_P, _L, _P, _L, _P, _P, _L, _L, _L, _L, ctypes.c_int],
+                                      None)})
+    return (None, reason) if lib is None else (lib.lmkit_row_gemv, "")
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    if not lib.lmkit_row_gemv_supported():
+        raise KernelUnavailable("this CPU does not run AVX-512F code")
+    _self_check(lib.lmkit_row_gemv)
 
 
 def _self_check(fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]

@@ -138,6 +138,19 @@ def test_mixed_and_prefill_steps_are_the_reference_bit_for_bit(kernel):
     assert cpu._decode is None and torch.equal(out, expect)
 
 
+def test_head_views_the_kernel_cannot_read_take_the_reference(kernel):
+    cpu, ref = _pair(4, 2, 64, 16)
+    world = TwinCaches(cpu, ref)
+    world.step([(0, 9), (1, 17)])
+    md = make_metadata([(9, 1), (17, 1)], 16, [world.tables[0], world.tables[1]])
+    q = torch.randn(2, 64, 4).transpose(1, 2)  # [2, 4, 64] with strided head dims
+    k, v = torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    cpu.plan(md)
+    ref.plan(md)
+    assert cpu._decode is not None
+    assert torch.equal(cpu.run(0, q, k, v, world.cache), ref.run(0, q, k, v, world.ref_cache))
+
+
 def test_bfloat16_or_cuda_backends_keep_the_reference_path():
     backend = CpuAttention(num_heads=4, num_kv_heads=2, head_size=64, scale=0.125,
                            dtype=torch.bfloat16, device=torch.device("cpu"), block_size=16)

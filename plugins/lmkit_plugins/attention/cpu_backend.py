@@ -65,10 +65,20 @@ class CpuAttention(TorchAttention):
         plan = self._decode
         if plan is None:
             return super().run(layer, q, k, v, kv_cache)
-        if q.shape[0] != plan.num_tokens:  # padded rows: the reference handles them
+        if q.shape[0] != plan.num_tokens or not _kernel_layout(q, k, v, kv_cache):
+            # padded rows, or head views the kernel cannot read: the reference
             if self._plan is None:
                 super().plan(self._metadata)  # type: ignore[arg-type]
             return super().run(layer, q, k, v, kv_cache)
         return self._decode_kernel(q, k, v, kv_cache, plan.slot_mapping,  # type: ignore[misc]
                                    plan.block_tables, plan.seq_lens, self.scale,
                                    self.sliding_window or 0)
+
+
+def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel reads these tensors as they are: rows of contiguous heads
+    (any row stride, as views of a fused QKV output have) and a contiguous cache."""
+    d = q.shape[2]
+    return (all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
+            and kv_cache.is_contiguous())

@@ -64,16 +64,15 @@ def cpu_linear_kernel(device: torch.device | str, dtype: torch.dtype) -> LinearF
     return F.linear
 
 
+_ROW_GEMV_MAX_ROWS = 32  # lmkit_kernels.cpu.row_gemv.MAX_ROWS (decode batches)
+
+
 @functools.cache
 def _row_gemv() -> LinearFn | None:
     from lmkit_kernels.cpu.row_gemv import MAX_ROWS, unchecked_row_gemv
 
-    global _ROW_GEMV_MAX_ROWS
-    _ROW_GEMV_MAX_ROWS = MAX_ROWS
+    assert MAX_ROWS >= _ROW_GEMV_MAX_ROWS
     return unchecked_row_gemv()
-
-
-_ROW_GEMV_MAX_ROWS = 0  # set when the kernel loads
 
 
 def _row_gemv_or_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

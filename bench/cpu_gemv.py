@@ -1,5 +1,5 @@
-"""CPU decode projections against the memory bandwidth: lmkit's C row-GEMV kernel and
-oneDNN in both weight layouts, on every float32 projection of a model's decode step.
+"""CPU decode projections against the memory bandwidth: lmkit's C row-GEMV kernel (each
+build this CPU runs: AVX-512F, AVX2) and oneDNN in both weight layouts, on every float32 projection of a model's decode step.
 
 A decode step reads each projection's weight once (SmolLM2-135M: 30 layers of fused
 QKV, output, fused gate-up and down, and the tied LM head; 538 MB in float32), far
@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from lmkit_kernels.cpu.row_gemv import MAX_ROWS, row_gemv_available, unchecked_row_gemv
+from lmkit_kernels.cpu.row_gemv import MAX_ROWS, row_gemv_unavailable_reason, row_gemv_variants
 
 SHAPES = {  # model: [(out, in) per projection, in step order], layer count, LM head
     "smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
@@ -56,9 +56,10 @@ def main() -> None:
     weight_bytes = sum(n * k * 4 for n, k in shapes)
     stream = torch.randn(weight_bytes // 4)
     onednn = torch.ops.mkldnn._linear_pointwise.default
-    kernel = unchecked_row_gemv()
-    if kernel is None:
-        print("C row-GEMV kernel not available here; timing oneDNN only")
+    kernels = row_gemv_variants()
+    if not kernels:
+        print(f"C row-GEMV kernel not available here ({row_gemv_unavailable_reason()}); "
+              "timing oneDNN only")
 
     results = {"model": args.model, "threads": torch.get_num_threads(),
                "weight_mb": weight_bytes / 1e6, "rows": {}}
@@ -71,9 +72,9 @@ def main() -> None:
                                               for w in row_major],
             "stream read": stream.sum,
         }
-        if kernel is not None and m <= MAX_ROWS and row_gemv_available():
-            variants["row_gemv [out,in]"] = lambda xs=xs: [kernel(xs[w.shape[1]], w, None)
-                                                           for w in row_major]
+        for isa, kernel in kernels.items() if m <= MAX_ROWS else ():
+            variants[f"row_gemv {isa}"] = lambda xs=xs, kernel=kernel: [
+                kernel(xs[w.shape[1]], w, None) for w in row_major]
         rounds: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, fn in variants.items():

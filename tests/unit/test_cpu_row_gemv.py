@@ -9,6 +9,7 @@ reason (callers then keep torch's linear).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +17,34 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from lmkit_kernels.cpu import build  # noqa: E402
+from lmkit_kernels.cpu import build, row_gemv  # noqa: E402
 from lmkit_kernels.cpu.row_gemv import (  # noqa: E402
+    ISAS,
     MAX_ROWS,
     row_gemv_available,
+    row_gemv_isa,
     row_gemv_linear,
     row_gemv_unavailable_reason,
+    row_gemv_variants,
 )
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def kernel():
+def best_kernel():
     if not row_gemv_available():
         pytest.skip(f"C row-GEMV kernel not available here: {row_gemv_unavailable_reason()}")
+
+
+@pytest.fixture(params=ISAS)
+def kernel(request, best_kernel, monkeypatch):
+    """Each build this CPU runs, in turn, behind ``row_gemv_linear``."""
+    fn = row_gemv._variants()[0].get(request.param)
+    if fn is None:
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    monkeypatch.setattr(row_gemv, "_kernel", lambda: (fn, ""))
+    return request.param
 
 
 def _problem(m, n, k, seed, *, ldw=None, ldx=None):
@@ -95,7 +109,72 @@ def test_refuses_inputs_it_does_not_take(kernel):
         row_gemv_linear(x[:1], w, torch.randn(9))
 
 
-def test_model_linear_uses_the_kernel_for_decode_rows_and_onednn_beyond(kernel):
+def test_the_best_build_this_cpu_runs_is_used(best_kernel):
+    flags = next((line.split(":", 1)[1].split() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                 None) if Path("/proc/cpuinfo").exists() else None
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags here")
+    expected = [isa for isa, needs in (("avx512f", {"avx512f"}), ("avx2", {"avx2", "fma"}))
+                if needs <= set(flags)]
+    assert list(row_gemv_variants()) == expected
+    assert row_gemv_isa() == expected[0]
+
+
+def test_the_builds_agree(best_kernel):
+    variants = row_gemv_variants()
+    if len(variants) < 2:
+        pytest.skip("this CPU runs one build")
+    x, w, b = _problem(6, 300, 203, seed=12)  # k tail of 3 (avx2) / 11 (avx512f)
+    first, *rest = (fn(x, w, b) for fn in variants.values())
+    for out in rest:
+        torch.testing.assert_close(out, first, rtol=1e-5, atol=1e-4)
+
+
+class FakeCpu:
+    """Stands in for the library: says which builds the CPU runs."""
+
+    def __init__(self, *isas: str):
+        self.isas = isas
+
+    def lmkit_row_gemv_isa_supported(self, isa: bytes) -> int:
+        return int(isa.decode() in self.isas)
+
+
+def test_builds_follow_the_cpu_and_the_pin(monkeypatch):
+    monkeypatch.delenv("LMKIT_CPU_ISA", raising=False)
+    assert row_gemv._usable(FakeCpu("avx2", "avx512f")) == ["avx512f", "avx2"]
+    assert row_gemv._usable(FakeCpu("avx2")) == ["avx2"]
+    with pytest.raises(build.KernelUnavailable, match="neither AVX-512F nor AVX2"):
+        row_gemv._check(FakeCpu())
+    monkeypatch.setenv("LMKIT_CPU_ISA", "AVX2")
+    assert row_gemv._usable(FakeCpu("avx2", "avx512f")) == ["avx2"]
+    monkeypatch.setenv("LMKIT_CPU_ISA", "avx512f")
+    with pytest.raises(build.KernelUnavailable,
+                       match="LMKIT_CPU_ISA=avx512f but this CPU does not run avx512f code"):
+        row_gemv._usable(FakeCpu("avx2"))
+    monkeypatch.setenv("LMKIT_CPU_ISA", "sse")
+    with pytest.raises(build.KernelUnavailable,
+                       match="LMKIT_CPU_ISA='sse' is not one of avx512f, avx2"):
+        row_gemv._usable(FakeCpu("avx2", "avx512f"))
+
+
+def test_a_pinned_build_is_the_one_used(best_kernel):
+    # a fresh process, since the builds are chosen once per process
+    code = ("from lmkit_kernels.cpu import row_gemv as r; "
+            "print(r.row_gemv_isa(), list(r.row_gemv_variants()))")
+    env = dict(os.environ, LMKIT_CPU_ISA="avx2")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    if "avx2" not in row_gemv_variants():
+        assert done.stdout.split()[0] == "[]"  # not available: isa is ""
+        assert "does not run avx2 code" in done.stderr
+    else:
+        assert done.stdout.strip() == "avx2 ['avx2']"
+
+
+def test_model_linear_uses_the_kernel_for_decode_rows_and_onednn_beyond(best_kernel):
     from lmkit_plugins.models.layers import Linear, _onednn_linear, _row_gemv_or_onednn
 
     lin = Linear(576, {"gate": 1536, "up": 1536}, bias=True, dtype=torch.float32, device=CPU)
@@ -179,7 +258,7 @@ def test_without_the_kernel_float32_layers_fall_back_to_onednn(monkeypatch):
     assert layers.cpu_linear_kernel(CPU, torch.bfloat16) is not layers._row_gemv_or_onednn
 
 
-def test_loading_the_kernel_adds_no_openmp_runtime(kernel):
+def test_loading_the_kernel_adds_no_openmp_runtime(best_kernel):
     # a fresh process: the runtimes mapped after importing torch are all there are after
     # loading the kernel (other packages may bring their own renamed copies; that is fine)
     code = ("import torch; from lmkit_kernels.cpu import build; "
@@ -201,4 +280,5 @@ def test_the_source_ships_with_the_package():
     from lmkit_kernels.cpu import row_gemv
 
     assert row_gemv.SOURCE.exists() and row_gemv.SOURCE.suffix == ".c"
-    assert Path(row_gemv.SOURCE).read_text().count("lmkit_row_gemv(") == 1
+    text = Path(row_gemv.SOURCE).read_text()
+    assert all(f"void lmkit_row_gemv_{isa}(" in text for isa in row_gemv.ISAS)

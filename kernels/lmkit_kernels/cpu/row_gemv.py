@@ -8,6 +8,11 @@ float32 projections at 39-40 GB/s where oneDNN reaches 30 GB/s (``bench/cpu_gemv
 Each output element is one dot product in a fixed order, so a row's result is the same
 whatever else shares the call and however many threads run it.
 
+The library holds two builds, one for AVX-512F and one for AVX2 + FMA (x86-64 CPUs
+without AVX-512, such as AMD Zen 2/3); the best one this CPU runs is used
+(:func:`row_gemv_isa`; ``LMKIT_CPU_ISA=avx2`` pins one, e.g. to compare them), and each
+is self-checked against torch before first use.
+
 :func:`row_gemv_linear` is used for inputs of at most :data:`MAX_ROWS` rows (decode
 batches: from 1 to 32 rows it is 30% faster to within 8% slower than oneDNN on the
 ``[in, out]`` layout, and faster than oneDNN on this ``[out, in]`` one); callers keep
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,47 +31,78 @@ import torch
 
 from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
 
-__all__ = ["MAX_ROWS", "row_gemv_available", "row_gemv_linear", "row_gemv_unavailable_reason",
-           "unchecked_row_gemv"]
+__all__ = ["ISAS", "MAX_ROWS", "row_gemv_available", "row_gemv_isa", "row_gemv_linear",
+           "row_gemv_unavailable_reason", "row_gemv_variants", "unchecked_row_gemv"]
 
 MAX_ROWS = 32  # inputs up to this many rows take the kernel (decode batches)
 SOURCE = Path(__file__).with_name("row_gemv.c")
-ABI = 1
+ABI = 2
+ISAS = ("avx512f", "avx2")  # the library's builds, best first
+ISA_ENV = "LMKIT_CPU_ISA"  # pins one build
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
+_SIGNATURE = ([_P, _L, _P, _L, _P, _P, _L, _L, _L, _L, ctypes.c_int], None)
 
 
 @functools.cache
-def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
-    """The loaded ``lmkit_row_gemv`` function, or ``None`` and the reason."""
+def _variants() -> tuple[dict[str, ctypes._CFuncPtr], str]:  # type: ignore[name-defined]
+    """The builds this CPU runs, best first, each self-checked; or ``{}`` and the reason."""
     lib, reason = bind_kernel_library(
         SOURCE, "lmkit_row_gemv_abi", ABI, what="CPU row-GEMV kernel",
         fallback="torch's linear", check=_check,
-        functions={"lmkit_row_gemv": ([_P, _L, _P, _L, _P, _P, _L, _L, _L, _L, ctypes.c_int],
-                                      None)})
-    return (None, reason) if lib is None else (lib.lmkit_row_gemv, "")
+        functions={f"lmkit_row_gemv_{isa}": _SIGNATURE for isa in ISAS}
+        | {"lmkit_row_gemv_isa_supported": ([ctypes.c_char_p], ctypes.c_int)})
+    if lib is None:
+        return {}, reason
+    return {isa: getattr(lib, f"lmkit_row_gemv_{isa}") for isa in _usable(lib)}, ""
+
+
+def _usable(lib: ctypes.CDLL) -> list[str]:
+    """The builds to use, best first: those this CPU runs, or the one ``LMKIT_CPU_ISA``
+    names. Raises :class:`KernelUnavailable` when there is none."""
+    supported = [isa for isa in ISAS if lib.lmkit_row_gemv_isa_supported(isa.encode())]
+    pin = os.environ.get(ISA_ENV, "").strip().lower()
+    if not pin:
+        if not supported:
+            raise KernelUnavailable("this CPU runs neither AVX-512F nor AVX2 + FMA code")
+        return supported
+    if pin not in ISAS:
+        raise KernelUnavailable(f"{ISA_ENV}={pin!r} is not one of {', '.join(ISAS)}")
+    if pin not in supported:
+        raise KernelUnavailable(f"{ISA_ENV}={pin} but this CPU does not run {pin} code")
+    return [pin]
 
 
 def _check(lib: ctypes.CDLL) -> None:
-    if not lib.lmkit_row_gemv_supported():
-        raise KernelUnavailable("this CPU does not run AVX-512F code")
-    _self_check(lib.lmkit_row_gemv)
+    for isa in _usable(lib):
+        _self_check(getattr(lib, f"lmkit_row_gemv_{isa}"), isa)
 
 
-def _self_check(fn: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]
-    # odd sizes cover the masked k tail, single-row tails and a bias
+def _self_check(fn: ctypes._CFuncPtr, isa: str) -> None:  # type: ignore[name-defined]
+    # odd sizes cover the masked k tail, single-row tails, partial x blocks and a bias
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 37, generator=gen)
+    x = torch.randn(5, 37, generator=gen)
     w = torch.randn(21, 37, generator=gen)
     b = torch.randn(21, generator=gen)
     out = _call(fn, x, w, b)
     if not torch.allclose(out, torch.addmm(b, x, w.t()), rtol=1e-5, atol=1e-5):
-        raise KernelUnavailable("the compiled kernel failed its self-check against torch")
+        raise KernelUnavailable(f"the compiled {isa} kernel failed its self-check against torch")
+
+
+def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
+    """The best build's function, or ``None`` and the reason."""
+    variants, reason = _variants()
+    return (next(iter(variants.values())), "") if variants else (None, reason)
 
 
 def row_gemv_available() -> bool:
     """Whether the kernel is compiled, loaded and usable on this machine."""
     return _kernel()[0] is not None
+
+
+def row_gemv_isa() -> str:
+    """The build in use (one of :data:`ISAS`), or ``""`` when the kernel is not available."""
+    return next(iter(_variants()[0]), "")
 
 
 def row_gemv_unavailable_reason() -> str:
@@ -84,19 +121,28 @@ def _call(fn: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor,  # type: 
     return out
 
 
-def unchecked_row_gemv() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None],
-                                      torch.Tensor] | None:
-    """The kernel without per-call checks, for a model's hot path; ``None`` when not
-    available.
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def unchecked_row_gemv() -> LinearFn | None:
+    """The kernel (best build) without per-call checks, for a model's hot path; ``None``
+    when not available.
 
     The caller guarantees what :func:`row_gemv_linear` checks for ``weight`` and
     ``bias`` (once, when it builds the layer) and passes at most :data:`MAX_ROWS` rows
     of a float32 CPU ``x``; ``x`` is made contiguous along ``in`` if it is not.
     """
     fn = _kernel()[0]
-    if fn is None:
-        return None
+    return None if fn is None else _unchecked(fn)
 
+
+def row_gemv_variants() -> dict[str, LinearFn]:
+    """Every build this CPU runs, by ISA name (best first), as :func:`unchecked_row_gemv`
+    functions; empty when the kernel is not available. For benchmarks and tests."""
+    return {isa: _unchecked(fn) for isa, fn in _variants()[0].items()}
+
+
+def _unchecked(fn: ctypes._CFuncPtr) -> LinearFn:  # type: ignore[name-defined]
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                ) -> torch.Tensor:
         return _call(fn, x if x.stride(1) == 1 else x.contiguous(), weight, bias)

@@ -1,5 +1,5 @@
-"""CPU decode projections against the memory bandwidth: lmkit's C row-GEMV kernel (each
-build this CPU runs: AVX-512F, AVX2) and oneDNN in both weight layouts, on every float32 projection of a model's decode step.
+"""CPU decode projections against the memory bandwidth: lmkit's C row-GEMV kernel and
+oneDNN in both weight layouts, on every float32 projection of a model's decode step.
 
 A decode step reads each projection's weight once (SmolLM2-135M: 30 layers of fused
 QKV, output, fused gate-up and down, and the tied LM head; 538 MB in float32), far
@@ -7,7 +7,9 @@ more than the L3 cache holds, so the step is bound by memory reads. This times o
 pass over all of them, back to back as the model runs them, for ``M`` input rows, in
 rounds that alternate the variants (the machines this runs on drift), and reports the
 median round's time and the weight bytes read per second, beside a plain streaming
-read (``sum`` over a tensor of the same size) measured in the same run::
+read (``sum`` over a tensor of the same size) measured in the same run. Every build of
+the kernel this CPU runs is timed (AVX-512F, AVX2); to compare the AVX2 build with
+oneDNN on equal terms on an AVX-512 machine, cap oneDNN with ``ONEDNN_MAX_CPU_ISA=AVX2``::
 
     python bench/cpu_gemv.py --rows 1,2,4,8 --threads 2 --rounds 5
 """

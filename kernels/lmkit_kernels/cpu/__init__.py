@@ -6,6 +6,7 @@
   attention straight from the paged KV cache (the ``cpu`` attention backend)
 * :mod:`~lmkit_kernels.cpu.rms_norm` -- ``add_rms_norm``: float32 residual add +
   RMSNorm for decode batches
+* :mod:`~lmkit_kernels.cpu.checks` -- argument checks their checked entry points share
 
 Importing this package imports nothing heavy; the kernel modules import torch.
 """

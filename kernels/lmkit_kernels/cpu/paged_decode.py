@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lmkit_kernels.cpu.build import bind_kernel_library
+from lmkit_kernels.cpu.checks import require_float32_cpu, require_kernel
 
 __all__ = ["decode_attention_kernel", "paged_decode_attention",
            "paged_decode_unavailable_reason"]
@@ -96,10 +97,8 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Raises ``RuntimeError`` when the kernel is not available and ``ValueError`` for
     inputs it does not take.
     """
-    fn = decode_attention_kernel()
-    if fn is None:
-        raise RuntimeError(f"the CPU paged decode kernel is not available: "
-                           f"{paged_decode_unavailable_reason()}")
+    fn = require_kernel(decode_attention_kernel(), "CPU paged decode kernel",
+                        paged_decode_unavailable_reason())
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or kv_cache.dim() != 5:
         raise ValueError("paged_decode_attention: expected q/k/v [n, heads, head_size] and "
                          "a [2, num_blocks, block_size, num_kv_heads, head_size] cache")
@@ -112,10 +111,9 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of "
                          f"num_kv_heads={num_kv_heads}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"paged_decode_attention: {name} must be float32 on the CPU")
-        if name != "kv_cache" and (t.stride(2) != 1 or t.stride(1) != head_size):
+    require_float32_cpu("paged_decode_attention", q=q, k=k, v=v, kv_cache=kv_cache)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != head_size:
             raise ValueError(f"paged_decode_attention: {name}'s heads must be contiguous")
     if not kv_cache.is_contiguous():
         raise ValueError("paged_decode_attention: kv_cache must be contiguous")

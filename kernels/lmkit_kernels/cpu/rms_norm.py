@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lmkit_kernels.cpu.build import bind_kernel_library
+from lmkit_kernels.cpu.checks import require_float32_cpu, require_kernel
 
 __all__ = ["MAX_ROWS", "add_rms_norm", "rms_norm_kernel", "rms_norm_unavailable_reason"]
 
@@ -81,10 +82,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     Raises ``RuntimeError`` when the kernel is not available and ``ValueError`` for
     inputs it does not take.
     """
-    fn = rms_norm_kernel()
-    if fn is None:
-        raise RuntimeError(f"the CPU RMSNorm kernel is not available: "
-                           f"{rms_norm_unavailable_reason()}")
+    fn = require_kernel(rms_norm_kernel(), "CPU RMSNorm kernel", rms_norm_unavailable_reason())
     if x.dim() != 2 or x.shape[0] > MAX_ROWS:
         raise ValueError(f"add_rms_norm takes [m <= {MAX_ROWS}, n] rows, got {tuple(x.shape)}")
     if weight.shape != (x.shape[1],) or not weight.is_contiguous():
@@ -92,7 +90,5 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} is not "
                          f"{tuple(x.shape)}")
-    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"add_rms_norm: {name} must be a float32 CPU tensor")
+    require_float32_cpu("add_rms_norm", x=x, weight=weight, residual=residual)
     return fn(x, residual, weight, eps)

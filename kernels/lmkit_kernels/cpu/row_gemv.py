@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
+from lmkit_kernels.cpu.checks import require_float32_cpu, require_kernel
 
 __all__ = ["ISAS", "MAX_ROWS", "row_gemv_available", "row_gemv_isa", "row_gemv_linear",
            "row_gemv_unavailable_reason", "row_gemv_variants", "unchecked_row_gemv"]
@@ -159,18 +160,13 @@ def row_gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     ``RuntimeError`` when the kernel is not available (check
     :func:`row_gemv_available`) and ``ValueError`` for inputs it does not take.
     """
-    fn, reason = _kernel()
-    if fn is None:
-        raise RuntimeError(f"the CPU row-GEMV kernel is not available: {reason}")
+    fn = require_kernel(_kernel()[0], "CPU row-GEMV kernel", row_gemv_unavailable_reason())
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row_gemv_linear: x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)} are not [m, in] and [out, in]")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"row_gemv_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            raise ValueError(f"row_gemv_linear: {name} must be a float32 CPU tensor, "
-                             f"got {t.dtype} on {t.device}")
+    require_float32_cpu("row_gemv_linear", x=x, weight=weight, bias=bias)
     if weight.stride(1) != 1:
         raise ValueError("row_gemv_linear: weight rows must be contiguous (unit stride "
                          "along in)")

@@ -36,7 +36,7 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     """
     import torch
     from lmkit.engine.core import EngineCore
-    from lmkit.entrypoints.llm import build_config
+    from lmkit.frontend.llm import build_config
 
     t0 = time.perf_counter()
     engine = EngineCore(build_config(model_dir, None, options), progress=False)
@@ -116,8 +116,8 @@ class _StepRecorder:
 
 
 def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str, Any]:
-    from lmkit.engine.request import Request
-    from lmkit.engine.sampling_params import SamplingParams
+    from lmkit.api.request import Request
+    from lmkit.api.sampling_params import SamplingParams
 
     recorder.steps = []
     start = time.perf_counter()
@@ -148,8 +148,8 @@ def _profile_decode(engine: Any, wl: Workload, recorder: _StepRecorder, steps: i
                     ) -> dict[str, Any]:
     """Run ``wl`` (short outputs) to its decode phase, profile ``steps`` decode steps."""
     import torch
-    from lmkit.engine.request import Request
-    from lmkit.engine.sampling_params import SamplingParams
+    from lmkit.api.request import Request
+    from lmkit.api.sampling_params import SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
     top = max(max(p) for p in wl["prompts"]) + 1

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmkit.bench.measure import run_isolated
+from lmkit.benchmarking.measure import run_isolated
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from lmkit.loading.cache import default_cache_dir
         from lmkit.loading.resolve import resolve_model
-        from lmkit.plugins.manager import PluginHost
+        from lmkit.plugin_host.manager import PluginHost
 
         args.model_path = str(resolve_model(args.model, PluginHost.load(), default_cache_dir()))
     dtype_bytes = 2 if args.dtype in ("bfloat16", "float16") else 4

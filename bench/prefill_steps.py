@@ -25,8 +25,8 @@ from gpu_engine import ENGINE_OPTIONS, SMALL, make_workloads  # noqa: E402
 def run_pass(engine: Any, prompts: list[list[int]], tag: str) -> list[dict[str, Any]]:
     """Submit every prompt with max_tokens=1; time each engine step."""
     import torch
-    from lmkit.engine.request import Request
-    from lmkit.engine.sampling_params import SamplingParams
+    from lmkit.api.request import Request
+    from lmkit.api.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -49,7 +49,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from lmkit.engine.core import EngineCore
-    from lmkit.entrypoints.llm import build_config
+    from lmkit.frontend.llm import build_config
     from torch.profiler import ProfilerActivity, profile
 
     model_dir = models.write_model(SMALL, args.model_root / SMALL)

@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmkit.bench.measure import run_isolated
-from lmkit.bench.workload import Workload, chat_workload, copy_workload
+from lmkit.benchmarking.measure import run_isolated
+from lmkit.benchmarking.workload import Workload, chat_workload, copy_workload
 
 
 def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any],
@@ -41,7 +41,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
 
     import torch
     from lmkit import SamplingParams
-    from lmkit.entrypoints.llm import LLM
+    from lmkit.frontend.llm import LLM
 
     if threads:
         torch.set_num_threads(threads)
@@ -161,7 +161,7 @@ def main() -> None:
     from lmkit.config import DEFAULT_MODEL
     from lmkit.loading.resolve import resolve_model
     from lmkit.loading.tokenizer import load_tokenizer
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     model_dir = str(resolve_model(args.model or DEFAULT_MODEL, PluginHost.load()))
     tokenizer = load_tokenizer(Path(model_dir))

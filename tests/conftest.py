@@ -28,7 +28,7 @@ def smollm2_dir() -> Path:
     from lmkit.errors import ModelNotFoundError
     from lmkit.loading.cache import default_cache_dir
     from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     try:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.plugins.hookspecs import hookimpl, hookspec
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.plugin_host.hookspecs import hookimpl, hookspec
 from lmkit.version import PLUGIN_API_VERSION, __version__
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from lmkit.entrypoints.llm import LLM
+        from lmkit.frontend.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'lmkit' has no attribute {name!r}")

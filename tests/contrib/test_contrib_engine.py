@@ -49,7 +49,7 @@ def test_fair_share_between_tenants_in_the_engine(contrib_on_path, model_dir) ->
 def test_installed_plugins_pass_the_conformance_suites(contrib_on_path) -> None:
     """Through the registry, as the engine finds them (entry points of the installed
     distributions), not through imports of the source tree."""
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
     from lmkit.testing.scheduler import check_scheduler
     from lmkit.testing.structured_output import check_structured_output_backend
 

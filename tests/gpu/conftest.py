@@ -20,7 +20,7 @@ def smollm2(request, tmp_path_factory) -> Path:
     if path.is_dir():
         return path
     from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return resolve_model(str(path), host, cache_dir=tmp_path_factory.mktemp("cache"),

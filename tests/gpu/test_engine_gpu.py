@@ -42,8 +42,8 @@ if DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
-from lmkit.bench.prompts import CHAT_PROMPTS  # noqa: E402
-from lmkit.entrypoints.llm import LLM  # noqa: E402
+from lmkit.benchmarking.prompts import CHAT_PROMPTS  # noqa: E402
+from lmkit.frontend.llm import LLM  # noqa: E402
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 if DEVICE == "cuda":

@@ -25,8 +25,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton")
 
 from lmkit import SamplingParams  # noqa: E402
-from lmkit.bench.workload import copy_passages  # noqa: E402
-from lmkit.entrypoints.llm import LLM  # noqa: E402
+from lmkit.benchmarking.workload import copy_passages  # noqa: E402
+from lmkit.frontend.llm import LLM  # noqa: E402
 from lmkit_kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -15,7 +15,7 @@ from lmkit.loading.pypi import RECORD, entry_path
 from lmkit.loading.resolve import resolve_model
 from lmkit.loading.tokenizer import load_tokenizer
 from lmkit.loading.weights import iterate_weights, load_hf_config
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 
 
 def test_converted_default_model_files(smollm2_dir):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from lmkit import LLM, SamplingParams
-from lmkit.bench.prompts import CHAT_PROMPTS
+from lmkit.benchmarking.prompts import CHAT_PROMPTS
 
 NEW_TOKENS = 24
 

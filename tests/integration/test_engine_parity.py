@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lmkit import LLM, SamplingParams
-from lmkit.bench.prompts import CHAT_PROMPTS
+from lmkit.benchmarking.prompts import CHAT_PROMPTS
 
 NUM_PROMPTS = 16
 NEW_TOKENS = 64

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
-from lmkit.scheduler.output import NewRequestData, SchedulerOutput
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.worker.model_runner import ModelRunner
 
 VOCAB = 512

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.sampling_params import SamplingParams
 from lmkit.errors import ModelLoadError
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
-from lmkit.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.worker.dummy_steps import warm_up_step_shapes
 from lmkit.worker.model_runner import ModelRunner
 from lmkit_plugins.executors.uniproc import UniProcExecutor

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from lmkit import LLM, SamplingParams
-from lmkit.bench.prompts import CHAT_PROMPTS
-from lmkit.bench.workload import copy_passages
+from lmkit.benchmarking.prompts import CHAT_PROMPTS
+from lmkit.benchmarking.workload import copy_passages
 
 NEW_TOKENS = 32
 SPEC = dict(speculative="ngram", num_speculative_tokens=4)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from lmkit.bench import offline
-from lmkit.bench.offline import BenchSetup, format_report
-from lmkit.bench.workload import Workload
+from lmkit.benchmarking import offline
+from lmkit.benchmarking.offline import BenchSetup, format_report
+from lmkit.benchmarking.workload import Workload
 
 WORKLOAD = Workload("toy", [[5, 6, 7], [8, 9]], [4, 4])
 SETUP = BenchSetup("toy-model", "/nonexistent", {}, "float32", "cpu", 1)

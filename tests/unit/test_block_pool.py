@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from lmkit.kv_cache.hashing import DEFAULT_SEED, hash_block_tokens, update_block_hashes
 

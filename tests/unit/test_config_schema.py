@@ -7,7 +7,7 @@ import pytest
 from lmkit.api import Spec
 from lmkit.config import LMKitConfig
 from lmkit.config.json_schema import config_json_schema
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from pydantic import BaseModel, ConfigDict
 from test_plugin_host import isolated_host, plugin, registering
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lmkit.api import Caps, Spec
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing import ConformanceFailure
 from lmkit.testing.attention import AttentionConformance, check_attention_backend
 from lmkit_plugins.attention.torch_ref import TorchAttention

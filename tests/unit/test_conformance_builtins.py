@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.attention import check_attention_backend
 from lmkit.testing.executor import check_executor
 from lmkit.testing.offload import check_offload_manager

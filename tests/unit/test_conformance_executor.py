@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from lmkit.api import Spec
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing import ConformanceFailure
 from lmkit.testing.executor import check_executor
 from lmkit.testing.tiny_model import make_tiny_model

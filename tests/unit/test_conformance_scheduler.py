@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from lmkit.api import FCFSWaitingQueue, PagedScheduler, Spec
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing import ConformanceFailure
 from lmkit.testing.scheduler import SchedulerConformance, check_scheduler
 

@@ -16,11 +16,11 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: the lookahead runs in tests/gpu")
 torch = pytest.importorskip("torch")
 
+from lmkit.api.request import Request  # noqa: E402
+from lmkit.api.sampling_params import SamplingParams  # noqa: E402
 from lmkit.config.schema import LMKitConfig  # noqa: E402
-from lmkit.engine.request import Request  # noqa: E402
-from lmkit.engine.sampling_params import SamplingParams  # noqa: E402
-from lmkit.plugins.manager import PluginHost  # noqa: E402
-from lmkit.plugins.resolve import resolve_stack  # noqa: E402
+from lmkit.plugin_host.manager import PluginHost  # noqa: E402
+from lmkit.plugin_host.resolve import resolve_stack  # noqa: E402
 from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
 from lmkit.worker.cuda_graphs import CudaGraphRunner  # noqa: E402
 from lmkit.worker.gpu_lookahead import DecodeLookahead  # noqa: E402

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.kv_cache.manager import KVCacheManager
 
 BS = 4

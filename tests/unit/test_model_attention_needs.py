@@ -9,8 +9,8 @@ from lmkit.api import Caps, Spec, hookimpl
 from lmkit.config import LMKitConfig
 from lmkit.engine.core import model_attention_needs
 from lmkit.errors import NoBackendError
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 from transformers import MistralConfig
 
 

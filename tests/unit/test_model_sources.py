@@ -17,7 +17,7 @@ from lmkit.errors import ModelLoadError, ModelNotFoundError, UnknownBackendError
 from lmkit.loading import gguf as gguf_module
 from lmkit.loading.cache import MARKER, read_marker
 from lmkit.loading.resolve import resolve_model
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 
 
 @pytest.fixture(scope="module")

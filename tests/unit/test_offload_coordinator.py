@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-from lmkit.engine.request import Request, RequestStatus
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.kv_cache.hashing import update_block_hashes
 from lmkit.kv_cache.manager import KVCacheManager
 from lmkit.offload.coordinator import LOAD_FAILED, OffloadCoordinator

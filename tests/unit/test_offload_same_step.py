@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import torch
+from lmkit.api.request import RequestStatus
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.request import RequestStatus
 from lmkit.kv_cache.hashing import update_block_hashes
 from lmkit.offload.coordinator import LOAD_FAILED, NO_SAME_STEP
 from lmkit.offload.transfers import KVTransfers, LoadRequest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.offload import (
     BLOCK_SIZE,
     HEAD_SIZE,

@@ -21,8 +21,8 @@ from lmkit.errors import (
     PluginLoadError,
 )
 from lmkit.platform import cuda_device_count
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.report import availability
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.report import availability
 
 DISTS = Path(__file__).resolve().parents[1] / "fixtures" / "dists"
 ALL_TEST_PLUGINS = ("broken-test", "dup-test", "good-test", "oldapi-test", "typo-test")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmkit.docs_gen import main, render_all, rst_to_md
-from lmkit.plugins import hookspecs
+from lmkit.plugin_host import hookspecs
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference"
 

@@ -19,7 +19,7 @@ from lmkit.errors import (
     PluginError,
     UnknownBackendError,
 )
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from typer.testing import CliRunner
 
 API = ">=1.0,<2"

@@ -18,7 +18,7 @@ from lmkit.api import PluginHost, Spec, Caps, Needs, hookimpl
 host = PluginHost.load()
 from lmkit.cli.main import build_app
 build_app()
-from lmkit.plugins.report import host_report
+from lmkit.plugin_host.report import host_report
 host_report(host)
 print(json.dumps(sorted({name.split(".")[0] for name in sys.modules})))
 """

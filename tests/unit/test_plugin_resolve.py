@@ -10,7 +10,7 @@ import pytest
 from lmkit.api import Caps, Needs, Spec
 from lmkit.config import LMKitConfig, load_config
 from lmkit.errors import ConfigError, NoBackendError, StackConflictError, UnknownBackendError
-from lmkit.plugins.resolve import resolve_stack
+from lmkit.plugin_host.resolve import resolve_stack
 from pydantic import BaseModel, ConfigDict, Field
 from test_plugin_host import isolated_host, plugin, registering
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.sample.filters import apply_min_p, apply_top_k, apply_top_k_top_p
 from lmkit.sample.metadata import SamplingMetadata

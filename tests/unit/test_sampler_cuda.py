@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_probs, make_generator
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
 

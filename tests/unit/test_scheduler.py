@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from lmkit.engine.request import RequestStatus
+from lmkit.api.request import RequestStatus
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.scheduler.paged import PagedScheduler
 from test_scheduler_fakes import (

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler_output import SchedulerOutput
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.scheduler.output import SchedulerOutput
 from lmkit.scheduler.paged import PagedScheduler
 from lmkit.testing.fake_runner import FakeRunner, next_token
 

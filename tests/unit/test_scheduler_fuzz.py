@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from lmkit.engine.request import RequestStatus
+from lmkit.api.request import RequestStatus
 from lmkit_plugins.schedulers.fcfs import FCFSScheduler
 from lmkit_plugins.schedulers.priority import PriorityScheduler
 from test_scheduler_fakes import (

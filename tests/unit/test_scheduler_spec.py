@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.scheduler.paged import PagedScheduler
-from lmkit.worker.output import ModelRunnerOutput
 from test_scheduler_fakes import (
     FakeRunner,
     drive,

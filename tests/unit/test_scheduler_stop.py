@@ -4,11 +4,11 @@ outputs update_from_output returns."""
 from __future__ import annotations
 
 import pytest
-from lmkit.engine.outputs import TokenLogprob
-from lmkit.engine.request import RequestStatus
+from lmkit.api.outputs import TokenLogprob
+from lmkit.api.request import RequestStatus
+from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.scheduler.paged import PagedScheduler
 from lmkit.scheduler.stop import append_and_check_stop
-from lmkit.worker.output import ModelRunnerOutput
 from test_scheduler_fakes import FakeRunner, make_config, make_request
 
 EOS = 5

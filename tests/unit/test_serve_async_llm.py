@@ -14,14 +14,14 @@ import threading
 import time
 
 import pytest
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.engine.core_proc import EngineCoreProc
+from lmkit.engine.messages import EngineReady
 from lmkit.errors import EngineDeadError, InvalidRequestError
-from lmkit.serve.async_llm import AsyncLLM
-from lmkit.serve.core_client import EngineCoreClient
-from lmkit.serve.core_proc import EngineCoreProc
-from lmkit.serve.messages import EngineReady
+from lmkit.frontend.async_llm import AsyncLLM
+from lmkit.frontend.core_client import EngineCoreClient
 
 SCRIPT = " one two three four five six seven eight nine ten"
 

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from lmkit.bench.serve import RequestResult, _one_request, format_serve_report, summarize
+from lmkit.benchmarking.serve import RequestResult, _one_request, format_serve_report, summarize
 
 
 def sse_body(texts, usage):

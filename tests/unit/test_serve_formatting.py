@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lmkit.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from lmkit.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lmkit.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from lmkit.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmkit.serve.routes_chat import ChatFormatter

@@ -7,10 +7,10 @@ import pickle
 
 import msgspec
 import pytest
-from lmkit.engine.outputs import EngineCoreOutput, TokenLogprob
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.serve.messages import (
+from lmkit.api.outputs import EngineCoreOutput, TokenLogprob
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lmkit import LLM, SamplingParams
 from lmkit.api import Needs, Proposal, Spec, SpecProposer, hookimpl
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.spec_decode import check_spec_proposer
 from lmkit.testing.tiny_model import make_tiny_model
 

@@ -20,12 +20,12 @@ import pytest
 import torch
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext, ModelBuildContext
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
 from lmkit.loading.weights import iterate_weights, load_hf_config
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.testing.tiny_model import make_tiny_model
 from lmkit.worker.cuda_graphs import CudaGraphRunner
 from lmkit.worker.input_batch import CachedRequestState, InputBatch

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.spec_decode.rows import (
     DraftExtendedTokens,
@@ -122,12 +122,12 @@ def test_greedy_fast_path_matches_the_general_path(bias):
 
 def test_speculation_pauses_after_steps_with_a_large_batch():
     from lmkit.api import Proposal, SpecProposer
+    from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.request import Request, RequestStatus
+    from lmkit.api.runner_output import ModelRunnerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
-    from lmkit.engine.outputs import EngineCoreOutput
-    from lmkit.engine.request import Request, RequestStatus
-    from lmkit.scheduler.output import SchedulerOutput
     from lmkit.spec_decode.manager import ProposerManager
-    from lmkit.worker.output import ModelRunnerOutput
 
     class Sevens(SpecProposer):
         def __init__(self):

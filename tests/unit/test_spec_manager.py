@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from lmkit.api import Caps, Proposal, Spec, SpecProposer
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler_output import SchedulerOutput
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.request import Request, RequestStatus
-from lmkit.engine.sampling_params import SamplingParams
 from lmkit.errors import ConfigError, PluginError
-from lmkit.plugins.registry import Registration
-from lmkit.plugins.resolve import ResolvedStack
-from lmkit.scheduler.output import SchedulerOutput
+from lmkit.plugin_host.registry import Registration
+from lmkit.plugin_host.resolve import ResolvedStack
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.spec_decode.stats import SpecDecodeStats
-from lmkit.worker.output import ModelRunnerOutput
 
 K = 3
 
@@ -144,7 +144,7 @@ def test_counters_rates_and_per_position_acceptance():
 
 def test_prometheus_series():
     pytest.importorskip("prometheus_client")
-    from lmkit.serve.messages import numeric_stats
+    from lmkit.engine.messages import numeric_stats
     from lmkit.serve.metrics import ServerMetrics
 
     stats = SpecDecodeStats(2)

@@ -10,8 +10,8 @@ import pytest
 from lmkit.api import ProposerInput
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import ConfigError
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.testing.spec_decode import check_spec_proposer
 from lmkit_plugins.spec import NgramOptions
 from lmkit_plugins.spec.ngram import NgramProposer, find_drafts

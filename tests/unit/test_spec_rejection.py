@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import make_generator
 from lmkit.spec_decode import rejection

@@ -9,12 +9,12 @@ import time
 
 import pytest
 import torch
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.request import Request, RequestStatus
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler_output import SchedulerOutput
 from lmkit.errors import InvalidRequestError
 from lmkit.sample.bitmask import unpack_bitmask
-from lmkit.scheduler.output import SchedulerOutput
 from lmkit.structured.manager import StructuredOutputManager
 from lmkit.testing.tiny_model import make_byte_tokenizer
 

@@ -1,26 +1,28 @@
 """The public API for plugin authors. Plugins import from here (and ``lmkit``) only.
 
-Light names are imported eagerly; names whose modules import torch are loaded on first
-access, so that ``from lmkit.api import Spec`` in a plugin module stays cheap.
+Light names (the contract's ABCs and data types) are imported eagerly; names whose
+modules import torch or the configuration machinery are loaded on first access, so that
+``import lmkit`` and ``from lmkit.api import Spec`` in a plugin module stay cheap.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
+from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler import Scheduler
+from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.api.source import ModelSource
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
-from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import EngineCoreOutput, TokenLogprob
-from lmkit.engine.request import Request, RequestStatus
-from lmkit.engine.sampling_params import SamplingParams
 from lmkit.errors import (
     ConfigError,
     InvalidRequestError,
@@ -29,17 +31,26 @@ from lmkit.errors import (
     ModelNotFoundError,
     PluginError,
 )
-from lmkit.plugins.hookspecs import hookimpl
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.registry import Registration
-from lmkit.plugins.resolve import ResolvedStack
-from lmkit.plugins.spec import Caps, Needs, NoOptions, Spec
-from lmkit.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from lmkit.plugin_host.hookspecs import hookimpl
 from lmkit.version import PLUGIN_API_VERSION
-from lmkit.worker.output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.plugin_host.registry import Registration
+    from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec
 
 # name -> module, imported on first attribute access
 _LAZY = {
+    "LMKitConfig": "lmkit.config.schema",
+    "PluginHost": "lmkit.plugin_host.manager",
+    "Registration": "lmkit.plugin_host.registry",
+    "ResolvedStack": "lmkit.plugin_host.resolve",
+    "Caps": "lmkit.plugin_host.spec",
+    "Needs": "lmkit.plugin_host.spec",
+    "NoOptions": "lmkit.plugin_host.spec",
+    "Spec": "lmkit.plugin_host.spec",
     "PagedScheduler": "lmkit.scheduler.paged",
     "KVCacheManager": "lmkit.kv_cache.manager",
     "BlockPool": "lmkit.kv_cache.block_pool",
@@ -65,11 +76,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
-    "CausalLM", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
+    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
     "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
-    "Registration", "Request", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
+    "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
     "TransferJob", "hookimpl", *_LAZY,
 ]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmkit.scheduler.output import SchedulerOutput
-    from lmkit.worker.output import ModelRunnerOutput
+    from lmkit.api.runner_output import ModelRunnerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class ModelInfo:
     available_kv_bytes: int  # memory the KV cache may use on this device
     device: str
     dtype: str
+    # KV slots per request the scheduler must reserve past the scheduled tokens because
+    # the runner launches decode steps ahead of scheduling (0 when it does not)
+    num_lookahead_slots: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -30,7 +33,7 @@ class Executor(ABC):
     """Runs the model for the engine core.
 
     Constructed as ``cls(config, stack, options=opts)`` where ``stack`` is the resolved
-    :class:`~lmkit.plugins.resolve.ResolvedStack` (chosen names and options; a worker in
+    :class:`~lmkit.plugin_host.resolve.ResolvedStack` (chosen names and options; a worker in
     another process resolves the names in its own plugin manager).
     """
 

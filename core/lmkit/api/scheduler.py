@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lmkit.engine.outputs import EngineCoreOutput
-    from lmkit.engine.request import Request, RequestStatus
-    from lmkit.scheduler.output import SchedulerOutput
-    from lmkit.worker.output import ModelRunnerOutput
+    from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.request import Request, RequestStatus
+    from lmkit.api.runner_output import ModelRunnerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
 
 
 class Scheduler(ABC):

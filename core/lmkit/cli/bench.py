@@ -15,11 +15,11 @@ WORKLOAD = "Workload"
 
 
 def _setup(opts: ConfigOptions, threads: int | None):
-    from lmkit.bench.offline import BenchSetup
+    from lmkit.benchmarking.offline import BenchSetup
     from lmkit.cli.generate import status
     from lmkit.cli.options import build_host
     from lmkit.loading.resolve import resolve_model
-    from lmkit.plugins.resolve import resolve_device
+    from lmkit.plugin_host.resolve import resolve_device
 
     config, provenance = build_config(opts)
     host = build_host(config)
@@ -44,8 +44,8 @@ def _get(config, path: str):
 
 def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: str, seed: int,
               dataset: Path | None):
-    from lmkit.bench.offline import make_workload
-    from lmkit.bench.workload import parse_length_range
+    from lmkit.benchmarking.offline import make_workload
+    from lmkit.benchmarking.workload import parse_length_range
     from lmkit.loading.tokenizer import load_tokenizer
     from lmkit.loading.weights import load_hf_config
 
@@ -56,7 +56,7 @@ def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: st
 
 
 def _finish(report, out: Path | None) -> None:
-    from lmkit.bench.offline import format_report, save_report
+    from lmkit.benchmarking.offline import format_report, save_report
     from lmkit.cli.render import print_text
 
     print_text(format_report(report))
@@ -91,7 +91,7 @@ def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: Nu
                    int | None, typer.Option(help="HF static batch size (default: all).")] = None,
                threads: Threads = None, rounds: Rounds = 1, out: Out = None) -> None:
     """Offline throughput: every request submitted at once (requests/s, tokens/s, memory)."""
-    from lmkit.bench import offline
+    from lmkit.benchmarking import offline
     from lmkit.cli.generate import status
 
     setup, _ = _setup(opts, threads)
@@ -107,7 +107,7 @@ def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPr
             dataset: Dataset = None, peer: Peer = "hf", threads: Threads = None,
             rounds: Rounds = 1, out: Out = None) -> None:
     """Single-stream decode: one request at a time (TTFT, time per output token, tokens/s)."""
-    from lmkit.bench import offline
+    from lmkit.benchmarking import offline
     from lmkit.cli.generate import status
 
     setup, _ = _setup(opts, threads)

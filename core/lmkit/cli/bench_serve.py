@@ -36,8 +36,8 @@ def _server_model_dir(url: str, api_key: str | None) -> Path | None:
 
 def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_len: str,
               output_len: str, seed: int, dataset: Path | None) -> Any:
-    from lmkit.bench.offline import make_workload
-    from lmkit.bench.workload import parse_length_range
+    from lmkit.benchmarking.offline import make_workload
+    from lmkit.benchmarking.workload import parse_length_range
 
     model_dir = _server_model_dir(url, api_key)
     tokenizer, vocab = None, 32000
@@ -84,7 +84,7 @@ def bench_serve(
     out: Annotated[Path | None, typer.Option("--out", help="Write the JSON report here.")] = None,
 ) -> None:
     """Online serving benchmark: TTFT, TPOT, ITL (mean/p50/p99), throughput, errors."""
-    from lmkit.bench.serve import format_serve_report, run_serve_bench
+    from lmkit.benchmarking.serve import format_serve_report, run_serve_bench
     from lmkit.cli.render import print_text
 
     url = url.rstrip("/")

@@ -12,8 +12,8 @@ from lmkit.cli.plugins_cmd import JsonFlag, PluginFlag
 from lmkit.cli.render import print_json, print_table, print_text
 from lmkit.config.json_schema import config_json_schema
 from lmkit.config.sources import flatten
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import resolve_stack
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
 
 
 def register(app: typer.Typer) -> None:

@@ -42,7 +42,7 @@ def status(text: str) -> None:
 
 def open_llm(opts: ConfigOptions, model: str | None) -> Any:
     """Build the config from the shared options and load the engine, with progress."""
-    from lmkit.entrypoints.llm import LLM
+    from lmkit.frontend.llm import LLM
 
     config, _ = build_config(opts)
     if model is not None:

@@ -22,7 +22,7 @@ from typer.core import TyperGroup
 
 from lmkit.cli.render import print_error, print_json, print_text
 from lmkit.errors import LMKitError
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 from lmkit.version import PLUGIN_API_VERSION, __version__
 
 COMMAND_MODULES: tuple[str, ...] = (

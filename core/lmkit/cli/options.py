@@ -27,7 +27,7 @@ from lmkit.config.loader import load_config
 from lmkit.config.schema import LMKitConfig
 from lmkit.config.sources import parse_text_value
 from lmkit.errors import ConfigError
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 
 PANEL = "Configuration"
 

@@ -10,10 +10,10 @@ import typer
 from lmkit import PLUGIN_API_VERSION, __version__
 from lmkit.cli.render import print_json, print_table, print_text
 from lmkit.errors import UnknownBackendError
-from lmkit.plugins.kinds import KINDS
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.registry import suggest
-from lmkit.plugins.report import host_report, spec_report
+from lmkit.plugin_host.kinds import KINDS
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.registry import suggest
+from lmkit.plugin_host.report import host_report, spec_report
 
 PluginFlag = Annotated[
     list[str] | None,

@@ -12,10 +12,10 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from lmkit.config.schema import LMKitConfig
-from lmkit.plugins.kinds import OPTIONAL_KINDS, STACK_KINDS
+from lmkit.plugin_host.kinds import OPTIONAL_KINDS, STACK_KINDS
 
 if TYPE_CHECKING:
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 

@@ -13,14 +13,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.request import Request, RequestStatus
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import attach_offload
-from lmkit.plugins.manager import PluginHost
-from lmkit.plugins.resolve import ResolvedStack, resolve_stack
-from lmkit.plugins.spec import Needs
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
+from lmkit.plugin_host.spec import Needs
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
 
@@ -142,9 +142,7 @@ class EngineCore:
     def _reserve_decode_lookahead_slots(self) -> None:
         """With CUDA graphs the runner launches each decode step before it is scheduled
         (lmkit.worker.gpu_lookahead); the scheduler then keeps one more KV slot per request."""
-        from lmkit.worker.gpu_lookahead import decode_lookahead_slots
-
-        slots = decode_lookahead_slots(self.config, self.stack)
+        slots = self.model_info.num_lookahead_slots
         current = getattr(self.scheduler, "num_lookahead_tokens", None)
         if slots and isinstance(current, int) and current < slots:
             self.scheduler.num_lookahead_tokens = slots
@@ -152,7 +150,7 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request (see :class:`~lmkit.engine.processor.InputProcessor`).
+        """Queue a validated request (see :class:`~lmkit.frontend.processor.InputProcessor`).
         A constrained request waits for its grammar outside the scheduler; if the grammar
         fails to compile it is refused later (:meth:`take_rejected_requests`)."""
         if request.sampling_params.structured_outputs is not None:

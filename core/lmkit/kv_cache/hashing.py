@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lmkit.engine.request import Request
+    from lmkit.api.request import Request
 
 BlockHash = bytes
 

@@ -13,7 +13,7 @@ from lmkit.kv_cache.block_pool import BlockPool, KVCacheBlock
 from lmkit.kv_cache.hashing import DEFAULT_SEED, BlockHash, update_block_hashes
 
 if TYPE_CHECKING:
-    from lmkit.engine.request import Request
+    from lmkit.api.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -21,8 +21,8 @@ from lmkit.loading.cache import default_cache_dir
 from lmkit.loading.weights import check_weight_files
 
 if TYPE_CHECKING:
-    from lmkit.plugins.manager import PluginHost
-    from lmkit.plugins.registry import Registration
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.plugin_host.registry import Registration
 
 KIND = "model_source"
 

@@ -11,7 +11,7 @@ from lmkit.offload.coordinator import OffloadCoordinator
 
 if TYPE_CHECKING:
     from lmkit.api.executor import Executor
-    from lmkit.plugins.resolve import ResolvedStack
+    from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 

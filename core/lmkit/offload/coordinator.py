@@ -42,7 +42,7 @@ from lmkit.kv_cache.hashing import BlockHash, update_block_hashes
 from lmkit.offload.transfers import KVTransfers, LoadRequest
 
 if TYPE_CHECKING:
-    from lmkit.engine.request import Request
+    from lmkit.api.request import Request
     from lmkit.kv_cache.block_pool import KVCacheBlock
     from lmkit.kv_cache.manager import KVCacheManager
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from lmkit.api.offload import OffloadManager, TransferJob
     from lmkit.config.schema import LMKitConfig
-    from lmkit.plugins.resolve import ResolvedStack
+    from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
 
 
 def gather_logprobs(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.sample.penalties import PenaltyTensors, build_penalty_tensors
 

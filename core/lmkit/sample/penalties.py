@@ -16,7 +16,7 @@ from itertools import chain
 
 import torch
 
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 
 
 @dataclass

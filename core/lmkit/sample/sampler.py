@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
 from lmkit.sample.filters import logits_to_probs
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata

@@ -34,7 +34,7 @@ def _layout(kind: ScaffoldKind, module: str) -> dict[str, str]:
 def _check_unregistered(name: str, kind: ScaffoldKind) -> None:
     """Refuse a name an installed plugin already registers for the kind (the new
     plugin would be rejected as a duplicate when loaded)."""
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     host = PluginHost.load()
     for reg in host.registry.all(kind.registry_kind):

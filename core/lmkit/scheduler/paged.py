@@ -19,17 +19,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.scheduler import Scheduler
+from lmkit.api.scheduler_output import SchedulerOutput
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.kv_cache.manager import KVCacheManager, cdiv
-from lmkit.scheduler.output import SchedulerOutput
 from lmkit.scheduler.queues import FCFSWaitingQueue, WaitingQueue
 from lmkit.scheduler.step_plan import StepPlan
 from lmkit.scheduler.stop import append_and_check_stop
-from lmkit.worker.output import ModelRunnerOutput
 
 
 class PagedScheduler(Scheduler):

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from lmkit.engine.request import Request
+from lmkit.api.request import Request
 
 
 class WaitingQueue(ABC):

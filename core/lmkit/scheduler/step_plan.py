@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmkit.engine.request import Request
-from lmkit.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from lmkit.api.request import Request
+from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmkit.engine.request import Request, RequestStatus
+from lmkit.api.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

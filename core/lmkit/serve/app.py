@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 
 from lmkit.config.schema import LMKitConfig
-from lmkit.serve.async_llm import AsyncLLM
+from lmkit.frontend.async_llm import AsyncLLM
 from lmkit.serve.errors import APIError, install_error_handlers
 from lmkit.serve.limits import AdmissionController
 from lmkit.serve.logprobs import TokenTexts

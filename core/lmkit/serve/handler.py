@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lmkit.engine.outputs import RequestOutput
+from lmkit.api.outputs import RequestOutput
 from lmkit.errors import LMKitError
 from lmkit.serve.app import ServerState
 from lmkit.serve.errors import APIError

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
 

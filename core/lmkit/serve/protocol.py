@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from lmkit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from lmkit.api.sampling_params import MAX_LOGPROBS, SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
 

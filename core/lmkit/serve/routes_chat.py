@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from lmkit.engine.outputs import RequestOutput
+from lmkit.api.outputs import RequestOutput
 from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
 from lmkit.serve.logprobs import TokenTexts, chat_logprobs

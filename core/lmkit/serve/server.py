@@ -14,8 +14,8 @@ from typing import Any
 
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import LMKitError
+from lmkit.frontend.async_llm import AsyncLLM
 from lmkit.serve.app import build_app
-from lmkit.serve.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 

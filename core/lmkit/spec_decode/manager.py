@@ -18,17 +18,17 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
-from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import ConfigError, PluginError
 from lmkit.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
+    from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.runner_output import ModelRunnerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
-    from lmkit.engine.outputs import EngineCoreOutput
-    from lmkit.plugins.resolve import ResolvedStack
-    from lmkit.scheduler.output import SchedulerOutput
-    from lmkit.worker.output import ModelRunnerOutput
+    from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 

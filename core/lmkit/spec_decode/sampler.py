@@ -32,7 +32,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
 from lmkit.sample.logprobs import to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import Sampler, adjust_logits, compute_probs, sample_from_probs

@@ -17,19 +17,19 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmkit.api.request import Request, RequestStatus
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
-from lmkit.engine.request import Request, RequestStatus
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
 from lmkit.structured.rows import fill_rows
 
 if TYPE_CHECKING:
+    from lmkit.api.outputs import EngineCoreOutput
     from lmkit.api.scheduler import Scheduler
+    from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
-    from lmkit.engine.outputs import EngineCoreOutput
-    from lmkit.plugins.resolve import ResolvedStack
-    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 

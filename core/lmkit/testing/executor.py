@@ -52,8 +52,8 @@ class _Pair:
     """The executor under test and ``uniproc``, started on the same model."""
 
     def __init__(self, t: Target, model_dir: Path) -> None:
-        from lmkit.plugins.manager import PluginHost
-        from lmkit.plugins.resolve import resolve_stack
+        from lmkit.plugin_host.manager import PluginHost
+        from lmkit.plugin_host.resolve import resolve_stack
 
         self.t = t
         host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
@@ -102,8 +102,8 @@ def _model_info(pair: _Pair) -> None:
 
 
 def _tokens(pair: _Pair) -> None:
-    from lmkit.engine.request import Request
-    from lmkit.engine.sampling_params import SamplingParams
+    from lmkit.api.request import Request
+    from lmkit.api.sampling_params import SamplingParams
     from lmkit.scheduler.paged import PagedScheduler
 
     t = pair.t

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmkit.plugins.spec import NoOptions, Spec
+from lmkit.plugin_host.spec import NoOptions, Spec
 
 
 class ConformanceFailure(AssertionError):
@@ -58,7 +58,7 @@ class Target:
 
 def resolve_target(obj: Any, options: Any = None) -> Target:
     """The class, spec and validated options of ``obj``: a :class:`Spec`, a
-    :class:`~lmkit.plugins.registry.Registration`, a class, or a ``(spec_or_class,
+    :class:`~lmkit.plugin_host.registry.Registration`, a class, or a ``(spec_or_class,
     options)`` pair. Options given as a mapping are validated by the spec's model."""
     if isinstance(obj, tuple) and len(obj) == 2:
         obj, options = obj

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmkit.scheduler.output import SchedulerOutput
-from lmkit.worker.output import ModelRunnerOutput
+from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.scheduler_output import SchedulerOutput
 
 VOCAB = 1000
 

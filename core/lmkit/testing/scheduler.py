@@ -131,7 +131,7 @@ def preemption_and_resumption(t: Target, requires_preemption: bool = True) -> No
 
 
 def aborts_free_blocks(t: Target) -> None:
-    from lmkit.engine.request import RequestStatus
+    from lmkit.api.request import RequestStatus
 
     rng = random.Random(4)
     setup = Setup(num_blocks=33, max_num_batched_tokens=32, max_num_seqs=3)

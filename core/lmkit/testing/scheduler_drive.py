@@ -6,9 +6,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmkit.api.request import Request, RequestStatus
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.request import Request, RequestStatus
-from lmkit.engine.sampling_params import SamplingParams
 from lmkit.testing.failure import Target
 from lmkit.testing.fake_runner import FakeRunner, RunnerViolation, reference_output
 

@@ -204,7 +204,7 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
     if t.spec is None:
         raise NotApplicable("a class was given: the engine selects proposers by registered name")
     from lmkit import LLM, SamplingParams
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     names = PluginHost.load().registry.names("spec_proposer")
     if t.spec.name not in names:

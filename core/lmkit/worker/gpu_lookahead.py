@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmkit.worker.output import ModelRunnerOutput
+from lmkit.api.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from lmkit.scheduler.output import SchedulerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.worker.input_batch import StepInputs
 
 

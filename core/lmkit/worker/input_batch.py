@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmkit.engine.outputs import TokenLogprob
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.outputs import TokenLogprob
+from lmkit.api.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext, ModelBuildContext
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
+from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.errors import ModelLoadError, UnknownBackendError
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
@@ -31,15 +32,14 @@ from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.dummy_steps import profile_run, warm_up_step_shapes
-from lmkit.worker.gpu_lookahead import DecodeLookahead
+from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
-from lmkit.worker.output import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
     from lmkit.config.schema import LMKitConfig
-    from lmkit.plugins.manager import PluginHost
-    from lmkit.plugins.resolve import ResolvedStack
-    from lmkit.scheduler.output import NewRequestData, SchedulerOutput
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class ModelRunner:
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
+        # KV slots per request the scheduler reserves so decode steps can launch ahead
+        self.num_lookahead_slots = decode_lookahead_slots(config, stack)
 
     # ------------------------------------------------------------------ setup
 

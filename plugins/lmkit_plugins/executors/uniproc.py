@@ -52,6 +52,7 @@ class UniProcExecutor(Executor):
             available_kv_bytes=runner.available_kv_bytes(),
             device=str(runner.device),
             dtype=self.stack.dtype,
+            num_lookahead_slots=runner.num_lookahead_slots,
             extra={"eos_token_id": runner.default_eos_token_id},
         )
 

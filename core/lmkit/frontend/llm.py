@@ -11,10 +11,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmkit.api.outputs import RequestOutput
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import RequestOutput
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.plugins.manager import PluginHost
+from lmkit.plugin_host.manager import PluginHost
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -89,8 +89,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: LMKitConfig | str | Path | None = None,
                  plugins: Sequence[str] = (), progress: bool = False, **options: Any) -> None:
         from lmkit.engine.core import EngineCore
-        from lmkit.engine.output_processor import OutputProcessor
-        from lmkit.engine.processor import InputProcessor
+        from lmkit.frontend.output_processor import OutputProcessor
+        from lmkit.frontend.processor import InputProcessor
 
         cfg = build_config(model, config, options)
         if plugins:
@@ -163,7 +163,7 @@ class LLM:
     def _submit(self, prompt: Prompt | None, messages: Messages | None,
                 params: SamplingParams, priority: int = 0,
                 chat_kwargs: dict[str, Any] | None = None) -> str:
-        from lmkit.engine.processor import child_params
+        from lmkit.frontend.processor import child_params
 
         rid = str(next(self._ids))
         text, ids = self.input_processor.tokenize(prompt, messages, chat_kwargs)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lmkit.errors import DuplicateSpecError, NoBackendError, UnknownBackendError
-from lmkit.plugins.spec import Needs, Spec
+from lmkit.plugin_host.spec import Needs, Spec
 
 
 @dataclass(frozen=True, slots=True)

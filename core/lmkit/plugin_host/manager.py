@@ -23,10 +23,10 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from lmkit.errors import PluginAPIVersionError, PluginError, PluginLoadError
-from lmkit.plugins import hookspecs
-from lmkit.plugins.kinds import REGISTER_HOOKS
-from lmkit.plugins.registry import Registration, Registry, suggest
-from lmkit.plugins.spec import Needs
+from lmkit.plugin_host import hookspecs
+from lmkit.plugin_host.kinds import REGISTER_HOOKS
+from lmkit.plugin_host.registry import Registration, Registry, suggest
+from lmkit.plugin_host.spec import Needs
 from lmkit.version import PLUGIN_API_VERSION, __version__
 
 ENTRY_POINT_GROUP = "lmkit"

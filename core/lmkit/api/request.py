@@ -6,7 +6,7 @@ import enum
 import time
 from typing import Any
 
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

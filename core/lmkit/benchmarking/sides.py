@@ -1,6 +1,6 @@
 """The two sides of each benchmark: lmkit and the Hugging Face transformers peer.
 
-Each function runs inside its own process (see :mod:`lmkit.bench.measure`), loads the
+Each function runs inside its own process (see :mod:`lmkit.benchmarking.measure`), loads the
 model, warms up, and times only generation.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from lmkit.bench.workload import Workload
+from lmkit.benchmarking.workload import Workload
 
 
 def lmkit_throughput(model: str, options: dict[str, Any], workload: Workload,
@@ -18,7 +18,7 @@ def lmkit_throughput(model: str, options: dict[str, Any], workload: Workload,
     import torch
 
     from lmkit import SamplingParams
-    from lmkit.entrypoints.llm import LLM
+    from lmkit.frontend.llm import LLM
 
     if threads:
         torch.set_num_threads(threads)
@@ -83,7 +83,7 @@ def lmkit_latency(model: str, options: dict[str, Any], workload: Workload,
     import torch
 
     from lmkit import SamplingParams
-    from lmkit.entrypoints.llm import LLM
+    from lmkit.frontend.llm import LLM
 
     if threads:
         torch.set_num_threads(threads)

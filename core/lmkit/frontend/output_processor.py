@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmkit.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
-from lmkit.engine.request import Request
+from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
+from lmkit.api.request import Request
 
 
 @dataclass

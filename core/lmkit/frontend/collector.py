@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from lmkit.engine.outputs import CompletionOutput, RequestOutput
+from lmkit.api.outputs import CompletionOutput, RequestOutput
 
 
 class RequestObserver(Protocol):

@@ -1,7 +1,7 @@
 """``lmkit bench serve``: load a running OpenAI-compatible server and measure it.
 
 Each request is a streaming ``/v1/completions`` call with a token-id prompt from a
-seeded :class:`~lmkit.bench.workload.Workload`, ``ignore_eos`` and ``max_tokens`` set to
+seeded :class:`~lmkit.benchmarking.workload.Workload`, ``ignore_eos`` and ``max_tokens`` set to
 its output length, and greedy sampling, so every run of a workload asks for the same
 work. A sweep runs the workload once per fixed concurrency (closed loop: N clients,
 each sending its next request when the last one ends) and once per request rate (open
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmkit.bench.workload import Workload
+from lmkit.benchmarking.workload import Workload
 
 
 @dataclass

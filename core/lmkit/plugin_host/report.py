@@ -8,12 +8,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from lmkit.platform import cuda_device_count
-from lmkit.plugins.kinds import KINDS
-from lmkit.plugins.registry import Registration
-from lmkit.plugins.spec import Needs
+from lmkit.plugin_host.kinds import KINDS
+from lmkit.plugin_host.registry import Registration
+from lmkit.plugin_host.spec import Needs
 
 if TYPE_CHECKING:
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
 
 def machine_device() -> str:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmkit.bench import sides
-from lmkit.bench.measure import run_isolated
-from lmkit.bench.workload import (
+from lmkit.benchmarking import sides
+from lmkit.benchmarking.measure import run_isolated
+from lmkit.benchmarking.workload import (
     Workload,
     chat_workload,
     copy_workload,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

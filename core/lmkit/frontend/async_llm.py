@@ -18,13 +18,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from lmkit.api.outputs import RequestOutput
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
-from lmkit.engine.outputs import RequestOutput
-from lmkit.engine.sampling_params import SamplingParams
-from lmkit.errors import EngineDeadError, InvalidRequestError, LMKitError
-from lmkit.serve.collector import OutputCollector, RequestObserver
-from lmkit.serve.core_client import EngineCoreClient
-from lmkit.serve.messages import (
+from lmkit.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
@@ -33,6 +30,9 @@ from lmkit.serve.messages import (
     RequestRejected,
     StatsQuery,
 )
+from lmkit.errors import EngineDeadError, InvalidRequestError, LMKitError
+from lmkit.frontend.collector import OutputCollector, RequestObserver
+from lmkit.frontend.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class AsyncLLM:
 
     def __init__(self, client: EngineCoreClient, ready: EngineReady, config: LMKitConfig,
                  tokenizer: Any, observer: RequestObserver | None = None) -> None:
-        from lmkit.engine.output_processor import OutputProcessor
-        from lmkit.engine.processor import InputProcessor
+        from lmkit.frontend.output_processor import OutputProcessor
+        from lmkit.frontend.processor import InputProcessor
         from lmkit.loading.tokenizer import eos_token_ids
 
         self.client = client
@@ -127,7 +127,7 @@ class AsyncLLM:
         the engine) and :class:`EngineDeadError` if the engine dies. Closing the iterator
         early (e.g. the client went away) aborts the request and frees its KV blocks.
         """
-        from lmkit.engine.processor import child_params
+        from lmkit.frontend.processor import child_params
 
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")

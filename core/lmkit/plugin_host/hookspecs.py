@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from lmkit.plugins.registry import Registration
-    from lmkit.plugins.spec import Needs, Spec
+    from lmkit.plugin_host.registry import Registration
+    from lmkit.plugin_host.spec import Needs, Spec
 
 PROJECT = "lmkit"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmkit.bench.prompts import CHAT_PROMPTS
+from lmkit.benchmarking.prompts import CHAT_PROMPTS
 from lmkit.errors import ConfigError
 
 

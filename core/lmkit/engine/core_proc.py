@@ -1,7 +1,7 @@
 """The engine-core process: one busy loop over ``EngineCore.step()``.
 
-Started by :class:`lmkit.serve.core_client.EngineCoreClient` as
-``python -m lmkit.serve.core_proc HANDSHAKE_FILE``. The handshake file (JSON, in a
+Started by :class:`lmkit.frontend.core_client.EngineCoreClient` as
+``python -m lmkit.engine.core_proc HANDSHAKE_FILE``. The handshake file (JSON, in a
 private temp dir) holds the config and the two ZMQ addresses the frontend bound. The
 loop reads requests and aborts from a PULL socket without blocking while requests are
 running, steps the engine, and pushes the outputs back; it blocks on the socket only
@@ -25,8 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from lmkit.errors import LMKitError
-from lmkit.serve.messages import (
+from lmkit.engine.messages import (
     AbortRequests,
     AddRequest,
     EngineFailed,
@@ -40,6 +39,7 @@ from lmkit.serve.messages import (
     make_engine_decoder,
     numeric_stats,
 )
+from lmkit.errors import LMKitError
 
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
 STATS_INTERVAL_S = 0.5
@@ -200,7 +200,7 @@ def serve_engine_core(handshake_file: Path) -> int:
     """Build the engine from the handshake, report readiness, run the loop; exit status."""
     from lmkit.config.schema import LMKitConfig
     from lmkit.engine.core import EngineCore
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
     handshake = json.loads(handshake_file.read_text())
     config = LMKitConfig.model_validate(handshake["config"])
@@ -251,10 +251,10 @@ def _describe(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the engine-core process (``python -m lmkit.serve.core_proc FILE``)."""
+    """Entry point of the engine-core process (``python -m lmkit.engine.core_proc FILE``)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        sys.exit("usage: python -m lmkit.serve.core_proc HANDSHAKE_FILE "
+        sys.exit("usage: python -m lmkit.engine.core_proc HANDSHAKE_FILE "
                  "(started by the lmkit server; not meant to be run by hand)")
     # Ctrl-C reaches the whole process group; the API process decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

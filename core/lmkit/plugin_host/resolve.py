@@ -11,13 +11,13 @@ from pydantic import BaseModel, ValidationError
 from lmkit.config.errors import format_validation_error
 from lmkit.errors import ConfigError, StackConflictError
 from lmkit.platform import cuda_device_count
-from lmkit.plugins.kinds import OPTIONAL_KINDS, STACK_KINDS
-from lmkit.plugins.registry import Registration
-from lmkit.plugins.spec import Needs
+from lmkit.plugin_host.kinds import OPTIONAL_KINDS, STACK_KINDS
+from lmkit.plugin_host.registry import Registration
+from lmkit.plugin_host.spec import Needs
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
-    from lmkit.plugins.manager import PluginHost
+    from lmkit.plugin_host.manager import PluginHost
 
 # Order of resolution: kinds that impose needs on others come first.
 _ORDER = ("spec_proposer", "structured_output", "offload", "scheduler", "executor", "attention")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
 

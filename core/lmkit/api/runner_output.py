@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmkit.engine.outputs import TokenLogprob
+from lmkit.api.outputs import TokenLogprob
 
 
 @dataclass(slots=True)

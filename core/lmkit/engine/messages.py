@@ -16,9 +16,9 @@ from typing import Any, Union
 
 import msgspec
 
-from lmkit.engine.outputs import EngineCoreOutput
-from lmkit.engine.request import Request
-from lmkit.engine.sampling_params import SamplingParams
+from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", frozen=True):

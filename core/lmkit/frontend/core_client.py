@@ -24,8 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lmkit.errors import EngineDeadError, LMKitError
-from lmkit.serve.messages import (
+from lmkit.engine.messages import (
     EngineFailed,
     EngineReady,
     FromEngine,
@@ -34,6 +33,7 @@ from lmkit.serve.messages import (
     make_encoder,
     make_frontend_decoder,
 )
+from lmkit.errors import EngineDeadError, LMKitError
 
 DEATH_POLL_S = 0.2  # how often a quiet channel checks whether the engine process lives
 
@@ -93,7 +93,7 @@ class EngineCoreClient:
         }))
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmkit.serve.core_proc", str(handshake)],
+            [sys.executable, "-m", "lmkit.engine.core_proc", str(handshake)],
             env=env, stdin=subprocess.DEVNULL,
         )
         deadline = None if timeout is None else time.monotonic() + timeout

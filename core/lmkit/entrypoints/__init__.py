@@ -1,1 +1,0 @@
-"""User entry points: the offline LLM class."""

@@ -1,5 +1,5 @@
-"""GPU engine benchmarks W1-W3: lmkit against transformers' continuous batching, in one run,
-and against the device's memory bandwidth.
+"""GPU engine benchmarks W1-W3: lmkit against vLLM and transformers' continuous batching,
+in one run, and against the device's memory bandwidth.
 
 * W1: Qwen3-0.6B shape; 256 sequences, prompt and output lengths uniform in
   [100, 1024], token ids uniform in [0, 10000), seed 0 (nano-vllm's benchmark).
@@ -8,13 +8,15 @@ and against the device's memory bandwidth.
 
 Models are random bf16 weights of the real shapes (:mod:`gpu_bench_models`), written
 once per run (to /dev/shm when it has room). Each side runs in its own process
-(:mod:`gpu_bench_sides`); EOS is ignored, sampling is greedy. The device's copy
+(:mod:`gpu_bench_sides`, :mod:`gpu_bench_vllm`); EOS is ignored, sampling is greedy. The device's copy
 bandwidth is measured first; every decode result is also reported as the bytes a
 decode step must read (all weights + the cached K/V) over its wall time, as a fraction
 of that bandwidth. The peer may run on the first N requests of W1/W3
 (``--hf-subset W1=32,W3=64``), which the report says.
 
-    python bench/gpu_engine.py --out gpu_engine.json
+    python bench/gpu_engine.py --out gpu_engine.json                 # lmkit and HF
+    python bench/gpu_engine.py --peer vllm,hf --out gpu_engine.json   # + vLLM (installed)
+    python bench/gpu_engine.py --peer none --baseline-tree OLD       # lmkit now vs OLD checkout
     python bench/gpu_engine.py --smoke --out /tmp/smoke.json      # CPU, toy sizes
 """
 
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 
+PEERS = ("vllm", "hf")
 SMALL, LARGE = "qwen3-0.6b", "llama-3.1-8b"
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
 
@@ -84,13 +87,20 @@ def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float | None:
     return bw
 
 
-def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
-    """Run one side in a fresh Python process; its result dict (or the error)."""
+def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float,
+             tree: Path | None = None) -> dict[str, Any]:
+    """Run one side in a fresh Python process; its result dict (or the error). With
+    ``tree``, the side is that checkout's lmkit (its own bench script and packages)."""
     job_file = workdir / f"job-{side}-{job['tag']}.json"
     result_file = workdir / f"result-{side}-{job['tag']}.json"
     job_file.write_text(json.dumps(job))
-    cmd = [sys.executable, __file__, "--side", side, "--job", str(job_file),
+    script = tree / "bench" / "gpu_engine.py" if tree else Path(__file__)
+    cmd = [sys.executable, str(script), "--side", side, "--job", str(job_file),
            "--result", str(result_file)]
+    if tree:
+        paths = [str(tree / d) for d in ("core", "plugins", "kernels")]
+        job = {**job, "env": {**job.get("env", {}), "PYTHONPATH": os.pathsep.join(
+            [*paths, os.environ.get("PYTHONPATH", "")])}}
     print(f"\n=== {side} {job['tag']}: {', '.join(w['name'] for w in job['workloads'])}",
           flush=True)
     t0 = time.perf_counter()
@@ -103,7 +113,7 @@ def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float) -> d
         if side == "lmkit" and "LMKIT_DECODE_LOOKAHEAD" not in job.get("env", {}):
             print("lmkit failed; once more without the decode lookahead", flush=True)
             retry = run_side(side, {**job, "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}, workdir,
-                             timeout)
+                             timeout, tree)
             retry["retried_without_lookahead_after"] = f"exit status {proc.returncode}"
             return retry
         return {"error": f"exit status {proc.returncode}"}
@@ -118,6 +128,10 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     if side == "lmkit":
         result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
                                   job["facts"], job.get("profile_steps", 0))
+    elif side == "vllm":
+        import gpu_bench_vllm
+
+        result = gpu_bench_vllm.vllm_side(job["model_dir"], job["options"], job["workloads"])
     else:
         result = sides.hf_side(job["model_dir"], job["workloads"], job.get("attn", "paged|sdpa"))
     result_file.write_text(json.dumps(result, indent=1, default=str))
@@ -139,6 +153,26 @@ def parse_subsets(text: str) -> dict[str, int]:
     return out
 
 
+def parse_peers(text: str) -> list[str]:
+    """``"vllm,hf"`` -> ``["vllm", "hf"]``; ``"none"`` -> ``[]``."""
+    peers = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if peers == ["none"]:
+        return []
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise SystemExit(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}, none")
+    return peers
+
+
+def _tree_commit(tree: Path) -> str:
+    """The commit checked out at ``tree`` (or its path, when it is no git checkout)."""
+    try:
+        return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return str(tree)
+
+
 def model_root(arg: str | None, need_bytes: int) -> Path:
     """Where to write the model directories: ``arg``, else /dev/shm with room, else /tmp."""
     if arg:
@@ -157,6 +191,8 @@ def combine(report: dict[str, Any]) -> list[dict[str, Any]]:
         model = SMALL if name == "W1" else LARGE
         lm = _find(report["lmkit"].get(model, {}), name)
         hf = _find(report["hf"].get(model, {}), name)
+        vl = _find(report.get("vllm", {}).get(model, {}), name)
+        base = _find(report.get("lmkit_baseline", {}).get(model, {}), name)
         row: dict[str, Any] = {"workload": name, "model": model,
                                "requests": len(report["workload_sizes"][name])}
         if lm:
@@ -172,6 +208,15 @@ def combine(report: dict[str, Any]) -> list[dict[str, Any]]:
                 limit_ms = 1e3 * lm["decode_bytes_per_step"] / bw if "decode_bytes_per_step" \
                     in lm else None
                 row["bandwidth_limit_ms_per_token"] = limit_ms
+        for tag, peer in (("vllm", vl), ("baseline", base)):
+            if not peer:
+                continue
+            row[f"{tag}_tok_s"] = peer["output_tokens_per_s"]
+            for key in ("tpot_ms", "ttft_ms"):
+                if key in peer:
+                    row[f"{tag}_{key}"] = peer[key]
+            if lm:
+                row[f"ratio_vs_{tag}"] = lm["output_tokens_per_s"] / peer["output_tokens_per_s"]
         if hf:
             row.update(hf_tok_s=hf["output_tokens_per_s"], hf_requests=len(
                 report["hf_workloads"][name]["prompts"]))
@@ -196,8 +241,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"device: {report.get('gpu', 'cpu')}   copy bandwidth: "
              f"{bw / 1e12:.2f} TB/s" if bw else "device: cpu (no bandwidth limit)"]
     subset = False
-    head = f"{'':4} {'lmkit tok/s':>12} {'HF tok/s':>10} {'ratio':>7} {'ms/tok':>8} " \
-           f"{'HF ms/tok':>9} {'decode step':>11} {'bw frac':>8}"
+    head = f"{'':4} {'lmkit tok/s':>12} {'vLLM tok/s':>10} {'x vLLM':>7} {'HF tok/s':>10} " \
+           f"{'x HF':>6} {'ms/tok':>8} {'vLLM ms/tok':>11} {'HF ms/tok':>9} " \
+           f"{'decode step':>11} {'bw frac':>8} {'base tok/s':>10} {'x base':>7}"
     lines.append(head)
     for r in report["rows"]:
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
@@ -207,10 +253,13 @@ def format_table(report: dict[str, Any]) -> str:
         if r.get("hf_requests", 0) and r["hf_requests"] != r.get("requests"):
             hf += "*"
             subset = True
-        lines.append(f"{r['workload']:4} {f('lmkit_tok_s', '.0f'):>12} {hf:>10} "
-                     f"{f('ratio_tok_s', '.1f'):>7} {f('lmkit_tpot_ms', '.2f'):>8} "
-                     f"{f('hf_tpot_ms', '.1f'):>9} {f('lmkit_decode_step_ms', '.2f'):>11} "
-                     f"{f('lmkit_decode_bandwidth_fraction', '.2f'):>8}")
+        lines.append(f"{r['workload']:4} {f('lmkit_tok_s', '.0f'):>12} "
+                     f"{f('vllm_tok_s', '.0f'):>10} {f('ratio_vs_vllm', '.3f'):>7} {hf:>10} "
+                     f"{f('ratio_tok_s', '.1f'):>6} {f('lmkit_tpot_ms', '.2f'):>8} "
+                     f"{f('vllm_tpot_ms', '.2f'):>11} {f('hf_tpot_ms', '.1f'):>9} "
+                     f"{f('lmkit_decode_step_ms', '.2f'):>11} "
+                     f"{f('lmkit_decode_bandwidth_fraction', '.2f'):>8} "
+                     f"{f('baseline_tok_s', '.0f'):>10} {f('ratio_vs_baseline', '.3f'):>7}")
     if subset:
         lines.append("* HF ran the first N requests of the workload (see hf_requests)")
     for res in report.get("lmkit_no_lookahead", {}).values():
@@ -218,8 +267,8 @@ def format_table(report: dict[str, Any]) -> str:
             extra = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
             lines.append(f"{r['workload']} without the decode lookahead: "
                          f"{r['output_tokens_per_s']:.0f} tok/s{extra}")
-    for side in ("lmkit", "hf"):
-        for model, res in report[side].items():
+    for side in ("lmkit", "lmkit_baseline", "vllm", "hf"):
+        for model, res in report.get(side, {}).items():
             if "error" in res:
                 lines.append(f"{side} {model}: ERROR {res['error']}")
     return "\n".join(lines)
@@ -236,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--smoke", action="store_true", help="toy models and workloads (CPU ok)")
     ap.add_argument("--workloads", default="W1,W2,W3")
-    ap.add_argument("--peer", choices=("hf", "none"), default="hf")
+    ap.add_argument("--peer", default="hf",
+                    help="comma-separated peers among vllm, hf; or none")
+    ap.add_argument("--baseline-tree", type=Path,
+                    help="also run this other lmkit checkout's engine (A/B of two commits)")
     ap.add_argument("--hf-subset", default="", help="e.g. W1=32,W3=64: peer runs the first N")
     ap.add_argument("--attention", default="auto", help="lmkit attention backend")
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
@@ -248,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run lmkit with the decode lookahead off (LMKIT_DECODE_LOOKAHEAD=0)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
-    ap.add_argument("--side", choices=("lmkit", "hf"), help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -258,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    peers = parse_peers(args.peer)
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     all_workloads = make_workloads(args.smoke)
     if args.scale < 1.0:
@@ -269,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
         "platform": platform.platform(), "torch": torch.__version__,
         "workload_sizes": {n: all_workloads[n]["output_lens"] for n in names},
-        "lmkit": {}, "hf": {}, "hf_workloads": {}}
+        "lmkit": {}, "hf": {}, "vllm": {}, "lmkit_baseline": {}, "hf_workloads": {}}
+    if args.baseline_tree:
+        report["baseline_tree"] = _tree_commit(args.baseline_tree)
     if torch.cuda.is_available():
         report["gpu"] = torch.cuda.get_device_name(0)
         report["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
@@ -297,10 +352,16 @@ def main(argv: list[str] | None = None) -> int:
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
+            if args.baseline_tree:
+                report["lmkit_baseline"][key] = run_side(
+                    "lmkit", {**job, "tag": key + "-base", "profile_steps": 0}, root,
+                    args.side_timeout, args.baseline_tree)
+            if "vllm" in peers:
+                report["vllm"][key] = run_side("vllm", job, root, args.side_timeout)
             if args.lookahead_ab:  # run last, so that a time limit cuts only these
                 ab_jobs.append((key, {**job, "tag": key + "-nola", "profile_steps": 0,
                                       "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}))
-            if args.peer == "hf":
+            if "hf" in peers:
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
                 for w in hf_wls:
                     report["hf_workloads"][w["name"]] = w

@@ -1,0 +1,185 @@
+"""Online serving, side by side: ``lmkit serve`` and vLLM's OpenAI server on the same
+random-weight model, loaded by the same client (:mod:`lmkit.benchmarking.serve`, the code
+behind ``lmkit bench serve``) with the same seeded workload and Poisson arrivals.
+
+Each server runs alone on the GPU, in its own process, started with the same engine
+limits (max_num_seqs, max_num_batched_tokens, max_model_len); the workload is streaming
+``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``. Reported per server
+and request rate: throughput, TTFT / TPOT / ITL (mean, p50, p99), failures; then the
+ratios lmkit / vLLM.
+
+    python bench/serve_peers.py --rates 4,16,inf --num-prompts 512 --out serve_peers.json
+    python bench/serve_peers.py --sides lmkit --smoke        # CPU, toy model, lmkit only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench_models as models  # noqa: E402
+
+LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
+SIDES = ("lmkit", "vllm")
+
+
+def server_command(side: str, model_dir: Path, port: int, limits: dict[str, int],
+                   smoke: bool) -> list[str]:
+    """The command line that starts ``side``'s OpenAI-compatible server."""
+    if side == "lmkit":
+        cmd = [sys.executable, "-m", "lmkit.cli.main", "serve", "--model", str(model_dir),
+               "--port", str(port), "--max-num-seqs", str(limits["max_num_seqs"]),
+               "--set", f"scheduler.max_num_batched_tokens={limits['max_num_batched_tokens']}",
+               "--set", f"model.max_model_len={limits['max_model_len']}"]
+        return cmd + (["--device", "cpu", "--dtype", "float32"] if smoke else [])
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(model_dir), "--port", str(port), "--dtype", "bfloat16", "--seed", "0",
+            "--max-num-seqs", str(limits["max_num_seqs"]),
+            "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
+            "--max-model-len", str(limits["max_model_len"])]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+    """Seconds until ``GET url/health`` answers 200; raises if the server dies first."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} before ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+
+def run_side(side: str, model_dir: Path, workload: Any, rates: list[float], port: int,
+             args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Start ``side``'s server, warm it up, run one sweep over ``rates``, stop it."""
+    from lmkit.benchmarking.serve import run_serve_bench
+    from lmkit.benchmarking.workload import random_workload
+
+    url = f"http://127.0.0.1:{port}"
+    log = (log_dir / f"{side}.log").open("wb")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen(server_command(side, model_dir, port, args.limits, args.smoke),
+                            stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    info: dict[str, Any] = {"side": side}
+    try:
+        info["ready_s"] = wait_ready(url, proc, args.ready_timeout)
+        warm = random_workload(16, (64, 256), (16, 32), vocab_size=1000, seed=args.seed + 1)
+        run_serve_bench(url, warm, request_rates=[float("inf")], seed=args.seed + 1)
+        info["report"] = run_serve_bench(url, workload, request_rates=rates, seed=args.seed,
+                                         timeout_s=args.request_timeout)
+    except Exception as e:  # noqa: BLE001 - one side failing still reports the other
+        info["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return info
+
+
+def format_table(sides: dict[str, dict[str, Any]]) -> str:
+    """One line per request rate: each side's throughput and latency percentiles."""
+    lines = [f"{'rate':>11} {'side':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+             f"{'failed':>6}"]
+    runs: dict[str, dict[str, Any]] = {}
+    for side, info in sides.items():
+        if "error" in info:
+            lines.append(f"{side}: ERROR {info['error']}")
+            continue
+        for run in info["report"]["runs"]:
+            runs.setdefault(str(run["mode"]), {})[side] = run
+    for rate, by_side in runs.items():
+        for side, r in by_side.items():
+            def ms(key: str, q: str, r: dict[str, Any] = r) -> str:
+                v = (r.get(key) or {}).get(q)
+                return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
+            lines.append(f"{rate:>11} {side:>6} {r['requests_per_s']:7.2f} "
+                         f"{r['output_tokens_per_s']:10.0f} {ms('ttft_ms', 'p50'):>9} "
+                         f"{ms('ttft_ms', 'p99'):>9} {ms('tpot_ms', 'p50'):>9} "
+                         f"{ms('tpot_ms', 'p99'):>9} {ms('itl_ms', 'p50'):>8} "
+                         f"{ms('itl_ms', 'p99'):>8} {r['failed']:>6}")
+        if {"lmkit", "vllm"} <= by_side.keys():
+            a, b = by_side["lmkit"], by_side["vllm"]
+            lines.append(f"{rate:>11} {'ratio':>6} {'':7} "
+                         f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:10.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sides", default="lmkit,vllm")
+    ap.add_argument("--model", default="qwen3-0.6b", choices=models.MODELS)
+    ap.add_argument("--rates", default="4,16,inf", help="requests/s, comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--input-len", default="64:1024")
+    ap.add_argument("--output-len", default="32:512")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    from lmkit.benchmarking.workload import parse_length_range, random_workload
+
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if unknown := sorted(set(sides) - set(SIDES)):
+        ap.error(f"unknown side {', '.join(unknown)}; known: {', '.join(SIDES)}")
+    rates = [float(r) for r in args.rates.split(",")]
+    args.limits = dict(LIMITS)
+    model_name = "tiny-qwen3" if args.smoke else args.model
+    if args.smoke:
+        args.limits.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+        args.num_prompts = min(args.num_prompts, 16)
+        args.input_len, args.output_len = "8:64", "4:16"
+    workload = random_workload(args.num_prompts, parse_length_range(args.input_len),
+                               parse_length_range(args.output_len), seed=args.seed,
+                               vocab_size=1000 if args.smoke else 10000)
+    root = Path(tempfile.mkdtemp(prefix="lmkit-serve-peers-"))
+    report: dict[str, Any] = {"bench": "serve_peers", "model": model_name,
+                              "workload": workload.describe(), "rates": rates,
+                              "limits": args.limits, "sides": {}}
+    try:
+        model_dir = models.write_model(model_name, root / model_name)
+        for side in sides:
+            print(f"=== {side}", flush=True)
+            report["sides"][side] = run_side(side, model_dir, workload, rates, args.port,
+                                             args, root)
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1, default=str))
+    finally:
+        for side in sides:
+            log = root / f"{side}.log"
+            if log.exists():
+                report["sides"].setdefault(side, {})["log_tail"] = \
+                    log.read_text(errors="replace")[-3000:]
+        shutil.rmtree(root, ignore_errors=True)
+    print(format_table(report["sides"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -84,11 +84,16 @@ def model_facts(config: Any) -> dict[str, Any]:
 
 
 def write_model(name: str, directory: Path, seed: int = 0) -> Path:
-    """Write model ``name`` with random bf16 weights to ``directory``; return it."""
+    """Write model ``name`` with random bf16 weights to ``directory``; return it. A
+    directory that already holds the model (written by an earlier run with the same
+    ``seed``) is reused as it is."""
     from lmkit.testing.tiny_model import make_byte_tokenizer
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    stamp = directory / "lmkit-bench-model.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == {"name": name, "seed": seed}:
+        return directory
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(name)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
@@ -127,4 +132,5 @@ def write_model(name: str, directory: Path, seed: int = 0) -> Path:
     config.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     make_byte_tokenizer().save_pretrained(directory)
+    stamp.write_text(json.dumps({"name": name, "seed": seed}))
     return directory

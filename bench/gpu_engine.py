@@ -165,7 +165,10 @@ def parse_peers(text: str) -> list[str]:
 
 
 def _tree_commit(tree: Path) -> str:
-    """The commit checked out at ``tree`` (or its path, when it is no git checkout)."""
+    """The commit checked out at ``tree``: git's answer, else a ``COMMIT`` file there (an
+    exported tree), else the path."""
+    if (tree / "COMMIT").is_file():
+        return (tree / "COMMIT").read_text().strip()
     try:
         return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], check=True,
                               capture_output=True, text=True).stdout.strip()
@@ -292,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-subset", default="", help="e.g. W1=32,W3=64: peer runs the first N")
     ap.add_argument("--attention", default="auto", help="lmkit attention backend")
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
-    ap.add_argument("--model-root", help="where to write the random models")
+    ap.add_argument("--model-root", help="where to write the random models (kept there, and "
+                    "reused by a later run)")
+    ap.add_argument("--skip-lmkit", action="store_true",
+                    help="run only the peers and the baseline (a long run split over calls)")
     ap.add_argument("--side-timeout", type=float, default=900.0)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="then profile this many decode steps per workload (torch profiler)")
@@ -351,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             wls = [all_workloads[n] for n in wl_names]
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
-            report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
+            if not args.skip_lmkit:
+                report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
             if args.baseline_tree:
                 report["lmkit_baseline"][key] = run_side(
                     "lmkit", {**job, "tag": key + "-base", "profile_steps": 0}, root,
@@ -368,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["hf"][key] = run_side("hf", {**job, "workloads": hf_wls}, root,
                                              args.side_timeout)
             _write(report, args.out)
-            if not args.lookahead_ab:
+            if not args.lookahead_ab and not args.model_root:
                 shutil.rmtree(model_dir, ignore_errors=True)
         for key, job in ab_jobs:
             report.setdefault("lmkit_no_lookahead", {})[key] = run_side(

@@ -310,7 +310,8 @@ def test_uniproc_executor_lifecycle(tiny):
     assert info.available_kv_bytes == int(0.001 * 2**30)
     assert (info.device, info.dtype) == ("cpu", "float32")
     executor.initialize_kv_cache(64)
-    assert executor.call("kv_bytes_per_block") == [info.kv_bytes_per_block]
+    assert executor.offload_lookup([b"x" * 32]) == (0, 0)  # no tier: typed defaults
+    assert executor.offload_stats() == {}
     so = SchedulerOutput(scheduled_new_reqs=[NewRequestData("r", PROMPT_C, [], GREEDY,
                                                             [0], 0)],
                          num_scheduled_tokens={"r": 2}, total_num_scheduled_tokens=2)

@@ -11,6 +11,7 @@ tokens (plus logprobs when asked).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,10 +152,19 @@ class ModelRunner:
         self.cuda_graphs = maybe_capture(self)
         self.lookahead = DecodeLookahead.maybe(self)
 
-    def offload_call(self, method: str, *args: Any) -> Any:
-        """Call ``method`` (``lookup``, ``stats``, ``close``) of the KV offload worker, as
-        the scheduler does through ``executor.call``; None without offload."""
-        return getattr(self.offload, method)(*args) if self.offload is not None else None
+    def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(held, resident)`` leading blocks of ``block_hashes`` in the KV offload tier;
+        ``(0, 0)`` without offload."""
+        return self.offload.lookup(block_hashes) if self.offload is not None else (0, 0)
+
+    def offload_stats(self) -> dict[str, int]:
+        """The offload tier's runner-side counters; none without offload."""
+        return self.offload.stats() if self.offload is not None else {}
+
+    def close_offload(self) -> None:
+        """Close the offload tier (finishes pending writes); nothing without offload."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
         return self.offload.finished_loads(wait) if self.offload is not None else {}

@@ -165,7 +165,7 @@ def test_step_shape_warm_up_runs_mixed_steps_on_scratch_caches(tiny):
     runner.model.attn.plan = lambda md: (planned.append(
         (md.num_decodes, md.query_start_loc_cpu.diff().tolist(), md.seq_lens_cpu.tolist())),
         plan(md))
-    warm_up_step_shapes(runner)
+    warm_up_step_shapes(runner.dummy_step_model())
     runner.model.attn.plan = plan
     long = 128 - 40  # the tiny model's max_model_len (128) leaves room for a 16-token prefix
     assert planned == [(3, [1, 1, 1, 5, long], [34, 18, 41, 5, long + 16]),

@@ -54,7 +54,8 @@ def _run(model_dir, lookahead: bool, slots: int = 0):
     runner.initialize_kv_cache(NUM_BLOCKS)
     runner.cuda_graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
                                          8, runner.max_model_len, BLOCK, use_graphs=False)
-    runner.lookahead = DecodeLookahead(runner) if lookahead else None
+    runner.lookahead = DecodeLookahead(runner.cuda_graphs, runner.model, runner.input_batch,
+                                       runner.requests, runner.max_model_len) if lookahead else None
     scheduler = host.registry.get("scheduler", "fcfs").spec.load()(  # as the engine on CUDA
         config, num_blocks=NUM_BLOCKS, options=None,
         context=SchedulerContext(num_lookahead_slots=slots))

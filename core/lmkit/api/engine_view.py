@@ -25,6 +25,11 @@ class EngineView:
     """
 
     __slots__ = ("_stack", "_config", "_model_info", "_num_blocks", "_stats")
+    _stack: ResolvedStack
+    _config: LMKitConfig
+    _model_info: ModelInfo
+    _num_blocks: int
+    _stats: Callable[[], dict[str, Any]]
 
     def __init__(self, stack: ResolvedStack, config: LMKitConfig, model_info: ModelInfo,
                  num_blocks: int, stats: Callable[[], dict[str, Any]]) -> None:

@@ -219,7 +219,7 @@ def engine_started(engine: EngineView) -> None:
 
 
 @hookspec(firstresult=True)
-def engine_step(engine: EngineView) -> list[EngineCoreOutput]:
+def engine_step(engine: EngineView) -> list[EngineCoreOutput] | None:
     """Wraps one engine step (schedule, execute, update). Implement it as a wrapper
     (``@lmkit.hookimpl(wrapper=True)``): ``yield`` to run
     the step and receive its outputs (a list of

@@ -32,7 +32,7 @@ from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
-from lmkit.worker.dummy_steps import profile_run, warm_up_step_shapes
+from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 
@@ -138,7 +138,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
-                                     lambda: profile_run(self), baseline=self._baseline_bytes)
+                                     lambda: profile_run(self.dummy_step_model()),
+                                     baseline=self._baseline_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""
@@ -148,9 +149,18 @@ class ModelRunner:
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
                                             self.model.attn)
         if self.device.type == "cuda":
-            warm_up_step_shapes(self)
-        self.cuda_graphs = maybe_capture(self)
-        self.lookahead = DecodeLookahead.maybe(self)
+            warm_up_step_shapes(self.dummy_step_model())
+        self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
+                                         self.device, self.max_model_len)
+        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, self.cuda_graphs,
+                                               self.model, self.input_batch, self.requests,
+                                               self.max_model_len)
+
+    def dummy_step_model(self) -> DummyStepModel:
+        """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward)."""
+        return DummyStepModel(self.config.scheduler, self.max_model_len, self.block_size,
+                              self.device, self.dtype, self.num_layers, self.model.attn,
+                              self._forward, self.model.compute_logits)
 
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """``(held, resident)`` leading blocks of ``block_hashes`` in the KV offload tier;

@@ -53,6 +53,7 @@ class StepEngine(Protocol):
     def abort_requests(self, request_ids: Any) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
+    def take_rejected_requests(self) -> list[tuple[str, Any]]: ...
     def stats(self) -> dict[str, float | int]: ...
 
 
@@ -79,9 +80,6 @@ class EngineCoreProc:
         self.encoder = make_encoder()
         self.decoder = make_engine_decoder()
         self.parent_pid = parent_pid
-        # requests the engine refuses after taking them (a grammar that did not compile);
-        # engines that decide at add_request have none
-        self._take_rejected = getattr(engine, "take_rejected_requests", list)
         self.should_stop = False
         self.parent_gone = False
         self._last_stats_at = 0.0
@@ -105,7 +103,7 @@ class EngineCoreProc:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(EngineOutputs(outputs=outputs))
-                for rid, error in self._take_rejected():
+                for rid, error in self.engine.take_rejected_requests():
                     self.send(RequestRejected(request_id=rid, message=str(error),
                                               param=getattr(error, "param", None),
                                               code=getattr(error, "code", None)))

@@ -143,3 +143,5 @@ def test_lifecycle_hooks_get_one_read_only_engine_view(tiny):
         with pytest.raises(AttributeError, match="EngineView is read-only"):
             setattr(view, name, None)
     assert not hasattr(view, "scheduler") and not hasattr(view, "executor")
+    view.config.model.max_model_len = 1  # a copy: the engine keeps its own
+    assert llm.engine.config.model.max_model_len == 128

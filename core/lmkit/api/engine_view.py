@@ -19,7 +19,8 @@ class EngineView:
 
     Attributes:
         stack: the resolved plugin stack (chosen names and options).
-        config: the engine's runtime configuration (``model.max_model_len`` filled in).
+        config: a copy of the engine's runtime configuration (``model.max_model_len``
+            filled in); changing it changes nothing in the engine.
         model_info: what the executor reported about the loaded model.
         num_blocks: the KV pool size in blocks.
     """
@@ -52,7 +53,7 @@ class EngineView:
 
     @property
     def config(self) -> LMKitConfig:
-        """The engine's runtime configuration (treat it as read-only)."""
+        """A copy of the engine's runtime configuration."""
         return self._config
 
     @property

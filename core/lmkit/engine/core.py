@@ -94,8 +94,9 @@ class EngineCore:
         self._num_scheduled_tokens = 0
         self._started = time.monotonic()
         self._closed = False
-        self.view = EngineView(self.stack, self.config, self.model_info, self.num_blocks,
-                               self.stats)
+        # plugins see a copy of the configuration: changing it changes nothing here
+        self.view = EngineView(self.stack, self.config.model_copy(deep=True), self.model_info,
+                               self.num_blocks, self.stats)
         self.host.hook.engine_started(engine=self.view)
 
     # ------------------------------------------------------------------ setup

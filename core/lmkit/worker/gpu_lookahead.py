@@ -36,6 +36,7 @@ import torch
 from lmkit.api.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from lmkit.api.sampling_params import SamplingParams
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -220,13 +221,12 @@ def decode_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:
 def _plain(so: SchedulerOutput) -> bool:
     """No drafts, grammar bitmask or offload transfers in ``so``."""
     return (not any(so.scheduled_spec_decode_tokens.values())
-            and getattr(so, "grammar_bitmask", None) is None
-            and not getattr(so, "kv_transfers", None))
+            and so.grammar_bitmask is None and not so.kv_transfers)
 
 
-def _greedy_plain(p: Any, num_output_tokens: int) -> bool:
+def _greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
     """Greedy sampling that the argmax of the raw logits reproduces exactly."""
     return (p.temperature == 0 and p.logprobs is None and not p.logit_bias
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and num_output_tokens >= p.min_tokens
-            and getattr(p, "structured_outputs", None) is None)
+            and p.structured_outputs is None)

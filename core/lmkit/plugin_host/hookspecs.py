@@ -212,7 +212,7 @@ def engine_started(engine: EngineView) -> None:
     """Called once the engine core has loaded the model and allocated the KV cache.
 
     :param engine: a read-only :class:`~lmkit.api.EngineView` of the engine core:
-        ``engine.stack`` is the resolved stack, ``engine.config`` the runtime
+        ``engine.stack`` is the resolved stack, ``engine.config`` a copy of the runtime
         configuration, ``engine.model_info`` the model's facts and ``engine.stats()``
         its counters. The same view is passed to every lifecycle hook of this engine.
     """

@@ -66,7 +66,10 @@ class MaskTimer:
     reordering, host-to-device copy, kernel) with timers (uniproc executor)."""
 
     def __init__(self, llm: Any, cuda: bool) -> None:
-        self.manager = llm.engine.structured_output
+        from lmkit.structured.manager import StructuredOutputManager
+
+        (self.manager,) = [p for p in llm.engine.phases.phases
+                           if isinstance(p, StructuredOutputManager)]
         self.cuda = cuda
         self.steps: list[dict[str, float]] = []
         import lmkit.worker.model_runner as model_runner
@@ -98,9 +101,9 @@ class MaskTimer:
             self._sync()
             self.steps[-1]["apply_s"] += time.perf_counter() - t0
 
-        def timed_advance(outputs: Any, scheduler: Any) -> None:
+        def timed_advance(outputs: Any) -> None:
             t0 = time.perf_counter()
-            advance(outputs, scheduler)
+            advance(outputs)
             self.steps[-1]["advance_s"] += time.perf_counter() - t0
 
         self.manager.fill_bitmask, self.manager.advance = timed_fill, timed_advance

@@ -165,7 +165,7 @@ def test_step_shape_warm_up_runs_mixed_steps_on_scratch_caches(tiny):
     runner.model.attn.plan = lambda md: (planned.append(
         (md.num_decodes, md.query_start_loc_cpu.diff().tolist(), md.seq_lens_cpu.tolist())),
         plan(md))
-    warm_up_step_shapes(runner)
+    warm_up_step_shapes(runner.dummy_step_model())
     runner.model.attn.plan = plan
     long = 128 - 40  # the tiny model's max_model_len (128) leaves room for a 16-token prefix
     assert planned == [(3, [1, 1, 1, 5, long], [34, 18, 41, 5, long + 16]),
@@ -310,7 +310,8 @@ def test_uniproc_executor_lifecycle(tiny):
     assert info.available_kv_bytes == int(0.001 * 2**30)
     assert (info.device, info.dtype) == ("cpu", "float32")
     executor.initialize_kv_cache(64)
-    assert executor.call("kv_bytes_per_block") == [info.kv_bytes_per_block]
+    assert executor.offload_lookup([b"x" * 32]) == (0, 0)  # no tier: typed defaults
+    assert executor.offload_stats() == {}
     so = SchedulerOutput(scheduled_new_reqs=[NewRequestData("r", PROMPT_C, [], GREEDY,
                                                             [0], 0)],
                          num_scheduled_tokens={"r": 2}, total_num_scheduled_tokens=2)

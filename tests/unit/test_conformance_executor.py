@@ -28,9 +28,9 @@ class OffByOne(UniProcExecutor):
         return out
 
 
-class NoWorkers(UniProcExecutor):
-    def call(self, method, *args, **kwargs):
-        return []
+class PhantomTier(UniProcExecutor):
+    def offload_lookup(self, block_hashes):
+        return len(block_hashes), 0
 
 
 def test_uniproc_passes(model_dir):
@@ -39,13 +39,13 @@ def test_uniproc_passes(model_dir):
     assert set(results.values()) == {"passed"}
 
 
-def test_wrong_tokens_and_hidden_workers_fail(model_dir):
+def test_wrong_tokens_and_a_phantom_offload_tier_fail(model_dir):
     with pytest.raises(ConformanceFailure) as exc:
         check_executor(Spec(name="off-by-one", target=lambda: OffByOne), model_dir=model_dir,
                        only=["tokens equal uniproc"])
     msg = str(exc.value)
     assert "'off-by-one' fails property 'tokens equal uniproc'" in msg
     assert "step 1 (scheduled {" in msg and "uniproc sampled" in msg
-    with pytest.raises(ConformanceFailure, match="returned \\[\\]; expected a list"):
-        check_executor(Spec(name="no-workers", target=lambda: NoWorkers), model_dir=model_dir,
-                       only=["call reaches every worker"])
+    with pytest.raises(ConformanceFailure, match=r"returned \(\(1, 0\), \{\}\); expected"):
+        check_executor(Spec(name="phantom-tier", target=lambda: PhantomTier),
+                       model_dir=model_dir, only=["offload methods"])

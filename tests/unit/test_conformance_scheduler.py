@@ -1,11 +1,11 @@
 """The scheduler conformance suite: the built-in schedulers pass it; broken schedulers
 (over budget, too many sequences, newest-first starvation, leaking aborted blocks,
-never preempting) fail it with the property, workload and step named."""
+never preempting, scheduling requests still waiting for their grammar) fail it with the property, workload and step named."""
 
 from __future__ import annotations
 
 import pytest
-from lmkit.api import FCFSWaitingQueue, PagedScheduler, Spec
+from lmkit.api import FCFSWaitingQueue, PagedScheduler, RequestStatus, Spec
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing import ConformanceFailure
 from lmkit.testing.scheduler import SchedulerConformance, check_scheduler
@@ -29,14 +29,14 @@ class TestPriority(SchedulerConformance):
 
 
 class OverBudget(PagedScheduler):
-    def __init__(self, config, num_blocks, options=None):
-        super().__init__(config, num_blocks, options)
+    def __init__(self, config, num_blocks, options=None, context=None):
+        super().__init__(config, num_blocks, options, context)
         self.max_num_batched_tokens += 8
 
 
 class TooManySeqs(PagedScheduler):
-    def __init__(self, config, num_blocks, options=None):
-        super().__init__(config, num_blocks, options)
+    def __init__(self, config, num_blocks, options=None, context=None):
+        super().__init__(config, num_blocks, options, context)
         self.max_num_seqs += 2
 
 
@@ -63,9 +63,26 @@ class LeaksAbortedBlocks(PagedScheduler):
 class NeverPreempts(PagedScheduler):
     """Admits one request at a time, so it never needs to preempt."""
 
+    def __init__(self, config, num_blocks, options=None, context=None):
+        super().__init__(config, num_blocks, options, context)
+        self.max_num_seqs = 1
+
+
+class GrammarBlind(PagedScheduler):
+    """Treats requests waiting for their grammar as ready."""
+
+    def schedule(self):
+        for request in self.requests.values():
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = RequestStatus.WAITING
+        return super().schedule()
+
+
+class OldSignature(PagedScheduler):
+    """A constructor without the context argument."""
+
     def __init__(self, config, num_blocks, options=None):
         super().__init__(config, num_blocks, options)
-        self.max_num_seqs = 1
 
 
 def fails(cls, prop: str) -> str:
@@ -102,3 +119,14 @@ def test_a_scheduler_that_never_preempts_must_say_so():
     assert "set requires_preemption = False" in msg
     spec = Spec(name="never", target=lambda: NeverPreempts)
     assert check_scheduler(spec, requires_preemption=False)["preemption and resumption"] == "passed"
+
+
+def test_scheduling_a_request_waiting_for_its_grammar_is_caught():
+    msg = fails(GrammarBlind, "waiting for grammar")
+    assert "in status WAITING_FOR_GRAMMAR were scheduled" in msg
+    assert "1 lookahead slots" in msg  # built with SchedulerContext(num_lookahead_slots=1)
+
+
+def test_a_constructor_without_the_context_is_caught():
+    msg = fails(OldSignature, "every request finishes")
+    assert "constructing the scheduler raised TypeError" in msg and "context" in msg

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from lmkit.api.request import Request  # noqa: E402
 from lmkit.api.sampling_params import SamplingParams  # noqa: E402
+from lmkit.api.scheduler import SchedulerContext  # noqa: E402
 from lmkit.config.schema import LMKitConfig  # noqa: E402
 from lmkit.plugin_host.manager import PluginHost  # noqa: E402
 from lmkit.plugin_host.resolve import resolve_stack  # noqa: E402
@@ -53,10 +54,11 @@ def _run(model_dir, lookahead: bool, slots: int = 0):
     runner.initialize_kv_cache(NUM_BLOCKS)
     runner.cuda_graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
                                          8, runner.max_model_len, BLOCK, use_graphs=False)
-    runner.lookahead = DecodeLookahead(runner) if lookahead else None
-    scheduler = host.registry.get("scheduler", "fcfs").spec.load()(
-        config, num_blocks=NUM_BLOCKS, options=None)
-    scheduler.num_lookahead_tokens = slots  # as the engine reserves it on CUDA
+    runner.lookahead = DecodeLookahead(runner.cuda_graphs, runner.model, runner.input_batch,
+                                       runner.requests, runner.max_model_len) if lookahead else None
+    scheduler = host.registry.get("scheduler", "fcfs").spec.load()(  # as the engine on CUDA
+        config, num_blocks=NUM_BLOCKS, options=None,
+        context=SchedulerContext(num_lookahead_slots=slots))
 
     def request(rid, prompt_len, max_tokens):
         prompt = [(7 * int(rid) + 3 * i) % 256 for i in range(prompt_len)]

@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler import PrefixTier, SchedulerContext
 from lmkit.kv_cache.hashing import update_block_hashes
 from lmkit.kv_cache.manager import KVCacheManager
 from lmkit.offload.coordinator import LOAD_FAILED, OffloadCoordinator
@@ -26,23 +27,23 @@ from test_scheduler_fakes import make_config
 GARBAGE = -7
 
 
-class FakeTier:
+class FakeTier(PrefixTier):
     """Copies of fake KV blocks by hash, LRU, at most ``capacity``; a ``resident`` tier
-    offers same-step loads."""
+    offers same-step loads. The scheduler's prefix tier (``SchedulerContext``)."""
 
     def __init__(self, capacity: int = 10**9, resident: bool = False) -> None:
         self.blocks: OrderedDict[bytes, list] = OrderedDict()
         self.capacity = capacity
         self.resident = resident
 
-    def lookup(self, hashes) -> int | tuple[int, int]:
+    def lookup(self, hashes) -> tuple[int, int]:
         n = 0
         for h in hashes:
             if h not in self.blocks:
                 break
             self.blocks.move_to_end(h)
             n += 1
-        return (n, n) if self.resident else n
+        return n, (n if self.resident else 0)
 
 
 class OffloadingRunner(FakeRunner):
@@ -98,9 +99,13 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4, **params) -> 
     return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, **params))
 
 
-def attach(sched: PagedScheduler, tier: FakeTier) -> OffloadCoordinator:
-    sched.offload = OffloadCoordinator(sched.kv_cache_manager, tier.lookup)
-    return sched.offload
+def offloading_scheduler(config, num_blocks: int, tier: FakeTier
+                         ) -> tuple[PagedScheduler, OffloadCoordinator]:
+    """A scheduler given ``tier`` as its prefix tier, and the coordinator it built."""
+    sched = PagedScheduler(config, num_blocks=num_blocks,
+                           context=SchedulerContext(prefix_tier=tier))
+    assert sched.offload is not None
+    return sched, sched.offload
 
 
 def fill_cache(manager: KVCacheManager, prompt: list[int]) -> Request:
@@ -186,9 +191,8 @@ def test_prompt_logprobs_requests_skip_the_tier():
 
 
 def test_aborted_while_loading_releases_blocks_when_the_load_finishes():
-    sched = PagedScheduler(make_config(block_size=4), num_blocks=16)
     tier = FakeTier()
-    coordinator = attach(sched, tier)
+    sched, coordinator = offloading_scheduler(make_config(block_size=4), 16, tier)
     req = make_request("r", list(range(13)))
     tier.blocks.update({h: [0] * 4 for h in update_block_hashes(req, 4)})
     sched.add_request(req)
@@ -206,10 +210,9 @@ def run_workload(seed: int, fail_rate: float, max_delay: int, tier_capacity: int
                  resident: bool = False) -> OffloadingRunner:
     rng = random.Random(seed)
     block_size, num_blocks = 4, 24
-    sched = PagedScheduler(make_config(block_size=block_size, max_num_batched_tokens=32,
-                                       max_num_seqs=4), num_blocks=num_blocks)
     tier = FakeTier(tier_capacity, resident)
-    attach(sched, tier)
+    sched, _ = offloading_scheduler(make_config(block_size=block_size, max_num_batched_tokens=32,
+                                                max_num_seqs=4), num_blocks, tier)
     runner = OffloadingRunner(num_blocks, block_size, tier, rng, fail_rate, max_delay)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
     expected: dict[str, list[int]] = {}

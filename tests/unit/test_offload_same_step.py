@@ -14,16 +14,15 @@ from lmkit.kv_cache.hashing import update_block_hashes
 from lmkit.offload.coordinator import LOAD_FAILED, NO_SAME_STEP
 from lmkit.offload.transfers import KVTransfers, LoadRequest
 from lmkit.offload.worker import OffloadWorker
-from lmkit.scheduler.paged import PagedScheduler
 from lmkit.testing.fake_runner import reference_output
 from lmkit_plugins.offload.cpu_tier import CPUTier
 from lmkit_plugins.offload.options import CPUTierOptions
 from test_offload_coordinator import (
     FakeTier,
     OffloadingRunner,
-    attach,
     fill_cache,
     make_request,
+    offloading_scheduler,
 )
 from test_scheduler_fakes import make_config
 
@@ -31,9 +30,9 @@ BS = 4
 
 
 def setup(num_blocks: int = 32, fail_rate: float = 0.0, **config):
-    sched = PagedScheduler(make_config(block_size=BS, **config), num_blocks=num_blocks)
     tier = FakeTier(resident=True)
-    coordinator = attach(sched, tier)
+    sched, coordinator = offloading_scheduler(make_config(block_size=BS, **config), num_blocks,
+                                              tier)
     runner = OffloadingRunner(num_blocks, BS, tier, random.Random(0), fail_rate)
     return sched, tier, coordinator, runner
 

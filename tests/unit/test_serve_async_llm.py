@@ -50,6 +50,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
+    def take_rejected_requests(self) -> list:
+        return []  # it decides at add_request
+
     def step(self) -> list[EngineCoreOutput]:
         time.sleep(0.005)
         outs = []

@@ -1,5 +1,6 @@
 """The structured-output manager with the xgrammar backend over the byte tokenizer (one
-token per byte, EOS 256): admission once compiled, bitmask rows with drafts, advancing,
+token per byte, EOS 256): requests wait for their grammar (WAITING_FOR_GRAMMAR) and are
+made ready once compiled, bitmask rows with drafts, advancing,
 termination, refusals (invalid, unsupported, too slow), caching and deduplication."""
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ class CountingBackend(XGrammarBackend):
 
 
 class FakeScheduler:
+    """Records what the manager asks of the scheduler (and, in ``added``, the requests
+    :func:`admit_all` saw made ready)."""
+
     def __init__(self):
         self.added: list[Request] = []
         self.finished: list[tuple[str, RequestStatus]] = []
-
-    def add_request(self, request):
-        self.added.append(request)
 
     def finish_requests(self, request_ids, status):
         self.finished.append((request_ids, status))
@@ -57,8 +58,8 @@ class FakeScheduler:
 
 def make_manager(features=SPEC.caps.features, **kwargs) -> StructuredOutputManager:
     kwargs.setdefault("compile_timeout_s", 10.0)
-    return StructuredOutputManager(lambda: CountingBackend(TOKENIZER, VOCAB), "xgrammar",
-                                   features, VOCAB, **kwargs)
+    return StructuredOutputManager(FakeScheduler(), lambda: CountingBackend(TOKENIZER, VOCAB),
+                                   "xgrammar", features, VOCAB, **kwargs)
 
 
 def request(rid: str, use_spec_decode: bool = True, **constraint) -> Request:
@@ -71,8 +72,9 @@ def admit_all(manager, scheduler, timeout=10.0):
     deadline = time.monotonic() + timeout
     admitted = []
     while manager.has_pending() and time.monotonic() < deadline:
-        admitted += manager.admit(scheduler, idle=True)
-    assert admitted == scheduler.added[len(scheduler.added) - len(admitted):]
+        admitted += manager.admit(idle=True)
+    assert all(r.status == RequestStatus.WAITING for r in admitted)
+    scheduler.added += admitted
 
 
 def allowed(bitmask, row) -> set[int]:
@@ -84,17 +86,20 @@ def ids(text: str) -> list[int]:
 
 
 def test_requests_reach_the_scheduler_only_with_a_compiled_grammar():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     req = request("a", regex="ab")
     manager.add_request(req)
     assert manager.has_pending() and not req.structured_output.is_ready
+    assert req.status == RequestStatus.WAITING_FOR_GRAMMAR
     admit_all(manager, scheduler)
     assert scheduler.added == [req] and req.structured_output.is_ready
     assert manager.stats()["num_constrained_requests"] == 1
 
 
 def test_bitmask_rows_follow_the_drafts_and_leave_the_grammar_as_it_was():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="abc"))
     manager.add_request(request("b", choice=["yes", "no"]))
     admit_all(manager, scheduler)
@@ -115,7 +120,8 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_grammar_as_it_was():
 
 
 def test_drafts_are_cut_to_what_the_grammar_allows():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="abc"))
     manager.add_request(request("b", regex="abc", use_spec_decode=False))
     admit_all(manager, scheduler)
@@ -127,12 +133,13 @@ def test_drafts_are_cut_to_what_the_grammar_allows():
 
 
 def test_grammars_advance_and_a_terminated_grammar_ends_its_request():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="ab"))
     manager.add_request(request("b", regex="ab"))
     admit_all(manager, scheduler)
     outs = [EngineCoreOutput("a", ids("a")), EngineCoreOutput("b", ids("ab"))]
-    manager.advance(outs, scheduler)
+    manager.advance(outs)
     so = SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 1})
     manager.fill_bitmask(so)
     assert allowed(so.grammar_bitmask, 0) == {ord("b")}
@@ -141,24 +148,26 @@ def test_grammars_advance_and_a_terminated_grammar_ends_its_request():
     out_b = EngineCoreOutput("b", [EOS])
     # a: stopped by the scheduler on EOS as usual
     out_a = EngineCoreOutput("a", [ord("b"), EOS], finish_reason="stop")
-    manager.advance([out_a, out_b], scheduler)
+    manager.advance([out_a, out_b])
     assert out_b.finish_reason == "stop" and out_a.finish_reason == "stop"
     assert scheduler.finished == [("b", RequestStatus.FINISHED_STOPPED)]
     assert manager.stats()["num_constrained_requests"] == 0
 
 
 def test_a_token_the_grammar_refuses_ends_the_request_with_an_error():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="ab"))
     admit_all(manager, scheduler)
     out = EngineCoreOutput("a", ids("z"))
-    manager.advance([out], scheduler)
+    manager.advance([out])
     assert out.finish_reason == "error" and "does not allow" in out.stop_reason
     assert scheduler.finished == [("a", RequestStatus.FINISHED_ERROR)]
 
 
 def test_invalid_constraints_are_rejected_without_reaching_the_scheduler():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("bad-regex", regex="a(b"))
     manager.add_request(request("bad-type", json={"type": "no-such-type"}))
     manager.add_request(request("unique", json={"type": "array", "uniqueItems": True}))
@@ -171,6 +180,8 @@ def test_invalid_constraints_are_rejected_without_reaching_the_scheduler():
     assert "does not support the JSON schema keyword 'uniqueItems' (at #)" in str(
         rejected["unique"])
     assert all(e.param == "structured_outputs" for e in rejected.values())
+    # refused requests leave the scheduler they waited in
+    assert scheduler.finished == [(rid, RequestStatus.FINISHED_ERROR) for rid in rejected]
     assert manager.take_rejected() == []
 
 
@@ -183,7 +194,8 @@ def test_an_unsupported_kind_names_the_backend_and_the_feature():
 
 def test_a_slow_compilation_is_refused_while_others_proceed():
     CountingBackend.release.clear()
-    manager, scheduler = make_manager(compile_timeout_s=0.2), FakeScheduler()
+    manager = make_manager(compile_timeout_s=0.2)
+    scheduler = manager.scheduler
     manager.add_request(request("slow", choice=["slow"]))
     manager.add_request(request("fast", choice=["fast"]))
     start = time.monotonic()
@@ -205,7 +217,7 @@ def test_requests_stuck_behind_runaway_compilations_are_refused_as_busy():
     CountingBackend.release.clear()
     manager = make_manager(compile_timeout_s=0.1, num_compile_threads=1, queue_timeout_s=0.3)
     manager.compiler.pool.max_abandoned = 0  # no replacement thread: the queue stalls
-    scheduler = FakeScheduler()
+    scheduler = manager.scheduler
     manager.add_request(request("slow", choice=["slow"]))
     manager.add_request(request("queued", choice=["fast"]))
     admit_all(manager, scheduler)
@@ -217,7 +229,8 @@ def test_requests_stuck_behind_runaway_compilations_are_refused_as_busy():
 
 
 def test_identical_constraints_compile_once_and_unique_ones_stay_bounded():
-    manager, scheduler = make_manager(cache_size=8), FakeScheduler()
+    manager = make_manager(cache_size=8)
+    scheduler = manager.scheduler
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     for i in range(6):
         manager.add_request(request(f"same-{i}", json=schema))
@@ -232,13 +245,14 @@ def test_identical_constraints_compile_once_and_unique_ones_stay_bounded():
 
 
 def test_aborted_requests_are_forgotten():
-    manager, scheduler = make_manager(), FakeScheduler()
+    manager = make_manager()
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="ab"))
     manager.add_request(request("b", regex="ab"))
-    manager.abort(["a"])
+    manager.abort_requests(["a"])
     admit_all(manager, scheduler)
     assert [r.request_id for r in scheduler.added] == ["b"]
-    manager.abort(["b", "unknown"])
+    manager.abort_requests(["b", "unknown"])
     so = SchedulerOutput(num_scheduled_tokens={"b": 1})
     manager.fill_bitmask(so)
     assert so.grammar_bitmask is None and not so.structured_output_request_ids
@@ -248,8 +262,8 @@ def test_a_backend_that_cannot_start_refuses_each_request():
     def broken():
         raise ValueError("no tokenizer.json")
 
-    manager, scheduler = StructuredOutputManager(broken, "xgrammar", {"regex"}, VOCAB), \
-        FakeScheduler()
+    manager = StructuredOutputManager(FakeScheduler(), broken, "xgrammar", {"regex"}, VOCAB)
+    scheduler = manager.scheduler
     manager.add_request(request("a", regex="x"))
     admit_all(manager, scheduler)
     (rid, error), = manager.take_rejected()

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lmkit.api import PagedScheduler, Request, SchedulerOutput, WaitingQueue
+from lmkit.api import (
+    LMKitConfig,
+    PagedScheduler,
+    Request,
+    SchedulerContext,
+    SchedulerOutput,
+    WaitingQueue,
+)
 
 from lmkit_fair_scheduler.ledger import Ledger
 from lmkit_fair_scheduler.plugin import FairShareOptions
@@ -28,11 +35,12 @@ class FairShareScheduler(PagedScheduler):
     fairness acts on admissions and KV pressure, not inside a step's running batch.
     """
 
-    def __init__(self, config: Any, num_blocks: int, options: FairShareOptions | None = None
-                 ) -> None:
+    def __init__(self, config: LMKitConfig, num_blocks: int,
+                 options: FairShareOptions | None = None,
+                 context: SchedulerContext | None = None) -> None:
         opts = options if options is not None else FairShareOptions()
         self.ledger = Ledger(opts.tenant_from, opts.weights, opts.default_tenant)
-        super().__init__(config, num_blocks, opts)
+        super().__init__(config, num_blocks, opts, context)
 
     def make_waiting_queue(self) -> WaitingQueue:
         """A :class:`TenantFairQueue` over this scheduler's ledger."""

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
+from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
@@ -18,7 +19,7 @@ from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput,
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.api.scheduler import Scheduler
+from lmkit.api.scheduler import PrefixTier, Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.api.source import ModelSource
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
@@ -76,11 +77,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
-    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
+    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "EngineView", "Executor", "ForwardContext", "Grammar",
     "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
-    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
+    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
-    "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
+    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
     "TransferJob", "hookimpl", *_LAZY,
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,22 @@ class ModelInfo:
 class Executor(ABC):
     """Runs the model for the engine core.
 
-    Constructed as ``cls(config, stack, options=opts)`` where ``stack`` is the resolved
-    :class:`~lmkit.plugin_host.resolve.ResolvedStack` (chosen names and options; a worker in
-    another process resolves the names in its own plugin manager).
+    Constructed as ``cls(config, stack, options=opts, host=host)``:
+
+    * ``config``: the engine's runtime :class:`~lmkit.config.LMKitConfig`;
+      ``config.model.model`` is a local model directory (the engine resolves aliases
+      and hub ids before this point);
+    * ``stack``: the resolved :class:`~lmkit.plugin_host.resolve.ResolvedStack` (chosen
+      names and options; a worker in another process resolves the names in its own
+      plugin manager);
+    * ``options``: the validated options of the executor plugin (or None);
+    * ``host``: the engine's :class:`~lmkit.plugin_host.manager.PluginHost` (model
+      architectures, attention backends, offload tiers), or None to load one from
+      ``config.plugins``.
+
+    The KV offload tier lives with the device caches, in the workers; the engine core
+    reaches it only through :meth:`offload_lookup`, :meth:`offload_stats` and
+    :meth:`close_offload`, whose defaults serve an executor without offload.
     """
 
     @abstractmethod
@@ -50,9 +64,20 @@ class Executor(ABC):
         """Run one step's forward and sampling."""
 
     @abstractmethod
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on every worker's model runner; one result per worker."""
-
-    @abstractmethod
     def shutdown(self) -> None:
         """Stop workers and release their memory. Safe to call twice."""
+
+    def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(held, resident)``: how many leading blocks of ``block_hashes`` the KV
+        offload tier holds, and how many of those it can load in the step that reads
+        them. With several workers, the smallest answers (a block counts only when
+        every worker holds its share). Default: ``(0, 0)``, no tier."""
+        return 0, 0
+
+    def offload_stats(self) -> dict[str, int]:
+        """The offload tier's counters, summed over workers. Default: none."""
+        return {}
+
+    def close_offload(self) -> None:  # noqa: B027 - optional
+        """Close the offload tier on every worker (pending disk writes finish). Called
+        once at engine shutdown, before :meth:`shutdown`. Default: nothing to close."""

@@ -10,7 +10,12 @@ from lmkit.api.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """waiting -> running <-> preempted -> finished_*; any state -> finished_aborted."""
+    """waiting -> running <-> preempted -> finished_*; any state -> finished_aborted.
+
+    A constrained request starts in ``WAITING_FOR_GRAMMAR``: it is queued in the scheduler
+    but skipped until its grammar is compiled (then ``WAITING``), as vLLM v1's
+    ``WAITING_FOR_FSM``.
+    """
 
     WAITING = 0
     RUNNING = 1
@@ -19,10 +24,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 7
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> str | None:

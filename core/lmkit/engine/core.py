@@ -1,5 +1,9 @@
 """The engine core: one busy loop of schedule -> execute -> update.
 
+Features (structured output, speculative decoding, KV offload) are
+:class:`~lmkit.engine.phases.StepPhase` s built once at construction; the step runs
+them before scheduling, after scheduling and after the model's output.
+
 It owns the scheduler and the executor; it knows nothing about text. Frontends
 (``LLM`` in-process, the API server over ZMQ) feed it validated :class:`Request` objects
 and turn its :class:`EngineCoreOutput` s into text.
@@ -13,16 +17,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lmkit.api.engine_view import EngineView
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
+from lmkit.api.scheduler import SchedulerContext
 from lmkit.config.schema import LMKitConfig
+from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.errors import ConfigError, InvalidRequestError
-from lmkit.offload.attach import attach_offload
+from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
 from lmkit.plugin_host.spec import Needs
 from lmkit.spec_decode.manager import ProposerManager
-from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
+from lmkit.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +57,8 @@ class EngineCore:
 
     Construction resolves the model files and the plugin stack (cross-checked before any
     weights load), starts the executor, sizes the KV pool from the memory the executor
-    reports, and builds the scheduler.
+    reports, builds the scheduler (with its :class:`~lmkit.api.SchedulerContext`) and
+    the feature phases.
     """
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
@@ -77,18 +85,7 @@ class EngineCore:
             self.model_info = self.executor.start()
             self.num_blocks = self._num_blocks()
             self.executor.initialize_kv_cache(self.num_blocks)
-            sched_reg = self.stack.get("scheduler")
-            assert sched_reg is not None
-            self.scheduler = sched_reg.spec.load()(
-                self.config, num_blocks=self.num_blocks, options=self.stack.options["scheduler"])
-            self.offload = attach_offload(
-                self.stack, self.scheduler, self.executor,
-                write_through=self.config.offload.store_policy == "write_through")
-            self._reserve_decode_lookahead_slots()
-            self.structured_output = StructuredOutputManager.from_stack(
-                self.config, self.stack, self.model_dir, self.model_info.vocab_size)
-            self.spec_decode = ProposerManager.from_stack(self.config, self.stack,
-                                                          self.model_info.vocab_size)
+            self.phases = self._build_scheduler_and_phases()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -97,9 +94,39 @@ class EngineCore:
         self._num_scheduled_tokens = 0
         self._started = time.monotonic()
         self._closed = False
-        self.host.hook.engine_started(engine=self)
+        # plugins see a copy of the configuration: changing it changes nothing here
+        self.view = EngineView(self.stack, self.config.model_copy(deep=True), self.model_info,
+                               self.num_blocks, self.stats)
+        self.host.hook.engine_started(engine=self.view)
 
     # ------------------------------------------------------------------ setup
+
+    def _build_scheduler_and_phases(self) -> StepPhases:
+        """The scheduler, given the lookahead slots and the offload tier it consults,
+        then the features in the order they run at each phase: grammars advance before
+        the proposer drafts (it must see requests a grammar ended), and drafts are cut
+        to what the grammars allow after it."""
+        sched_reg = self.stack.get("scheduler")
+        assert sched_reg is not None
+        scheduler_cls = sched_reg.spec.load()
+        tier = prefix_tier(self.stack, scheduler_cls, self.executor,
+                           write_through=self.config.offload.store_policy == "write_through")
+        context = SchedulerContext(num_lookahead_slots=self.model_info.num_lookahead_slots,
+                                   prefix_tier=tier)
+        self.scheduler = scheduler_cls(self.config, num_blocks=self.num_blocks,
+                                       options=self.stack.options["scheduler"], context=context)
+        structured = StructuredOutputManager.from_stack(
+            self.config, self.stack, self.model_dir, self.model_info.vocab_size, self.scheduler)
+        phases: list[StepPhase] = [structured]
+        proposer = ProposerManager.from_stack(self.config, self.stack,
+                                              self.model_info.vocab_size)
+        if proposer is not None:
+            phases.append(proposer)
+            if isinstance(structured, StructuredOutputManager):
+                phases.append(structured.draft_trim_phase())
+        if tier is not None:
+            phases.append(OffloadPhase(self.executor))
+        return StepPhases(phases)
 
     def _runtime_config(self, config: LMKitConfig, hf_config: Any) -> LMKitConfig:
         """A copy of ``config`` with the model directory and context length filled in."""
@@ -139,105 +166,76 @@ class EngineCore:
                     num_blocks * info.kv_bytes_per_block / 2**30)
         return int(num_blocks)
 
-    def _reserve_decode_lookahead_slots(self) -> None:
-        """With CUDA graphs the runner launches each decode step before it is scheduled
-        (lmkit.worker.gpu_lookahead); the scheduler then keeps one more KV slot per request."""
-        slots = self.model_info.num_lookahead_slots
-        current = getattr(self.scheduler, "num_lookahead_tokens", None)
-        if slots and isinstance(current, int) and current < slots:
-            self.scheduler.num_lookahead_tokens = slots
-
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request (see :class:`~lmkit.frontend.processor.InputProcessor`).
-        A constrained request waits for its grammar outside the scheduler; if the grammar
-        fails to compile it is refused later (:meth:`take_rejected_requests`)."""
-        if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise structured_output_off_error(self.config)
-            self.structured_output.add_request(request)
-            return
+        A constrained request waits in the scheduler for its grammar; if the grammar
+        fails to compile it is refused later (:meth:`take_rejected_requests`).
+
+        Raises:
+            InvalidRequestError: the scheduler or a feature refuses it (duplicate id,
+                too long for the KV cache, a constraint this engine cannot serve).
+        """
         self.scheduler.add_request(request)
-        if self.spec_decode is not None:
-            self.spec_decode.add_request(request)
+        try:
+            self.phases.add_request(request)
+        except BaseException:
+            self.abort_requests([request.request_id])
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests; unknown or finished ids are ignored."""
         ids = list(request_ids)
         if ids:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            if self.structured_output is not None:
-                self.structured_output.abort(ids)
-            if self.spec_decode is not None:
-                self.spec_decode.remove_requests(ids)
+            self.phases.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or (
-            self.structured_output is not None and self.structured_output.has_pending())
+        """Whether any request is waiting (for its grammar too), running or preempted."""
+        return self.scheduler.has_unfinished_requests()
 
     def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of requests refused after :meth:`add_request` took them
         (a constraint that did not compile, or not in time); they produce no output."""
-        return self.structured_output.take_rejected() if self.structured_output else []
+        return self.phases.take_rejected()
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns outputs of requests that advanced or finished."""
         if self._step_hooked:
-            return self.host.hook.engine_step.call_extra([self._step], {"engine": self})
-        return self._step(self)
+            return self.host.hook.engine_step.call_extra([self._step], {"engine": self.view})
+        return self._step(self.view)
 
-    def _step(self, engine: EngineCore) -> list[EngineCoreOutput]:
-        grammars = self.structured_output
-        if grammars is not None:  # constrained requests whose grammar is ready join
-            admitted = grammars.admit(self.scheduler,
-                                      idle=not self.scheduler.has_unfinished_requests())
-            if self.spec_decode is not None:
-                for request in admitted:
-                    self.spec_decode.add_request(request)
+    def _step(self, engine: EngineView) -> list[EngineCoreOutput]:
+        self.phases.before_schedule()
         scheduler_output = self.scheduler.schedule()
-        if grammars is not None:
-            grammars.fill_bitmask(scheduler_output)
-        if self.spec_decode is not None:
-            self.spec_decode.before_execute(scheduler_output)
+        self.phases.after_schedule(scheduler_output)
         runner_output = self.executor.execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.phases.after_model_output(scheduler_output, runner_output, outputs)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if grammars is not None:  # accepted tokens advance grammars; terminated ones end
-            grammars.advance(outputs, self.scheduler)
-        if self.spec_decode is not None:  # drafts for the next step
-            self.spec_decode.after_step(scheduler_output, runner_output, outputs)
-            if grammars is not None:  # only drafts the grammars allow
-                grammars.trim_draft_tokens()
         return outputs
 
     def stats(self) -> dict[str, Any]:
-        """Scheduler and cache counters plus engine-level facts, for metrics."""
+        """Scheduler and cache counters, each feature's, plus engine-level facts."""
         stats = dict(self.scheduler.get_stats())
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
-        if self.offload is not None:
-            stats.update(self.offload.stats())
-        if self.spec_decode is not None:
-            stats.update(self.spec_decode.get_stats())
-        if self.structured_output is not None:
-            stats.update(self.structured_output.stats())
+        stats.update(self.phases.stats())
         return stats
 
     def shutdown(self) -> None:
-        """Stop the executor; safe to call twice."""
+        """Stop the features (offload finishes pending disk writes), then the executor;
+        safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if self.structured_output is not None:
-            self.structured_output.shutdown()
         try:
-            if self.offload is not None:
-                self.offload.close()  # finishes pending disk writes; never raises
+            self.phases.shutdown()
             self.executor.shutdown()
         finally:
-            self.host.hook.engine_stopped(engine=self)
+            self.host.hook.engine_stopped(engine=self.view)

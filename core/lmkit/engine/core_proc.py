@@ -39,7 +39,7 @@ from lmkit.engine.messages import (
     make_engine_decoder,
     numeric_stats,
 )
-from lmkit.errors import LMKitError
+from lmkit.errors import InvalidRequestError, LMKitError
 
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
 STATS_INTERVAL_S = 0.5
@@ -53,6 +53,7 @@ class StepEngine(Protocol):
     def abort_requests(self, request_ids: Any) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]: ...
     def stats(self) -> dict[str, float | int]: ...
 
 
@@ -79,9 +80,6 @@ class EngineCoreProc:
         self.encoder = make_encoder()
         self.decoder = make_engine_decoder()
         self.parent_pid = parent_pid
-        # requests the engine refuses after taking them (a grammar that did not compile);
-        # engines that decide at add_request have none
-        self._take_rejected = getattr(engine, "take_rejected_requests", list)
         self.should_stop = False
         self.parent_gone = False
         self._last_stats_at = 0.0
@@ -105,10 +103,9 @@ class EngineCoreProc:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(EngineOutputs(outputs=outputs))
-                for rid, error in self._take_rejected():
+                for rid, error in self.engine.take_rejected_requests():
                     self.send(RequestRejected(request_id=rid, message=str(error),
-                                              param=getattr(error, "param", None),
-                                              code=getattr(error, "code", None)))
+                                              param=error.param, code=error.code))
             # going idle: report at once, so gauges (running, KV usage) settle to idle
             self._maybe_send_stats(force=was_busy and not busy)
             was_busy = busy
@@ -137,11 +134,12 @@ class EngineCoreProc:
         if isinstance(message, AddRequest):
             try:
                 self.engine.add_request(message.to_request())
-            except (LMKitError, ValueError) as e:
+            except InvalidRequestError as e:
                 # A bad request is refused alone; the engine and other requests go on.
                 self.send(RequestRejected(request_id=message.request_id, message=str(e),
-                                          param=getattr(e, "param", None),
-                                          code=getattr(e, "code", None)))
+                                          param=e.param, code=e.code))
+            except (LMKitError, ValueError) as e:
+                self.send(RequestRejected(request_id=message.request_id, message=str(e)))
         elif isinstance(message, AbortRequests):
             self.engine.abort_requests(message.request_ids)
         elif isinstance(message, StatsQuery):

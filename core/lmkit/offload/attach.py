@@ -1,69 +1,79 @@
-"""Wiring KV offload into an engine: the coordinator on the scheduler's KV-cache manager,
-talking to the tier in the runner through the executor."""
+"""Wiring KV offload into an engine: the tier in the workers, reached through the
+executor's typed offload methods, handed to the scheduler as its prefix tier."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from lmkit.api.scheduler import PrefixTier
+from lmkit.engine.phases import StepPhase
 from lmkit.errors import ConfigError
-from lmkit.offload.coordinator import OffloadCoordinator
 
 if TYPE_CHECKING:
     from lmkit.api.executor import Executor
+    from lmkit.api.scheduler import Scheduler
     from lmkit.plugin_host.resolve import ResolvedStack
 
 logger = logging.getLogger(__name__)
 
 
-class EngineOffload(OffloadCoordinator):
-    """The coordinator of a running engine: the tier is reached through ``executor``
-    (``executor.call("offload_call", ...)`` on every worker; a lookup takes the smallest
-    answers, so that a block counts only when every worker holds its share, and is
-    resident only when every worker's share is)."""
+class ExecutorPrefixTier(PrefixTier):
+    """The offload tier of a running engine, as its scheduler consults it:
+    :meth:`lookup` and :meth:`stats` go to the workers through the executor's
+    :meth:`~lmkit.api.Executor.offload_lookup` and :meth:`~lmkit.api.Executor.offload_stats`.
 
-    def __init__(self, scheduler: Any, executor: Executor, write_through: bool = True) -> None:
+    Args:
+        executor: the engine's executor (its workers hold the tier).
+        write_through: ``offload.store_policy`` is ``write_through``.
+    """
+
+    def __init__(self, executor: Executor, write_through: bool = True) -> None:
         self.executor = executor
-        super().__init__(scheduler.kv_cache_manager, self._lookup, self._worker_stats,
-                         write_through)
+        self.write_through = write_through
 
-    def _lookup(self, block_hashes: list[bytes]) -> tuple[int, int]:
-        answers = self.executor.call("offload_call", "lookup", block_hashes)
-        return min(held for held, _ in answers), min(resident for _, resident in answers)
+    def lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(held, resident)`` leading blocks of ``block_hashes`` in the tier."""
+        return self.executor.offload_lookup(block_hashes)
 
-    def _worker_stats(self) -> dict[str, int]:
-        merged: dict[str, int] = {}
-        for stats in self.executor.call("offload_call", "stats"):
-            for key, value in (stats or {}).items():
-                merged[key] = merged.get(key, 0) + value
-        return merged
+    def stats(self) -> dict[str, int]:
+        """The workers' tier counters (bytes moved, usage, tier evictions)."""
+        return self.executor.offload_stats()
 
-    def close(self) -> None:
+
+class OffloadPhase(StepPhase):
+    """KV offload's part in the engine's life outside the scheduler and the runner
+    (which run its per-step work): closing the tier when the engine shuts down."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def shutdown(self) -> None:
         """Close the tier on every worker (pending disk writes are finished). Logs
         instead of raising, so that engine shutdown always goes on."""
         try:
-            self.executor.call("offload_call", "close")
+            self.executor.close_offload()
         except Exception:
             logger.exception("closing the KV offload tier failed")
 
 
-def attach_offload(stack: ResolvedStack, scheduler: Any, executor: Executor,
-                   write_through: bool = True) -> EngineOffload | None:
-    """Connect the scheduler to the offload tier the runner built; None when offload
-    is off. ``write_through``: ``offload.store_policy`` is ``write_through``.
+def prefix_tier(stack: ResolvedStack, scheduler_cls: type[Scheduler], executor: Executor,
+                write_through: bool = True) -> ExecutorPrefixTier | None:
+    """The offload tier to hand the scheduler; None when offload is off.
+    ``write_through``: ``offload.store_policy`` is ``write_through``.
 
     Raises:
-        ConfigError: the scheduler is not a paged scheduler with a ``kv_cache_manager``
-            and an ``offload`` slot (e.g. a third-party scheduler of its own design).
+        ConfigError: the scheduler does not declare ``supports_prefix_tier`` (e.g. a
+            third-party scheduler not built on :class:`~lmkit.api.PagedScheduler`).
     """
     reg = stack.get("offload")
     if reg is None:
         return None
-    if not hasattr(scheduler, "kv_cache_manager") or not hasattr(scheduler, "offload"):
+    if not scheduler_cls.supports_prefix_tier:
         raise ConfigError(
-            f"offload tier {reg.name!r} needs a scheduler built on lmkit's PagedScheduler "
-            f"(with a kv_cache_manager), but {type(scheduler).__name__} is not; choose "
-            "another scheduler or set offload.backend: none")
-    coordinator = EngineOffload(scheduler, executor, write_through)
-    scheduler.offload = coordinator
-    return coordinator
+            f"offload tier {reg.name!r} needs a scheduler that consults a prefix tier "
+            f"(supports_prefix_tier, e.g. one built on lmkit's PagedScheduler), but "
+            f"{scheduler_cls.__name__} does not; choose another scheduler or set "
+            "offload.backend: none")
+    return ExecutorPrefixTier(executor, write_through)

@@ -6,7 +6,8 @@ before the forward (:meth:`OffloadWorker.start`; write-through stores after it,
 :meth:`OffloadWorker.after_forward`) and reports finished loads in
 ``ModelRunnerOutput.finished_kv_loads`` (:meth:`OffloadWorker.finished_loads`). The
 scheduler reaches :meth:`OffloadWorker.lookup` and :meth:`OffloadWorker.stats` through
-``executor.call("offload_call", ...)``.
+the executor's typed ``offload_lookup`` and ``offload_stats`` (its prefix tier,
+:mod:`lmkit.offload.attach`).
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from lmkit.api.engine_view import EngineView
+    from lmkit.api.outputs import EngineCoreOutput
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.spec import Needs, Spec
 
@@ -206,19 +208,24 @@ def configure(config: Any) -> None:
 
 
 @hookspec
-def engine_started(engine: Any) -> None:
+def engine_started(engine: EngineView) -> None:
     """Called once the engine core has loaded the model and allocated the KV cache.
 
-    :param engine: the :class:`~lmkit.engine.core.EngineCore`; ``engine.stack`` is the
-        resolved stack and ``engine.stats()`` its counters.
+    :param engine: a read-only :class:`~lmkit.api.EngineView` of the engine core:
+        ``engine.stack`` is the resolved stack, ``engine.config`` a copy of the runtime
+        configuration, ``engine.model_info`` the model's facts and ``engine.stats()``
+        its counters. The same view is passed to every lifecycle hook of this engine.
     """
 
 
 @hookspec(firstresult=True)
-def engine_step(engine: Any) -> Any:
+def engine_step(engine: EngineView) -> list[EngineCoreOutput] | None:
     """Wraps one engine step (schedule, execute, update). Implement it as a wrapper
     (``@lmkit.hookimpl(wrapper=True)``): ``yield`` to run
-    the step and receive its outputs (a list of per-request outputs); return them.
+    the step and receive its outputs (a list of
+    :class:`~lmkit.api.EngineCoreOutput`); return them.
+
+    :param engine: the read-only :class:`~lmkit.api.EngineView` (see ``engine_started``).
 
     Keep it cheap: it runs once per step, on the engine's busy loop::
 
@@ -232,5 +239,9 @@ def engine_step(engine: Any) -> Any:
 
 
 @hookspec
-def engine_stopped(engine: Any) -> None:
-    """Called once when the engine core shuts down (normally or after an error)."""
+def engine_stopped(engine: EngineView) -> None:
+    """Called once when the engine core shuts down (normally or after an error).
+
+    :param engine: the read-only :class:`~lmkit.api.EngineView` (see ``engine_started``);
+        ``engine.stats()`` still answers with the final counters.
+    """

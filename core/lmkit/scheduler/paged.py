@@ -22,11 +22,12 @@ from typing import Any
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
-from lmkit.api.scheduler import Scheduler
+from lmkit.api.scheduler import Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import SchedulerOutput
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.kv_cache.manager import KVCacheManager, cdiv
+from lmkit.offload.coordinator import OffloadCoordinator
 from lmkit.scheduler.queues import FCFSWaitingQueue, WaitingQueue
 from lmkit.scheduler.step_plan import StepPlan
 from lmkit.scheduler.stop import append_and_check_stop
@@ -44,12 +45,19 @@ class PagedScheduler(Scheduler):
             ``speculative`` (lookahead slots for draft tokens).
         num_blocks: KV pool size in blocks, including the reserved null block 0.
         options: the validated options of the scheduler plugin (unused here).
+        context: lookahead slots the runner needs and the KV offload tier
+            (:class:`~lmkit.api.SchedulerContext`); None: neither.
 
     Attributes: ``requests`` (id -> unfinished request), ``waiting``, ``running``
-    (admission order), ``kv_cache_manager``, ``num_preemptions``.
+    (admission order), ``kv_cache_manager``, ``offload`` (the
+    :class:`~lmkit.offload.OffloadCoordinator` over ``context.prefix_tier``, or None),
+    ``num_preemptions``.
     """
 
-    def __init__(self, config: LMKitConfig, num_blocks: int, options: Any = None) -> None:
+    supports_prefix_tier = True
+
+    def __init__(self, config: LMKitConfig, num_blocks: int, options: Any = None,
+                 context: SchedulerContext | None = None) -> None:
         max_model_len = config.model.max_model_len
         if not isinstance(max_model_len, int):
             raise ConfigError(
@@ -71,8 +79,13 @@ class PagedScheduler(Scheduler):
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_num_seqs = sched.max_num_seqs
         self.enable_chunked_prefill = sched.enable_chunked_prefill
+        context = context if context is not None else SchedulerContext()
         spec = config.speculative
-        self.num_lookahead_tokens = spec.num_speculative_tokens if spec.backend != "none" else 0
+        # KV slots past the scheduled tokens: draft tokens, or decode steps the runner
+        # launches ahead of scheduling (lmkit.worker.gpu_lookahead)
+        self.num_lookahead_tokens = max(
+            spec.num_speculative_tokens if spec.backend != "none" else 0,
+            context.num_lookahead_slots)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, config.cache.enable_prefix_caching, max_model_len
         )
@@ -81,8 +94,9 @@ class PagedScheduler(Scheduler):
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
-        # KV offload (lmkit.offload.OffloadCoordinator): attached by the engine when a tier is on
-        self.offload: Any = None
+        tier = context.prefix_tier
+        self.offload: OffloadCoordinator | None = None if tier is None else OffloadCoordinator(
+            self.kv_cache_manager, tier.lookup, tier.stats, tier.write_through)
         self._taken_back: set[str] = set()  # admissions undone since the last schedule()
 
     # -- policy hooks -------------------------------------------------------------
@@ -232,9 +246,21 @@ class PagedScheduler(Scheduler):
             req_index += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        skipped: list[Request] = []  # waiting for their grammar: they keep their place
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.add_front(request)
+
+    def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
         manager = self.kv_cache_manager
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.waiting.remove(request)  # (not pop: a queue may count pops as service)
+                skipped.append(request)
+                continue
             if request.request_id in plan.preempted:
                 break  # preempted this very step (for an admission): not back before next
             loaded: list[Any] = []  # blocks an offload load fills before this step's forward
@@ -248,15 +274,15 @@ class PagedScheduler(Scheduler):
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > plan.token_budget:
                     if not self.enable_chunked_prefill:
-                        if loaded:
+                        if self.offload is not None and loaded:
                             self.offload.keep_waiting(request)
                         return  # waits (and holds back later arrivals) until the budget frees
                     num_new = plan.token_budget
                 new_block_ids = manager.allocate_slots(request, num_new, 0, hits + loaded)
                 if new_block_ids is not None:
                     break
-                if loaded:  # no room beside its loaded prefix: admitted once the load is done
-                    self.offload.keep_waiting(request)
+                if self.offload is not None and loaded:  # no room beside its loaded
+                    self.offload.keep_waiting(request)  # prefix: admitted once it is done
                     return
                 victim = self.choose_admission_victim(request, self.running)
                 if victim is None or manager.has_pending_shared_blocks(victim):
@@ -365,8 +391,10 @@ class PagedScheduler(Scheduler):
     def get_stats(self) -> dict[str, Any]:
         """Counters: ``num_running``, ``num_waiting``, ``kv_cache_usage`` (fraction),
         ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens), ``num_preemptions``
-        and ``num_evictions`` (totals since start)."""
+        and ``num_evictions`` (totals since start), plus the ``offload_*`` counters
+        when a prefix tier is on."""
         manager = self.kv_cache_manager
+        offload = self.offload.stats() if self.offload is not None else {}
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
@@ -375,6 +403,7 @@ class PagedScheduler(Scheduler):
             "prefix_cache_hits": manager.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_evictions": manager.num_evictions,
+            **offload,
         }
 
     def reset_prefix_cache(self) -> int:

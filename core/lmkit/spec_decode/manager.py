@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
+from lmkit.engine.phases import StepPhase
 from lmkit.errors import ConfigError, PluginError
 from lmkit.spec_decode.stats import SpecDecodeStats
 
@@ -36,8 +37,10 @@ logger = logging.getLogger(__name__)
 _RUNNER_HOSTED = ("hidden_states", "own_kv_cache")
 
 
-class ProposerManager:
-    """Runs one :class:`~lmkit.api.SpecProposer` for the engine core.
+class ProposerManager(StepPhase):
+    """Runs one :class:`~lmkit.api.SpecProposer` for the engine core, as a
+    :class:`~lmkit.engine.phases.StepPhase`: :meth:`after_schedule` hands the runner
+    the draft distributions, :meth:`after_model_output` sets the next drafts.
 
     Args:
         proposer: the constructed proposer.
@@ -59,7 +62,7 @@ class ProposerManager:
         self.requests: dict[str, Request] = {}
         self.num_seen: dict[str, int] = {}  # tokens of each request the proposer has seen
         self.draft_probs: dict[str, Any] = {}  # request id -> [num_drafts, vocab] tensor
-        self.stats = SpecDecodeStats(num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
         self.propose_time_s = 0.0
 
     @classmethod
@@ -104,6 +107,10 @@ class ProposerManager:
             self._reset(rid)
         self.proposer.remove_requests(ids)
 
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Forget aborted requests (:meth:`remove_requests`)."""
+        self.remove_requests(request_ids)
+
     def _reset(self, rid: str) -> None:
         self.num_seen.pop(rid, None)
         self.draft_probs.pop(rid, None)
@@ -123,6 +130,20 @@ class ProposerManager:
 
     # ------------------------------------------------------------------ the step
 
+    def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Before execution: :meth:`before_execute`."""
+        self.before_execute(scheduler_output)
+
+    def after_model_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput,
+                           outputs: list[EngineCoreOutput]) -> None:
+        """After the scheduler's update: :meth:`after_step`."""
+        self.after_step(scheduler_output, runner_output, outputs)
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`get_stats`."""
+        return self.get_stats()
+
     def before_execute(self, scheduler_output: SchedulerOutput) -> None:
         """Hand the runner the draft distributions of this step's scheduled drafts."""
         if not self.draft_probs:
@@ -136,9 +157,11 @@ class ProposerManager:
                    outputs: list[EngineCoreOutput]) -> None:
         """Record the step's verifications, forget finished and preempted requests, and
         set new drafts on the requests that are still decoding."""
-        self.stats.record_step(runner_output.num_draft_tokens, runner_output.num_accepted_tokens)
+        self.spec_stats.record_step(runner_output.num_draft_tokens,
+                                    runner_output.num_accepted_tokens)
+        # finished in the step, or outside it since the last one (aborts, refusals)
         finished = [o.request_id for o in outputs if o.finish_reason is not None]
-        self.remove_requests(finished)
+        self.remove_requests([*finished, *scheduler_output.finished_req_ids])
         preempted = scheduler_output.preempted_req_ids & self.requests.keys()
         if preempted:  # their KV is gone: a proposer's per-request state must go too
             for rid in preempted:
@@ -177,7 +200,7 @@ class ProposerManager:
                 self.draft_probs[request.request_id] = probs[i]
             else:
                 self.draft_probs.pop(request.request_id, None)
-        self.stats.record_proposals(num_proposed)
+        self.spec_stats.record_proposals(num_proposed)
 
     def _validate(self, proposal: Proposal, ids: list[str]) -> list[list[int]]:
         drafts = proposal.draft_token_ids
@@ -198,7 +221,7 @@ class ProposerManager:
     def get_stats(self) -> dict[str, Any]:
         """Counters for ``EngineCore.stats()`` (see :class:`SpecDecodeStats`), plus the
         time spent proposing."""
-        out = self.stats.as_dict()
+        out = self.spec_stats.as_dict()
         out["spec_propose_time_s"] = self.propose_time_s
         out["spec_num_steps_off"] = self.num_steps_off
         return out

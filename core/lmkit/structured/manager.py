@@ -1,11 +1,12 @@
 """The structured-output manager: grammars from admission to the last token.
 
-The engine core calls it at five points (see :class:`StructuredOutputManager`): a
-constrained request is held here, not in the scheduler, until its grammar is compiled
-(so no scheduler needs to know about grammars and the step loop never waits for a
-compiler); each step it fills the bitmask rows of the scheduled constrained requests;
-after the step it advances their grammars with the tokens the scheduler accepted and
-ends those whose grammar terminated.
+A :class:`~lmkit.engine.phases.StepPhase` of the engine core (see
+:class:`StructuredOutputManager`): a constrained request waits in the scheduler in
+status ``WAITING_FOR_GRAMMAR`` (skipped, keeping its place) until its grammar is
+compiled, so the step loop never waits for a compiler; each step the manager fills
+the bitmask rows of the scheduled constrained requests; after the step it advances
+their grammars with the tokens the scheduler accepted and ends those whose grammar
+terminated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
+from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
@@ -26,6 +28,7 @@ from lmkit.structured.rows import fill_rows
 
 if TYPE_CHECKING:
     from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.runner_output import ModelRunnerOutput
     from lmkit.api.scheduler import Scheduler
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
@@ -36,10 +39,12 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.01  # how long an otherwise idle step waits for a compilation to finish
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(StepPhase):
     """Compiles constraints through one backend and drives the requests' grammars.
 
     Args:
+        scheduler: the engine's scheduler (constrained requests wait in it; the
+            manager finishes those refused or whose grammar ends).
         make_backend: builds the backend (``cls(tokenizer, vocab_size, options=...)``);
             called once, in a compile thread, when the first constraint arrives.
         backend_name: the backend's registered name (for messages).
@@ -52,18 +57,21 @@ class StructuredOutputManager:
         queue_timeout_s: how long a request may wait for a free compile thread (default:
             ten compile timeouts, at least a minute).
 
-    Engine-core calls: :meth:`add_request`, :meth:`admit` (start of a step),
-    :meth:`fill_bitmask` (after scheduling), :meth:`advance` (after the scheduler's
-    update), :meth:`abort`; :meth:`take_rejected` hands over the requests refused since.
+    Step phases: :meth:`add_request`, :meth:`before_schedule` (:meth:`admit`),
+    :meth:`after_schedule` (:meth:`fill_bitmask`), :meth:`after_model_output`
+    (:meth:`advance`), :meth:`abort_requests`; :meth:`take_rejected` hands over the
+    requests refused since.
     """
 
-    def __init__(self, make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
+    def __init__(self, scheduler: Scheduler,
+                 make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
                  features: Iterable[str], vocab_size: int, compile_timeout_s: float = 30.0,
                  num_compile_threads: int = 2, cache_size: int = 256,
                  cache_bytes: int = 0, queue_timeout_s: float | None = None) -> None:
         self.backend_name = backend_name
         self.features = frozenset(features)
         self.vocab_size = vocab_size
+        self.scheduler = scheduler
         self.compile_timeout_s = compile_timeout_s
         # waiting for a thread (behind runaway compilations) is bounded too
         self.queue_timeout_s = (max(60.0, 10 * compile_timeout_s) if queue_timeout_s is None
@@ -71,20 +79,22 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(make_backend, backend_name, num_compile_threads,
                                         cache_size, cache_bytes)
         self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
-        self._active: dict[str, RequestGrammar] = {}  # admitted to the scheduler
-        self._drafting: dict[str, Request] = {}  # admitted requests that may get drafts
+        self._active: dict[str, RequestGrammar] = {}  # grammar ready
+        self._drafting: dict[str, Request] = {}  # ready requests that may get drafts
+        self._idle = False  # the last step scheduled nothing
         self._rejected: list[tuple[str, InvalidRequestError]] = []
         self.num_compile_timeouts = 0
         self.num_drafts_trimmed = 0
 
     @classmethod
     def from_stack(cls, config: LMKitConfig, stack: ResolvedStack, model_dir: Path,
-                   vocab_size: int) -> StructuredOutputManager | None:
-        """The manager for the stack's structured-output backend (``None`` when off).
-        The backend itself (and the tokenizer in ``model_dir``) is loaded on first use."""
+                   vocab_size: int, scheduler: Scheduler) -> StepPhase:
+        """The manager for the stack's structured-output backend, or (when off) a
+        :class:`StructuredOutputOff` phase that refuses constrained requests. The
+        backend itself (and the tokenizer in ``model_dir``) is loaded on first use."""
         reg = stack.get("structured_output")
         if reg is None:
-            return None
+            return StructuredOutputOff(config)
         section = config.structured_output
         options = stack.options.get("structured_output")
 
@@ -93,7 +103,7 @@ class StructuredOutputManager:
 
             return reg.spec.load()(load_tokenizer(Path(model_dir)), vocab_size, options=options)
 
-        return cls(make_backend, reg.name, reg.spec.caps.features, vocab_size,
+        return cls(scheduler, make_backend, reg.name, reg.spec.caps.features, vocab_size,
                    compile_timeout_s=section.compile_timeout_s,
                    num_compile_threads=section.num_compile_threads,
                    cache_size=section.grammar_cache_size,
@@ -102,13 +112,16 @@ class StructuredOutputManager:
     # -- requests in ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Validate ``request``'s constraint and start compiling it; the request reaches
-        the scheduler through :meth:`admit` once its grammar is ready.
+        """For a constrained request (just queued in the scheduler): validate its
+        constraint, start compiling it and set it ``WAITING_FOR_GRAMMAR``;
+        :meth:`admit` sets it ``WAITING`` once its grammar is ready. Others pass.
 
         Raises:
             InvalidRequestError: a malformed constraint, a kind this backend does not
                 support, or an id already waiting here.
         """
+        if request.sampling_params.structured_outputs is None:
+            return
         constraint = parse_constraint(request.sampling_params.structured_outputs or {})
         if constraint.feature not in self.features:
             raise InvalidRequestError(
@@ -124,17 +137,23 @@ class StructuredOutputManager:
         state = RequestGrammar(constraint)
         self.compiler.submit(state)
         request.structured_output = state
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._pending[rid] = request
 
     def has_pending(self) -> bool:
         """Whether any request waits for its grammar."""
         return bool(self._pending)
 
-    def admit(self, scheduler: Scheduler, idle: bool = False) -> list[Request]:
-        """Hand requests whose grammar is ready to ``scheduler``; refuse those whose
-        compilation failed or overran ``compile_timeout_s``. With ``idle`` (nothing
-        else to run), first wait up to :data:`IDLE_WAIT_S` for a compilation to end.
-        Returns the requests admitted (for other per-request state, e.g. a proposer's)."""
+    def before_schedule(self) -> None:
+        """Requests whose grammar became ready may be scheduled (:meth:`admit`); after
+        a step that scheduled nothing, wait a little for a compilation first."""
+        self.admit(idle=self._idle)
+
+    def admit(self, idle: bool = False) -> list[Request]:
+        """Let requests whose grammar is ready be scheduled (``WAITING``); refuse
+        (finish) those whose compilation failed or overran ``compile_timeout_s``. With
+        ``idle`` (nothing else to run), first wait up to :data:`IDLE_WAIT_S` for a
+        compilation to end. Returns the requests made ready."""
         admitted: list[Request] = []
         if not self._pending:
             return admitted
@@ -149,7 +168,6 @@ class StructuredOutputManager:
                 del self._pending[rid]
                 try:
                     state.grammar = future.result()
-                    scheduler.add_request(request)
                 except InvalidRequestError as e:
                     self._reject(request, e)
                     continue
@@ -160,6 +178,7 @@ class StructuredOutputManager:
                         f"{state.constraint.describe()} constraint: {type(e).__name__}: {e}",
                         param=PARAM, code="constraint_compile_failed"))
                     continue
+                request.status = RequestStatus.WAITING
                 self._active[rid] = state
                 if request.sampling_params.use_spec_decode:
                     self._drafting[rid] = request
@@ -194,11 +213,11 @@ class StructuredOutputManager:
 
     def take_rejected(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of every request refused since the last call (they
-        never reached the scheduler and produce no output)."""
+        were never scheduled and produce no output)."""
         rejected, self._rejected = self._rejected, []
         return rejected
 
-    def abort(self, request_ids: Iterable[str]) -> None:
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Forget these requests (waiting or admitted); unknown ids are ignored."""
         for rid in request_ids:
             request = self._pending.pop(rid, None)
@@ -208,6 +227,17 @@ class StructuredOutputManager:
             self._drafting.pop(rid, None)
 
     # -- one step ---------------------------------------------------------------------
+
+    def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Fill the planned step's bitmask (:meth:`fill_bitmask`)."""
+        self._idle = not scheduler_output.total_num_scheduled_tokens
+        self.fill_bitmask(scheduler_output)
+
+    def after_model_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput,
+                           outputs: list[EngineCoreOutput]) -> None:
+        """Advance grammars over the step's accepted tokens (:meth:`advance`)."""
+        self.advance(outputs)
 
     def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Fill ``grammar_bitmask`` and ``structured_output_request_ids`` of a planned
@@ -240,7 +270,7 @@ class StructuredOutputManager:
             self.compiler.backend().fill_bitmasks(plain, bitmask, plain_rows)
         scheduler_output.grammar_bitmask = bitmask
 
-    def advance(self, outputs: list[EngineCoreOutput], scheduler: Scheduler) -> None:
+    def advance(self, outputs: list[EngineCoreOutput]) -> None:
         """Advance grammars over the tokens each output appended; a request whose
         grammar terminated without the scheduler stopping it ends now (``stop``)."""
         for out in outputs:
@@ -256,10 +286,11 @@ class StructuredOutputManager:
                            "token)")
                 logger.error("request %s: %s", out.request_id, message)
                 if out.finish_reason is None:
-                    scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ERROR)
+                    self.scheduler.finish_requests(out.request_id,
+                                                   RequestStatus.FINISHED_ERROR)
                     out.finish_reason, out.stop_reason = "error", message
             elif out.finish_reason is None and grammar.is_terminated():
-                scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
                 out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
             if out.finish_reason is not None:
                 del self._active[out.request_id]
@@ -312,9 +343,40 @@ class StructuredOutputManager:
         """Stop the compile threads (a running compilation finishes in the background)."""
         self.compiler.shutdown()
 
+    def draft_trim_phase(self) -> StepPhase:
+        """The phase that cuts proposed drafts to what the grammars allow; it runs
+        after the proposer's (:meth:`trim_draft_tokens`)."""
+        return _TrimDrafts(self)
+
     def _reject(self, request: Request, error: InvalidRequestError) -> None:
-        request.status = RequestStatus.FINISHED_ERROR
+        self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
         self._rejected.append((request.request_id, error))
+
+
+class _TrimDrafts(StepPhase):
+    """After the proposer set drafts: keep only what each request's grammar allows."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self.manager = manager
+
+    def after_model_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput,
+                           outputs: list[EngineCoreOutput]) -> None:
+        """:meth:`StructuredOutputManager.trim_draft_tokens`."""
+        self.manager.trim_draft_tokens()
+
+
+class StructuredOutputOff(StepPhase):
+    """The structured-output phase of an engine without a backend: refuses
+    constrained requests with an error that says how to turn it on."""
+
+    def __init__(self, config: LMKitConfig) -> None:
+        self.config = config
+
+    def add_request(self, request: Request) -> None:
+        """Raises :class:`InvalidRequestError` for a constrained request."""
+        if request.sampling_params.structured_outputs is not None:
+            raise structured_output_off_error(self.config)
 
 
 def structured_output_off_error(config: LMKitConfig) -> InvalidRequestError:

@@ -10,8 +10,8 @@ seeded-sampling requests in a KV pool small enough to force preemption; every st
   max_model_len, layers, bytes per KV block);
 * ``tokens equal uniproc``: every step's request ids and sampled tokens are identical
   (through chunked prefill, prefix-cache hits, preemption and finished requests);
-* ``call reaches every worker``: ``call("kv_bytes_per_block")`` returns one equal
-  answer per worker;
+* ``offload methods``: with no offload tier configured, ``offload_lookup`` answers
+  ``(0, 0)``, ``offload_stats`` ``{}`` and ``close_offload`` returns;
 * ``shutdown twice``: ``shutdown()`` may be called twice.
 
 Use :func:`check_executor`, or subclass :class:`ExecutorConformance` and define an
@@ -60,9 +60,11 @@ class _Pair:
         self.config = _config(model_dir, "uniproc")
         self.stack = resolve_stack(self.config, host)
         uniproc = host.registry.get("executor", "uniproc").spec
-        self.reference = uniproc.load()(self.config, self.stack, options=uniproc.validate_options({}))
+        self.reference = uniproc.load()(self.config, self.stack,
+                                        options=uniproc.validate_options({}), host=host)
         try:
-            self.candidate = t.cls(self.config, self.stack, options=t.options)
+            # the engine's call: cls(config, stack, options=..., host=...)
+            self.candidate = t.cls(self.config, self.stack, options=t.options, host=host)
         except Exception as e:
             raise t.fail(SUITE, "model info", WORKLOAD,
                          f"constructing the executor raised {type(e).__name__}: {e}") from e
@@ -140,14 +142,18 @@ def _tokens(pair: _Pair) -> None:
             raise t.fail(SUITE, "tokens equal uniproc", WORKLOAD, "the workload did not finish")
 
 
-def _call(pair: _Pair) -> None:
+def _offload_methods(pair: _Pair) -> None:
     pair.candidate.initialize_kv_cache(NUM_BLOCKS)
-    got = pair.candidate.call("kv_bytes_per_block")
-    want = pair.ref_info.kv_bytes_per_block
-    if not isinstance(got, list) or not got or any(x != want for x in got):
-        raise pair.t.fail(SUITE, "call reaches every worker", "call('kv_bytes_per_block')",
-                          f"returned {got!r}; expected a list with one answer per worker, "
-                          f"each {want}")
+    what = "offload_lookup([b'x' * 32]); offload_stats(); close_offload() without a tier"
+    try:
+        got = (pair.candidate.offload_lookup([b"x" * 32]), pair.candidate.offload_stats())
+        pair.candidate.close_offload()
+    except Exception as e:
+        raise pair.t.fail(SUITE, "offload methods", what,
+                          f"raised {type(e).__name__}: {e}") from e
+    if got != ((0, 0), {}):
+        raise pair.t.fail(SUITE, "offload methods", what,
+                          f"returned {got!r}; expected ((0, 0), {{}}) with offload off")
 
 
 def _shutdown_twice(pair: _Pair) -> None:
@@ -160,13 +166,13 @@ def _shutdown_twice(pair: _Pair) -> None:
 
 
 PROPERTIES = {"model info": _model_info, "tokens equal uniproc": _tokens,
-              "call reaches every worker": _call, "shutdown twice": _shutdown_twice}
+              "offload methods": _offload_methods, "shutdown twice": _shutdown_twice}
 
 
 def check_executor(executor: Any, options: Any = None, model_dir: str | Path | None = None,
                    only: Iterable[str] | None = None) -> dict[str, str]:
     """Run every executor property against ``executor`` (a Spec, Registration or
-    Executor subclass built as ``cls(config, stack, options=...)``), on ``model_dir``
+    Executor subclass built as ``cls(config, stack, options=..., host=...)``), on ``model_dir``
     or a fresh tiny random model. One model load serves all properties.
 
     :raises ConformanceFailure: naming the first failing property and the step.
@@ -201,8 +207,8 @@ class ExecutorConformance:
     def test_tokens_equal_uniproc(self, executor: Any) -> None:
         self._check(executor, "tokens equal uniproc")
 
-    def test_call_reaches_every_worker(self, executor: Any) -> None:
-        self._check(executor, "call reaches every worker")
+    def test_offload_methods(self, executor: Any) -> None:
+        self._check(executor, "offload methods")
 
     def test_shutdown_twice(self, executor: Any) -> None:
         self._check(executor, "shutdown twice")

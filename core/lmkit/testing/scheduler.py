@@ -18,7 +18,14 @@ output. Properties:
 * ``preemption and resumption``: a KV pool too small for the batch forces preemption;
   preempted requests resume with every token right;
 * ``aborts free blocks``: aborting waiting and running requests (and unknown ids)
-  frees their blocks: afterwards a request needing the whole pool runs.
+  frees their blocks: afterwards a request needing the whole pool runs;
+* ``waiting for grammar``: a request in status ``WAITING_FOR_GRAMMAR`` is never
+  scheduled (later arrivals are) until it is set ``WAITING``; then it runs right, and
+  a request aborted while waiting for its grammar leaves nothing behind (built with
+  ``SchedulerContext(num_lookahead_slots=1)``).
+
+Schedulers are built as the engine builds them:
+``cls(config, num_blocks=..., options=..., context=SchedulerContext(...))``.
 
 Use :func:`check_scheduler`, or subclass :class:`SchedulerConformance` and define a
 ``scheduler`` fixture returning the spec (or class). Schedulers that never preempt by
@@ -159,6 +166,33 @@ def aborts_free_blocks(t: Target) -> None:
     d.run()
 
 
+def waiting_for_grammar(t: Target) -> None:
+    from lmkit.api.request import RequestStatus
+
+    rng = random.Random(5)
+    setup = Setup(num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4,
+                  num_lookahead_slots=1)
+    d = Drive(t, "waiting for grammar", setup,
+              "4 requests; r0 and r2 wait for their grammar for 6 steps, r2 is then aborted")
+    requests = [d.add(f"r{i}", prompt, max_tokens=6)
+                for i, prompt in enumerate(_prompts(rng, 4, 4, 12))]
+    for i in (0, 2):
+        requests[i].status = RequestStatus.WAITING_FOR_GRAMMAR
+    scheduled: set[str] = set()
+    for _ in range(6):
+        d.step()
+        scheduled |= set(d.runner.states) | set(d.finished)
+    early = sorted(scheduled & {"r0", "r2"})
+    if early:
+        raise d.fail(f"request(s) {early} in status WAITING_FOR_GRAMMAR were scheduled")
+    if "r1" not in scheduled:
+        raise d.fail("requests behind one waiting for its grammar were not scheduled: "
+                     "skip it (it keeps its place), do not stop admitting at it")
+    requests[0].status = RequestStatus.WAITING
+    d.abort(["r2"])
+    d.run()
+
+
 CHECKS: dict[str, Callable[..., None]] = {
     "every request finishes": every_request_finishes,
     "budget and max_num_seqs": budget_and_max_num_seqs,
@@ -166,6 +200,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "no starvation under a long-prompt flood": no_starvation_under_flood,
     "preemption and resumption": preemption_and_resumption,
     "aborts free blocks": aborts_free_blocks,
+    "waiting for grammar": waiting_for_grammar,
 }
 
 
@@ -178,7 +213,8 @@ def _checks(t: Target, requires_preemption: bool) -> dict[str, Callable[[], None
 def check_scheduler(scheduler: Any, options: Any = None, only: Iterable[str] | None = None,
                     requires_preemption: bool = True) -> dict[str, str]:
     """Run every scheduler property against ``scheduler`` (a Spec, Registration or
-    Scheduler subclass built as ``cls(config, num_blocks=..., options=...)``).
+    Scheduler subclass built as ``cls(config, num_blocks=..., options=...,
+    context=...)``).
 
     :raises ConformanceFailure: naming the first failing property, the workload, the
         scheduler settings and the step.
@@ -214,6 +250,9 @@ class SchedulerConformance:
 
     def test_aborts_free_blocks(self, scheduler: Any) -> None:
         self._check(scheduler, "aborts free blocks")
+
+    def test_waiting_for_grammar(self, scheduler: Any) -> None:
+        self._check(scheduler, "waiting for grammar")
 
 
 __all__ = ["CHECKS", "NotApplicable", "SchedulerConformance", "check_scheduler"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.scheduler import SchedulerContext
 from lmkit.config.schema import LMKitConfig
 from lmkit.testing.failure import Target
 from lmkit.testing.fake_runner import FakeRunner, RunnerViolation, reference_output
@@ -26,6 +27,7 @@ class Setup:
     chunked: bool = True
     prefix_caching: bool = True
     max_model_len: int = 256
+    num_lookahead_slots: int = 0  # SchedulerContext.num_lookahead_slots
 
     def config(self) -> LMKitConfig:
         """The engine configuration the scheduler is built with."""
@@ -42,7 +44,8 @@ class Setup:
         return (f"block_size {self.block_size}, {self.num_blocks} KV blocks, "
                 f"max_num_batched_tokens {self.max_num_batched_tokens}, max_num_seqs "
                 f"{self.max_num_seqs}, chunked prefill {'on' if self.chunked else 'off'}, "
-                f"prefix caching {'on' if self.prefix_caching else 'off'}")
+                f"prefix caching {'on' if self.prefix_caching else 'off'}, "
+                f"{self.num_lookahead_slots} lookahead slots")
 
 
 @dataclass
@@ -72,8 +75,10 @@ class Drive:
 
     def __post_init__(self) -> None:
         try:
+            # the engine's call: cls(config, num_blocks=..., options=..., context=...)
+            context = SchedulerContext(num_lookahead_slots=self.setup.num_lookahead_slots)
             self.sched = self.target.cls(self.setup.config(), num_blocks=self.setup.num_blocks,
-                                         options=self.target.options)
+                                         options=self.target.options, context=context)
         except Exception as e:
             raise self.fail(f"constructing the scheduler raised {type(e).__name__}: {e}") from e
         self.runner = FakeRunner(self.setup.num_blocks, self.setup.block_size)
@@ -84,7 +89,7 @@ class Drive:
         return self.target.fail(SUITE, self.prop, where, detail)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, eos: int | None = None,
-            stop_token_ids: tuple[int, ...] = ()) -> None:
+            stop_token_ids: tuple[int, ...] = ()) -> Request:
         """Submit a greedy request and record what it must produce alone."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                 stop_token_ids=list(stop_token_ids))
@@ -98,6 +103,7 @@ class Drive:
         stopped = bool(ref) and (ref[-1] == eos or ref[-1] in stop_token_ids)
         self.expected[rid] = Expected(ref, "stop" if stopped else "length")
         self.sched.add_request(request)
+        return request
 
     def abort(self, rids: list[str]) -> None:
         """Abort requests from outside the step loop."""

@@ -44,6 +44,8 @@ from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
 
 if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -253,26 +255,27 @@ class CudaGraphRunner:
             self._copied = None
 
 
-def maybe_capture(runner: Any) -> CudaGraphRunner | None:
-    """Capture decode graphs for a model runner when they apply, else ``None``.
+def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
+                  kv_caches: list[torch.Tensor], device: torch.device,
+                  max_model_len: int) -> CudaGraphRunner | None:
+    """Capture decode graphs of ``model`` over ``kv_caches`` when they apply, else ``None``.
 
     They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
     backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly). With a
     speculative proposer in the stack, verification steps (``1 + k`` tokens per
     request) are replayed too, flattened.
     """
-    if runner.device.type != "cuda" or runner.config.executor.enforce_eager:
+    if device.type != "cuda" or config.executor.enforce_eager:
         return None
-    attention = runner.stack.get("attention")
+    attention = stack.get("attention")
     if attention is None or "cuda_graphs" not in attention.spec.caps.features:
         name = attention.name if attention is not None else "none"
         logger.info("attention backend %s cannot be captured in CUDA graphs: decode runs "
                     "eagerly", name)
         return None
-    spec_k = (runner.config.speculative.num_speculative_tokens
-              if runner.stack.get("spec_proposer") is not None else 0)
-    graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
-                             runner.config.scheduler.max_num_seqs, runner.max_model_len,
-                             runner.block_size, max_query_len=1 + spec_k)
+    spec_k = (config.speculative.num_speculative_tokens
+              if stack.get("spec_proposer") is not None else 0)
+    graphs = CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
+                             max_model_len, config.cache.block_size, max_query_len=1 + spec_k)
     graphs.capture()
     return graphs

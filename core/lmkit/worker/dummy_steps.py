@@ -4,21 +4,50 @@ meet (to compile JIT kernel variants at startup)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lmkit.worker import memory
-from lmkit.worker.input_batch import CachedRequestState, InputBatch
+from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 if TYPE_CHECKING:
-    from lmkit.worker.model_runner import ModelRunner
+    from lmkit.config.schema import SchedulerConfig
 
 
-def profile_run(runner: ModelRunner) -> None:
+@dataclass(frozen=True)
+class DummyStepModel:
+    """What a dummy step needs of the model runner.
+
+    Attributes:
+        scheduler: the step limits (``max_num_batched_tokens``, ``max_num_seqs``).
+        max_model_len: the longest sequence.
+        block_size: tokens per KV block.
+        device, dtype: where and in what the scratch KV cache is allocated.
+        num_layers: layers of the scratch KV cache.
+        attn: the model's attention backend (its KV cache layout).
+        forward: ``forward(step, kv_caches) -> hidden [num_tokens, hidden]`` (the
+            runner's eager forward: plan attention once, run the model).
+        compute_logits: the model's LM head, ``hidden [n, hidden] -> [n, vocab]``.
+    """
+
+    scheduler: SchedulerConfig
+    max_model_len: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    num_layers: int
+    attn: Any
+    forward: Callable[[StepInputs, list[torch.Tensor]], torch.Tensor]
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+
+
+def profile_run(runner: DummyStepModel) -> None:
     """The largest step the scheduler can produce, on a scratch KV cache."""
-    sched = runner.config.scheduler
+    sched = runner.scheduler
     num_tokens = sched.max_num_batched_tokens
     num_reqs = max(1, min(sched.max_num_seqs, num_tokens))
     q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
@@ -26,12 +55,12 @@ def profile_run(runner: ModelRunner) -> None:
     dummy_step(runner, q_lens, np.zeros(num_reqs, dtype=np.int64))
 
 
-def warm_up_step_shapes(runner: ModelRunner) -> None:
+def warm_up_step_shapes(runner: DummyStepModel) -> None:
     """Run the step shapes serving meets before serving does, so that JIT kernels
     (Triton, FlashInfer) compile their variants here and not in the middle of a
     busy step: decodes mixed with a short and a long prefill over a cached prefix,
     decodes with one short prefill, and eager decodes."""
-    sched = runner.config.scheduler
+    sched = runner.scheduler
     budget, max_len = sched.max_num_batched_tokens, runner.max_model_len
     long = max(1, min(200, budget - 8, max_len - 40))
     shapes = [([1, 1, 1, 5, long], [33, 17, 40, 0, min(16, max_len - long)]),
@@ -46,13 +75,13 @@ def warm_up_step_shapes(runner: ModelRunner) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def dummy_step(runner: ModelRunner, q_lens: np.ndarray, contexts: np.ndarray) -> None:
+def dummy_step(runner: DummyStepModel, q_lens: np.ndarray, contexts: np.ndarray) -> None:
     """One forward pass (and LM head) over made-up tokens on a scratch KV cache:
     request ``i`` runs ``q_lens[i]`` tokens after ``contexts[i]`` cached ones; the
     leading one-token requests are the step's decodes."""
     num_reqs, lens = len(q_lens), q_lens + contexts
     blocks_per_req = -(-int(lens.max()) // runner.block_size)
-    caches = memory.allocate_kv_caches(runner.model.attn, runner.num_layers,
+    caches = memory.allocate_kv_caches(runner.attn, runner.num_layers,
                                        num_reqs * blocks_per_req, runner.dtype, runner.device)
     batch = InputBatch(num_reqs, int(lens.max()), runner.block_size, int(q_lens.sum()))
     for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
@@ -62,6 +91,6 @@ def dummy_step(runner: ModelRunner, q_lens: np.ndarray, contexts: np.ndarray) ->
     num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
     step = batch.prepare(np.arange(num_reqs), q_lens, num_decodes)
     with torch.inference_mode():
-        hidden = runner._forward(step, caches)
-        runner.model.compute_logits(hidden[np.cumsum(q_lens) - 1]).argmax(dim=-1)
+        hidden = runner.forward(step, caches)
+        runner.compute_logits(hidden[np.cumsum(q_lens) - 1]).argmax(dim=-1)
     del caches, hidden

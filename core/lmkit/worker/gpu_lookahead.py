@@ -36,8 +36,12 @@ import torch
 from lmkit.api.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from lmkit.api.sampling_params import SamplingParams
     from lmkit.api.scheduler_output import SchedulerOutput
-    from lmkit.worker.input_batch import StepInputs
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 
 @dataclass
@@ -65,24 +69,33 @@ class DecodeLookahead:
     """Launches predicted decode steps for a model runner with CUDA graphs.
 
     Args:
-        runner: the :class:`~lmkit.worker.model_runner.ModelRunner` (its requests,
-            input batch, model and ``cuda_graphs``).
+        graphs: the runner's decode graphs (they run the launched steps).
+        model: the runner's model (its LM head picks the launched steps' tokens).
+        input_batch: the runner's persistent batch (token ids, block tables, positions);
+            a step taken from the lookahead appends its tokens there.
+        requests: the runner's per-request states by id (same objects, kept current).
+        max_model_len: no step is launched past this position.
     """
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.graphs = runner.cuda_graphs
+    def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
+                 requests: dict[str, CachedRequestState], max_model_len: int) -> None:
+        self.graphs = graphs
+        self.model = model
+        self.input_batch = input_batch
+        self.requests = requests
+        self.max_model_len = max_model_len
         self.pending: _Pending | None = None
         self.stats = LookaheadStats()
 
     @classmethod
-    def maybe(cls, runner: Any) -> DecodeLookahead | None:
-        """A lookahead for ``runner`` when it replays decode graphs (and it is not off)."""
-        if runner.cuda_graphs is None or getattr(runner, "offload", None) is not None:
+    def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,
+              model: Any, input_batch: InputBatch, requests: dict[str, CachedRequestState],
+              max_model_len: int) -> DecodeLookahead | None:
+        """A lookahead when decode graphs are replayed and
+        :func:`decode_lookahead_slots` reserves its slot (no offload tier, not off)."""
+        if graphs is None or not decode_lookahead_slots(config, stack):
             return None
-        if not decode_lookahead_slots(runner.config, runner.stack):
-            return None
-        return cls(runner)
+        return cls(graphs, model, input_batch, requests, max_model_len)
 
     # ------------------------------------------------------------------ launching
 
@@ -92,7 +105,7 @@ class DecodeLookahead:
         n = len(order)
         if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
             return
-        batch = self.runner.input_batch
+        batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
         # each request got exactly one token: its next input is known
         if not np.array_equal(batch.num_tokens[rows], batch.num_computed[rows] + 2):
@@ -119,7 +132,7 @@ class DecodeLookahead:
         if idx != list(range(len(pending.req_ids))):
             tokens = tokens[torch.tensor(idx, dtype=torch.int64).to(tokens.device,
                                                                     non_blocking=True)]
-        batch = self.runner.input_batch
+        batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
         if self._launchable(order, rows):
             self._launch(order, rows, tokens)  # queued before this step's tokens are read
@@ -127,7 +140,7 @@ class DecodeLookahead:
             pending.ready.synchronize()  # this step's tokens only, not the one just queued
         host = pending.host_tokens.tolist()
         sampled = [host[i] for i in idx]
-        requests = self.runner.requests
+        requests = self.requests
         for rid, row, token in zip(order, rows.tolist(), sampled, strict=True):
             requests[rid].output_token_ids.append(token)
             batch.append_tokens(row, [token])
@@ -149,23 +162,22 @@ class DecodeLookahead:
 
     def _launchable(self, order: list[str], rows: np.ndarray) -> bool:
         """Greedy, plain requests whose next position has an allocated slot."""
-        runner = self.runner
         if len(order) > self.graphs.max_bs:
             return False
         for rid in order:
-            state = runner.requests[rid]
+            state = self.requests[rid]
             if state.prompt_logprobs is not None or not _greedy_plain(
                     state.sampling_params, len(state.output_token_ids)):
                 return False
-        batch = runner.input_batch
+        batch = self.input_batch
         nxt = batch.num_computed[rows] + 1
         return bool(np.all(nxt // batch.block_size < batch.num_blocks[rows])
-                    and np.all(nxt < runner.max_model_len))
+                    and np.all(nxt < self.max_model_len))
 
     def _launch(self, order: list[str], rows: np.ndarray, device_ids: torch.Tensor | None
                 ) -> None:
         """Replay the decode graph for ``order`` at each request's next position."""
-        batch = self.runner.input_batch
+        batch = self.input_batch
         bs = batch.block_size
         positions = batch.num_computed[rows] + 1
         ids = None if device_ids is not None else batch.token_ids[rows, positions]
@@ -175,7 +187,7 @@ class DecodeLookahead:
         with torch.inference_mode():
             hidden = self.graphs.run_decode(ids, positions, slots, seq_lens,
                                             batch.block_table[rows, :width], device_ids)
-            tokens = self.runner.model.compute_logits(hidden).argmax(dim=-1)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             ready = None
             if tokens.is_cuda:  # read back asynchronously, ahead of any later launch
                 host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -192,7 +204,7 @@ class DecodeLookahead:
         setattr(self.stats, what, getattr(self.stats, what) + 1)
 
 
-def decode_lookahead_slots(config: Any, stack: Any) -> int:
+def decode_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:
     """KV slots per request the scheduler must reserve past the scheduled tokens for the
     runner to launch decode steps ahead: 1 when it will (CUDA, graphs on, a backend that
     can be captured, no offload tier, ``LMKIT_DECODE_LOOKAHEAD`` not ``0``), else 0."""
@@ -209,13 +221,12 @@ def decode_lookahead_slots(config: Any, stack: Any) -> int:
 def _plain(so: SchedulerOutput) -> bool:
     """No drafts, grammar bitmask or offload transfers in ``so``."""
     return (not any(so.scheduled_spec_decode_tokens.values())
-            and getattr(so, "grammar_bitmask", None) is None
-            and not getattr(so, "kv_transfers", None))
+            and so.grammar_bitmask is None and not so.kv_transfers)
 
 
-def _greedy_plain(p: Any, num_output_tokens: int) -> bool:
+def _greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
     """Greedy sampling that the argmax of the raw logits reproduces exactly."""
     return (p.temperature == 0 and p.logprobs is None and not p.logit_bias
             and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and num_output_tokens >= p.min_tokens
-            and getattr(p, "structured_outputs", None) is None)
+            and p.structured_outputs is None)

@@ -11,6 +11,7 @@ tokens (plus logprobs when asked).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
-from lmkit.worker.dummy_steps import profile_run, warm_up_step_shapes
+from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 
@@ -137,7 +138,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
-                                     lambda: profile_run(self), baseline=self._baseline_bytes)
+                                     lambda: profile_run(self.dummy_step_model()),
+                                     baseline=self._baseline_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""
@@ -147,14 +149,32 @@ class ModelRunner:
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
                                             self.model.attn)
         if self.device.type == "cuda":
-            warm_up_step_shapes(self)
-        self.cuda_graphs = maybe_capture(self)
-        self.lookahead = DecodeLookahead.maybe(self)
+            warm_up_step_shapes(self.dummy_step_model())
+        self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
+                                         self.device, self.max_model_len)
+        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, self.cuda_graphs,
+                                               self.model, self.input_batch, self.requests,
+                                               self.max_model_len)
 
-    def offload_call(self, method: str, *args: Any) -> Any:
-        """Call ``method`` (``lookup``, ``stats``, ``close``) of the KV offload worker, as
-        the scheduler does through ``executor.call``; None without offload."""
-        return getattr(self.offload, method)(*args) if self.offload is not None else None
+    def dummy_step_model(self) -> DummyStepModel:
+        """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward)."""
+        return DummyStepModel(self.config.scheduler, self.max_model_len, self.block_size,
+                              self.device, self.dtype, self.num_layers, self.model.attn,
+                              self._forward, self.model.compute_logits)
+
+    def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """``(held, resident)`` leading blocks of ``block_hashes`` in the KV offload tier;
+        ``(0, 0)`` without offload."""
+        return self.offload.lookup(block_hashes) if self.offload is not None else (0, 0)
+
+    def offload_stats(self) -> dict[str, int]:
+        """The offload tier's runner-side counters; none without offload."""
+        return self.offload.stats() if self.offload is not None else {}
+
+    def close_offload(self) -> None:
+        """Close the offload tier (finishes pending writes); nothing without offload."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
         return self.offload.finished_loads(wait) if self.offload is not None else {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,18 @@ class UniProcExecutor(Executor):
         """Run one step's forward and sampling."""
         return self._require_runner().execute_model(scheduler_output)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``[runner.method(*args, **kwargs)]`` (one worker)."""
-        return [getattr(self._require_runner(), method)(*args, **kwargs)]
+    def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
+        """The runner's answer (one worker: nothing to combine)."""
+        return self._require_runner().offload_lookup(block_hashes)
+
+    def offload_stats(self) -> dict[str, int]:
+        """The runner's offload counters."""
+        return self._require_runner().offload_stats()
+
+    def close_offload(self) -> None:
+        """Close the runner's offload tier; nothing once shut down."""
+        if self.runner is not None:
+            self.runner.close_offload()
 
     def shutdown(self) -> None:
         """Release the model and KV cache. Safe to call twice."""

@@ -59,8 +59,9 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.observer = observer
         eos, extra = eos_token_ids(tokenizer, ready.model_dir)
-        self.input_processor = InputProcessor(tokenizer, ready.max_model_len, eos,
-                                              ready.vocab_size, extra)
+        self.input_processor = InputProcessor(
+            tokenizer, ready.max_model_len, eos, ready.vocab_size, extra,
+            max_constraint_chars=config.structured_output.max_constraint_chars)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}

@@ -11,17 +11,50 @@ that the ``openai`` client sends through ``extra_body``. ``response_format`` (``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from lmkit.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from lmkit.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
+
+# every integer crosses to the engine as int64: larger ones are a 400 here, not a 500 later
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def find_lone_surrogate(data: Any) -> str | None:
+    """Where in a parsed JSON body a string (or key) holds a lone UTF-16 surrogate
+    (``\\ud800`` with no partner: JSON allows the escape, Unicode text cannot hold it),
+    as a path such as ``messages[0].content``; ``None`` when the text is all valid."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # iterative: bodies may nest deeper than Python's recursion limit
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and not key.isascii() and not _encodes(key):
+                    return f"{path or 'body'} (a key)"
+                stack.append((name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Body):
@@ -77,7 +110,7 @@ class _SamplingFields(_Body):
     """Fields shared by both endpoints."""
 
     model: str
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -86,20 +119,31 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     # lmkit / vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate (an unpaired "
+                "\\ud800-\\udfff escape), which is not valid Unicode text; send characters "
+                "outside the BMP as a surrogate pair or as UTF-8", {"where": where})
+        return data
 
     def _check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -167,11 +211,11 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -244,10 +288,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True

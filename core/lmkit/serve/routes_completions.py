@@ -128,9 +128,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """Complete the prompt(s); see OpenAI's ``POST /v1/completions``."""
     state = get_state(request)
     state.check_model(body.model)
+    prompts = body.prompts()
+    state.check_fan_out(len(prompts), max(body.n, body.best_of or 0))  # before any work
     params = body.to_sampling_params()  # 400s need no engine
     llm = state.require_llm()
-    prompts = body.prompts()
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [
         llm.generate(p, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",

@@ -3,8 +3,9 @@
 The request side names a constraint with one key (``{"json": schema}``,
 ``{"regex": "..."}``, ``{"grammar": "..."}``, ``{"choice": [...]}``,
 ``{"json_object": True}``, ``{"structural_tag": ...}``). Validation here is
-backend-independent (shape and types), so the frontend refuses a malformed request
-before it reaches the engine; whether the constraint compiles is the backend's to say.
+backend-independent (shape and types, a size bound, and JSON schemas no finite value
+satisfies), so the frontend refuses a malformed request before it reaches the engine;
+whether the constraint compiles is the backend's to say.
 """
 
 from __future__ import annotations
@@ -53,11 +54,16 @@ def _bad(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=PARAM, code="invalid_value")
 
 
-def parse_constraint(structured_outputs: Mapping[str, Any]) -> Constraint:
+def parse_constraint(structured_outputs: Mapping[str, Any],
+                     max_chars: int | None = None) -> Constraint:
     """The :class:`Constraint` of a request's ``structured_outputs``.
 
+    ``max_chars`` bounds the spec's size as compact JSON text (checked before anything
+    that grows faster than the size: compile time does).
+
     Raises:
-        InvalidRequestError: not exactly one known kind, or a spec of the wrong type.
+        InvalidRequestError: not exactly one known kind, a spec of the wrong type, a spec
+            longer than ``max_chars``, or a JSON schema no finite value satisfies.
     """
     if not isinstance(structured_outputs, Mapping):
         raise _bad(f"structured_outputs must be an object such as {{\"json\": SCHEMA}}, got "
@@ -72,7 +78,21 @@ def parse_constraint(structured_outputs: Mapping[str, Any]) -> Constraint:
                    f"{', '.join(KIND_FEATURES)}), got {len(kinds)}: {kinds}")
     kind = kinds[0]
     spec = _check_spec(kind, structured_outputs[kind])
-    return Constraint(kind, spec, f"{kind}:{json.dumps(spec, separators=(',', ':'))}")
+    text = json.dumps(spec, separators=(",", ":"))
+    if max_chars is not None and len(text) > max_chars:
+        raise InvalidRequestError(
+            f"the {kind} constraint is {len(text)} characters long (as compact JSON); this "
+            f"server compiles constraints of at most {max_chars} characters "
+            "(structured_output.max_constraint_chars), because compile time grows faster "
+            "than the size; shorten the constraint or raise the limit",
+            param=PARAM, code="constraint_too_large")
+    if kind == "json":
+        from lmkit.structured.schema_check import endless_schema_error
+
+        endless = endless_schema_error(spec)
+        if endless is not None:
+            raise _bad(endless)
+    return Constraint(kind, spec, f"{kind}:{text}")
 
 
 def _check_spec(kind: str, spec: Any) -> Any:
@@ -111,8 +131,9 @@ def _check_spec(kind: str, spec: Any) -> Any:
     return spec
 
 
-def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None) -> None:
-    """Raise :class:`InvalidRequestError` if ``structured_outputs`` is malformed
-    (``None`` is fine: no constraint)."""
+def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None,
+                                max_chars: int | None = None) -> None:
+    """Raise :class:`InvalidRequestError` if ``structured_outputs`` is malformed or longer
+    than ``max_chars`` (``None`` is fine: no constraint)."""
     if structured_outputs is not None:
-        parse_constraint(structured_outputs)
+        parse_constraint(structured_outputs, max_chars)

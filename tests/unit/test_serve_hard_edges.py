@@ -47,8 +47,13 @@ def test_fan_out_limit_never_exceeds_what_admission_takes():
                                    "min_tokens", "best_of", "logprobs"])
 def test_integers_past_64_bits_are_400s(field):
     body = {"model": "tiny", "prompt": "x", field: BIG}
-    assert_openai_error(make_client().post("/v1/completions", json=body), 400,
-                        code="invalid_value", param=field)
+    # n and best_of count sequences: the fan-out check, before validation, refuses them
+    code = "too_many_sequences" if field in ("n", "best_of") else "invalid_value"
+    assert_openai_error(make_client().post("/v1/completions", json=body), 400, code=code,
+                        param="prompt" if code == "too_many_sequences" else field)
+    if field not in ("best_of", "logprobs"):  # not chat fields (or not integers there)
+        resp = make_client().post("/v1/chat/completions", json={**CHAT, field: BIG})
+        assert_openai_error(resp, 400, param=field)
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -138,3 +138,14 @@ def test_an_unexpected_exception_is_a_500_and_the_app_goes_on():
     assert "RuntimeError: kaput" in err["message"] and err["type"] == "server_error"
     assert 'lmkit_requests_total{outcome="error"} 1.0' in client.get("/metrics").text
     assert_openai_error(client.post("/v1/chat/completions", json=CHAT), 503)
+
+
+def test_deeply_nested_bodies_are_400s_not_500s():
+    deep = '{"model": "tiny", "prompt": "x", "user": ' + "[" * 5000 + "]" * 5000 + "}"
+    resp = post_raw(make_client(), "/v1/completions", deep)
+    assert_openai_error(resp, 400)
+    nested = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], ' \
+        '"tool_choice": ' + '{"a": ' * 900 + '"\\ud800"' + "}" * 900 + "}"
+    assert_openai_error(post_raw(make_client(), "/v1/chat/completions", nested), 400,
+                        code="invalid_unicode")
+

@@ -200,8 +200,8 @@ class InternalErrorMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            logger.exception("unhandled error in %s %s",
-                                                  scope.get("method"), scope.get("path"))
+            logger.exception("unhandled error in %s %s", scope.get("method"),
+                             scope.get("path"))
             if not started:
                 request = Request(scope)
                 await _answer(request, APIError.from_exception(exc))(scope, receive, send)

@@ -11,7 +11,6 @@ that the ``openai`` client sends through ``extra_body``. ``response_format`` (``
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,12 +26,11 @@ from pydantic_core import PydanticCustomError
 
 from lmkit.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from lmkit.errors import InvalidRequestError
+from lmkit.serve.text_check import find_lone_surrogate
 from lmkit.structured.constraint import validate_structured_outputs
 
 # every integer crosses to the engine as int64: larger ones are a 400 here, not a 500 later
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-
-
 
 
 def _prompt_form(value: Any) -> str:
@@ -53,41 +51,6 @@ Prompt = Annotated[
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def find_lone_surrogate(data: Any) -> str | None:
-    """Where in a parsed JSON body a string (or key) holds a lone UTF-16 surrogate
-    (``\\ud800`` with no partner: JSON allows the escape, Unicode text cannot hold it),
-    as a path such as ``messages[0].content``; ``None`` when the text is all valid."""
-    try:  # the common case, all text valid, checked in one pass in C
-        if _encodes(json.dumps(data, ensure_ascii=False)):
-            return None
-    except (TypeError, ValueError):  # not plain JSON data (built in Python): walk it
-        pass
-    stack: list[tuple[str, Any]] = [("", data)]
-    while stack:  # iterative: bodies may nest deeper than Python's recursion limit
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and not _encodes(value):
-                return path or "body"
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                name = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and not key.isascii() and not _encodes(key):
-                    return f"{path or 'body'} (a key)"
-                stack.append((name, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value)
-                         if isinstance(item, (str, dict, list)))
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class StreamOptions(_Body):

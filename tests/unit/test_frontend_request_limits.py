@@ -84,3 +84,19 @@ def test_abort_forgets_only_its_own_completions(tokenizer, processor):
     assert out.abort("a") == []
     step = out.process_outputs([EngineCoreOutput("b-1", [66], None)])
     assert [o.request_id for o in step.request_outputs] == ["b"]
+
+
+def test_a_shared_constraint_is_checked_once_per_request(processor, monkeypatch):
+    import lmkit.engine.processor as module
+
+    calls = []
+    real = module.validate_structured_outputs
+    monkeypatch.setattr(module, "validate_structured_outputs",
+                        lambda c, m: calls.append(c) or real(c, m))
+    params = SamplingParams(n=8, structured_outputs={"json": {"type": "object"}})
+    for i in range(8):  # what AsyncLLM does for n=8: one request per completion
+        processor.make_request(f"r-{i}", [1], module.child_params(params, i))
+    assert len(calls) == 1
+    with pytest.raises(InvalidRequestError, match="infinitely deep"):
+        processor.make_request("s", [1], SamplingParams(structured_outputs={"json": {"$ref": "#"}}))
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from lmkit.errors import InvalidRequestError
-from lmkit.structured.constraint import parse_constraint
+from lmkit.structured.constraint import validate_structured_outputs
 from lmkit.structured.schema_check import endless_schema_error
 
 NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
@@ -47,14 +47,14 @@ def test_endless_schemas_are_found_and_named(schema, where):
     message = endless_schema_error(schema)
     assert message is not None and where in message
     with pytest.raises(InvalidRequestError, match="no finite JSON|accepts no value") as info:
-        parse_constraint({"json": schema})
+        validate_structured_outputs({"json": schema})
     assert info.value.param == "structured_outputs"
 
 
 @pytest.mark.parametrize("schema", FINITE)
 def test_schemas_that_can_end_pass(schema):
     assert endless_schema_error(schema) is None
-    parse_constraint({"json": schema})
+    validate_structured_outputs({"json": schema})
 
 
 def test_a_long_reference_chain_is_checked_in_linear_time():

@@ -29,6 +29,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
         self.max_constraint_chars = max_constraint_chars
+        self._last_constraint: Any = None  # the last constraint object validated
 
     def tokenize(self, prompt: str | Sequence[int] | None,
                  messages: list[dict[str, Any]] | None = None,
@@ -94,14 +95,23 @@ class InputProcessor:
                                           f"[0, {self.vocab_size})", param="stop_token_ids"
                                           if t in params.stop_token_ids else "logit_bias",
                                           code="invalid_value")
-        # compiled by the engine; refused here if malformed or too long to compile quickly
-        validate_structured_outputs(params.structured_outputs, self.max_constraint_chars)
+        self._validate_constraint(params.structured_outputs)
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             if extra:
                 params = _with(params, stop_token_ids=[*params.stop_token_ids, *extra])
         return Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                        priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
+
+
+    def _validate_constraint(self, structured_outputs: Any) -> None:
+        """Refuse a malformed, too long or endless constraint (the engine compiles it).
+        The ``n`` completions and the prompts of one request share one constraint
+        object: it is checked once, not once per sequence (a large schema takes ms)."""
+        if structured_outputs is None or structured_outputs is self._last_constraint:
+            return
+        validate_structured_outputs(structured_outputs, self.max_constraint_chars)
+        self._last_constraint = structured_outputs
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

@@ -54,16 +54,11 @@ def _bad(message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=PARAM, code="invalid_value")
 
 
-def parse_constraint(structured_outputs: Mapping[str, Any],
-                     max_chars: int | None = None) -> Constraint:
+def parse_constraint(structured_outputs: Mapping[str, Any]) -> Constraint:
     """The :class:`Constraint` of a request's ``structured_outputs``.
 
-    ``max_chars`` bounds the spec's size as compact JSON text (checked before anything
-    that grows faster than the size: compile time does).
-
     Raises:
-        InvalidRequestError: not exactly one known kind, a spec of the wrong type, a spec
-            longer than ``max_chars``, or a JSON schema no finite value satisfies.
+        InvalidRequestError: not exactly one known kind, or a spec of the wrong type.
     """
     if not isinstance(structured_outputs, Mapping):
         raise _bad(f"structured_outputs must be an object such as {{\"json\": SCHEMA}}, got "
@@ -78,21 +73,7 @@ def parse_constraint(structured_outputs: Mapping[str, Any],
                    f"{', '.join(KIND_FEATURES)}), got {len(kinds)}: {kinds}")
     kind = kinds[0]
     spec = _check_spec(kind, structured_outputs[kind])
-    text = json.dumps(spec, separators=(",", ":"))
-    if max_chars is not None and len(text) > max_chars:
-        raise InvalidRequestError(
-            f"the {kind} constraint is {len(text)} characters long (as compact JSON); this "
-            f"server compiles constraints of at most {max_chars} characters "
-            "(structured_output.max_constraint_chars), because compile time grows faster "
-            "than the size; shorten the constraint or raise the limit",
-            param=PARAM, code="constraint_too_large")
-    if kind == "json":
-        from lmkit.structured.schema_check import endless_schema_error
-
-        endless = endless_schema_error(spec)
-        if endless is not None:
-            raise _bad(endless)
-    return Constraint(kind, spec, f"{kind}:{text}")
+    return Constraint(kind, spec, f"{kind}:{json.dumps(spec, separators=(',', ':'))}")
 
 
 def _check_spec(kind: str, spec: Any) -> Any:
@@ -133,7 +114,29 @@ def _check_spec(kind: str, spec: Any) -> Any:
 
 def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None,
                                 max_chars: int | None = None) -> None:
-    """Raise :class:`InvalidRequestError` if ``structured_outputs`` is malformed or longer
-    than ``max_chars`` (``None`` is fine: no constraint)."""
-    if structured_outputs is not None:
-        parse_constraint(structured_outputs, max_chars)
+    """The frontend's check of a request's constraint (``None`` is fine: no constraint).
+
+    Beyond :func:`parse_constraint`'s shape checks: ``max_chars`` bounds the spec's size
+    as compact JSON text (compile time grows faster than the size), and a JSON schema
+    must have a finite instance (:mod:`lmkit.structured.schema_check`).
+
+    Raises:
+        InvalidRequestError: the constraint is malformed, too long, or can never end.
+    """
+    if structured_outputs is None:
+        return
+    constraint = parse_constraint(structured_outputs)
+    size = len(constraint.key) - len(constraint.kind) - 1
+    if max_chars is not None and size > max_chars:
+        raise InvalidRequestError(
+            f"the {constraint.kind} constraint is {size} characters long (as compact JSON); "
+            f"this server compiles constraints of at most {max_chars} characters "
+            "(structured_output.max_constraint_chars), because compile time grows faster "
+            "than the size; shorten the constraint or raise the limit",
+            param=PARAM, code="constraint_too_large")
+    if constraint.kind == "json":
+        from lmkit.structured.schema_check import endless_schema_error
+
+        endless = endless_schema_error(constraint.spec)
+        if endless is not None:
+            raise _bad(endless)

@@ -118,9 +118,12 @@ def test_endless_json_schema_is_refused_at_the_front():
 
 def test_empty_and_unparsable_bodies_say_what_is_wrong():
     client = make_client()
-    err = assert_openai_error(post_raw(client, "/v1/completions", ""), 400, code="missing_body")
-    assert "None" not in err["message"] and "empty" in err["message"]
-    assert_openai_error(post_raw(client, "/v1/completions", "{"), 400, code="invalid_json")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        err = assert_openai_error(post_raw(client, path, ""), 400, code="missing_body")
+        assert "None" not in err["message"] and "empty" in err["message"]
+        assert_openai_error(post_raw(client, path, "{"), 400, code="invalid_json")
+        digits = '{"model": "tiny", "n": ' + "1" * 5000 + "}"
+        assert_openai_error(post_raw(client, path, digits), 400, code="invalid_json")
     assert_openai_error(client.get("/v1/completions"), 405, code="method_not_allowed")
     assert_openai_error(client.get("/v1/nothing"), 404, code="not_found")
 

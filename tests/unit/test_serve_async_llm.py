@@ -229,3 +229,31 @@ def test_recv_notices_a_dead_process_quickly():
         return elapsed
 
     assert run(main()) < 5
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(harness):
+    """Encoding megabytes takes seconds; meanwhile the loop must go on serving."""
+    make, engine = harness
+
+    async def main():
+        llm = await make()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(ticker())
+        start = time.monotonic()
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(llm.generate("hello world, " * 150_000, SamplingParams(max_tokens=4)))
+        elapsed = time.monotonic() - start
+        task.cancel()
+        await llm.shutdown()
+        return info.value, ticks, elapsed
+
+    error, ticks, elapsed = run(main())
+    assert error.code == "context_length_exceeded" and engine.num_added == 0
+    assert ticks >= elapsed / 0.005 / 4  # the loop ran through most of the encoding

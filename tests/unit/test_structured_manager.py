@@ -268,3 +268,16 @@ def test_a_backend_that_cannot_start_refuses_each_request():
     admit_all(manager, scheduler)
     (rid, error), = manager.take_rejected()
     assert "could not start: ValueError: no tokenizer.json" in str(error)
+
+
+def test_constraints_with_no_finite_match_are_refused_not_failed_mid_generation():
+    manager, scheduler = make_manager(), FakeScheduler()
+    manager.add_request(request("left-rec", grammar='root ::= root "a"'))
+    manager.add_request(request("empty-class", regex="[^\\s\\S]"))
+    manager.add_request(request("right-rec", grammar='root ::= "a" root | "b"'))
+    admit_all(manager, scheduler)
+    assert [r.request_id for r in scheduler.added] == ["right-rec"]
+    rejected = dict(manager.take_rejected())
+    assert set(rejected) == {"left-rec", "empty-class"}
+    for error in rejected.values():
+        assert "accepts no output" in str(error) and error.code == "invalid_constraint"

@@ -8,6 +8,8 @@ from typing import Any
 from lmkit.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# integers cross to the engine process as msgpack int64 and into int64 tensors
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -57,6 +59,11 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {msg}", param=param, code="invalid_value")
 
+        for name in ("seed", "top_k", "max_tokens", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:
+                raise bad(name, f"must be a 64-bit integer, in [{INT64_MIN}, {INT64_MAX}]; "
+                          f"got {v}")
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
             raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
         if not 0.0 <= self.temperature <= 100.0:

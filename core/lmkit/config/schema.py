@@ -131,6 +131,10 @@ class StructuredOutputConfig(OptionalBackendSection):
     grammar_cache_mb: float = Field(
         512.0, ge=0, description="Memory the grammar cache may hold, as the backend reports "
         "it (0: no limit but grammar_cache_size).")
+    max_constraint_chars: int = Field(
+        32768, gt=0, description="Longest constraint (JSON schema, regex, grammar, choices; "
+        "counted as compact JSON text) a request may carry; longer ones are refused (400) "
+        "before compiling, since compile time grows faster than the size.")
 
 
 class OffloadConfig(OptionalBackendSection):
@@ -151,6 +155,10 @@ class ServerConfig(Section):
     served_model_name: str | None = None
     max_queued_requests: int = Field(1024, gt=0, description="Beyond this, answer 429.")
     max_request_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    max_sequences_per_request: int = Field(
+        256, gt=0, description="Most sequences one request may ask for (prompts x n); past "
+        "it the request is refused at once with 400 before any tokenization. Capped at what "
+        "the server admits at once (scheduler.max_num_seqs + max_queued_requests).")
 
 
 class LMKitConfig(Section):

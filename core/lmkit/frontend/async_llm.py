@@ -36,6 +36,9 @@ from lmkit.frontend.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 
+# longer text is tokenized in a thread (about 1 ms of encoding per 1,000 characters)
+TOKENIZE_INLINE_CHARS = 100_000
+
 
 class RequestAbortedError(LMKitError):
     """The request was aborted through :meth:`AsyncLLM.abort` while being consumed."""
@@ -59,8 +62,9 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.observer = observer
         eos, extra = eos_token_ids(tokenizer, ready.model_dir)
-        self.input_processor = InputProcessor(tokenizer, ready.max_model_len, eos,
-                                              ready.vocab_size, extra)
+        self.input_processor = InputProcessor(
+            tokenizer, ready.max_model_len, eos, ready.vocab_size, extra,
+            max_constraint_chars=config.structured_output.max_constraint_chars)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}
@@ -135,7 +139,7 @@ class AsyncLLM:
         if rid in self._collectors:
             raise InvalidRequestError(f"request id {rid!r} is already in use",
                                       param="request_id", code="duplicate_request_id")
-        text, ids = self.input_processor.tokenize(prompt, messages, chat_kwargs)
+        text, ids = await self._tokenize(prompt, messages, chat_kwargs)
         if params.n == 1:
             requests = [(self.input_processor.make_request(rid, ids, params, priority), 0)]
         else:
@@ -168,6 +172,19 @@ class AsyncLLM:
             if not finished:
                 collector.observe_end("abort")
             await self._forget(rid, abort=not finished)
+
+    async def _tokenize(self, prompt: str | list[int] | None,
+                        messages: list[dict[str, Any]] | None,
+                        chat_kwargs: dict[str, Any] | None) -> tuple[str | None, list[int]]:
+        """Tokenize inline, or in a thread when the text is long: a 4 MB prompt takes
+        seconds to encode (the fast tokenizer releases the GIL meanwhile), and on the
+        event loop it would stall every other request."""
+        size = len(prompt) if isinstance(prompt, str) else sum(
+            len(str(m.get("content") or "")) for m in messages or ())
+        if size < TOKENIZE_INLINE_CHARS:
+            return self.input_processor.tokenize(prompt, messages, chat_kwargs)
+        return await asyncio.to_thread(self.input_processor.tokenize, prompt, messages,
+                                       chat_kwargs)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by the id given to :meth:`generate` (no-op when finished)."""

@@ -42,6 +42,7 @@ class _Parent:
     prompt_token_ids: list[int]
     n: int
     children: dict[int, _Completion] = field(default_factory=dict)
+    engine_ids: list[str] = field(default_factory=list)  # one per child, to forget them
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
 
@@ -88,6 +89,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
         )
         parent.children[index] = comp
+        parent.engine_ids.append(request.request_id)
         self._by_engine_id[request.request_id] = comp
 
     def has_unfinished(self) -> bool:
@@ -99,10 +101,10 @@ class OutputProcessor:
         return [] if parent is None else self._forget(parent)
 
     def _forget(self, parent: _Parent) -> list[str]:
+        # O(n) in the parent's own completions, never in everything in flight
         self._parents.pop(parent.request_id, None)
-        ids = [eid for eid, c in self._by_engine_id.items() if c.parent is parent]
-        for eid in ids:
-            del self._by_engine_id[eid]
+        ids = [eid for eid in parent.engine_ids if self._by_engine_id.pop(eid, None) is not None]
+        parent.engine_ids = []
         return ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmkit.api.request import Request
-from lmkit.api.sampling_params import SamplingParams
+from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
 
@@ -16,15 +16,20 @@ class InputProcessor:
 
     ``extra_eos_token_ids`` (from the model's generation config) stop generation like
     EOS does; they are added to each request's ``stop_token_ids``.
+    ``max_constraint_chars`` bounds a structured-output constraint's size
+    (``structured_output.max_constraint_chars``; ``None``: no bound).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, eos_token_id: int | None,
-                 vocab_size: int, extra_eos_token_ids: Sequence[int] = ()) -> None:
+                 vocab_size: int, extra_eos_token_ids: Sequence[int] = (),
+                 max_constraint_chars: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+        self.max_constraint_chars = max_constraint_chars
+        self._last_constraint: Any = None  # the last constraint object validated
 
     def tokenize(self, prompt: str | Sequence[int] | None,
                  messages: list[dict[str, Any]] | None = None,
@@ -74,19 +79,39 @@ class InputProcessor:
                 f"{n_prompt} and max_tokens asks for {max_tokens} more ({n_prompt + max_tokens} "
                 f"in all); lower max_tokens to at most {room}",
                 param="max_tokens", code="context_length_exceeded")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) is more than can be generated: this "
+                f"model's context is {self.max_model_len} tokens and the prompt has {n_prompt}, "
+                f"which leaves {room}; lower min_tokens to at most {max_tokens}",
+                param="min_tokens", code="invalid_value")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, in [{INT64_MIN}, "
+                                      f"{INT64_MAX}]; got {priority}", param="priority",
+                                      code="invalid_value")
         for t in [*params.stop_token_ids, *(params.logit_bias or {})]:
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(f"token id {t} is outside the vocabulary "
                                           f"[0, {self.vocab_size})", param="stop_token_ids"
                                           if t in params.stop_token_ids else "logit_bias",
                                           code="invalid_value")
-        validate_structured_outputs(params.structured_outputs)  # compiled by the engine
+        self._validate_constraint(params.structured_outputs)
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             if extra:
                 params = _with(params, stop_token_ids=[*params.stop_token_ids, *extra])
         return Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                        priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
+
+
+    def _validate_constraint(self, structured_outputs: Any) -> None:
+        """Refuse a malformed, too long or endless constraint (the engine compiles it).
+        The ``n`` completions and the prompts of one request share one constraint
+        object: it is checked once, not once per sequence (a large schema takes ms)."""
+        if structured_outputs is None or structured_outputs is self._last_constraint:
+            return
+        validate_structured_outputs(structured_outputs, self.max_constraint_chars)
+        self._last_constraint = structured_outputs
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

@@ -3,7 +3,8 @@
 The app starts listening before the model is loaded: the engine process starts in the
 background from the lifespan hook, ``/health`` answers 503 until it is ready (and again
 if it dies), and the generation routes answer 503 meanwhile. Middleware, outermost
-first: CORS (only when origins are configured), API key, body-size limit.
+first: CORS (only when origins are configured), API key, body-size limit, and the
+catch-all that answers an unexpected exception with a 500 (keeping the connection).
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ class ServerState:
             raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
                            f"{self.served_model_name!r} (see GET /v1/models)",
                            param="model", code="model_not_found")
+
+    @property
+    def max_sequences_per_request(self) -> int:
+        """``server.max_sequences_per_request``, capped by what admission takes at once."""
+        return min(self.config.server.max_sequences_per_request, self.admission.capacity)
+
+    def check_fan_out(self, num_prompts: int, n: int, param: str = "prompt") -> None:
+        """400 at once when ``num_prompts`` x ``n`` sequences exceed the per-request limit
+        (checked before any tokenization, so a huge batch costs nothing)."""
+        limit = self.max_sequences_per_request
+        total = num_prompts * max(n, 1)
+        if total > limit:
+            raise APIError(
+                400, f"this request asks for {total} sequences ({num_prompts} prompt(s) x "
+                f"n={n}); this server takes at most {limit} per request (server."
+                "max_sequences_per_request, capped by scheduler.max_num_seqs + "
+                "server.max_queued_requests); split it into smaller requests",
+                param=param, code="too_many_sequences")
 
     def token_texts(self, llm: AsyncLLM) -> TokenTexts:
         """Per-token text of ``llm``'s tokenizer (cached across requests)."""
@@ -148,10 +167,13 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
 
 def _add_middleware(app: FastAPI, config: LMKitConfig) -> None:
     from lmkit.serve.auth import APIKeyMiddleware
+    from lmkit.serve.errors import InternalErrorMiddleware
     from lmkit.serve.limits import BodySizeLimitMiddleware
 
     server = config.server
-    # add_middleware wraps: the last added runs first
+    # add_middleware wraps: the last added runs first; the innermost turns an uncaught
+    # exception into a 500 without closing the connection
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)

@@ -3,11 +3,14 @@
 Route code raises :class:`APIError` (or lets an :class:`InvalidRequestError` or
 :class:`EngineDeadError` through); the handlers installed by :func:`install_error_handlers`
 turn every failure into this shape with the right status, so clients of the official
-``openai`` library get their usual exception types.
+``openai`` library get their usual exception types. Every error carries a ``code``.
+:class:`InternalErrorMiddleware` answers anything else with a 500 without dropping the
+keep-alive connection.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from lmkit.errors import EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -93,9 +98,16 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "extra_forbidden":
         return APIError(400, f"unrecognized request argument supplied: {param}", param=param,
                         code="unknown_parameter")
+    if kind == "missing" and param is None:  # the whole body
+        return APIError(400, "the request body is empty; send a JSON object with the "
+                        "request's parameters (Content-Type: application/json)",
+                        code="missing_body")
     if kind == "missing":
         return APIError(400, f"missing required parameter: {param}", param=param,
                         code="missing_required_parameter")
+    if kind == "invalid_unicode":
+        where = str(first.get("ctx", {}).get("where") or param or "body")
+        return APIError(400, str(first.get("msg")), param=where, code="invalid_unicode")
     msg = "; ".join(
         f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
         for e in errors[:5]
@@ -134,13 +146,64 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /v1/models, " \
-                      "/v1/completions, /v1/chat/completions"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)
-                        ).response()
+        return http_error(request, exc).response()
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return _answer(request, APIError.from_exception(exc))
+
+def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """A routing or body-parsing failure (404, 405, an unparsable body) with a code and a
+    message that says what to do."""
+    message = str(exc.detail)
+    code = _HTTP_CODES.get(exc.status_code)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see /v1/models, " \
+                  "/v1/completions, /v1/chat/completions"
+    elif exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body" (e.g. an integer of more than
+        # 4300 digits, or bytes that are not UTF-8): say what failed
+        cause = exc.__cause__
+        message = (f"the request body could not be parsed as JSON: {type(cause).__name__}: "
+                   f"{cause}; send a JSON object encoded as UTF-8")
+        code = "invalid_json"
+    return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None))
+
+
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+
+
+class InternalErrorMiddleware:
+    """ASGI middleware that answers any exception a route lets escape with an
+    OpenAI-shaped 500 and keeps the connection open.
+
+    Starlette's handler for ``Exception`` sends its response and then re-raises, and
+    the server closes the connection: the client's next request on the same keep-alive
+    connection would be reset. Here the exception ends with this request. If the
+    response had already started (a stream), it is ended cleanly instead.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = finished = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error in %s %s", scope.get("method"),
+                             scope.get("path"))
+            if not started:
+                request = Request(scope)
+                await _answer(request, APIError.from_exception(exc))(scope, receive, send)
+            elif not finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -11,13 +11,42 @@ that the ``openai`` client sends through ``extra_body``. ``response_format`` (``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
-from lmkit.api.sampling_params import MAX_LOGPROBS, SamplingParams
+from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from lmkit.errors import InvalidRequestError
+from lmkit.serve.text_check import find_lone_surrogate
 from lmkit.structured.constraint import validate_structured_outputs
+
+# every integer crosses to the engine as int64: larger ones are a 400 here, not a 500 later
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _prompt_form(value: Any) -> str:
+    """Which form a completion prompt takes, from its first element, so that only that
+    form is validated (a plain union would validate a 190,000-prompt batch four times)."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "ids"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
+    | Annotated[list[Int64], Tag("ids")] | Annotated[list[list[Int64]], Tag("batch")],
+    Discriminator(_prompt_form),
+]
 
 
 class _Body(BaseModel):
@@ -77,7 +106,7 @@ class _SamplingFields(_Body):
     """Fields shared by both endpoints."""
 
     model: str
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -86,20 +115,31 @@ class _SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     # lmkit / vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate (an unpaired "
+                "\\ud800-\\udfff escape), which is not valid Unicode text; send characters "
+                "outside the BMP as a surrogate pair or as UTF-8", {"where": where})
+        return data
 
     def _check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -167,11 +207,11 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -244,10 +284,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -111,6 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     """Answer the conversation; see OpenAI's ``POST /v1/chat/completions``."""
     state = get_state(request)
     state.check_model(body.model)
+    state.check_fan_out(1, body.n, param="n")
     params = body.to_sampling_params()  # 400s need no engine
     llm = state.require_llm()
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -14,6 +14,7 @@ from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
 from lmkit.serve.logprobs import TokenTexts, completion_logprobs, merge_completion_logprobs
 from lmkit.serve.protocol import CompletionRequest
+from lmkit.serve.request_body import count_sequences, read_json, validate
 
 router = APIRouter()
 
@@ -124,13 +125,16 @@ class CompletionFormatter:
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(request: Request) -> Response:
     """Complete the prompt(s); see OpenAI's ``POST /v1/completions``."""
     state = get_state(request)
+    data = await read_json(request)
+    state.check_fan_out(*count_sequences(data))  # before validating a huge batch
+    body = validate(CompletionRequest, data)
     state.check_model(body.model)
+    prompts = body.prompts()
     params = body.to_sampling_params()  # 400s need no engine
     llm = state.require_llm()
-    prompts = body.prompts()
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [
         llm.generate(p, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",

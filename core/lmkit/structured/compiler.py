@@ -61,11 +61,16 @@ class GrammarCompiler:
         backend_name: the backend's registered name (for messages).
         num_threads: compilations at once.
         cache_size, cache_bytes: bounds of the cache of shared compilations.
+        vocab_size: the bitmask's width; when given, a new compilation whose grammar
+            allows no first token (an empty language, e.g. ``root ::= root "a"``) is
+            refused as an invalid request instead of failing its request mid-generation.
     """
 
     def __init__(self, make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
-                 num_threads: int = 2, cache_size: int = 256, cache_bytes: int = 0) -> None:
+                 num_threads: int = 2, cache_size: int = 256, cache_bytes: int = 0,
+                 vocab_size: int | None = None) -> None:
         self.backend_name = backend_name
+        self.vocab_size = vocab_size
         self.cache = GrammarCache(cache_size, cache_bytes)
         self.pool = CompilePool(num_threads)
         self._make_backend = make_backend
@@ -135,6 +140,7 @@ class GrammarCompiler:
             return running.result()
         try:
             shared = backend.compile_shared(constraint.kind, constraint.spec)
+            self._check_not_empty(backend, shared, constraint)
             self.cache.put(key, shared, backend.shared_size_bytes(shared))
         except BaseException as e:
             mine.set_exception(e)
@@ -145,3 +151,23 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
+
+    def _check_not_empty(self, backend: StructuredOutputBackend, shared: Any,
+                         constraint: Constraint) -> None:
+        """Refuse a compilation that accepts no output: its fresh grammar is not complete
+        and allows no token, so the request could only fail once generating."""
+        if self.vocab_size is None:
+            return
+        from lmkit.sample.bitmask import allocate_bitmask
+
+        grammar = backend.new_grammar(shared)
+        if grammar.is_terminated():
+            return
+        mask = allocate_bitmask(1, self.vocab_size)
+        grammar.fill_bitmask(mask, 0)
+        if not bool(mask.any()):
+            raise InvalidRequestError(
+                f"the {constraint.describe()} constraint accepts no output: its grammar "
+                "allows no first token (a rule or $ref that only leads back to itself, or "
+                "an empty character class); give it at least one finite match",
+                param=PARAM, code="invalid_constraint")

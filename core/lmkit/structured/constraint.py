@@ -3,8 +3,9 @@
 The request side names a constraint with one key (``{"json": schema}``,
 ``{"regex": "..."}``, ``{"grammar": "..."}``, ``{"choice": [...]}``,
 ``{"json_object": True}``, ``{"structural_tag": ...}``). Validation here is
-backend-independent (shape and types), so the frontend refuses a malformed request
-before it reaches the engine; whether the constraint compiles is the backend's to say.
+backend-independent (shape and types, a size bound, and JSON schemas no finite value
+satisfies), so the frontend refuses a malformed request before it reaches the engine;
+whether the constraint compiles is the backend's to say.
 """
 
 from __future__ import annotations
@@ -111,8 +112,31 @@ def _check_spec(kind: str, spec: Any) -> Any:
     return spec
 
 
-def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None) -> None:
-    """Raise :class:`InvalidRequestError` if ``structured_outputs`` is malformed
-    (``None`` is fine: no constraint)."""
-    if structured_outputs is not None:
-        parse_constraint(structured_outputs)
+def validate_structured_outputs(structured_outputs: Mapping[str, Any] | None,
+                                max_chars: int | None = None) -> None:
+    """The frontend's check of a request's constraint (``None`` is fine: no constraint).
+
+    Beyond :func:`parse_constraint`'s shape checks: ``max_chars`` bounds the spec's size
+    as compact JSON text (compile time grows faster than the size), and a JSON schema
+    must have a finite instance (:mod:`lmkit.structured.schema_check`).
+
+    Raises:
+        InvalidRequestError: the constraint is malformed, too long, or can never end.
+    """
+    if structured_outputs is None:
+        return
+    constraint = parse_constraint(structured_outputs)
+    size = len(constraint.key) - len(constraint.kind) - 1
+    if max_chars is not None and size > max_chars:
+        raise InvalidRequestError(
+            f"the {constraint.kind} constraint is {size} characters long (as compact JSON); "
+            f"this server compiles constraints of at most {max_chars} characters "
+            "(structured_output.max_constraint_chars), because compile time grows faster "
+            "than the size; shorten the constraint or raise the limit",
+            param=PARAM, code="constraint_too_large")
+    if constraint.kind == "json":
+        from lmkit.structured.schema_check import endless_schema_error
+
+        endless = endless_schema_error(constraint.spec)
+        if endless is not None:
+            raise _bad(endless)

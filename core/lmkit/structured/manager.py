@@ -77,7 +77,7 @@ class StructuredOutputManager(StepPhase):
         self.queue_timeout_s = (max(60.0, 10 * compile_timeout_s) if queue_timeout_s is None
                                 else queue_timeout_s)
         self.compiler = GrammarCompiler(make_backend, backend_name, num_compile_threads,
-                                        cache_size, cache_bytes)
+                                        cache_size, cache_bytes, vocab_size=vocab_size)
         self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
         self._active: dict[str, RequestGrammar] = {}  # grammar ready
         self._drafting: dict[str, Request] = {}  # ready requests that may get drafts

@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from lmkit.frontend.output_processor import OutputProcessor
 from lmkit.api.outputs import EngineCoreOutput
-from lmkit.frontend.processor import InputProcessor
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
+from lmkit.frontend.output_processor import OutputProcessor
+from lmkit.frontend.processor import InputProcessor
 from lmkit.testing.tiny_model import make_byte_tokenizer
 
 CONTEXT = 64

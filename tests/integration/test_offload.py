@@ -1,12 +1,15 @@
 """KV offload in the engine (tiny random model, CPU): prefixes pushed out of a small
 device pool come back from the tier with greedy outputs identical to recomputing them;
-tier capacity limits hold; the disk tier survives a restart; damaged, truncated and
-symlinked block files are misses that recompute, never wrong output."""
+tier capacity limits hold; the disk tier survives a restart; damaged, truncated,
+forged (valid layout, unkeyed checksum, another block's KV) and symlinked block files
+and FIFOs are misses that recompute, never wrong output or a hang."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import threading
 
 import pytest
 from lmkit import LLM, SamplingParams
@@ -131,7 +134,21 @@ def test_disk_tier_survives_restart(model_dir, reference, filled_disk):
 
 
 def damage(path, how: str, tmp_path) -> None:
-    if how == "corrupted":
+    if how == "forged":
+        # another block's KV under this block's header, stamped as a forger without the
+        # key would: a valid layout and an unkeyed BLAKE2b of the bytes the MAC covers
+        from lmkit_plugins.offload.disk_files import HEADER_SIZE, MAC_COVERS
+
+        other = next(p for p in path.parent.parent.parent.rglob("*.kv") if p != path)
+        header = bytearray(path.read_bytes()[:HEADER_SIZE])
+        payload = other.read_bytes()[HEADER_SIZE:]
+        header[MAC_COVERS:MAC_COVERS + 32] = hashlib.blake2b(
+            bytes(header[:MAC_COVERS]) + payload, digest_size=32).digest()
+        path.write_bytes(bytes(header) + payload)
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif how == "corrupted":
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
@@ -154,17 +171,30 @@ def damage(path, how: str, tmp_path) -> None:
         path.parent.symlink_to(outside)
 
 
-@pytest.mark.parametrize("how", ["corrupted", "truncated", "symlinked", "symlinked-dir"])
+def generate_bounded(llm: LLM, prompts, timeout_s: float = 60.0):
+    """:func:`generate` in a daemon thread; fails the test if it blocks (a hang)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(generate(llm, prompts)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"the engine blocked for over {timeout_s} s"
+    assert result, "generate raised (see the thread's traceback above)"
+    return result[0]
+
+
+@pytest.mark.parametrize("how", ["corrupted", "truncated", "forged", "fifo", "symlinked",
+                                 "symlinked-dir"])
 def test_damaged_files_are_misses(model_dir, reference, filled_disk, how, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     with offload_llm(model_dir, "disk", tier_options("disk", filled_disk)) as llm:
         # damaged after the engine indexed the directory: caught when loaded
         damage(block_files(filled_disk, P1)[5], how, outside)
-        tokens, cached = generate(llm, [PROMPTS[3]])
+        tokens, cached = generate_bounded(llm, [PROMPTS[3]])
         stats = llm.stats()
     assert tokens == [reference[3]]
     assert stats["offload_failed_loads"] == 1
     assert stats["offload_bad_files"] >= 1
+    assert stats["offload_unhealthy"] == 0
     assert cached == [0], "a failed load is recomputed, not half used"
 
 

@@ -16,7 +16,6 @@ from lmkit_plugins.offload.disk_files import (
     HEADER,
     HEADER_SIZE,
     MAC_COVERS,
-    MAGIC,
     BadBlockFile,
     BlockDirectory,
     encode_header,

@@ -210,3 +210,20 @@ def test_bad_key_files_are_refused(tmp_path, case, message):
 def test_short_env_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=f"{KEY_ENV}.*at least 16"):
         resolve_key(None, tmp_path, env={KEY_ENV: "hunter2"})
+
+
+@pytest.mark.parametrize("unhealthy, status, code", [(0.0, "ok", 200), (1.0, "unhealthy", 503)])
+def test_health_endpoint_reports_a_stuck_tier(unhealthy, status, code):
+    from types import SimpleNamespace
+
+    from lmkit.serve.app import build_app
+    from starlette.testclient import TestClient
+
+    config = LMKitConfig.model_validate({"model": {"model": "tiny"}})
+    client = TestClient(build_app(config))  # no lifespan: no engine is started
+    client.app.state.lmkit.llm = SimpleNamespace(
+        is_healthy=True, dead_reason=None, stats={"offload_unhealthy": unhealthy})
+    resp = client.get("/health")
+    assert resp.status_code == code and resp.json()["status"] == status
+    if code == 503:
+        assert "read_timeout_s" in resp.json()["error"]

@@ -10,6 +10,7 @@ import hashlib
 import os
 import random
 import threading
+import time
 
 import pytest
 from lmkit import LLM, SamplingParams
@@ -263,3 +264,41 @@ def test_refused_same_step_load_is_recomputed(model_dir, reference, monkeypatch)
     assert stats["offload_failed_loads"] == 1
     assert cached == PREFIX, "the retry loads the prefix (asynchronously)"
     assert steps == len(reference[3]) + 2  # the step thrown away, the load's step
+
+
+def test_stuck_read_is_a_miss_and_marks_the_engine_unhealthy(model_dir, reference, filled_disk,
+                                                             monkeypatch):
+    """A read that does not return (a hung disk) fails its load at the deadline: the
+    request recomputes with the right output, and the engine reports the tier unhealthy
+    (and stops offering it) until the read returns."""
+    from lmkit_plugins.offload.disk_files import BlockDirectory
+
+    stuck_name = block_files(filled_disk, P1)[5].stem
+    release = threading.Event()
+    read = BlockDirectory.read
+
+    def hung_read(self, block_hash, payload_bytes):
+        if block_hash.hex() == stuck_name:
+            release.wait(60)
+        return read(self, block_hash, payload_bytes)
+
+    monkeypatch.setattr(BlockDirectory, "read", hung_read)
+    options = {**tier_options("disk", filled_disk), "read_timeout_s": 0.5}
+    try:
+        with offload_llm(model_dir, "disk", options) as llm:
+            tokens, cached = generate_bounded(llm, [PROMPTS[3]])
+            stats = llm.stats()
+            again, _ = generate_bounded(llm, [PROMPTS[3]])
+            jobs = llm.stats()["offload_load_jobs"]
+            release.set()
+            deadline = time.monotonic() + 10
+            while llm.stats()["offload_unhealthy"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert llm.stats()["offload_unhealthy"] == 0, "healthy once the read returned"
+    finally:
+        release.set()
+    assert tokens == [reference[3]] and again == [reference[3]]
+    assert cached == [0], "the timed-out load is recomputed"
+    assert stats["offload_read_timeouts"] == 1 and stats["offload_failed_loads"] == 1
+    assert stats["offload_unhealthy"] == 1
+    assert jobs == stats["offload_load_jobs"], "no load from a stuck tier"

@@ -54,6 +54,7 @@ def test_write_then_read_round_trips(files):
     (4, b"\x02" * 32, "another block"),
     (5, 4097, "payload length"),
     (6, b"\x03" * 32, "MAC mismatch"),
+    (7, b"\x04" * 8, "another key"),
 ])
 def test_verify_rejects_each_header_field(field, value, reason):
     good = encode_header(KEY, FP, h(1), memoryview(PAYLOAD)) + PAYLOAD
@@ -86,11 +87,33 @@ def test_file_written_with_another_key_is_refused(files, tmp_path):
     try:
         other.write(h(1), memoryview(PAYLOAD))
         assert other.read(h(1), len(PAYLOAD))[HEADER_SIZE:] == PAYLOAD
+        with pytest.raises(BadBlockFile, match="another key"):
+            files.read(h(1), len(PAYLOAD))
+        path = files.path_of(h(1))
+        assert HEADER.unpack_from(path.read_bytes())[1] == FORMAT_VERSION
+        # a forger copying this deployment's key id into the header still fails the MAC
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE - 8:HEADER_SIZE] = files.key_id
+        path.write_bytes(bytes(data))
         with pytest.raises(BadBlockFile, match="MAC mismatch"):
             files.read(h(1), len(PAYLOAD))
     finally:
         other.close()
-    assert HEADER.unpack_from(files.path_of(h(1)).read_bytes())[1] == FORMAT_VERSION
+
+
+def test_scan_skips_files_of_another_key_and_removes_old_ones(files, tmp_path):
+    files.write(h(1), memoryview(PAYLOAD))
+    other = BlockDirectory(tmp_path / "root", FP, bytes(32))  # another process's key
+    try:
+        other.write(h(2), memoryview(PAYLOAD))  # maybe a running engine's: left alone
+        other.write(h(3), memoryview(PAYLOAD))  # unused for hours: an earlier process's
+    finally:
+        other.close()
+    old = time.time() - 7200
+    os.utime(files.path_of(h(3)), (old, old))
+    found = {bh for bh, _ in files.scan(HEADER_SIZE + len(PAYLOAD))}
+    assert found == {h(1)}
+    assert files.path_of(h(2)).is_file() and not files.path_of(h(3)).exists()
 
 
 def test_read_rejects_flipped_payload_bit(files):

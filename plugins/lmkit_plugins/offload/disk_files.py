@@ -5,11 +5,13 @@ id is the first 32 hex digits of the fingerprint (:func:`lmkit.api.offload.kv_ca
 A file is a 128-byte header, then the payload (one host block, ``[layers, 2, E]``)::
 
     magic "LMKVBLK\\0" | format version u32 | header size u32 | fingerprint 32 B |
-    block hash 32 B | payload length u64 | MAC 32 B | 8 B zero
+    block hash 32 B | payload length u64 | MAC 32 B | key id 8 B
 
 The MAC is keyed BLAKE2b-256 over the header's first 88 bytes and the payload, with a
 key that is not stored in the folder (:mod:`lmkit_plugins.offload.disk_key`): whoever
-can write the folder but lacks the key cannot make a file that verifies.
+can write the folder but lacks the key cannot make a file that verifies. The key id (a
+one-way hash of the key) lets the startup scan drop files written with another key
+(e.g. an earlier process's random key) without reading their payloads.
 
 Files are written to a temporary name, fsynced, then renamed over the final name, so
 a reader sees a whole file or none. Every directory below the root and every file is
@@ -38,12 +40,14 @@ from pathlib import Path
 
 MAGIC = b"LMKVBLK\x00"
 FORMAT_VERSION = 2  # 2: the checksum became a keyed MAC
-HEADER = struct.Struct("<8sII32s32sQ32s8x")
+HEADER = struct.Struct("<8sII32s32sQ32s8s")
 HEADER_SIZE = HEADER.size  # 128
 MAC_COVERS = struct.calcsize("<8sII32s32sQ")  # 88: the header bytes before the MAC
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0  # temporary files older than this are leftovers of a crash
+# files of another key unused for this long are an earlier process's, not a running one's
+STALE_OTHER_KEY_S = 3600.0
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -58,6 +62,10 @@ class BadBlockFile(Exception):
     """A block file that must not be used (the message says why)."""
 
 
+class OtherKeyFile(BadBlockFile):
+    """A block file whose header names another key."""
+
+
 def block_mac(key: bytes, covered: memoryview | bytes, payload: memoryview | bytes) -> bytes:
     """Keyed BLAKE2b-256 of the header's first :data:`MAC_COVERS` bytes (``covered``)
     and ``payload``."""
@@ -67,11 +75,16 @@ def block_mac(key: bytes, covered: memoryview | bytes, payload: memoryview | byt
     return mac.digest()
 
 
+def key_id(key: bytes) -> bytes:
+    """The 8-byte id of MAC key ``key`` written in headers (reveals nothing of the key)."""
+    return hashlib.blake2b(key, digest_size=8, person=b"lmkit-kv-key-id").digest()
+
+
 def encode_header(key: bytes, fingerprint: bytes, block_hash: bytes, payload: memoryview
                   ) -> bytes:
     """The header of a file holding ``payload`` for ``block_hash``, MAC'd with ``key``."""
     header = bytearray(HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, fingerprint,
-                                   block_hash, payload.nbytes, bytes(32)))
+                                   block_hash, payload.nbytes, bytes(32), key_id(key)))
     header[MAC_COVERS:MAC_COVERS + 32] = block_mac(key, header[:MAC_COVERS], payload)
     return bytes(header)
 
@@ -82,7 +95,17 @@ def verify(data: memoryview, key: bytes, fingerprint: bytes, block_hash: bytes,
     written with ``key``."""
     if data.nbytes != HEADER_SIZE + payload_bytes:
         raise BadBlockFile(f"size {data.nbytes}, expected {HEADER_SIZE + payload_bytes}")
-    magic, version, header_size, fp, h, length, digest = HEADER.unpack_from(data)
+    digest = check_header(data[:HEADER_SIZE], key_id(key), fingerprint, block_hash,
+                          payload_bytes)
+    if not hmac.compare_digest(block_mac(key, data[:MAC_COVERS], data[HEADER_SIZE:]), digest):
+        raise BadBlockFile("MAC mismatch: forged, damaged, or written with another key")
+
+
+def check_header(header: memoryview | bytes, kid: bytes, fingerprint: bytes,
+                 block_hash: bytes, payload_bytes: int) -> bytes:
+    """The MAC of ``header`` if its fields name this format, key id, fingerprint, block
+    and payload length; raises :class:`BadBlockFile` otherwise."""
+    magic, version, header_size, fp, h, length, digest, file_kid = HEADER.unpack_from(header)
     if magic != MAGIC:
         raise BadBlockFile("not an lmkit KV block file (bad magic)")
     if version != FORMAT_VERSION or header_size != HEADER_SIZE:
@@ -93,8 +116,10 @@ def verify(data: memoryview, key: bytes, fingerprint: bytes, block_hash: bytes,
         raise BadBlockFile("holds another block")
     if length != payload_bytes:
         raise BadBlockFile(f"payload length {length}, expected {payload_bytes}")
-    if not hmac.compare_digest(block_mac(key, data[:MAC_COVERS], data[HEADER_SIZE:]), digest):
-        raise BadBlockFile("MAC mismatch: forged, damaged, or written with another key")
+    if file_kid != kid:
+        raise OtherKeyFile("written with another key (offload.options.key_file or "
+                           "LMKIT_OFFLOAD_KEY differ, or none was set)")
+    return digest
 
 
 def _write_all(fd: int, data: memoryview | bytes) -> None:
@@ -119,6 +144,7 @@ class BlockDirectory:
         self.root = root
         self.fingerprint = fingerprint
         self.key = key
+        self.key_id = key_id(key)
         self.name = fingerprint.hex()[:32]
         root_fd = os.open(root, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
         try:
@@ -235,9 +261,14 @@ class BlockDirectory:
             os.close(parent)
 
     def scan(self, file_bytes: int) -> Iterator[tuple[bytes, int]]:
-        """``(block hash, mtime_ns)`` of every well-formed file a previous run left.
+        """``(block hash, mtime_ns)`` of every well-formed file a previous run left
+        with this key.
 
-        Skips symlinks; removes stale temporary files and files of the wrong size."""
+        Skips symlinks and other non-regular files; removes stale temporary files, files
+        of the wrong size or whose header is not this format's or this block's, and
+        files of another key unused for :data:`STALE_OTHER_KEY_S` (newer ones may be a
+        running engine's, and are skipped). Payloads are not read: a load verifies the
+        MAC."""
         now = time.time()
         for sub1 in _subdirs(self.dir_fd):
             fd1 = self._subdir(self.dir_fd, sub1, create=False)
@@ -251,8 +282,7 @@ class BlockDirectory:
             finally:
                 os.close(fd1)
 
-    @staticmethod
-    def _scan_leaf(fd: int, file_bytes: int, now: float) -> Iterator[tuple[bytes, int]]:
+    def _scan_leaf(self, fd: int, file_bytes: int, now: float) -> Iterator[tuple[bytes, int]]:
         with os.scandir(fd) as entries:
             for entry in entries:
                 if not entry.is_file(follow_symlinks=False):
@@ -265,10 +295,32 @@ class BlockDirectory:
                 stem = entry.name.removesuffix(SUFFIX)
                 if not entry.name.endswith(SUFFIX) or len(stem) != 64 or not _is_hex(stem):
                     continue
-                if st.st_size != file_bytes:
+                block_hash = bytes.fromhex(stem)
+                try:
+                    if st.st_size != file_bytes:
+                        raise BadBlockFile("wrong size")
+                    self._check_file_header(entry.name, fd, block_hash, file_bytes - HEADER_SIZE)
+                except OtherKeyFile:
+                    if now - st.st_mtime > STALE_OTHER_KEY_S:
+                        _unlink_quietly(entry.name, fd)
+                    continue
+                except (OSError, BadBlockFile):
                     _unlink_quietly(entry.name, fd)
                     continue
-                yield bytes.fromhex(stem), st.st_mtime_ns
+                yield block_hash, st.st_mtime_ns
+
+    def _check_file_header(self, name: str, dir_fd: int, block_hash: bytes,
+                           payload_bytes: int) -> None:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BadBlockFile("not a regular file")
+            header = os.pread(fd, HEADER_SIZE, 0)
+            if len(header) != HEADER_SIZE:
+                raise BadBlockFile("short header")
+            check_header(header, self.key_id, self.fingerprint, block_hash, payload_bytes)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Close the directory descriptor. Safe to call twice."""

@@ -8,8 +8,9 @@ the folder. It comes from, in order:
 1. ``offload.options.key_file``: a regular file readable by its owner only (mode
    0600 or 0400), outside the offload folder;
 2. the ``LMKIT_OFFLOAD_KEY`` environment variable;
-3. else a random key made once per process: files an earlier process wrote do not
-   verify, so they are misses (the request recomputes; the file is deleted).
+3. else a random key made once per process: files an earlier process wrote cannot
+   verify, so they are never used (the startup scan skips them, by the key id in their
+   header, and removes those unused for an hour).
 
 The secret (at least 16 bytes) is hashed into the 32-byte MAC key, so any text works.
 """

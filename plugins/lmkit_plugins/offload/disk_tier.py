@@ -7,14 +7,15 @@ eviction order, deleting evicted files) happens on the caller's thread. A block
 waiting to be written stays in host memory and is served from there. Any read that
 fails, comes up short or does not verify (a forged file fails its MAC) is a failed
 load: the file is deleted and the engine recomputes. A load whose reads are not all
-done within ``read_timeout_s`` is failed too (a miss); while such a read has not
-returned, the tier is unhealthy and answers every lookup with 0, so the engine runs
-on without it instead of waiting.
+done within ``read_timeout_s`` is failed too (a miss); while a read has been running
+for longer than that, the tier is unhealthy and answers every lookup with 0, so the
+engine runs on without it instead of waiting.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,7 +82,8 @@ class DiskTier(OffloadManager):
         key = resolve_key(options.key_file, root)
         self.files = BlockDirectory(root, kv_cache_fingerprint(config, kv_caches), key.key)
         self.read_timeout_s = options.read_timeout_s
-        self.overdue: set[Future] = set()  # reads of timed-out loads, not returned yet
+        self._reads_lock = threading.Lock()
+        self._reads: dict[int, float] = {}  # io thread id -> its current read's deadline
         self.policy = make_policy(options.eviction, capacity)
         self.io = ThreadPoolExecutor(options.io_threads, thread_name_prefix="lmkit-kv-disk")
         self.writes: dict[bytes, PendingWrite] = {}
@@ -141,14 +143,15 @@ class DiskTier(OffloadManager):
         job = self.jobs.new("load", block_hashes, block_ids)
         if len(block_hashes) != len(block_ids) or any(h not in self.policy for h in block_hashes):
             return self.jobs.finish(job, False)
+        deadline = time.monotonic() + self.read_timeout_s
         parts: list[Any] = []
         for block_hash in block_hashes:
             self.policy.touch(block_hash)
             pending = self.writes.get(block_hash)
             parts.append(pending.data if pending is not None else
-                         self.io.submit(self._read, block_hash))
+                         self.io.submit(self._read, block_hash, deadline))
         self.loads.append(PendingJob(job, [p for p in parts if isinstance(p, Future)], parts,
-                                     time.monotonic() + self.read_timeout_s))
+                                     deadline))
         return job
 
     def poll(self) -> list[tuple[TransferJob, bool]]:
@@ -180,19 +183,25 @@ class DiskTier(OffloadManager):
                 "write_errors": self.num_write_errors, "dropped_writes": self.num_dropped_writes,
                 "read_timeouts": self.num_read_timeouts}
 
+    def num_stuck_reads(self) -> int:
+        """Reads still running past their load's deadline (a read still queued then
+        never starts: only a disk that does not answer counts)."""
+        now = time.monotonic()
+        with self._reads_lock:
+            return sum(deadline <= now for deadline in self._reads.values())
+
     @property
     def is_stuck(self) -> bool:
-        """Whether a read of a timed-out load has still not returned."""
-        if self.overdue:
-            self.overdue = {f for f in self.overdue if not f.done()}
-        return bool(self.overdue)
+        """Whether a read is still running past its load's deadline."""
+        return self.num_stuck_reads() > 0
 
     def health(self) -> OffloadHealth:
-        """Unhealthy while a read of a timed-out load has not returned."""
-        if not self.is_stuck:
+        """Unhealthy while a read is still running past its load's deadline."""
+        stuck = self.num_stuck_reads()
+        if not stuck:
             return OffloadHealth()
         return OffloadHealth(False, (
-            f"{len(self.overdue)} read(s) under {self.files.root} still running after the "
+            f"{stuck} read(s) under {self.files.root} still running past their "
             f"{self.read_timeout_s:g} s deadline (offload.options.read_timeout_s): the disk "
             "is stuck or far too slow; the engine runs without the tier until they return"))
 
@@ -258,23 +267,38 @@ class DiskTier(OffloadManager):
 
     # -- reads --------------------------------------------------------------------
 
-    def _read(self, block_hash: bytes) -> torch.Tensor:
-        data = self.files.read(block_hash, self.block_bytes)
+    def _read(self, block_hash: bytes, deadline: float) -> torch.Tensor:
+        """(On an io thread.) ``block_hash``'s verified block, watched by :meth:`health`
+        from when it starts until it returns."""
+        me = threading.get_ident()
+        with self._reads_lock:
+            if time.monotonic() >= deadline:  # its load is (about to be) a miss
+                raise TimeoutError("the load's deadline passed before this read started")
+            self._reads[me] = deadline
+        try:
+            data = self.files.read(block_hash, self.block_bytes)
+        finally:
+            with self._reads_lock:
+                del self._reads[me]
         block = torch.frombuffer(data, dtype=self.copier.dtype, offset=HEADER_SIZE)
         return block.view(self.copier.block_shape)
 
     def _expire_load(self, pending: PendingJob) -> None:
-        """Fail a load past its deadline: reads not started are cancelled, running ones
-        are watched (the tier is unhealthy until they return); their results are
-        ignored, so nothing late reaches the device blocks, which the engine reuses."""
+        """Fail a load past its deadline: reads not started are cancelled; the results
+        of running ones are ignored, so nothing late reaches the device blocks, which
+        the engine reuses."""
         self.num_read_timeouts += 1
-        self.overdue.update(f for f in pending.futures if not f.cancel() and not f.done())
+        for future in pending.futures:
+            future.cancel()
         logger.warning("offload tier 'disk': a load of %d block(s) did not finish within "
                        "%g s (offload.options.read_timeout_s); it is a miss, the engine "
                        "recomputes", len(pending.job.block_hashes), self.read_timeout_s)
         self.jobs.finish(pending.job, False)
 
     def _finish_load(self, pending: PendingJob) -> None:
+        if any(isinstance(f.exception(), TimeoutError) for f in pending.futures):
+            self._expire_load(pending)  # reads skipped after the deadline: files are fine
+            return
         blocks: list[torch.Tensor] = []
         ok = True
         for block_hash, part in zip(pending.job.block_hashes, pending.parts, strict=True):

@@ -7,9 +7,9 @@ eviction order, deleting evicted files) happens on the caller's thread. A block
 waiting to be written stays in host memory and is served from there. Any read that
 fails, comes up short or does not verify (a forged file fails its MAC) is a failed
 load: the file is deleted and the engine recomputes. A load whose reads are not all
-done within ``read_timeout_s`` is failed too (a miss); while a read has been running
-for longer than that, the tier is unhealthy and answers every lookup with 0, so the
-engine runs on without it instead of waiting.
+done within ``read_timeout_s`` is failed too (a miss); while one of its reads is still
+running past that deadline, the tier is unhealthy and answers every lookup with 0, so
+the engine runs on without it instead of waiting.
 """
 
 from __future__ import annotations

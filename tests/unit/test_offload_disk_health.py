@@ -102,10 +102,11 @@ def test_read_past_deadline_is_a_miss_and_the_tier_unhealthy_until_it_returns(
 
 
 def test_reads_not_started_by_the_deadline_are_skipped(tmp_path, monkeypatch):
-    """One io thread, reads of 0.2 s, a 0.3 s deadline, and no poll meanwhile: the third
-    read would start after the deadline, so it is skipped; the load is a timed-out miss,
-    no file counts as bad or is deleted, and the tier is healthy once the reads are done."""
-    tier = make_tier(tmp_path, read_timeout_s=0.3, io_threads=1)
+    """One io thread, a 1 s deadline and no poll meanwhile: the second read outlasts the
+    deadline, so the third would start after it and is skipped; the load is a timed-out
+    miss, no file counts as bad or is deleted, and the tier is healthy once the reads
+    are done."""
+    tier = make_tier(tmp_path, read_timeout_s=1.0, io_threads=1)
     hashes = [h(1), h(2), h(3)]
     store_written(tier, hashes, [1, 2, 3])
     read = tier.files.read
@@ -113,12 +114,12 @@ def test_reads_not_started_by_the_deadline_are_skipped(tmp_path, monkeypatch):
 
     def slow_read(block_hash, payload_bytes):
         calls.append(block_hash)
-        time.sleep(0.2)
+        time.sleep(1.2 if block_hash == h(2) else 0.0)
         return read(block_hash, payload_bytes)
 
     monkeypatch.setattr(tier.files, "read", slow_read)
     job = tier.load(hashes, [5, 6, 7])
-    time.sleep(0.8)
+    time.sleep(1.5)
     assert wait(tier, job) is False
     assert calls == hashes[:2]
     assert tier.stats()["read_timeouts"] == 1 and tier.stats()["bad_files"] == 0

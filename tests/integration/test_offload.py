@@ -1,12 +1,16 @@
 """KV offload in the engine (tiny random model, CPU): prefixes pushed out of a small
 device pool come back from the tier with greedy outputs identical to recomputing them;
-tier capacity limits hold; the disk tier survives a restart; damaged, truncated and
-symlinked block files are misses that recompute, never wrong output."""
+tier capacity limits hold; the disk tier survives a restart; damaged, truncated,
+forged (valid layout, unkeyed checksum, another block's KV) and symlinked block files
+and FIFOs are misses that recompute, never wrong output or a hang."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import threading
+import time
 
 import pytest
 from lmkit import LLM, SamplingParams
@@ -131,7 +135,21 @@ def test_disk_tier_survives_restart(model_dir, reference, filled_disk):
 
 
 def damage(path, how: str, tmp_path) -> None:
-    if how == "corrupted":
+    if how == "forged":
+        # another block's KV under this block's header, stamped as a forger without the
+        # key would: a valid layout and an unkeyed BLAKE2b of the bytes the MAC covers
+        from lmkit_plugins.offload.disk_files import HEADER_SIZE, MAC_COVERS
+
+        other = next(p for p in path.parent.parent.parent.rglob("*.kv") if p != path)
+        header = bytearray(path.read_bytes()[:HEADER_SIZE])
+        payload = other.read_bytes()[HEADER_SIZE:]
+        header[MAC_COVERS:MAC_COVERS + 32] = hashlib.blake2b(
+            bytes(header[:MAC_COVERS]) + payload, digest_size=32).digest()
+        path.write_bytes(bytes(header) + payload)
+    elif how == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif how == "corrupted":
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
@@ -154,17 +172,30 @@ def damage(path, how: str, tmp_path) -> None:
         path.parent.symlink_to(outside)
 
 
-@pytest.mark.parametrize("how", ["corrupted", "truncated", "symlinked", "symlinked-dir"])
+def generate_bounded(llm: LLM, prompts, timeout_s: float = 60.0):
+    """:func:`generate` in a daemon thread; fails the test if it blocks (a hang)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(generate(llm, prompts)), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"the engine blocked for over {timeout_s} s"
+    assert result, "generate raised (see the thread's traceback above)"
+    return result[0]
+
+
+@pytest.mark.parametrize("how", ["corrupted", "truncated", "forged", "fifo", "symlinked",
+                                 "symlinked-dir"])
 def test_damaged_files_are_misses(model_dir, reference, filled_disk, how, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     with offload_llm(model_dir, "disk", tier_options("disk", filled_disk)) as llm:
         # damaged after the engine indexed the directory: caught when loaded
         damage(block_files(filled_disk, P1)[5], how, outside)
-        tokens, cached = generate(llm, [PROMPTS[3]])
+        tokens, cached = generate_bounded(llm, [PROMPTS[3]])
         stats = llm.stats()
     assert tokens == [reference[3]]
     assert stats["offload_failed_loads"] == 1
     assert stats["offload_bad_files"] >= 1
+    assert stats["offload_unhealthy"] == 0
     assert cached == [0], "a failed load is recomputed, not half used"
 
 
@@ -233,3 +264,41 @@ def test_refused_same_step_load_is_recomputed(model_dir, reference, monkeypatch)
     assert stats["offload_failed_loads"] == 1
     assert cached == PREFIX, "the retry loads the prefix (asynchronously)"
     assert steps == len(reference[3]) + 2  # the step thrown away, the load's step
+
+
+def test_stuck_read_is_a_miss_and_marks_the_engine_unhealthy(model_dir, reference, filled_disk,
+                                                             monkeypatch):
+    """A read that does not return (a hung disk) fails its load at the deadline: the
+    request recomputes with the right output, and the engine reports the tier unhealthy
+    (and stops offering it) until the read returns."""
+    from lmkit_plugins.offload.disk_files import BlockDirectory
+
+    stuck_name = block_files(filled_disk, P1)[5].stem
+    release = threading.Event()
+    read = BlockDirectory.read
+
+    def hung_read(self, block_hash, payload_bytes):
+        if block_hash.hex() == stuck_name:
+            release.wait(60)
+        return read(self, block_hash, payload_bytes)
+
+    monkeypatch.setattr(BlockDirectory, "read", hung_read)
+    options = {**tier_options("disk", filled_disk), "read_timeout_s": 0.5}
+    try:
+        with offload_llm(model_dir, "disk", options) as llm:
+            tokens, cached = generate_bounded(llm, [PROMPTS[3]])
+            stats = llm.stats()
+            again, _ = generate_bounded(llm, [PROMPTS[3]])
+            jobs = llm.stats()["offload_load_jobs"]
+            release.set()
+            deadline = time.monotonic() + 10
+            while llm.stats()["offload_unhealthy"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert llm.stats()["offload_unhealthy"] == 0, "healthy once the read returned"
+    finally:
+        release.set()
+    assert tokens == [reference[3]] and again == [reference[3]]
+    assert cached == [0], "the timed-out load is recomputed"
+    assert stats["offload_read_timeouts"] == 1 and stats["offload_failed_loads"] == 1
+    assert stats["offload_unhealthy"] == 1
+    assert jobs == stats["offload_load_jobs"], "no load from a stuck tier"

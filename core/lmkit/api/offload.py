@@ -45,6 +45,16 @@ class TransferJob:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class OffloadHealth:
+    """Whether a tier works. ``healthy`` is False, with a ``reason`` for the log, while
+    it is stuck (e.g. a disk read ran past its deadline and has not returned): the
+    engine then reports itself unhealthy (``offload_unhealthy`` stat, ``/health``)."""
+
+    healthy: bool = True
+    reason: str = ""
+
+
 class OffloadManager(ABC):
     """Stores KV blocks leaving the device cache and loads them back on a prefix hit.
 
@@ -148,6 +158,14 @@ class OffloadManager(ABC):
         """Tier-internal counters, e.g. ``{"evictions": n}`` (blocks the tier dropped to
         make room); the engine adds them to its ``offload_*`` stats. Optional."""
         return {}
+
+    def health(self) -> OffloadHealth:
+        """Whether the tier works (see :class:`OffloadHealth`); called with the stats.
+        A tier whose loads can stall (a disk, a network) must bound them in time: a
+        load past its deadline is reported failed by :meth:`poll` (a miss), and the
+        tier unhealthy while the stalled I/O has not returned. Optional: the default
+        is always healthy."""
+        return OffloadHealth()
 
     def close(self) -> None:  # noqa: B027 - optional
         """Finish pending writes, release memory and file handles. Safe to call twice."""

@@ -53,6 +53,7 @@ class OffloadWorker:
         self.bytes_stored = 0
         self.bytes_loaded = 0
         self.num_failed_stores = 0
+        self._healthy = True
         self._closed = False
 
     def lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
@@ -150,7 +151,9 @@ class OffloadWorker:
                                self.name, job.job_id)
 
     def stats(self) -> dict[str, int]:
-        """Runner-side ``offload_*`` counters and the tier's own."""
+        """Runner-side ``offload_*`` counters and the tier's own; ``offload_unhealthy``
+        is 1 while the tier is stuck (:meth:`~lmkit.api.OffloadManager.health`; the
+        reason is logged when that changes)."""
         used, capacity = self.manager.usage()
         stats = {
             "offload_bytes_stored": self.bytes_stored,
@@ -158,10 +161,21 @@ class OffloadWorker:
             "offload_failed_stores": self.num_failed_stores,
             "offload_used_bytes": used,
             "offload_capacity_bytes": capacity,
+            "offload_unhealthy": 0 if self._check_health() else 1,
         }
         for key, value in self.manager.stats().items():
             stats[f"offload_{key}"] = value
         return stats
+
+    def _check_health(self) -> bool:
+        health = self.manager.health()
+        if health.healthy != self._healthy:
+            self._healthy = health.healthy
+            if health.healthy:
+                logger.warning("offload tier %r is healthy again", self.name)
+            else:
+                logger.error("offload tier %r is unhealthy: %s", self.name, health.reason)
+        return health.healthy
 
     def close(self) -> None:
         """Wait for loads in flight, then close the tier (finishes its pending writes)."""

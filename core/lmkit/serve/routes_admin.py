@@ -10,11 +10,14 @@ from starlette.responses import JSONResponse, Response
 from lmkit.serve.app import get_state
 
 router = APIRouter()
+OFFLOAD_STUCK = ("the KV offload tier is stuck (a read ran past offload.options.read_timeout_s "
+                 "and has not returned); requests are served without it; see the engine log")
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the engine is running; 503 while loading, after a failed start, or dead."""
+    """200 when the engine is running; 503 while loading, after a failed start, dead, or
+    while its KV offload tier is stuck (``offload_unhealthy`` stat)."""
     state = get_state(request)
     llm = state.llm
     if llm is None:
@@ -22,6 +25,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": status, "error": state.startup_error}, status_code=503)
     if not llm.is_healthy:
         return JSONResponse({"status": "dead", "error": llm.dead_reason}, status_code=503)
+    if llm.stats.get("offload_unhealthy", 0) > 0:  # the engine runs on without the tier
+        return JSONResponse({"status": "unhealthy", "error": OFFLOAD_STUCK}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -25,5 +25,5 @@ def register_offload_managers(register):
     register(Spec(
         name="disk", target="lmkit_plugins.offload.disk_tier:DiskTier", priority=30, caps=_CAPS,
         options=DiskTierOptions,
-        description="Checksummed block files in a directory; persists across restarts.",
+        description="Block files in a directory, authenticated with a keyed MAC; persists across restarts.",
     ))

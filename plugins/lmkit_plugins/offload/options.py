@@ -19,6 +19,7 @@ def default_disk_path() -> str:
 
 
 Eviction = Literal["lru", "arc"]
+READ_TIMEOUT_S = 10.0
 
 
 class CPUTierOptions(BaseModel):
@@ -45,6 +46,13 @@ class DiskTierOptions(BaseModel):
     max_pending_write_gb: float = Field(
         1.0, gt=0, description="Host memory for blocks waiting to be written; past it, "
         "new blocks are not written (never blocks the engine).")
+    read_timeout_s: float = Field(
+        READ_TIMEOUT_S, gt=0, description="Time a load's reads may take; past it the load is "
+        "a miss (recomputed) and, while a read is still running, the tier is unhealthy.")
+    key_file: str | None = Field(
+        None, description="File (mode 0600, outside `path`) holding the key that "
+        "authenticates block files; default: $LMKIT_OFFLOAD_KEY, else a random key per "
+        "process.")
 
 
 class CPUDiskTierOptions(BaseModel):
@@ -59,6 +67,8 @@ class CPUDiskTierOptions(BaseModel):
     pin_memory: bool | None = Field(None, description="Page-lock the host pool.")
     io_threads: int = Field(4, ge=1, le=64, description="Threads reading and writing files.")
     max_pending_write_gb: float = Field(1.0, gt=0, description="See the disk tier.")
+    read_timeout_s: float = Field(READ_TIMEOUT_S, gt=0, description="See the disk tier.")
+    key_file: str | None = Field(None, description="See the disk tier.")
 
     def cpu(self) -> CPUTierOptions:
         """The options of the host level."""
@@ -69,4 +79,5 @@ class CPUDiskTierOptions(BaseModel):
         """The options of the disk level."""
         return DiskTierOptions(path=self.path, size_gb=self.disk_size_gb, eviction=self.eviction,
                                io_threads=self.io_threads,
-                               max_pending_write_gb=self.max_pending_write_gb)
+                               max_pending_write_gb=self.max_pending_write_gb,
+                               read_timeout_s=self.read_timeout_s, key_file=self.key_file)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 from lmkit.api import LMKitConfig, OffloadManager, TransferJob
+from lmkit.api.offload import OffloadHealth
 
 from lmkit_plugins.offload.cpu_tier import CPUTier
 from lmkit_plugins.offload.disk_tier import DiskTier
@@ -50,11 +51,13 @@ class CPUDiskTier(OffloadManager):
     # -- contract -----------------------------------------------------------------
 
     def lookup(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks held by either level (not counting the disk while it is stuck)."""
         n = 0
+        disk_ok = not self.disk.is_stuck
         for block_hash in block_hashes:
             if self.cpu.holds(block_hash):
                 self.cpu.policy.touch(block_hash)
-            elif self.disk.holds(block_hash):
+            elif disk_ok and self.disk.holds(block_hash):
                 self.disk.policy.touch(block_hash)
             else:
                 break
@@ -138,6 +141,10 @@ class CPUDiskTier(OffloadManager):
         for level, tier in (("cpu", self.cpu), ("disk", self.disk)):
             stats.update({f"{level}_{k}": v for k, v in tier.stats().items()})
         return stats
+
+    def health(self) -> OffloadHealth:
+        """The disk level's (host memory cannot get stuck)."""
+        return self.disk.health()
 
     def close(self) -> None:
         self.cpu.close()

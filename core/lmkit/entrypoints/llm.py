@@ -65,7 +65,8 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
         if "." not in path:
             known = ", ".join(sorted(SHORT_OPTIONS))
             raise TypeError(f"LLM() got an unknown option {key!r}; use a dotted config path "
-                            f"(e.g. 'scheduler.max_num_seqs') or one of: {known}")
+                            f"(e.g. 'scheduler.max_num_seqs') or one of: {known}."
+                            + _option_hint(key))
         cli[path] = value
     if isinstance(config, LMKitConfig):
         base = config.model_dump()
@@ -78,6 +79,21 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
         return LMKitConfig.model_validate(base)
     cfg, _ = load_config(config, cli, env={})
     return cfg
+
+
+def _option_hint(key: str) -> str:
+    """`` Did you mean ...?`` for an unknown ``LLM(...)`` keyword: the short option named
+    like a CLI flag's old spelling (``spec`` -> ``speculative``), else the closest name."""
+    from lmkit.cli.options import FLAGS
+    from lmkit.plugins.registry import suggest
+
+    by_path = {path: name for name, path in SHORT_OPTIONS.items()}
+    for flag in FLAGS:
+        if flag.old is not None and flag.old.lstrip("-").replace("-", "_") == key:
+            name = by_path.get(flag.path or "")
+            if name is not None:
+                return f" Did you mean {name!r} (the CLI's {flag.decls[0]})?"
+    return suggest(key, SHORT_OPTIONS)
 
 
 class LLM:

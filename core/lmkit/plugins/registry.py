@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lmkit.errors import DuplicateSpecError, NoBackendError, UnknownBackendError
+from lmkit.plugins.kinds import canonical_kind
 from lmkit.plugins.spec import Needs, Spec
 
 
@@ -91,6 +92,7 @@ class Registry:
 
     def all(self, kind: str) -> list[Registration]:
         """Every registration of ``kind`` (aliases folded), highest priority first."""
+        kind = canonical_kind(kind)
         unique = {id(r): r for r in self._by_kind.get(kind, {}).values()}.values()
         return sorted(unique, key=lambda r: (-r.spec.priority, r.name))
 
@@ -100,6 +102,7 @@ class Registry:
 
     def get(self, kind: str, name: str) -> Registration:
         """The registration called ``name``; raises UnknownBackendError listing the known ones."""
+        kind = canonical_kind(kind)
         reg = self._by_kind.get(kind, {}).get(name)
         if reg is None:
             known = self.names(kind)
@@ -118,6 +121,7 @@ class Registry:
         highest priority. Raises :class:`NoBackendError` with a table of every candidate
         and why it was rejected.
         """
+        kind = canonical_kind(kind)
         if choice != "auto":
             reg = self.get(kind, choice)
             reasons = reg.spec.why_not(needs)

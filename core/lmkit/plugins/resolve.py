@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lmkit.plugins.manager import PluginHost
 
 # Order of resolution: kinds that impose needs on others come first.
-_ORDER = ("spec_proposer", "structured_output", "offload", "scheduler", "executor", "attention")
+_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention")
 
 
 @dataclass
@@ -99,7 +99,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     imposed: dict[str, Needs] = {}
     imposers: dict[str, list[str]] = {}
     for kind in _ORDER:
-        section_name = STACK_KINDS[kind]
+        section_name = kind  # each stack kind is selected by the section of its name
         section = getattr(config, section_name)
         choice = section.backend
         reg = None
@@ -144,8 +144,8 @@ def _select(host: PluginHost, config: LMKitConfig, kind: str, choice: str, needs
     except ConfigError as e:
         note = ""
         if choice != "auto":
-            where = config.source_of(f"{STACK_KINDS[kind]}.backend")
-            note = f"\n({STACK_KINDS[kind]}.backend = {choice!r} was set by {where}.)" if where else ""
+            where = config.source_of(f"{kind}.backend")
+            note = f"\n({kind}.backend = {choice!r} was set by {where}.)" if where else ""
         elif imposers:
             note = "\n(Needed because " + "; ".join(imposers) + ".)"
         if not note:

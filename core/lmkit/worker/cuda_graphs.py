@@ -270,7 +270,7 @@ def maybe_capture(runner: Any) -> CudaGraphRunner | None:
                     "eagerly", name)
         return None
     spec_k = (runner.config.speculative.num_speculative_tokens
-              if runner.stack.get("spec_proposer") is not None else 0)
+              if runner.stack.get("speculative") is not None else 0)
     graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
                              runner.config.scheduler.max_num_seqs, runner.max_model_len,
                              runner.block_size, max_query_len=1 + spec_k)

@@ -1,5 +1,5 @@
 """Speculative decoding on SmolLM2 (CPU): greedy outputs are identical with and without
-``--spec ngram`` whatever the batch size, chunking, prefix caching or preemption; drafts
+``--speculative ngram`` whatever the batch size, chunking, prefix caching or preemption; drafts
 really are accepted; sampled requests with seeds, penalties and logprobs work."""
 
 from __future__ import annotations

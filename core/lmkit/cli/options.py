@@ -17,7 +17,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -95,9 +95,12 @@ FLAGS: tuple[Flag, ...] = (
 
 @dataclass(frozen=True)
 class ConfigOptions:
-    """The shared options as given on the command line (``None``: not given)."""
+    """The shared options as given on the command line (``None``: not given), and the
+    flag spelling used where it was an old one (``{"attention": "--attn"}``), so that
+    messages name the flag the user typed."""
 
     values: Mapping[str, Any]
+    spelled: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def config_file(self) -> Path | None:
@@ -117,7 +120,7 @@ class ConfigOptions:
             if flag.path is None or value is None or value is False or value == []:
                 continue
             settings[flag.path] = flag.sets if flag.sets is not None else value
-            flags[flag.path] = flag.decls[0]
+            flags[flag.path] = self.spelled.get(flag.name, flag.decls[0])
         for item in self.values.get("set") or []:
             key, sep, raw = item.partition("=")
             key = key.strip()
@@ -159,13 +162,15 @@ def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def command(*args: Any, **kwargs: Any) -> Any:
         values = {f.name: kwargs.pop(f.name) for f in FLAGS}
+        spelled = {}
         for f in FLAGS:
             given = kwargs.pop(f.old_name) if f.old is not None else None
             if given is not None:
                 print_deprecated(f.old or "", f.decls[0])
                 if values[f.name] is None:
                     values[f.name] = given
-        return fn(*args, opts=ConfigOptions(values), **kwargs)
+                    spelled[f.name] = f.old or ""
+        return fn(*args, opts=ConfigOptions(values, spelled), **kwargs)
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}

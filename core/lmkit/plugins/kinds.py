@@ -59,3 +59,8 @@ def canonical_kind(kind: str) -> str:
     warnings.warn(f"the plugin kind {kind!r} is now called {new!r}; use {new!r}",
                   DeprecationWarning, stacklevel=3)
     return new
+
+
+def kind_label(kind: str) -> str:
+    """A kind in prose, for messages: ``speculative proposer``, ``structured output``."""
+    return "speculative proposer" if kind == "speculative" else kind.replace("_", " ")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lmkit.errors import DuplicateSpecError, NoBackendError, UnknownBackendError
-from lmkit.plugins.kinds import canonical_kind
+from lmkit.plugins.kinds import canonical_kind, kind_label
 from lmkit.plugins.spec import Needs, Spec
 
 
@@ -108,7 +108,7 @@ class Registry:
             known = self.names(kind)
             listed = ", ".join(known) if known else "none (no plugin registers this kind)"
             raise UnknownBackendError(
-                f"unknown {kind.replace('_', ' ')} {name!r}; known: {listed}.{suggest(name, known)}"
+                f"unknown {kind_label(kind)} {name!r}; known: {listed}.{suggest(name, known)}"
             )
         return reg
 
@@ -127,7 +127,7 @@ class Registry:
             reasons = reg.spec.why_not(needs)
             if reasons:
                 raise NoBackendError(
-                    f"{kind.replace('_', ' ')} {choice!r} (plugin {reg.origin}) cannot be used: "
+                    f"{kind_label(kind)} {choice!r} (plugin {reg.origin}) cannot be used: "
                     + "; ".join(reasons) + f". Needed: {needs.describe()}."
                     + self._alternatives(kind, needs, exclude=reg.name)
                 )
@@ -152,7 +152,7 @@ class Registry:
         """The no-fit error: every candidate, its plugin and version, and its reasons."""
         candidates = self.all(kind)
         if not candidates:
-            return (f"no {kind.replace('_', ' ')} is registered by any plugin; install or load "
+            return (f"no {kind_label(kind)} is registered by any plugin; install or load "
                     "(-p NAME) a plugin that provides one (`lmkit plugins list` shows what loaded).")
         rows = [
             (r.name, r.plugin, r.version or "-", "; ".join(r.spec.why_not(needs)) or "ok")
@@ -160,7 +160,7 @@ class Registry:
         ]
         table = format_table(rows, ("name", "plugin", "version", "why not"))
         return (
-            f"no {kind.replace('_', ' ')} fits this configuration (needs: {needs.describe()}).\n"
+            f"no {kind_label(kind)} fits this configuration (needs: {needs.describe()}).\n"
             f"{table}"
         )
 

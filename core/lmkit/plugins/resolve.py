@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from lmkit.config.errors import format_validation_error
 from lmkit.errors import ConfigError, StackConflictError
 from lmkit.platform import cuda_device_count
-from lmkit.plugins.kinds import OPTIONAL_KINDS, STACK_KINDS
+from lmkit.plugins.kinds import OPTIONAL_KINDS, STACK_KINDS, kind_label
 from lmkit.plugins.registry import Registration
 from lmkit.plugins.spec import Needs
 
@@ -129,7 +129,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
 
 def _label(kind: str) -> str:
-    return kind.replace("_", " ")
+    return kind_label(kind)
 
 
 def _select(host: PluginHost, config: LMKitConfig, kind: str, choice: str, needs: Needs,

@@ -104,13 +104,14 @@ class LLM:
             the default model when omitted.
         config: an :class:`LMKitConfig`, or a YAML/TOML file path.
         plugins: extra plugins to load (``-p`` values, ``no:NAME`` to block).
-        progress: show download/conversion and generation progress bars.
+        progress: report fetching and converting the model on stderr (on by default;
+            nothing is printed once the model is cached).
         **options: short options (``max_num_seqs=8``, ``attention="torch"``, see
             :data:`SHORT_OPTIONS`) or dotted config paths (``**{"cache.block_size": 32}``).
     """
 
     def __init__(self, model: str | None = None, *, config: LMKitConfig | str | Path | None = None,
-                 plugins: Sequence[str] = (), progress: bool = False, **options: Any) -> None:
+                 plugins: Sequence[str] = (), progress: bool = True, **options: Any) -> None:
         from lmkit.engine.core import EngineCore
         from lmkit.engine.output_processor import OutputProcessor
         from lmkit.engine.processor import InputProcessor

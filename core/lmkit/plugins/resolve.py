@@ -63,10 +63,20 @@ def _entry_dict(reg: Registration, options: BaseModel | None) -> dict[str, Any]:
 
 
 def resolve_device(config: LMKitConfig) -> tuple[str, str]:
-    """The device and dtype ``auto`` settings stand for on this machine."""
+    """The device and dtype ``auto`` settings stand for on this machine.
+
+    :raises ConfigError: ``executor.device`` is ``cuda`` on a machine without a CUDA
+        device (the engine could not start; ``lmkit config check`` says so up front).
+    """
     device = config.executor.device
     if device == "auto":
         device = "cuda" if cuda_device_count() > 0 else "cpu"
+    elif device == "cuda" and cuda_device_count() == 0:
+        where = config.source_of("executor.device")
+        raise ConfigError(
+            "executor.device is 'cuda'" + (f" (set by {where})" if where else "")
+            + ", but this machine has no CUDA device that torch can use; run it where "
+            "one is, or use --device cpu (or auto) and a CPU dtype such as float32.")
     dtype = config.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"

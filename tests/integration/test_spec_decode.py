@@ -9,6 +9,8 @@ from lmkit import LLM, SamplingParams
 from lmkit.bench.prompts import CHAT_PROMPTS
 from lmkit.bench.workload import copy_passages
 
+pytestmark = pytest.mark.slow  # SmolLM2 engines with and without drafts, 4.5-8.5 s each
+
 NEW_TOKENS = 32
 SPEC = dict(speculative="ngram", num_speculative_tokens=4)
 

@@ -14,6 +14,8 @@ from lmkit.cli.main import build_app
 from lmkit.scaffold.kinds import SCAFFOLD_KINDS
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.slow  # generates, pip-installs and tests six packages (about 10 s)
+
 NO_AUTOLOAD = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (``--spec ngram``) against plain decoding, side by side.
+"""Speculative decoding (``--speculative ngram``) against plain decoding, side by side.
 
 For each workload and batch size, one process loads the same model twice, as a plain
 engine and as one with ``ngram`` prompt lookup, and times the same requests on each,

@@ -139,7 +139,6 @@ def render_config(host: PluginHost | None = None) -> str:
     host = host or builtin_host()
     schema = config_json_schema(host)
     defs = schema.get("$defs", {})
-    by_section = {section: kind for kind, section in STACK_KINDS.items()}
     parts = [HEADER.format(src="lmkit/config/schema.py"), "# Configuration reference\n\n",
              "Every setting, by section. Set it in a YAML/TOML file (`section: {field: value}`), ",
              "an environment variable, or `--set section.field=value`; see ",
@@ -155,9 +154,8 @@ def render_config(host: PluginHost | None = None) -> str:
         if section.get("description"):
             parts.append(_one_line(section["description"]) + "\n\n")
         parts.append(_fields_table(section, defs, env_prefix=f"{ENV_PREFIX}{name.upper()}{ENV_NESTING}"))
-        kind = by_section.get(name)
-        if kind is not None:
-            parts.append(_implementations(host, kind, name))
+        if name in STACK_KINDS:  # a stack kind is selected by the section of its name
+            parts.append(_implementations(host, name, name))
     if top_fields:
         parts.append("\n## Top level\n\n")
         parts.append(_fields_table({"properties": dict(top_fields)}, defs, env_prefix=None))

@@ -21,6 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts a server: about 7 s on 2 CPU cores
 def test_serve_selects_the_contrib_plugins(subprocess_env, tmp_path: Path) -> None:
     model_dir = make_tiny_model(tmp_path / "tiny")
     config = tmp_path / "serve.yaml"

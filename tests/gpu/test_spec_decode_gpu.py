@@ -1,5 +1,5 @@
 """Speculative decoding on CUDA: the compiled rejection-sampling kernel against its
-torch reference at a real vocabulary, and the engine with ``--spec ngram`` on SmolLM2
+torch reference at a real vocabulary, and the engine with ``--speculative ngram`` on SmolLM2
 (float32 greedy outputs identical to plain decoding for every attention backend that
 runs float32, with CUDA graphs on; bf16 runs with drafts accepted). With a backend that
 can be captured, verification steps must be replayed through the decode CUDA graphs

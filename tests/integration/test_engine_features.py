@@ -6,6 +6,8 @@ import pytest
 from lmkit import LLM, SamplingParams
 from lmkit.errors import InvalidRequestError, ModelLoadError, ModelNotFoundError
 
+pytestmark = pytest.mark.slow  # loads SmolLM2 once per module (about 6 s)
+
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):

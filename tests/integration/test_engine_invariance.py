@@ -6,6 +6,8 @@ import pytest
 from lmkit import LLM, SamplingParams
 from lmkit.benchmarking.prompts import CHAT_PROMPTS
 
+pytestmark = pytest.mark.slow  # SmolLM2 engines per case, 3.5-12 s each
+
 NEW_TOKENS = 24
 
 

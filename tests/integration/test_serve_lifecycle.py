@@ -19,6 +19,8 @@ import pytest
 from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
 
+pytestmark = pytest.mark.slow  # starts and kills servers, about 10 s per test
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(smollm2_dir, tmp_path_factory):

@@ -18,6 +18,8 @@ from lmkit import LLM, SamplingParams
 from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
 
+pytestmark = pytest.mark.slow  # a live server (16 s to start), 4-20 s per test on 2 cores
+
 KEY = "sk-lmkit-test"
 MODEL = "smol"
 QUESTIONS = [

@@ -1,5 +1,5 @@
 """Speculative decoding on SmolLM2 (CPU): greedy outputs are identical with and without
-``--spec ngram`` whatever the batch size, chunking, prefix caching or preemption; drafts
+``--speculative ngram`` whatever the batch size, chunking, prefix caching or preemption; drafts
 really are accepted; sampled requests with seeds, penalties and logprobs work."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import pytest
 from lmkit import LLM, SamplingParams
 from lmkit.benchmarking.prompts import CHAT_PROMPTS
 from lmkit.benchmarking.workload import copy_passages
+
+pytestmark = pytest.mark.slow  # SmolLM2 engines with and without drafts, 4.5-8.5 s each
 
 NEW_TOKENS = 32
 SPEC = dict(speculative="ngram", num_speculative_tokens=4)

@@ -14,6 +14,8 @@ import pytest
 from lmkit import LLM, SamplingParams
 from lmkit.errors import InvalidRequestError
 
+pytestmark = pytest.mark.slow  # SmolLM2 with grammars, up to 8 s per test
+
 pytest.importorskip("xgrammar")
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}

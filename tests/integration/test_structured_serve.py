@@ -17,6 +17,8 @@ import pytest
 from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
 
+pytestmark = pytest.mark.slow  # a live server per module (about 10 s to start)
+
 pytest.importorskip("xgrammar")
 
 MODEL = "smol"

@@ -58,6 +58,7 @@ def test_zero_rounds_is_refused():
         offline._paired("latency", SETUP, WORKLOAD, run_lmkit, run_hf, rounds=0)
 
 
+@pytest.mark.slow  # about 15 s on 2 CPU cores
 def test_latency_bench_runs_both_sides_on_a_tiny_model(tmp_path):
     from lmkit.testing.tiny_model import make_tiny_model
 

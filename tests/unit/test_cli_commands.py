@@ -71,9 +71,10 @@ def test_plugins_show_an_unknown_name_suggests_one() -> None:
 
 def test_every_shared_flag_sets_its_setting() -> None:
     result = run(
-        "config", "show", "--json", "--model", "m", "--attn", "a", "--scheduler", "s",
-        "--executor", "e", "--device", "cpu", "--dtype", "float32", "--spec", "sp",
-        "--spec-tokens", "3", "--offload", "o", "--max-num-seqs", "2",
+        "config", "show", "--json", "--model", "m", "--attention", "a", "--scheduler", "s",
+        "--executor", "e", "--device", "cpu", "--dtype", "float32", "--speculative", "sp",
+        "--num-speculative-tokens", "3", "--structured-output", "so", "--offload", "o",
+        "--max-num-seqs", "2",
         "--max-num-batched-tokens", "64", "--block-size", "32", "--no-prefix-caching",
         "--enforce-eager", "--set", "server.port=9", "--set", "attention.options={k: 1}",
         "-p", "no:x", "--plugin", "no:y",
@@ -84,7 +85,7 @@ def test_every_shared_flag_sets_its_setting() -> None:
         "model.model": "m", "attention.backend": "a", "scheduler.backend": "s",
         "executor.backend": "e", "executor.device": "cpu", "model.dtype": "float32",
         "speculative.backend": "sp", "speculative.num_speculative_tokens": 3,
-        "offload.backend": "o", "scheduler.max_num_seqs": 2,
+        "structured_output.backend": "so", "offload.backend": "o", "scheduler.max_num_seqs": 2,
         "scheduler.max_num_batched_tokens": 64, "cache.block_size": 32,
         "cache.enable_prefix_caching": False, "executor.enforce_eager": True,
         "server.port": 9, "attention.options.k": 1, "plugins": ["no:x", "no:y"],
@@ -97,6 +98,27 @@ def test_every_shared_flag_sets_its_setting() -> None:
         assert node == value, path
         assert data["sources"][path] == "cli", path
     assert data["sources"]["model.seed"] == "default"
+
+
+def test_old_flag_spellings_still_work_with_a_deprecation_message() -> None:
+    result = run("config", "show", "--json", "--attn", "a", "--spec", "sp", "--spec-tokens", "3")
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.stdout)["config"]
+    assert (config["attention"]["backend"], config["speculative"]["backend"],
+            config["speculative"]["num_speculative_tokens"]) == ("a", "sp", 3)
+    for old, new in (("--attn", "--attention"), ("--spec", "--speculative"),
+                     ("--spec-tokens", "--num-speculative-tokens")):
+        assert f"warning: {old} is deprecated and will be removed; use {new} instead." \
+            in result.stderr
+    # the current spelling wins over the old one; the old ones are not in --help
+    both = json.loads(run("config", "show", "--json", "--attention", "new", "--attn", "old")
+                      .stdout)
+    assert both["config"]["attention"]["backend"] == "new"
+    assert "--attn" not in run("config", "show", "--help").stdout
+    # messages name the spelling that was typed
+    result = run("config", "check", "--attn", "torh")
+    assert result.exit_code == 2
+    assert "(attention.backend = 'torh' was set by command-line option --attn.)" in result.stderr
 
 
 def test_config_show_names_the_layer_of_each_value(tmp_path: Path) -> None:
@@ -123,8 +145,9 @@ def test_config_check_prints_the_stack() -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--attn", "torh"), "unknown attention 'torh'; known: "),
-    (("--attn", "torh"), "(attention.backend = 'torh' was set by command-line option --attn.)"),
+    (("--attention", "torh"), "unknown attention 'torh'; known: "),
+    (("--attention", "torh"),
+     "(attention.backend = 'torh' was set by command-line option --attention.)"),
     (("--set", "scheduler.max_num_seqs"), "--set expects KEY=VALUE with a dotted key"),
     (("--max-num-seqs", "0"), "scheduler.max_num_seqs: Input should be greater than 0 (got 0)"),
     (("-c", "missing.yaml"), "config file 'missing.yaml' does not exist."),

@@ -79,17 +79,17 @@ def test_plugin_commands_and_loading_controls(lmkit) -> None:
 
 
 def test_config_check_catches_a_cross_kind_incompatibility(lmkit) -> None:
-    result = lmkit("config", "check", "--spec", "needs-feature-test", "--attn", "torch")
+    result = lmkit("config", "check", "--speculative", "needs-feature-test", "--attention", "torch")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("error: the chosen backends do not work together:")
-    assert ("spec proposer 'needs-feature-test' (plugin good-test) needs attention with "
+    assert ("speculative proposer 'needs-feature-test' (plugin good-test) needs attention with "
             "some_feature, but attention 'torch' (plugin lmkit.attention) does not support "
             "some_feature") in result.stderr
-    result = lmkit("config", "check", "--spec", "needs-feature-test")
+    result = lmkit("config", "check", "--speculative", "needs-feature-test")
     assert result.returncode == 2
     assert result.stderr.startswith("error: no attention fits this configuration")
-    assert "(Needed because spec proposer 'needs-feature-test' needs some_feature.)" in result.stderr
+    assert "(Needed because speculative proposer 'needs-feature-test' needs some_feature.)" in result.stderr
 
 
 def test_config_check_reports_a_typo_in_a_plugin_option_from_yaml(lmkit, tmp_path: Path) -> None:

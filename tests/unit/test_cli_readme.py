@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def test_tour_commands_work(args: list[str], tmp_path: Path, monkeypatch: pytest
                             ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "lmkit.yaml").write_text("scheduler:\n  max_num_seqs: 8\n")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # the README's example configs
     for name in [n for n in os.environ if n.upper().startswith("LMKIT_")]:
         monkeypatch.delenv(name)
     env = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}

@@ -20,7 +20,7 @@ SUITES = {
     "attention": check_attention_backend,
     "scheduler": check_scheduler,
     "executor": check_executor,
-    "spec_proposer": check_spec_proposer,
+    "speculative": check_spec_proposer,
     "structured_output": check_structured_output_backend,
     "offload": check_offload_manager,
 }
@@ -46,7 +46,7 @@ def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureR
     reg = HOST.registry.get(kind, name)
     if reg.spec.unavailable_reasons():
         pytest.skip(f"{name} cannot run here: {'; '.join(reg.spec.unavailable_reasons())}")
-    if kind in ("executor", "spec_proposer"):
+    if kind in ("executor", "speculative"):
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
     else:
         results = SUITES[kind](reg)

@@ -47,11 +47,11 @@ def config(cli: dict[str, Any] | None = None, file: Path | None = None,
 def test_default_config_resolves_the_builtin_stack() -> None:
     stack = resolve_stack(config(), isolated_host(builtins=True))
     assert (stack.device, stack.dtype) == ("cpu", "float32")
-    assert list(stack.entries) == ["executor", "attention", "scheduler", "spec_proposer",
+    assert list(stack.entries) == ["executor", "attention", "scheduler", "speculative",
                                    "structured_output", "offload"]
     for kind in ("executor", "attention", "scheduler"):
         assert stack.entries[kind] is not None and stack.options[kind] is not None
-    assert stack.entries["spec_proposer"] is None  # speculative decoding is off by default
+    assert stack.entries["speculative"] is None  # speculative decoding is off by default
     assert stack.names()["scheduler"] == stack.entries["scheduler"].name  # type: ignore[union-attr]
 
 
@@ -61,7 +61,7 @@ def test_needs_imposed_by_a_proposer_steer_auto_over_priority() -> None:
     assert resolve_stack(config(), host).entries["attention"].name == "plain"  # type: ignore[union-attr]
     stack = resolve_stack(config({"speculative.backend": "needy"}), host)
     assert stack.entries["attention"].name == "fancy"  # type: ignore[union-attr]
-    assert stack.entries["spec_proposer"].name == "needy"  # type: ignore[union-attr]
+    assert stack.entries["speculative"].name == "needy"  # type: ignore[union-attr]
 
 
 def test_an_explicit_choice_lacking_an_imposed_need_is_a_stack_conflict() -> None:
@@ -71,7 +71,7 @@ def test_an_explicit_choice_lacking_an_imposed_need_is_a_stack_conflict() -> Non
         resolve_stack(config({"speculative.backend": "needy", "attention.backend": "plain"}), host)
     assert str(exc.value) == (
         "the chosen backends do not work together:\n"
-        "  - spec proposer 'needy' (plugin spec) needs attention with some_feature, but attention "
+        "  - speculative proposer 'needy' (plugin spec) needs attention with some_feature, but attention "
         "'plain' (plugin core) does not support some_feature\n"
         "Choose compatible backends, or leave one on 'auto'.")
 
@@ -85,7 +85,7 @@ def test_auto_with_nothing_meeting_an_imposed_need_says_who_needs_it() -> None:
     assert message.startswith("no attention fits this configuration (needs: some_feature, "
                               "device=cpu, dtype=float32).")
     assert "plain  core    -        does not support some_feature" in message
-    assert message.endswith("(Needed because spec proposer 'needy' needs some_feature.)")
+    assert message.endswith("(Needed because speculative proposer 'needy' needs some_feature.)")
 
 
 def test_options_are_validated_against_the_chosen_spec(tmp_path: Path) -> None:

@@ -14,7 +14,14 @@ from lmkit.cli.main import build_app
 from lmkit.scaffold.kinds import SCAFFOLD_KINDS
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.slow  # generates, pip-installs and tests six packages (about 10 s)
+
 NO_AUTOLOAD = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def package(kind: str) -> str:
+    """The package the fixture generates for ``kind`` (``new-structured-output``)."""
+    return "new-" + kind.replace("_", "-")
 
 
 def lmkit(*args: str):
@@ -26,9 +33,9 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One package per kind, written by the CLI."""
     out = tmp_path_factory.mktemp("scaffold")
     for kind in SCAFFOLD_KINDS:
-        result = lmkit("plugin", "new", f"new-{kind}", "--kind", kind, "--dir", str(out))
+        result = lmkit("plugin", "new", package(kind), "--kind", kind, "--dir", str(out))
         assert result.exit_code == 0, result.output
-        assert f"created {kind} plugin 'new-{kind}'" in result.output
+        assert f"created {kind} plugin '{package(kind)}'" in result.output
     return out
 
 
@@ -71,7 +78,8 @@ def test_every_kind_installs_and_passes_its_tests(generated: Path, installed: Pa
     assert " passed" in summary and "failed" not in summary and "error" not in summary
     # every kind's conformance class ran (and passed)
     for kind in SCAFFOLD_KINDS:
-        assert f"PASSED new-{kind}/tests/test_new_{kind}.py::TestNew" in result.stdout, kind
+        name = package(kind)
+        assert f"PASSED {name}/tests/test_{name.replace('-', '_')}.py::TestNew" in result.stdout, kind
 
 
 def test_installed_packages_are_listed_with_versions(installed: Path) -> None:
@@ -80,8 +88,8 @@ def test_installed_packages_are_listed_with_versions(installed: Path) -> None:
     assert result.returncode == 0, result.stderr
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     for kind in SCAFFOLD_KINDS:
-        info = plugins[f"new-{kind}"]
-        assert (info["status"], info["dist"], info["version"]) == ("loaded", f"new-{kind}",
+        info = plugins[package(kind)]
+        assert (info["status"], info["dist"], info["version"]) == ("loaded", package(kind),
                                                                   "0.1.0")
 
 

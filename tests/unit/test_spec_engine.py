@@ -79,6 +79,6 @@ def test_requests_can_opt_out(tiny):
 
 
 def test_ngram_end_to_end_conformance(tiny):
-    reg = PluginHost.load(env={}).registry.get("spec_proposer", "ngram")
+    reg = PluginHost.load(env={}).registry.get("speculative", "ngram")
     assert check_spec_proposer(reg, model_dir=tiny, only=["end to end"]) == {
         "end to end": "passed"}

@@ -120,8 +120,8 @@ def test_draft_distributions_follow_the_scheduled_drafts():
 def test_proposers_that_need_the_runner_are_refused_with_a_reason():
     cfg = LMKitConfig.model_validate({"speculative": {"backend": "eagle"}})
     spec = Spec(name="eagle", target=lambda: Recorder, caps=Caps({"hidden_states"}))
-    stack = ResolvedStack("cpu", "float32", {"spec_proposer": Registration(
-        kind="spec_proposer", spec=spec, plugin="test")}, {"spec_proposer": None})
+    stack = ResolvedStack("cpu", "float32", {"speculative": Registration(
+        kind="speculative", spec=spec, plugin="test")}, {"speculative": None})
     with pytest.raises(ConfigError, match="declares hidden_states"):
         ProposerManager.from_stack(cfg, stack, 100)
     assert ProposerManager.from_stack(cfg, ResolvedStack("cpu", "float32"), 100) is None

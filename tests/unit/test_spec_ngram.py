@@ -118,12 +118,12 @@ def test_options_are_validated_at_config_time():
     cfg = LMKitConfig.model_validate({"speculative": {
         "backend": "ngram", "options": {"prompt_lookup_max": 3, "prompt_lookup_min": 1}}})
     stack = resolve_stack(cfg, host)
-    assert stack.get("spec_proposer").name == "ngram"
-    assert stack.options["spec_proposer"].prompt_lookup_max == 3
+    assert stack.get("speculative").name == "ngram"
+    assert stack.options["speculative"].prompt_lookup_max == 3
 
 
 def test_passes_the_proposer_conformance_suite():
-    reg = PluginHost.load(env={}).registry.get("spec_proposer", "ngram")
+    reg = PluginHost.load(env={}).registry.get("speculative", "ngram")
     results = check_spec_proposer(reg)  # end to end: tests/unit/test_spec_engine.py
     assert results.pop("end to end").startswith("not applicable")
     assert "incremental updates" in results and set(results.values()) == {"passed"}

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
+from lmkit.cli.help_style import LMKitSubGroup, apply_help_style
 from lmkit.cli.render import print_error, print_json, print_text
 from lmkit.errors import LMKitError
 from lmkit.plugin_host.manager import PluginHost
@@ -42,7 +42,7 @@ HELP = (
 )
 
 
-class LMKitGroup(TyperGroup):
+class LMKitGroup(LMKitSubGroup):
     """The root command group: turns :class:`LMKitError` into a short message and an exit
     code, for every sub-command including plugins' ones."""
 
@@ -95,6 +95,7 @@ def build_app(plugins: Sequence[str] = (), env: Mapping[str, str] | None = None)
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(app)
     PluginHost.load(plugins=plugins, env=env).add_commands(app)
+    apply_help_style(app)
     return app
 
 

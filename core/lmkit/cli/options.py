@@ -17,12 +17,13 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from lmkit.cli.render import print_deprecated
 from lmkit.config.loader import load_config
 from lmkit.config.schema import LMKitConfig
 from lmkit.config.sources import parse_text_value
@@ -35,7 +36,13 @@ PANEL = "Configuration"
 @dataclass(frozen=True)
 class Flag:
     """One shared option: its parameter name, flags, the config path it sets, its type,
-    and for on/off flags the value it sets when given."""
+    for on/off flags the value it sets when given, and the old spelling of the flag
+    that is still accepted with a deprecation message (hidden from ``--help``).
+
+    A flag that selects an extension point is named like it everywhere else: the config
+    section, the ``LLM(...)`` keyword and the kind in ``lmkit plugins list``
+    (``--speculative``, ``speculative:``, ``LLM(speculative=...)``).
+    """
 
     name: str
     decls: tuple[str, ...]
@@ -43,6 +50,12 @@ class Flag:
     type: Any
     help: str
     sets: Any = None
+    old: str | None = None
+
+    @property
+    def old_name(self) -> str:
+        """The parameter that receives the old spelling's value."""
+        return f"{self.name}__old"
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -51,15 +64,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("plugin", ("--plugin", "-p"), "plugins", list[str] | None,
          "Load a plugin by entry-point or module name; 'no:NAME' blocks one. Repeatable."),
     Flag("model", ("--model",), "model.model", str | None, "Model alias, local path, GGUF file or hub id."),
-    Flag("attn", ("--attn",), "attention.backend", str | None, "Attention backend, or 'auto'."),
+    Flag("attention", ("--attention",), "attention.backend", str | None,
+         "Attention backend, or 'auto'.", old="--attn"),
     Flag("scheduler", ("--scheduler",), "scheduler.backend", str | None, "Scheduler, or 'auto'."),
     Flag("executor", ("--executor",), "executor.backend", str | None, "Executor, or 'auto'."),
     Flag("device", ("--device",), "executor.device", str | None, "auto, cpu or cuda."),
     Flag("dtype", ("--dtype",), "model.dtype", str | None, "auto, float32, bfloat16 or float16."),
-    Flag("spec", ("--spec",), "speculative.backend", str | None,
-         "Speculative-decoding proposer, 'auto' or 'none'."),
-    Flag("spec_tokens", ("--spec-tokens",), "speculative.num_speculative_tokens", int | None,
-         "Draft tokens per step."),
+    Flag("speculative", ("--speculative",), "speculative.backend", str | None,
+         "Speculative-decoding proposer, 'auto' or 'none'.", old="--spec"),
+    Flag("num_speculative_tokens", ("--num-speculative-tokens",),
+         "speculative.num_speculative_tokens", int | None, "Draft tokens per step.",
+         old="--spec-tokens"),
+    Flag("structured_output", ("--structured-output",), "structured_output.backend", str | None,
+         "Structured-output (constrained decoding) backend, 'auto' or 'none'."),
     Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),
     Flag("max_num_seqs", ("--max-num-seqs",), "scheduler.max_num_seqs", int | None,
          "Most requests running at once."),
@@ -78,9 +95,12 @@ FLAGS: tuple[Flag, ...] = (
 
 @dataclass(frozen=True)
 class ConfigOptions:
-    """The shared options as given on the command line (``None``: not given)."""
+    """The shared options as given on the command line (``None``: not given), and the
+    flag spelling used where it was an old one (``{"attention": "--attn"}``), so that
+    messages name the flag the user typed."""
 
     values: Mapping[str, Any]
+    spelled: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def config_file(self) -> Path | None:
@@ -100,7 +120,7 @@ class ConfigOptions:
             if flag.path is None or value is None or value is False or value == []:
                 continue
             settings[flag.path] = flag.sets if flag.sets is not None else value
-            flags[flag.path] = flag.decls[0]
+            flags[flag.path] = self.spelled.get(flag.name, flag.decls[0])
         for item in self.values.get("set") or []:
             key, sep, raw = item.partition("=")
             key = key.strip()
@@ -130,12 +150,27 @@ def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         )
         for f in FLAGS
     ]
-    params = own + shared
+    old = [
+        inspect.Parameter(
+            f.old_name, inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation=Annotated[f.type, typer.Option(f.old, hidden=True)],
+        )
+        for f in FLAGS if f.old is not None
+    ]
+    params = own + shared + old
 
     @functools.wraps(fn)
     def command(*args: Any, **kwargs: Any) -> Any:
         values = {f.name: kwargs.pop(f.name) for f in FLAGS}
-        return fn(*args, opts=ConfigOptions(values), **kwargs)
+        spelled = {}
+        for f in FLAGS:
+            given = kwargs.pop(f.old_name) if f.old is not None else None
+            if given is not None:
+                print_deprecated(f.old or "", f.decls[0])
+                if values[f.name] is None:
+                    values[f.name] = given
+                    spelled[f.name] = f.old or ""
+        return fn(*args, opts=ConfigOptions(values, spelled), **kwargs)
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}

@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lmkit.cli.render import print_text
-from lmkit.scaffold.kinds import SCAFFOLD_KINDS
+from lmkit.cli.render import print_deprecated, print_text
+from lmkit.scaffold.kinds import SCAFFOLD_ALIASES, SCAFFOLD_KINDS
 
 
 def register(app: typer.Typer) -> None:
@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
 def new(
     name: Annotated[str, typer.Argument(help="Package and plugin name, e.g. 'my-attention'.")],
     kind: Annotated[str, typer.Option("--kind", "-k",
-                                      help=f"One of: {', '.join(SCAFFOLD_KINDS)}.")],
+                                      help=f"One of: {', '.join(SCAFFOLD_KINDS)} (as in "
+                                           "`lmkit plugins list`).")],
     directory: Annotated[Path, typer.Option("--dir", help="Where to create the package "
                                             "folder.")] = Path("."),
 ) -> None:
@@ -33,6 +34,9 @@ def new(
     """
     from lmkit.scaffold.generate import new_plugin
 
+    if kind in SCAFFOLD_ALIASES:
+        print_deprecated(f"--kind {kind}", f"--kind {SCAFFOLD_ALIASES[kind]}")
+        kind = SCAFFOLD_ALIASES[kind]
     root = new_plugin(name, kind, directory)
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     print_text(f"created {kind} plugin {name!r} in {root}:")

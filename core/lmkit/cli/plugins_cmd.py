@@ -8,9 +8,9 @@ from typing import Annotated, Any
 import typer
 
 from lmkit import PLUGIN_API_VERSION, __version__
-from lmkit.cli.render import print_json, print_table, print_text
+from lmkit.cli.render import print_deprecated, print_json, print_table, print_text
 from lmkit.errors import UnknownBackendError
-from lmkit.plugin_host.kinds import KINDS
+from lmkit.plugin_host.kinds import KIND_ALIASES, KINDS
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.registry import suggest
 from lmkit.plugin_host.report import host_report, spec_report
@@ -70,6 +70,12 @@ def show(
     """Show an implementation (options schema, caps, requires, stack needs, availability)
     or a plugin (status and what it registers)."""
     host = PluginHost.load(plugins=plugin or ())
+    if kind in KIND_ALIASES:
+        print_deprecated(f"--kind {kind}", f"--kind {KIND_ALIASES[kind]}")
+        kind = KIND_ALIASES[kind]
+    if kind is not None and kind not in KINDS:
+        raise UnknownBackendError(f"unknown plugin kind {kind!r}; known: {', '.join(KINDS)}."
+                                  + suggest(kind, KINDS))
     kinds = [kind] if kind else list(KINDS)
     specs = [
         spec_report(reg, with_schema=True)

@@ -57,3 +57,10 @@ def print_table(title: str | None, header: Sequence[str], rows: Sequence[Sequenc
 def print_text(text: str, style: str | None = None) -> None:
     """A line on stdout, shown literally and not re-wrapped."""
     stdout().print(Text(text, style=style or ""), soft_wrap=True)
+
+
+def print_deprecated(old: str, new: str) -> None:
+    """``warning: OLD is deprecated; use NEW`` on stderr (an old spelling still accepted)."""
+    text = Text("warning: ", style="bold yellow")
+    text.append(f"{old} is deprecated and will be removed; use {new} instead.")
+    stderr().print(text, soft_wrap=True)

@@ -1,6 +1,6 @@
 """``lmkit serve [MODEL]``: the OpenAI-compatible server.
 
-Takes the shared configuration options (``--config``, ``--attn``, ``--spec``, ...) plus
+Takes the shared configuration options (``--config``, ``--attention``, ``--speculative``, ...) plus
 the server's own (``--host``, ``--port``, ``--api-key``, ...); ``LMKIT_API_KEY`` is read
 when no key is given. Prints the resolved plugin stack and the URL once the model is
 loaded; SIGINT/SIGTERM drain requests in flight and stop the engine.

@@ -2,7 +2,7 @@
 
 Every line names the field path, the bad value, what was expected, the closest known
 name when a name was mistyped, and where the value came from when that is known
-(``config file lmkit.yaml, line 4``, ``environment variable LMKIT_...``, ``--attn``).
+(``config file lmkit.yaml, line 4``, ``environment variable LMKIT_...``, ``--attention``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def config_json_schema(host: PluginHost | None = None) -> dict[str, Any]:
     if host is None:
         return schema
     defs = schema.setdefault("$defs", {})
-    for kind, section in STACK_KINDS.items():
+    for kind in STACK_KINDS:
+        section = kind  # the config section of a stack kind has its name
         regs = sorted(host.registry.all(kind), key=lambda r: r.name)
         if not regs:
             continue

@@ -38,7 +38,7 @@ def load_config(
     :param env: the environment (``os.environ`` if ``None``); ``LMKIT_<SECTION>__<FIELD>``
         variables are read, see :func:`lmkit.config.sources.env_layer`.
     :param cli_flags: the flag that supplied each ``cli`` path (``{"attention.backend":
-        "--attn"}``), so that errors can name it.
+        "--attention"}``), so that errors can name it.
     :return: the validated config, and for every leaf setting (dotted path) the layer
         that set it: ``"default"``, ``"file"``, ``"env"`` or ``"cli"``.
     :raises ConfigError: a missing or unparsable file, or invalid values; each problem

@@ -7,6 +7,7 @@ many prompts at once is much faster than one at a time.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,12 @@ from lmkit.plugin_host.manager import PluginHost
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
+# What LLM.generate accepts for one prompt, as vLLM does: text, token ids, or a dict
+# {"prompt": text} / {"prompt_token_ids": ids}.
+PromptInput = Prompt | Mapping[str, Any]
+ACCEPTED_PROMPTS = ("a str, a list of token ids (ints), {'prompt': str}, "
+                    "{'prompt_token_ids': [int, ...]}, or a list of these")
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 # Short keyword arguments of LLM(...) and the config paths they set.
 SHORT_OPTIONS = {
@@ -58,7 +65,8 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
         if "." not in path:
             known = ", ".join(sorted(SHORT_OPTIONS))
             raise TypeError(f"LLM() got an unknown option {key!r}; use a dotted config path "
-                            f"(e.g. 'scheduler.max_num_seqs') or one of: {known}")
+                            f"(e.g. 'scheduler.max_num_seqs') or one of: {known}."
+                            + _option_hint(key))
         cli[path] = value
     if isinstance(config, LMKitConfig):
         base = config.model_dump()
@@ -73,6 +81,21 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
     return cfg
 
 
+def _option_hint(key: str) -> str:
+    """`` Did you mean ...?`` for an unknown ``LLM(...)`` keyword: the short option named
+    like a CLI flag's old spelling (``spec`` -> ``speculative``), else the closest name."""
+    from lmkit.cli.options import FLAGS
+    from lmkit.plugin_host.registry import suggest
+
+    by_path = {path: name for name, path in SHORT_OPTIONS.items()}
+    for flag in FLAGS:
+        if flag.old is not None and flag.old.lstrip("-").replace("-", "_") == key:
+            name = by_path.get(flag.path or "")
+            if name is not None:
+                return f" Did you mean {name!r} (the CLI's {flag.decls[0]})?"
+    return suggest(key, SHORT_OPTIONS)
+
+
 class LLM:
     """An in-process inference engine.
 
@@ -81,13 +104,14 @@ class LLM:
             the default model when omitted.
         config: an :class:`LMKitConfig`, or a YAML/TOML file path.
         plugins: extra plugins to load (``-p`` values, ``no:NAME`` to block).
-        progress: show download/conversion and generation progress bars.
+        progress: report fetching and converting the model on stderr (on by default;
+            nothing is printed once the model is cached).
         **options: short options (``max_num_seqs=8``, ``attention="torch"``, see
             :data:`SHORT_OPTIONS`) or dotted config paths (``**{"cache.block_size": 32}``).
     """
 
     def __init__(self, model: str | None = None, *, config: LMKitConfig | str | Path | None = None,
-                 plugins: Sequence[str] = (), progress: bool = False, **options: Any) -> None:
+                 plugins: Sequence[str] = (), progress: bool = True, **options: Any) -> None:
         from lmkit.engine.core import EngineCore
         from lmkit.frontend.output_processor import OutputProcessor
         from lmkit.frontend.processor import InputProcessor
@@ -111,12 +135,19 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of ``prompts``."""
-        items = _as_prompt_list(prompts)
+        """Complete every prompt; outputs come back in the order of ``prompts``.
+
+        A prompt is text, a list of token ids, or vLLM's dict forms
+        ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``; ``prompts`` is one
+        prompt or a list of them (see :func:`as_prompt_list`).
+
+        :raises TypeError: a prompt of any other form.
+        """
+        items = as_prompt_list(prompts)
         return self._run([(p, None) for p in items], sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Messages | Sequence[Messages],
@@ -127,12 +158,15 @@ class LLM:
         return self._run([(None, c) for c in convs], sampling_params, use_tqdm, None,
                          chat_kwargs)
 
-    def stream(self, prompt: Prompt | None = None,
+    def stream(self, prompt: PromptInput | None = None,
                sampling_params: SamplingParams | None = None,
                messages: Messages | None = None) -> Iterator[RequestOutput]:
-        """Yield one request's output as it grows; each carries ``delta_text`` per completion."""
+        """Yield one request's output as it grows; each carries ``delta_text`` per completion.
+
+        ``prompt`` takes the forms :meth:`generate` takes for one prompt.
+        """
         params = sampling_params or SamplingParams()
-        rid = self._submit(prompt, messages, params)
+        rid = self._submit(None if prompt is None else as_prompt(prompt), messages, params)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self._step():
@@ -227,13 +261,68 @@ class LLM:
         return results  # type: ignore[return-value]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """The prompts of one :meth:`LLM.generate` call, each as text or token ids.
+
+    Accepts one prompt or a list of them; a prompt is a ``str``, a list of token ids
+    (a flat list of ints is one prompt), ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [int, ...]}`` (vLLM's ``TextPrompt``/``TokensPrompt``).
+
+    :raises TypeError: anything else, naming what was given and what is accepted.
+    """
+    if isinstance(prompts, (str, Mapping)):
+        return [as_prompt(prompts)]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"LLM.generate() got prompts of type {type(prompts).__name__}; "
+                        f"accepted: {ACCEPTED_PROMPTS}.")
     seq = list(prompts)
-    if seq and all(isinstance(t, int) for t in seq):
-        return [seq]  # one prompt given as token ids
-    return seq
+    if seq and all(_is_token_id(t) for t in seq):
+        return [as_prompt(seq)]  # one prompt given as token ids
+    return [as_prompt(p, index=i) for i, p in enumerate(seq)]
+
+
+def as_prompt(prompt: PromptInput, index: int | None = None) -> Prompt:
+    """One prompt as text or a list of token ids (see :func:`as_prompt_list`).
+
+    :raises TypeError: a prompt of another form; ``index`` names its place in a list.
+    """
+    where = f"prompt {index}" if index is not None else "a prompt"
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        keys = [k for k in prompt if k in PROMPT_KEYS]
+        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+        if len(keys) != 1 or unknown:
+            raise TypeError(
+                f"LLM.generate() got {where} as a dict with keys {sorted(map(str, prompt))}; "
+                "a prompt dict has exactly one of 'prompt' (text) or 'prompt_token_ids' "
+                f"(other vLLM keys are not supported); accepted: {ACCEPTED_PROMPTS}.")
+        value = prompt[keys[0]]
+        if keys[0] == "prompt" and isinstance(value, str):
+            return value
+        if keys[0] == "prompt_token_ids" and _is_token_list(value):
+            return [int(t) for t in value]
+        want = "str" if keys[0] == "prompt" else "list of ints"
+        raise TypeError(f"LLM.generate() got {where} with {keys[0]!r} of type "
+                        f"{type(value).__name__}; it must be a {want}.")
+    if _is_token_list(prompt):
+        return [int(t) for t in prompt]
+    raise TypeError(f"LLM.generate() got {where} of type {type(prompt).__name__} "
+                    f"({_preview(prompt)}); accepted: {ACCEPTED_PROMPTS}.")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_token_list(value: Any) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+            and all(_is_token_id(t) for t in value))
+
+
+def _preview(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _progress(total: int) -> Any:

@@ -26,7 +26,7 @@ from lmkit.loading.cache import (
     is_complete,
     temp_dir,
 )
-from lmkit.loading.progress import announce, library_progress
+from lmkit.loading.progress import announce, library_progress, step
 
 CONVERTED = "converted"
 GGUF_MAGIC = b"GGUF"
@@ -79,14 +79,16 @@ def convert_gguf_to_safetensors(gguf_path: Path, cache_dir: Path | None = None,
         "python": platform.python_version(),
     }
     with atomic_entry(cache_dir, entry, metadata) as staging, library_progress(progress):
-        metadata.update(_convert(gguf_path, staging, cache_dir))
+        metadata.update(_convert(gguf_path, staging, cache_dir, progress))
         metadata["convert_seconds"] = round(time.perf_counter() - start, 2)
     announce(f"converted {gguf_path.name} in {metadata['convert_seconds']:.1f} s", progress)
     return entry
 
 
-def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path) -> dict[str, str]:
-    """Load ``gguf_path`` with transformers and save it as safetensors into ``out_dir``."""
+def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path, progress: bool = False
+             ) -> dict[str, str]:
+    """Load ``gguf_path`` with transformers and save it as safetensors into ``out_dir``,
+    reporting each phase (see :func:`lmkit.loading.progress.step`) if ``progress``."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,10 +103,14 @@ def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path) -> dict[str, str]:
         # transformers renamed torch_dtype to dtype in 4.56
         dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(link_dir), quantization_config=_dequantize_config(),
-                **{dtype_kw: torch.float32}, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(str(link_dir), **kwargs)
+            # transformers draws its own bars for the tensors: no spinner over them
+            with step("building the model from the GGUF tensors (float32)", progress,
+                      spinner=False):
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(link_dir), quantization_config=_dequantize_config(),
+                    **{dtype_kw: torch.float32}, **kwargs)
+            with step("building the tokenizer from the GGUF metadata", progress):
+                tokenizer = AutoTokenizer.from_pretrained(str(link_dir), **kwargs)
         except Exception as e:
             raise ModelLoadError(
                 f"transformers {transformers.__version__} cannot convert {gguf_path}: "
@@ -126,8 +132,10 @@ def _convert(gguf_path: Path, out_dir: Path, cache_dir: Path) -> dict[str, str]:
         )
     architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
     model.config.architectures = architectures  # engines pick their model class by it
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    with step("writing the safetensors weights", progress, spinner=False):  # has its bar
+        model.save_pretrained(str(out_dir))
+    with step("writing the tokenizer", progress):
+        tokenizer.save_pretrained(str(out_dir))
     return {"architecture": architectures[0],
             "transformers": transformers.__version__}
 

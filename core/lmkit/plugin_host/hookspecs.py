@@ -99,7 +99,9 @@ def register_executors(register: Register) -> None:
 
 @hookspec
 def register_spec_proposers(register: Register) -> None:
-    """Register speculative-decoding proposers (draft-token sources).
+    """Register speculative-decoding proposers (draft-token sources): the kind
+    ``speculative``, selected by the config section and the ``--speculative`` flag of
+    that name.
 
     The loaded target is a subclass of :class:`lmkit.api.SpecProposer`. Verification is
     done by the core, so a proposer only proposes. Declare what it needs of the rest of
@@ -185,7 +187,8 @@ def choose_implementation(
     highest priority is taken. Returning a name that is not among ``candidates`` is an
     error.
 
-    :param kind: the extension point, e.g. ``"attention"``.
+    :param kind: the extension point, one of ``lmkit.plugin_host.kinds.STACK_KINDS``
+        (``"attention"``, ``"speculative"``, ...), named as its config section.
     :param candidates: the eligible registrations (``.name``, ``.spec``, ``.plugin``).
     :param needs: what the configuration needs of this kind.
     :return: the chosen name, or ``None`` to abstain.

@@ -1,14 +1,23 @@
-"""The extension points ("kinds") and the hook that registers each."""
+"""The extension points ("kinds") and the hook that registers each.
+
+One name per extension point, used everywhere: the kind in the registry and in
+``lmkit plugins list``, the config section (``speculative:``), the ``LLM(...)`` keyword
+(``LLM(speculative="ngram")``), the CLI flag (``--speculative``) and the scaffold kind
+(``lmkit plugin new --kind speculative``). Old spellings are accepted, with a
+deprecation message, only where users already have them (:data:`KIND_ALIASES` here, the
+CLI's and the scaffold's own).
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 Kind = Literal[
     "scheduler",
     "attention",
     "executor",
-    "spec_proposer",
+    "speculative",
     "structured_output",
     "offload",
     "model",
@@ -20,7 +29,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "scheduler": "register_schedulers",
     "attention": "register_attention_backends",
     "executor": "register_executors",
-    "spec_proposer": "register_spec_proposers",
+    "speculative": "register_spec_proposers",
     "structured_output": "register_structured_output_backends",
     "offload": "register_offload_managers",
     "model": "register_models",
@@ -29,16 +38,29 @@ REGISTER_HOOKS: dict[str, str] = {
 
 KINDS: tuple[str, ...] = tuple(REGISTER_HOOKS)
 
-# The kinds that make up an engine's stack, in resolution order; the config section
-# that selects each.
-STACK_KINDS: dict[str, str] = {
-    "executor": "executor",
-    "attention": "attention",
-    "scheduler": "scheduler",
-    "spec_proposer": "speculative",
-    "structured_output": "structured_output",
-    "offload": "offload",
-}
+# The kinds that make up an engine's stack; each is selected by the config section of
+# the same name.
+STACK_KINDS: tuple[str, ...] = (
+    "executor", "attention", "scheduler", "speculative", "structured_output", "offload")
 
 # Kinds that may be switched off entirely with ``backend: none``.
-OPTIONAL_KINDS = frozenset({"spec_proposer", "structured_output", "offload"})
+OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload"})
+
+# Old kind names -> the current ones; still accepted wherever a kind is named.
+KIND_ALIASES: dict[str, str] = {"spec_proposer": "speculative"}
+
+
+def canonical_kind(kind: str) -> str:
+    """``kind`` under its current name: an old name from :data:`KIND_ALIASES` is
+    translated with a :class:`DeprecationWarning`; any other name is returned as is."""
+    new = KIND_ALIASES.get(kind)
+    if new is None:
+        return kind
+    warnings.warn(f"the plugin kind {kind!r} is now called {new!r}; use {new!r}",
+                  DeprecationWarning, stacklevel=3)
+    return new
+
+
+def kind_label(kind: str) -> str:
+    """A kind in prose, for messages: ``speculative proposer``, ``structured output``."""
+    return "speculative proposer" if kind == "speculative" else kind.replace("_", " ")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lmkit.errors import DuplicateSpecError, NoBackendError, UnknownBackendError
+from lmkit.plugin_host.kinds import canonical_kind, kind_label
 from lmkit.plugin_host.spec import Needs, Spec
 
 
@@ -91,6 +92,7 @@ class Registry:
 
     def all(self, kind: str) -> list[Registration]:
         """Every registration of ``kind`` (aliases folded), highest priority first."""
+        kind = canonical_kind(kind)
         unique = {id(r): r for r in self._by_kind.get(kind, {}).values()}.values()
         return sorted(unique, key=lambda r: (-r.spec.priority, r.name))
 
@@ -100,12 +102,13 @@ class Registry:
 
     def get(self, kind: str, name: str) -> Registration:
         """The registration called ``name``; raises UnknownBackendError listing the known ones."""
+        kind = canonical_kind(kind)
         reg = self._by_kind.get(kind, {}).get(name)
         if reg is None:
             known = self.names(kind)
             listed = ", ".join(known) if known else "none (no plugin registers this kind)"
             raise UnknownBackendError(
-                f"unknown {kind.replace('_', ' ')} {name!r}; known: {listed}.{suggest(name, known)}"
+                f"unknown {kind_label(kind)} {name!r}; known: {listed}.{suggest(name, known)}"
             )
         return reg
 
@@ -118,12 +121,13 @@ class Registry:
         highest priority. Raises :class:`NoBackendError` with a table of every candidate
         and why it was rejected.
         """
+        kind = canonical_kind(kind)
         if choice != "auto":
             reg = self.get(kind, choice)
             reasons = reg.spec.why_not(needs)
             if reasons:
                 raise NoBackendError(
-                    f"{kind.replace('_', ' ')} {choice!r} (plugin {reg.origin}) cannot be used: "
+                    f"{kind_label(kind)} {choice!r} (plugin {reg.origin}) cannot be used: "
                     + "; ".join(reasons) + f". Needed: {needs.describe()}."
                     + self._alternatives(kind, needs, exclude=reg.name)
                 )
@@ -148,7 +152,7 @@ class Registry:
         """The no-fit error: every candidate, its plugin and version, and its reasons."""
         candidates = self.all(kind)
         if not candidates:
-            return (f"no {kind.replace('_', ' ')} is registered by any plugin; install or load "
+            return (f"no {kind_label(kind)} is registered by any plugin; install or load "
                     "(-p NAME) a plugin that provides one (`lmkit plugins list` shows what loaded).")
         rows = [
             (r.name, r.plugin, r.version or "-", "; ".join(r.spec.why_not(needs)) or "ok")
@@ -156,7 +160,7 @@ class Registry:
         ]
         table = format_table(rows, ("name", "plugin", "version", "why not"))
         return (
-            f"no {kind.replace('_', ' ')} fits this configuration (needs: {needs.describe()}).\n"
+            f"no {kind_label(kind)} fits this configuration (needs: {needs.describe()}).\n"
             f"{table}"
         )
 

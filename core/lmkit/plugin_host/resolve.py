@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from lmkit.config.errors import format_validation_error
 from lmkit.errors import ConfigError, StackConflictError
 from lmkit.platform import cuda_device_count
-from lmkit.plugin_host.kinds import OPTIONAL_KINDS, STACK_KINDS
+from lmkit.plugin_host.kinds import OPTIONAL_KINDS, STACK_KINDS, kind_label
 from lmkit.plugin_host.registry import Registration
 from lmkit.plugin_host.spec import Needs
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
 
 # Order of resolution: kinds that impose needs on others come first.
-_ORDER = ("spec_proposer", "structured_output", "offload", "scheduler", "executor", "attention")
+_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention")
 
 
 @dataclass
@@ -63,10 +63,20 @@ def _entry_dict(reg: Registration, options: BaseModel | None) -> dict[str, Any]:
 
 
 def resolve_device(config: LMKitConfig) -> tuple[str, str]:
-    """The device and dtype ``auto`` settings stand for on this machine."""
+    """The device and dtype ``auto`` settings stand for on this machine.
+
+    :raises ConfigError: ``executor.device`` is ``cuda`` on a machine without a CUDA
+        device (the engine could not start; ``lmkit config check`` says so up front).
+    """
     device = config.executor.device
     if device == "auto":
         device = "cuda" if cuda_device_count() > 0 else "cpu"
+    elif device == "cuda" and cuda_device_count() == 0:
+        where = config.source_of("executor.device")
+        raise ConfigError(
+            "executor.device is 'cuda'" + (f" (set by {where})" if where else "")
+            + ", but this machine has no CUDA device that torch can use; run it where "
+            "one is, or use --device cpu (or auto) and a CPU dtype such as float32.")
     dtype = config.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -99,7 +109,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     imposed: dict[str, Needs] = {}
     imposers: dict[str, list[str]] = {}
     for kind in _ORDER:
-        section_name = STACK_KINDS[kind]
+        section_name = kind  # each stack kind is selected by the section of its name
         section = getattr(config, section_name)
         choice = section.backend
         reg = None
@@ -129,7 +139,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
 
 def _label(kind: str) -> str:
-    return kind.replace("_", " ")
+    return kind_label(kind)
 
 
 def _select(host: PluginHost, config: LMKitConfig, kind: str, choice: str, needs: Needs,
@@ -144,8 +154,8 @@ def _select(host: PluginHost, config: LMKitConfig, kind: str, choice: str, needs
     except ConfigError as e:
         note = ""
         if choice != "auto":
-            where = config.source_of(f"{STACK_KINDS[kind]}.backend")
-            note = f"\n({STACK_KINDS[kind]}.backend = {choice!r} was set by {where}.)" if where else ""
+            where = config.source_of(f"{kind}.backend")
+            note = f"\n({kind}.backend = {choice!r} was set by {where}.)" if where else ""
         elif imposers:
             note = "\n(Needed because " + "; ".join(imposers) + ".)"
         if not note:

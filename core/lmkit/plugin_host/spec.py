@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from lmkit.platform import cuda_device_count
+from lmkit.plugin_host.kinds import canonical_kind
 
 
 class NoOptions(BaseModel):
@@ -86,7 +87,7 @@ class Spec:
     """One registered implementation of an extension point.
 
     Args:
-        name: the name users select it by (``--attn NAME``); lowercase, unique per kind.
+        name: the name users select it by (``--attention NAME``); lowercase, unique per kind.
         target: ``"package.module:attr"`` imported lazily by :meth:`load`, or a
             zero-argument callable returning the implementation. Registering a spec
             must never import heavy libraries; ``load()`` is where that happens.
@@ -125,7 +126,8 @@ class Spec:
             raise TypeError(f"Spec {self.name!r}: options must be a pydantic model class")
         object.__setattr__(self, "requires", tuple(self.requires))
         object.__setattr__(self, "aliases", tuple(self.aliases))
-        object.__setattr__(self, "stack_needs", _frozen_map(self.stack_needs))
+        object.__setattr__(self, "stack_needs", _frozen_map(
+            {canonical_kind(k): v for k, v in self.stack_needs.items()}))
 
     def load(self) -> Any:
         """Import and return the implementation (the heavy import happens here)."""

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from lmkit.errors import ConfigError
-from lmkit.scaffold.kinds import SCAFFOLD_KINDS, ScaffoldKind
+from lmkit.plugin_host.registry import suggest
+from lmkit.scaffold.kinds import SCAFFOLD_ALIASES, SCAFFOLD_KINDS, ScaffoldKind
 from lmkit.version import PLUGIN_API_VERSION, __version__
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -37,9 +38,9 @@ def _check_unregistered(name: str, kind: ScaffoldKind) -> None:
     from lmkit.plugin_host.manager import PluginHost
 
     host = PluginHost.load()
-    for reg in host.registry.all(kind.registry_kind):
+    for reg in host.registry.all(kind.name):
         if name == reg.name or name in reg.spec.aliases:
-            raise ConfigError(f"{kind.registry_kind.replace('_', ' ')} {name!r} is already "
+            raise ConfigError(f"{kind.label} {name!r} is already "
                               f"registered by plugin {reg.origin}; choose another name")
 
 
@@ -55,8 +56,10 @@ def new_plugin(name: str, kind: str, directory: Path | str = ".") -> Path:
         raise ConfigError(f"plugin name {name!r} must be lowercase letters, digits and single "
                           "dashes, starting with a letter (e.g. 'my-attention')")
     if kind not in SCAFFOLD_KINDS:
+        hint = (f" ({kind!r} is now called {SCAFFOLD_ALIASES[kind]!r})"
+                if kind in SCAFFOLD_ALIASES else suggest(kind, SCAFFOLD_KINDS))
         raise ConfigError(f"unknown plugin kind {kind!r}; choose one of: "
-                          f"{', '.join(SCAFFOLD_KINDS)}")
+                          f"{', '.join(SCAFFOLD_KINDS)}.{hint}")
     spec = SCAFFOLD_KINDS[kind]
     _check_unregistered(name, spec)
     root = Path(directory) / name

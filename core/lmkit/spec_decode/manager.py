@@ -74,7 +74,7 @@ class ProposerManager(StepPhase):
             ConfigError: the proposer needs the target's hidden states or a KV cache of
                 its own, which only a runner-hosted proposer can have.
         """
-        reg = stack.get("spec_proposer")
+        reg = stack.get("speculative")
         if reg is None:
             return None
         hosted = sorted(set(_RUNNER_HOSTED) & reg.spec.caps.features)
@@ -83,8 +83,8 @@ class ProposerManager(StepPhase):
                 f"speculative proposer {reg.name!r} (plugin {reg.plugin}) declares "
                 f"{', '.join(hosted)}: it must run inside the model runner, but this engine "
                 "runs proposers in the engine core on token ids only. Use a token-based "
-                "proposer (e.g. --spec ngram) or turn speculation off (--spec none).")
-        proposer = reg.spec.load()(config, options=stack.options["spec_proposer"])
+                "proposer (e.g. --speculative ngram) or turn speculation off (--speculative none).")
+        proposer = reg.spec.load()(config, options=stack.options["speculative"])
         k = config.speculative.num_speculative_tokens
         off_above = config.speculative.disable_by_batch_size
         logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,

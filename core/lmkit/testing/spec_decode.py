@@ -206,7 +206,7 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
     from lmkit import LLM, SamplingParams
     from lmkit.plugin_host.manager import PluginHost
 
-    names = PluginHost.load().registry.names("spec_proposer")
+    names = PluginHost.load().registry.names("speculative")
     if t.spec.name not in names:
         raise NotApplicable(f"{t.spec.name!r} is not registered by an installed plugin "
                             f"(registered: {', '.join(names) or 'none'})")

@@ -274,7 +274,7 @@ def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
                     "eagerly", name)
         return None
     spec_k = (config.speculative.num_speculative_tokens
-              if stack.get("spec_proposer") is not None else 0)
+              if stack.get("speculative") is not None else 0)
     graphs = CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
                              max_model_len, config.cache.block_size, max_query_len=1 + spec_k)
     graphs.capture()

@@ -5,7 +5,7 @@ Under ``attention: auto`` on a CUDA device the highest-priority available backen
 else ``torch`` (10). On the CPU, ``cpu`` (20) for float32 (the reference with
 decode-only steps in a C kernel), else ``torch``. All four share one KV-cache layout,
 ``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable by name
-(``--attn torch|cpu|triton|flashinfer``).
+(``--attention torch|cpu|triton|flashinfer``).
 """
 
 from lmkit.api import Caps, Spec, hookimpl

@@ -55,10 +55,10 @@ class FlashInferAttention(AttentionBackend):
 
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"flashinfer attention supports float16 and bfloat16, not "
-                             f"{self.dtype}; use --dtype bfloat16 or --attn triton")
+                             f"{self.dtype}; use --dtype bfloat16 or --attention triton")
         if self.head_size not in SUPPORTED_HEAD_SIZES:
             raise ValueError(f"flashinfer attention supports head sizes {SUPPORTED_HEAD_SIZES},"
-                             f" not {self.head_size}; use --attn triton or --attn torch")
+                             f" not {self.head_size}; use --attention triton or --attention torch")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")

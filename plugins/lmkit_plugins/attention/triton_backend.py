@@ -60,13 +60,13 @@ class TritonAttention(AttentionBackend):
         super().__init__(**kwargs)
         if self.sliding_window is not None:
             raise ValueError("the triton attention backend has no sliding-window support; "
-                             "use --attn torch or --attn flashinfer for this model")
+                             "use --attention torch or --attention flashinfer for this model")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_size > MAX_HEAD_SIZE:
             raise ValueError(f"head_size {self.head_size} is above the triton backend's "
-                             f"maximum {MAX_HEAD_SIZE}; use --attn torch")
+                             f"maximum {MAX_HEAD_SIZE}; use --attention torch")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype} is not supported by the triton backend "
                              "(float32, float16, bfloat16)")

@@ -1,6 +1,6 @@
 """Built-in speculative-decoding proposers: ``ngram`` (prompt lookup).
 
-Speculation is off unless named: ``--spec ngram --spec-tokens K``, or in a config file
+Speculation is off unless named: ``--speculative ngram --num-speculative-tokens K``, or in a config file
 ``speculative: {backend: ngram, num_speculative_tokens: 4, options: {prompt_lookup_max: 4,
 prompt_lookup_min: 3}}``.
 """

@@ -88,13 +88,20 @@ def run_side(side: str, model_dir: Path, workload: Any, rates: list[float], port
     except Exception as e:  # noqa: BLE001 - one side failing still reports the other
         info["error"] = f"{type(e).__name__}: {e}"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
         log.close()
     return info
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers; gone already is fine."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def format_table(sides: dict[str, dict[str, Any]]) -> str:
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--model-root", type=Path, help="write (or reuse) the model here")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from lmkit.benchmarking.workload import parse_length_range, random_workload
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                               "workload": workload.describe(), "rates": rates,
                               "limits": args.limits, "sides": {}}
     try:
-        model_dir = models.write_model(model_name, root / model_name)
+        model_dir = models.write_model(model_name, (args.model_root or root) / model_name)
         for side in sides:
             print(f"=== {side}", flush=True)
             report["sides"][side] = run_side(side, model_dir, workload, rates, args.port,

@@ -83,14 +83,49 @@ def run_side(side: str, model_dir: Path, workload: Any, rates: list[float], port
         info["ready_s"] = wait_ready(url, proc, args.ready_timeout)
         warm = random_workload(16, (64, 256), (16, 32), vocab_size=1000, seed=args.seed + 1)
         run_serve_bench(url, warm, request_rates=[float("inf")], seed=args.seed + 1)
+        spy = _start_py_spy(proc.pid, args.py_spy, log_dir / f"{side}.pyspy.txt")
         info["report"] = run_serve_bench(url, workload, request_rates=rates, seed=args.seed,
                                          timeout_s=args.request_timeout)
+        if spy is not None:
+            spy.wait(timeout=args.py_spy + 30)
+            info["py_spy_top"] = summarize_py_spy(log_dir / f"{side}.pyspy.txt")
     except Exception as e:  # noqa: BLE001 - one side failing still reports the other
         info["error"] = f"{type(e).__name__}: {e}"
     finally:
         _stop(proc)
         log.close()
     return info
+
+
+def _start_py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+    """Sample ``pid`` and its children with py-spy for ``seconds`` (0: off)."""
+    if not seconds:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--subprocesses", "--nonblocking", "-r", "200",
+                             "-d", str(int(seconds)), "-f", "raw", "-o", str(out),
+                             "--pid", str(pid)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def summarize_py_spy(path: Path, top: int = 25) -> dict[str, Any]:
+    """Per sampled process (its command line, cut), the share of its busy samples and
+    the ``top`` functions by self samples, from py-spy's raw (collapsed) output."""
+    procs: dict[str, dict[str, int]] = {}
+    if not path.exists():
+        return {}
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        owners = [f for f in frames if f.startswith("process ")]
+        owner = owners[-1][:120] if owners else "?"
+        leaf = frames[-1]
+        by_leaf = procs.setdefault(owner, {})
+        by_leaf[leaf] = by_leaf.get(leaf, 0) + int(count)
+    return {owner: {"samples": sum(c.values()),
+                    "top": sorted(c.items(), key=lambda kv: -kv[1])[:top]}
+            for owner, c in procs.items()}
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -146,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--py-spy", type=float, default=0,
+                    help="sample the server's processes with py-spy for this many seconds "
+                         "from the start of the timed sweep (a host-side profile)")
     ap.add_argument("--model-root", type=Path, help="write (or reuse) the model here")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

@@ -15,7 +15,14 @@ from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
-from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
+from lmkit.api.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    PoolingOutput,
+    RequestOutput,
+    TokenLogprob,
+)
+from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams, model_pooling_facts
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.sampling_params import SamplingParams
@@ -81,7 +88,7 @@ __all__ = [
     "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
-    "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
+    "ModelPooling", "Pooler", "PoolingOutput", "PoolingParams", "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
-    "TransferJob", "hookimpl", *_LAZY,
+    "TransferJob", "hookimpl", "model_pooling_facts", *_LAZY,
 ]

@@ -52,7 +52,10 @@ class AttentionBackend(ABC):
     """Paged attention over a KV cache, for one model.
 
     Constructed once per model as ``cls(num_heads=..., num_kv_heads=..., head_size=...,
-    scale=..., dtype=..., device=..., block_size=..., sliding_window=None, options=...)``.
+    scale=..., dtype=..., device=..., block_size=..., sliding_window=None, options=...)``,
+    plus ``causal=False`` for an encoder's bidirectional attention (only for backends
+    whose spec declares the ``non_causal`` feature: selection refuses the others; each
+    prompt then runs whole in one step, so every key is this step's).
     The runner calls :meth:`plan` once per step on the host, then every attention layer
     calls :meth:`run`. ``run`` must do no host work and no device-to-host sync, so that
     it can be captured in a CUDA graph when the spec declares ``"cuda_graphs"``.
@@ -60,7 +63,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
-                 options: Any = None) -> None:
+                 options: Any = None, causal: bool = True) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -70,6 +73,7 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.options = options
+        self.causal = causal
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -94,7 +98,8 @@ class AttentionBackend(ABC):
         :param kv_written: ``True`` when the model has already stored this step's K/V at
             the slots :meth:`kv_write_slots` returned: skip the write. Passed only to
             backends that opt in there; others may leave it out of their signature.
-        :return: ``[num_tokens, num_heads, head_size]``, causal within each request.
+        :return: ``[num_tokens, num_heads, head_size]``, causal within each request
+            (every query sees all of its request's keys when built with ``causal=False``).
         """
 
     def kv_write_slots(self) -> torch.Tensor | None:

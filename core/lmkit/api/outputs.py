@@ -26,10 +26,25 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | list[list[float]] | None = None  # a pooling request's output
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data`` is the pooled vector (``embed``), the class
+    probabilities (``classify``) or one vector per token (``all``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[float] | list[list[float]]
+
+    @property
+    def embedding(self) -> list[float] | list[list[float]]:
+        return self.data
 
 
 @dataclass

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ _FINISH_REASONS = {
 class Request:
     """One sequence being generated, as the engine core tracks it.
 
+    A pooling request (``pooling_params`` set) runs its prompt only and returns a
+    pooled vector instead of tokens (:mod:`lmkit.api.pooling`).
+
     ``num_computed_tokens`` counts tokens whose KV is in the cache (prefix-cache hits
     included). ``all_token_ids`` is prompt + output, kept as one list so that the
     scheduler and the prefix cache never concatenate per step.
@@ -56,6 +60,7 @@ class Request:
         "priority", "cache_salt", "status", "output_token_ids", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "num_preemptions", "stop_reason",
         "spec_token_ids", "block_hashes", "max_tokens", "structured_output", "extra",
+        "pooling_params",
     )
 
     def __init__(
@@ -68,6 +73,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -89,6 +95,8 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.structured_output: Any = None  # grammar state, owned by the structured-output manager
         self.extra: dict[str, Any] = {}
+        # set for a pooling request: prefill only, finished when its prompt is done
+        self.pooling_params = pooling_params
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     # KV offload: loads (by the scheduler's transfer id) that finished, with success
     finished_kv_loads: dict[int, bool] = field(default_factory=dict)
+    # pooling requests whose prompt finished this step -> pooled output (a list of
+    # floats, or one list per token); None when the step had no pooling request
+    pooled: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None  # banned by the sampler while below min_tokens
+    pooling_params: PoolingParams | None = None  # a pooling request: pool, never sample
 
 
 @dataclass(slots=True)

@@ -19,10 +19,12 @@ from typing import Any
 
 from lmkit.api.engine_view import EngineView
 from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.pooling import ModelPooling, model_pooling_facts
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.scheduler import SchedulerContext
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.phases import StepPhase, StepPhases
+from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
@@ -42,14 +44,26 @@ def model_head_size(hf_config: Any) -> int:
 def model_attention_needs(host: PluginHost, hf_config: Any) -> Needs:
     """What the model needs of attention: its head size, plus whatever its architecture
     plugin declares through an optional ``attention_needs(hf_config)`` classmethod
-    (e.g. a sliding window). An unknown architecture fails here, before weights load."""
+    (e.g. a sliding window), plus ``non_causal`` for an encoder (its declared
+    :class:`~lmkit.api.pooling.ModelPooling`). An unknown architecture fails here,
+    before weights load."""
     needs = Needs(values={"head_size": model_head_size(hf_config)})
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
         return needs
     model_cls = host.registry.get("model", archs[0]).spec.load()
+    if not model_pooling_facts(model_cls).causal:
+        needs = needs.merge(Needs(features={"non_causal"}))
     declared = getattr(model_cls, "attention_needs", None)
     return needs.merge(declared(hf_config)) if declared is not None else needs
+
+
+def model_pooling_of(host: PluginHost, hf_config: Any) -> tuple[str, ModelPooling]:
+    """The model's architecture name and its declared pooling facts."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        return "", ModelPooling()
+    return archs[0], model_pooling_facts(host.registry.get("model", archs[0]).spec.load())
 
 
 class EngineCore:
@@ -73,6 +87,7 @@ class EngineCore:
                                              source=config.model.source, progress=progress)
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
+        self.architecture, self.pooling = model_pooling_of(self.host, hf_config)
         self.stack: ResolvedStack = resolve_stack(
             config, self.host, model_attention_needs(self.host, hf_config))
         self.config = self._runtime_config(config, hf_config)
@@ -117,7 +132,9 @@ class EngineCore:
                                        options=self.stack.options["scheduler"], context=context)
         structured = StructuredOutputManager.from_stack(
             self.config, self.stack, self.model_dir, self.model_info.vocab_size, self.scheduler)
-        phases: list[StepPhase] = [structured]
+        pooling = PoolingPhase(self.host, self.pooling, self.architecture,
+                               sentence_transformers_pooler(self.model_dir))
+        phases: list[StepPhase] = [pooling, structured]
         proposer = ProposerManager.from_stack(self.config, self.stack,
                                               self.model_info.vocab_size)
         if proposer is not None:
@@ -140,6 +157,11 @@ class EngineCore:
         cfg = config.model_copy(deep=True)
         cfg.model.model = str(self.model_dir)
         cfg.model.max_model_len = max_len
+        if not self.pooling.causal:
+            # bidirectional attention: a token's K/V depend on the whole prompt, so each
+            # prompt runs in one step and no prefix of it can be reused
+            cfg.scheduler.enable_chunked_prefill = False
+            cfg.cache.enable_prefix_caching = False
         cfg.scheduler.max_num_batched_tokens = max(
             cfg.scheduler.max_num_batched_tokens,
             1 if cfg.scheduler.enable_chunked_prefill else max_len)

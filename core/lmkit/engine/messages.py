@@ -45,6 +45,7 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
             priority=request.priority,
             cache_salt=request.cache_salt,
             max_tokens=request.max_tokens,
+            pooling_params=request.pooling_params,
         )
 
     def to_request(self) -> Request:
@@ -58,6 +59,7 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
             priority=self.priority,
             cache_salt=self.cache_salt,
             max_tokens=self.max_tokens,
+            pooling_params=self.pooling_params,
         )
 
 

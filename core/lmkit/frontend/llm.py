@@ -12,7 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmkit.api.outputs import RequestOutput
+from lmkit.api.outputs import PoolingOutput, RequestOutput
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.plugin_host.manager import PluginHost
@@ -132,6 +133,9 @@ class LLM:
             max_constraint_chars=self.config.structured_output.max_constraint_chars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        from lmkit.frontend.llm_pooling import PoolingFrontend
+
+        self.pooling = PoolingFrontend(self.engine, self.input_processor)
 
     # ------------------------------------------------------------------ public API
 
@@ -177,6 +181,37 @@ class LLM:
         finally:
             self.abort(rid)
 
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
+              pooling_params: PoolingParams | None = None, *, dimensions: int | None = None,
+              normalize: bool | None = None) -> list[PoolingOutput]:
+        """Embed every prompt (same forms as :meth:`generate`); outputs come back in
+        order, each with ``.embedding`` (a list of floats). The model's default pooler
+        is used unless ``pooling_params.pooling_type`` names another (``last``, ``mean``,
+        ``cls``, ``all``); ``dimensions`` truncates (Matryoshka), ``normalize`` (default
+        true) scales to unit length. Generation requests in flight share the steps."""
+        from lmkit.frontend.llm_pooling import pooling_params as make_params
+
+        params = make_params(pooling_params, dimensions=dimensions, normalize=normalize)
+        return self._pool(as_prompt_list(prompts), params)
+
+    def classify(self, prompts: PromptInput | Sequence[PromptInput]) -> list[PoolingOutput]:
+        """Class probabilities of every prompt from the model's classification head
+        (``.data``: one probability per label); refused for a model without one."""
+        return self._pool(as_prompt_list(prompts),
+                          PoolingParams(pooling_type="classify", normalize=False))
+
+    def _pool(self, items: list[Prompt], params: PoolingParams) -> list[PoolingOutput]:
+        rids: list[str] = []
+        try:
+            for prompt in items:
+                rids.append(self.pooling.submit(str(next(self._ids)), prompt, params))
+            while any(rid in self.pooling.pending for rid in rids):
+                self._step()
+        except BaseException:
+            self.pooling.abort(rids)
+            raise
+        return self.pooling.collect(rids)
+
     def abort(self, request_id: str) -> None:
         """Abort a request submitted by :meth:`stream` (no-op when finished)."""
         self.engine.abort_requests(self.output_processor.abort(request_id))
@@ -217,7 +252,10 @@ class LLM:
         return rid
 
     def _step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process_outputs(self.engine.step())
+        outputs = self.engine.step()
+        if self.pooling.pending:
+            self.pooling.take_pooled(outputs)
+        processed = self.output_processor.process_outputs(outputs)
         for _, error in self.engine.take_rejected_requests():
             raise error  # e.g. a JSON schema that did not compile
         if processed.abort_ids:

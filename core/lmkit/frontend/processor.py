@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from lmkit.errors import InvalidRequestError
@@ -103,6 +104,22 @@ class InputProcessor:
         return Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                        priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
 
+    def make_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: PoolingParams, priority: int = 0) -> Request:
+        """A validated pooling request (prefill only: the whole prompt may fill the
+        context); raises InvalidRequestError with an OpenAI-style code."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt > self.max_model_len:
+            raise InvalidRequestError(
+                f"the input has {n_prompt} tokens, but this model's context is "
+                f"{self.max_model_len} tokens; shorten the input", param="input",
+                code="context_length_exceeded")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, in [{INT64_MIN}, "
+                                      f"{INT64_MAX}]; got {priority}", param="priority",
+                                      code="invalid_value")
+        return Request(request_id, prompt_token_ids, POOLING_SAMPLING, priority=priority,
+                       max_tokens=1, pooling_params=params)
 
     def _validate_constraint(self, structured_outputs: Any) -> None:
         """Refuse a malformed, too long or endless constraint (the engine compiles it).
@@ -112,6 +129,10 @@ class InputProcessor:
             return
         validate_structured_outputs(structured_outputs, self.max_constraint_chars)
         self._last_constraint = structured_outputs
+
+
+# what a pooling request carries as sampling parameters: it never samples
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

@@ -82,14 +82,15 @@ class KVCacheManager:
 
         Called for a request with no computed tokens (new, or resumed after a
         preemption). The hit never covers the last token, so at least one token is
-        computed and yields logits. Requests asking for prompt logprobs skip the cache
-        (every prompt position must be computed). Counts the query and the hit.
+        computed and yields logits. Requests asking for prompt logprobs and pooling
+        requests skip the cache (every prompt position must be computed). Counts the query and the hit.
 
         Returns:
             ``(blocks, num_computed_tokens)``; pass ``blocks`` to :meth:`allocate_slots`,
             which takes the references.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or request.pooling_params is not None):
             return [], 0
         hashes = update_block_hashes(request, self.block_size, self.hash_seed)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -162,6 +162,22 @@ def register_model_sources(register: Register) -> None:
 
 
 @hookspec
+def register_poolers(register: Register) -> None:
+    """Register poolers: how a pooling request's prompt hidden states become its output
+    (an embedding, class probabilities). Requests name one with
+    ``PoolingParams.pooling_type`` (``"pooling_type"`` on ``/v1/embeddings``); a model's
+    ``pooling = ModelPooling(default_pooler=...)`` names its default.
+
+    The loaded target is a subclass of :class:`lmkit.api.Pooler`, constructed once per
+    engine as ``cls(model)``; it folds each prefill chunk into a per-request state
+    (``start``, ``accumulate``, ``finish``), so chunked prefill pools exactly as one
+    step would. Built-ins: ``last``, ``mean``, ``cls``, ``all`` and ``classify``.
+
+    :param register: call ``register(Spec(...))`` once per pooler.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add sub-commands to the ``lmkit`` CLI.
 

@@ -264,7 +264,8 @@ class PagedScheduler(Scheduler):
             if request.request_id in plan.preempted:
                 break  # preempted this very step (for an admission): not back before next
             loaded: list[Any] = []  # blocks an offload load fills before this step's forward
-            if self.offload is not None:
+            # (a pooling request reads every prompt position: no prefix is loaded)
+            if self.offload is not None and request.pooling_params is None:
                 if self.offload.defer_admission(request):
                     return  # its prefix is coming back from the offload tier: admitted after
                 loaded = self.offload.loaded_blocks(request)
@@ -382,9 +383,28 @@ class PagedScheduler(Scheduler):
             if request.is_finished:
                 self._free_request(request)
                 any_finished = True
+        if runner_output.pooled:
+            any_finished |= self._finish_pooled(runner_output.pooled, outputs)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _finish_pooled(self, pooled: dict[str, Any], outputs: list[EngineCoreOutput]) -> bool:
+        """Finish the pooling requests whose prompt the step completed: one output each
+        with the pooled vector; their KV blocks are freed (cached blocks stay reusable
+        by the prefix cache when it is on)."""
+        any_finished = False
+        for rid, data in pooled.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            request.status = RequestStatus.FINISHED_STOPPED
+            outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason="stop", pooled=data,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+            self._free_request(request)
+            any_finished = True
+        return any_finished
 
     # -- introspection ------------------------------------------------------------
 

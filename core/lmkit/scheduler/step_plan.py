@@ -71,6 +71,7 @@ class StepPlan:
                     block_ids=block_ids_of(request),
                     num_computed_tokens=request.num_computed_tokens,
                     eos_token_id=request.eos_token_id,
+                    pooling_params=request.pooling_params,
                 ))
             else:
                 cached.req_ids.append(rid)

@@ -21,6 +21,7 @@ import torch
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
+from lmkit.api.pooling import model_pooling_facts
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.errors import ModelLoadError, UnknownBackendError
 from lmkit.loading.weights import iterate_weights, load_hf_config
@@ -35,6 +36,7 @@ from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
+from lmkit.worker.pooling import PoolingRequests
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
@@ -97,9 +99,11 @@ class ModelRunner:
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = reg.spec.load()(hf_config, ctx)
+        model_cls = reg.spec.load()
+        model = model_cls(hf_config, ctx)
         model.load_weights(iterate_weights(self.model_dir))
         self.model = model.eval() if hasattr(model, "eval") else model
+        self.pooling = PoolingRequests(self.host, self.model, model_pooling_facts(model_cls))
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = int(hf_config.num_hidden_layers)
         self.max_model_len = max_model_len(hf_config, self.config.model.max_model_len)
@@ -189,7 +193,7 @@ class ModelRunner:
             self.offload.start(so.kv_transfers)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(finished_kv_loads=self._finished_kv_loads(wait=True))
-        if self.lookahead is not None:  # the decode step launched ahead of the scheduler
+        if self.lookahead is not None and not self.pooling:  # the decode step launched ahead
             ahead = self.lookahead.take(so)
             if ahead is not None:
                 ahead.finished_kv_loads = self._finished_kv_loads()
@@ -200,9 +204,15 @@ class ModelRunner:
             if self.offload is not None:  # write-through stores read what the forward wrote
                 self.offload.after_forward(so.kv_transfers)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
+            pooled = None
+            if self.pooling:  # pooling requests pool their chunks and never sample
+                pooling = self.pooling.states
+                plan = [p for p in plan if order[p[0]] not in pooling]
+                pooled = self.pooling.pool_step(hidden, order, step)
             verified = self._sample(hidden, order, plan, so)
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
         out = self._commit(order, plan, verified, prompt_logprobs)
+        out.pooled = pooled
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
         out.finished_kv_loads = self._finished_kv_loads()
@@ -214,6 +224,8 @@ class ModelRunner:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             if self.requests.pop(rid, None) is not None:
                 batch.remove_request(rid)
+                if self.pooling:
+                    self.pooling.remove(rid)
         for new in so.scheduled_new_reqs:
             if new.req_id in self.requests:  # resent (resumed) without a preemption notice
                 self.requests.pop(new.req_id)
@@ -232,6 +244,8 @@ class ModelRunner:
                                  if params.prompt_logprobs is not None and not resumed else None))
             self.requests[new.req_id] = state
             batch.add_request(state, list(new.block_ids))
+            if new.pooling_params is not None:  # prefill only: pooled, never sampled
+                self.pooling.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
         cached = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                  cached.num_computed_tokens, strict=True):

@@ -5,7 +5,8 @@ Under ``attention: auto`` on a CUDA device the highest-priority available backen
 else ``torch`` (10). On the CPU, ``cpu`` (20) for float32 (the reference with
 decode-only steps in a C kernel), else ``torch``. All four share one KV-cache layout,
 ``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable by name
-(``--attention torch|cpu|triton|flashinfer``).
+(``--attention torch|cpu|triton|flashinfer``). Only ``torch`` and ``cpu`` declare
+``non_causal`` (bidirectional attention, for encoders such as BERT).
 """
 
 from lmkit.api import Caps, Spec, hookimpl
@@ -44,7 +45,8 @@ def register_attention_backends(register):
     register(Spec(
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
-            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window"},
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
+             "non_causal"},
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"}},
         ),
         description="Reference paged attention in plain torch (CPU and CUDA).",
@@ -52,7 +54,8 @@ def register_attention_backends(register):
     register(Spec(
         name="cpu", target="lmkit_plugins.attention.cpu_backend:CpuAttention", priority=20,
         caps=Caps(
-            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window"},
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
+             "non_causal"},
             {"device": {"cpu"}, "dtype": {"float32"}},
         ),
         description="Reference paged attention with decode steps in lmkit's C kernel "

@@ -10,7 +10,8 @@ that share a KV head are folded into the query axis, so K/V are never repeated.
 
 Query token ``i`` of a request whose context before this step is ``c`` sits at position
 ``c + i`` and sees the keys at positions ``<= c + i`` (and ``> c + i - window`` with a
-sliding window). The backend reads only blocks listed in ``block_tables``; stale slots in
+sliding window); built with ``causal=False`` (an encoder), every query sees all of its
+request's keys. The backend reads only blocks listed in ``block_tables``; stale slots in
 a request's last block are masked out. KV caches must be allocated zeroed (the model
 runner does), so that masked-out padding never holds NaN bit patterns.
 """
@@ -144,8 +145,8 @@ class TorchAttention(AttentionBackend):
             out_rows = _contiguous(dest) or torch.from_numpy(dest).to(device)
 
         mask = None
-        needs_mask = (max_q > 1 or self.sliding_window is not None
-                      or bool((s_lens != kv_len).any()))
+        needs_mask = ((max_q > 1 and (self.causal or num_reqs > 1))
+                      or self.sliding_window is not None or bool((s_lens != kv_len).any()))
         if needs_mask:
             mask = self._build_mask(q_lens, s_lens, max_q, kv_len, device)
         return _Group(num_reqs, max_q, kv_len, num_kv_blocks, block_ids, query_rows,
@@ -159,7 +160,11 @@ class TorchAttention(AttentionBackend):
         offsets = torch.arange(max_q, device=device)
         keys = torch.arange(kv_len, device=device)
         q_pos = ctx[:, None] + offsets[None, :]  # [R, max_q]
-        allowed = keys[None, None, :] <= q_pos[:, :, None]  # [R, max_q, kv_len]
+        if self.causal:
+            allowed = keys[None, None, :] <= q_pos[:, :, None]  # [R, max_q, kv_len]
+        else:  # bidirectional: every key of the request
+            s_lens_t = torch.from_numpy(s_lens).to(device)
+            allowed = (keys[None, None, :] < s_lens_t[:, None, None]).expand(-1, max_q, -1)
         if self.sliding_window is not None:
             allowed &= keys[None, None, :] > (q_pos - self.sliding_window)[:, :, None]
         # padded query rows attend to key 0 only, so that no row is empty (NaN)

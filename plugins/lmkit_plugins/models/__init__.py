@@ -1,6 +1,8 @@
-"""Built-in model architectures."""
+"""Built-in model architectures, and the built-in poolers they pool with."""
 
 from lmkit.api import Spec, hookimpl
+
+from lmkit_plugins.poolers import pooler_specs
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -12,3 +14,14 @@ def register_models(register):
         aliases=("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
         description="Llama 2/3 (llama3 RoPE scaling), Mistral, Qwen2, Qwen3, SmolLM2.",
     ))
+    register(Spec(
+        name="BertModel", target="lmkit_plugins.models.bert:BertModel",
+        description="BERT-style encoders with bidirectional attention (all-MiniLM-L6-v2, "
+                    "BGE, E5): embeddings only.",
+    ))
+
+
+@hookimpl
+def register_poolers(register):
+    for spec in pooler_specs():
+        register(spec)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError, Needs
+from lmkit.api.pooling import ModelPooling
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import (
@@ -214,7 +215,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``)."""
+    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``).
+
+    As an embedder (Qwen3-Embedding style) it pools the last token's hidden state."""
+
+    pooling = ModelPooling(default_pooler="last")
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:

@@ -1,0 +1,110 @@
+"""Pooling: requests that return a vector (an embedding, class scores) instead of text.
+
+A pooling request is prefill only: the engine runs its prompt (in chunks if need be),
+a :class:`Pooler` reduces the prompt's hidden states to its output as the chunks go by,
+and the request finishes when its prompt is done. :class:`PoolingParams` says how;
+models declare their default pooler and whether they can generate as
+:class:`ModelPooling` data on the class (``pooling = ModelPooling(...)``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmkit.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+BUILTIN_POOLERS = ("last", "mean", "cls", "all")
+
+
+@dataclass
+class PoolingParams:
+    """How one pooling request turns its prompt's hidden states into its output.
+
+    ``pooling_type`` names a registered pooler (built-ins: ``last`` token, ``mean`` over
+    the prompt, ``cls`` (the first token), ``all`` (one vector per token), ``classify``
+    when the model has a classification head); ``None`` takes the model's default.
+    ``dimensions`` keeps the first that many values (Matryoshka truncation), then
+    ``normalize`` scales each vector to unit L2 norm.
+    """
+
+    pooling_type: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and (not isinstance(self.pooling_type, str)
+                                              or not self.pooling_type):
+            raise InvalidRequestError(
+                f"pooling_type must be a pooler name such as {', '.join(BUILTIN_POOLERS)}; "
+                f"got {self.pooling_type!r}", param="pooling_type", code="invalid_value")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int)
+                                            or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(
+                f"dimensions must be a positive integer, got {self.dimensions!r}",
+                param="dimensions", code="invalid_value")
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """What a model class declares about pooling (``pooling = ModelPooling(...)``).
+
+    ``default_pooler``: the pooler used when a request names none. ``causal``: ``False``
+    for an encoder with bidirectional attention (it then needs the ``non_causal``
+    attention feature, and each prompt runs in one step, unchunked and uncached).
+    ``generates``: ``False`` for a model with no language-model head (pooling only).
+    ``classifier_pooler``: for a model with a classification head (a ``classify(pooled)``
+    method, ``[n, hidden] -> [n, num_labels]`` logits), the pooler whose output feeds it;
+    ``None``: no head (the ``classify`` pooler is refused).
+    """
+
+    default_pooler: str = "last"
+    causal: bool = True
+    generates: bool = True
+    classifier_pooler: str | None = None
+
+
+def model_pooling_facts(model_cls: Any) -> ModelPooling:
+    """What ``model_cls`` declares about pooling: its ``pooling`` class attribute (a
+    :class:`ModelPooling`); a model that declares none is a causal generator whose
+    default pooler is ``last``."""
+    declared = getattr(model_cls, "pooling", None)
+    return declared if isinstance(declared, ModelPooling) else ModelPooling()
+
+
+class Pooler(ABC):
+    """Reduces one request's prompt hidden states to its pooled output, chunk by chunk.
+
+    One instance serves every request (it keeps no per-request data itself): the runner
+    keeps each request's ``state``, starting from :meth:`start`, passes every prefill
+    chunk to :meth:`accumulate`, and calls :meth:`finish` once the prompt is done.
+    Registered through the ``register_poolers`` hook; constructed as ``cls(model)``.
+    """
+
+    def __init__(self, model: Any = None) -> None:
+        self.model = model
+
+    def start(self) -> Any:
+        """The state of a request before its first chunk (default ``None``)."""
+        return None
+
+    @abstractmethod
+    def accumulate(self, state: Any, hidden: torch.Tensor, first_position: int) -> Any:
+        """Fold one chunk into ``state``; return the new state.
+
+        :param hidden: ``[chunk_len, hidden_size]``, the chunk's final hidden states.
+        :param first_position: the prompt position of ``hidden[0]``.
+        """
+
+    @abstractmethod
+    def finish(self, state: Any, num_prompt_tokens: int) -> torch.Tensor:
+        """The pooled output: ``[dim]`` (or ``[num_tokens, dim]`` for per-token poolers)."""
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A whole prompt in one chunk (the common case): ``[n, hidden]`` -> output."""
+        return self.finish(self.accumulate(self.start(), hidden, 0), hidden.shape[0])

@@ -1,0 +1,64 @@
+"""``LLM.embed`` and ``LLM.classify``: pooling requests in the offline API.
+
+Pooling requests run in the same engine steps as generation: their results are picked
+out of each step's outputs by :meth:`PoolingFrontend.take_pooled`, which the ``LLM``
+step loop calls only while a pooling request is pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lmkit.api.outputs import EngineCoreOutput, PoolingOutput
+from lmkit.api.pooling import PoolingParams
+
+if TYPE_CHECKING:
+    from lmkit.engine.core import EngineCore
+    from lmkit.frontend.processor import InputProcessor
+
+
+class PoolingFrontend:
+    """Submits pooling requests to an in-process engine and keeps their results."""
+
+    def __init__(self, engine: EngineCore, input_processor: InputProcessor) -> None:
+        self.engine = engine
+        self.input_processor = input_processor
+        self.pending: dict[str, list[int]] = {}  # request id -> prompt token ids
+        self.results: dict[str, PoolingOutput] = {}
+
+    def submit(self, request_id: str, prompt: str | Sequence[int],
+               params: PoolingParams, priority: int = 0) -> str:
+        """Tokenize ``prompt`` and queue one pooling request; returns its id."""
+        _, ids = self.input_processor.tokenize(prompt)
+        request = self.input_processor.make_pooling_request(request_id, ids, params, priority)
+        self.engine.add_request(request)
+        self.pending[request_id] = ids
+        return request_id
+
+    def take_pooled(self, outputs: list[EngineCoreOutput]) -> None:
+        """Keep the pooled results among one step's outputs."""
+        for out in outputs:
+            ids = self.pending.pop(out.request_id, None) if out.pooled is not None else None
+            if ids is not None:
+                self.results[out.request_id] = PoolingOutput(out.request_id, ids, out.pooled)
+
+    def collect(self, request_ids: list[str]) -> list[PoolingOutput]:
+        """The results of ``request_ids`` (all finished), in that order."""
+        return [self.results.pop(rid) for rid in request_ids]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Forget and abort pooling requests (unknown or finished ids are ignored)."""
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+            self.results.pop(rid, None)
+        self.engine.abort_requests(request_ids)
+
+
+def pooling_params(params: PoolingParams | None, **overrides: Any) -> PoolingParams:
+    """``params`` (or the defaults) with the keyword overrides that are not None."""
+    import dataclasses
+
+    base = params or PoolingParams()
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(base, **changes) if changes else base

@@ -1,0 +1,100 @@
+"""The model runner's side of pooling requests: each request's pooler state across its
+prefill chunks, and the pooled outputs of the requests whose prompt a step finished.
+
+The runner consults this only when it holds a pooling request (``bool(pooling)``), so
+a step without one pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
+
+if TYPE_CHECKING:
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.worker.input_batch import StepInputs
+
+
+@dataclass
+class _PoolState:
+    pooler: Pooler
+    params: PoolingParams
+    num_prompt_tokens: int
+    state: Any
+
+
+class PoolingRequests:
+    """Pooler states of the pooling requests the runner holds.
+
+    Args:
+        host: resolves pooler names (the ``pooler`` kind) to implementations.
+        model: the loaded model, given to each pooler (a classification head reads it).
+        facts: the model's declared :class:`ModelPooling` (its default pooler).
+    """
+
+    def __init__(self, host: PluginHost, model: Any, facts: ModelPooling) -> None:
+        self.host = host
+        self.model = model
+        self.facts = facts
+        self.states: dict[str, _PoolState] = {}
+        self._poolers: dict[str, Pooler] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.states)
+
+    def pooler(self, name: str | None) -> Pooler:
+        """The pooler called ``name`` (the model's default for ``None``), built once."""
+        name = name or self.facts.default_pooler
+        pooler = self._poolers.get(name)
+        if pooler is None:
+            pooler = self.host.registry.get("pooler", name).spec.load()(self.model)
+            self._poolers[name] = pooler
+        return pooler
+
+    def add(self, req_id: str, params: PoolingParams, num_prompt_tokens: int) -> None:
+        """Start (or restart, after a preemption) a request's pooling."""
+        pooler = self.pooler(params.pooling_type)
+        self.states[req_id] = _PoolState(pooler, params, num_prompt_tokens, pooler.start())
+
+    def remove(self, req_id: str) -> None:
+        """Forget a request (finished, aborted or preempted); unknown ids are ignored."""
+        self.states.pop(req_id, None)
+
+    def pool_step(self, hidden: torch.Tensor, order: list[str], step: StepInputs
+                  ) -> dict[str, Any]:
+        """Fold this step's chunks into their requests' states; return the finished
+        requests' outputs (truncated to ``dimensions``, normalized), as lists."""
+        done: dict[str, Any] = {}
+        for i, rid in enumerate(order):
+            entry = self.states.get(rid)
+            if entry is None:
+                continue
+            n = int(step.num_scheduled[i])
+            start = int(step.num_computed[i])
+            first_row = int(step.cu_num_tokens[i]) - n
+            rows = hidden[first_row:first_row + n]
+            if start == 0 and n >= entry.num_prompt_tokens:  # the whole prompt at once
+                out = entry.pooler.pool(rows)
+            else:
+                entry.state = entry.pooler.accumulate(entry.state, rows, start)
+                if start + n < entry.num_prompt_tokens:
+                    continue
+                out = entry.pooler.finish(entry.state, entry.num_prompt_tokens)
+            del self.states[rid]
+            done[rid] = finalize(out, entry.params).tolist()
+        return done
+
+
+def finalize(out: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """Matryoshka truncation to ``params.dimensions``, then L2 normalization if asked;
+    float32 on the CPU. Works on ``[dim]`` and on per-token ``[n, dim]`` outputs."""
+    out = out.float()
+    if params.dimensions is not None:
+        out = out[..., :params.dimensions]
+    if params.normalize:
+        out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
+    return out.cpu()

@@ -1,0 +1,215 @@
+"""BERT-style encoders (``BertModel``): bidirectional attention, absolute position
+embeddings, post-norm layers; embeddings only (no language-model head).
+
+all-MiniLM-L6-v2, BGE and E5 checkpoints are ``BertModel`` s. The model declares
+``pooling = ModelPooling(causal=False, generates=False, ...)``: the engine then selects
+an attention backend with the ``non_causal`` feature, runs each prompt whole in one step
+(no chunking, no prefix cache) and refuses generation requests. Tokens are packed along
+one axis (no batch axis, no padding); every token has token type 0 (one segment).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError
+from lmkit.api.pooling import ModelPooling
+from torch import nn
+
+from lmkit_plugins.models.layers import Linear
+from lmkit_plugins.models.llama import _describe_mismatch
+
+# checkpoint tensors that carry no weights of ours
+_IGNORED = ("embeddings.position_ids",)
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
+class BertDims:
+    """Shapes of a BERT encoder, read from its HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_positions: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    act: str
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> BertDims:
+        kind = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
+        if kind != "absolute":
+            raise ModelLoadError(
+                f"BERT position_embedding_type {kind!r} is not supported (only 'absolute'); "
+                "use a checkpoint with absolute position embeddings")
+        act = str(getattr(cfg, "hidden_act", "gelu"))
+        if act not in _ACTIVATIONS:
+            raise ModelLoadError(f"BERT hidden_act {act!r} is not supported; supported: "
+                                 f"{', '.join(sorted(_ACTIVATIONS))}")
+        return cls(int(cfg.vocab_size), int(cfg.hidden_size), int(cfg.intermediate_size),
+                   int(cfg.num_hidden_layers), int(cfg.num_attention_heads),
+                   int(cfg.max_position_embeddings), int(getattr(cfg, "type_vocab_size", 2)),
+                   float(getattr(cfg, "layer_norm_eps", 1e-12)), act)
+
+
+class LayerNorm(nn.Module):
+    """``F.layer_norm`` with HF's parameter names (``weight``, ``bias``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype, device=device),
+                                 requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class BertLayer(nn.Module):
+    """Self-attention (fused QKV) and feed-forward, each followed by add & LayerNorm."""
+
+    def __init__(self, dims: BertDims, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        h = dims.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads = dims.num_heads
+        self.head_dim = h // dims.num_heads
+        self.qkv = Linear(h, {"q": h, "k": h, "v": h}, bias=True, **kw)
+        self.attn_out = Linear(h, {"weight": h}, bias=True, **kw)
+        self.attn_norm = LayerNorm(h, dims.layer_norm_eps, **kw)
+        self.intermediate = Linear(h, {"weight": dims.intermediate_size}, bias=True, **kw)
+        self.out = Linear(dims.intermediate_size, {"weight": h}, bias=True, **kw)
+        self.out_norm = LayerNorm(h, dims.layer_norm_eps, **kw)
+        self.act = _ACTIVATIONS[dims.act]
+
+    def forward(self, hidden: torch.Tensor, attn: AttentionBackend,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        n, h = hidden.shape
+        qkv = self.qkv.forward(hidden)  # [n, 3 * hidden]
+        q, k, v = (qkv[:, i * h:(i + 1) * h].view(n, self.num_heads, self.head_dim)
+                   for i in range(3))
+        ctx = attn.run(self.layer_idx, q, k, v, kv_cache)  # [n, heads, head_dim]
+        hidden = self.attn_norm.forward(self.attn_out.forward(ctx.reshape(n, h)) + hidden)
+        inter = self.act(self.intermediate.forward(hidden))
+        return self.out_norm.forward(self.out.forward(inter) + hidden)
+
+
+class BertModel(nn.Module):
+    """A BERT encoder over packed tokens; ``forward`` returns the last hidden states."""
+
+    pooling = ModelPooling(default_pooler="cls", causal=False, generates=False)
+
+    def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
+        super().__init__()
+        dims = BertDims.from_hf(hf_config)
+        self.dims = dims
+        dtype, device = ctx.dtype, torch.device(ctx.device)
+        kw = {"dtype": dtype, "device": device}
+        self.word_embeddings = nn.Parameter(
+            torch.zeros(dims.vocab_size, dims.hidden_size, **kw), requires_grad=False)
+        self.position_embeddings = nn.Parameter(
+            torch.zeros(dims.max_positions, dims.hidden_size, **kw), requires_grad=False)
+        self.token_type_embeddings = nn.Parameter(
+            torch.zeros(dims.type_vocab_size, dims.hidden_size, **kw), requires_grad=False)
+        self.embed_norm = LayerNorm(dims.hidden_size, dims.layer_norm_eps, **kw)
+        self.layers = nn.ModuleList(BertLayer(dims, i, dtype, device)
+                                    for i in range(dims.num_layers))
+        head_dim = dims.hidden_size // dims.num_heads
+        self.attn: AttentionBackend = ctx.attention_cls(
+            num_heads=dims.num_heads, num_kv_heads=dims.num_heads, head_size=head_dim,
+            scale=head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
+            sliding_window=None, options=ctx.attention_options, causal=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
+        hidden = (self.word_embeddings[input_ids] + self.position_embeddings[positions]
+                  + self.token_type_embeddings[0])
+        hidden = self.embed_norm.forward(hidden)
+        for i, layer in enumerate(self.layers):
+            hidden = layer.forward(hidden, ctx.attn, ctx.kv_caches[i])
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """An encoder has no language-model head (the engine refuses generation first)."""
+        raise RuntimeError("BertModel has no language-model head; it only pools")
+
+    # ------------------------------------------------------------------ loading
+
+    def _weight_targets(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        """HF checkpoint name (without a ``bert.`` prefix) -> how to load it."""
+        targets: dict[str, Callable[[torch.Tensor], None]] = {}
+
+        def whole(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+            def load(t: torch.Tensor) -> None:
+                if tuple(t.shape) != tuple(param.shape):
+                    raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} "
+                                         f"does not match the model's {tuple(param.shape)}")
+                param.copy_(t)
+            return load
+
+        def linear(prefix: str, layer: Linear, part: str) -> None:
+            targets[f"{prefix}.weight"] = lambda t: layer.load_shard(part, weight=t)
+            targets[f"{prefix}.bias"] = lambda t: layer.load_shard(part, bias=t)
+
+        def norm(prefix: str, ln: LayerNorm) -> None:
+            targets[f"{prefix}.weight"] = whole(ln.weight, f"{prefix}.weight")
+            targets[f"{prefix}.bias"] = whole(ln.bias, f"{prefix}.bias")
+
+        for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+            targets[f"embeddings.{name}.weight"] = whole(getattr(self, name), name)
+        norm("embeddings.LayerNorm", self.embed_norm)
+        for i, layer in enumerate(self.layers):
+            p = f"encoder.layer.{i}"
+            for hf, part in (("query", "q"), ("key", "k"), ("value", "v")):
+                linear(f"{p}.attention.self.{hf}", layer.qkv, part)
+            linear(f"{p}.attention.output.dense", layer.attn_out, "weight")
+            norm(f"{p}.attention.output.LayerNorm", layer.attn_norm)
+            linear(f"{p}.intermediate.dense", layer.intermediate, "weight")
+            linear(f"{p}.output.dense", layer.out, "weight")
+            norm(f"{p}.output.LayerNorm", layer.out_norm)
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (with or without the ``bert.`` prefix), fusing q/k/v;
+        the ``pooler.*`` (next-sentence head) tensors are not used.
+
+        Raises:
+            ModelLoadError: tensors are missing or unknown, or a shape does not match.
+        """
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            key = name.removeprefix("bert.")
+            load = targets.get(key)
+            if load is None:
+                if key.endswith(_IGNORED) or key.startswith("pooler."):
+                    continue
+                unexpected.append(name)
+                continue
+            try:
+                load(tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"weight {name}: {e}") from e
+            loaded.add(key)
+        missing = sorted(set(targets) - loaded)
+        if missing or unexpected:
+            raise ModelLoadError(_describe_mismatch(missing, unexpected))
+        return loaded

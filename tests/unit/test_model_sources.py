@@ -114,7 +114,7 @@ def test_unknown_alias_lists_aliases_and_suggests(host, tmp_path):
     msg = str(info.value)
     assert "model 'smollm2-135m' not found" in msg
     assert "Sources tried: alias" in msg and "hf-hub" in msg
-    assert "Known aliases: smollm2-135m-instruct." in msg
+    assert "Known aliases: all-minilm-l6-v2, smollm2-135m-instruct." in msg
     assert "Did you mean 'smollm2-135m-instruct'?" in msg
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -26,7 +27,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
-    pooled: list[float] | list[list[float]] | None = None  # a pooling request's output
+    pooled: list[Any] | None = None  # a pooling request's output (floats, or lists of them)
 
     @property
     def finished(self) -> bool:

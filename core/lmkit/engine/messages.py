@@ -17,6 +17,7 @@ from typing import Any, Union
 import msgspec
 
 from lmkit.api.outputs import EngineCoreOutput
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     priority: int = 0
     cache_salt: str | None = None
     max_tokens: int | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (prefill only)
 
     @classmethod
     def from_request(cls, request: Request) -> AddRequest:

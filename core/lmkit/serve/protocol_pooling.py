@@ -1,0 +1,78 @@
+"""Request bodies of the pooling endpoints (``/v1/embeddings``), validated once at the
+boundary like the generation ones (:mod:`lmkit.serve.protocol`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import model_validator
+from pydantic_core import PydanticCustomError
+
+from lmkit.api.pooling import PoolingParams
+from lmkit.errors import InvalidRequestError
+from lmkit.serve.protocol import Int64, Prompt, _Body
+from lmkit.serve.text_check import find_lone_surrogate
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings`` (OpenAI): ``input`` is a string, a list of strings, a list
+    of token ids or a list of token-id lists. lmkit extensions (``extra_body``):
+    ``pooling_type`` (a pooler name; default: the model's), ``normalize`` (default
+    true) and ``priority``."""
+
+    model: str
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None
+    user: str | None = None
+    pooling_type: str | None = None
+    normalize: bool = True
+    priority: Int64 = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not valid "
+                "Unicode text", {"where": where})
+        return data
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch as a list of inputs, each text or token ids."""
+        p = self.input
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif not p:
+            items = []
+        elif all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        if not items or any(len(x) == 0 for x in items):
+            raise InvalidRequestError("input must not be empty (nor hold an empty string or "
+                                      "an empty token list)", param="input",
+                                      code="invalid_value")
+        return items
+
+    def to_pooling_params(self) -> PoolingParams:
+        """The request's :class:`PoolingParams` (``dimensions`` checked there)."""
+        try:
+            return PoolingParams(pooling_type=self.pooling_type, normalize=self.normalize,
+                                 dimensions=self.dimensions)
+        except InvalidRequestError:
+            raise
+        except (TypeError, ValueError) as e:  # pragma: no cover - pydantic typed them
+            raise InvalidRequestError(str(e), param="dimensions", code="invalid_value") from e
+
+
+def count_inputs(data: Any) -> int:
+    """How many inputs an unvalidated embeddings body asks for (1 where not yet well
+    formed: validation reports that)."""
+    if not isinstance(data, dict):
+        return 1
+    value = data.get("input")
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return len(value)
+    return 1

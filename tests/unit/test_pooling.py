@@ -1,0 +1,138 @@
+"""Pooling pieces on the CPU: parameters, the built-in poolers across chunks, the
+finishing step (truncate, normalize), the scheduler finishing a pooling request and
+freeing its KV, bidirectional attention, and backend selection for encoders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lmkit.api import PoolingParams, Request, SamplingParams
+from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.config import LMKitConfig
+from lmkit.engine.core import model_attention_needs
+from lmkit.errors import InvalidRequestError, NoBackendError
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
+from lmkit.scheduler.paged import PagedScheduler
+from lmkit.worker.pooling import finalize
+from lmkit_plugins.poolers.builtin import AllPooler, CLSPooler, LastPooler, MeanPooler
+from transformers import BertConfig
+
+from test_torch_attention import DTYPE, make_metadata
+
+
+def test_pooling_params_validate_at_construction():
+    with pytest.raises(InvalidRequestError, match="dimensions must be a positive integer"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(InvalidRequestError, match="pooling_type must be a pooler name"):
+        PoolingParams(pooling_type="")
+
+
+@pytest.mark.parametrize("pooler_cls", [LastPooler, MeanPooler, CLSPooler, AllPooler])
+def test_chunks_pool_exactly_as_one_step(pooler_cls):
+    hidden = torch.randn(23, 8)
+    pooler = pooler_cls()
+    whole = pooler.pool(hidden)
+    state = pooler.start()
+    for start in range(0, 23, 5):
+        state = pooler.accumulate(state, hidden[start:start + 5], start)
+    assert torch.allclose(pooler.finish(state, 23), whole, atol=1e-6)
+    expected = {LastPooler: hidden[-1], MeanPooler: hidden.mean(0), CLSPooler: hidden[0],
+                AllPooler: hidden}[pooler_cls]
+    assert torch.allclose(whole, expected, atol=1e-6)
+
+
+def test_finalize_truncates_then_normalizes():
+    vec = torch.tensor([3.0, 4.0, 12.0])
+    assert finalize(vec, PoolingParams(dimensions=2)).tolist() == pytest.approx([0.6, 0.8])
+    assert finalize(vec, PoolingParams(normalize=False)).tolist() == [3.0, 4.0, 12.0]
+    per_token = finalize(torch.tensor([[3.0, 4.0], [0.0, 2.0]]), PoolingParams())
+    assert torch.allclose(per_token, torch.tensor([[0.6, 0.8], [0.0, 1.0]]))
+
+
+def _scheduler(**overrides) -> PagedScheduler:
+    config = LMKitConfig.model_validate({
+        "model": {"max_model_len": 128}, "cache": {"block_size": 4},
+        "scheduler": {"max_num_batched_tokens": 8, **overrides}})
+    return PagedScheduler(config, num_blocks=64)
+
+
+def _pooling_request(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=1), max_tokens=1,
+                   pooling_params=PoolingParams())
+
+
+def test_scheduler_chunks_a_pooling_prompt_then_finishes_it_and_frees_its_kv():
+    sched = _scheduler()
+    sched.add_request(_pooling_request("p", 19))
+    sched.add_request(Request("g", [5, 6, 7], SamplingParams(max_tokens=4), max_tokens=4))
+    chunks = []
+    for _ in range(3):  # 8 + 8 + 3 prompt tokens; nothing pooled before the last chunk
+        so = sched.schedule()
+        chunks.append(so.num_scheduled_tokens.get("p", 0))
+        sampled = [[9] if rid == "g" and sched.requests["g"].num_computed_tokens >= 3 else []
+                   for rid in so.num_scheduled_tokens]
+        out = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens),
+                                sampled_token_ids=sampled)
+        if sched.requests["p"].num_computed_tokens >= 19:
+            out.pooled = {"p": [1.0, 0.0]}
+        outs = sched.update_from_output(so, out)
+    assert chunks[0] + chunks[1] + chunks[2] == 19
+    assert [o.pooled for o in outs if o.request_id == "p"] == [[1.0, 0.0]]
+    assert [o.finish_reason for o in outs if o.request_id == "p"] == ["stop"]
+    assert "p" not in sched.requests and sched.requests["g"].num_output_tokens >= 1
+    sched.finish_requests("g", sched.requests["g"].status.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.usage == 0.0
+
+
+def test_pooling_requests_skip_the_prefix_cache():
+    sched = _scheduler(max_num_batched_tokens=64)
+    first = Request("a", list(range(1, 17)), SamplingParams(max_tokens=2), max_tokens=2)
+    sched.add_request(first)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[3]]))
+    sched.add_request(_pooling_request("p", 16))  # same prompt: its blocks are cached
+    so = sched.schedule()
+    assert so.num_scheduled_tokens["p"] == 16  # every position computed for the pooler
+
+
+def test_non_causal_attention_sees_every_key_of_its_request():
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+
+    block = 4
+    attn = TorchAttention(num_heads=2, num_kv_heads=2, head_size=8, scale=8 ** -0.5,
+                          dtype=DTYPE, device=torch.device("cpu"), block_size=block,
+                          causal=False)
+    lens = [5, 3, 1]
+    tables = [[1, 2], [3], [4]]
+    attn.plan(make_metadata([(0, n) for n in lens], block, tables))
+    total = sum(lens)
+    q, k, v = (torch.randn(total, 2, 8, dtype=DTYPE) for _ in range(3))
+    cache = torch.zeros(attn.kv_cache_shape(8), dtype=DTYPE)
+    out = attn.run(0, q, k, v, cache)
+    start = 0
+    for n in lens:
+        s = slice(start, start + n)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), scale=8 ** -0.5)
+        assert torch.allclose(out[s], ref.transpose(0, 1), atol=1e-5)
+        start += n
+
+
+def _bert() -> BertConfig:
+    return BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                      num_hidden_layers=1, vocab_size=100, architectures=["BertModel"])
+
+
+def test_encoders_need_non_causal_attention_and_other_backends_are_refused():
+    host = PluginHost.load()
+    needs = model_attention_needs(host, _bert())
+    assert "non_causal" in needs.features
+    config = LMKitConfig.model_validate({"executor": {"device": "cpu"}})
+    assert resolve_stack(config, host, needs).get("attention").name in ("cpu", "torch")
+    named = LMKitConfig.model_validate({"executor": {"device": "cpu"},
+                                        "attention": {"backend": "triton"}})
+    with pytest.raises(NoBackendError, match="does not support non_causal"):
+        resolve_stack(named, host, needs)
+    assert "does not support non_causal" in " ".join(
+        host.registry.get("attention", "flashinfer").spec.why_not(needs))

@@ -44,6 +44,17 @@ class _Group:
 
 
 @dataclass
+class _BidirectionalPlan:
+    """A non-causal step in which every request's keys are all this step's tokens."""
+
+    num_reqs: int
+    max_query_len: int
+    rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
+    valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
+    mask: torch.Tensor | None  # bool [num_reqs, 1, heads_per_kv * max_q, max_q]
+
+
+@dataclass
 class _Plan:
     num_tokens: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]
@@ -73,6 +84,7 @@ class TorchAttention(AttentionBackend):
                              f"num_kv_heads={self.num_kv_heads}")
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self._plan: _Plan | None = None
+        self._bidirectional: _BidirectionalPlan | None = None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
@@ -85,6 +97,12 @@ class TorchAttention(AttentionBackend):
         md = metadata
         num_tokens = md.num_actual_tokens
         seq_lens = md.seq_lens_cpu[: md.num_reqs].numpy().astype(np.int64)
+        self._bidirectional = None
+        if not self.causal and int(seq_lens.sum()) == num_tokens > 0:
+            # an encoder's step: every key is this step's, so attend straight from k/v
+            self._bidirectional = self._plan_bidirectional(md, seq_lens)
+            self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], [], False)
+            return
         if num_tokens == md.num_reqs > 0:  # decodes only (one token each): one group, in order
             self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens],
                                [self._plan_decodes(md, seq_lens)], covers_all=True)
@@ -99,6 +117,23 @@ class TorchAttention(AttentionBackend):
         covers_all = (len(groups) == 1 and groups[0].valid_rows is None
                       and groups[0].query_rows == slice(0, num_tokens))
         self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
+
+    def _plan_bidirectional(self, md: AttentionMetadata, lens: np.ndarray
+                            ) -> _BidirectionalPlan:
+        """Rows padding each request to the longest, and the key-length mask."""
+        device = md.block_tables.device
+        num_reqs, max_q = md.num_reqs, int(lens.max())
+        if num_reqs == 1 or bool((lens == max_q).all()):
+            return _BidirectionalPlan(num_reqs, max_q, slice(0, num_reqs * max_q), None, None)
+        starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
+        offsets = np.arange(max_q)
+        padded = starts[:, None] + np.minimum(offsets[None, :], lens[:, None] - 1)
+        valid = (offsets[None, :] < lens[:, None]).reshape(-1)
+        allowed = torch.from_numpy(offsets[None, :] < lens[:, None]).to(device)  # [R, max_q]
+        mask = allowed[:, None, None, :].expand(num_reqs, 1, self.heads_per_kv * max_q, max_q)
+        return _BidirectionalPlan(num_reqs, max_q,
+                                  torch.from_numpy(padded.reshape(-1)).to(device),
+                                  torch.from_numpy(np.flatnonzero(valid)).to(device), mask)
 
     def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
         """:meth:`_plan_group` for a step whose every request decodes one token (the
@@ -189,6 +224,8 @@ class TorchAttention(AttentionBackend):
         if plan is None:
             raise RuntimeError("TorchAttention.run() called before plan() for this step")
         n = plan.num_tokens
+        if self._bidirectional is not None:  # (no K/V write: nothing reads an encoder's KV)
+            return self._attend_bidirectional(self._bidirectional, q[:n], k[:n], v[:n])
         if k.shape[0] != n:  # padded (CUDA graph) inputs: only the first n rows are tokens
             k, v = k[:n], v[:n]
         # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d] at the slots
@@ -207,6 +244,24 @@ class TorchAttention(AttentionBackend):
             else:
                 out.index_copy_(0, group.out_rows, o)
         return out
+
+    def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor) -> torch.Tensor:
+        """Every request's queries over all of its keys, from this step's k/v."""
+        r, max_q, hkv, gq, d = (b.num_reqs, b.max_query_len, self.num_kv_heads,
+                                self.heads_per_kv, self.head_size)
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x[b.rows] if isinstance(b.rows, slice) else x.index_select(0, b.rows)
+
+        query = (rows(q).reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
+                 .reshape(r, hkv, gq * max_q, d))
+        key = rows(k).reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
+        value = rows(v).reshape(r, max_q, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=b.mask, scale=self.scale)
+        o = (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
+             .reshape(r * max_q, self.num_heads, d))
+        return o if b.valid_rows is None else o.index_select(0, b.valid_rows)
 
     def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""

@@ -16,9 +16,8 @@ from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.scheduler.paged import PagedScheduler
 from lmkit.worker.pooling import finalize
 from lmkit_plugins.poolers.builtin import AllPooler, CLSPooler, LastPooler, MeanPooler
-from transformers import BertConfig
-
 from test_torch_attention import DTYPE, make_metadata
+from transformers import BertConfig
 
 
 def test_pooling_params_validate_at_construction():

@@ -41,10 +41,11 @@ class PoolingOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    data: list[float] | list[list[float]]
+    data: list[Any]  # floats, or one list of floats per token
 
     @property
-    def embedding(self) -> list[float] | list[list[float]]:
+    def embedding(self) -> list[Any]:
+        """``data`` under the name embedding APIs use."""
         return self.data
 
 

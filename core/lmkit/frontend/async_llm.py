@@ -307,7 +307,9 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         for collector in list(self._collectors.values()):
             collector.fail(error)
-        for fut in (*self._stats_waiters.values(), *self._pooling.values()):
+        futures: list[asyncio.Future[Any]] = [*self._stats_waiters.values(),
+                                              *self._pooling.values()]
+        for fut in futures:
             if not fut.done():
                 fut.set_exception(error)
 

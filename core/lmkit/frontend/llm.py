@@ -206,6 +206,10 @@ class LLM:
             for prompt in items:
                 rids.append(self.pooling.submit(str(next(self._ids)), prompt, params))
             while any(rid in self.pooling.pending for rid in rids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine finished without the pooling results of "
+                                       "requests " + ", ".join(
+                                           r for r in rids if r in self.pooling.pending))
                 self._step()
         except BaseException:
             self.pooling.abort(rids)

@@ -39,7 +39,9 @@ class PoolingFrontend:
     def take_pooled(self, outputs: list[EngineCoreOutput]) -> None:
         """Keep the pooled results among one step's outputs."""
         for out in outputs:
-            ids = self.pending.pop(out.request_id, None) if out.pooled is not None else None
+            if out.pooled is None:
+                continue
+            ids = self.pending.pop(out.request_id, None)
             if ids is not None:
                 self.results[out.request_id] = PoolingOutput(out.request_id, ids, out.pooled)
 

@@ -100,3 +100,14 @@ def test_encoder_refuses_generation_and_unknown_poolers(llm):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stack.get("attention").name in ("cpu", "torch")
     assert llm.engine.config.scheduler.enable_chunked_prefill is False
+
+
+def test_score_is_the_cosine_and_maxsim_for_token_vectors(llm):
+    emb = torch.tensor([o.embedding for o in llm.embed(SENTENCES[:3])])
+    scores = llm.score(SENTENCES[0], SENTENCES[:3])
+    assert scores == pytest.approx((emb @ emb[0]).tolist(), abs=1e-5)
+    maxsim = llm.score(SENTENCES[0], [SENTENCES[0], SENTENCES[3]],
+                       PoolingParams(pooling_type="all"))
+    num_tokens = len(llm.tokenizer.encode(SENTENCES[0]))
+    assert maxsim[0] == pytest.approx(num_tokens, abs=1e-4)  # every token finds itself
+    assert maxsim[1] < maxsim[0]

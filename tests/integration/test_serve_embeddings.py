@@ -115,3 +115,28 @@ def test_generation_on_an_encoder_is_a_400(server):
                       json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "model_cannot_generate"
+
+
+def test_score_and_rerank(server, offline):
+    cos = offline @ offline.T  # unit vectors: cosine is the dot product
+    resp = httpx.post(f"{server.url}/score", timeout=60,
+                      json={"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS})
+    assert resp.status_code == 200, resp.text
+    scores = [d["score"] for d in resp.json()["data"]]
+    assert scores == pytest.approx(list(cos[0]), abs=1e-5) and scores[0] == pytest.approx(1.0)
+    pairwise = httpx.post(f"{server.url}/v1/score", timeout=60, json={
+        "model": MODEL, "text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()["data"]
+    assert [d["score"] for d in pairwise] == pytest.approx([cos[0, 1], cos[1, 2]], abs=1e-5)
+    resp = httpx.post(f"{server.url}/rerank", timeout=60, json={
+        "model": MODEL, "query": "Someone is having a meal.", "documents": TEXTS, "top_n": 2})
+    assert resp.status_code == 200, resp.text
+    results = resp.json()["results"]
+    assert len(results) == 2 and results[0]["index"] == 0  # the eating sentence first
+    assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert results[0]["document"] == {"text": TEXTS[0]}
+    bad = httpx.post(f"{server.url}/v2/rerank", timeout=60,
+                     json={"model": MODEL, "query": "q", "documents": []})
+    assert bad.status_code == 400
+    mismatch = httpx.post(f"{server.url}/score", timeout=60, json={
+        "model": MODEL, "text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
+    assert mismatch.status_code == 400 and mismatch.json()["error"]["param"] == "text_2"

@@ -135,3 +135,19 @@ def test_encoders_need_non_causal_attention_and_other_backends_are_refused():
         resolve_stack(named, host, needs)
     assert "does not support non_causal" in " ".join(
         host.registry.get("attention", "flashinfer").spec.why_not(needs))
+
+
+def test_scoring_pairs_cosine_and_maxsim():
+    from lmkit.frontend.scoring import pair_texts, score
+
+    assert pair_texts("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert pair_texts(["a", "b"], ["c", "d"]) == [("a", "c"), ("b", "d")]
+    with pytest.raises(InvalidRequestError, match="same length"):
+        pair_texts(["a", "b"], ["c", "d", "e"])
+    assert score([1.0, 0.0], [2.0, 0.0]) == pytest.approx(1.0)
+    assert score([1.0, 0.0], [0.0, 3.0]) == pytest.approx(0.0)
+    q = [[1.0, 0.0], [0.0, 1.0]]
+    assert score(q, [[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]) == pytest.approx(2.0)
+    assert score(q, [[1.0, 1.0]]) == pytest.approx(2 * 2 ** -0.5)
+    with pytest.raises(InvalidRequestError, match="cannot score"):
+        score([1.0, 0.0], [1.0, 0.0, 0.0])

@@ -200,6 +200,19 @@ class LLM:
         return self._pool(as_prompt_list(prompts),
                           PoolingParams(pooling_type="classify", normalize=False))
 
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              pooling_params: PoolingParams | None = None) -> list[float]:
+        """Similarity of text pairs: ``text_1`` against each of ``text_2`` (or two lists
+        pairwise), as the cosine of their embeddings; with ``pooling_type='all'``,
+        late-interaction MaxSim over per-token vectors (ColBERT-style)."""
+        from lmkit.frontend.scoring import pair_texts, score
+
+        pairs = pair_texts(text_1, text_2)
+        unique = list(dict.fromkeys(t for pair in pairs for t in pair))
+        outputs = self.embed(unique, pooling_params)
+        by_text = {t: o.data for t, o in zip(unique, outputs, strict=True)}
+        return [score(by_text[a], by_text[b]) for a, b in pairs]
+
     def _pool(self, items: list[Prompt], params: PoolingParams) -> list[PoolingOutput]:
         rids: list[str] = []
         try:

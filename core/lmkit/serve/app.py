@@ -107,6 +107,7 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
     from lmkit.serve.routes_chat import router as chat_router
     from lmkit.serve.routes_completions import router as completions_router
     from lmkit.serve.routes_embeddings import router as embeddings_router
+    from lmkit.serve.routes_scoring import router as scoring_router
 
     server = config.server
     served = server.served_model_name or config.model.model
@@ -163,6 +164,7 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(embeddings_router)
+    app.include_router(scoring_router)
     _add_middleware(app, config)
     return app
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmkit.api.pooling import PoolingParams
@@ -65,6 +65,45 @@ class EmbeddingRequest(_Body):
             raise
         except (TypeError, ValueError) as e:  # pragma: no cover - pydantic typed them
             raise InvalidRequestError(str(e), param="dimensions", code="invalid_value") from e
+
+
+class _PoolingFields(_Body):
+    model: str
+    pooling_type: str | None = None
+    normalize: bool = True
+    priority: Int64 = 0
+
+    def to_pooling_params(self) -> PoolingParams:
+        """The :class:`PoolingParams` both texts of a pair are pooled with."""
+        return PoolingParams(pooling_type=self.pooling_type, normalize=self.normalize)
+
+
+class ScoreRequest(_PoolingFields):
+    """``POST /score`` (vLLM's shape): ``text_1`` against each of ``text_2``, or two
+    lists pairwise; the score is the cosine of the embeddings (MaxSim over per-token
+    vectors with ``pooling_type: all``)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_PoolingFields):
+    """``POST /rerank`` (Jina/Cohere shape): ``documents`` ranked by relevance to
+    ``query``; ``top_n`` keeps the best N, ``return_documents`` echoes their text."""
+
+    query: str = Field(min_length=1)
+    documents: list[str] = Field(min_length=1)
+    top_n: Int64 | None = Field(None, ge=1)
+    return_documents: bool = True
+
+
+def count_texts(data: Any, *keys: str) -> int:
+    """How many texts an unvalidated scoring body names under ``keys`` (before it is
+    validated, so that a huge batch is refused at once)."""
+    if not isinstance(data, dict):
+        return 1
+    return sum(len(v) if isinstance(v, list) else 1 for k in keys
+               if (v := data.get(k)) is not None) or 1
 
 
 def count_inputs(data: Any) -> int:

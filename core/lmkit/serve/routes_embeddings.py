@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from lmkit.api.outputs import PoolingOutput
-from lmkit.serve.app import get_state
+from lmkit.api.pooling import PoolingParams
+from lmkit.serve.app import ServerState, get_state
 from lmkit.serve.handler import CLIENT_CLOSED_REQUEST, created_now
 from lmkit.serve.protocol_pooling import EmbeddingRequest, count_inputs
 from lmkit.serve.request_body import read_json, validate
@@ -57,15 +59,25 @@ async def create_embedding(request: Request) -> Response:
     state.check_model(body.model)
     inputs = body.inputs()
     params = body.to_pooling_params()  # 400s need no engine
+    outputs = await pool_all(request, state, inputs, params, body.priority, "embd")
+    if isinstance(outputs, Response):
+        return outputs
+    return JSONResponse(embedding_response(outputs, body.model, body.encoding_format))
+
+
+async def pool_all(request: Request, state: ServerState, inputs: Sequence[str | list[int]],
+                   params: PoolingParams, priority: int, prefix: str
+                   ) -> list[PoolingOutput] | Response:
+    """Run one pooling request per input under admission; the outputs in order, or the
+    499 response when the client left (its requests are aborted)."""
     llm = state.require_llm()
     admission = state.admission.admit(len(inputs))
-    rid = f"embd-{uuid.uuid4().hex}"
+    rid = f"{prefix}-{uuid.uuid4().hex}"
     try:
-        calls = [llm.embed(text, params, request_id=f"{rid}-{i}", priority=body.priority)
+        calls = [llm.embed(text, params, request_id=f"{rid}-{i}", priority=priority)
                  for i, text in enumerate(inputs)]
-        outputs = await until_disconnect(request, asyncio.gather(*calls))
+        return list(await until_disconnect(request, asyncio.gather(*calls)))
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         admission.release()
-    return JSONResponse(embedding_response(outputs, body.model, body.encoding_format))

@@ -1,0 +1,50 @@
+"""Scores between texts from their pooled outputs: cosine similarity of embeddings
+(bi-encoders), or late-interaction MaxSim for per-token (``all``) outputs, as ColBERT
+scores a query against a document."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lmkit.errors import InvalidRequestError
+
+
+def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]
+               ) -> list[tuple[str, str]]:
+    """The pairs to score: one text against each of a list, or two lists pairwise.
+
+    :raises InvalidRequestError: empty lists, or two lists of different lengths.
+    """
+    left = [text_1] if isinstance(text_1, str) else list(text_1)
+    right = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not left or not right:
+        raise InvalidRequestError("text_1 and text_2 must not be empty", param="text_1",
+                                  code="invalid_value")
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise InvalidRequestError(
+            f"text_1 has {len(left)} texts and text_2 {len(right)}; give one text_1 to score "
+            "against every text_2, or two lists of the same length", param="text_2",
+            code="invalid_value")
+    return list(zip(left, right, strict=True))
+
+
+def score(a: Any, b: Any) -> float:
+    """Cosine similarity of two vectors, or MaxSim of two per-token matrices (each
+    query token's best cosine over the document's tokens, summed)."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.ndim == 2 and y.ndim == 2:
+        x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+        y = y / np.maximum(np.linalg.norm(y, axis=1, keepdims=True), 1e-12)
+        return float((x @ y.T).max(axis=1).sum())
+    if x.ndim != 1 or y.ndim != 1 or x.shape != y.shape:
+        raise InvalidRequestError(
+            f"cannot score outputs of shapes {x.shape} and {y.shape}; scoring needs one "
+            "vector per text (or per-token vectors with pooling_type 'all')",
+            param="pooling_type", code="invalid_value")
+    norm = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return float(x @ y) / max(norm, 1e-12)

@@ -1,0 +1,80 @@
+"""``POST /score`` and ``POST /rerank``: similarity of texts from their embeddings.
+
+Both pool every distinct text once (one pooling request each, beside generation) and
+score pairs with :func:`lmkit.frontend.scoring.score`: the cosine of the embeddings, or
+late-interaction MaxSim over per-token vectors with ``pooling_type: all``. ``/score``
+follows vLLM's shape, ``/rerank`` Jina's and Cohere's (also at ``/v1/rerank`` and
+``/v2/rerank``). Limits and errors are the other endpoints'.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from lmkit.frontend.scoring import pair_texts, score
+from lmkit.serve.app import get_state
+from lmkit.serve.handler import created_now
+from lmkit.serve.protocol_pooling import RerankRequest, ScoreRequest, count_texts
+from lmkit.serve.request_body import read_json, validate
+from lmkit.serve.routes_embeddings import pool_all
+
+router = APIRouter()
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def create_score(request: Request) -> Response:
+    """Score ``text_1`` against ``text_2`` (one against many, or pairwise)."""
+    state = get_state(request)
+    data = await read_json(request)
+    state.check_fan_out(count_texts(data, "text_1", "text_2"), 1, param="text_2")
+    body = validate(ScoreRequest, data)
+    state.check_model(body.model)
+    pairs = pair_texts(body.text_1, body.text_2)
+    unique = list(dict.fromkeys(t for pair in pairs for t in pair))
+    outputs = await pool_all(request, state, unique, body.to_pooling_params(), body.priority,
+                             "score")
+    if isinstance(outputs, Response):
+        return outputs
+    by_text = {t: o for t, o in zip(unique, outputs, strict=True)}
+    num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return JSONResponse({
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": created_now(),
+        "model": body.model,
+        "data": [{"index": i, "object": "score", "score": score(by_text[a].data, by_text[b].data)}
+                 for i, (a, b) in enumerate(pairs)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    })
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: Request) -> Response:
+    """Rank ``documents`` by relevance to ``query``, best first."""
+    state = get_state(request)
+    data = await read_json(request)
+    state.check_fan_out(count_texts(data, "query", "documents"), 1, param="documents")
+    body = validate(RerankRequest, data)
+    state.check_model(body.model)
+    texts = [body.query, *body.documents]
+    outputs = await pool_all(request, state, texts, body.to_pooling_params(), body.priority,
+                             "rerank")
+    if isinstance(outputs, Response):
+        return outputs
+    query, docs = outputs[0], outputs[1:]
+    results: list[dict[str, Any]] = [
+        {"index": i, "relevance_score": score(query.data, d.data)} for i, d in enumerate(docs)]
+    results.sort(key=lambda r: -r["relevance_score"])
+    if body.top_n is not None:
+        results = results[:body.top_n]
+    if body.return_documents:
+        for r in results:
+            r["document"] = {"text": body.documents[r["index"]]}
+    num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
+                         "results": results, "usage": {"total_tokens": num_tokens}})

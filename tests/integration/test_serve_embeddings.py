@@ -140,3 +140,9 @@ def test_score_and_rerank(server, offline):
     mismatch = httpx.post(f"{server.url}/score", timeout=60, json={
         "model": MODEL, "text_1": ["a", "b"], "text_2": ["a", "b", "c"]})
     assert mismatch.status_code == 400 and mismatch.json()["error"]["param"] == "text_2"
+
+
+def test_classify_without_a_head_is_a_400(server):
+    resp = httpx.post(f"{server.url}/classify", json={"model": MODEL, "input": "x"}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "no classification head" in resp.json()["error"]["message"]

@@ -41,30 +41,12 @@ class EmbeddingRequest(_Body):
 
     def inputs(self) -> list[str | list[int]]:
         """The batch as a list of inputs, each text or token ids."""
-        p = self.input
-        if isinstance(p, str):
-            items: list[Any] = [p]
-        elif not p:
-            items = []
-        elif all(isinstance(x, int) for x in p):
-            items = [list(p)]
-        else:
-            items = list(p)
-        if not items or any(len(x) == 0 for x in items):
-            raise InvalidRequestError("input must not be empty (nor hold an empty string or "
-                                      "an empty token list)", param="input",
-                                      code="invalid_value")
-        return items
+        return split_inputs(self.input)
 
     def to_pooling_params(self) -> PoolingParams:
         """The request's :class:`PoolingParams` (``dimensions`` checked there)."""
-        try:
-            return PoolingParams(pooling_type=self.pooling_type, normalize=self.normalize,
-                                 dimensions=self.dimensions)
-        except InvalidRequestError:
-            raise
-        except (TypeError, ValueError) as e:  # pragma: no cover - pydantic typed them
-            raise InvalidRequestError(str(e), param="dimensions", code="invalid_value") from e
+        return PoolingParams(pooling_type=self.pooling_type, normalize=self.normalize,
+                             dimensions=self.dimensions)
 
 
 class _PoolingFields(_Body):
@@ -76,6 +58,21 @@ class _PoolingFields(_Body):
     def to_pooling_params(self) -> PoolingParams:
         """The :class:`PoolingParams` both texts of a pair are pooled with."""
         return PoolingParams(pooling_type=self.pooling_type, normalize=self.normalize)
+
+
+class ClassifyRequest(_PoolingFields):
+    """``POST /classify`` (vLLM's shape): class probabilities of each input from the
+    model's classification head."""
+
+    input: Prompt
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch as a list of inputs (as :meth:`EmbeddingRequest.inputs`)."""
+        return split_inputs(self.input)
+
+    def to_pooling_params(self) -> PoolingParams:
+        """``classify`` (probabilities, not normalized vectors)."""
+        return PoolingParams(pooling_type="classify", normalize=False)
 
 
 class ScoreRequest(_PoolingFields):
@@ -95,6 +92,25 @@ class RerankRequest(_PoolingFields):
     documents: list[str] = Field(min_length=1)
     top_n: Int64 | None = Field(None, ge=1)
     return_documents: bool = True
+
+
+def split_inputs(value: Any) -> list[str | list[int]]:
+    """An ``input`` field as a list of inputs, each text or token ids.
+
+    :raises InvalidRequestError: no input, or an empty string or token list among them.
+    """
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif not value:
+        items = []
+    elif all(isinstance(x, int) for x in value):
+        items = [list(value)]
+    else:
+        items = list(value)
+    if not items or any(len(x) == 0 for x in items):
+        raise InvalidRequestError("input must not be empty (nor hold an empty string or "
+                                  "an empty token list)", param="input", code="invalid_value")
+    return items
 
 
 def count_texts(data: Any, *keys: str) -> int:

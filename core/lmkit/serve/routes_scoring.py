@@ -1,4 +1,5 @@
-"""``POST /score`` and ``POST /rerank``: similarity of texts from their embeddings.
+"""``POST /score`` and ``POST /rerank``: similarity of texts from their embeddings;
+``POST /classify``: class probabilities from a classification head.
 
 Both pool every distinct text once (one pooling request each, beside generation) and
 score pairs with :func:`lmkit.frontend.scoring.score`: the cosine of the embeddings, or
@@ -9,6 +10,7 @@ follows vLLM's shape, ``/rerank`` Jina's and Cohere's (also at ``/v1/rerank`` an
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
@@ -18,7 +20,13 @@ from starlette.responses import JSONResponse, Response
 from lmkit.frontend.scoring import pair_texts, score
 from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now
-from lmkit.serve.protocol_pooling import RerankRequest, ScoreRequest, count_texts
+from lmkit.serve.protocol_pooling import (
+    ClassifyRequest,
+    RerankRequest,
+    ScoreRequest,
+    count_inputs,
+    count_texts,
+)
 from lmkit.serve.request_body import read_json, validate
 from lmkit.serve.routes_embeddings import pool_all
 
@@ -78,3 +86,43 @@ async def create_rerank(request: Request) -> Response:
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
                          "results": results, "usage": {"total_tokens": num_tokens}})
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def create_classification(request: Request) -> Response:
+    """Class probabilities of each input (a model with a classification head)."""
+    state = get_state(request)
+    data = await read_json(request)
+    state.check_fan_out(count_inputs(data), 1, param="input")
+    body = validate(ClassifyRequest, data)
+    state.check_model(body.model)
+    inputs = body.inputs()
+    outputs = await pool_all(request, state, inputs, body.to_pooling_params(), body.priority,
+                             "classify")
+    if isinstance(outputs, Response):
+        return outputs
+    labels = _labels(state.require_llm().ready.model_dir)
+    num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    data_out = []
+    for i, o in enumerate(outputs):
+        best = max(range(len(o.data)), key=o.data.__getitem__)
+        data_out.append({"index": i, "object": "classification",
+                         "label": labels.get(best, f"LABEL_{best}"), "probs": o.data,
+                         "num_classes": len(o.data)})
+    return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                         "created": created_now(), "model": body.model, "data": data_out,
+                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+@functools.cache
+def _labels(model_dir: str) -> dict[int, str]:
+    """The model's ``id2label`` (config.json), read once."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}

@@ -19,6 +19,12 @@ def register_models(register):
         description="BERT-style encoders with bidirectional attention (all-MiniLM-L6-v2, "
                     "BGE, E5): embeddings only.",
     ))
+    register(Spec(
+        name="BertForSequenceClassification",
+        target="lmkit_plugins.models.bert:BertForSequenceClassification",
+        description="BERT encoders with a sequence-classification head (class "
+                    "probabilities through the classify pooler).",
+    ))
 
 
 @hookimpl

@@ -6,6 +6,8 @@ all-MiniLM-L6-v2, BGE and E5 checkpoints are ``BertModel`` s. The model declares
 an attention backend with the ``non_causal`` feature, runs each prompt whole in one step
 (no chunking, no prefix cache) and refuses generation requests. Tokens are packed along
 one axis (no batch axis, no padding); every token has token type 0 (one segment).
+``BertForSequenceClassification`` adds the classification head (``[CLS]``, the pooler's
+dense + tanh, the classifier): its default pooler is ``classify``.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class BertModel(nn.Module):
     """A BERT encoder over packed tokens; ``forward`` returns the last hidden states."""
 
     pooling = ModelPooling(default_pooler="cls", causal=False, generates=False)
+    has_head = False  # BertForSequenceClassification: the pooler and classifier are used
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -200,7 +203,7 @@ class BertModel(nn.Module):
             key = name.removeprefix("bert.")
             load = targets.get(key)
             if load is None:
-                if key.endswith(_IGNORED) or key.startswith("pooler."):
+                if key.endswith(_IGNORED) or (key.startswith("pooler.") and not self.has_head):
                     continue
                 unexpected.append(name)
                 continue
@@ -213,3 +216,33 @@ class BertModel(nn.Module):
         if missing or unexpected:
             raise ModelLoadError(_describe_mismatch(missing, unexpected))
         return loaded
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT encoder with its sequence-classification head: ``[CLS]`` -> dense + tanh
+    (HF's ``bert.pooler``) -> ``classifier`` -> one logit per label."""
+
+    pooling = ModelPooling(default_pooler="classify", causal=False, generates=False,
+                           classifier_pooler="cls")
+    has_head = True
+
+    def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
+        super().__init__(hf_config, ctx)
+        h = self.dims.hidden_size
+        num_labels = int(getattr(hf_config, "num_labels", 0) or len(hf_config.id2label))
+        kw = {"dtype": ctx.dtype, "device": torch.device(ctx.device)}
+        self.pooler_dense = Linear(h, {"weight": h}, bias=True, **kw)
+        self.classifier = Linear(h, {"weight": num_labels}, bias=True, **kw)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` ([CLS] states) -> logits ``[n, num_labels]``."""
+        return self.classifier.forward(torch.tanh(self.pooler_dense.forward(pooled)))
+
+    def _weight_targets(self) -> dict[str, Callable[[torch.Tensor], None]]:
+        targets = super()._weight_targets()
+        for prefix, layer in (("pooler.dense", self.pooler_dense),
+                              ("classifier", self.classifier)):
+            targets[f"{prefix}.weight"] = lambda t, layer=layer: layer.load_shard(
+                "weight", weight=t)
+            targets[f"{prefix}.bias"] = lambda t, layer=layer: layer.load_shard("weight", bias=t)
+        return targets

@@ -81,3 +81,29 @@ def test_generation_unchanged_beside_embeddings(qwen3):
     assert mixed == alone
     for got, ref in zip(pooled, expected, strict=True):
         assert torch.allclose(torch.tensor(got), torch.tensor(ref), atol=1e-5)
+
+
+def test_headless_qwen3_model_export_embeds(tmp_path):
+    """A bare ``Qwen3Model`` (no ``model.`` prefix, no LM head), as Qwen3-Embedding ships."""
+    from lmkit.errors import InvalidRequestError
+    from transformers import AutoModel, Qwen3Config
+
+    config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+                         tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = AutoModel.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    make_byte_tokenizer().save_pretrained(tmp_path)
+    with LLM(str(tmp_path), progress=False) as llm:
+        assert llm.engine.architecture == "Qwen3Model"
+        out = llm.embed(TEXTS[:2])
+        for text, o in zip(TEXTS[:2], out, strict=True):
+            ids = torch.tensor([llm.tokenizer.encode(text)])
+            with torch.no_grad():
+                ref = model(input_ids=ids).last_hidden_state[0, -1]
+            ref = torch.nn.functional.normalize(ref, dim=0)
+            assert torch.allclose(torch.tensor(o.embedding), ref, atol=1e-4)
+        with pytest.raises(InvalidRequestError, match="cannot generate"):
+            llm.generate("hello")

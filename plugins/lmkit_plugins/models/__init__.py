@@ -15,6 +15,12 @@ def register_models(register):
         description="Llama 2/3 (llama3 RoPE scaling), Mistral, Qwen2, Qwen3, SmolLM2.",
     ))
     register(Spec(
+        name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
+        aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
+        description="The Llama family without a language-model head (e.g. a Qwen3Model "
+                    "export): embeddings by last-token pooling.",
+    ))
+    register(Spec(
         name="BertModel", target="lmkit_plugins.models.bert:BertModel",
         description="BERT-style encoders with bidirectional attention (all-MiniLM-L6-v2, "
                     "BGE, E5): embeddings only.",

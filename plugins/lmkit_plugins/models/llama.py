@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
                                       dims.head_dim, device)
         self.model = LlamaModel(dims, self.rotary, dtype, device)
         self._fused_ops = fused_ops_enabled(device, dtype)
-        self.lm_head = None if dims.tie_word_embeddings else Linear(
+        self.lm_head = None if dims.tie_word_embeddings or not self.pooling.generates else Linear(
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
@@ -317,6 +317,8 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors, fusing q/k/v and gate/up; return the names used.
 
         A tied model ignores a checkpoint's ``lm_head.weight`` (it is the embedding).
+        Names without the ``model.`` prefix (a bare ``Qwen3Model`` / ``LlamaModel``
+        export, as Qwen3-Embedding ships) load as the prefixed ones.
 
         Raises:
             ModelLoadError: tensors the model needs are missing, the checkpoint has
@@ -327,6 +329,9 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
         for name, tensor in weights:
             load = targets.get(name)
+            if load is None and f"model.{name}" in targets:
+                name = f"model.{name}"
+                load = targets[name]
             if load is None:
                 if name.endswith(_IGNORED_SUFFIXES) or (
                         name == "lm_head.weight" and self.lm_head is None):
@@ -357,3 +362,14 @@ def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 1
     parts.append("Check that config.json belongs to these weights (architecture, layer count, "
                  "tie_word_embeddings).")
     return "\n  ".join(parts)
+
+
+class LlamaEmbeddingModel(LlamaForCausalLM):
+    """A Llama-family model exported without its language-model head (``Qwen3Model``,
+    ``LlamaModel``, ...): embeddings only, by last-token pooling."""
+
+    pooling = ModelPooling(default_pooler="last", generates=False)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """No language-model head (the engine refuses generation first)."""
+        raise RuntimeError(f"{type(self).__name__} has no language-model head; it only pools")

@@ -71,6 +71,15 @@ class StepPhases:
 
     def __init__(self, phases: Iterable[StepPhase]) -> None:
         self.phases: tuple[StepPhase, ...] = tuple(phases)
+        # per step point, only the phases that override it: a phase that acts only when
+        # requests arrive (pooling checks) costs the step nothing
+        self._before = self._overriding("before_schedule")
+        self._after_schedule = self._overriding("after_schedule")
+        self._after_output = self._overriding("after_model_output")
+
+    def _overriding(self, point: str) -> tuple[StepPhase, ...]:
+        base = getattr(StepPhase, point)
+        return tuple(p for p in self.phases if getattr(type(p), point, base) is not base)
 
     def add_request(self, request: Request) -> None:
         """Every phase's :meth:`StepPhase.add_request`, in order."""
@@ -84,19 +93,19 @@ class StepPhases:
 
     def before_schedule(self) -> None:
         """Every phase's :meth:`StepPhase.before_schedule`."""
-        for phase in self.phases:
+        for phase in self._before:
             phase.before_schedule()
 
     def after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Every phase's :meth:`StepPhase.after_schedule`."""
-        for phase in self.phases:
+        for phase in self._after_schedule:
             phase.after_schedule(scheduler_output)
 
     def after_model_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput,
                            outputs: list[EngineCoreOutput]) -> None:
         """Every phase's :meth:`StepPhase.after_model_output`."""
-        for phase in self.phases:
+        for phase in self._after_output:
             phase.after_model_output(scheduler_output, runner_output, outputs)
 
     def take_rejected(self) -> list[tuple[str, InvalidRequestError]]:

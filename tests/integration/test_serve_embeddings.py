@@ -146,3 +146,17 @@ def test_classify_without_a_head_is_a_400(server):
     resp = httpx.post(f"{server.url}/classify", json={"model": MODEL, "input": "x"}, timeout=60)
     assert resp.status_code == 400, resp.text
     assert "no classification head" in resp.json()["error"]["message"]
+
+
+def test_pooling_requests_are_counted_in_metrics(server):
+    import time
+
+    httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL, "input": "x"}, timeout=60)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        line = [m for m in metrics.splitlines() if m.startswith("lmkit_num_pooling_requests")]
+        if line and float(line[0].split()[-1]) > 0:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no lmkit_num_pooling_requests in /metrics: {line}")

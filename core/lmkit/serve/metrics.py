@@ -40,6 +40,8 @@ _ENGINE_GAUGES = (
 _ENGINE_COUNTERS = (
     ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
      ("num_preemptions", "preemptions")),
+    ("lmkit_num_pooling_requests", "Pooling requests (embeddings, scores, classes) accepted "
+     "since start.", ("num_pooling_requests",)),
     ("lmkit_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
      ("prefix_cache_queries",)),
     ("lmkit_prefix_cache_hits", "Prompt tokens found in the prefix cache.",

@@ -95,26 +95,33 @@ def test_pooling_requests_skip_the_prefix_cache():
     assert so.num_scheduled_tokens["p"] == 16  # every position computed for the pooler
 
 
-def test_non_causal_attention_sees_every_key_of_its_request():
+@pytest.mark.parametrize("per_request", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("lens", [[5, 3, 1], [4, 4], [7]])
+def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, per_request):
     from lmkit_plugins.attention.torch_ref import TorchAttention
 
-    block = 4
-    attn = TorchAttention(num_heads=2, num_kv_heads=2, head_size=8, scale=8 ** -0.5,
-                          dtype=DTYPE, device=torch.device("cpu"), block_size=block,
-                          causal=False)
-    lens = [5, 3, 1]
-    tables = [[1, 2], [3], [4]]
+    block, heads = 4, 4
+    attn = TorchAttention(num_heads=heads, num_kv_heads=num_kv_heads, head_size=8,
+                          scale=8 ** -0.5, dtype=DTYPE, device=torch.device("cpu"),
+                          block_size=block, causal=False)
+    attn.attend_per_request = per_request  # (the padded call is CUDA's default)
+    tables = [[1 + 2 * i, 2 + 2 * i] for i in range(len(lens))]
     attn.plan(make_metadata([(0, n) for n in lens], block, tables))
     total = sum(lens)
-    q, k, v = (torch.randn(total, 2, 8, dtype=DTYPE) for _ in range(3))
-    cache = torch.zeros(attn.kv_cache_shape(8), dtype=DTYPE)
+    q = torch.randn(total, heads, 8, dtype=DTYPE)
+    k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
+    cache = torch.zeros(attn.kv_cache_shape(16), dtype=DTYPE)
     out = attn.run(0, q, k, v, cache)
+    group = heads // num_kv_heads
     start = 0
     for n in lens:
         s = slice(start, start + n)
+        kk = k[s].repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+        vv = v[s].repeat_interleave(group, dim=1)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), scale=8 ** -0.5)
-        assert torch.allclose(out[s], ref.transpose(0, 1), atol=1e-5)
+            q[s].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), scale=8 ** -0.5)
+        assert torch.allclose(out[s], ref.transpose(0, 1), atol=1e-6)
         start += n
 
 

@@ -52,6 +52,9 @@ class _BidirectionalPlan:
     rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
     valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
     mask: torch.Tensor | None  # bool [num_reqs, 1, heads_per_kv * max_q, max_q]
+    # CPU: each request's token rows, attended one request at a time (no padding, no
+    # gathers: faster there than one padded call); None: the padded call
+    bounds: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -85,6 +88,8 @@ class TorchAttention(AttentionBackend):
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self._plan: _Plan | None = None
         self._bidirectional: _BidirectionalPlan | None = None
+        # encoder steps: one attention call per request (CPU) or one padded call
+        self.attend_per_request = torch.device(self.device).type == "cpu"
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
@@ -126,6 +131,9 @@ class TorchAttention(AttentionBackend):
         if num_reqs == 1 or bool((lens == max_q).all()):
             return _BidirectionalPlan(num_reqs, max_q, slice(0, num_reqs * max_q), None, None)
         starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
+        if self.attend_per_request:
+            bounds = [(int(a), int(a + n)) for a, n in zip(starts, lens, strict=True)]
+            return _BidirectionalPlan(num_reqs, max_q, slice(0), None, None, bounds)
         offsets = np.arange(max_q)
         padded = starts[:, None] + np.minimum(offsets[None, :], lens[:, None] - 1)
         valid = (offsets[None, :] < lens[:, None]).reshape(-1)
@@ -250,6 +258,16 @@ class TorchAttention(AttentionBackend):
         """Every request's queries over all of its keys, from this step's k/v."""
         r, max_q, hkv, gq, d = (b.num_reqs, b.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
+        if b.bounds is not None:
+            out = q.new_empty(q.shape[0], self.num_heads, d)
+            for start, end in b.bounds:  # [n, heads, d] -> [hkv, gq * n, d] per request
+                n = end - start
+                o = F.scaled_dot_product_attention(
+                    q[start:end].view(n, hkv, gq, d).permute(1, 2, 0, 3).reshape(hkv, gq * n, d),
+                    k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                    scale=self.scale)
+                out[start:end] = o.view(hkv, gq, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
+            return out
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             return x[b.rows] if isinstance(b.rows, slice) else x.index_select(0, b.rows)

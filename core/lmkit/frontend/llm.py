@@ -215,9 +215,13 @@ class LLM:
 
     def _pool(self, items: list[Prompt], params: PoolingParams) -> list[PoolingOutput]:
         rids: list[str] = []
+        texts = [p for p in items if isinstance(p, str)]
+        text_ids = iter(self.input_processor.tokenize_texts(texts) if len(texts) > 1 else [])
         try:
             for prompt in items:
-                rids.append(self.pooling.submit(str(next(self._ids)), prompt, params))
+                ids = next(text_ids) if isinstance(prompt, str) and len(texts) > 1 else None
+                rids.append(self.pooling.submit(str(next(self._ids)), prompt, params,
+                                                token_ids=ids))
             while any(rid in self.pooling.pending for rid in rids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine finished without the pooling results of "

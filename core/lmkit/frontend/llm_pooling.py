@@ -28,9 +28,11 @@ class PoolingFrontend:
         self.results: dict[str, PoolingOutput] = {}
 
     def submit(self, request_id: str, prompt: str | Sequence[int],
-               params: PoolingParams, priority: int = 0) -> str:
-        """Tokenize ``prompt`` and queue one pooling request; returns its id."""
-        _, ids = self.input_processor.tokenize(prompt)
+               params: PoolingParams, priority: int = 0,
+               token_ids: list[int] | None = None) -> str:
+        """Tokenize ``prompt`` (unless its ``token_ids`` are given) and queue one pooling
+        request; returns its id."""
+        ids = token_ids if token_ids is not None else self.input_processor.tokenize(prompt)[1]
         request = self.input_processor.make_pooling_request(request_id, ids, params, priority)
         self.engine.add_request(request)
         self.pending[request_id] = ids

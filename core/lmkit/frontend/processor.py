@@ -60,6 +60,14 @@ class InputProcessor:
                 param="prompt", code="invalid_value")
         return None, ids
 
+    def tokenize_texts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of many texts in one tokenizer call (a fast tokenizer encodes them
+        in parallel); the same ids as :meth:`tokenize` gives each."""
+        if any(not t for t in texts):
+            raise InvalidRequestError("prompt must not be empty", param="prompt",
+                                      code="invalid_value")
+        return [list(ids) for ids in self.tokenizer(list(texts))["input_ids"]]
+
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0,
                      cache_salt: str | None = None) -> Request:

@@ -84,6 +84,5 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
-    "TransferJob", "Variant", "choose_variant", "hookimpl",
-    *(n for n in _LAZY if n not in ("Variant", "choose_variant")),
+    "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
 ]

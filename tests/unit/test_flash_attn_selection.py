@@ -15,6 +15,7 @@ import torch
 from lmkit.api import AttentionMetadata, Needs, Spec, Variant, choose_variant
 from lmkit.cli.main import build_app
 from lmkit.errors import NoBackendError
+from lmkit.platform import cuda_compute_capability
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.spec import module_present
 from lmkit_kernels.random_batch import make_paged_batch
@@ -97,6 +98,9 @@ def test_plugins_list_shows_which_generation_would_run_and_why_not(fake_librarie
     assert [v["name"] for v in spec["variants"]] == ["fa4", "fa3", "fa2"]
     assert spec["variants"][0]["requires"] == ["flash_attn.cute"]
     assert "flash_attn" not in sys.modules  # nothing was imported to find out
+    (shown,) = json.loads(_run("plugins", "show", "flash_attn", "--json").stdout)["specs"]
+    assert shown["variants"] == spec["variants"]
+    assert cuda_compute_capability() is None
 
 
 @needs_no_cuda

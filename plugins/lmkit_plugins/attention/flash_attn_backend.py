@@ -97,14 +97,9 @@ class FlashAttnAttention(AttentionBackend):
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
         self.options = self.options or FlashAttnAttentionOptions()
-        device = torch.device(self.device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"flash_attn attention runs on CUDA devices, not {device}; "
-                             "use --attn torch or --attn cpu")
-        capability = torch.cuda.get_device_capability(device)
         self.generation = choose_generation(
             self.options.generation, head_size=self.head_size, block_size=self.block_size,
-            dtype=str(self.dtype).removeprefix("torch."), capability=capability)
+            dtype=str(self.dtype).removeprefix("torch."), capability=self.device_capability())
         self._attend = _KERNELS[self.generation]()
         self._window = window_size(self.sliding_window, self.generation)
         self._plan: FlashAttnPlan | None = None
@@ -112,6 +107,17 @@ class FlashAttnAttention(AttentionBackend):
         # stay alive for the graphs captured with them
         self._cu_seqlens_k: torch.Tensor | None = None
         self._old_buffers: list[torch.Tensor] = []
+
+    def device_capability(self) -> tuple[int, int]:
+        """The compute capability of this backend's CUDA device.
+
+        :raises ValueError: for a device that is not CUDA
+        """
+        device = torch.device(self.device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"flash_attn attention runs on CUDA devices, not {device}; "
+                             "use --attn torch or --attn cpu")
+        return torch.cuda.get_device_capability(device)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys, then values."""

@@ -14,6 +14,9 @@ request with context ``c`` before the step sees keys ``<= c + i``: decode, prefi
 prefill over a cached prefix, chunked prefill and multi-token queries alike.
 :meth:`FlashAttnAttention.plan` builds those arguments once per step from views of the
 metadata tensors (no copies, no sync); :meth:`run` makes one library call per layer.
+That call does the library's own host work (FA4's Python interface checks its arguments
+and looks up the compiled kernel on every call), which CUDA graphs hide for decode steps.
+Logit soft-capping (the libraries' ``softcap``) is not passed: lmkit's models ask none.
 
 CUDA graphs: a decode step planned with ``metadata.cuda_graph = True`` uses the runner's
 fixed metadata buffers as they are; FA2's ``cu_seqlens_k`` is written in place into a

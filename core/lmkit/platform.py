@@ -28,3 +28,27 @@ def cuda_device_count() -> int:
             return 0
         return count.value
     return 0
+
+
+@functools.cache
+def cuda_compute_capability(index: int = 0) -> tuple[int, int] | None:
+    """``(major, minor)`` of CUDA device ``index`` (after ``CUDA_VISIBLE_DEVICES``), asked
+    of the driver through ``libcuda`` like :func:`cuda_device_count`; ``None`` when there
+    is no such device."""
+    if index >= cuda_device_count():
+        return None
+    for lib in ("libcuda.so.1", "libcuda.so"):
+        try:
+            cuda = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        device = ctypes.c_int(0)
+        if cuda.cuDeviceGet(ctypes.byref(device), index) != 0:
+            return None
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+        if (cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device) != 0
+                or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device) != 0):
+            return None
+        return major.value, minor.value
+    return None

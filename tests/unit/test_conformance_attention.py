@@ -145,7 +145,7 @@ def test_a_cuda_only_backend_is_not_applicable_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("name", ["triton", "flashinfer", "flash_attn"])
 def test_gpu_backends_pass_including_cuda_graph_replay(name):
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     reg = host.registry.get("attention", name)
@@ -154,6 +154,9 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
     results = check_attention_backend(reg)
     assert results["cuda graphs"] == "passed"
     assert results["prefill over a cached prefix"] == "passed"
+    if name == "flash_attn":  # claims every feature the suite checks
+        assert [p for p, r in results.items() if r != "passed"] == [
+            "unclaimed features refused"], results
 
 
 def test_model_written_kv_is_checked_for_backends_that_opt_in():

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
-    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec
+    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec, Variant, choose_variant
 
 # name -> module, imported on first attribute access
 _LAZY = {
@@ -52,6 +52,8 @@ _LAZY = {
     "Needs": "lmkit.plugin_host.spec",
     "NoOptions": "lmkit.plugin_host.spec",
     "Spec": "lmkit.plugin_host.spec",
+    "Variant": "lmkit.plugin_host.spec",
+    "choose_variant": "lmkit.plugin_host.spec",
     "PagedScheduler": "lmkit.scheduler.paged",
     "KVCacheManager": "lmkit.kv_cache.manager",
     "BlockPool": "lmkit.kv_cache.block_pool",
@@ -82,6 +84,6 @@ __all__ = [
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
-    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
-    "TransferJob", "hookimpl", *_LAZY,
+    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
+    "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
 ]

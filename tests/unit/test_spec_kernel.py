@@ -11,7 +11,7 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: the compiled kernel is tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from lmkit.spec_decode import rejection  # noqa: E402
+from lmkit.sample import rejection  # noqa: E402
 from lmkit_kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_kernel_matches_reference(vocab, with_q):
 
 
 def test_reference_agrees_with_the_core():
-    """Same acceptance decisions as :mod:`lmkit.spec_decode.rejection`, same greedy
+    """Same acceptance decisions as :mod:`lmkit.sample.rejection`, same greedy
     tokens (random recovered tokens are drawn differently: race vs inverse CDF)."""
     num_drafts = [2, 3, 1, 4]
     greedy = [True, False, False, True]

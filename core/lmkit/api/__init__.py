@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.logits_processor import (
+    AddedRequest,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorContext,
+)
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
@@ -75,9 +81,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
+    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "BatchUpdate", "AttentionMetadata", "CachedRequestData", "Caps",
     "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
-    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
+    "InvalidRequestError", "LMKitConfig", "LMKitError", "LogitsProcessor",
+    "LogitsProcessorContext", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",

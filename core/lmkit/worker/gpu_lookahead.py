@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.spec_decode.rows import is_plain_greedy
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import SchedulerOutput
@@ -150,7 +151,7 @@ class DecodeLookahead:
     def _launchable(self, order: list[str], rows: np.ndarray) -> bool:
         """Greedy, plain requests whose next position has an allocated slot."""
         runner = self.runner
-        if len(order) > self.graphs.max_bs:
+        if len(order) > self.graphs.max_bs or runner.logits_processors.affects_greedy:
             return False
         for rid in order:
             state = runner.requests[rid]
@@ -214,8 +215,6 @@ def _plain(so: SchedulerOutput) -> bool:
 
 
 def _greedy_plain(p: Any, num_output_tokens: int) -> bool:
-    """Greedy sampling that the argmax of the raw logits reproduces exactly."""
-    return (p.temperature == 0 and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and num_output_tokens >= p.min_tokens
-            and getattr(p, "structured_outputs", None) is None)
+    """Greedy sampling that the argmax of the raw logits reproduces exactly (and no
+    grammar, whose bitmask the lookahead does not apply)."""
+    return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None

@@ -92,7 +92,8 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Change ``logits`` in place and return them.
+        """Return the changed logits (changed in place, or a new tensor of the same
+        shape and dtype).
 
         Args:
             logits: float32 ``[num_rows, vocab]``, after logit bias, the token bans

@@ -60,7 +60,8 @@ class AsyncLLM:
         self.observer = observer
         eos, extra = eos_token_ids(tokenizer, ready.model_dir)
         self.input_processor = InputProcessor(tokenizer, ready.max_model_len, eos,
-                                              ready.vocab_size, extra)
+                                              ready.vocab_size, extra,
+                                              ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}

@@ -104,7 +104,8 @@ class LLM:
         eos, extra = eos_token_ids(self.tokenizer, self.engine.model_dir)
         self.input_processor = InputProcessor(
             self.tokenizer, int(self.config.model.max_model_len or 0), eos,
-            self.engine.model_info.vocab_size, extra)
+            self.engine.model_info.vocab_size, extra,
+            self.host.registry.names("logits_processor"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.sampler import make_generator
 from lmkit.sample import rejection
-from lmkit.sample.sampler import Sampler
+from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.sampler import Sampler, make_generator
 
 V = 5  # vocabulary of the statistical tests
 CPU = torch.device("cpu")

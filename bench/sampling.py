@@ -151,8 +151,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["torch_us"] = time_us(
                     lambda c=c: sampler(c["logits"], c["md"]).sampled_token_ids.tolist())
                 if kernels is not None:
-                    sample = kernels[0]
-                    row["triton_us"] = time_us(lambda c=c: sample(
+                    row["triton_us"] = time_us(lambda c=c, sample=kernels[0]: sample(
                         c["logits"], temperature=c["temperature"], top_k=c["top_k"],
                         top_p=c["top_p"]).tolist())
                 rows.append(row)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.sampler import Sampler
 from lmkit.spec_decode.rows import (
     DraftExtendedTokens,
     hidden_rows,
     is_plain_greedy,
     sampling_rows,
 )
-from lmkit.sample.sampler import Sampler
 
 CPU = torch.device("cpu")
 VOCAB = 24

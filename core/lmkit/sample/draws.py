@@ -30,11 +30,11 @@ def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Apply the argmax-changing steps in place (greedy rows too): logit bias, token
     bans (min_tokens, bad_words), allowed token ids, penalties, then the plugin logits
     processors in use. They come before greedy selection."""
-    if md.bias_rows is not None:
+    if md.bias_rows is not None and md.bias_token_ids is not None and md.bias_values is not None:
         apply_logit_bias(logits, md.bias_rows, md.bias_token_ids, md.bias_values)
-    if md.banned_rows is not None:
+    if md.banned_rows is not None and md.banned_token_ids is not None:
         apply_token_mask(logits, md.banned_rows, md.banned_token_ids)
-    if md.allowed_rows is not None:
+    if md.allowed_rows is not None and md.allowed_mask is not None:
         apply_allowed_tokens(logits, md.allowed_rows, md.allowed_mask)
     if md.penalties is not None:
         apply_penalties(logits, md.penalties)

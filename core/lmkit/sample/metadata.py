@@ -131,7 +131,7 @@ class SamplingMetadata:
         md.num_logprobs = [p.logprobs for p in params]
         asking = [i for i, n in enumerate(md.num_logprobs) if n is not None]
         if asking:
-            md.max_num_logprobs = max(md.num_logprobs[i] for i in asking)
+            md.max_num_logprobs = max(md.num_logprobs[i] or 0 for i in asking)
             md.logprob_rows = torch.tensor(asking, dtype=torch.int64).to(device)
         return md
 

@@ -40,12 +40,14 @@ class LogitsProcessorSet:
 
     Args:
         load: ``name -> processor instance``, building it (raises
-            :class:`~lmkit.errors.UnknownBackendError` for an unknown name).
+            :class:`~lmkit.errors.UnknownBackendError` for an unknown name); ``None``
+            for a set with no processors (before the model is loaded).
         enabled: names applied to every request (config ``logits_processors.enable``).
         max_num_slots: the most requests the runner holds at once.
     """
 
-    def __init__(self, load: Callable[[str], LogitsProcessor], enabled: Sequence[str] = (),
+    def __init__(self, load: Callable[[str], LogitsProcessor] | None = None,
+                 enabled: Sequence[str] = (),
                  max_num_slots: int = 0) -> None:
         self._load = load
         self.enabled = tuple(dict.fromkeys(enabled))
@@ -87,6 +89,9 @@ class LogitsProcessorSet:
     def _instance(self, name: str) -> LogitsProcessor:
         proc = self._instances.get(name)
         if proc is None:
+            if self._load is None:
+                raise RuntimeError(f"logits processor {name!r} asked for before the model "
+                                   "runner built its processors (load_model)")
             proc = self._instances[name] = self._load(name)
             self._users[name] = 0
             self._pending[name] = _Pending()

@@ -31,7 +31,6 @@ import torch
 
 from lmkit.api.outputs import TokenLogprob
 from lmkit.sample import rejection
-from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sample_from_probs
 from lmkit.sample.drafts import (
     DraftLayout,
     VerifiedTokens,
@@ -39,6 +38,7 @@ from lmkit.sample.drafts import (
     sample_and_accept,
     verify_greedy,
 )
+from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sample_from_probs
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata
 

@@ -74,7 +74,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()  # samples every step, verifying draft tokens
-        self.logits_processors = LogitsProcessorSet(lambda name: None)  # set by load_model
+        self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
         self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))

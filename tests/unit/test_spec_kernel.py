@@ -1,7 +1,7 @@
 """The Triton rejection-sampling kernel in Triton's CPU interpreter against its torch
 reference (exact, with shared noise), the reference against the core's verification,
 the reference's output distribution, and the launcher's argument checks. On a machine
-with CUDA the compiled kernel is tested by tests/gpu/test_spec_decode_gpu.py."""
+with CUDA the compiled kernel is tested by tests/gpu/test_rejection_kernel_gpu.py."""
 
 from __future__ import annotations
 

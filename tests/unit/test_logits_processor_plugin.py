@@ -68,6 +68,15 @@ def test_processor_enabled_for_every_request_in_config(plugin_on_path, model_dir
 
 def test_unknown_processor_names_are_refused_at_the_front(plugin_on_path, model_dir):
     with LLM(str(model_dir), max_model_len=256) as llm:
+        # the processor's own check of its arguments refuses the request alone
+        with pytest.raises(InvalidRequestError) as exc:
+            llm.generate(["a"], SamplingParams(logits_processors=["force-token-test"],
+                                               extra_args={"force_token_id": 10 ** 6}))
+        assert str(exc.value) == ("force-token-test needs extra_args['force_token_id'] to be "
+                                  "a token id in [0, 320), got 1000000")
+        assert exc.value.param == "extra_args"
+        out = llm.generate(["a"], force(temperature=0.0, max_tokens=3))[0]
+        assert out.outputs[0].token_ids == [FORCED] * 3  # the engine serves on
         with pytest.raises(InvalidRequestError) as exc:
             llm.generate(["a"], SamplingParams(logits_processors=["force-tokn-test"]))
         assert str(exc.value) == (

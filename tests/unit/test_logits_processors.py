@@ -9,10 +9,10 @@ import pytest
 import torch
 from lmkit.api import BatchUpdate, LogitsProcessor, Spec
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.errors import UnknownBackendError
+from lmkit.errors import InvalidRequestError, UnknownBackendError
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.processors import LogitsProcessorSet
+from lmkit.sample.processors import LogitsProcessorSet, check_request
 from lmkit.sample.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -28,6 +28,12 @@ class AddOne(LogitsProcessor):
         self.ctx = ctx
         self.boost = torch.zeros(ctx.max_num_slots)
         self.updates: list[BatchUpdate] = []
+
+    @classmethod
+    def validate_params(cls, params, vocab_size):
+        if (params.extra_args or {}).get("boost", 0) < 0:
+            raise InvalidRequestError(f"boost must be >= 0 (vocab {vocab_size})",
+                                      param="extra_args")
 
     def update_state(self, update):
         self.updates.append(update)
@@ -140,3 +146,14 @@ def test_sampler_applies_processors_to_every_row_including_drafts(host):
     assert out.token_ids == [[0, 0, 0], [3]] and out.num_accepted == [2, 0]
     assert logits[0, 0] == 0.0  # applied to the sampler's copy
 
+
+
+def test_check_request_asks_each_processor_that_applies(host):
+    check_request(host.registry, params(), (), V)  # no processors: nothing loaded
+    check_request(host.registry, params("add-one", boost=1), (), V)
+    with pytest.raises(InvalidRequestError, match=r"boost must be >= 0 \(vocab 6\)"):
+        check_request(host.registry, params("add-one", boost=-1), (), V)
+    with pytest.raises(InvalidRequestError, match="boost must be >= 0"):  # enabled for all
+        check_request(host.registry, params(boost=-1), ("add-one",), V)
+    with pytest.raises(UnknownBackendError, match="unknown logits processor 'nope'"):
+        check_request(host.registry, params("nope"), (), V)

@@ -83,12 +83,21 @@ class LogitsProcessor(ABC):
     #: a temperature-like rescaling); greedy requests then keep the argmax fast path.
     is_argmax_invariant: ClassVar[bool] = False
 
+    @classmethod
+    def validate_params(cls, params: SamplingParams, vocab_size: int) -> None:
+        """Check a request's arguments (``params.extra_args``) when it arrives; raise
+        :class:`~lmkit.errors.InvalidRequestError` (with ``param="extra_args"``) for
+        arguments that do not fit. Called in the engine core before the request is
+        queued, for every request the processor applies to, so a bad argument refuses
+        that request alone. The default accepts everything."""
+        return None
+
     @abstractmethod
     def update_state(self, update: BatchUpdate) -> None:
         """Take the batch changes since the last step (called before :meth:`apply`,
         only when something changed). Per-request arguments are in
-        ``added[i].params.extra_args``; raise
-        :class:`~lmkit.errors.InvalidRequestError` for arguments that do not fit."""
+        ``added[i].params.extra_args``, already accepted by :meth:`validate_params`:
+        do not raise here (it would stop the engine's step)."""
 
     @abstractmethod
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from lmkit.offload.attach import attach_offload
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
 from lmkit.plugin_host.spec import Needs
+from lmkit.sample.processors import check_request
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
 
@@ -153,6 +154,8 @@ class EngineCore:
         """Queue a validated request (see :class:`~lmkit.frontend.processor.InputProcessor`).
         A constrained request waits for its grammar outside the scheduler; if the grammar
         fails to compile it is refused later (:meth:`take_rejected_requests`)."""
+        check_request(self.host.registry, request.sampling_params,
+                      self.config.logits_processors.enable, self.model_info.vocab_size)
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output is None:
                 raise structured_output_off_error(self.config)

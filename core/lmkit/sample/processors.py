@@ -7,15 +7,17 @@ start-up), gives every request that uses a processor a slot, queues the addition
 removals as :class:`~lmkit.api.logits_processor.BatchUpdate` per processor, and hands
 them over before the next step samples. Per step it builds the ``[num_rows]`` slot
 tensor once; the sampler then calls each processor in use on the whole batch.
+
+:func:`check_request` runs in the engine core when a request arrives: each processor
+it names checks its ``extra_args`` there, so a bad argument refuses that request alone.
+This module imports torch only when a step uses processors (the engine core imports it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmkit.api.logits_processor import (
     AddedRequest,
@@ -24,7 +26,21 @@ from lmkit.api.logits_processor import (
     LogitsProcessorContext,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 KIND = "logits_processor"
+
+
+def check_request(registry: Any, params: Any, enabled: Sequence[str], vocab_size: int
+                  ) -> None:
+    """Let every processor that applies to a request check its arguments
+    (:meth:`LogitsProcessor.validate_params`); raises
+    :class:`~lmkit.errors.InvalidRequestError` (or UnknownBackendError for an unknown
+    name). Loads the processors' classes, not instances. O(1) without processors."""
+    names = (*enabled, *(params.logits_processors or ()))
+    for name in dict.fromkeys(names):
+        registry.get(KIND, name).spec.load().validate_params(params, vocab_size)
 
 
 @dataclass
@@ -141,6 +157,8 @@ class LogitsProcessorSet:
                                               tuple(pending.added.values())))
             if self._users[name]:
                 active.append(proc)
+        import torch
+
         none = self._none_slot
         slots = [self._slot_of[rid][0] if rid in self._slot_of else none
                  for rid in row_req_ids]

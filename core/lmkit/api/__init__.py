@@ -13,6 +13,12 @@ from typing import TYPE_CHECKING, Any
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.logits_processor import (
+    AddedRequest,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorContext,
+)
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
@@ -78,9 +84,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
-    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "EngineView", "Executor", "ForwardContext", "Grammar",
-    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
+    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
+    "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
+    "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",

@@ -145,6 +145,19 @@ class OffloadConfig(OptionalBackendSection):
         "after the step computing them, so evictions copy nothing) or 'on_evict'.")
 
 
+class LogitsProcessorsConfig(Section):
+    """Plugin logits processors (``register_logits_processors``): those applied to every
+    request, and each processor's options. Requests name others in
+    ``logits_processors``."""
+
+    enable: list[str] = Field(
+        default_factory=list, description="Logits processors applied to every request, "
+        "in order (names from `lmkit plugins list --kind logits_processor`).")
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Options per processor name, validated against "
+        "that processor's options model.")
+
+
 class ServerConfig(Section):
     """The OpenAI-compatible HTTP server (`lmkit serve`)."""
 
@@ -172,6 +185,7 @@ class LMKitConfig(Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(
         default_factory=list,

@@ -28,6 +28,7 @@ from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
 from lmkit.plugin_host.spec import Needs
+from lmkit.sample.processors import check_request
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager
 
@@ -177,6 +178,8 @@ class EngineCore:
             InvalidRequestError: the scheduler or a feature refuses it (duplicate id,
                 too long for the KV cache, a constraint this engine cannot serve).
         """
+        check_request(self.host.registry, request.sampling_params,
+                      self.config.logits_processors.enable, self.model_info.vocab_size)
         self.scheduler.add_request(request)
         try:
             self.phases.add_request(request)

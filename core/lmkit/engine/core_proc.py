@@ -191,6 +191,7 @@ def _ready_message(engine: Any, host: Any) -> EngineReady:
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),
+        logits_processors=host.registry.names("logits_processor"),
     )
 
 

@@ -86,6 +86,7 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
     stack: dict[str, Any]  # ResolvedStack.as_dict()
     plugins: list[dict[str, Any]]  # name, source, dist, version, status per loaded plugin
     stats: dict[str, float]
+    logits_processors: list[str] = []  # names requests may select
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):

@@ -64,7 +64,8 @@ class AsyncLLM:
         eos, extra = eos_token_ids(tokenizer, ready.model_dir)
         self.input_processor = InputProcessor(
             tokenizer, ready.max_model_len, eos, ready.vocab_size, extra,
-            max_constraint_chars=config.structured_output.max_constraint_chars)
+            max_constraint_chars=config.structured_output.max_constraint_chars,
+            logits_processors=ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}

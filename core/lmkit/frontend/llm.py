@@ -129,7 +129,8 @@ class LLM:
         self.input_processor = InputProcessor(
             self.tokenizer, int(self.config.model.max_model_len or 0), eos,
             self.engine.model_info.vocab_size, extra,
-            max_constraint_chars=self.config.structured_output.max_constraint_chars)
+            max_constraint_chars=self.config.structured_output.max_constraint_chars,
+            logits_processors=self.host.registry.names("logits_processor"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

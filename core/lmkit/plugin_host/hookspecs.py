@@ -162,6 +162,24 @@ def register_model_sources(register: Register) -> None:
 
 
 @hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register logits processors (batch-level changes to the logits before sampling).
+
+    The loaded target is a subclass of :class:`lmkit.api.LogitsProcessor`, constructed
+    once per engine as ``cls(ctx, options)`` (``ctx`` a
+    :class:`~lmkit.api.LogitsProcessorContext`: vocabulary size, number of request
+    slots, device; ``options`` the validated instance of the spec's options model, from
+    the config's ``logits_processors.options[name]``). Requests select it by name in
+    ``SamplingParams.logits_processors`` (their arguments in ``extra_args``); the
+    config's ``logits_processors.enable`` applies it to every request. It sees the
+    whole step's logits and per-row request slots and must not loop over requests in
+    Python in :meth:`~lmkit.api.LogitsProcessor.apply`.
+
+    :param register: call ``register(Spec(...))`` once per processor.
+    """
+
+
+@hookspec
 def register_commands(app: Any) -> None:
     """Add sub-commands to the ``lmkit`` CLI.
 

@@ -27,9 +27,9 @@ from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from lmkit.sample.processors import LogitsProcessorSet
+from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprobs, make_generator
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
-from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
@@ -74,8 +74,8 @@ class ModelRunner:
         self.architecture = ""
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
-        self.spec_sampler = SpecDecodeSampler(self.sampler)  # verifies draft tokens
+        self.sampler = Sampler()  # samples every step, verifying draft tokens
+        self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
         self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
@@ -105,6 +105,10 @@ class ModelRunner:
         self.max_model_len = max_model_len(hf_config, self.config.model.max_model_len)
         self.default_eos_token_id = _default_eos(hf_config, self.model_dir)
         sched = self.config.scheduler
+        procs = self.config.logits_processors
+        self.logits_processors = LogitsProcessorSet.from_registry(
+            self.host.registry, procs.enable, procs.options, self.vocab_size,
+            sched.max_num_seqs, self.device)
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, self.block_size,
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
@@ -152,8 +156,10 @@ class ModelRunner:
             warm_up_step_shapes(self.dummy_step_model())
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
                                          self.device, self.max_model_len)
-        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, self.cuda_graphs,
-                                               self.model, self.input_batch, self.requests,
+        # a processor applied to every request may change the argmax: no launch ahead
+        graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
+        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
+                                               self.input_batch, self.requests,
                                                self.max_model_len)
 
     def dummy_step_model(self) -> DummyStepModel:
@@ -214,10 +220,12 @@ class ModelRunner:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             if self.requests.pop(rid, None) is not None:
                 batch.remove_request(rid)
+                self.logits_processors.remove(rid)
         for new in so.scheduled_new_reqs:
             if new.req_id in self.requests:  # resent (resumed) without a preemption notice
                 self.requests.pop(new.req_id)
                 batch.remove_request(new.req_id)
+                self.logits_processors.remove(new.req_id)
             params = new.sampling_params
             resumed = bool(new.output_token_ids)
             state = CachedRequestState(
@@ -232,6 +240,8 @@ class ModelRunner:
                                  if params.prompt_logprobs is not None and not resumed else None))
             self.requests[new.req_id] = state
             batch.add_request(state, list(new.block_ids))
+            self.logits_processors.add(new.req_id, params, state.prompt_token_ids,
+                                       state.output_token_ids)
         cached = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                  cached.num_computed_tokens, strict=True):
@@ -317,16 +327,20 @@ class ModelRunner:
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   [order[i] for i, _, _ in plan],
                                   [len(d) + 1 for d in drafts], self.apply_token_bitmask)
-        if all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
-               for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
-            return self.spec_sampler.verify_greedy(logits, drafts)
+        if not self.logits_processors.affects_greedy and all(
+                is_plain_greedy(s.sampling_params, len(s.output_token_ids))
+                for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
+            return self.sampler.verify_greedy(logits, drafts)
         # one row per sampled position; outputs extended by drafts are views, not copies
         r = sampling_rows(by_state)
         md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
                                     r.eos_token_ids, self.vocab_size, hidden.device)
+        if self.logits_processors.in_use:  # plugin processors: the slot of every row
+            md.logits_processors, md.processor_slots = self.logits_processors.for_step(
+                [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)
         draft_probs = so.spec_draft_probs if so is not None else None
         probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
-        return self.spec_sampler(logits, md, drafts, probs)
+        return self.sampler.sample_requests(logits, md, drafts, probs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                          ) -> dict[str, list[TokenLogprob | None]]:

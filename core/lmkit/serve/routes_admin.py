@@ -14,12 +14,18 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the engine is running; 503 while loading, after a failed start, or dead."""
+    """200 when the engine is running; 503 while loading, after a failed start, while a
+    dead engine restarts (with ``Retry-After``), or dead."""
     state = get_state(request)
     llm = state.llm
     if llm is None:
         status = "failed" if state.startup_error else "loading"
         return JSONResponse({"status": status, "error": state.startup_error}, status_code=503)
+    supervisor = state.supervisor
+    if supervisor is not None and supervisor.is_restarting:
+        return JSONResponse({"status": "restarting", "error": llm.dead_reason},
+                            status_code=503,
+                            headers={"Retry-After": str(supervisor.retry_after_s())})
     if not llm.is_healthy:
         return JSONResponse({"status": "dead", "error": llm.dead_reason}, status_code=503)
     return JSONResponse({"status": "ok"})

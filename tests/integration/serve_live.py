@@ -106,10 +106,13 @@ class CliServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "lmkit.cli.main", "serve",
                                       *self.args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self._found.wait(self.startup_timeout):
-            self.__exit__()
-            raise RuntimeError(f"lmkit serve did not print its URL:\n{self.output}")
+        pump = threading.Thread(target=self._pump, daemon=True)
+        pump.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._found.wait(0.1):
+            if not pump.is_alive() or time.monotonic() > deadline:  # exited, or too slow
+                self.__exit__()
+                raise RuntimeError(f"lmkit serve did not print its URL:\n{self.output}")
         return self
 
     def _pump(self) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from lmkit.cli.options import ConfigOptions, build_config, config_options
+from lmkit.cli.options import ConfigOptions, build_config, build_host, config_options
 from lmkit.errors import ConfigError
 
 SERVER_PANEL = "Server"
@@ -105,6 +105,8 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from lmkit.cli.render import stderr
+    from lmkit.plugins.resolve import configure_and_resolve
+    from lmkit.serve.auth import load_api_key
     from lmkit.serve.server import run_server
 
     if model_arg is not None:
@@ -112,13 +114,16 @@ def serve(
             raise ConfigError(f"the model is given twice ({model_arg!r} and --model "
                               f"{opts.values['model']!r}); give it once.")
         opts = ConfigOptions({**opts.values, "model": model_arg})
-    config, _ = build_config(opts)
-    overrides = _server_overrides(host, port, api_key, api_key_file, served_model_name,
-                                  cors_origin, max_queued_requests)
     if api_key is not None:
         stderr().print("warning: --api-key on the command line is visible to other local "
                        "users (ps, /proc); set LMKIT_API_KEY or use --api-key-file instead",
                        style="yellow", soft_wrap=True)
+    config, _ = build_config(opts)
+    # what `lmkit config check` checks: a stack that cannot run fails here (exit 2),
+    # before any model is fetched or port bound
+    configure_and_resolve(config, build_host(config))
+    overrides = _server_overrides(host, port, api_key, api_key_file, served_model_name,
+                                  cors_origin, max_queued_requests)
     if not ("api_key" in overrides or config.server.api_key or config.server.api_key_file
             ) and os.environ.get("LMKIT_API_KEY"):
         overrides["api_key"] = os.environ["LMKIT_API_KEY"]
@@ -131,21 +136,9 @@ def serve(
             config = LMKitConfig.model_validate(data)
         except ValueError as e:
             raise ConfigError(f"invalid server option: {e}") from e
-    has_key = _check_before_start(config)
+    has_key = load_api_key(config.server) is not None  # a bad key file fails here too
     run_server(config, log_level=log_level, shutdown_timeout=shutdown_timeout,
                on_ready=lambda llm, url: _print_ready(llm, url, has_key))
-
-
-def _check_before_start(config: Any) -> bool:
-    """What ``lmkit config check`` checks (the plugin stack), and the API key file: a
-    configuration that cannot run fails here (exit 2), before any model is fetched or
-    port bound. True when the server requires a key."""
-    from lmkit.cli.options import build_host
-    from lmkit.plugins.resolve import configure_and_resolve
-    from lmkit.serve.auth import load_api_key
-
-    configure_and_resolve(config, build_host(config))
-    return load_api_key(config.server) is not None
 
 
 def register(app: typer.Typer) -> None:

@@ -241,3 +241,14 @@ def test_supervisor_with_no_tries_gives_up_at_once():
         assert gave_up and not llm.restart_calls
 
     asyncio.run(main())
+
+
+def test_pip_for_model_fetches_does_not_import_from_the_working_directory(tmp_path):
+    from lmkit.platform import python_module_command
+
+    marker = tmp_path / "poisoned"
+    (tmp_path / "pip.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    run = subprocess.run(python_module_command("pip", "--version"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("pip "), run.stderr
+    assert not marker.exists()

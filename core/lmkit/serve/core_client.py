@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from lmkit.errors import EngineDeadError, LMKitError
+from lmkit.platform import python_module_command
 from lmkit.serve.messages import (
     EngineFailed,
     EngineReady,
@@ -38,13 +38,6 @@ from lmkit.serve.messages import (
 
 DEATH_POLL_S = 0.2  # how often a quiet channel checks whether the engine process lives
 
-# Starts the engine process with the working directory off sys.path: `python -m` and
-# `python -c` put it first, so a stray `zmq.py` there would run inside the engine.
-# Python 3.11+ has -P for this; 3.10 needs the launcher to drop the entry itself.
-_LAUNCHER = ("import sys\n"
-             "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
-             "from lmkit.serve.core_proc import main\n"
-             "main(sys.argv[1:])\n")
 # secrets the engine process never needs (its environment and the handshake file)
 _SECRET_ENV = ("LMKIT_API_KEY", "LMKIT_SERVER__API_KEY")
 
@@ -52,7 +45,7 @@ _SECRET_ENV = ("LMKIT_API_KEY", "LMKIT_SERVER__API_KEY")
 def engine_command(handshake: Path) -> list[str]:
     """The command line of the engine-core process (the working directory is not on its
     import path)."""
-    return [sys.executable, "-c", _LAUNCHER, str(handshake)]
+    return python_module_command("lmkit.serve.core_proc", str(handshake))
 
 
 def engine_config_json(config_json: dict[str, Any]) -> dict[str, Any]:

@@ -116,9 +116,9 @@ class AsyncLLM:
 
     async def warm_up(self, max_tokens: int = 4) -> None:
         """Run one short request through the whole path (chat template, tokenizer, engine
-        prefill and decode, detokenizer), so that one-time costs (compiling CPU kernels,
-        first-call allocations) happen before the server reports ready. Not counted in
-        the metrics."""
+        prefill and decode, detokenizer), so that the first request's one-time costs
+        (lazy imports and set-up, first-call allocations, kernels built on first use)
+        are paid before the server reports ready. Not counted in the metrics."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         has_template = getattr(self.tokenizer, "chat_template", None) is not None
         messages = [{"role": "user", "content": "Hello!"}] if has_template else None

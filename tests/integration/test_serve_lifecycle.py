@@ -139,7 +139,8 @@ def test_cli_sigterm_drains_in_flight_requests(tiny_dir):
         base = url["base"]
         engine_pid = httpx.get(f"{base}/v1/lmkit/stack").json()["engine_pid"]
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(read_stream, base, long_body(stream=True, max_tokens=400))
+            # long enough to be seen running (a warm engine decodes the tiny model fast)
+            fut = pool.submit(read_stream, base, long_body(stream=True, max_tokens=2000))
             deadline = time.monotonic() + 30
             while httpx.get(f"{base}/v1/lmkit/stack").json()["stats"].get("num_running") != 1:
                 assert time.monotonic() < deadline

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -98,13 +96,6 @@ def test_killed_engine_fails_in_flight_requests_and_is_restarted(tiny_dir):
     assert engine_pid_gone(old_pid)
 
 
-def _start_cli(args, env=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "lmkit.cli.main", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-
-
 @pytest.mark.slow
 def test_cli_exits_when_the_engine_cannot_be_restarted(tiny_dir):
     env = {"LMKIT_SERVER__ENGINE_RESTART_ATTEMPTS": "0"}
@@ -117,53 +108,33 @@ def test_cli_exits_when_the_engine_cannot_be_restarted(tiny_dir):
 
 
 def test_cli_sigterm_drains_in_flight_requests(tiny_dir):
-    proc = _start_cli([str(tiny_dir), "--port", "0", "--served-model-name", "tiny",
-                       "--log-level", "warning"])
-    lines: list[str] = []
-    found = threading.Event()
-    url = {}
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"OpenAI-compatible API at (http://\S+)/v1", line)
-            if m:
-                url["base"] = m.group(1)
-                found.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        assert found.wait(240), "".join(lines)
-        out = "".join(lines)
+    with CliServer([str(tiny_dir), "--port", "0", "--served-model-name", "tiny",
+                    "--log-level", "warning"]) as cli:
+        out = cli.output
         assert "scheduler" in out and "fcfs" in out  # the resolved stack is printed
-        base = url["base"]
-        engine_pid = httpx.get(f"{base}/v1/lmkit/stack").json()["engine_pid"]
+        engine_pid = httpx.get(f"{cli.url}/v1/lmkit/stack").json()["engine_pid"]
         with ThreadPoolExecutor(1) as pool:
             # long enough to be seen running (a warm engine decodes the tiny model fast)
-            fut = pool.submit(read_stream, base, long_body(stream=True, max_tokens=2000))
+            fut = pool.submit(read_stream, cli.url, long_body(stream=True, max_tokens=2000))
             deadline = time.monotonic() + 30
-            while httpx.get(f"{base}/v1/lmkit/stack").json()["stats"].get("num_running") != 1:
+            while httpx.get(f"{cli.url}/v1/lmkit/stack").json()["stats"].get(
+                    "num_running") != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            proc.send_signal(signal.SIGTERM)
+            cli.proc.send_signal(signal.SIGTERM)
             status, events, done = fut.result(timeout=60)
         assert status == 200 and done  # drained, not cut off
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises the handled signal once shut down, as an unhandled one would end
-        assert proc.wait(60) in (0, -signal.SIGTERM)
-        assert "Traceback" not in "".join(lines)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{engine_pid}"):
-            assert time.monotonic() < deadline, "engine process outlived the server"
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert cli.wait(60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in cli.output
+    assert engine_pid_gone(engine_pid), "engine process outlived the server"
 
 
 def test_cli_reports_a_model_that_cannot_load(tmp_path):
-    proc = _start_cli([str(tmp_path / "missing-model"), "--port", "0"])
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode != 0
-    assert "missing-model" in out and "error" in out.lower()
+    proc = subprocess.run([sys.executable, "-m", "lmkit.cli.main", "serve",
+                           str(tmp_path / "missing-model"), "--port", "0"],
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2  # a model that does not exist is the user's to fix
+    assert "missing-model" in out and out.count("error:") == 1 and "Uvicorn" not in out

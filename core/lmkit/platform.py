@@ -5,6 +5,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
+
+# Runs a module as `python -m` does, but with the working directory off sys.path: `-m`
+# and `-c` put it first, so a stray `zmq.py` or `pip.py` there would run in the child.
+# Python 3.11+ has -P for this; 3.10 needs the launcher to drop the entry itself.
+_RUN_MODULE = ("import sys, runpy\n"
+               "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
+
+
+def python_module_command(module: str, *args: str) -> list[str]:
+    """The command line of ``python -m MODULE ARGS`` in this interpreter, for a child
+    process that must not import from the working directory."""
+    return [sys.executable, "-c", _RUN_MODULE, module, *args]
 
 
 @functools.cache

@@ -226,6 +226,7 @@ class EngineCore:
         """Scheduler and cache counters, each feature's, plus engine-level facts."""
         stats = dict(self.scheduler.get_stats())
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
+                     kv_cache_bytes=self.num_blocks * self.model_info.kv_bytes_per_block,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
         stats.update(self.phases.stats())

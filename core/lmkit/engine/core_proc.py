@@ -1,7 +1,8 @@
 """The engine-core process: one busy loop over ``EngineCore.step()``.
 
-Started by :class:`lmkit.frontend.core_client.EngineCoreClient` as
-``python -m lmkit.engine.core_proc HANDSHAKE_FILE``. The handshake file (JSON, in a
+Started by :class:`lmkit.frontend.core_client.EngineCoreClient` (see
+:func:`~lmkit.frontend.core_client.engine_command`: the working directory is not on its
+import path) with one argument, ``HANDSHAKE_FILE``. The handshake file (JSON, in a
 private temp dir) holds the config and the two ZMQ addresses the frontend bound. The
 loop reads requests and aborts from a PULL socket without blocking while requests are
 running, steps the engine, and pushes the outputs back; it blocks on the socket only
@@ -212,7 +213,8 @@ def serve_engine_core(handshake_file: Path) -> int:
         host = PluginHost.load(config.plugins)
         engine = EngineCore(config, host)
     except BaseException as e:  # report every startup failure, then exit
-        early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__)))
+        early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__,
+                                               exit_code=getattr(e, "exit_code", 1))))
         early.close()
         return 1
     early.close()

@@ -90,10 +90,13 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):
-    """The engine core could not start, or died: ``error`` says why."""
+    """The engine core could not start, or died: ``error`` says why; ``exit_code`` is the
+    CLI status the error calls for (2: the configuration or model asked for, 1: a
+    failure while running)."""
 
     error: str
     error_type: str
+    exit_code: int = 1
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", frozen=True):

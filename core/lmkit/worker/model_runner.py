@@ -140,7 +140,10 @@ class ModelRunner:
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
         if self.device.type != "cuda":
-            return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
+            cfg = self.config
+            return memory.cpu_kv_budget(cfg.cache.kv_cache_memory_gb, self.kv_bytes_per_block(),
+                                        self.block_size, cfg.scheduler.max_num_seqs,
+                                        self.max_model_len)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
                                      lambda: profile_run(self.dummy_step_model()),
                                      baseline=self._baseline_bytes)

@@ -17,6 +17,7 @@ from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import ModelLoadError
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.worker.dummy_steps import warm_up_step_shapes
@@ -55,7 +56,7 @@ def lmkit_config(model_dir: Path, block_size: int = 4) -> LMKitConfig:
 def make_runner(model_dir: Path, block_size: int = 4) -> ModelRunner:
     config = lmkit_config(model_dir, block_size)
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
+    runner = ModelRunner(config, resolve_stack(config, host), host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.initialize_kv_cache(256)
     return runner

@@ -65,6 +65,9 @@ class ScriptedEngine:
     def stats(self) -> dict[str, float]:
         return {"num_running_reqs": len(self.running), "kv_cache_usage": 0.1 * len(self.running)}
 
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
+        return []
+
 
 @pytest.fixture
 def harness(smollm2_tokenizer):

@@ -23,6 +23,7 @@ from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
@@ -142,7 +143,7 @@ def _run(model_dir, graphs: bool, oracle=None, k=4):
         "structured_output": {"backend": "none"},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
+    runner = ModelRunner(config, resolve_stack(config, host), host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.model.attn.__class__ = ScratchSlotTorchAttention
     runner.initialize_kv_cache(96)

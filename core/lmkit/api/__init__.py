@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
+from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from lmkit.api.request import Request, RequestStatus
@@ -60,6 +61,7 @@ _LAZY = {
     "ModelRunner": "lmkit.worker.model_runner",
     "Sampler": "lmkit.sample.sampler",
     "default_cache_dir": "lmkit.loading.cache",
+    "load_model_facts": "lmkit.loading.model_facts",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }
@@ -77,7 +79,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
     "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "Executor", "ForwardContext", "Grammar",
-    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
+    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelFacts", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",

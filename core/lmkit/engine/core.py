@@ -20,29 +20,10 @@ from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import attach_offload
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
-from lmkit.plugin_host.spec import Needs
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager, structured_output_off_error
 
 logger = logging.getLogger(__name__)
-
-
-def model_head_size(hf_config: Any) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
-
-
-def model_attention_needs(host: PluginHost, hf_config: Any) -> Needs:
-    """What the model needs of attention: its head size, plus whatever its architecture
-    plugin declares through an optional ``attention_needs(hf_config)`` classmethod
-    (e.g. a sliding window). An unknown architecture fails here, before weights load."""
-    needs = Needs(values={"head_size": model_head_size(hf_config)})
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:
-        return needs
-    model_cls = host.registry.get("model", archs[0]).spec.load()
-    declared = getattr(model_cls, "attention_needs", None)
-    return needs.merge(declared(hf_config)) if declared is not None else needs
 
 
 class EngineCore:
@@ -55,24 +36,24 @@ class EngineCore:
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
                  progress: bool = True) -> None:
+        from lmkit.loading.model_facts import load_model_facts
         from lmkit.loading.resolve import resolve_model
-        from lmkit.loading.weights import load_hf_config
 
         self.host = host or PluginHost.load(config.plugins)
         self.host.hook.configure(config=config)
         cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else None
         self.model_dir: Path = resolve_model(config.model.model, self.host, cache_dir,
                                              source=config.model.source, progress=progress)
-        hf_config = load_hf_config(self.model_dir)
-        self.hf_config = hf_config
-        self.stack: ResolvedStack = resolve_stack(
-            config, self.host, model_attention_needs(self.host, hf_config))
-        self.config = self._runtime_config(config, hf_config)
+        # what every process knows of the model (context, EOS, architecture, needs): once
+        self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
+        self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs)
+        self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")
         assert executor_reg is not None
         self.executor = executor_reg.spec.load()(
-            self.config, self.stack, options=self.stack.options["executor"], host=self.host)
+            self.config, self.stack, options=self.stack.options["executor"], host=self.host,
+            facts=self.facts)
         try:
             self.model_info = self.executor.start()
             self.num_blocks = self._num_blocks()
@@ -101,15 +82,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ setup
 
-    def _runtime_config(self, config: LMKitConfig, hf_config: Any) -> LMKitConfig:
+    def _runtime_config(self, config: LMKitConfig) -> LMKitConfig:
         """A copy of ``config`` with the model directory and context length filled in."""
-        native = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
-        asked = config.model.max_model_len
-        if asked is not None and native is not None and asked > native:
-            raise ConfigError(
-                f"model.max_model_len={asked} exceeds the model's context of {native} tokens "
-                f"(max_position_embeddings in {self.model_dir / 'config.json'}); lower it.")
-        max_len = asked or native or 2048
+        max_len = self.facts.max_model_len
         cfg = config.model_copy(deep=True)
         cfg.model.model = str(self.model_dir)
         cfg.model.max_model_len = max_len

@@ -39,7 +39,7 @@ from lmkit.engine.messages import (
     make_engine_decoder,
     numeric_stats,
 )
-from lmkit.errors import LMKitError
+from lmkit.errors import InvalidRequestError, LMKitError
 
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
 STATS_INTERVAL_S = 0.5
@@ -54,6 +54,11 @@ class StepEngine(Protocol):
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, float | int]: ...
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
+        """``(request id, error)`` of requests refused after ``add_request`` took them
+        (a grammar that did not compile); an engine that decides at ``add_request``
+        returns ``[]``."""
+        ...
 
 
 class EngineCoreProc:
@@ -79,9 +84,6 @@ class EngineCoreProc:
         self.encoder = make_encoder()
         self.decoder = make_engine_decoder()
         self.parent_pid = parent_pid
-        # requests the engine refuses after taking them (a grammar that did not compile);
-        # engines that decide at add_request have none
-        self._take_rejected = getattr(engine, "take_rejected_requests", list)
         self.should_stop = False
         self.parent_gone = False
         self._last_stats_at = 0.0
@@ -105,10 +107,9 @@ class EngineCoreProc:
                 outputs = self.engine.step()
                 if outputs:
                     self.send(EngineOutputs(outputs=outputs))
-                for rid, error in self._take_rejected():
+                for rid, error in self.engine.take_rejected_requests():
                     self.send(RequestRejected(request_id=rid, message=str(error),
-                                              param=getattr(error, "param", None),
-                                              code=getattr(error, "code", None)))
+                                              param=error.param, code=error.code))
             # going idle: report at once, so gauges (running, KV usage) settle to idle
             self._maybe_send_stats(force=was_busy and not busy)
             was_busy = busy
@@ -139,9 +140,10 @@ class EngineCoreProc:
                 self.engine.add_request(message.to_request())
             except (LMKitError, ValueError) as e:
                 # A bad request is refused alone; the engine and other requests go on.
+                invalid = e if isinstance(e, InvalidRequestError) else None
                 self.send(RequestRejected(request_id=message.request_id, message=str(e),
-                                          param=getattr(e, "param", None),
-                                          code=getattr(e, "code", None)))
+                                          param=invalid.param if invalid else None,
+                                          code=invalid.code if invalid else None))
         elif isinstance(message, AbortRequests):
             self.engine.abort_requests(message.request_ids)
         elif isinstance(message, StatsQuery):
@@ -185,11 +187,12 @@ def _plugin_rows(host: Any) -> list[dict[str, Any]]:
 
 
 def _ready_message(engine: Any, host: Any) -> EngineReady:
-    info = engine.model_info
+    facts = engine.facts
     return EngineReady(
         model_dir=str(engine.model_dir),
-        max_model_len=int(engine.config.model.max_model_len or info.max_model_len),
-        vocab_size=int(info.vocab_size),
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        eos_token_ids=list(facts.eos_token_ids),
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),

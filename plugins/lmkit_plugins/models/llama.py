@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError, Needs
+from lmkit.api import (
+    AttentionBackend,
+    CausalLM,
+    ForwardContext,
+    ModelBuildContext,
+    ModelLoadError,
+    Needs,
+)
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import (
@@ -213,8 +220,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``)."""
+class LlamaForCausalLM(nn.Module, CausalLM):
+    """A Llama-family causal LM over packed tokens."""
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:

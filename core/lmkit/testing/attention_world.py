@@ -182,9 +182,9 @@ class AttentionWorld:
                                v: torch.Tensor) -> str | None:
         """Store ``k``/``v`` where :meth:`AttentionBackend.kv_write_slots` says, in the
         layout its docstring fixes; return what is wrong with the opt-in, if anything."""
+        if not self.backend.supports_model_kv_write:
+            raise NotApplicable("does not declare supports_model_kv_write")
         slots = self.backend.kv_write_slots()
-        if slots is None:
-            raise NotApplicable("does not opt in: kv_write_slots() returns None")
         n, c = md.num_actual_tokens, self.case
         if slots.dtype != torch.int64 or slots.dim() != 1 or slots.shape[0] < n:
             return (f"kv_write_slots() returned {slots.dtype} {tuple(slots.shape)}; expected "

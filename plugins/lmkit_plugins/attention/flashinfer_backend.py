@@ -184,6 +184,8 @@ class FlashInferAttention(AttentionBackend):
         :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
         :return: ``[num_tokens, num_heads, head_size]`` in ``q``'s dtype
         """
+
+    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
         plan = self._plan
         if plan is None:
             raise RuntimeError("FlashInferAttention.run() called before plan() for this step")

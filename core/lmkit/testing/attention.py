@@ -16,8 +16,8 @@ runner builds it. Properties:
   head layout, head size (the claimed ``head_size`` values, else 64, 80, 128), block
   size (claimed ``block_size`` values, else 16 and 32) and claimed dtype;
 * ``model-written K/V``: when the backend declares ``supports_model_kv_write``, the
-  suite stores each step's K/V itself at the slots ``kv_write_slots()`` returns, in the documented layout, and
-  calls ``run(..., kv_written=True)``;
+  suite stores each step's K/V itself at the slots ``kv_write_slots()`` returns, in
+  the documented layout, and calls ``run(..., kv_written=True)``;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
   raises when constructed with one, instead of silently ignoring it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured

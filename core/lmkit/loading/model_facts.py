@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.contract import interface_problem
 from lmkit.api.model import CausalLM
 from lmkit.api.model_facts import ModelFacts
 from lmkit.errors import ConfigError, ModelLoadError, PluginError, UnknownBackendError
@@ -86,11 +87,12 @@ def model_registration(host: PluginHost, hf_config: Any, model_dir: Path
 def model_class(registration: Registration) -> type[CausalLM]:
     """The model class a registration loads, checked against the :class:`CausalLM` contract."""
     cls = registration.spec.load()
-    if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
+    problem = interface_problem("model", cls)
+    if problem is not None:
         raise PluginError(
-            f"model plugin {registration.plugin!r} registers {registration.name!r} as "
-            f"{cls!r}, which does not subclass lmkit.api.CausalLM; make the model class "
-            "inherit from lmkit.api.CausalLM (e.g. class MyModel(torch.nn.Module, CausalLM)).")
+            f"model {registration.name!r} (plugin {registration.origin}): {problem}; make "
+            "the model class inherit from lmkit.api.CausalLM (e.g. class MyModel("
+            "torch.nn.Module, CausalLM)).")
     return cls
 
 

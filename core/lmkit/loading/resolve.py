@@ -15,6 +15,7 @@ import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmkit.api.contract import build, interface_problem
 from lmkit.api.source import ModelSource
 from lmkit.errors import ConfigError, ModelLoadError, ModelNotFoundError, PluginError
 from lmkit.loading.cache import default_cache_dir
@@ -68,7 +69,8 @@ def resolve_model(ref: str, host: PluginHost, cache_dir: Path | None = None,
     else:
         reg, cls = _first_match(host, ref)
 
-    model_dir = Path(cls().fetch(ref, cache_dir, progress))
+    source_obj: ModelSource = build(KIND, cls, plugin=reg.origin)
+    model_dir = Path(source_obj.fetch(ref, cache_dir, progress))
     validate_model_dir(model_dir, f"model source {reg.name!r} for {ref!r}")
     return model_dir
 
@@ -99,10 +101,10 @@ def _load(reg: Registration) -> type[ModelSource]:
             f"model source {reg.name!r} (plugin {reg.origin}) failed to load: "
             f"{type(e).__name__}: {e}"
         ) from e
-    if not (isinstance(cls, type) and issubclass(cls, ModelSource)):
-        raise PluginError(
-            f"model source {reg.name!r} (plugin {reg.origin}) registers {cls!r}, which does "
-            "not subclass lmkit.api.ModelSource; make the class inherit from it.")
+    problem = interface_problem(KIND, cls)
+    if problem is not None:
+        raise PluginError(f"model source {reg.name!r} (plugin {reg.origin}): {problem}; make "
+                          "the class inherit from lmkit.api.ModelSource.")
     return cls
 
 

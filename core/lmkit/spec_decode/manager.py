@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.contract import build
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
 from lmkit.errors import ConfigError, PluginError
@@ -81,7 +82,8 @@ class ProposerManager:
                 f"{', '.join(hosted)}: it must run inside the model runner, but this engine "
                 "runs proposers in the engine core on token ids only. Use a token-based "
                 "proposer (e.g. --spec ngram) or turn speculation off (--spec none).")
-        proposer = reg.spec.load()(config, options=stack.options["spec_proposer"])
+        proposer = build("spec_proposer", reg.spec.load(), config,
+                         options=stack.options["spec_proposer"], plugin=reg.origin)
         k = config.speculative.num_speculative_tokens
         off_above = config.speculative.disable_by_batch_size
         logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,

@@ -50,12 +50,16 @@ class AttentionCase:
                 f"{self.head_size}, block_size {self.block_size}, {dtype} on "
                 f"{self.device.type}{window}")
 
+    def kwargs(self, options: Any) -> dict[str, Any]:
+        """The keyword arguments a model constructs the backend with for this case."""
+        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
+                    device=self.device, block_size=self.block_size,
+                    sliding_window=self.sliding_window, options=options)
+
     def build(self, cls: type, options: Any) -> AttentionBackend:
         """Construct the backend as the model does."""
-        return cls(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                   head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
-                   device=self.device, block_size=self.block_size,
-                   sliding_window=self.sliding_window, options=options)
+        return cls(**self.kwargs(options))
 
 
 @dataclass

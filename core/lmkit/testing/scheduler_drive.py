@@ -71,11 +71,10 @@ class Drive:
     _clock: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        try:
-            self.sched = self.target.cls(self.setup.config(), num_blocks=self.setup.num_blocks,
-                                         options=self.target.options)
-        except Exception as e:
-            raise self.fail(f"constructing the scheduler raised {type(e).__name__}: {e}") from e
+        where = f"{self.workload}; {self.setup.describe()}"
+        self.sched = self.target.build(SUITE, "scheduler", self.prop, where,
+                                       self.setup.config(), num_blocks=self.setup.num_blocks,
+                                       options=self.target.options)
         self.runner = FakeRunner(self.setup.num_blocks, self.setup.block_size)
 
     def fail(self, detail: str) -> AssertionError:

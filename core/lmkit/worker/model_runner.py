@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lmkit.api.attention import AttentionMetadata
+from lmkit.api.contract import build
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
@@ -104,7 +105,7 @@ class ModelRunner:
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = model_cls(hf_config, ctx)
+        model = build("model", model_cls, hf_config, ctx, plugin=self.architecture)
         model.load_weights(iterate_weights(self.model_dir))
         if isinstance(model, torch.nn.Module):
             model.eval()

@@ -49,6 +49,8 @@ class FlashInferAttention(AttentionBackend):
     """FlashInfer paged attention (float16/bfloat16, head sizes 64/128/256, GQA,
     sliding window, mixed prefill/decode, cached prefixes, chunked prefill)."""
 
+    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         import flashinfer  # the heavy import happens when the backend is built
@@ -184,8 +186,6 @@ class FlashInferAttention(AttentionBackend):
         :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
         :return: ``[num_tokens, num_heads, head_size]`` in ``q``'s dtype
         """
-
-    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
         plan = self._plan
         if plan is None:
             raise RuntimeError("FlashInferAttention.run() called before plan() for this step")

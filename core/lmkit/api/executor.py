@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,15 +26,22 @@ class ModelInfo:
     # KV slots per request the scheduler must reserve past the scheduled tokens because
     # the runner launches decode steps ahead of scheduling (0 when it does not)
     num_lookahead_slots: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Executor(ABC):
     """Runs the model for the engine core.
 
-    Constructed as ``cls(config, stack, options=opts)`` where ``stack`` is the resolved
-    :class:`~lmkit.plugin_host.resolve.ResolvedStack` (chosen names and options; a worker in
-    another process resolves the names in its own plugin manager).
+    Constructor (the one signature the engine uses)::
+
+        cls(config, stack, *, options, host, facts)
+
+    ``config`` is the engine's runtime :class:`~lmkit.api.LMKitConfig`, ``stack`` the
+    resolved :class:`~lmkit.plugin_host.resolve.ResolvedStack` (chosen names and
+    options; a worker in another process resolves the names in its own plugin
+    manager), ``options`` the validated instance of the spec's options model, ``host``
+    the engine's :class:`~lmkit.api.PluginHost` (model architectures), ``facts`` the
+    engine's :class:`~lmkit.api.ModelFacts` (context length, EOS ids, architecture),
+    which the workers' model runners use instead of deriving their own.
     """
 
     @abstractmethod

@@ -48,12 +48,13 @@ class TransferJob:
 class OffloadManager(ABC):
     """Stores KV blocks leaving the device cache and loads them back on a prefix hit.
 
-    Constructed as ``cls(config, kv_caches, options=opts)``: ``config`` is the engine's
-    runtime configuration (``model.model`` is the resolved model directory and
-    ``attention.backend`` the resolved backend name, so both can name a persistent
-    store), ``kv_caches`` the per-layer device cache tensors in the layout of the
-    built-in attention backends, ``[2, num_blocks, block_size, num_kv_heads,
-    head_size]`` (block ``b`` of a layer is ``cache[:, b]``).
+    Constructor (the one signature the engine uses): ``cls(config, kv_caches, *,
+    options)``. ``config`` is the engine's runtime configuration (``model.model`` is
+    the resolved model directory and ``attention.backend`` the resolved backend name,
+    so both can name a persistent store), ``kv_caches`` the per-layer device cache
+    tensors in the layout of the built-in attention backends, ``[2, num_blocks,
+    block_size, num_kv_heads, head_size]`` (block ``b`` of a layer is ``cache[:, b]``),
+    ``options`` the validated instance of the spec's options model.
 
     Ordering rules the engine relies on:
 

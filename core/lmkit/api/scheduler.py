@@ -16,7 +16,13 @@ if TYPE_CHECKING:
 class Scheduler(ABC):
     """Decides, each step, which requests run and how many tokens each.
 
-    Constructed as ``cls(config, num_blocks=N, options=opts)``. The engine calls
+    Constructor (the one signature the engine uses)::
+
+        cls(config, *, num_blocks, options)
+
+    ``config`` is the engine's runtime :class:`~lmkit.api.LMKitConfig`
+    (``model.max_model_len`` filled in), ``num_blocks`` the size of the KV pool,
+    ``options`` the validated instance of the spec's options model. The engine calls
     :meth:`schedule`, runs the model on the result, then :meth:`update_from_output`.
     Most implementations subclass :class:`lmkit.api.PagedScheduler`, which implements
     the mechanism (token budget, chunked prefill, paged KV with prefix caching,

@@ -87,9 +87,10 @@ class Proposal:
 class SpecProposer(ABC):
     """Proposes draft tokens for the target model to verify.
 
-    Constructed as ``cls(config, options=opts)``: ``config`` is the engine's
-    :class:`~lmkit.api.LMKitConfig` (``config.speculative.num_speculative_tokens`` is
-    ``k``), ``opts`` the validated instance of the spec's options model.
+    Constructor (the one signature the engine uses): ``cls(config, *, options)``.
+    ``config`` is the engine's :class:`~lmkit.api.LMKitConfig`
+    (``config.speculative.num_speculative_tokens`` is ``k``), ``options`` the validated
+    instance of the spec's options model.
     """
 
     @abstractmethod

@@ -43,9 +43,7 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0  # requests with query length 1 (when the runner orders decodes first)
-    num_decode_tokens: int = 0
     cuda_graph: bool = False
-    extra: dict[str, Any] | None = None  # backend-specific, set by custom runners
 
 
 class AttentionBackend(ABC):

@@ -154,11 +154,6 @@ class OffloadManager(ABC):
         """Finish pending writes, release memory and file handles. Safe to call twice."""
 
 
-def kv_layer_tensors(kv_caches: Sequence[torch.Tensor]) -> int:
-    """Number of layers (helper for implementations sizing their buffers)."""
-    return len(kv_caches)
-
-
 def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor]) -> bytes:
     """32 bytes naming the model and the KV layout, for tiers that persist blocks.
 

@@ -2,19 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-Kind = Literal[
-    "scheduler",
-    "attention",
-    "executor",
-    "spec_proposer",
-    "structured_output",
-    "offload",
-    "model",
-    "model_source",
-]
-
 # kind -> the register-callback hook that contributes specs of that kind
 REGISTER_HOOKS: dict[str, str] = {
     "scheduler": "register_schedulers",

@@ -180,7 +180,7 @@ class AttentionWorld:
             max_seq_len=max(seq_lens), query_start_loc=self._qsl[: n + 1],
             seq_lens=self._seq_lens[:n], block_tables=self._tables[:n, :width],
             slot_mapping=self._slots[:t], query_start_loc_cpu=qsl, seq_lens_cpu=seq,
-            num_decodes=num_decodes, num_decode_tokens=num_decodes, cuda_graph=cuda_graph)
+            num_decodes=num_decodes, cuda_graph=cuda_graph)
 
     def _write_kv_as_the_model(self, md: AttentionMetadata, k: torch.Tensor,
                                v: torch.Tensor) -> str | None:

@@ -244,7 +244,7 @@ class ModelRunner:
             query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
             block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-            num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes)
+            num_decodes=step.num_decodes)
         attn = self.model.attn
         attn.plan(md)
         return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))

@@ -137,9 +137,11 @@ def register_models(register: Register) -> None:
     """Register model architectures.
 
     ``Spec.name`` and ``Spec.aliases`` are Hugging Face ``architectures`` names (e.g.
-    ``"LlamaForCausalLM"``); the engine picks the spec matching the model's config. The
-    loaded target is a :class:`torch.nn.Module` subclass following
-    :class:`lmkit.api.CausalLM`.
+    ``"LlamaForCausalLM"``); the engine picks the first of the model config's
+    ``architectures`` that a spec names. The loaded target subclasses both
+    :class:`torch.nn.Module` and :class:`lmkit.api.CausalLM` and is built as
+    ``cls(hf_config, ctx)``; its optional classmethod ``attention_needs(hf_config)``
+    declares what it needs of the attention backend.
 
     :param register: call ``register(Spec(...))`` once per architecture family.
     """
@@ -149,9 +151,11 @@ def register_models(register: Register) -> None:
 def register_model_sources(register: Register) -> None:
     """Register places model weights come from (local directories, GGUF files, hubs).
 
-    The loaded target follows :class:`lmkit.api.ModelSource`: ``matches(ref)`` says
-    whether it understands a model reference and ``fetch(ref, cache_dir)`` returns local
-    files. Sources are tried in priority order; the first that matches wins.
+    The loaded target subclasses :class:`lmkit.api.ModelSource` and is built as
+    ``cls()``: ``matches(ref)`` says whether it understands a model reference and
+    ``fetch(ref, cache_dir)`` returns local files; the optional ``known_refs()`` names
+    the references it knows. Sources are tried in priority order; the first that
+    matches wins.
 
     :param register: call ``register(Spec(...))`` once per source.
     """

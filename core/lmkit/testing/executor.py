@@ -99,9 +99,12 @@ def _with_pair(t: Target, model_dir: Path | None, body: Any) -> None:
 
 
 def _model_info(pair: _Pair) -> None:
+    from dataclasses import asdict
+
     fields = ("architecture", "vocab_size", "max_model_len", "num_layers", "kv_bytes_per_block")
+    info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
-        got, want = getattr(pair.info, name), getattr(pair.ref_info, name)
+        got, want = info[name], ref_info[name]
         if got != want:
             raise pair.t.fail(SUITE, "model info", WORKLOAD,
                               f"start() reported {name}={got!r}; uniproc reports {want!r}")

@@ -304,7 +304,8 @@ def test_uniproc_executor_lifecycle(tiny):
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     executor = UniProcExecutor(config, resolve_stack(config, host), host=host)
     info = executor.start()
-    assert (info.architecture, info.vocab_size, info.max_model_len, info.num_layers) == (
+    facts = executor.facts
+    assert (facts.architecture, facts.vocab_size, facts.max_model_len, facts.num_layers) == (
         "LlamaForCausalLM", VOCAB, 128, 2)
     # 2 layers x (K and V) x block_size 4 x 2 kv heads x head_size 16 x float32
     assert info.kv_bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4

@@ -134,7 +134,6 @@ def test_engine_runner_and_frontend_agree(tmp_path):
         assert facts.eos_token_ids == (256, 7) and facts.max_model_len == 200
         runner = llm.engine.executor.runner
         assert (runner.default_eos_token_id, runner.max_model_len) == (256, 200)
-        assert llm.engine.model_info.max_model_len == 200
         processor = llm.input_processor
         assert (processor.eos_token_id, processor.extra_eos_token_ids) == (256, [7])
         assert processor.max_model_len == llm.config.model.max_model_len == 200

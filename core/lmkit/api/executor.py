@@ -13,12 +13,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the engine core needs to know about the loaded model."""
+    """What the executor measured once the model is loaded (what the engine knows
+    before, the architecture, vocabulary, context length, layers, is in
+    :class:`~lmkit.api.ModelFacts`)."""
 
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    num_layers: int
     kv_bytes_per_block: int  # all layers, K and V
     available_kv_bytes: int  # memory the KV cache may use on this device
     device: str
@@ -46,7 +44,7 @@ class Executor(ABC):
 
     @abstractmethod
     def start(self) -> ModelInfo:
-        """Start workers, load weights, profile memory; return facts about the model."""
+        """Start workers, load weights, profile memory; return what they measured."""
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:

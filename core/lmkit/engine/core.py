@@ -67,9 +67,9 @@ class EngineCore:
                 write_through=self.config.offload.store_policy == "write_through")
             self._reserve_decode_lookahead_slots()
             self.structured_output = StructuredOutputManager.from_stack(
-                self.config, self.stack, self.model_dir, self.model_info.vocab_size)
+                self.config, self.stack, self.model_dir, self.facts.vocab_size)
             self.spec_decode = ProposerManager.from_stack(self.config, self.stack,
-                                                          self.model_info.vocab_size)
+                                                          self.facts.vocab_size)
         except BaseException:
             self.executor.shutdown()
             raise

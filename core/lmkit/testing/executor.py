@@ -6,8 +6,8 @@ pass). A real :class:`~lmkit.api.PagedScheduler` plans steps for a batch of gree
 seeded-sampling requests in a KV pool small enough to force preemption; every step's
 :class:`~lmkit.api.SchedulerOutput` goes to both executors. Properties:
 
-* ``model info``: :meth:`start` reports what ``uniproc`` reports (architecture, vocab,
-  max_model_len, layers, bytes per KV block);
+* ``model info``: :meth:`start` reports what ``uniproc`` reports (bytes per KV block,
+  device, dtype);
 * ``tokens equal uniproc``: every step's request ids and sampled tokens are identical
   (through chunked prefill, prefix-cache hits, preemption and finished requests);
 * ``call reaches every worker``: ``call("kv_bytes_per_block")`` returns one equal
@@ -101,7 +101,7 @@ def _with_pair(t: Target, model_dir: Path | None, body: Any) -> None:
 def _model_info(pair: _Pair) -> None:
     from dataclasses import asdict
 
-    fields = ("architecture", "vocab_size", "max_model_len", "num_layers", "kv_bytes_per_block")
+    fields = ("kv_bytes_per_block", "device", "dtype")
     info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
         got, want = info[name], ref_info[name]

@@ -51,10 +51,6 @@ class UniProcExecutor(Executor):
         runner.load_model()
         self.runner = runner
         return ModelInfo(
-            architecture=runner.architecture,
-            vocab_size=runner.vocab_size,
-            max_model_len=runner.max_model_len,
-            num_layers=runner.num_layers,
             kv_bytes_per_block=runner.kv_bytes_per_block(),
             available_kv_bytes=runner.available_kv_bytes(),
             device=str(runner.device),

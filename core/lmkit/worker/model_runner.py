@@ -98,14 +98,15 @@ class ModelRunner:
         """Build the model for the config's architecture and load its weights."""
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
-        model_cls = model_class(self.host.registry.get("model", self.architecture))
+        registration = self.host.registry.get("model", self.architecture)
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = build("model", model_cls, hf_config, ctx, plugin=self.architecture)
+        model = build("model", model_class(registration), hf_config, ctx,
+                      plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir))
         if isinstance(model, torch.nn.Module):
             model.eval()

@@ -117,7 +117,7 @@ def resolve_max_model_len(native: int | None, asked: int | None, model_dir: Path
     if asked is not None and native is not None and asked > native:
         raise ConfigError(
             f"model.max_model_len={asked} exceeds the model's context of {native} tokens "
-            f"(max_position_embeddings in {Path(model_dir) / 'config.json'}); lower "
+            f"(stated in {Path(model_dir) / 'config.json'}); lower "
             f"model.max_model_len to at most {native}, or leave it unset to use {native}.")
     if asked is None and native is None:
         logger.warning("%s states no context length (%s); using %d tokens: set "

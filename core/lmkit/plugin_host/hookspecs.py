@@ -61,9 +61,9 @@ def register_schedulers(register: Register) -> None:
 
     The loaded target is a subclass of :class:`lmkit.api.Scheduler` (usually of
     :class:`lmkit.api.PagedScheduler`, overriding only the queueing policy). It is
-    constructed as ``cls(config, num_blocks=..., options=...)`` where ``config`` is the
-    engine's :class:`~lmkit.config.LMKitConfig` and ``options`` an instance of the
-    spec's options model.
+    built as ``cls(config, *, num_blocks, options)`` where ``config`` is the engine's
+    :class:`~lmkit.config.LMKitConfig` and ``options`` an instance of the spec's
+    options model.
 
     :param register: call ``register(Spec(...))`` once per implementation.
     """
@@ -73,7 +73,10 @@ def register_schedulers(register: Register) -> None:
 def register_attention_backends(register: Register) -> None:
     """Register attention backends.
 
-    The loaded target is a subclass of :class:`lmkit.api.AttentionBackend`. Declare in
+    The loaded target is a subclass of :class:`lmkit.api.AttentionBackend`, built by
+    the model as ``cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device,
+    block_size, sliding_window, options)``; a backend that lets the model write K/V
+    itself declares ``supports_model_kv_write = True`` on the class. Declare in
     ``caps`` what it supports: ``values={"device": {...}, "dtype": {...},
     "head_size": {...}}`` and features such as ``"multi_token_query"`` (several query
     tokens per decoding request, needed by speculative decoding) and ``"cuda_graphs"``.
@@ -88,8 +91,9 @@ def register_attention_backends(register: Register) -> None:
 def register_executors(register: Register) -> None:
     """Register executors (how model workers are started and driven).
 
-    The loaded target is a subclass of :class:`lmkit.api.Executor`, constructed as
-    ``cls(config, stack, options=...)``. Declare ``caps.values["device"]``.
+    The loaded target is a subclass of :class:`lmkit.api.Executor`, built as
+    ``cls(config, stack, *, options, host, facts)`` (``facts``: the engine's
+    :class:`lmkit.api.ModelFacts`). Declare ``caps.values["device"]``.
 
     :param register: call ``register(Spec(...))`` once per executor.
     """
@@ -99,7 +103,8 @@ def register_executors(register: Register) -> None:
 def register_spec_proposers(register: Register) -> None:
     """Register speculative-decoding proposers (draft-token sources).
 
-    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`. Verification is
+    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`, built as
+    ``cls(config, *, options)``. Verification is
     done by the core, so a proposer only proposes. Declare what it needs of the rest of
     the stack in ``stack_needs`` (usually ``{"attention": Needs({"multi_token_query"})}``)
     and its own abilities in ``caps`` (``"hidden_states"`` if it consumes the target's
@@ -113,8 +118,8 @@ def register_spec_proposers(register: Register) -> None:
 def register_structured_output_backends(register: Register) -> None:
     """Register structured-output (constrained decoding) backends.
 
-    The loaded target is a subclass of :class:`lmkit.api.StructuredOutputBackend`.
-    Declare the constraint types it handles as features: ``json_schema``,
+    The loaded target is a subclass of :class:`lmkit.api.StructuredOutputBackend`,
+    built as ``cls(tokenizer, vocab_size, *, options)``. Declare the constraint types it handles as features: ``json_schema``,
     ``json_object``, ``regex``, ``grammar``, ``choice``, ``structural_tag``.
 
     :param register: call ``register(Spec(...))`` once per backend.
@@ -125,8 +130,9 @@ def register_structured_output_backends(register: Register) -> None:
 def register_offload_managers(register: Register) -> None:
     """Register KV-cache offload tiers.
 
-    The loaded target is a subclass of :class:`lmkit.api.OffloadManager` that stores
-    and loads KV blocks by content hash below the device cache (CPU memory, disk, ...).
+    The loaded target is a subclass of :class:`lmkit.api.OffloadManager`, built as
+    ``cls(config, kv_caches, *, options)``, that stores and loads KV blocks by content
+    hash below the device cache (CPU memory, disk, ...).
 
     :param register: call ``register(Spec(...))`` once per tier.
     """

@@ -73,7 +73,7 @@ def bench_backend(name: str, batch, args, options: dict | None = None,
                   device=torch.device("cuda"), block_size=block_size,
                   options=spec.validate_options(options or {}))
     md = AttentionMetadata(**batch.metadata_kwargs(
-        max_query_len=1, num_decodes=batch.num_reqs, num_decode_tokens=batch.num_tokens))
+        max_query_len=1, num_decodes=batch.num_reqs))
     backend.plan(md)
     seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache),
                         warmup=args.warmup, iters=args.iters)

@@ -64,6 +64,8 @@ class IgnoresWindow(TorchAttention):
 class WritesKVItself(TorchAttention):
     """Opts in to model-written K/V: ``run(..., kv_written=True)`` skips the write."""
 
+    supports_model_kv_write = True
+
     def kv_write_slots(self):
         return self._plan.slot_mapping
 
@@ -163,8 +165,8 @@ def test_model_written_kv_is_checked_for_backends_that_opt_in():
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     torch_ref = check_attention_backend(host.registry.get("attention", "torch"),
                                         only=["model-written K/V"])
-    assert torch_ref == {"model-written K/V": "not applicable: torch does not opt in: "
-                                              "kv_write_slots() returns None"}
+    assert torch_ref == {"model-written K/V": "not applicable: torch does not declare "
+                                              "supports_model_kv_write"}
     assert check_attention_backend(spec(WritesKVItself), only=["model-written K/V"]) == {
         "model-written K/V": "passed"}
     with pytest.raises(ConformanceFailure, match="(?s)fails property 'model-written K/V'.*"

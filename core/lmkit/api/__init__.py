@@ -20,6 +20,7 @@ from lmkit.api.logits_processor import (
     LogitsProcessorContext,
 )
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
+from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from lmkit.api.request import Request, RequestStatus
@@ -69,6 +70,7 @@ _LAZY = {
     "ModelRunner": "lmkit.worker.model_runner",
     "Sampler": "lmkit.sample.sampler",
     "default_cache_dir": "lmkit.loading.cache",
+    "load_model_facts": "lmkit.loading.model_facts",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }
@@ -87,7 +89,8 @@ __all__ = [
     "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "AttentionMetadata", "BatchUpdate",
     "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
     "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
-    "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelInfo",
+    "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",
+    "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",

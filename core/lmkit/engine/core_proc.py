@@ -54,8 +54,12 @@ class StepEngine(Protocol):
     def abort_requests(self, request_ids: Any) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]: ...
     def stats(self) -> dict[str, float | int]: ...
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
+        """``(request id, error)`` of requests refused after ``add_request`` took them
+        (a grammar that did not compile); an engine that decides at ``add_request``
+        returns ``[]``."""
+        ...
 
 
 class EngineCoreProc:
@@ -137,10 +141,10 @@ class EngineCoreProc:
                 self.engine.add_request(message.to_request())
             except InvalidRequestError as e:
                 # A bad request is refused alone; the engine and other requests go on.
+                invalid = e if isinstance(e, InvalidRequestError) else None
                 self.send(RequestRejected(request_id=message.request_id, message=str(e),
-                                          param=e.param, code=e.code))
-            except (LMKitError, ValueError) as e:
-                self.send(RequestRejected(request_id=message.request_id, message=str(e)))
+                                          param=invalid.param if invalid else None,
+                                          code=invalid.code if invalid else None))
         elif isinstance(message, AbortRequests):
             self.engine.abort_requests(message.request_ids)
         elif isinstance(message, StatsQuery):
@@ -184,11 +188,12 @@ def _plugin_rows(host: Any) -> list[dict[str, Any]]:
 
 
 def _ready_message(engine: Any, host: Any) -> EngineReady:
-    info = engine.model_info
+    facts = engine.facts
     return EngineReady(
         model_dir=str(engine.model_dir),
-        max_model_len=int(engine.config.model.max_model_len or info.max_model_len),
-        vocab_size=int(info.vocab_size),
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        eos_token_ids=list(facts.eos_token_ids),
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),

@@ -57,16 +57,14 @@ class AsyncLLM:
                  env: dict[str, str] | None = None) -> None:
         from lmkit.frontend.output_processor import OutputProcessor
         from lmkit.frontend.processor import InputProcessor
-        from lmkit.loading.tokenizer import eos_token_ids
 
         self.client = client
         self.ready = ready
         self.config = config
         self.tokenizer = tokenizer
         self.observer = observer
-        eos, extra = eos_token_ids(tokenizer, ready.model_dir)
         self.input_processor = InputProcessor(
-            tokenizer, ready.max_model_len, eos, ready.vocab_size, extra,
+            tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_ids,
             max_constraint_chars=config.structured_output.max_constraint_chars,
             logits_processors=ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)

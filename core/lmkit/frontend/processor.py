@@ -14,23 +14,23 @@ from lmkit.structured.constraint import validate_structured_outputs
 class InputProcessor:
     """Tokenizes and validates prompts against the model's context and vocabulary.
 
-    ``extra_eos_token_ids`` (from the model's generation config) stop generation like
-    EOS does; they are added to each request's ``stop_token_ids``.
+    ``max_model_len``, ``vocab_size`` and ``eos_token_ids`` are the engine's
+    :class:`~lmkit.api.ModelFacts`. Each request carries the first EOS id; the others
+    stop generation like EOS does and are added to its ``stop_token_ids``.
     ``max_constraint_chars`` bounds a structured-output constraint's size
     (``structured_output.max_constraint_chars``; ``None``: no bound).
     ``logits_processors`` are the names of the logits processors the engine has; a
     request naming another is refused.
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int, eos_token_id: int | None,
-                 vocab_size: int, extra_eos_token_ids: Sequence[int] = (),
-                 max_constraint_chars: int | None = None,
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 eos_token_ids: Sequence[int] = (), max_constraint_chars: int | None = None,
                  logits_processors: Collection[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+        self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
+        self.extra_eos_token_ids = [t for t in eos_token_ids[1:] if t != self.eos_token_id]
         self.max_constraint_chars = max_constraint_chars
         self._last_constraint: Any = None  # the last constraint object validated
         self.logits_processors = frozenset(logits_processors)

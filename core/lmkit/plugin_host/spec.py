@@ -43,6 +43,10 @@ class Needs:
         object.__setattr__(self, "features", frozenset(self.features))
         object.__setattr__(self, "values", _frozen_map(self.values))
 
+    def __reduce__(self) -> tuple[type[Needs], tuple[frozenset[str], dict[str, Any]]]:
+        # picklable (ModelFacts carries Needs to executor workers in other processes)
+        return (Needs, (self.features, dict(self.values)))
+
     def merge(self, other: Needs) -> Needs:
         """Both sets of needs at once; ``other`` wins on a conflicting value."""
         return Needs(self.features | other.features, {**self.values, **other.values})

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from lmkit.api.attention import AttentionMetadata
+from lmkit.api.contract import build
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
-from lmkit.errors import ModelLoadError, UnknownBackendError
+from lmkit.errors import ModelLoadError
+from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
@@ -37,6 +39,7 @@ from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 
 if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
     from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.manager import PluginHost
@@ -54,15 +57,17 @@ class ModelRunner:
         config: the engine's configuration (``model.max_model_len`` filled in).
         stack: the resolved stack: device, dtype and the chosen attention backend.
         host: the plugin host whose registry knows the model architectures.
-        model_dir: a local HF-style model directory.
+        facts: the engine's facts about the model (its directory, architecture, context
+            length and EOS ids; :func:`lmkit.loading.model_facts.load_model_facts`).
     """
 
     def __init__(self, config: LMKitConfig, stack: ResolvedStack, host: PluginHost,
-                 model_dir: Path) -> None:
+                 facts: ModelFacts) -> None:
         self.config = config
         self.stack = stack
         self.host = host
-        self.model_dir = Path(model_dir)
+        self.facts = facts
+        self.model_dir = Path(facts.model_dir)
         self.device = torch.device(stack.device)
         self.dtype = DTYPES[stack.dtype]
         # memory other engines of this process already hold (not this engine's to count)
@@ -71,7 +76,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: Any = None
         self.hf_config: Any = None
-        self.architecture = ""
+        self.architecture = facts.architecture
+        self.vocab_size = facts.vocab_size
+        self.num_layers = facts.num_layers
+        self.max_model_len = facts.max_model_len
+        self.default_eos_token_id = facts.eos_token_id
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()  # samples every step, verifying draft tokens
@@ -90,20 +99,19 @@ class ModelRunner:
         """Build the model for the config's architecture and load its weights."""
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
-        reg = self._model_registration(hf_config)
+        registration = self.host.registry.get("model", self.architecture)
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = reg.spec.load()(hf_config, ctx)
+        model = build("model", model_class(registration), hf_config, ctx,
+                      plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir))
-        self.model = model.eval() if hasattr(model, "eval") else model
-        self.vocab_size = int(hf_config.vocab_size)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.max_model_len = max_model_len(hf_config, self.config.model.max_model_len)
-        self.default_eos_token_id = _default_eos(hf_config, self.model_dir)
+        if isinstance(model, torch.nn.Module):
+            model.eval()
+        self.model = model
         sched = self.config.scheduler
         procs = self.config.logits_processors
         self.logits_processors = LogitsProcessorSet.from_registry(
@@ -115,23 +123,6 @@ class ModelRunner:
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
         logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype)
-
-    def _model_registration(self, hf_config: Any) -> Any:
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        known = sorted({k for r in self.host.registry.all("model")
-                        for k in (r.name, *r.spec.aliases)})
-        for arch in archs:
-            try:
-                reg = self.host.registry.get("model", arch)
-            except UnknownBackendError:
-                continue
-            self.architecture = arch
-            return reg
-        raise ModelLoadError(
-            f"model architecture {', '.join(archs) or '(none: config.json has no architectures)'}"
-            f" of {self.model_dir} is not supported; supported architectures: "
-            f"{', '.join(known) or 'none (no model plugin is loaded)'}. Install a plugin that "
-            "registers it (register_models) or use a supported model.")
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block across all layers."""
@@ -287,7 +278,7 @@ class ModelRunner:
             query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
             block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-            num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes)
+            num_decodes=step.num_decodes)
         attn = self.model.attn
         attn.plan(md)
         return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
@@ -391,29 +382,5 @@ class ModelRunner:
         return out
 
 
-def max_model_len(hf_config: Any, asked: int | None) -> int:
-    """The context length: the config's ``max_model_len`` if set and smaller than the
-    model's ``max_position_embeddings``, else the latter (2048 if neither is known)."""
-    native = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-    candidates = [n for n in (native, asked or 0) if n > 0]
-    return min(candidates) if candidates else 2048
-
-
 def _eos_of(new: NewRequestData, default: int | None) -> int | None:
     return default if new.eos_token_id is None else new.eos_token_id
-
-
-def _default_eos(hf_config: Any, model_dir: Path) -> int | None:
-    """The model's EOS id (generation_config.json first, then config.json)."""
-    ids: Any = None
-    try:
-        from transformers import GenerationConfig
-
-        ids = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-    except (OSError, ValueError):
-        ids = None
-    if ids is None:
-        ids = getattr(hf_config, "eos_token_id", None)
-    if isinstance(ids, (list, tuple)):
-        ids = ids[0] if ids else None
-    return ids

@@ -92,6 +92,10 @@ class OutputProcessor:
         parent.engine_ids.append(request.request_id)
         self._by_engine_id[request.request_id] = comp
 
+    def has_unfinished(self) -> bool:
+        """True while any tracked request still has a completion in flight."""
+        return bool(self._parents)
+
     def abort(self, parent_id: str) -> list[str]:
         """Forget a parent request; returns the engine ids of its completions to abort."""
         parent = self._parents.get(parent_id)

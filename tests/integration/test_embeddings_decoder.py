@@ -97,7 +97,7 @@ def test_headless_qwen3_model_export_embeds(tmp_path):
     model.save_pretrained(tmp_path)
     make_byte_tokenizer().save_pretrained(tmp_path)
     with LLM(str(tmp_path), progress=False) as llm:
-        assert llm.engine.architecture == "Qwen3Model"
+        assert llm.engine.facts.architecture == "Qwen3Model"
         out = llm.embed(TEXTS[:2])
         for text, o in zip(TEXTS[:2], out, strict=True):
             ids = torch.tensor([llm.tokenizer.encode(text)])

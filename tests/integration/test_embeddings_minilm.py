@@ -75,7 +75,7 @@ def test_minilm_matches_sentence_transformers(llm, minilm_dir):
 
 
 def test_minilm_defaults_to_its_sentence_transformers_pooler(llm):
-    assert llm.engine.pooling.default_pooler == "cls"  # what BertModel declares
+    assert llm.engine.facts.pooling.default_pooler == "cls"  # what BertModel declares
     mean = llm.embed(["A man is eating food."], PoolingParams(pooling_type="mean"))
     default = llm.embed(["A man is eating food."])  # 1_Pooling/config.json says mean
     assert default[0].embedding == mean[0].embedding

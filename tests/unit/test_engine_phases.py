@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from lmkit import LLM, SamplingParams
-from lmkit.api import EngineView, hookimpl
+from lmkit.api import EngineView, Request, hookimpl
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.errors import InvalidRequestError
 from lmkit.spec_decode.manager import ProposerManager
@@ -77,6 +77,32 @@ def test_phases_run_in_list_order_at_every_point():
     phases.shutdown()  # the defaults do nothing
 
 
+class AddOnly(Recorder):
+    """Acts only when requests arrive (like the pooling checks): inherits every step
+    point of Recorder, so it is listed at each; a bare StepPhase subclass is not."""
+
+
+class ChecksRequests(StepPhase):
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def add_request(self, request):
+        self.log.append(("checks", "add", request.request_id))
+
+
+def test_step_points_run_only_the_phases_that_override_them():
+    log: list = []
+    checks = ChecksRequests(log)
+    phases = StepPhases([Recorder(log, "a"), checks, AddOnly(log, "b")])
+    assert phases._before == (phases.phases[0], phases.phases[2])
+    assert checks not in phases._after_schedule and checks not in phases._after_output
+    phases.before_schedule()
+    assert log == [("a", "before_schedule"), ("b", "before_schedule")]
+    phases.add_request(Request("r", [1], SamplingParams()))
+    assert [e for e in log if e[1] == "add"] == [("a", "add", "r"), ("checks", "add", "r"),
+                                                ("b", "add", "r")]
+
+
 def test_the_step_runs_phases_around_schedule_execute_update(tiny):
     log: list = []
     with LLM(str(tiny), speculative="ngram", num_speculative_tokens=2, **COMMON) as llm:
@@ -136,7 +162,7 @@ def test_lifecycle_hooks_get_one_read_only_engine_view(tiny):
     assert len(views) == 1  # one view for the engine's life
     view = SEEN[0][1]
     assert isinstance(view, EngineView)
-    assert view.model_info.architecture == "LlamaForCausalLM" and view.num_blocks == 64
+    assert view.facts.architecture == "LlamaForCausalLM" and view.num_blocks == 64
     assert view.config.model.max_model_len == 128 and view.stack.get("scheduler").name == "fcfs"
     assert view.stats()["num_steps"] >= 2
     for name in ("stack", "config", "num_blocks", "scheduler", "_stats"):

@@ -9,8 +9,8 @@ import torch
 from lmkit.api import PoolingParams, Request, SamplingParams
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.config import LMKitConfig
-from lmkit.engine.core import model_attention_needs
 from lmkit.errors import InvalidRequestError, NoBackendError
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.scheduler.paged import PagedScheduler
@@ -130,9 +130,13 @@ def _bert() -> BertConfig:
                       num_hidden_layers=1, vocab_size=100, architectures=["BertModel"])
 
 
-def test_encoders_need_non_causal_attention_and_other_backends_are_refused():
+def test_encoders_need_non_causal_attention_and_other_backends_are_refused(tmp_path):
     host = PluginHost.load()
-    needs = model_attention_needs(host, _bert())
+    _bert().save_pretrained(tmp_path)
+    facts = load_model_facts(tmp_path, host)
+    assert not facts.generates and not facts.pooling.causal  # a PoolingModel
+    assert facts.pooling.default_pooler == "cls"
+    needs = facts.attention_needs
     assert "non_causal" in needs.features
     config = LMKitConfig.model_validate({"executor": {"device": "cpu"}})
     assert resolve_stack(config, host, needs).get("attention").name in ("cpu", "torch")
@@ -140,8 +144,25 @@ def test_encoders_need_non_causal_attention_and_other_backends_are_refused():
                                         "attention": {"backend": "triton"}})
     with pytest.raises(NoBackendError, match="does not support non_causal"):
         resolve_stack(named, host, needs)
-    assert "does not support non_causal" in " ".join(
-        host.registry.get("attention", "flashinfer").spec.why_not(needs))
+    for name in ("flashinfer", "flash_attn"):
+        assert "does not support non_causal" in " ".join(
+            host.registry.get("attention", name).spec.why_not(needs))
+
+
+def test_model_facts_say_which_models_generate(tmp_path):
+    """CausalLM generates; a PoolingModel (Llama family without its head) only pools."""
+    from transformers import Qwen3Config
+
+    host = PluginHost.load()
+    for arch, generates in (("Qwen3ForCausalLM", True), ("Qwen3Model", False)):
+        d = tmp_path / arch
+        Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128, num_hidden_layers=1, vocab_size=100,
+                    architectures=[arch]).save_pretrained(d)
+        facts = load_model_facts(d, host)
+        assert facts.generates is generates, arch
+        assert facts.pooling.causal and facts.pooling.default_pooler == "last"
+        assert "non_causal" not in facts.attention_needs.features
 
 
 def test_scoring_pairs_cosine_and_maxsim():

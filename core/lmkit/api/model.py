@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lmkit.api.pooling import ModelPooling
 
 if TYPE_CHECKING:
     import torch
 
     from lmkit.api.attention import AttentionBackend
+    from lmkit.plugin_host.spec import Needs
 
 
 @dataclass
@@ -31,30 +35,74 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
 
 
-@runtime_checkable
-class CausalLM(Protocol):
-    """A decoder-only language model over packed tokens (no batch axis).
+class Model(ABC):
+    """What every model architecture plugin implements: packed tokens (no batch axis) in,
+    final hidden states out. A model subclasses one of its two kinds:
+    :class:`CausalLM` (it has a language-model head and generates text, and may also
+    pool) or :class:`PoolingModel` (no language-model head: it serves pooling requests
+    only, e.g. a BERT encoder or a decoder exported without its head).
 
-    ``__init__(hf_config, ctx: ModelBuildContext)`` builds it; it must create one
-    attention backend instance (``ctx.attention_cls(...)``) and expose it as
-    ``self.attn`` so the runner can plan it once per step.
+    Constructor (the one signature the model runner uses)::
 
-    Optionally, a classmethod ``attention_needs(hf_config) -> lmkit.api.Needs`` declares
-    what the model needs of the attention backend (e.g. the ``"sliding_window"``
-    feature); stack resolution then refuses or avoids backends that lack it.
+        cls(hf_config, ctx: ModelBuildContext)
+
+    ``hf_config`` is the model directory's ``config.json`` (a transformers
+    ``PretrainedConfig``). The model must create one attention backend instance
+    (``ctx.attention_cls(...)``, see :class:`~lmkit.api.AttentionBackend`) and expose it
+    as ``self.attn`` so the runner can plan it once per step. Model classes usually
+    subclass ``torch.nn.Module`` too: ``class MyModel(torch.nn.Module, CausalLM)``.
+
+    Declared facts (class attributes, read without building the model):
+
+    * :attr:`pooling`: how the model pools (its default pooler, whether its attention
+      is causal, its classification head), a :class:`~lmkit.api.ModelPooling`.
     """
 
     attn: AttentionBackend
+    #: How the model serves pooling requests. The default: causal attention, the
+    #: ``last`` token's hidden state, no classification head.
+    pooling: ClassVar[ModelPooling] = ModelPooling()
 
+    @classmethod
+    def attention_needs(cls, hf_config: Any) -> Needs:
+        """What the model needs of the attention backend, known from its config alone
+        (e.g. ``Needs({"sliding_window"})``); stack resolution then refuses or avoids
+        backends that lack it, before weights load. The head size is added by lmkit,
+        and ``non_causal`` when :attr:`pooling` says the attention is bidirectional.
+        Optional: the default needs nothing."""
+        from lmkit.plugin_host.spec import Needs
+
+        return Needs()
+
+    @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
-        ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
-        ...
-
+    @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (fusing QKV and gate-up as needed); return the names used."""
-        ...
+
+
+class CausalLM(Model):
+    """A decoder-only language model: a :class:`Model` with a language-model head, so
+    it generates (and pools, by its declared :attr:`~Model.pooling`)."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
+
+
+class PoolingModel(Model):
+    """A :class:`Model` without a language-model head: it serves pooling requests only
+    (embeddings, scores, classes); the engine refuses generation requests to it when
+    they arrive. A model with a classification head declares
+    ``pooling = ModelPooling(classifier_pooler=...)`` and implements :meth:`classify`."""
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` (the classifier pooler's output) -> logits ``[n, num_labels]``;
+        only for models whose :attr:`~Model.pooling` declares a ``classifier_pooler``."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.classify() called, but the model declares no "
+            "classification head (pooling.classifier_pooler is None); declare one and "
+            "implement classify(), or do not use the 'classify' pooler with it")

@@ -3,8 +3,10 @@
 A pooling request is prefill only: the engine runs its prompt (in chunks if need be),
 a :class:`Pooler` reduces the prompt's hidden states to its output as the chunks go by,
 and the request finishes when its prompt is done. :class:`PoolingParams` says how;
-models declare their default pooler and whether they can generate as
-:class:`ModelPooling` data on the class (``pooling = ModelPooling(...)``).
+models declare their default pooler, attention and classification head as
+:class:`ModelPooling` data on the class (``pooling = ModelPooling(...)``, see
+:attr:`lmkit.api.Model.pooling`); whether a model can generate is its kind
+(:class:`~lmkit.api.CausalLM` or :class:`~lmkit.api.PoolingModel`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from lmkit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
+
+    from lmkit.api.model import Model
 
 BUILTIN_POOLERS = ("last", "mean", "cls", "all")
 
@@ -57,7 +61,6 @@ class ModelPooling:
     ``default_pooler``: the pooler used when a request names none. ``causal``: ``False``
     for an encoder with bidirectional attention (it then needs the ``non_causal``
     attention feature, and each prompt runs in one step, unchunked and uncached).
-    ``generates``: ``False`` for a model with no language-model head (pooling only).
     ``classifier_pooler``: for a model with a classification head (a ``classify(pooled)``
     method, ``[n, hidden] -> [n, num_labels]`` logits), the pooler whose output feeds it;
     ``None``: no head (the ``classify`` pooler is refused).
@@ -65,16 +68,7 @@ class ModelPooling:
 
     default_pooler: str = "last"
     causal: bool = True
-    generates: bool = True
     classifier_pooler: str | None = None
-
-
-def model_pooling_facts(model_cls: Any) -> ModelPooling:
-    """What ``model_cls`` declares about pooling: its ``pooling`` class attribute (a
-    :class:`ModelPooling`); a model that declares none is a causal generator whose
-    default pooler is ``last``."""
-    declared = getattr(model_cls, "pooling", None)
-    return declared if isinstance(declared, ModelPooling) else ModelPooling()
 
 
 class Pooler(ABC):
@@ -83,10 +77,11 @@ class Pooler(ABC):
     One instance serves every request (it keeps no per-request data itself): the runner
     keeps each request's ``state``, starting from :meth:`start`, passes every prefill
     chunk to :meth:`accumulate`, and calls :meth:`finish` once the prompt is done.
-    Registered through the ``register_poolers`` hook; constructed as ``cls(model)``.
+    Registered through the ``register_poolers`` hook; constructed once per engine as
+    ``cls(model)`` (the loaded :class:`~lmkit.api.Model`).
     """
 
-    def __init__(self, model: Any = None) -> None:
+    def __init__(self, model: Model | None = None) -> None:
         self.model = model
 
     def start(self) -> Any:

@@ -29,8 +29,3 @@ class ModelRunnerOutput:
     # pooling requests whose prompt finished this step -> pooled output (a list of
     # floats, or one list per token); None when the step had no pooling request
     pooled: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}

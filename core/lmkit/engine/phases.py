@@ -67,7 +67,14 @@ class StepPhase:
 
 
 class StepPhases:
-    """The engine's phases, run in order at each point (itself a :class:`StepPhase`)."""
+    """The engine's phases, run in order at each point (itself a :class:`StepPhase`).
+
+    Each step point (:meth:`before_schedule`, :meth:`after_schedule`,
+    :meth:`after_model_output`) runs only the phases whose class overrides it, worked
+    out once here: a phase that acts only when requests arrive (the pooling checks)
+    costs the step nothing. Request entry/exit, refusals, stats and shutdown reach
+    every phase.
+    """
 
     def __init__(self, phases: Iterable[StepPhase]) -> None:
         self.phases: tuple[StepPhase, ...] = tuple(phases)

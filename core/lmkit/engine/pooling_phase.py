@@ -11,11 +11,11 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmkit.api.pooling import ModelPooling
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError, UnknownBackendError
 
 if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
     from lmkit.api.request import Request
     from lmkit.plugin_host.manager import PluginHost
 
@@ -26,12 +26,12 @@ class PoolingPhase(StepPhase):
     declared default, or the one its sentence-transformers config names); counts the
     pooling requests taken."""
 
-    def __init__(self, host: PluginHost, facts: ModelPooling, architecture: str,
+    def __init__(self, host: PluginHost, facts: ModelFacts,
                  default_pooler: str | None = None) -> None:
         self.host = host
         self.facts = facts
-        self.default_pooler = default_pooler or facts.default_pooler
-        self.architecture = architecture
+        self.default_pooler = default_pooler or facts.pooling.default_pooler
+        self.architecture = facts.architecture
         self.num_pooling_requests = 0
 
     def add_request(self, request: Request) -> None:
@@ -50,7 +50,7 @@ class PoolingPhase(StepPhase):
         except UnknownBackendError as e:
             raise InvalidRequestError(str(e), param="pooling_type",
                                       code="invalid_value") from None
-        if name == "classify" and self.facts.classifier_pooler is None:
+        if name == "classify" and self.facts.pooling.classifier_pooler is None:
             raise InvalidRequestError(
                 f"this model ({self.architecture}) has no classification head; "
                 "pooling_type 'classify' needs a model that declares one", param="pooling_type",

@@ -22,6 +22,7 @@ Kind = Literal[
     "offload",
     "model",
     "model_source",
+    "logits_processor",
     "pooler",
 ]
 
@@ -35,6 +36,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "offload": "register_offload_managers",
     "model": "register_models",
     "model_source": "register_model_sources",
+    "logits_processor": "register_logits_processors",
     "pooler": "register_poolers",
 }
 

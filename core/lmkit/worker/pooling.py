@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmkit.api.contract import build
 from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
 
 if TYPE_CHECKING:
+    from lmkit.api.model import Model
     from lmkit.plugin_host.manager import PluginHost
     from lmkit.worker.input_batch import StepInputs
 
@@ -32,13 +34,15 @@ class PoolingRequests:
 
     Args:
         host: resolves pooler names (the ``pooler`` kind) to implementations.
-        model: the loaded model, given to each pooler (a classification head reads it).
         facts: the model's declared :class:`ModelPooling` (its default pooler).
+
+    :attr:`model` (the loaded model, given to each pooler: a classification head reads
+    it) is set by the runner once the model is loaded.
     """
 
-    def __init__(self, host: PluginHost, model: Any, facts: ModelPooling) -> None:
+    def __init__(self, host: PluginHost, facts: ModelPooling) -> None:
         self.host = host
-        self.model = model
+        self.model: Model | None = None
         self.facts = facts
         self.states: dict[str, _PoolState] = {}
         self._poolers: dict[str, Pooler] = {}
@@ -51,7 +55,8 @@ class PoolingRequests:
         name = name or self.facts.default_pooler
         pooler = self._poolers.get(name)
         if pooler is None:
-            pooler = self.host.registry.get("pooler", name).spec.load()(self.model)
+            reg = self.host.registry.get("pooler", name)
+            pooler = build("pooler", reg.spec.load(), self.model, plugin=reg.origin)
             self._poolers[name] = pooler
         return pooler
 

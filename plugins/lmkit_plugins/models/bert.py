@@ -1,10 +1,11 @@
 """BERT-style encoders (``BertModel``): bidirectional attention, absolute position
 embeddings, post-norm layers; embeddings only (no language-model head).
 
-all-MiniLM-L6-v2, BGE and E5 checkpoints are ``BertModel`` s. The model declares
-``pooling = ModelPooling(causal=False, generates=False, ...)``: the engine then selects
-an attention backend with the ``non_causal`` feature, runs each prompt whole in one step
-(no chunking, no prefix cache) and refuses generation requests. Tokens are packed along
+all-MiniLM-L6-v2, BGE and E5 checkpoints are ``BertModel`` s. The model is a
+:class:`lmkit.api.PoolingModel` (the engine refuses generation requests) and declares
+``pooling = ModelPooling(causal=False, ...)``: the engine then selects an attention
+backend with the ``non_causal`` feature and runs each prompt whole in one step (no
+chunking, no prefix cache). Tokens are packed along
 one axis (no batch axis, no padding); every token has token type 0 (one segment).
 ``BertForSequenceClassification`` adds the classification head (``[CLS]``, the pooler's
 dense + tanh, the classifier): its default pooler is ``classify``.
@@ -18,7 +19,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError
+from lmkit.api import (
+    AttentionBackend,
+    ForwardContext,
+    ModelBuildContext,
+    ModelLoadError,
+    PoolingModel,
+)
 from lmkit.api.pooling import ModelPooling
 from torch import nn
 
@@ -111,10 +118,10 @@ class BertLayer(nn.Module):
         return self.out_norm.forward(self.out.forward(inter) + hidden)
 
 
-class BertModel(nn.Module):
+class BertModel(nn.Module, PoolingModel):
     """A BERT encoder over packed tokens; ``forward`` returns the last hidden states."""
 
-    pooling = ModelPooling(default_pooler="cls", causal=False, generates=False)
+    pooling = ModelPooling(default_pooler="cls", causal=False)
     has_head = False  # BertForSequenceClassification: the pooler and classifier are used
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
@@ -147,10 +154,6 @@ class BertModel(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, ctx.attn, ctx.kv_caches[i])
         return hidden
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """An encoder has no language-model head (the engine refuses generation first)."""
-        raise RuntimeError("BertModel has no language-model head; it only pools")
 
     # ------------------------------------------------------------------ loading
 
@@ -222,8 +225,7 @@ class BertForSequenceClassification(BertModel):
     """A BERT encoder with its sequence-classification head: ``[CLS]`` -> dense + tanh
     (HF's ``bert.pooler``) -> ``classifier`` -> one logit per label."""
 
-    pooling = ModelPooling(default_pooler="classify", causal=False, generates=False,
-                           classifier_pooler="cls")
+    pooling = ModelPooling(default_pooler="classify", causal=False, classifier_pooler="cls")
     has_head = True
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError, Needs
-from lmkit.api.pooling import ModelPooling
+from lmkit.api import (
+    AttentionBackend,
+    CausalLM,
+    ForwardContext,
+    Model,
+    ModelBuildContext,
+    ModelLoadError,
+    Needs,
+    PoolingModel,
+)
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import (
@@ -214,12 +222,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``).
+class LlamaStack(nn.Module, Model):
+    """The Llama family over packed tokens, up to the final norm: what
+    :class:`LlamaForCausalLM` (with its language-model head) and
+    :class:`LlamaEmbeddingModel` (without one) share."""
 
-    As an embedder (Qwen3-Embedding style) it pools the last token's hidden state."""
-
-    pooling = ModelPooling(default_pooler="last")
+    #: whether the model has a language-model head (tied to the embedding or its own)
+    has_lm_head: ClassVar[bool] = True
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:
@@ -238,7 +247,10 @@ class LlamaForCausalLM(nn.Module):
                                       dims.head_dim, device)
         self.model = LlamaModel(dims, self.rotary, dtype, device)
         self._fused_ops = fused_ops_enabled(device, dtype)
-        self.lm_head = None if dims.tie_word_embeddings or not self.pooling.generates else Linear(
+        # fused kernels write K/V in the RoPE kernel when the backend declares it may
+        self._model_writes_kv = (self._fused_ops
+                                 and ctx.attention_cls.supports_model_kv_write)
+        self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
@@ -250,21 +262,13 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        # fused kernels write K/V in the RoPE kernel when the backend lets them
-        kv_slots = ctx.attn.kv_write_slots() if self._fused_ops else None
+        kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
                                              ctx.kv_caches[i], kv_slots)
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
-        if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden_states)
-        # contiguous: a CPU head whose vocabulary is a multiple of 512 returns a view
-        return self.lm_head(hidden_states).float().contiguous()
 
     # ------------------------------------------------------------------ loading
 
@@ -364,12 +368,20 @@ def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 1
     return "\n  ".join(parts)
 
 
-class LlamaEmbeddingModel(LlamaForCausalLM):
+class LlamaForCausalLM(LlamaStack, CausalLM):
+    """A Llama-family causal LM over packed tokens. As an embedder (Qwen3-Embedding
+    style) it pools the last token's hidden state (the default pooling)."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.logits(hidden_states)
+        # contiguous: a CPU head whose vocabulary is a multiple of 512 returns a view
+        return self.lm_head(hidden_states).float().contiguous()
+
+
+class LlamaEmbeddingModel(LlamaStack, PoolingModel):
     """A Llama-family model exported without its language-model head (``Qwen3Model``,
     ``LlamaModel``, ...): embeddings only, by last-token pooling."""
 
-    pooling = ModelPooling(default_pooler="last", generates=False)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """No language-model head (the engine refuses generation first)."""
-        raise RuntimeError(f"{type(self).__name__} has no language-model head; it only pools")
+    has_lm_head = False

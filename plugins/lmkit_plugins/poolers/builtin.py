@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lmkit.api import InvalidRequestError, Pooler, model_pooling_facts
+from lmkit.api import InvalidRequestError, Model, Pooler, PoolingModel
 
 
 class LastPooler(Pooler):
@@ -72,14 +72,15 @@ class ClassifyPooler(Pooler):
 
     _BASE = {"last": LastPooler, "mean": MeanPooler, "cls": CLSPooler}
 
-    def __init__(self, model: Any = None) -> None:
+    def __init__(self, model: Model | None = None) -> None:
         super().__init__(model)
-        base = model_pooling_facts(type(model)).classifier_pooler
-        if base is None:
+        base = model.pooling.classifier_pooler if model is not None else None
+        if base is None or not isinstance(model, PoolingModel):
             raise InvalidRequestError(
                 f"this model ({type(model).__name__}) has no classification head; "
                 "pooling_type 'classify' needs a *ForSequenceClassification model",
                 param="pooling_type", code="invalid_value")
+        self.head: PoolingModel = model
         self.base: Pooler = self._BASE[base](model)
 
     def accumulate(self, state: Any, hidden: torch.Tensor, first_position: int) -> Any:
@@ -92,5 +93,5 @@ class ClassifyPooler(Pooler):
         return self._probs(self.base.pool(hidden))
 
     def _probs(self, pooled: torch.Tensor) -> torch.Tensor:
-        logits = self.model.classify(pooled[None])[0]  # [num_labels]
+        logits = self.head.classify(pooled[None])[0]  # [num_labels]
         return torch.softmax(logits.float(), dim=-1)

@@ -21,6 +21,7 @@ from lmkit.api.engine_view import EngineView
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.scheduler import SchedulerContext
+from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.errors import ConfigError, InvalidRequestError
@@ -73,6 +74,7 @@ class EngineCore:
                                              source=config.model.source, progress=progress)
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
+        check_model_split(config, hf_config)
         self.stack: ResolvedStack = resolve_stack(
             config, self.host, model_attention_needs(self.host, hf_config))
         self.config = self._runtime_config(config, hf_config)

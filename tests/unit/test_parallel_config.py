@@ -1,0 +1,81 @@
+"""The ``parallel`` section: flags, refusals of what is not built, the devices present
+and the model's head counts, all before any weights load."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from lmkit.config import load_config
+from lmkit.config.parallel import check_model_split, check_parallel_settings
+from lmkit.errors import ConfigError, NoBackendError
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.plugin_host.resolve import resolve_stack
+
+
+def _config(**parallel):
+    return load_config(None, {f"parallel.{k}": v for k, v in parallel.items()}, env={},
+                       cli_flags={f"parallel.{k}": f"--{k}" for k in parallel})[0]
+
+
+def _load(settings):
+    return load_config(None, settings, env={})[0]
+
+
+def test_defaults_are_one_rank_mp():
+    par = _load({}).parallel
+    assert (par.tensor_parallel_size, par.data_parallel_size, par.distributed_backend) == (
+        1, 1, "mp")
+
+
+def test_data_parallel_is_refused_as_not_built():
+    with pytest.raises(ConfigError, match=r"data_parallel_size is 2 \(set by .*--data_parallel_size\).*not built yet"):
+        check_parallel_settings(_config(data_parallel_size=2), "cpu")
+
+
+def test_ray_is_refused_as_not_built():
+    with pytest.raises(ConfigError, match="Ray executor is not built yet; the allowed value is 'mp'"):
+        check_parallel_settings(_config(distributed_backend="ray"), "cpu")
+
+
+def test_cpu_allows_any_size_cuda_counts_devices(monkeypatch):
+    check_parallel_settings(_config(tensor_parallel_size=8), "cpu")
+    monkeypatch.setattr("lmkit.config.parallel.cuda_device_count", lambda: 2)
+    check_parallel_settings(_config(tensor_parallel_size=2), "cuda")
+    with pytest.raises(ConfigError, match="has 2 CUDA device.*--tp 2 or fewer"):
+        check_parallel_settings(_config(tensor_parallel_size=4), "cuda")
+
+
+def _hf(heads=4, kv_heads=2, intermediate=128):
+    return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           intermediate_size=intermediate)
+
+
+def test_head_counts_must_divide():
+    check_model_split(_config(tensor_parallel_size=2), _hf())
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 is not divisible.*"
+                                          r"split into: 1, 2\.?$"):
+        check_model_split(_config(tensor_parallel_size=4), _hf())
+    with pytest.raises(ConfigError, match="num_attention_heads=6, num_key_value_heads=6"):
+        check_model_split(_config(tensor_parallel_size=4), _hf(6, 6, 120))
+
+
+def test_tp_picks_the_distributed_backend_and_refuses_uniproc():
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    base = {"executor.device": "cpu", "attention.backend": "torch"}
+    stack = resolve_stack(_load({**base, "parallel.tensor_parallel_size": 2}), host)
+    assert stack.get("executor").name == "mp"
+    one = resolve_stack(_load(base), host)
+    assert one.get("executor").name == "uniproc"
+    with pytest.raises(NoBackendError, match="tensor_parallel"):
+        resolve_stack(_load({**base, "executor.backend": "uniproc",
+                                "parallel.tensor_parallel_size": 2}), host)
+
+
+def test_cli_flags_set_the_section():
+    from lmkit.cli.options import ConfigOptions
+
+    settings, flags = ConfigOptions({"tensor_parallel_size": 2, "data_parallel_size": 1}
+                                    ).cli_settings()
+    assert settings == {"parallel.tensor_parallel_size": 2, "parallel.data_parallel_size": 1}
+    assert flags["parallel.tensor_parallel_size"] == "--tp"

@@ -48,6 +48,7 @@ _LAZY = {
     "PluginHost": "lmkit.plugin_host.manager",
     "Registration": "lmkit.plugin_host.registry",
     "ResolvedStack": "lmkit.plugin_host.resolve",
+    "resolve_stack": "lmkit.plugin_host.resolve",
     "Caps": "lmkit.plugin_host.spec",
     "Needs": "lmkit.plugin_host.spec",
     "NoOptions": "lmkit.plugin_host.spec",

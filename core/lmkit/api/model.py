@@ -14,13 +14,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelBuildContext:
-    """Given to a model's constructor: how to build its attention layers."""
+    """Given to a model's constructor: how to build its attention layers, and its share
+    of a tensor-parallel group.
+
+    With ``tp_size > 1`` the model builds rank ``tp_rank``'s shard (its attention heads,
+    KV heads, MLP columns and vocabulary rows), loads only that slice of each weight,
+    and combines partial results over ``tp_group`` (a ``torch.distributed`` process
+    group, initialised by the executor: gloo on the CPU, NCCL on CUDA). With
+    ``tp_size == 1`` (the default) there is no group and the model runs no collective.
+    """
 
     dtype: Any  # torch.dtype
     device: Any  # torch.device
     block_size: int
     attention_cls: type[AttentionBackend]
     attention_options: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None  # torch.distributed.ProcessGroup when tp_size > 1
 
 
 @dataclass
@@ -38,6 +49,10 @@ class CausalLM(Protocol):
     ``__init__(hf_config, ctx: ModelBuildContext)`` builds it; it must create one
     attention backend instance (``ctx.attention_cls(...)``) and expose it as
     ``self.attn`` so the runner can plan it once per step.
+
+    A class attribute ``supports_tensor_parallel = True`` declares that the model builds
+    its shard from :class:`ModelBuildContext`'s ``tp_*`` fields; without it the runner
+    refuses ``tensor_parallel_size > 1`` for the architecture.
 
     Optionally, a classmethod ``attention_needs(hf_config) -> lmkit.api.Needs`` declares
     what the model needs of the attention backend (e.g. the ``"sliding_window"``

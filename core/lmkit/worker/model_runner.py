@@ -55,14 +55,18 @@ class ModelRunner:
         stack: the resolved stack: device, dtype and the chosen attention backend.
         host: the plugin host whose registry knows the model architectures.
         model_dir: a local HF-style model directory.
+        tp_rank, tp_size, tp_group: this runner's share of a tensor-parallel group
+            (see :class:`~lmkit.api.ModelBuildContext`); one rank by default.
     """
 
     def __init__(self, config: LMKitConfig, stack: ResolvedStack, host: PluginHost,
-                 model_dir: Path) -> None:
+                 model_dir: Path, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: Any = None) -> None:
         self.config = config
         self.stack = stack
         self.host = host
         self.model_dir = Path(model_dir)
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.device = torch.device(stack.device)
         self.dtype = DTYPES[stack.dtype]
         # memory other engines of this process already hold (not this engine's to count)
@@ -96,8 +100,15 @@ class ModelRunner:
             raise ModelLoadError("no attention backend was resolved for this stack")
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
-            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = reg.spec.load()(hf_config, ctx)
+            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
+            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group)
+        model_cls = reg.spec.load()
+        if self.tp_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+            raise ModelLoadError(
+                f"architecture {self.architecture} (plugin {reg.plugin}) does not declare "
+                "supports_tensor_parallel, so it cannot be split over "
+                f"{self.tp_size} ranks; use --tp 1, or a model plugin that shards it.")
+        model = model_cls(hf_config, ctx)
         model.load_weights(iterate_weights(self.model_dir))
         self.model = model.eval() if hasattr(model, "eval") else model
         self.vocab_size = int(hf_config.vocab_size)
@@ -109,8 +120,9 @@ class ModelRunner:
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
-        logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
-                    self.device, self.stack.dtype)
+        logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
+                    self.device, self.stack.dtype,
+                    f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def _model_registration(self, hf_config: Any) -> Any:
         archs = list(getattr(hf_config, "architectures", None) or [])

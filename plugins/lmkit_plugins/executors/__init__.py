@@ -12,3 +12,9 @@ def register_executors(register):
         caps=Caps(values={"device": {"cpu", "cuda"}}),
         description="One model runner in the engine-core process.",
     ))
+    register(Spec(
+        name="mp", target="lmkit_plugins.executors.mp:MultiprocExecutor", priority=10,
+        caps=Caps(features={"tensor_parallel"}, values={"device": {"cpu", "cuda"}}),
+        description="One worker process per tensor-parallel rank (torch.distributed: gloo on "
+                    "CPU, NCCL on CUDA); steps sent over ZMQ as msgpack.",
+    ))

@@ -1,0 +1,102 @@
+"""The ``mp`` executor's channel: what the executor sends its workers and what they
+answer, as tagged msgspec structs over ZMQ (msgpack; nothing is pickled, and a frame
+that does not decode into one of these types is refused).
+
+Executor -> every worker: :class:`InitKVCache`, :class:`Execute`,
+:class:`OffloadLookup`, :class:`OffloadStats`, :class:`CloseOffload`, :class:`Stop`.
+Worker -> executor: :class:`Started` (after loading), :class:`Done`,
+:class:`Executed` (rank 0 only), :class:`Looked`, :class:`Stats`, :class:`Failed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+from lmkit.api import ModelInfo, RunnerOutputWire, SchedulerOutputWire
+
+
+class InitKVCache(msgspec.Struct, tag="init_kv", frozen=True):
+    """Allocate ``num_blocks`` KV blocks (each rank: its own KV heads)."""
+
+    seq: int
+    num_blocks: int
+
+
+class Execute(msgspec.Struct, tag="execute", frozen=True):
+    """Run one step; every rank runs it, rank 0 answers."""
+
+    seq: int
+    scheduler_output: SchedulerOutputWire
+
+
+class OffloadLookup(msgspec.Struct, tag="offload_lookup", frozen=True):
+    seq: int
+    block_hashes: list[bytes]
+
+
+class OffloadStats(msgspec.Struct, tag="offload_stats", frozen=True):
+    seq: int
+
+
+class CloseOffload(msgspec.Struct, tag="close_offload", frozen=True):
+    seq: int
+
+
+class Stop(msgspec.Struct, tag="stop", frozen=True):
+    """Release everything and exit."""
+
+    seq: int
+
+
+class Started(msgspec.Struct, tag="started", frozen=True):
+    """The model is loaded on ``rank``; its facts (KV budget: this rank's)."""
+
+    rank: int
+    info: ModelInfo
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    rank: int
+    seq: int
+
+
+class Executed(msgspec.Struct, tag="executed", frozen=True):
+    rank: int
+    seq: int
+    output: RunnerOutputWire
+
+
+class Looked(msgspec.Struct, tag="looked", frozen=True):
+    rank: int
+    seq: int
+    held: int
+    resident: int
+
+
+class Stats(msgspec.Struct, tag="stats", frozen=True):
+    rank: int
+    seq: int
+    stats: dict[str, int]
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """``rank`` raised; it exits after sending this."""
+
+    rank: int
+    error: str
+    error_type: str
+
+
+ToWorker = Union[InitKVCache, Execute, OffloadLookup, OffloadStats, CloseOffload, Stop]
+FromWorker = Union[Started, Done, Executed, Looked, Stats, Failed]
+
+
+def worker_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """Decodes what the executor sends a worker."""
+    return msgspec.msgpack.Decoder(ToWorker)
+
+
+def executor_decoder() -> msgspec.msgpack.Decoder[Any]:
+    """Decodes what workers send the executor."""
+    return msgspec.msgpack.Decoder(FromWorker)

@@ -61,6 +61,7 @@ from lmkit_plugins.executors.mp_messages import (
 )
 
 POLL_S = 0.1  # how often a waiting executor checks that every worker is alive
+DEATH_GRACE_S = 0.5  # after a rank fails, how long to look for a peer whose death caused it
 STOP_GRACE_S = 5.0  # how long a worker gets to exit after Stop before it is killed
 
 
@@ -167,16 +168,31 @@ class MultiprocExecutor(Executor):
             if self._replies.poll(int(POLL_S * 1000)):
                 reply = self._decoder.decode(self._replies.recv(copy=False).buffer)
                 if isinstance(reply, Failed):
-                    self._fail(f"worker rank {reply.rank} failed: {reply.error}")
+                    failed = f"worker rank {reply.rank} failed: {reply.error}"
+                    # a rank fails in a collective when a peer died: name the peer first
+                    died = self._exited(wait_s=DEATH_GRACE_S, but=reply.rank)
+                    self._fail(f"{died} (then {failed})" if died else failed)
                 if seq is None or getattr(reply, "seq", None) == seq:
                     return reply
                 continue  # an answer to an earlier command: nothing waits for it
+            died = self._exited()
+            if died:
+                self._fail(died)
+
+    def _exited(self, wait_s: float = 0.0, but: int | None = None) -> str | None:
+        """Which worker exited (other than rank ``but``), waiting up to ``wait_s`` for one
+        to be reaped; ``None`` when all are running."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for rank, proc in enumerate(self.procs):
                 status = proc.poll()
-                if status is not None:
-                    how = f"was killed by signal {-status}" if status < 0 else \
-                        f"exited with status {status}"
-                    self._fail(f"worker rank {rank} (pid {proc.pid}) {how}")
+                if status is not None and rank != but:
+                    how = (f"was killed by signal {-status}" if status < 0
+                           else f"exited with status {status}")
+                    return f"worker rank {rank} (pid {proc.pid}) {how}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _fail(self, reason: str) -> None:
         self._failed = (f"{reason}; the {self.world_size}-rank model cannot go on (the "

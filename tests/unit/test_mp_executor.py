@@ -72,8 +72,8 @@ def _started_executor(host, model_dir, tp):
 
 
 def test_killed_worker_fails_execute_within_5s(host, model_dir):
-    from lmkit.scheduler.paged import PagedScheduler
     from lmkit.api import Request
+    from lmkit.scheduler.paged import PagedScheduler
     from lmkit_plugins.executors.mp import WorkerFailedError
 
     config, executor = _started_executor(host, model_dir, 2)

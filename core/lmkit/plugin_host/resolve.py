@@ -108,7 +108,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     check_parallel_settings(config, device)
     tensor_parallel = config.parallel.tensor_parallel_size > 1
     base = {
-        "executor": Needs(features={"tensor_parallel"} if tensor_parallel else frozenset(),
+        "executor": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                           values={"device": device}),
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
         "offload": Needs(values={"device": device}),

@@ -79,3 +79,13 @@ def test_cli_flags_set_the_section():
                                     ).cli_settings()
     assert settings == {"parallel.tensor_parallel_size": 2, "parallel.data_parallel_size": 1}
     assert flags["parallel.tensor_parallel_size"] == "--tp"
+
+
+def test_tp_keeps_the_cpu_offload_tier_and_refuses_a_shared_directory():
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    base = {"executor.device": "cpu", "attention.backend": "torch",
+            "parallel.tensor_parallel_size": 2}
+    assert resolve_stack(_load({**base, "offload.backend": "cpu"}), host).get(
+        "offload").name == "cpu"
+    with pytest.raises(NoBackendError, match="offload 'disk'.*does not support tensor_parallel"):
+        resolve_stack(_load({**base, "offload.backend": "disk"}), host)

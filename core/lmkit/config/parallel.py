@@ -73,6 +73,7 @@ def check_model_split(config: LMKitConfig, hf_config: Any) -> None:
     described = ", ".join(f"{k}={v}" for k, v in bad.items())
     raise ConfigError(
         f"parallel.tensor_parallel_size is {tp}{_where(config, 'parallel.tensor_parallel_size')}"
-        f", but the model's {described} is not divisible by it: each rank must hold a "
+        f", but the model's {described} {'is' if len(bad) == 1 else 'are'} not divisible by "
+        "it: each rank must hold a "
         f"whole share of the heads (key/value heads are not replicated across ranks). "
         f"Sizes this model can be split into: {', '.join(map(str, fits))}.")

@@ -97,8 +97,9 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
         its config is known.
-    With ``parallel.tensor_parallel_size > 1`` the executor must declare the
-    ``tensor_parallel`` feature, and ``auto`` means ``parallel.distributed_backend``.
+    With ``parallel.tensor_parallel_size > 1`` the executor and the offload tier must
+    declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
+    ``parallel.distributed_backend``.
 
     :raises ConfigError: (or a subclass) with every reason and where the offending
         setting came from; also what :func:`lmkit.config.parallel.check_parallel_settings`
@@ -111,7 +112,8 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         "executor": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                           values={"device": device}),
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
-        "offload": Needs(values={"device": device}),
+        "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
+                         values={"device": device}),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}

@@ -1,0 +1,46 @@
+"""Tensor-parallel building blocks without a process group: checkpoint slicing (with
+the vocabulary's padding) and the single-rank model, which must build no parallel
+code at all (no collective, no copy)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from lmkit_plugins.models.tensor_parallel import TensorParallel
+
+
+def test_shard_splits_rows_and_columns_evenly():
+    t = torch.arange(24.0).reshape(4, 6)
+    r0, r1 = TensorParallel(0, 2, None), TensorParallel(1, 2, None)
+    assert torch.equal(torch.cat([r0.shard(t, 0), r1.shard(t, 0)], 0), t)
+    assert torch.equal(torch.cat([r0.shard(t, 1), r1.shard(t, 1)], 1), t)
+    assert r1.shard(t, 1).shape == (4, 3)
+
+
+def test_shard_pads_an_uneven_vocabulary_with_zero_rows():
+    table = torch.arange(1.0, 11.0).reshape(5, 2)  # vocab 5 over 2 ranks: 3 rows each
+    shards = [TensorParallel(r, 2, None).shard(table, 0) for r in range(2)]
+    assert [s.shape for s in shards] == [(3, 2), (3, 2)]
+    assert torch.equal(torch.cat(shards)[:5], table)
+    assert torch.equal(shards[1][2], torch.zeros(2))
+    assert TensorParallel(2, 3, None).shard(torch.ones(4, 1), 0).shape == (2, 1)
+
+
+def test_one_rank_builds_no_tensor_parallel_code():
+    ctx = SimpleNamespace(tp_rank=0, tp_size=1, tp_group=None)
+    assert TensorParallel.from_context(ctx) is None
+    from lmkit.api import ModelBuildContext
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+    from lmkit_plugins.models.layers import VocabEmbedding
+    from lmkit_plugins.models.llama import LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, ModelBuildContext(torch.float32, torch.device("cpu"), 4,
+                                                    TorchAttention))
+    assert model.tp is None and type(model.model.embed_tokens) is VocabEmbedding
+    layer = model.model.layers[0]
+    assert layer.self_attn.tp is None and layer.mlp.tp is None
+    assert LlamaForCausalLM.supports_tensor_parallel

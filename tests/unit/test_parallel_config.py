@@ -33,9 +33,9 @@ def test_data_parallel_is_refused_as_not_built():
         check_parallel_settings(_config(data_parallel_size=2), "cpu")
 
 
-def test_ray_is_refused_as_not_built():
-    with pytest.raises(ConfigError, match="Ray executor is not built yet; the allowed value is 'mp'"):
-        check_parallel_settings(_config(distributed_backend="ray"), "cpu")
+def test_ray_is_not_bound_by_this_hosts_devices(monkeypatch):
+    monkeypatch.setattr("lmkit.config.parallel.cuda_device_count", lambda: 1)
+    check_parallel_settings(_config(distributed_backend="ray", tensor_parallel_size=4), "cuda")
 
 
 def test_cpu_allows_any_size_cuda_counts_devices(monkeypatch):

@@ -22,8 +22,9 @@ def check_parallel_settings(config: LMKitConfig, device: str) -> None:
     """Refuse what is not built and what this machine cannot run; needs no model.
 
     :param device: the resolved device (``cpu`` or ``cuda``).
-    :raises ConfigError: ``data_parallel_size > 1`` or ``distributed_backend: ray`` (not
-        built yet), or more CUDA ranks than devices. On the CPU any size runs (gloo).
+    :raises ConfigError: ``data_parallel_size > 1`` (not built yet), or more CUDA ranks
+        than devices on this host (``mp``; ``ray`` places ranks over its cluster). On the
+        CPU any size runs (gloo).
     """
     par = config.parallel
     if par.data_parallel_size > 1:
@@ -32,12 +33,7 @@ def check_parallel_settings(config: LMKitConfig, device: str) -> None:
             f"{_where(config, 'parallel.data_parallel_size')}, but data parallelism (several "
             "engine cores behind one server) is not built yet; only 1 is allowed. Run one "
             "server per engine behind a load balancer meanwhile, or drop --dp.")
-    if par.distributed_backend == "ray":
-        raise ConfigError(
-            f"parallel.distributed_backend is 'ray'{_where(config, 'parallel.distributed_backend')}"
-            ", but the Ray executor is not built yet; the allowed value is 'mp' (one worker "
-            "process per rank on this host).")
-    if device == "cuda":
+    if device == "cuda" and par.distributed_backend == "mp":
         available = cuda_device_count()
         if par.tensor_parallel_size > available:
             raise ConfigError(

@@ -117,7 +117,7 @@ class ParallelConfig(Section):
         1, gt=0, description="Engine cores behind one API server (not built yet: only 1).")
     distributed_backend: Literal["mp", "ray"] = Field(
         "mp", description="How the ranks run: 'mp' (one worker process per rank on this "
-        "host) or 'ray' (not built yet).")
+        "host) or 'ray' (Ray actors: the cluster at RAY_ADDRESS, or a local one).")
 
 
 class SpeculativeConfig(OptionalBackendSection):

@@ -18,3 +18,10 @@ def register_executors(register):
         description="One worker process per tensor-parallel rank (torch.distributed: gloo on "
                     "CPU, NCCL on CUDA); steps sent over ZMQ as msgpack.",
     ))
+    register(Spec(
+        name="ray", target="lmkit_plugins.executors.ray_executor:RayExecutor", priority=5,
+        requires=("ray",),
+        caps=Caps(features={"tensor_parallel"}, values={"device": {"cpu", "cuda"}}),
+        description="The mp executor's ranks as Ray actors in a placement group (several "
+                    "hosts: RAY_ADDRESS), or a local Ray.",
+    ))

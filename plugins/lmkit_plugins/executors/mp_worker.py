@@ -53,26 +53,96 @@ def stack_config(config: Any, names: dict[str, str | None]) -> Any:
     return config.model_copy(update=update)
 
 
-def init_group(rank: int, world_size: int, init_method: str, device: str) -> Any:
-    """Join the group: gloo on the CPU, NCCL on CUDA (rank ``r`` uses ``cuda:r``)."""
+def init_group(rank: int, world_size: int, init_method: str, device: str,
+               cuda_index: int) -> Any:
+    """Join the group: gloo on the CPU, NCCL on CUDA (this rank on ``cuda:cuda_index``)."""
     import torch
     import torch.distributed as dist
 
     backend = "gloo"
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(cuda_index)
         backend = "nccl"
     dist.init_process_group(backend, init_method=init_method, world_size=world_size,
                             rank=rank, timeout=COLLECTIVE_TIMEOUT)
     return dist.group.WORLD
 
 
-class Worker:
-    """Holds the runner of one rank and answers the executor's commands."""
+class RankWorker:
+    """Holds the runner of one rank and answers the executor's commands, whatever
+    carries them (ZMQ here, Ray actor calls in :mod:`~lmkit_plugins.executors.ray_worker`).
+
+    ``handshake``: ``rank``, ``world_size``, ``init_method``, ``config`` (JSON),
+    ``stack`` (names by kind) and optionally ``cuda_index`` (default: the rank).
+    """
 
     def __init__(self, handshake: dict[str, Any]) -> None:
         self.rank = int(handshake["rank"])
         self.world_size = int(handshake["world_size"])
+        self.handshake = handshake
+        self.runner: Any = None
+
+    def load(self) -> Started:
+        """Join the group, load this rank's shard; the :class:`Started` reply."""
+        import torch
+        from lmkit.api import LMKitConfig, ModelInfo, ModelRunner, PluginHost, resolve_stack
+
+        hs = self.handshake
+        config = LMKitConfig.model_validate(hs["config"])
+        host = PluginHost.load(config.plugins)
+        stack = resolve_stack(stack_config(config, hs["stack"]), host)
+        group = None
+        if self.world_size > 1:
+            group = init_group(self.rank, self.world_size, hs["init_method"], stack.device,
+                               int(hs.get("cuda_index", self.rank)))
+        torch.manual_seed(config.model.seed)  # every rank samples alike from equal logits
+        runner = ModelRunner(config, stack, host, Path(config.model.model),
+                             tp_rank=self.rank, tp_size=self.world_size, tp_group=group)
+        runner.load_model()
+        self.runner = runner
+        return Started(self.rank, ModelInfo(
+            architecture=runner.architecture, vocab_size=runner.vocab_size,
+            max_model_len=runner.max_model_len, num_layers=runner.num_layers,
+            kv_bytes_per_block=runner.kv_bytes_per_block(),
+            available_kv_bytes=runner.available_kv_bytes(), device=str(runner.device),
+            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots,
+            extra={"eos_token_id": runner.default_eos_token_id}))
+
+    def handle(self, message: Any) -> Any:
+        """Run one command; its reply (``None``: no reply, a rank other than 0 after a
+        step)."""
+        from lmkit.api import runner_output_to_wire, scheduler_output_from_wire
+
+        runner = self.runner
+        if isinstance(message, Execute):
+            out = runner.execute_model(scheduler_output_from_wire(message.scheduler_output))
+            if self.rank == 0:  # every rank sampled the same tokens; one answers
+                return Executed(self.rank, message.seq, runner_output_to_wire(out))
+            return None
+        if isinstance(message, InitKVCache):
+            runner.initialize_kv_cache(message.num_blocks)
+        elif isinstance(message, OffloadLookup):
+            held, resident = runner.offload_lookup(message.block_hashes)
+            return Looked(self.rank, message.seq, held, resident)
+        elif isinstance(message, OffloadStats):
+            return Stats(self.rank, message.seq, runner.offload_stats())
+        elif isinstance(message, CloseOffload):
+            runner.close_offload()
+        elif isinstance(message, Stop):
+            self.runner = None
+        return Done(self.rank, message.seq)
+
+    def failed(self, e: BaseException) -> Failed:
+        """The :class:`Failed` reply describing ``e``."""
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        return Failed(self.rank, text, type(e).__name__)
+
+
+class Worker(RankWorker):
+    """A rank driven over ZMQ by the ``mp`` executor."""
+
+    def __init__(self, handshake: dict[str, Any]) -> None:
+        super().__init__(handshake)
         self.parent_pid = int(handshake["parent_pid"])
         self.ctx = zmq.Context()
         self.commands = self.ctx.socket(zmq.PULL)
@@ -83,61 +153,9 @@ class Worker:
         self.replies.connect(handshake["reply_addr"])
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = worker_decoder()
-        self.handshake = handshake
-        self.runner: Any = None
 
     def send(self, message: Any) -> None:
         self.replies.send(self.encoder.encode(message), copy=False)
-
-    def load(self) -> None:
-        """Join the group, load this rank's shard, report :class:`Started`."""
-        import torch
-        from lmkit.api import LMKitConfig, ModelInfo, ModelRunner, PluginHost, resolve_stack
-
-        hs = self.handshake
-        config = LMKitConfig.model_validate(hs["config"])
-        host = PluginHost.load(config.plugins)
-        stack = resolve_stack(stack_config(config, hs["stack"]), host)
-        group = None
-        if self.world_size > 1:
-            group = init_group(self.rank, self.world_size, hs["init_method"], stack.device)
-        torch.manual_seed(config.model.seed)  # every rank samples alike from equal logits
-        runner = ModelRunner(config, stack, host, Path(config.model.model),
-                             tp_rank=self.rank, tp_size=self.world_size, tp_group=group)
-        runner.load_model()
-        self.runner = runner
-        self.send(Started(self.rank, ModelInfo(
-            architecture=runner.architecture, vocab_size=runner.vocab_size,
-            max_model_len=runner.max_model_len, num_layers=runner.num_layers,
-            kv_bytes_per_block=runner.kv_bytes_per_block(),
-            available_kv_bytes=runner.available_kv_bytes(), device=str(runner.device),
-            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots,
-            extra={"eos_token_id": runner.default_eos_token_id})))
-
-    def handle(self, message: Any) -> bool:
-        """Run one command; False when told to stop."""
-        from lmkit.api import runner_output_to_wire, scheduler_output_from_wire
-
-        runner = self.runner
-        if isinstance(message, Execute):
-            out = runner.execute_model(scheduler_output_from_wire(message.scheduler_output))
-            if self.rank == 0:  # every rank sampled the same tokens; one answers
-                self.send(Executed(self.rank, message.seq, runner_output_to_wire(out)))
-        elif isinstance(message, InitKVCache):
-            runner.initialize_kv_cache(message.num_blocks)
-            self.send(Done(self.rank, message.seq))
-        elif isinstance(message, OffloadLookup):
-            held, resident = runner.offload_lookup(message.block_hashes)
-            self.send(Looked(self.rank, message.seq, held, resident))
-        elif isinstance(message, OffloadStats):
-            self.send(Stats(self.rank, message.seq, runner.offload_stats()))
-        elif isinstance(message, CloseOffload):
-            runner.close_offload()
-            self.send(Done(self.rank, message.seq))
-        elif isinstance(message, Stop):
-            self.send(Done(self.rank, message.seq))
-            return False
-        return True
 
     def run(self) -> None:
         """Answer commands until :class:`Stop`, or until the engine process is gone."""
@@ -148,7 +166,11 @@ class Worker:
                 if not _alive(self.parent_pid):
                     return
                 continue
-            if not self.handle(self.decoder.decode(self.commands.recv(copy=False).buffer)):
+            message = self.decoder.decode(self.commands.recv(copy=False).buffer)
+            reply = self.handle(message)
+            if reply is not None:
+                self.send(reply)
+            if isinstance(message, Stop):
                 return
 
     def close(self) -> None:
@@ -175,11 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(handshake)
     status = 0
     try:
-        worker.load()
+        worker.send(worker.load())
         worker.run()
     except BaseException as e:  # report every failure to the executor, then exit
-        text = "".join(traceback.format_exception_only(type(e), e)).strip()
-        worker.send(Failed(worker.rank, text, type(e).__name__))
+        worker.send(worker.failed(e))
         traceback.print_exc()
         status = 1
     finally:

@@ -57,7 +57,9 @@ def test_llm_tp2_greedy_matches_tp1(model_dir):
 
 
 def _started_executor(host, model_dir, tp):
+    from lmkit.api.contract import build
     from lmkit.config.schema import LMKitConfig
+    from lmkit.loading.model_facts import load_model_facts
     from lmkit.plugin_host.resolve import resolve_stack
 
     config = LMKitConfig.model_validate({
@@ -65,7 +67,9 @@ def _started_executor(host, model_dir, tp):
         "cache": {"block_size": 4, "num_blocks": 16}, "attention": {"backend": "torch"},
         "executor": {"device": "cpu"}, "parallel": {"tensor_parallel_size": tp}})
     stack = resolve_stack(config, host)
-    executor = stack.get("executor").spec.load()(config, stack, options=None, host=host)
+    # as the engine builds it (lmkit.api.contract.build: the checked constructor call)
+    executor = build("executor", stack.get("executor").spec.load(), config, stack,
+                     options=None, host=host, facts=load_model_facts(model_dir, host, 64))
     executor.start()
     executor.initialize_kv_cache(16)
     return config, executor

@@ -46,18 +46,38 @@ def test_cpu_allows_any_size_cuda_counts_devices(monkeypatch):
         check_parallel_settings(_config(tensor_parallel_size=4), "cuda")
 
 
-def _hf(heads=4, kv_heads=2, intermediate=128):
+def _facts(heads=4, kv_heads=2, intermediate=128):
+    # the ModelFacts fields check_model_split reads
     return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads,
                            intermediate_size=intermediate)
 
 
 def test_head_counts_must_divide():
-    check_model_split(_config(tensor_parallel_size=2), _hf())
+    check_model_split(_config(tensor_parallel_size=2), _facts())
     with pytest.raises(ConfigError, match=r"num_key_value_heads=2 is not divisible.*"
                                           r"split into: 1, 2\.?$"):
-        check_model_split(_config(tensor_parallel_size=4), _hf())
+        check_model_split(_config(tensor_parallel_size=4), _facts())
     with pytest.raises(ConfigError, match="num_attention_heads=6, num_key_value_heads=6"):
-        check_model_split(_config(tensor_parallel_size=4), _hf(6, 6, 120))
+        check_model_split(_config(tensor_parallel_size=4), _facts(6, 6, 120))
+
+
+def test_model_facts_carry_the_split_sizes(tmp_path):
+    from lmkit.loading.model_facts import load_model_facts, split_sizes
+    from lmkit.testing.tiny_model import make_tiny_model
+    from transformers import PretrainedConfig
+
+    # no num_key_value_heads: every attention head has its own
+    assert split_sizes(PretrainedConfig(num_attention_heads=6, intermediate_size=96)) == {
+        "num_attention_heads": 6, "num_key_value_heads": 6, "intermediate_size": 96}
+    assert split_sizes(PretrainedConfig()) == {
+        "num_attention_heads": 0, "num_key_value_heads": 0, "intermediate_size": 0}
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    facts = load_model_facts(make_tiny_model(tmp_path / "tiny"), host)
+    assert facts.num_attention_heads % facts.num_key_value_heads == 0
+    assert facts.intermediate_size > 0
+    check_model_split(_config(tensor_parallel_size=facts.num_key_value_heads), facts)
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        check_model_split(_config(tensor_parallel_size=facts.num_key_value_heads + 1), facts)
 
 
 def test_tp_picks_the_distributed_backend_and_refuses_uniproc():

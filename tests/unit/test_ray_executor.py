@@ -48,7 +48,9 @@ def test_ray_tp2_tokens_equal_uniproc(host, model_dir):
 
 def test_killed_actor_fails_execute_within_5s(host, model_dir):
     import ray
+    from lmkit.api.contract import build
     from lmkit.config.schema import LMKitConfig
+    from lmkit.loading.model_facts import load_model_facts
     from lmkit.plugin_host.resolve import resolve_stack
     from lmkit.scheduler.paged import PagedScheduler
     from lmkit_plugins.executors.mp import WorkerFailedError
@@ -59,7 +61,9 @@ def test_killed_actor_fails_execute_within_5s(host, model_dir):
         "executor": {"device": "cpu"}, "parallel": RAY})
     stack = resolve_stack(config, host)
     assert stack.get("executor").name == "ray"
-    executor = stack.get("executor").spec.load()(config, stack, options=None, host=host)
+    # as the engine builds it (lmkit.api.contract.build: the checked constructor call)
+    executor = build("executor", stack.get("executor").spec.load(), config, stack,
+                     options=None, host=host, facts=load_model_facts(model_dir, host, 64))
     try:
         executor.start()
         executor.initialize_kv_cache(16)

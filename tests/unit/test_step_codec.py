@@ -35,7 +35,9 @@ def _round_trip(value, wire_type):
 
 def _full_scheduler_output() -> SchedulerOutput:
     params = SamplingParams(temperature=0.7, top_k=5, seed=3, logit_bias={7: -1.5},
-                            stop=["x"], logprobs=2, structured_outputs={"regex": "a+"})
+                            stop=["x"], logprobs=2, structured_outputs={"regex": "a+"},
+                            allowed_token_ids=[1, 7, 9], bad_words=["bad"],
+                            bad_words_token_ids=[[5, 6]])
     return SchedulerOutput(
         scheduled_new_reqs=[NewRequestData("a", [1, 2, 3], [4], params, [0, 1], 2, 9)],
         scheduled_cached_reqs=CachedRequestData(["b", "c"], [[5], []], [10, 11]),
@@ -93,7 +95,7 @@ def test_runner_output_round_trips():
     out = ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[5], []],
                             logprobs=[[lp], []], prompt_logprobs={"a": [None, lp]},
                             num_draft_tokens={"a": 2}, num_accepted_tokens={"a": 1},
-                            finished_kv_loads={4: True, 5: False}, extra={"k": [1, 2]})
+                            finished_kv_loads={4: True, 5: False})
     back = runner_output_from_wire(_round_trip(runner_output_to_wire(out), RunnerOutputWire))
     assert back == out
 

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.logits_processor import (
+    AddedRequest,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorContext,
+)
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
+from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from lmkit.api.request import Request, RequestStatus
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
-    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec
+    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec, Variant, choose_variant
 
 # name -> module, imported on first attribute access
 _LAZY = {
@@ -53,6 +60,8 @@ _LAZY = {
     "Needs": "lmkit.plugin_host.spec",
     "NoOptions": "lmkit.plugin_host.spec",
     "Spec": "lmkit.plugin_host.spec",
+    "Variant": "lmkit.plugin_host.spec",
+    "choose_variant": "lmkit.plugin_host.spec",
     "PagedScheduler": "lmkit.scheduler.paged",
     "KVCacheManager": "lmkit.kv_cache.manager",
     "BlockPool": "lmkit.kv_cache.block_pool",
@@ -68,6 +77,7 @@ _LAZY = {
     "runner_output_from_wire": "lmkit.worker.step_codec",
     "Sampler": "lmkit.sample.sampler",
     "default_cache_dir": "lmkit.loading.cache",
+    "load_model_facts": "lmkit.loading.model_facts",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }
@@ -83,12 +93,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
-    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "EngineView", "Executor", "ForwardContext", "Grammar",
-    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
+    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
+    "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
+    "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",
+    "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
-    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
-    "TransferJob", "hookimpl", *_LAZY,
+    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
+    "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
 ]

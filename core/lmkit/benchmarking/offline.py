@@ -20,8 +20,6 @@ from lmkit.benchmarking.workload import (
     random_workload,
 )
 
-PEERS = ("hf", "none")
-
 
 @dataclass
 class BenchSetup:

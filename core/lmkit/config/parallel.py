@@ -4,12 +4,13 @@ tensor parallelism splits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkit.errors import ConfigError
 from lmkit.platform import cuda_device_count
 
 if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
     from lmkit.config.schema import LMKitConfig
 
 
@@ -43,23 +44,23 @@ def check_parallel_settings(config: LMKitConfig, device: str) -> None:
                 "on the CPU, where any size runs over gloo).")
 
 
-def check_model_split(config: LMKitConfig, hf_config: Any) -> None:
+def check_model_split(config: LMKitConfig, facts: ModelFacts) -> None:
     """Refuse a tensor-parallel size the model's shapes do not divide by.
 
-    Attention heads, key/value heads and the MLP's intermediate size are split evenly
-    over the ranks (key/value heads are not replicated, so there must be at least as
-    many as ranks); the vocabulary is padded to a multiple of the size, so any works.
+    Attention heads, key/value heads and the MLP's intermediate size
+    (:class:`~lmkit.api.model_facts.ModelFacts`) are split evenly over the ranks
+    (key/value heads are not replicated, so there must be at least as many as ranks);
+    the vocabulary is padded to a multiple of the size, so any works.
 
     :raises ConfigError: naming the count that does not divide and the sizes that would.
     """
     tp = config.parallel.tensor_parallel_size
     if tp == 1:
         return
-    num_heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
     counts = {
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(getattr(hf_config, "num_key_value_heads", 0) or num_heads),
-        "intermediate_size": int(getattr(hf_config, "intermediate_size", 0) or 0),
+        "num_attention_heads": facts.num_attention_heads,
+        "num_key_value_heads": facts.num_key_value_heads,
+        "intermediate_size": facts.intermediate_size,
     }
     bad = {k: v for k, v in counts.items() if v and v % tp}
     if not bad:

@@ -22,6 +22,7 @@ Kind = Literal[
     "offload",
     "model",
     "model_source",
+    "logits_processor",
 ]
 
 # kind -> the register-callback hook that contributes specs of that kind
@@ -34,6 +35,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "offload": "register_offload_managers",
     "model": "register_models",
     "model_source": "register_model_sources",
+    "logits_processor": "register_logits_processors",
 }
 
 KINDS: tuple[str, ...] = tuple(REGISTER_HOOKS)

@@ -84,6 +84,14 @@ def resolve_device(config: LMKitConfig) -> tuple[str, str]:
     return device, dtype
 
 
+def configure_and_resolve(config: LMKitConfig, host: PluginHost) -> ResolvedStack:
+    """Run the plugins' ``configure`` checks, then :func:`resolve_stack`, loading nothing:
+    what ``lmkit config check`` reports and what ``lmkit serve`` checks before it starts
+    the engine. Raises :class:`ConfigError` (or a subclass) when the stack cannot run."""
+    host.hook.configure(config=config)
+    return resolve_stack(config, host)
+
+
 def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None
                   ) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.

@@ -111,7 +111,7 @@ def scheduler_output_from_wire(w: SchedulerOutputWire) -> SchedulerOutput:
 
 
 class RunnerOutputWire(msgspec.Struct, array_like=True, frozen=True):
-    """:class:`ModelRunnerOutput`, field by field (``extra`` must be msgpack data)."""
+    """:class:`ModelRunnerOutput`, field by field."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -120,14 +120,13 @@ class RunnerOutputWire(msgspec.Struct, array_like=True, frozen=True):
     num_draft_tokens: dict[str, int]
     num_accepted_tokens: dict[str, int]
     finished_kv_loads: dict[int, bool]
-    extra: dict[str, Any]
 
 
 def runner_output_to_wire(out: ModelRunnerOutput) -> RunnerOutputWire:
     """The wire form of one step's result."""
     return RunnerOutputWire(list(out.req_ids), [list(t) for t in out.sampled_token_ids],
                             out.logprobs, out.prompt_logprobs, out.num_draft_tokens,
-                            out.num_accepted_tokens, out.finished_kv_loads, out.extra)
+                            out.num_accepted_tokens, out.finished_kv_loads)
 
 
 def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
@@ -135,5 +134,4 @@ def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         req_ids=w.req_ids, sampled_token_ids=w.sampled_token_ids, logprobs=w.logprobs,
         prompt_logprobs=w.prompt_logprobs, num_draft_tokens=w.num_draft_tokens,
-        num_accepted_tokens=w.num_accepted_tokens, finished_kv_loads=w.finished_kv_loads,
-        extra=w.extra)
+        num_accepted_tokens=w.num_accepted_tokens, finished_kv_loads=w.finished_kv_loads)

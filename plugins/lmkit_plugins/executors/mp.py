@@ -35,11 +35,13 @@ from lmkit.api import (
     Executor,
     LMKitConfig,
     LMKitError,
+    ModelFacts,
     ModelInfo,
     ModelRunnerOutput,
     PluginHost,
     ResolvedStack,
     SchedulerOutput,
+    load_model_facts,
     runner_output_from_wire,
     scheduler_output_to_wire,
 )
@@ -58,6 +60,7 @@ from lmkit_plugins.executors.mp_messages import (
     Stats,
     Stop,
     executor_decoder,
+    facts_to_json,
 )
 
 POLL_S = 0.1  # how often a waiting executor checks that every worker is alive
@@ -79,19 +82,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def worker_facts(config: LMKitConfig, host: PluginHost | None,
+                 facts: ModelFacts | None) -> dict[str, Any]:
+    """The engine's model facts as the workers' handshakes carry them; derived from
+    ``config`` (as the engine does) when the executor was given none."""
+    if facts is None:
+        host = host if host is not None else PluginHost.load(config.plugins)
+        facts = load_model_facts(Path(config.model.model), host, config.model.max_model_len)
+    return facts_to_json(facts)
+
+
 class MultiprocExecutor(Executor):
     """``parallel.tensor_parallel_size`` worker processes, driven over ZMQ.
 
-    Args: as every executor (see :class:`~lmkit.api.Executor`); ``host`` is not
-    used: each worker loads its own plugin host from ``config.plugins`` and resolves
-    the same stack by name.
+    Args: as every executor (see :class:`~lmkit.api.Executor`). The workers use
+    ``facts`` (derived from ``config`` when not given); ``host`` serves only that: each
+    worker loads its own plugin host from ``config.plugins`` and resolves the same stack
+    by name.
     """
 
-    def __init__(self, config: LMKitConfig, stack: ResolvedStack, options: Any = None,
-                 host: PluginHost | None = None) -> None:
+    def __init__(self, config: LMKitConfig, stack: ResolvedStack, *, options: Any = None,
+                 host: PluginHost | None = None, facts: ModelFacts | None = None) -> None:
         self.config = config
         self.stack = stack
         self.options = options
+        self.host = host
+        self.facts = facts
         self.world_size = config.parallel.tensor_parallel_size
         self.procs: list[subprocess.Popen[bytes]] = []
         self._tmpdir: Path | None = None
@@ -114,6 +130,7 @@ class MultiprocExecutor(Executor):
         self._replies.setsockopt(zmq.LINGER, 0)
         self._replies.bind(f"ipc://{self._tmpdir}/replies")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
+        facts = worker_facts(self.config, self.host, self.facts)
         for rank in range(self.world_size):
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
@@ -125,7 +142,7 @@ class MultiprocExecutor(Executor):
             handshake.write_text(json.dumps({
                 "rank": rank, "world_size": self.world_size, "init_method": init_method,
                 "config": self.config.model_dump(mode="json"), "stack": self.stack.names(),
-                "command_addr": addr, "reply_addr": f"ipc://{self._tmpdir}/replies",
+                "facts": facts, "command_addr": addr, "reply_addr": f"ipc://{self._tmpdir}/replies",
                 "parent_pid": os.getpid()}))
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-P", "-m", "lmkit_plugins.executors.mp_worker", str(handshake)],

@@ -10,10 +10,12 @@ Worker -> executor: :class:`Started` (after loading), :class:`Done`,
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any, Union
 
 import msgspec
-from lmkit.api import ModelInfo, RunnerOutputWire, SchedulerOutputWire
+from lmkit.api import ModelFacts, ModelInfo, Needs, RunnerOutputWire, SchedulerOutputWire
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv", frozen=True):
@@ -100,3 +102,23 @@ def worker_decoder() -> msgspec.msgpack.Decoder[Any]:
 def executor_decoder() -> msgspec.msgpack.Decoder[Any]:
     """Decodes what workers send the executor."""
     return msgspec.msgpack.Decoder(FromWorker)
+
+
+def facts_to_json(facts: ModelFacts) -> dict[str, Any]:
+    """The engine's :class:`~lmkit.api.ModelFacts` as JSON values, for a worker's
+    handshake (every rank uses the engine's facts instead of deriving its own)."""
+    out = {f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)}
+    needs = facts.attention_needs
+    out.update(model_dir=str(facts.model_dir), eos_token_ids=list(facts.eos_token_ids),
+               attention_needs={"features": sorted(needs.features),
+                                "values": dict(needs.values)})
+    return out
+
+
+def facts_from_json(data: dict[str, Any]) -> ModelFacts:
+    """The :class:`~lmkit.api.ModelFacts` that :func:`facts_to_json` wrote."""
+    needs = data["attention_needs"]
+    return ModelFacts(**{**data, "model_dir": Path(data["model_dir"]),
+                         "eos_token_ids": tuple(data["eos_token_ids"]),
+                         "attention_needs": Needs(frozenset(needs["features"]),
+                                                  needs["values"])})

@@ -5,7 +5,7 @@ executor sends it until told to stop.
 Started by :class:`~lmkit_plugins.executors.mp.MultiprocExecutor` as
 ``python -P -m lmkit_plugins.executors.mp_worker HANDSHAKE.json`` (``-P``: the working
 directory is not on ``sys.path``). The handshake (JSON) holds the configuration, the
-resolved stack's names, the rank, the world size, the group's rendezvous address and
+resolved stack's names, the engine's model facts, the rank, the world size, the group's rendezvous address and
 the two ZMQ addresses (commands in, replies out). A worker whose engine process is gone
 exits on its own; one that fails sends :class:`Failed` and exits with status 1.
 """
@@ -36,6 +36,7 @@ from lmkit_plugins.executors.mp_messages import (
     Started,
     Stats,
     Stop,
+    facts_from_json,
     worker_decoder,
 )
 
@@ -73,7 +74,9 @@ class RankWorker:
     carries them (ZMQ here, Ray actor calls in :mod:`~lmkit_plugins.executors.ray_worker`).
 
     ``handshake``: ``rank``, ``world_size``, ``init_method``, ``config`` (JSON),
-    ``stack`` (names by kind) and optionally ``cuda_index`` (default: the rank).
+    ``stack`` (names by kind), ``facts`` (the engine's model facts,
+    :func:`~lmkit_plugins.executors.mp_messages.facts_to_json`) and optionally
+    ``cuda_index`` (default: the rank).
     """
 
     def __init__(self, handshake: dict[str, Any]) -> None:
@@ -96,17 +99,14 @@ class RankWorker:
             group = init_group(self.rank, self.world_size, hs["init_method"], stack.device,
                                int(hs.get("cuda_index", self.rank)))
         torch.manual_seed(config.model.seed)  # every rank samples alike from equal logits
-        runner = ModelRunner(config, stack, host, Path(config.model.model),
+        runner = ModelRunner(config, stack, host, facts_from_json(hs["facts"]),
                              tp_rank=self.rank, tp_size=self.world_size, tp_group=group)
         runner.load_model()
         self.runner = runner
         return Started(self.rank, ModelInfo(
-            architecture=runner.architecture, vocab_size=runner.vocab_size,
-            max_model_len=runner.max_model_len, num_layers=runner.num_layers,
             kv_bytes_per_block=runner.kv_bytes_per_block(),
             available_kv_bytes=runner.available_kv_bytes(), device=str(runner.device),
-            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots,
-            extra={"eos_token_id": runner.default_eos_token_id}))
+            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots))
 
     def handle(self, message: Any) -> Any:
         """Run one command; its reply (``None``: no reply, a rank other than 0 after a

@@ -26,6 +26,7 @@ import msgspec
 from lmkit.api import (
     Executor,
     LMKitConfig,
+    ModelFacts,
     ModelInfo,
     ModelRunnerOutput,
     PluginHost,
@@ -35,7 +36,7 @@ from lmkit.api import (
     scheduler_output_to_wire,
 )
 
-from lmkit_plugins.executors.mp import WorkerFailedError
+from lmkit_plugins.executors.mp import WorkerFailedError, worker_facts
 from lmkit_plugins.executors.mp_messages import (
     CloseOffload,
     Execute,
@@ -55,13 +56,19 @@ STOP_TIMEOUT_S = 5.0
 
 
 class RayExecutor(Executor):
-    """``parallel.tensor_parallel_size`` Ray actors, one per rank."""
+    """``parallel.tensor_parallel_size`` Ray actors, one per rank.
 
-    def __init__(self, config: LMKitConfig, stack: ResolvedStack, options: Any = None,
-                 host: PluginHost | None = None) -> None:
+    Args: as every executor (see :class:`~lmkit.api.Executor`); like the ``mp``
+    executor's workers, each actor uses ``facts`` and resolves the stack by name.
+    """
+
+    def __init__(self, config: LMKitConfig, stack: ResolvedStack, *, options: Any = None,
+                 host: PluginHost | None = None, facts: ModelFacts | None = None) -> None:
         self.config = config
         self.stack = stack
         self.options = options
+        self.host = host
+        self.facts = facts
         self.world_size = config.parallel.tensor_parallel_size
         self.actors: list[Any] = []
         self._placement: Any = None
@@ -94,10 +101,11 @@ class RayExecutor(Executor):
             self._placement, placement_group_bundle_index=rank)).remote()
             for rank in range(self.world_size)]
         ip, port = self._wait([self.actors[0].address.remote()], decode=False)[0]
+        facts = worker_facts(self.config, self.host, self.facts)
         handshakes = [{"rank": rank, "world_size": self.world_size,
                        "init_method": f"tcp://{ip}:{port}",
                        "config": self.config.model_dump(mode="json"),
-                       "stack": self.stack.names(),
+                       "stack": self.stack.names(), "facts": facts,
                        "cuda_index": 0}  # Ray gives each actor one visible GPU
                       for rank in range(self.world_size)]
         started: list[Started] = self._wait(

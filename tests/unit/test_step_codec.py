@@ -103,3 +103,17 @@ def test_runner_output_round_trips():
 def test_a_foreign_message_is_rejected_not_executed():
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode({"req_ids": "no"}), type=RunnerOutputWire)
+
+
+def test_model_facts_cross_a_worker_handshake_as_json(tmp_path):
+    """The mp/ray workers get the engine's ModelFacts in their JSON handshake."""
+    import json
+
+    from lmkit.loading.model_facts import load_model_facts
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.testing.tiny_model import make_tiny_model
+    from lmkit_plugins.executors.mp_messages import facts_from_json, facts_to_json
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    facts = load_model_facts(make_tiny_model(tmp_path / "tiny"), host, 64)
+    assert facts_from_json(json.loads(json.dumps(facts_to_json(facts)))) == facts

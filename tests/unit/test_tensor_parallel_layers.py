@@ -44,3 +44,29 @@ def test_one_rank_builds_no_tensor_parallel_code():
     layer = model.model.layers[0]
     assert layer.self_attn.tp is None and layer.mlp.tp is None
     assert LlamaForCausalLM.supports_tensor_parallel
+
+
+def test_a_model_without_the_declaration_is_refused_over_ranks(tmp_path, monkeypatch):
+    """``CausalLM.supports_tensor_parallel`` defaults to False; the runner refuses to
+    split such a model (before building it) naming the architecture and the fix."""
+    import pytest
+    from lmkit.api import CausalLM, ModelLoadError, ModelRunner
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.loading.model_facts import load_model_facts
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.plugin_host.resolve import resolve_stack
+    from lmkit.testing.tiny_model import make_tiny_model
+    from lmkit_plugins.models.llama import LlamaForCausalLM
+
+    assert CausalLM.supports_tensor_parallel is False
+    monkeypatch.setattr(LlamaForCausalLM, "supports_tensor_parallel", False)
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": 64},
+        "attention": {"backend": "torch"}, "executor": {"device": "cpu"}})
+    runner = ModelRunner(config, resolve_stack(config, host), host,
+                         load_model_facts(model_dir, host, 64), tp_rank=0, tp_size=2)
+    with pytest.raises(ModelLoadError, match=r"does not declare supports_tensor_parallel.*"
+                                             r"split over 2 ranks; use --tp 1"):
+        runner.load_model()

@@ -260,7 +260,8 @@ class ModelRunner:
     def _prepare_step(self, so: SchedulerOutput) -> tuple[list[str], StepInputs]:
         """Order the scheduled requests (decodes first) and pack their inputs."""
         spec = so.scheduled_spec_decode_tokens
-        decodes, others = [], []
+        decodes: list[str] = []
+        others: list[str] = []
         for rid, n in so.num_scheduled_tokens.items():
             (decodes if n == 1 and rid not in spec else others).append(rid)
         order = decodes + others
@@ -365,7 +366,7 @@ class ModelRunner:
                     hidden[first_row:first_row + last - start])
                 targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
                 state.prompt_logprobs.extend(compute_prompt_logprobs(
-                    logits, targets, state.sampling_params.prompt_logprobs))
+                    logits, targets, state.sampling_params.prompt_logprobs or 0))
             if end >= state.num_prompt_tokens:
                 done[rid] = state.prompt_logprobs
                 state.prompt_logprobs = None

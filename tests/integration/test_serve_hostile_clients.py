@@ -47,12 +47,13 @@ def local_port(resp) -> int:
 
 
 def test_fan_out_is_refused_at_once_while_a_normal_request_is_served(server):
-    normal = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+    normal = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500,
               "ignore_eos": True, "temperature": 0, "stream": True}
     result: dict[str, object] = {}
     worker = threading.Thread(target=lambda: result.update(out=read_stream(server.url, normal)))
     worker.start()
     deadline = time.monotonic() + 30
+    # long enough to be seen running: the engine pushes its stats every 0.5 s
     while server.engine_stats().get("num_running") != 1:
         assert time.monotonic() < deadline, "the normal request never started"
         time.sleep(0.02)

@@ -24,7 +24,9 @@ SUITES = {
     "structured_output": check_structured_output_backend,
     "offload": check_offload_manager,
 }
-BUILTINS = [pytest.param(kind, reg.name, id=f"{kind}-{reg.name}")
+SLOW = {("executor", "mp"), ("executor", "ray")}  # start worker processes (importing torch)
+BUILTINS = [pytest.param(kind, reg.name, id=f"{kind}-{reg.name}",
+                         marks=[pytest.mark.slow] if (kind, reg.name) in SLOW else [])
             for kind in SUITES for reg in HOST.registry.all(kind)]
 
 

@@ -111,6 +111,28 @@ def test_build_names_the_plugin_and_the_signature():
     assert isinstance(build("speculative", PromptLookup, config, options=None), SpecProposer)
 
 
+def test_the_engine_builds_its_executor_through_the_contract(tmp_path, monkeypatch):
+    """EngineCore builds the executor with lmkit.api.contract.build: an executor whose
+    __init__ lacks ``facts`` (the pre-ModelFacts signature) fails naming the plugin and
+    the documented signature, before any weights load."""
+    from lmkit.engine.core import EngineCore
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    def old_init(self, config, stack, options=None, host=None):
+        raise AssertionError("build() must refuse the class before calling it")
+
+    monkeypatch.setattr(UniProcExecutor, "__init__", old_init)
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(make_tiny_model(tmp_path / "tiny")), "dtype": "float32"},
+        "attention": {"backend": "torch"},
+        "executor": {"backend": "uniproc", "device": "cpu"}})
+    with pytest.raises(PluginError, match=r"cannot build the executor plugin \(plugin .*"
+                                          r"cls\(config, stack, \*, options, host, facts\)"):
+        EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+                   progress=False)
+
+
 def test_poolers_are_built_through_the_pooler_contract():
     from lmkit.api import Pooler
     from lmkit_plugins.poolers.builtin import MeanPooler

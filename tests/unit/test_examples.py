@@ -30,7 +30,7 @@ def check(*args: str):
 
 
 def test_examples_exist_and_the_readme_points_at_them() -> None:
-    assert {p.name for p in EXAMPLES} >= {"cpu.yaml", "gpu.yaml"}
+    assert {p.name for p in EXAMPLES} >= {"cpu.yaml", "gpu.yaml", "multi-gpu.yaml"}
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for path in EXAMPLES:
         assert f"examples/{path.name}" in readme, path.name
@@ -58,3 +58,12 @@ def test_gpu_example_selects_speculation_and_offload() -> None:
     assert result.exit_code == 0, result.output
     stack = yaml.safe_load(result.stdout)["stack"]  # JSON is YAML
     assert stack["speculative"]["name"] == "ngram" and stack["offload"]["name"] == "cpu+disk"
+
+
+def test_multi_gpu_example_splits_the_model_over_ranks() -> None:
+    result = CliRunner().invoke(
+        build_app(env=ENV), ["config", "check", "-c", str(ROOT / "examples/multi-gpu.yaml"),
+                             "--json", "--device", "cpu", "--dtype", "float32"], env=ENV)
+    assert result.exit_code == 0, result.output
+    checked = yaml.safe_load(result.stdout)
+    assert checked["stack"]["executor"]["name"] == "mp"

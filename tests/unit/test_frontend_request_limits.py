@@ -24,7 +24,7 @@ def tokenizer():
 
 @pytest.fixture
 def processor(tokenizer):
-    return InputProcessor(tokenizer, CONTEXT, 256, 320, max_constraint_chars=100)
+    return InputProcessor(tokenizer, CONTEXT, 256, (320,), max_constraint_chars=100)
 
 
 def test_min_tokens_past_the_context_left_is_refused(processor):

@@ -107,7 +107,7 @@ def test_bad_words_tokenize_as_is_and_after_a_space():
 
 
 def test_frontend_tokenizes_bad_words_and_checks_ids():
-    proc = InputProcessor(Tok(), max_model_len=64, eos_token_id=None, vocab_size=27)
+    proc = InputProcessor(Tok(), max_model_len=64, vocab_size=27)
     req = proc.make_request("r", [1, 2], SamplingParams(bad_words=["ab"],
                                                          bad_words_token_ids=[[5]]))
     assert req.sampling_params.bad_words_token_ids == [[5], [1, 2], [0, 1, 2]]

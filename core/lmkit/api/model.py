@@ -18,13 +18,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelBuildContext:
-    """Given to a model's constructor: how to build its attention layers."""
+    """Given to a model's constructor: how to build its attention layers, and its share
+    of a tensor-parallel group.
+
+    With ``tp_size > 1`` the model builds rank ``tp_rank``'s shard (its attention heads,
+    KV heads, MLP columns and vocabulary rows), loads only that slice of each weight,
+    and combines partial results over ``tp_group`` (a ``torch.distributed`` process
+    group, initialised by the executor: gloo on the CPU, NCCL on CUDA). With
+    ``tp_size == 1`` (the default) there is no group and the model runs no collective.
+    """
 
     dtype: Any  # torch.dtype
     device: Any  # torch.device
     block_size: int
     attention_cls: type[AttentionBackend]
     attention_options: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None  # torch.distributed.ProcessGroup when tp_size > 1
 
 
 @dataclass
@@ -52,16 +63,23 @@ class Model(ABC):
     as ``self.attn`` so the runner can plan it once per step. Model classes usually
     subclass ``torch.nn.Module`` too: ``class MyModel(torch.nn.Module, CausalLM)``.
 
+    A model that sets the class attribute ``supports_tensor_parallel = True`` builds its
+    shard from :class:`ModelBuildContext`'s ``tp_*`` fields; for any other the runner
+    refuses ``tensor_parallel_size > 1``.
+
     Declared facts (class attributes, read without building the model):
 
     * :attr:`pooling`: how the model pools (its default pooler, whether its attention
       is causal, its classification head), a :class:`~lmkit.api.ModelPooling`.
+    * :attr:`supports_tensor_parallel`: see above.
     """
 
     attn: AttentionBackend
     #: How the model serves pooling requests. The default: causal attention, the
     #: ``last`` token's hidden state, no classification head.
     pooling: ClassVar[ModelPooling] = ModelPooling()
+    #: the model builds rank ``ctx.tp_rank``'s shard when ``ctx.tp_size > 1``
+    supports_tensor_parallel: ClassVar[bool] = False
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:

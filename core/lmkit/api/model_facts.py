@@ -48,6 +48,9 @@ class ModelFacts:
             :class:`~lmkit.api.PoolingModel`, which serves pooling requests only.
         pooling: the model class's declared :class:`~lmkit.api.ModelPooling` (default
             pooler, causal or bidirectional attention, classification head).
+        num_attention_heads, num_key_value_heads, intermediate_size: the sizes tensor
+            parallelism splits over ranks (``config.json``'s values; the key/value heads
+            default to the attention heads; 0 when the config does not state one).
     """
 
     model_dir: Path
@@ -59,6 +62,9 @@ class ModelFacts:
     native_max_model_len: int | None
     eos_token_ids: tuple[int, ...]
     attention_needs: Needs
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
     generates: bool = True
     pooling: ModelPooling = field(default_factory=ModelPooling)
 

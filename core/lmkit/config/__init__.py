@@ -9,6 +9,7 @@ from lmkit.config.schema import (
     LMKitConfig,
     ModelConfig,
     OffloadConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -16,7 +17,7 @@ from lmkit.config.schema import (
 )
 
 __all__ = [
-    "DEFAULT_MODEL", "AttentionConfig", "CacheConfig", "ExecutorConfig", "LMKitConfig",
+    "DEFAULT_MODEL", "AttentionConfig", "CacheConfig", "ExecutorConfig", "LMKitConfig", "ParallelConfig",
     "ModelConfig", "OffloadConfig", "SchedulerConfig", "ServerConfig", "SpeculativeConfig",
     "StructuredOutputConfig", "load_config",
 ]

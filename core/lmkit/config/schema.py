@@ -105,6 +105,22 @@ class ExecutorConfig(BackendSection):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
 
 
+class ParallelConfig(Section):
+    """Running one model on several devices (tensor parallel) and several engines (data
+    parallel). Checked against the devices present and the model's head counts before
+    any weights load (:mod:`lmkit.config.parallel`)."""
+
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="Devices (ranks) one model is split over; each holds 1/N of the "
+        "attention heads, the MLP and the vocabulary. Above 1 the executor is "
+        "distributed_backend's (executor.backend 'auto').")
+    data_parallel_size: int = Field(
+        1, gt=0, description="Engine cores behind one API server (not built yet: only 1).")
+    distributed_backend: Literal["mp", "ray"] = Field(
+        "mp", description="How the ranks run: 'mp' (one worker process per rank on this "
+        "host) or 'ray' (Ray actors: the cluster at RAY_ADDRESS, or a local one).")
+
+
 class SpeculativeConfig(OptionalBackendSection):
     """Speculative decoding: the draft proposer plugin (off unless named) and k."""
 
@@ -198,6 +214,7 @@ class LMKitConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

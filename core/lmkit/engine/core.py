@@ -22,6 +22,7 @@ from lmkit.api.engine_view import EngineView
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.scheduler import SchedulerContext
+from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
@@ -57,14 +58,15 @@ class EngineCore:
                                              source=config.model.source, progress=progress)
         # what every process knows of the model (context, EOS, architecture, needs): once
         self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
+        check_model_split(config, self.facts)
         self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs)
         self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")
         assert executor_reg is not None
-        self.executor = executor_reg.spec.load()(
-            self.config, self.stack, options=self.stack.options["executor"], host=self.host,
-            facts=self.facts)
+        self.executor = build("executor", executor_reg.spec.load(), self.config, self.stack,
+                              options=self.stack.options["executor"], host=self.host,
+                              facts=self.facts, plugin=executor_reg.origin)
         try:
             self.model_info = self.executor.start()
             self.num_blocks = self._num_blocks()

@@ -176,8 +176,10 @@ class EngineCoreClient:
         proc = self.proc
         if proc is not None and proc.poll() is None:
             if not kill:
+                # NOBLOCK: an engine that is exiting on its own (it failed) has no
+                # reader, and a PUSH send with no peer would wait forever
                 with contextlib.suppress(zmq.ZMQError):
-                    await self._to_engine.send(self._encoder.encode(Shutdown()))
+                    await self._to_engine.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
                 await _wait_exit(proc, timeout)
             if proc.poll() is None:
                 proc.terminate()

@@ -46,6 +46,8 @@ SHORT_OPTIONS = {
     "executor": "executor.backend",
     "device": "executor.device",
     "enforce_eager": "executor.enforce_eager",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "data_parallel_size": "parallel.data_parallel_size",
     "speculative": "speculative.backend",
     "num_speculative_tokens": "speculative.num_speculative_tokens",
     "structured_output": "structured_output.backend",

@@ -66,7 +66,7 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         max_model_len=resolve_max_model_len(native, max_model_len, model_dir),
         native_max_model_len=native, eos_token_ids=eos_token_ids_of(model_dir, hf_config),
         attention_needs=needs, generates=issubclass(model_cls, CausalLM),
-        pooling=model_cls.pooling)
+        pooling=model_cls.pooling, **split_sizes(hf_config))
 
 
 def model_registration(host: PluginHost, hf_config: Any, model_dir: Path
@@ -108,6 +108,22 @@ def head_size_of(hf_config: Any) -> int:
     """``head_dim`` when the config states it, else ``hidden_size // num_attention_heads``."""
     head_dim = hf_config.to_dict().get("head_dim")
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def split_sizes(hf_config: Any) -> dict[str, int]:
+    """The sizes tensor parallelism divides over ranks: attention heads, key/value heads
+    (the attention heads when the config states none) and the MLP's intermediate size;
+    0 for a size the config does not state."""
+    values = hf_config.to_dict()
+
+    def size(key: str) -> int:
+        value = values.get(key)
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    heads = size("num_attention_heads")
+    return {"num_attention_heads": heads,
+            "num_key_value_heads": size("num_key_value_heads") or heads,
+            "intermediate_size": size("intermediate_size")}
 
 
 def native_max_model_len(hf_config: Any) -> int | None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from lmkit.config.errors import format_validation_error
+from lmkit.config.parallel import check_parallel_settings
 from lmkit.errors import ConfigError, StackConflictError
 from lmkit.platform import cuda_device_count
 from lmkit.plugin_host.kinds import OPTIONAL_KINDS, STACK_KINDS, kind_label
@@ -104,14 +105,23 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
         its config is known.
+    With ``parallel.tensor_parallel_size > 1`` the executor and the offload tier must
+    declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
+    ``parallel.distributed_backend``.
+
     :raises ConfigError: (or a subclass) with every reason and where the offending
-        setting came from.
+        setting came from; also what :func:`lmkit.config.parallel.check_parallel_settings`
+        refuses.
     """
     device, dtype = resolve_device(config)
+    check_parallel_settings(config, device)
+    tensor_parallel = config.parallel.tensor_parallel_size > 1
     base = {
-        "executor": Needs(values={"device": device}),
+        "executor": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
+                          values={"device": device}),
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
-        "offload": Needs(values={"device": device}),
+        "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
+                         values={"device": device}),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}
@@ -120,6 +130,8 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         section_name = kind  # each stack kind is selected by the section of its name
         section = getattr(config, section_name)
         choice = section.backend
+        if kind == "executor" and choice == "auto" and tensor_parallel:
+            choice = config.parallel.distributed_backend  # one model over several ranks
         reg = None
         if not (kind in OPTIONAL_KINDS and choice == "none"):
             needs = base.get(kind, Needs())

@@ -7,7 +7,7 @@ seeded-sampling requests in a KV pool small enough to force preemption; every st
 :class:`~lmkit.api.SchedulerOutput` goes to both executors. Properties:
 
 * ``model info``: :meth:`start` reports what ``uniproc`` reports (bytes per KV block,
-  device, dtype);
+  device, dtype; 1/N of the bytes per KV block on each of N tensor-parallel ranks);
 * ``tokens equal uniproc``: every step's request ids and sampled tokens are identical
   (through chunked prefill, prefix-cache hits, preemption and finished requests);
 * ``offload methods``: with no offload tier configured, ``offload_lookup`` answers
@@ -40,10 +40,11 @@ WORKLOAD = ("6 requests (4 greedy, 2 seeded sampling at temperature 0.8), prompt
             "max_num_batched_tokens 24")
 
 
-def _config(model_dir: Path, executor: str) -> Any:
+def _config(model_dir: Path, executor: str, parallel: dict[str, Any] | None = None) -> Any:
     from lmkit.config.schema import LMKitConfig
 
     return LMKitConfig.model_validate({
+        "parallel": parallel or {},
         "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": 128},
         "cache": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS},
         "scheduler": {"max_num_batched_tokens": 24, "max_num_seqs": 4},
@@ -55,12 +56,15 @@ def _config(model_dir: Path, executor: str) -> Any:
 class _Pair:
     """The executor under test and ``uniproc``, started on the same model."""
 
-    def __init__(self, t: Target, model_dir: Path) -> None:
+    def __init__(self, t: Target, model_dir: Path, parallel: dict[str, Any] | None = None
+                 ) -> None:
         from lmkit.loading.model_facts import load_model_facts
         from lmkit.plugin_host.manager import PluginHost
         from lmkit.plugin_host.resolve import resolve_stack
 
         self.t = t
+        # each of N tensor-parallel ranks holds 1/N of the KV heads: 1/N of a block's bytes
+        self.num_ranks = int((parallel or {}).get("tensor_parallel_size", 1))
         host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
         self.config = _config(model_dir, "uniproc")
         self.stack = resolve_stack(self.config, host)
@@ -69,9 +73,13 @@ class _Pair:
         self.reference = uniproc.load()(self.config, self.stack,
                                         options=uniproc.validate_options({}), host=host,
                                         facts=facts)
+        config, stack = self.config, self.stack
+        if parallel:  # the candidate splits the model; uniproc runs it whole
+            config = _config(model_dir, t.spec.name if t.spec is not None else "auto", parallel)
+            stack = resolve_stack(config, host)
         # built as the engine builds it: cls(config, stack, options=, host=, facts=)
-        self.candidate = t.build(SUITE, "executor", "model info", WORKLOAD, self.config,
-                                 self.stack, options=t.options, host=host, facts=facts)
+        self.candidate = t.build(SUITE, "executor", "model info", WORKLOAD, config, stack,
+                                 options=t.options, host=host, facts=facts)
         self.ref_info = self.reference.start()
         try:
             self.info = self.candidate.start()
@@ -85,13 +93,14 @@ class _Pair:
         self.candidate.shutdown()
 
 
-def _with_pair(t: Target, model_dir: Path | None, body: Any) -> None:
+def _with_pair(t: Target, model_dir: Path | None, body: Any,
+               parallel: dict[str, Any] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="lmkit-executor-conformance-") as tmp:
         if model_dir is None:
             from lmkit.testing.tiny_model import make_tiny_model
 
             model_dir = make_tiny_model(Path(tmp) / "tiny")
-        pair = _Pair(t, Path(model_dir))
+        pair = _Pair(t, Path(model_dir), parallel)
         try:
             body(pair)
         finally:
@@ -105,6 +114,8 @@ def _model_info(pair: _Pair) -> None:
     info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
         got, want = info[name], ref_info[name]
+        if name == "kv_bytes_per_block":  # per rank
+            want //= pair.num_ranks
         if got != want:
             raise pair.t.fail(SUITE, "model info", WORKLOAD,
                               f"start() reported {name}={got!r}; uniproc reports {want!r}")
@@ -177,10 +188,14 @@ PROPERTIES = {"model info": _model_info, "tokens equal uniproc": _tokens,
 
 
 def check_executor(executor: Any, options: Any = None, model_dir: str | Path | None = None,
-                   only: Iterable[str] | None = None) -> dict[str, str]:
+                   only: Iterable[str] | None = None,
+                   parallel: dict[str, Any] | None = None) -> dict[str, str]:
     """Run every executor property against ``executor`` (a Spec, Registration or
     Executor subclass built as ``cls(config, stack, options=..., host=..., facts=...)``),
     on ``model_dir`` or a fresh tiny random model. One model load serves all properties.
+
+    ``parallel``: the candidate's ``parallel`` config section (e.g.
+    ``{"tensor_parallel_size": 2}``), compared with ``uniproc`` running the whole model.
 
     :raises ConformanceFailure: naming the first failing property and the step.
     """
@@ -192,7 +207,7 @@ def check_executor(executor: Any, options: Any = None, model_dir: str | Path | N
         checks = {name: (lambda f=f: f(pair)) for name, f in PROPERTIES.items()}
         results.update(run_checks(checks, wanted))
 
-    _with_pair(t, Path(model_dir) if model_dir else None, body)
+    _with_pair(t, Path(model_dir) if model_dir else None, body, parallel)
     return results
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.worker import memory
 from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
@@ -85,7 +86,8 @@ def dummy_step(runner: DummyStepModel, q_lens: np.ndarray, contexts: np.ndarray)
                                        num_reqs * blocks_per_req, runner.dtype, runner.device)
     batch = InputBatch(num_reqs, int(lens.max()), runner.block_size, int(q_lens.sum()))
     for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
-        state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], None, None, None, int(c))
+        state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], SamplingParams(), None,
+                                   None, int(c))
         batch.add_request(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
     not_decode = np.flatnonzero(q_lens != 1)
     num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs

@@ -82,6 +82,13 @@ class InputBatch:
         pin_memory: page-lock the step buffers (CUDA: asynchronous host-to-device copies).
     """
 
+    # row arrays (numpy, [num_rows] or [num_rows, width]); reallocated by _resize_rows
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    num_computed: np.ndarray
+    block_table: np.ndarray
+    num_blocks: np.ndarray
+
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
                  max_num_tokens: int, pin_memory: bool = False) -> None:
         self.block_size = block_size

@@ -60,15 +60,19 @@ class ModelRunner:
         host: the plugin host whose registry knows the model architectures.
         facts: the engine's facts about the model (its directory, architecture, context
             length and EOS ids; :func:`lmkit.loading.model_facts.load_model_facts`).
+        tp_rank, tp_size, tp_group: this runner's share of a tensor-parallel group
+            (see :class:`~lmkit.api.ModelBuildContext`); one rank by default.
     """
 
     def __init__(self, config: LMKitConfig, stack: ResolvedStack, host: PluginHost,
-                 facts: ModelFacts) -> None:
+                 facts: ModelFacts, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: Any = None) -> None:
         self.config = config
         self.stack = stack
         self.host = host
         self.facts = facts
         self.model_dir = Path(facts.model_dir)
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.device = torch.device(stack.device)
         self.dtype = DTYPES[stack.dtype]
         # memory other engines of this process already hold (not this engine's to count)
@@ -108,9 +112,15 @@ class ModelRunner:
             raise ModelLoadError("no attention backend was resolved for this stack")
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
-            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
-        model = build("model", model_class(registration), hf_config, ctx,
-                      plugin=registration.origin)
+            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
+            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group)
+        model_cls = model_class(registration)
+        if self.tp_size > 1 and not model_cls.supports_tensor_parallel:
+            raise ModelLoadError(
+                f"architecture {self.architecture} (plugin {registration.origin}) does not "
+                "declare supports_tensor_parallel, so it cannot be split over "
+                f"{self.tp_size} ranks; use --tp 1, or a model plugin that shards it.")
+        model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir))
         if isinstance(model, torch.nn.Module):
             model.eval()
@@ -125,8 +135,9 @@ class ModelRunner:
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
-        logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
-                    self.device, self.stack.dtype)
+        logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
+                    self.device, self.stack.dtype,
+                    f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block across all layers."""
@@ -268,7 +279,8 @@ class ModelRunner:
     def _prepare_step(self, so: SchedulerOutput) -> tuple[list[str], StepInputs]:
         """Order the scheduled requests (decodes first) and pack their inputs."""
         spec = so.scheduled_spec_decode_tokens
-        decodes, others = [], []
+        decodes: list[str] = []
+        others: list[str] = []
         for rid, n in so.num_scheduled_tokens.items():
             (decodes if n == 1 and rid not in spec else others).append(rid)
         order = decodes + others
@@ -373,7 +385,7 @@ class ModelRunner:
                     hidden[first_row:first_row + last - start])
                 targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
                 state.prompt_logprobs.extend(compute_prompt_logprobs(
-                    logits, targets, state.sampling_params.prompt_logprobs))
+                    logits, targets, state.sampling_params.prompt_logprobs or 0))
             if end >= state.num_prompt_tokens:
                 done[rid] = state.prompt_logprobs
                 state.prompt_logprobs = None

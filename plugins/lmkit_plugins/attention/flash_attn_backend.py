@@ -94,6 +94,8 @@ class FlashAttnAttention(AttentionBackend):
     prefill/decode, cached prefixes, chunked prefill, multi-token queries, CUDA graphs).
     """
 
+    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         if self.num_heads % self.num_kv_heads:

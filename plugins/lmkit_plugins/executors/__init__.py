@@ -12,3 +12,16 @@ def register_executors(register):
         caps=Caps(values={"device": {"cpu", "cuda"}}),
         description="One model runner in the engine-core process.",
     ))
+    register(Spec(
+        name="mp", target="lmkit_plugins.executors.mp:MultiprocExecutor", priority=10,
+        caps=Caps(features={"tensor_parallel"}, values={"device": {"cpu", "cuda"}}),
+        description="One worker process per tensor-parallel rank (torch.distributed: gloo on "
+                    "CPU, NCCL on CUDA); steps sent over ZMQ as msgpack.",
+    ))
+    register(Spec(
+        name="ray", target="lmkit_plugins.executors.ray_executor:RayExecutor", priority=5,
+        requires=("ray",),
+        caps=Caps(features={"tensor_parallel"}, values={"device": {"cpu", "cuda"}}),
+        description="The mp executor's ranks as Ray actors in a placement group (several "
+                    "hosts: RAY_ADDRESS), or a local Ray.",
+    ))

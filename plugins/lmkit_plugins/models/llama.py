@@ -37,6 +37,7 @@ from lmkit_plugins.models.fused_ops import (
 )
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, silu_and_mul
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
 # checkpoint tensors that carry no weights of ours (older exports save RoPE buffers)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -110,16 +111,24 @@ def _sliding_window(cfg: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
+    """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
+
+    Under tensor parallelism (``tp``) this rank holds ``num_heads / N`` query heads and
+    ``num_kv_heads / N`` KV heads (column-parallel QKV) and a row-parallel o_proj whose
+    partial sums are all-reduced.
+    """
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
+        ranks = tp.size if tp is not None else 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            dims.num_heads, dims.num_kv_heads, dims.head_dim)
-        self.q_size = dims.num_heads * dims.head_dim
-        self.kv_size = dims.num_kv_heads * dims.head_dim
+            dims.num_heads // ranks, dims.num_kv_heads // ranks, dims.head_dim)
+        self.q_size = self.num_heads * dims.head_dim
+        self.kv_size = self.num_kv_heads * dims.head_dim
         self.rotary = rotary
         kw = {"dtype": dtype, "device": device}
         self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
@@ -163,36 +172,42 @@ class LlamaAttention(nn.Module):
             out = attn.run(self.layer_idx, q, k, v, kv_cache, kv_written=True)
         else:
             out = attn.run(self.layer_idx, q, k, v, kv_cache)
-        return self.o_proj.forward(out.reshape(n, self.q_size))
+        out = self.o_proj.forward(out.reshape(n, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate-up projection."""
+    """SwiGLU feed-forward with a fused gate-up projection (column-parallel under
+    ``tp``; down_proj row-parallel, all-reduced)."""
 
-    def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
-        size = dims.intermediate_size
+        self.tp = tp
+        size = dims.intermediate_size // (tp.size if tp is not None else 1)
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
         self.act = silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks around a residual stream."""
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device)
+        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(dims, dtype, device)
+        self.mlp = LlamaMLP(dims, dtype, device, tp)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -213,20 +228,28 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size,
-                                           dtype=dtype, device=device)
+        self.embed_tokens = (
+            VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device)
+            if tp is None else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp,
+                                                      dtype=dtype, device=device))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, i, rotary, dtype, device) for i in range(dims.num_layers))
+            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp) for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
 class LlamaStack(nn.Module, Model):
     """The Llama family over packed tokens, up to the final norm: what
     :class:`LlamaForCausalLM` (with its language-model head) and
-    :class:`LlamaEmbeddingModel` (without one) share."""
+    :class:`LlamaEmbeddingModel` (without one) share.
 
+    Splits over a tensor-parallel group when the build context has ``tp_size > 1``
+    (:mod:`lmkit_plugins.models.tensor_parallel`): each rank builds and loads only its
+    shard, and its attention backend (hence its KV cache) holds only its KV heads.
+    """
+
+    supports_tensor_parallel = True
     #: whether the model has a language-model head (tied to the embedding or its own)
     has_lm_head: ClassVar[bool] = True
 
@@ -242,18 +265,22 @@ class LlamaStack(nn.Module, Model):
         super().__init__()
         dims = LlamaDims.from_hf(hf_config)
         self.dims = dims
+        self.tp = tp = TensorParallel.from_context(ctx)
+        ranks = tp.size if tp is not None else 1
         dtype, device = ctx.dtype, torch.device(ctx.device)
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
-        self.model = LlamaModel(dims, self.rotary, dtype, device)
+        self.model = LlamaModel(dims, self.rotary, dtype, device, tp)
         self._fused_ops = fused_ops_enabled(device, dtype)
+        local_vocab = dims.vocab_size if tp is None else tp.local(dims.vocab_size)
         # fused kernels write K/V in the RoPE kernel when the backend declares it may
         self._model_writes_kv = (self._fused_ops
                                  and ctx.attention_cls.supports_model_kv_write)
         self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
-            dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
+            dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device)
         self.attn: AttentionBackend = ctx.attention_cls(
-            num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
+            num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
+            head_size=dims.head_dim,
             scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
             sliding_window=dims.sliding_window, options=ctx.attention_options)
 
@@ -284,19 +311,33 @@ class LlamaStack(nn.Module, Model):
                 param.copy_(t)
             return load
 
-        def shard(linear: Linear, part: str, kind: str) -> Callable[[torch.Tensor], None]:
-            if kind == "weight":
-                return lambda t: linear.load_shard(part, weight=t)
-            return lambda t: linear.load_shard(part, bias=t)
+        tp = self.tp
 
-        def linear_names(prefix: str, linear: Linear, parts: dict[str, str]) -> None:
+        def shard(linear: Linear, part: str, kind: str, split: int | None = 0
+                  ) -> Callable[[torch.Tensor], None]:
+            # split: the axis of the weight divided over ranks (0: output rows, column-
+            # parallel; 1: input columns, row-parallel, whose bias only rank 0 adds)
+            if tp is None or split is None:
+                cut: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t  # noqa: E731
+            elif kind == "bias" and split == 1:
+                cut = lambda t: t if tp.rank == 0 else None  # noqa: E731
+            else:
+                cut = lambda t: tp.shard(t, split if kind == "weight" else 0)  # noqa: E731
+            if kind == "weight":
+                return lambda t: linear.load_shard(part, weight=cut(t))
+            return lambda t: linear.load_shard(part, bias=cut(t))
+
+        def linear_names(prefix: str, linear: Linear, parts: dict[str, str],
+                         split: int = 0) -> None:
             kinds = ("weight", "bias") if linear.bias is not None else ("weight",)
             for hf_name, part in parts.items():
                 for kind in kinds:
-                    targets[f"{prefix}.{hf_name}.{kind}"] = shard(linear, part, kind)
+                    targets[f"{prefix}.{hf_name}.{kind}"] = shard(linear, part, kind, split)
 
         embed = self.model.embed_tokens
-        targets["model.embed_tokens.weight"] = whole(embed.weight, "model.embed_tokens.weight")
+        embed_name = "model.embed_tokens.weight"
+        targets[embed_name] = (whole(embed.weight, embed_name) if tp is None else
+                               lambda t: whole(embed.weight, embed_name)(tp.shard(t, 0)))
         targets["model.norm.weight"] = whole(self.model.norm.weight, "model.norm.weight")
         if self.lm_head is not None:
             targets["lm_head.weight"] = shard(self.lm_head, "weight", "weight")
@@ -305,9 +346,9 @@ class LlamaStack(nn.Module, Model):
             attn, mlp = layer.self_attn, layer.mlp
             linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
                                                            "v_proj": "v"})
-            linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"})
+            linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
             linear_names(f"{p}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
-            linear_names(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"})
+            linear_names(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"}, split=1)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
                                                       f"{p}.{norm}.weight")
@@ -377,7 +418,8 @@ class LlamaForCausalLM(LlamaStack, CausalLM):
         if self.lm_head is None:
             return self.model.embed_tokens.logits(hidden_states)
         # contiguous: a CPU head whose vocabulary is a multiple of 512 returns a view
-        return self.lm_head(hidden_states).float().contiguous()
+        logits = self.lm_head(hidden_states).float().contiguous()
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.dims.vocab_size)
 
 
 class LlamaEmbeddingModel(LlamaStack, PoolingModel):

@@ -8,12 +8,16 @@ from lmkit_plugins.offload.options import CPUDiskTierOptions, CPUTierOptions, Di
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
 _CAPS = Caps(values={"device": frozenset({"cpu", "cuda"})})
+# a host-memory pool per rank works under tensor parallelism; a directory would be
+# shared by the ranks' block files (not built)
+_CPU_CAPS = Caps(features={"tensor_parallel"}, values={"device": frozenset({"cpu", "cuda"})})
 
 
 @hookimpl
 def register_offload_managers(register):
     register(Spec(
-        name="cpu", target="lmkit_plugins.offload.cpu_tier:CPUTier", priority=100, caps=_CAPS,
+        name="cpu", target="lmkit_plugins.offload.cpu_tier:CPUTier", priority=100,
+        caps=_CPU_CAPS,
         options=CPUTierOptions,
         description="Host memory pool (page-locked on CUDA), LRU or ARC eviction.",
     ))

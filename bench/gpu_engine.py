@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-subset", default="", help="e.g. W1=32,W3=64: peer runs the first N")
     ap.add_argument("--attention", default="auto", help="lmkit attention backend")
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
+    ap.add_argument("--executor", default="uniproc",
+                    help="lmkit executor: uniproc (in process) or mp (a worker process)")
     ap.add_argument("--model-root", help="where to write the random models (kept there, and "
                     "reused by a later run)")
     ap.add_argument("--skip-lmkit", action="store_true",
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             (LARGE, large, [n for n in names if n in ("W2", "W3")])]
     need = sum(models.model_facts(models.hf_config(m))["param_bytes"] for _, m, w in plan if w)
     root = model_root(args.model_root, need)
-    options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager)
+    options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
+                   executor=args.executor)
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []

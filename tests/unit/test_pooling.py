@@ -179,3 +179,29 @@ def test_scoring_pairs_cosine_and_maxsim():
     assert score(q, [[1.0, 1.0]]) == pytest.approx(2 * 2 ** -0.5)
     with pytest.raises(InvalidRequestError, match="cannot score"):
         score([1.0, 0.0], [1.0, 0.0, 0.0])
+
+
+def test_dummy_steps_of_a_pooling_only_model_end_at_its_hidden_states(tmp_path):
+    """Memory profiling and the warm-up step shapes (run on CUDA before serving) work
+    for a model without a language-model head: its dummy steps stop at the hidden
+    states instead of calling an LM head it does not have."""
+    from lmkit.worker.dummy_steps import profile_run, warm_up_step_shapes
+    from lmkit.worker.model_runner import ModelRunner
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    BertModel(_bert()).save_pretrained(tmp_path)
+    host = PluginHost.load()
+    facts = load_model_facts(tmp_path, host, 256)
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(tmp_path), "dtype": "float32", "max_model_len": 256},
+        "executor": {"device": "cpu"}, "cache": {"block_size": 4},
+        "scheduler": {"max_num_batched_tokens": 256, "enable_chunked_prefill": False}})
+    runner = ModelRunner(config, resolve_stack(config, host, facts.attention_needs), host,
+                         facts)
+    runner.load_model()
+    dummy = runner.dummy_step_model()
+    hidden = torch.randn(3, 64)
+    assert dummy.compute_logits(hidden) is hidden  # no LM head
+    profile_run(dummy)
+    warm_up_step_shapes(dummy)

@@ -16,6 +16,7 @@ from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
+from lmkit.api.quantization import QuantizationMethod, QuantizedLinear, QuantizedTensor
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.sampling_params import SamplingParams
@@ -80,7 +81,8 @@ __all__ = [
     "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "EngineView", "Executor", "ForwardContext", "Grammar",
     "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
-    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
+    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "QuantizationMethod",
+    "QuantizedLinear", "QuantizedTensor", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
     "TransferJob", "hookimpl", *_LAZY,

@@ -21,6 +21,8 @@ class ModelBuildContext:
     block_size: int
     attention_cls: type[AttentionBackend]
     attention_options: Any = None
+    # the chosen quantization method (a QuantizationMethod), or None for dense weights
+    quantization: Any = None
 
 
 @dataclass

@@ -145,6 +145,15 @@ class OffloadConfig(OptionalBackendSection):
         "after the step computing them, so evictions copy nothing) or 'on_evict'.")
 
 
+class QuantizationConfig(OptionalBackendSection):
+    """Quantized weights: the method plugin that keeps a checkpoint's quantized tensors
+    packed and computes with them (``auto``: the one that reads the checkpoint's format
+    on this device, e.g. GGUF blocks on the CPU; ``none``: dense weights)."""
+
+    backend: str = Field("auto", description="'none' (dense weights), 'auto', or a "
+                         "registered name such as 'gguf'.")
+
+
 class ServerConfig(Section):
     """The OpenAI-compatible HTTP server (`lmkit serve`)."""
 
@@ -172,6 +181,7 @@ class LMKitConfig(Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(
         default_factory=list,

@@ -63,6 +63,7 @@ class EngineCore:
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
                  progress: bool = True) -> None:
+        from lmkit.loading.gguf import weight_format
         from lmkit.loading.resolve import resolve_model
         from lmkit.loading.weights import load_hf_config
 
@@ -74,7 +75,8 @@ class EngineCore:
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
         self.stack: ResolvedStack = resolve_stack(
-            config, self.host, model_attention_needs(self.host, hf_config))
+            config, self.host, model_attention_needs(self.host, hf_config),
+            weight_format=weight_format(self.model_dir))
         self.config = self._runtime_config(config, hf_config)
 
         executor_reg = self.stack.get("executor")

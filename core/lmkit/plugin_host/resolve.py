@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
 
 # Order of resolution: kinds that impose needs on others come first.
-_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention")
+_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention",
+          "quantization")
 
 
 @dataclass
@@ -83,8 +84,8 @@ def resolve_device(config: LMKitConfig) -> tuple[str, str]:
     return device, dtype
 
 
-def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None
-                  ) -> ResolvedStack:
+def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None,
+                  weight_format: str | None = None) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.
 
     Kinds that impose needs on others (a proposer's ``stack_needs``) are resolved
@@ -96,6 +97,10 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
         its config is known.
+    :param weight_format: the checkpoint's weight format (``"gguf"`` when the model
+        directory keeps its GGUF file, see :func:`lmkit.loading.gguf.weight_format`): a
+        quantization method must read it. ``None`` (no model at hand, as in ``lmkit
+        config check``): any format.
     :raises ConfigError: (or a subclass) with every reason and where the offending
         setting came from.
     """
@@ -104,6 +109,8 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         "executor": Needs(values={"device": device}),
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
         "offload": Needs(values={"device": device}),
+        "quantization": Needs(values={"device": device} | (
+            {"weight_format": weight_format} if weight_format else {})),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}

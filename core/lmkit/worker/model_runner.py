@@ -94,11 +94,14 @@ class ModelRunner:
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
+        quant = self._quantization_method()
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
-            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"])
+            attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
+            quantization=quant)
         model = reg.spec.load()(hf_config, ctx)
-        model.load_weights(iterate_weights(self.model_dir))
+        model.load_weights(iterate_weights(self.model_dir) if quant is None
+                           else quant.iterate_weights(self.model_dir, hf_config))
         self.model = model.eval() if hasattr(model, "eval") else model
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = int(hf_config.num_hidden_layers)
@@ -111,6 +114,22 @@ class ModelRunner:
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
         logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype)
+
+    def _quantization_method(self) -> Any:
+        """The chosen quantization method, constructed, with the checkpoint checked
+        (a malformed file is refused here, before the model is built); ``None`` for
+        dense weights."""
+        reg = self.stack.get("quantization")
+        if reg is None:
+            return None
+        if self.stack.dtype != "float32":
+            raise ModelLoadError(
+                f"quantization {reg.name!r} computes in float32 but the model dtype is "
+                f"{self.stack.dtype}; use --dtype float32 (or auto on the CPU), or "
+                "--quantization none.")
+        method = reg.spec.load()(self.stack.options["quantization"])
+        method.check(self.model_dir)
+        return method
 
     def _model_registration(self, hf_config: Any) -> Any:
         archs = list(getattr(hf_config, "architectures", None) or [])

@@ -104,7 +104,7 @@ class LlamaAttention(nn.Module):
     """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection."""
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, quant: Any = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -113,9 +113,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = dims.num_kv_heads * dims.head_dim
         self.rotary = rotary
         kw = {"dtype": dtype, "device": device}
+        qkw = {**kw, "quantization": quant}
         self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                  "v": self.kv_size}, bias=dims.qkv_bias, **kw)
-        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **kw)
+                                                  "v": self.kv_size}, bias=dims.qkv_bias, **qkw)
+        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **qkw)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         # CUDA half precision: q/k norm + RoPE in one in-place kernel (fused_ops)
@@ -160,9 +161,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate-up projection."""
 
-    def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
+                 quant: Any = None) -> None:
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": device, "quantization": quant}
         size = dims.intermediate_size
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
@@ -177,13 +179,13 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks around a residual stream."""
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, quant: Any = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device)
+        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(dims, dtype, device)
+        self.mlp = LlamaMLP(dims, dtype, device, quant)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -204,12 +206,13 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, quant: Any = None) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size,
-                                           dtype=dtype, device=device)
+                                           dtype=dtype, device=device, quantization=quant)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, i, rotary, dtype, device) for i in range(dims.num_layers))
+            LlamaDecoderLayer(dims, i, rotary, dtype, device, quant)
+            for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
@@ -231,10 +234,12 @@ class LlamaForCausalLM(nn.Module):
         dtype, device = ctx.dtype, torch.device(ctx.device)
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
-        self.model = LlamaModel(dims, self.rotary, dtype, device)
+        quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
+        self.model = LlamaModel(dims, self.rotary, dtype, device, quant)
         self._fused_ops = fused_ops_enabled(device, dtype)
         self.lm_head = None if dims.tie_word_embeddings else Linear(
-            dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device)
+            dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device,
+            quantization=quant)
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
             scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
@@ -287,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
                     targets[f"{prefix}.{hf_name}.{kind}"] = shard(linear, part, kind)
 
         embed = self.model.embed_tokens
-        targets["model.embed_tokens.weight"] = whole(embed.weight, "model.embed_tokens.weight")
+        targets["model.embed_tokens.weight"] = embed.load
         targets["model.norm.weight"] = whole(self.model.norm.weight, "model.norm.weight")
         if self.lm_head is not None:
             targets["lm_head.weight"] = shard(self.lm_head, "weight", "weight")

@@ -7,7 +7,10 @@ the same weights. Reports:
 
 * greedy agreement: per prompt, the tokens generated before the first divergence, and
   the fraction of the float32 tokens matched position by position (N prompts x T tokens);
-* perplexity of a held text (teacher forcing, prompt log-probabilities) on each path.
+* perplexity of a held text (teacher forcing, prompt log-probabilities) on each path;
+  a prompt of more than 32 tokens runs the quantized path's float32 tiles, so the
+  quantized path is also scored with prefill chunks of 16 tokens
+  (``max_num_batched_tokens=16``), which run the int8-activation kernels.
 
 ::
 
@@ -45,15 +48,16 @@ PROMPT_STEMS = [
 ]
 
 
-def run(quantization: str, prompts: list[str], tokens: int) -> dict[str, Any]:
+def run(quantization: str, prompts: list[str], tokens: int, **options: Any
+        ) -> dict[str, Any]:
     """Greedy outputs for ``prompts`` and the held text's perplexity on one path."""
     from lmkit import SamplingParams
     from lmkit.frontend.llm import LLM
 
-    llm = LLM(quantization=quantization)
+    llm = LLM(quantization=quantization, **options)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens,
-                                                ignore_eos=True))
+                                                ignore_eos=True)) if prompts else []
     gen_s = time.perf_counter() - t0
     scored = llm.generate([HELD_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0,
                                                       temperature=0))[0]
@@ -87,10 +91,14 @@ def main() -> None:
     prompts = (PROMPT_STEMS * (args.prompts // len(PROMPT_STEMS) + 1))[:args.prompts]
     quant = run("gguf", prompts, args.tokens)
     dense = run("none", prompts, args.tokens)
+    chunked = run("gguf", [], 0, max_num_batched_tokens=16)
     report = {"prompts": args.prompts, "tokens": args.tokens,
               "greedy": agreement(quant["tokens"], dense["tokens"]),
               "perplexity": {"gguf": quant["perplexity"], "float32": dense["perplexity"],
                              "relative": quant["perplexity"] / dense["perplexity"] - 1,
+                             "gguf_int8_activations": chunked["perplexity"],
+                             "relative_int8_activations":
+                                 chunked["perplexity"] / dense["perplexity"] - 1,
                              "scored_tokens": quant["scored_tokens"]}}
     print(json.dumps(report, indent=2))
     if args.out:

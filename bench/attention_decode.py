@@ -2,7 +2,7 @@
 
 64 sequences x 4096 cached tokens with Llama-3.1-8B's attention heads (32 query heads,
 8 KV heads, head size 128, bf16) by default. For each available attention backend
-(torch, triton, flashinfer) it plans one decode step and times ``run()`` (the new
+(torch, triton, flashinfer, flash_attn) it plans one decode step and times ``run()`` (the new
 token's K/V write plus attention) with CUDA events over many iterations, then reports
 the bytes one call must move (K and V of every cached token, plus q and the output),
 the achieved GB/s, and that as a fraction of the copy bandwidth measured in the same
@@ -16,6 +16,9 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
 
 The triton backend is timed twice: merging its context slices inside the decode kernel
 (the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
+flash_attn is also timed on a cache of 128-token blocks (FlashAttention-4 loads such
+pages, one key tile each, with TMA; other block sizes row by row), and its rows name
+the FlashAttention generation that ran.
 """
 
 from __future__ import annotations
@@ -53,8 +56,11 @@ def copy_bandwidth(num_bytes: int, *, warmup: int, iters: int) -> float:
     return 2 * num_bytes / time_cuda(lambda: dst.copy_(src), warmup=warmup, iters=iters)
 
 
-def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
-    """Time one backend's decode ``run()``; returns a result row (or the skip reason)."""
+def bench_backend(name: str, batch, args, options: dict | None = None,
+                  block_size: int | None = None) -> dict:
+    """Time one backend's decode ``run()`` on ``batch`` (built with ``block_size``, default
+    ``args.block_size``); returns a result row (or the skip reason)."""
+    block_size = block_size or args.block_size
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     spec = host.registry.get("attention", name).spec
     reasons = spec.unavailable_reasons()
@@ -64,10 +70,10 @@ def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
     dtype = DTYPES[args.dtype]
     backend = cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                   head_size=args.head_size, scale=args.head_size ** -0.5, dtype=dtype,
-                  device=torch.device("cuda"), block_size=args.block_size,
+                  device=torch.device("cuda"), block_size=block_size,
                   options=spec.validate_options(options or {}))
     md = AttentionMetadata(**batch.metadata_kwargs(
-        max_query_len=1, num_decodes=batch.num_reqs, num_decode_tokens=batch.num_tokens))
+        max_query_len=1, num_decodes=batch.num_reqs))
     backend.plan(md)
     seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache),
                         warmup=args.warmup, iters=args.iters)
@@ -75,8 +81,11 @@ def bench_backend(name: str, batch, args, options: dict | None = None) -> dict:
     kv_bytes = 2 * int(batch.seq_lens_cpu.sum()) * args.num_kv_heads * args.head_size * elem
     qo_bytes = 2 * batch.q[: batch.num_tokens].numel() * elem
     total = kv_bytes + qo_bytes
-    row = {"backend": name, "options": options or {}, "bytes": total,
-           "eager_us_per_call": seconds * 1e6, "eager_gb_per_s": total / seconds / 1e9}
+    row = {"backend": name, "options": options or {}, "block_size": block_size,
+           "bytes": total, "eager_us_per_call": seconds * 1e6,
+           "eager_gb_per_s": total / seconds / 1e9}
+    if hasattr(backend, "generation"):  # flash_attn: which FlashAttention ran
+        row["generation"] = backend.generation
     if "cuda_graphs" in spec.caps.features and args.graph_layers > 0:
         md.cuda_graph = True
         seconds = graph_seconds_per_call(backend, md, batch, args)
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--backends", default="torch,triton,flashinfer")
+    parser.add_argument("--backends", default="torch,triton,flashinfer,flash_attn")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy test")
@@ -127,19 +136,29 @@ def main(argv: list[str] | None = None) -> int:
         print("attention_decode needs a CUDA device", file=sys.stderr)
         return 2
 
-    batch = make_paged_batch([(args.context - 1, 1)] * args.num_seqs, num_heads=args.num_heads,
-                             num_kv_heads=args.num_kv_heads, head_size=args.head_size,
-                             block_size=args.block_size, dtype=DTYPES[args.dtype], device="cuda")
+    def make_batch(block_size: int):
+        return make_paged_batch([(args.context - 1, 1)] * args.num_seqs,
+                                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                                head_size=args.head_size, block_size=block_size,
+                                dtype=DTYPES[args.dtype], device="cuda")
+
+    batches = {args.block_size: make_batch(args.block_size)}
     bandwidth = copy_bandwidth(int(args.copy_gib * 2 ** 30), warmup=args.warmup,
                                iters=max(20, args.iters // 5))
-    runs = [(name.strip(), None) for name in args.backends.split(",") if name.strip()]
-    if "triton" in [name for name, _ in runs]:  # the slice merge as a second launch
-        runs.append(("triton", {"decode_merge_in_kernel": False}))
+    runs = [(name.strip(), None, args.block_size)
+            for name in args.backends.split(",") if name.strip()]
+    names = [name for name, _, _ in runs]
+    if "triton" in names:  # the slice merge as a second launch
+        runs.append(("triton", {"decode_merge_in_kernel": False}, args.block_size))
+    if "flash_attn" in names and args.block_size != 128:  # FA4's TMA page path
+        runs.append(("flash_attn", None, 128))
     if args.sweep_splits:
-        runs += [("triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16)]
+        runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
     results = []
-    for name, options in runs:
-        row = bench_backend(name, batch, args, options)
+    for name, options, block_size in runs:
+        if block_size not in batches:
+            batches[block_size] = make_batch(block_size)
+        row = bench_backend(name, batches[block_size], args, options, block_size)
         for mode in ("eager", "graph"):
             if f"{mode}_gb_per_s" in row:
                 row[f"{mode}_fraction_of_copy_bw"] = row[f"{mode}_gb_per_s"] * 1e9 / bandwidth
@@ -154,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'graph us':>9}{'GB/s':>6}{'of bw':>7}")
     for row in results:
         label = row["backend"] + "".join(f" {k}={v}" for k, v in (row.get("options") or {}).items())
+        if row.get("generation"):
+            label += f" {row['generation']}"
+        if row.get("block_size", args.block_size) != args.block_size:
+            label += f" block={row['block_size']}"
         if "skipped" in row:
             print(f"{label:<28}  skipped: {row['skipped']}")
             continue

@@ -5,6 +5,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
+
+# Runs a module as `python -m` does, but with the working directory off sys.path: `-m`
+# and `-c` put it first, so a stray `zmq.py` or `pip.py` there would run in the child.
+# Python 3.11+ has -P for this; 3.10 needs the launcher to drop the entry itself.
+_RUN_MODULE = ("import sys, runpy\n"
+               "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
+
+
+def python_module_command(module: str, *args: str) -> list[str]:
+    """The command line of ``python -m MODULE ARGS`` in this interpreter, for a child
+    process that must not import from the working directory."""
+    return [sys.executable, "-c", _RUN_MODULE, module, *args]
 
 
 @functools.cache
@@ -28,3 +42,27 @@ def cuda_device_count() -> int:
             return 0
         return count.value
     return 0
+
+
+@functools.cache
+def cuda_compute_capability(index: int = 0) -> tuple[int, int] | None:
+    """``(major, minor)`` of CUDA device ``index`` (after ``CUDA_VISIBLE_DEVICES``), asked
+    of the driver through ``libcuda`` like :func:`cuda_device_count`; ``None`` when there
+    is no such device."""
+    if index >= cuda_device_count():
+        return None
+    for lib in ("libcuda.so.1", "libcuda.so"):
+        try:
+            cuda = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        device = ctypes.c_int(0)
+        if cuda.cuDeviceGet(ctypes.byref(device), index) != 0:
+            return None
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+        if (cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device) != 0
+                or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device) != 0):
+            return None
+        return major.value, minor.value
+    return None

@@ -6,14 +6,16 @@ contract:
 
 * :func:`reshape_and_cache_ref` -- :func:`lmkit_kernels.cache_write.reshape_and_cache`
 * :func:`paged_attention_ref` -- :func:`lmkit_kernels.paged_attention.paged_attention`
-* :func:`sample_ref` -- :func:`lmkit_kernels.sampling.sample`
+
+(:func:`lmkit_kernels.sampling.sample_ref` and
+:func:`lmkit_kernels.rejection_sample.rejection_sample_ref` live beside their kernels.)
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_attention_ref", "reshape_and_cache_ref", "sample_ref", "top_k_top_p_mask_ref"]
+__all__ = ["paged_attention_ref", "reshape_and_cache_ref"]
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -67,53 +69,3 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         probs = scores.softmax(dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out.to(q.dtype)
-
-
-def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
-                         top_p: torch.Tensor | None) -> torch.Tensor:
-    """Boolean ``[num_rows, vocab]``: the tokens top-k then top-p keep (float32 maths).
-
-    Top-k keeps values >= the k-th largest (ties included; ``k <= 0`` or ``k >= vocab``
-    is off). Top-p then keeps a token when the probability mass of the kept tokens
-    strictly more likely than it is below ``p`` (``p >= 1`` is off); the most likely
-    token is always kept.
-    """
-    x = logits.float()
-    vocab = x.shape[-1]
-    keep = torch.ones_like(x, dtype=torch.bool)
-    if top_k is not None:
-        k = top_k.long()
-        active = (k > 0) & (k < vocab)
-        kth = x.sort(dim=-1, descending=True).values.gather(
-            1, (k.clamp(1, vocab) - 1).unsqueeze(1))
-        keep &= ~active.unsqueeze(1) | (x >= kth)
-    if top_p is not None:
-        masked = x.masked_fill(~keep, float("-inf"))
-        probs = masked.softmax(dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # mass strictly before each token in descending order
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        keep_sorted = before < top_p.float().unsqueeze(1)
-        keep_sorted[:, 0] = True
-        keep_p = torch.empty_like(keep).scatter_(1, order, keep_sorted)
-        keep &= keep_p | (top_p >= 1.0).unsqueeze(1)
-    return keep
-
-
-def sample_ref(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
-               top_p: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row: ``argmax(probs / noise)`` over the tokens top-k/top-p keep.
-
-    ``probs`` is the softmax of ``logits / temperature``; ``noise`` is float32 Exp(1)
-    ``[num_rows, vocab]`` (the exponential race: token ``i`` wins with probability
-    ``probs[i]``). Rows with ``temperature <= 0`` are greedy: ``argmax(logits)``.
-    """
-    x = logits.float()
-    greedy = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    if temperature is not None:
-        greedy = temperature <= 0
-        x = x / torch.where(greedy, 1.0, temperature.float()).unsqueeze(1)
-    keep = top_k_top_p_mask_ref(x, top_k, top_p)
-    probs = x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    sampled = (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
-    return torch.where(greedy, logits.float().argmax(dim=-1), sampled)

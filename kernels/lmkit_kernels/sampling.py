@@ -7,7 +7,7 @@ searching the float32 values' order-preserving integer keys); a row with tempera
 <= 0 is greedy (``argmax`` of its logits, first index on ties). The race and the row
 statistics spread each row over many programs; the top-k/top-p searches read a row in
 one program, 8 passes each (see :mod:`lmkit_kernels.sampling_kernels`). Semantics match
-:func:`lmkit_kernels.reference.sample_ref`.
+:func:`sample_ref`, the torch reference at the end of this module.
 
 Measured on an H200 (vocab 151936, GPU time from a CUDA graph; the torch reference in
 parentheses): temperature only, 10 / 72 / 280 us for 1 / 64 / 256 rows (266 / 286 /
@@ -33,7 +33,7 @@ from lmkit_kernels.sampling_kernels import (
     threshold_kernel,
 )
 
-__all__ = ["sample"]
+__all__ = ["sample", "sample_ref", "top_k_top_p_mask_ref"]
 
 
 @functools.cache
@@ -136,3 +136,53 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
     pick_kernel[(num_rows,)](temp, part_best, part_idx, out, num_chunks,
                              CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp, num_warps=1)
     return out
+
+
+def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor | None,
+                         top_p: torch.Tensor | None) -> torch.Tensor:
+    """Boolean ``[num_rows, vocab]``: the tokens top-k then top-p keep (float32 maths).
+
+    Top-k keeps values >= the k-th largest (ties included; ``k <= 0`` or ``k >= vocab``
+    is off). Top-p then keeps a token when the probability mass of the kept tokens
+    strictly more likely than it is below ``p`` (``p >= 1`` is off); the most likely
+    token is always kept.
+    """
+    x = logits.float()
+    vocab = x.shape[-1]
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None:
+        k = top_k.long()
+        active = (k > 0) & (k < vocab)
+        kth = x.sort(dim=-1, descending=True).values.gather(
+            1, (k.clamp(1, vocab) - 1).unsqueeze(1))
+        keep &= ~active.unsqueeze(1) | (x >= kth)
+    if top_p is not None:
+        masked = x.masked_fill(~keep, float("-inf"))
+        probs = masked.softmax(dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # mass strictly before each token in descending order
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep_sorted = before < top_p.float().unsqueeze(1)
+        keep_sorted[:, 0] = True
+        keep_p = torch.empty_like(keep).scatter_(1, order, keep_sorted)
+        keep &= keep_p | (top_p >= 1.0).unsqueeze(1)
+    return keep
+
+
+def sample_ref(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
+               top_p: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row: ``argmax(probs / noise)`` over the tokens top-k/top-p keep.
+
+    ``probs`` is the softmax of ``logits / temperature``; ``noise`` is float32 Exp(1)
+    ``[num_rows, vocab]`` (the exponential race: token ``i`` wins with probability
+    ``probs[i]``). Rows with ``temperature <= 0`` are greedy: ``argmax(logits)``.
+    """
+    x = logits.float()
+    greedy = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if temperature is not None:
+        greedy = temperature <= 0
+        x = x / torch.where(greedy, 1.0, temperature.float()).unsqueeze(1)
+    keep = top_k_top_p_mask_ref(x, top_k, top_p)
+    probs = x.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    sampled = (probs / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    return torch.where(greedy, logits.float().argmax(dim=-1), sampled)

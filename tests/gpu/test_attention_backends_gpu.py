@@ -1,16 +1,20 @@
-"""The triton and flashinfer attention backends against the torch reference backend on
-CUDA: the same random paged caches, bf16 and fp16, head sizes 64/128/256, a decode
-batch, mixed prefill+decode batches with cached prefixes and chunks, and a decode
+"""The triton, flashinfer and flash_attn attention backends against the torch reference
+backend on CUDA: the same random paged caches, bf16 and fp16, head sizes 64/128/256, a
+decode batch, mixed prefill+decode batches with cached prefixes and chunks, and a decode
 step captured in a CUDA graph and replayed (identical to the eager result).
 
-The flashinfer cases skip when flashinfer is not installed. FlashInfer compiles its
-kernels on first use (JIT, minutes): run this file with a generous timeout.
+The flashinfer and flash_attn cases skip, with the reason, when their library is not
+installed. Both compile their kernels on first use (JIT, minutes): run this file with a
+generous timeout (FlashAttention-4 keeps compiled kernels on disk with
+``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +27,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backends import backend_params, unavailable  # noqa: E402
 from lmkit.api import AttentionMetadata, PluginHost  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
@@ -30,8 +36,7 @@ from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
 CUDA = torch.device("cuda")
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
-    not HAS_FLASHINFER, reason="flashinfer is not installed"))]
+BACKENDS = backend_params("triton", "flashinfer", "flash_attn")
 # FlashInfer compiles one module per (dtype, head size, kernel): keep its matrix small
 CONFIGS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
            (torch.float16, 128)]
@@ -138,7 +143,7 @@ def test_decode_cuda_graph_replay_is_identical_to_eager(name, dtype):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_model_written_kv_skips_the_backends_write(name):
-    """Both backends opt in to the model's fused K/V write: ``kv_write_slots`` is the
+    """Every backend here opts in to the model's fused K/V write: ``kv_write_slots`` is the
     step's slot_mapping, and ``run(..., kv_written=True)`` reads the cache as the model
     left it (junk k/v arguments are not written) with the same result."""
     reqs = [(40, 1), (3000, 1), (0, 300), (256, 100)]
@@ -156,6 +161,30 @@ def test_model_written_kv_skips_the_backends_write(name):
     torch.cuda.synchronize()
     assert torch.equal(cache, written)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("name", backend_params("flash_attn"))
+@pytest.mark.parametrize(("head_size", "block_size"), [(128, 128), (64, 128), (128, 64)])
+def test_flash_attn_pages_of_one_key_tile_and_others(name, head_size, block_size):
+    """FlashAttention-4 loads whole pages by TMA when a page is one key tile (128 rows on
+    Hopper for head sizes up to 128), else row by row: both paths, one mixed batch."""
+    reqs = [(40, 1), (3000, 1), (0, 1), (0, 300), (256, 100), (77, 5)]
+    _compare(name, reqs, torch.bfloat16, head_size, block_size=block_size, extra_rows=2, seed=7)
+
+
+def test_flash_attn_runs_the_generation_plugins_list_names():
+    reason = unavailable("flash_attn")
+    if reason:
+        pytest.skip(f"flash_attn: {reason}")
+    from lmkit.plugin_host.report import spec_report
+    from lmkit.plugin_host.spec import module_present
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    report = spec_report(host.registry.get("attention", "flash_attn"))
+    backend = _make(_backend_class("flash_attn"), torch.bfloat16, 128)
+    assert backend.generation == report["variant"]
+    if module_present("flash_attn.cute") and torch.cuda.get_device_capability()[0] in (9, 10):
+        assert backend.generation == "fa4"
 
 
 def test_auto_prefers_flashinfer_then_triton_on_cuda():

@@ -23,7 +23,6 @@ SmolLM2.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -40,15 +39,14 @@ if DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backends import backend_params  # noqa: E402
 from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.benchmarking.prompts import CHAT_PROMPTS  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
 
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 if DEVICE == "cuda":
-    BACKENDS = ["torch", "triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
-        not HAS_FLASHINFER, reason="flashinfer is not installed"))]
+    BACKENDS = backend_params("torch", "triton", "flashinfer", "flash_attn")
 else:
     BACKENDS = ["torch"]
 GRAPHS = [pytest.param(True, id="graphs"), pytest.param(False, id="eager")]
@@ -235,7 +233,12 @@ def test_llama8b_shape_teacher_forced_logits_match_hf(llama8b_shape, hf_refs, ba
             assert seq[n:] == [seq[i - 2] for i in range(n, len(seq))]
 
 
-FP32_BACKENDS = [b for b in BACKENDS if b != "flashinfer"]  # flashinfer: half precision only
+def _name(param) -> str:
+    return param if isinstance(param, str) else param.values[0]
+
+
+HALF_ONLY = ("flashinfer", "flash_attn")
+FP32_BACKENDS = [b for b in BACKENDS if _name(b) not in HALF_ONLY]
 
 
 @pytest.mark.parametrize("graphs", GRAPHS)
@@ -260,7 +263,7 @@ def test_smollm2_float32_greedy_equals_hf(smollm2, hf_refs, backend, graphs):
         assert list(out.outputs[0].token_ids) == expected
 
 
-GRAPH_BACKENDS = [b for b in BACKENDS if b != "torch"]  # the ones captured in CUDA graphs
+GRAPH_BACKENDS = [b for b in BACKENDS if _name(b) != "torch"]  # captured in CUDA graphs
 
 
 @pytest.mark.parametrize("backend", GRAPH_BACKENDS)

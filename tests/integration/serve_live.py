@@ -1,8 +1,13 @@
-"""A live lmkit server on loopback for integration tests (uvicorn in a thread, the engine
-core in its own process, exactly as ``lmkit serve`` runs them)."""
+"""A live lmkit server on loopback for integration tests: uvicorn in a thread with the
+engine core in its own process (:class:`LiveServer`), or the whole ``lmkit serve``
+command in a subprocess (:class:`CliServer`)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -76,3 +81,71 @@ class LiveServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout}s: {stats}")
             time.sleep(0.1)
+
+
+class CliServer:
+    """``lmkit serve ARGS`` in a subprocess: ``with CliServer([...]) as cli:`` waits for
+    the URL line (``cli.url``), collects the output (``cli.output``), and stops the
+    server and its engine process at the end, killing them if they linger."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 startup_timeout: float = 240.0) -> None:
+        self.args = args
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.lines: list[str] = []
+        self.url = ""
+        self._found = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def __enter__(self) -> CliServer:
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmkit.cli.main", "serve",
+                                      *self.args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=self.env)
+        pump = threading.Thread(target=self._pump, daemon=True)
+        pump.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._found.wait(0.1):
+            if not pump.is_alive() or time.monotonic() > deadline:  # exited, or too slow
+                self.__exit__()
+                raise RuntimeError(f"lmkit serve did not print its URL:\n{self.output}")
+        return self
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"OpenAI-compatible API at (http://\S+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                self._found.set()
+
+    def wait(self, timeout: float) -> int:
+        """The exit status, waiting up to ``timeout`` seconds."""
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def __exit__(self, *exc: Any) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def engine_pid_gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once process ``pid`` has exited (within ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

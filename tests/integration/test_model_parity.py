@@ -15,6 +15,7 @@ import torch
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
 from lmkit.config.schema import LMKitConfig
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.worker.model_runner import ModelRunner
@@ -71,7 +72,7 @@ def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu") -> M
         "executor": {"device": device},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
+    runner = ModelRunner(config, resolve_stack(config, host), host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.initialize_kv_cache(128)
     return runner

@@ -17,6 +17,7 @@ from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import ModelLoadError
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
 from lmkit.worker.dummy_steps import warm_up_step_shapes
@@ -55,7 +56,7 @@ def lmkit_config(model_dir: Path, block_size: int = 4) -> LMKitConfig:
 def make_runner(model_dir: Path, block_size: int = 4) -> ModelRunner:
     config = lmkit_config(model_dir, block_size)
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
+    runner = ModelRunner(config, resolve_stack(config, host), host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.initialize_kv_cache(256)
     return runner
@@ -303,7 +304,8 @@ def test_uniproc_executor_lifecycle(tiny):
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     executor = UniProcExecutor(config, resolve_stack(config, host), host=host)
     info = executor.start()
-    assert (info.architecture, info.vocab_size, info.max_model_len, info.num_layers) == (
+    facts = executor.facts
+    assert (facts.architecture, facts.vocab_size, facts.max_model_len, facts.num_layers) == (
         "LlamaForCausalLM", VOCAB, 128, 2)
     # 2 layers x (K and V) x block_size 4 x 2 kv heads x head_size 16 x float32
     assert info.kv_bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4

@@ -2,7 +2,7 @@
 refused at once while a normal request is served, bad values answered with 4xx (and a
 500) without dropping the keep-alive connection, and costly or endless constraints
 refused before the engine works on them. Served by the tiny random Llama of
-``test_serve_lifecycle`` (SmolLM2's tokenizer, fast to load)."""
+the integration conftest (SmolLM2's tokenizer, fast to load)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
-from test_serve_lifecycle import read_stream, tiny_dir  # noqa: F401  (a fixture)
+from test_serve_lifecycle import read_stream
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):  # noqa: F811
+def server(tiny_dir):
     config = LMKitConfig.model_validate({
         "model": {"model": str(tiny_dir), "max_model_len": 2048},
         "scheduler": {"max_num_seqs": 8},

@@ -283,6 +283,52 @@ def test_auth_and_body_limit(server):
     assert _post(server, "/v1/chat/completions", CHAT).status_code == 200
 
 
+
+# ------------------------------------------------------------------ token constraints
+
+
+def test_completion_allowed_token_ids_match_offline(client, offline):
+    tok = offline.tokenizer
+    allowed = sorted(set(tok.encode(" the cat sat on a mat.", add_special_tokens=False)))
+    exp = offline.generate([QUESTIONS[3]], greedy(10, allowed_token_ids=allowed,
+                                                   ignore_eos=True))[0].outputs[0]
+    assert set(exp.token_ids) <= set(allowed) and len(exp.token_ids) == 10
+    resp = client.completions.create(model=MODEL, prompt=QUESTIONS[3], max_tokens=10,
+                                     temperature=0, extra_body={
+                                         "allowed_token_ids": allowed, "ignore_eos": True})
+    assert resp.choices[0].text == exp.text
+
+
+def test_chat_bad_words_match_offline_and_never_appear(client, offline):
+    from lmkit.frontend.processor import tokenize_bad_words
+
+    (free,) = offline.chat([user(QUESTIONS[0])], greedy(16))
+    assert "Paris" in free.outputs[0].text  # what the ban has to change
+    (exp,) = offline.chat([user(QUESTIONS[0])], greedy(16, bad_words=["Paris"]))
+    ids = exp.outputs[0].token_ids
+    for word in tokenize_bad_words(offline.tokenizer, ["Paris"]):
+        assert not any(ids[i:i + len(word)] == word for i in range(len(ids)))
+    resp = client.chat.completions.create(model=MODEL, messages=user(QUESTIONS[0]),
+                                          max_tokens=16, temperature=0,
+                                          extra_body={"bad_words": ["Paris"]})
+    assert resp.choices[0].message.content == exp.outputs[0].text
+
+
+@pytest.mark.parametrize(("extra", "param", "message"), [
+    ({"allowed_token_ids": [1, 10 ** 6]}, "allowed_token_ids",
+     "allowed_token_ids has token ids outside the vocabulary [0, 49152): [1000000]"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids must not be empty"),
+    ({"bad_words": [""]}, "bad_words", "bad_words must be non-empty strings"),
+    ({"logits_processors": ["nope"]}, "logits_processors", "unknown logits processor 'nope'"),
+])
+def test_token_constraint_errors_are_400_naming_the_field(server, extra, param, message):
+    for path, body in (("/v1/chat/completions", CHAT),
+                       ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})):
+        resp = _post(server, path, {**body, **extra})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == param and message in err["message"]
+
 # ------------------------------------------------------------------ lifecycle and load
 
 

@@ -64,6 +64,8 @@ class IgnoresWindow(TorchAttention):
 class WritesKVItself(TorchAttention):
     """Opts in to model-written K/V: ``run(..., kv_written=True)`` skips the write."""
 
+    supports_model_kv_write = True
+
     def kv_write_slots(self):
         return self._plan.slot_mapping
 
@@ -145,7 +147,7 @@ def test_a_cuda_only_backend_is_not_applicable_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("name", ["triton", "flashinfer", "flash_attn"])
 def test_gpu_backends_pass_including_cuda_graph_replay(name):
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     reg = host.registry.get("attention", name)
@@ -154,14 +156,17 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
     results = check_attention_backend(reg)
     assert results["cuda graphs"] == "passed"
     assert results["prefill over a cached prefix"] == "passed"
+    if name == "flash_attn":  # claims every feature the suite checks
+        assert [p for p, r in results.items() if r != "passed"] == [
+            "unclaimed features refused"], results
 
 
 def test_model_written_kv_is_checked_for_backends_that_opt_in():
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     torch_ref = check_attention_backend(host.registry.get("attention", "torch"),
                                         only=["model-written K/V"])
-    assert torch_ref == {"model-written K/V": "not applicable: torch does not opt in: "
-                                              "kv_write_slots() returns None"}
+    assert torch_ref == {"model-written K/V": "not applicable: torch does not declare "
+                                              "supports_model_kv_write"}
     assert check_attention_backend(spec(WritesKVItself), only=["model-written K/V"]) == {
         "model-written K/V": "passed"}
     with pytest.raises(ConformanceFailure, match="(?s)fails property 'model-written K/V'.*"

@@ -129,4 +129,5 @@ def test_scheduling_a_request_waiting_for_its_grammar_is_caught():
 
 def test_a_constructor_without_the_context_is_caught():
     msg = fails(OldSignature, "every request finishes")
-    assert "constructing the scheduler raised TypeError" in msg and "context" in msg
+    assert "fails property 'constructor signature'" in msg
+    assert "num_blocks, options, context" in msg

@@ -74,7 +74,7 @@ def spec(cls) -> Spec:
 
 def test_prompt_lookup_passes():
     results = check_spec_proposer(spec(PromptLookup))
-    assert results == {"valid drafts": "passed", "deterministic": "passed",
+    assert results == {"constructor signature": "passed", "valid drafts": "passed", "deterministic": "passed",
                        "inputs untouched": "passed", "incremental updates": "passed",
                        "remove_requests": "passed",
                        "end to end": "not applicable: no model_dir given"}

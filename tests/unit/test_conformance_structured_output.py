@@ -91,6 +91,7 @@ def spec(grammar_cls) -> Spec:
 def test_a_correct_choice_backend_passes():
     results = check_structured_output_backend(spec(ChoiceGrammar))
     assert results == {
+        "constructor signature": "passed",
         "bitmask, accept, rollback and termination per state": "passed",
         "language": "passed",
         "multi-token accept and rollback": "passed",

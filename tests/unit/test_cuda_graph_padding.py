@@ -72,8 +72,7 @@ def _eager(model, step, caches):
         max_seq_len=int(step.seq_lens.max()), query_start_loc=step.query_start_loc,
         seq_lens=step.seq_lens, block_tables=step.block_tables,
         slot_mapping=step.slot_mapping, query_start_loc_cpu=step.query_start_loc,
-        seq_lens_cpu=step.seq_lens, num_decodes=step.num_reqs,
-        num_decode_tokens=step.num_reqs)
+        seq_lens_cpu=step.seq_lens, num_decodes=step.num_reqs)
     model.attn.plan(md)
     return model(step.input_ids, step.positions, ForwardContext(model.attn, caches))
 

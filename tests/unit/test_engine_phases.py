@@ -136,7 +136,7 @@ def test_lifecycle_hooks_get_one_read_only_engine_view(tiny):
     assert len(views) == 1  # one view for the engine's life
     view = SEEN[0][1]
     assert isinstance(view, EngineView)
-    assert view.model_info.architecture == "LlamaForCausalLM" and view.num_blocks == 64
+    assert view.facts.architecture == "LlamaForCausalLM" and view.num_blocks == 64
     assert view.config.model.max_model_len == 128 and view.stack.get("scheduler").name == "fcfs"
     assert view.stats()["num_steps"] >= 2
     for name in ("stack", "config", "num_blocks", "scheduler", "_stats"):

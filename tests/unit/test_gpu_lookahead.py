@@ -20,6 +20,7 @@ from lmkit.api.request import Request  # noqa: E402
 from lmkit.api.sampling_params import SamplingParams  # noqa: E402
 from lmkit.api.scheduler import SchedulerContext  # noqa: E402
 from lmkit.config.schema import LMKitConfig  # noqa: E402
+from lmkit.loading.model_facts import load_model_facts  # noqa: E402
 from lmkit.plugin_host.manager import PluginHost  # noqa: E402
 from lmkit.plugin_host.resolve import resolve_stack  # noqa: E402
 from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
@@ -49,7 +50,7 @@ def _run(model_dir, lookahead: bool, slots: int = 0):
     stack = resolve_stack(config, host)
     stack.entries["attention"] = host.registry.get("attention", "triton")  # interpreted
     stack.options["attention"] = None
-    runner = ModelRunner(config, stack, host, model_dir)
+    runner = ModelRunner(config, stack, host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.initialize_kv_cache(NUM_BLOCKS)
     runner.cuda_graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,

@@ -4,7 +4,7 @@ model use it, in Triton's CPU interpreter at tiny shapes.
 * :func:`lmkit_kernels.rotary.rotary_qk_` with ``kv_cache``/``slot_mapping`` stores the
   rotated keys and the values exactly where ``reshape_and_cache`` would (padding slots
   and rows past ``slot_mapping`` skipped) and leaves every other slot alone;
-* the triton backend opts in (``kv_write_slots``) and ``run(..., kv_written=True)``
+* the triton backend declares ``supports_model_kv_write`` and ``run(..., kv_written=True)``
   does not write the cache; the torch reference backend does not opt in;
 * a tiny Llama with the fused kernels on, over the triton backend (the model writes
   K/V) and over the same backend without the opt-in (it writes them), fills
@@ -114,7 +114,9 @@ def test_triton_backend_skips_its_write_when_the_model_wrote_kv():
     torch_backend = TorchAttention(scale=64 ** -0.5, dtype=torch.float32,
                                    device=torch.device("cpu"), **kwargs)
     torch_backend.plan(_metadata(batch))
-    assert torch_backend.kv_write_slots() is None  # the default: the backend writes
+    assert not TorchAttention.supports_model_kv_write  # the default: the backend writes
+    with pytest.raises(NotImplementedError, match="does not declare supports_model_kv_write"):
+        torch_backend.kv_write_slots()
 
 
 def _tiny_llama(attention_cls, monkeypatch):
@@ -141,8 +143,7 @@ def _tiny_llama(attention_cls, monkeypatch):
 class _BackendWrites(TritonAttention):
     """The triton backend without the opt-in: its run() writes K/V itself."""
 
-    def kv_write_slots(self):
-        return None
+    supports_model_kv_write = False
 
 
 def test_llama_writes_kv_in_the_rope_kernel_when_the_backend_opts_in(monkeypatch):

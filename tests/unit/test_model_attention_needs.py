@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 from lmkit.api import Caps, Spec, hookimpl
 from lmkit.config import LMKitConfig
-from lmkit.engine.core import model_attention_needs
 from lmkit.errors import NoBackendError
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
 from transformers import MistralConfig
@@ -33,6 +34,11 @@ def _mistral(window: int | None) -> MistralConfig:
     return MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, num_hidden_layers=1, vocab_size=100,
                          sliding_window=window, architectures=["MistralForCausalLM"])
+
+
+def model_attention_needs(host: PluginHost, hf_config: MistralConfig):
+    """The needs the engine resolves the stack with (no model files needed for them)."""
+    return load_model_facts(Path("/nonexistent"), host, hf_config=hf_config).attention_needs
 
 
 def test_window_model_needs_the_feature_and_its_head_size():

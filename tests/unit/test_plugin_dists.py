@@ -33,7 +33,7 @@ _INSTALLED: dict[str, Path] = {}
 
 
 def install_test_dists(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Install the five test distributions with pip into a fresh folder, once per test
+    """Install the test distributions with pip into a fresh folder, once per test
     session (cached here because test_cli_dists.py uses them too); return the folder."""
     if "site" not in _INSTALLED:
         src = tmp_path_factory.mktemp("dist-src")
@@ -68,7 +68,8 @@ def test_pip_installed_real_distributions(installed_dists: Path) -> None:
     infos = sorted(p.name for p in installed_dists.glob("*.dist-info"))
     assert infos == [
         "lmkit_testplugin_broken-0.1.0.dist-info", "lmkit_testplugin_dup-0.2.0.dist-info",
-        "lmkit_testplugin_good-1.2.3.dist-info", "lmkit_testplugin_oldapi-0.9.0.dist-info",
+        "lmkit_testplugin_good-1.2.3.dist-info", "lmkit_testplugin_logits-0.4.0.dist-info",
+        "lmkit_testplugin_oldapi-0.9.0.dist-info",
         "lmkit_testplugin_typo-0.3.0.dist-info",
     ]
     assert not list(DISTS.glob("*/build")) and not list(DISTS.glob("*/*.egg-info"))

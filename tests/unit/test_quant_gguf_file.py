@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +15,8 @@ np = pytest.importorskip("numpy")
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 from lmkit.api import ModelLoadError, QuantizedTensor  # noqa: E402
+from lmkit.api.model_facts import ModelFacts  # noqa: E402
+from lmkit.plugin_host.spec import Needs  # noqa: E402
 from lmkit_kernels.cpu.qgemv import (  # noqa: E402
     QTYPES,
     qgemv_isa,
@@ -31,7 +32,14 @@ from lmkit_plugins.quantization.gguf_file import (  # noqa: E402
 )
 
 Q = gguf.GGMLQuantizationType
-HEADS = SimpleNamespace(num_attention_heads=2, num_key_value_heads=1)
+
+
+def _facts(model_dir: Path) -> ModelFacts:
+    """What the method reads of a model: its directory and head counts (2 query, 1 KV)."""
+    return ModelFacts(model_dir=model_dir, architecture="LlamaForCausalLM", vocab_size=10,
+                      num_layers=1, head_size=16, max_model_len=64, native_max_model_len=64,
+                      eos_token_ids=(), attention_needs=Needs(), num_heads=2, num_kv_heads=1,
+                      weight_format="gguf")
 
 
 def _write(path: Path, tensors: list[tuple[str, np.ndarray, Q | None]], arch: str = "llama"
@@ -61,7 +69,7 @@ def _good(path: Path) -> Path:
 
 def test_a_good_file_maps_to_hf_names_with_qk_rows_unpermuted(tmp_path):
     path = _good(tmp_path / "model.gguf")
-    out = dict(iterate_tensors(open_checked(path), HEADS))
+    out = dict(iterate_tensors(open_checked(path), num_heads=2, num_kv_heads=1))
     assert sorted(out) == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
                            "model.layers.0.self_attn.q_proj.weight"]
     q = out["model.layers.0.self_attn.q_proj.weight"]
@@ -145,11 +153,11 @@ def test_method_check_runs_before_the_model_and_fuses_same_types(tmp_path):
         pytest.skip(qgemv_unavailable_reason())
     from lmkit_plugins.quantization.gguf_cpu import GGUFCpuMethod
 
-    method = GGUFCpuMethod()
+    method = GGUFCpuMethod(_facts(tmp_path), options=None)
     _write(tmp_path / "model.gguf", [("blk.0.ffn_up.weight", _q4_1(2, 32), Q.Q4_1)],
            arch="gemma")
     with pytest.raises(ModelLoadError):
-        method.check(tmp_path)
+        method.check()
     gen = torch.Generator().manual_seed(2)
     a = QuantizedTensor(random_blocks(3, 4, 64, gen), "Q4_1", (4, 64))
     b = QuantizedTensor(random_blocks(3, 2, 64, gen), "Q4_1", (2, 64))

@@ -4,9 +4,15 @@ that reads the checkpoint's weight format on this device (and none otherwise).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from lmkit.api import QuantizationMethod
+from lmkit.api.contract import CONSTRUCTORS, build
 from lmkit.config import LMKitConfig
-from lmkit.errors import ConfigError
+from lmkit.errors import ConfigError, PluginError
+from lmkit.loading.gguf import GGUF_NAME
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.plugin_host.kinds import KINDS, OPTIONAL_KINDS, REGISTER_HOOKS, STACK_KINDS
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
@@ -45,6 +51,11 @@ def test_auto_follows_the_checkpoint_format(host):
         "quantization"] is None
 
 
+def test_auto_without_a_checkpoint_chooses_none_and_names_are_checked(host):
+    assert resolve_stack(_config(), host).get("quantization") is None
+    assert resolve_stack(_config("gguf"), host).names()["quantization"] == "gguf"
+
+
 def test_none_keeps_weights_dense(host):
     assert resolve_stack(_config("none"), host, weight_format="gguf").get("quantization") is None
 
@@ -70,3 +81,40 @@ def test_unknown_method_lists_the_known_ones(host):
 def test_fp8_is_refused_as_not_built_yet(host):
     with pytest.raises(ConfigError, match=r"--quantization fp8 .* not built yet"):
         host.hook.configure(config=_config("fp8"))
+
+
+def _model_dir(tmp_path: Path, gguf: bool) -> Path:
+    """Config files only (no weights), with or without the kept GGUF file."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    if gguf:
+        (tmp_path / GGUF_NAME).write_bytes(b"GGUF")
+    return tmp_path
+
+
+def test_model_facts_give_the_weight_format_and_head_counts(host, tmp_path):
+    facts = load_model_facts(_model_dir(tmp_path / "a", gguf=True), host)
+    assert (facts.weight_format, facts.num_heads, facts.num_kv_heads) == ("gguf", 4, 2)
+    plain = load_model_facts(_model_dir(tmp_path / "b", gguf=False), host)
+    assert plain.weight_format == "safetensors"
+    assert resolve_stack(_config(), host, plain.attention_needs,
+                         weight_format=plain.weight_format).get("quantization") is None
+
+
+class _OldStyle(QuantizationMethod):  # abstract: build refuses it before calling it
+    def __init__(self, options=None):  # the pre-contract signature: no facts
+        super().__init__(None, options=options)  # type: ignore[arg-type]
+
+
+def test_methods_are_built_through_the_constructor_contract(host, tmp_path):
+    assert CONSTRUCTORS["quantization"].interface is QuantizationMethod
+    assert CONSTRUCTORS["quantization"].signature == "cls(facts, *, options)"
+    facts = load_model_facts(_model_dir(tmp_path, gguf=True), host)
+    with pytest.raises(PluginError, match=r"cannot build the quantization plugin \(plugin "
+                                          r"mine\).*cls\(facts, \*, options\)"):
+        build("quantization", _OldStyle, facts, options=None, plugin="mine")
+    with pytest.raises(PluginError, match="does not subclass lmkit.api.QuantizationMethod"):
+        build("quantization", object, facts, options=None)

@@ -26,6 +26,20 @@ def test_completion_fields_map_onto_sampling_params():
     assert p.min_tokens == 2 and p.ignore_eos and p.stop_token_ids == [4]
 
 
+def test_token_constraints_map_onto_sampling_params_on_both_endpoints():
+    fields = dict(allowed_token_ids=[3, 5], bad_words="no", logits_processors=["p"],
+                  extra_args={"k": 1})
+    for body in (CompletionRequest(model="m", prompt="x", **fields), chat(**fields)):
+        p = body.to_sampling_params()
+        assert p.allowed_token_ids == [3, 5] and p.bad_words == ["no"]
+        assert p.logits_processors == ["p"] and p.extra_args == {"k": 1}
+    p = chat(bad_words=["a", "b c"]).to_sampling_params()
+    assert p.bad_words == ["a", "b c"] and p.allowed_token_ids is None
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must not be empty") as e:
+        chat(allowed_token_ids=[]).to_sampling_params()
+    assert e.value.param == "allowed_token_ids"
+
+
 def test_completion_defaults_follow_openai():
     p = CompletionRequest(model="m", prompt="x").to_sampling_params()
     assert p.max_tokens == 16 and p.temperature == 1.0 and p.logprobs is None

@@ -23,6 +23,7 @@ from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
+from lmkit.loading.model_facts import load_model_facts
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
@@ -85,7 +86,7 @@ def _eager(model, step, caches):
         query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
         block_tables=step.block_tables, slot_mapping=step.slot_mapping,
         query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-        num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes)
+        num_decodes=step.num_decodes)
     model.attn.plan(md)
     return model(step.input_ids, step.positions, ForwardContext(model.attn, caches))
 
@@ -142,7 +143,7 @@ def _run(model_dir, graphs: bool, oracle=None, k=4):
         "structured_output": {"backend": "none"},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    runner = ModelRunner(config, resolve_stack(config, host), host, model_dir)
+    runner = ModelRunner(config, resolve_stack(config, host), host, load_model_facts(model_dir, host))
     runner.load_model()
     runner.model.attn.__class__ = ScratchSlotTorchAttention
     runner.initialize_kv_cache(96)

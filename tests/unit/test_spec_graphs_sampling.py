@@ -1,6 +1,6 @@
 """The host side of a verification step: sampling rows without copies of the output
 (:mod:`lmkit.spec_decode.rows`) and the all-greedy verification path of
-:class:`SpecDecodeSampler` (one argmax, one device-to-host copy), checked against the
+:class:`~lmkit.sample.sampler.Sampler` (one argmax, one device-to-host copy), checked against the
 general path."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.sampler import Sampler
 from lmkit.spec_decode.rows import (
     DraftExtendedTokens,
     hidden_rows,
     is_plain_greedy,
     sampling_rows,
 )
-from lmkit.spec_decode.sampler import SpecDecodeSampler
 
 CPU = torch.device("cpu")
 VOCAB = 24
@@ -89,7 +89,7 @@ def _verify(logits, params, drafts):
     rows = sampling_rows([(_state([1, 2, 3]), 0, d) for d in drafts])
     md = SamplingMetadata.build([params] * len(rows.params), rows.prompts, rows.outputs,
                                 rows.generators, rows.eos_token_ids, VOCAB, CPU)
-    return SpecDecodeSampler()(logits, md, drafts)
+    return Sampler().sample_requests(logits, md, drafts)
 
 
 @pytest.mark.parametrize("bias", [None, {5: 3.0, 7: -2.0}])

@@ -1,7 +1,7 @@
 """The Triton rejection-sampling kernel in Triton's CPU interpreter against its torch
 reference (exact, with shared noise), the reference against the core's verification,
 the reference's output distribution, and the launcher's argument checks. On a machine
-with CUDA the compiled kernel is tested by tests/gpu/test_spec_decode_gpu.py."""
+with CUDA the compiled kernel is tested by tests/gpu/test_rejection_kernel_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: the compiled kernel is tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from lmkit.spec_decode import rejection  # noqa: E402
+from lmkit.sample import rejection  # noqa: E402
 from lmkit_kernels.rejection_sample import rejection_sample, rejection_sample_ref  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_kernel_matches_reference(vocab, with_q):
 
 
 def test_reference_agrees_with_the_core():
-    """Same acceptance decisions as :mod:`lmkit.spec_decode.rejection`, same greedy
+    """Same acceptance decisions as :mod:`lmkit.sample.rejection`, same greedy
     tokens (random recovered tokens are drawn differently: race vs inverse CDF)."""
     num_drafts = [2, 3, 1, 4]
     greedy = [True, False, False, True]

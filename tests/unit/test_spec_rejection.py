@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.sample import rejection
 from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.sampler import make_generator
-from lmkit.spec_decode import rejection
-from lmkit.spec_decode.sampler import SpecDecodeSampler
+from lmkit.sample.sampler import Sampler, make_generator
 
 V = 5  # vocabulary of the statistical tests
 CPU = torch.device("cpu")
@@ -38,7 +37,7 @@ def test_greedy_accepts_the_longest_prefix_then_the_target_token():
     logits = torch.full((7, 16), -5.0)
     for row, tok in enumerate(t for ts in targets for t in ts):
         logits[row, tok] = 5.0
-    out = SpecDecodeSampler()(logits, metadata([greedy] * 3, drafts), drafts)
+    out = Sampler().sample_requests(logits, metadata([greedy] * 3, drafts), drafts)
     assert out.token_ids == [[3, 4, 5], [7, 8], [9]]
     assert out.num_accepted == [2, 1, 0]
 
@@ -47,8 +46,7 @@ def test_a_step_without_drafts_is_the_plain_sampler():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)]
     logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
     gens = [None, make_generator(3, CPU)]
-    out = SpecDecodeSampler()(logits, metadata(params, [[], []], generators=gens), [[], []])
-    from lmkit.sample.sampler import Sampler
+    out = Sampler().sample_requests(logits, metadata(params, [[], []], generators=gens), [[], []])
     plain = Sampler()(logits, metadata(params, [[], []],
                                        generators=[None, make_generator(3, CPU)]))
     assert out.token_ids == [[t] for t in plain.sampled_token_ids.tolist()]
@@ -60,7 +58,7 @@ def test_penalties_apply_at_every_draft_position():
     logits = torch.zeros(3, 32)
     logits[:, 4] = 2.0  # token 4 is the argmax until it appears in the output
     logits[:, 5] = 1.0
-    out = SpecDecodeSampler()(logits, metadata([p], [[4, 4]], outputs=[[1]]), [[4, 4]])
+    out = Sampler().sample_requests(logits, metadata([p], [[4, 4]], outputs=[[1]]), [[4, 4]])
     assert out.token_ids == [[4, 5]]  # draft 0 accepted; at row 1, 4 is penalised
 
 
@@ -69,7 +67,7 @@ def test_logprobs_are_those_of_the_emitted_tokens():
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
     top = logits.argmax(-1).tolist()
     drafts = [[top[0], (top[1] + 1) % 16]]
-    out = SpecDecodeSampler()(logits, metadata([p], drafts), drafts)
+    out = Sampler().sample_requests(logits, metadata([p], drafts), drafts)
     assert out.token_ids == [[top[0], top[1]]]
     ref = logits.log_softmax(-1)
     assert [lp.token_id for lp in out.logprobs[0]] == out.token_ids[0]
@@ -83,11 +81,11 @@ def test_seeded_requests_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 16, generator=g)
     drafts = [[1, 2, 3]]
-    alone = SpecDecodeSampler()(logits, metadata([p], drafts, generators=[
+    alone = Sampler().sample_requests(logits, metadata([p], drafts, generators=[
         make_generator(7, CPU)]), drafts)
     other = torch.randn(3, 16, generator=g)
     batch_drafts = [[5, 6], [1, 2, 3]]
-    together = SpecDecodeSampler()(
+    together = Sampler().sample_requests(
         torch.cat([other, logits]),
         metadata([SamplingParams(temperature=1.0), p], batch_drafts,
                  generators=[None, make_generator(7, CPU)]), batch_drafts)
@@ -116,7 +114,7 @@ def speculative_sequences(target: torch.Tensor, draft: torch.Tensor, num_trials:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     seqs = [[0] for _ in range(num_trials)]
-    sampler = SpecDecodeSampler()
+    sampler = Sampler()
     params = SamplingParams(temperature=1.0)
     while True:
         todo = [i for i, s in enumerate(seqs) if len(s) <= length]
@@ -136,7 +134,7 @@ def speculative_sequences(target: torch.Tensor, draft: torch.Tensor, num_trials:
         md = SamplingMetadata.build([params] * len(rows), [[0]] * len(rows),
                                     [[]] * len(rows), [None] * len(rows), [None] * len(rows),
                                     V, CPU)
-        out = sampler(logits, md, drafts, qs if with_draft_probs else None)
+        out = sampler.sample_requests(logits, md, drafts, qs if with_draft_probs else None)
         for i, toks in zip(todo, out.token_ids, strict=True):
             seqs[i].extend(toks)
     return torch.tensor([s[1:length + 1] for s in seqs])

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.logits_processor import (
+    AddedRequest,
+    BatchUpdate,
+    LogitsProcessor,
+    LogitsProcessorContext,
+)
 from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
+from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from lmkit.api.quantization import QuantizationMethod, QuantizedLinear, QuantizedTensor
@@ -41,7 +48,7 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
-    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec
+    from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec, Variant, choose_variant
 
 # name -> module, imported on first attribute access
 _LAZY = {
@@ -53,6 +60,8 @@ _LAZY = {
     "Needs": "lmkit.plugin_host.spec",
     "NoOptions": "lmkit.plugin_host.spec",
     "Spec": "lmkit.plugin_host.spec",
+    "Variant": "lmkit.plugin_host.spec",
+    "choose_variant": "lmkit.plugin_host.spec",
     "PagedScheduler": "lmkit.scheduler.paged",
     "KVCacheManager": "lmkit.kv_cache.manager",
     "BlockPool": "lmkit.kv_cache.block_pool",
@@ -62,6 +71,7 @@ _LAZY = {
     "ModelRunner": "lmkit.worker.model_runner",
     "Sampler": "lmkit.sample.sampler",
     "default_cache_dir": "lmkit.loading.cache",
+    "load_model_facts": "lmkit.loading.model_facts",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }
@@ -77,13 +87,15 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AttentionBackend", "AttentionMetadata", "CachedRequestData", "Caps",
-    "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput", "EngineView", "Executor", "ForwardContext", "Grammar",
-    "InvalidRequestError", "LMKitConfig", "LMKitError", "ModelBuildContext", "ModelInfo",
+    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
+    "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
+    "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",
+    "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "QuantizationMethod",
     "QuantizedLinear", "QuantizedTensor", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
-    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend", "TokenLogprob",
-    "TransferJob", "hookimpl", *_LAZY,
+    "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
+    "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +43,34 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0  # requests with query length 1 (when the runner orders decodes first)
-    num_decode_tokens: int = 0
     cuda_graph: bool = False
-    extra: dict[str, Any] | None = None  # backend-specific, set by custom runners
 
 
 class AttentionBackend(ABC):
     """Paged attention over a KV cache, for one model.
 
-    Constructed once per model as ``cls(num_heads=..., num_kv_heads=..., head_size=...,
-    scale=..., dtype=..., device=..., block_size=..., sliding_window=None, options=...)``.
-    The runner calls :meth:`plan` once per step on the host, then every attention layer
-    calls :meth:`run`. ``run`` must do no host work and no device-to-host sync, so that
-    it can be captured in a CUDA graph when the spec declares ``"cuda_graphs"``.
+    Constructor (the one signature models use; all keyword arguments)::
+
+        cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device, block_size,
+            sliding_window=None, options=None)
+
+    Subclasses that add state call ``super().__init__(**kwargs)``, which stores each
+    argument as an attribute. The runner calls :meth:`plan` once per step on the host,
+    then every attention layer calls :meth:`run`. ``run`` must do no host work and no
+    device-to-host sync, so that it can be captured in a CUDA graph when the spec
+    declares ``"cuda_graphs"``.
+
+    Declared abilities (class attributes, read without building the backend):
+
+    * :attr:`supports_model_kv_write`: models may store K/V into the cache themselves
+      (see :meth:`kv_write_slots`).
     """
+
+    #: Whether a model may write a step's new K/V into the cache itself, fused into the
+    #: kernel that produces them: the backend then implements :meth:`kv_write_slots`
+    #: and honours ``run(..., kv_written=True)``. ``False`` (the default): :meth:`run`
+    #: always writes them.
+    supports_model_kv_write: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
@@ -92,22 +106,26 @@ class AttentionBackend(ABC):
         :param v: ``[num_tokens, num_kv_heads, head_size]``
         :param kv_cache: this layer's cache, shaped as :meth:`kv_cache_shape`.
         :param kv_written: ``True`` when the model has already stored this step's K/V at
-            the slots :meth:`kv_write_slots` returned: skip the write. Passed only to
-            backends that opt in there; others may leave it out of their signature.
+            the slots :meth:`kv_write_slots` returned: skip the write. Passed ``True``
+            only to backends declaring :attr:`supports_model_kv_write`.
         :return: ``[num_tokens, num_heads, head_size]``, causal within each request.
         """
 
-    def kv_write_slots(self) -> torch.Tensor | None:
-        """Opt-in: the planned step's ``slot_mapping`` if the model may write new K/V
-        into the cache itself, else ``None`` (the default: :meth:`run` writes them).
+    def kv_write_slots(self) -> torch.Tensor:
+        """The planned step's ``slot_mapping``, where a model writing K/V itself stores
+        them; only for backends declaring :attr:`supports_model_kv_write`.
 
         A model can store K/V in the kernel that produces them (fused with RoPE, say),
-        saving the backend's separate cache-write pass. A backend may opt in only if
-        its per-layer cache is laid out ``[2, num_blocks, block_size, num_kv_heads,
-        head_size]`` (keys at index 0, values at 1; token ``t`` at ``[:, slot // block_size,
-        slot % block_size]``) and its :meth:`run` honours ``kv_written=True``. The
-        returned int64 ``[num_tokens]`` tensor (a negative slot is a padding token, not
-        written) must be the one :meth:`run` would use, at the same address on every
-        replay of a CUDA graph. Called after :meth:`plan`, before the layers run.
+        saving the backend's separate cache-write pass. A backend may declare the
+        ability only if its per-layer cache is laid out ``[2, num_blocks, block_size,
+        num_kv_heads, head_size]`` (keys at index 0, values at 1; token ``t`` at
+        ``[:, slot // block_size, slot % block_size]``) and its :meth:`run` honours
+        ``kv_written=True``. The returned int64 ``[num_tokens]`` tensor (a negative slot
+        is a padding token, not written) must be the one :meth:`run` would use, at the
+        same address on every replay of a CUDA graph. Called after :meth:`plan`, before
+        the layers run.
         """
-        return None
+        raise NotImplementedError(
+            f"{type(self).__name__}.kv_write_slots() called, but the backend does not "
+            "declare supports_model_kv_write = True; models must check that class "
+            "attribute first, and backends that declare it implement this method")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmkit.api.executor import ModelInfo
+    from lmkit.api.model_facts import ModelFacts
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
 
@@ -21,21 +22,25 @@ class EngineView:
         stack: the resolved plugin stack (chosen names and options).
         config: a copy of the engine's runtime configuration (``model.max_model_len``
             filled in); changing it changes nothing in the engine.
-        model_info: what the executor reported about the loaded model.
+        facts: the model's facts (architecture, context length, EOS ids, vocabulary).
+        model_info: what the executor measured (KV bytes per block, device, dtype).
         num_blocks: the KV pool size in blocks.
     """
 
-    __slots__ = ("_stack", "_config", "_model_info", "_num_blocks", "_stats")
+    __slots__ = ("_stack", "_config", "_facts", "_model_info", "_num_blocks", "_stats")
     _stack: ResolvedStack
     _config: LMKitConfig
+    _facts: ModelFacts
     _model_info: ModelInfo
     _num_blocks: int
     _stats: Callable[[], dict[str, Any]]
 
-    def __init__(self, stack: ResolvedStack, config: LMKitConfig, model_info: ModelInfo,
-                 num_blocks: int, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, stack: ResolvedStack, config: LMKitConfig, facts: ModelFacts,
+                 model_info: ModelInfo, num_blocks: int,
+                 stats: Callable[[], dict[str, Any]]) -> None:
         object.__setattr__(self, "_stack", stack)
         object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_facts", facts)
         object.__setattr__(self, "_model_info", model_info)
         object.__setattr__(self, "_num_blocks", num_blocks)
         object.__setattr__(self, "_stats", stats)
@@ -57,6 +62,11 @@ class EngineView:
         return self._config
 
     @property
+    def facts(self) -> ModelFacts:
+        """The model's facts (frozen)."""
+        return self._facts
+
+    @property
     def model_info(self) -> ModelInfo:
         """Facts about the loaded model (frozen)."""
         return self._model_info
@@ -71,5 +81,5 @@ class EngineView:
         return dict(self._stats())
 
     def __repr__(self) -> str:
-        return (f"EngineView(model={self._model_info.architecture!r}, "
+        return (f"EngineView(model={self._facts.architecture!r}, "
                 f"num_blocks={self._num_blocks})")

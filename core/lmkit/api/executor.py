@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lmkit.api.runner_output import ModelRunnerOutput
@@ -14,12 +14,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the engine core needs to know about the loaded model."""
+    """What the executor measured once the model is loaded (what the engine knows
+    before, the architecture, vocabulary, context length, layers, is in
+    :class:`~lmkit.api.ModelFacts`)."""
 
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    num_layers: int
     kv_bytes_per_block: int  # all layers, K and V
     available_kv_bytes: int  # memory the KV cache may use on this device
     device: str
@@ -27,13 +25,14 @@ class ModelInfo:
     # KV slots per request the scheduler must reserve past the scheduled tokens because
     # the runner launches decode steps ahead of scheduling (0 when it does not)
     num_lookahead_slots: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Executor(ABC):
     """Runs the model for the engine core.
 
-    Constructed as ``cls(config, stack, options=opts, host=host)``:
+    Constructor (the one signature the engine uses)::
+
+        cls(config, stack, *, options, host, facts)
 
     * ``config``: the engine's runtime :class:`~lmkit.config.LMKitConfig`;
       ``config.model.model`` is a local model directory (the engine resolves aliases
@@ -44,7 +43,9 @@ class Executor(ABC):
     * ``options``: the validated options of the executor plugin (or None);
     * ``host``: the engine's :class:`~lmkit.plugin_host.manager.PluginHost` (model
       architectures, attention backends, offload tiers), or None to load one from
-      ``config.plugins``.
+      ``config.plugins``;
+    * ``facts``: the engine's :class:`~lmkit.api.ModelFacts` (context length, EOS ids,
+      architecture), which the workers' model runners use instead of deriving their own.
 
     The KV offload tier lives with the device caches, in the workers; the engine core
     reaches it only through :meth:`offload_lookup`, :meth:`offload_stats` and
@@ -53,7 +54,7 @@ class Executor(ABC):
 
     @abstractmethod
     def start(self) -> ModelInfo:
-        """Start workers, load weights, profile memory; return facts about the model."""
+        """Start workers, load weights, profile memory; return what they measured."""
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None:

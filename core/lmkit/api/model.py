@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from lmkit.api.attention import AttentionBackend
+    from lmkit.plugin_host.spec import Needs
 
 
 @dataclass
@@ -33,30 +35,41 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
 
 
-@runtime_checkable
-class CausalLM(Protocol):
+class CausalLM(ABC):
     """A decoder-only language model over packed tokens (no batch axis).
 
-    ``__init__(hf_config, ctx: ModelBuildContext)`` builds it; it must create one
-    attention backend instance (``ctx.attention_cls(...)``) and expose it as
-    ``self.attn`` so the runner can plan it once per step.
+    Constructor (the one signature the model runner uses)::
 
-    Optionally, a classmethod ``attention_needs(hf_config) -> lmkit.api.Needs`` declares
-    what the model needs of the attention backend (e.g. the ``"sliding_window"``
-    feature); stack resolution then refuses or avoids backends that lack it.
+        cls(hf_config, ctx: ModelBuildContext)
+
+    ``hf_config`` is the model directory's ``config.json`` (a transformers
+    ``PretrainedConfig``). The model must create one attention backend instance
+    (``ctx.attention_cls(...)``, see :class:`~lmkit.api.AttentionBackend`) and expose it
+    as ``self.attn`` so the runner can plan it once per step. Model classes usually
+    subclass ``torch.nn.Module`` too: ``class MyModel(torch.nn.Module, CausalLM)``.
     """
 
     attn: AttentionBackend
 
+    @classmethod
+    def attention_needs(cls, hf_config: Any) -> Needs:
+        """What the model needs of the attention backend, known from its config alone
+        (e.g. ``Needs({"sliding_window"})``); stack resolution then refuses or avoids
+        backends that lack it, before weights load. The head size is added by lmkit.
+        Optional: the default needs nothing."""
+        from lmkit.plugin_host.spec import Needs
+
+        return Needs()
+
+    @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
-        ...
 
+    @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
-        ...
 
+    @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (fusing QKV and gate-up as needed); return the names used."""
-        ...

@@ -58,12 +58,13 @@ class OffloadHealth:
 class OffloadManager(ABC):
     """Stores KV blocks leaving the device cache and loads them back on a prefix hit.
 
-    Constructed as ``cls(config, kv_caches, options=opts)``: ``config`` is the engine's
-    runtime configuration (``model.model`` is the resolved model directory and
-    ``attention.backend`` the resolved backend name, so both can name a persistent
-    store), ``kv_caches`` the per-layer device cache tensors in the layout of the
-    built-in attention backends, ``[2, num_blocks, block_size, num_kv_heads,
-    head_size]`` (block ``b`` of a layer is ``cache[:, b]``).
+    Constructor (the one signature the engine uses): ``cls(config, kv_caches, *,
+    options)``. ``config`` is the engine's runtime configuration (``model.model`` is
+    the resolved model directory and ``attention.backend`` the resolved backend name,
+    so both can name a persistent store), ``kv_caches`` the per-layer device cache
+    tensors in the layout of the built-in attention backends, ``[2, num_blocks,
+    block_size, num_kv_heads, head_size]`` (block ``b`` of a layer is ``cache[:, b]``),
+    ``options`` the validated instance of the spec's options model.
 
     Ordering rules the engine relies on:
 
@@ -169,11 +170,6 @@ class OffloadManager(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Finish pending writes, release memory and file handles. Safe to call twice."""
-
-
-def kv_layer_tensors(kv_caches: Sequence[torch.Tensor]) -> int:
-    """Number of layers (helper for implementations sizing their buffers)."""
-    return len(kv_caches)
 
 
 def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor]) -> bytes:

@@ -1,9 +1,11 @@
 """What a quantization-method plugin implements: quantized weights kept packed.
 
-A method reads a checkpoint whose linear layers are stored quantized (GGUF blocks,
-FP8, ...), refuses a malformed one before anything runs (:meth:`check`), yields the
-model's tensors with the quantized ones as :class:`QuantizedTensor` (:meth:`iterate_weights`)
-and gives each layer a function that computes with them (:meth:`linear`). Models build
+A method is built for one model (``cls(facts, *, options)``, with the model's
+:class:`~lmkit.api.model_facts.ModelFacts`); it reads a checkpoint whose linear layers
+are stored quantized (GGUF blocks, FP8, ...), refuses a malformed one before anything
+runs (:meth:`check`), yields the model's tensors with the quantized ones as
+:class:`QuantizedTensor` (:meth:`iterate_weights`) and gives each layer a function that
+computes with them (:meth:`linear`). Models build
 their layers with the method from :class:`~lmkit.api.ModelBuildContext` and keep the
 dense path when it is ``None``.
 """
@@ -13,10 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -39,13 +43,16 @@ QuantizedLinear = Callable[[Any, Any], Any]
 
 class QuantizationMethod(ABC):
     """One quantized-weight format on one kind of device (registered with
-    ``register_quantization_methods``; constructed as ``cls(options)``)."""
+    ``register_quantization_methods``; built as ``cls(facts, *, options)`` for the model
+    whose :class:`~lmkit.api.model_facts.ModelFacts` are ``facts``: its directory, head
+    counts and weight format)."""
 
-    def __init__(self, options: BaseModel | None = None) -> None:
+    def __init__(self, facts: ModelFacts, *, options: BaseModel | None = None) -> None:
+        self.facts = facts
         self.options = options
 
     @abstractmethod
-    def check(self, model_dir: Path) -> None:
+    def check(self) -> None:
         """Refuse a checkpoint this method cannot run, before any weight is read:
         truncated files, block sizes that do not match the type, tensor types it does
         not read. Cheap (headers only).
@@ -54,9 +61,9 @@ class QuantizationMethod(ABC):
         """
 
     @abstractmethod
-    def iterate_weights(self, model_dir: Path, hf_config: Any
-                        ) -> Iterator[tuple[str, Any]]:
-        """Yield ``(hf_name, tensor)`` for every weight, under Hugging Face names:
+    def iterate_weights(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, tensor)`` for every weight of ``facts.model_dir``, under
+        Hugging Face names:
         quantized weights as :class:`QuantizedTensor`, the others as dense float32
         ``torch.Tensor``."""
 

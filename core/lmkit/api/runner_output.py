@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lmkit.api.outputs import TokenLogprob
 
@@ -26,8 +25,3 @@ class ModelRunnerOutput:
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     # KV offload: loads (by the scheduler's transfer id) that finished, with success
     finished_kv_loads: dict[int, bool] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}

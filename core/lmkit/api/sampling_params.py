@@ -22,6 +22,13 @@ class SamplingParams:
     reproducible whatever else is in the batch. ``logprobs`` returns the sampled token's
     log-probability plus that many alternatives per token; ``prompt_logprobs`` the same
     for prompt positions.
+
+    ``allowed_token_ids`` restricts every sampled token to those ids. ``bad_words`` are
+    strings that must not be generated: the frontend tokenizes each (as is and with a
+    leading space) into ``bad_words_token_ids``, and the sampler bans a word's last
+    token whenever the output ends with its other tokens (a one-token word is banned
+    always). ``logits_processors`` names plugin logits processors to apply to this
+    request; ``extra_args`` carries their arguments.
     """
 
     n: int = 1
@@ -47,6 +54,12 @@ class SamplingParams:
     # A constraint for structured output, e.g. {"json": {...}} / {"regex": "..."};
     # interpreted by the structured-output backend.
     structured_outputs: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token ids (set by the frontend's tokenizer; may also be given directly)
+    bad_words_token_ids: list[list[int]] | None = None
+    logits_processors: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +110,41 @@ class SamplingParams:
                 if not -100.0 <= float(b) <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {b} for token {tok}")
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate_token_constraints(bad)
+
+    def _validate_token_constraints(self, bad: Any) -> None:
+        """allowed_token_ids, bad_words, logits_processors, extra_args (vocabulary bounds
+        are checked by the frontend, which knows the model)."""
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids:
+                raise bad("allowed_token_ids", "must not be empty (leave it unset to allow "
+                          "every token)")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise bad("allowed_token_ids", f"must be non-negative token ids, got {ids[:5]}")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise bad("bad_words", f"must be non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            words = [list(w) for w in self.bad_words_token_ids]
+            if any(not w or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                for t in w) for w in words):
+                raise bad("bad_words_token_ids", "must be non-empty lists of non-negative "
+                          f"token ids, got {self.bad_words_token_ids!r}")
+            self.bad_words_token_ids = words
+        if self.logits_processors is not None:
+            if isinstance(self.logits_processors, str):
+                self.logits_processors = [self.logits_processors]
+            if any(not isinstance(n, str) or not n for n in self.logits_processors):
+                raise bad("logits_processors", "must be names of registered logits "
+                          f"processors, got {self.logits_processors!r}")
+            self.logits_processors = list(dict.fromkeys(self.logits_processors))
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}")
 
     @property
     def is_greedy(self) -> bool:

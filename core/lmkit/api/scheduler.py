@@ -53,7 +53,10 @@ class SchedulerContext:
 class Scheduler(ABC):
     """Decides, each step, which requests run and how many tokens each.
 
-    Constructed as ``cls(config, num_blocks=N, options=opts, context=ctx)``:
+    Constructor (the one signature the engine uses)::
+
+        cls(config, *, num_blocks, options, context)
+
 
     * ``config``: the engine's runtime :class:`~lmkit.config.LMKitConfig`
       (``model.max_model_len`` filled in);

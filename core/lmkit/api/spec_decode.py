@@ -28,7 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +55,6 @@ class ProposerInput:
         block_ids: for proposers declaring ``"own_kv_cache"``: each request's KV block
             table (its draft KV lives in the same slots of the proposer's own cache);
             ``None`` otherwise.
-        extra: anything else a specific engine passes along.
     """
 
     req_ids: list[str]
@@ -64,7 +63,6 @@ class ProposerInput:
     num_new_tokens: list[int] | None = None
     hidden_states: torch.Tensor | None = None
     block_ids: list[list[int]] | None = None
-    extra: dict[str, Any] | None = None
 
 
 @dataclass
@@ -87,9 +85,10 @@ class Proposal:
 class SpecProposer(ABC):
     """Proposes draft tokens for the target model to verify.
 
-    Constructed as ``cls(config, options=opts)``: ``config`` is the engine's
-    :class:`~lmkit.api.LMKitConfig` (``config.speculative.num_speculative_tokens`` is
-    ``k``), ``opts`` the validated instance of the spec's options model.
+    Constructor (the one signature the engine uses): ``cls(config, *, options)``.
+    ``config`` is the engine's :class:`~lmkit.api.LMKitConfig`
+    (``config.speculative.num_speculative_tokens`` is ``k``), ``options`` the validated
+    instance of the spec's options model.
     """
 
     @abstractmethod

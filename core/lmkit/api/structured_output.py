@@ -66,10 +66,13 @@ class Grammar(ABC):
 
 
 class StructuredOutputBackend(ABC):
-    """Compiles constraints for one tokenizer. Constructed as
-    ``cls(tokenizer, vocab_size, options=opts)``: ``tokenizer`` is the model's Hugging
-    Face tokenizer, ``vocab_size`` the width of the model's logits (which may exceed the
-    tokenizer's vocabulary; ids past the tokenizer must never be allowed)."""
+    """Compiles constraints for one tokenizer.
+
+    Constructor (the one signature the engine uses): ``cls(tokenizer, vocab_size, *,
+    options)``. ``tokenizer`` is the model's Hugging Face tokenizer, ``vocab_size`` the
+    width of the model's logits (which may exceed the tokenizer's vocabulary; ids past
+    the tokenizer must never be allowed), ``options`` the validated instance of the
+    spec's options model."""
 
     @abstractmethod
     def compile(self, kind: str, spec: Any) -> Grammar:

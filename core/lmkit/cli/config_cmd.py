@@ -13,7 +13,7 @@ from lmkit.cli.render import print_json, print_table, print_text
 from lmkit.config.json_schema import config_json_schema
 from lmkit.config.sources import flatten
 from lmkit.plugin_host.manager import PluginHost
-from lmkit.plugin_host.resolve import resolve_stack
+from lmkit.plugin_host.resolve import configure_and_resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -48,8 +48,7 @@ def check(opts: ConfigOptions, as_json: JsonFlag = False) -> None:
     a model. Exits 2 with the reasons when it does not fit together."""
     config, _ = build_config(opts)
     host = build_host(config)
-    host.hook.configure(config=config)  # plugins' own checks, as at engine start
-    stack = resolve_stack(config, host)
+    stack = configure_and_resolve(config, host)  # plugins' own checks too, as at engine start
     if as_json:
         print_json(stack.as_dict())
         return

@@ -13,7 +13,7 @@ from lmkit.errors import UnknownBackendError
 from lmkit.plugin_host.kinds import KIND_ALIASES, KINDS
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.registry import suggest
-from lmkit.plugin_host.report import host_report, spec_report
+from lmkit.plugin_host.report import host_report, spec_report, variant_line
 
 PluginFlag = Annotated[
     list[str] | None,
@@ -59,6 +59,10 @@ def list_plugins(plugin: PluginFlag = None, as_json: JsonFlag = False) -> None:
             for s in specs
         ]
         print_table(kind, ("name", "plugin", "priority", "status", "description"), rows)
+        for s in specs:
+            line = variant_line(s)
+            if line:
+                print_text(f"  {line}")
 
 
 def show(

@@ -1,9 +1,11 @@
 """``lmkit serve [MODEL]``: the OpenAI-compatible server.
 
 Takes the shared configuration options (``--config``, ``--attention``, ``--speculative``, ...) plus
-the server's own (``--host``, ``--port``, ``--api-key``, ...); ``LMKIT_API_KEY`` is read
-when no key is given. Prints the resolved plugin stack and the URL once the model is
-loaded; SIGINT/SIGTERM drain requests in flight and stop the engine.
+the server's own (``--host``, ``--port``, ``--api-key-file``, ...); ``LMKIT_API_KEY`` is
+read when no key is given. Checks the plugin stack as ``lmkit config check`` does (exit
+2 when it cannot run), starts and warms up the engine, and only then binds the port and
+prints the stack, the KV pool's size and the URL. SIGINT/SIGTERM drain requests in
+flight and stop the engine.
 """
 
 from __future__ import annotations
@@ -13,22 +15,27 @@ from typing import Annotated, Any
 
 import typer
 
-from lmkit.cli.options import ConfigOptions, build_config, config_options
+from lmkit.cli.options import ConfigOptions, build_config, build_host, config_options
 from lmkit.errors import ConfigError
 
 SERVER_PANEL = "Server"
 
 
 def _server_overrides(host: str | None, port: int | None, api_key: str | None,
-                      served_model_name: str | None, cors_origin: list[str] | None,
+                      api_key_file: str | None, served_model_name: str | None,
+                      cors_origin: list[str] | None,
                       max_queued_requests: int | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if host is not None:
         out["host"] = host
     if port is not None:
         out["port"] = port
-    if api_key is not None:
-        out["api_key"] = api_key
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError("--api-key and --api-key-file are both given; give the key one way")
+    if api_key is not None:  # a flag replaces a key set in the file or environment
+        out.update(api_key=api_key, api_key_file=None)
+    if api_key_file is not None:
+        out.update(api_key=None, api_key_file=api_key_file)
     if served_model_name is not None:
         out["served_model_name"] = served_model_name
     if cors_origin:
@@ -51,6 +58,11 @@ def _print_ready(llm: Any, url: str, api_key: bool) -> None:
     print_table(f"lmkit serving {ready.model_dir} on {ready.stack.get('device')} "
                 f"({ready.stack.get('dtype')}), context {ready.max_model_len}",
                 ("kind", "backend", "plugin", "version"), rows)
+    kv_bytes, num_blocks = ready.stats.get("kv_cache_bytes"), ready.stats.get("num_blocks")
+    if kv_bytes is not None and num_blocks is not None:
+        block_size = llm.config.cache.block_size
+        print_text(f"KV cache: {kv_bytes / 2**30:.2f} GiB, {int(num_blocks)} blocks of "
+                   f"{block_size} tokens ({int(num_blocks) * block_size} tokens)")
     print_text(f"OpenAI-compatible API at {url}/v1"
                + ("  (API key required)" if api_key else ""), style="bold green")
     print_text(f"health {url}/health  metrics {url}/metrics  stack {url}/v1/lmkit/stack")
@@ -70,8 +82,12 @@ def serve(
         "--port", help="Port (default 8000; 0 picks a free one).",
         rich_help_panel=SERVER_PANEL)] = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health "
-        "(or set LMKIT_API_KEY).", rich_help_panel=SERVER_PANEL)] = None,
+        "--api-key", help="Require 'Authorization: Bearer KEY' on every route but /health. "
+        "Other local users can read it in `ps`: prefer LMKIT_API_KEY or --api-key-file.",
+        rich_help_panel=SERVER_PANEL)] = None,
+    api_key_file: Annotated[str | None, typer.Option(
+        "--api-key-file", help="Read the API key from the first line of this file (keep it "
+        "mode 600).", rich_help_panel=SERVER_PANEL)] = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The model name clients use (default: MODEL).",
         rich_help_panel=SERVER_PANEL)] = None,
@@ -88,6 +104,9 @@ def serve(
         "--log-level", help="uvicorn log level.", rich_help_panel=SERVER_PANEL)] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from lmkit.cli.render import stderr
+    from lmkit.plugin_host.resolve import configure_and_resolve
+    from lmkit.serve.auth import load_api_key
     from lmkit.serve.server import run_server
 
     if model_arg is not None:
@@ -95,11 +114,18 @@ def serve(
             raise ConfigError(f"the model is given twice ({model_arg!r} and --model "
                               f"{opts.values['model']!r}); give it once.")
         opts = ConfigOptions({**opts.values, "model": model_arg})
+    if api_key is not None:
+        stderr().print("warning: --api-key on the command line is visible to other local "
+                       "users (ps, /proc); set LMKIT_API_KEY or use --api-key-file instead",
+                       style="yellow", soft_wrap=True)
     config, _ = build_config(opts)
-    overrides = _server_overrides(host, port, api_key, served_model_name, cors_origin,
-                                  max_queued_requests)
-    if "api_key" not in overrides and not config.server.api_key and os.environ.get(
-            "LMKIT_API_KEY"):
+    # what `lmkit config check` checks: a stack that cannot run fails here (exit 2),
+    # before any model is fetched or port bound
+    configure_and_resolve(config, build_host(config))
+    overrides = _server_overrides(host, port, api_key, api_key_file, served_model_name,
+                                  cors_origin, max_queued_requests)
+    if not ("api_key" in overrides or config.server.api_key or config.server.api_key_file
+            ) and os.environ.get("LMKIT_API_KEY"):
         overrides["api_key"] = os.environ["LMKIT_API_KEY"]
     if overrides:
         from lmkit.config.schema import LMKitConfig
@@ -110,8 +136,9 @@ def serve(
             config = LMKitConfig.model_validate(data)
         except ValueError as e:
             raise ConfigError(f"invalid server option: {e}") from e
+    has_key = load_api_key(config.server) is not None  # a bad key file fails here too
     run_server(config, log_level=log_level, shutdown_timeout=shutdown_timeout,
-               on_ready=lambda llm, url: _print_ready(llm, url, bool(config.server.api_key)))
+               on_ready=lambda llm, url: _print_ready(llm, url, has_key))
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from lmkit.config.errors import origin_in
 
@@ -67,7 +67,8 @@ class CacheConfig(Section):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks by content hash.")
     num_blocks: int | None = Field(None, gt=0, description="Fix the KV pool size in blocks.")
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="KV pool size in GiB on CPU (default 2 GiB)."
+        None, gt=0, description="KV pool size in GiB on CPU; default: room for max_num_seqs "
+        "requests of max_model_len tokens, at most 5% of the machine's memory."
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory lmkit may use (model + KV cache)."
@@ -154,12 +155,28 @@ class QuantizationConfig(OptionalBackendSection):
                          "registered name such as 'gguf'.")
 
 
+class LogitsProcessorsConfig(Section):
+    """Plugin logits processors (``register_logits_processors``): those applied to every
+    request, and each processor's options. Requests name others in
+    ``logits_processors``."""
+
+    enable: list[str] = Field(
+        default_factory=list, description="Logits processors applied to every request, "
+        "in order (names from `lmkit plugins list --kind logits_processor`).")
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Options per processor name, validated against "
+        "that processor's options model.")
+
+
 class ServerConfig(Section):
     """The OpenAI-compatible HTTP server (`lmkit serve`)."""
 
     host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="Bearer key required on every route but /health.")
+    api_key: str | None = Field(None, description="Bearer key required on every route but /health "
+                                "(prefer LMKIT_API_KEY or api_key_file: flags show in `ps`).")
+    api_key_file: str | None = Field(None, description="Read the bearer key from this file "
+                                     "(first line) instead of api_key.")
     cors_origins: list[str] = Field(default_factory=list, description="CORS allow-list; off if empty.")
     served_model_name: str | None = None
     max_queued_requests: int = Field(1024, gt=0, description="Beyond this, answer 429.")
@@ -168,6 +185,18 @@ class ServerConfig(Section):
         256, gt=0, description="Most sequences one request may ask for (prompts x n); past "
         "it the request is refused at once with 400 before any tokenization. Capped at what "
         "the server admits at once (scheduler.max_num_seqs + max_queued_requests).")
+    engine_restart_attempts: int = Field(
+        3, ge=0, description="Times in a row the server restarts a dead engine process "
+        "(waiting engine_restart_backoff_s, doubled after each failed try) before it exits "
+        "with status 1 for a supervisor to restart it; 0: exit at once.")
+    engine_restart_backoff_s: float = Field(
+        1.0, gt=0, le=60, description="Wait before the first restart of a dead engine.")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> ServerConfig:
+        if self.api_key and self.api_key_file:
+            raise ValueError("api_key and api_key_file are both set; give the key one way")
+        return self
 
 
 class LMKitConfig(Section):
@@ -182,6 +211,7 @@ class LMKitConfig(Section):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(
         default_factory=list,

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from lmkit.api.contract import build
 from lmkit.api.engine_view import EngineView
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
@@ -27,29 +28,11 @@ from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
-from lmkit.plugin_host.spec import Needs
+from lmkit.sample.processors import check_request
 from lmkit.spec_decode.manager import ProposerManager
 from lmkit.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-def model_head_size(hf_config: Any) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
-
-
-def model_attention_needs(host: PluginHost, hf_config: Any) -> Needs:
-    """What the model needs of attention: its head size, plus whatever its architecture
-    plugin declares through an optional ``attention_needs(hf_config)`` classmethod
-    (e.g. a sliding window). An unknown architecture fails here, before weights load."""
-    needs = Needs(values={"head_size": model_head_size(hf_config)})
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs:
-        return needs
-    model_cls = host.registry.get("model", archs[0]).spec.load()
-    declared = getattr(model_cls, "attention_needs", None)
-    return needs.merge(declared(hf_config)) if declared is not None else needs
 
 
 class EngineCore:
@@ -63,26 +46,25 @@ class EngineCore:
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
                  progress: bool = True) -> None:
-        from lmkit.loading.gguf import weight_format
+        from lmkit.loading.model_facts import load_model_facts
         from lmkit.loading.resolve import resolve_model
-        from lmkit.loading.weights import load_hf_config
 
         self.host = host or PluginHost.load(config.plugins)
         self.host.hook.configure(config=config)
         cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else None
         self.model_dir: Path = resolve_model(config.model.model, self.host, cache_dir,
                                              source=config.model.source, progress=progress)
-        hf_config = load_hf_config(self.model_dir)
-        self.hf_config = hf_config
-        self.stack: ResolvedStack = resolve_stack(
-            config, self.host, model_attention_needs(self.host, hf_config),
-            weight_format=weight_format(self.model_dir))
-        self.config = self._runtime_config(config, hf_config)
+        # what every process knows of the model (context, EOS, architecture, needs): once
+        self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
+        self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs,
+                                                  weight_format=self.facts.weight_format)
+        self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")
         assert executor_reg is not None
         self.executor = executor_reg.spec.load()(
-            self.config, self.stack, options=self.stack.options["executor"], host=self.host)
+            self.config, self.stack, options=self.stack.options["executor"], host=self.host,
+            facts=self.facts)
         try:
             self.model_info = self.executor.start()
             self.num_blocks = self._num_blocks()
@@ -97,8 +79,8 @@ class EngineCore:
         self._started = time.monotonic()
         self._closed = False
         # plugins see a copy of the configuration: changing it changes nothing here
-        self.view = EngineView(self.stack, self.config.model_copy(deep=True), self.model_info,
-                               self.num_blocks, self.stats)
+        self.view = EngineView(self.stack, self.config.model_copy(deep=True), self.facts,
+                               self.model_info, self.num_blocks, self.stats)
         self.host.hook.engine_started(engine=self.view)
 
     # ------------------------------------------------------------------ setup
@@ -115,13 +97,14 @@ class EngineCore:
                            write_through=self.config.offload.store_policy == "write_through")
         context = SchedulerContext(num_lookahead_slots=self.model_info.num_lookahead_slots,
                                    prefix_tier=tier)
-        self.scheduler = scheduler_cls(self.config, num_blocks=self.num_blocks,
-                                       options=self.stack.options["scheduler"], context=context)
+        self.scheduler = build("scheduler", scheduler_cls, self.config,
+                               num_blocks=self.num_blocks, options=self.stack.options["scheduler"],
+                               context=context, plugin=sched_reg.origin)
         structured = StructuredOutputManager.from_stack(
-            self.config, self.stack, self.model_dir, self.model_info.vocab_size, self.scheduler)
+            self.config, self.stack, self.model_dir, self.facts.vocab_size, self.scheduler)
         phases: list[StepPhase] = [structured]
         proposer = ProposerManager.from_stack(self.config, self.stack,
-                                              self.model_info.vocab_size)
+                                              self.facts.vocab_size)
         if proposer is not None:
             phases.append(proposer)
             if isinstance(structured, StructuredOutputManager):
@@ -130,15 +113,9 @@ class EngineCore:
             phases.append(OffloadPhase(self.executor))
         return StepPhases(phases)
 
-    def _runtime_config(self, config: LMKitConfig, hf_config: Any) -> LMKitConfig:
+    def _runtime_config(self, config: LMKitConfig) -> LMKitConfig:
         """A copy of ``config`` with the model directory and context length filled in."""
-        native = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
-        asked = config.model.max_model_len
-        if asked is not None and native is not None and asked > native:
-            raise ConfigError(
-                f"model.max_model_len={asked} exceeds the model's context of {native} tokens "
-                f"(max_position_embeddings in {self.model_dir / 'config.json'}); lower it.")
-        max_len = asked or native or 2048
+        max_len = self.facts.max_model_len
         cfg = config.model_copy(deep=True)
         cfg.model.model = str(self.model_dir)
         cfg.model.max_model_len = max_len
@@ -179,6 +156,8 @@ class EngineCore:
             InvalidRequestError: the scheduler or a feature refuses it (duplicate id,
                 too long for the KV cache, a constraint this engine cannot serve).
         """
+        check_request(self.host.registry, request.sampling_params,
+                      self.config.logits_processors.enable, self.facts.vocab_size)
         self.scheduler.add_request(request)
         try:
             self.phases.add_request(request)
@@ -225,6 +204,7 @@ class EngineCore:
         """Scheduler and cache counters, each feature's, plus engine-level facts."""
         stats = dict(self.scheduler.get_stats())
         stats.update(num_steps=self._num_steps, num_blocks=self.num_blocks,
+                     kv_cache_bytes=self.num_blocks * self.model_info.kv_bytes_per_block,
                      num_scheduled_tokens=self._num_scheduled_tokens,
                      uptime_s=time.monotonic() - self._started)
         stats.update(self.phases.stats())

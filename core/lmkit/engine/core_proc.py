@@ -1,7 +1,8 @@
 """The engine-core process: one busy loop over ``EngineCore.step()``.
 
-Started by :class:`lmkit.frontend.core_client.EngineCoreClient` as
-``python -m lmkit.engine.core_proc HANDSHAKE_FILE``. The handshake file (JSON, in a
+Started by :class:`lmkit.frontend.core_client.EngineCoreClient` (see
+:func:`~lmkit.frontend.core_client.engine_command`: the working directory is not on its
+import path) with one argument, ``HANDSHAKE_FILE``. The handshake file (JSON, in a
 private temp dir) holds the config and the two ZMQ addresses the frontend bound. The
 loop reads requests and aborts from a PULL socket without blocking while requests are
 running, steps the engine, and pushes the outputs back; it blocks on the socket only
@@ -53,8 +54,12 @@ class StepEngine(Protocol):
     def abort_requests(self, request_ids: Any) -> None: ...
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]: ...
     def stats(self) -> dict[str, float | int]: ...
+    def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
+        """``(request id, error)`` of requests refused after ``add_request`` took them
+        (a grammar that did not compile); an engine that decides at ``add_request``
+        returns ``[]``."""
+        ...
 
 
 class EngineCoreProc:
@@ -136,10 +141,10 @@ class EngineCoreProc:
                 self.engine.add_request(message.to_request())
             except InvalidRequestError as e:
                 # A bad request is refused alone; the engine and other requests go on.
+                invalid = e if isinstance(e, InvalidRequestError) else None
                 self.send(RequestRejected(request_id=message.request_id, message=str(e),
-                                          param=e.param, code=e.code))
-            except (LMKitError, ValueError) as e:
-                self.send(RequestRejected(request_id=message.request_id, message=str(e)))
+                                          param=invalid.param if invalid else None,
+                                          code=invalid.code if invalid else None))
         elif isinstance(message, AbortRequests):
             self.engine.abort_requests(message.request_ids)
         elif isinstance(message, StatsQuery):
@@ -183,14 +188,16 @@ def _plugin_rows(host: Any) -> list[dict[str, Any]]:
 
 
 def _ready_message(engine: Any, host: Any) -> EngineReady:
-    info = engine.model_info
+    facts = engine.facts
     return EngineReady(
         model_dir=str(engine.model_dir),
-        max_model_len=int(engine.config.model.max_model_len or info.max_model_len),
-        vocab_size=int(info.vocab_size),
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        eos_token_ids=list(facts.eos_token_ids),
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),
+        logits_processors=host.registry.names("logits_processor"),
     )
 
 
@@ -211,7 +218,8 @@ def serve_engine_core(handshake_file: Path) -> int:
         host = PluginHost.load(config.plugins)
         engine = EngineCore(config, host)
     except BaseException as e:  # report every startup failure, then exit
-        early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__)))
+        early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__,
+                                               exit_code=getattr(e, "exit_code", 1))))
         early.close()
         return 1
     early.close()

@@ -78,7 +78,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 class EngineReady(msgspec.Struct, tag="ready", frozen=True):
-    """Sent once the model is loaded and the KV pool sized: the engine accepts requests."""
+    """Sent once the model is loaded and the KV pool sized: the engine accepts requests.
+
+    ``max_model_len``, ``vocab_size`` and ``eos_token_ids`` (primary first) are the
+    engine's :class:`~lmkit.api.ModelFacts`, so the frontend validates with the same ones.
+    """
 
     model_dir: str
     max_model_len: int
@@ -86,13 +90,18 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
     stack: dict[str, Any]  # ResolvedStack.as_dict()
     plugins: list[dict[str, Any]]  # name, source, dist, version, status per loaded plugin
     stats: dict[str, float]
+    logits_processors: list[str] = []  # names requests may select
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):
-    """The engine core could not start, or died: ``error`` says why."""
+    """The engine core could not start, or died: ``error`` says why; ``exit_code`` is the
+    CLI status the error calls for (2: the configuration or model asked for, 1: a
+    failure while running)."""
 
     error: str
     error_type: str
+    exit_code: int = 1
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", frozen=True):

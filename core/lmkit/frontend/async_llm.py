@@ -5,7 +5,9 @@ detokenization and stop strings (:class:`OutputProcessor`) happen here, in the A
 process, so they never stall the engine's step loop. One background task reads the
 engine's outputs and hands them to per-request :class:`OutputCollector` s. When the
 engine process dies, every request in flight fails at once with
-:class:`~lmkit.errors.EngineDeadError` and :attr:`AsyncLLM.is_healthy` turns false.
+:class:`~lmkit.errors.EngineDeadError` and :attr:`AsyncLLM.is_healthy` turns false;
+:meth:`AsyncLLM.restart_engine` starts a new one (:mod:`lmkit.serve.supervisor` decides
+when).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from lmkit.engine.messages import (
 )
 from lmkit.errors import EngineDeadError, InvalidRequestError, LMKitError
 from lmkit.frontend.collector import OutputCollector, RequestObserver
-from lmkit.frontend.core_client import EngineCoreClient
+from lmkit.frontend.core_client import EngineCoreClient, engine_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +53,20 @@ class AsyncLLM:
     """
 
     def __init__(self, client: EngineCoreClient, ready: EngineReady, config: LMKitConfig,
-                 tokenizer: Any, observer: RequestObserver | None = None) -> None:
+                 tokenizer: Any, observer: RequestObserver | None = None,
+                 env: dict[str, str] | None = None) -> None:
         from lmkit.frontend.output_processor import OutputProcessor
         from lmkit.frontend.processor import InputProcessor
-        from lmkit.loading.tokenizer import eos_token_ids
 
         self.client = client
         self.ready = ready
         self.config = config
         self.tokenizer = tokenizer
         self.observer = observer
-        eos, extra = eos_token_ids(tokenizer, ready.model_dir)
         self.input_processor = InputProcessor(
-            tokenizer, ready.max_model_len, eos, ready.vocab_size, extra,
-            max_constraint_chars=config.structured_output.max_constraint_chars)
+            tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_ids,
+            max_constraint_chars=config.structured_output.max_constraint_chars,
+            logits_processors=ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}
@@ -75,6 +77,8 @@ class AsyncLLM:
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._shutting_down = False
+        self._env = env
+        self._engine_died = asyncio.Event()
 
     @classmethod
     async def start(cls, config: LMKitConfig, *, observer: RequestObserver | None = None,
@@ -83,16 +87,48 @@ class AsyncLLM:
         """Start the engine-core process, wait until it is ready, load the tokenizer."""
         from lmkit.loading.tokenizer import load_tokenizer
 
-        client = EngineCoreClient(config.model_dump(mode="json"), env=env)
+        client, ready = await _start_client(config, env, startup_timeout)
         try:
-            ready = await client.start(timeout=startup_timeout)
             tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_dir)
         except BaseException:
             await client.close(kill=True)
             raise
-        llm = cls(client, ready, config, tokenizer, observer)
+        llm = cls(client, ready, config, tokenizer, observer, env)
         llm._loop_task = asyncio.create_task(llm._output_loop(), name="lmkit-engine-outputs")
         return llm
+
+    async def restart_engine(self, startup_timeout: float | None = None) -> None:
+        """Replace a dead engine process with a new one (same configuration and tokenizer).
+
+        Requests in flight have already failed; raises
+        :class:`~lmkit.frontend.core_client.EngineStartupError` if the new one fails to start.
+        """
+        if self.client.is_alive() or self._shutting_down:
+            raise RuntimeError("restart_engine needs a dead engine and a running frontend")
+        if self._loop_task is not None:
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self.client.close(kill=True)
+        client, ready = await _start_client(self.config, self._env, startup_timeout)
+        self.client, self.ready, self.stats = client, ready, dict(ready.stats)
+        self._engine_died.clear()
+        self._loop_task = asyncio.create_task(self._output_loop(), name="lmkit-engine-outputs")
+
+    async def wait_engine_death(self) -> None:
+        """Return once the current engine process has died (or failed)."""
+        await self._engine_died.wait()
+
+    async def warm_up(self, max_tokens: int = 4) -> None:
+        """Run one short request through the whole path (chat template, tokenizer, engine
+        prefill and decode, detokenizer), so that the first request's one-time costs
+        (lazy imports and set-up, first-call allocations, kernels built on first use)
+        are paid before the server reports ready. Not counted in the metrics."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        has_template = getattr(self.tokenizer, "chat_template", None) is not None
+        messages = [{"role": "user", "content": "Hello!"}] if has_template else None
+        async for _ in self.generate(None if has_template else "Hello!", params,
+                                     messages=messages, request_id=f"warm-up-{uuid.uuid4().hex}",
+                                     observe=False):
+            pass
 
     # ------------------------------------------------------------------ facts
 
@@ -123,9 +159,11 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams, *,
                        messages: list[dict[str, Any]] | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       chat_kwargs: dict[str, Any] | None = None
+                       chat_kwargs: dict[str, Any] | None = None, observe: bool = True
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output (with per-step deltas) until it finishes.
+
+        ``observe=False`` keeps the request out of the metrics (warm-up).
 
         Raises :class:`InvalidRequestError` for a bad request (before or after it reaches
         the engine) and :class:`EngineDeadError` if the engine dies. Closing the iterator
@@ -146,7 +184,7 @@ class AsyncLLM:
             requests = [(self.input_processor.make_request(
                 f"{rid}-{i}", ids, child_params(params, i), priority), i)
                 for i in range(params.n)]
-        collector = OutputCollector(len(ids), self.observer)
+        collector = OutputCollector(len(ids), self.observer if observe else None)
         self._collectors[rid] = collector
         self._children[rid] = [req.request_id for req, _ in requests]
         for req, index in requests:
@@ -241,6 +279,8 @@ class AsyncLLM:
             logger.exception("the engine output loop failed")
             self._fail_all(EngineDeadError(f"the frontend's output loop failed: {e!r}"))
             await self.client.close(kill=True)
+        self.stats = {}  # a dead engine runs nothing: no stale gauges
+        self._engine_died.set()
 
     def _deliver(self, message: EngineOutputs) -> None:
         processed = self.output_processor.process_outputs(message.outputs)
@@ -271,6 +311,11 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def is_shutting_down(self) -> bool:
+        """True once :meth:`shutdown` has begun."""
+        return self._shutting_down
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight, stop the engine process, close the channel."""
         self._shutting_down = True
@@ -280,3 +325,14 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await self.client.close(timeout=timeout)
+
+
+async def _start_client(config: LMKitConfig, env: dict[str, str] | None,
+                        startup_timeout: float | None) -> tuple[EngineCoreClient, EngineReady]:
+    """A new engine process for ``config``, ready (closed again if it fails)."""
+    client = EngineCoreClient(engine_config_json(config.model_dump(mode="json")), env=env)
+    try:
+        return client, await client.start(timeout=startup_timeout)
+    except BaseException:
+        await client.close(kill=True)
+        raise

@@ -1,7 +1,8 @@
 """The frontend's side of the engine-core channel: start the process, talk to it, watch it.
 
 The client binds two ZMQ ``ipc://`` sockets in a private temp dir (mode 0700): a PUSH
-socket for requests and a PULL socket for outputs. Every call is ``zmq.asyncio``, so
+socket for requests and a PULL socket for outputs. The handshake file there (mode 0600)
+holds the configuration without the API key. Every call is ``zmq.asyncio``, so
 the API process's event loop never blocks on the engine. :meth:`EngineCoreClient.recv`
 notices within :data:`DEATH_POLL_S` when the engine process has exited and raises
 :class:`~lmkit.errors.EngineDeadError`, so nothing waits forever on a dead engine.
@@ -15,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,12 +34,35 @@ from lmkit.engine.messages import (
     make_frontend_decoder,
 )
 from lmkit.errors import EngineDeadError, LMKitError
+from lmkit.platform import python_module_command
 
 DEATH_POLL_S = 0.2  # how often a quiet channel checks whether the engine process lives
 
+# secrets the engine process never needs (its environment and the handshake file)
+_SECRET_ENV = ("LMKIT_API_KEY", "LMKIT_SERVER__API_KEY")
+
+
+def engine_command(handshake: Path) -> list[str]:
+    """The command line of the engine-core process (the working directory is not on its
+    import path)."""
+    return python_module_command("lmkit.engine.core_proc", str(handshake))
+
+
+def engine_config_json(config_json: dict[str, Any]) -> dict[str, Any]:
+    """``config_json`` without the server's API key, which the engine does not need."""
+    server = {**config_json.get("server", {}), "api_key": None, "api_key_file": None}
+    return {**config_json, "server": server}
+
 
 class EngineStartupError(LMKitError):
-    """The engine-core process failed before it was ready; the message says why."""
+    """The engine-core process failed before it was ready; the message says why, and
+    :attr:`exit_code` is the one of the engine's own error."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class EngineCoreClient:
@@ -87,15 +110,14 @@ class EngineCoreClient:
         build (bad model, bad config, ...) or exits, and after ``timeout`` seconds.
         """
         handshake = self._tmpdir / "handshake.json"
-        handshake.write_text(json.dumps({
-            "config": self.config_json, "input_addr": self.input_addr,
-            "output_addr": self.output_addr, "parent_pid": os.getpid(),
-        }))
-        env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmkit.engine.core_proc", str(handshake)],
-            env=env, stdin=subprocess.DEVNULL,
-        )
+        fd = os.open(handshake, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"config": engine_config_json(self.config_json),
+                       "input_addr": self.input_addr, "output_addr": self.output_addr,
+                       "parent_pid": os.getpid()}, f)
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if k not in _SECRET_ENV}
+        self.proc = subprocess.Popen(engine_command(handshake), env=env,
+                                     stdin=subprocess.DEVNULL)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -114,7 +136,8 @@ class EngineCoreClient:
                 return message
             if isinstance(message, EngineFailed):
                 await self.close(kill=True)
-                raise EngineStartupError(f"the engine failed to start: {message.error}")
+                raise EngineStartupError(f"the engine failed to start: {message.error}",
+                                         exit_code=message.exit_code)
 
     async def send(self, message: ToEngine) -> None:
         """Send one message to the engine; raises EngineDeadError if it is gone."""

@@ -123,14 +123,14 @@ class LLM:
         self.host = PluginHost.load(cfg.plugins)
         self.engine = EngineCore(cfg, self.host, progress=progress)
         self.config = self.engine.config
-        from lmkit.loading.tokenizer import eos_token_ids, load_tokenizer
+        from lmkit.loading.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.engine.model_dir)
-        eos, extra = eos_token_ids(self.tokenizer, self.engine.model_dir)
+        facts = self.engine.facts
         self.input_processor = InputProcessor(
-            self.tokenizer, int(self.config.model.max_model_len or 0), eos,
-            self.engine.model_info.vocab_size, extra,
-            max_constraint_chars=self.config.structured_output.max_constraint_chars)
+            self.tokenizer, facts.max_model_len, facts.vocab_size, facts.eos_token_ids,
+            max_constraint_chars=self.config.structured_output.max_constraint_chars,
+            logits_processors=self.host.registry.names("logits_processor"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -93,6 +93,7 @@ class OutputProcessor:
         self._by_engine_id[request.request_id] = comp
 
     def has_unfinished(self) -> bool:
+        """True while any tracked request still has a completion in flight."""
         return bool(self._parents)
 
     def abort(self, parent_id: str) -> list[str]:

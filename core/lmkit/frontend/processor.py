@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from lmkit.api.request import Request
@@ -14,22 +14,26 @@ from lmkit.structured.constraint import validate_structured_outputs
 class InputProcessor:
     """Tokenizes and validates prompts against the model's context and vocabulary.
 
-    ``extra_eos_token_ids`` (from the model's generation config) stop generation like
-    EOS does; they are added to each request's ``stop_token_ids``.
+    ``max_model_len``, ``vocab_size`` and ``eos_token_ids`` are the engine's
+    :class:`~lmkit.api.ModelFacts`. Each request carries the first EOS id; the others
+    stop generation like EOS does and are added to its ``stop_token_ids``.
     ``max_constraint_chars`` bounds a structured-output constraint's size
     (``structured_output.max_constraint_chars``; ``None``: no bound).
+    ``logits_processors`` are the names of the logits processors the engine has; a
+    request naming another is refused.
     """
 
-    def __init__(self, tokenizer: Any, max_model_len: int, eos_token_id: int | None,
-                 vocab_size: int, extra_eos_token_ids: Sequence[int] = (),
-                 max_constraint_chars: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 eos_token_ids: Sequence[int] = (), max_constraint_chars: int | None = None,
+                 logits_processors: Collection[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        self.extra_eos_token_ids = [t for t in extra_eos_token_ids if t != eos_token_id]
+        self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
+        self.extra_eos_token_ids = [t for t in eos_token_ids[1:] if t != self.eos_token_id]
         self.max_constraint_chars = max_constraint_chars
         self._last_constraint: Any = None  # the last constraint object validated
+        self.logits_processors = frozenset(logits_processors)
 
     def tokenize(self, prompt: str | Sequence[int] | None,
                  messages: list[dict[str, Any]] | None = None,
@@ -96,6 +100,7 @@ class InputProcessor:
                                           if t in params.stop_token_ids else "logit_bias",
                                           code="invalid_value")
         self._validate_constraint(params.structured_outputs)
+        params = self._token_constraints(params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             if extra:
@@ -112,6 +117,50 @@ class InputProcessor:
             return
         validate_structured_outputs(structured_outputs, self.max_constraint_chars)
         self._last_constraint = structured_outputs
+
+    def _token_constraints(self, params: SamplingParams) -> SamplingParams:
+        """Check allowed_token_ids and logits_processors; tokenize bad_words."""
+        self._check_ids("allowed_token_ids", params.allowed_token_ids or [])
+        for words in params.bad_words_token_ids or []:
+            self._check_ids("bad_words_token_ids", words)
+        unknown = [n for n in params.logits_processors or [] if n not in self.logits_processors]
+        if unknown:
+            from lmkit.plugin_host.registry import suggest
+
+            known = ", ".join(sorted(self.logits_processors)) or "none (no plugin registers one)"
+            raise InvalidRequestError(
+                f"unknown logits processor {unknown[0]!r}; known: {known}."
+                f"{suggest(unknown[0], self.logits_processors)} Install or load (-p NAME) "
+                "the plugin that registers it, or remove it from logits_processors.",
+                param="logits_processors", code="invalid_value")
+        if params.bad_words:
+            words = [*(params.bad_words_token_ids or []), *tokenize_bad_words(
+                self.tokenizer, params.bad_words)]
+            params = _with(params, bad_words_token_ids=words)
+        return params
+
+    def _check_ids(self, param: str, ids: Sequence[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{param} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}; use ids the model knows", param=param, code="invalid_value")
+
+
+def tokenize_bad_words(tokenizer: Any, bad_words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids, as it stands and with a leading space (the form it
+    takes after another word), without special tokens; duplicates dropped.
+
+    A word that starts a text and the same word after a space usually tokenize
+    differently (``"world"`` vs ``" world"``), and either may be generated.
+    """
+    out: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

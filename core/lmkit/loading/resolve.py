@@ -5,17 +5,18 @@ plugins (``register_model_sources``).
 understands the reference (:meth:`ModelSource.matches`) and lets the first that does
 fetch it. A named source is used as is, and must understand the reference.
 
-A source may also offer ``known_refs()`` (a classmethod returning the names it knows,
-e.g. aliases); those are listed, with the closest match, when nothing understands a
-reference.
+The names a source knows (:meth:`ModelSource.known_refs`, e.g. aliases) are listed,
+with the closest match, when nothing understands a reference.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lmkit.api.contract import build, interface_problem
+from lmkit.api.source import ModelSource
 from lmkit.errors import ConfigError, ModelLoadError, ModelNotFoundError, PluginError
 from lmkit.loading.cache import default_cache_dir
 from lmkit.loading.weights import check_weight_files
@@ -68,7 +69,8 @@ def resolve_model(ref: str, host: PluginHost, cache_dir: Path | None = None,
     else:
         reg, cls = _first_match(host, ref)
 
-    model_dir = Path(cls().fetch(ref, cache_dir, progress))
+    source_obj: ModelSource = build(KIND, cls, plugin=reg.origin)
+    model_dir = Path(source_obj.fetch(ref, cache_dir, progress))
     validate_model_dir(model_dir, f"model source {reg.name!r} for {ref!r}")
     return model_dir
 
@@ -91,17 +93,22 @@ def validate_model_dir(model_dir: Path, origin: str = "") -> None:
     check_weight_files(model_dir)
 
 
-def _load(reg: Registration) -> Any:
+def _load(reg: Registration) -> type[ModelSource]:
     try:
-        return reg.spec.load()
+        cls = reg.spec.load()
     except Exception as e:
         raise PluginError(
             f"model source {reg.name!r} (plugin {reg.origin}) failed to load: "
             f"{type(e).__name__}: {e}"
         ) from e
+    problem = interface_problem(KIND, cls)
+    if problem is not None:
+        raise PluginError(f"model source {reg.name!r} (plugin {reg.origin}): {problem}; make "
+                          "the class inherit from lmkit.api.ModelSource.")
+    return cls
 
 
-def _first_match(host: PluginHost, ref: str) -> tuple[Registration, Any]:
+def _first_match(host: PluginHost, ref: str) -> tuple[Registration, type[ModelSource]]:
     tried: list[str] = []
     known: list[str] = []
     for reg in host.registry.all(KIND):
@@ -114,9 +121,7 @@ def _first_match(host: PluginHost, ref: str) -> tuple[Registration, Any]:
             return reg, cls
         tried.append(f"{reg.name} ({reg.spec.description.rstrip('.')})"
                      if reg.spec.description else reg.name)
-        known_refs = getattr(cls, "known_refs", None)
-        if callable(known_refs):
-            known.extend(known_refs())
+        known.extend(cls.known_refs())
     raise ModelNotFoundError(_not_found_message(ref, tried, known))
 
 

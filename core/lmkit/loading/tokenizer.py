@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkit.errors import ModelLoadError
 
@@ -44,20 +44,3 @@ def load_tokenizer(model_dir: Path) -> transformers.PreTrainedTokenizerBase:
             f"{type(e).__name__}: {e}"
         ) from e
 
-
-def eos_token_ids(tokenizer: Any, model_dir: Path) -> tuple[int | None, list[int]]:
-    """The tokenizer's EOS id and any further EOS ids of the model's generation config
-    (which stop generation like EOS does)."""
-    eos = tokenizer.eos_token_id
-    extra: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-        ids = gen.eos_token_id
-        extra = [ids] if isinstance(ids, int) else list(ids or [])
-    except (OSError, ValueError):
-        pass
-    if eos is None and extra:
-        eos, extra = extra[0], extra[1:]
-    return eos, [t for t in extra if t != eos]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.contract import build
 from lmkit.errors import ConfigError
 from lmkit.offload.transfers import KVTransfers
 
@@ -214,7 +215,8 @@ def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
     attention = stack.get("attention")
     if attention is not None:
         tier_config.attention.backend = attention.name
-    manager = reg.spec.load()(tier_config, kv_caches, options=stack.options["offload"])
+    manager = build("offload", reg.spec.load(), tier_config, kv_caches,
+                    options=stack.options["offload"], plugin=reg.origin)
     block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
     _, capacity = manager.usage()
     logger.info("KV offload: tier %r, %.2f GiB (%d blocks of %.2f MiB)", reg.name,

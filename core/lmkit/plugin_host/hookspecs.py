@@ -63,9 +63,9 @@ def register_schedulers(register: Register) -> None:
 
     The loaded target is a subclass of :class:`lmkit.api.Scheduler` (usually of
     :class:`lmkit.api.PagedScheduler`, overriding only the queueing policy). It is
-    constructed as ``cls(config, num_blocks=..., options=...)`` where ``config`` is the
-    engine's :class:`~lmkit.config.LMKitConfig` and ``options`` an instance of the
-    spec's options model.
+    built as ``cls(config, *, num_blocks, options)`` where ``config`` is the engine's
+    :class:`~lmkit.config.LMKitConfig` and ``options`` an instance of the spec's
+    options model.
 
     :param register: call ``register(Spec(...))`` once per implementation.
     """
@@ -75,7 +75,10 @@ def register_schedulers(register: Register) -> None:
 def register_attention_backends(register: Register) -> None:
     """Register attention backends.
 
-    The loaded target is a subclass of :class:`lmkit.api.AttentionBackend`. Declare in
+    The loaded target is a subclass of :class:`lmkit.api.AttentionBackend`, built by
+    the model as ``cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device,
+    block_size, sliding_window, options)``; a backend that lets the model write K/V
+    itself declares ``supports_model_kv_write = True`` on the class. Declare in
     ``caps`` what it supports: ``values={"device": {...}, "dtype": {...},
     "head_size": {...}}`` and features such as ``"multi_token_query"`` (several query
     tokens per decoding request, needed by speculative decoding) and ``"cuda_graphs"``.
@@ -90,8 +93,9 @@ def register_attention_backends(register: Register) -> None:
 def register_executors(register: Register) -> None:
     """Register executors (how model workers are started and driven).
 
-    The loaded target is a subclass of :class:`lmkit.api.Executor`, constructed as
-    ``cls(config, stack, options=...)``. Declare ``caps.values["device"]``.
+    The loaded target is a subclass of :class:`lmkit.api.Executor`, built as
+    ``cls(config, stack, *, options, host, facts)`` (``facts``: the engine's
+    :class:`lmkit.api.ModelFacts`). Declare ``caps.values["device"]``.
 
     :param register: call ``register(Spec(...))`` once per executor.
     """
@@ -103,7 +107,8 @@ def register_spec_proposers(register: Register) -> None:
     ``speculative``, selected by the config section and the ``--speculative`` flag of
     that name.
 
-    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`. Verification is
+    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`, built as
+    ``cls(config, *, options)``. Verification is
     done by the core, so a proposer only proposes. Declare what it needs of the rest of
     the stack in ``stack_needs`` (usually ``{"attention": Needs({"multi_token_query"})}``)
     and its own abilities in ``caps`` (``"hidden_states"`` if it consumes the target's
@@ -117,8 +122,8 @@ def register_spec_proposers(register: Register) -> None:
 def register_structured_output_backends(register: Register) -> None:
     """Register structured-output (constrained decoding) backends.
 
-    The loaded target is a subclass of :class:`lmkit.api.StructuredOutputBackend`.
-    Declare the constraint types it handles as features: ``json_schema``,
+    The loaded target is a subclass of :class:`lmkit.api.StructuredOutputBackend`,
+    built as ``cls(tokenizer, vocab_size, *, options)``. Declare the constraint types it handles as features: ``json_schema``,
     ``json_object``, ``regex``, ``grammar``, ``choice``, ``structural_tag``.
 
     :param register: call ``register(Spec(...))`` once per backend.
@@ -129,8 +134,9 @@ def register_structured_output_backends(register: Register) -> None:
 def register_offload_managers(register: Register) -> None:
     """Register KV-cache offload tiers.
 
-    The loaded target is a subclass of :class:`lmkit.api.OffloadManager` that stores
-    and loads KV blocks by content hash below the device cache (CPU memory, disk, ...).
+    The loaded target is a subclass of :class:`lmkit.api.OffloadManager`, built as
+    ``cls(config, kv_caches, *, options)``, that stores and loads KV blocks by content
+    hash below the device cache (CPU memory, disk, ...).
 
     :param register: call ``register(Spec(...))`` once per tier.
     """
@@ -142,7 +148,8 @@ def register_quantization_methods(register: Register) -> None:
     config section and the ``--quantization`` flag of that name).
 
     The loaded target is a subclass of :class:`lmkit.api.QuantizationMethod`,
-    constructed as ``cls(options)``: it checks a checkpoint's quantized tensors before
+    built as ``cls(facts, *, options)`` (``facts``: the model's
+    :class:`lmkit.api.model_facts.ModelFacts`): it checks a checkpoint's quantized tensors before
     anything runs, yields the model's weights with the quantized ones kept packed, and
     gives the model's linear layers the kernels that compute with them. Declare in
     ``caps``: ``values={"weight_format": {...}, "device": {...}}`` (the checkpoint
@@ -160,9 +167,11 @@ def register_models(register: Register) -> None:
     """Register model architectures.
 
     ``Spec.name`` and ``Spec.aliases`` are Hugging Face ``architectures`` names (e.g.
-    ``"LlamaForCausalLM"``); the engine picks the spec matching the model's config. The
-    loaded target is a :class:`torch.nn.Module` subclass following
-    :class:`lmkit.api.CausalLM`.
+    ``"LlamaForCausalLM"``); the engine picks the first of the model config's
+    ``architectures`` that a spec names. The loaded target subclasses both
+    :class:`torch.nn.Module` and :class:`lmkit.api.CausalLM` and is built as
+    ``cls(hf_config, ctx)``; its optional classmethod ``attention_needs(hf_config)``
+    declares what it needs of the attention backend.
 
     :param register: call ``register(Spec(...))`` once per architecture family.
     """
@@ -172,11 +181,31 @@ def register_models(register: Register) -> None:
 def register_model_sources(register: Register) -> None:
     """Register places model weights come from (local directories, GGUF files, hubs).
 
-    The loaded target follows :class:`lmkit.api.ModelSource`: ``matches(ref)`` says
-    whether it understands a model reference and ``fetch(ref, cache_dir)`` returns local
-    files. Sources are tried in priority order; the first that matches wins.
+    The loaded target subclasses :class:`lmkit.api.ModelSource` and is built as
+    ``cls()``: ``matches(ref)`` says whether it understands a model reference and
+    ``fetch(ref, cache_dir)`` returns local files; the optional ``known_refs()`` names
+    the references it knows. Sources are tried in priority order; the first that
+    matches wins.
 
     :param register: call ``register(Spec(...))`` once per source.
+    """
+
+
+@hookspec
+def register_logits_processors(register: Register) -> None:
+    """Register logits processors (batch-level changes to the logits before sampling).
+
+    The loaded target is a subclass of :class:`lmkit.api.LogitsProcessor`, constructed
+    once per engine as ``cls(ctx, options)`` (``ctx`` a
+    :class:`~lmkit.api.LogitsProcessorContext`: vocabulary size, number of request
+    slots, device; ``options`` the validated instance of the spec's options model, from
+    the config's ``logits_processors.options[name]``). Requests select it by name in
+    ``SamplingParams.logits_processors`` (their arguments in ``extra_args``); the
+    config's ``logits_processors.enable`` applies it to every request. It sees the
+    whole step's logits and per-row request slots and must not loop over requests in
+    Python in :meth:`~lmkit.api.LogitsProcessor.apply`.
+
+    :param register: call ``register(Spec(...))`` once per processor.
     """
 
 

@@ -23,6 +23,7 @@ Kind = Literal[
     "quantization",
     "model",
     "model_source",
+    "logits_processor",
 ]
 
 # kind -> the register-callback hook that contributes specs of that kind
@@ -36,6 +37,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "quantization": "register_quantization_methods",
     "model": "register_models",
     "model_source": "register_model_sources",
+    "logits_processor": "register_logits_processors",
 }
 
 KINDS: tuple[str, ...] = tuple(REGISTER_HOOKS)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lmkit.platform import cuda_device_count
 from lmkit.plugin_host.kinds import KINDS
 from lmkit.plugin_host.registry import Registration
-from lmkit.plugin_host.spec import Needs
+from lmkit.plugin_host.spec import Needs, choose_variant
 
 if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
@@ -56,12 +56,39 @@ def spec_report(reg: Registration, device: str | None = None,
         },
         "options": spec.options.__name__,
     }
+    if spec.variants:
+        chosen, why = choose_variant(spec.variants)
+        out["variant"] = chosen.name if chosen is not None else None
+        out["variants"] = [
+            {"name": v.name, "description": v.description, "requires": list(v.requires),
+             "compute_capability": sorted(v.compute_capability),
+             "available": not why[v.name], "reasons": why[v.name]}
+            for v in spec.variants
+        ]
     reasons = availability(reg, device)
     out["available"] = not reasons
     out["reasons"] = reasons
     if with_schema:
         out["options_schema"] = spec.options.model_json_schema()
     return out
+
+
+def variant_line(report: dict[str, Any]) -> str | None:
+    """One line saying which variant of a spec would run here and why the others would
+    not (``None`` for a spec without variants)."""
+    variants = report.get("variants")
+    if not variants:
+        return None
+    parts = []
+    for v in variants:
+        if v["name"] == report.get("variant"):
+            parts.append(f"{v['name']} would run ({v['description'] or 'available'})")
+        elif v["available"]:
+            parts.append(f"{v['name']}: available, not preferred")
+        else:
+            parts.append(f"{v['name']}: " + ", ".join(v["reasons"]))
+    head = "" if report.get("variant") else "none would run: "
+    return f"{report['name']}: {head}" + "; ".join(parts)
 
 
 def host_report(host: PluginHost) -> dict[str, Any]:

@@ -84,6 +84,14 @@ def resolve_device(config: LMKitConfig) -> tuple[str, str]:
     return device, dtype
 
 
+def configure_and_resolve(config: LMKitConfig, host: PluginHost) -> ResolvedStack:
+    """Run the plugins' ``configure`` checks, then :func:`resolve_stack`, loading nothing:
+    what ``lmkit config check`` reports and what ``lmkit serve`` checks before it starts
+    the engine. Raises :class:`ConfigError` (or a subclass) when the stack cannot run."""
+    host.hook.configure(config=config)
+    return resolve_stack(config, host)
+
+
 def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None,
                   weight_format: str | None = None) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.
@@ -97,10 +105,11 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
         its config is known.
-    :param weight_format: the checkpoint's weight format (``"gguf"`` when the model
-        directory keeps its GGUF file, see :func:`lmkit.loading.gguf.weight_format`): a
+    :param weight_format: the checkpoint's weight format
+        (:attr:`lmkit.api.model_facts.ModelFacts.weight_format`): a
         quantization method must read it. ``None`` (no model at hand, as in ``lmkit
-        config check``): any format.
+        config check``): ``auto`` chooses no method, a named one is checked for the
+        device only.
     :raises ConfigError: (or a subclass) with every reason and where the offending
         setting came from.
     """
@@ -120,7 +129,9 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         section = getattr(config, section_name)
         choice = section.backend
         reg = None
-        if not (kind in OPTIONAL_KINDS and choice == "none"):
+        # auto quantization follows the checkpoint: with no model at hand, none is chosen
+        unknown_format = kind == "quantization" and choice == "auto" and weight_format is None
+        if not (kind in OPTIONAL_KINDS and choice == "none") and not unknown_format:
             needs = base.get(kind, Needs())
             if choice == "auto":
                 needs = needs.merge(imposed.get(kind, Needs()))

@@ -4,6 +4,7 @@ capabilities (:class:`Caps`) that selection checks against :class:`Needs`."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from lmkit.platform import cuda_device_count
+from lmkit.platform import cuda_compute_capability, cuda_device_count
 from lmkit.plugin_host.kinds import canonical_kind
 
 
@@ -41,6 +42,10 @@ class Needs:
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", frozenset(self.features))
         object.__setattr__(self, "values", _frozen_map(self.values))
+
+    def __reduce__(self) -> tuple[type[Needs], tuple[frozenset[str], dict[str, Any]]]:
+        # picklable (ModelFacts carries Needs to executor workers in other processes)
+        return (Needs, (self.features, dict(self.values)))
 
     def merge(self, other: Needs) -> Needs:
         """Both sets of needs at once; ``other`` wins on a conflicting value."""
@@ -82,6 +87,82 @@ class Caps:
         return reasons
 
 
+def module_present(name: str) -> bool:
+    """Whether module ``name`` can be imported, without importing it or its parents.
+
+    ``importlib.util.find_spec("a.b")`` imports package ``a``, which may be heavy (a
+    CUDA library's ``__init__``); this walks the package path with the path finder
+    instead, so ``lmkit plugins list`` stays cheap.
+    """
+    head, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(head)
+        for i in range(len(rest)):
+            if spec is None or spec.submodule_search_locations is None:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(
+                ".".join([head, *rest[: i + 1]]), list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+NO_CUDA = "no CUDA device"
+
+
+def _missing_modules(names: tuple[str, ...]) -> list[str]:
+    return [f"missing module {m!r}" for m in names if not module_present(m)]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One of several interchangeable ways a spec can run, e.g. the generations of a
+    library (FlashAttention 4, 3 or 2), in order of preference: the first one whose
+    modules are importable and whose device fits is the one that runs.
+
+    Args:
+        name: short name (``"fa4"``), unique within the spec.
+        requires: import names that must be importable (checked without importing).
+        compute_capability: CUDA compute-capability majors it runs on (``{9, 10}``);
+            empty: no CUDA requirement of its own.
+        description: one line for ``lmkit plugins list`` (``"FlashAttention-4 ..."``).
+    """
+
+    name: str
+    requires: tuple[str, ...] = ()
+    compute_capability: frozenset[int] = frozenset()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requires", tuple(self.requires))
+        object.__setattr__(self, "compute_capability", frozenset(self.compute_capability))
+
+    def unavailable_reasons(self, capability: tuple[int, int] | None = None) -> list[str]:
+        """Why this variant cannot run here: missing modules, no CUDA device, or a device
+        of another compute capability. ``capability`` is the device's ``(major,
+        minor)``; by default that of CUDA device 0, asked of the driver."""
+        reasons = _missing_modules(self.requires)
+        if self.compute_capability:
+            cc = capability if capability is not None else cuda_compute_capability(0)
+            majors = sorted(self.compute_capability)
+            wanted = (f"{majors[0]}.x to {majors[-1]}.x"
+                      if len(majors) > 2 and majors[-1] - majors[0] == len(majors) - 1
+                      else " or ".join(f"{m}.x" for m in majors))
+            if cc is None:
+                reasons.append(NO_CUDA)
+            elif cc[0] not in self.compute_capability:
+                reasons.append(f"compute capability {cc[0]}.{cc[1]} (needs {wanted})")
+        return reasons
+
+
+def choose_variant(variants: tuple[Variant, ...], capability: tuple[int, int] | None = None
+                   ) -> tuple[Variant | None, dict[str, list[str]]]:
+    """The first usable variant (``None`` if none is) and every variant's reasons."""
+    reasons = {v.name: v.unavailable_reasons(capability) for v in variants}
+    chosen = next((v for v in variants if not reasons[v.name]), None)
+    return chosen, reasons
+
+
 @dataclass(frozen=True, slots=True)
 class Spec:
     """One registered implementation of an extension point.
@@ -102,6 +183,9 @@ class Spec:
             by kind: e.g. ``{"attention": Needs({"multi_token_query"})}``.
         aliases: other names it answers to (model architectures use this).
         description: one line for ``lmkit plugins list``.
+        variants: interchangeable ways to run, in order of preference (see
+            :class:`Variant`); the spec is available when at least one is, and ``lmkit
+            plugins list`` shows which would run and why the others would not.
     """
 
     name: str
@@ -114,6 +198,7 @@ class Spec:
     stack_needs: Mapping[str, Needs] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
     description: str = ""
+    variants: tuple[Variant, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -126,6 +211,7 @@ class Spec:
             raise TypeError(f"Spec {self.name!r}: options must be a pydantic model class")
         object.__setattr__(self, "requires", tuple(self.requires))
         object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "stack_needs", _frozen_map(
             {canonical_kind(k): v for k, v in self.stack_needs.items()}))
 
@@ -141,16 +227,16 @@ class Spec:
 
     def unavailable_reasons(self) -> list[str]:
         """Why this implementation cannot run on this machine at all (cheap checks)."""
-        reasons = []
-        for mod in self.requires:
-            try:
-                found = importlib.util.find_spec(mod) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                reasons.append(f"missing module {mod!r}")
+        reasons = _missing_modules(self.requires)
         if self.needs_cuda and cuda_device_count() == 0:
-            reasons.append("no CUDA device")
+            reasons.append(NO_CUDA)
+        if self.variants:
+            chosen, why = choose_variant(self.variants)
+            if chosen is None:  # "no CUDA device" is said once, above or here
+                said = set(reasons)
+                left = {name: [x for x in r if x not in said] for name, r in why.items()}
+                reasons.append("no usable variant: " + ", ".join(
+                    name + (f" ({', '.join(r)})" if r else "") for name, r in left.items()))
         return reasons
 
     def why_not(self, needs: Needs) -> list[str]:

@@ -3,10 +3,15 @@
 Modules (each imports torch, so this package imports them lazily):
 
 - ``metadata``: :class:`SamplingMetadata`, the batch's parameters as tensors.
-- ``penalties``: logit bias, min_tokens ban, repetition/frequency/presence penalties.
+- ``penalties``: logit bias, token bans (min_tokens, bad_words), allowed token ids,
+  repetition/frequency/presence penalties.
 - ``filters``: temperature, min-p, top-k, top-p and the final softmax.
+- ``draws``: the pipeline's steps (adjust, distribution, one draw per row).
+- ``rejection``: the draft acceptance rule (greedy prefix, rejection sampling).
+- ``drafts``: draft layout, rejection sampling of random rows, the greedy host walk.
+- ``processors``: :class:`LogitsProcessorSet`, the plugin logits processors in use.
 - ``logprobs``: chosen-token logprobs, ranks, top alternatives, prompt logprobs.
-- ``sampler``: :class:`Sampler`, :func:`make_generator`, :func:`compute_prompt_logprobs`.
+- ``sampler``: :class:`Sampler`, the one pipeline (drafts optional).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ _LAZY = {
     "SamplingMetadata": "lmkit.sample.metadata",
     "Sampler": "lmkit.sample.sampler",
     "SamplerOutput": "lmkit.sample.sampler",
+    "VerifiedTokens": "lmkit.sample.drafts",
+    "LogitsProcessorSet": "lmkit.sample.processors",
     "make_generator": "lmkit.sample.sampler",
     "compute_prompt_logprobs": "lmkit.sample.sampler",
 }

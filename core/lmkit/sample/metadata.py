@@ -15,12 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
 from lmkit.sample.penalties import PenaltyTensors, build_penalty_tensors
+
+if TYPE_CHECKING:
+    from lmkit.api.logits_processor import LogitsProcessor
 
 
 @dataclass
@@ -48,10 +53,17 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None = None  # int64 [num_entries]
     bias_token_ids: torch.Tensor | None = None  # int64 [num_entries]
     bias_values: torch.Tensor | None = None  # float32 [num_entries]
-    # min_tokens: (row, token id) pairs forbidden this step (EOS, stop_token_ids).
+    # (row, token id) pairs forbidden this step: EOS and stop_token_ids below min_tokens,
+    # bad_words whose preceding tokens match the output.
     banned_rows: torch.Tensor | None = None  # int64 [num_banned]
     banned_token_ids: torch.Tensor | None = None  # int64 [num_banned]
+    # allowed_token_ids: the rows that have it and, per such row, the tokens allowed.
+    allowed_rows: torch.Tensor | None = None  # int64 [num_allowed_rows]
+    allowed_mask: torch.Tensor | None = None  # bool [num_allowed_rows, vocab]
     penalties: PenaltyTensors | None = None
+    # Plugin logits processors in use this step, and each row's request slot.
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    processor_slots: torch.Tensor | None = None  # int64 [num_rows]
     # Logprobs: per-row count of alternatives asked for (None: row does not ask).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -59,9 +71,11 @@ class SamplingMetadata:
 
     @property
     def needs_logit_adjustment(self) -> bool:
-        """Whether any row has a logit bias, a min_tokens ban or penalties this step."""
+        """Whether any row has a logit bias, a token ban, allowed token ids, penalties
+        or a logits processor this step."""
         return (self.bias_rows is not None or self.banned_rows is not None
-                or self.penalties is not None)
+                or self.allowed_rows is not None or self.penalties is not None
+                or self.processor_slots is not None)
 
     @classmethod
     def build(
@@ -79,7 +93,8 @@ class SamplingMetadata:
         Args:
             params: each row's request parameters.
             prompt_token_ids: each row's prompt (read only for repetition penalties).
-            output_token_ids: each row's generated tokens so far (penalties, min_tokens).
+            output_token_ids: each row's generated tokens so far (penalties, min_tokens,
+                bad_words).
             generators: each row's own generator (from :func:`make_generator`) or
                 ``None``; a random row with a generator draws only from it.
             eos_token_ids: each row's EOS id, banned while below ``min_tokens`` unless
@@ -88,7 +103,8 @@ class SamplingMetadata:
             device: where the logits live.
 
         Raises:
-            InvalidRequestError: a logit_bias token id is outside ``[0, vocab_size)``.
+            InvalidRequestError: a logit_bias or allowed token id is outside
+                ``[0, vocab_size)``.
         """
         num_rows = len(params)
         lengths = {len(prompt_token_ids), len(output_token_ids), len(generators),
@@ -108,13 +124,14 @@ class SamplingMetadata:
         if not md.all_greedy:
             md._set_random_sampling(params, greedy, generators, device)
         md._set_logit_bias(params, device)
-        md._set_min_tokens_ban(params, output_token_ids, eos_token_ids, device)
+        md._set_banned_tokens(params, output_token_ids, eos_token_ids, device)
+        md._set_allowed_tokens(params, device)
         md.penalties = build_penalty_tensors(params, prompt_token_ids, output_token_ids,
                                              vocab_size, device)
         md.num_logprobs = [p.logprobs for p in params]
         asking = [i for i, n in enumerate(md.num_logprobs) if n is not None]
         if asking:
-            md.max_num_logprobs = max(md.num_logprobs[i] for i in asking)
+            md.max_num_logprobs = max(md.num_logprobs[i] or 0 for i in asking)
             md.logprob_rows = torch.tensor(asking, dtype=torch.int64).to(device)
         return md
 
@@ -159,15 +176,18 @@ class SamplingMetadata:
             self.bias_token_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
             self.bias_values = torch.tensor(values, dtype=torch.float32).to(device)
 
-    def _set_min_tokens_ban(self, params, output_token_ids, eos_token_ids, device) -> None:
+    def _set_banned_tokens(self, params, output_token_ids, eos_token_ids, device) -> None:
         rows: list[int] = []
         token_ids: list[int] = []
         for i, (p, eos) in enumerate(zip(params, eos_token_ids, strict=True)):
-            if len(output_token_ids[i]) >= p.min_tokens:
-                continue
-            banned = set(p.stop_token_ids)
-            if eos is not None and not p.ignore_eos:
-                banned.add(eos)
+            output = output_token_ids[i]
+            banned = set()
+            if len(output) < p.min_tokens:
+                banned.update(p.stop_token_ids)
+                if eos is not None and not p.ignore_eos:
+                    banned.add(eos)
+            if p.bad_words_token_ids:
+                banned.update(bad_words_banned(p.bad_words_token_ids, output))
             for tok in sorted(banned):
                 if 0 <= tok < self.vocab_size:  # ids beyond the logits can't be sampled
                     rows.append(i)
@@ -175,3 +195,37 @@ class SamplingMetadata:
         if rows:
             self.banned_rows = torch.tensor(rows, dtype=torch.int64).to(device)
             self.banned_token_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
+
+    def _set_allowed_tokens(self, params, device) -> None:
+        rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if not rows:
+            return
+        ids = [params[i].allowed_token_ids for i in rows]
+        bad = [t for t in chain.from_iterable(ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"allowed_token_ids names token id {bad[0]}, but the model's vocabulary has "
+                f"ids 0..{self.vocab_size - 1}; remove it or use a valid id",
+                param="allowed_token_ids", code="invalid_value")
+        lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+        mask_rows = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        mask_cols = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.int64)
+        mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
+        mask[mask_rows, mask_cols] = True
+        self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.allowed_mask = mask.to(device)
+
+
+def bad_words_banned(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens ``bad_words`` forbid next after ``output``: the last token of every
+    bad word whose other tokens end ``output`` (a one-token word: always).
+
+    O(total bad-word length); ``output`` is only indexed near its end.
+    """
+    n = len(output)
+    banned = []
+    for word in bad_words:
+        m = len(word) - 1
+        if m <= n and all(output[n - m + j] == word[j] for j in range(m)):
+            banned.append(word[-1])
+    return banned

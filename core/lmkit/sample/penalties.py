@@ -1,5 +1,6 @@
 """Logit adjustments that follow from a request's own tokens and explicit asks: logit
-bias, the min_tokens mask, and repetition / frequency / presence penalties.
+bias, token bans (min_tokens, bad_words), allowed token ids, and repetition /
+frequency / presence penalties.
 
 Every function acts in place on float32 logits ``[num_rows, vocab]`` and is vectorised
 over the batch; the tensors they take are built once per step by
@@ -136,8 +137,21 @@ def apply_logit_bias(
 def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Forbid ``token_ids[i]`` in row ``rows[i]`` (logit set to -inf), in place.
 
-    Used for min_tokens: EOS and the stop token ids are forbidden until a request has
-    generated ``min_tokens`` tokens.
+    Used for min_tokens (EOS and the stop token ids are forbidden until a request has
+    generated ``min_tokens`` tokens) and for bad_words.
     """
     logits[rows, token_ids] = float("-inf")
+    return logits
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+                         ) -> torch.Tensor:
+    """Forbid, in each of ``rows``, every token its ``mask`` row does not allow, in place.
+
+    Args:
+        logits: float32 ``[num_rows, vocab]``.
+        rows: int64 ``[num_allowed_rows]``, the rows with ``allowed_token_ids``.
+        mask: bool ``[num_allowed_rows, vocab]``, True where a token is allowed.
+    """
+    logits[rows] = logits[rows].masked_fill_(~mask, float("-inf"))
     return logits

@@ -1,27 +1,50 @@
-"""The sampler: adjusted logits -> one token per row, with optional logprobs.
+"""The sampler: a step's logits -> the tokens each request emits, drafts verified.
 
-Per step: raw logprobs (if any row asks) -> logit bias -> min_tokens ban -> penalties
--> greedy argmax; then, for random rows, temperature -> min-p -> top-k -> top-p ->
-softmax -> exponential-race sample. Everything is batched torch; the only per-row
-Python is one noise draw per seeded row, so that row's randomness comes from its own
-generator alone and does not depend on what else is in the batch.
+One pipeline for every step. The logits have one row per position a request samples
+at: one for a plain decode (or the last chunk of a prefill), ``k + 1`` consecutive rows
+for a request with ``k`` draft tokens (its parameters repeated, its output extended by
+the drafts before each position, see :class:`~lmkit.sample.metadata.SamplingMetadata`).
+All batched:
+
+1. raw logprobs (rows asking), from the model's logits;
+2. :func:`~lmkit.sample.draws.adjust_logits` on a float32 copy: logit bias, token bans
+   (min_tokens, bad_words), allowed token ids, penalties, plugin logits processors;
+3. greedy rows: argmax; random rows: :func:`~lmkit.sample.draws.compute_probs`
+   (temperature, min-p, top-k, top-p) and one draw per row;
+4. only with drafts: the acceptance rule (greedy: the draft equals the argmax; random:
+   rejection sampling, draws at draft rows come from the recovery distribution, see
+   :mod:`lmkit.sample.rejection`), then the accepted prefix per request.
+
+"No drafts" is the simple case: step 4 is skipped and each row's draw is its token. A
+step whose rows are all greedy and ask no logprobs (the common case of a copy workload)
+takes a shorter path, :func:`~lmkit.sample.drafts.verify_greedy`: one argmax, one
+device-to-host copy, the accepted prefixes found on the host. The model runner calls it
+directly, without building sampling metadata, when no request needs its logits adjusted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lmkit.api.outputs import TokenLogprob
-from lmkit.sample.filters import logits_to_probs
+from lmkit.sample import rejection
+from lmkit.sample.drafts import (
+    DraftLayout,
+    VerifiedTokens,
+    logprobs_per_request,
+    sample_and_accept,
+    verify_greedy,
+)
+from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sample_from_probs
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.penalties import apply_logit_bias, apply_penalties, apply_token_mask
 
 __all__ = [
-    "Sampler", "SamplerOutput", "adjust_logits", "compute_probs", "compute_prompt_logprobs",
-    "make_generator", "sample_from_probs",
+    "Sampler", "SamplerOutput", "VerifiedTokens", "adjust_logits", "compute_probs",
+    "compute_prompt_logprobs", "make_generator", "sample_from_probs", "verify_greedy",
 ]
 
 
@@ -33,90 +56,118 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None] | None  # per row; None when no row asks
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A generator for one request's sampling noise, seeded with the request's ``seed``."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
-def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Apply logit bias, the min_tokens ban and penalties in place (greedy rows too).
-
-    These steps change which token is the argmax, so they come before greedy selection.
-    """
-    if md.bias_rows is not None:
-        apply_logit_bias(logits, md.bias_rows, md.bias_token_ids, md.bias_values)
-    if md.banned_rows is not None:
-        apply_token_mask(logits, md.banned_rows, md.banned_token_ids)
-    if md.penalties is not None:
-        apply_penalties(logits, md.penalties)
-    return logits
-
-
-def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The distribution random rows sample from: temperature, min-p, top-k, top-p, softmax.
-
-    ``logits`` (already through :func:`adjust_logits`) is modified in place. Greedy rows
-    get their unfiltered softmax at temperature 1 (the sampler takes their argmax).
-    Returns float32 ``[num_rows, vocab]``.
-    """
-    return logits_to_probs(logits, md.temperature, md.top_k, md.top_p, md.min_p, md.max_top_k)
-
-
-def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row by inverting the row's cumulative distribution.
-
-    Each row uses a single uniform number ``u``: the token is the first whose cumulative
-    probability exceeds ``u * total``. A token with zero probability does not raise the
-    cumulative sum, so it can never be drawn. Rows in ``generators`` draw ``u`` from
-    their own generator (one number per step, whatever else is in the batch); the other
-    rows share one draw from the default generator. Returns int64 ``[num_rows]``.
-    """
-    num_rows = probs.shape[0]
-    cdf = probs.cumsum(dim=-1)  # [num_rows, vocab]
-    u = torch.empty(num_rows, 1, dtype=cdf.dtype, device=cdf.device)
-    if len(generators) < num_rows:
-        u.uniform_()
-    for row, generator in generators.items():
-        u[row].uniform_(generator=generator)
-    total = cdf[:, -1:]
-    # Stay strictly below the total, which rounding in u * total could otherwise reach.
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    # The clamp only matters for rows that are NaN (e.g. a model that produced NaN logits).
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
 class Sampler:
-    """Samples one token per row from a step's logits (see the module docstring)."""
+    """Samples a step's rows and verifies its drafts (see the module docstring)."""
+
+    verify_greedy = staticmethod(verify_greedy)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Sample from ``logits`` (float32 ``[num_rows, vocab]``, left unmodified).
+        """Sample one token per row of ``logits`` (float32 ``[num_rows, vocab]``, left
+        unmodified): a step without drafts.
 
         Greedy rows are exactly ``torch.argmax`` of the adjusted logits (first index on
         ties). Logprobs, for rows asking, are from the raw logits.
         """
-        if logits.dim() != 2 or logits.shape[0] != md.num_rows:
-            raise ValueError(f"Sampler expects logits [num_rows={md.num_rows}, vocab]; "
-                             f"got shape {tuple(logits.shape)}")
-        logprobs = None
+        _check_rows(logits, md, md.num_rows, "one row per request")
+        tokens, _, raw_logprobs = self._sample_rows(logits, md, None, None)
+        return SamplerOutput(tokens, _row_logprobs(tokens, raw_logprobs, md))
+
+    def sample_requests(self, logits: torch.Tensor, md: SamplingMetadata,
+                        drafts: Sequence[Sequence[int]],
+                        draft_probs: Sequence[torch.Tensor | None] | None = None
+                        ) -> VerifiedTokens:
+        """Sample every request's next token, verifying its drafts first.
+
+        Args:
+            logits: ``[num_rows, vocab]``, ``len(drafts[i]) + 1`` consecutive rows per
+                request; not modified.
+            md: one row per logits row.
+            drafts: per request its draft token ids (empty: a plain decode or the last
+                prefill chunk).
+            draft_probs: per request ``[len(drafts[i]), vocab]`` draft distributions, or
+                ``None`` (deterministic drafts, one-hot).
+
+        Returns:
+            per request the accepted drafts then one sampled token.
+        """
+        if not any(drafts):
+            out = self(logits, md)
+            tokens = out.sampled_token_ids.tolist()
+            lps = None if out.logprobs is None else [[lp] if lp else [] for lp in out.logprobs]
+            return VerifiedTokens([[t] for t in tokens], [0] * len(tokens), lps)
+        _check_rows(logits, md, len(drafts) + sum(map(len, drafts)),
+                    "one row per draft plus one per request")
+        if md.all_greedy and md.logprob_rows is None:
+            if md.needs_logit_adjustment:
+                logits = adjust_logits(logits.to(torch.float32, copy=True), md)
+            return verify_greedy(logits, drafts)
+        layout = DraftLayout.build(drafts, logits.device)
+        out_tokens, accepted, raw_logprobs = self._sample_rows(logits, md, layout, draft_probs)
+        assert accepted is not None
+        num_accepted = rejection.count_accepted(accepted, layout.req, layout.pos, len(drafts),
+                                                max(layout.num_drafts))
+        host = torch.cat([out_tokens, num_accepted]).tolist()  # the one device-to-host copy
+        rows_out, accepted_l = host[:md.num_rows], host[md.num_rows:]
+        token_ids = [rows_out[s:s + n + 1] for s, n in zip(layout.row_starts, accepted_l,
+                                                             strict=True)]
+        row_lps = _row_logprobs(out_tokens, raw_logprobs, md)
+        logprobs = None if row_lps is None else logprobs_per_request(row_lps, layout,
+                                                                      accepted_l)
+        return VerifiedTokens(token_ids, accepted_l, logprobs)
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, md: SamplingMetadata, layout: DraftLayout | None,
+                     draft_probs: Sequence[torch.Tensor | None] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Steps 1-4 on the device: (each row's output token if the request reaches
+        it, accepted per draft or ``None`` without drafts, raw logprobs of the rows
+        asking or ``None``)."""
+        raw_logprobs = None
         if md.logprob_rows is not None:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
         if md.needs_logit_adjustment or not md.all_greedy:
             logits = adjust_logits(logits.to(torch.float32, copy=True), md)
         greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+        accepted = None
         if md.all_greedy:
-            sampled = greedy_ids
+            assert greedy_ids is not None
+            row_tokens = greedy_ids
+            if layout is not None:
+                accepted = layout.token_ids == greedy_ids[layout.rows]
         else:
-            random_ids = sample_from_probs(compute_probs(logits, md), md.generators)
-            sampled = random_ids if greedy_ids is None else torch.where(
-                md.is_greedy, greedy_ids, random_ids)
-        if md.logprob_rows is not None:
-            asking = to_token_logprobs(
-                sampled[md.logprob_rows], raw_logprobs,
-                [n for n in md.num_logprobs if n is not None])
-            logprobs = [None] * md.num_rows
-            rows = [i for i, n in enumerate(md.num_logprobs) if n is not None]
-            for row, entry in zip(rows, asking, strict=True):
-                logprobs[row] = entry
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+            probs = compute_probs(logits, md)
+            if layout is None:
+                row_tokens = sample_from_probs(probs, md.generators)
+            else:
+                row_tokens, accepted = sample_and_accept(probs, md, layout, draft_probs)
+            if greedy_ids is not None:
+                row_tokens = torch.where(md.is_greedy, greedy_ids, row_tokens)
+                if layout is not None and accepted is not None:
+                    accepted = torch.where(md.is_greedy[layout.rows],
+                                           layout.token_ids == greedy_ids[layout.rows],
+                                           accepted)
+        if layout is not None and accepted is not None:
+            row_tokens = rejection.select_output_tokens(row_tokens, layout.rows,
+                                                        layout.token_ids, accepted)
+        return row_tokens, accepted, raw_logprobs
+
+
+def _check_rows(logits: torch.Tensor, md: SamplingMetadata, num_rows: int, what: str) -> None:
+    if logits.dim() != 2 or logits.shape[0] != md.num_rows or md.num_rows != num_rows:
+        raise ValueError(f"Sampler expects logits [num_rows={num_rows}, vocab] and metadata "
+                         f"with {what}; got logits {tuple(logits.shape)}, metadata "
+                         f"{md.num_rows} rows")
+
+
+def _row_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                  md: SamplingMetadata) -> list[TokenLogprob | None] | None:
+    """Per row its token's logprobs (rows asking) or ``None``; ``None`` if no row asks."""
+    if raw_logprobs is None or md.logprob_rows is None:
+        return None
+    rows = [i for i, n in enumerate(md.num_logprobs) if n is not None]
+    entries = to_token_logprobs(tokens[md.logprob_rows], raw_logprobs,
+                                [md.num_logprobs[i] or 0 for i in rows])
+    per_row: list[TokenLogprob | None] = [None] * md.num_rows
+    for row, entry in zip(rows, entries, strict=True):
+        per_row[row] = entry
+    return per_row

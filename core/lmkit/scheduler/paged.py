@@ -346,9 +346,9 @@ class PagedScheduler(Scheduler):
         finished requests; one output per request that got tokens, finished, or got
         prompt logprobs (a partial prefill chunk otherwise produces none)."""
         if self.offload is not None:
-            for request, num_valid in self.offload.on_loads_finished(
+            for loaded, num_valid in self.offload.on_loads_finished(
                     runner_output.finished_kv_loads):
-                self._take_back(request, num_valid)
+                self._take_back(loaded, num_valid)
         row_of = {rid: i for i, rid in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs: list[EngineCoreOutput] = []

@@ -1,10 +1,13 @@
 """The FastAPI application: state, middleware, routes, and the engine's lifecycle.
 
-The app starts listening before the model is loaded: the engine process starts in the
-background from the lifespan hook, ``/health`` answers 503 until it is ready (and again
-if it dies), and the generation routes answer 503 meanwhile. Middleware, outermost
-first: CORS (only when origins are configured), API key, body-size limit, and the
-catch-all that answers an unexpected exception with a 500 (keeping the connection).
+``lmkit serve`` starts the engine (warmed up) first and hands it to :func:`build_app`, so
+the server binds its port only once it can serve. Without one, the engine process starts
+in the background from the lifespan hook (tests do this), ``/health`` answers 503 until
+it is ready, and the generation routes answer 503 meanwhile. Either way an
+:class:`~lmkit.serve.supervisor.EngineSupervisor` restarts the engine if it dies
+(503 with ``Retry-After`` meanwhile). Middleware, outermost first: CORS (only when
+origins are configured), API key, body-size limit, and the catch-all
+that answers an unexpected exception with a 500 (keeping the connection).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lmkit.serve.errors import APIError, install_error_handlers
 from lmkit.serve.limits import AdmissionController
 from lmkit.serve.logprobs import TokenTexts
 from lmkit.serve.metrics import ServerMetrics
+from lmkit.serve.supervisor import EngineSupervisor, start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class ServerState:
     metrics: ServerMetrics
     admission: AdmissionController
     llm: AsyncLLM | None = None
+    supervisor: EngineSupervisor | None = None
     startup_error: str | None = None
     created: float = 0.0
     accepted_model_names: set[str] = field(default_factory=set)
@@ -49,10 +54,21 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly (GET /health "
                            "turns 200 when ready)", code="model_loading",
                            headers={"Retry-After": "5"})
+        supervisor = self.supervisor
+        if supervisor is not None and supervisor.is_restarting:
+            wait = supervisor.retry_after_s()
+            raise APIError(503, f"the engine died ({self.llm.dead_reason}) and is restarting; "
+                           f"retry in {wait}s (GET /health turns 200 when it is back)",
+                           code="engine_restarting", headers={"Retry-After": str(wait)})
         if not self.llm.is_healthy:
             raise APIError(503, f"the engine is not running: {self.llm.dead_reason}",
                            code="engine_dead")
         return self.llm
+
+    def engine_is_up(self) -> bool:
+        """True while the engine runs and no restart is under way."""
+        restarting = self.supervisor is not None and self.supervisor.is_restarting
+        return self.llm is not None and self.llm.is_healthy and not restarting
 
     def check_model(self, name: str) -> None:
         """404 unless ``name`` is the model this server serves."""
@@ -94,14 +110,20 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.lmkit  # type: ignore[no-any-return]
 
 
-def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | None = None,
+def build_app(config: LMKitConfig, *, llm: AsyncLLM | None = None,
+              metrics: ServerMetrics | None = None,
+              on_ready: Callable[[AsyncLLM], None] | None = None,
               on_startup_failure: Callable[[BaseException], None] | None = None,
+              on_give_up: Callable[[BaseException], None] | None = None,
               engine_env: dict[str, str] | None = None,
               startup_timeout: float | None = None) -> FastAPI:
-    """An app serving ``config``'s model; the engine starts when the app's lifespan does.
+    """An app serving ``config``'s model with ``llm`` (started by the caller with
+    ``metrics`` as its observer), or with an engine started in the background when the
+    app's lifespan starts.
 
-    ``on_ready`` runs once the engine is up (the CLI prints the stack and URL there);
-    ``on_startup_failure`` runs if it cannot start (the CLI stops the server there).
+    ``on_ready`` runs once a background engine is up; ``on_startup_failure`` runs if it
+    cannot start; ``on_give_up`` runs when a dead engine could not be restarted (the CLI
+    stops the server there, with status 1).
     """
     from lmkit.serve.routes_admin import router as admin_router
     from lmkit.serve.routes_chat import router as chat_router
@@ -109,25 +131,29 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
 
     server = config.server
     served = server.served_model_name or config.model.model
-    state_box: dict[str, ServerState] = {}
 
-    def engine_stats() -> dict[str, float]:
-        return state_box["state"].engine_stats()
-
-    metrics = ServerMetrics(engine_stats)
+    metrics = metrics or ServerMetrics()
     # what the engine can run at once plus a bounded queue
     capacity = config.scheduler.max_num_seqs + server.max_queued_requests
     state = ServerState(config=config, served_model_name=served, metrics=metrics,
                         admission=AdmissionController(capacity),
                         accepted_model_names={served, config.model.model})
-    state_box["state"] = state
+    metrics.bind(state.engine_stats, state.engine_is_up)
 
-    async def start_engine() -> None:
+    def serve(started: AsyncLLM) -> asyncio.Task[None]:
         import time
 
+        state.llm = started
+        state.created = time.time()
+        state.supervisor = EngineSupervisor(
+            started, config, startup_timeout=startup_timeout, on_give_up=on_give_up,
+            on_restart=lambda _: metrics.engine_restarts.inc())
+        return asyncio.create_task(state.supervisor.run(), name="lmkit-engine-supervisor")
+
+    async def start_in_background() -> None:
         try:
-            llm = await AsyncLLM.start(config, observer=metrics, env=engine_env,
-                                       startup_timeout=startup_timeout)
+            started = await start_engine(config, observer=metrics, env=engine_env,
+                                         startup_timeout=startup_timeout)
         except BaseException as e:
             state.startup_error = str(e)
             logger.error("%s", e)
@@ -136,21 +162,24 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
-        state.llm = llm
-        state.created = time.time()
+        tasks.append(serve(started))
         if on_ready is not None:
-            on_ready(llm)
+            on_ready(started)
+
+    tasks: list[asyncio.Task[None]] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(start_engine(), name="lmkit-engine-start")
+        if llm is not None:
+            tasks.append(serve(llm))
+        else:
+            tasks.append(asyncio.create_task(start_in_background(), name="lmkit-engine-start"))
         try:
             yield
         finally:
-            if not task.done():
+            for task in tasks:  # engine start, supervisor (a restart under way stops)
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await asyncio.gather(*tasks, return_exceptions=True)
             if state.llm is not None:
                 await state.llm.shutdown()
 
@@ -166,7 +195,7 @@ def build_app(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM], None] | Non
 
 
 def _add_middleware(app: FastAPI, config: LMKitConfig) -> None:
-    from lmkit.serve.auth import APIKeyMiddleware
+    from lmkit.serve.auth import APIKeyMiddleware, load_api_key
     from lmkit.serve.errors import InternalErrorMiddleware
     from lmkit.serve.limits import BodySizeLimitMiddleware
 
@@ -175,8 +204,9 @@ def _add_middleware(app: FastAPI, config: LMKitConfig) -> None:
     # exception into a 500 without closing the connection
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
-    if server.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    api_key = load_api_key(server)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if server.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -2,10 +2,11 @@
 
 Request-level series are measured in the API process as outputs arrive (time to first
 token, inter-token latency, end-to-end latency, requests by outcome, prompt and
-generated tokens). Engine-level series (running and waiting requests, KV-cache usage,
-prefix-cache hit rate, preemptions, KV offload) come from ``EngineCore.stats()``, which the engine
-process sends over the channel periodically; every numeric stat is also exported as
-``lmkit_engine_stat{stat="..."}``. Each server has its own registry.
+generated tokens); so are whether the engine is up and how often it was restarted.
+Engine-level series (running and waiting requests, KV-cache usage, prefix-cache hit
+rate, preemptions, KV offload) come from ``EngineCore.stats()``, which the engine process
+sends over the channel periodically (none while the engine is dead); every numeric
+stat is also exported as ``lmkit_engine_stat{stat="..."}``. Each server has its own registry.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -116,7 +117,8 @@ class EngineStatsCollector:
 class ServerMetrics:
     """The server's registry; also the :class:`RequestObserver` of every request."""
 
-    def __init__(self, get_engine_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, get_engine_stats: Callable[[], dict[str, float]] | None = None) -> None:
+        self._get_engine_stats = get_engine_stats or dict
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmkit_requests", "Requests by outcome (stop, length, abort, "
@@ -132,7 +134,17 @@ class ServerMetrics:
                                      "requests.", registry=r)
         self.generation_tokens = Counter("lmkit_generation_tokens", "Generated tokens.",
                                          registry=r)
-        r.register(EngineStatsCollector(get_engine_stats))  # type: ignore[arg-type]
+        self.engine_up = Gauge("lmkit_engine_up", "1 while the engine process runs and "
+                               "serves, 0 while loading, restarting or dead.", registry=r)
+        self.engine_restarts = Counter("lmkit_engine_restarts", "Times a dead engine "
+                                       "process was restarted.", registry=r)
+        r.register(EngineStatsCollector(lambda: self._get_engine_stats()))  # type: ignore[arg-type]
+
+    def bind(self, get_engine_stats: Callable[[], dict[str, float]],
+             is_engine_up: Callable[[], bool]) -> None:
+        """Read the engine's stats and whether it is up from the server (once it exists)."""
+        self._get_engine_stats = get_engine_stats
+        self.engine_up.set_function(lambda: float(is_engine_up()))
 
     # RequestObserver
     def on_first_token(self, ttft_s: float) -> None:

@@ -2,7 +2,8 @@
 
 Validated once at the boundary (pydantic, ``extra="forbid"``: an unknown argument is a
 400, as with OpenAI). Fields beyond OpenAI's (``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``ignore_eos``, ``structured_outputs``, ...) are lmkit extensions
+``repetition_penalty``, ``ignore_eos``, ``structured_outputs``, ``allowed_token_ids``,
+``bad_words``, ``logits_processors``, ...) are lmkit extensions
 that the ``openai`` client sends through ``extra_body``. ``response_format`` (``text``,
 ``json_object``, ``json_schema``) and ``structured_outputs`` (``json``, ``regex``,
 ``grammar``, ``choice``, ...) become ``SamplingParams.structured_outputs``. :meth:`to_sampling_params` maps a body onto
@@ -129,6 +130,10 @@ class _SamplingFields(_Body):
     priority: Int64 = 0
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None
+    logits_processors: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -201,6 +206,10 @@ class _SamplingFields(_Body):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=[self.bad_words] if isinstance(self.bad_words, str) else self.bad_words,
+            logits_processors=self.logits_processors,
+            extra_args=self.extra_args,
         )
 
 

@@ -16,13 +16,19 @@ OFFLOAD_STUCK = ("the KV offload tier is stuck (a read ran past offload.options.
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the engine is running; 503 while loading, after a failed start, dead, or
-    while its KV offload tier is stuck (``offload_unhealthy`` stat)."""
+    """200 when the engine is running; 503 while loading, after a failed start, while a
+    dead engine restarts (with ``Retry-After``), dead, or while its KV offload tier is
+    stuck (``offload_unhealthy`` stat)."""
     state = get_state(request)
     llm = state.llm
     if llm is None:
         status = "failed" if state.startup_error else "loading"
         return JSONResponse({"status": status, "error": state.startup_error}, status_code=503)
+    supervisor = state.supervisor
+    if supervisor is not None and supervisor.is_restarting:
+        return JSONResponse({"status": "restarting", "error": llm.dead_reason},
+                            status_code=503,
+                            headers={"Retry-After": str(supervisor.retry_after_s())})
     if not llm.is_healthy:
         return JSONResponse({"status": "dead", "error": llm.dead_reason}, status_code=503)
     if llm.stats.get("offload_unhealthy", 0) > 0:  # the engine runs on without the tier

@@ -2,11 +2,10 @@
 
 - ``manager``: :class:`ProposerManager`, which the engine core calls after each step
   to get draft tokens for the decoding requests from the chosen proposer plugin.
-- ``rejection``: the verification mathematics (greedy prefix, rejection sampling).
-- ``sampler``: :class:`SpecDecodeSampler`, the model runner's sampler for steps with
-  drafts.
+- ``rows``: the sampling rows of a step with drafts (one per position).
 - ``stats``: :class:`SpecDecodeStats`, drafts proposed and accepted, acceptance rate,
   mean accepted length, acceptance per draft position.
 
-Modules that import torch (``rejection``, ``sampler``) are imported on use only.
+Verification itself is the sampler's (:mod:`lmkit.sample.sampler`): the same pipeline
+over ``k + 1`` rows per request plus the acceptance rule (:mod:`lmkit.sample.rejection`).
 """

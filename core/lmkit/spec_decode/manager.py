@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.contract import build
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
 from lmkit.engine.phases import StepPhase
@@ -84,7 +85,8 @@ class ProposerManager(StepPhase):
                 f"{', '.join(hosted)}: it must run inside the model runner, but this engine "
                 "runs proposers in the engine core on token ids only. Use a token-based "
                 "proposer (e.g. --speculative ngram) or turn speculation off (--speculative none).")
-        proposer = reg.spec.load()(config, options=stack.options["speculative"])
+        proposer = build("speculative", reg.spec.load(), config,
+                         options=stack.options["speculative"], plugin=reg.origin)
         k = config.speculative.num_speculative_tokens
         off_above = config.speculative.disable_by_batch_size
         logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,

@@ -1,17 +1,16 @@
 """The sampling rows of a step with drafts: one row per position a request samples at.
 
 A request with ``k`` drafts samples at ``k + 1`` consecutive hidden rows (its last
-known token and each draft, see :mod:`lmkit.spec_decode.rejection`). Each row gets the
+known token and each draft, see :mod:`lmkit.sample.rejection`). Each row gets the
 request's parameters, and as "output so far" its output extended by the drafts before
 that position, so penalties and the min_tokens ban act at every position as they would
 one token at a time. :func:`sampling_rows` builds those per-row lists in O(rows) Python:
 the extended outputs are :class:`DraftExtendedTokens` views, not copies, and a request
 whose output is only read for its length, already past ``min_tokens`` (no penalties),
 gets its output itself at every row; so a step costs nothing per token of context
-unless a penalty actually reads the tokens. A step whose requests are all
+unless a penalty or a bad word actually reads the tokens. A step whose requests are all
 :func:`is_plain_greedy` needs no per-row lists at all: the runner verifies it with
-:meth:`SpecDecodeSampler.verify_greedy <lmkit.spec_decode.sampler.SpecDecodeSampler.
-verify_greedy>` straight from the logits.
+:func:`~lmkit.sample.drafts.verify_greedy` straight from the logits.
 """
 
 from __future__ import annotations
@@ -110,7 +109,8 @@ def sampling_rows(plan: Sequence[tuple[Any, int, Sequence[int]]]) -> SamplingRow
         output, params = state.output_token_ids, state.sampling_params
         out.params.extend([params] * n)
         out.prompts.extend([state.prompt_token_ids] * n)
-        if params.needs_penalties or len(output) < params.min_tokens:
+        if (params.needs_penalties or len(output) < params.min_tokens
+                or params.bad_words_token_ids):
             out.outputs.append(output)
             out.outputs.extend(DraftExtendedTokens(output, drafts, j) for j in range(1, n))
         else:  # only read for its length, and that is past min_tokens at every row
@@ -122,7 +122,11 @@ def sampling_rows(plan: Sequence[tuple[Any, int, Sequence[int]]]) -> SamplingRow
 
 def is_plain_greedy(params: Any, num_output_tokens: int) -> bool:
     """Whether the argmax of the raw logits is exactly what ``params`` sample next:
-    greedy, no logprobs, logit bias or penalties, ``min_tokens`` reached. (A grammar
-    bitmask is applied to the logits before sampling, so it does not matter here.)"""
+    greedy, no logprobs, logit bias, penalties, allowed token ids, bad words or logits
+    processors, ``min_tokens`` reached. (A grammar bitmask is applied to the logits
+    before sampling, so it does not matter here; processors the config applies to every
+    request are the runner's to check.)"""
     return (params.temperature == 0.0 and params.logprobs is None and not params.logit_bias
-            and not params.needs_penalties and num_output_tokens >= params.min_tokens)
+            and not params.needs_penalties and num_output_tokens >= params.min_tokens
+            and not params.allowed_token_ids and not params.bad_words_token_ids
+            and not params.logits_processors)

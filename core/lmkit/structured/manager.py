@@ -18,6 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lmkit.api.contract import build
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.engine.phases import StepPhase
@@ -101,7 +102,8 @@ class StructuredOutputManager(StepPhase):
         def make_backend() -> StructuredOutputBackend:
             from lmkit.loading.tokenizer import load_tokenizer
 
-            return reg.spec.load()(load_tokenizer(Path(model_dir)), vocab_size, options=options)
+            return build("structured_output", reg.spec.load(), load_tokenizer(Path(model_dir)),
+                         vocab_size, options=options, plugin=reg.origin)
 
         return cls(scheduler, make_backend, reg.name, reg.spec.caps.features, vocab_size,
                    compile_timeout_s=section.compile_timeout_s,

@@ -33,6 +33,10 @@ module                 what it checks                                        the
                        corrupt loads
 =====================  ====================================================  ==============================
 
+Every suite first builds the implementation through its kind's one documented
+constructor signature (:data:`lmkit.api.contract.CONSTRUCTORS`) and fails property
+``constructor signature`` when the class does not accept it.
+
 Importing ``lmkit.testing`` is cheap; the suite modules import torch.
 """
 

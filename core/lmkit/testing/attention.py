@@ -15,9 +15,9 @@ runner builds it. Properties:
 * ``GQA and head sizes``, ``block sizes``, ``dtypes``: the whole workload over every
   head layout, head size (the claimed ``head_size`` values, else 64, 80, 128), block
   size (claimed ``block_size`` values, else 16 and 32) and claimed dtype;
-* ``model-written K/V``: when the backend opts in through ``kv_write_slots()``, the
-  suite stores each step's K/V itself at those slots, in the documented layout, and
-  calls ``run(..., kv_written=True)``;
+* ``model-written K/V``: when the backend declares ``supports_model_kv_write``, the
+  suite stores each step's K/V itself at the slots ``kv_write_slots()`` returns, in
+  the documented layout, and calls ``run(..., kv_written=True)``;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
   raises when constructed with one, instead of silently ignoring it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured
@@ -38,6 +38,7 @@ import torch
 
 from lmkit.testing.attention_world import AttentionCase, AttentionWorld
 from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
     NotApplicable,
     Target,
     resolve_target,
@@ -46,6 +47,7 @@ from lmkit.testing.failure import (
 )
 
 SUITE = "attention"
+KIND = "attention"
 HEAD_LAYOUTS = ((4, 4), (8, 2), (8, 1))  # (num_heads, num_kv_heads): MHA, GQA, MQA
 DEFAULT_HEAD_SIZES = (64, 80, 128)
 DEFAULT_BLOCK_SIZES = (16, 32)
@@ -99,11 +101,7 @@ def _require(t: Target, feature: str) -> None:
 def _run(t: Target, prop: str, case: AttentionCase, workload: Workload,
          model_writes_kv: bool = False) -> None:
     """Build the backend for ``case``, run ``workload``'s steps, fail on a mismatch."""
-    try:
-        backend = case.build(t.cls, t.options)
-    except Exception as e:
-        raise t.fail(SUITE, prop, case.describe(),
-                     f"constructing the backend raised {type(e).__name__}: {e}") from e
+    backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
     world = AttentionWorld(backend, case, NUM_BLOCKS)
     for label, args in workload(world, t):
         work, forks = args if isinstance(args, tuple) else (args, None)
@@ -238,7 +236,12 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
                      "with sliding_window=7 succeeded; raise an error instead of silently "
                      "attending to the whole context")
 
+    def constructor() -> None:
+        case = base_case(t)
+        t.build(SUITE, KIND, CONSTRUCTOR_PROPERTY, case.describe(), **case.kwargs(t.options))
+
     return {
+        CONSTRUCTOR_PROPERTY: constructor,
         "prefill": on_base("prefill", prefill_workload),
         "decode": on_base("decode", decode_workload),
         "mixed batch": on_base("mixed batch", mixed_workload),
@@ -270,7 +273,7 @@ def check_cuda_graphs(t: Target) -> None:
     prop, case = "cuda graphs", base_case(t)
     if case.device.type != "cuda":
         raise NotApplicable(f"{t.name} does not run on CUDA")
-    backend = case.build(t.cls, t.options)
+    backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
     world = AttentionWorld(backend, case, NUM_BLOCKS)
     world.step([(0, 9), (1, 17), (2, 4), (3, 30)])
     work = [(0, 1), (1, 1), (2, 1), (3, 1)]
@@ -331,6 +334,9 @@ class AttentionConformance:
     def _check(self, attention_backend: Any, prop: str) -> None:
         t = resolve_target(attention_backend)
         skip_if_not_applicable(_checks(t)[prop])
+
+    def test_constructor_signature(self, attention_backend: Any) -> None:
+        self._check(attention_backend, CONSTRUCTOR_PROPERTY)
 
     def test_prefill(self, attention_backend: Any) -> None:
         self._check(attention_backend, "prefill")

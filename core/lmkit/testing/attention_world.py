@@ -50,12 +50,16 @@ class AttentionCase:
                 f"{self.head_size}, block_size {self.block_size}, {dtype} on "
                 f"{self.device.type}{window}")
 
+    def kwargs(self, options: Any) -> dict[str, Any]:
+        """The keyword arguments a model constructs the backend with for this case."""
+        return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
+                    device=self.device, block_size=self.block_size,
+                    sliding_window=self.sliding_window, options=options)
+
     def build(self, cls: type, options: Any) -> AttentionBackend:
         """Construct the backend as the model does."""
-        return cls(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                   head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
-                   device=self.device, block_size=self.block_size,
-                   sliding_window=self.sliding_window, options=options)
+        return cls(**self.kwargs(options))
 
 
 @dataclass
@@ -176,15 +180,15 @@ class AttentionWorld:
             max_seq_len=max(seq_lens), query_start_loc=self._qsl[: n + 1],
             seq_lens=self._seq_lens[:n], block_tables=self._tables[:n, :width],
             slot_mapping=self._slots[:t], query_start_loc_cpu=qsl, seq_lens_cpu=seq,
-            num_decodes=num_decodes, num_decode_tokens=num_decodes, cuda_graph=cuda_graph)
+            num_decodes=num_decodes, cuda_graph=cuda_graph)
 
     def _write_kv_as_the_model(self, md: AttentionMetadata, k: torch.Tensor,
                                v: torch.Tensor) -> str | None:
         """Store ``k``/``v`` where :meth:`AttentionBackend.kv_write_slots` says, in the
         layout its docstring fixes; return what is wrong with the opt-in, if anything."""
+        if not self.backend.supports_model_kv_write:
+            raise NotApplicable("does not declare supports_model_kv_write")
         slots = self.backend.kv_write_slots()
-        if slots is None:
-            raise NotApplicable("does not opt in: kv_write_slots() returns None")
         n, c = md.num_actual_tokens, self.case
         if slots.dtype != torch.int64 or slots.dim() != 1 or slots.shape[0] < n:
             return (f"kv_write_slots() returned {slots.dtype} {tuple(slots.shape)}; expected "

@@ -6,13 +6,17 @@ pass). A real :class:`~lmkit.api.PagedScheduler` plans steps for a batch of gree
 seeded-sampling requests in a KV pool small enough to force preemption; every step's
 :class:`~lmkit.api.SchedulerOutput` goes to both executors. Properties:
 
-* ``model info``: :meth:`start` reports what ``uniproc`` reports (architecture, vocab,
-  max_model_len, layers, bytes per KV block);
+* ``model info``: :meth:`start` reports what ``uniproc`` reports (bytes per KV block,
+  device, dtype);
 * ``tokens equal uniproc``: every step's request ids and sampled tokens are identical
   (through chunked prefill, prefix-cache hits, preemption and finished requests);
 * ``offload methods``: with no offload tier configured, ``offload_lookup`` answers
   ``(0, 0)``, ``offload_stats`` ``{}`` and ``close_offload`` returns;
 * ``shutdown twice``: ``shutdown()`` may be called twice.
+
+Every property first builds the executor as the engine does, ``cls(config, stack,
+options=..., host=..., facts=...)``; a class that does not accept that signature fails
+with property ``constructor signature``.
 
 Use :func:`check_executor`, or subclass :class:`ExecutorConformance` and define an
 ``executor`` fixture returning the spec or class (and optionally set ``model_dir``).
@@ -52,6 +56,7 @@ class _Pair:
     """The executor under test and ``uniproc``, started on the same model."""
 
     def __init__(self, t: Target, model_dir: Path) -> None:
+        from lmkit.loading.model_facts import load_model_facts
         from lmkit.plugin_host.manager import PluginHost
         from lmkit.plugin_host.resolve import resolve_stack
 
@@ -59,15 +64,14 @@ class _Pair:
         host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
         self.config = _config(model_dir, "uniproc")
         self.stack = resolve_stack(self.config, host)
+        facts = load_model_facts(model_dir, host, self.config.model.max_model_len)
         uniproc = host.registry.get("executor", "uniproc").spec
         self.reference = uniproc.load()(self.config, self.stack,
-                                        options=uniproc.validate_options({}), host=host)
-        try:
-            # the engine's call: cls(config, stack, options=..., host=...)
-            self.candidate = t.cls(self.config, self.stack, options=t.options, host=host)
-        except Exception as e:
-            raise t.fail(SUITE, "model info", WORKLOAD,
-                         f"constructing the executor raised {type(e).__name__}: {e}") from e
+                                        options=uniproc.validate_options({}), host=host,
+                                        facts=facts)
+        # built as the engine builds it: cls(config, stack, options=, host=, facts=)
+        self.candidate = t.build(SUITE, "executor", "model info", WORKLOAD, self.config,
+                                 self.stack, options=t.options, host=host, facts=facts)
         self.ref_info = self.reference.start()
         try:
             self.info = self.candidate.start()
@@ -95,9 +99,12 @@ def _with_pair(t: Target, model_dir: Path | None, body: Any) -> None:
 
 
 def _model_info(pair: _Pair) -> None:
-    fields = ("architecture", "vocab_size", "max_model_len", "num_layers", "kv_bytes_per_block")
+    from dataclasses import asdict
+
+    fields = ("kv_bytes_per_block", "device", "dtype")
+    info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
-        got, want = getattr(pair.info, name), getattr(pair.ref_info, name)
+        got, want = info[name], ref_info[name]
         if got != want:
             raise pair.t.fail(SUITE, "model info", WORKLOAD,
                               f"start() reported {name}={got!r}; uniproc reports {want!r}")
@@ -172,8 +179,8 @@ PROPERTIES = {"model info": _model_info, "tokens equal uniproc": _tokens,
 def check_executor(executor: Any, options: Any = None, model_dir: str | Path | None = None,
                    only: Iterable[str] | None = None) -> dict[str, str]:
     """Run every executor property against ``executor`` (a Spec, Registration or
-    Executor subclass built as ``cls(config, stack, options=..., host=...)``), on ``model_dir``
-    or a fresh tiny random model. One model load serves all properties.
+    Executor subclass built as ``cls(config, stack, options=..., host=..., facts=...)``),
+    on ``model_dir`` or a fresh tiny random model. One model load serves all properties.
 
     :raises ConformanceFailure: naming the first failing property and the step.
     """

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lmkit.api.contract import CONSTRUCTORS, constructor_problem
+from lmkit.plugin_host.registry import Registration
 from lmkit.plugin_host.spec import NoOptions, Spec
+
+# The property every suite checks first: the class is built through its documented
+# constructor signature.
+CONSTRUCTOR_PROPERTY = "constructor signature"
 
 
 class ConformanceFailure(AssertionError):
@@ -43,6 +49,28 @@ class Target:
         """A :class:`ConformanceFailure` about this implementation (to ``raise``)."""
         return ConformanceFailure(suite, self.name, prop, input, detail)
 
+    def build(self, suite: str, kind: str, prop: str, input: str, *args: Any,
+              **kwargs: Any) -> Any:
+        """Construct the implementation as lmkit does: ``cls(*args, **kwargs)``, the
+        documented signature of ``kind`` (:data:`lmkit.api.contract.CONSTRUCTORS`).
+
+        Raises:
+            ConformanceFailure: property ``constructor signature`` when the class does
+                not subclass the kind's interface or its ``__init__`` does not accept
+                the documented arguments; property ``prop`` when ``__init__`` raises.
+        """
+        problem = constructor_problem(kind, self.cls, *args, **kwargs)
+        if problem is not None:
+            raise self.fail(suite, CONSTRUCTOR_PROPERTY, input,
+                            f"{problem}. lmkit builds every {kind} plugin as "
+                            f"{CONSTRUCTORS[kind].signature}: accept exactly these "
+                            "arguments (see docs/plugin-guide.md, constructor signatures)")
+        try:
+            return self.cls(*args, **kwargs)
+        except Exception as e:
+            raise self.fail(suite, prop, input, f"constructing the {kind} plugin raised "
+                            f"{type(e).__name__}: {e}") from e
+
     def caps_values(self, key: str) -> frozenset[Any] | None:
         """The declared supported values of ``key`` (``None``: any, or no spec)."""
         if self.spec is None:
@@ -62,9 +90,8 @@ def resolve_target(obj: Any, options: Any = None) -> Target:
     options)`` pair. Options given as a mapping are validated by the spec's model."""
     if isinstance(obj, tuple) and len(obj) == 2:
         obj, options = obj
-    spec = getattr(obj, "spec", None) if not isinstance(obj, (Spec, type)) else None
-    if isinstance(spec, Spec):  # a Registration
-        obj = spec
+    if isinstance(obj, Registration):
+        obj = obj.spec
     if isinstance(obj, Spec):
         cls = obj.load()
         opts = obj.validate_options(options)

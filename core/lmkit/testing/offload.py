@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
     NotApplicable,
     Target,
     resolve_target,
@@ -73,11 +74,9 @@ class World:
                        .view(dtype).to(self.device) for _ in range(NUM_LAYERS)]
         self.original = [c.clone() for c in self.caches]
         config = LMKitConfig.model_validate({"cache": {"block_size": BLOCK_SIZE}})
-        try:
-            self.m = t.cls(config, self.caches, options=t.options)
-        except Exception as e:
-            raise self.fail("construction", f"constructing the manager raised "
-                            f"{type(e).__name__}: {e}") from e
+        self.m = t.build(SUITE, "offload", prop, f"{NUM_LAYERS} layers of {tuple(shape)} "
+                         f"{str(dtype).removeprefix('torch.')} KV caches", config, self.caches,
+                         options=t.options)
         self.block_bytes = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE * dtype.itemsize
 
     def fail(self, input: str, detail: str) -> AssertionError:
@@ -260,7 +259,8 @@ def corrupt_entries(t: Target, corrupt: Corrupt | None) -> None:
 
 
 def _checks(t: Target, corrupt: Corrupt | None) -> dict[str, Callable[[], None]]:
-    return {"round trip bit-exact": lambda: round_trip(t), "lookup": lambda: lookup(t),
+    return {CONSTRUCTOR_PROPERTY: lambda: World(t, CONSTRUCTOR_PROPERTY).m.close(),
+            "round trip bit-exact": lambda: round_trip(t), "lookup": lambda: lookup(t),
             "jobs": lambda: jobs(t), "capacity": lambda: capacity(t),
             "failed loads": lambda: failed_load(t),
             "corrupt entries": lambda: corrupt_entries(t, corrupt)}
@@ -291,6 +291,9 @@ class OffloadConformance:
     def _check(self, offload_manager: Any, prop: str) -> None:
         hook = None if type(self).corrupt is OffloadConformance.corrupt else self.corrupt
         skip_if_not_applicable(_checks(resolve_target(offload_manager), hook)[prop])
+
+    def test_constructor_signature(self, offload_manager: Any) -> None:
+        self._check(offload_manager, CONSTRUCTOR_PROPERTY)
 
     def test_round_trip(self, offload_manager: Any) -> None:
         self._check(offload_manager, "round trip bit-exact")

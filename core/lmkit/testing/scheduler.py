@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
     NotApplicable,
     Target,
     resolve_target,
@@ -46,7 +47,7 @@ from lmkit.testing.failure import (
     skip_if_not_applicable,
 )
 from lmkit.testing.fake_runner import VOCAB
-from lmkit.testing.scheduler_drive import Drive, Setup
+from lmkit.testing.scheduler_drive import SUITE, Drive, Setup
 
 
 def _prompts(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
@@ -204,8 +205,16 @@ CHECKS: dict[str, Callable[..., None]] = {
 }
 
 
+def constructor_signature(t: Target) -> None:
+    """The scheduler is built as ``cls(config, num_blocks=N, options=opts)``."""
+    setup = Setup()
+    t.build(SUITE, "scheduler", CONSTRUCTOR_PROPERTY, setup.describe(), setup.config(),
+            num_blocks=setup.num_blocks, options=t.options)
+
+
 def _checks(t: Target, requires_preemption: bool) -> dict[str, Callable[[], None]]:
-    out: dict[str, Callable[[], None]] = {name: (lambda f=f: f(t)) for name, f in CHECKS.items()}
+    out: dict[str, Callable[[], None]] = {CONSTRUCTOR_PROPERTY: lambda: constructor_signature(t)}
+    out.update({name: (lambda f=f: f(t)) for name, f in CHECKS.items()})
     out["preemption and resumption"] = lambda: preemption_and_resumption(t, requires_preemption)
     return out
 
@@ -232,6 +241,9 @@ class SchedulerConformance:
     def _check(self, scheduler: Any, prop: str) -> None:
         t = resolve_target(scheduler)
         skip_if_not_applicable(_checks(t, self.requires_preemption)[prop])
+
+    def test_constructor_signature(self, scheduler: Any) -> None:
+        self._check(scheduler, CONSTRUCTOR_PROPERTY)
 
     def test_every_request_finishes(self, scheduler: Any) -> None:
         self._check(scheduler, "every request finishes")

@@ -74,13 +74,12 @@ class Drive:
     _clock: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        try:
-            # the engine's call: cls(config, num_blocks=..., options=..., context=...)
-            context = SchedulerContext(num_lookahead_slots=self.setup.num_lookahead_slots)
-            self.sched = self.target.cls(self.setup.config(), num_blocks=self.setup.num_blocks,
-                                         options=self.target.options, context=context)
-        except Exception as e:
-            raise self.fail(f"constructing the scheduler raised {type(e).__name__}: {e}") from e
+        where = f"{self.workload}; {self.setup.describe()}"
+        # the engine's call: cls(config, num_blocks=..., options=..., context=...)
+        context = SchedulerContext(num_lookahead_slots=self.setup.num_lookahead_slots)
+        self.sched = self.target.build(SUITE, "scheduler", self.prop, where,
+                                       self.setup.config(), num_blocks=self.setup.num_blocks,
+                                       options=self.target.options, context=context)
         self.runner = FakeRunner(self.setup.num_blocks, self.setup.block_size)
 
     def fail(self, detail: str) -> AssertionError:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
     NotApplicable,
     Target,
     resolve_target,
@@ -65,12 +66,10 @@ def _config(k: int) -> Any:
                                                        "num_speculative_tokens": k}})
 
 
-def _build(t: Target, k: int) -> Any:
-    try:
-        return t.cls(_config(k), options=t.options)
-    except Exception as e:
-        raise t.fail(SUITE, "construction", f"num_speculative_tokens {k}",
-                     f"constructing the proposer raised {type(e).__name__}: {e}") from e
+def _build(t: Target, k: int, prop: str = "construction") -> Any:
+    """The proposer built as ``cls(config, options=opts)`` with ``k`` draft tokens."""
+    return t.build(SUITE, "speculative", prop, f"num_speculative_tokens {k}", _config(k),
+                   options=t.options)
 
 
 def _input(req_ids: list[str], tokens: list[list[int]], k: int,
@@ -229,7 +228,8 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
 
 
 def _checks(t: Target, model_dir: str | Path | None) -> dict[str, Callable[[], None]]:
-    return {"valid drafts": lambda: valid_drafts(t), "deterministic": lambda: deterministic(t),
+    return {CONSTRUCTOR_PROPERTY: lambda: _build(t, 3, CONSTRUCTOR_PROPERTY),
+            "valid drafts": lambda: valid_drafts(t), "deterministic": lambda: deterministic(t),
             "inputs untouched": lambda: inputs_untouched(t),
             "incremental updates": lambda: incremental(t),
             "remove_requests": lambda: remove_requests(t),
@@ -256,6 +256,9 @@ class SpecProposerConformance:
 
     def _check(self, spec_proposer: Any, prop: str) -> None:
         skip_if_not_applicable(_checks(resolve_target(spec_proposer), self.model_dir)[prop])
+
+    def test_constructor_signature(self, spec_proposer: Any) -> None:
+        self._check(spec_proposer, CONSTRUCTOR_PROPERTY)
 
     def test_valid_drafts(self, spec_proposer: Any) -> None:
         self._check(spec_proposer, "valid drafts")

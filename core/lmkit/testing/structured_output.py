@@ -41,6 +41,7 @@ import torch
 
 from lmkit.errors import InvalidRequestError
 from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
     NotApplicable,
     Target,
     resolve_target,
@@ -148,12 +149,11 @@ def _compile(t: Target, backend: Any, prop: str, case: Case) -> Any:
                      f"compile() raised {type(e).__name__}: {e}") from e
 
 
-def _backend(t: Target) -> Any:
-    try:
-        return t.cls(make_byte_tokenizer(), VOCAB_SIZE, options=t.options)
-    except Exception as e:
-        raise t.fail(SUITE, "construction", "the byte-level test tokenizer, vocab_size 320",
-                     f"constructing the backend raised {type(e).__name__}: {e}") from e
+def _backend(t: Target, prop: str = "construction") -> Any:
+    """The backend built as ``cls(tokenizer, vocab_size, options=opts)``."""
+    return t.build(SUITE, "structured_output", prop,
+                   f"the byte-level test tokenizer, vocab_size {VOCAB_SIZE}",
+                   make_byte_tokenizer(), VOCAB_SIZE, options=t.options)
 
 
 def _cases(t: Target) -> list[Case]:
@@ -337,7 +337,8 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
                 for seed in range(3):
                     _walk(t, STATES, case, backend, seed)
 
-    return {STATES: states,
+    return {CONSTRUCTOR_PROPERTY: lambda: _backend(t, CONSTRUCTOR_PROPERTY),
+            STATES: states,
             "language": lambda: _language(t),
             "multi-token accept and rollback": lambda: _multi_token(t),
             "invalid constraints": lambda: _invalid(t),
@@ -362,6 +363,9 @@ class StructuredOutputConformance:
 
     def _check(self, backend: Any, prop: str) -> None:
         skip_if_not_applicable(_checks(resolve_target(backend))[prop])
+
+    def test_constructor_signature(self, structured_output_backend: Any) -> None:
+        self._check(structured_output_backend, CONSTRUCTOR_PROPERTY)
 
     def test_states(self, structured_output_backend: Any) -> None:
         self._check(structured_output_backend, STATES)

@@ -157,7 +157,7 @@ class CudaGraphRunner:
             query_start_loc=self._query_start_loc[:bs + 1], seq_lens=self._seq_lens[:bs],
             block_tables=self._block_tables[:bs], slot_mapping=self._packed[2 * bs:3 * bs],
             query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
-            num_decodes=bs, num_decode_tokens=bs, cuda_graph=True)
+            num_decodes=bs, cuda_graph=True)
 
     # ------------------------------------------------------------------ replay
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.spec_decode.rows import is_plain_greedy
 
 if TYPE_CHECKING:
     from lmkit.api.sampling_params import SamplingParams
@@ -225,8 +226,6 @@ def _plain(so: SchedulerOutput) -> bool:
 
 
 def _greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
-    """Greedy sampling that the argmax of the raw logits reproduces exactly."""
-    return (p.temperature == 0 and p.logprobs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and num_output_tokens >= p.min_tokens
-            and p.structured_outputs is None)
+    """Greedy sampling that the argmax of the raw logits reproduces exactly (and no
+    grammar, whose bitmask the lookahead does not apply)."""
+    return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None

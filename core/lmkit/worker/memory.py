@@ -1,7 +1,8 @@
 """How much memory the KV cache may use, and allocating it.
 
-On the CPU the pool is a fixed size (``cache.kv_cache_memory_gb``, 2 GiB by default).
-On CUDA it is what ``cache.gpu_memory_utilization`` of the device leaves after the
+On the CPU the pool holds what the load can use, ``max_num_seqs x max_model_len``
+tokens, but at most :data:`CPU_KV_RAM_FRACTION` of the machine's memory (and never less
+than one request of ``max_model_len`` tokens); ``cache.kv_cache_memory_gb`` fixes it. On CUDA it is what ``cache.gpu_memory_utilization`` of the device leaves after the
 weights, the peak activations of a profiling forward at the largest step, and memory
 held outside torch's allocator (the CUDA context, libraries, other processes).
 """
@@ -9,12 +10,15 @@ held outside torch's allocator (the CUDA context, libraries, other processes).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-DEFAULT_CPU_KV_CACHE_GB = 2.0
+# the CPU pool's default cap: this share of the machine's (or the cgroup's) memory
+CPU_KV_RAM_FRACTION = 0.05
 
 
 def kv_bytes_per_block(attn: Any, num_layers: int, dtype: torch.dtype) -> int:
@@ -23,9 +27,33 @@ def kv_bytes_per_block(attn: Any, num_layers: int, dtype: torch.dtype) -> int:
     return elems * torch.empty((), dtype=dtype).element_size() * num_layers
 
 
-def cpu_kv_budget(kv_cache_memory_gb: float | None) -> int:
-    """The CPU pool size in bytes."""
-    return int((kv_cache_memory_gb or DEFAULT_CPU_KV_CACHE_GB) * 2**30)
+def cpu_kv_budget(kv_cache_memory_gb: float | None, bytes_per_block: int, block_size: int,
+                  max_num_seqs: int, max_model_len: int, total_memory: int | None = None) -> int:
+    """The CPU pool size in bytes.
+
+    ``kv_cache_memory_gb`` when set; otherwise room for ``max_num_seqs`` requests of
+    ``max_model_len`` tokens each (what the scheduler can ever hold at once, plus the
+    null block), capped at :data:`CPU_KV_RAM_FRACTION` of ``total_memory`` (default: the
+    machine's or the container's memory), but never below one request of
+    ``max_model_len`` tokens, which the engine needs to start.
+    """
+    if kv_cache_memory_gb is not None:
+        return int(kv_cache_memory_gb * 2**30)
+    blocks_per_seq = -(-max_model_len // block_size)
+    load = (max_num_seqs * blocks_per_seq + 1) * bytes_per_block
+    one_request = (blocks_per_seq + 1) * bytes_per_block
+    total = total_memory if total_memory is not None else system_memory_bytes()
+    return max(one_request, min(load, int(CPU_KV_RAM_FRACTION * total)))
+
+
+def system_memory_bytes() -> int:
+    """Physical memory of this machine, or the cgroup v2 limit when lower (containers)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
 
 
 def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float,

@@ -19,17 +19,20 @@ import numpy as np
 import torch
 
 from lmkit.api.attention import AttentionMetadata
+from lmkit.api.contract import build
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
+from lmkit.api.quantization import QuantizationMethod
 from lmkit.api.runner_output import ModelRunnerOutput
-from lmkit.errors import ModelLoadError, UnknownBackendError
+from lmkit.errors import ModelLoadError
+from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.metadata import SamplingMetadata
-from lmkit.sample.sampler import Sampler, compute_prompt_logprobs, make_generator
+from lmkit.sample.processors import LogitsProcessorSet
+from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprobs, make_generator
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
-from lmkit.spec_decode.sampler import SpecDecodeSampler, VerifiedTokens
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
@@ -37,6 +40,7 @@ from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 
 if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
     from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.manager import PluginHost
@@ -54,15 +58,17 @@ class ModelRunner:
         config: the engine's configuration (``model.max_model_len`` filled in).
         stack: the resolved stack: device, dtype and the chosen attention backend.
         host: the plugin host whose registry knows the model architectures.
-        model_dir: a local HF-style model directory.
+        facts: the engine's facts about the model (its directory, architecture, context
+            length and EOS ids; :func:`lmkit.loading.model_facts.load_model_facts`).
     """
 
     def __init__(self, config: LMKitConfig, stack: ResolvedStack, host: PluginHost,
-                 model_dir: Path) -> None:
+                 facts: ModelFacts) -> None:
         self.config = config
         self.stack = stack
         self.host = host
-        self.model_dir = Path(model_dir)
+        self.facts = facts
+        self.model_dir = Path(facts.model_dir)
         self.device = torch.device(stack.device)
         self.dtype = DTYPES[stack.dtype]
         # memory other engines of this process already hold (not this engine's to count)
@@ -71,11 +77,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: Any = None
         self.hf_config: Any = None
-        self.architecture = ""
+        self.architecture = facts.architecture
+        self.vocab_size = facts.vocab_size
+        self.num_layers = facts.num_layers
+        self.max_model_len = facts.max_model_len
+        self.default_eos_token_id = facts.eos_token_id
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
-        self.spec_sampler = SpecDecodeSampler(self.sampler)  # verifies draft tokens
+        self.sampler = Sampler()  # samples every step, verifying draft tokens
+        self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
         self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
@@ -90,7 +100,7 @@ class ModelRunner:
         """Build the model for the config's architecture and load its weights."""
         hf_config = load_hf_config(self.model_dir)
         self.hf_config = hf_config
-        reg = self._model_registration(hf_config)
+        registration = self.host.registry.get("model", self.architecture)
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
@@ -99,15 +109,18 @@ class ModelRunner:
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
             quantization=quant)
-        model = reg.spec.load()(hf_config, ctx)
+        model = build("model", model_class(registration), hf_config, ctx,
+                      plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir) if quant is None
-                           else quant.iterate_weights(self.model_dir, hf_config))
-        self.model = model.eval() if hasattr(model, "eval") else model
-        self.vocab_size = int(hf_config.vocab_size)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.max_model_len = max_model_len(hf_config, self.config.model.max_model_len)
-        self.default_eos_token_id = _default_eos(hf_config, self.model_dir)
+                           else quant.iterate_weights())
+        if isinstance(model, torch.nn.Module):
+            model.eval()
+        self.model = model
         sched = self.config.scheduler
+        procs = self.config.logits_processors
+        self.logits_processors = LogitsProcessorSet.from_registry(
+            self.host.registry, procs.enable, procs.options, self.vocab_size,
+            sched.max_num_seqs, self.device)
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len, self.block_size,
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
@@ -115,10 +128,10 @@ class ModelRunner:
         logger.info("loaded %s (%s) on %s in %s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype)
 
-    def _quantization_method(self) -> Any:
-        """The chosen quantization method, constructed, with the checkpoint checked
-        (a malformed file is refused here, before the model is built); ``None`` for
-        dense weights."""
+    def _quantization_method(self) -> QuantizationMethod | None:
+        """The chosen quantization method, built for this model's facts, with the
+        checkpoint checked (a malformed file is refused here, before the model is
+        built); ``None`` for dense weights."""
         reg = self.stack.get("quantization")
         if reg is None:
             return None
@@ -127,26 +140,11 @@ class ModelRunner:
                 f"quantization {reg.name!r} computes in float32 but the model dtype is "
                 f"{self.stack.dtype}; use --dtype float32 (or auto on the CPU), or "
                 "--quantization none.")
-        method = reg.spec.load()(self.stack.options["quantization"])
-        method.check(self.model_dir)
+        method: QuantizationMethod = build(
+            "quantization", reg.spec.load(), self.facts,
+            options=self.stack.options["quantization"], plugin=reg.origin)
+        method.check()
         return method
-
-    def _model_registration(self, hf_config: Any) -> Any:
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        known = sorted({k for r in self.host.registry.all("model")
-                        for k in (r.name, *r.spec.aliases)})
-        for arch in archs:
-            try:
-                reg = self.host.registry.get("model", arch)
-            except UnknownBackendError:
-                continue
-            self.architecture = arch
-            return reg
-        raise ModelLoadError(
-            f"model architecture {', '.join(archs) or '(none: config.json has no architectures)'}"
-            f" of {self.model_dir} is not supported; supported architectures: "
-            f"{', '.join(known) or 'none (no model plugin is loaded)'}. Install a plugin that "
-            "registers it (register_models) or use a supported model.")
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block across all layers."""
@@ -155,7 +153,10 @@ class ModelRunner:
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
         if self.device.type != "cuda":
-            return memory.cpu_kv_budget(self.config.cache.kv_cache_memory_gb)
+            cfg = self.config
+            return memory.cpu_kv_budget(cfg.cache.kv_cache_memory_gb, self.kv_bytes_per_block(),
+                                        self.block_size, cfg.scheduler.max_num_seqs,
+                                        self.max_model_len)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
                                      lambda: profile_run(self.dummy_step_model()),
                                      baseline=self._baseline_bytes)
@@ -171,8 +172,10 @@ class ModelRunner:
             warm_up_step_shapes(self.dummy_step_model())
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
                                          self.device, self.max_model_len)
-        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, self.cuda_graphs,
-                                               self.model, self.input_batch, self.requests,
+        # a processor applied to every request may change the argmax: no launch ahead
+        graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
+        self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
+                                               self.input_batch, self.requests,
                                                self.max_model_len)
 
     def dummy_step_model(self) -> DummyStepModel:
@@ -233,10 +236,12 @@ class ModelRunner:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             if self.requests.pop(rid, None) is not None:
                 batch.remove_request(rid)
+                self.logits_processors.remove(rid)
         for new in so.scheduled_new_reqs:
             if new.req_id in self.requests:  # resent (resumed) without a preemption notice
                 self.requests.pop(new.req_id)
                 batch.remove_request(new.req_id)
+                self.logits_processors.remove(new.req_id)
             params = new.sampling_params
             resumed = bool(new.output_token_ids)
             state = CachedRequestState(
@@ -251,6 +256,8 @@ class ModelRunner:
                                  if params.prompt_logprobs is not None and not resumed else None))
             self.requests[new.req_id] = state
             batch.add_request(state, list(new.block_ids))
+            self.logits_processors.add(new.req_id, params, state.prompt_token_ids,
+                                       state.output_token_ids)
         cached = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                  cached.num_computed_tokens, strict=True):
@@ -293,7 +300,7 @@ class ModelRunner:
             query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
             block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-            num_decodes=step.num_decodes, num_decode_tokens=step.num_decodes)
+            num_decodes=step.num_decodes)
         attn = self.model.attn
         attn.plan(md)
         return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
@@ -336,16 +343,20 @@ class ModelRunner:
             apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                                   [order[i] for i, _, _ in plan],
                                   [len(d) + 1 for d in drafts], self.apply_token_bitmask)
-        if all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
-               for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
-            return self.spec_sampler.verify_greedy(logits, drafts)
+        if not self.logits_processors.affects_greedy and all(
+                is_plain_greedy(s.sampling_params, len(s.output_token_ids))
+                for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
+            return self.sampler.verify_greedy(logits, drafts)
         # one row per sampled position; outputs extended by drafts are views, not copies
         r = sampling_rows(by_state)
         md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
                                     r.eos_token_ids, self.vocab_size, hidden.device)
+        if self.logits_processors.in_use:  # plugin processors: the slot of every row
+            md.logits_processors, md.processor_slots = self.logits_processors.for_step(
+                [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)
         draft_probs = so.spec_draft_probs if so is not None else None
         probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
-        return self.spec_sampler(logits, md, drafts, probs)
+        return self.sampler.sample_requests(logits, md, drafts, probs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                          ) -> dict[str, list[TokenLogprob | None]]:
@@ -393,29 +404,5 @@ class ModelRunner:
         return out
 
 
-def max_model_len(hf_config: Any, asked: int | None) -> int:
-    """The context length: the config's ``max_model_len`` if set and smaller than the
-    model's ``max_position_embeddings``, else the latter (2048 if neither is known)."""
-    native = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
-    candidates = [n for n in (native, asked or 0) if n > 0]
-    return min(candidates) if candidates else 2048
-
-
 def _eos_of(new: NewRequestData, default: int | None) -> int | None:
     return default if new.eos_token_id is None else new.eos_token_id
-
-
-def _default_eos(hf_config: Any, model_dir: Path) -> int | None:
-    """The model's EOS id (generation_config.json first, then config.json)."""
-    ids: Any = None
-    try:
-        from transformers import GenerationConfig
-
-        ids = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-    except (OSError, ValueError):
-        ids = None
-    if ids is None:
-        ids = getattr(hf_config, "eos_token_id", None)
-    if isinstance(ids, (list, tuple)):
-        ids = ids[0] if ids else None
-    return ids

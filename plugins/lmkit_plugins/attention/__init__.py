@@ -2,14 +2,19 @@
 
 Under ``attention: auto`` on a CUDA device the highest-priority available backend wins:
 ``flashinfer`` (60) when the ``flashinfer`` package is installed, else ``triton`` (50),
-else ``torch`` (10). On the CPU, ``cpu`` (20) for float32 (the reference with
-decode-only steps in a C kernel), else ``torch``. All four share one KV-cache layout,
-``[2, num_blocks, block_size, num_kv_heads, head_size]``, and each is selectable by name
-(``--attention torch|cpu|triton|flashinfer``).
+else ``flash_attn`` (40) when a FlashAttention generation is installed, else ``torch``
+(10). On the CPU, ``cpu`` (20) for float32 (the reference with decode-only steps in a C
+kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
+block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
+torch|cpu|triton|flashinfer|flash_attn``).
 """
+
+from typing import Literal
 
 from lmkit.api import Caps, Spec, hookimpl
 from pydantic import BaseModel, ConfigDict, Field
+
+from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -37,6 +42,16 @@ class FlashInferAttentionOptions(BaseModel):
         None, description="Decode with FlashInfer's tensor-core kernels; default: when four "
         "or more query heads share a KV head.")
     workspace_mb: int = Field(128, gt=0, description="FlashInfer float workspace (MiB).")
+
+
+class FlashAttnAttentionOptions(BaseModel):
+    """Options of the ``flash_attn`` attention backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generation: Literal["auto", "fa4", "fa3", "fa2"] = Field(
+        "auto", description="FlashAttention generation to run; auto: the first of fa4, fa3, "
+        "fa2 that is installed and fits the device, head size and block size.")
 
 
 @hookimpl
@@ -79,4 +94,16 @@ def register_attention_backends(register):
             {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256}},
         ),
         description="FlashInfer batch decode/prefill wrappers over the paged cache (CUDA).",
+    ))
+    register(Spec(
+        name="flash_attn", target="lmkit_plugins.attention.flash_attn_backend:FlashAttnAttention",
+        priority=40, requires=("triton",), needs_cuda=True, variants=GENERATIONS,
+        options=FlashAttnAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
+             "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": set(DTYPES), "head_size": set(CLAIMED_HEAD_SIZES)},
+        ),
+        description="FlashAttention varlen kernels over the paged cache, FA4 > FA3 > FA2 "
+                    "(CUDA); ranked below flashinfer and triton under auto until measured.",
     ))

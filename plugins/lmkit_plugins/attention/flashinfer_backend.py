@@ -49,6 +49,8 @@ class FlashInferAttention(AttentionBackend):
     """FlashInfer paged attention (float16/bfloat16, head sizes 64/128/256, GQA,
     sliding window, mixed prefill/decode, cached prefixes, chunked prefill)."""
 
+    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         import flashinfer  # the heavy import happens when the backend is built

@@ -56,6 +56,8 @@ class TritonAttention(AttentionBackend):
     prefill/decode batches, cached prefixes and chunked prefill. No sliding window.
     """
 
+    supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         if self.sliding_window is not None:

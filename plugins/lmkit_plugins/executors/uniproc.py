@@ -9,6 +9,7 @@ from typing import Any
 from lmkit.api import (
     Executor,
     LMKitConfig,
+    ModelFacts,
     ModelInfo,
     ModelRunnerOutput,
     PluginHost,
@@ -27,34 +28,35 @@ class UniProcExecutor(Executor):
         options: this executor's options (it takes none).
         host: the plugin host to find model architectures in; loaded from
             ``config.plugins`` when not given.
+        facts: the engine's facts about the model; derived from ``config`` (with
+            :func:`lmkit.api.load_model_facts`) when not given.
     """
 
-    def __init__(self, config: LMKitConfig, stack: ResolvedStack, options: Any = None,
-                 host: PluginHost | None = None) -> None:
+    def __init__(self, config: LMKitConfig, stack: ResolvedStack, *, options: Any = None,
+                 host: PluginHost | None = None, facts: ModelFacts | None = None) -> None:
         self.config = config
         self.stack = stack
         self.options = options
         self.host = host if host is not None else PluginHost.load(config.plugins)
+        self.facts = facts
         self.runner: Any = None
 
     def start(self) -> ModelInfo:
         """Load the model and measure memory; return what the engine needs to know."""
-        from lmkit.api import ModelRunner
+        from lmkit.api import ModelRunner, load_model_facts
 
-        runner = ModelRunner(self.config, self.stack, self.host, Path(self.config.model.model))
+        if self.facts is None:
+            self.facts = load_model_facts(Path(self.config.model.model), self.host,
+                                          self.config.model.max_model_len)
+        runner = ModelRunner(self.config, self.stack, self.host, self.facts)
         runner.load_model()
         self.runner = runner
         return ModelInfo(
-            architecture=runner.architecture,
-            vocab_size=runner.vocab_size,
-            max_model_len=runner.max_model_len,
-            num_layers=runner.num_layers,
             kv_bytes_per_block=runner.kv_bytes_per_block(),
             available_kv_bytes=runner.available_kv_bytes(),
             device=str(runner.device),
             dtype=self.stack.dtype,
             num_lookahead_slots=runner.num_lookahead_slots,
-            extra={"eos_token_id": runner.default_eos_token_id},
         )
 
     def _require_runner(self) -> Any:

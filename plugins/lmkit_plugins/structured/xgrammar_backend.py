@@ -21,6 +21,7 @@ import torch
 import xgrammar as xgr
 from lmkit.api import Grammar, InvalidRequestError, StructuredOutputBackend
 
+from lmkit_plugins.structured import XGrammarOptions
 from lmkit_plugins.structured.json_schema_check import unsupported_keywords
 from lmkit_plugins.structured.json_schema_rewrite import rewrite_short_strings
 
@@ -92,10 +93,12 @@ class XGrammarBackend(StructuredOutputBackend):
     never allowed). ``options`` is :class:`lmkit_plugins.structured.XGrammarOptions`.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, options: Any = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, options: XGrammarOptions | None = None
+                 ) -> None:
+        opts = options if options is not None else XGrammarOptions()
         self.vocab_size = vocab_size
-        self.whitespace_flexible = bool(getattr(options, "whitespace_flexible", False))
-        threads = int(getattr(options, "compiler_threads", 1) or 1)
+        self.whitespace_flexible = opts.whitespace_flexible
+        threads = opts.compiler_threads
         try:
             self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer,
                                                                      vocab_size=vocab_size)
@@ -105,7 +108,7 @@ class XGrammarBackend(StructuredOutputBackend):
                 "needs a Hugging Face tokenizer with a known vocabulary type") from e
         self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
         self.batch_matcher = xgr.BatchGrammarMatcher(
-            max_threads=getattr(options, "fill_threads", None) or default_fill_threads())
+            max_threads=opts.fill_threads or default_fill_threads())
         # caching is the engine's (a bounded LRU shared by every backend)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads,
                                             cache_enabled=False)

@@ -1,0 +1,189 @@
+"""Deriving :class:`~lmkit.api.model_facts.ModelFacts` from a model directory: one rule
+each for the architecture, the context length, the EOS ids and the attention needs.
+
+The engine core calls :func:`load_model_facts` once, before any weights load, and hands
+the result to the executor (and through it to the model runner) and to the frontend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmkit.api.contract import interface_problem
+from lmkit.api.model import CausalLM
+from lmkit.api.model_facts import ModelFacts
+from lmkit.errors import ConfigError, ModelLoadError, PluginError, UnknownBackendError
+from lmkit.plugin_host.spec import Needs
+
+if TYPE_CHECKING:
+    from lmkit.plugin_host.manager import PluginHost
+    from lmkit.plugin_host.registry import Registration
+
+logger = logging.getLogger(__name__)
+
+# The context length when neither the configuration nor the model's config gives one.
+DEFAULT_MAX_MODEL_LEN = 2048
+# config.json keys that state a model's context length (the smallest present wins).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length")
+
+
+def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | None = None,
+                     hf_config: Any = None) -> ModelFacts:
+    """The facts of the model in ``model_dir``, served by the architectures ``host`` knows.
+
+    Args:
+        model_dir: a local Hugging Face-style model directory.
+        host: the plugin host whose registry knows the model architectures.
+        max_model_len: the configured ``model.max_model_len`` (``None``: the model's own).
+        hf_config: the directory's loaded ``config.json``, when the caller has it.
+
+    Raises:
+        ModelLoadError: no registered architecture serves the model.
+        PluginError: the registered class does not subclass :class:`lmkit.api.CausalLM`.
+        ConfigError: ``max_model_len`` exceeds the model's context.
+    """
+    from lmkit.loading.gguf import weight_format
+    from lmkit.loading.weights import load_hf_config
+
+    model_dir = Path(model_dir)
+    if hf_config is None:
+        hf_config = load_hf_config(model_dir)
+    architecture, registration = model_registration(host, hf_config, model_dir)
+    model_cls = model_class(registration)
+    head_size = head_size_of(hf_config)
+    native = native_max_model_len(hf_config)
+    needs = Needs(values={"head_size": head_size}).merge(model_cls.attention_needs(hf_config))
+    return ModelFacts(
+        model_dir=model_dir, architecture=architecture,
+        vocab_size=int(hf_config.vocab_size), num_layers=int(hf_config.num_hidden_layers),
+        head_size=head_size,
+        max_model_len=resolve_max_model_len(native, max_model_len, model_dir),
+        native_max_model_len=native, eos_token_ids=eos_token_ids_of(model_dir, hf_config),
+        attention_needs=needs, num_heads=int(hf_config.num_attention_heads),
+        num_kv_heads=int(hf_config.to_dict().get("num_key_value_heads")
+                         or hf_config.num_attention_heads),
+        weight_format=weight_format(model_dir))
+
+
+def model_registration(host: PluginHost, hf_config: Any, model_dir: Path
+                       ) -> tuple[str, Registration]:
+    """``(architecture, registration)``: the first of ``config.json``'s ``architectures``
+    that a model plugin registers (by name or alias), and its registration."""
+    archs = [str(a) for a in (hf_config.to_dict().get("architectures") or [])]
+    for arch in archs:
+        try:
+            reg = host.registry.get("model", arch)
+        except UnknownBackendError:
+            continue
+        return arch, reg
+    known = sorted({k for r in host.registry.all("model") for k in (r.name, *r.spec.aliases)})
+    raise ModelLoadError(
+        f"model architecture {', '.join(archs) or '(none: config.json has no architectures)'}"
+        f" of {model_dir} is not supported; supported architectures: "
+        f"{', '.join(known) or 'none (no model plugin is loaded)'}. Install a plugin that "
+        "registers it (register_models) or use a supported model.")
+
+
+def model_class(registration: Registration) -> type[CausalLM]:
+    """The model class a registration loads, checked against the :class:`CausalLM` contract."""
+    cls = registration.spec.load()
+    problem = interface_problem("model", cls)
+    if problem is not None:
+        raise PluginError(
+            f"model {registration.name!r} (plugin {registration.origin}): {problem}; make "
+            "the model class inherit from lmkit.api.CausalLM (e.g. class MyModel("
+            "torch.nn.Module, CausalLM)).")
+    return cls
+
+
+def head_size_of(hf_config: Any) -> int:
+    """``head_dim`` when the config states it, else ``hidden_size // num_attention_heads``."""
+    head_dim = hf_config.to_dict().get("head_dim")
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def native_max_model_len(hf_config: Any) -> int | None:
+    """The model's own context length: the smallest positive value among
+    :data:`CONTEXT_KEYS` in its config, ``None`` when it states none."""
+    values = hf_config.to_dict()
+    found = [int(values[k]) for k in CONTEXT_KEYS if isinstance(values.get(k), int)
+             and not isinstance(values.get(k), bool) and values[k] > 0]
+    return min(found) if found else None
+
+
+def resolve_max_model_len(native: int | None, asked: int | None, model_dir: Path) -> int:
+    """The context length: ``asked`` if given (refused when it exceeds ``native``), else
+    ``native``, else :data:`DEFAULT_MAX_MODEL_LEN`."""
+    if asked is not None and native is not None and asked > native:
+        raise ConfigError(
+            f"model.max_model_len={asked} exceeds the model's context of {native} tokens "
+            f"(stated in {Path(model_dir) / 'config.json'}); lower "
+            f"model.max_model_len to at most {native}, or leave it unset to use {native}.")
+    if asked is None and native is None:
+        logger.warning("%s states no context length (%s); using %d tokens: set "
+                       "model.max_model_len to change it", Path(model_dir) / "config.json",
+                       ", ".join(CONTEXT_KEYS), DEFAULT_MAX_MODEL_LEN)
+    return int(asked or native or DEFAULT_MAX_MODEL_LEN)
+
+
+def eos_token_ids_of(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
+    """Every token id that ends generation, the primary first, without repeats:
+
+    1. the tokenizer's EOS token (``eos_token`` of ``tokenizer_config.json``, its id
+       from that file's ``added_tokens_decoder`` or ``tokenizer.json``), which chat
+       templates end a turn with;
+    2. ``eos_token_id`` of ``generation_config.json`` (an id or a list), or when that
+       file does not give one, ``eos_token_id`` of ``config.json``.
+    """
+    model_dir = Path(model_dir)
+    ids: list[int] = []
+    tokenizer_eos = _tokenizer_eos_id(model_dir)
+    if tokenizer_eos is not None:
+        ids.append(tokenizer_eos)
+    generation = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    declared = generation if generation is not None else hf_config.to_dict().get("eos_token_id")
+    ids.extend(_as_ids(declared))
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {type(e).__name__}: {e}; fix or delete "
+                             "the file.") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The id of ``tokenizer_config.json``'s ``eos_token``, when the tokenizer files
+    name it (``added_tokens_decoder``, ``tokenizer.json``'s added tokens or vocabulary)."""
+    config = _read_json(model_dir / "tokenizer_config.json")
+    eos = config.get("eos_token")
+    content = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(content, str):
+        return None
+    for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(token, dict) and token.get("content") == content:
+            return int(token_id)
+    tokenizer = _read_json(model_dir / "tokenizer.json")
+    for token in tokenizer.get("added_tokens") or []:
+        if isinstance(token, dict) and token.get("content") == content:
+            return int(token["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(content), int):
+        return int(vocab[content])
+    return None

@@ -1,0 +1,155 @@
+"""Draft verification pieces of the sampler: where the drafts sit among the rows, the
+random rows' rejection sampling, and the all-greedy host walk.
+
+Request ``i`` with ``k_i`` drafts owns ``k_i + 1`` consecutive rows (see
+:mod:`lmkit.sample.rejection`). Seeded requests draw every random number from their own
+generator (per row, in row order, then per draft), so they stay reproducible whatever
+else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from lmkit.api.outputs import TokenLogprob
+from lmkit.sample import rejection
+from lmkit.sample.draws import sample_from_probs
+from lmkit.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class VerifiedTokens:
+    """Per request, the tokens to append (``num_accepted[i] + 1`` of them) and, for
+    requests asking, their logprobs."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    logprobs: list[list[TokenLogprob]] | None = None
+
+
+@dataclass
+class DraftLayout:
+    """Where the drafts sit among the flat rows (host arrays turned into tensors)."""
+
+    num_drafts: list[int]
+    row_starts: list[int]  # first row of each request
+    rows: torch.Tensor  # int64 [num_drafts_total]
+    token_ids: torch.Tensor  # int64 [num_drafts_total]
+    req: torch.Tensor  # int64 [num_drafts_total]
+    pos: torch.Tensor  # int64 [num_drafts_total]
+
+    @classmethod
+    def build(cls, drafts: Sequence[Sequence[int]], device: torch.device) -> DraftLayout:
+        """The layout of ``drafts`` (per request its draft token ids)."""
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
+        per_req = num_drafts + 1
+        starts = np.cumsum(per_req) - per_req
+        total = int(num_drafts.sum())
+        req = np.repeat(np.arange(len(drafts)), num_drafts)
+        pos = np.arange(total) - np.repeat(np.cumsum(num_drafts) - num_drafts, num_drafts)
+        token_ids = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=total)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return cls(num_drafts.tolist(), starts.tolist(), dev(starts[req] + pos), dev(token_ids),
+                   dev(req), dev(pos))
+
+
+def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> VerifiedTokens:
+    """Verify a step whose rows are all greedy on these logits (already adjusted, or
+    needing no adjustment) and ask no logprobs: one argmax on the device, one
+    device-to-host copy of the ``[num_rows]`` targets, then the accepted prefixes on the
+    host (O(drafts) Python, no further device work).
+
+    Args:
+        logits: ``[num_rows, vocab]``, ``len(drafts[i]) + 1`` rows per request.
+        drafts: per request its draft token ids (empty: a plain decode).
+
+    Returns:
+        per request the accepted drafts then the target token after them.
+    """
+    targets = logits.argmax(dim=-1).tolist()  # the one device-to-host copy
+    if len(targets) != len(drafts) + sum(map(len, drafts)):
+        raise ValueError(f"verify_greedy got {len(targets)} logits rows for {len(drafts)} "
+                         f"requests with {sum(map(len, drafts))} drafts")
+    token_ids, num_accepted = [], []
+    start = 0
+    for draft in drafts:
+        k = len(draft)
+        accepted = 0
+        while accepted < k and draft[accepted] == targets[start + accepted]:
+            accepted += 1
+        # accepted drafts equal the targets at their rows: emit targets up to the
+        # first mismatch (its target is the correction) or the bonus row
+        token_ids.append(targets[start:start + accepted + 1])
+        num_accepted.append(accepted)
+        start += k + 1
+    return VerifiedTokens(token_ids, num_accepted)
+
+
+def sample_and_accept(probs: torch.Tensor, md: SamplingMetadata, layout: DraftLayout,
+                      draft_probs: Sequence[torch.Tensor | None] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for the random rows of ``probs`` (``[num_rows, vocab]``, the
+    target distributions): (row tokens, accepted per draft)."""
+    device, vocab = probs.device, probs.shape[1]
+    q_rows, q, q_at_draft = None, None, torch.ones(len(layout.rows), device=device)
+    if draft_probs is not None and any(p is not None for p in draft_probs):
+        q_rows, q = _gather_draft_probs(draft_probs, layout, vocab, device)
+        draft_first = np.cumsum(layout.num_drafts) - np.asarray(layout.num_drafts)
+        idx = [np.arange(draft_first[i], draft_first[i] + n)
+               for i, (n, p) in enumerate(zip(layout.num_drafts, draft_probs, strict=True))
+               if p is not None and n]
+        q_idx = torch.from_numpy(np.concatenate(idx)).to(device)
+        q_at_draft[q_idx] = q.gather(1, layout.token_ids[q_idx].unsqueeze(1)).squeeze(1)
+    weights = rejection.recovery_weights(probs, layout.rows, layout.token_ids, q_rows, q)
+    row_tokens = sample_from_probs(weights, md.generators)
+    uniform = torch.rand(len(layout.rows), device=device)
+    _seeded_uniforms(uniform, md, layout)
+    accepted = rejection.accept_probabilistic(probs, layout.rows, layout.token_ids,
+                                              q_at_draft, uniform)
+    return row_tokens, accepted
+
+
+def logprobs_per_request(row_logprobs: list[TokenLogprob | None], layout: DraftLayout,
+                         num_accepted: list[int]) -> list[list[TokenLogprob]]:
+    """Each request's logprobs for the tokens it emits (its first ``n + 1`` rows)."""
+    return [[lp for lp in row_logprobs[s:s + n + 1] if lp is not None]
+            for s, n in zip(layout.row_starts, num_accepted, strict=True)]
+
+
+def _gather_draft_probs(draft_probs: Sequence[torch.Tensor | None], layout: DraftLayout,
+                        vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows with draft distributions and those distributions, ``[num_q, vocab]``."""
+    rows, blocks = [], []
+    for start, n, p in zip(layout.row_starts, layout.num_drafts, draft_probs, strict=True):
+        if p is None or n == 0:
+            continue
+        if p.dim() != 2 or p.shape[0] < n or p.shape[1] > vocab:
+            raise ValueError(f"draft_probs of shape {tuple(p.shape)} for {n} drafts: expected "
+                             f"[{n}, vocab <= {vocab}] (one distribution per draft)")
+        block = p[:n].to(device=device, dtype=torch.float32)
+        if block.shape[1] < vocab:  # a draft vocabulary that is a prefix of the target's
+            block = torch.nn.functional.pad(block, (0, vocab - block.shape[1]))
+        rows.append(torch.arange(start, start + n))
+        blocks.append(block)
+    return torch.cat(rows).to(device), torch.cat(blocks)
+
+
+def _seeded_uniforms(uniform: torch.Tensor, md: SamplingMetadata, layout: DraftLayout) -> None:
+    """Redraw the acceptance uniforms of seeded requests from their own generators."""
+    if not md.generators:
+        return
+    first = 0
+    for start, n in zip(layout.row_starts, layout.num_drafts, strict=True):
+        gen = md.generators.get(start)
+        if gen is not None and n:
+            uniform[first:first + n] = torch.rand(n, generator=gen, device=gen.device).to(
+                uniform.device)
+        first += n

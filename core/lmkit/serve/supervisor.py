@@ -1,0 +1,129 @@
+"""Starting the engine (warmed up) and restarting it when it dies.
+
+:func:`start_engine` starts the engine-core process and runs one warm-up request
+through it, so the first client request does not pay one-time costs. The
+:class:`EngineSupervisor` task waits for the engine to die; then every request in
+flight has already failed (503 ``engine_dead``) and the supervisor restarts the engine
+after ``server.engine_restart_backoff_s``, doubling the wait after each failed try. It
+gives up after ``server.engine_restart_attempts`` tries in a row and calls
+``on_give_up``, where the server exits with status 1 so that a process supervisor
+(systemd, Kubernetes) can restart it. The count of tries starts again once an engine
+has run for :data:`STABLE_AFTER_S` seconds, so a server that crashes now and then keeps
+restarting while one that crashes at once stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from lmkit.config.schema import LMKitConfig
+from lmkit.errors import EngineDeadError
+from lmkit.frontend.async_llm import AsyncLLM
+from lmkit.frontend.collector import RequestObserver
+
+logger = logging.getLogger(__name__)
+
+STABLE_AFTER_S = 60.0  # an engine that ran this long resets the count of restart tries
+
+
+async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None = None,
+                       env: dict[str, str] | None = None,
+                       startup_timeout: float | None = None) -> AsyncLLM:
+    """Start the engine-core process and warm it up; raises what :meth:`AsyncLLM.start`
+    raises, or :class:`EngineDeadError` if the engine dies while warming up."""
+    llm = await AsyncLLM.start(config, observer=observer, env=env,
+                               startup_timeout=startup_timeout)
+    try:
+        started = time.monotonic()
+        await llm.warm_up()
+        logger.info("warm-up request took %.2fs", time.monotonic() - started)
+    except BaseException:
+        await llm.shutdown()
+        raise
+    return llm
+
+
+class EngineSupervisor:
+    """Restarts ``llm``'s engine process when it dies (see the module docstring).
+
+    ``on_restart`` runs after each successful restart, ``on_give_up(error)`` once the
+    tries are spent. :attr:`is_restarting` is true from the engine's death until the new
+    one is warm.
+    """
+
+    def __init__(self, llm: AsyncLLM, config: LMKitConfig, *,
+                 startup_timeout: float | None = None,
+                 on_restart: Callable[[AsyncLLM], None] | None = None,
+                 on_give_up: Callable[[BaseException], None] | None = None) -> None:
+        self.llm = llm
+        self.max_attempts = config.server.engine_restart_attempts
+        self.backoff_s = config.server.engine_restart_backoff_s
+        self.startup_timeout = startup_timeout
+        self.on_restart = on_restart
+        self.on_give_up = on_give_up
+        self._restarting = False
+        self.gave_up: str | None = None
+        self.num_restarts = 0
+        self._next_try_at = 0.0
+
+    @property
+    def is_restarting(self) -> bool:
+        """True from the engine's death (even before the supervisor has noticed it) until
+        the new engine is warm, unless the supervisor gave up or restarts are off."""
+        if self._restarting:
+            return True
+        return (self.gave_up is None and self.max_attempts > 0 and not self.llm.is_healthy
+                and not self.llm.is_shutting_down)
+
+    def retry_after_s(self) -> int:
+        """Seconds a client should wait before retrying (for ``Retry-After``)."""
+        return max(1, math.ceil(self._next_try_at - time.monotonic()) + 1)
+
+    async def run(self) -> None:
+        """Watch the engine until the frontend shuts down or the tries are spent."""
+        tries = 0
+        up_since = time.monotonic()
+        while True:
+            await self.llm.wait_engine_death()
+            if self.llm.is_shutting_down:
+                return
+            if time.monotonic() - up_since >= STABLE_AFTER_S:
+                tries = 0
+            self._restarting = True
+            error: BaseException = EngineDeadError(self.llm.dead_reason or "the engine died")
+            while tries < self.max_attempts:
+                delay = self.backoff_s * 2 ** tries
+                tries += 1
+                self._next_try_at = time.monotonic() + delay
+                logger.warning("restarting the engine in %.1fs (try %d of %d)", delay, tries,
+                               self.max_attempts)
+                await asyncio.sleep(delay)
+                try:
+                    await self._restart()
+                    break
+                except Exception as e:  # a failed start: try again, or give up below
+                    logger.error("the engine restart failed: %s", e)
+                    error = e
+            else:
+                self.gave_up = (f"the engine died and {self.max_attempts} restart tries "
+                                f"failed: {error}")
+                logger.error("%s; giving up", self.gave_up)
+                self._restarting = False
+                if self.on_give_up is not None:
+                    self.on_give_up(EngineDeadError(self.gave_up))
+                return
+            self._restarting = False
+            self.num_restarts += 1
+            up_since = time.monotonic()
+            logger.warning("the engine is back (pid %s)", self.llm.engine_pid)
+            if self.on_restart is not None:
+                self.on_restart(self.llm)
+
+    async def _restart(self) -> None:
+        if not self.llm.client.is_alive() or self.llm.engine_pid is None:
+            await self.llm.restart_engine(self.startup_timeout)
+        await self.llm.warm_up()

@@ -57,6 +57,14 @@ def test_packed_weights_dequantize_to_the_float32_conversion(smollm2_dir):
     assert set(types) == {"Q4_1", "Q8_0", "F32"}
 
 
+def test_the_gguf_method_passes_the_conformance_suite(smollm2_dir):
+    from lmkit.testing.quantization import check_quantization_method
+    from lmkit_plugins.quantization.gguf_cpu import GGUFCpuMethod
+
+    assert set(check_quantization_method(GGUFCpuMethod, model_dir=smollm2_dir).values()) == {
+        "passed"}
+
+
 @pytest.fixture(scope="module")
 def both_paths(smollm2_dir):
     out = {}

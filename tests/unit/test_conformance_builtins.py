@@ -11,6 +11,7 @@ from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.attention import check_attention_backend
 from lmkit.testing.executor import check_executor
 from lmkit.testing.offload import check_offload_manager
+from lmkit.testing.quantization import check_quantization_method
 from lmkit.testing.scheduler import check_scheduler
 from lmkit.testing.spec_decode import check_spec_proposer
 from lmkit.testing.structured_output import check_structured_output_backend
@@ -23,10 +24,14 @@ SUITES = {
     "speculative": check_spec_proposer,
     "structured_output": check_structured_output_backend,
     "offload": check_offload_manager,
+    "quantization": check_quantization_method,
 }
-SLOW = {("executor", "mp"), ("executor", "ray")}  # start worker processes (importing torch)
+# slow: executors that start worker processes (importing torch), and quantization
+# methods, which run on the default model (its GGUF file: a download, ~20 s)
+SLOW = {("executor", "mp"), ("executor", "ray")}
 BUILTINS = [pytest.param(kind, reg.name, id=f"{kind}-{reg.name}",
-                         marks=[pytest.mark.slow] if (kind, reg.name) in SLOW else [])
+                         marks=[pytest.mark.slow]
+                         if (kind, reg.name) in SLOW or kind == "quantization" else [])
             for kind in SUITES for reg in HOST.registry.all(kind)]
 
 
@@ -50,6 +55,8 @@ def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureR
         pytest.skip(f"{name} cannot run here: {'; '.join(reg.spec.unavailable_reasons())}")
     if kind in ("executor", "speculative"):
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
+    elif kind == "quantization":
+        results = SUITES[kind](reg, model_dir=request.getfixturevalue("smollm2_dir"))
     else:
         results = SUITES[kind](reg)
     assert "passed" in results.values()

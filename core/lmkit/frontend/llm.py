@@ -52,6 +52,7 @@ SHORT_OPTIONS = {
     "num_speculative_tokens": "speculative.num_speculative_tokens",
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
+    "quantization": "quantization.backend",
 }
 
 

@@ -120,7 +120,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
@@ -131,9 +131,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * dims.head_dim
         self.rotary = rotary
         kw = {"dtype": dtype, "device": device}
+        qkw = {**kw, "quantization": quant}
         self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                  "v": self.kv_size}, bias=dims.qkv_bias, **kw)
-        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **kw)
+                                                  "v": self.kv_size}, bias=dims.qkv_bias, **qkw)
+        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **qkw)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         # CUDA half precision: q/k norm + RoPE in one in-place kernel (fused_ops)
@@ -181,9 +182,9 @@ class LlamaMLP(nn.Module):
     ``tp``; down_proj row-parallel, all-reduced)."""
 
     def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None) -> None:
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
         size = dims.intermediate_size // (tp.size if tp is not None else 1)
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
@@ -201,13 +202,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp)
+        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(dims, dtype, device, tp)
+        self.mlp = LlamaMLP(dims, dtype, device, tp, quant)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -228,14 +229,17 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel | None = None) -> None:
+                 device: torch.device, tp: TensorParallel | None = None,
+                 quant: Any = None) -> None:
         super().__init__()
         self.embed_tokens = (
-            VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device)
+            VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device,
+                           quantization=quant)
             if tp is None else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp,
                                                       dtype=dtype, device=device))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp) for i in range(dims.num_layers))
+            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp, quant)
+            for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
@@ -270,14 +274,16 @@ class LlamaStack(nn.Module, Model):
         dtype, device = ctx.dtype, torch.device(ctx.device)
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
-        self.model = LlamaModel(dims, self.rotary, dtype, device, tp)
+        quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
+        self.model = LlamaModel(dims, self.rotary, dtype, device, tp, quant)
         self._fused_ops = fused_ops_enabled(device, dtype)
         local_vocab = dims.vocab_size if tp is None else tp.local(dims.vocab_size)
         # fused kernels write K/V in the RoPE kernel when the backend declares it may
         self._model_writes_kv = (self._fused_ops
                                  and ctx.attention_cls.supports_model_kv_write)
         self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
-            dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device)
+            dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device,
+            quantization=quant)
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
             head_size=dims.head_dim,
@@ -336,7 +342,7 @@ class LlamaStack(nn.Module, Model):
 
         embed = self.model.embed_tokens
         embed_name = "model.embed_tokens.weight"
-        targets[embed_name] = (whole(embed.weight, embed_name) if tp is None else
+        targets[embed_name] = (embed.load if tp is None else
                                lambda t: whole(embed.weight, embed_name)(tp.shard(t, 0)))
         targets["model.norm.weight"] = whole(self.model.norm.weight, "model.norm.weight")
         if self.lm_head is not None:

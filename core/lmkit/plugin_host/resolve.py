@@ -104,8 +104,8 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     nothing registered fits. The ``configure`` hook is the caller's to run first (the
     engine and ``lmkit config check`` do).
 
-    With ``parallel.tensor_parallel_size > 1`` the executor and the offload tier must
-    declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
+    With ``parallel.tensor_parallel_size > 1`` the executor, the offload tier and the
+    quantization method must declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
     ``parallel.distributed_backend``.
 
     :param model_needs: what the model requires of attention (e.g. ``head_size``), when
@@ -128,8 +128,10 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
         "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                          values={"device": device}),
-        "quantization": Needs(values={"device": device} | (
-            {"weight_format": weight_format} if weight_format else {})),
+        "quantization": Needs(
+            features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
+            values={"device": device} | ({"weight_format": weight_format} if weight_format
+                                         else {})),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}

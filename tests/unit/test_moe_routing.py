@@ -1,0 +1,184 @@
+"""lmkit's MoE routing and :class:`~lmkit_plugins.models.moe.SparseMoE` block against
+Hugging Face transformers' own modules (float32, CPU): Mixtral's top-k softmax router,
+DeepSeek-V2's greedy and group-limited greedy routers, DeepSeek-V3's bias-corrected
+sigmoid router with grouped top-k, and whole MoE blocks with shared experts loaded
+from checkpoint-named tensors. Plus the refusal of routings lmkit does not build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from lmkit.api import ModelLoadError  # noqa: E402
+from lmkit_plugins.models.llama import LlamaDims  # noqa: E402
+from lmkit_plugins.models.moe import DEEPSEEK_EXPERT_NAMES, SparseMoE  # noqa: E402
+from lmkit_plugins.models.moe_routing import MoERouting, route  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=4)
+
+
+def _mixtral_config(**kw):
+    return transformers.MixtralConfig(**{**SMALL, "num_local_experts": 6,
+                                         "num_experts_per_tok": 2, **kw})
+
+
+def _deepseek_v2_config(**kw):
+    return transformers.DeepseekV2Config(**{
+        **SMALL, "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+        "n_shared_experts": 2, "routed_scaling_factor": 1.5, "norm_topk_prob": False, **kw})
+
+
+def _deepseek_v3_config(**kw):
+    return transformers.DeepseekV3Config(**{
+        **SMALL, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
+        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "q_lora_rank": None, "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, **kw})
+
+
+def _randomize(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    return module.eval()
+
+
+def _same_routing(ours, theirs):
+    """Equal (weight, id) pairs per token, whatever their order among the top k."""
+    w, ids = ours
+    hw, hids = theirs
+    order, horder = ids.argsort(-1), hids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), hids.long().gather(1, horder))
+    torch.testing.assert_close(w.gather(1, order), hw.float().gather(1, horder),
+                               atol=1e-6, rtol=1e-6)
+
+
+def _hidden(n=37, width=32, seed=1):
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def test_mixtral_router_matches_hf():
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = _mixtral_config()
+    router = _randomize(MixtralTopKRouter(cfg))
+    routing = MoERouting.from_hf(cfg)
+    assert routing == MoERouting(num_experts=6, top_k=2)
+    x = _hidden()
+    logits, weights, ids = router(x)
+    _same_routing(route(x @ router.weight.T, routing), (weights, ids))
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_router_matches_hf(method):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    cfg = _deepseek_v2_config(topk_method=method, n_group=4, topk_group=2)
+    router = _randomize(DeepseekV2TopkRouter(cfg))
+    routing = MoERouting.from_hf(cfg)
+    assert routing.num_groups == (4 if method == "group_limited_greedy" else 1)
+    x = _hidden()
+    _, weights, ids = router(x)
+    _same_routing(route(x @ router.weight.T, routing), (weights, ids))
+
+
+def test_deepseek_v3_router_matches_hf():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = _deepseek_v3_config()
+    router = _randomize(DeepseekV3TopkRouter(cfg), seed=2)
+    routing = MoERouting.from_hf(cfg)
+    assert (routing.scoring, routing.group_score, routing.correction_bias) == (
+        "sigmoid", "top2_sum", True)
+    x = _hidden(64)
+    _, weights, ids = router(x)
+    ours = route(x @ router.weight.T, routing, router.e_score_correction_bias)
+    _same_routing(ours, (weights, ids))
+    # the bias changes the choice but not the weights: without it some choices differ
+    plain = route(x @ router.weight.T, routing, torch.zeros(16))
+    assert not torch.equal(plain[1].sort(-1)[0], ours[1].sort(-1)[0])
+    # every chosen expert lies in one of the token's topk_group=2 groups
+    assert all(len(set((row // 4).tolist())) <= 2 for row in ours[1])
+
+
+def _checkpoint_tensors(hf_moe, prefix):
+    """An HF MoE module's weights under checkpoint names (experts split per expert)."""
+    out = {}
+    for name, t in hf_moe.state_dict().items():
+        if name == "experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = t[e, inter:]
+        elif name == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            out[f"{prefix}.{name}"] = t
+    return out
+
+
+def _sparse_moe_like(cfg, hf_moe):
+    dims = replace(LlamaDims.from_hf(cfg), intermediate_size=cfg.moe_intermediate_size)
+    ours = SparseMoE(dims, MoERouting.from_hf(cfg), torch.float32, torch.device("cpu"),
+                     shared_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
+    targets = ours.weight_targets("model.layers.1.mlp", DEEPSEEK_EXPERT_NAMES)
+    tensors = _checkpoint_tensors(hf_moe, "model.layers.1.mlp")
+    assert set(targets) == set(tensors)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            targets[name](t)
+    return ours
+
+
+@pytest.mark.parametrize("family", ["v2", "v3"])
+def test_moe_block_with_shared_experts_matches_hf(family):
+    if family == "v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Moe
+        cfg = _deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Moe
+        cfg = _deepseek_v3_config()
+    hf = _randomize(Moe(cfg), seed=3)
+    ours = _sparse_moe_like(cfg, hf)
+    x = _hidden(29)
+    with torch.inference_mode():
+        expected = hf(x[None])[0]
+        got = ours(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_shape_mismatch_is_named():
+    cfg = _mixtral_config()
+    dims = LlamaDims.from_hf(cfg)
+    moe = SparseMoE(dims, MoERouting.from_hf(cfg), torch.float32, torch.device("cpu"))
+    targets = moe.weight_targets("b")
+    with pytest.raises(ValueError, match=r"b.experts.2.w3: checkpoint shape \(4, 32\)"):
+        targets["b.experts.2.w3.weight"](torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_experts=4, top_k=5), "between 1 and the number of experts"),
+    (dict(num_experts=6, top_k=2, num_groups=4), "must divide the number of experts"),
+    (dict(num_experts=8, top_k=4, num_groups=4, topk_groups=1), "must hold at least"),
+    (dict(num_experts=4, top_k=1, scoring="relu"), "scoring 'relu' is not supported"),
+])
+def test_invalid_routing_is_refused(kwargs, match):
+    with pytest.raises(ModelLoadError, match=match):
+        MoERouting(**kwargs)
+
+
+def test_unknown_topk_method_is_refused():
+    cfg = _deepseek_v2_config(topk_method="noaux_tc")
+    with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc' is not supported"):
+        MoERouting.from_hf(cfg)

@@ -1,0 +1,117 @@
+"""The Mixtral model plugin's wiring: its registration (``lmkit plugins list``, model
+facts), which experts implementation it runs on the CPU, its refusal of tensor
+parallelism, and the load errors of a checkpoint that does not fit its config. Its
+numerics against transformers are in tests/integration/test_model_parity.py and
+test_engine_parity.py (``mixtral``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from lmkit.api import ModelBuildContext, ModelLoadError  # noqa: E402
+from lmkit.config.schema import LMKitConfig  # noqa: E402
+from lmkit.loading.model_facts import load_model_facts  # noqa: E402
+from lmkit.plugin_host.manager import PluginHost  # noqa: E402
+from lmkit.plugin_host.resolve import resolve_stack  # noqa: E402
+from lmkit.worker.model_runner import ModelRunner  # noqa: E402
+from lmkit_kernels.moe_ref import fused_moe_ref  # noqa: E402
+from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
+from lmkit_plugins.models.mixtral import MixtralForCausalLM  # noqa: E402
+from lmkit_plugins.models.moe import SparseMoE  # noqa: E402
+
+
+def _config(**kw):
+    return transformers.MixtralConfig(**{
+        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 128,
+        "architectures": ["MixtralForCausalLM"], **kw})
+
+
+def _host() -> PluginHost:
+    return PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+
+
+def _save(directory: Path, **kw) -> Path:
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_config(**kw)).save_pretrained(directory)
+    return directory
+
+
+def _runner(model_dir: Path, tp_size: int = 1) -> ModelRunner:
+    host = _host()
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": 64},
+        "attention": {"backend": "torch"}, "executor": {"device": "cpu"}})
+    return ModelRunner(config, resolve_stack(config, host), host,
+                       load_model_facts(model_dir, host, 64), tp_rank=0, tp_size=tp_size)
+
+
+def test_registered_and_listed():
+    from lmkit.cli.main import build_app
+    from typer.testing import CliRunner
+
+    env = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    out = CliRunner().invoke(build_app(env=env), ["plugins", "list", "--json"], env=env)
+    models = {s["name"]: s for s in json.loads(out.stdout)["specs"]["model"]}
+    assert models["MixtralForCausalLM"]["available"] is True
+    registration = _host().registry.get("model", "MixtralForCausalLM")
+    assert registration.spec.load() is MixtralForCausalLM
+
+
+def test_model_facts_and_sliding_window_need():
+    facts = load_model_facts(Path("/nonexistent"), _host(), hf_config=_config(sliding_window=8))
+    assert facts.architecture == "MixtralForCausalLM" and facts.head_size == 8
+    assert "sliding_window" in facts.attention_needs.features
+    plain = load_model_facts(Path("/nonexistent"), _host(), hf_config=_config())
+    assert "sliding_window" not in plain.attention_needs.features
+
+
+def test_cpu_layers_are_moe_blocks_on_the_torch_reference():
+    model = MixtralForCausalLM(_config(sliding_window=8), ModelBuildContext(
+        torch.float32, torch.device("cpu"), 16, TorchAttention))
+    assert not MixtralForCausalLM.supports_tensor_parallel
+    assert model.dims.sliding_window == 8
+    for layer in model.model.layers:
+        assert isinstance(layer.mlp, SparseMoE)
+        assert layer.mlp._experts is fused_moe_ref
+        assert tuple(layer.mlp.w13.shape) == (4, 80, 32)
+        assert tuple(layer.mlp.w2.shape) == (4, 32, 40)
+
+
+def test_tensor_parallel_is_refused(tmp_path):
+    runner = _runner(_save(tmp_path / "m"), tp_size=2)
+    with pytest.raises(ModelLoadError, match=r"MixtralForCausalLM .* does not declare "
+                                             r"supports_tensor_parallel.*use --tp 1"):
+        runner.load_model()
+
+
+def test_checkpoint_with_fewer_experts_is_refused(tmp_path):
+    model_dir = _save(tmp_path / "m", num_local_experts=3)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_local_experts"] = 4  # config.json says 4 experts, the weights hold 3
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    # the router is the first tensor to disagree: one row per expert
+    with pytest.raises(ModelLoadError, match=r"block_sparse_moe.gate.weight: .*checkpoint "
+                                             r"shape \(3, 32\) does not match the model's "
+                                             r"\(4, 32\)"):
+        _runner(model_dir).load_model()
+
+
+def test_checkpoint_without_an_expert_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _save(tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    for name in [n for n in weights if ".experts.3." in n]:
+        del weights[name]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing 6 weight\(s\): "
+                                             r"model.layers.0.block_sparse_moe.experts.3.w1"):
+        _runner(model_dir).load_model()

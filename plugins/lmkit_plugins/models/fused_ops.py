@@ -12,6 +12,8 @@ Projections of at most :data:`SMALL_BATCH` rows (decode at small batch) stream t
 weight through :func:`lmkit_kernels.gemv.small_m_linear`, which on an H100 reads it
 5-15% faster than cuBLAS at one row (bench/gemv_bandwidth.py); larger ones use cuBLAS.
 
+Mixture-of-experts blocks run lmkit's fused MoE kernel on CUDA in every dtype
+(:func:`fused_moe_enabled`).
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
 """

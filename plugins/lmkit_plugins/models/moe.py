@@ -48,10 +48,10 @@ class SparseMoE(nn.Module):
         self.intermediate_size = inter
         self.gate = Linear(hidden, {"weight": experts}, bias=False,
                            dtype=torch.float32 if routing.router_fp32 else dtype, device=device)
-        kw = {"dtype": dtype, "device": device}
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, **kw),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, **kw), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype,
+                                            device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype, device=device),
+                               requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(experts, dtype=torch.float32, device=device), requires_grad=False
         ) if routing.correction_bias else None
@@ -98,10 +98,13 @@ class SparseMoE(nn.Module):
             for name, linear, part in (("gate_proj", shared.gate_up_proj, "gate"),
                                        ("up_proj", shared.gate_up_proj, "up"),
                                        ("down_proj", shared.down_proj, "weight")):
-                targets[f"{p}.{name}.weight"] = (
-                    lambda t, linear=linear, part=part: linear.load_shard(part, weight=t))
+                targets[f"{p}.{name}.weight"] = _shard(linear, part)
         return targets
 
 
 def _into(dst: torch.Tensor, what: str) -> Loader:
     return lambda t: _copy_checked(dst, t, what)
+
+
+def _shard(linear: Linear, part: str) -> Loader:
+    return lambda t: linear.load_shard(part, weight=t)

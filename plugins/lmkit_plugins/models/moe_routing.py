@@ -94,10 +94,10 @@ class MoERouting:
         if model_type not in ("deepseek_v2", "deepseek_v3"):
             raise ModelLoadError(f"no MoE routing is known for model type {model_type!r}; "
                                  "lmkit routes mixtral, deepseek_v2 and deepseek_v3")
-        common = dict(num_experts=int(cfg.n_routed_experts), top_k=top_k,
-                      renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
-                      scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0)),
-                      router_fp32=True)
+        common: dict[str, Any] = dict(
+            num_experts=int(cfg.n_routed_experts), top_k=top_k,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+            scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0)), router_fp32=True)
         groups = int(getattr(cfg, "n_group", None) or 1)
         topk_groups = int(getattr(cfg, "topk_group", None) or 1)
         if model_type == "deepseek_v3":

@@ -102,3 +102,22 @@ def test_argument_checks():
         fused_moe(x, w13, w2, weights[:2], ids[:2])
     empty = fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
     assert empty.shape == (0, 16)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "v3"])
+def test_moe_block_on_the_fused_kernel_matches_hf(family):
+    """The layer as it runs on CUDA (router, stacked ``w13``/``w2`` loaded from
+    checkpoint names, the fused kernel, shared experts) against transformers' block:
+    Mixtral's top-2 softmax, and DeepSeek-V3's grouped sigmoid top-4 of 16 with its
+    correction bias, scaling factor and shared expert."""
+    pytest.importorskip("transformers")
+    from moe_hf import hf_moe_block, sparse_moe_like
+
+    cfg, hf = hf_moe_block(family)
+    block = sparse_moe_like(cfg, hf)
+    block._experts = fused_moe  # what SparseMoE picks on CUDA (fused_moe_enabled)
+    x = torch.randn(19, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        expected = hf(x[None])[0]
+        got = block(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

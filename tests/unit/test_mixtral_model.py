@@ -115,3 +115,16 @@ def test_checkpoint_without_an_expert_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"missing 6 weight\(s\): "
                                              r"model.layers.0.block_sparse_moe.experts.3.w1"):
         _runner(model_dir).load_model()
+
+
+def test_cuda_layers_choose_the_fused_kernel(monkeypatch):
+    """On CUDA (any dtype) the experts run lmkit's fused Triton kernel unless
+    LMKIT_FUSED_OPS=0; on the CPU always the torch reference."""
+    pytest.importorskip("triton")
+    from lmkit_plugins.models.fused_ops import fused_moe_enabled, fused_moe_kernel
+
+    monkeypatch.delenv("LMKIT_FUSED_OPS", raising=False)
+    assert fused_moe_enabled("cuda") and not fused_moe_enabled("cpu")
+    assert fused_moe_kernel().__name__ == "fused_moe"
+    monkeypatch.setenv("LMKIT_FUSED_OPS", "0")
+    assert not fused_moe_enabled("cuda")

@@ -7,8 +7,6 @@ from checkpoint-named tensors. Plus the refusal of routings lmkit does not build
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,41 +14,16 @@ transformers = pytest.importorskip("transformers")
 
 from lmkit.api import ModelLoadError  # noqa: E402
 from lmkit_plugins.models.llama import LlamaDims  # noqa: E402
-from lmkit_plugins.models.moe import DEEPSEEK_EXPERT_NAMES, SparseMoE  # noqa: E402
+from lmkit_plugins.models.moe import SparseMoE  # noqa: E402
 from lmkit_plugins.models.moe_routing import MoERouting, route  # noqa: E402
-
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-             num_attention_heads=4, num_key_value_heads=4)
-
-
-def _mixtral_config(**kw):
-    return transformers.MixtralConfig(**{**SMALL, "num_local_experts": 6,
-                                         "num_experts_per_tok": 2, **kw})
-
-
-def _deepseek_v2_config(**kw):
-    return transformers.DeepseekV2Config(**{
-        **SMALL, "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
-        "n_shared_experts": 2, "routed_scaling_factor": 1.5, "norm_topk_prob": False, **kw})
-
-
-def _deepseek_v3_config(**kw):
-    return transformers.DeepseekV3Config(**{
-        **SMALL, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
-        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "q_lora_rank": None, "kv_lora_rank": 16,
-        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, **kw})
-
-
-def _randomize(module, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        for name, b in module.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return module.eval()
+from moe_hf import (  # noqa: E402
+    deepseek_v2_config,
+    deepseek_v3_config,
+    hf_moe_block,
+    mixtral_config,
+    randomize,
+    sparse_moe_like,
+)
 
 
 def _same_routing(ours, theirs):
@@ -70,8 +43,8 @@ def _hidden(n=37, width=32, seed=1):
 def test_mixtral_router_matches_hf():
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
-    cfg = _mixtral_config()
-    router = _randomize(MixtralTopKRouter(cfg))
+    cfg = mixtral_config()
+    router = randomize(MixtralTopKRouter(cfg))
     routing = MoERouting.from_hf(cfg)
     assert routing == MoERouting(num_experts=6, top_k=2)
     x = _hidden()
@@ -83,8 +56,8 @@ def test_mixtral_router_matches_hf():
 def test_deepseek_v2_router_matches_hf(method):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    cfg = _deepseek_v2_config(topk_method=method, n_group=4, topk_group=2)
-    router = _randomize(DeepseekV2TopkRouter(cfg))
+    cfg = deepseek_v2_config(topk_method=method, n_group=4, topk_group=2)
+    router = randomize(DeepseekV2TopkRouter(cfg))
     routing = MoERouting.from_hf(cfg)
     assert routing.num_groups == (4 if method == "group_limited_greedy" else 1)
     x = _hidden()
@@ -95,8 +68,8 @@ def test_deepseek_v2_router_matches_hf(method):
 def test_deepseek_v3_router_matches_hf():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    cfg = _deepseek_v3_config()
-    router = _randomize(DeepseekV3TopkRouter(cfg), seed=2)
+    cfg = deepseek_v3_config()
+    router = randomize(DeepseekV3TopkRouter(cfg), seed=2)
     routing = MoERouting.from_hf(cfg)
     assert (routing.scoring, routing.group_score, routing.correction_bias) == (
         "sigmoid", "top2_sum", True)
@@ -111,46 +84,12 @@ def test_deepseek_v3_router_matches_hf():
     assert all(len(set((row // 4).tolist())) <= 2 for row in ours[1])
 
 
-def _checkpoint_tensors(hf_moe, prefix):
-    """An HF MoE module's weights under checkpoint names (experts split per expert)."""
-    out = {}
-    for name, t in hf_moe.state_dict().items():
-        if name == "experts.gate_up_proj":
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{prefix}.experts.{e}.up_proj.weight"] = t[e, inter:]
-        elif name == "experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
-        else:
-            out[f"{prefix}.{name}"] = t
-    return out
-
-
-def _sparse_moe_like(cfg, hf_moe):
-    dims = replace(LlamaDims.from_hf(cfg), intermediate_size=cfg.moe_intermediate_size)
-    ours = SparseMoE(dims, MoERouting.from_hf(cfg), torch.float32, torch.device("cpu"),
-                     shared_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
-    targets = ours.weight_targets("model.layers.1.mlp", DEEPSEEK_EXPERT_NAMES)
-    tensors = _checkpoint_tensors(hf_moe, "model.layers.1.mlp")
-    assert set(targets) == set(tensors)
-    with torch.no_grad():
-        for name, t in tensors.items():
-            targets[name](t)
-    return ours
-
-
-@pytest.mark.parametrize("family", ["v2", "v3"])
-def test_moe_block_with_shared_experts_matches_hf(family):
-    if family == "v2":
-        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Moe
-        cfg = _deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2)
-    else:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Moe
-        cfg = _deepseek_v3_config()
-    hf = _randomize(Moe(cfg), seed=3)
-    ours = _sparse_moe_like(cfg, hf)
+@pytest.mark.parametrize("family", ["mixtral", "v2", "v3"])
+def test_moe_block_matches_hf(family):
+    """Whole blocks loaded from checkpoint names; DeepSeek's with shared experts."""
+    cfg, hf = hf_moe_block(family)
+    ours = sparse_moe_like(cfg, hf)
+    assert (ours.shared_experts is None) == (family == "mixtral")
     x = _hidden(29)
     with torch.inference_mode():
         expected = hf(x[None])[0]
@@ -159,7 +98,7 @@ def test_moe_block_with_shared_experts_matches_hf(family):
 
 
 def test_weight_shape_mismatch_is_named():
-    cfg = _mixtral_config()
+    cfg = mixtral_config()
     dims = LlamaDims.from_hf(cfg)
     moe = SparseMoE(dims, MoERouting.from_hf(cfg), torch.float32, torch.device("cpu"))
     targets = moe.weight_targets("b")
@@ -179,6 +118,6 @@ def test_invalid_routing_is_refused(kwargs, match):
 
 
 def test_unknown_topk_method_is_refused():
-    cfg = _deepseek_v2_config(topk_method="noaux_tc")
+    cfg = deepseek_v2_config(topk_method="noaux_tc")
     with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc' is not supported"):
         MoERouting.from_hf(cfg)

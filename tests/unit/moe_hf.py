@@ -80,8 +80,9 @@ def checkpoint_tensors(hf_moe, prefix, expert_names=DEEPSEEK_EXPERT_NAMES):
     return out
 
 
-def sparse_moe_like(cfg, hf_moe) -> SparseMoE:
-    """lmkit's block for ``cfg``, loaded through its checkpoint-name loaders."""
+def sparse_moe_like(cfg, hf_moe, tp=None) -> SparseMoE:
+    """lmkit's block for ``cfg`` (``tp``'s shard), loaded through its checkpoint-name
+    loaders."""
     mixtral = cfg.model_type == "mixtral"
     dims = LlamaDims.from_hf(cfg)
     shared = 0
@@ -89,7 +90,7 @@ def sparse_moe_like(cfg, hf_moe) -> SparseMoE:
         dims = replace(dims, intermediate_size=cfg.moe_intermediate_size)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
     ours = SparseMoE(dims, MoERouting.from_hf(cfg), torch.float32, torch.device("cpu"),
-                     shared_intermediate_size=shared)
+                     shared_intermediate_size=shared, tp=tp)
     names = MIXTRAL_EXPERT_NAMES if mixtral else DEEPSEEK_EXPERT_NAMES
     targets = ours.weight_targets("model.layers.1.mlp", names)
     tensors = checkpoint_tensors(hf_moe, "model.layers.1.mlp", names)

@@ -16,6 +16,7 @@ from lmkit.api import ModelLoadError  # noqa: E402
 from lmkit_plugins.models.llama import LlamaDims  # noqa: E402
 from lmkit_plugins.models.moe import SparseMoE  # noqa: E402
 from lmkit_plugins.models.moe_routing import MoERouting, route  # noqa: E402
+from lmkit_plugins.models.tensor_parallel import TensorParallel  # noqa: E402
 from moe_hf import (  # noqa: E402
     deepseek_v2_config,
     deepseek_v3_config,
@@ -121,3 +122,27 @@ def test_unknown_topk_method_is_refused():
     cfg = deepseek_v2_config(topk_method="noaux_tc")
     with pytest.raises(ModelLoadError, match="topk_method 'noaux_tc' is not supported"):
         MoERouting.from_hf(cfg)
+
+
+class _RankOnly(TensorParallel):
+    """A rank of a group whose all-reduce is left to the test: it returns the partial."""
+
+    def all_reduce(self, x):
+        return x
+
+
+@pytest.mark.parametrize("family", ["mixtral", "v3"])
+def test_tensor_parallel_shards_sum_to_the_whole_block(family):
+    """Two ranks' blocks (a slice of every expert and of the shared experts, loaded from
+    the same checkpoint names) give partial outputs that add up to the whole block's."""
+    cfg, hf = hf_moe_block(family)
+    whole = sparse_moe_like(cfg, hf)
+    x = _hidden(23)
+    partials = []
+    for rank in range(2):
+        block = sparse_moe_like(cfg, hf, tp=_RankOnly(rank, 2, None))
+        assert block.w13.shape[1] == whole.w13.shape[1] // 2
+        with torch.inference_mode():
+            partials.append(block(x))
+    with torch.inference_mode():
+        torch.testing.assert_close(partials[0] + partials[1], whole(x), atol=1e-5, rtol=1e-5)

@@ -9,8 +9,9 @@ routing (softmax over ``num_local_experts`` router logits, the top
 ``num_experts_per_tok``, renormalised). Checkpoint names: ``block_sparse_moe.gate``
 (the router) and ``block_sparse_moe.experts.N.w1/w3/w2`` (gate, up, down).
 
-Tensor parallelism is not supported (the experts are not sharded): the runner refuses
-``tensor_parallel_size > 1`` for this model.
+Under tensor parallelism attention splits as the Llama family's does and every expert
+is cut across the ranks like a dense MLP (:class:`~lmkit_plugins.models.moe.SparseMoE`):
+``intermediate_size`` must be divisible by the number of ranks.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from lmkit_plugins.models.moe_routing import MoERouting
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """A Mixtral causal LM over packed tokens (single rank)."""
+    """A Mixtral causal LM over packed tokens (tensor-parallel like the Llama family)."""
 
-    supports_tensor_parallel = False
+    supports_tensor_parallel = True
 
     def _mlp_builder(self, hf_config: Any, dims: LlamaDims, dtype: torch.dtype,
                      device: torch.device) -> Callable[[int], nn.Module]:
         routing = MoERouting.from_hf(hf_config)
-        return lambda layer_idx: SparseMoE(dims, routing, dtype, device)
+        return lambda layer_idx: SparseMoE(dims, routing, dtype, device, tp=self.tp)
 
     def _add_mlp_targets(self, targets: dict[str, Callable[[torch.Tensor], None]],
                          prefix: str, mlp: nn.Module, linear_names: Callable[..., None]

@@ -9,6 +9,11 @@ run in one call: on CUDA lmkit's fused Triton kernel
 elsewhere its torch reference (:func:`lmkit_kernels.moe_ref.fused_moe_ref`, one pair
 of matrix products per expert). Optional shared experts (DeepSeek) are one dense
 :class:`~lmkit_plugins.models.llama.LlamaMLP` every token runs through, added last.
+
+Under tensor parallelism every rank holds every expert, each cut like a dense MLP
+(Megatron-style): ``intermediate / N`` of its gate and up rows and the matching
+columns of its down projection. The router is replicated, so every rank routes every
+token alike; each rank's weighted expert outputs are partial sums, all-reduced once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from lmkit_plugins.models.fused_ops import fused_moe_enabled, fused_moe_kernel
 from lmkit_plugins.models.layers import Linear, _copy_checked
 from lmkit_plugins.models.llama import LlamaDims, LlamaMLP
 from lmkit_plugins.models.moe_routing import MoERouting, route
+from lmkit_plugins.models.tensor_parallel import TensorParallel
 
 Loader = Callable[[torch.Tensor], None]
 
@@ -37,15 +43,19 @@ class SparseMoE(nn.Module):
 
     ``dims.intermediate_size`` is one routed expert's width (Mixtral's
     ``intermediate_size``, DeepSeek's ``moe_intermediate_size``);
-    ``shared_intermediate_size`` is the shared experts' total width (0: none).
+    ``shared_intermediate_size`` is the shared experts' total width (0: none). With
+    ``tp`` this rank holds ``1 / tp.size`` of every expert's width (see the module doc).
     """
 
     def __init__(self, dims: LlamaDims, routing: MoERouting, dtype: torch.dtype,
-                 device: torch.device, *, shared_intermediate_size: int = 0) -> None:
+                 device: torch.device, *, shared_intermediate_size: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.routing = routing
-        experts, hidden, inter = routing.num_experts, dims.hidden_size, dims.intermediate_size
-        self.intermediate_size = inter
+        self.tp = tp
+        experts, hidden = routing.num_experts, dims.hidden_size
+        inter = dims.intermediate_size // (tp.size if tp is not None else 1)
+        self.intermediate_size = inter  # this rank's share
         self.gate = Linear(hidden, {"weight": experts}, bias=False,
                            dtype=torch.float32 if routing.router_fp32 else dtype, device=device)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype,
@@ -56,7 +66,7 @@ class SparseMoE(nn.Module):
             torch.zeros(experts, dtype=torch.float32, device=device), requires_grad=False
         ) if routing.correction_bias else None
         self.shared_experts = LlamaMLP(
-            replace(dims, mlp_bias=False), dtype, device,
+            replace(dims, mlp_bias=False), dtype, device, tp,
             intermediate_size=shared_intermediate_size) if shared_intermediate_size else None
         self._experts: Callable[..., torch.Tensor] = (
             fused_moe_kernel() if fused_moe_enabled(device) else fused_moe_ref)
@@ -66,7 +76,9 @@ class SparseMoE(nn.Module):
         logits = self.gate.forward(x.float() if self.routing.router_fp32 else x)
         weights, ids = route(logits, self.routing, self.e_score_correction_bias)
         out = self._experts(x, self.w13, self.w2, weights, ids)
-        if self.shared_experts is not None:
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        if self.shared_experts is not None:  # all-reduces its own partial sums
             out = out + self.shared_experts.forward(x)
         return out
 
@@ -81,6 +93,7 @@ class SparseMoE(nn.Module):
         ``{prefix}.shared_experts.{gate_proj|up_proj|down_proj}.weight``.
         """
         inter = self.intermediate_size
+        tp = self.tp
         gate_name, up_name, down_name = expert_names
         targets: dict[str, Loader] = {
             f"{prefix}.gate.weight": lambda t: self.gate.load_shard("weight", weight=t)}
@@ -89,22 +102,30 @@ class SparseMoE(nn.Module):
                 self.e_score_correction_bias, "e_score_correction_bias")
         for e in range(self.routing.num_experts):
             p = f"{prefix}.experts.{e}"
-            targets[f"{p}.{gate_name}.weight"] = _into(self.w13[e, :inter], f"{p}.{gate_name}")
-            targets[f"{p}.{up_name}.weight"] = _into(self.w13[e, inter:], f"{p}.{up_name}")
-            targets[f"{p}.{down_name}.weight"] = _into(self.w2[e], f"{p}.{down_name}")
+            targets[f"{p}.{gate_name}.weight"] = _into(self.w13[e, :inter], f"{p}.{gate_name}",
+                                                       tp, 0)
+            targets[f"{p}.{up_name}.weight"] = _into(self.w13[e, inter:], f"{p}.{up_name}", tp, 0)
+            targets[f"{p}.{down_name}.weight"] = _into(self.w2[e], f"{p}.{down_name}", tp, 1)
         shared = self.shared_experts
         if shared is not None:
             p = f"{prefix}.shared_experts"
             for name, linear, part in (("gate_proj", shared.gate_up_proj, "gate"),
                                        ("up_proj", shared.gate_up_proj, "up"),
                                        ("down_proj", shared.down_proj, "weight")):
-                targets[f"{p}.{name}.weight"] = _shard(linear, part)
+                targets[f"{p}.{name}.weight"] = _shard(linear, part, tp,
+                                                       1 if name == "down_proj" else 0)
         return targets
 
 
-def _into(dst: torch.Tensor, what: str) -> Loader:
-    return lambda t: _copy_checked(dst, t, what)
+def _into(dst: torch.Tensor, what: str, tp: TensorParallel | None = None, dim: int = 0
+          ) -> Loader:
+    """Copy a checkpoint tensor (this rank's slice along ``dim`` under ``tp``) to ``dst``."""
+    if tp is None:
+        return lambda t: _copy_checked(dst, t, what)
+    return lambda t: _copy_checked(dst, tp.shard(t, dim), what)
 
 
-def _shard(linear: Linear, part: str) -> Loader:
-    return lambda t: linear.load_shard(part, weight=t)
+def _shard(linear: Linear, part: str, tp: TensorParallel | None, dim: int) -> Loader:
+    if tp is None:
+        return lambda t: linear.load_shard(part, weight=t)
+    return lambda t: linear.load_shard(part, weight=tp.shard(t, dim))

@@ -7,7 +7,9 @@ them:
 * **DeepSeek-V2**: softmax; ``topk_method="greedy"`` takes the top ``k`` of all
   experts, ``"group_limited_greedy"`` first keeps the ``topk_group`` groups (of
   ``n_group``) whose best expert scores highest; weights times
-  ``routed_scaling_factor``, renormalised only when ``norm_topk_prob``.
+  ``routed_scaling_factor``, renormalised only when ``norm_topk_prob`` (as DeepSeek's
+  own code; transformers' port never renormalises V2, the same for the released V2
+  configs, which set ``norm_topk_prob: false``).
 * **DeepSeek-V3** (``noaux_tc``): sigmoid scores; the choice adds a learned per-expert
   bias (``e_score_correction_bias``) and ranks groups by the sum of their two best
   biased scores; the weights are the unbiased scores of the chosen experts,

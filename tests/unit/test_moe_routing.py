@@ -146,3 +146,13 @@ def test_tensor_parallel_shards_sum_to_the_whole_block(family):
             partials.append(block(x))
     with torch.inference_mode():
         torch.testing.assert_close(partials[0] + partials[1], whole(x), atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_v2_norm_topk_prob_renormalises_before_scaling():
+    """DeepSeek's own V2 code (transformers' port ignores the flag): the chosen weights
+    sum to ``routed_scaling_factor`` with ``norm_topk_prob``, to less without."""
+    logits = _hidden(11, 8)
+    normed = route(logits, MoERouting.from_hf(deepseek_v2_config(norm_topk_prob=True)))[0]
+    torch.testing.assert_close(normed.sum(-1), torch.full((11,), 1.5))
+    plain = route(logits, MoERouting.from_hf(deepseek_v2_config()))[0]
+    assert bool((plain.sum(-1) < 1.5).all())

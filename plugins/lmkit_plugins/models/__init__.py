@@ -16,6 +16,11 @@ def register_models(register):
         description="Llama 2/3 (llama3 RoPE scaling), Mistral, Qwen2, Qwen3, SmolLM2.",
     ))
     register(Spec(
+        name="MixtralForCausalLM", target="lmkit_plugins.models.mixtral:MixtralForCausalLM",
+        description="Mixtral: Llama-style attention with a sparse mixture-of-experts MLP "
+                    "(top-k softmax routing; fused Triton MoE kernel on CUDA).",
+    ))
+    register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
         aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
         description="The Llama family without a language-model head (e.g. a Qwen3Model "

@@ -182,11 +182,13 @@ class LlamaMLP(nn.Module):
     ``tp``; down_proj row-parallel, all-reduced)."""
 
     def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None, quant: Any = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None,
+                 intermediate_size: int | None = None) -> None:
+        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts)
         super().__init__()
         kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
-        size = dims.intermediate_size // (tp.size if tp is not None else 1)
+        size = (intermediate_size or dims.intermediate_size) // (tp.size if tp is not None else 1)
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
@@ -198,17 +200,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks around a residual stream."""
+    """Pre-norm attention and MLP blocks around a residual stream. ``mlp`` replaces the
+    dense :class:`LlamaMLP` (e.g. a mixture of experts): any module whose ``forward``
+    maps ``[n, hidden]`` to ``[n, hidden]``."""
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None, quant: Any = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(dims, dtype, device, tp, quant)
+        self.mlp = mlp if mlp is not None else LlamaMLP(dims, dtype, device, tp, quant)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -230,7 +235,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel | None = None,
-                 quant: Any = None) -> None:
+                 quant: Any = None, make_mlp: Callable[[int], nn.Module] | None = None
+                 ) -> None:
         super().__init__()
         self.embed_tokens = (
             VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device,
@@ -238,7 +244,8 @@ class LlamaModel(nn.Module):
             if tp is None else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp,
                                                       dtype=dtype, device=device))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp, quant)
+            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp, quant,
+                              None if make_mlp is None else make_mlp(i))
             for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
@@ -275,7 +282,8 @@ class LlamaStack(nn.Module, Model):
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
         quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
-        self.model = LlamaModel(dims, self.rotary, dtype, device, tp, quant)
+        self.model = LlamaModel(dims, self.rotary, dtype, device, tp, quant,
+                                self._mlp_builder(hf_config, dims, dtype, device))
         self._fused_ops = fused_ops_enabled(device, dtype)
         local_vocab = dims.vocab_size if tp is None else tp.local(dims.vocab_size)
         # fused kernels write K/V in the RoPE kernel when the backend declares it may
@@ -289,6 +297,20 @@ class LlamaStack(nn.Module, Model):
             head_size=dims.head_dim,
             scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
             sliding_window=dims.sliding_window, options=ctx.attention_options)
+
+    def _mlp_builder(self, hf_config: Any, dims: LlamaDims, dtype: torch.dtype,
+                     device: torch.device) -> Callable[[int], nn.Module] | None:
+        """``layer index -> its MLP module`` for layers without the dense
+        :class:`LlamaMLP` (a subclass's mixture of experts), else ``None`` (all dense)."""
+        return None
+
+    def _add_mlp_targets(self, targets: dict[str, Callable[[torch.Tensor], None]],
+                         prefix: str, mlp: nn.Module, linear_names: Callable[..., None]
+                         ) -> None:
+        """Add the loaders of layer ``prefix``'s MLP weights to ``targets``; the dense
+        :class:`LlamaMLP`'s through ``linear_names`` (fused and sharded)."""
+        linear_names(f"{prefix}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
+        linear_names(f"{prefix}.mlp", mlp.down_proj, {"down_proj": "weight"}, split=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -349,12 +371,11 @@ class LlamaStack(nn.Module, Model):
             targets["lm_head.weight"] = shard(self.lm_head, "weight", "weight")
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
                                                            "v_proj": "v"})
             linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
-            linear_names(f"{p}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
-            linear_names(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"}, split=1)
+            self._add_mlp_targets(targets, p, layer.mlp, linear_names)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
                                                       f"{p}.{norm}.weight")

@@ -116,7 +116,7 @@ def test_tp_refuses_quantized_weights_and_auto_keeps_them_dense():
     dense (converted) weights under auto, and naming the gguf method is refused."""
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     base = {"executor.device": "cpu", "attention.backend": "torch",
-            "parallel.tensor_parallel_size": 2}
+            "parallel.tensor_parallel_size": 2, "quantization.backend": "auto"}
     assert resolve_stack(_load(base), host, weight_format="gguf").get("quantization") is None
     assert resolve_stack(_load({**base, "parallel.tensor_parallel_size": 1}), host,
                          weight_format="gguf").get("quantization").name == "gguf"

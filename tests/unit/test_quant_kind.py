@@ -35,7 +35,8 @@ def test_the_kind_is_declared_like_the_others():
     assert REGISTER_HOOKS["quantization"] == "register_quantization_methods"
     assert "quantization" in KINDS and "quantization" in STACK_KINDS
     assert "quantization" in OPTIONAL_KINDS
-    assert LMKitConfig().quantization.backend == "auto"
+    # off by default: the gguf method's outputs depend on batch composition
+    assert LMKitConfig().quantization.backend == "none"
 
 
 def test_gguf_method_declares_formats_devices_and_kernels(host):

@@ -165,10 +165,16 @@ class OffloadConfig(OptionalBackendSection):
 class QuantizationConfig(OptionalBackendSection):
     """Quantized weights: the method plugin that keeps a checkpoint's quantized tensors
     packed and computes with them (``auto``: the one that reads the checkpoint's format
-    on this device, e.g. GGUF blocks on the CPU; ``none``: dense weights)."""
+    on this device, e.g. GGUF blocks on the CPU; ``none``, the default: dense weights).
 
-    backend: str = Field("auto", description="'none' (dense weights), 'auto', or a "
-                         "registered name such as 'gguf'.")
+    Off by default because the gguf method's outputs depend on batch composition (steps
+    of up to 32 rows quantize activations to int8, larger ones use float32 tiles), so a
+    request's greedy output could change with the load; dense weights match
+    transformers and are batch-invariant."""
+
+    backend: str = Field("none", description="'none' (dense weights, the default), 'auto' "
+                         "(the method reading the checkpoint's format), or a registered "
+                         "name such as 'gguf'.")
 
 
 class LogitsProcessorsConfig(Section):

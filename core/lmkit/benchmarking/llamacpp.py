@@ -8,6 +8,7 @@ It runs the model directory's kept GGUF (``model.gguf``, see
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,12 @@ def llamacpp_latency(model_dir: str, workload: Workload, threads: int | None
     n_threads = threads or torch.get_num_threads()
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens,
                                               strict=True))
+    # LMKIT_LLAMACPP_UBATCH=1 feeds prompts one token at a time: some llama-cpp-python
+    # builds crash in their multi-row CPU matmul; decode (one token per step) is unchanged
+    ubatch = int(os.environ.get("LMKIT_LLAMACPP_UBATCH", "0")) or None
+    batch_kw = {"n_batch": ubatch, "n_ubatch": ubatch} if ubatch else {}
     llm = Llama(model_path=str(gguf_file(model_dir)), n_ctx=max(512, longest + 8),
-                n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
+                n_threads=n_threads, n_threads_batch=n_threads, verbose=False, **batch_kw)
 
     def run(prompt: list[int], n: int) -> tuple[float, float, int]:
         llm.reset()  # no prefix reuse across prompts (lmkit's side runs without it too)
@@ -68,4 +73,5 @@ def llamacpp_latency(model_dir: str, workload: Workload, threads: int | None
         total += count
     return {"elapsed_s": time.perf_counter() - t_all, "output_tokens": total,
             "ttft_ms": 1000 * sum(ttfts) / len(ttfts),
-            "tpot_ms": 1000 * sum(tpots) / max(len(tpots), 1), "n_threads": n_threads}
+            "tpot_ms": 1000 * sum(tpots) / max(len(tpots), 1), "n_threads": n_threads,
+            "n_ubatch": ubatch}

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lmkit.api import ModelLoadError
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import fused_ops_enabled, linear_kernel, rms_norm_kernel
@@ -193,6 +194,17 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the "
                          f"model's {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def whole_weight_loader(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+    """A checkpoint loader copying tensor ``name`` into ``param`` as it is (no split, no
+    fusion); a shape that differs is a :class:`~lmkit.api.ModelLoadError` naming both."""
+    def load(t: torch.Tensor) -> None:
+        if tuple(t.shape) != tuple(param.shape):
+            raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} does not "
+                                 f"match the model's {tuple(param.shape)}")
+        param.copy_(t)
+    return load
 
 
 _CPU_NORM_MAX_ROWS = 32  # lmkit_kernels.cpu.rms_norm.MAX_ROWS

@@ -35,7 +35,13 @@ from lmkit_plugins.models.fused_ops import (
     rotary_qk_kernel,
     silu_and_mul_kernel,
 )
-from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, silu_and_mul
+from lmkit_plugins.models.layers import (
+    Linear,
+    RMSNorm,
+    VocabEmbedding,
+    silu_and_mul,
+    whole_weight_loader,
+)
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
@@ -331,13 +337,7 @@ class LlamaStack(nn.Module, Model):
         """HF checkpoint name -> how to load it into the fused parameters."""
         targets: dict[str, Callable[[torch.Tensor], None]] = {}
 
-        def whole(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
-            def load(t: torch.Tensor) -> None:
-                if tuple(t.shape) != tuple(param.shape):
-                    raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} does "
-                                         f"not match the model's {tuple(param.shape)}")
-                param.copy_(t)
-            return load
+        whole = whole_weight_loader
 
         tp = self.tp
 

@@ -14,19 +14,12 @@ require_triton_interpreter()
 torch = pytest.importorskip("torch")
 
 from lmkit.api.sampling_params import SamplingParams  # noqa: E402
-from lmkit.sample.draws import make_generator  # noqa: E402
-from lmkit.sample.filters import logits_to_probs  # noqa: E402
-from lmkit.sample.metadata import SamplingMetadata  # noqa: E402
 from lmkit.sample.sampler import Sampler  # noqa: E402
+from lmkit.testing.sampling_kernels import VOCAB, chi_square, metadata, target_probs  # noqa: E402
 from lmkit_plugins.sampling import triton_kernels  # noqa: E402
 from lmkit_plugins.sampling.triton_kernels import TritonSamplingKernels  # noqa: E402
 
-VOCAB = 24  # nearest measured vocabulary: 49152
-CPU = torch.device("cpu")
-# 99.9% quantiles of chi-square with df degrees of freedom (df: 1..24)
-CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26,
-            32.91, 34.53, 36.12, 37.70, 39.25, 40.79, 42.31, 43.82, 45.31, 46.80, 48.27,
-            49.73, 51.18]
+CPU = torch.device("cpu")  # VOCAB (24): the nearest measured vocabulary is 49152
 
 
 @pytest.fixture
@@ -52,38 +45,12 @@ def _sampler() -> Sampler:
     return Sampler(TritonSamplingKernels(device=CPU))
 
 
-def _metadata(params: list[SamplingParams], seeds: list[int | None] | None = None
-              ) -> SamplingMetadata:
-    n = len(params)
-    gens = [None if s is None else make_generator(s, CPU) for s in (seeds or [None] * n)]
-    return SamplingMetadata.build(params, [[1]] * n, [[]] * n, gens, [None] * n, VOCAB, CPU)
+def _metadata(params: list[SamplingParams], seeds: list[int | None] | None = None):
+    return metadata(params, CPU, seeds)
 
 
 def _row_logits(seed: int = 0) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
-
-
-def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """(statistic, its 99.9% quantile) of the draws ``tokens`` against ``probs``, tokens
-    expected fewer than 5 times pooled into one bin; a draw of a zero-probability token
-    is infinitely unlikely."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    expected = probs.double() * tokens.numel()
-    if bool((counts[expected == 0] > 0).any()):
-        return float("inf"), 0.0
-    big = expected >= 5
-    counts = torch.cat([counts[big], counts[~big].sum().view(1)])
-    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
-    kept = expected > 0
-    stat = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
-    return stat, CHI2_999[int(kept.sum()) - 2]
-
-
-def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The torch path's distribution for one row with ``params``."""
-    md = _metadata([params])
-    return logits_to_probs(logits.clone().unsqueeze(0), md.temperature, md.top_k, md.top_p,
-                           md.min_p, md.max_top_k)[0]
 
 
 def _check_sample_distribution(calls, params: SamplingParams, control: SamplingParams,
@@ -94,10 +61,10 @@ def _check_sample_distribution(calls, params: SamplingParams, control: SamplingP
     md = _metadata([params] * num_rows)
     tokens = torch.cat([_sampler()(logits, md).sampled_token_ids for _ in range(num_calls)])
     assert calls["sample"] == num_calls
-    stat, limit = _chi_square(tokens, _target(logits[0], params))
+    stat, limit = chi_square(tokens, target_probs(logits[0], params))
     assert stat < limit, f"chi-square {stat:.1f} >= {limit} against the torch distribution"
     # control: the same draws against another distribution are rejected
-    wrong, wrong_limit = _chi_square(tokens, _target(logits[0], control))
+    wrong, wrong_limit = chi_square(tokens, target_probs(logits[0], control))
     assert wrong >= wrong_limit
 
 
@@ -122,7 +89,7 @@ def test_verify_emits_the_target_distribution(calls):
     num_reqs = 256
     row = _row_logits(3)
     logits = row.expand(2 * num_reqs, VOCAB).contiguous()
-    target = _target(row, params)
+    target = target_probs(row, params)
     draft = int(target.argsort(descending=True)[1])  # a likely draft, often rejected
     md = _metadata([params] * (2 * num_reqs))
     first = []
@@ -132,7 +99,7 @@ def test_verify_emits_the_target_distribution(calls):
         assert all(len(ids) == n + 1 for ids, n in zip(out.token_ids, out.num_accepted,
                                                        strict=True))
     assert calls["verify"] == 2
-    stat, limit = _chi_square(torch.tensor(first), target)
+    stat, limit = chi_square(torch.tensor(first), target)
     assert stat < limit, f"chi-square {stat:.1f} >= {limit} against the target distribution"
 
 

@@ -38,7 +38,7 @@ def _config(backend: str = "auto") -> LMKitConfig:
 def test_the_kind_is_declared_like_the_others():
     assert REGISTER_HOOKS["sampling_kernels"] == "register_sampling_kernels"
     assert "sampling_kernels" in KINDS and "sampling_kernels" in STACK_KINDS
-    assert "sampling_kernels" not in OPTIONAL_KINDS  # the torch kernels always fit
+    assert "sampling_kernels" in OPTIONAL_KINDS  # none: the core's torch kernels
     assert CONSTRUCTORS["sampling_kernels"].interface is SamplingKernels
     assert CONSTRUCTORS["sampling_kernels"].signature == "cls(*, device, options)"
     assert LMKitConfig().sampling_kernels.backend == "auto"
@@ -55,6 +55,12 @@ def test_builtins_declare_devices_and_priorities(host):
 def test_auto_is_torch_on_the_cpu(host):
     stack = resolve_stack(_config(), host)
     assert stack.names()["sampling_kernels"] == "torch"
+    assert type(build_sampling_kernels(stack, torch.device("cpu"))) is TorchSamplingKernels
+
+
+def test_none_is_the_cores_torch_kernels(host):
+    stack = resolve_stack(_config("none"), host)
+    assert stack.get("sampling_kernels") is None
     assert type(build_sampling_kernels(stack, torch.device("cpu"))) is TorchSamplingKernels
 
 

@@ -171,13 +171,13 @@ class QuantizationConfig(OptionalBackendSection):
                          "registered name such as 'gguf'.")
 
 
-class SamplingKernelsConfig(BackendSection):
+class SamplingKernelsConfig(OptionalBackendSection):
     """The kernels the sampler draws random tokens with (``auto``: the highest-priority
-    set that runs on this device: ``triton`` on CUDA, ``torch`` elsewhere; see
-    docs/gpu.md, "Sampling kernels")."""
+    set that runs on this device: ``triton`` on CUDA, ``torch`` elsewhere; ``none``: the
+    core's torch ones, no plugin; see docs/gpu.md, "Sampling kernels")."""
 
-    backend: str = Field("auto", description="'auto', or a registered name such as "
-                         "'torch' or 'triton'.")
+    backend: str = Field("auto", description="'auto', 'none' (the core's torch kernels), "
+                         "or a registered name such as 'torch' or 'triton'.")
 
 
 class LogitsProcessorsConfig(Section):

@@ -52,8 +52,10 @@ STACK_KINDS: tuple[str, ...] = (
     "executor", "attention", "scheduler", "speculative", "structured_output", "offload",
     "quantization", "sampling_kernels")
 
-# Kinds that may be switched off entirely with ``backend: none``.
-OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload", "quantization"})
+# Kinds that may be switched off entirely with ``backend: none`` (and are off under
+# ``auto`` when nothing registered fits). ``sampling_kernels`` off: the core's torch ones.
+OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload", "quantization",
+                            "sampling_kernels"})
 
 # Old kind names -> the current ones; still accepted wherever a kind is named.
 KIND_ALIASES: dict[str, str] = {"spec_proposer": "speculative"}

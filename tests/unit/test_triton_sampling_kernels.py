@@ -158,3 +158,11 @@ def test_shapes_the_table_gives_to_torch_keep_the_torch_path(calls):
     _sampler().sample_requests(logits, _metadata([SamplingParams(temperature=0.9, top_k=5)] * 4),
                                [[1], [2]])
     assert calls["verify"] == 1
+
+
+@pytest.mark.slow
+def test_conformance_suite_in_the_interpreter():
+    """The whole sampling-kernels suite (about 35 s interpreted)."""
+    from lmkit.testing.sampling_kernels import check_sampling_kernels
+
+    assert set(check_sampling_kernels(TritonSamplingKernels).values()) == {"passed"}

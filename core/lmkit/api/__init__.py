@@ -113,7 +113,7 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedTensor",
-    "DraftRows", "RandomRows", "SamplingKernels",
+    "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,

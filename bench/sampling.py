@@ -13,6 +13,10 @@ else delete them. This times, per shape, on the same logits:
   ``compute_probs`` then ``rejection_sample`` (the kernel needs the target
   distributions), with the noise it needs drawn in the timed region.
 
+``wired`` is the core's sampler with the ``triton`` sampling kernels
+(``lmkit_plugins.sampling``), which run the kernels only where this table measured
+them faster (their policy) and torch elsewhere: what the engine does on CUDA by default
+(greedy verification takes the runner's argmax walk on both, so it has no ``wired``).
 Both sides end with the device-to-host copy of the tokens the runner needs. Modes:
 ``greedy`` (temperature 0), ``temp`` (temperature 0.8), ``top-k`` (0.8, k=50) and
 ``top-p`` (0.8, p=0.9). Times are medians of ``--iters`` calls after ``--warmup``, in
@@ -137,7 +141,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             from lmkit_kernels.rejection_sample import rejection_sample
             from lmkit_kernels.sampling import sample
-            kernels = (sample, rejection_sample)
+            from lmkit_plugins.sampling.triton_kernels import TritonSamplingKernels
+            kernels = (sample, rejection_sample, Sampler(TritonSamplingKernels(device=device)))
         except ImportError as exc:
             print(f"triton kernels unavailable ({exc}): timing torch only", file=sys.stderr)
     time_us = timer(device, args.iters, args.warmup)
@@ -154,6 +159,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row["triton_us"] = time_us(lambda c=c, sample=kernels[0]: sample(
                         c["logits"], temperature=c["temperature"], top_k=c["top_k"],
                         top_p=c["top_p"]).tolist())
+                    row["wired_us"] = time_us(lambda c=c, wired=kernels[2]: wired(
+                        c["logits"], c["md"]).sampled_token_ids.tolist())
                 rows.append(row)
                 if args.k > 0:
                     rows.append(verify_row(c, mode, batch, vocab, args.k, device, sampler,
@@ -190,6 +197,10 @@ def verify_row(c: dict[str, Any], mode: str, batch: int, vocab: int, k: int, dev
             return torch.cat([out.flatten(), num_accepted]).tolist()
 
         row["triton_us"] = time_us(kernel)
+        if mode != "greedy":
+            wired = kernels[2]
+            row["wired_us"] = time_us(lambda: wired.sample_requests(v["logits"], v["md"],
+                                                                    v["drafts"]))
     return row
 
 
@@ -197,8 +208,10 @@ def format_row(row: dict[str, Any]) -> str:
     triton = row.get("triton_us")
     speedup = f"{row['torch_us'] / triton:6.2f}x" if triton else "      -"
     triton_s = f"{triton:10.1f}" if triton else "         -"
+    wired = row.get("wired_us")
+    wired_s = f"{wired:10.1f}" if wired else "         -"
     return (f"{row['op']:<11} {row['mode']:<7} {row['batch']:>5} {row['vocab']:>7} "
-            f"{row['torch_us']:10.1f} {triton_s} {speedup}")
+            f"{row['torch_us']:10.1f} {triton_s} {speedup} {wired_s}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreted)"
     print(f"# {name}, torch {torch.__version__}; median us of {args.iters} calls; "
-          "speedup = torch / triton")
+          "speedup = torch / triton; wired = the sampler with the triton sampling kernels")
     print(f"{'op':<11} {'mode':<7} {'batch':>5} {'vocab':>7} {'torch_us':>10} "
-          f"{'triton_us':>10} {'speedup':>7}")
+          f"{'triton_us':>10} {'speedup':>7} {'wired_us':>10}")
     rows = measure(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -13,7 +13,9 @@ Measured on an H200 (vocab 151936, GPU time from a CUDA graph; the torch referen
 parentheses): temperature only, 10 / 72 / 280 us for 1 / 64 / 256 rows (266 / 286 /
 824); top-k 50, 1.1 / 1.2 / 3.1 ms (0.36 / 1.1 / 3.9); top-p 0.9, 1.2 / 1.2 / 3.3 ms
 (0.41 / 1.7 / 5.2). The one-program searches are latency bound: use the kernel for
-temperature sampling at any batch size and for top-k/top-p at large batches.
+temperature sampling at any batch size and for top-k/top-p at large batches. Against
+the core's whole sampler (not the torch reference) the H100 figures differ; where the
+engine runs it is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md, "Sampling kernels").
 """
 
 from __future__ import annotations

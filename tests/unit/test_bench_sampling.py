@@ -31,3 +31,6 @@ def test_bench_sampling_smoke(tmp_path, triton):
         for op in ("sample", "verify k=4")]
     assert all(r["torch_us"] > 0 for r in rows)
     assert all(("triton_us" in r) == triton for r in rows)
+    # the sampler with the triton sampling kernels (their policy), except greedy verify
+    assert all(("wired_us" in r) == (triton and (r["mode"], r["op"]) != ("greedy", "verify k=4"))
+               for r in rows)

@@ -1,8 +1,9 @@
 """The Triton sampling kernel (``lmkit_kernels.sampling.sample``) in Triton's CPU
 interpreter against its torch reference: shared noise, exact top-k/top-p thresholds,
 seeded in-kernel noise. On CUDA the compiled kernel is tested by
-tests/gpu/test_sampling_kernel_gpu.py. (Only tests use the kernel; bench/sampling.py
-times it against the core's sampler.)"""
+tests/gpu/test_sampling_kernel_gpu.py. The ``triton`` sampling kernels
+(``lmkit_plugins.sampling``) run it where bench/sampling.py measured it faster than the
+core's sampler (tests/unit/test_triton_sampling_kernels.py)."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
 from lmkit.api.quantization import QuantizationMethod, QuantizedLinear, QuantizedTensor
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.sampling_kernels import DraftRows, RandomRows, SamplingKernels
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler import PrefixTier, Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.plugin_host.spec import Caps, Needs, NoOptions, Spec, Variant, choose_variant
+    from lmkit.sample.kernels import TorchSamplingKernels
 
 # name -> module, imported on first attribute access
 _LAZY = {
@@ -84,6 +86,7 @@ _LAZY = {
     "runner_output_to_wire": "lmkit.worker.step_codec",
     "runner_output_from_wire": "lmkit.worker.step_codec",
     "Sampler": "lmkit.sample.sampler",
+    "TorchSamplingKernels": "lmkit.sample.kernels",
     "default_cache_dir": "lmkit.loading.cache",
     "load_model_facts": "lmkit.loading.model_facts",
     "fetch_pypi_model": "lmkit.loading.pypi",
@@ -110,6 +113,7 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedTensor",
+    "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,

@@ -19,6 +19,7 @@ from lmkit.api.model import Model
 from lmkit.api.offload import OffloadManager
 from lmkit.api.pooling import Pooler
 from lmkit.api.quantization import QuantizationMethod
+from lmkit.api.sampling_kernels import SamplingKernels
 from lmkit.api.scheduler import Scheduler
 from lmkit.api.source import ModelSource
 from lmkit.api.spec_decode import SpecProposer
@@ -48,6 +49,7 @@ CONSTRUCTORS: dict[str, Constructor] = {c.kind: c for c in (
     Constructor("offload", OffloadManager, "cls(config, kv_caches, *, options)"),
     Constructor("model", Model, "cls(hf_config, ctx)"),
     Constructor("quantization", QuantizationMethod, "cls(facts, *, options)"),
+    Constructor("sampling_kernels", SamplingKernels, "cls(*, device, options)"),
     Constructor("model_source", ModelSource, "cls()"),
     Constructor("pooler", Pooler, "cls(model)"),
 )}

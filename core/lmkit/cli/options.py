@@ -84,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),
     Flag("quantization", ("--quantization",), "quantization.backend", str | None,
          "Quantized-weight method (gguf: GGUF blocks on the CPU), 'auto' or 'none' (dense)."),
+    Flag("sampling_kernels", ("--sampling-kernels",), "sampling_kernels.backend", str | None,
+         "Kernels the sampler draws with (torch; triton on CUDA), 'auto' or 'none' (torch)."),
     Flag("max_num_seqs", ("--max-num-seqs",), "scheduler.max_num_seqs", int | None,
          "Most requests running at once."),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), "scheduler.max_num_batched_tokens",

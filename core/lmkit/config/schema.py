@@ -177,6 +177,15 @@ class QuantizationConfig(OptionalBackendSection):
                          "name such as 'gguf'.")
 
 
+class SamplingKernelsConfig(OptionalBackendSection):
+    """The kernels the sampler draws random tokens with (``auto``: the highest-priority
+    set that runs on this device: ``triton`` on CUDA, ``torch`` elsewhere; ``none``: the
+    core's torch ones, no plugin; see docs/gpu.md, "Sampling kernels")."""
+
+    backend: str = Field("auto", description="'auto', 'none' (the core's torch kernels), "
+                         "or a registered name such as 'torch' or 'triton'.")
+
+
 class LogitsProcessorsConfig(Section):
     """Plugin logits processors (``register_logits_processors``): those applied to every
     request, and each processor's options. Requests name others in
@@ -234,6 +243,7 @@ class LMKitConfig(Section):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
+    sampling_kernels: SamplingKernelsConfig = Field(default_factory=SamplingKernelsConfig)
     logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(

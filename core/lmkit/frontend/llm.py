@@ -53,6 +53,7 @@ SHORT_OPTIONS = {
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
     "quantization": "quantization.backend",
+    "sampling_kernels": "sampling_kernels.backend",
 }
 
 

@@ -163,6 +163,29 @@ def register_quantization_methods(register: Register) -> None:
 
 
 @hookspec
+def register_sampling_kernels(register: Register) -> None:
+    """Register sampling kernels (the kind ``sampling_kernels``, selected by the config
+    section and the ``--sampling-kernels`` flag of that name): the device code the
+    sampler draws random tokens with.
+
+    The loaded target is a subclass of :class:`lmkit.api.SamplingKernels` (usually of
+    :class:`lmkit.api.TorchSamplingKernels`, the core's default, registered as
+    ``torch``), built once per engine as ``cls(*, device, options)``. The sampler
+    calls its ``sample(logits, rows)`` for a step's random draws and its
+    ``verify(probs, rows, drafts, draft_probs)`` for rejection sampling of drafts,
+    after every logit adjustment (bias, bans, penalties, logits processors, grammar
+    bitmask); greedy rows and logprobs stay the sampler's. Hand what the kernels do not
+    serve exactly (a seeded request's rows, filters they lack) or do not serve faster
+    (shapes, measured) back to ``super()``. Declare the devices it runs on in
+    ``caps``: ``values={"device": {"cuda"}}``; ``auto`` picks the highest-priority set
+    that fits the device (``torch``, priority 0, fits every device), and naming one
+    whose device does not fit is refused with that reason.
+
+    :param register: call ``register(Spec(...))`` once per kernel set.
+    """
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model architectures.
 

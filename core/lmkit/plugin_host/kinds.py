@@ -21,6 +21,7 @@ Kind = Literal[
     "structured_output",
     "offload",
     "quantization",
+    "sampling_kernels",
     "model",
     "model_source",
     "logits_processor",
@@ -36,6 +37,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "structured_output": "register_structured_output_backends",
     "offload": "register_offload_managers",
     "quantization": "register_quantization_methods",
+    "sampling_kernels": "register_sampling_kernels",
     "model": "register_models",
     "model_source": "register_model_sources",
     "logits_processor": "register_logits_processors",
@@ -48,10 +50,12 @@ KINDS: tuple[str, ...] = tuple(REGISTER_HOOKS)
 # the same name.
 STACK_KINDS: tuple[str, ...] = (
     "executor", "attention", "scheduler", "speculative", "structured_output", "offload",
-    "quantization")
+    "quantization", "sampling_kernels")
 
-# Kinds that may be switched off entirely with ``backend: none``.
-OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload", "quantization"})
+# Kinds that may be switched off entirely with ``backend: none`` (and are off under
+# ``auto`` when nothing registered fits). ``sampling_kernels`` off: the core's torch ones.
+OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload", "quantization",
+                            "sampling_kernels"})
 
 # Old kind names -> the current ones; still accepted wherever a kind is named.
 KIND_ALIASES: dict[str, str] = {"spec_proposer": "speculative"}

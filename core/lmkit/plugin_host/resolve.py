@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # Order of resolution: kinds that impose needs on others come first.
 _ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention",
-          "quantization")
+          "quantization", "sampling_kernels")
 
 
 @dataclass
@@ -132,6 +132,7 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
             features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
             values={"device": device} | ({"weight_format": weight_format} if weight_format
                                          else {})),
+        "sampling_kernels": Needs(values={"device": device}),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from lmkit.api.outputs import TokenLogprob
+from lmkit.api.sampling_kernels import DraftRows
 from lmkit.sample import rejection
 from lmkit.sample.draws import sample_from_probs
-from lmkit.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -32,16 +32,8 @@ class VerifiedTokens:
     logprobs: list[list[TokenLogprob]] | None = None
 
 
-@dataclass
-class DraftLayout:
+class DraftLayout(DraftRows):
     """Where the drafts sit among the flat rows (host arrays turned into tensors)."""
-
-    num_drafts: list[int]
-    row_starts: list[int]  # first row of each request
-    rows: torch.Tensor  # int64 [num_drafts_total]
-    token_ids: torch.Tensor  # int64 [num_drafts_total]
-    req: torch.Tensor  # int64 [num_drafts_total]
-    pos: torch.Tensor  # int64 [num_drafts_total]
 
     @classmethod
     def build(cls, drafts: Sequence[Sequence[int]], device: torch.device) -> DraftLayout:
@@ -93,11 +85,12 @@ def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> Veri
     return VerifiedTokens(token_ids, num_accepted)
 
 
-def sample_and_accept(probs: torch.Tensor, md: SamplingMetadata, layout: DraftLayout,
-                      draft_probs: Sequence[torch.Tensor | None] | None
+def sample_and_accept(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                      layout: DraftRows, draft_probs: Sequence[torch.Tensor | None] | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling for the random rows of ``probs`` (``[num_rows, vocab]``, the
-    target distributions): (row tokens, accepted per draft)."""
+    target distributions): (row tokens, accepted per draft). Rows in ``generators``
+    (seeded requests, by their first row) draw only from their own generator."""
     device, vocab = probs.device, probs.shape[1]
     q_rows, q, q_at_draft = None, None, torch.ones(len(layout.rows), device=device)
     if draft_probs is not None and any(p is not None for p in draft_probs):
@@ -109,22 +102,22 @@ def sample_and_accept(probs: torch.Tensor, md: SamplingMetadata, layout: DraftLa
         q_idx = torch.from_numpy(np.concatenate(idx)).to(device)
         q_at_draft[q_idx] = q.gather(1, layout.token_ids[q_idx].unsqueeze(1)).squeeze(1)
     weights = rejection.recovery_weights(probs, layout.rows, layout.token_ids, q_rows, q)
-    row_tokens = sample_from_probs(weights, md.generators)
+    row_tokens = sample_from_probs(weights, generators)
     uniform = torch.rand(len(layout.rows), device=device)
-    _seeded_uniforms(uniform, md, layout)
+    _seeded_uniforms(uniform, generators, layout)
     accepted = rejection.accept_probabilistic(probs, layout.rows, layout.token_ids,
                                               q_at_draft, uniform)
     return row_tokens, accepted
 
 
-def logprobs_per_request(row_logprobs: list[TokenLogprob | None], layout: DraftLayout,
+def logprobs_per_request(row_logprobs: list[TokenLogprob | None], layout: DraftRows,
                          num_accepted: list[int]) -> list[list[TokenLogprob]]:
     """Each request's logprobs for the tokens it emits (its first ``n + 1`` rows)."""
     return [[lp for lp in row_logprobs[s:s + n + 1] if lp is not None]
             for s, n in zip(layout.row_starts, num_accepted, strict=True)]
 
 
-def _gather_draft_probs(draft_probs: Sequence[torch.Tensor | None], layout: DraftLayout,
+def _gather_draft_probs(draft_probs: Sequence[torch.Tensor | None], layout: DraftRows,
                         vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows with draft distributions and those distributions, ``[num_q, vocab]``."""
     rows, blocks = [], []
@@ -142,13 +135,14 @@ def _gather_draft_probs(draft_probs: Sequence[torch.Tensor | None], layout: Draf
     return torch.cat(rows).to(device), torch.cat(blocks)
 
 
-def _seeded_uniforms(uniform: torch.Tensor, md: SamplingMetadata, layout: DraftLayout) -> None:
+def _seeded_uniforms(uniform: torch.Tensor, generators: dict[int, torch.Generator],
+                     layout: DraftRows) -> None:
     """Redraw the acceptance uniforms of seeded requests from their own generators."""
-    if not md.generators:
+    if not generators:
         return
     first = 0
     for start, n in zip(layout.row_starts, layout.num_drafts, strict=True):
-        gen = md.generators.get(start)
+        gen = generators.get(start)
         if gen is not None and n:
             uniform[first:first + n] = torch.rand(n, generator=gen, device=gen.device).to(
                 uniform.device)

@@ -9,11 +9,16 @@ All batched:
 1. raw logprobs (rows asking), from the model's logits;
 2. :func:`~lmkit.sample.draws.adjust_logits` on a float32 copy: logit bias, token bans
    (min_tokens, bad_words), allowed token ids, penalties, plugin logits processors;
-3. greedy rows: argmax; random rows: :func:`~lmkit.sample.draws.compute_probs`
-   (temperature, min-p, top-k, top-p) and one draw per row;
+3. greedy rows: argmax; random rows: one draw per row (temperature, min-p, top-k,
+   top-p) by the engine's :class:`~lmkit.api.SamplingKernels` (``sample``);
 4. only with drafts: the acceptance rule (greedy: the draft equals the argmax; random:
-   rejection sampling, draws at draft rows come from the recovery distribution, see
+   :func:`~lmkit.sample.draws.compute_probs` then rejection sampling by the sampling
+   kernels (``verify``): draws at draft rows come from the recovery distribution, see
    :mod:`lmkit.sample.rejection`), then the accepted prefix per request.
+
+The sampling kernels are the core's torch ones
+(:class:`~lmkit.sample.kernels.TorchSamplingKernels`) unless the engine chose a plugin's
+(the ``sampling_kernels`` kind, e.g. the Triton ones on CUDA).
 
 "No drafts" is the simple case: step 4 is skipped and each row's draw is its token. A
 step whose rows are all greedy and ask no logprobs (the common case of a copy workload)
@@ -30,15 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from lmkit.api.outputs import TokenLogprob
+from lmkit.api.sampling_kernels import SamplingKernels
 from lmkit.sample import rejection
-from lmkit.sample.drafts import (
-    DraftLayout,
-    VerifiedTokens,
-    logprobs_per_request,
-    sample_and_accept,
-    verify_greedy,
-)
+from lmkit.sample.drafts import DraftLayout, VerifiedTokens, logprobs_per_request, verify_greedy
 from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sample_from_probs
+from lmkit.sample.kernels import TorchSamplingKernels, random_rows
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata
 
@@ -57,9 +58,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples a step's rows and verifies its drafts (see the module docstring)."""
+    """Samples a step's rows and verifies its drafts (see the module docstring), the
+    random draws by ``kernels`` (default: the core's torch ones)."""
 
     verify_greedy = staticmethod(verify_greedy)
+
+    def __init__(self, kernels: SamplingKernels | None = None) -> None:
+        self.kernels = kernels if kernels is not None else TorchSamplingKernels(device=None)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` (float32 ``[num_rows, vocab]``, left
@@ -115,9 +120,8 @@ class Sampler:
                                                                       accepted_l)
         return VerifiedTokens(token_ids, accepted_l, logprobs)
 
-    @staticmethod
-    def _sample_rows(logits: torch.Tensor, md: SamplingMetadata, layout: DraftLayout | None,
-                     draft_probs: Sequence[torch.Tensor | None] | None
+    def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata,
+                     layout: DraftLayout | None, draft_probs: Sequence[torch.Tensor | None] | None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Steps 1-4 on the device: (each row's output token if the request reaches
         it, accepted per draft or ``None`` without drafts, raw logprobs of the rows
@@ -134,18 +138,16 @@ class Sampler:
             row_tokens = greedy_ids
             if layout is not None:
                 accepted = layout.token_ids == greedy_ids[layout.rows]
+        elif layout is None:
+            row_tokens = self.kernels.sample(logits, random_rows(md))
         else:
-            probs = compute_probs(logits, md)
-            if layout is None:
-                row_tokens = sample_from_probs(probs, md.generators)
-            else:
-                row_tokens, accepted = sample_and_accept(probs, md, layout, draft_probs)
-            if greedy_ids is not None:
-                row_tokens = torch.where(md.is_greedy, greedy_ids, row_tokens)
-                if layout is not None and accepted is not None:
-                    accepted = torch.where(md.is_greedy[layout.rows],
-                                           layout.token_ids == greedy_ids[layout.rows],
-                                           accepted)
+            row_tokens, accepted = self.kernels.verify(compute_probs(logits, md),
+                                                       random_rows(md), layout, draft_probs)
+        if greedy_ids is not None and not md.all_greedy:
+            row_tokens = torch.where(md.is_greedy, greedy_ids, row_tokens)
+            if layout is not None and accepted is not None:
+                accepted = torch.where(md.is_greedy[layout.rows],
+                                       layout.token_ids == greedy_ids[layout.rows], accepted)
         if layout is not None and accepted is not None:
             row_tokens = rejection.select_output_tokens(row_tokens, layout.rows,
                                                         layout.token_ids, accepted)

@@ -45,6 +45,8 @@ SCAFFOLD_KINDS: dict[str, ScaffoldKind] = {k.name: k for k in (
     ScaffoldKind("executor", "executor", "Executor", "One model runner in the engine-core process."),
     ScaffoldKind("quantization", "method", "Method",
                  "Linear weights kept as int8 rows with a float32 scale each."),
+    ScaffoldKind("sampling_kernels", "kernels", "Kernels",
+                 "Temperature-only steps drawn by the exponential race (Gumbel-max)."),
 )}
 
 # The scaffold's old kind names -> the current ones (accepted with a deprecation message).

@@ -34,6 +34,9 @@ module                 what it checks                                        the
 ``quantization``       check refuses a missing checkpoint, weights close to  ``quantization_method``
                        the dense ones under HF names, linear, fuse,
                        dequantized rows
+``sampling_kernels``   draws follow the torch path's distribution (every     ``sampling_kernels``
+                       filter, among greedy rows), seeded rows reproduced,
+                       rejection sampling emits the target
 =====================  ====================================================  ==============================
 
 Every suite first builds the implementation through its kind's one documented

@@ -29,6 +29,7 @@ from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
+from lmkit.sample.kernels import build_sampling_kernels
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.processors import LogitsProcessorSet
 from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprobs, make_generator
@@ -89,7 +90,8 @@ class ModelRunner:
         self.default_eos_token_id = facts.eos_token_id
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()  # samples every step, verifying draft tokens
+        # samples every step, verifying draft tokens; random draws by the chosen kernels
+        self.sampler = Sampler(build_sampling_kernels(stack, self.device))
         self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
         # pooling requests' pooler states (the model is given to it by load_model)
         self.pooling = PoolingRequests(host, facts.pooling)

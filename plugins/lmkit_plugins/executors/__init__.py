@@ -1,6 +1,9 @@
-"""Built-in executors."""
+"""Built-in executors, and the sampling kernels their model runners sample with
+(:mod:`lmkit_plugins.sampling`)."""
 
 from lmkit.api import Caps, Spec, hookimpl
+
+from lmkit_plugins.sampling import register_sampling_kernels as _register_sampling_kernels
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -25,3 +28,8 @@ def register_executors(register):
         description="The mp executor's ranks as Ray actors in a placement group (several "
                     "hosts: RAY_ADDRESS), or a local Ray.",
     ))
+
+
+@hookimpl
+def register_sampling_kernels(register):
+    _register_sampling_kernels(register)

@@ -1,0 +1,77 @@
+"""The ``triton`` sampling kernels: the Triton sampling and rejection kernels of
+:mod:`lmkit_kernels` where they measured faster (:mod:`lmkit_plugins.sampling.policy`),
+the core's torch path everywhere else.
+
+They serve exactly, and so only take, steps whose random rows have no per-request seed
+(a seeded request draws from its own generator, which the kernels' noise cannot
+reproduce) and, for ``sample``, no min-p (the kernel has no min-p filter); for
+``verify``, deterministic drafts only (no draft distributions). Greedy rows go through
+the kernels as greedy (temperature 0: a cheap argmax) and the sampler replaces them
+with its own ``torch.argmax``. The logits reach them already adjusted (bias, bans,
+penalties, logits processors, grammar bitmask) and logprobs stay the sampler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from lmkit.api import DraftRows, RandomRows, TorchSamplingKernels
+from lmkit_kernels.rejection_sample import rejection_sample
+from lmkit_kernels.sampling import sample as triton_sample
+
+from lmkit_plugins.sampling.policy import modes, use_kernel
+
+
+def _modes(rows: RandomRows) -> tuple[str, ...]:
+    return modes(rows.top_k is not None, rows.top_p is not None)
+
+
+class TritonSamplingKernels(TorchSamplingKernels):
+    """Triton where measured faster, torch elsewhere (see the module docstring)."""
+
+    def sample(self, logits: torch.Tensor, rows: RandomRows) -> torch.Tensor:
+        """See :meth:`lmkit.api.SamplingKernels.sample`."""
+        num_rows, vocab = logits.shape
+        if (rows.generators or rows.min_p is not None
+                or not use_kernel("sample", _modes(rows), num_rows, vocab)):
+            return super().sample(logits, rows)
+        temperature = rows.temperature
+        if temperature is None:
+            temperature = torch.ones(num_rows, dtype=torch.float32, device=logits.device)
+        if not rows.all_random:  # greedy rows: the kernel's cheap argmax (replaced later)
+            temperature = temperature.masked_fill(rows.is_greedy, 0.0)
+        return triton_sample(logits, temperature=temperature, top_k=rows.top_k,
+                             top_p=rows.top_p)
+
+    def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,
+               draft_probs: Sequence[torch.Tensor | None] | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`lmkit.api.SamplingKernels.verify`."""
+        num_reqs = len(drafts.num_drafts)
+        if (rows.generators or (draft_probs is not None and any(p is not None
+                                                                for p in draft_probs))
+                or not use_kernel("verify", _modes(rows), num_reqs, probs.shape[1])):
+            return super().verify(probs, rows, drafts, draft_probs)
+        device = probs.device
+        num_drafts = np.asarray(drafts.num_drafts, dtype=np.int64)
+        max_drafts = int(num_drafts.max())
+        per_req = num_drafts + 1
+        starts = np.asarray(drafts.row_starts, dtype=np.int64)
+        # each row's place in the kernel's [num_reqs, max_drafts + 1] output
+        flat = (np.repeat(np.arange(num_reqs) * (max_drafts + 1) - starts, per_req)
+                + np.arange(int(per_req.sum())))
+        host = torch.from_numpy(np.concatenate([np.cumsum(num_drafts), starts, flat]))
+        index = host.to(device, non_blocking=True)
+        cu_num_drafts, row_starts, out_index = (index[:num_reqs], index[num_reqs:2 * num_reqs],
+                                                index[2 * num_reqs:])
+        is_greedy = None if rows.all_random else rows.is_greedy[row_starts]
+        noise = torch.empty_like(probs).exponential_()
+        uniform = torch.rand(drafts.token_ids.numel(), device=device)
+        out, num_accepted = rejection_sample(probs, drafts.token_ids, cu_num_drafts, uniform,
+                                             noise, max_drafts, is_greedy)
+        # -1 marks positions the output does not reach: any valid id will do there
+        row_tokens = out.flatten()[out_index].clamp_(min=0)
+        accepted = drafts.pos < num_accepted[drafts.req]
+        return row_tokens, accepted

@@ -36,7 +36,15 @@ from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler import PrefixTier, Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.api.source import ModelSource
-from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
+from lmkit.api.spec_decode import (
+    RUNNER_HOSTED_FEATURES,
+    DraftHeadContext,
+    Proposal,
+    Proposer,
+    ProposerInput,
+    RunnerProposer,
+    SpecProposer,
+)
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.errors import (
     ConfigError,
@@ -106,7 +114,8 @@ __all__ = [
     "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",
     "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
-    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
+    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
+    "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",

@@ -104,7 +104,23 @@ class Model(ABC):
 
 class CausalLM(Model):
     """A decoder-only language model: a :class:`Model` with a language-model head, so
-    it generates (and pools, by its declared :attr:`~Model.pooling`)."""
+    it generates (and pools, by its declared :attr:`~Model.pooling`).
+
+    A model that declares :attr:`supports_draft_heads` exposes its input embedding
+    (:meth:`embed_input_ids`) and its final hidden states as draft heads (EAGLE,
+    :class:`~lmkit.api.RunnerProposer`) read them: the hidden states ``forward``
+    returns are those its ``compute_logits`` reads.
+    """
+
+    #: the model implements :meth:`embed_input_ids` (draft heads may share it)
+    supports_draft_heads: ClassVar[bool] = False
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids -> ``[n, hidden]`` input embeddings; only for models that
+        declare :attr:`supports_draft_heads`."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.embed_input_ids() called, but the model does not "
+            "declare supports_draft_heads; declare it and implement embed_input_ids()")
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from lmkit.api.contract import build
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.spec_decode import DraftHeadContext
 from lmkit.errors import ModelLoadError
 from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
@@ -34,6 +35,7 @@ from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprob
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
+from lmkit.worker.draft_runner import DraftRunner, build_draft_proposer, kept_positions
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
@@ -97,6 +99,7 @@ class ModelRunner:
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
+        self.drafter: DraftRunner | None = None  # a runner-hosted proposer (EAGLE head)
         # KV slots per request the scheduler reserves so decode steps can launch ahead
         self.num_lookahead_slots = decode_lookahead_slots(config, stack)
 
@@ -120,6 +123,9 @@ class ModelRunner:
                 f"architecture {self.architecture} (plugin {registration.origin}) does not "
                 "declare supports_tensor_parallel, so it cannot be split over "
                 f"{self.tp_size} ranks; use --tp 1, or a model plugin that shards it.")
+        # a draft head is checked against the target before any weights load
+        head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
+                                    hf_config)
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir))
         if isinstance(model, torch.nn.Module):
@@ -135,13 +141,19 @@ class ModelRunner:
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
+        if head is not None:
+            self.drafter = DraftRunner.load(
+                head, DraftHeadContext(model, hf_config, ctx),
+                self.config.speculative.num_speculative_tokens, self.input_batch,
+                self.max_model_len)
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across all layers."""
-        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype)
+        """Bytes of one KV block across all layers (and the draft head's, if any)."""
+        head = self.drafter.kv_bytes_per_block(self.dtype) if self.drafter is not None else 0
+        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype) + head
 
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
@@ -159,6 +171,8 @@ class ModelRunner:
         self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
+        if self.drafter is not None:  # the head's KV: same blocks, its own tensors
+            self.drafter.allocate(num_blocks, self.dtype)
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
                                             self.model.attn)
         if self.device.type == "cuda":
@@ -167,7 +181,8 @@ class ModelRunner:
                                          self.device, self.max_model_len)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
-        if self.facts.generates:  # a pooling-only model never decodes
+        # a pooling-only model never decodes; a draft head drafts after every forward
+        if self.facts.generates and self.drafter is None:
             self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
                                                    self.input_batch, self.requests,
                                                    self.max_model_len)
@@ -228,6 +243,11 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
         out = self._commit(order, plan, verified, prompt_logprobs)
         out.pooled = pooled
+        if self.drafter is not None:  # the head drafts the next step's tokens, now
+            with torch.inference_mode():
+                drafts = self.drafter.propose(hidden, step, *kept_positions(
+                    order, step, plan, verified.num_accepted, self.requests))
+            out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
         out.finished_kv_loads = self._finished_kv_loads()

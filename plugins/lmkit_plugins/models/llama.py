@@ -411,7 +411,14 @@ def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 1
 
 class LlamaForCausalLM(LlamaStack, CausalLM):
     """A Llama-family causal LM over packed tokens. As an embedder (Qwen3-Embedding
-    style) it pools the last token's hidden state (the default pooling)."""
+    style) it pools the last token's hidden state (the default pooling). Draft heads
+    (EAGLE) share its input embedding and read its final (normed) hidden states."""
+
+    supports_draft_heads = True
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` -> ``[n, hidden]``: the input embedding (all ranks' rows)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""

@@ -16,13 +16,13 @@ from pathlib import Path
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-               "vocab_size", "head_dim", "rope_scaling")
+               "vocab_size", "head_dim", "rope_scaling", "rope_parameters")
 
 
 def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed: int = 0,
                          num_layers: int = 1, copy_feature: bool = True,
                          with_embedding: bool = False, hidden_size: int | None = None,
-                         vocab_size: int | None = None) -> Path:
+                         vocab_size: int | None = None, layer_std: float = 0.02) -> Path:
     """Write a random EAGLE head for the model at ``target_dir`` to ``directory``.
 
     Args:
@@ -31,6 +31,8 @@ def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed:
         copy_feature: ``fc`` starts as ``[0 | I]`` (the target's feature passes through).
         with_embedding: also write ``embed_tokens.weight`` (else the target's is shared).
         hidden_size, vocab_size: override the target's (to make a head that does not fit).
+        layer_std: the spread of the decoder layer's weights; larger makes the drafts
+            depend more on the head's attention over its KV cache (tests of that cache).
     """
     import torch
     from safetensors.torch import save_file
@@ -53,10 +55,10 @@ def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed:
     head_dim = config.get("head_dim") or h // heads
     gen = torch.Generator().manual_seed(seed)
 
-    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+    def rand(*shape: int, std: float = layer_std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    fc = rand(h, 2 * h)
+    fc = rand(h, 2 * h, std=0.02)
     if copy_feature:
         fc[:, h:] += torch.eye(h)
     tensors = {"fc.weight": fc, "fc.bias": torch.zeros(h)}

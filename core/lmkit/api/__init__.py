@@ -93,6 +93,9 @@ _LAZY = {
     "Sampler": "lmkit.sample.sampler",
     "default_cache_dir": "lmkit.loading.cache",
     "load_model_facts": "lmkit.loading.model_facts",
+    "iterate_weights": "lmkit.loading.weights",
+    "check_weight_files": "lmkit.loading.weights",
+    "load_hf_config": "lmkit.loading.weights",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }

@@ -86,7 +86,7 @@ class Proposal:
     draft_probs: list[torch.Tensor | None] | None = None
 
 
-class Proposer(ABC):
+class Proposer(ABC):  # noqa: B024 - the base of the two interfaces below
     """What every proposer plugin class subclasses (through :class:`SpecProposer` or
     :class:`RunnerProposer`)."""
 

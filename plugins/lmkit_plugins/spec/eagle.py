@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lmkit.api import (
@@ -53,7 +53,7 @@ class EagleProposer(RunnerProposer):
     """
 
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
-        from lmkit.loading.weights import check_weight_files, load_hf_config
+        from lmkit.api import check_weight_files, load_hf_config
 
         path = config.speculative.model
         if not path:
@@ -102,7 +102,7 @@ class EagleProposer(RunnerProposer):
 
     def load(self, ctx: DraftHeadContext) -> None:
         """Build the head (sharing what the checkpoint omits) and load its weights."""
-        from lmkit.loading.weights import iterate_weights
+        from lmkit.api import iterate_weights
 
         b = ctx.build
         d = self.dims
@@ -221,7 +221,7 @@ class EagleHead(nn.Module):
         targets["fc.weight"] = part(self.fc, "weight", "weight")
         if self.fc.bias is not None:
             targets["fc.bias"] = part(self.fc, "weight", "bias")
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(list[LlamaDecoderLayer], list(self.layers))):
             p = f"layers.{i}"
             attn, mlp = layer.self_attn, layer.mlp
             linear(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k", "v_proj": "v"})

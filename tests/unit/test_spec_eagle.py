@@ -235,3 +235,50 @@ def test_features_not_built_yet_are_refused(tiny, head):
     with pytest.raises(ConfigError, match=r"KV offload tier .*not built yet"):
         LLM(str(tiny), speculative="eagle", speculative_model=str(head), offload="cpu",
             num_blocks=96, **COMMON)
+
+
+def _homogeneity_p_value(a, b) -> float:
+    """Pearson's chi-square test that two count vectors come from one distribution
+    (cells with fewer than 10 counts in both pooled)."""
+    import torch
+
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    small = (a + b) < 10
+    a = torch.cat([a[~small], a[small].sum().reshape(1)])
+    b = torch.cat([b[~small], b[small].sum().reshape(1)])
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    total = a + b
+    ea, eb = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    stat = float(((a - ea) ** 2 / ea + (b - eb) ** 2 / eb).sum())
+    df = len(a) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.slow  # 2 x 1500 sampled requests (~6 s)
+def test_sampled_outputs_follow_the_target_distribution(tiny, tmp_path):
+    """Sampled with eagle drafts (verified by rejection sampling as one-hot proposals),
+    the joint distribution of the first three tokens is the one sampled without
+    speculation. The head always drafts the token the target samples most often after
+    the first, so drafts are accepted often and rejected often."""
+    from collections import Counter
+
+    n = 1500
+    params = [SamplingParams(temperature=0.5, seed=i, max_tokens=3, ignore_eos=True)
+              for i in range(n)]
+
+    def run(**spec):
+        with LLM(str(tiny), num_blocks=500, max_num_seqs=256, **spec, **COMMON) as llm:
+            counts = Counter(tuple(t) for t in _tokens(llm.generate(["ab"] * n, params)))
+            return counts, llm.stats()
+
+    plain, _ = run()
+    later = Counter(t for seq, c in plain.items() for t in seq[1:] for _ in range(c))
+    head = make_tiny_eagle_head(tmp_path / "head", tiny,
+                                constant_draft=later.most_common(1)[0][0])
+    spec, stats = run(speculative="eagle", speculative_model=str(head),
+                      num_speculative_tokens=2)
+    assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats
+    cells = sorted(plain.keys() | spec.keys())
+    p = _homogeneity_p_value([plain[c] for c in cells], [spec[c] for c in cells])
+    assert p > 1e-3

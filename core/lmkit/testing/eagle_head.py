@@ -22,7 +22,8 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads",
 def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed: int = 0,
                          num_layers: int = 1, copy_feature: bool = True,
                          with_embedding: bool = False, hidden_size: int | None = None,
-                         vocab_size: int | None = None, layer_std: float = 0.02) -> Path:
+                         vocab_size: int | None = None, layer_std: float = 0.02,
+                         constant_draft: int | None = None) -> Path:
     """Write a random EAGLE head for the model at ``target_dir`` to ``directory``.
 
     Args:
@@ -33,6 +34,10 @@ def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed:
         hidden_size, vocab_size: override the target's (to make a head that does not fit).
         layer_std: the spread of the decoder layer's weights; larger makes the drafts
             depend more on the head's attention over its KV cache (tests of that cache).
+        constant_draft: a head that always drafts this token id (``fc`` and the layer
+            zero, ``fc.bias`` along the target's embedding row of the token): with a
+            token the target often samples, drafts are often accepted and often
+            rejected (tests of the sampled path).
     """
     import torch
     from safetensors.torch import save_file
@@ -55,13 +60,20 @@ def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed:
     head_dim = config.get("head_dim") or h // heads
     gen = torch.Generator().manual_seed(seed)
 
+    if constant_draft is not None:
+        layer_std = 0.0
+
     def rand(*shape: int, std: float = layer_std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
     fc = rand(h, 2 * h, std=0.02)
     if copy_feature:
         fc[:, h:] += torch.eye(h)
-    tensors = {"fc.weight": fc, "fc.bias": torch.zeros(h)}
+    bias = torch.zeros(h)
+    if constant_draft is not None:
+        fc = torch.zeros(h, 2 * h)
+        bias = 10.0 * _target_embedding(Path(target_dir))[constant_draft]
+    tensors = {"fc.weight": fc, "fc.bias": bias}
     for i in range(num_layers):
         p = f"layers.{i}"
         tensors.update({
@@ -82,3 +94,15 @@ def make_tiny_eagle_head(directory: str | Path, target_dir: str | Path, *, seed:
               str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+def _target_embedding(target_dir: Path):
+    """The target's input embedding ``[vocab, hidden]`` (its LM head too: tied)."""
+    from safetensors.torch import load_file
+
+    for path in sorted(target_dir.glob("*.safetensors")):
+        weights = load_file(str(path))
+        for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+            if name in weights:
+                return weights[name].float()
+    raise FileNotFoundError(f"no embed_tokens.weight in {target_dir}/*.safetensors")

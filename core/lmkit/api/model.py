@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmkit.api.pooling import ModelPooling
@@ -40,10 +40,19 @@ class ModelBuildContext:
 
 @dataclass
 class ForwardContext:
-    """Given to ``forward`` each step: the planned attention backend and the KV caches."""
+    """Given to ``forward`` each step: the planned attention backend and the KV caches.
+
+    ``aux_hidden_layers``: for a model that declares
+    :attr:`CausalLM.supports_draft_heads`, the layers whose *input* (the residual stream
+    entering layer ``i``: the embeddings for layer 0) the model appends to
+    ``aux_hidden_states``, ``[num_tokens, hidden]`` each, in this order. An EAGLE-3 draft
+    head reads three of them; empty (the default) asks for nothing.
+    """
 
     attn: AttentionBackend
     kv_caches: list[torch.Tensor]
+    aux_hidden_layers: tuple[int, ...] = ()
+    aux_hidden_states: list[torch.Tensor] = field(default_factory=list)
 
 
 class Model(ABC):
@@ -107,9 +116,10 @@ class CausalLM(Model):
     it generates (and pools, by its declared :attr:`~Model.pooling`).
 
     A model that declares :attr:`supports_draft_heads` exposes its input embedding
-    (:meth:`embed_input_ids`) and its final hidden states as draft heads (EAGLE,
-    :class:`~lmkit.api.RunnerProposer`) read them: the hidden states ``forward``
-    returns are those its ``compute_logits`` reads.
+    (:meth:`embed_input_ids`), its final hidden states (those ``forward`` returns and
+    ``compute_logits`` reads) and the inputs of chosen layers
+    (:attr:`ForwardContext.aux_hidden_layers`) to draft heads (EAGLE, EAGLE-3:
+    :class:`~lmkit.api.RunnerProposer`).
     """
 
     #: the model implements :meth:`embed_input_ids` (draft heads may share it)

@@ -159,6 +159,10 @@ class RunnerProposer(Proposer):
 
     #: KV caches the head needs (its decoder layers); set by the constructor
     num_kv_layers: int
+    #: the target layers whose inputs (the residual stream entering each) the head reads,
+    #: concatenated in this order, as its first pass's features (EAGLE-3); empty: the
+    #: target's final hidden states (EAGLE-1/2). Known after :meth:`check_target`.
+    target_layers: tuple[int, ...] = ()
     #: its attention backend (set by :meth:`load`): shapes its KV caches, planned per step
     attn: AttentionBackend
 

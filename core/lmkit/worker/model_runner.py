@@ -229,8 +229,11 @@ class ModelRunner:
                 ahead.finished_kv_loads = self._finished_kv_loads()
                 return ahead
         order, step = self._prepare_step(so)
+        # a draft head that reads chosen target layers (EAGLE-3) gets their inputs here
+        aux: list[torch.Tensor] | None = (
+            [] if self.drafter is not None and self.drafter.proposer.target_layers else None)
         with torch.inference_mode():
-            hidden = self._forward(step, self.kv_caches)
+            hidden = self._forward(step, self.kv_caches, aux)
             if self.offload is not None:  # write-through stores read what the forward wrote
                 self.offload.after_forward(so.kv_transfers)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
@@ -245,7 +248,8 @@ class ModelRunner:
         out.pooled = pooled
         if self.drafter is not None:  # the head drafts the next step's tokens, now
             with torch.inference_mode():
-                drafts = self.drafter.propose(hidden, step, *kept_positions(
+                features = hidden if aux is None else torch.cat(aux, dim=-1)
+                drafts = self.drafter.propose(features, step, *kept_positions(
                     order, step, plan, verified.num_accepted, self.requests))
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
         if self.lookahead is not None:
@@ -316,10 +320,14 @@ class ModelRunner:
             self._device_inputs.wait_for_copies()  # the host buffers are about to change
         return order, batch.prepare(rows, num_scheduled, len(decodes))
 
-    def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``."""
+    def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor],
+                 aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``.
+        With ``aux``, the inputs of the draft head's target layers are appended to it
+        (an eager forward: captured graphs do not return them)."""
         graphs = self.cuda_graphs
-        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+        if (graphs is not None and kv_caches is self.kv_caches and aux is None
+                and graphs.can_replay(step)):
             return graphs.replay(step)  # pure decode: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         seq_lens = step.seq_lens.numpy()
@@ -332,7 +340,13 @@ class ModelRunner:
             num_decodes=step.num_decodes)
         attn = self.model.attn
         attn.plan(md)
-        return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
+        if aux is None:
+            return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
+        assert self.drafter is not None
+        ctx = ForwardContext(attn, kv_caches, self.drafter.proposer.target_layers)
+        hidden = self.model(dev.input_ids, dev.positions, ctx)
+        aux.extend(ctx.aux_hidden_states)
+        return hidden
 
     # ------------------------------------------------------------------ sampling
 

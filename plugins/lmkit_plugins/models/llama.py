@@ -291,9 +291,14 @@ class LlamaStack(nn.Module, Model):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
+        aux = ctx.aux_hidden_layers
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            if aux and i in aux:  # a draft head reads the stream entering layer i
+                taps[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
                                              ctx.kv_caches[i], kv_slots)
+        ctx.aux_hidden_states.extend(taps[i] for i in aux)
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 

@@ -18,8 +18,6 @@ names optionally prefixed with ``model.``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -28,7 +26,6 @@ from lmkit.api import (
     DraftHeadContext,
     ForwardContext,
     LMKitConfig,
-    ModelLoadError,
     RunnerProposer,
 )
 from torch import nn
@@ -36,9 +33,18 @@ from torch import nn
 from lmkit_plugins.models.layers import Linear, VocabEmbedding
 from lmkit_plugins.models.llama import LlamaDecoderLayer, LlamaDims
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.spec.head_checkpoint import (
+    HeadCheckpoint,
+    Loader,
+    block_targets,
+    build_attention,
+    linear_targets,
+    load_named,
+    whole,
+)
 
 
-class _NoNorm(nn.Module):
+class NoNorm(nn.Module):
     """The first EAGLE layer's input norm: none."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,67 +59,44 @@ class EagleProposer(RunnerProposer):
     """
 
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
-        from lmkit.api import check_weight_files, load_hf_config
-
-        path = config.speculative.model
-        if not path:
-            raise ConfigError(
-                "speculative proposer 'eagle' needs its draft head: set speculative.model "
-                "(--speculative-model DIR) to a directory with config.json and *.safetensors")
-        self.model_dir = Path(path).expanduser()
-        if not (self.model_dir / "config.json").is_file():
-            raise ConfigError(
-                f"speculative.model {path!r} is not an EAGLE head directory: "
-                f"{self.model_dir / 'config.json'} does not exist. Point --speculative-model "
-                "at a local directory with the head's config.json and *.safetensors.")
-        try:
-            self.hf_config = load_hf_config(self.model_dir)
-            self.dims = LlamaDims.from_hf(self.hf_config)
-            self.shapes = _checkpoint_shapes(check_weight_files(self.model_dir))
-        except (ModelLoadError, AttributeError, TypeError) as e:
-            raise ConfigError(f"speculative.model {path!r}: cannot read the EAGLE head: {e}") from e
+        self.checkpoint = HeadCheckpoint(config, "eagle")
+        self.dims = self.checkpoint.dims
         self.num_kv_layers = self.dims.num_layers
         self.head: EagleHead | None = None
 
     def check_target(self, target_hf_config: Any) -> None:
         """Refuse a head whose feature size or vocabulary does not fit the target."""
         target = LlamaDims.from_hf(target_hf_config)
-        hidden, problems = self.dims.hidden_size, []
+        ckpt, hidden, problems = self.checkpoint, self.dims.hidden_size, []
         if hidden != target.hidden_size:
             problems.append(f"hidden_size {hidden} != the target's {target.hidden_size}")
-        fc = self.shapes.get("fc.weight")
-        if fc is None:
-            problems.append("the checkpoint has no fc.weight (not an EAGLE-1/2 head; an "
-                            "EAGLE-3 head is not built yet)")
-        elif fc != (hidden, 2 * target.hidden_size):
-            problems.append(f"fc.weight is {list(fc)}, expected [{hidden}, "
-                            f"{2 * target.hidden_size}] (concat of embedding and target feature)")
+        if "fc.weight" not in ckpt.shapes:
+            problems.append("the checkpoint has no fc.weight (not an EAGLE-1/2 head)")
+        elif (fc := ckpt.shape_problem("fc.weight", (hidden, 2 * target.hidden_size))):
+            problems.append(f"{fc} (concat of embedding and target feature)")
+        if "midlayer.self_attn.q_proj.weight" in ckpt.shapes:
+            problems.append("it is an EAGLE-3 head (midlayer.*): use --speculative eagle3")
         if self.dims.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.dims.vocab_size} != the target's "
                             f"{target.vocab_size}")
         for name in ("embed_tokens.weight", "lm_head.weight"):
-            shape = self.shapes.get(name)
-            if shape is not None and shape != (target.vocab_size, hidden):
-                problems.append(f"{name} is {list(shape)}, expected "
-                                f"[{target.vocab_size}, {hidden}]")
+            if name in ckpt.shapes and (bad := ckpt.shape_problem(
+                    name, (target.vocab_size, hidden))):
+                problems.append(bad)
         if problems:
-            raise ConfigError(f"the EAGLE head at {self.model_dir} does not fit the target "
+            raise ConfigError(f"the EAGLE head at {ckpt.model_dir} does not fit the target "
                               f"model: {'; '.join(problems)}")
 
     def load(self, ctx: DraftHeadContext) -> None:
         """Build the head (sharing what the checkpoint omits) and load its weights."""
-        from lmkit.api import iterate_weights
-
-        b = ctx.build
-        d = self.dims
-        self.attn = b.attention_cls(
-            num_heads=d.num_heads, num_kv_heads=d.num_kv_heads, head_size=d.head_dim,
-            scale=d.head_dim ** -0.5, dtype=b.dtype, device=b.device, block_size=b.block_size,
-            sliding_window=None, options=b.attention_options)
-        self.head = EagleHead(self.hf_config, d, ctx, own_embedding="embed_tokens.weight"
-                              in self.shapes, own_lm_head="lm_head.weight" in self.shapes,
-                              fc_bias="fc.bias" in self.shapes)
-        self.head.load_weights(iterate_weights(self.model_dir))
+        shapes = self.checkpoint.shapes
+        self.attn = build_attention(self.dims, ctx.build)
+        self.head = EagleHead(self.checkpoint.hf_config, self.dims, ctx,
+                              own_embedding="embed_tokens.weight" in shapes,
+                              own_lm_head="lm_head.weight" in shapes,
+                              fc_bias="fc.bias" in shapes)
+        with torch.no_grad():
+            load_named(self.head.weight_targets(), self.checkpoint.weights(), "EAGLE head")
         self.head.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -142,7 +125,7 @@ class EagleHead(nn.Module):
         self.fc = Linear(2 * h, {"weight": h}, bias=fc_bias, **kw)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(dims, i, self.rotary, dtype, device) for i in range(dims.num_layers))
-        self.layers[0].input_layernorm = _NoNorm()
+        self.layers[0].input_layernorm = NoNorm()
         self.embed_tokens = VocabEmbedding(dims.vocab_size, h, **kw) if own_embedding else None
         self.lm_head = (Linear(h, {"weight": dims.vocab_size}, bias=False, **kw)
                         if own_lm_head else None)
@@ -167,86 +150,19 @@ class EagleHead(nn.Module):
             return self.target.compute_logits(hidden_states)
         return self.lm_head.forward(hidden_states).float().contiguous()
 
-    @torch.no_grad()
-    def load_weights(self, weights: Any) -> None:
-        """Load EAGLE-named tensors into the fused projections.
-
-        Raises:
-            ModelLoadError: missing or unexpected tensors, or a shape mismatch.
-        """
-        targets = self._targets()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            load = targets.get(name)
-            if load is None:
-                if not name.endswith("rotary_emb.inv_freq"):
-                    unexpected.append(name)
-                continue
-            try:
-                load(tensor)
-            except ValueError as e:
-                raise ModelLoadError(f"EAGLE head weight {name}: {e}") from e
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing or unexpected:
-            raise ModelLoadError(
-                "the EAGLE head checkpoint does not match its config.json: "
-                + (f"missing {', '.join(missing[:8])}" if missing else "")
-                + ("; " if missing and unexpected else "")
-                + (f"unexpected {', '.join(unexpected[:8])}" if unexpected else ""))
-
-    def _targets(self) -> dict[str, Callable[[torch.Tensor], None]]:
-        targets: dict[str, Callable[[torch.Tensor], None]] = {}
-
-        def part(linear: Linear, shard: str, kind: str) -> Callable[[torch.Tensor], None]:
-            if kind == "bias":
-                return lambda t: linear.load_shard(shard, bias=t)
-            return lambda t: linear.load_shard(shard, weight=t)
-
-        def whole(param: torch.Tensor) -> Callable[[torch.Tensor], None]:
-            def load(t: torch.Tensor) -> None:
-                if tuple(t.shape) != tuple(param.shape):
-                    raise ValueError(f"shape {tuple(t.shape)} != {tuple(param.shape)}")
-                param.copy_(t)
-            return load
-
-        def linear(prefix: str, lin: Linear, names: dict[str, str]) -> None:
-            for hf, shard in names.items():
-                targets[f"{prefix}.{hf}.weight"] = part(lin, shard, "weight")
-                if lin.bias is not None:
-                    targets[f"{prefix}.{hf}.bias"] = part(lin, shard, "bias")
-
-        targets["fc.weight"] = part(self.fc, "weight", "weight")
-        if self.fc.bias is not None:
-            targets["fc.bias"] = part(self.fc, "weight", "bias")
+    def weight_targets(self) -> dict[str, Loader]:
+        """EAGLE checkpoint name -> how to load it into the fused parameters."""
+        targets: dict[str, Loader] = {}
+        linear_targets(targets, self.fc, {"fc": "weight"})
         for i, layer in enumerate(cast(list[LlamaDecoderLayer], list(self.layers))):
-            p = f"layers.{i}"
-            attn, mlp = layer.self_attn, layer.mlp
-            linear(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k", "v_proj": "v"})
-            linear(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"})
-            linear(f"{p}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
-            linear(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"})
-            targets[f"{p}.post_attention_layernorm.weight"] = whole(
+            block_targets(targets, f"layers.{i}", layer.self_attn, layer.mlp)
+            targets[f"layers.{i}.post_attention_layernorm.weight"] = whole(
                 layer.post_attention_layernorm.weight)
             if i > 0:
-                targets[f"{p}.input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+                targets[f"layers.{i}.input_layernorm.weight"] = whole(
+                    layer.input_layernorm.weight)
         if self.embed_tokens is not None:
             targets["embed_tokens.weight"] = whole(self.embed_tokens.weight)
         if self.lm_head is not None:
-            targets["lm_head.weight"] = part(self.lm_head, "weight", "weight")
+            linear_targets(targets, self.lm_head, {"lm_head": "weight"})
         return targets
-
-
-def _checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Tensor name (``model.`` prefix dropped) -> shape, from the safetensors headers
-    only (no tensor data is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name.removeprefix("model.")] = tuple(f.get_slice(name).get_shape())
-    return shapes

@@ -7,13 +7,14 @@ refusals before any weights load."""
 from __future__ import annotations
 
 import pytest
+from dense_eagle import DenseEagle
 from lmkit import LLM, SamplingParams
 from lmkit.api import LMKitConfig
 from lmkit.api.request import Request
 from lmkit.errors import ConfigError
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.spec_decode.manager import ProposerManager
-from lmkit.testing.eagle_head import make_tiny_eagle_head
+from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
 from lmkit.testing.tiny_model import make_tiny_model
 
 COMMON = dict(device="cpu", dtype="float32", max_model_len=256, block_size=4)
@@ -34,6 +35,16 @@ def head(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def head3(tiny, tmp_path_factory):
+    return make_tiny_eagle3_head(tmp_path_factory.mktemp("eagle3-head"), tiny)
+
+
+@pytest.fixture(scope="module")
+def heads(head, head3):
+    return {"eagle": head, "eagle3": head3}
+
+
+@pytest.fixture(scope="module")
 def baseline(tiny):
     with LLM(str(tiny), num_blocks=96, **COMMON) as llm:
         return _tokens(llm.generate(PROMPTS, GREEDY))
@@ -43,14 +54,15 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 @pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), [
     (1, 96, 512),  # one request at a time
     (8, 96, 512),  # the whole batch, prefix-cache hits
     (8, 20, 16),  # a small KV pool (preemptions) and chunked prefill
 ])
-def test_greedy_outputs_identical_with_eagle(tiny, head, baseline, max_num_seqs, num_blocks,
-                                             chunk):
-    with LLM(str(tiny), speculative="eagle", speculative_model=str(head),
+def test_greedy_outputs_identical_with_eagle(tiny, heads, baseline, max_num_seqs, num_blocks,
+                                             chunk, proposer):
+    with LLM(str(tiny), speculative=proposer, speculative_model=str(heads[proposer]),
              num_speculative_tokens=3, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=chunk, **{**COMMON, "max_model_len": 64}) as llm:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == baseline
@@ -79,7 +91,7 @@ def test_n_greater_than_one_and_opt_out(tiny, head):
     assert len(base) == 3  # (seeded samples differ with speculation; same distribution)
 
 
-def _run_engine(tiny, head, monkeypatch, prompts, **settings):
+def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", **settings):
     """Run ``prompts`` greedily in an in-process engine; return what the head drafted
     for each request at each length: ``{(prompt index, tokens so far): drafts}``."""
     from lmkit.engine.core import EngineCore
@@ -98,7 +110,7 @@ def _run_engine(tiny, head, monkeypatch, prompts, **settings):
         "model": {"model": str(tiny), "dtype": "float32", "max_model_len": 64},
         "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
-        "speculative": {"backend": "eagle", "model": str(head), "num_speculative_tokens": 3},
+        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3},
         "scheduler": settings})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
                       progress=False)
@@ -115,98 +127,26 @@ def _run_engine(tiny, head, monkeypatch, prompts, **settings):
     return seen, stats
 
 
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 @pytest.mark.parametrize("settings", [
     {"max_num_seqs": 1},  # one request at a time, whole prompts
     {"max_num_seqs": 8, "max_num_batched_tokens": 16, "num_blocks": 20},  # chunked, preempted
 ], ids=["one-at-a-time", "chunked-preempted"])
-def test_drafts_equal_a_dense_reference(tiny, head, monkeypatch, settings):
+def test_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, settings, proposer):
     """Every draft the paged head made equals the head run densely (no KV cache, whole
-    sequences) over the target's hidden states: the head's KV was caught up exactly,
-    whatever the batching, chunking, prefix-cache hits and preemptions."""
-    got, stats = _run_engine(tiny, head, monkeypatch, PROMPTS, **settings)
+    sequences) over the target's hidden states (EAGLE-3: its chosen layers' inputs): the
+    head's KV was caught up exactly, whatever the batching, chunking, prefix-cache hits
+    and preemptions."""
+    got, stats = _run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
+                             **settings)
     if "num_blocks" in settings:
         assert stats["num_preemptions"] > 0
     assert len(got) > 20
-    reference = DenseEagle(tiny, head)
+    reference = DenseEagle(tiny, heads[proposer])
     wrong = {key: (drafts, reference.drafts(list(key[1]), len(drafts)))
              for key, drafts in got.items()}
     wrong = {key: pair for key, pair in wrong.items() if pair[0] != pair[1]}
     assert not wrong, f"{len(wrong)} of {len(got)} drafts differ, e.g. {next(iter(wrong.values()))}"
-
-
-class DenseEagle:
-    """The EAGLE head computed densely in plain torch from the checkpoints (HF
-    transformers for the target's features: the input of its language-model head)."""
-
-    def __init__(self, target_dir, head_dir):
-        import json
-
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
-        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-        self.w = load_file(str(head_dir / "model.safetensors"))
-        self.cfg = json.loads((head_dir / "config.json").read_text())
-        self.emb = self.target.get_input_embeddings().weight.detach()
-
-    def features(self, tokens):
-        import torch
-
-        seen = {}
-        hook = self.target.lm_head.register_forward_hook(
-            lambda mod, args, out: seen.setdefault("h", args[0]))
-        with torch.no_grad():
-            self.target(torch.tensor([tokens]), logits_to_keep=0)
-        hook.remove()
-        return seen["h"][0]
-
-    def head(self, next_tokens, feats):
-        import torch
-
-        w, c = self.w, self.cfg
-        n, nh, nkv = len(next_tokens), c["num_attention_heads"], c["num_key_value_heads"]
-        hd = c.get("head_dim") or c["hidden_size"] // nh
-        x = torch.cat((self.emb[torch.tensor(next_tokens)], feats), -1) @ w["fc.weight"].T
-        x = x + w["fc.bias"]
-        p = "layers.0."
-        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, nh, hd)
-        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, nkv, hd)
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, nkv, hd)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
-        ang = torch.arange(n).float()[:, None] * inv[None]
-        cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
-
-        def rope(t):
-            t1, t2 = t[..., :hd // 2], t[..., hd // 2:]
-            return t * cos + torch.cat((-t2, t1), -1) * sin
-
-        q, k = rope(q), rope(k)
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        att = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
-        att = att.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf")).softmax(-1)
-        out = torch.einsum("hqk,khd->qhd", att, v).reshape(n, nh * hd)
-        residual = out @ w[p + "self_attn.o_proj.weight"].T + x
-        y = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + c["rms_norm_eps"])
-        y = y * w[p + "post_attention_layernorm.weight"]
-        mlp = torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
-        mlp = (mlp * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-        return mlp + residual
-
-    def drafts(self, tokens, num):
-        """``num`` greedy drafts after ``tokens`` (the last one was just sampled)."""
-        import torch
-
-        feats = self.features(tokens[:-1])  # positions 0 .. L-1, each with its next token
-        next_tokens = list(tokens[1:])
-        out = []
-        with torch.no_grad():
-            for _ in range(num):
-                h = self.head(next_tokens, feats)
-                out.append(int((h[-1] @ self.emb.T).argmax()))
-                next_tokens.append(out[-1])
-                feats = torch.cat((feats, h[-1:]), 0)
-        return out
 
 
 def test_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
@@ -229,6 +169,26 @@ def test_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
         settings = {"speculative_model": model} if model else {}
         with pytest.raises(ConfigError, match=message):
             LLM(str(tiny), speculative="eagle", num_blocks=96, **settings, **COMMON)
+
+
+def test_eagle3_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
+    import lmkit.worker.model_runner as runner
+
+    def no_weights(*_):
+        raise AssertionError("a refused head must fail before any weights load")
+
+    monkeypatch.setattr(runner, "iterate_weights", no_weights)
+    cases = [
+        (make_tiny_eagle3_head(tmp_path / "taps", tiny, layer_ids=(0, 1, 5)),
+         r"target layers \[0, 1, 5\] are not all layers of the 2-layer target"),
+        (make_tiny_eagle3_head(tmp_path / "fc", tiny, fc_inputs=100),
+         r"fc.weight is \[64, 100\], expected \[64, 192\]"),
+        (head, r"looks like an EAGLE-1/2 head .*: use --speculative eagle"),
+    ]
+    for model, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(tiny), speculative="eagle3", speculative_model=str(model), num_blocks=96,
+                **COMMON)
 
 
 def test_features_not_built_yet_are_refused(tiny, head):

@@ -106,3 +106,65 @@ def _target_embedding(target_dir: Path):
             if name in weights:
                 return weights[name].float()
     raise FileNotFoundError(f"no embed_tokens.weight in {target_dir}/*.safetensors")
+
+
+def make_tiny_eagle3_head(directory: str | Path, target_dir: str | Path, *, seed: int = 0,
+                          layer_ids: tuple[int, ...] = (0, 1, 1),
+                          draft_vocab_size: int | None = 200, layer_std: float = 0.3,
+                          fc_inputs: int | None = None) -> Path:
+    """Write a random EAGLE-3 head for the model at ``target_dir`` to ``directory``
+    (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t`` / ``t2d``; the embedding is
+    the target's).
+
+    Args:
+        layer_ids: the target layers it fuses (``eagle_config.eagle_aux_hidden_state_
+            layer_ids``; the tiny model has 2 layers, too few for the default taps).
+        draft_vocab_size: its draft vocabulary, a random subset of the target's ids
+            mapped by ``d2t``; ``None``: the target's vocabulary, no maps.
+        fc_inputs: override ``fc``'s input width (to make a head that does not fit).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = {k: target[k] for k in CONFIG_KEYS if target.get(k) is not None}
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                  tie_word_embeddings=False,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": list(layer_ids)})
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = layer_std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    num_draft = vocab if draft_vocab_size is None else draft_vocab_size
+    tensors = {
+        "fc.weight": rand(h, fc_inputs or len(layer_ids) * h, std=0.2),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "lm_head.weight": rand(num_draft, h, std=0.5),
+    }
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+                 "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(h)
+    if draft_vocab_size is not None:
+        ids = torch.randperm(vocab, generator=gen)[:num_draft].sort().values
+        tensors["d2t"] = ids - torch.arange(num_draft)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+        config["draft_vocab_size"] = num_draft
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory

@@ -1,6 +1,6 @@
-"""Built-in speculative-decoding proposers: ``ngram`` (prompt lookup) and ``eagle`` (an
-EAGLE-1/2 draft head, run in the model runner: ``--speculative eagle
---speculative-model DIR``).
+"""Built-in speculative-decoding proposers: ``ngram`` (prompt lookup), ``eagle`` and
+``eagle3`` (EAGLE-1/2 and EAGLE-3 draft heads, run in the model runner: ``--speculative
+eagle --speculative-model DIR``).
 
 Speculation is off unless named: ``--speculative ngram --num-speculative-tokens K``, or in a config file
 ``speculative: {backend: ngram, num_speculative_tokens: 4, options: {prompt_lookup_max: 4,
@@ -51,4 +51,13 @@ def register_spec_proposers(register):
         stack_needs={"attention": Needs({"multi_token_query"})},
         description="EAGLE-1/2 draft head (speculative.model): drafts on the device in the "
                     "model runner from the target's hidden states.",
+    ))
+    register(Spec(
+        name="eagle3", target="lmkit_plugins.spec.eagle3:Eagle3Proposer", priority=5,
+        options=NoOptions,
+        caps=Caps(features={"hidden_states", "own_kv_cache"},
+                  values={"max_k": set(range(1, 65))}),
+        stack_needs={"attention": Needs({"multi_token_query"})},
+        description="EAGLE-3 draft head (speculative.model): fuses three target layers, "
+                    "drafts over its own vocabulary (d2t) in the model runner.",
     ))

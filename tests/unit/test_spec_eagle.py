@@ -91,7 +91,7 @@ def test_n_greater_than_one_and_opt_out(tiny, head):
     assert len(base) == 3  # (seeded samples differ with speculation; same distribution)
 
 
-def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", **settings):
+def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None, **settings):
     """Run ``prompts`` greedily in an in-process engine; return what the head drafted
     for each request at each length: ``{(prompt index, tokens so far): drafts}``."""
     from lmkit.engine.core import EngineCore
@@ -110,14 +110,16 @@ def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", **settings):
         "model": {"model": str(tiny), "dtype": "float32", "max_model_len": 64},
         "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
-        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3},
+        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
+                        "disable_by_batch_size": settings.pop("disable_by_batch_size", None)},
         "scheduler": settings})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
                       progress=False)
     try:
         tok = core.facts
         for i, prompt in enumerate(prompts):
-            core.add_request(Request(str(i), list(prompt.encode()), GREEDY,
+            core.add_request(Request(str(i), list(prompt.encode()),
+                                     GREEDY if params is None else params[i],
                                      eos_token_id=tok.eos_token_id))
         while core.has_unfinished_requests():
             core.step()
@@ -147,6 +149,29 @@ def test_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, settings, prop
              for key, drafts in got.items()}
     wrong = {key: pair for key, pair in wrong.items() if pair[0] != pair[1]}
     assert not wrong, f"{len(wrong)} of {len(got)} drafts differ, e.g. {next(iter(wrong.values()))}"
+
+
+def test_no_draft_passes_after_large_steps(tiny, head, baseline, monkeypatch):
+    """With speculative.disable_by_batch_size, a step that ran more requests than that
+    skips the draft passes (the head still catches up: later drafts stay exact)."""
+    from lmkit.worker.draft_runner import DraftRunner
+
+    drafted = []
+    propose = DraftRunner.propose
+
+    def record(self, features, step, num_kept, drafting):
+        drafted.append((step.num_reqs, bool(drafting.any())))
+        return propose(self, features, step, num_kept, drafting)
+
+    monkeypatch.setattr(DraftRunner, "propose", record)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 * (i + 1), ignore_eos=True)
+              for i in range(len(PROMPTS))]  # fewer requests run as they finish
+    got, _ = _run_engine(tiny, head, monkeypatch, PROMPTS, params=params, max_num_seqs=8,
+                         disable_by_batch_size=2)
+    assert any(n > 2 for n, _ in drafted)
+    assert all(not d for n, d in drafted if n > 2) and any(d for n, d in drafted if n <= 2)
+    reference = DenseEagle(tiny, head)
+    assert all(d == reference.drafts(list(key[1]), len(d)) for key, d in got.items())
 
 
 def test_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
@@ -250,3 +275,21 @@ def test_drafts_cross_the_process_boundary(tiny, head3, baseline):
              num_blocks=96, **COMMON) as llm:
         assert _tokens(llm.generate(PROMPTS[:3], GREEDY)) == baseline[:3]
         assert llm.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_constrained_requests_get_drafts_trimmed_by_their_grammar(tiny, heads):
+    """A grammar cuts the head's drafts to what it allows: constrained outputs stay the
+    ones decoded without speculation."""
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(temperature=0.0, max_tokens=24,
+                            structured_outputs={"regex": "[ab]{4,20}c"})
+    prompts = ["abab", "the cat"]
+    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
+        base = _tokens(llm.generate(prompts, params))
+    for proposer, head in heads.items():
+        with LLM(str(tiny), structured_output="auto", speculative=proposer,
+                 speculative_model=str(head), num_blocks=96, **COMMON) as llm:
+            assert _tokens(llm.generate(prompts, params)) == base
+            stats = llm.stats()
+        assert stats["spec_num_proposed_tokens"] > 0
+        assert stats["grammar_drafts_trimmed"] > 0, stats

@@ -81,13 +81,16 @@ def build_draft_proposer(config: LMKitConfig, stack: ResolvedStack, model_cls: t
 
 def kept_positions(order: Sequence[str], step: StepInputs,
                    plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
-                   requests: Mapping[str, CachedRequestState]) -> tuple[np.ndarray, np.ndarray]:
+                   requests: Mapping[str, CachedRequestState],
+                   disable_by_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per step request (after the step's tokens are committed): how many of its
     scheduled positions the head catches up on, and whether it drafts.
 
     Kept: the scheduled positions minus the rejected drafts, and only those whose next
     token is known (a pooling request's last prompt position has none). Drafting: the
-    request sampled this step and does not opt out of speculation.
+    request sampled this step and does not opt out of speculation, and the step ran at
+    most ``disable_by_batch_size`` requests (the engine proposes nothing after larger
+    steps, so the draft passes are skipped; the head still catches up).
 
     Args:
         plan: the runner's sampling plan, ``(step index, first hidden row, drafts)``.
@@ -95,9 +98,10 @@ def kept_positions(order: Sequence[str], step: StepInputs,
     """
     kept = step.num_scheduled.copy()
     drafting = np.zeros(len(order), dtype=bool)
+    draft = disable_by_batch_size is None or len(order) <= disable_by_batch_size
     for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
         kept[i] -= len(drafts) - accepted
-        drafting[i] = requests[order[i]].sampling_params.use_spec_decode
+        drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
     num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
                              count=len(order))
     return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting

@@ -250,7 +250,8 @@ class ModelRunner:
             with torch.inference_mode():
                 features = hidden if aux is None else torch.cat(aux, dim=-1)
                 drafts = self.drafter.propose(features, step, *kept_positions(
-                    order, step, plan, verified.num_accepted, self.requests))
+                    order, step, plan, verified.num_accepted, self.requests,
+                    self.config.speculative.disable_by_batch_size))
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)

@@ -10,8 +10,8 @@ import pytest
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.attention import check_attention_backend
-from lmkit.testing.executor import check_executor
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
+from lmkit.testing.executor import check_executor
 from lmkit.testing.offload import check_offload_manager
 from lmkit.testing.runner_proposer import check_runner_proposer
 from lmkit.testing.scheduler import check_scheduler

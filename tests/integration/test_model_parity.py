@@ -1,4 +1,4 @@
-"""lmkit's Llama-family model through the ModelRunner against HF transformers (float32).
+"""lmkit's Llama-family models (and Mixtral) through the ModelRunner against HF transformers (float32).
 
 Tiny random-weight models of each supported variant are built with transformers and
 saved as safetensors; the runner is driven with hand-built SchedulerOutputs. Logits
@@ -34,6 +34,9 @@ VARIANTS = {
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=8)),
 }
 
 

@@ -13,6 +13,7 @@ from lmkit.testing.attention import check_attention_backend
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
 from lmkit.testing.executor import check_executor
 from lmkit.testing.offload import check_offload_manager
+from lmkit.testing.quantization import check_quantization_method
 from lmkit.testing.runner_proposer import check_runner_proposer
 from lmkit.testing.scheduler import check_scheduler
 from lmkit.testing.spec_decode import check_spec_proposer
@@ -26,12 +27,16 @@ SUITES = {
     "speculative": check_spec_proposer,
     "structured_output": check_structured_output_backend,
     "offload": check_offload_manager,
+    "quantization": check_quantization_method,
 }
 # runner-hosted proposers (draft heads) are checked with a random head made for the target
 HEAD_MAKERS = {"eagle": make_tiny_eagle_head, "eagle3": make_tiny_eagle3_head}
-SLOW = {("executor", "mp"), ("executor", "ray")}  # start worker processes (importing torch)
+# slow: executors that start worker processes (importing torch), and quantization
+# methods, which run on the default model (its GGUF file: a download, ~20 s)
+SLOW = {("executor", "mp"), ("executor", "ray")}
 BUILTINS = [pytest.param(kind, reg.name, id=f"{kind}-{reg.name}",
-                         marks=[pytest.mark.slow] if (kind, reg.name) in SLOW else [])
+                         marks=[pytest.mark.slow]
+                         if (kind, reg.name) in SLOW or kind == "quantization" else [])
             for kind in SUITES for reg in HOST.registry.all(kind)]
 
 
@@ -60,6 +65,8 @@ def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureR
         results = check_runner_proposer(reg, model_dir=model_dir, head_dir=head)
     elif kind in ("executor", "speculative"):
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
+    elif kind == "quantization":
+        results = SUITES[kind](reg, model_dir=request.getfixturevalue("smollm2_dir"))
     else:
         results = SUITES[kind](reg)
     assert "passed" in results.values()

@@ -109,3 +109,17 @@ def test_tp_keeps_the_cpu_offload_tier_and_refuses_a_shared_directory():
         "offload").name == "cpu"
     with pytest.raises(NoBackendError, match="offload 'disk'.*does not support tensor_parallel"):
         resolve_stack(_load({**base, "offload.backend": "disk"}), host)
+
+
+def test_tp_refuses_quantized_weights_and_auto_keeps_them_dense():
+    """Quantized layers are not sharded: a GGUF checkpoint split over ranks runs its
+    dense (converted) weights under auto, and naming the gguf method is refused."""
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    base = {"executor.device": "cpu", "attention.backend": "torch",
+            "parallel.tensor_parallel_size": 2, "quantization.backend": "auto"}
+    assert resolve_stack(_load(base), host, weight_format="gguf").get("quantization") is None
+    assert resolve_stack(_load({**base, "parallel.tensor_parallel_size": 1}), host,
+                         weight_format="gguf").get("quantization").name == "gguf"
+    with pytest.raises(NoBackendError, match="quantization 'gguf'.*tensor_parallel"):
+        resolve_stack(_load({**base, "quantization.backend": "gguf"}), host,
+                      weight_format="gguf")

@@ -48,10 +48,11 @@ def test_default_config_resolves_the_builtin_stack() -> None:
     stack = resolve_stack(config(), isolated_host(builtins=True))
     assert (stack.device, stack.dtype) == ("cpu", "float32")
     assert list(stack.entries) == ["executor", "attention", "scheduler", "speculative",
-                                   "structured_output", "offload"]
+                                   "structured_output", "offload", "quantization"]
     for kind in ("executor", "attention", "scheduler"):
         assert stack.entries[kind] is not None and stack.options[kind] is not None
     assert stack.entries["speculative"] is None  # speculative decoding is off by default
+    assert stack.entries["quantization"] is None  # auto follows a checkpoint: none at hand
     assert stack.names()["scheduler"] == stack.entries["scheduler"].name  # type: ignore[union-attr]
 
 

@@ -30,6 +30,7 @@ from lmkit.api.outputs import (
     TokenLogprob,
 )
 from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
+from lmkit.api.quantization import QuantizationMethod, QuantizedLinear, QuantizedTensor
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.sampling_params import SamplingParams
@@ -121,6 +122,7 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
     "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
+    "QuantizationMethod", "QuantizedLinear", "QuantizedTensor",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,

@@ -18,6 +18,7 @@ from lmkit.api.executor import Executor
 from lmkit.api.model import Model
 from lmkit.api.offload import OffloadManager
 from lmkit.api.pooling import Pooler
+from lmkit.api.quantization import QuantizationMethod
 from lmkit.api.scheduler import Scheduler
 from lmkit.api.source import ModelSource
 from lmkit.api.spec_decode import Proposer
@@ -46,6 +47,7 @@ CONSTRUCTORS: dict[str, Constructor] = {c.kind: c for c in (
                 "cls(tokenizer, vocab_size, *, options)"),
     Constructor("offload", OffloadManager, "cls(config, kv_caches, *, options)"),
     Constructor("model", Model, "cls(hf_config, ctx)"),
+    Constructor("quantization", QuantizationMethod, "cls(facts, *, options)"),
     Constructor("model_source", ModelSource, "cls()"),
     Constructor("pooler", Pooler, "cls(model)"),
 )}

@@ -36,6 +36,8 @@ class ModelBuildContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None  # torch.distributed.ProcessGroup when tp_size > 1
+    # the chosen quantization method (a QuantizationMethod), or None for dense weights
+    quantization: Any = None
 
 
 @dataclass

@@ -51,6 +51,9 @@ class ModelFacts:
         num_attention_heads, num_key_value_heads, intermediate_size: the sizes tensor
             parallelism splits over ranks (``config.json``'s values; the key/value heads
             default to the attention heads; 0 when the config does not state one).
+        weight_format: the format of the weights a quantization method must read:
+            ``"gguf"`` when the directory keeps its GGUF file (see
+            :func:`lmkit.loading.gguf.weight_format`), else ``"safetensors"``.
     """
 
     model_dir: Path
@@ -67,6 +70,7 @@ class ModelFacts:
     intermediate_size: int = 0
     generates: bool = True
     pooling: ModelPooling = field(default_factory=ModelPooling)
+    weight_format: str = "safetensors"
 
     @property
     def eos_token_id(self) -> int | None:

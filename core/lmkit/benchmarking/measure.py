@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queue_module
 import resource
 import sys
 from collections.abc import Callable
@@ -36,7 +37,14 @@ def run_isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, queue))
     proc.start()
-    status, payload = queue.get()
+    while True:  # a side that dies without a result (a crash, the OOM killer) must not hang
+        try:
+            status, payload = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive() and queue.empty():
+                raise RuntimeError(f"benchmark process {fn.__name__} exited with code "
+                                   f"{proc.exitcode} without a result") from None
     proc.join()
     if status != "ok":
         raise RuntimeError(f"benchmark process failed: {payload}")

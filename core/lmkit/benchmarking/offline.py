@@ -20,6 +20,8 @@ from lmkit.benchmarking.workload import (
     random_workload,
 )
 
+PEERS = ("hf", "llamacpp", "none")  # llamacpp: latency only (the same GGUF file)
+
 
 @dataclass
 class BenchSetup:
@@ -65,6 +67,9 @@ def throughput(setup: BenchSetup, workload: Workload, peer: str = "hf",
                hf_batch_size: int | None = None, rounds: int = 1) -> dict[str, Any]:
     """Run lmkit and the peer on ``workload`` (``rounds`` times, see :func:`_paired`);
     return both results and their ratio."""
+    if peer not in ("hf", "none"):
+        raise ValueError(f"throughput's peer is hf or none, not {peer!r} (the llamacpp peer "
+                         "runs single-stream latency only)")
     def run_lmkit() -> dict[str, Any]:
         return run_isolated(sides.lmkit_throughput, setup.model_dir, setup.options, workload,
                             setup.threads)
@@ -80,7 +85,11 @@ def throughput(setup: BenchSetup, workload: Workload, peer: str = "hf",
 def latency(setup: BenchSetup, workload: Workload, peer: str = "hf",
             rounds: int = 1) -> dict[str, Any]:
     """Single-stream decode: one request at a time, lmkit and the peer (``rounds`` times,
-    see :func:`_paired`)."""
+    see :func:`_paired`); the peer is ``hf``, ``llamacpp`` (the model's GGUF file through
+    llama-cpp-python) or ``none``."""
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; choose {', '.join(PEERS)}")
+
     def run_lmkit() -> dict[str, Any]:
         return run_isolated(sides.lmkit_latency, setup.model_dir, setup.options, workload,
                             setup.threads)
@@ -89,13 +98,25 @@ def latency(setup: BenchSetup, workload: Workload, peer: str = "hf",
         return run_isolated(sides.hf_latency, setup.model_dir, workload, setup.dtype,
                             setup.device, setup.threads)
 
-    return _paired("latency", setup, workload, run_lmkit, run_hf if peer == "hf" else None,
-                   rounds)
+    def run_llamacpp() -> dict[str, Any]:
+        from lmkit.benchmarking.llamacpp import gguf_file, llamacpp_latency
+
+        gguf_file(setup.model_dir)  # refuse a model without a GGUF before running lmkit
+        return run_isolated(llamacpp_latency, setup.model_dir, workload, setup.threads)
+
+    if peer == "llamacpp":
+        from lmkit.benchmarking.llamacpp import gguf_file
+
+        gguf_file(setup.model_dir)
+    runners = {"hf": run_hf, "llamacpp": run_llamacpp}
+    return _paired("latency", setup, workload, run_lmkit, runners.get(peer), rounds,
+                   peer_name=peer)
 
 
 def _paired(bench: str, setup: BenchSetup, workload: Workload,
             run_lmkit: Callable[[], dict[str, Any]],
-            run_peer: Callable[[], dict[str, Any]] | None, rounds: int) -> dict[str, Any]:
+            run_peer: Callable[[], dict[str, Any]] | None, rounds: int,
+            peer_name: str = "hf") -> dict[str, Any]:
     """Run both sides ``rounds`` times, alternating which goes first (lmkit first in
     round 1), so that a machine whose speed drifts (a shared host's memory bandwidth)
     weighs on both. Each round gives a ratio; the report's ratio is their median and
@@ -103,19 +124,20 @@ def _paired(bench: str, setup: BenchSetup, workload: Workload,
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     report: dict[str, Any] = {"bench": bench, "workload": workload.describe(),
-                              "machine": _machine(setup), "model": setup.model}
+                              "machine": _machine(setup), "model": setup.model,
+                              "peer": peer_name if run_peer is not None else None}
     results: list[dict[str, Any]] = []
     for i in range(rounds):
-        order = ["lmkit", "hf"] if i % 2 == 0 else ["hf", "lmkit"]
+        order = ["lmkit", peer_name] if i % 2 == 0 else [peer_name, "lmkit"]
         entry: dict[str, Any] = {}
         for side in order:
             if side == "lmkit":
                 entry["lmkit"] = _rates(run_lmkit(), workload)
             elif run_peer is not None:
-                entry["hf"] = _rates(run_peer(), workload)
-        if "hf" in entry:
+                entry[peer_name] = _rates(run_peer(), workload)
+        if peer_name in entry:
             entry["ratio_output_tokens_per_s"] = (entry["lmkit"]["output_tokens_per_s"]
-                                                  / entry["hf"]["output_tokens_per_s"])
+                                                  / entry[peer_name]["output_tokens_per_s"])
         results.append(entry)
     key = "ratio_output_tokens_per_s" if run_peer is not None else None
     ranked = sorted(results, key=lambda e: e[key] if key else e["lmkit"]["output_tokens_per_s"])
@@ -148,7 +170,8 @@ def format_report(report: dict[str, Any]) -> str:
     keys = ["elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
             "ttft_ms", "tpot_ms", "peak_rss_gb", "peak_cuda_gb", "num_preemptions",
             "spec_acceptance_rate", "spec_mean_accepted_length"]
-    for side in ("lmkit", "hf"):
+    peer = report.get("peer") or "hf"
+    for side in ("lmkit", peer):
         if side not in report:
             continue
         r = report[side]
@@ -157,11 +180,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {side:6s} {vals}")
     if "ratio_per_round" in report:
         rounds = ", ".join(f"{r:.2f}x" for r in report["ratio_per_round"])
-        lines.append(f"  lmkit/hf output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x "
-                     f"(median of {len(report['ratio_per_round'])} rounds: {rounds}; the "
+        lines.append(f"  lmkit/{peer} output tokens/s: "
+                     f"{report['ratio_output_tokens_per_s']:.2f}x (median of {len(report['ratio_per_round'])} rounds: {rounds}; the "
                      f"figures above are the median round's)")
     elif "ratio_output_tokens_per_s" in report:
-        lines.append(f"  lmkit/hf output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x")
+        lines.append(f"  lmkit/{peer} output tokens/s: {report['ratio_output_tokens_per_s']:.2f}x")
     return "\n".join(lines)
 
 

@@ -84,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("structured_output", ("--structured-output",), "structured_output.backend", str | None,
          "Structured-output (constrained decoding) backend, 'auto' or 'none'."),
     Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),
+    Flag("quantization", ("--quantization",), "quantization.backend", str | None,
+         "Quantized-weight method (gguf: GGUF blocks on the CPU), 'auto' or 'none' (dense)."),
     Flag("max_num_seqs", ("--max-num-seqs",), "scheduler.max_num_seqs", int | None,
          "Most requests running at once."),
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), "scheduler.max_num_batched_tokens",

@@ -165,6 +165,21 @@ class OffloadConfig(OptionalBackendSection):
         "after the step computing them, so evictions copy nothing) or 'on_evict'.")
 
 
+class QuantizationConfig(OptionalBackendSection):
+    """Quantized weights: the method plugin that keeps a checkpoint's quantized tensors
+    packed and computes with them (``auto``: the one that reads the checkpoint's format
+    on this device, e.g. GGUF blocks on the CPU; ``none``, the default: dense weights).
+
+    Off by default because the gguf method's outputs depend on batch composition (steps
+    of up to 32 rows quantize activations to int8, larger ones use float32 tiles), so a
+    request's greedy output could change with the load; dense weights match
+    transformers and are batch-invariant."""
+
+    backend: str = Field("none", description="'none' (dense weights, the default), 'auto' "
+                         "(the method reading the checkpoint's format), or a registered "
+                         "name such as 'gguf'.")
+
+
 class LogitsProcessorsConfig(Section):
     """Plugin logits processors (``register_logits_processors``): those applied to every
     request, and each processor's options. Requests name others in
@@ -221,6 +236,7 @@ class LMKitConfig(Section):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     logits_processors: LogitsProcessorsConfig = Field(default_factory=LogitsProcessorsConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     plugins: list[str] = Field(

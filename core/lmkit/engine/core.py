@@ -59,7 +59,8 @@ class EngineCore:
         # what every process knows of the model (context, EOS, architecture, needs): once
         self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
         check_model_split(config, self.facts)
-        self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs)
+        self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs,
+                                                  weight_format=self.facts.weight_format)
         self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")

@@ -53,6 +53,7 @@ SHORT_OPTIONS = {
     "speculative_model": "speculative.model",
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
+    "quantization": "quantization.backend",
 }
 
 

@@ -3,7 +3,9 @@
 transformers reads the GGUF (architecture, hyper-parameters, tokenizer, chat template)
 and dequantizes its weights to float32; the model is saved with ``save_pretrained``
 (safetensors, ``config.json`` with ``architectures`` set, ``generation_config.json``),
-the tokenizer beside it. The result lives in ``<cache>/converted/<stem>-<fp>/`` where
+the tokenizer beside it, and the GGUF file itself as ``model.gguf`` (98 MB for the
+default model), which quantization methods read to keep its blocks packed
+(:func:`weight_format`). The result lives in ``<cache>/converted/<stem>-<fp>/`` where
 ``fp`` is the first 16 hex digits of :func:`lmkit.loading.cache.file_fingerprint`, so a
 second load only checks the entry's marker file.
 """
@@ -30,6 +32,25 @@ from lmkit.loading.progress import announce, library_progress, step
 
 CONVERTED = "converted"
 GGUF_MAGIC = b"GGUF"
+GGUF_NAME = "model.gguf"  # the GGUF file kept beside its conversion
+
+
+def weight_format(model_dir: Path) -> str:
+    """``"gguf"`` when ``model_dir`` keeps its GGUF file (:data:`GGUF_NAME`), else
+    ``"safetensors"``: the format a quantization method must read."""
+    return "gguf" if (Path(model_dir) / GGUF_NAME).is_file() else "safetensors"
+
+
+def _keep_gguf(gguf_path: Path, dest: Path) -> None:
+    """Put the GGUF file at ``dest`` (a hard link when on the same filesystem), through a
+    temporary name so that a crash never leaves a partial file under ``dest``'s name."""
+    tmp = dest.with_name(f".{dest.name}.part")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(gguf_path, tmp)
+    except OSError:
+        shutil.copyfile(gguf_path, tmp)
+    os.replace(tmp, dest)
 
 
 def converted_path(gguf_path: Path, cache_dir: Path | None = None) -> Path:
@@ -67,6 +88,8 @@ def convert_gguf_to_safetensors(gguf_path: Path, cache_dir: Path | None = None,
         )
     entry = converted_path(gguf_path, cache_dir)
     if is_complete(entry):
+        if not (entry / GGUF_NAME).is_file():  # converted by an older lmkit
+            _keep_gguf(gguf_path, entry / GGUF_NAME)
         return entry
 
     announce(f"converting {gguf_path.name} to safetensors in {entry} (once; later loads "
@@ -80,6 +103,7 @@ def convert_gguf_to_safetensors(gguf_path: Path, cache_dir: Path | None = None,
     }
     with atomic_entry(cache_dir, entry, metadata) as staging, library_progress(progress):
         metadata.update(_convert(gguf_path, staging, cache_dir, progress))
+        _keep_gguf(gguf_path, staging / GGUF_NAME)
         metadata["convert_seconds"] = round(time.perf_counter() - start, 2)
     announce(f"converted {gguf_path.name} in {metadata['convert_seconds']:.1f} s", progress)
     return entry

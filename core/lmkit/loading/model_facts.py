@@ -47,6 +47,7 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
             (through :class:`~lmkit.api.CausalLM` or :class:`~lmkit.api.PoolingModel`).
         ConfigError: ``max_model_len`` exceeds the model's context.
     """
+    from lmkit.loading.gguf import weight_format
     from lmkit.loading.weights import load_hf_config
 
     model_dir = Path(model_dir)
@@ -66,7 +67,8 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         max_model_len=resolve_max_model_len(native, max_model_len, model_dir),
         native_max_model_len=native, eos_token_ids=eos_token_ids_of(model_dir, hf_config),
         attention_needs=needs, generates=issubclass(model_cls, CausalLM),
-        pooling=model_cls.pooling, **split_sizes(hf_config))
+        pooling=model_cls.pooling, weight_format=weight_format(model_dir),
+        **split_sizes(hf_config))
 
 
 def model_registration(host: PluginHost, hf_config: Any, model_dir: Path

@@ -36,7 +36,7 @@ from lmkit.loading.cache import (
     temp_dir,
     write_json_atomic,
 )
-from lmkit.loading.gguf import convert_gguf_to_safetensors
+from lmkit.loading.gguf import convert_gguf_to_safetensors, weight_format
 from lmkit.loading.progress import announce, byte_bar
 from lmkit.platform import python_module_command
 
@@ -259,6 +259,8 @@ def _recorded_model(entry: Path, cache_dir: Path, member: str | None) -> Path | 
         return None
     if member is not None and record.get("member") != member:
         return None
+    if str(record.get("member", "")).endswith(".gguf") and weight_format(model_dir) != "gguf":
+        return None  # converted before lmkit kept the GGUF file: fetch it again
     return model_dir if is_complete(model_dir) else None
 
 

@@ -143,6 +143,26 @@ def register_offload_managers(register: Register) -> None:
 
 
 @hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register quantized-weight methods (the kind ``quantization``, selected by the
+    config section and the ``--quantization`` flag of that name).
+
+    The loaded target is a subclass of :class:`lmkit.api.QuantizationMethod`,
+    built as ``cls(facts, *, options)`` (``facts``: the model's
+    :class:`lmkit.api.model_facts.ModelFacts`): it checks a checkpoint's quantized tensors before
+    anything runs, yields the model's weights with the quantized ones kept packed, and
+    gives the model's linear layers the kernels that compute with them. Declare in
+    ``caps``: ``values={"weight_format": {...}, "device": {...}}`` (the checkpoint
+    formats it reads, such as ``"gguf"``, and the devices it runs on) and as features the
+    tensor types it reads (``"Q4_1"``) and its kernels (``"kernel:q8_dot_avx2"``).
+    ``auto`` picks one whose ``weight_format`` and ``device`` fit the checkpoint and the
+    device, and leaves the weights dense when none does.
+
+    :param register: call ``register(Spec(...))`` once per method.
+    """
+
+
+@hookspec
 def register_models(register: Register) -> None:
     """Register model architectures.
 

@@ -20,6 +20,7 @@ Kind = Literal[
     "speculative",
     "structured_output",
     "offload",
+    "quantization",
     "model",
     "model_source",
     "logits_processor",
@@ -34,6 +35,7 @@ REGISTER_HOOKS: dict[str, str] = {
     "speculative": "register_spec_proposers",
     "structured_output": "register_structured_output_backends",
     "offload": "register_offload_managers",
+    "quantization": "register_quantization_methods",
     "model": "register_models",
     "model_source": "register_model_sources",
     "logits_processor": "register_logits_processors",
@@ -45,10 +47,11 @@ KINDS: tuple[str, ...] = tuple(REGISTER_HOOKS)
 # The kinds that make up an engine's stack; each is selected by the config section of
 # the same name.
 STACK_KINDS: tuple[str, ...] = (
-    "executor", "attention", "scheduler", "speculative", "structured_output", "offload")
+    "executor", "attention", "scheduler", "speculative", "structured_output", "offload",
+    "quantization")
 
 # Kinds that may be switched off entirely with ``backend: none``.
-OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload"})
+OPTIONAL_KINDS = frozenset({"speculative", "structured_output", "offload", "quantization"})
 
 # Old kind names -> the current ones; still accepted wherever a kind is named.
 KIND_ALIASES: dict[str, str] = {"spec_proposer": "speculative"}

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.manager import PluginHost
 
 # Order of resolution: kinds that impose needs on others come first.
-_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention")
+_ORDER = ("speculative", "structured_output", "offload", "scheduler", "executor", "attention",
+          "quantization")
 
 
 @dataclass
@@ -92,8 +93,8 @@ def configure_and_resolve(config: LMKitConfig, host: PluginHost) -> ResolvedStac
     return resolve_stack(config, host)
 
 
-def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None
-                  ) -> ResolvedStack:
+def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | None = None,
+                  weight_format: str | None = None) -> ResolvedStack:
     """Choose and cross-check every stack kind for ``config``, loading nothing.
 
     Kinds that impose needs on others (a proposer's ``stack_needs``) are resolved
@@ -103,12 +104,17 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     nothing registered fits. The ``configure`` hook is the caller's to run first (the
     engine and ``lmkit config check`` do).
 
-    :param model_needs: what the model requires of attention (e.g. ``head_size``), when
-        its config is known.
-    With ``parallel.tensor_parallel_size > 1`` the executor and the offload tier must
-    declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
+    With ``parallel.tensor_parallel_size > 1`` the executor, the offload tier and the
+    quantization method must declare the ``tensor_parallel`` feature, and the executor's ``auto`` means
     ``parallel.distributed_backend``.
 
+    :param model_needs: what the model requires of attention (e.g. ``head_size``), when
+        its config is known.
+    :param weight_format: the checkpoint's weight format
+        (:attr:`lmkit.api.model_facts.ModelFacts.weight_format`): a
+        quantization method must read it. ``None`` (no model at hand, as in ``lmkit
+        config check``): ``auto`` chooses no method, a named one is checked for the
+        device only.
     :raises ConfigError: (or a subclass) with every reason and where the offending
         setting came from; also what :func:`lmkit.config.parallel.check_parallel_settings`
         refuses.
@@ -122,6 +128,10 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         "attention": Needs(values={"device": device, "dtype": dtype}).merge(model_needs or Needs()),
         "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                          values={"device": device}),
+        "quantization": Needs(
+            features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
+            values={"device": device} | ({"weight_format": weight_format} if weight_format
+                                         else {})),
     }
     stack = ResolvedStack(device=device, dtype=dtype)
     imposed: dict[str, Needs] = {}
@@ -133,7 +143,9 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         if kind == "executor" and choice == "auto" and tensor_parallel:
             choice = config.parallel.distributed_backend  # one model over several ranks
         reg = None
-        if not (kind in OPTIONAL_KINDS and choice == "none"):
+        # auto quantization follows the checkpoint: with no model at hand, none is chosen
+        unknown_format = kind == "quantization" and choice == "auto" and weight_format is None
+        if not (kind in OPTIONAL_KINDS and choice == "none") and not unknown_format:
             needs = base.get(kind, Needs())
             if choice == "auto":
                 needs = needs.merge(imposed.get(kind, Needs()))

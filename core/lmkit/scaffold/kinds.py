@@ -43,6 +43,8 @@ SCAFFOLD_KINDS: dict[str, ScaffoldKind] = {k.name: k for k in (
                  "Choice constraints matched over decoded tokens."),
     ScaffoldKind("offload", "tier", "Tier", "An in-memory LRU tier with per-block checksums."),
     ScaffoldKind("executor", "executor", "Executor", "One model runner in the engine-core process."),
+    ScaffoldKind("quantization", "method", "Method",
+                 "Linear weights kept as int8 rows with a float32 scale each."),
 )}
 
 # The scaffold's old kind names -> the current ones (accepted with a deprecation message).

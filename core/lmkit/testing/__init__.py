@@ -31,6 +31,9 @@ module                 what it checks                                        the
                        small vocabulary; the language of each constraint
 ``offload``            bit-exact round trips, lookup, capacity, failed and   ``offload_manager``
                        corrupt loads
+``quantization``       check refuses a missing checkpoint, weights close to  ``quantization_method``
+                       the dense ones under HF names, linear, fuse,
+                       dequantized rows
 =====================  ====================================================  ==============================
 
 Every suite first builds the implementation through its kind's one documented

@@ -1,6 +1,7 @@
-"""Built-in model architectures, and the built-in poolers they pool with."""
+"""Built-in model architectures, the built-in poolers they pool with, and the
+quantization methods their layers compute with."""
 
-from lmkit.api import Spec, hookimpl
+from lmkit.api import Caps, ConfigError, Spec, hookimpl
 
 from lmkit_plugins.poolers import pooler_specs
 
@@ -13,6 +14,11 @@ def register_models(register):
         name="LlamaForCausalLM", target="lmkit_plugins.models.llama:LlamaForCausalLM",
         aliases=("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
         description="Llama 2/3 (llama3 RoPE scaling), Mistral, Qwen2, Qwen3, SmolLM2.",
+    ))
+    register(Spec(
+        name="MixtralForCausalLM", target="lmkit_plugins.models.mixtral:MixtralForCausalLM",
+        description="Mixtral: Llama-style attention with a sparse mixture-of-experts MLP "
+                    "(top-k softmax routing; fused Triton MoE kernel on CUDA).",
     ))
     register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
@@ -37,3 +43,24 @@ def register_models(register):
 def register_poolers(register):
     for spec in pooler_specs():
         register(spec)
+
+
+@hookimpl
+def register_quantization_methods(register):
+    register(Spec(
+        name="gguf", target="lmkit_plugins.quantization.gguf_cpu:GGUFCpuMethod",
+        requires=("gguf",), priority=50,
+        caps=Caps({"Q8_0", "Q4_0", "Q4_1", "F32", "F16", "kernel:q8_dot_avx512vnni",
+                   "kernel:q8_dot_avx2", "kernel:dequantize_f32_tiles"},
+                  {"weight_format": {"gguf"}, "device": {"cpu"}}),
+        description="GGUF Q8_0/Q4_0/Q4_1 blocks kept packed on the CPU (C kernels, int8 "
+                    "activations for decode batches).",
+    ))
+
+
+@hookimpl
+def configure(config):
+    if config.quantization.backend.lower() == "fp8":
+        raise ConfigError(
+            "--quantization fp8 (FP8 e4m3 weights on CUDA) is not built yet; the methods "
+            "built are: gguf (GGUF blocks on the CPU), or none (dense weights).")

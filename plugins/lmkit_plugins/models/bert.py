@@ -29,7 +29,7 @@ from lmkit.api import (
 from lmkit.api.pooling import ModelPooling
 from torch import nn
 
-from lmkit_plugins.models.layers import Linear
+from lmkit_plugins.models.layers import Linear, whole_weight_loader
 from lmkit_plugins.models.llama import _describe_mismatch
 
 # checkpoint tensors that carry no weights of ours
@@ -161,13 +161,7 @@ class BertModel(nn.Module, PoolingModel):
         """HF checkpoint name (without a ``bert.`` prefix) -> how to load it."""
         targets: dict[str, Callable[[torch.Tensor], None]] = {}
 
-        def whole(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
-            def load(t: torch.Tensor) -> None:
-                if tuple(t.shape) != tuple(param.shape):
-                    raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} "
-                                         f"does not match the model's {tuple(param.shape)}")
-                param.copy_(t)
-            return load
+        whole = whole_weight_loader
 
         def linear(prefix: str, layer: Linear, part: str) -> None:
             targets[f"{prefix}.weight"] = lambda t: layer.load_shard(part, weight=t)

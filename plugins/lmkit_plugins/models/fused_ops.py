@@ -12,6 +12,8 @@ Projections of at most :data:`SMALL_BATCH` rows (decode at small batch) stream t
 weight through :func:`lmkit_kernels.gemv.small_m_linear`, which on an H100 reads it
 5-15% faster than cuBLAS at one row (bench/gemv_bandwidth.py); larger ones use cuBLAS.
 
+Mixture-of-experts blocks run lmkit's fused MoE kernel on CUDA in every dtype
+(:func:`fused_moe_enabled`).
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
 """
@@ -32,9 +34,16 @@ SMALL_BATCH = 8  # rows up to which projections use the weight-streaming Triton 
 def fused_ops_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a layer built for ``device`` and ``dtype`` should use the fused kernels:
     CUDA, float16/bfloat16, Triton installed, and ``LMKIT_FUSED_OPS`` not ``0``."""
+    return fused_moe_enabled(device) and dtype in HALF_DTYPES
+
+
+def fused_moe_enabled(device: torch.device | str) -> bool:
+    """Whether a mixture-of-experts layer on ``device`` runs lmkit's fused MoE kernel
+    (:func:`lmkit_kernels.moe.fused_moe`, any float dtype): CUDA, Triton installed, and
+    ``LMKIT_FUSED_OPS`` not ``0``; otherwise its torch reference."""
     if os.environ.get("LMKIT_FUSED_OPS", "1").strip() in ("0", "false", "no", "off"):
         return False
-    return (torch.device(device).type == "cuda" and dtype in HALF_DTYPES
+    return (torch.device(device).type == "cuda"
             and importlib.util.find_spec("triton") is not None)
 
 
@@ -58,6 +67,14 @@ def rotary_qk_kernel() -> Callable[..., None]:
     from lmkit_kernels.rotary import rotary_qk_
 
     return rotary_qk_
+
+
+def fused_moe_kernel() -> Callable[..., torch.Tensor]:
+    """``(x, w13, w2, topk_weights, topk_ids) -> [T, H]``:
+    :func:`lmkit_kernels.moe.fused_moe`."""
+    from lmkit_kernels.moe import fused_moe
+
+    return fused_moe
 
 
 def linear_kernel(device: torch.device | str, dtype: torch.dtype,

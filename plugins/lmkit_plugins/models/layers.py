@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lmkit.api import ModelLoadError
 from torch import nn
 
 from lmkit_plugins.models.fused_ops import fused_ops_enabled, linear_kernel, rms_norm_kernel
+from lmkit_plugins.models.quant_weights import QuantizedShards
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -121,10 +124,15 @@ class Linear(nn.Module):
     is ``[out, in]`` but may be a strided view (see :func:`cpu_weight_row_length`), and
     :meth:`forward`'s output may be a view whose rows are further apart than
     ``out_features``; load weights with :meth:`load_shard` (it writes in place).
+
+    With a ``quantization`` method (:class:`lmkit.api.QuantizationMethod`) the weight
+    arrives packed (:class:`lmkit.api.QuantizedTensor` shards) and the layer computes
+    with the method's kernel once every shard is loaded; no float32 weight is allocated
+    unless the shards cannot be fused (then they are dequantized).
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], *, bias: bool,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, quantization: Any = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out = sum(shard_sizes.values())
@@ -135,8 +143,13 @@ class Linear(nn.Module):
             start += size
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
         kw = {"dtype": dtype, "device": device}
-        row = cpu_weight_row_length(self.kernel, dtype, out)
-        if row is None:
+        self._quant = (QuantizedShards(quantization, list(shard_sizes))
+                       if quantization is not None else None)
+        self._qkernel: Any = None
+        row = None if self._quant else cpu_weight_row_length(self.kernel, dtype, out)
+        if self._quant is not None:  # filled by load_shard from the packed shards
+            weight = torch.empty(0, in_features, **kw)
+        elif row is None:
             weight = torch.empty(out, in_features, **kw)
         else:  # [out, in] view of [in, row] memory (strides (1, row)); padding stays zero
             weight = torch.zeros(in_features, row, **kw).t()[:out]
@@ -153,7 +166,13 @@ class Linear(nn.Module):
                    bias: torch.Tensor | None = None) -> None:
         """Copy a checkpoint tensor into the output slice named ``shard``."""
         start, size = self.shard_offsets[shard]
-        if weight is not None:
+        if weight is not None and self._quant is not None:
+            if self._quant.add(shard, weight, size, self.in_features):
+                self._qkernel, dense = self._quant.build()
+                if dense is not None:
+                    self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
+                self._quant = None
+        elif weight is not None:
             _copy_checked(self.weight[start:start + size], weight, shard)
         if bias is not None:
             if self.bias is None:
@@ -162,6 +181,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
+        if self._qkernel is not None:
+            return self._qkernel(x, self.bias)
         if self._padded_weight is None:
             return self.kernel(x, self.weight, self.bias)
         # [num_tokens, row] -> its first out columns (a view; the rest are padding)
@@ -173,6 +194,17 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the "
                          f"model's {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def whole_weight_loader(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+    """A checkpoint loader copying tensor ``name`` into ``param`` as it is (no split, no
+    fusion); a shape that differs is a :class:`~lmkit.api.ModelLoadError` naming both."""
+    def load(t: torch.Tensor) -> None:
+        if tuple(t.shape) != tuple(param.shape):
+            raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} does not "
+                                 f"match the model's {tuple(param.shape)}")
+        param.copy_(t)
+    return load
 
 
 _CPU_NORM_MAX_ROWS = 32  # lmkit_kernels.cpu.rms_norm.MAX_ROWS
@@ -250,12 +282,18 @@ class VocabEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, quantization: Any = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
-        row = cpu_weight_row_length(self.kernel, dtype, vocab_size)
-        if row is None:
+        # quantized: the packed table (lookups dequantize rows; the head runs the kernel)
+        self._quant = QuantizedShards(quantization, ["weight"]) if quantization else None
+        self._qtable: Any = None
+        self._qkernel: Any = None
+        row = None if quantization else cpu_weight_row_length(self.kernel, dtype, vocab_size)
+        if quantization is not None:  # filled by load() from the packed table
+            weight = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        elif row is None:
             weight = torch.empty(vocab_size, hidden_size, dtype=dtype, device=device)
         else:  # [vocab, hidden] view of [hidden, row] memory; padding stays zero
             weight = torch.zeros(hidden_size, row, dtype=dtype, device=device).t()[:vocab_size]
@@ -263,12 +301,28 @@ class VocabEmbedding(nn.Module):
         self._padded_weight = (weight.as_strided((row, hidden_size), (1, row))
                                if row is not None and row > vocab_size else None)
 
+    def load(self, weight: Any) -> None:
+        """Load the checkpoint's table (dense, or packed with a quantization method)."""
+        if self._quant is None:
+            _copy_checked(self.weight, weight, "embed_tokens")
+            return
+        self._quant.add("weight", weight, self.vocab_size, self.weight.shape[1])
+        self._qkernel, dense = self._quant.build()
+        if dense is not None:
+            self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
+        else:
+            self._qtable = weight
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, hidden]
+        if self._qtable is not None:
+            return self._quant.dense_rows(self._qtable, input_ids)  # type: ignore[union-attr]
         return F.embedding(input_ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over this table: ``[n, hidden]`` -> float32 ``[n, vocab]`` (contiguous)."""
+        if self._qkernel is not None:
+            return self._qkernel(hidden, None)
         if self._padded_weight is None:
             return self.kernel(hidden, self.weight, None).float()
         return self.kernel(hidden, self._padded_weight, None)[:, :self.vocab_size].contiguous()

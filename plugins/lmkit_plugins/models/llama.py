@@ -35,7 +35,13 @@ from lmkit_plugins.models.fused_ops import (
     rotary_qk_kernel,
     silu_and_mul_kernel,
 )
-from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, silu_and_mul
+from lmkit_plugins.models.layers import (
+    Linear,
+    RMSNorm,
+    VocabEmbedding,
+    silu_and_mul,
+    whole_weight_loader,
+)
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
@@ -120,7 +126,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
@@ -131,9 +137,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * dims.head_dim
         self.rotary = rotary
         kw = {"dtype": dtype, "device": device}
+        qkw = {**kw, "quantization": quant}
         self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                  "v": self.kv_size}, bias=dims.qkv_bias, **kw)
-        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **kw)
+                                                  "v": self.kv_size}, bias=dims.qkv_bias, **qkw)
+        self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **qkw)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         # CUDA half precision: q/k norm + RoPE in one in-place kernel (fused_ops)
@@ -181,11 +188,13 @@ class LlamaMLP(nn.Module):
     ``tp``; down_proj row-parallel, all-reduced)."""
 
     def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None,
+                 intermediate_size: int | None = None) -> None:
+        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts)
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
+        kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
-        size = dims.intermediate_size // (tp.size if tp is not None else 1)
+        size = (intermediate_size or dims.intermediate_size) // (tp.size if tp is not None else 1)
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
@@ -197,17 +206,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks around a residual stream."""
+    """Pre-norm attention and MLP blocks around a residual stream. ``mlp`` replaces the
+    dense :class:`LlamaMLP` (e.g. a mixture of experts): any module whose ``forward``
+    maps ``[n, hidden]`` to ``[n, hidden]``."""
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quant: Any = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp)
+        self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(dims, dtype, device, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(dims, dtype, device, tp, quant)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -228,14 +240,19 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
     def __init__(self, dims: LlamaDims, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel | None = None) -> None:
+                 device: torch.device, tp: TensorParallel | None = None,
+                 quant: Any = None, make_mlp: Callable[[int], nn.Module] | None = None
+                 ) -> None:
         super().__init__()
         self.embed_tokens = (
-            VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device)
+            VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype, device=device,
+                           quantization=quant)
             if tp is None else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp,
                                                       dtype=dtype, device=device))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp) for i in range(dims.num_layers))
+            LlamaDecoderLayer(dims, i, rotary, dtype, device, tp, quant,
+                              None if make_mlp is None else make_mlp(i))
+            for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype=dtype, device=device)
 
 
@@ -270,19 +287,36 @@ class LlamaStack(nn.Module, Model):
         dtype, device = ctx.dtype, torch.device(ctx.device)
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
-        self.model = LlamaModel(dims, self.rotary, dtype, device, tp)
+        quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
+        self.model = LlamaModel(dims, self.rotary, dtype, device, tp, quant,
+                                self._mlp_builder(hf_config, dims, dtype, device))
         self._fused_ops = fused_ops_enabled(device, dtype)
         local_vocab = dims.vocab_size if tp is None else tp.local(dims.vocab_size)
         # fused kernels write K/V in the RoPE kernel when the backend declares it may
         self._model_writes_kv = (self._fused_ops
                                  and ctx.attention_cls.supports_model_kv_write)
         self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
-            dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device)
+            dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device,
+            quantization=quant)
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
             head_size=dims.head_dim,
             scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
             sliding_window=dims.sliding_window, options=ctx.attention_options)
+
+    def _mlp_builder(self, hf_config: Any, dims: LlamaDims, dtype: torch.dtype,
+                     device: torch.device) -> Callable[[int], nn.Module] | None:
+        """``layer index -> its MLP module`` for layers without the dense
+        :class:`LlamaMLP` (a subclass's mixture of experts), else ``None`` (all dense)."""
+        return None
+
+    def _add_mlp_targets(self, targets: dict[str, Callable[[torch.Tensor], None]],
+                         prefix: str, mlp: nn.Module, linear_names: Callable[..., None]
+                         ) -> None:
+        """Add the loaders of layer ``prefix``'s MLP weights to ``targets``; the dense
+        :class:`LlamaMLP`'s through ``linear_names`` (fused and sharded)."""
+        linear_names(f"{prefix}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
+        linear_names(f"{prefix}.mlp", mlp.down_proj, {"down_proj": "weight"}, split=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -308,13 +342,7 @@ class LlamaStack(nn.Module, Model):
         """HF checkpoint name -> how to load it into the fused parameters."""
         targets: dict[str, Callable[[torch.Tensor], None]] = {}
 
-        def whole(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
-            def load(t: torch.Tensor) -> None:
-                if tuple(t.shape) != tuple(param.shape):
-                    raise ModelLoadError(f"weight {name}: checkpoint shape {tuple(t.shape)} does "
-                                         f"not match the model's {tuple(param.shape)}")
-                param.copy_(t)
-            return load
+        whole = whole_weight_loader
 
         tp = self.tp
 
@@ -341,19 +369,18 @@ class LlamaStack(nn.Module, Model):
 
         embed = self.model.embed_tokens
         embed_name = "model.embed_tokens.weight"
-        targets[embed_name] = (whole(embed.weight, embed_name) if tp is None else
+        targets[embed_name] = (embed.load if tp is None else
                                lambda t: whole(embed.weight, embed_name)(tp.shard(t, 0)))
         targets["model.norm.weight"] = whole(self.model.norm.weight, "model.norm.weight")
         if self.lm_head is not None:
             targets["lm_head.weight"] = shard(self.lm_head, "weight", "weight")
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
                                                            "v_proj": "v"})
             linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
-            linear_names(f"{p}.mlp", mlp.gate_up_proj, {"gate_proj": "gate", "up_proj": "up"})
-            linear_names(f"{p}.mlp", mlp.down_proj, {"down_proj": "weight"}, split=1)
+            self._add_mlp_targets(targets, p, layer.mlp, linear_names)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
                                                       f"{p}.{norm}.weight")

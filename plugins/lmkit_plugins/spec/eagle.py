@@ -31,16 +31,16 @@ from lmkit.api import (
 from torch import nn
 
 from lmkit_plugins.models.layers import Linear, VocabEmbedding
-from lmkit_plugins.models.llama import LlamaDecoderLayer, LlamaDims
+from lmkit_plugins.models.llama import LlamaDecoderLayer, LlamaDims, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.spec.head_checkpoint import (
     HeadCheckpoint,
     Loader,
+    add_whole,
     block_targets,
     build_attention,
     linear_targets,
     load_named,
-    whole,
 )
 
 
@@ -155,14 +155,14 @@ class EagleHead(nn.Module):
         targets: dict[str, Loader] = {}
         linear_targets(targets, self.fc, {"fc": "weight"})
         for i, layer in enumerate(cast(list[LlamaDecoderLayer], list(self.layers))):
-            block_targets(targets, f"layers.{i}", layer.self_attn, layer.mlp)
-            targets[f"layers.{i}.post_attention_layernorm.weight"] = whole(
-                layer.post_attention_layernorm.weight)
+            block_targets(targets, f"layers.{i}", layer.self_attn, cast(LlamaMLP, layer.mlp))
+            add_whole(targets, f"layers.{i}.post_attention_layernorm.weight",
+                      layer.post_attention_layernorm.weight)
             if i > 0:
-                targets[f"layers.{i}.input_layernorm.weight"] = whole(
-                    layer.input_layernorm.weight)
+                add_whole(targets, f"layers.{i}.input_layernorm.weight",
+                          layer.input_layernorm.weight)
         if self.embed_tokens is not None:
-            targets["embed_tokens.weight"] = whole(self.embed_tokens.weight)
+            add_whole(targets, "embed_tokens.weight", self.embed_tokens.weight)
         if self.lm_head is not None:
             linear_targets(targets, self.lm_head, {"lm_head": "weight"})
         return targets

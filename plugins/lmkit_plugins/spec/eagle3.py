@@ -40,11 +40,11 @@ from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.spec.head_checkpoint import (
     HeadCheckpoint,
     Loader,
+    add_whole,
     block_targets,
     build_attention,
     linear_targets,
     load_named,
-    whole,
 )
 
 
@@ -219,14 +219,14 @@ class Eagle3Head(nn.Module):
         linear_targets(targets, self.fc, {"fc": "weight"})
         block_targets(targets, "midlayer", self.self_attn, self.mlp)
         for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            targets[f"midlayer.{norm}.weight"] = whole(getattr(self, norm).weight)
-        targets["norm.weight"] = whole(self.norm.weight)
+            add_whole(targets, f"midlayer.{norm}.weight", getattr(self, norm).weight)
+        add_whole(targets, "norm.weight", self.norm.weight)
         linear_targets(targets, self.lm_head, {"lm_head": "weight"})
         if self.embed_tokens is not None:
-            targets["embed_tokens.weight"] = whole(self.embed_tokens.weight)
+            add_whole(targets, "embed_tokens.weight", self.embed_tokens.weight)
         for buffer in ("d2t", "t2d"):
             if buffer in names:
-                targets[buffer] = whole(getattr(self, buffer))
+                add_whole(targets, buffer, getattr(self, buffer))
         return targets
 
 

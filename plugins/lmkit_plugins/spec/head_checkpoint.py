@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lmkit.api import ConfigError, LMKitConfig, ModelLoadError
 
-from lmkit_plugins.models.layers import Linear
+from lmkit_plugins.models.layers import Linear, whole_weight_loader
 from lmkit_plugins.models.llama import LlamaAttention, LlamaDims, LlamaMLP
 
 Loader = Callable[[torch.Tensor], None]
@@ -78,13 +78,9 @@ def checkpoint_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def whole(param: torch.Tensor) -> Loader:
-    """Copy a tensor of exactly ``param``'s shape."""
-    def load(t: torch.Tensor) -> None:
-        if tuple(t.shape) != tuple(param.shape):
-            raise ValueError(f"shape {tuple(t.shape)} != {tuple(param.shape)}")
-        param.copy_(t)
-    return load
+def add_whole(targets: dict[str, Loader], name: str, param: torch.Tensor) -> None:
+    """``name`` -> copied into ``param`` as it is (the shape checked)."""
+    targets[name] = whole_weight_loader(param, name)
 
 
 def linear_targets(targets: dict[str, Loader], linear: Linear, names: dict[str, str]) -> None:

@@ -1,0 +1,84 @@
+"""What a quantization-method plugin implements: quantized weights kept packed.
+
+A method is built for one model (``cls(facts, *, options)``, with the model's
+:class:`~lmkit.api.model_facts.ModelFacts`); it reads a checkpoint whose linear layers
+are stored quantized (GGUF blocks, FP8, ...), refuses a malformed one before anything
+runs (:meth:`check`), yields the model's tensors with the quantized ones as
+:class:`QuantizedTensor` (:meth:`iterate_weights`) and gives each layer a function that
+computes with them (:meth:`linear`). Models build
+their layers with the method from :class:`~lmkit.api.ModelBuildContext` and keep the
+dense path when it is ``None``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight ``[out_features, in_features]`` kept in its quantized storage.
+
+    ``data`` is the method's packed tensor (for GGUF, ``uint8 [out, row_bytes]``: each
+    row's blocks as the file stores them); ``qtype`` names the storage type (``"Q4_1"``).
+    Rows are independent, so methods can fuse projections by concatenating rows.
+    """
+
+    data: Any  # torch.Tensor
+    qtype: str
+    shape: tuple[int, int]
+
+
+# (x [n, in] float, bias [out] or None) -> [n, out]
+QuantizedLinear = Callable[[Any, Any], Any]
+
+
+class QuantizationMethod(ABC):
+    """One quantized-weight format on one kind of device (registered with
+    ``register_quantization_methods``; built as ``cls(facts, *, options)`` for the model
+    whose :class:`~lmkit.api.model_facts.ModelFacts` are ``facts``: its directory, head
+    counts and weight format)."""
+
+    def __init__(self, facts: ModelFacts, *, options: BaseModel | None = None) -> None:
+        self.facts = facts
+        self.options = options
+
+    @abstractmethod
+    def check(self) -> None:
+        """Refuse a checkpoint this method cannot run, before any weight is read:
+        truncated files, block sizes that do not match the type, tensor types it does
+        not read. Cheap (headers only).
+
+        :raises ModelLoadError: what is wrong, in which file and tensor, and what to do.
+        """
+
+    @abstractmethod
+    def iterate_weights(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(hf_name, tensor)`` for every weight of ``facts.model_dir``, under
+        Hugging Face names:
+        quantized weights as :class:`QuantizedTensor`, the others as dense float32
+        ``torch.Tensor``."""
+
+    @abstractmethod
+    def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:
+        """The parts stacked along ``out`` (fused QKV, gate-up) as one tensor this
+        method computes with, or ``None`` when they cannot be fused (different types);
+        the model then dequantizes them (:meth:`dequantize`)."""
+
+    @abstractmethod
+    def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
+        """The function a layer calls per forward for ``weight``: ``(x, bias) -> y``.
+        Built once at load (checks happen here, never per call)."""
+
+    @abstractmethod
+    def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> Any:
+        """Float32 ``[len(rows), in]`` of the given rows (int64 tensor; all when
+        ``None``): embedding lookups and layers left dense."""

@@ -1,0 +1,216 @@
+"""``x @ dequant(w).T + b`` over GGUF-quantized weights on the CPU: the C q-GEMV kernel.
+
+Weights stay in their GGUF blocks (``Q8_0``, ``Q4_0``, ``Q4_1``: 32 weights per block
+with fp16 scales, see ``qgemv.c`` for the layouts), as a ``uint8`` tensor ``[out,
+blocks * block_bytes]``. For decode batches (at most :data:`MAX_ROWS` rows) the kernel
+quantizes each row of ``x`` per block of 32 to int8, as llama.cpp does, and sums integer
+block dot products scaled by both block scales: a single stream reads about 100 MB of
+weights per token for the default model instead of 538 MB of float32. Larger batches
+(prefill) dequantize the weight to float32 in tiles of rows and multiply with torch
+(:func:`dequantize_rows`), where the product is compute-bound and the activations keep
+float32 precision.
+
+Two builds, best first: AVX-512 VNNI (``vpdpbusd``) and AVX2 + FMA; the best one this
+CPU runs is used (``LMKIT_CPU_ISA=avx2`` pins one), and each is self-checked against a
+torch reference before first use, as :mod:`lmkit_kernels.cpu.row_gemv` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
+from lmkit_kernels.cpu.checks import require_kernel
+
+__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "ISAS", "MAX_ROWS", "QTYPES", "dequantize_rows",
+           "qgemv_isa", "qgemv_linear", "qgemv_unavailable_reason", "qgemv_variants"]
+
+MAX_ROWS = 32  # inputs up to this many rows take the q8 dot-product kernel
+DEQUANT_TILE_ROWS = 4096  # weight rows dequantized at once for larger inputs
+BLOCK_SIZE = 32  # weights per block, every type here
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type number -> bytes per block
+SOURCE = Path(__file__).with_name("qgemv.c")
+ABI = 1
+ISAS = ("avx512vnni", "avx2")
+ISA_ENV = "LMKIT_CPU_ISA"
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_GEMV = ([_I, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _I], _I)
+_DEQUANT = ([_I, _P, _L, _P, _L, _L, _P, _L, _I], None)
+
+QLinearFn = Callable[[torch.Tensor, int, torch.Tensor, "torch.Tensor | None", int],
+                     torch.Tensor]
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, dict[str, ctypes._CFuncPtr], str]:  # type: ignore[name-defined]
+    lib, reason = bind_kernel_library(
+        SOURCE, "lmkit_qgemv_abi", ABI, what="CPU quantized GEMV kernel",
+        fallback="no quantized weights on the CPU", check=_check,
+        functions={f"lmkit_qgemv_{isa}": _GEMV for isa in ISAS}
+        | {"lmkit_qgemv_isa_supported": ([ctypes.c_char_p], _I),
+           "lmkit_dequantize_rows": _DEQUANT})
+    if lib is None:
+        return None, {}, reason
+    return lib, {isa: getattr(lib, f"lmkit_qgemv_{isa}") for isa in _usable(lib)}, ""
+
+
+def _usable(lib: ctypes.CDLL) -> list[str]:
+    supported = [isa for isa in ISAS if lib.lmkit_qgemv_isa_supported(isa.encode())]
+    pin = os.environ.get(ISA_ENV, "").strip().lower()
+    if pin in ("avx512f", "avx512"):  # row_gemv's name for its AVX-512 build
+        pin = "avx512vnni"
+    if not pin:
+        if not supported:
+            raise KernelUnavailable("this CPU runs neither AVX-512 VNNI nor AVX2 + FMA code")
+        return supported
+    if pin not in ISAS:
+        raise KernelUnavailable(f"{ISA_ENV}={pin!r} is not one of {', '.join(ISAS)}")
+    if pin not in supported:
+        raise KernelUnavailable(f"{ISA_ENV}={pin} but this CPU does not run {pin} code")
+    return [pin]
+
+
+def reference_dequantize(qtype: int, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """A torch reference of the block layouts: ``uint8 [n, k/32 * bytes]`` -> float32
+    ``[n, k]``. For tests and the self-check; :func:`dequantize_rows` is the fast one."""
+    n = weight.shape[0]
+    blocks = weight.reshape(n, k // BLOCK_SIZE, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    if qtype == QTYPES["Q8_0"]:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, k)
+    start = 4 if qtype == QTYPES["Q4_1"] else 2
+    qs = blocks[..., start:].to(torch.int32)
+    nib = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [n, nb, 32]
+    c = blocks[..., 2:4].contiguous().view(torch.float16).float() if start == 4 else -8 * d
+    return (d * nib + c).reshape(n, k)
+
+
+def random_blocks(qtype: int, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Random well-formed blocks ``uint8 [n, k/32 * bytes]`` (finite fp16 scales)."""
+    nb, size = k // BLOCK_SIZE, BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=generator)
+    scales = (torch.rand(n, nb, 2, generator=generator) * 0.02 + 0.001).half()
+    raw[..., 0:2] = scales[..., 0:1].contiguous().view(torch.uint8)
+    if qtype == QTYPES["Q4_1"]:
+        raw[..., 2:4] = (-scales[..., 1:2] * 8).contiguous().view(torch.uint8)
+    return raw.reshape(n, nb * size)
+
+
+def _check(lib: ctypes.CDLL) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for isa in _usable(lib):
+        fn = getattr(lib, f"lmkit_qgemv_{isa}")
+        for qtype in BLOCK_BYTES:
+            # 5 rows cover a block of 4 and a tail; 37 outputs a partial chunk
+            w = random_blocks(qtype, 37, 96, gen)
+            x = torch.randn(5, 96, generator=gen)
+            ref = x @ reference_dequantize(qtype, w, 96).t()
+            out = _gemv(fn, qtype, x, w, None, 96)
+            if not torch.allclose(out, ref, rtol=0.05, atol=0.05 * float(ref.abs().max())):
+                raise KernelUnavailable(
+                    f"the compiled {isa} quantized kernel failed its self-check (type {qtype})")
+
+
+def _gemv(fn: ctypes._CFuncPtr, qtype: int, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[name-defined]
+          bias: torch.Tensor | None, k: int) -> torch.Tensor:
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if fn(qtype, x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0),
+          None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+          torch.get_num_threads()):
+        raise MemoryError("the quantized GEMV kernel could not allocate its int8 activations")
+    return out
+
+
+def qgemv_isa() -> str:
+    """The build in use (one of :data:`ISAS`), or ``""`` when the kernel is unavailable."""
+    return next(iter(_library()[1]), "")
+
+
+def qgemv_unavailable_reason() -> str:
+    """Why the kernel is not usable (empty when it is)."""
+    return _library()[2]
+
+
+def dequantize_rows(qtype: int, weight: torch.Tensor, k: int,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` (int64 indices; all rows when ``None``) of a quantized ``weight``
+    as float32 ``[len(rows), k]`` (the C kernel; embedding lookups and large batches)."""
+    lib = require_kernel(_library()[0], "CPU quantized GEMV kernel", qgemv_unavailable_reason())
+    count = weight.shape[0] if rows is None else rows.numel()
+    out = torch.empty(count, k, dtype=torch.float32)
+    idx = None if rows is None else rows.to(torch.int64).contiguous()
+    lib.lmkit_dequantize_rows(qtype, weight.data_ptr(), weight.stride(0),
+                              None if idx is None else idx.data_ptr(), count, k,
+                              out.data_ptr(), k, torch.get_num_threads())
+    return out
+
+
+def _make_linear(fn: ctypes._CFuncPtr) -> QLinearFn:  # type: ignore[name-defined]
+    def linear(x: torch.Tensor, qtype: int, weight: torch.Tensor, bias: torch.Tensor | None,
+               k: int) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return _gemv(fn, qtype, x if x.stride(1) == 1 else x.contiguous(), weight, bias, k)
+        n = weight.shape[0]
+        if n <= DEQUANT_TILE_ROWS:
+            w = dequantize_rows(qtype, weight, k)
+            return torch.addmm(bias, x, w.t()) if bias is not None else x @ w.t()
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, DEQUANT_TILE_ROWS):  # bounded float32 memory for big heads
+            w = dequantize_rows(qtype, weight[r0:r0 + DEQUANT_TILE_ROWS], k)
+            torch.mm(x, w.t(), out=out[:, r0:r0 + w.shape[0]])
+        return out if bias is None else out.add_(bias)
+
+    return linear
+
+
+def qgemv_variants() -> dict[str, QLinearFn]:
+    """Every build this CPU runs, by ISA (best first), as unchecked linear functions
+    ``(x, qtype, weight, bias, k) -> y``; empty when the kernel is unavailable."""
+    return {isa: _make_linear(fn) for isa, fn in _library()[1].items()}
+
+
+def unchecked_qgemv() -> QLinearFn | None:
+    """The best build's linear function for a model's hot path (the caller checked the
+    weight once at load), or ``None`` when the kernel is not available."""
+    return next(iter(qgemv_variants().values()), None)
+
+
+def qgemv_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [m, k] @ dequant(weight).T + bias`` in float32, checked.
+
+    ``weight`` is ``uint8 [n, k / 32 * block_bytes]`` in ggml type ``qtype`` (one of
+    :data:`QTYPES`' values) with unit stride along its bytes; ``x`` float32 CPU.
+    Raises ``ValueError`` for inputs it does not take and ``RuntimeError`` when the
+    kernel is unavailable.
+    """
+    fn = require_kernel(unchecked_qgemv(), "CPU quantized GEMV kernel",
+                        qgemv_unavailable_reason())
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"qgemv_linear: ggml type {qtype} is not one of "
+                         f"{', '.join(f'{k}={v}' for k, v in QTYPES.items())}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"qgemv_linear: x must be a float32 CPU [m, k], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    k = x.shape[1]
+    if k % BLOCK_SIZE:
+        raise ValueError(f"qgemv_linear: k={k} is not a multiple of {BLOCK_SIZE}")
+    row_bytes = k // BLOCK_SIZE * BLOCK_BYTES[qtype]
+    if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes
+            or weight.stride(1) != 1):
+        raise ValueError(f"qgemv_linear: weight must be uint8 [n, {row_bytes}] with unit "
+                         f"stride, got {weight.dtype} {tuple(weight.shape)}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1
+                             or bias.dtype != torch.float32):
+        raise ValueError(f"qgemv_linear: bias must be a contiguous float32 [{weight.shape[0]}]")
+    return fn(x, qtype, weight, bias, k)

@@ -1,0 +1,83 @@
+"""The ``gguf`` quantization method: a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept packed
+on the CPU and multiplied by lmkit's C kernels (:mod:`lmkit_kernels.cpu.qgemv`).
+
+Decode batches (at most 32 rows) quantize the activations per block to int8 and take
+integer block dot products, as llama.cpp does; larger batches dequantize the weights to
+float32 in tiles of rows and multiply with torch. Float tensors of the file (norms)
+load dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lmkit.api import (
+    ModelLoadError,
+    QuantizationMethod,
+    QuantizedLinear,
+    QuantizedTensor,
+)
+
+from lmkit_plugins.quantization.gguf_file import iterate_tensors, open_checked
+
+if TYPE_CHECKING:
+    from lmkit.api.model_facts import ModelFacts
+
+GGUF_NAME = "model.gguf"  # lmkit.loading.gguf.GGUF_NAME: the file kept beside a conversion
+
+
+class GGUFCpuMethod(QuantizationMethod):
+    """GGUF blocks on the CPU (see the module docstring)."""
+
+    def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
+        super().__init__(facts, options=options)
+        from lmkit_kernels.cpu.qgemv import QTYPES, qgemv_unavailable_reason, unchecked_qgemv
+
+        self._linear = unchecked_qgemv()
+        if self._linear is None:
+            raise ModelLoadError(
+                "the gguf quantization method needs lmkit's C quantized-GEMV kernel, which "
+                f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
+                "with --quantization none.")
+        self._qtypes = QTYPES
+        self._reader: Any = None
+
+    def check(self) -> None:
+        """Validate ``model.gguf`` of the model directory (see :func:`open_checked`)."""
+        self._reader = open_checked(Path(self.facts.model_dir) / GGUF_NAME)
+
+    def iterate_weights(self) -> Iterator[tuple[str, Any]]:
+        """The file's tensors under HF names (quantized ones packed)."""
+        if self._reader is None:
+            self.check()
+        yield from iterate_tensors(self._reader, self.facts.num_attention_heads, self.facts.num_key_value_heads)
+        self._reader = None  # drop the file mapping once every tensor is copied
+
+    def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:
+        """Rows of same-typed parts concatenated; ``None`` for mixed types."""
+        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        data = torch.cat([p.data for p in parts])
+        return QuantizedTensor(data, parts[0].qtype,
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
+        """``(x, bias) -> x @ W.T + bias`` over the packed blocks."""
+        kernel, qtype, data, k = self._linear, self._qtypes[weight.qtype], weight.data, weight.shape[1]
+        assert kernel is not None and data.dtype == torch.uint8 and data.is_contiguous()
+
+        def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return kernel(x, qtype, data, bias, k)
+
+        return forward
+
+    def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
+        """Float32 rows of ``weight`` (the C kernel)."""
+        from lmkit_kernels.cpu.qgemv import dequantize_rows
+
+        return dequantize_rows(self._qtypes[weight.qtype], weight.data, weight.shape[1], rows)

@@ -1,0 +1,134 @@
+"""Reading a Llama-family GGUF file's tensors for the ``gguf`` quantization method.
+
+:func:`open_checked` validates the whole file before any tensor is used: the header and
+tensor table must parse, every tensor's type must be one this method reads (quantized
+``Q8_0``/``Q4_0``/``Q4_1`` or dense ``F32``/``F16``), a quantized row must hold whole
+blocks (ggml's 32 weights), and every tensor's bytes must lie inside the file (a
+truncated download is caught here, not halfway through loading).
+:func:`iterate_tensors` then yields the tensors under Hugging Face names, with the
+row permutation llama.cpp's converter applies to the query and key projections undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lmkit.api import ModelLoadError, QuantizedTensor
+
+# ggml types this method reads: quantized ones kept packed, float ones dense
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
+DENSE = ("F32", "F16")
+ARCHITECTURES = ("llama",)  # GGUF general.architecture values whose names map below
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_IGNORED = ("rope_freqs.weight",)  # llama3 RoPE factors: lmkit computes them from config
+
+
+def _refuse(path: Path, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot run {path} with quantized weights: {what}. Re-download or re-export the "
+        "GGUF file, or run it dense with --quantization none.")
+
+
+def open_checked(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` after every check above.
+
+    :raises ModelLoadError: the file is missing, unparsable, truncated, of another
+        architecture, or holds a tensor type or shape this method does not read.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"{path} does not exist; the model directory keeps no GGUF file "
+                             "(use --quantization none).")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # ValueError (bad type, bad block shape), IndexError, ...
+        raise _refuse(path, f"its header or tensor table does not parse "
+                      f"({type(e).__name__}: {e})") from e
+    size = path.stat().st_size
+    arch = _string_field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise _refuse(path, f"architecture {arch!r} is not one this method maps to lmkit's "
+                      f"names ({', '.join(ARCHITECTURES)})")
+    readable = {*QUANTIZED, *DENSE}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        if qtype not in readable:
+            raise _refuse(path, f"tensor {t.name!r} has type {qtype}; the gguf method reads "
+                          f"{', '.join(sorted(readable))}")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        row = int(t.shape[0])
+        if row % block or t.n_bytes != t.n_elements // block * type_size:
+            raise _refuse(path, f"tensor {t.name!r} ({qtype}) has rows of {row} values, not "
+                          f"whole blocks of {block}")
+        if t.data_offset + t.n_bytes > size:
+            raise _refuse(path, f"the file is truncated: tensor {t.name!r} ends at byte "
+                          f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
+    return reader
+
+
+def _string_field(reader: Any, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``None`` for one lmkit does not use)."""
+    if gguf_name in _IGNORED:
+        return None
+    base, _, kind = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        mapped = _LAYER_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{layer}.{mapped}.{kind}"
+    mapped = _GLOBAL_NAMES.get(base)
+    return None if mapped is None else f"{mapped}.{kind}"
+
+
+def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's query/key permutation (its converter interleaves
+    the two rotary halves of each head; HF keeps them apart): ``hf = gguf[index]``."""
+    half = rows // num_heads // 2
+    return torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def iterate_tensors(reader: Any, num_heads: int, num_kv_heads: int
+                    ) -> Iterator[tuple[str, Any]]:
+    """``(hf_name, tensor)`` per tensor: quantized as :class:`QuantizedTensor`
+    (``uint8 [out, row_bytes]``), the others float32, q/k rows put in HF order (the
+    model's query and key/value head counts, from its ModelFacts)."""
+    from gguf import GGMLQuantizationType
+
+    heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        qtype = GGMLQuantizationType(t.tensor_type).name
+        data = torch.from_numpy(np.array(t.data))  # a copy: the file is not kept mapped
+        if qtype in DENSE:
+            data = data.float()
+        else:
+            data = data.reshape(-1, data.shape[-1])
+        for module, num_heads in heads.items():
+            if f".{module}." in name and data.dim() >= 1:
+                data = data[unpermute_rows(data.shape[0], num_heads)]
+        if qtype in QUANTIZED:
+            out, k = int(np.prod(t.shape[1:])), int(t.shape[0])
+            yield name, QuantizedTensor(data.contiguous(), qtype, (out, k))
+        else:
+            yield name, data.contiguous()

@@ -1,0 +1,135 @@
+"""The C quantized GEMV kernel (GGUF Q8_0 / Q4_0 / Q4_1 blocks) against torch references.
+
+The reference dequantizes the blocks with torch (:func:`reference_dequantize`, written
+from ggml's block layouts) and multiplies in float32. The kernel quantizes each row of
+``x`` per block of 32 to int8 (``xd = max|x| / 127``), so each activation is off by at
+most ``xd / 2`` and a block's product by at most ``sum |w| * xd / 2``: the tolerance
+below is that bound summed over the blocks of a row (plus float rounding), computed for
+each output from the data, not a loose constant.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from lmkit_kernels.cpu import qgemv  # noqa: E402
+from lmkit_kernels.cpu.qgemv import (  # noqa: E402
+    BLOCK_SIZE,
+    ISAS,
+    MAX_ROWS,
+    QTYPES,
+    dequantize_rows,
+    qgemv_isa,
+    qgemv_linear,
+    qgemv_unavailable_reason,
+    qgemv_variants,
+    random_blocks,
+    reference_dequantize,
+)
+
+
+@pytest.fixture(params=ISAS)
+def variant(request):
+    found = qgemv_variants()
+    if request.param not in found:
+        pytest.skip(f"this CPU does not run the {request.param} build "
+                    f"({qgemv_unavailable_reason() or 'not supported'})")
+    return found[request.param]
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-output bound of the activation-quantization error: for each block,
+    (max|x_block| / 127 / 2) * sum |w_block|, summed over blocks; plus float slack."""
+    m, k = x.shape
+    xd = x.abs().reshape(m, k // BLOCK_SIZE, BLOCK_SIZE).amax(-1) / 127 / 2  # [m, nb]
+    wsum = w.abs().reshape(w.shape[0], k // BLOCK_SIZE, BLOCK_SIZE).sum(-1)  # [n, nb]
+    return xd @ wsum.t() * 1.01 + 1e-4 * (x.abs() @ w.abs().t()) + 1e-5
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 96), (3, 21, 64), (5, 64, 576),
+                                   (MAX_ROWS, 17, 160), (7, 130, 1536)])
+def test_kernel_matches_torch_reference(variant, qname, m, n, k):
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = random_blocks(qtype, n, k, gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    wf = reference_dequantize(qtype, w, k)
+    bias = torch.randn(n, generator=gen)
+    out = variant(x, qtype, w, bias, k)
+    ref = x @ wf.t() + bias
+    assert ((out - ref).abs() <= _bound(x, wf)).all()
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_rows_do_not_depend_on_the_batch(variant, qname):
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(3)
+    w = random_blocks(qtype, 45, 128, gen)
+    x = torch.randn(9, 128, generator=gen)
+    whole = variant(x, qtype, w, None, 128)
+    for i in (0, 4, 8):
+        assert torch.equal(variant(x[i:i + 1], qtype, w, None, 128)[0], whole[i])
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_large_batches_take_the_float32_tile_path(qname):
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(5)
+    w = random_blocks(qtype, 50, 96, gen)
+    x = torch.randn(MAX_ROWS + 3, 96, generator=gen)
+    ref = x @ reference_dequantize(qtype, w, 96).t()
+    # dequantize + float32 matmul: no activation quantization, float32 rounding only
+    torch.testing.assert_close(qgemv_linear(x, qtype, w), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_tiles_cover_outputs_past_the_tile_size(monkeypatch):
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    monkeypatch.setattr(qgemv, "DEQUANT_TILE_ROWS", 16)
+    qtype = QTYPES["Q8_0"]
+    gen = torch.Generator().manual_seed(6)
+    w = random_blocks(qtype, 40, 64, gen)
+    x = torch.randn(MAX_ROWS + 1, 64, generator=gen)
+    b = torch.randn(40, generator=gen)
+    ref = x @ reference_dequantize(qtype, w, 64).t() + b
+    torch.testing.assert_close(qgemv_linear(x, qtype, w, b), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_dequantize_rows_matches_reference(qname):
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(7)
+    w = random_blocks(qtype, 33, 64, gen)
+    ref = reference_dequantize(qtype, w, 64)
+    assert torch.equal(dequantize_rows(qtype, w, 64), ref)
+    rows = torch.tensor([5, 0, 32, 5])
+    assert torch.equal(dequantize_rows(qtype, w, 64, rows), ref[rows])
+
+
+def test_reference_reads_known_blocks():
+    # one Q4_1 block: d = 0.5, m = -1, nibbles 0..15 then 15..0 -> w = 0.5 * q - 1
+    d_m = torch.tensor([0.5, -1.0], dtype=torch.float16).view(torch.uint8)
+    lo, hi = torch.arange(16, dtype=torch.uint8), torch.arange(15, -1, -1, dtype=torch.uint8)
+    block = torch.cat([d_m, lo | (hi << 4)]).reshape(1, 20)
+    want = torch.cat([lo, hi]).float() * 0.5 - 1
+    assert torch.equal(reference_dequantize(QTYPES["Q4_1"], block, 32)[0], want)
+
+
+def test_checked_entry_refuses_bad_inputs():
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    w = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="ggml type 7"):
+        qgemv_linear(torch.zeros(1, 32), 7, w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemv_linear(torch.zeros(1, 33), QTYPES["Q4_1"], w)
+    with pytest.raises(ValueError, match=r"uint8 \[n, 20\]"):
+        qgemv_linear(torch.zeros(1, 32), QTYPES["Q4_1"], torch.zeros(4, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="float32"):
+        qgemv_linear(torch.zeros(1, 32, dtype=torch.float64), QTYPES["Q4_1"], w)

@@ -64,7 +64,8 @@ class DenseEagle:
         q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(n, nh, hd)
         k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(n, nkv, hd)
         v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(n, nkv, hd)
-        inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+        theta = (c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta", 1e4)
+        inv = 1.0 / (float(theta) ** (torch.arange(0, hd, 2).float() / hd))
         ang = torch.arange(n).float()[:, None] * inv[None]
         cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
 

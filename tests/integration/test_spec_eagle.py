@@ -6,11 +6,10 @@ head computed densely over transformers' features of the real model."""
 from __future__ import annotations
 
 import pytest
+from dense_eagle import DenseEagle
 from lmkit import LLM, SamplingParams
 from lmkit.benchmarking.prompts import CHAT_PROMPTS
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
-
-from dense_eagle import DenseEagle
 
 pytestmark = pytest.mark.slow  # SmolLM2 engines, 5-10 s each
 

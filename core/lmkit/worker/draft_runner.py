@@ -148,13 +148,14 @@ class DraftRunner:
 
     # ------------------------------------------------------------------ one step
 
-    def propose(self, hidden: torch.Tensor, step: StepInputs, num_kept: np.ndarray,
+    def propose(self, features: torch.Tensor, step: StepInputs, num_kept: np.ndarray,
                 drafting: np.ndarray) -> dict[int, list[int]]:
         """Catch the head up on this step's kept positions and draft for the requests
         that sampled.
 
         Args:
-            hidden: the target's hidden states of the step, ``[>= num_tokens, hidden]``.
+            features: the step's target features, ``[>= num_tokens, width]``: its final
+                hidden states, or the inputs of the head's ``target_layers`` side by side.
             step: the step's packed inputs (request ``i`` is ``step.rows[i]``).
             num_kept: per request, how many of its scheduled positions were kept (the
                 leading ones: rejected drafts are the tail); 0 skips the request.
@@ -180,8 +181,8 @@ class DraftRunner:
         slots = step.slot_mapping.numpy()[keep]
         seq_lens = num_computed + kept
         tables = self._block_tables(rows, int(seq_lens.max()) + self.k)
-        features = hidden.index_select(0, self._put(keep))
-        out = self._run(input_ids, positions, slots, features, cu_kept, seq_lens, tables)
+        out = self._run(input_ids, positions, slots, features.index_select(0, self._put(keep)),
+                        cu_kept, seq_lens, tables)
 
         drafter = np.flatnonzero(drafting[sel])
         if not len(drafter):

@@ -293,3 +293,16 @@ def test_constrained_requests_get_drafts_trimmed_by_their_grammar(tiny, heads):
             stats = llm.stats()
         assert stats["spec_num_proposed_tokens"] > 0
         assert stats["grammar_drafts_trimmed"] > 0, stats
+
+
+def test_pooling_requests_beside_drafting(tiny, heads, baseline):
+    """Pooling requests (no next token at their last prompt position) on an engine with
+    a draft head: the head skips what it cannot pair, embeddings and outputs stay exact."""
+    with LLM(str(tiny), num_blocks=96, **COMMON) as llm:
+        want = llm.embed(["abcabc", "the cat"])
+    with LLM(str(tiny), speculative="eagle3", speculative_model=str(heads["eagle3"]),
+             num_blocks=96, **COMMON) as llm:
+        got = llm.embed(["abcabc", "the cat"])
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == baseline
+    for a, b in zip(want, got, strict=True):
+        assert a.data == pytest.approx(b.data, abs=1e-5)

@@ -68,6 +68,8 @@ def test_trained_head_drafts_well_and_training_resumes(tmp_path):
     again = train(str(tiny), out, max_steps=400, device="cpu", max_new_tokens=48, lr=3e-3,
                   save_every=100, progress=False)
     assert again["resumed_from"] == 100 and again["step"] == 400
+    with pytest.raises(ValueError, match="holds a training run for model"):
+        train("another-model", out, max_steps=500, device="cpu", progress=False)
     random_head = make_tiny_eagle3_head(tmp_path / "random", tiny, layer_ids=(1, 1, 0))
     params = SamplingParams(temperature=0.0, max_tokens=48)
     prompts = list(CHAT_PROMPTS[:6])  # the model's own answers: what the head learned

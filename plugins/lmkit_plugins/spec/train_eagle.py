@@ -273,10 +273,13 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
     if data_path.is_file():
         data = torch.load(data_path)
+        if data.get("model") != model:
+            raise ValueError(f"{out} holds a training run for model {data.get('model')!r}, "
+                             f"not {model!r}; use another --out directory")
     else:
         model_dir, sequences = generate_data(model, load_prompts(prompts), max_new_tokens,
                                              device)
-        data = {"model_dir": str(model_dir), "sequences": sequences}
+        data = {"model": model, "model_dir": str(model_dir), "sequences": sequences}
         torch.save(data, data_path)
     model_dir = Path(data["model_dir"])
     sequences = [s for s in data["sequences"] if len(s) >= 3]

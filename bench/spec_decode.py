@@ -1,7 +1,9 @@
-"""Speculative decoding (``--speculative ngram``) against plain decoding, side by side.
+"""Speculative decoding (``--speculative ngram``, or a draft head: ``--proposer eagle3
+--speculative-model DIR``) against plain decoding, side by side.
 
 For each workload and batch size, one process loads the same model twice, as a plain
-engine and as one with ``ngram`` prompt lookup, and times the same requests on each,
+engine and as one with the proposer (``ngram`` prompt lookup by default), and times the
+same requests on each,
 alternately, ``--repeats`` times (the first side alternates too), so both see the same
 machine load; the medians are reported. Greedy, EOS ignored, every output length fixed
 by the workload. Per row: output tokens/s of both sides, the speedup (and each pair's),
@@ -17,6 +19,7 @@ a time (``max_num_seqs=1``); batch B submits B requests at once::
 
     python bench/spec_decode.py --device cpu --dtype float32 --threads 1 --out spec.json
     python bench/spec_decode.py --device cuda --dtype bfloat16 --batches 1 32 256
+    python bench/spec_decode.py --proposer eagle3 --speculative-model ./head --workloads chat
 """
 
 from __future__ import annotations
@@ -45,24 +48,24 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
 
     if threads:
         torch.set_num_threads(threads)
-    engines = {"plain": LLM(model, **base_opts), "ngram": LLM(model, **spec_opts)}
+    engines = {"plain": LLM(model, **base_opts), "spec": LLM(model, **spec_opts)}
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in workload.output_lens]
-    times: dict[str, list[float]] = {"plain": [], "ngram": []}
+    times: dict[str, list[float]] = {"plain": [], "spec": []}
     tokens: dict[str, list[list[int]]] = {}
     for llm in engines.values():
         llm.generate([workload.prompts[0][:32]] * 2, warm)
-    graphs = _graph_runner(engines["ngram"])
+    graphs = _graph_runner(engines["spec"])
     replays_before = graphs.num_flattened_replays if graphs is not None else 0
-    before = engines["ngram"].stats()
+    before = engines["spec"].stats()
     for r in range(repeats):
-        for name in (("plain", "ngram") if r % 2 == 0 else ("ngram", "plain")):
+        for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
             t0 = time.perf_counter()
             outs = engines[name].generate(workload.prompts, params)
             times[name].append(time.perf_counter() - t0)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
-    after = engines["ngram"].stats()
+    after = engines["spec"].stats()
     graph_steps = graphs.num_flattened_replays - replays_before if graphs is not None else 0
     for llm in engines.values():
         llm.shutdown()
@@ -73,15 +76,15 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     produced = sum(map(len, tokens["plain"]))
     return {"output_tokens": produced,
             "plain_s": statistics.median(times["plain"]),
-            "ngram_s": statistics.median(times["ngram"]),
-            "pair_speedups": [b / s for b, s in zip(times["plain"], times["ngram"],
+            "spec_s": statistics.median(times["spec"]),
+            "pair_speedups": [b / s for b, s in zip(times["plain"], times["spec"],
                                                     strict=True)],
             "mean_accepted_length": 1 + spec.get("spec_num_accepted_tokens", 0) / verifications,
             "acceptance_rate": spec.get("spec_num_accepted_tokens", 0) / drafted,
             "acceptance_rate_per_position": [
                 after[f"spec_acceptance_rate_pos_{j}"] for j in range(64)
                 if f"spec_acceptance_rate_pos_{j}" in after],
-            "outputs_identical": tokens["plain"] == tokens["ngram"],
+            "outputs_identical": tokens["plain"] == tokens["spec"],
             "graph_verify_steps": graph_steps,
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
 
@@ -108,18 +111,21 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
                                  "max_num_seqs": batch}
     if args.device == "cuda":  # two engines share the GPU
         base_opts["gpu_memory_utilization"] = 0.4
-    spec_opts = {**base_opts, "speculative": "ngram",
+    spec_opts = {**base_opts, "speculative": args.proposer,
                  "num_speculative_tokens": args.spec_tokens,
-                 "speculative.disable_by_batch_size": args.disable_by_batch_size,
-                 "speculative.options": {"prompt_lookup_max": args.prompt_lookup_max,
-                                         "prompt_lookup_min": args.prompt_lookup_min}}
+                 "speculative.disable_by_batch_size": args.disable_by_batch_size}
+    if args.proposer == "ngram":
+        spec_opts["speculative.options"] = {"prompt_lookup_max": args.prompt_lookup_max,
+                                            "prompt_lookup_min": args.prompt_lookup_min}
+    else:  # a draft head
+        spec_opts["speculative.model"] = args.speculative_model
     print(f"[{kind} batch {batch}] {wl.describe()}", file=sys.stderr, flush=True)
     r = run_isolated(paired_side, model_dir, base_opts, spec_opts, wl, args.threads,
                      args.repeats)
-    row = {"workload": kind, "batch": batch, "num_requests": n, **r,
-           "base_tokens_per_s": r["output_tokens"] / r["plain_s"],
-           "spec_tokens_per_s": r["output_tokens"] / r["ngram_s"],
-           "speedup": r["plain_s"] / r["ngram_s"]}
+    row = {"workload": kind, "batch": batch, "num_requests": n, "proposer": args.proposer,
+           **r, "base_tokens_per_s": r["output_tokens"] / r["plain_s"],
+           "spec_tokens_per_s": r["output_tokens"] / r["spec_s"],
+           "speedup": r["plain_s"] / r["spec_s"]}
     print(format_row(row), file=sys.stderr, flush=True)
     return row
 
@@ -127,7 +133,7 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
 def format_row(r: dict[str, Any]) -> str:
     pairs = ", ".join(f"{x:.2f}" for x in r["pair_speedups"])
     return (f"{r['workload']:5s} batch {r['batch']:4d}  plain {r['base_tokens_per_s']:8.1f} tok/s"
-            f"  ngram {r['spec_tokens_per_s']:8.1f} tok/s  speedup {r['speedup']:5.2f}x"
+            f"  {r['proposer']} {r['spec_tokens_per_s']:8.1f} tok/s  speedup {r['speedup']:5.2f}x"
             f" (pairs: {pairs}; median {statistics.median(r['pair_speedups']):.2f}x)"
             f"  mean accepted length {r['mean_accepted_length']:4.2f}"
             f"  acceptance {r['acceptance_rate']:.2f}"
@@ -147,6 +153,9 @@ def main() -> None:
                     help="requests run one at a time in the batch-1 rows")
     ap.add_argument("--waves", type=int, default=1, help="requests per batch slot (batch > 1)")
     ap.add_argument("--chat-output-len", type=int, default=128)
+    ap.add_argument("--proposer", default="ngram", help="ngram, eagle or eagle3")
+    ap.add_argument("--speculative-model", default=None,
+                    help="the draft head directory (eagle, eagle3)")
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
@@ -157,6 +166,8 @@ def main() -> None:
                     help="timed runs of each side, alternating (the median is reported)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = ap.parse_args()
+    if args.proposer != "ngram" and not args.speculative_model:
+        ap.error(f"--proposer {args.proposer} needs --speculative-model DIR (its draft head)")
 
     from lmkit.config import DEFAULT_MODEL
     from lmkit.loading.resolve import resolve_model
@@ -170,6 +181,7 @@ def main() -> None:
     report = {"bench": "spec_decode", "model": args.model or DEFAULT_MODEL,
               "machine": {"platform": platform.platform(), "device": args.device,
                           "dtype": args.dtype, "threads": args.threads},
+              "proposer": args.proposer, "speculative_model": args.speculative_model,
               "spec_tokens": args.spec_tokens, "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,
               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows}

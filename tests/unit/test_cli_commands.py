@@ -101,13 +101,16 @@ def test_every_shared_flag_sets_its_setting() -> None:
 
 
 def test_old_flag_spellings_still_work_with_a_deprecation_message() -> None:
-    result = run("config", "show", "--json", "--attn", "a", "--spec", "sp", "--spec-tokens", "3")
+    result = run("config", "show", "--json", "--attn", "a", "--spec", "sp", "--spec-tokens", "3",
+                 "--spec-model", "/heads/h")
     assert result.exit_code == 0, result.output
     config = json.loads(result.stdout)["config"]
     assert (config["attention"]["backend"], config["speculative"]["backend"],
-            config["speculative"]["num_speculative_tokens"]) == ("a", "sp", 3)
+            config["speculative"]["num_speculative_tokens"],
+            config["speculative"]["model"]) == ("a", "sp", 3, "/heads/h")
     for old, new in (("--attn", "--attention"), ("--spec", "--speculative"),
-                     ("--spec-tokens", "--num-speculative-tokens")):
+                     ("--spec-tokens", "--num-speculative-tokens"),
+                     ("--spec-model", "--speculative-model")):
         assert f"warning: {old} is deprecated and will be removed; use {new} instead." \
             in result.stderr
     # the current spelling wins over the old one; the old ones are not in --help

@@ -58,7 +58,7 @@ def test_old_kind_name_is_a_deprecated_alias() -> None:
         assert registry.get("spec_proposer", "ngram").kind == "speculative"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert registry.names("speculative") == ["ngram"]
+        assert registry.names("speculative") == ["ngram", "eagle", "eagle3"]
     result = run("plugins", "show", "ngram", "--kind", "spec_proposer")
     assert result.exit_code == 0 and "use --kind speculative instead" in result.stderr
     result = run("plugins", "show", "ngram", "--kind", "speculativ")

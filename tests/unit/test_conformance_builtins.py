@@ -7,11 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.attention import check_attention_backend
+from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
 from lmkit.testing.executor import check_executor
 from lmkit.testing.offload import check_offload_manager
 from lmkit.testing.quantization import check_quantization_method
+from lmkit.testing.runner_proposer import check_runner_proposer
 from lmkit.testing.scheduler import check_scheduler
 from lmkit.testing.spec_decode import check_spec_proposer
 from lmkit.testing.structured_output import check_structured_output_backend
@@ -26,6 +29,8 @@ SUITES = {
     "offload": check_offload_manager,
     "quantization": check_quantization_method,
 }
+# runner-hosted proposers (draft heads) are checked with a random head made for the target
+HEAD_MAKERS = {"eagle": make_tiny_eagle_head, "eagle3": make_tiny_eagle3_head}
 # slow: executors that start worker processes (importing torch), and quantization
 # methods, which run on the default model (its GGUF file: a download, ~20 s)
 SLOW = {("executor", "mp"), ("executor", "ray")}
@@ -53,7 +58,12 @@ def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureR
     reg = HOST.registry.get(kind, name)
     if reg.spec.unavailable_reasons():
         pytest.skip(f"{name} cannot run here: {'; '.join(reg.spec.unavailable_reasons())}")
-    if kind in ("executor", "speculative"):
+    if kind == "speculative" and RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
+        model_dir = request.getfixturevalue("model_dir")
+        assert name in HEAD_MAKERS, f"no test head for the runner-hosted proposer {name!r}"
+        head = HEAD_MAKERS[name](model_dir.parent / f"head-{name}", model_dir)
+        results = check_runner_proposer(reg, model_dir=model_dir, head_dir=head)
+    elif kind in ("executor", "speculative"):
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
     elif kind == "quantization":
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("smollm2_dir"))

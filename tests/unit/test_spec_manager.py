@@ -117,14 +117,34 @@ def test_draft_distributions_follow_the_scheduled_drafts():
     assert m.draft_probs == {}  # handed over once
 
 
-def test_proposers_that_need_the_runner_are_refused_with_a_reason():
-    cfg = LMKitConfig.model_validate({"speculative": {"backend": "eagle"}})
+def test_runner_hosted_proposers_take_the_runner_drafts():
+    """A proposer declaring hidden_states is not built in the engine core: its drafts
+    come in the runner's output, and are kept only for requests that may speculate."""
+    cfg = LMKitConfig.model_validate({"speculative": {"backend": "eagle",
+                                                      "num_speculative_tokens": K}})
     spec = Spec(name="eagle", target=lambda: Recorder, caps=Caps({"hidden_states"}))
     stack = ResolvedStack("cpu", "float32", {"speculative": Registration(
         kind="speculative", spec=spec, plugin="test")}, {"speculative": None})
-    with pytest.raises(ConfigError, match="declares hidden_states"):
-        ProposerManager.from_stack(cfg, stack, 100)
+    m = ProposerManager.from_stack(cfg, stack, 100)
+    assert m is not None and m.proposer is None
     assert ProposerManager.from_stack(cfg, ResolvedStack("cpu", "float32"), 100) is None
+    a, b = decoding("a"), decoding("b", use_spec_decode=False)
+    for r in (a, b):
+        m.add_request(r)
+    m.after_step(SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 1}),
+                 ModelRunnerOutput(draft_token_ids={"a": [7, 8, 9, 10], "b": [1]}),
+                 [EngineCoreOutput("a", [3], None), EngineCoreOutput("b", [5], None)])
+    assert a.spec_token_ids == [7, 8, 9] and b.spec_token_ids == []  # k = 3; b opted out
+    with pytest.raises(PluginError, match="outside the model's vocabulary"):
+        m.after_step(SchedulerOutput(num_scheduled_tokens={"a": 1}),
+                     ModelRunnerOutput(draft_token_ids={"a": [100]}),
+                     [EngineCoreOutput("a", [3], None)])
+    for setting, message in [({"parallel": {"tensor_parallel_size": 2}},
+                               "not built yet for tensor parallelism"),
+                              ({"offload": {"backend": "cpu"}}, r"offload tier .*not built yet")]:
+        bad = LMKitConfig.model_validate({"speculative": {"backend": "eagle"}, **setting})
+        with pytest.raises(ConfigError, match=message):
+            ProposerManager.from_stack(bad, stack, 100)
 
 
 def test_counters_rates_and_per_position_acceptance():

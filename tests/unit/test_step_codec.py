@@ -99,7 +99,8 @@ def test_runner_output_round_trips():
                             logprobs=[[lp], []], prompt_logprobs={"a": [None, lp]},
                             num_draft_tokens={"a": 2}, num_accepted_tokens={"a": 1},
                             finished_kv_loads={4: True, 5: False},
-                            pooled={"e": [0.5, -1.0], "f": [[1.0], [2.0]]})
+                            pooled={"e": [0.5, -1.0], "f": [[1.0], [2.0]]},
+                            draft_token_ids={"a": [7, 8, 9]})
     back = runner_output_from_wire(_round_trip(runner_output_to_wire(out), RunnerOutputWire))
     assert back == out
 

@@ -38,7 +38,15 @@ from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler import PrefixTier, Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lmkit.api.source import ModelSource
-from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
+from lmkit.api.spec_decode import (
+    RUNNER_HOSTED_FEATURES,
+    DraftHeadContext,
+    Proposal,
+    Proposer,
+    ProposerInput,
+    RunnerProposer,
+    SpecProposer,
+)
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.errors import (
     ConfigError,
@@ -89,6 +97,10 @@ _LAZY = {
     "TorchSamplingKernels": "lmkit.sample.kernels",
     "default_cache_dir": "lmkit.loading.cache",
     "load_model_facts": "lmkit.loading.model_facts",
+    "iterate_weights": "lmkit.loading.weights",
+    "CHAT_PROMPTS": "lmkit.benchmarking.prompts",
+    "check_weight_files": "lmkit.loading.weights",
+    "load_hf_config": "lmkit.loading.weights",
     "fetch_pypi_model": "lmkit.loading.pypi",
     "convert_gguf_to_safetensors": "lmkit.loading.gguf",
 }
@@ -110,7 +122,8 @@ __all__ = [
     "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",
     "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
-    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "ProposerInput",
+    "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
+    "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedTensor",
     "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",

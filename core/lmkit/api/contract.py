@@ -22,7 +22,7 @@ from lmkit.api.quantization import QuantizationMethod
 from lmkit.api.sampling_kernels import SamplingKernels
 from lmkit.api.scheduler import Scheduler
 from lmkit.api.source import ModelSource
-from lmkit.api.spec_decode import SpecProposer
+from lmkit.api.spec_decode import Proposer
 from lmkit.api.structured_output import StructuredOutputBackend
 from lmkit.errors import PluginError
 
@@ -43,7 +43,7 @@ CONSTRUCTORS: dict[str, Constructor] = {c.kind: c for c in (
                 "cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device, "
                 "block_size, sliding_window, options[, causal])"),
     Constructor("executor", Executor, "cls(config, stack, *, options, host, facts)"),
-    Constructor("speculative", SpecProposer, "cls(config, *, options)"),
+    Constructor("speculative", Proposer, "cls(config, *, options)"),
     Constructor("structured_output", StructuredOutputBackend,
                 "cls(tokenizer, vocab_size, *, options)"),
     Constructor("offload", OffloadManager, "cls(config, kv_caches, *, options)"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmkit.api.pooling import ModelPooling
@@ -42,10 +42,19 @@ class ModelBuildContext:
 
 @dataclass
 class ForwardContext:
-    """Given to ``forward`` each step: the planned attention backend and the KV caches."""
+    """Given to ``forward`` each step: the planned attention backend and the KV caches.
+
+    ``aux_hidden_layers``: for a model that declares
+    :attr:`CausalLM.supports_draft_heads`, the layers whose *input* (the residual stream
+    entering layer ``i``: the embeddings for layer 0) the model appends to
+    ``aux_hidden_states``, ``[num_tokens, hidden]`` each, in this order. An EAGLE-3 draft
+    head reads three of them; empty (the default) asks for nothing.
+    """
 
     attn: AttentionBackend
     kv_caches: list[torch.Tensor]
+    aux_hidden_layers: tuple[int, ...] = ()
+    aux_hidden_states: list[torch.Tensor] = field(default_factory=list)
 
 
 class Model(ABC):
@@ -106,7 +115,24 @@ class Model(ABC):
 
 class CausalLM(Model):
     """A decoder-only language model: a :class:`Model` with a language-model head, so
-    it generates (and pools, by its declared :attr:`~Model.pooling`)."""
+    it generates (and pools, by its declared :attr:`~Model.pooling`).
+
+    A model that declares :attr:`supports_draft_heads` exposes its input embedding
+    (:meth:`embed_input_ids`), its final hidden states (those ``forward`` returns and
+    ``compute_logits`` reads) and the inputs of chosen layers
+    (:attr:`ForwardContext.aux_hidden_layers`) to draft heads (EAGLE, EAGLE-3:
+    :class:`~lmkit.api.RunnerProposer`).
+    """
+
+    #: the model implements :meth:`embed_input_ids` (draft heads may share it)
+    supports_draft_heads: ClassVar[bool] = False
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` token ids -> ``[n, hidden]`` input embeddings; only for models that
+        declare :attr:`supports_draft_heads`."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.embed_input_ids() called, but the model does not "
+            "declare supports_draft_heads; declare it and implement embed_input_ids()")
 
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,9 @@ class ModelRunnerOutput:
     # speculative decoding: number of draft tokens proposed / accepted per request
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # a runner-hosted proposer's drafts for the next step, per request that sampled
+    # (the engine keeps those of requests that may speculate)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV offload: loads (by the scheduler's transfer id) that finished, with success
     finished_kv_loads: dict[int, bool] = field(default_factory=dict)
     # pooling requests whose prompt finished this step -> pooled output (a list of

@@ -1,26 +1,32 @@
-"""The SpecProposer contract. Proposers only propose; the core verifies, so every
+"""The proposer contracts. Proposers only propose; the core verifies, so every
 proposer is lossless.
 
-Each engine step, after the sampled tokens are appended, the engine asks the proposer
-for up to ``k`` draft tokens per decoding request (:meth:`SpecProposer.propose`). The
-next step runs the target model once over every request's last token and its drafts;
-the core then accepts the longest prefix of drafts that verification allows (greedy:
-the drafts equal to the target's argmax; random: rejection sampling against the draft
-distribution) plus one token from the target, so the output distribution is exactly
-the target model's whatever the drafts were.
+Each engine step, after the sampled tokens are appended, the proposer drafts up to
+``k`` tokens per decoding request. The next step runs the target model once over every
+request's last token and its drafts; the core then accepts the longest prefix of drafts
+that verification allows (greedy: the drafts equal to the target's argmax; random:
+rejection sampling against the draft distribution) plus one token from the target, so
+the output distribution is exactly the target model's whatever the drafts were.
+
+A proposer plugin (kind ``speculative``) subclasses one of two interfaces, both built
+as ``cls(config, *, options)``:
+
+* :class:`SpecProposer` runs in the engine-core process on token ids alone
+  (:meth:`SpecProposer.propose` once per step), e.g. prompt lookup (``ngram``).
+* :class:`RunnerProposer` runs in the model runner, next to the target model: a draft
+  head (EAGLE) that reads the target's hidden states and keeps a paged KV cache of its
+  own, addressed through the target's block tables. The runner drafts with it on the
+  device right after the target's forward of the same step and returns the drafts in
+  :class:`~lmkit.api.ModelRunnerOutput`.
 
 What a proposer declares in its :class:`~lmkit.api.Spec` (as data, never as methods):
 
 * ``stack_needs={"attention": Needs({"multi_token_query"})}``: verification runs
   several query tokens per decoding request.
 * ``caps.features``: ``"hidden_states"`` if it consumes the target model's hidden
-  states (EAGLE-style heads), ``"own_kv_cache"`` if it keeps a KV cache of its own
-  (a draft model, in the same paged layout and block tables as the target);
+  states, ``"own_kv_cache"`` if it keeps a KV cache of its own: either makes it
+  runner-hosted (its class must subclass :class:`RunnerProposer`);
   ``caps.values={"max_k": {...}}`` the draft lengths it supports.
-
-Proposers that declare neither feature run in the engine-core process on token ids
-alone; the others need the model runner's device memory and are handed
-``hidden_states`` / ``block_ids`` in :class:`ProposerInput`.
 """
 
 from __future__ import annotations
@@ -28,10 +34,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from lmkit.api.attention import AttentionBackend
+    from lmkit.api.model import CausalLM, ForwardContext, ModelBuildContext
+
+#: ``caps.features`` that make a proposer runner-hosted (a :class:`RunnerProposer`)
+RUNNER_HOSTED_FEATURES = frozenset({"hidden_states", "own_kv_cache"})
 
 
 @dataclass
@@ -49,20 +61,12 @@ class ProposerInput:
             new since this proposer last saw the request (all of them the first time).
             Incremental proposers (suffix indexes, draft models catching their KV cache
             up) use it; ``None`` means unknown (treat every token as possibly new).
-        hidden_states: for proposers declaring ``"hidden_states"``: the target model's
-            final hidden states of the new tokens, ``[sum(num_new_tokens), hidden]`` in
-            request order; ``None`` otherwise.
-        block_ids: for proposers declaring ``"own_kv_cache"``: each request's KV block
-            table (its draft KV lives in the same slots of the proposer's own cache);
-            ``None`` otherwise.
     """
 
     req_ids: list[str]
     token_ids: Sequence[Sequence[int]]
     num_spec_tokens: int
     num_new_tokens: list[int] | None = None
-    hidden_states: torch.Tensor | None = None
-    block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -82,8 +86,20 @@ class Proposal:
     draft_probs: list[torch.Tensor | None] | None = None
 
 
-class SpecProposer(ABC):
-    """Proposes draft tokens for the target model to verify.
+class Proposer(ABC):  # noqa: B024 - the base of the two interfaces below
+    """What every proposer plugin class subclasses (through :class:`SpecProposer` or
+    :class:`RunnerProposer`)."""
+
+    def remove_requests(self, req_ids: set[str]) -> None:  # noqa: B027 - optional
+        """Forget per-request state of finished, aborted or preempted requests.
+
+        Ids never seen are ignored. A removed request may come back (a preempted one
+        resumes) and is then proposed for as if new.
+        """
+
+
+class SpecProposer(Proposer):
+    """Proposes draft tokens from token ids, in the engine-core process.
 
     Constructor (the one signature the engine uses): ``cls(config, *, options)``.
     ``config`` is the engine's :class:`~lmkit.api.LMKitConfig`
@@ -100,9 +116,84 @@ class SpecProposer(ABC):
         cheap: O(context) per request or better, no per-token Python.
         """
 
-    def remove_requests(self, req_ids: set[str]) -> None:  # noqa: B027 - optional
-        """Forget per-request state of finished, aborted or preempted requests.
 
-        Ids never seen are ignored. A removed request may come back (a preempted one
-        resumes) and is then proposed for as if new.
+@dataclass(frozen=True)
+class DraftHeadContext:
+    """What the model runner gives a :class:`RunnerProposer` to load it.
+
+    Attributes:
+        target: the loaded target model; a head that shares the target's input
+            embedding or language-model head calls its
+            :meth:`~lmkit.api.CausalLM.embed_input_ids` / ``compute_logits``.
+        target_hf_config: the target's ``config.json``.
+        build: dtype, device, block size and the attention backend class and options
+            the head builds its own attention backend with (its KV cache uses the
+            target's block size and block ids).
+    """
+
+    target: CausalLM
+    target_hf_config: Any
+    build: ModelBuildContext
+
+
+class RunnerProposer(Proposer):
+    """A draft head hosted in the model runner (EAGLE-style): it reads the target's
+    hidden states and keeps a paged KV cache of its own.
+
+    Constructor (the one signature the runner uses): ``cls(config, *, options)``;
+    ``config.speculative.model`` names the head's directory. The constructor reads the
+    head's configuration only (no weights) and raises
+    :class:`~lmkit.errors.ConfigError` when it is missing or unreadable.
+
+    The runner then calls :meth:`check_target` before any weights load,
+    :meth:`load` once the target is loaded, and allocates ``num_kv_layers`` KV caches
+    shaped by :attr:`attn` with the target's (same number of blocks, counted in the
+    memory profile). Each step, after the target's forward and verification, it runs
+    :meth:`forward` once over the positions the target computed and kept (their
+    features are the target's hidden states; the KV of rejected positions is
+    overwritten in a later step), then ``k - 1`` times over one position per request
+    (its features are the head's previous outputs), taking the argmax of
+    :meth:`compute_logits` as each draft: greedy drafts, which verification treats as
+    deterministic (one-hot), so outputs keep the target's distribution.
+    """
+
+    #: KV caches the head needs (its decoder layers); set by the constructor
+    num_kv_layers: int
+    #: the target layers whose inputs (the residual stream entering each) the head reads,
+    #: concatenated in this order, as its first pass's features (EAGLE-3); empty: the
+    #: target's final hidden states (EAGLE-1/2). Known after :meth:`check_target`.
+    target_layers: tuple[int, ...] = ()
+    #: its attention backend (set by :meth:`load`): shapes its KV caches, planned per step
+    attn: AttentionBackend
+
+    @abstractmethod
+    def check_target(self, target_hf_config: Any) -> None:
+        """Refuse a target the head does not fit, before any weights load.
+
+        Raises:
+            ConfigError: naming the mismatch (hidden size, vocabulary, ...).
         """
+
+    @abstractmethod
+    def load(self, ctx: DraftHeadContext) -> None:
+        """Build the head's modules and attention backend; load its weights.
+
+        Raises:
+            ModelLoadError: the checkpoint does not match the head's configuration.
+        """
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One draft pass over packed tokens (the planned :attr:`attn`, the head's KV
+        caches in ``ctx``).
+
+        ``input_ids[i]`` is the token *after* position ``positions[i]``,
+        ``hidden_states[i]`` the feature at that position: the target's hidden state
+        (``[n, target hidden]``) or this head's own previous output. Writes the head's
+        KV at the planned slots; returns its output features ``[n, hidden]``.
+        """
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` head outputs -> float32 logits over the target's vocabulary."""

@@ -79,6 +79,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_speculative_tokens", ("--num-speculative-tokens",),
          "speculative.num_speculative_tokens", int | None, "Draft tokens per step.",
          old="--spec-tokens"),
+    Flag("speculative_model", ("--speculative-model",), "speculative.model", str | None,
+         "Draft head directory of a model-based proposer (eagle).", old="--spec-model"),
     Flag("structured_output", ("--structured-output",), "structured_output.backend", str | None,
          "Structured-output (constrained decoding) backend, 'auto' or 'none'."),
     Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),

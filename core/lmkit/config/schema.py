@@ -125,6 +125,9 @@ class SpeculativeConfig(OptionalBackendSection):
     """Speculative decoding: the draft proposer plugin (off unless named) and k."""
 
     num_speculative_tokens: int = Field(4, gt=0, le=64, description="Draft tokens per step (k).")
+    model: str | None = Field(
+        None, description="Local directory of the draft head of a model-based proposer "
+        "(eagle): safetensors weights and an HF-style config.json.")
     disable_by_batch_size: int | None = Field(
         None, gt=0, description="Propose no drafts after a step that ran more than this many "
         "requests (large batches are compute-bound: verifying drafts may cost more than it "

@@ -50,6 +50,7 @@ SHORT_OPTIONS = {
     "data_parallel_size": "parallel.data_parallel_size",
     "speculative": "speculative.backend",
     "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "speculative_model": "speculative.model",
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
     "quantization": "quantization.backend",

@@ -107,12 +107,14 @@ def register_spec_proposers(register: Register) -> None:
     ``speculative``, selected by the config section and the ``--speculative`` flag of
     that name.
 
-    The loaded target is a subclass of :class:`lmkit.api.SpecProposer`, built as
-    ``cls(config, *, options)``. Verification is
-    done by the core, so a proposer only proposes. Declare what it needs of the rest of
-    the stack in ``stack_needs`` (usually ``{"attention": Needs({"multi_token_query"})}``)
-    and its own abilities in ``caps`` (``"hidden_states"`` if it consumes the target's
-    hidden states, ``"own_kv_cache"``, ``values={"max_k": ...}``).
+    The loaded target is a subclass of :class:`lmkit.api.SpecProposer` (token ids, run
+    in the engine core) or, for a proposer declaring ``"hidden_states"`` or
+    ``"own_kv_cache"`` in ``caps``, of :class:`lmkit.api.RunnerProposer` (a draft head
+    run in the model runner next to the target), built as ``cls(config, *, options)``.
+    Verification is done by the core, so a proposer only proposes. Declare what it
+    needs of the rest of the stack in ``stack_needs`` (usually ``{"attention":
+    Needs({"multi_token_query"})}``) and its own abilities in ``caps``
+    (``"hidden_states"``, ``"own_kv_cache"``, ``values={"max_k": ...}``).
 
     :param register: call ``register(Spec(...))`` once per proposer.
     """

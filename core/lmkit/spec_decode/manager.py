@@ -2,7 +2,9 @@
 
 After each step's :meth:`~lmkit.api.Scheduler.update_from_output`, :meth:`ProposerManager.
 after_step` collects the requests that got tokens and are still decoding, asks the
-proposer for up to ``k`` drafts each in one call, validates them and sets
+proposer for up to ``k`` drafts each in one call (a runner-hosted proposer, an EAGLE
+head, has already drafted in the model runner: its drafts arrive in
+``ModelRunnerOutput.draft_token_ids``), validates them and sets
 ``request.spec_token_ids``; the scheduler schedules them (with their KV slots) in the
 next step, the model runner verifies them, and the scheduler rolls back the rejected
 ones. Drafts are only ever a guess: verification keeps the output distribution the
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmkit.api.contract import build
 from lmkit.api.request import Request, RequestStatus
-from lmkit.api.spec_decode import Proposal, ProposerInput, SpecProposer
+from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, Proposal, ProposerInput, SpecProposer
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import ConfigError, PluginError
 from lmkit.spec_decode.stats import SpecDecodeStats
@@ -34,17 +36,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# features of proposers that must run next to the model (in the model runner)
-_RUNNER_HOSTED = ("hidden_states", "own_kv_cache")
-
-
 class ProposerManager(StepPhase):
     """Runs one :class:`~lmkit.api.SpecProposer` for the engine core, as a
     :class:`~lmkit.engine.phases.StepPhase`: :meth:`after_schedule` hands the runner
     the draft distributions, :meth:`after_model_output` sets the next drafts.
 
     Args:
-        proposer: the constructed proposer.
+        proposer: the constructed proposer; ``None`` for a runner-hosted one (its
+            drafts come in each step's ``ModelRunnerOutput.draft_token_ids``).
         name: its registered name (for error messages).
         num_speculative_tokens: ``k``.
         vocab_size: draft ids must lie in ``[0, vocab_size)``.
@@ -52,7 +51,7 @@ class ProposerManager(StepPhase):
             this (``speculative.disable_by_batch_size``); ``None``: always propose.
     """
 
-    def __init__(self, proposer: SpecProposer, name: str, num_speculative_tokens: int,
+    def __init__(self, proposer: SpecProposer | None, name: str, num_speculative_tokens: int,
                  vocab_size: int, disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
         self.name = name
@@ -71,22 +70,23 @@ class ProposerManager(StepPhase):
                    vocab_size: int) -> ProposerManager | None:
         """The manager for the stack's proposer, or ``None`` when speculation is off.
 
+        A runner-hosted proposer (``caps.features`` with ``"hidden_states"`` or
+        ``"own_kv_cache"``) is built by the model runner, not here.
+
         Raises:
-            ConfigError: the proposer needs the target's hidden states or a KV cache of
-                its own, which only a runner-hosted proposer can have.
+            ConfigError: a runner-hosted proposer with a feature it cannot work with yet
+                (tensor parallelism, a KV offload tier).
         """
         reg = stack.get("speculative")
         if reg is None:
             return None
-        hosted = sorted(set(_RUNNER_HOSTED) & reg.spec.caps.features)
+        hosted = sorted(RUNNER_HOSTED_FEATURES & reg.spec.caps.features)
+        proposer: SpecProposer | None = None
         if hosted:
-            raise ConfigError(
-                f"speculative proposer {reg.name!r} (plugin {reg.plugin}) declares "
-                f"{', '.join(hosted)}: it must run inside the model runner, but this engine "
-                "runs proposers in the engine core on token ids only. Use a token-based "
-                "proposer (e.g. --speculative ngram) or turn speculation off (--speculative none).")
-        proposer = build("speculative", reg.spec.load(), config,
-                         options=stack.options["speculative"], plugin=reg.origin)
+            _check_runner_hosted(config, reg.name)
+        else:
+            proposer = build("speculative", reg.spec.load(), config,
+                             options=stack.options["speculative"], plugin=reg.origin)
         k = config.speculative.num_speculative_tokens
         off_above = config.speculative.disable_by_batch_size
         logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,
@@ -107,7 +107,8 @@ class ProposerManager(StepPhase):
         for rid in ids:
             del self.requests[rid]
             self._reset(rid)
-        self.proposer.remove_requests(ids)
+        if self.proposer is not None:
+            self.proposer.remove_requests(ids)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Forget aborted requests (:meth:`remove_requests`)."""
@@ -168,7 +169,8 @@ class ProposerManager(StepPhase):
         if preempted:  # their KV is gone: a proposer's per-request state must go too
             for rid in preempted:
                 self._reset(rid)
-            self.proposer.remove_requests(set(preempted))
+            if self.proposer is not None:
+                self.proposer.remove_requests(set(preempted))
         batch = [r for o in outputs if o.new_token_ids
                  and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r)]
         if not batch:
@@ -177,7 +179,25 @@ class ProposerManager(StepPhase):
         if limit is not None and len(scheduler_output.num_scheduled_tokens) > limit:
             self.num_steps_off += 1  # the next step decodes plainly (the proposer
             return  # catches up on the skipped tokens at its next call: num_new_tokens)
-        self.propose(batch)
+        if self.proposer is None:
+            self.take_runner_drafts(batch, runner_output.draft_token_ids)
+        else:
+            self.propose(batch)
+
+    def take_runner_drafts(self, requests: list[Request],
+                           drafts: dict[str, list[int]]) -> None:
+        """Set the drafts a runner-hosted proposer made this step on ``requests``.
+
+        Raises:
+            PluginError: the proposer drafted ids outside the vocabulary.
+        """
+        ids = [r.request_id for r in requests]
+        proposal = Proposal([drafts.get(rid, []) for rid in ids])
+        num_proposed = 0
+        for request, draft in zip(requests, self._validate(proposal, ids), strict=True):
+            request.spec_token_ids = draft
+            num_proposed += len(draft)
+        self.spec_stats.record_proposals(num_proposed)
 
     def propose(self, requests: list[Request]) -> None:
         """Ask the proposer for drafts for ``requests`` and set their ``spec_token_ids``.
@@ -185,6 +205,7 @@ class ProposerManager(StepPhase):
         Raises:
             PluginError: the proposer returned malformed drafts.
         """
+        assert self.proposer is not None, "a runner-hosted proposer drafts in the runner"
         ids = [r.request_id for r in requests]
         tokens = [r.all_token_ids for r in requests]
         num_new = [len(t) - self.num_seen.get(rid, 0) for rid, t in zip(ids, tokens, strict=True)]
@@ -227,3 +248,19 @@ class ProposerManager(StepPhase):
         out["spec_propose_time_s"] = self.propose_time_s
         out["spec_num_steps_off"] = self.num_steps_off
         return out
+
+
+def _check_runner_hosted(config: LMKitConfig, name: str) -> None:
+    """Refuse what a runner-hosted proposer does not work with yet, before any model
+    loads."""
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"speculative proposer {name!r} runs a draft head in the model runner, which is "
+            "not built yet for tensor parallelism (parallel.tensor_parallel_size = "
+            f"{config.parallel.tensor_parallel_size}); use --tp 1, or a token-based proposer "
+            "(--speculative ngram).")
+    if config.offload.backend != "none":
+        raise ConfigError(
+            f"speculative proposer {name!r} keeps a draft KV cache next to the target's, and "
+            f"the KV offload tier ({config.offload.backend!r}) does not carry it yet (not "
+            "built yet); turn offload off (--offload none) or use --speculative ngram.")

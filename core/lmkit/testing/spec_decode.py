@@ -242,8 +242,15 @@ def check_spec_proposer(proposer: Any, options: Any = None, model_dir: str | Pat
     SpecProposer subclass). ``model_dir`` enables the end-to-end property.
 
     :raises ConformanceFailure: naming the first failing property and its batch.
+    :raises TypeError: ``proposer`` is runner-hosted (a draft head): use
+        :func:`lmkit.testing.runner_proposer.check_runner_proposer`.
     """
+    from lmkit.api.spec_decode import RunnerProposer
+
     t = resolve_target(proposer, options)
+    if isinstance(t.cls, type) and issubclass(t.cls, RunnerProposer):
+        raise TypeError(f"{t.name} is a runner-hosted proposer (lmkit.api.RunnerProposer); "
+                        "check it with lmkit.testing.runner_proposer.check_runner_proposer")
     return run_checks(_checks(t, model_dir), set(only) if only is not None else None)
 
 

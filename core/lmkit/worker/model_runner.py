@@ -24,6 +24,7 @@ from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.quantization import QuantizationMethod
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.api.spec_decode import DraftHeadContext
 from lmkit.errors import ModelLoadError
 from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
@@ -36,6 +37,7 @@ from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprob
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
+from lmkit.worker.draft_runner import DraftRunner, build_draft_proposer, kept_positions
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
@@ -100,6 +102,7 @@ class ModelRunner:
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
+        self.drafter: DraftRunner | None = None  # a runner-hosted proposer (EAGLE head)
         # KV slots per request the scheduler reserves so decode steps can launch ahead
         self.num_lookahead_slots = decode_lookahead_slots(config, stack)
 
@@ -130,6 +133,9 @@ class ModelRunner:
                 f"quantized weights ({type(quant).__name__}) cannot be split over "
                 f"{self.tp_size} ranks yet (quantized layers are not sharded); use --tp 1, "
                 "or --quantization none to run the dense weights split.")
+        # a draft head is checked against the target before any weights load
+        head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
+                                    hf_config)
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir) if quant is None
                            else quant.iterate_weights())
@@ -146,6 +152,11 @@ class ModelRunner:
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
+        if head is not None:
+            self.drafter = DraftRunner.load(
+                head, DraftHeadContext(model, hf_config, ctx),
+                self.config.speculative.num_speculative_tokens, self.input_batch,
+                self.max_model_len)
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
@@ -169,8 +180,9 @@ class ModelRunner:
         return method
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across all layers."""
-        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype)
+        """Bytes of one KV block across all layers (and the draft head's, if any)."""
+        head = self.drafter.kv_bytes_per_block(self.dtype) if self.drafter is not None else 0
+        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype) + head
 
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
@@ -188,6 +200,8 @@ class ModelRunner:
         self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
                                                    self.dtype, self.device)
         self.num_blocks = num_blocks
+        if self.drafter is not None:  # the head's KV: same blocks, its own tensors
+            self.drafter.allocate(num_blocks, self.dtype)
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
                                             self.model.attn)
         if self.device.type == "cuda":
@@ -196,7 +210,8 @@ class ModelRunner:
                                          self.device, self.max_model_len)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
-        if self.facts.generates:  # a pooling-only model never decodes
+        # a pooling-only model never decodes; a draft head drafts after every forward
+        if self.facts.generates and self.drafter is None:
             self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
                                                    self.input_batch, self.requests,
                                                    self.max_model_len)
@@ -243,8 +258,11 @@ class ModelRunner:
                 ahead.finished_kv_loads = self._finished_kv_loads()
                 return ahead
         order, step = self._prepare_step(so)
+        # a draft head that reads chosen target layers (EAGLE-3) gets their inputs here
+        aux: list[torch.Tensor] | None = (
+            [] if self.drafter is not None and self.drafter.proposer.target_layers else None)
         with torch.inference_mode():
-            hidden = self._forward(step, self.kv_caches)
+            hidden = self._forward(step, self.kv_caches, aux)
             if self.offload is not None:  # write-through stores read what the forward wrote
                 self.offload.after_forward(so.kv_transfers)
             plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
@@ -257,6 +275,13 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(hidden, order, step)
         out = self._commit(order, plan, verified, prompt_logprobs)
         out.pooled = pooled
+        if self.drafter is not None:  # the head drafts the next step's tokens, now
+            with torch.inference_mode():
+                features = hidden if aux is None else torch.cat(aux, dim=-1)
+                drafts = self.drafter.propose(features, step, *kept_positions(
+                    order, step, plan, verified.num_accepted, self.requests,
+                    self.config.speculative.disable_by_batch_size))
+            out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
         out.finished_kv_loads = self._finished_kv_loads()
@@ -325,10 +350,14 @@ class ModelRunner:
             self._device_inputs.wait_for_copies()  # the host buffers are about to change
         return order, batch.prepare(rows, num_scheduled, len(decodes))
 
-    def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``."""
+    def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor],
+                 aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``.
+        With ``aux``, the inputs of the draft head's target layers are appended to it
+        (an eager forward: captured graphs do not return them)."""
         graphs = self.cuda_graphs
-        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+        if (graphs is not None and kv_caches is self.kv_caches and aux is None
+                and graphs.can_replay(step)):
             return graphs.replay(step)  # pure decode: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         seq_lens = step.seq_lens.numpy()
@@ -341,7 +370,13 @@ class ModelRunner:
             num_decodes=step.num_decodes)
         attn = self.model.attn
         attn.plan(md)
-        return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
+        if aux is None:
+            return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
+        assert self.drafter is not None
+        ctx = ForwardContext(attn, kv_caches, self.drafter.proposer.target_layers)
+        hidden = self.model(dev.input_ids, dev.positions, ctx)
+        aux.extend(ctx.aux_hidden_states)
+        return hidden
 
     # ------------------------------------------------------------------ sampling
 

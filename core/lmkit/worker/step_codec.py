@@ -121,13 +121,15 @@ class RunnerOutputWire(msgspec.Struct, array_like=True, frozen=True):
     num_accepted_tokens: dict[str, int]
     finished_kv_loads: dict[int, bool]
     pooled: dict[str, Any] | None = None
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 def runner_output_to_wire(out: ModelRunnerOutput) -> RunnerOutputWire:
     """The wire form of one step's result."""
     return RunnerOutputWire(list(out.req_ids), [list(t) for t in out.sampled_token_ids],
                             out.logprobs, out.prompt_logprobs, out.num_draft_tokens,
-                            out.num_accepted_tokens, out.finished_kv_loads, out.pooled)
+                            out.num_accepted_tokens, out.finished_kv_loads, out.pooled,
+                            out.draft_token_ids)
 
 
 def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
@@ -136,4 +138,4 @@ def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
         req_ids=w.req_ids, sampled_token_ids=w.sampled_token_ids, logprobs=w.logprobs,
         prompt_logprobs=w.prompt_logprobs, num_draft_tokens=w.num_draft_tokens,
         num_accepted_tokens=w.num_accepted_tokens, finished_kv_loads=w.finished_kv_loads,
-        pooled=w.pooled)
+        pooled=w.pooled, draft_token_ids=w.draft_token_ids)

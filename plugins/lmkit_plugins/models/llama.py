@@ -325,9 +325,14 @@ class LlamaStack(nn.Module, Model):
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
+        aux = ctx.aux_hidden_layers
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            if aux and i in aux:  # a draft head reads the stream entering layer i
+                taps[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
                                              ctx.kv_caches[i], kv_slots)
+        ctx.aux_hidden_states.extend(taps[i] for i in aux)
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 
@@ -438,7 +443,14 @@ def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 1
 
 class LlamaForCausalLM(LlamaStack, CausalLM):
     """A Llama-family causal LM over packed tokens. As an embedder (Qwen3-Embedding
-    style) it pools the last token's hidden state (the default pooling)."""
+    style) it pools the last token's hidden state (the default pooling). Draft heads
+    (EAGLE) share its input embedding and read its final (normed) hidden states."""
+
+    supports_draft_heads = True
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` -> ``[n, hidden]``: the input embedding (all ranks' rows)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""

@@ -1,11 +1,13 @@
-"""Built-in speculative-decoding proposers: ``ngram`` (prompt lookup).
+"""Built-in speculative-decoding proposers: ``ngram`` (prompt lookup), ``eagle`` and
+``eagle3`` (EAGLE-1/2 and EAGLE-3 draft heads, run in the model runner: ``--speculative
+eagle --speculative-model DIR``).
 
 Speculation is off unless named: ``--speculative ngram --num-speculative-tokens K``, or in a config file
 ``speculative: {backend: ngram, num_speculative_tokens: 4, options: {prompt_lookup_max: 4,
 prompt_lookup_min: 3}}``.
 """
 
-from lmkit.api import Caps, Needs, Spec, hookimpl
+from lmkit.api import Caps, Needs, NoOptions, Spec, hookimpl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
@@ -41,3 +43,28 @@ def register_spec_proposers(register):
         description="Prompt lookup: drafts what followed the latest earlier match of the "
                     "last n tokens (CPU, no draft model).",
     ))
+    register(Spec(
+        name="eagle", target="lmkit_plugins.spec.eagle:EagleProposer", priority=5,
+        options=NoOptions,
+        caps=Caps(features={"hidden_states", "own_kv_cache"},
+                  values={"max_k": set(range(1, 65))}),
+        stack_needs={"attention": Needs({"multi_token_query"})},
+        description="EAGLE-1/2 draft head (speculative.model): drafts on the device in the "
+                    "model runner from the target's hidden states.",
+    ))
+    register(Spec(
+        name="eagle3", target="lmkit_plugins.spec.eagle3:Eagle3Proposer", priority=5,
+        options=NoOptions,
+        caps=Caps(features={"hidden_states", "own_kv_cache"},
+                  values={"max_k": set(range(1, 65))}),
+        stack_needs={"attention": Needs({"multi_token_query"})},
+        description="EAGLE-3 draft head (speculative.model): fuses three target layers, "
+                    "drafts over its own vocabulary (d2t) in the model runner.",
+    ))
+
+
+@hookimpl
+def register_commands(app):
+    from lmkit_plugins.spec.cli import register
+
+    register(app)

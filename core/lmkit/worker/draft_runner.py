@@ -1,0 +1,244 @@
+"""Runner-hosted drafting: a draft head (EAGLE) next to the target model.
+
+The head (a :class:`~lmkit.api.RunnerProposer`) keeps a paged KV cache of its own,
+allocated with the target's (same number of blocks, same block ids, counted in the
+memory profile) and addressed through the target's block tables: the head's KV of
+position ``p`` lives in the slot of the target's KV of ``p``. Each step, right after the
+target's forward and verification (:meth:`DraftRunner.propose`):
+
+1. **Catch up**: one head pass over every position the target computed and kept this
+   step (prefill chunks, the last token, accepted drafts), each paired with the token
+   after it and the target's hidden state there. Rejected positions are skipped; the
+   head's KV there (and at the draft positions of the previous step) is overwritten
+   when the target computes those positions again, before anything reads it.
+2. **Draft**: for each request that sampled, the argmax of the head's logits at its
+   last kept position is draft 1; then ``k - 1`` passes of one position per request
+   feed the previous draft and the head's own output back in. Drafts stay on the
+   device between passes; one device-to-host copy returns them all.
+
+Everything planned here is known on the host before the passes run (the accepted
+counts were read with the sampled tokens), so the passes add no host round trip.
+Draft positions stop at the request's allocated blocks (the scheduler reserves ``k``
+lookahead slots) and at ``max_model_len``.
+
+Prefix caching: a request that starts on cached blocks reuses the head KV that the
+request which computed those blocks wrote there (the head runs for every computed
+position, so a cached block's head KV is that of the same tokens; only its last slot
+was paired with the next token of that request, which may differ). The drafts may then
+be a little worse for that request; verification keeps outputs exact either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lmkit.api.attention import AttentionMetadata
+from lmkit.api.contract import build
+from lmkit.api.model import CausalLM, ForwardContext
+from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
+from lmkit.errors import ConfigError, PluginError
+from lmkit.worker import memory
+
+if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+
+
+def build_draft_proposer(config: LMKitConfig, stack: ResolvedStack, model_cls: type,
+                         architecture: str, target_hf_config: Any) -> RunnerProposer | None:
+    """The stack's runner-hosted proposer, built and checked against the target before
+    any weights load; ``None`` when speculation is off or token-based.
+
+    Raises:
+        ConfigError: the target cannot host a draft head, or the head does not fit it.
+        PluginError: the plugin declares runner-hosted features but its class is not a
+            :class:`~lmkit.api.RunnerProposer`.
+    """
+    reg = stack.get("speculative")
+    if reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
+        return None
+    if not (issubclass(model_cls, CausalLM) and model_cls.supports_draft_heads):
+        raise ConfigError(
+            f"speculative proposer {reg.name!r} reads the target's hidden states and input "
+            f"embedding, but the model plugin of architecture {architecture} does not declare "
+            "supports_draft_heads; use a token-based proposer (--speculative ngram).")
+    proposer = build("speculative", reg.spec.load(), config,
+                     options=stack.options["speculative"], plugin=reg.origin)
+    if not isinstance(proposer, RunnerProposer):
+        raise PluginError(
+            f"speculative proposer {reg.name!r} (plugin {reg.origin}) declares "
+            f"{', '.join(sorted(RUNNER_HOSTED_FEATURES & reg.spec.caps.features))} but its "
+            f"class {type(proposer).__qualname__} does not subclass lmkit.api.RunnerProposer; "
+            "runner-hosted proposers must (see docs/speculative-decoding.md).")
+    proposer.check_target(target_hf_config)
+    return proposer
+
+
+def kept_positions(order: Sequence[str], step: StepInputs,
+                   plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
+                   requests: Mapping[str, CachedRequestState],
+                   disable_by_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per step request (after the step's tokens are committed): how many of its
+    scheduled positions the head catches up on, and whether it drafts.
+
+    Kept: the scheduled positions minus the rejected drafts, and only those whose next
+    token is known (a pooling request's last prompt position has none). Drafting: the
+    request sampled this step and does not opt out of speculation, and the step ran at
+    most ``disable_by_batch_size`` requests (the engine proposes nothing after larger
+    steps, so the draft passes are skipped; the head still catches up).
+
+    Args:
+        plan: the runner's sampling plan, ``(step index, first hidden row, drafts)``.
+        num_accepted: per plan entry, drafts accepted.
+    """
+    kept = step.num_scheduled.copy()
+    drafting = np.zeros(len(order), dtype=bool)
+    draft = disable_by_batch_size is None or len(order) <= disable_by_batch_size
+    for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
+        kept[i] -= len(drafts) - accepted
+        drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
+    num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
+                             count=len(order))
+    return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting
+
+
+class DraftRunner:
+    """Runs a loaded :class:`~lmkit.api.RunnerProposer` for the model runner.
+
+    Args:
+        proposer: the head, loaded (:meth:`~lmkit.api.RunnerProposer.load`).
+        num_speculative_tokens: ``k``.
+        input_batch: the runner's persistent batch (tokens, block tables).
+        max_model_len: no draft position reaches it.
+        device: where the head runs.
+    """
+
+    def __init__(self, proposer: RunnerProposer, num_speculative_tokens: int,
+                 input_batch: InputBatch, max_model_len: int, device: torch.device) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.input_batch = input_batch
+        self.block_size = input_batch.block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = []
+
+    @classmethod
+    def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
+             input_batch: InputBatch, max_model_len: int) -> DraftRunner:
+        """Load ``proposer``'s weights next to the loaded target; return its runner."""
+        proposer.load(ctx)
+        return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
+                   torch.device(ctx.build.device))
+
+    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+        """Bytes one block of the head's KV cache takes (all its layers)."""
+        return memory.kv_bytes_per_block(self.proposer.attn, self.proposer.num_kv_layers, dtype)
+
+    def allocate(self, num_blocks: int, dtype: torch.dtype) -> None:
+        """Allocate the head's KV caches: ``num_blocks`` blocks, as many as the target's."""
+        self.kv_caches = memory.allocate_kv_caches(self.proposer.attn,
+                                                   self.proposer.num_kv_layers, num_blocks,
+                                                   dtype, self.device)
+
+    # ------------------------------------------------------------------ one step
+
+    def propose(self, features: torch.Tensor, step: StepInputs, num_kept: np.ndarray,
+                drafting: np.ndarray) -> dict[int, list[int]]:
+        """Catch the head up on this step's kept positions and draft for the requests
+        that sampled.
+
+        Args:
+            features: the step's target features, ``[>= num_tokens, width]``: its final
+                hidden states, or the inputs of the head's ``target_layers`` side by side.
+            step: the step's packed inputs (request ``i`` is ``step.rows[i]``).
+            num_kept: per request, how many of its scheduled positions were kept (the
+                leading ones: rejected drafts are the tail); 0 skips the request.
+            drafting: per request, whether to draft for it (it sampled and may speculate).
+
+        Returns:
+            step index -> up to ``k`` draft token ids, for the drafting requests.
+        """
+        sel = np.flatnonzero(num_kept > 0)
+        if not len(sel):
+            return {}
+        kept = num_kept[sel]
+        rows = step.rows[sel]
+        num_computed = step.num_computed[sel]
+        starts = (step.cu_num_tokens - step.num_scheduled)[sel]
+        cu_kept = np.cumsum(kept)
+        # hidden rows kept: [start, start + kept) of each selected request
+        offsets = np.arange(int(cu_kept[-1]), dtype=np.int64) - np.repeat(cu_kept - kept, kept)
+        keep = np.repeat(starts, kept) + offsets
+        positions = np.repeat(num_computed, kept) + offsets
+        token_rows = np.repeat(rows, kept)
+        input_ids = self.input_batch.token_ids[token_rows, positions + 1]  # the token after
+        slots = step.slot_mapping.numpy()[keep]
+        seq_lens = num_computed + kept
+        tables = self._block_tables(rows, int(seq_lens.max()) + self.k)
+        out = self._run(input_ids, positions, slots, features.index_select(0, self._put(keep)),
+                        cu_kept, seq_lens, tables)
+
+        drafter = np.flatnonzero(drafting[sel])
+        if not len(drafter):
+            return {}
+        last = seq_lens[drafter] - 1  # each drafting request's last kept position
+        capacity = np.minimum(self.input_batch.num_blocks[rows[drafter]] * self.block_size,
+                              self.max_model_len)
+        num_drafts = np.minimum(self.k, capacity - last)  # draft j writes position last + j
+        feat = out.index_select(0, self._put(cu_kept[drafter] - 1))
+        drafts = torch.zeros(len(drafter), self.k, dtype=torch.int64, device=self.device)
+        drafts[:, 0] = self.proposer.compute_logits(feat).argmax(dim=-1)
+        draft_tables = tables[self._put(drafter)]
+        for j in range(1, self.k):
+            act = np.flatnonzero(num_drafts > j)
+            if not len(act):
+                break
+            act_t = self._put(act)
+            pos = last[act] + j
+            table_rows = self.input_batch.block_table[rows[drafter[act]], pos // self.block_size]
+            slots = table_rows * self.block_size + pos % self.block_size
+            ones = np.ones(len(act), dtype=np.int64)
+            h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
+                          np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
+            feat[act_t] = h
+            drafts[act_t, j] = self.proposer.compute_logits(h).argmax(dim=-1)
+        host = drafts.cpu().tolist()  # the one device-to-host copy of the drafts
+        return {int(sel[d]): host[n][:int(num_drafts[n])] for n, d in enumerate(drafter)}
+
+    def _run(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
+             slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,
+             seq_lens: np.ndarray, tables: torch.Tensor) -> torch.Tensor:
+        """Plan the head's attention for one pass and run it; returns its features."""
+        qsl = np.zeros(len(cu_query) + 1, dtype=np.int32)
+        qsl[1:] = cu_query
+        query_lens = np.diff(qsl)
+        qsl_cpu = torch.from_numpy(qsl)
+        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        md = AttentionMetadata(
+            num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]),
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=qsl_cpu.to(self.device), seq_lens=seq_cpu.to(self.device),
+            block_tables=tables, slot_mapping=self._put(slots),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
+            num_decodes=int(np.argmax(query_lens != 1)) if (query_lens != 1).any()
+            else len(query_lens))
+        self.proposer.attn.plan(md)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else self._put(input_ids)
+        return self.proposer.forward(ids, self._put(positions), features,
+                                     ForwardContext(self.proposer.attn, self.kv_caches))
+
+    def _block_tables(self, rows: np.ndarray, max_len: int) -> torch.Tensor:
+        """The rows' block tables, wide enough for positions below ``max_len``."""
+        table = self.input_batch.block_table
+        width = min(table.shape[1], -(-max_len // self.block_size))
+        return self._put(table[rows, :width], torch.int32)
+
+    def _put(self, array: np.ndarray | Sequence[int],
+             dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array)).to(self.device, dtype)

@@ -1,0 +1,71 @@
+"""``lmkit spec``: commands about speculative decoding (``train-eagle``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+
+def register(app: Any) -> None:
+    """Add the ``spec`` command group to the root app."""
+    import typer
+
+    spec = typer.Typer(help="Speculative decoding: make draft heads.", no_args_is_help=True)
+    spec.command("train-eagle")(train_eagle)
+    app.add_typer(spec, name="spec")
+
+
+def train_eagle(
+    model: Annotated[str, _arg("Target model: alias, local directory or hub id.")],
+    out: Annotated[Path, _opt("--out", "Directory of the head (created; resumed when it "
+                              "holds a run).")],
+    max_steps: Annotated[int, _opt("--max-steps", "Optimizer steps in all.")] = 1000,
+    device: Annotated[str, _opt("--device", "cpu or cuda (default: cuda when present).")] = "",
+    prompts: Annotated[Path | None, _opt("--prompts", "JSONL prompt set, one {\"prompt\": "
+                                         "...} per line (default: lmkit bench's chat prompts).")
+                       ] = None,
+    max_new_tokens: Annotated[int, _opt("--max-new-tokens", "Answer length per prompt.")] = 128,
+    draft_vocab_size: Annotated[int, _opt("--draft-vocab-size", "Draft vocabulary size.")] = 32000,
+    batch_size: Annotated[int, _opt("--batch-size", "Sequences per step.")] = 4,
+    lr: Annotated[float, _opt("--lr", "AdamW learning rate.")] = 3e-4,
+    save_every: Annotated[int, _opt("--save-every", "Checkpoint every N steps.")] = 100,
+    seed: Annotated[int, _opt("--seed", "Seed of the sequence sampling.")] = 0,
+) -> None:
+    """Train an EAGLE-3 head for MODEL from its own generations (self-distillation);
+    use it with --speculative eagle3 --speculative-model OUT."""
+    import torch
+    from lmkit.api import ConfigError
+
+    from lmkit_plugins.spec.train_eagle import train
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    for name, value in (("--max-steps", max_steps), ("--batch-size", batch_size),
+                        ("--save-every", save_every), ("--max-new-tokens", max_new_tokens),
+                        ("--draft-vocab-size", draft_vocab_size)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1 (got {value})")
+    try:
+        result = train(model, out, max_steps=max_steps, device=device, prompts=prompts,
+                       max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
+                       lr=lr, batch_size=batch_size, save_every=save_every, seed=seed)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"lmkit spec train-eagle: {e}") from e
+    resumed = result["resumed_from"]
+    print(f"wrote {out} (step {result['step']}, loss {result['loss']:.4f}"
+          + (f", resumed from step {resumed}" if resumed is not None else "") + ")")
+
+
+def _arg(help: str) -> Any:
+    import typer
+
+    return typer.Argument(help=help, show_default=False)
+
+
+def _opt(flag: str, help: str) -> Any:
+    import typer
+
+    return typer.Option(flag, help=help)

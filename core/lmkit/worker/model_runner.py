@@ -22,7 +22,6 @@ from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
-from lmkit.api.quantization import QuantizationMethod
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import DraftHeadContext
 from lmkit.errors import ModelLoadError
@@ -41,6 +40,7 @@ from lmkit.worker.draft_runner import DraftRunner, build_draft_proposer, kept_po
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
+from lmkit.worker.model_build import check_tensor_parallel, quantization_method
 from lmkit.worker.pooling import PoolingRequests
 
 if TYPE_CHECKING:
@@ -116,23 +116,14 @@ class ModelRunner:
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
-        quant = self._quantization_method()
+        quant = quantization_method(self.stack, self.facts)
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group,
             quantization=quant)
         model_cls = model_class(registration)
-        if self.tp_size > 1 and not model_cls.supports_tensor_parallel:
-            raise ModelLoadError(
-                f"architecture {self.architecture} (plugin {registration.origin}) does not "
-                "declare supports_tensor_parallel, so it cannot be split over "
-                f"{self.tp_size} ranks; use --tp 1, or a model plugin that shards it.")
-        if self.tp_size > 1 and quant is not None:
-            raise ModelLoadError(
-                f"quantized weights ({type(quant).__name__}) cannot be split over "
-                f"{self.tp_size} ranks yet (quantized layers are not sharded); use --tp 1, "
-                "or --quantization none to run the dense weights split.")
+        check_tensor_parallel(model_cls, registration, self.architecture, self.tp_size, quant)
         # a draft head is checked against the target before any weights load
         head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
                                     hf_config)
@@ -160,24 +151,6 @@ class ModelRunner:
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
-
-    def _quantization_method(self) -> QuantizationMethod | None:
-        """The chosen quantization method, built for this model's facts, with the
-        checkpoint checked (a malformed file is refused here, before the model is
-        built); ``None`` for dense weights."""
-        reg = self.stack.get("quantization")
-        if reg is None:
-            return None
-        if self.stack.dtype != "float32":
-            raise ModelLoadError(
-                f"quantization {reg.name!r} computes in float32 but the model dtype is "
-                f"{self.stack.dtype}; use --dtype float32 (or auto on the CPU), or "
-                "--quantization none.")
-        method: QuantizationMethod = build(
-            "quantization", reg.spec.load(), self.facts,
-            options=self.stack.options["quantization"], plugin=reg.origin)
-        method.check()
-        return method
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block across all layers (and the draft head's, if any)."""

@@ -1,0 +1,60 @@
+"""What the model runner checks and builds before a model's weights load: the chosen
+quantization method (its checkpoint checked) and the refusals of what the model or the
+method cannot do over several tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmkit.api.contract import build
+from lmkit.api.quantization import QuantizationMethod
+from lmkit.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from lmkit.api.model import Model
+    from lmkit.api.model_facts import ModelFacts
+    from lmkit.plugin_host.registry import Registration
+    from lmkit.plugin_host.resolve import ResolvedStack
+
+
+def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> QuantizationMethod | None:
+    """The stack's quantization method, built for the model's ``facts``, with the
+    checkpoint checked (a malformed file is refused here, before the model is built);
+    ``None`` for dense weights.
+
+    :raises ModelLoadError: the method computes in float32 and the model dtype is not.
+    """
+    reg = stack.get("quantization")
+    if reg is None:
+        return None
+    if stack.dtype != "float32":
+        raise ModelLoadError(
+            f"quantization {reg.name!r} computes in float32 but the model dtype is "
+            f"{stack.dtype}; use --dtype float32 (or auto on the CPU), or "
+            "--quantization none.")
+    method: QuantizationMethod = build(
+        "quantization", reg.spec.load(), facts,
+        options=stack.options["quantization"], plugin=reg.origin)
+    method.check()
+    return method
+
+
+def check_tensor_parallel(model_cls: type[Model], registration: Registration, architecture: str,
+                          tp_size: int, quant: QuantizationMethod | None) -> None:
+    """Refuse splitting over ``tp_size > 1`` ranks a model class that does not declare
+    ``supports_tensor_parallel``, or quantized weights (their layers are not sharded).
+
+    :raises ModelLoadError: naming the plugin and what to use instead.
+    """
+    if tp_size <= 1:
+        return
+    if not model_cls.supports_tensor_parallel:
+        raise ModelLoadError(
+            f"architecture {architecture} (plugin {registration.origin}) does not "
+            "declare supports_tensor_parallel, so it cannot be split over "
+            f"{tp_size} ranks; use --tp 1, or a model plugin that shards it.")
+    if quant is not None:
+        raise ModelLoadError(
+            f"quantized weights ({type(quant).__name__}) cannot be split over "
+            f"{tp_size} ranks yet (quantized layers are not sharded); use --tp 1, "
+            "or --quantization none to run the dense weights split.")

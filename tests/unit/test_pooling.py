@@ -105,7 +105,7 @@ def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, 
     attn = TorchAttention(num_heads=heads, num_kv_heads=num_kv_heads, head_size=8,
                           scale=8 ** -0.5, dtype=DTYPE, device=torch.device("cpu"),
                           block_size=block, causal=False)
-    attn.attend_per_request = per_request  # (the padded call is CUDA's default)
+    attn.attend_per_request = per_request  # (the padded call is the default)
     tables = [[1 + 2 * i, 2 + 2 * i] for i in range(len(lens))]
     attn.plan(make_metadata([(0, n) for n in lens], block, tables))
     total = sum(lens)

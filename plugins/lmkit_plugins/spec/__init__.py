@@ -63,6 +63,20 @@ def register_spec_proposers(register):
     ))
 
 
+_DRAFT_HEADS = ("eagle", "eagle3")
+
+
+@hookimpl
+def configure(config):
+    # a draft-head proposer named without a usable head directory is refused here, so
+    # that `lmkit config check` and `lmkit serve` (before binding) say the same thing
+    name = config.speculative.backend.lower()
+    if name in _DRAFT_HEADS:
+        from lmkit_plugins.spec.head_checkpoint import HeadCheckpoint
+
+        HeadCheckpoint(config, name)
+
+
 @hookimpl
 def register_commands(app):
     from lmkit_plugins.spec.cli import register

@@ -1,9 +1,6 @@
-"""Built-in executors, and the sampling kernels their model runners sample with
-(:mod:`lmkit_plugins.sampling`)."""
+"""Built-in executors."""
 
 from lmkit.api import Caps, Spec, hookimpl
-
-from lmkit_plugins.sampling import register_sampling_kernels as _register_sampling_kernels
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -29,7 +26,3 @@ def register_executors(register):
                     "hosts: RAY_ADDRESS), or a local Ray.",
     ))
 
-
-@hookimpl
-def register_sampling_kernels(register):
-    _register_sampling_kernels(register)

@@ -1,5 +1,5 @@
-"""Built-in sampling kernels (the ``sampling_kernels`` kind), registered by the
-built-in executors plugin (:mod:`lmkit_plugins.executors`).
+"""Built-in sampling kernels (the ``sampling_kernels`` kind), a plugin of its own
+(entry point ``lmkit.sampling``).
 
 ``torch`` (priority 0, any device) is the core's
 :class:`lmkit.api.TorchSamplingKernels`; ``triton`` (priority 50, CUDA only, needs the
@@ -8,7 +8,9 @@ built-in executors plugin (:mod:`lmkit_plugins.executors`).
 :mod:`lmkit_plugins.sampling.policy`) and the torch path everywhere else.
 """
 
-from lmkit.api import Caps, Spec
+from lmkit.api import Caps, Spec, hookimpl
+
+LMKIT_PLUGIN_API = ">=1.0,<2"
 
 TORCH = Spec(
     name="torch", target="lmkit.sample.kernels:TorchSamplingKernels", priority=0,
@@ -25,6 +27,7 @@ TRITON = Spec(
 )
 
 
+@hookimpl
 def register_sampling_kernels(register):
     """Register the built-in sampling kernels (``torch``, ``triton``)."""
     register(TORCH)

@@ -90,8 +90,8 @@ class TorchAttention(AttentionBackend):
         self._bidirectional: _BidirectionalPlan | None = None
         # encoder steps: one padded call for the step's requests (a key mask hides the
         # padding). One call per request avoids the padding but costs a call per request
-        # per layer: 1.3x-6.7x slower for MiniLM batches of 64 on 2 CPU cores (measured
-        # in one process, alternating); kept for tests and very uneven lengths
+        # per layer: for MiniLM batches of 64 on 2 CPU cores about even on a quiet machine
+        # and 1.3x-6.7x slower when other jobs share the cores (in-process A/B)
         self.attend_per_request = False
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -29,8 +29,8 @@ from lmkit.api import (
 from lmkit.api.pooling import ModelPooling
 from torch import nn
 
+from lmkit_plugins.models.checkpoint_load import load_named_weights
 from lmkit_plugins.models.layers import Linear, whole_weight_loader
-from lmkit_plugins.models.llama import _describe_mismatch
 
 # checkpoint tensors that carry no weights of ours
 _IGNORED = ("embeddings.position_ids",)
@@ -194,25 +194,12 @@ class BertModel(nn.Module, PoolingModel):
             ModelLoadError: tensors are missing or unknown, or a shape does not match.
         """
         targets = self._weight_targets()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            key = name.removeprefix("bert.")
-            load = targets.get(key)
-            if load is None:
-                if key.endswith(_IGNORED) or (key.startswith("pooler.") and not self.has_head):
-                    continue
-                unexpected.append(name)
-                continue
-            try:
-                load(tensor)
-            except ValueError as e:
-                raise ModelLoadError(f"weight {name}: {e}") from e
-            loaded.add(key)
-        missing = sorted(set(targets) - loaded)
-        if missing or unexpected:
-            raise ModelLoadError(_describe_mismatch(missing, unexpected))
-        return loaded
+
+        def ignored(key: str) -> bool:
+            return key.endswith(_IGNORED) or (key.startswith("pooler.") and not self.has_head)
+
+        return load_named_weights(targets, weights, lambda name: name.removeprefix("bert."),
+                                  ignored)
 
 
 class BertForSequenceClassification(BertModel):

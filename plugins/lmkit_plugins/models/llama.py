@@ -30,6 +30,7 @@ from lmkit.api import (
 )
 from torch import nn
 
+from lmkit_plugins.models.checkpoint_load import load_named_weights
 from lmkit_plugins.models.fused_ops import (
     fused_ops_enabled,
     rotary_qk_kernel,
@@ -402,43 +403,16 @@ class LlamaStack(nn.Module, Model):
                 tensors this model does not know, or a shape does not match.
         """
         targets = self._weight_targets()
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            load = targets.get(name)
-            if load is None and f"model.{name}" in targets:
-                name = f"model.{name}"
-                load = targets[name]
-            if load is None:
-                if name.endswith(_IGNORED_SUFFIXES) or (
-                        name == "lm_head.weight" and self.lm_head is None):
-                    continue
-                unexpected.append(name)
-                continue
-            try:
-                load(tensor)
-            except ValueError as e:
-                raise ModelLoadError(f"weight {name}: {e}") from e
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing or unexpected:
-            raise ModelLoadError(_describe_mismatch(missing, unexpected))
-        return loaded
 
+        def key_of(name: str) -> str:
+            return f"model.{name}" if name not in targets and f"model.{name}" in targets \
+                else name
 
-def _describe_mismatch(missing: list[str], unexpected: list[str], limit: int = 12) -> str:
-    def listing(names: list[str]) -> str:
-        shown = ", ".join(names[:limit])
-        return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+        def ignored(key: str) -> bool:
+            return key.endswith(_IGNORED_SUFFIXES) or (
+                key == "lm_head.weight" and self.lm_head is None)
 
-    parts = ["the checkpoint does not match the model built from config.json:"]
-    if missing:
-        parts.append(f"missing {len(missing)} weight(s): {listing(missing)}")
-    if unexpected:
-        parts.append(f"unexpected {len(unexpected)} weight(s): {listing(unexpected)}")
-    parts.append("Check that config.json belongs to these weights (architecture, layer count, "
-                 "tie_word_embeddings).")
-    return "\n  ".join(parts)
+        return load_named_weights(targets, weights, key_of, ignored)
 
 
 class LlamaForCausalLM(LlamaStack, CausalLM):

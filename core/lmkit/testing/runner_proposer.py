@@ -25,11 +25,11 @@ from typing import Any
 
 from lmkit.testing.failure import (
     CONSTRUCTOR_PROPERTY,
-    NotApplicable,
     Target,
     resolve_target,
     run_checks,
 )
+from lmkit.testing.spec_decode import greedy_with_and_without
 
 SUITE = "runner proposer"
 
@@ -85,30 +85,8 @@ def checked_before_load(t: Target, head_dir: str | Path, model_dir: str | Path) 
 
 def end_to_end(t: Target, head_dir: str | Path, model_dir: str | Path) -> None:
     """Greedy outputs of ``LLM`` with the proposer equal those without it."""
-    if t.spec is None:
-        raise NotApplicable("a class was given: the engine selects proposers by registered name")
-    from lmkit import LLM, SamplingParams
-    from lmkit.plugin_host.manager import PluginHost
-
-    names = PluginHost.load().registry.names("speculative")
-    if t.spec.name not in names:
-        raise NotApplicable(f"{t.spec.name!r} is not registered by an installed plugin "
-                            f"(registered: {', '.join(names) or 'none'})")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    prompts = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on", "x", "0123456789"]
-    common = dict(device="cpu", dtype="float32", max_model_len=128, num_blocks=128,
-                  block_size=4)
-    with LLM(str(model_dir), **common) as llm:
-        base = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with LLM(str(model_dir), speculative=t.spec.name, speculative_model=str(head_dir),
-             num_speculative_tokens=3, **common) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        drafts = llm.stats().get("spec_num_draft_tokens", 0)
-    for prompt, a, b in zip(prompts, base, got, strict=True):
-        if a != b:
-            raise t.fail(SUITE, "end to end", f"greedy, prompt {prompt!r}, k=3",
-                         f"with the proposer: {b}; without: {a}")
-    if not drafts:
+    stats = greedy_with_and_without(t, SUITE, model_dir, speculative_model=str(head_dir))
+    if not stats.get("spec_num_draft_tokens", 0):
         raise t.fail(SUITE, "end to end", "greedy, k=3", "no draft token was verified")
 
 

@@ -196,10 +196,15 @@ def remove_requests(t: Target) -> None:
                      f"drafts {got} differ from a fresh instance's {want}")
 
 
-def end_to_end(t: Target, model_dir: str | Path | None) -> None:
-    """Greedy outputs of ``LLM`` with the proposer equal those without it."""
-    if model_dir is None:
-        raise NotApplicable("no model_dir given")
+def greedy_with_and_without(t: Target, suite: str, model_dir: str | Path,
+                            **speculative: Any) -> dict[str, float]:
+    """Run ``LLM`` greedily over a few prompts without and then with the registered
+    proposer ``t.spec`` (``speculative`` adds settings, e.g. ``speculative_model``);
+    fail on the first prompt whose outputs differ, else return the speculating engine's
+    stats.
+
+    :raises NotApplicable: ``t`` is a class, or its name is not registered.
+    """
     if t.spec is None:
         raise NotApplicable("a class was given: the engine selects proposers by registered name")
     from lmkit import LLM, SamplingParams
@@ -211,20 +216,30 @@ def end_to_end(t: Target, model_dir: str | Path | None) -> None:
                             f"(registered: {', '.join(names) or 'none'})")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on", "x", "0123456789"]
-    common = dict(device="cpu", dtype="float32", max_model_len=256, num_blocks=128,
-                  block_size=4)
-    base = [o.outputs[0].token_ids for o in LLM(str(model_dir), **common).generate(prompts, params)]
-    spec_llm = LLM(str(model_dir), speculative=t.spec.name, num_speculative_tokens=3, **common)
-    got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
-    stats = spec_llm.engine.stats()
+    common: dict[str, Any] = dict(device="cpu", dtype="float32", max_model_len=256,
+                                  num_blocks=128, block_size=4)
+    with LLM(str(model_dir), **common) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(model_dir), speculative=t.spec.name, num_speculative_tokens=3,
+             **speculative, **common) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    for prompt, a, b in zip(prompts, base, got, strict=True):
+        if a != b:
+            raise t.fail(suite, "end to end", f"greedy, prompt {prompt!r}, k=3",
+                         f"with the proposer: {b}; without: {a}")
+    return stats
+
+
+def end_to_end(t: Target, model_dir: str | Path | None) -> None:
+    """Greedy outputs of ``LLM`` with the proposer equal those without it."""
+    if model_dir is None:
+        raise NotApplicable("no model_dir given")
+    stats = greedy_with_and_without(t, SUITE, model_dir)
     drafts = sum(v for k, v in stats.items() if "draft" in k and isinstance(v, (int, float)))
     if not drafts:
         raise NotApplicable("the engine reported no draft tokens for these prompts (no "
                             "'*draft*' counter in engine stats, or zero): nothing was verified")
-    for prompt, a, b in zip(prompts, base, got, strict=True):
-        if a != b:
-            raise t.fail(SUITE, "end to end", f"greedy, prompt {prompt!r}, k=3",
-                         f"with the proposer: {b}; without: {a}")
 
 
 def _checks(t: Target, model_dir: str | Path | None) -> dict[str, Callable[[], None]]:

@@ -32,7 +32,7 @@ from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.kernels import build_sampling_kernels
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.processors import LogitsProcessorSet
-from lmkit.sample.sampler import Sampler, VerifiedTokens, compute_prompt_logprobs, make_generator
+from lmkit.sample.sampler import Sampler, VerifiedTokens, make_generator
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
@@ -42,6 +42,7 @@ from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.model_build import check_tensor_parallel, quantization_method
 from lmkit.worker.pooling import PoolingRequests
+from lmkit.worker.prompt_logprobs import step_prompt_logprobs
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
@@ -245,7 +246,8 @@ class ModelRunner:
                 plan = [p for p in plan if order[p[0]] not in pooling]
                 pooled = self.pooling.pool_step(hidden, order, step)
             verified = self._sample(hidden, order, plan, so)
-            prompt_logprobs = self._prompt_logprobs(hidden, order, step)
+            prompt_logprobs = step_prompt_logprobs(self.model, self.requests,
+                                                   hidden, order, step)
         out = self._commit(order, plan, verified, prompt_logprobs)
         out.pooled = pooled
         if self.drafter is not None:  # the head drafts the next step's tokens, now
@@ -264,16 +266,9 @@ class ModelRunner:
         """Drop finished and preempted requests, add new ones, extend block tables."""
         batch = self.input_batch
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
-            if self.requests.pop(rid, None) is not None:
-                batch.remove_request(rid)
-                self.logits_processors.remove(rid)
-                if self.pooling:
-                    self.pooling.remove(rid)
+            self._drop(rid)
         for new in so.scheduled_new_reqs:
-            if new.req_id in self.requests:  # resent (resumed) without a preemption notice
-                self.requests.pop(new.req_id)
-                batch.remove_request(new.req_id)
-                self.logits_processors.remove(new.req_id)
+            self._drop(new.req_id)  # resent (resumed) without a preemption notice
             params = new.sampling_params
             resumed = bool(new.output_token_ids)
             state = CachedRequestState(
@@ -302,6 +297,14 @@ class ModelRunner:
             batch.num_computed[row] = num_computed
             if new_blocks:
                 batch.append_block_ids(row, new_blocks)
+
+    def _drop(self, rid: str) -> None:
+        """Forget a request's state, its batch row, processor slot and pooling state."""
+        if self.requests.pop(rid, None) is not None:
+            self.input_batch.remove_request(rid)
+            self.logits_processors.remove(rid)
+            if self.pooling:
+                self.pooling.remove(rid)
 
     def _prepare_step(self, so: SchedulerOutput) -> tuple[list[str], StepInputs]:
         """Order the scheduled requests (decodes first) and pack their inputs."""
@@ -403,30 +406,6 @@ class ModelRunner:
         draft_probs = so.spec_draft_probs if so is not None else None
         probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
         return self.sampler.sample_requests(logits, md, drafts, probs)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, order: list[str], step: StepInputs
-                         ) -> dict[str, list[TokenLogprob | None]]:
-        """Accumulate prompt logprobs over this step's chunks; return completed lists."""
-        done: dict[str, list[TokenLogprob | None]] = {}
-        for i, rid in enumerate(order):
-            state = self.requests[rid]
-            if state.prompt_logprobs is None:
-                continue
-            start = int(step.num_computed[i])
-            end = start + int(step.num_scheduled[i])
-            # row at position p scores prompt token p + 1
-            last = min(end, state.num_prompt_tokens - 1)
-            if last > start:
-                first_row = int(step.cu_num_tokens[i] - step.num_scheduled[i])
-                logits = self.model.compute_logits(
-                    hidden[first_row:first_row + last - start])
-                targets = torch.tensor(state.prompt_token_ids[start + 1:last + 1])
-                state.prompt_logprobs.extend(compute_prompt_logprobs(
-                    logits, targets, state.sampling_params.prompt_logprobs or 0))
-            if end >= state.num_prompt_tokens:
-                done[rid] = state.prompt_logprobs
-                state.prompt_logprobs = None
-        return done
 
     def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],
                 verified: VerifiedTokens, prompt_logprobs: dict[str, list[TokenLogprob | None]]

@@ -19,6 +19,7 @@ from lmkit.api.logits_processor import (
     LogitsProcessor,
     LogitsProcessorContext,
 )
+from lmkit.api.mla_attention import MLAAttentionBackend
 from lmkit.api.model import CausalLM, ForwardContext, Model, ModelBuildContext, PoolingModel
 from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
@@ -116,7 +117,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "MLAAttentionBackend", "AttentionMetadata", "BatchUpdate",
     "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
     "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
     "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",

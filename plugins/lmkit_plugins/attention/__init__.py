@@ -16,6 +16,10 @@ from lmkit.api import Caps, Spec, hookimpl
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
+from lmkit_plugins.attention.mla_options import (
+    MLAFlashInferAttentionOptions,
+    MLATritonAttentionOptions,
+)
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -109,4 +113,29 @@ def register_attention_backends(register):
         ),
         description="FlashAttention varlen kernels over the paged cache, FA4 > FA3 > FA2 "
                     "(CUDA); ranked below flashinfer and triton under auto until measured.",
+    ))
+    # MLA backends (multi-head latent attention, DeepSeek-V2/V3): only for models whose
+    # needs say attention_kind=mla; ranked below the ordinary backends under auto
+    register(Spec(
+        name="mla_triton", target="lmkit_plugins.attention.mla_triton:MLATritonAttention",
+        priority=46, requires=("triton",), needs_cuda=True, options=MLATritonAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {"mla"}},
+        ),
+        description="lmkit's Triton MLA: absorbed split-K decode over the latent cache, "
+                    "decompressed causal prefill (CUDA).",
+    ))
+    register(Spec(
+        name="mla_flashinfer",
+        target="lmkit_plugins.attention.mla_flashinfer:MLAFlashInferAttention",
+        priority=48, requires=("flashinfer", "triton"), needs_cuda=True,
+        options=MLAFlashInferAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {"mla"}},
+        ),
+        description="FlashInfer's MLA paged wrapper (absorbed form, kv_lora_rank 512 and "
+                    "rope 64 only) over the latent cache (CUDA).",
     ))

@@ -51,6 +51,7 @@ class MLAFlashInferAttention(MLATritonAttention):
     def __init__(self, **kwargs) -> None:
         options = kwargs.pop("options", None) or MLAFlashInferAttentionOptions()
         super().__init__(options=options, **kwargs)
+        self._fi_options: MLAFlashInferAttentionOptions = options
         import flashinfer.mla  # the heavy import happens when the backend is built
 
         if self.dtype not in SUPPORTED_DTYPES:
@@ -64,10 +65,10 @@ class MLAFlashInferAttention(MLATritonAttention):
                              "--attention mla_triton")
         self._mla = flashinfer.mla
         # FlashInfer wants a zeroed float workspace on first use; one stream, one buffer
-        self._workspace = torch.zeros(self.options.workspace_mb * 1024 * 1024,
+        self._workspace = torch.zeros(self._fi_options.workspace_mb * 1024 * 1024,
                                       dtype=torch.uint8, device=self.device)
         self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            self._workspace, backend=self.options.backend)
+            self._workspace, backend=self._fi_options.backend)
         self._graph_wrappers: dict[int, Any] = {}  # batch size -> use_cuda_graph wrapper
         self._planned: Any = None  # the wrapper planned for this step's absorbed part
 
@@ -104,7 +105,7 @@ class MLAFlashInferAttention(MLATritonAttention):
                 self._workspace, use_cuda_graph=True, qo_indptr=buffer(batch_size + 1),
                 kv_indptr=buffer(batch_size + 1),
                 kv_indices=buffer(batch_size * max_blocks_per_req),
-                kv_len_arr=buffer(batch_size), backend=self.options.backend)
+                kv_len_arr=buffer(batch_size), backend=self._fi_options.backend)
             self._graph_wrappers[batch_size] = wrapper
         return wrapper
 

@@ -45,7 +45,7 @@ from lmkit_kernels.mla_cache_write import mla_cache_write
 from lmkit_kernels.mla_ref import split_kv_b
 from lmkit_kernels.paged_attention import choose_num_splits
 
-from lmkit_plugins.attention.mla_options import MLATritonAttentionOptions
+from lmkit_plugins.attention.mla_options import MLAAttentionOptions, MLATritonAttentionOptions
 from lmkit_plugins.attention.page_lists import context_slots, to_device
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -71,6 +71,8 @@ class _MLATritonPlan:
 class MLATritonAttention(MLAAttentionBackend):
     """Paged MLA on CUDA with lmkit's Triton kernels: absorbed split-K decode over the
     latent cache, decompressed causal prefill (float32, float16, bfloat16)."""
+
+    options: MLAAttentionOptions  # set in __init__ (the subclass's options type may differ)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -126,6 +128,7 @@ class MLATritonAttention(MLAAttentionBackend):
         decode kernel's split count, fixed by the batch shape."""
         head_tiles = -(-self.num_heads // decode_head_tile(self.num_heads,
                                                            max(max_query_len, 1)))
+        assert isinstance(self.options, MLATritonAttentionOptions)
         return self.options.decode_num_splits or choose_num_splits(
             max(num_decodes, 1), head_tiles, md.block_tables.device)
 

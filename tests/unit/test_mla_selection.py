@@ -53,6 +53,18 @@ def test_an_mha_model_is_refused_with_the_reason():
     assert spec.caps.why_not(Needs(values=MLA_NEEDS)) == []
 
 
+def test_mla_flashinfer_claims_only_deepseeks_latent_width():
+    """FlashInfer's MLA kernels exist for kv_lora_rank 512 + rope 64: a model of another
+    latent width is refused before loading (and auto passes it by); mla_triton serves it."""
+    host = PluginHost.load(env=ENV)
+    flashinfer = host.registry.get("attention", "mla_flashinfer").spec
+    triton = host.registry.get("attention", "mla_triton").spec
+    other = Needs(values={**MLA_NEEDS, "head_size": 288})
+    assert flashinfer.caps.why_not(other) == ["head_size 288 not supported (supports: 576)"]
+    assert flashinfer.caps.why_not(Needs(values={**MLA_NEEDS, "head_size": 576})) == []
+    assert triton.caps.why_not(other) == []
+
+
 @needs_no_cuda
 def test_asking_for_mla_triton_without_cuda_is_refused_with_the_reason():
     host = PluginHost.load(env=ENV)

@@ -134,7 +134,9 @@ def register_attention_backends(register):
         options=MLAFlashInferAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
-            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {"mla"}},
+            # FlashInfer's MLA kernels: kv_lora_rank 512 + qk_rope_head_dim 64 only
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {"mla"},
+             "head_size": {576}},
         ),
         description="FlashInfer's MLA paged wrapper (absorbed form, kv_lora_rank 512 and "
                     "rope 64 only) over the latent cache (CUDA).",

@@ -152,7 +152,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     else:
         part_out = part_lse = out  # unused by the kernel
     scale_log2 = scale * _LOG2E
-    mla_decode_kernel[(num_reqs, math.ceil(num_heads / tile), num_splits)](
+    mla_decode_kernel[(math.ceil(num_heads / tile), num_reqs, num_splits)](
         q_lat, q_pe, kv_cache, out, part_out, part_lse, query_start_loc, seq_lens,
         block_tables, scale_log2, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
         q_pe.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),

@@ -4,7 +4,10 @@ MLA has one latent "KV head" shared by every query head, so a program takes a ti
 ``HEAD_TILE`` query heads times the request's ``Q_PAD`` query tokens (``ROWS = Q_PAD *
 HEAD_TILE`` rows; one token for plain decode, a few for speculative verification) and
 reads each latent tile of its slice of the context once for all of them -- the
-bandwidth win of absorbing ``kv_b_proj`` into the query and output. Per row::
+bandwidth win of absorbing ``kv_b_proj`` into the query and output. With more heads
+than one tile (DeepSeek-V2/V3's 128 on one GPU: 8 tiles), the grid is ``(head tiles,
+requests, splits)`` with the head tiles fastest, so the programs reading the same slice
+run together and share it through L2. Per row::
 
     s = scale * (q_lat . c_kv + q_pe . k_pe)      # q_lat = q_nope @ w_uk, [kv_lora_rank]
     out_lat = softmax(s) @ c_kv                   # [kv_lora_rank], then @ w_uv^T outside
@@ -39,8 +42,10 @@ def mla_decode_kernel(
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    head_tile = tl.program_id(1)
+    # head tiles vary fastest: the programs reading one context slice for different
+    # heads run side by side, so the slice comes from DRAM once and then from L2
+    head_tile = tl.program_id(0)
+    req = tl.program_id(1)
     split = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + req)

@@ -66,3 +66,14 @@ def test_step_kinds():
     assert kind({"tokens": 4, "prefill_tokens": 0, "decode_reqs": 4}) == "decode"
     assert kind({"tokens": 9, "prefill_tokens": 6, "decode_reqs": 3}) == "mixed"
     assert kind({"tokens": 6, "prefill_tokens": 6, "decode_reqs": 0}) == "prefill"
+
+
+def test_pid_in_the_path(tmp_path, monkeypatch):
+    import os
+
+    from lmkit.engine.step_trace import StepTracePhase
+
+    monkeypatch.setenv("LMKIT_STEP_TRACE", str(tmp_path / "trace-{pid}.jsonl"))
+    phase = StepTracePhase.from_env()
+    phase.shutdown()
+    assert (tmp_path / f"trace-{os.getpid()}.jsonl").is_file()

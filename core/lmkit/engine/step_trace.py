@@ -1,6 +1,6 @@
 """A step timeline of the engine core, for profiling (``LMKIT_STEP_TRACE=FILE``).
 
-With the variable set, the engine core appends one JSON line per step to ``FILE``:
+With the variable set (``{pid}`` in it becomes the process id), the engine core appends one JSON line per step to ``FILE``:
 
 * ``t``: the step's start, seconds since the trace opened;
 * ``gap_ms``: from the end of the previous step's model output to this step's start
@@ -43,9 +43,11 @@ class StepTracePhase(StepPhase):
 
     @classmethod
     def from_env(cls) -> StepTracePhase | None:
-        """A trace phase writing to ``$LMKIT_STEP_TRACE``, or ``None`` when it is unset."""
+        """A trace phase writing to ``$LMKIT_STEP_TRACE`` (``{pid}`` in it replaced by
+        the engine process's id, so that several engines write apart), or ``None`` when
+        it is unset."""
         path = os.environ.get(ENV)
-        return cls(path) if path else None
+        return cls(path.replace("{pid}", str(os.getpid()))) if path else None
 
     def before_schedule(self) -> None:
         self._start = time.perf_counter()

@@ -6,7 +6,8 @@ Step kinds: ``decode`` (every request scheduled one token), ``mixed`` (decodes a
 prefill/chunk/draft tokens), ``prefill`` (no single-token request), ``empty``. For each
 kind: the number of steps, their share of the traced wall time, and the median/p90 of
 the schedule, execute and preceding gap times; plus the total time spent between steps
-(host gaps) against the time inside them.
+(host gaps) against the time inside them, and the part of it when requests were running
+(the gaps after a step that did not finish every request it ran: idling excluded).
 """
 
 from __future__ import annotations
@@ -58,8 +59,14 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "tokens_p50": statistics.median(r["tokens"] for r in recs),
         }
     gap_total = sum(r["gap_ms"] for r in records if r["gap_ms"] is not None)
+    # gaps after a step that left requests running: host time, not idling
+    busy = [cur["gap_ms"] for prev, cur in zip(records, records[1:], strict=False)
+            if prev["reqs"] > prev.get("finished", 0)]
     return {"steps": len(records), "wall_ms": round(wall, 3),
-            "gap_share": round(gap_total / wall, 4) if wall else 0.0, "kinds": kinds}
+            "gap_share": round(gap_total / wall, 4) if wall else 0.0,
+            "busy_gap_share": round(sum(busy) / wall, 4) if wall else 0.0,
+            "busy_gap_ms_p50": statistics.median(busy) if busy else None,
+            "busy_gap_ms_p90": _pct(busy, 0.9), "kinds": kinds}
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
@@ -74,7 +81,9 @@ def main() -> None:
     args = ap.parse_args()
     summary = summarize(read_trace(args.trace))
     print(f"{summary['steps']} steps over {summary['wall_ms'] / 1e3:.2f} s; "
-          f"{summary['gap_share']:.1%} of the time between steps")
+          f"{summary['gap_share']:.1%} of the time between steps, "
+          f"{summary['busy_gap_share']:.1%} with requests running (gap p50 "
+          f"{summary['busy_gap_ms_p50'] or 0:.2f} ms, p90 {summary['busy_gap_ms_p90']:.2f} ms)")
     print(f"{'kind':8} {'steps':>6} {'wall%':>6} {'sched':>7} {'exec p50':>9} "
           f"{'exec p90':>9} {'gap p50':>8} {'reqs':>5} {'tokens':>7}")
     for kind, k in summary["kinds"].items():

@@ -47,7 +47,8 @@ def test_trace_records_each_step(tiny, tmp_path, monkeypatch):
     summary = _bench_module().summarize(records)
     assert summary["kinds"]["prefill"]["steps"] == 1
     assert summary["kinds"]["decode"]["steps"] == 3
-    assert 0 <= summary["gap_share"] < 1
+    assert 0 <= summary["busy_gap_share"] <= summary["gap_share"] < 1
+    assert records[-1]["finished"] == 2 and sum(r["finished"] for r in records) == 2
 
 
 def test_no_trace_without_the_variable(tiny, tmp_path, monkeypatch):

@@ -10,7 +10,10 @@ With the variable set (``{pid}`` in it becomes the process id), the engine core 
   this includes waiting for the device, except where a step runs ahead);
 * ``reqs``, ``tokens``: requests and tokens scheduled; ``prefill_tokens``: tokens of
   requests scheduled more than one token (prompts, chunks, drafts); ``decode_reqs``:
-  requests scheduled exactly one token.
+  requests scheduled exactly one token; ``finished``: requests that finished in it.
+
+A gap after a step that left requests running (``reqs > finished``) is host time the
+engine spent between steps; after one that finished everything, it includes idling.
 
 ``python bench/step_trace.py FILE`` summarizes a trace by step kind. Tracing costs
 two clock reads and one buffered write per step.
@@ -73,6 +76,7 @@ class StepTracePhase(StepPhase):
             "tokens": tokens,
             "prefill_tokens": tokens - decode_reqs,
             "decode_reqs": decode_reqs,
+            "finished": sum(1 for o in outputs if o.finish_reason is not None),
         }
         self._file.write(json.dumps(record) + "\n")
         self._prev_end = end

@@ -115,6 +115,8 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
                                  "max_num_seqs": batch, "attention": args.attention}
     if args.device == "cuda":  # two engines share the GPU
         base_opts["gpu_memory_utilization"] = 0.4
+    if args.max_model_len:
+        base_opts["max_model_len"] = args.max_model_len
     spec_opts = {**base_opts, "speculative": args.proposer,
                  "num_speculative_tokens": args.spec_tokens,
                  "speculative.disable_by_batch_size": args.disable_by_batch_size}
@@ -152,6 +154,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention", default="auto", help="attention backend of both engines")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="cap the context length of both engines (long-context configs on a "
+                         "shared GPU)")
     ap.add_argument("--workloads", nargs="+", default=["copy", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--batch1-prompts", type=int, default=4,

@@ -183,6 +183,9 @@ class ModelRunner:
         aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
                                          self.device, self.max_model_len, tuple(aux_layers))
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
+                                        self.dtype)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
         # a pooling-only model never decodes; a draft head drafts after every forward

@@ -67,11 +67,12 @@ def variant(request, tmp_path_factory):
     return request.param, model, directory
 
 
-def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu") -> ModelRunner:
+def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu",
+                attention: str = "torch") -> ModelRunner:
     config = LMKitConfig.model_validate({
         "model": {"model": str(model_dir), "dtype": "float32"},
         "cache": {"block_size": block_size},
-        "attention": {"backend": "torch"},
+        "attention": {"backend": attention},
         "executor": {"device": device},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkit.api.contract import build
 from lmkit.errors import ConfigError
@@ -24,6 +24,7 @@ from lmkit.offload.transfers import KVTransfers
 if TYPE_CHECKING:
     import torch
 
+    from lmkit.api.kv_cache_spec import KVCacheGroup
     from lmkit.api.offload import OffloadManager, TransferJob
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -188,8 +189,10 @@ class OffloadWorker:
 
 
 def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
-                         kv_caches: list[torch.Tensor], attn: Any) -> OffloadWorker | None:
-    """The offload tier the stack names, built over ``kv_caches``; None when offload is off.
+                         kv_caches: list[torch.Tensor], kv_groups: Sequence[KVCacheGroup]
+                         ) -> OffloadWorker | None:
+    """The offload tier the stack names, built over ``kv_caches`` (per layer, of the
+    model's ``kv_groups``); None when offload is off.
 
     Logs the memory the tier takes (part of the startup memory report).
 
@@ -205,12 +208,14 @@ def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
             f"offload tier {reg.name!r} extends the prefix cache, which is off "
             "(cache.enable_prefix_caching: false); turn prefix caching on or set "
             "offload.backend: none")
-    one, two = attn.kv_cache_shape(1), attn.kv_cache_shape(2)
-    if len(one) < 2 or one[1] != 1 or two[1] != 2 or one[:1] + one[2:] != two[:1] + two[2:]:
-        raise ConfigError(
-            f"offload tier {reg.name!r} needs KV caches laid out as [2, num_blocks, ...], but "
-            f"the attention backend's are {tuple(two)} for 2 blocks; choose a built-in "
-            "attention backend or set offload.backend: none")
+    for group in kv_groups:  # every group's layout (one group for most models)
+        one, two = group.attn.kv_cache_shape(1), group.attn.kv_cache_shape(2)
+        if len(one) < 2 or one[1] != 1 or two[1] != 2 or one[:1] + one[2:] != two[:1] + two[2:]:
+            raise ConfigError(
+                f"offload tier {reg.name!r} needs KV caches laid out as [2, num_blocks, ...], "
+                f"but the attention backend's are {tuple(two)} for 2 blocks "
+                f"({group.spec.describe()} layers); choose a built-in attention backend or "
+                "set offload.backend: none")
     tier_config = config.model_copy(deep=True)
     attention = stack.get("attention")
     if attention is not None:

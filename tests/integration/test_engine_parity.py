@@ -66,9 +66,9 @@ def _random_model_dir(tmp_path, smollm2_dir, config):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral", "qwen2-hybrid"])
 def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
-    from transformers import MistralConfig, MixtralConfig, Qwen3Config
+    from transformers import MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -77,6 +77,9 @@ def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
         config = Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
     elif arch == "mistral":
         config = MistralConfig(sliding_window=None, **common)
+    elif arch == "qwen2-hybrid":  # layer 0 full attention, layer 1 a 16-token window
+        config = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                             **common)
     else:  # sparse MoE MLPs, sliding-window attention
         config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                **common)

@@ -34,6 +34,12 @@ VARIANTS = {
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    # hybrid: layer 0 full attention, layer 1 a 6-token window (two KV cache groups)
+    "qwen2-hybrid": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=6,
+                                         max_window_layers=1)),
+    "qwen3-hybrid": ("Qwen3Config", dict(head_dim=32, use_sliding_window=True,
+                                         sliding_window=6, max_window_layers=1,
+                                         num_hidden_layers=3)),
     # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
@@ -194,3 +200,21 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(variant, device):
         driver.step({r: 1 for r, p in PROMPTS.items()
                      if len(driver.tokens[r]) < len(p) + NEW_TOKENS})
     check_against_hf(model, driver)
+
+
+def test_hybrid_model_plans_each_groups_backend_once_per_step(tmp_path):
+    build_hf_model("qwen3-hybrid", tmp_path)
+    runner = make_runner(tmp_path)
+    groups = runner.kv_groups
+    assert [g.spec.describe() for g in groups] == ["full_attention",
+                                                   "sliding_window(window=6)"]
+    assert [g.layers for g in groups] == [(0,), (1, 2)]
+    assert runner.model.attn is groups[0].attn and groups[1].attn.sliding_window == 6
+    calls = []
+    for g in groups:
+        plan = g.attn.plan
+        g.attn.plan = lambda md, plan=plan, g=g: (calls.append(g.spec.kind), plan(md))[1]
+    driver = Driver(runner)
+    driver.step({"a": 5}, {"a": PROMPTS["a"]})
+    driver.step({"a": 1})
+    assert calls == ["full_attention", "sliding_window"] * 2

@@ -40,6 +40,12 @@ VARIANTS = {
     "qwen3-hybrid": ("Qwen3Config", dict(head_dim=32, use_sliding_window=True,
                                          sliding_window=6, max_window_layers=1,
                                          num_hidden_layers=3)),
+    # Gemma-3 text: layers 0, 1 slide (6 tokens, local RoPE base), layer 2 is global
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "sliding_attention",
+                                                     "full_attention"],
+                                        query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                                        final_logit_softcapping=30.0)),
     # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
@@ -53,6 +59,10 @@ def build_hf_model(variant: str, directory: Path):
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norm weights start at 0 (Gemma) or 1: make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory)
     return model
 

@@ -21,6 +21,11 @@ def register_models(register):
                     "(top-k softmax routing; fused Triton MoE kernel on CUDA).",
     ))
     register(Spec(
+        name="Gemma3ForCausalLM", target="lmkit_plugins.models.gemma3:Gemma3ForCausalLM",
+        description="Gemma-3 text: sliding-window and full-attention layers interleaved "
+                    "(two KV cache groups), q/k norms, local and global RoPE bases.",
+    ))
+    register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
         aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
         description="The Llama family without a language-model head (e.g. a Qwen3Model "

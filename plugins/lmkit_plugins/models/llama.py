@@ -129,8 +129,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, quant: Any = None,
-                 intermediate_size: int | None = None) -> None:
-        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts)
+                 intermediate_size: int | None = None,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts);
+        # act: ``[n, 2 * size]`` gate-up -> ``[n, size]``, instead of SiLU-and-multiply
         super().__init__()
         kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
@@ -138,7 +140,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
-        self.act = silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul
+        self.act = act if act is not None else (
+            silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))

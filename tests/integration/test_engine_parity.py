@@ -66,9 +66,11 @@ def _random_model_dir(tmp_path, smollm2_dir, config):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral", "qwen2-hybrid", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral", "qwen2-hybrid", "gemma3",
+                                  "gemma2"])
 def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         MistralConfig,
         MixtralConfig,
@@ -91,6 +93,9 @@ def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
                                   layer_types=["sliding_attention", "full_attention",
                                                "sliding_attention"],
                                   **{**common, "num_hidden_layers": 3})
+    elif arch == "gemma2":  # alternating 16-token windows; attention scores soft-capped
+        config = Gemma2Config(head_dim=32, sliding_window=16, attn_logit_softcapping=5.0,
+                              **{**common, "num_hidden_layers": 3})
     else:  # sparse MoE MLPs, sliding-window attention
         config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                **common)
@@ -100,7 +105,7 @@ def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LLM(str(tmp_path), dtype="float32", block_size=16) as llm:
         outs = llm.generate(prompts, params)
-        if arch in ("qwen2-hybrid", "gemma3"):  # again, from the prefix cache: the
+        if arch in ("qwen2-hybrid", "gemma3", "gemma2"):  # again, from the prefix cache: the
             # sliding group reads cached blocks, of which the window covers only the last
             again = llm.generate(prompts, params)
             assert llm.stats()["prefix_cache_hits"] >= 16 + 32 + 48

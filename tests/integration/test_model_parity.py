@@ -46,6 +46,11 @@ VARIANTS = {
                                                      "full_attention"],
                                         query_pre_attn_scalar=24, rope_local_base_freq=100.0,
                                         final_logit_softcapping=30.0)),
+    # Gemma-2: layers 0, 2 slide (6 tokens), layer 1 is global; attention scores capped
+    # at 1 and logits at 3 (low enough to bite on these random weights)
+    "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                    final_logit_softcapping=3.0)),
     # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),

@@ -12,9 +12,12 @@ What differs from the Llama family (whose attention and MLP modules it reuses):
   on sliding layers and the global base (with its scaling) on full layers.
 * Attention scale ``query_pre_attn_scalar ** -0.5``; GELU (tanh) gated MLP.
 * Optional final logit soft-capping (``tanh(logits / cap) * cap``).
+* Optional attention-score soft-capping (``attn_logit_softcapping``; set in Gemma-2,
+  null in Gemma-3 checkpoints): the model then needs the ``logits_soft_cap`` feature,
+  so stack resolution picks (or refuses, naming it) a backend by whether it declares it.
 
-Attention logit soft-capping (``attn_logit_softcapping``, unset in Gemma-3) and
-bidirectional attention are refused: no attention backend implements them.
+Gemma-2 (:class:`Gemma2ForCausalLM`) is the same decoder without q/k norms and with one
+RoPE base. Bidirectional attention is refused.
 """
 
 from __future__ import annotations
@@ -58,31 +61,31 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate_up[..., :size], approximate="tanh").mul_(gate_up[..., size:])
 
 
-def gemma3_dims(cfg: Any) -> LlamaDims:
-    """The Llama-family shapes of a Gemma-3 text config (q/k norms on, no biases).
+def gemma_dims(cfg: Any, qk_norm: bool = True) -> LlamaDims:
+    """The Llama-family shapes of a Gemma-2 / Gemma-3 text config (no biases; q/k norms
+    on Gemma-3 only).
 
     Raises:
-        ModelLoadError: the config asks for what lmkit does not implement (attention
-            logit soft-capping, bidirectional attention, an activation other than
-            ``gelu_pytorch_tanh``).
+        ModelLoadError: the config asks for what lmkit does not implement (bidirectional
+            attention, an activation other than ``gelu_pytorch_tanh``).
     """
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ModelLoadError(
-            f"this Gemma-3 config sets attn_logit_softcapping={cfg.attn_logit_softcapping}; "
-            "no lmkit attention backend soft-caps attention logits. Gemma-3 checkpoints "
-            "leave it null: set it to null in config.json, or use a backend plugin that "
-            "implements it.")
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ModelLoadError(
-            "this Gemma-3 config sets use_bidirectional_attention; lmkit runs Gemma-3 as a "
+            "this Gemma config sets use_bidirectional_attention; lmkit runs Gemma as a "
             "causal decoder only. Set it to false in config.json.")
     act = getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
-            f"Gemma-3 hidden_activation {act!r} is not supported; lmkit implements "
-            "gelu_pytorch_tanh (what Gemma-3 checkpoints use).")
-    return replace(LlamaDims.from_hf(cfg), qk_norm=True, qkv_bias=False, o_bias=False,
+            f"Gemma hidden_activation {act!r} is not supported; lmkit implements "
+            "gelu_pytorch_tanh (what Gemma-2 and Gemma-3 checkpoints use).")
+    return replace(LlamaDims.from_hf(cfg), qk_norm=qk_norm, qkv_bias=False, o_bias=False,
                    mlp_bias=False)
+
+
+def attn_soft_cap(cfg: Any) -> float | None:
+    """The config's attention-score soft cap (``attn_logit_softcapping``), if set."""
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    return None if cap is None else float(cap)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -117,13 +120,18 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
     """Gemma-3's text decoder over packed tokens; its sliding and full layers are two
     KV cache groups, each with its own attention backend (built with its window)."""
 
+    #: RMSNorm over each query and key head (Gemma-3; not Gemma-2)
+    qk_norm = True
+
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:
-        """The head size, and ``sliding_window`` when a layer slides."""
-        dims = gemma3_dims(hf_config)
-        slides = any(dims.layer_windows)
-        return Needs(features=frozenset({"sliding_window"} if slides else set()),
-                     values={"head_size": dims.head_dim})
+        """The head size, ``sliding_window`` when a layer slides and
+        ``logits_soft_cap`` when attention scores are soft-capped."""
+        dims = gemma_dims(hf_config, cls.qk_norm)
+        features = {"sliding_window"} if any(dims.layer_windows) else set()
+        if attn_soft_cap(hf_config) is not None:
+            features.add("logits_soft_cap")
+        return Needs(features=frozenset(features), values={"head_size": dims.head_dim})
 
     @classmethod
     def kv_cache_specs(cls, hf_config: Any) -> tuple[KVCacheSpec, ...] | None:
@@ -133,14 +141,17 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
-        dims = gemma3_dims(hf_config)
+        dims = gemma_dims(hf_config, self.qk_norm)
         self.dims = dims
         dtype, device = ctx.dtype, torch.device(ctx.device)
         quant = ctx.quantization
-        # one RoPE per layer kind: the local base on sliding layers, the global on full ones
-        self.rotary = {kind: RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim, kind),
-                                             dims.head_dim, device)
-                       for kind in ("sliding_attention", "full_attention")}
+        # one RoPE per layer kind: the local base on sliding layers, the global on full
+        # ones (Gemma-3); one shared RoPE when both kinds have the same (Gemma-2)
+        local, full = (rope_config_from_hf(hf_config, dims.head_dim, kind)
+                       for kind in ("sliding_attention", "full_attention"))
+        full_rotary = RotaryEmbedding(full, dims.head_dim, device)
+        self.rotary = {"full_attention": full_rotary, "sliding_attention": full_rotary
+                       if local == full else RotaryEmbedding(local, dims.head_dim, device)}
         self._layer_kind = ["full_attention" if w is None else "sliding_attention"
                             for w in dims.layer_windows]
         self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype=dtype,
@@ -158,13 +169,17 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
         self._model_writes_kv = (fused_ops_enabled(device, dtype)
                                  and ctx.attention_cls.supports_model_kv_write)
         scale = float(getattr(hf_config, "query_pre_attn_scalar", dims.head_dim)) ** -0.5
+        # only backends declaring logits_soft_cap take it (the needs say so when set)
+        soft_cap = attn_soft_cap(hf_config)
+        cap_kw = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
 
         def make_backend(spec: KVCacheSpec) -> AttentionBackend:
             return ctx.attention_cls(
                 num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
                 head_size=dims.head_dim, scale=scale, dtype=dtype, device=device,
                 block_size=ctx.block_size, options=ctx.attention_options,
-                sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None)
+                sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
+                **cap_kw)
 
         specs = self.kv_cache_specs(hf_config)
         assert specs is not None
@@ -181,8 +196,8 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
                 ctx: ForwardContext) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.embed_tokens(input_ids) * self._embed_scale
-        cos_sin = {kind: rotary.cos_sin(positions, hidden.dtype)
-                   for kind, rotary in self.rotary.items()}
+        by_rotary = {id(r): r.cos_sin(positions, hidden.dtype) for r in self.rotary.values()}
+        cos_sin = {kind: by_rotary[id(rotary)] for kind, rotary in self.rotary.items()}
         kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -231,7 +246,7 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
             for name in _NORMS:
                 targets[f"{p}.{name}.weight"] = _one_plus(getattr(layer, name).weight,
                                                           f"{p}.{name}.weight")
-            for name in ("q_norm", "k_norm"):
+            for name in ("q_norm", "k_norm") if self.qk_norm else ():
                 targets[f"{p}.self_attn.{name}.weight"] = _one_plus(
                     getattr(attn, name).weight, f"{p}.self_attn.{name}.weight")
         return targets
@@ -254,3 +269,12 @@ def _one_plus(param: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
     """Load a Gemma norm weight ``w`` as the scale ``1 + w`` (added in float32)."""
     load = whole_weight_loader(param, name)
     return lambda t: load((t.float() + 1.0).to(param.dtype))
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma-2: Gemma-3's decoder without q/k norms, one RoPE base for every layer (its
+    config has no per-layer-type RoPE parameters), sliding and full layers alternating,
+    attention scores and final logits soft-capped (``attn_logit_softcapping``,
+    ``final_logit_softcapping``)."""
+
+    qk_norm = False

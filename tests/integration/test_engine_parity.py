@@ -116,3 +116,28 @@ def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_sliding_window_model_releases_blocks_behind_the_window(tmp_path, smollm2_dir):
+    """Every layer slides over 16 tokens: blocks behind the window go back to the pool
+    while requests run, so 4 requests that would need 18 blocks of 16 run in 13 without
+    preemption, the freed blocks rewritten by others, and still match HF."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=16, eos_token_id=2,
+                           bos_token_id=1)
+    hf = _random_model_dir(tmp_path, smollm2_dir, config)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (17, 33, 48, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(tmp_path), dtype="float32", block_size=16, num_blocks=14, max_model_len=128,
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["num_preemptions"] == 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

@@ -153,6 +153,17 @@ class KVCacheGroup:
         return self.page_bytes * len(self.layers)
 
 
+def kv_window(groups: Sequence[KVCacheGroup]) -> int | None:
+    """How many of the latest keys the layers of ``groups`` read at most: the widest
+    window when every group is a :class:`SlidingWindowSpec`, else ``None`` (some layer
+    reads the whole context). Blocks wholly behind it are never read again."""
+    windows = [g.spec.window if isinstance(g.spec, SlidingWindowSpec) else None
+               for g in groups]
+    if not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
+
+
 def one_kv_cache_group(attn: AttentionBackend, num_layers: int) -> tuple[KVCacheGroup]:
     """All ``num_layers`` layers on one backend: the groups of a model (or draft head)
     whose layers all cache alike."""

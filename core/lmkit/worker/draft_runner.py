@@ -141,6 +141,10 @@ class DraftRunner:
         """Bytes one block of the head's KV cache takes (all its layers)."""
         return memory.kv_bytes_per_block(self._kv_groups())
 
+    def kv_groups(self) -> tuple[KVCacheGroup]:
+        """The head's KV cache group (its layers on its one backend)."""
+        return self._kv_groups()
+
     def allocate(self, num_blocks: int) -> None:
         """Allocate the head's KV caches: ``num_blocks`` blocks, as many as the target's."""
         self.kv_caches = memory.allocate_kv_caches(self._kv_groups(), num_blocks, self.device)

@@ -20,7 +20,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
-from lmkit.api.kv_cache_spec import KVCacheGroup
+from lmkit.api.kv_cache_spec import KVCacheGroup, kv_window
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
@@ -162,6 +162,13 @@ class ModelRunner:
         head's, if any)."""
         head = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return memory.kv_bytes_per_block(self.kv_groups) + head
+
+    def kv_window(self) -> int | None:
+        """How many of the latest keys any layer (the draft head's included) reads, when
+        every layer slides; ``None`` when one reads the whole context
+        (:attr:`lmkit.api.ModelInfo.kv_window`)."""
+        head = self.drafter.kv_groups() if self.drafter is not None else ()
+        return kv_window((*self.kv_groups, *head))
 
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""

@@ -70,6 +70,8 @@ class AttentionBackend(ABC):
 
     * :attr:`supports_model_kv_write`: models may store K/V into the cache themselves
       (see :meth:`kv_write_slots`).
+    * :attr:`supports_logits_soft_cap`: the backend honours ``logits_soft_cap``; built
+      with one otherwise, it raises (its spec must then not claim ``logits_soft_cap``).
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -77,6 +79,11 @@ class AttentionBackend(ABC):
     #: and honours ``run(..., kv_written=True)``. ``False`` (the default): :meth:`run`
     #: always writes them.
     supports_model_kv_write: ClassVar[bool] = False
+
+    #: Whether :meth:`run` soft-caps attention scores when built with ``logits_soft_cap``
+    #: (the spec claims the ``logits_soft_cap`` feature too). ``False``: constructing the
+    #: backend with a cap raises instead of silently ignoring it.
+    supports_logits_soft_cap: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
@@ -92,6 +99,11 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.options = options
         self.causal = causal
+        if logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"{type(self).__name__} cannot soft-cap attention scores (asked for "
+                f"logits_soft_cap={logits_soft_cap}); use a backend whose spec claims "
+                "the logits_soft_cap feature, e.g. 'torch'")
         self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod

@@ -78,8 +78,11 @@ class TorchAttention(AttentionBackend):
 
     Handles prefill, prefill over a cached prefix, chunked prefill, decode and
     multi-token decode queries (speculative decoding) in one mixed batch; GQA and an
-    optional sliding window. It is the reference the fast backends are tested against.
+    optional sliding window and attention-score soft cap. It is the reference the fast
+    backends are tested against.
     """
+
+    supports_logits_soft_cap = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -74,16 +74,19 @@ def test_gemma2_alternates_sliding_and_full_layers_with_one_rope():
             == rope_config_from_hf(cfg, 16, "full_attention"))
 
 
-def test_attention_soft_capping_is_a_need_only_torch_serves():
+def test_attention_soft_capping_is_a_need_torch_and_flashinfer_serve():
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     facts = load_model_facts(Path("/nonexistent"), host, hf_config=_gemma2())
     assert {"sliding_window", "logits_soft_cap"} <= facts.attention_needs.features
-    for name in ("cpu", "triton", "flashinfer", "flash_attn"):
+    for name in ("cpu", "triton", "flash_attn"):
         why = host.registry.get("attention", name).spec.why_not(facts.attention_needs)
         assert "does not support logits_soft_cap" in why, name
     cpu = Needs(values={"device": "cpu", "dtype": "float32"})
     assert not host.registry.get("attention", "torch").spec.why_not(
         facts.attention_needs.merge(cpu))
+    cuda = Needs(values={"device": "cuda", "dtype": "bfloat16"})
+    assert "does not support logits_soft_cap" not in host.registry.get(
+        "attention", "flashinfer").spec.why_not(facts.attention_needs.merge(cuda))
     # Gemma-3 leaves it null: no such need; set, it is needed there too
     gemma3 = load_model_facts(Path("/nonexistent"), host, hf_config=_config())
     assert "logits_soft_cap" not in gemma3.attention_needs.features

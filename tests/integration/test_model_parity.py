@@ -41,10 +41,12 @@ VARIANTS = {
                                          sliding_window=6, max_window_layers=1,
                                          num_hidden_layers=3)),
     # Gemma-3 text: layers 0, 1 slide (6 tokens, local RoPE base), layer 2 is global
+    # (linear RoPE scaling on global layers only, as Gemma-3 4B+ checkpoints have)
     "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
                                         layer_types=["sliding_attention", "sliding_attention",
                                                      "full_attention"],
                                         query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0},
                                         final_logit_softcapping=30.0)),
     # Gemma-2: layers 0, 2 slide (6 tokens), layer 1 is global; attention scores capped
     # at 1 and logits at 3 (low enough to bite on these random weights)

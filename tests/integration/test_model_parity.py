@@ -40,6 +40,25 @@ VARIANTS = {
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    # hybrid: layer 0 full attention, layer 1 a 6-token window (two KV cache groups)
+    "qwen2-hybrid": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=6,
+                                         max_window_layers=1)),
+    "qwen3-hybrid": ("Qwen3Config", dict(head_dim=32, use_sliding_window=True,
+                                         sliding_window=6, max_window_layers=1,
+                                         num_hidden_layers=3)),
+    # Gemma-3 text: layers 0, 1 slide (6 tokens, local RoPE base), layer 2 is global
+    # (linear RoPE scaling on global layers only, as Gemma-3 4B+ checkpoints have)
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "sliding_attention",
+                                                     "full_attention"],
+                                        query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                        final_logit_softcapping=30.0)),
+    # Gemma-2: layers 0, 2 slide (6 tokens), layer 1 is global; attention scores capped
+    # at 1 and logits at 3 (low enough to bite on these random weights)
+    "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                    final_logit_softcapping=3.0)),
     # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
@@ -67,6 +86,10 @@ def build_hf_model(variant: str, directory: Path):
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norm weights start at 0 (Gemma) or 1: make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory)
     return model
 
@@ -217,3 +240,21 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(variant, device):
         driver.step({r: 1 for r, p in PROMPTS.items()
                      if len(driver.tokens[r]) < len(p) + NEW_TOKENS})
     check_against_hf(model, driver)
+
+
+def test_hybrid_model_plans_each_groups_backend_once_per_step(tmp_path):
+    build_hf_model("qwen3-hybrid", tmp_path)
+    runner = make_runner(tmp_path)
+    groups = runner.kv_groups
+    assert [g.spec.describe() for g in groups] == ["full_attention",
+                                                   "sliding_window(window=6)"]
+    assert [g.layers for g in groups] == [(0,), (1, 2)]
+    assert runner.model.attn is groups[0].attn and groups[1].attn.sliding_window == 6
+    calls = []
+    for g in groups:
+        plan = g.attn.plan
+        g.attn.plan = lambda md, plan=plan, g=g: (calls.append(g.spec.kind), plan(md))[1]
+    driver = Driver(runner)
+    driver.step({"a": 5}, {"a": PROMPTS["a"]})
+    driver.step({"a": 1})
+    assert calls == ["full_attention", "sliding_window"] * 2

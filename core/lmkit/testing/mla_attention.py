@@ -82,7 +82,8 @@ class MLACase(AttentionCase):
     def of(cls, heads: int, dims: tuple[int, int, int, int], block_size: int,
            dtype: torch.dtype, device: torch.device) -> MLACase:
         rank, nope, rope, v = dims
-        return cls(heads, 1, rank + rope, block_size, dtype, device, None, rank, nope, rope, v)
+        return cls(heads, 1, rank + rope, block_size, dtype, device, kv_lora_rank=rank,
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
 
     @property
     def scale(self) -> float:

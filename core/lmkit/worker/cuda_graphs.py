@@ -70,7 +70,8 @@ class CudaGraphRunner:
 
     Args:
         model: the runner's model (``model(input_ids, positions, ctx) -> hidden``,
-            ``model.attn`` its attention backend).
+            ``model.attn`` its attention backend, ``model.kv_cache_groups()`` every
+            backend planned per step).
         kv_caches: the runner's KV caches (fixed for the graphs' lifetime).
         device: the CUDA device.
         max_num_seqs: the scheduler's request limit (the largest size captured).
@@ -97,6 +98,8 @@ class CudaGraphRunner:
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
         pin = torch.device(device).type == "cuda"
         self.attn = model.attn
+        # every KV cache group's backend is planned per replay (one for most models)
+        self.kv_groups = model.kv_cache_groups(len(kv_caches))
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
@@ -137,7 +140,7 @@ class CudaGraphRunner:
                 self._wait_for_copies()
                 self._stage_padding_only(bs)
                 self._upload(bs, 0, 1)
-                self.attn.plan(self._metadata(bs))
+                self._plan(bs)
                 self._run_model(bs)  # warm-up: compiles kernels, creates library handles
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -156,6 +159,11 @@ class CudaGraphRunner:
         ids, positions = self._packed[:bs], self._packed[bs:2 * bs]
         ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
         return self.model(ids, positions, ctx), ctx.aux_hidden_states
+
+    def _plan(self, bs: int) -> None:
+        md = self._metadata(bs)
+        for group in self.kv_groups:
+            group.attn.plan(md)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         """The padded decode metadata of a graph of size ``bs`` (device views fixed)."""
@@ -234,7 +242,7 @@ class CudaGraphRunner:
         self._upload(bs, n, width)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
-        self.attn.plan(self._metadata(bs))
+        self._plan(bs)
         if self.use_graphs:
             graph, hidden, taps = self._graphs[bs]
             graph.replay()

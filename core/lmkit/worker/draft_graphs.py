@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lmkit.api.kv_cache_spec import one_kv_cache_group
 from lmkit.api.model import ForwardContext
 from lmkit.worker.cuda_graphs import CudaGraphRunner
 
 if TYPE_CHECKING:
+    from lmkit.api.kv_cache_spec import KVCacheGroup
     from lmkit.api.spec_decode import RunnerProposer
 
 
@@ -40,6 +42,10 @@ class HeadPass:
         self.proposer = proposer
         self.attn = proposer.attn
         self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
+
+    def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
+        """One group: the head's layers on its own backend."""
+        return one_kv_cache_group(self.attn, num_layers)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
+from lmkit.api.kv_cache_spec import KVCacheGroup, one_kv_cache_group
 from lmkit.api.model import CausalLM, ForwardContext
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
 from lmkit.errors import ConfigError, PluginError
@@ -139,15 +140,21 @@ class DraftRunner:
         return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
                    torch.device(ctx.build.device))
 
-    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
-        return memory.kv_bytes_per_block(self.proposer.attn, self.proposer.num_kv_layers, dtype)
+        return memory.kv_bytes_per_block(self._kv_groups())
 
-    def allocate(self, num_blocks: int, dtype: torch.dtype) -> None:
+    def kv_groups(self) -> tuple[KVCacheGroup]:
+        """The head's KV cache group (its layers on its one backend)."""
+        return self._kv_groups()
+
+    def allocate(self, num_blocks: int) -> None:
         """Allocate the head's KV caches: ``num_blocks`` blocks, as many as the target's."""
-        self.kv_caches = memory.allocate_kv_caches(self.proposer.attn,
-                                                   self.proposer.num_kv_layers, num_blocks,
-                                                   dtype, self.device)
+        self.kv_caches = memory.allocate_kv_caches(self._kv_groups(), num_blocks, self.device)
+
+    def _kv_groups(self) -> tuple[KVCacheGroup]:
+        """The head's layers, all on its one backend."""
+        return one_kv_cache_group(self.proposer.attn, self.proposer.num_kv_layers)
 
     def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
                        dtype: torch.dtype) -> None:

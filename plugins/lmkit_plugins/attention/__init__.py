@@ -7,7 +7,8 @@ else ``flash_attn`` (40) when a FlashAttention generation is installed, else ``t
 kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
-declare ``non_causal`` (bidirectional attention, for encoders such as BERT).
+declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
+and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping).
 
 Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
 (multi-head/grouped-query attention over per-head K/V), ``mla_torch`` ``"mla"``
@@ -70,7 +71,7 @@ def register_attention_backends(register):
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal"},
+             "non_causal", "logits_soft_cap"},
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
              "attention_kind": {MHA}},
         ),
@@ -103,7 +104,7 @@ def register_attention_backends(register):
         options=FlashInferAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "cuda_graphs"},
+             "cuda_graphs", "logits_soft_cap"},
             {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256},
              "attention_kind": {MHA}},
         ),

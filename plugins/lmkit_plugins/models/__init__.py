@@ -31,6 +31,17 @@ def register_models(register):
                     "routing and shared experts; MTP layers skipped.",
     ))
     register(Spec(
+        name="Gemma3ForCausalLM", target="lmkit_plugins.models.gemma3:Gemma3ForCausalLM",
+        description="Gemma-3 text: sliding-window and full-attention layers interleaved "
+                    "(two KV cache groups), q/k norms, local and global RoPE bases.",
+    ))
+    register(Spec(
+        name="Gemma2ForCausalLM", target="lmkit_plugins.models.gemma3:Gemma2ForCausalLM",
+        description="Gemma-2: sliding-window and full-attention layers alternating (two KV "
+                    "cache groups), attention-score and final-logit soft-capping (needs a "
+                    "backend declaring logits_soft_cap: torch).",
+    ))
+    register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
         aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
         description="The Llama family without a language-model head (e.g. a Qwen3Model "

@@ -56,7 +56,8 @@ def _mlp_dims(cfg: Any) -> LlamaDims:
         head_dim=int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim),
         rms_norm_eps=float(cfg.rms_norm_eps),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None)
+        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None,
+            layer_windows=(None,) * int(cfg.num_hidden_layers))
 
 
 class DeepseekDecoderLayer(nn.Module):

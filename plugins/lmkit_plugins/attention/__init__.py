@@ -7,12 +7,23 @@ else ``flash_attn`` (40) when a FlashAttention generation is installed, else ``t
 kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
-declare ``non_causal`` (bidirectional attention, for encoders such as BERT).
+declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
+and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping).
+
+Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
+(multi-head/grouped-query attention over per-head K/V); ``mla_torch`` (10, CPU and
+CUDA), ``mla_triton`` (46) and ``mla_flashinfer`` (48, kv_lora_rank 512 + rope 64 only)
+``"mla"`` (DeepSeek's multi-head latent attention over a latent cache, ``[num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]``). Models need one kind
+(:class:`lmkit.api.ModelFacts` ``attention_needs``), so ``auto`` never picks an MLA
+backend for Llama nor an MHA one for DeepSeek, and naming one is refused before the
+weights load.
 """
 
 from typing import Literal
 
 from lmkit.api import Caps, Spec, hookimpl
+from lmkit.api.mla_attention import MHA, MLA
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
@@ -65,8 +76,9 @@ def register_attention_backends(register):
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal"},
-            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"}},
+             "non_causal", "logits_soft_cap"},
+            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {MHA}},
         ),
         description="Reference paged attention in plain torch (CPU and CUDA).",
     ))
@@ -75,7 +87,7 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "non_causal"},
-            {"device": {"cpu"}, "dtype": {"float32"}},
+            {"device": {"cpu"}, "dtype": {"float32"}, "attention_kind": {MHA}},
         ),
         description="Reference paged attention with decode steps in lmkit's C kernel "
                     "(CPU, float32).",
@@ -87,7 +99,7 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
             {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
-             "head_size": {64, 80, 96, 128, 256}},
+             "head_size": {64, 80, 96, 128, 256}, "attention_kind": {MHA}},
         ),
         description="lmkit's Triton paged attention: split-K decode, causal prefill (CUDA).",
     ))
@@ -97,8 +109,9 @@ def register_attention_backends(register):
         options=FlashInferAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "cuda_graphs"},
-            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256}},
+             "cuda_graphs", "logits_soft_cap"},
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256},
+             "attention_kind": {MHA}},
         ),
         description="FlashInfer batch decode/prefill wrappers over the paged cache (CUDA).",
     ))
@@ -109,20 +122,32 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "cuda_graphs"},
-            {"device": {"cuda"}, "dtype": set(DTYPES), "head_size": set(CLAIMED_HEAD_SIZES)},
+            {"device": {"cuda"}, "dtype": set(DTYPES), "head_size": set(CLAIMED_HEAD_SIZES),
+             "attention_kind": {MHA}},
         ),
         description="FlashAttention varlen kernels over the paged cache, FA4 > FA3 > FA2 "
                     "(CUDA); ranked below flashinfer and triton under auto until measured.",
     ))
+    register(Spec(
+        name="mla_torch", target="lmkit_plugins.attention.mla_torch:MLATorchAttention",
+        priority=10,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill"},
+            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {MLA}},
+        ),
+        description="Reference multi-head latent attention (DeepSeek-V2/V3) in plain torch: "
+                    "absorbed decode over the latent cache, decompressed prefill (CPU, CUDA).",
+    ))
     # MLA backends (multi-head latent attention, DeepSeek-V2/V3): only for models whose
-    # needs say attention_kind=mla; ranked below the ordinary backends under auto
+    # needs say attention_kind=mla; on CUDA auto prefers mla_flashinfer, then mla_triton
     register(Spec(
         name="mla_triton", target="lmkit_plugins.attention.mla_triton:MLATritonAttention",
         priority=46, requires=("triton",), needs_cuda=True, options=MLATritonAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
             {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
-             "attention_kind": {"mla"}},
+             "attention_kind": {MLA}},
         ),
         description="lmkit's Triton MLA: absorbed split-K decode over the latent cache, "
                     "decompressed causal prefill (CUDA).",
@@ -135,7 +160,7 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
             # FlashInfer's MLA kernels: kv_lora_rank 512 + qk_rope_head_dim 64 only
-            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {"mla"},
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {MLA},
              "head_size": {576}},
         ),
         description="FlashInfer's MLA paged wrapper (absorbed form, kv_lora_rank 512 and "

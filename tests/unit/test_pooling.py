@@ -95,23 +95,23 @@ def test_pooling_requests_skip_the_prefix_cache():
     assert so.num_scheduled_tokens["p"] == 16  # every position computed for the pooler
 
 
-@pytest.mark.parametrize("per_request", [True, False])
+@pytest.mark.parametrize("max_groups", [1, 8])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-@pytest.mark.parametrize("lens", [[5, 3, 1], [4, 4], [7]])
-def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, per_request):
+@pytest.mark.parametrize("lens", [[5, 3, 1], [4, 4], [7], [9, 1, 4, 4, 7, 2, 3, 8, 5, 6, 2]])
+def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups):
     from lmkit_plugins.attention.torch_ref import TorchAttention
 
     block, heads = 4, 4
     attn = TorchAttention(num_heads=heads, num_kv_heads=num_kv_heads, head_size=8,
                           scale=8 ** -0.5, dtype=DTYPE, device=torch.device("cpu"),
                           block_size=block, causal=False)
-    attn.attend_per_request = per_request  # (the padded call is the default)
-    tables = [[1 + 2 * i, 2 + 2 * i] for i in range(len(lens))]
+    attn.max_length_groups = max_groups  # one padded call, or requests of similar length
+    tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(lens))]
     attn.plan(make_metadata([(0, n) for n in lens], block, tables))
     total = sum(lens)
     q = torch.randn(total, heads, 8, dtype=DTYPE)
     k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
-    cache = torch.zeros(attn.kv_cache_shape(16), dtype=DTYPE)
+    cache = torch.zeros(attn.kv_cache_shape(40), dtype=DTYPE)
     out = attn.run(0, q, k, v, cache)
     group = heads // num_kv_heads
     start = 0
@@ -123,6 +123,20 @@ def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, 
             q[s].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), scale=8 ** -0.5)
         assert torch.allclose(out[s], ref.transpose(0, 1), atol=1e-6)
         start += n
+
+
+def test_length_groups_cover_every_request_once_and_cut_padding():
+    import numpy as np
+    from lmkit_plugins.attention.torch_ref import length_groups
+
+    lens = np.array([40, 6, 33, 12, 8, 25, 7, 39, 15, 30, 9, 11, 36, 20, 6, 28] * 4)
+    groups = length_groups(lens)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lens)))
+    assert 1 < len(groups) <= 8
+    padded = sum(len(g) * int(lens[g].max()) ** 2 for g in groups)
+    assert padded < 0.6 * len(lens) * int(lens.max()) ** 2  # vs one call padded to 40
+    assert len(length_groups(np.array([30, 31, 30, 29]))) == 1  # nothing to gain
+    assert len(length_groups(lens, max_groups=1)) == 1
 
 
 def _bert() -> BertConfig:

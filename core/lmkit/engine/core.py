@@ -126,7 +126,9 @@ class EngineCore:
         cfg = config.model_copy(deep=True)
         cfg.model.model = str(self.model_dir)
         cfg.model.max_model_len = max_len
-        cfg.model.dtype = self.stack.dtype  # what auto resolved to (workers resolve again)
+        # what auto resolved to (workers resolve again); update= as the stack's dtype is
+        # a plain str, one of the field's choices
+        cfg.model = cfg.model.model_copy(update={"dtype": self.stack.dtype})
         if not self.facts.pooling.causal:
             # bidirectional attention: a token's K/V depend on the whole prompt, so each
             # prompt runs in one step and no prefix of it can be reused

@@ -80,7 +80,7 @@ def resolve_device(config: LMKitConfig, encoder: bool = False) -> tuple[str, str
             "executor.device is 'cuda'" + (f" (set by {where})" if where else "")
             + ", but this machine has no CUDA device that torch can use; run it where "
             "one is, or use --device cpu (or auto) and a CPU dtype such as float32.")
-    dtype = config.model.dtype
+    dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = auto_dtype(device, encoder)
     return device, dtype

@@ -58,3 +58,11 @@ def test_forward_add_of_a_padded_layer_falls_back_to_the_plain_add():
     x = torch.randn(64, 96)
     residual = torch.randn(64, 512)
     torch.testing.assert_close(layer.forward_add(x, residual), layer.forward(x) + residual)
+
+
+def test_forward_add_of_a_strided_or_other_dtype_residual_equals_the_plain_add():
+    layer = _linear(torch.float32)
+    x = torch.randn(64, 96)
+    wide = torch.randn(64, 320)
+    for residual in (wide[:, ::2], torch.randn(64, 160, dtype=torch.float64)):
+        torch.testing.assert_close(layer.forward_add(x, residual), layer.forward(x) + residual)

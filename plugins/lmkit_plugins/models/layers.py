@@ -210,7 +210,8 @@ class Linear(nn.Module):
     def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``forward(x) + other`` (a residual); on the CPU the add is oneDNN's binary
         post-op, applied before the result is stored."""
-        if self._onednn_fusable(x) and other.shape == (x.shape[0], self.out_features):
+        if (self._onednn_fusable(x) and other.shape == (x.shape[0], self.out_features)
+                and other.dtype == x.dtype and other.is_contiguous()):
             return _linear_binary(x, other, self.weight, self.bias, "add")
         return self.forward(x) + other
 

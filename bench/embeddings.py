@@ -9,9 +9,10 @@ torch threads (``--threads``). Each of ``--dtypes`` (default float32 and bfloat1
 on both sides: lmkit with ``dtype=...``, sentence-transformers in float32 (its default)
 or after ``model.to(torch.bfloat16)``. Reported: texts/s per round and the median of
 each side; the ratios at equal precision (lmkit / sentence-transformers in the same
-dtype) and lmkit's default (``dtype=auto``, whatever it resolves to here) against
-sentence-transformers' default (float32), labelled with both precisions; and per
-side the smallest cosine, over the texts, to sentence-transformers' float32 vectors.
+dtype; of the medians, and round by round) and lmkit's default (``dtype=auto``,
+whatever it resolves to here) against sentence-transformers' default (float32),
+labelled with both precisions; and per side the smallest cosine, over the texts, to
+sentence-transformers' float32 vectors.
 """
 
 from __future__ import annotations
@@ -103,12 +104,24 @@ def main(argv: list[str] | None = None) -> int:
               / medians[f"sentence_transformers_{d}"] for d in dtypes}
     ratios[f"defaults_lmkit_auto={auto}_vs_sentence_transformers_float32"] = (
         medians[f"lmkit_{auto}"] / medians["sentence_transformers_float32"])
+    # the same ratios round by round (every side runs once per round, so a load change
+    # between rounds cancels): median, min and max over the rounds
+    pairs = {f"equal_precision_{d}": (f"lmkit_{d}", f"sentence_transformers_{d}")
+             for d in dtypes}
+    pairs[f"defaults_lmkit_auto={auto}_vs_sentence_transformers_float32"] = (
+        f"lmkit_{auto}", "sentence_transformers_float32")
+    paired = {}
+    for key, (a, b) in pairs.items():
+        per_round = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+        paired[key] = {"median": statistics.median(per_round), "min": min(per_round),
+                       "max": max(per_round)}
     result = {
         "model": args.model, "texts": len(texts), "batch_size": args.batch_size,
         "threads": args.threads, "rounds": args.rounds, "lmkit_auto_dtype": auto,
         "texts_per_s": rates, "median_texts_per_s": medians,
         "spread_texts_per_s": {k: [min(v), max(v)] for k, v in rates.items()},
-        "ratios": ratios, "min_cosine_vs_sentence_transformers_float32": min_cos,
+        "ratios": ratios, "paired_ratios_per_round": paired,
+        "min_cosine_vs_sentence_transformers_float32": min_cos,
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
         "load_average": os.getloadavg(),
     }

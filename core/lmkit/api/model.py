@@ -97,7 +97,9 @@ class Model(ABC):
         """What the model needs of the attention backend, known from its config alone
         (e.g. ``Needs({"sliding_window"})``); stack resolution then refuses or avoids
         backends that lack it, before weights load. The head size is added by lmkit,
-        and ``non_causal`` when :attr:`pooling` says the attention is bidirectional.
+        and ``attention_kind="mha"`` unless this returns another kind (an MLA model
+        returns ``Needs(values={"attention_kind": "mla", "head_size": ...})``, see
+        :class:`~lmkit.api.MLAAttentionBackend`), and ``non_causal`` when :attr:`pooling` says the attention is bidirectional.
         Optional: the default needs nothing."""
         from lmkit.plugin_host.spec import Needs
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.contract import interface_problem
+from lmkit.api.mla_attention import MHA
 from lmkit.api.model import CausalLM, Model, PoolingModel
 from lmkit.api.model_facts import ModelFacts
 from lmkit.errors import ConfigError, ModelLoadError, PluginError, UnknownBackendError
@@ -57,7 +58,10 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
     model_cls = model_class(registration)
     head_size = head_size_of(hf_config)
     native = native_max_model_len(hf_config)
-    needs = Needs(values={"head_size": head_size}).merge(model_cls.attention_needs(hf_config))
+    # every model needs one attention kind: multi-head (the default) or latent (MLA,
+    # declared by the model's attention_needs)
+    needs = Needs(values={"head_size": head_size, "attention_kind": MHA}).merge(
+        model_cls.attention_needs(hf_config))
     if not model_cls.pooling.causal:  # an encoder: bidirectional attention
         needs = needs.merge(Needs(features=frozenset({"non_causal"})))
     return ModelFacts(

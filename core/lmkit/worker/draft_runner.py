@@ -42,10 +42,12 @@ from lmkit.api.model import CausalLM, ForwardContext
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
 from lmkit.errors import ConfigError, PluginError
 from lmkit.worker import memory
+from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_draft_passes
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 
@@ -127,6 +129,7 @@ class DraftRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DraftPassGraphs | None = None  # the k - 1 draft passes, captured
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
@@ -145,6 +148,16 @@ class DraftRunner:
         self.kv_caches = memory.allocate_kv_caches(self.proposer.attn,
                                                    self.proposer.num_kv_layers, num_blocks,
                                                    dtype, self.device)
+
+    def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
+                       dtype: torch.dtype) -> None:
+        """Capture the draft passes in CUDA graphs when the target's decode runs in
+        graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly)."""
+        proposer = self.proposer
+        if proposer.supports_cuda_graphs and proposer.hidden_size > 0:
+            self.graphs = maybe_capture_draft_passes(
+                proposer, self.kv_caches, target_graphs, self.k, proposer.hidden_size, dtype,
+                max_num_seqs, self.max_model_len, self.block_size)
 
     # ------------------------------------------------------------------ one step
 
@@ -203,9 +216,15 @@ class DraftRunner:
             pos = last[act] + j
             table_rows = self.input_batch.block_table[rows[drafter[act]], pos // self.block_size]
             slots = table_rows * self.block_size + pos % self.block_size
-            ones = np.ones(len(act), dtype=np.int64)
-            h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
-                          np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
+            if self.graphs is not None and len(act) <= self.graphs.max_rows:
+                host_tables = self.input_batch.block_table[rows[drafter[act]],
+                                                           :draft_tables.shape[1]]
+                h = self.graphs.run(drafts[act_t, j - 1], feat.index_select(0, act_t), pos,
+                                    slots.astype(np.int64), host_tables)
+            else:
+                ones = np.ones(len(act), dtype=np.int64)
+                h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
+                              np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
             feat[act_t] = h
             drafts[act_t, j] = self.proposer.compute_logits(h).argmax(dim=-1)
         host = drafts.cpu().tolist()  # the one device-to-host copy of the drafts

@@ -180,8 +180,12 @@ class ModelRunner:
                                             self.model.attn)
         if self.device.type == "cuda":
             warm_up_step_shapes(self.dummy_step_model())
+        aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
-                                         self.device, self.max_model_len)
+                                         self.device, self.max_model_len, tuple(aux_layers))
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
+                                        self.dtype)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
         # a pooling-only model never decodes; a draft head drafts after every forward
@@ -330,11 +334,10 @@ class ModelRunner:
                  aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``.
         With ``aux``, the inputs of the draft head's target layers are appended to it
-        (an eager forward: captured graphs do not return them)."""
+        (captured graphs return them too)."""
         graphs = self.cuda_graphs
-        if (graphs is not None and kv_caches is self.kv_caches and aux is None
-                and graphs.can_replay(step)):
-            return graphs.replay(step)  # pure decode: a captured CUDA graph
+        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+            return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         seq_lens = step.seq_lens.numpy()
         md = AttentionMetadata(

@@ -21,6 +21,16 @@ def register_models(register):
                     "(top-k softmax routing; fused Triton MoE kernel on CUDA).",
     ))
     register(Spec(
+        name="DeepseekV2ForCausalLM", target="lmkit_plugins.models.deepseek:DeepseekV2ForCausalLM",
+        description="DeepSeek-V2 (and -Lite): multi-head latent attention on an MLA backend, "
+                    "dense first layers, MoE with shared experts (greedy/group-limited routing).",
+    ))
+    register(Spec(
+        name="DeepseekV3ForCausalLM", target="lmkit_plugins.models.deepseek:DeepseekV3ForCausalLM",
+        description="DeepSeek-V3: MLA (q-LoRA, YaRN), MoE with sigmoid bias-corrected grouped "
+                    "routing and shared experts; MTP layers skipped.",
+    ))
+    register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
         aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
         description="The Llama family without a language-model head (e.g. a Qwen3Model "

@@ -51,8 +51,9 @@ class ModelConfig(Section):
     source: str = Field("auto", description="Model source plugin, or 'auto' to detect.")
     tokenizer: str | None = Field(None, description="Tokenizer path if different from the model.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype; 'auto' is float32 on CPU, bfloat16 on CUDA."
-    )
+        "auto", description="Weight and activation dtype; 'auto' is bfloat16 on CUDA, and on "
+        "the CPU float32, except bfloat16 for encoder (embedding) models on CPUs with "
+        "hardware bfloat16 matmuls (AMX or AVX512-BF16).")
     max_model_len: int | None = Field(
         None, gt=0, description="Context length; defaults to the model's own."
     )

@@ -15,6 +15,7 @@ from typing import Any
 from lmkit.api.outputs import PoolingOutput, RequestOutput
 from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.config.parallel import check_single_engine
 from lmkit.config.schema import LMKitConfig
 from lmkit.plugin_host.manager import PluginHost
 
@@ -123,6 +124,7 @@ class LLM:
         from lmkit.frontend.processor import InputProcessor
 
         cfg = build_config(model, config, options)
+        check_single_engine(cfg, "the offline LLM")
         if plugins:
             cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *plugins]})
         self.host = PluginHost.load(cfg.plugins)

@@ -172,3 +172,10 @@ def test_tp_refuses_quantized_weights_and_auto_keeps_them_dense():
     with pytest.raises(NoBackendError, match="quantization 'gguf'.*tensor_parallel"):
         resolve_stack(_load({**base, "quantization.backend": "gguf"}), host,
                       weight_format="gguf")
+
+
+def test_the_offline_llm_refuses_data_parallel_before_loading_anything(tmp_path):
+    from lmkit.frontend.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"data_parallel_size is 2.*offline LLM.*--dp N"):
+        LLM(str(tmp_path / "no-such-model"), data_parallel_size=2)

@@ -59,6 +59,13 @@ def test_serve_refuses_an_impossible_stack_before_binding(flags):
     assert port_is_free(port)
 
 
+def test_serve_refuses_dp_zero_naming_the_flag():
+    served = lmkit_cli("serve", "--port", str(free_port()), "--dp", "0")
+    assert served.returncode == 2, served.stderr
+    assert ("parallel.data_parallel_size: Input should be greater than 0 (got 0) "
+            "[set by command-line option --dp]") in served.stderr
+
+
 def test_serve_refuses_two_key_sources_and_warns_about_a_key_in_argv(tmp_path):
     both = lmkit_cli("serve", "--api-key", "k", "--api-key-file", str(tmp_path / "k"))
     assert both.returncode == 2 and "--api-key and --api-key-file" in both.stderr

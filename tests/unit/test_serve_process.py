@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lmkit.config.schema import LMKitConfig, ServerConfig
@@ -166,6 +167,7 @@ class FakeLLM:
         self.failures = failures
         self.restart_calls: list[float] = []
         self.restarted_engines: list[int] = []
+        self.warmed: list[int | None] = []
         self.is_shutting_down = False
         self.dead_reason: str | None = None
 
@@ -196,8 +198,10 @@ class FakeLLM:
         self.engines[engine] = FakeEngine()
         self.restarted_engines.append(engine)
 
-    async def warm_up(self, engine: int | None = None) -> None:
-        pass
+    ready = SimpleNamespace(generates=False)  # warm_up() embeds one prompt
+
+    async def embed(self, *args: object, engine: int | None = None, **kwargs: object) -> None:
+        self.warmed.append(engine)
 
 
 def supervise(llm: FakeLLM, attempts: int) -> tuple[EngineSupervisor, list, list]:
@@ -274,7 +278,7 @@ def test_supervisor_restarts_each_data_parallel_engine_on_its_own():
         llm.kill(1)  # and engine 1 again, from its new process
         while len(restarted) < 3:
             await asyncio.sleep(0.01)
-        assert llm.restarted_engines == [1, 0, 1]
+        assert llm.restarted_engines == [1, 0, 1] and llm.warmed == [1, 0, 1]
         task.cancel()
 
     asyncio.run(asyncio.wait_for(main(), 10))

@@ -124,17 +124,10 @@ class AsyncLLM:
         Its requests in flight have already failed; raises
         :class:`~lmkit.frontend.core_client.EngineStartupError` if the new one fails to start.
         """
-        from lmkit.frontend.engine_set import start_engine_slot
-
-        old = self.engines.slots[engine]
-        if old.is_alive() or self._shutting_down:
+        if self.engines.slots[engine].is_alive() or self._shutting_down:
             raise RuntimeError("restart_engine needs a dead engine and a running frontend")
-        if old.loop_task is not None:
-            await asyncio.gather(old.loop_task, return_exceptions=True)
-        await old.client.close(kill=True)
         launch = engine_launches(self.config, self._env)[engine]
-        slot = await start_engine_slot(launch, len(self.engines), startup_timeout)
-        self.engines.slots[engine] = slot
+        slot = await self.engines.replace(launch, startup_timeout)
         if engine == 0:
             self.ready = slot.ready
         self._start_output_loops()
@@ -142,28 +135,6 @@ class AsyncLLM:
     async def wait_engine_death(self, engine: int = 0) -> None:
         """Return once engine ``engine``'s current process has died (or failed)."""
         await self.engines.slots[engine].died.wait()
-
-    async def warm_up(self, max_tokens: int = 4, engine: int | None = None) -> None:
-        """Run one short request through the whole path (chat template, tokenizer, engine
-        prefill and decode, detokenizer) on ``engine`` (default: on every engine, at
-        once), so that the first request's one-time costs (lazy imports and set-up,
-        first-call allocations, kernels built on first use) are paid before the server
-        reports ready. Not counted in the metrics. A pooling-only model (no
-        language-model head) warms up with one embedding."""
-        if engine is None:
-            await asyncio.gather(*(self.warm_up(max_tokens, e) for e in range(len(self.engines))))
-            return
-        rid = f"warm-up-{uuid.uuid4().hex}"
-        if not self.ready.generates:
-            await self.embed("Hello!", PoolingParams(), request_id=rid, engine=engine)
-            return
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        has_template = getattr(self.tokenizer, "chat_template", None) is not None
-        messages = [{"role": "user", "content": "Hello!"}] if has_template else None
-        async for _ in self.generate(None if has_template else "Hello!", params,
-                                     messages=messages, request_id=rid, observe=False,
-                                     engine=engine):
-            pass
 
     # ------------------------------------------------------------------ facts
 
@@ -453,10 +424,4 @@ class AsyncLLM:
         """Fail what is still in flight, stop the engine process, close the channel."""
         self._shutting_down = True
         self._fail_all(EngineDeadError("the server is shutting down"))
-        slots = self.engines.slots
-        for slot in slots:
-            if slot.loop_task is not None:
-                slot.loop_task.cancel()
-        await asyncio.gather(*(s.loop_task for s in slots if s.loop_task is not None),
-                             return_exceptions=True)
-        await asyncio.gather(*(s.client.close(timeout=timeout) for s in slots))
+        await self.engines.close(timeout)

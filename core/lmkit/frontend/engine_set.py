@@ -183,3 +183,23 @@ class EngineSet:
     def requests_on(self, engine: int) -> list[str]:
         """The request ids routed to ``engine`` and not yet released."""
         return [rid for rid, (e, _) in self._routes.items() if e == engine]
+
+    async def replace(self, launch: EngineLaunch, startup_timeout: float | None) -> EngineSlot:
+        """Start a new process for dead engine ``launch.index`` in place of the old one
+        (whose output loop has ended or ends now), and return its slot."""
+        old = self.slots[launch.index]
+        if old.loop_task is not None:
+            await asyncio.gather(old.loop_task, return_exceptions=True)
+        await old.client.close(kill=True)
+        slot = await start_engine_slot(launch, len(self.slots), startup_timeout)
+        self.slots[launch.index] = slot
+        return slot
+
+    async def close(self, timeout: float) -> None:
+        """Stop every engine's output loop, then its process (``timeout`` s each, at once)."""
+        for slot in self.slots:
+            if slot.loop_task is not None:
+                slot.loop_task.cancel()
+        await asyncio.gather(*(s.loop_task for s in self.slots if s.loop_task is not None),
+                             return_exceptions=True)
+        await asyncio.gather(*(s.client.close(timeout=timeout) for s in self.slots))

@@ -19,8 +19,11 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 
+from lmkit.api.pooling import PoolingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import EngineDeadError
 from lmkit.frontend.async_llm import AsyncLLM
@@ -29,6 +32,28 @@ from lmkit.frontend.collector import RequestObserver
 logger = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 60.0  # an engine that ran this long resets the count of restart tries
+
+
+async def warm_up(llm: AsyncLLM, max_tokens: int = 4, engine: int | None = None) -> None:
+    """Run one short request through the whole path (chat template, tokenizer, engine
+    prefill and decode, detokenizer) on ``engine`` (default: on every engine, at once),
+    so that the first request's one-time costs (lazy imports and set-up, first-call
+    allocations, kernels built on first use) are paid before the server reports ready.
+    Not counted in the metrics. A pooling-only model (no language-model head) warms up
+    with one embedding."""
+    if engine is None:
+        await asyncio.gather(*(warm_up(llm, max_tokens, e) for e in range(llm.num_engines)))
+        return
+    rid = f"warm-up-{uuid.uuid4().hex}"
+    if not llm.ready.generates:
+        await llm.embed("Hello!", PoolingParams(), request_id=rid, engine=engine)
+        return
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    messages = [{"role": "user", "content": "Hello!"}] if has_template else None
+    async for _ in llm.generate(None if has_template else "Hello!", params, messages=messages,
+                                request_id=rid, observe=False, engine=engine):
+        pass
 
 
 async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None = None,
@@ -40,7 +65,7 @@ async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None 
                                startup_timeout=startup_timeout)
     try:
         started = time.monotonic()
-        await llm.warm_up()
+        await warm_up(llm)
         logger.info("warm-up request took %.2fs", time.monotonic() - started)
     except BaseException:
         await llm.shutdown()
@@ -141,4 +166,4 @@ class EngineSupervisor:
     async def _restart(self, engine: int) -> None:
         if not self.llm.engine_alive(engine):
             await self.llm.restart_engine(self.startup_timeout, engine=engine)
-        await self.llm.warm_up(engine=engine)
+        await warm_up(self.llm, engine=engine)

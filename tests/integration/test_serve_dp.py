@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from lmkit.config.schema import LMKitConfig
-from serve_live import LiveServer, engine_pid_gone
+from serve_live import CliServer, LiveServer, engine_pid_gone
 
 pytestmark = pytest.mark.slow  # starts two engine processes, about 15 s
 
@@ -88,3 +88,13 @@ def test_dp2_spreads_requests_reports_each_engine_and_survives_a_killed_engine(t
                              json=_body(8, p), timeout=60) for p in prompts[:2]]
         assert [f.result().status_code for f in after] == [200, 200]
     assert engine_pid_gone(pids[1])
+
+
+def test_cli_serves_with_dp2_and_says_so(tiny_dir):
+    with CliServer([str(tiny_dir), "--port", "0", "--served-model-name", "tiny", "--dp", "2",
+                    "--log-level", "warning"]) as cli:
+        resp = httpx.post(f"{cli.url}/v1/completions", json=_body(3), timeout=60)
+        assert resp.status_code == 200, resp.text
+        engines = httpx.get(f"{cli.url}/v1/lmkit/stack").json()["engines"]
+        assert len(engines) == 2 and sum(e["routed_requests"] for e in engines) == 1
+    assert "per engine, 2 engines (data parallel)" in cli.output, cli.output

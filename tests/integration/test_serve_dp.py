@@ -98,3 +98,28 @@ def test_cli_serves_with_dp2_and_says_so(tiny_dir):
         engines = httpx.get(f"{cli.url}/v1/lmkit/stack").json()["engines"]
         assert len(engines) == 2 and sum(e["routed_requests"] for e in engines) == 1
     assert "per engine, 2 engines (data parallel)" in cli.output, cli.output
+
+
+def test_offline_llm_with_dp2_spreads_prompts_and_matches_one_engine(tiny_dir):
+    from lmkit import LLM, SamplingParams
+    from lmkit.errors import InvalidRequestError
+
+    prompts = [f"{word} upon a time there was" for word in ("Once", "Twice", "Thrice",
+                                                              "Again", "Never", "Always")]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_dir)) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with LLM(str(tiny_dir), data_parallel_size=2) as llm:
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == expected  # in order, same tokens
+        stats = llm.stats()
+        assert stats["data_parallel_size"] == 2 and stats["routed_requests"] == [3, 3]
+        # n > 1, a stream closed early (aborted on its engine), then more work
+        assert len(llm.generate(prompts[0], SamplingParams(n=2, max_tokens=4))[0].outputs) == 2
+        stream = llm.stream(prompts[1], SamplingParams(max_tokens=500, ignore_eos=True))
+        next(stream)
+        stream.close()
+        assert not llm.engine.has_unfinished_requests()
+        with pytest.raises(InvalidRequestError):
+            llm.generate("hi", SamplingParams(max_tokens=100_000))
+        assert llm.generate(prompts[2], params)[0].outputs[0].token_ids == expected[2]

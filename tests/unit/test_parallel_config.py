@@ -10,7 +10,6 @@ from lmkit.config import load_config
 from lmkit.config.parallel import (
     check_model_split,
     check_parallel_settings,
-    check_single_engine,
     data_parallel_devices,
 )
 from lmkit.errors import ConfigError, NoBackendError
@@ -73,13 +72,9 @@ def test_engine_launches_plan_one_engine_config_each(monkeypatch):
     assert len(cpu) == 2 and all("CUDA_VISIBLE_DEVICES" not in la.env for la in cpu)
 
 
-def test_data_parallel_size_must_be_positive_and_the_offline_llm_refuses_it():
+def test_data_parallel_size_must_be_positive():
     with pytest.raises(ConfigError, match="data_parallel_size"):
         _load({"parallel.data_parallel_size": 0})
-    check_single_engine(_config(data_parallel_size=1), "the offline LLM")
-    with pytest.raises(ConfigError, match=r"data_parallel_size is 2 \(set by .*\), but the "
-                                          r"offline LLM runs one engine.*lmkit serve --dp N"):
-        check_single_engine(_config(data_parallel_size=2), "the offline LLM")
 
 
 def test_ray_is_not_bound_by_this_hosts_devices(monkeypatch):
@@ -173,9 +168,3 @@ def test_tp_refuses_quantized_weights_and_auto_keeps_them_dense():
         resolve_stack(_load({**base, "quantization.backend": "gguf"}), host,
                       weight_format="gguf")
 
-
-def test_the_offline_llm_refuses_data_parallel_before_loading_anything(tmp_path):
-    from lmkit.frontend.llm import LLM
-
-    with pytest.raises(ConfigError, match=r"data_parallel_size is 2.*offline LLM.*--dp N"):
-        LLM(str(tmp_path / "no-such-model"), data_parallel_size=2)

@@ -71,7 +71,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tensor_parallel_size", ("--tp",), "parallel.tensor_parallel_size", int | None,
          "Split the model over N devices (tensor parallel)."),
     Flag("data_parallel_size", ("--dp",), "parallel.data_parallel_size", int | None,
-         "Engine processes behind one server (data parallel; lmkit serve only)."),
+         "Engine processes to spread requests over (data parallel)."),
     Flag("device", ("--device",), "executor.device", str | None, "auto, cpu or cuda."),
     Flag("dtype", ("--dtype",), "model.dtype", str | None, "auto, float32, bfloat16 or float16."),
     Flag("speculative", ("--speculative",), "speculative.backend", str | None,

@@ -82,21 +82,6 @@ def data_parallel_devices(config: LMKitConfig, device: str, *, visible: str | No
     return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(dp)]
 
 
-def check_single_engine(config: LMKitConfig, who: str) -> None:
-    """Refuse ``data_parallel_size > 1`` where only one engine runs (``who``, e.g. the
-    offline ``LLM``, which runs its engine in the calling process).
-
-    :raises ConfigError: naming the setting, where it came from, and what to use.
-    """
-    dp = config.parallel.data_parallel_size
-    if dp > 1:
-        raise ConfigError(
-            f"parallel.data_parallel_size is {dp}{_where(config, 'parallel.data_parallel_size')}"
-            f", but {who} runs one engine in this process; data parallelism (several engine "
-            "processes behind one router) is for `lmkit serve --dp N`. Drop --dp here, or "
-            "run one LLM per device yourself.")
-
-
 def check_model_split(config: LMKitConfig, facts: ModelFacts) -> None:
     """Refuse a tensor-parallel size the model's shapes do not divide by.
 

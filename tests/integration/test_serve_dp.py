@@ -102,7 +102,7 @@ def test_cli_serves_with_dp2_and_says_so(tiny_dir):
 
 def test_offline_llm_with_dp2_spreads_prompts_and_matches_one_engine(tiny_dir):
     from lmkit import LLM, SamplingParams
-    from lmkit.errors import InvalidRequestError
+    from lmkit.errors import EngineDeadError, InvalidRequestError
 
     prompts = [f"{word} upon a time there was" for word in ("Once", "Twice", "Thrice",
                                                               "Again", "Never", "Always")]
@@ -123,3 +123,6 @@ def test_offline_llm_with_dp2_spreads_prompts_and_matches_one_engine(tiny_dir):
         with pytest.raises(InvalidRequestError):
             llm.generate("hi", SamplingParams(max_tokens=100_000))
         assert llm.generate(prompts[2], params)[0].outputs[0].token_ids == expected[2]
+        os.kill(llm.engine.slots[1].client.pid, signal.SIGKILL)  # fails fast, names it
+        with pytest.raises(EngineDeadError, match="engine 1 of 2"):
+            llm.generate(prompts, SamplingParams(max_tokens=200, ignore_eos=True))

@@ -26,6 +26,7 @@ from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
+from lmkit.engine.step_trace import StepTracePhase
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
@@ -99,14 +100,15 @@ class EngineCore:
         tier = prefix_tier(self.stack, scheduler_cls, self.executor,
                            write_through=self.config.offload.store_policy == "write_through")
         context = SchedulerContext(num_lookahead_slots=self.model_info.num_lookahead_slots,
-                                   prefix_tier=tier)
+                                   prefix_tier=tier, kv_window=self.model_info.kv_window)
         self.scheduler = build("scheduler", scheduler_cls, self.config,
                                num_blocks=self.num_blocks, options=self.stack.options["scheduler"],
                                context=context, plugin=sched_reg.origin)
         structured = StructuredOutputManager.from_stack(
             self.config, self.stack, self.model_dir, self.facts.vocab_size, self.scheduler)
         pooling = PoolingPhase(self.host, self.facts, sentence_transformers_pooler(self.model_dir))
-        phases: list[StepPhase] = [pooling, structured]
+        trace = StepTracePhase.from_env()  # first: its clock starts before the others
+        phases: list[StepPhase] = [*([trace] if trace else []), pooling, structured]
         proposer = ProposerManager.from_stack(self.config, self.stack,
                                               self.facts.vocab_size)
         if proposer is not None:

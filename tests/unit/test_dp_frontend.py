@@ -66,17 +66,18 @@ def test_requests_spread_and_aborts_reach_their_engine(two_engines):
         await agens[1].aclose()
         await asyncio.sleep(0.1)
         stats = [await llm.get_stats(engine=e) for e in range(2)]
+        aborted = [list(e.aborted) for e in engines]
         await agens[0].aclose()
         await llm.shutdown()
-        return outs, routed, on, stats
+        return outs, routed, on, stats, aborted
 
-    outs, routed, on, stats = run(main())
+    outs, routed, on, stats, aborted = run(main())
     assert all(o[-1].outputs[0].text == " one two three" for o in outs)
     assert routed == [2, 2] and [e.num_added for e in engines] == [3, 3]  # 2 short, 1 long
     assert sorted(on) == [0, 1]
     closed_on = on[1]
     # only the engine that ran the closed request was told to abort it
-    assert len(engines[closed_on].aborted) == 1 and not engines[1 - closed_on].aborted
+    assert len(aborted[closed_on]) == 1 and not aborted[1 - closed_on]
     assert stats[closed_on]["num_running_reqs"] == 0
     assert stats[1 - closed_on]["num_running_reqs"] == 1
 
@@ -118,3 +119,37 @@ def test_a_dead_engine_fails_only_its_requests_and_the_other_serves(two_engines)
     assert all(o[-1].outputs[0].text == " one two" for o in after)
     assert routed[1 - victim] == 4 and routed[victim] == 1  # all new ones on the survivor
     assert f"engine {victim}" in reason
+
+
+def test_a_shared_prompt_prefix_stays_on_one_engine(two_engines):
+    make, engines, _ = two_engines
+    system = "You are a helpful assistant. " * 8  # several 16-token blocks
+
+    async def main():
+        llm = await make()
+        await collect(llm.generate(system + "Question one?", SamplingParams(max_tokens=2)))
+        home = engines[1].num_added  # 0 or 1: where the prefix went
+        # a long request pinned there makes `home` the busier engine...
+        busy = llm.generate("long", SamplingParams(max_tokens=200), engine=home)
+        await busy.__anext__()
+        # ...yet the same prefix goes back to it (1 in flight is within the slack)
+        rid = "again"
+        agen = llm.generate(system + "Question two?", SamplingParams(max_tokens=2),
+                            request_id=rid)
+        first = await agen.__anext__()
+        on = llm.engines.engine_of(rid)
+        rest = [o async for o in agen]
+        unrelated = llm.generate("Something else entirely. " * 4, SamplingParams(max_tokens=2),
+                                 request_id="unrelated")
+        await unrelated.__anext__()
+        on_unrelated = llm.engines.engine_of("unrelated")
+        await unrelated.aclose()
+        await busy.aclose()
+        hits = llm.engines.router.num_affinity_hits
+        await llm.shutdown()
+        return home, on, on_unrelated, hits, [first, *rest]
+
+    home, on, on_unrelated, hits, outs = run(main())
+    assert outs[-1].finished
+    assert on == home and hits == 1
+    assert on_unrelated == 1 - home  # no known prefix: the least-loaded engine

@@ -153,3 +153,16 @@ def test_a_shared_prompt_prefix_stays_on_one_engine(two_engines):
     assert outs[-1].finished
     assert on == home and hits == 1
     assert on_unrelated == 1 - home  # no known prefix: the least-loaded engine
+
+
+def test_offline_data_parallel_refuses_a_running_event_loop_before_starting_engines():
+    from lmkit.frontend.dp_engine import DataParallelEngine
+
+    config = LMKitConfig.model_validate({"parallel": {"data_parallel_size": 2},
+                                         "model": {"model": "/nonexistent"}})
+
+    async def inside() -> None:
+        DataParallelEngine(config)
+
+    with pytest.raises(RuntimeError, match="cannot run inside a running one.*AsyncLLM"):
+        asyncio.run(inside())

@@ -101,3 +101,4 @@ def test_dead_engines_are_skipped_and_forgotten():
         router.choose(system, [False, False])
     with pytest.raises(ValueError, match="at least 1"):
         EngineRouter(0, BLOCK)
+

@@ -38,6 +38,22 @@ class DataParallelEngine:
     """``data_parallel_size`` engine processes with ``EngineCore``'s step interface."""
 
     def __init__(self, config: LMKitConfig, startup_timeout: float | None = None) -> None:
+        """Start the engines (in parallel) and wait until all are ready.
+
+        :raises RuntimeError: called from a running event loop (it needs its own).
+        :raises ConfigError: more CUDA devices needed than present.
+        :raises EngineStartupError: an engine failed to start (naming it).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError(
+                f"LLM with data_parallel_size {config.parallel.data_parallel_size} drives its "
+                "engine processes through its own event loop, so it cannot run inside a "
+                "running one (async code, Jupyter); use lmkit.frontend.async_llm.AsyncLLM "
+                "there (await AsyncLLM.start(config)), or call LLM from a thread.")
         self._loop = asyncio.new_event_loop()
         try:
             self.slots: list[EngineSlot] = self._loop.run_until_complete(

@@ -146,3 +146,16 @@ def _hf_names(hf) -> list[tuple[str, torch.Tensor]]:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         return sorted(load_file(str(Path(d) / "model.safetensors")).items())
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_rope_frequencies_live_on_the_model_device(version):
+    """cos/sin are computed on the positions' device with no host copy: a copy from the
+    host inside a forward breaks CUDA-graph capture (seen on the H100). On the meta
+    device, a host-resident tensor in the product would raise."""
+    from lmkit_plugins.models.deepseek_rope import DeepseekRope
+
+    rope = DeepseekRope.from_hf(_config(version), "meta")
+    assert rope.inv_freq.device.type == "meta"
+    cos, sin = rope.cos_sin(torch.arange(5, device="meta"), torch.bfloat16)
+    assert cos.device.type == sin.device.type == "meta" and cos.shape[0] == 5

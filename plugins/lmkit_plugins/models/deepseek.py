@@ -134,7 +134,7 @@ class DeepseekV2ForCausalLM(nn.Module, CausalLM):
         dims = self.dims = _mlp_dims(hf_config)
         attn_dims = MLADims.from_hf(hf_config)
         dtype, device = ctx.dtype, torch.device(ctx.device)
-        self.rope = DeepseekRope.from_hf(hf_config)
+        self.rope = DeepseekRope.from_hf(hf_config, device)
         self.model = DeepseekModel(hf_config, self.rope, dtype, device)
         self.lm_head = None if dims.tie_word_embeddings else Linear(
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype,

@@ -63,13 +63,14 @@ def softmax_scale(cfg: Any) -> float:
 class DeepseekRope:
     """Inverse frequencies, the cos/sin factor and the pair layout of a DeepSeek model."""
 
-    inv_freq: torch.Tensor  # float32 [qk_rope_head_dim // 2]
+    inv_freq: torch.Tensor  # float32 [qk_rope_head_dim // 2], on the model's device
     attention_factor: float
     layout: str
 
     @classmethod
-    def from_hf(cls, cfg: Any) -> DeepseekRope:
-        """From a ``deepseek_v2`` / ``deepseek_v3`` config."""
+    def from_hf(cls, cfg: Any, device: torch.device | str = "cpu") -> DeepseekRope:
+        """From a ``deepseek_v2`` / ``deepseek_v3`` config; the frequencies live on
+        ``device`` (a forward copies nothing from the host: CUDA graphs capture it)."""
         params = rope_parameters(cfg)
         dim = int(int(cfg.qk_rope_head_dim) * float(params.get("partial_rotary_factor", 1.0)))
         base = float(params["rope_theta"])
@@ -82,14 +83,14 @@ class DeepseekRope:
             layout = COMPLEX
         else:
             layout = INTERLEAVED_TO_HALVES if getattr(cfg, "rope_interleave", True) else HALVES
-        return cls(inv_freq, factor_attn, layout)
+        return cls(inv_freq.to(device), factor_attn, layout)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [n]`` -> ``(cos, sin)``, each ``[n, 1, rope_dim // 2]``, times
         ``attention_factor``: float32 for the complex layout (V2 rotates in float32),
         else ``dtype`` (V3 rounds them to the model dtype)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None]
         cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         if self.layout != COMPLEX:
             cos, sin = cos.to(dtype), sin.to(dtype)

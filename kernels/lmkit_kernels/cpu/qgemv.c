@@ -37,17 +37,24 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define QK 32
 #define GR 16 /* weight rows per packed group */
 #define MR 4  /* rows of x sharing one pass over a group */
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 }; /* ggml type numbers */
 
-int lmkit_qgemv_abi(void) { return 2; }
+int lmkit_qgemv_abi(void) { return 3; }
 
 int lmkit_qgemv_isa_supported(const char* isa) {
     __builtin_cpu_init();
@@ -335,6 +342,149 @@ static void groups_avx2(int type, const uint8_t* w, long gbytes, long g0, long g
 typedef void (*groups_fn)(int, const uint8_t*, long, long, long, xquant, const float*, float*,
                           long, long, long, long);
 
+/* ---- the thread pool: helpers that claim chunks of groups, the caller never waits on
+ * a helper that has not started ----
+ * An OpenMP team splits the groups statically and joins at a barrier: on a shared host
+ * a helper that the OS has not scheduled yet stalls the caller for its time slice
+ * (milliseconds, against ~70 us per GEMV). Here the caller publishes a job (the
+ * generation `gen` and a chunk counter packed in `state`), wakes the helpers and claims
+ * chunks itself; each helper claims chunks with a compare-and-swap that also checks the
+ * generation, so a helper that wakes late claims nothing of a finished job. The caller
+ * then waits only for the chunks helpers claimed and are running. Each chunk is whole
+ * groups (16 rows) computed as in one thread, so results do not depend on who runs it.
+ * Helpers spin for SPIN_NS after a job (GEMVs of a step come tens of microseconds
+ * apart), then sleep on a futex. */
+#define POOL_MAX 64
+#define SPIN_NS 200000L
+
+typedef struct {
+    groups_fn fn; int type; const uint8_t* w; long gbytes; xquant xq; const float* bias;
+    float* y; long ldy, m, n, k, groups, chunk, chunks; int helpers;
+} job_t;
+
+static job_t job;
+static _Atomic uint64_t state;        /* gen << 32 | next chunk */
+static _Atomic uint32_t gen;          /* futex word: the newest job's generation */
+static _Atomic long done;             /* chunks of the current job finished */
+static _Atomic int sleepers;
+static int started;                   /* helpers running (guarded by pool_lock) */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void run_chunks(uint32_t g, const job_t* j) {
+    uint64_t s = atomic_load(&state);
+    for (;;) {
+        if ((uint32_t)(s >> 32) != g || (long)(uint32_t)s >= j->chunks) return;
+        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
+        long c = (long)(uint32_t)s, g0 = c * j->chunk;
+        long g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
+        j->fn(j->type, j->w, j->gbytes, g0, g1, j->xq, j->bias, j->y, j->ldy, j->m, j->n, j->k);
+        atomic_fetch_add(&done, 1);
+        s = atomic_load(&state);
+    }
+}
+
+static void* helper(void* arg) {
+    int id = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&gen);
+    for (;;) {
+        uint32_t g;
+        long t0 = now_ns();
+        for (int spins = 0; (g = atomic_load(&gen)) == seen; spins++) {
+            _mm_pause();
+            if ((spins & 63) == 63 && now_ns() - t0 > SPIN_NS) {
+                atomic_fetch_add(&sleepers, 1);
+                syscall(SYS_futex, &gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&sleepers, 1);
+                t0 = now_ns();
+            }
+        }
+        seen = g;
+        job_t j = job; /* a torn copy (a newer job being written) claims nothing: its
+                          generation check in run_chunks fails */
+        if (id < j.helpers) run_chunks(g, &j);
+    }
+    return NULL;
+}
+
+static void forget_pool(void) { started = 0; } /* a forked child has no helpers */
+
+/* Helpers to have running: start them on first use (false: run on the caller only). */
+static int ensure_helpers(int want) {
+    static int atfork;
+    if (want > POOL_MAX) want = POOL_MAX;
+    if (!atfork) { pthread_atfork(NULL, NULL, forget_pool); atfork = 1; }
+    while (started < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int err = pthread_create(&t, &attr, helper, (void*)(intptr_t)started);
+        pthread_attr_destroy(&attr);
+        if (err) break;
+        started++;
+    }
+    return started < want ? started : want;
+}
+
+/* Back-off: when the caller waited on helpers longer than it worked (a helper the OS
+ * preempted mid-chunk: the host's other load), the next `solo` calls run on the caller
+ * alone; the count doubles on each such wait (up to SOLO_MAX calls, a few steps of a
+ * small model) and halves when the helpers kept up, so a busy host costs about the
+ * single-thread time and a free one gets every thread. */
+#define SOLO_MIN 32
+#define SOLO_MAX 8192
+static int solo_left, solo = SOLO_MIN; /* guarded by pool_lock */
+
+static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, long groups,
+                       xquant xq, const float* bias, float* y, long ldy, long m, long n,
+                       long k, int threads) {
+    /* one caller at a time owns the pool; a concurrent caller runs alone */
+    if (threads <= 1 || groups < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
+        fn(type, w, gbytes, 0, groups, xq, bias, y, ldy, m, n, k);
+        return;
+    }
+    if (solo_left > 0) {
+        solo_left--;
+        pthread_mutex_unlock(&pool_lock);
+        fn(type, w, gbytes, 0, groups, xq, bias, y, ldy, m, n, k);
+        return;
+    }
+    int helpers = ensure_helpers(threads - 1);
+    long chunks = 4L * (helpers + 1), chunk = (groups + chunks - 1) / chunks;
+    chunks = (groups + chunk - 1) / chunk;
+    job = (job_t){fn, type, w, gbytes, xq, bias, y, ldy, m, n, k, groups, chunk, chunks,
+                  helpers};
+    atomic_store(&done, 0);
+    uint32_t g = atomic_load(&gen) + 1;
+    long t0 = now_ns();
+    atomic_store(&state, (uint64_t)g << 32);
+    atomic_store(&gen, g);
+    if (atomic_load(&sleepers) > 0)
+        syscall(SYS_futex, &gen, FUTEX_WAKE_PRIVATE, helpers, NULL, NULL, 0);
+    run_chunks(g, &job);
+    long t1 = now_ns();
+    /* chunks helpers are running; yield the core after a while, in case the helper
+     * waits for it (fewer free cores than threads) */
+    for (long spins = 0; atomic_load(&done) < chunks; spins++) {
+        _mm_pause();
+        if (spins > 20000) sched_yield();
+    }
+    long waited = now_ns() - t1;
+    if (waited > t1 - t0 && waited > 20000) {
+        solo_left = solo;
+        solo = solo * 2 < SOLO_MAX ? solo * 2 : SOLO_MAX;
+    } else if (solo > SOLO_MIN) {
+        solo /= 2;
+    }
+    pthread_mutex_unlock(&pool_lock);
+}
+
 /* per-thread scratch for the quantized activations, grown as needed (no allocation per
  * call once warm; the Python thread that calls is the only user of its buffer) */
 static __thread void* scratch;
@@ -355,14 +505,7 @@ static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
     xquant xq = {(int8_t*)(f + 3 * m * nb), f, (int32_t*)(f + m * nb), f + 2 * m * nb};
     quantize_x(avx512, x, ldx, m, k, xq);
     long groups = (n + GR - 1) / GR, gbytes = lmkit_qpack_group_bytes(type, k);
-    if (threads > groups) threads = (int)groups;
-    if (threads < 1) threads = 1;
-    #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        long g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        fn(type, w, gbytes, g0, g1, xq, bias, y, ldy, m, n, k);
-    }
+    run_groups(fn, type, w, gbytes, groups, xq, bias, y, ldy, m, n, k, threads);
     return 0;
 }
 

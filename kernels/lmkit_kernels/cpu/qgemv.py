@@ -43,7 +43,7 @@ GROUP_ROWS = 16  # weight rows per packed group (qgemv.c's GR)
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type number -> bytes per block
 SOURCE = Path(__file__).with_name("qgemv.c")
-ABI = 2
+ABI = 3
 ISAS = ("avx512vnni", "avx2")
 ISA_ENV = "LMKIT_CPU_ISA"
 

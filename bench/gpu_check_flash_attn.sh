@@ -12,7 +12,8 @@
 #   k       benchmark K (decode attention, 64 x 4096, Llama-8B heads) for triton,
 #           flashinfer and flash_attn in one run (flash_attn also on 128-token blocks)
 #   w       W1, W2, W3 (bench/gpu_engine.py, no peer) once per backend: triton,
-#           flashinfer, flash_attn (minutes each)
+#           flashinfer, flash_attn (minutes each; W_BACKENDS="a b" picks some; the
+#           random models are kept in MODEL_ROOT, default ~/models, and reused)
 #
 # Before: install FlashAttention-4 as .gpu/fa4/INSTALL.md says (into $HOME/fa4site, which
 # this script puts on PYTHONPATH with the cutlass-dsl path its .pth file would add), and
@@ -59,9 +60,9 @@ for stage in "${stages[@]}"; do
         --backends triton,flashinfer,flash_attn --out "$out/k.json"
       ;;
     w)
-      for backend in triton flashinfer flash_attn; do
+      for backend in ${W_BACKENDS:-triton flashinfer flash_attn}; do
         step "w_$backend" $py bench/gpu_engine.py --peer none --attention "$backend" \
-          --out "$out/w_$backend.json"
+          --model-root "${MODEL_ROOT:-$HOME/models}" --out "$out/w_$backend.json"
       done
       ;;
     *)

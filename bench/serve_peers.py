@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                          "from the start of the timed sweep (a host-side profile)")
     ap.add_argument("--model-root", type=Path, help="write (or reuse) the model here")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--log-dir", type=Path, help="keep the servers' logs and py-spy profiles "
+                    "(raw, collapsed stacks) here instead of a temporary directory")
     args = ap.parse_args(argv)
     from lmkit.benchmarking.workload import parse_length_range, random_workload
 
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = random_workload(args.num_prompts, parse_length_range(args.input_len),
                                parse_length_range(args.output_len), seed=args.seed,
                                vocab_size=1000 if args.smoke else 10000)
-    root = Path(tempfile.mkdtemp(prefix="lmkit-serve-peers-"))
+    root = args.log_dir or Path(tempfile.mkdtemp(prefix="lmkit-serve-peers-"))
+    root.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"bench": "serve_peers", "model": model_name,
                               "workload": workload.describe(), "rates": rates,
                               "limits": args.limits, "sides": {}}
@@ -220,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             if log.exists():
                 report["sides"].setdefault(side, {})["log_tail"] = \
                     log.read_text(errors="replace")[-3000:]
-        shutil.rmtree(root, ignore_errors=True)
+        if args.log_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
     print(format_table(report["sides"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -14,7 +14,9 @@ graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
-measures the overhead when drafts are rare or wrong). Batch 1 runs the requests one at
+measures the overhead when drafts are rare or wrong); ``random`` (128 random token ids
+in, ``--chat-output-len`` out: for random-weight models, to time the drafting cost
+when nearly every draft is rejected). Batch 1 runs the requests one at
 a time (``max_num_seqs=1``); batch B submits B requests at once::
 
     python bench/spec_decode.py --device cpu --dtype float32 --threads 1 --out spec.json
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from lmkit.benchmarking.measure import run_isolated
-from lmkit.benchmarking.workload import Workload, chat_workload, copy_workload
+from lmkit.benchmarking.workload import Workload, chat_workload, copy_workload, random_workload
 
 
 def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any],
@@ -100,7 +102,9 @@ def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int) -> Workl
         return copy_workload(tokenizer, n, seed)
     if kind == "chat":
         return chat_workload(tokenizer, n, output_len, seed)
-    raise SystemExit(f"unknown workload {kind!r}; choose copy or chat")
+    if kind == "random":  # random-weight models without a chat template
+        return random_workload(n, (128, 128), (output_len, output_len), len(tokenizer), seed)
+    raise SystemExit(f"unknown workload {kind!r}; choose copy, chat or random")
 
 
 def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
@@ -108,9 +112,11 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
     n = args.batch1_prompts if batch == 1 else batch * args.waves
     wl = make(kind, tokenizer, n, args.chat_output_len, args.seed)
     base_opts: dict[str, Any] = {"device": args.device, "dtype": args.dtype,
-                                 "max_num_seqs": batch}
+                                 "max_num_seqs": batch, "attention": args.attention}
     if args.device == "cuda":  # two engines share the GPU
         base_opts["gpu_memory_utilization"] = 0.4
+    if args.max_model_len:
+        base_opts["max_model_len"] = args.max_model_len
     spec_opts = {**base_opts, "speculative": args.proposer,
                  "num_speculative_tokens": args.spec_tokens,
                  "speculative.disable_by_batch_size": args.disable_by_batch_size}
@@ -146,7 +152,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model (default: lmkit's default model)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention", default="auto", help="attention backend of both engines")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="cap the context length of both engines (long-context configs on a "
+                         "shared GPU)")
     ap.add_argument("--workloads", nargs="+", default=["copy", "chat"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--batch1-prompts", type=int, default=4,
@@ -180,7 +190,8 @@ def main() -> None:
             for kind in args.workloads for batch in args.batches]
     report = {"bench": "spec_decode", "model": args.model or DEFAULT_MODEL,
               "machine": {"platform": platform.platform(), "device": args.device,
-                          "dtype": args.dtype, "threads": args.threads},
+                          "dtype": args.dtype, "threads": args.threads,
+                          "attention": args.attention},
               "proposer": args.proposer, "speculative_model": args.speculative_model,
               "spec_tokens": args.spec_tokens, "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,

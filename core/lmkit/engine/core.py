@@ -26,6 +26,7 @@ from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
+from lmkit.engine.step_trace import StepTracePhase
 from lmkit.errors import ConfigError, InvalidRequestError
 from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
@@ -106,7 +107,8 @@ class EngineCore:
         structured = StructuredOutputManager.from_stack(
             self.config, self.stack, self.model_dir, self.facts.vocab_size, self.scheduler)
         pooling = PoolingPhase(self.host, self.facts, sentence_transformers_pooler(self.model_dir))
-        phases: list[StepPhase] = [pooling, structured]
+        trace = StepTracePhase.from_env()  # first: its clock starts before the others
+        phases: list[StepPhase] = [*([trace] if trace else []), pooling, structured]
         proposer = ProposerManager.from_stack(self.config, self.stack,
                                               self.facts.vocab_size)
         if proposer is not None:

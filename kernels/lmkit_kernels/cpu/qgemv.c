@@ -29,11 +29,12 @@
  * Two builds: lmkit_qgemv_avx512vnni (AVX-512 VNNI: one vpdpbusd per 4 weights of 16
  * rows) and lmkit_qgemv_avx2 (AVX2 + FMA: vpmaddubsw + vpmaddwd on the 8-row halves;
  * Q8_0 through the sign trick, so no product saturates). Up to MR rows of x share each
- * load of a weight group. The threads split the groups into contiguous slices (one
- * sequential stream each); every output element is computed by one thread in a fixed
- * order, so a row's result does not depend on m or the number of threads, and both
- * builds quantize x identically. Built at run time by lmkit_kernels/cpu/build.py with
- * -fopenmp, sharing torch's OpenMP runtime.
+ * load of a weight group. Threads (the caller and pool helpers, see run_groups) claim
+ * chunks of consecutive groups (one sequential stream each); every output element is
+ * computed by one thread in a fixed order, so a row's result does not depend on m or
+ * the number of threads, and both builds quantize x identically. Built at run time by
+ * lmkit_kernels/cpu/build.py with -fopenmp (the dequantization's loop uses OpenMP,
+ * sharing torch's runtime).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -179,8 +180,7 @@ static inline int32_t load4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); retu
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T0
 #endif
-long pf_dist = 2048;
-void lmkit_qgemv_set_pf(long d) { pf_dist = d; }
+static const long pf_dist = 2048;
 static inline void prefetch_ahead(const uint8_t* g, long b, long step) {
     if (pf_dist <= 0) return;
     const uint8_t* p = g + b * step + pf_dist;

@@ -347,8 +347,8 @@ typedef void (*groups_fn)(int, const uint8_t*, long, long, long, xquant, const f
  * An OpenMP team splits the groups statically and joins at a barrier: on a shared host
  * a helper that the OS has not scheduled yet stalls the caller for its time slice
  * (milliseconds, against ~70 us per GEMV). Here the caller publishes a job (the
- * generation `gen` and a chunk counter packed in `state`), wakes the helpers and claims
- * chunks itself; each helper claims chunks with a compare-and-swap that also checks the
+ * generation `gen` and the next group to claim, packed in `state`), wakes the helpers
+ * and claims chunks itself; each helper claims chunks with a compare-and-swap that also checks the
  * generation, so a helper that wakes late claims nothing of a finished job. The caller
  * then waits only for the chunks helpers claimed and are running. Each chunk is whole
  * groups (16 rows) computed as in one thread, so results do not depend on who runs it.
@@ -356,16 +356,17 @@ typedef void (*groups_fn)(int, const uint8_t*, long, long, long, xquant, const f
  * apart), then sleep on a futex. */
 #define POOL_MAX 64
 #define SPIN_NS 200000L
+#define LATE_NS 200000L /* a wait on helpers that counts as falling behind */
 
 typedef struct {
     groups_fn fn; int type; const uint8_t* w; long gbytes; xquant xq; const float* bias;
-    float* y; long ldy, m, n, k, groups, chunk, chunks; int helpers;
+    float* y; long ldy, m, n, k, groups; int helpers;
 } job_t;
 
 static job_t job;
-static _Atomic uint64_t state;        /* gen << 32 | next chunk */
+static _Atomic uint64_t state;        /* gen << 32 | next group to claim */
 static _Atomic uint32_t gen;          /* futex word: the newest job's generation */
-static _Atomic long done;             /* chunks of the current job finished */
+static _Atomic long done;             /* groups of the current job finished */
 static _Atomic int sleepers;
 static int started;                   /* helpers running (guarded by pool_lock) */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -376,15 +377,24 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-static void run_chunks(uint32_t g, const job_t* j) {
+/* Claim and run chunks of job j (generation g) until none is left: guided sizes, each
+ * claim takes 1 / (2 * threads) of the groups left (at least MIN_CHUNK), so the first
+ * chunks are long sequential streams and the last ones short, for balance. */
+#define MIN_CHUNK 2
+static long run_chunks(uint32_t g, const job_t* j) {
     uint64_t s = atomic_load(&state);
-    for (;;) {
-        if ((uint32_t)(s >> 32) != g || (long)(uint32_t)s >= j->chunks) return;
-        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
-        long c = (long)(uint32_t)s, g0 = c * j->chunk;
-        long g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
-        j->fn(j->type, j->w, j->gbytes, g0, g1, j->xq, j->bias, j->y, j->ldy, j->m, j->n, j->k);
-        atomic_fetch_add(&done, 1);
+    for (long ran = 0;; ) {
+        long next = (long)(uint32_t)s;
+        if ((uint32_t)(s >> 32) != g || next >= j->groups) return ran;
+        long size = (j->groups - next) / (2L * (j->helpers + 1));
+        long end = next + (size > MIN_CHUNK ? size : MIN_CHUNK);
+        if (end > j->groups) end = j->groups;
+        if (!atomic_compare_exchange_weak(&state, &s, ((uint64_t)g << 32) | (uint64_t)end))
+            continue;
+        j->fn(j->type, j->w, j->gbytes, next, end, j->xq, j->bias, j->y, j->ldy, j->m, j->n,
+              j->k);
+        atomic_fetch_add(&done, end - next);
+        ran += end - next;
         s = atomic_load(&state);
     }
 }
@@ -432,14 +442,14 @@ static int ensure_helpers(int want) {
     return started < want ? started : want;
 }
 
-/* Back-off: when the caller waited on helpers longer than it worked (a helper the OS
- * preempted mid-chunk: the host's other load), the next `solo` calls run on the caller
- * alone; the count doubles on each such wait (up to SOLO_MAX calls, a few steps of a
- * small model) and halves when the helpers kept up, so a busy host costs about the
- * single-thread time and a free one gets every thread. */
+/* Back-off: when helpers fell behind (see run_groups), the next `solo` calls run on the
+ * caller alone (the helpers then sleep); the count doubles on each such call (up to
+ * SOLO_MAX calls, a few steps of a small model) and halves after SOLO_MIN calls in a row
+ * where the helpers kept up, so a busy host costs about the single-thread time and a
+ * free one gets every thread. */
 #define SOLO_MIN 32
 #define SOLO_MAX 8192
-static int solo_left, solo = SOLO_MIN; /* guarded by pool_lock */
+static int solo_left, solo = SOLO_MIN, kept_up; /* guarded by pool_lock */
 
 static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, long groups,
                        xquant xq, const float* bias, float* y, long ldy, long m, long n,
@@ -456,31 +466,33 @@ static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, lo
         return;
     }
     int helpers = ensure_helpers(threads - 1);
-    long chunks = 4L * (helpers + 1), chunk = (groups + chunks - 1) / chunks;
-    chunks = (groups + chunk - 1) / chunk;
-    job = (job_t){fn, type, w, gbytes, xq, bias, y, ldy, m, n, k, groups, chunk, chunks,
-                  helpers};
+    job = (job_t){fn, type, w, gbytes, xq, bias, y, ldy, m, n, k, groups, helpers};
     atomic_store(&done, 0);
     uint32_t g = atomic_load(&gen) + 1;
     long t0 = now_ns();
     atomic_store(&state, (uint64_t)g << 32);
     atomic_store(&gen, g);
-    if (atomic_load(&sleepers) > 0)
-        syscall(SYS_futex, &gen, FUTEX_WAKE_PRIVATE, helpers, NULL, NULL, 0);
-    run_chunks(g, &job);
+    int woke = atomic_load(&sleepers) > 0;
+    if (woke) syscall(SYS_futex, &gen, FUTEX_WAKE_PRIVATE, helpers, NULL, NULL, 0);
+    long ran = run_chunks(g, &job);
     long t1 = now_ns();
     /* chunks helpers are running; yield the core after a while, in case the helper
      * waits for it (fewer free cores than threads) */
-    for (long spins = 0; atomic_load(&done) < chunks; spins++) {
+    for (long spins = 0; atomic_load(&done) < groups; spins++) {
         _mm_pause();
         if (spins > 20000) sched_yield();
     }
     long waited = now_ns() - t1;
-    if (waited > t1 - t0 && waited > 20000) {
+    /* helpers fell behind: one held the caller up, or none ran at all though one was
+     * awake (spinning for a job, it takes CPU time from the caller on a host without a
+     * free core); a helper just woken from its sleep may well miss a short job */
+    if ((waited > t1 - t0 && waited > LATE_NS) || (ran == groups && !woke)) {
         solo_left = solo;
         solo = solo * 2 < SOLO_MAX ? solo * 2 : SOLO_MAX;
-    } else if (solo > SOLO_MIN) {
+        kept_up = 0;
+    } else if (++kept_up >= SOLO_MIN && solo > SOLO_MIN) {
         solo /= 2;
+        kept_up = 0;
     }
     pthread_mutex_unlock(&pool_lock);
 }

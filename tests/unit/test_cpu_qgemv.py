@@ -208,3 +208,32 @@ def test_pack_weight_refuses_bad_weights():
         pack_weight(7, torch.zeros(4, 20, dtype=torch.uint8), 32)
     with pytest.raises(ValueError, match=r"uint8 \[n, 20\]"):
         pack_weight(QTYPES["Q4_1"], torch.zeros(4, 40, dtype=torch.uint8), 32)
+
+
+def test_concurrent_callers_get_their_own_results(variant):
+    # the helper pool serves one caller at a time; another caller runs alone meanwhile
+    import threading
+
+    qtype = QTYPES["Q4_1"]
+    gen = torch.Generator().manual_seed(15)
+    w = pack_weight(qtype, random_blocks(qtype, 300, 256, gen), 256)
+    xs = [torch.randn(2, 256, generator=gen) for _ in range(4)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [variant(x, w, None) for x in xs]
+        torch.set_num_threads(2)
+        got: dict[int, list[torch.Tensor]] = {}
+
+        def call(i: int) -> None:
+            got[i] = [variant(xs[i], w, None) for _ in range(50)]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    for i, outs in got.items():
+        assert all(torch.equal(o, want[i]) for o in outs)

@@ -14,7 +14,11 @@ compute-bound and the activations keep float32 precision.
 
 Two builds, best first: AVX-512 VNNI (``vpdpbusd``) and AVX2 + FMA; the best one this
 CPU runs is used (``LMKIT_CPU_ISA=avx2`` pins one), and each is self-checked against a
-torch reference before first use, as :mod:`lmkit_kernels.cpu.row_gemv` does.
+torch reference before first use, as :mod:`lmkit_kernels.cpu.row_gemv` does. The
+products use ``torch.get_num_threads()`` threads: the caller and helper threads of the
+kernel's own pool claim chunks of row groups (``qgemv.c``'s ``run_groups``: a helper
+the OS has not scheduled delays nothing, and on a busy host the calls fall back to the
+caller alone); results do not depend on the thread count.
 """
 
 from __future__ import annotations

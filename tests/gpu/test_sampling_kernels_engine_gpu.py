@@ -10,6 +10,7 @@ SmolLM2 comes from ``LMKIT_TEST_SMOLLM2`` (its GGUF file or converted directory)
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -66,24 +67,24 @@ def test_auto_chooses_triton_on_cuda(smollm2):
 
 
 def test_top_p_draws_follow_the_nucleus(smollm2):
-    top_p, num = 0.9, 512
+    num = 512
     with LLM(str(smollm2), device="cuda", dtype="float32", sampling_kernels="triton",
              max_num_seqs=256) as llm:
         prompt = llm.input_processor.tokenize(None, PROMPT)[1]
         probe = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1,
                                                       logprobs=20))[0]
         top = probe.outputs[0].logprobs[0]  # the raw distribution's 20 most likely tokens
+        ranked = sorted(((lp, tok) for tok, lp in top.top), reverse=True)
+        probs = [math.exp(lp) for lp, _ in ranked]
+        # top_p halfway between two cumulative sums, with the nucleus inside the top 20
+        # whatever the prompt's distribution: no token sits on the boundary
+        cum = list(itertools.accumulate(probs))
+        k = next(i for i, c in enumerate(cum) if c >= 0.6 * cum[-1])
+        top_p = (cum[k] + (cum[k - 1] if k else 0.0)) / 2
         draws = llm.generate([prompt] * num, SamplingParams(temperature=1.0, top_p=top_p,
                                                             max_tokens=1))
-    ranked = sorted(((lp, tok) for tok, lp in top.top), reverse=True)
-    probs = [math.exp(lp) for lp, _ in ranked]
-    kept, mass = [], 0.0
-    for p, (_, tok) in zip(probs, ranked, strict=True):
-        if mass >= top_p:
-            break
-        kept.append((tok, p))
-        mass += p
-    assert mass >= top_p, "the nucleus is not within the 20 most likely tokens"
+    kept = [(tok, p) for p, (_, tok) in zip(probs[:k + 1], ranked, strict=False)]
+    mass = cum[k]
     vocab = max(t for t, _ in kept) + 1
     expected = torch.zeros(vocab)
     for tok, p in kept:

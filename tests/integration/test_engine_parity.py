@@ -66,9 +66,17 @@ def _random_model_dir(tmp_path, smollm2_dir, config):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "mixtral", "qwen2-hybrid", "gemma3",
+                                  "gemma2"])
 def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
-    from transformers import MistralConfig, MixtralConfig, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -77,14 +85,57 @@ def test_random_model_batched_greedy_matches_hf(arch, tmp_path, smollm2_dir):
         config = Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
     elif arch == "mistral":
         config = MistralConfig(sliding_window=None, **common)
+    elif arch == "qwen2-hybrid":  # layer 0 full attention, layer 1 a 16-token window
+        config = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                             **common)
+    elif arch == "gemma3":  # 16-token windows on 2 of 3 layers, a local RoPE base
+        config = Gemma3TextConfig(head_dim=32, sliding_window=16, rope_local_base_freq=100.0,
+                                  layer_types=["sliding_attention", "full_attention",
+                                               "sliding_attention"],
+                                  **{**common, "num_hidden_layers": 3})
+    elif arch == "gemma2":  # alternating 16-token windows; attention scores soft-capped
+        config = Gemma2Config(head_dim=32, sliding_window=16, attn_logit_softcapping=5.0,
+                              **{**common, "num_hidden_layers": 3})
     else:  # sparse MoE MLPs, sliding-window attention
         config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                **common)
     hf = _random_model_dir(tmp_path, smollm2_dir, config)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LLM(str(tmp_path), dtype="float32", block_size=16) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        outs = llm.generate(prompts, params)
+        if arch in ("qwen2-hybrid", "gemma3", "gemma2"):  # again, from the prefix cache: the
+            # sliding group reads cached blocks, of which the window covers only the last
+            again = llm.generate(prompts, params)
+            assert llm.stats()["prefix_cache_hits"] >= 16 + 32 + 48
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids
+                                                                for o in outs]
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_sliding_window_model_releases_blocks_behind_the_window(tmp_path, smollm2_dir):
+    """Every layer slides over 16 tokens: blocks behind the window go back to the pool
+    while requests run, so 4 requests that would need 18 blocks of 16 run in 13 without
+    preemption, the freed blocks rewritten by others, and still match HF."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, sliding_window=16, eos_token_id=2,
+                           bos_token_id=1)
+    hf = _random_model_dir(tmp_path, smollm2_dir, config)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, 49000, (n,), generator=gen).tolist() for n in (17, 33, 48, 64)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(tmp_path), dtype="float32", block_size=16, num_blocks=14, max_model_len=128,
+             enable_prefix_caching=False) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["num_preemptions"] == 0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -1,4 +1,4 @@
-"""lmkit's Llama-family models (and Mixtral) through the ModelRunner against HF transformers (float32).
+"""lmkit's Llama-family models (and Mixtral, DeepSeek-V2/V3 on mla_torch) through the ModelRunner against HF transformers (float32).
 
 Tiny random-weight models of each supported variant are built with transformers and
 saved as safetensors; the runner is driven with hand-built SchedulerOutputs. Logits
@@ -25,6 +25,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+            beta_slow=1)
+
 VARIANTS = {
     "llama3": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -34,10 +40,43 @@ VARIANTS = {
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    # hybrid: layer 0 full attention, layer 1 a 6-token window (two KV cache groups)
+    "qwen2-hybrid": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=6,
+                                         max_window_layers=1)),
+    "qwen3-hybrid": ("Qwen3Config", dict(head_dim=32, use_sliding_window=True,
+                                         sliding_window=6, max_window_layers=1,
+                                         num_hidden_layers=3)),
+    # Gemma-3 text: layers 0, 1 slide (6 tokens, local RoPE base), layer 2 is global
+    # (linear RoPE scaling on global layers only, as Gemma-3 4B+ checkpoints have)
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "sliding_attention",
+                                                     "full_attention"],
+                                        query_pre_attn_scalar=24, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                        final_logit_softcapping=30.0)),
+    # Gemma-2: layers 0, 2 slide (6 tokens), layer 1 is global; attention scores capped
+    # at 1 and logits at 3 (low enough to bite on these random weights)
+    "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=6, num_hidden_layers=3,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                    final_logit_softcapping=3.0)),
     # sparse MoE MLPs (4 experts, top-2) on Mistral-style sliding-window attention
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8)),
+    # MLA + MoE (first layer dense, shared expert); V2 without q-LoRA, greedy routing
+    "deepseek-v2": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None)),
+    # V2 with q-LoRA, group-limited routing and YaRN (attention_factor != 1)
+    "deepseek-v2-qlora-yarn": ("DeepseekV2Config", dict(
+        DEEPSEEK, q_lora_rank=48, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=0.5))),
+    # V3: sigmoid bias-corrected grouped routing, interleaved RoPE pairs, YaRN
+    "deepseek-v3": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1,
+                                             rope_scaling=dict(YARN, mscale=0.7,
+                                                               mscale_all_dim=0.7))),
+    "deepseek-v3-halves": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None, n_group=2,
+                                                    topk_group=1, rope_interleave=False)),
 }
+#: variants served by an MLA attention backend (the rest by torch)
+ATTENTION = {name: "mla_torch" for name in VARIANTS if name.startswith("deepseek")}
 
 
 def build_hf_model(variant: str, directory: Path):
@@ -47,6 +86,10 @@ def build_hf_model(variant: str, directory: Path):
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norm weights start at 0 (Gemma) or 1: make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory)
     return model
 
@@ -67,11 +110,12 @@ def variant(request, tmp_path_factory):
     return request.param, model, directory
 
 
-def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu") -> ModelRunner:
+def make_runner(model_dir: Path, block_size: int = 16, device: str = "cpu",
+                attention: str = "torch") -> ModelRunner:
     config = LMKitConfig.model_validate({
         "model": {"model": str(model_dir), "dtype": "float32"},
         "cache": {"block_size": block_size},
-        "attention": {"backend": "torch"},
+        "attention": {"backend": attention},
         "executor": {"device": device},
     })
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
@@ -172,8 +216,9 @@ def check_against_hf(model, driver: Driver):
 
 
 def test_batched_prefill_then_decodes_match_hf(variant, device):
-    _, model, directory = variant
-    driver = Driver(make_runner(directory, block_size=16, device=device))
+    name, model, directory = variant
+    driver = Driver(make_runner(directory, block_size=16, device=device,
+                                attention=ATTENTION.get(name, "torch")))
     out = driver.step({rid: len(p) for rid, p in PROMPTS.items()}, PROMPTS)
     assert all(len(s) == 1 for s in out.sampled_token_ids)
     for _ in range(NEW_TOKENS - 1):
@@ -182,8 +227,9 @@ def test_batched_prefill_then_decodes_match_hf(variant, device):
 
 
 def test_chunked_prefill_mixed_with_decodes_matches_hf(variant, device):
-    _, model, directory = variant
-    driver = Driver(make_runner(directory, block_size=4, device=device))
+    name, model, directory = variant
+    driver = Driver(make_runner(directory, block_size=4, device=device,
+                                attention=ATTENTION.get(name, "torch")))
     # "c" (33 tokens) is prefilled in chunks of 7, 13 and 13 while "a" and "b" decode
     out = driver.step({"a": 5, "c": 7}, {"a": PROMPTS["a"], "c": PROMPTS["c"]})
     assert out.sampled_token_ids[out.req_ids.index("c")] == []
@@ -194,3 +240,21 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(variant, device):
         driver.step({r: 1 for r, p in PROMPTS.items()
                      if len(driver.tokens[r]) < len(p) + NEW_TOKENS})
     check_against_hf(model, driver)
+
+
+def test_hybrid_model_plans_each_groups_backend_once_per_step(tmp_path):
+    build_hf_model("qwen3-hybrid", tmp_path)
+    runner = make_runner(tmp_path)
+    groups = runner.kv_groups
+    assert [g.spec.describe() for g in groups] == ["full_attention",
+                                                   "sliding_window(window=6)"]
+    assert [g.layers for g in groups] == [(0,), (1, 2)]
+    assert runner.model.attn is groups[0].attn and groups[1].attn.sliding_window == 6
+    calls = []
+    for g in groups:
+        plan = g.attn.plan
+        g.attn.plan = lambda md, plan=plan, g=g: (calls.append(g.spec.kind), plan(md))[1]
+    driver = Driver(runner)
+    driver.step({"a": 5}, {"a": PROMPTS["a"]})
+    driver.step({"a": 1})
+    assert calls == ["full_attention", "sliding_window"] * 2

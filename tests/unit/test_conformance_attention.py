@@ -95,6 +95,7 @@ def test_torch_reference_passes_every_applicable_property():
     results = check_attention_backend(host.registry.get("attention", "torch"))
     assert results["prefill over a cached prefix"] == "passed"
     assert results["dtypes"] == "passed"
+    assert results["logits soft cap"] == "passed"
     assert results["cuda graphs"].startswith("not applicable")
 
 
@@ -126,7 +127,7 @@ def test_a_claimed_feature_that_is_ignored_fails():
 
 def test_an_unclaimed_feature_must_be_refused():
     caps = Caps({"prefix_caching", "chunked_prefill"}, {"device": {"cpu"}, "dtype": {"float32"}})
-    with pytest.raises(ConformanceFailure, match="sliding_window=7 succeeded"):
+    with pytest.raises(ConformanceFailure, match="does not claim 'sliding_window', yet"):
         check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])
     results = check_attention_backend(spec(TorchAttention, caps), only=[
         "sliding window", "multi-token decode queries", "prefill over a cached prefix"])
@@ -156,9 +157,11 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
     results = check_attention_backend(reg)
     assert results["cuda graphs"] == "passed"
     assert results["prefill over a cached prefix"] == "passed"
-    if name == "flash_attn":  # claims every feature the suite checks
+    if name == "flashinfer":
+        assert results["logits soft cap"] == "passed"
+    if name == "flash_attn":  # claims every feature the suite checks but the soft cap
         assert [p for p, r in results.items() if r != "passed"] == [
-            "unclaimed features refused"], results
+            "logits soft cap"], results
 
 
 def test_model_written_kv_is_checked_for_backends_that_opt_in():
@@ -172,3 +175,15 @@ def test_model_written_kv_is_checked_for_backends_that_opt_in():
     with pytest.raises(ConformanceFailure, match="(?s)fails property 'model-written K/V'.*"
                                                  "differs from the step's slot_mapping"):
         check_attention_backend(spec(OffByOneSlots), only=["model-written K/V"])
+
+
+def test_a_backend_that_cannot_soft_cap_refuses_a_cap():
+    # cpu's C decode kernel does not soft-cap: it claims no logits_soft_cap and raises
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    results = check_attention_backend(host.registry.get("attention", "cpu"), only=[
+        "unclaimed features refused", "logits soft cap"])
+    assert results["unclaimed features refused"] == "passed"
+    assert results["logits soft cap"].startswith("not applicable")
+    caps = Caps({"sliding_window"}, {"device": {"cpu"}, "dtype": {"float32"}})
+    with pytest.raises(ConformanceFailure, match="does not claim 'logits_soft_cap', yet"):
+        check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])

@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lmkit.api.mla_attention import MLA
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.testing.attention import check_attention_backend
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
 from lmkit.testing.executor import check_executor
+from lmkit.testing.mla_attention import check_mla_attention_backend
 from lmkit.testing.offload import check_offload_manager
 from lmkit.testing.quantization import check_quantization_method
 from lmkit.testing.runner_proposer import check_runner_proposer
@@ -67,6 +69,8 @@ def test_builtin_passes_its_suite(kind: str, name: str, request: pytest.FixtureR
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("model_dir"))
     elif kind == "quantization":
         results = SUITES[kind](reg, model_dir=request.getfixturevalue("smollm2_dir"))
+    elif kind == "attention" and MLA in (reg.spec.caps.values.get("attention_kind") or ()):
+        results = check_mla_attention_backend(reg)  # latent-cache backends: the MLA suite
     else:
         results = SUITES[kind](reg)
     assert "passed" in results.values()

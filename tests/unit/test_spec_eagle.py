@@ -129,6 +129,60 @@ def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
     return seen, stats
 
 
+def _padded_replays(monkeypatch):
+    """Make the runner verify, and the head draft, through the graph runners' padded,
+    fixed-buffer forwards on the CPU (``use_graphs=False``: the graph path without
+    capture), the padding rows' cache writes (slot -1) sent to the null block 0.
+    Returns the target's graph runners and a count of the head's replayed passes."""
+    import lmkit.worker.model_runner as model_runner
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    from lmkit.worker.draft_graphs import DraftPassGraphs
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+
+    made: list[CudaGraphRunner] = []
+    passes = {"n": 0}
+    plan, run = TorchAttention.plan, DraftPassGraphs.run
+
+    def plan_scratch_padding(self, metadata):
+        plan(self, metadata)
+        self._plan.slot_mapping = self._plan.slot_mapping.clamp(min=0)
+
+    def count_passes(self, *args):
+        passes["n"] += 1
+        return run(self, *args)
+
+    def capture(config, stack, model, kv_caches, device, max_model_len, aux_layers=()):
+        made.append(CudaGraphRunner(
+            model, kv_caches, device, config.scheduler.max_num_seqs, max_model_len,
+            config.cache.block_size, use_graphs=False,
+            max_query_len=1 + config.speculative.num_speculative_tokens, aux_layers=aux_layers))
+        return made[-1]
+
+    monkeypatch.setattr(TorchAttention, "plan", plan_scratch_padding)
+    monkeypatch.setattr(DraftPassGraphs, "run", count_passes)
+    monkeypatch.setattr(model_runner, "maybe_capture", capture)
+    return made, passes
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_drafts_equal_a_dense_reference_through_graph_replays(tiny, heads, monkeypatch,
+                                                              proposer):
+    """Verification steps replayed through the decode graphs (flattened) hand the head
+    the same features as eager steps (EAGLE-3's target-layer inputs come out of the
+    graphs too), and the head's draft passes replay padded passes of their own: the
+    drafts still equal the dense reference."""
+    runners, draft_passes = _padded_replays(monkeypatch)
+    got, _ = _run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
+                         max_num_seqs=8)
+    assert runners and runners[0].num_flattened_replays > 5
+    assert draft_passes["n"] > 20  # the k - 1 draft passes replayed too
+    assert runners[0].aux_layers == (() if proposer == "eagle" else (0, 1, 1))
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = [key for key, drafts in got.items()
+             if drafts != reference.drafts(list(key[1]), len(drafts))]
+    assert len(got) > 20 and not wrong, f"{len(wrong)} of {len(got)} drafts differ"
+
+
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 @pytest.mark.parametrize("settings", [
     {"max_num_seqs": 1},  # one request at a time, whole prompts

@@ -128,6 +128,29 @@ def test_flattened_forward_matches_eager(model, contexts, num_drafts):
         torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=1e-5, rtol=0)
 
 
+def test_flattened_forward_returns_the_draft_heads_layer_inputs(model):
+    """EAGLE-3 reads the inputs of chosen target layers: the graph runner returns them
+    beside the hidden states, equal to the eager forward's, one row per step token."""
+    g = torch.Generator().manual_seed(2)
+    caches = [torch.randn(model.attn.kv_cache_shape(96), generator=g) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+    step = _verification_step([5, 40, 17], [0, 3, 4])
+    with torch.inference_mode():
+        md_ctx = ForwardContext(model.attn, eager_caches, (0, 1))
+        _eager(model, step, eager_caches)  # plans; the forward below reuses that plan
+        model(step.input_ids, step.positions, md_ctx)
+        expected = md_ctx.aux_hidden_states
+        runner = CudaGraphRunner(model, caches, CPU, max_num_seqs=8, max_model_len=256,
+                                 block_size=BLOCK, use_graphs=False, max_query_len=5,
+                                 aux_layers=(0, 1))
+        aux: list[torch.Tensor] = []
+        runner.replay(step, aux)
+    assert len(aux) == 2 and aux[0].shape == (step.num_tokens, 64)
+    for got, want in zip(aux, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(aux[0], aux[1])
+
+
 # ---------------------------------------------------------------- the model runner
 
 

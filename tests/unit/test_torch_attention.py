@@ -20,10 +20,11 @@ def device(request):
 
 
 def make_backend(num_heads, num_kv_heads, head_size, block_size, sliding_window=None,
-                 device=torch.device("cpu")):
+                 device=torch.device("cpu"), logits_soft_cap=None):
     return TorchAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                           scale=head_size ** -0.5, dtype=DTYPE, device=device,
-                          block_size=block_size, sliding_window=sliding_window)
+                          block_size=block_size, sliding_window=sliding_window,
+                          logits_soft_cap=logits_soft_cap)
 
 
 def make_metadata(reqs, block_size, block_tables, device=torch.device("cpu")):
@@ -48,12 +49,14 @@ def make_metadata(reqs, block_size, block_tables, device=torch.device("cpu")):
         query_start_loc_cpu=qsl, seq_lens_cpu=seq)
 
 
-def dense_reference(q, k_all, v_all, ctx, scale, window):
+def dense_reference(q, k_all, v_all, ctx, scale, window, soft_cap=None):
     """q: [q_len, H, D]; k_all/v_all: [ctx + q_len, Hkv, D] -> [q_len, H, D]."""
     group = q.shape[1] // k_all.shape[1]
     k = k_all.repeat_interleave(group, dim=1)
     v = v_all.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + ctx
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     allowed = k_pos <= q_pos
@@ -123,7 +126,8 @@ class PagedWorld:
             hk, hv = self.history[rid]
             k_all, v_all = torch.cat([hk, ki]), torch.cat([hv, vi])
             self.history[rid] = (k_all, v_all)
-            ref = dense_reference(qi, k_all, v_all, ctx, b.scale, b.sliding_window)
+            ref = dense_reference(qi, k_all, v_all, ctx, b.scale, b.sliding_window,
+                                  b.logits_soft_cap)
             torch.testing.assert_close(out[start:start + q_len], ref, rtol=1e-9, atol=1e-9)
             start += q_len
 
@@ -173,6 +177,18 @@ def test_sliding_window(block_size, device):
     world.prefill_cached(0, 20)
     world.step([(0, 12), (1, 30), (2, 5)])
     world.step([(0, 1), (1, 1), (2, 7)])
+
+
+def test_logits_soft_cap_with_sliding_window(device):
+    # Gemma-2: scores capped at 1 (scaled scores of these inputs reach ~2, so it bites);
+    # prefill, a cached prefix, decodes and a chunk in one step
+    backend = make_backend(4, 2, 16, 4, sliding_window=6, device=device, logits_soft_cap=1.0)
+    world = PagedWorld(backend, num_blocks=64)
+    world.prefill_cached(0, 9)
+    world.step([(0, 5), (1, 11), (2, 1)])
+    world.step([(0, 1), (1, 1), (2, 7)])
+    q, k = world.rand(3, 4, 16), world.rand(3, 2, 16)
+    assert (torch.einsum("qhd,khd->hqk", q[:, :2], k) * 0.25).abs().max() > 1
 
 
 def test_single_request_full_batch_fast_path(device):

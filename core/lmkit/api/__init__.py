@@ -13,6 +13,14 @@ from typing import TYPE_CHECKING, Any
 from lmkit.api.attention import AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    MLALatentSpec,
+    SlidingWindowSpec,
+    build_kv_cache_groups,
+)
 from lmkit.api.logits_processor import (
     AddedRequest,
     BatchUpdate,
@@ -131,4 +139,6 @@ __all__ = [
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
+    "FullAttentionSpec", "KVCacheGroup", "KVCacheSpec", "MLALatentSpec", "SlidingWindowSpec",
+    "build_kv_cache_groups",
 ]

@@ -52,11 +52,14 @@ class AttentionBackend(ABC):
     Constructor (the one signature models use; all keyword arguments)::
 
         cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device, block_size,
-            sliding_window=None, options=None, causal=True)
+            sliding_window=None, options=None, causal=True, logits_soft_cap=None)
 
     ``causal=False`` asks for an encoder's bidirectional attention; models pass it only
     to backends whose spec declares the ``non_causal`` feature (selection refuses the
     others); each prompt then runs whole in one step, so every key is this step's.
+    ``logits_soft_cap=c`` caps the scaled attention scores ``s`` as ``c * tanh(s / c)``
+    before the softmax (Gemma-2); models pass it only when their needs name the
+    ``logits_soft_cap`` feature, so only backends declaring it get it.
     Subclasses that add state call ``super().__init__(**kwargs)``, which stores each
     argument as an attribute. The runner calls :meth:`plan` once per step on the host,
     then every attention layer calls :meth:`run`. ``run`` must do no host work and no
@@ -67,6 +70,8 @@ class AttentionBackend(ABC):
 
     * :attr:`supports_model_kv_write`: models may store K/V into the cache themselves
       (see :meth:`kv_write_slots`).
+    * :attr:`supports_logits_soft_cap`: the backend honours ``logits_soft_cap``; built
+      with one otherwise, it raises (its spec must then not claim ``logits_soft_cap``).
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -75,9 +80,15 @@ class AttentionBackend(ABC):
     #: always writes them.
     supports_model_kv_write: ClassVar[bool] = False
 
+    #: Whether :meth:`run` soft-caps attention scores when built with ``logits_soft_cap``
+    #: (the spec claims the ``logits_soft_cap`` feature too). ``False``: constructing the
+    #: backend with a cap raises instead of silently ignoring it.
+    supports_logits_soft_cap: ClassVar[bool] = False
+
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
-                 options: Any = None, causal: bool = True) -> None:
+                 options: Any = None, causal: bool = True,
+                 logits_soft_cap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -88,6 +99,12 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.options = options
         self.causal = causal
+        if logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"{type(self).__name__} cannot soft-cap attention scores (asked for "
+                f"logits_soft_cap={logits_soft_cap}); use a backend whose spec claims "
+                "the logits_soft_cap feature, e.g. 'torch'")
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -25,6 +25,9 @@ class ModelInfo:
     # KV slots per request the scheduler must reserve past the scheduled tokens because
     # the runner launches decode steps ahead of scheduling (0 when it does not)
     num_lookahead_slots: int = 0
+    # how many of the latest keys any attention layer reads when every layer (a draft
+    # head's too) slides over a window; None when a layer reads the whole context
+    kv_window: int | None = None
 
 
 class Executor(ABC):

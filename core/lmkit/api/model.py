@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from lmkit.api.attention import AttentionBackend
+    from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec
     from lmkit.plugin_host.spec import Needs
 
 
@@ -71,7 +72,11 @@ class Model(ABC):
     ``hf_config`` is the model directory's ``config.json`` (a transformers
     ``PretrainedConfig``). The model must create one attention backend instance
     (``ctx.attention_cls(...)``, see :class:`~lmkit.api.AttentionBackend`) and expose it
-    as ``self.attn`` so the runner can plan it once per step. Model classes usually
+    as ``self.attn`` so the runner can plan it once per step. A model whose layers cache
+    differently (sliding-window and full-attention layers) declares its layers'
+    :meth:`kv_cache_specs`, builds one backend per KV cache group
+    (:func:`~lmkit.api.build_kv_cache_groups`) and returns them from
+    :meth:`kv_cache_groups`; ``self.attn`` is then its first group's. Model classes usually
     subclass ``torch.nn.Module`` too: ``class MyModel(torch.nn.Module, CausalLM)``.
 
     A model that sets the class attribute ``supports_tensor_parallel = True`` builds its
@@ -97,11 +102,33 @@ class Model(ABC):
         """What the model needs of the attention backend, known from its config alone
         (e.g. ``Needs({"sliding_window"})``); stack resolution then refuses or avoids
         backends that lack it, before weights load. The head size is added by lmkit,
-        and ``non_causal`` when :attr:`pooling` says the attention is bidirectional.
+        and ``attention_kind="mha"`` unless this returns another kind (an MLA model
+        returns ``Needs(values={"attention_kind": "mla", "head_size": ...})``, see
+        :class:`~lmkit.api.MLAAttentionBackend`), and ``non_causal`` when :attr:`pooling` says the attention is bidirectional.
         Optional: the default needs nothing."""
         from lmkit.plugin_host.spec import Needs
 
         return Needs()
+
+    @classmethod
+    def kv_cache_specs(cls, hf_config: Any) -> tuple[KVCacheSpec, ...] | None:
+        """Each layer's :class:`~lmkit.api.KVCacheSpec`, known from the config alone, for
+        a model whose layers do not all cache alike; lmkit adds what the specs need of
+        the attention backend (:meth:`~lmkit.api.KVCacheSpec.needs`) to
+        :meth:`attention_needs`, so a backend that cannot serve one of the groups is
+        refused before weights load. ``None`` (the default): every layer has the spec
+        of the one backend ``self.attn``."""
+        return None
+
+    def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
+        """The model's KV cache groups (layers with equal specs, each with the backend
+        built for it); the runner allocates each layer's cache from its group's backend
+        and plans every group's backend once per step. The default: one group, all
+        ``num_layers`` layers on ``self.attn``. A model that overrides
+        :meth:`kv_cache_specs` returns the groups it built, in the specs' layer order."""
+        from lmkit.api.kv_cache_spec import one_kv_cache_group
+
+        return one_kv_cache_group(self.attn, num_layers)
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

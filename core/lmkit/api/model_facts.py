@@ -40,7 +40,7 @@ class ModelFacts:
             :func:`~lmkit.loading.model_facts.eos_token_ids_of`); empty when the model
             declares none.
         attention_needs: what the model needs of the attention backend: its head size
-            plus what the architecture's :meth:`~lmkit.api.CausalLM.attention_needs`
+            and ``attention_kind`` (``"mha"`` unless the model declares ``"mla"``), plus what the architecture's :meth:`~lmkit.api.CausalLM.attention_needs`
             declares (e.g. ``"sliding_window"``), plus ``"non_causal"`` for a model
             whose :attr:`~lmkit.api.Model.pooling` declares bidirectional attention.
         generates: whether the model can generate text (its class is a

@@ -64,7 +64,8 @@ class OffloadManager(ABC):
     so both can name a persistent store), ``kv_caches`` the per-layer device cache
     tensors in the layout of the built-in attention backends, ``[2, num_blocks,
     block_size, num_kv_heads, head_size]`` (block ``b`` of a layer is ``cache[:, b]``),
-    ``options`` the validated instance of the spec's options model.
+    or of the MLA backends, ``[num_blocks, block_size, width]`` (block ``b`` is
+    ``cache[b]``; :func:`kv_block_axis` tells them apart), ``options`` the validated instance of the spec's options model.
 
     Ordering rules the engine relies on:
 
@@ -203,6 +204,24 @@ def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor])
     add("attention", config.attention.backend, "block_size", config.cache.block_size)
     add("layers", len(kv_caches))
     for cache in kv_caches:
-        # every dimension but the pool size (dim 1)
-        add(str(cache.dtype), tuple(cache.shape[:1]) + tuple(cache.shape[2:]))
+        # every dimension but the pool size
+        axis = kv_block_axis(cache.shape)
+        add(str(cache.dtype), tuple(cache.shape[:axis]) + tuple(cache.shape[axis + 1:]))
     return h.digest()
+
+
+def kv_block_axis(shape: Sequence[int]) -> int:
+    """The axis of a per-layer KV cache shape that indexes blocks: 1 for the K/V layout
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (4 or more dimensions,
+    the first 2), 0 for the MLA latent layout ``[num_blocks, block_size, width]``
+    (3 dimensions; :class:`~lmkit.api.MLAAttentionBackend`).
+
+    :raises ValueError: a shape in neither layout.
+    """
+    if len(shape) == 3:
+        return 0
+    if len(shape) >= 4 and shape[0] == 2:
+        return 1
+    raise ValueError(f"KV cache shape {tuple(shape)} is in neither offloadable layout: "
+                     "[2, num_blocks, block_size, num_kv_heads, head_size] (K/V) or "
+                     "[num_blocks, block_size, width] (MLA latent)")

@@ -44,10 +44,14 @@ class SchedulerContext:
             tokens, because the runner launches decode steps ahead of scheduling
             (:attr:`lmkit.api.ModelInfo.num_lookahead_slots`; 0 when it does not).
         prefix_tier: the KV offload tier to consult at admission, or None (offload off).
+        kv_window: when every attention layer reads only this many of the latest keys
+            (:attr:`lmkit.api.ModelInfo.kv_window`), blocks wholly behind it may be
+            released while a request runs; None: keep them.
     """
 
     num_lookahead_slots: int = 0
     prefix_tier: PrefixTier | None = None
+    kv_window: int | None = None
 
 
 class Scheduler(ABC):

@@ -165,6 +165,13 @@ class RunnerProposer(Proposer):
     target_layers: tuple[int, ...] = ()
     #: its attention backend (set by :meth:`load`): shapes its KV caches, planned per step
     attn: AttentionBackend
+    #: the width of :meth:`forward`'s output features (set by :meth:`load`)
+    hidden_size: int = 0
+    #: a :meth:`forward` over one position per request may be captured in a CUDA graph
+    #: (no host synchronisation, no data-dependent shapes; needs :attr:`hidden_size`): the
+    #: runner then replays the ``k - 1`` draft passes when the target's decode runs in
+    #: graphs
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def check_target(self, target_hf_config: Any) -> None:

@@ -23,7 +23,6 @@ from typing import Annotated, Any
 
 import typer
 
-from lmkit.cli.render import print_deprecated
 from lmkit.config.loader import load_config
 from lmkit.config.schema import LMKitConfig
 from lmkit.config.sources import parse_text_value
@@ -36,8 +35,10 @@ PANEL = "Configuration"
 @dataclass(frozen=True)
 class Flag:
     """One shared option: its parameter name, flags, the config path it sets, its type,
-    for on/off flags the value it sets when given, and the old spelling of the flag
-    that is still accepted with a deprecation message (hidden from ``--help``).
+    for on/off flags the value it sets when given, and a short spelling of the flag
+    (``--attn`` for ``--attention``: the operator's ``lmkit serve --attn flashinfer
+    --spec eagle``), listed in ``--help`` after the long one, which wins when both are
+    given.
 
     A flag that selects an extension point is named like it everywhere else: the config
     section, the ``LLM(...)`` keyword and the kind in ``lmkit plugins list``
@@ -50,12 +51,12 @@ class Flag:
     type: Any
     help: str
     sets: Any = None
-    old: str | None = None
+    short: str | None = None
 
     @property
-    def old_name(self) -> str:
-        """The parameter that receives the old spelling's value."""
-        return f"{self.name}__old"
+    def short_name(self) -> str:
+        """The parameter that receives the short spelling's value."""
+        return f"{self.name}__short"
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -65,7 +66,7 @@ FLAGS: tuple[Flag, ...] = (
          "Load a plugin by entry-point or module name; 'no:NAME' blocks one. Repeatable."),
     Flag("model", ("--model",), "model.model", str | None, "Model alias, local path, GGUF file or hub id."),
     Flag("attention", ("--attention",), "attention.backend", str | None,
-         "Attention backend, or 'auto'.", old="--attn"),
+         "Attention backend, or 'auto'.", short="--attn"),
     Flag("scheduler", ("--scheduler",), "scheduler.backend", str | None, "Scheduler, or 'auto'."),
     Flag("executor", ("--executor",), "executor.backend", str | None, "Executor, or 'auto'."),
     Flag("tensor_parallel_size", ("--tp",), "parallel.tensor_parallel_size", int | None,
@@ -75,12 +76,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("device", ("--device",), "executor.device", str | None, "auto, cpu or cuda."),
     Flag("dtype", ("--dtype",), "model.dtype", str | None, "auto, float32, bfloat16 or float16."),
     Flag("speculative", ("--speculative",), "speculative.backend", str | None,
-         "Speculative-decoding proposer, 'auto' or 'none'.", old="--spec"),
+         "Speculative-decoding proposer, 'auto' or 'none'.", short="--spec"),
     Flag("num_speculative_tokens", ("--num-speculative-tokens",),
          "speculative.num_speculative_tokens", int | None, "Draft tokens per step.",
-         old="--spec-tokens"),
+         short="--spec-tokens"),
     Flag("speculative_model", ("--speculative-model",), "speculative.model", str | None,
-         "Draft head directory of a model-based proposer (eagle).", old="--spec-model"),
+         "Draft head directory of a model-based proposer (eagle).", short="--spec-model"),
     Flag("structured_output", ("--structured-output",), "structured_output.backend", str | None,
          "Structured-output (constrained decoding) backend, 'auto' or 'none'."),
     Flag("offload", ("--offload",), "offload.backend", str | None, "KV offload tier (cpu, disk, cpu+disk), 'auto' or 'none'."),
@@ -106,7 +107,7 @@ FLAGS: tuple[Flag, ...] = (
 @dataclass(frozen=True)
 class ConfigOptions:
     """The shared options as given on the command line (``None``: not given), and the
-    flag spelling used where it was an old one (``{"attention": "--attn"}``), so that
+    flag spelling used where it was a short one (``{"attention": "--attn"}``), so that
     messages name the flag the user typed."""
 
     values: Mapping[str, Any]
@@ -160,26 +161,25 @@ def config_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         )
         for f in FLAGS
     ]
-    old = [
+    short = [
         inspect.Parameter(
-            f.old_name, inspect.Parameter.KEYWORD_ONLY, default=None,
-            annotation=Annotated[f.type, typer.Option(f.old, hidden=True)],
+            f.short_name, inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation=Annotated[f.type, typer.Option(
+                f.short, help=f"Short for {f.decls[0]}.", rich_help_panel=PANEL)],
         )
-        for f in FLAGS if f.old is not None
+        for f in FLAGS if f.short is not None
     ]
-    params = own + shared + old
+    params = own + shared + short
 
     @functools.wraps(fn)
     def command(*args: Any, **kwargs: Any) -> Any:
         values = {f.name: kwargs.pop(f.name) for f in FLAGS}
         spelled = {}
         for f in FLAGS:
-            given = kwargs.pop(f.old_name) if f.old is not None else None
-            if given is not None:
-                print_deprecated(f.old or "", f.decls[0])
-                if values[f.name] is None:
-                    values[f.name] = given
-                    spelled[f.name] = f.old or ""
+            given = kwargs.pop(f.short_name) if f.short is not None else None
+            if given is not None and values[f.name] is None:
+                values[f.name] = given
+                spelled[f.name] = f.short or ""
         return fn(*args, opts=ConfigOptions(values, spelled), **kwargs)
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

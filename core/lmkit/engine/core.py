@@ -100,7 +100,7 @@ class EngineCore:
         tier = prefix_tier(self.stack, scheduler_cls, self.executor,
                            write_through=self.config.offload.store_policy == "write_through")
         context = SchedulerContext(num_lookahead_slots=self.model_info.num_lookahead_slots,
-                                   prefix_tier=tier)
+                                   prefix_tier=tier, kv_window=self.model_info.kv_window)
         self.scheduler = build("scheduler", scheduler_cls, self.config,
                                num_blocks=self.num_blocks, options=self.stack.options["scheduler"],
                                context=context, plugin=sched_reg.origin)

@@ -89,13 +89,13 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
 
 def _option_hint(key: str) -> str:
     """`` Did you mean ...?`` for an unknown ``LLM(...)`` keyword: the short option named
-    like a CLI flag's old spelling (``spec`` -> ``speculative``), else the closest name."""
+    like a CLI flag's short spelling (``spec`` -> ``speculative``), else the closest name."""
     from lmkit.cli.options import FLAGS
     from lmkit.plugin_host.registry import suggest
 
     by_path = {path: name for name, path in SHORT_OPTIONS.items()}
     for flag in FLAGS:
-        if flag.old is not None and flag.old.lstrip("-").replace("-", "_") == key:
+        if flag.short is not None and flag.short.lstrip("-").replace("-", "_") == key:
             name = by_path.get(flag.path or "")
             if name is not None:
                 return f" Did you mean {name!r} (the CLI's {flag.decls[0]})?"

@@ -31,6 +31,11 @@ class KVCacheManager:
         max_model_len: if given, no request gets slots past this many tokens
             (lookahead slots are clipped to it).
         hash_seed: root of the block-hash chains (see :mod:`lmkit.kv_cache.hashing`).
+        sliding_window: when every attention layer reads only the last ``sliding_window``
+            keys (:attr:`lmkit.api.ModelInfo.kv_window`), a running request's blocks
+            wholly behind the window of its next token are released (its block table
+            keeps the null block there; backends never read keys behind the window).
+            ``None``: a request keeps all its blocks.
 
     Counters: :attr:`prefix_cache_queries` / :attr:`prefix_cache_hits` are in tokens
     (tokens looked up / tokens found), :attr:`num_evictions` in blocks.
@@ -43,6 +48,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         hash_seed: BlockHash = DEFAULT_SEED,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -50,11 +56,16 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.hash_seed = hash_seed
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         # request id -> its blocks, in token order
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its leading blocks are registered in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
+        # request id -> how many of its leading blocks were released (behind the window)
+        self.num_released_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -126,7 +137,8 @@ class KVCacheManager:
 
         Returns:
             The ids of the newly allocated blocks (hits excluded), or ``None`` when the
-            pool has too few free blocks, in which case nothing changed.
+            pool has too few free blocks, in which case nothing was allocated (blocks
+            behind a sliding window may have been released: they are not read again).
 
         Full blocks holding tokens computed up to the end of this step are registered
         in the prefix cache at once, so a request admitted later in the same step
@@ -135,6 +147,9 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if req_blocks:  # running: first give back what fell behind the window
+            self._release_behind_window(request.request_id, req_blocks,
+                                        request.num_computed_tokens)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
@@ -156,6 +171,23 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def _release_behind_window(self, request_id: str, req_blocks: list[KVCacheBlock],
+                               num_computed: int) -> None:
+        """Free the blocks holding only keys before ``num_computed - window + 1`` (the
+        earliest key the next query, at ``num_computed``, reads), oldest last; they stay
+        findable in the prefix cache until evicted."""
+        if self.sliding_window is None:
+            return
+        end = min(max(0, num_computed - self.sliding_window + 1) // self.block_size,
+                  len(req_blocks))
+        start = self.num_released_blocks.get(request_id, 0)
+        if end <= start:
+            return
+        released = req_blocks[start:end]
+        req_blocks[start:end] = [self.block_pool.null_block] * (end - start)
+        self.num_released_blocks[request_id] = end
+        self.block_pool.free_blocks(reversed(released))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register ``request``'s full blocks among its first ``num_tokens`` tokens
@@ -182,11 +214,12 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        num_released = self.num_released_blocks.pop(request.request_id, 0)
         if not blocks:
             return
         for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
             self.block_pool.uncache_block(block)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks[num_released:]))
 
     def has_pending_shared_blocks(self, request: Request) -> bool:
         """Whether another request references one of ``request``'s blocks that is

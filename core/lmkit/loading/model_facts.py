@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.contract import interface_problem
+from lmkit.api.kv_cache_spec import KVCacheSpec, specs_needs
+from lmkit.api.mla_attention import MHA
 from lmkit.api.model import CausalLM, Model, PoolingModel
 from lmkit.api.model_facts import ModelFacts
 from lmkit.errors import ConfigError, ModelLoadError, PluginError, UnknownBackendError
@@ -57,7 +59,13 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
     model_cls = model_class(registration)
     head_size = head_size_of(hf_config)
     native = native_max_model_len(hf_config)
-    needs = Needs(values={"head_size": head_size}).merge(model_cls.attention_needs(hf_config))
+    # every model needs one attention kind: multi-head (the default) or latent (MLA,
+    # declared by the model's attention_needs)
+    needs = Needs(values={"head_size": head_size, "attention_kind": MHA}).merge(
+        model_cls.attention_needs(hf_config))
+    specs = model_cls.kv_cache_specs(hf_config)
+    if specs is not None:  # what a backend needs to serve every KV cache group
+        needs = needs.merge(kv_specs_needs(specs, architecture, int(hf_config.num_hidden_layers)))
     if not model_cls.pooling.causal:  # an encoder: bidirectional attention
         needs = needs.merge(Needs(features=frozenset({"non_causal"})))
     return ModelFacts(
@@ -69,6 +77,25 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         attention_needs=needs, generates=issubclass(model_cls, CausalLM),
         pooling=model_cls.pooling, weight_format=weight_format(model_dir),
         **split_sizes(hf_config))
+
+
+def kv_specs_needs(specs: tuple[KVCacheSpec, ...], architecture: str, num_layers: int
+                   ) -> Needs:
+    """What an attention backend needs to serve each of a model's declared KV cache
+    specs (:meth:`lmkit.api.Model.kv_cache_specs`).
+
+    Raises:
+        ModelLoadError: the specs are not one per layer, or need backends of two kinds.
+    """
+    if len(specs) != num_layers:
+        raise ModelLoadError(
+            f"architecture {architecture} declares {len(specs)} KV cache specs for a model "
+            f"of {num_layers} layers (num_hidden_layers); kv_cache_specs() must return one "
+            "spec per layer")
+    try:
+        return specs_needs(specs)
+    except ValueError as e:
+        raise ModelLoadError(f"architecture {architecture}: {e}") from None
 
 
 def model_registration(host: PluginHost, hf_config: Any, model_dir: Path

@@ -15,15 +15,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmkit.api.contract import build
+from lmkit.api.offload import kv_block_axis
 from lmkit.errors import ConfigError
 from lmkit.offload.transfers import KVTransfers
 
 if TYPE_CHECKING:
     import torch
 
+    from lmkit.api.kv_cache_spec import KVCacheGroup
     from lmkit.api.offload import OffloadManager, TransferJob
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -188,8 +190,10 @@ class OffloadWorker:
 
 
 def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
-                         kv_caches: list[torch.Tensor], attn: Any) -> OffloadWorker | None:
-    """The offload tier the stack names, built over ``kv_caches``; None when offload is off.
+                         kv_caches: list[torch.Tensor], kv_groups: Sequence[KVCacheGroup]
+                         ) -> OffloadWorker | None:
+    """The offload tier the stack names, built over ``kv_caches`` (per layer, of the
+    model's ``kv_groups``); None when offload is off.
 
     Logs the memory the tier takes (part of the startup memory report).
 
@@ -205,19 +209,27 @@ def build_offload_worker(config: LMKitConfig, stack: ResolvedStack,
             f"offload tier {reg.name!r} extends the prefix cache, which is off "
             "(cache.enable_prefix_caching: false); turn prefix caching on or set "
             "offload.backend: none")
-    one, two = attn.kv_cache_shape(1), attn.kv_cache_shape(2)
-    if len(one) < 2 or one[1] != 1 or two[1] != 2 or one[:1] + one[2:] != two[:1] + two[2:]:
-        raise ConfigError(
-            f"offload tier {reg.name!r} needs KV caches laid out as [2, num_blocks, ...], but "
-            f"the attention backend's are {tuple(two)} for 2 blocks; choose a built-in "
-            "attention backend or set offload.backend: none")
+    for group in kv_groups:  # every group's layout (one group for most models)
+        one, two = tuple(group.attn.kv_cache_shape(1)), tuple(group.attn.kv_cache_shape(2))
+        try:
+            axis = kv_block_axis(two)
+        except ValueError:
+            axis = -1
+        if axis < 0 or one[axis] != 1 or two[axis] != 2 or \
+                one[:axis] + one[axis + 1:] != two[:axis] + two[axis + 1:]:
+            raise ConfigError(
+                f"offload tier {reg.name!r} needs KV caches laid out as [2, num_blocks, ...] "
+                "(K/V) or [num_blocks, block_size, width] (MLA latent), but the attention "
+                f"backend's are {two} for 2 blocks ({group.spec.describe()} layers); choose "
+                "a built-in attention backend or set offload.backend: none")
     tier_config = config.model_copy(deep=True)
     attention = stack.get("attention")
     if attention is not None:
         tier_config.attention.backend = attention.name
     manager = build("offload", reg.spec.load(), tier_config, kv_caches,
                     options=stack.options["offload"], plugin=reg.origin)
-    block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
+    block_bytes = sum(c.select(kv_block_axis(tuple(c.shape)), 0).numel() * c.element_size()
+                      for c in kv_caches)
     _, capacity = manager.usage()
     logger.info("KV offload: tier %r, %.2f GiB (%d blocks of %.2f MiB)", reg.name,
                 capacity / 2**30, capacity // max(block_bytes, 1), block_bytes / 2**20)

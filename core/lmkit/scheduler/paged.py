@@ -87,7 +87,8 @@ class PagedScheduler(Scheduler):
             spec.num_speculative_tokens if spec.backend != "none" else 0,
             context.num_lookahead_slots)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, config.cache.enable_prefix_caching, max_model_len
+            num_blocks, self.block_size, config.cache.enable_prefix_caching, max_model_len,
+            sliding_window=context.kv_window,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: WaitingQueue = self.make_waiting_queue()

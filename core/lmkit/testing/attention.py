@@ -12,6 +12,8 @@ runner builds it. Properties:
   cached blocks another request of the step fills), when it claims ``prefix_caching``;
 * ``multi-token decode queries`` (speculative decoding), when it claims
   ``multi_token_query``; ``sliding window`` when it claims ``sliding_window``;
+  ``logits soft cap`` (scores capped at 1, with a window when claimed) when it claims
+  ``logits_soft_cap``;
 * ``GQA and head sizes``, ``block sizes``, ``dtypes``: the whole workload over every
   head layout, head size (the claimed ``head_size`` values, else 64, 80, 128), block
   size (claimed ``block_size`` values, else 16 and 32) and claimed dtype;
@@ -19,7 +21,8 @@ runner builds it. Properties:
   suite stores each step's K/V itself at the slots ``kv_write_slots()`` returns, in
   the documented layout, and calls ``run(..., kv_written=True)``;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
-  raises when constructed with one, instead of silently ignoring it;
+  (``logits_soft_cap``) raises when constructed with one, instead of silently ignoring
+  it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured
   in a graph and replayed after a new ``plan`` gives the eager result.
 
@@ -218,23 +221,32 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         case = replace(base_case(t), sliding_window=7)
         _run(t, "sliding window", case, full_workload)
 
+    def logits_soft_cap() -> None:
+        _require(t, "logits_soft_cap")
+        window = 7 if t.has_feature("sliding_window") else None
+        case = replace(base_case(t), sliding_window=window, logits_soft_cap=1.0)
+        _run(t, "logits soft cap", case, full_workload)
+
     def model_written_kv() -> None:
         _run(t, "model-written K/V", base_case(t), full_workload, model_writes_kv=True)
 
     def unclaimed_refused() -> None:
         if t.spec is None:
             raise NotApplicable("no spec given: the claimed features are unknown")
-        if t.has_feature("sliding_window"):
-            raise NotApplicable(f"{t.name} claims sliding_window")
-        case = replace(base_case(t), sliding_window=7)
-        try:
-            case.build(t.cls, t.options)
-        except Exception:
-            return
-        raise t.fail(SUITE, "unclaimed features refused", case.describe(),
-                     "the spec does not claim 'sliding_window', yet constructing the backend "
-                     "with sliding_window=7 succeeded; raise an error instead of silently "
-                     "attending to the whole context")
+        unclaimed = {feature: case for feature, case in (
+            ("sliding_window", replace(base_case(t), sliding_window=7)),
+            ("logits_soft_cap", replace(base_case(t), logits_soft_cap=1.0)),
+        ) if not t.has_feature(feature)}
+        if not unclaimed:
+            raise NotApplicable(f"{t.name} claims sliding_window and logits_soft_cap")
+        for feature, case in unclaimed.items():
+            try:
+                case.build(t.cls, t.options)
+            except Exception:
+                continue
+            raise t.fail(SUITE, "unclaimed features refused", case.describe(),
+                         f"the spec does not claim {feature!r}, yet constructing the backend "
+                         f"with it succeeded; raise an error instead of silently ignoring it")
 
     def constructor() -> None:
         case = base_case(t)
@@ -253,6 +265,7 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         "multi-token decode queries": on_base("multi-token decode queries",
                                               multi_query_workload, "multi_token_query"),
         "sliding window": sliding_window,
+        "logits soft cap": logits_soft_cap,
         "GQA and head sizes": heads_and_sizes,
         "block sizes": block_sizes,
         "dtypes": dtypes,
@@ -361,6 +374,9 @@ class AttentionConformance:
 
     def test_sliding_window(self, attention_backend: Any) -> None:
         self._check(attention_backend, "sliding window")
+
+    def test_logits_soft_cap(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "logits soft cap")
 
     def test_gqa_and_head_sizes(self, attention_backend: Any) -> None:
         self._check(attention_backend, "GQA and head sizes")

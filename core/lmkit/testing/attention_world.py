@@ -42,20 +42,24 @@ class AttentionCase:
     dtype: torch.dtype
     device: torch.device
     sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         window = f", sliding_window {self.sliding_window}" if self.sliding_window else ""
+        cap = f", logits_soft_cap {self.logits_soft_cap}" if self.logits_soft_cap else ""
         return (f"heads {self.num_heads}/{self.num_kv_heads} (query/kv), head_size "
                 f"{self.head_size}, block_size {self.block_size}, {dtype} on "
-                f"{self.device.type}{window}")
+                f"{self.device.type}{window}{cap}")
 
     def kwargs(self, options: Any) -> dict[str, Any]:
-        """The keyword arguments a model constructs the backend with for this case."""
+        """The keyword arguments a model constructs the backend with for this case
+        (``logits_soft_cap`` only when set, as models pass it)."""
+        cap = {} if self.logits_soft_cap is None else {"logits_soft_cap": self.logits_soft_cap}
         return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
                     device=self.device, block_size=self.block_size,
-                    sliding_window=self.sliding_window, options=options)
+                    sliding_window=self.sliding_window, options=options, **cap)
 
     def build(self, cls: type, options: Any) -> AttentionBackend:
         """Construct the backend as the model does."""
@@ -80,13 +84,17 @@ class StepMismatch:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int,
-                    scale: float, window: int | None) -> torch.Tensor:
+                    scale: float, window: int | None, soft_cap: float | None = None
+                    ) -> torch.Tensor:
     """Causal attention of ``q`` ``[q_len, H, D]`` at positions ``context + i`` over
-    ``k``/``v`` ``[context + q_len, Hkv, D]`` (float64); returns ``[q_len, H, D]``."""
+    ``k``/``v`` ``[context + q_len, Hkv, D]`` (float64), scores soft-capped
+    (``c * tanh(s / c)``) when ``soft_cap`` is given; returns ``[q_len, H, D]``."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     q_pos = torch.arange(q.shape[0])[:, None] + context
     k_pos = torch.arange(k.shape[0])[None, :]
     allowed = k_pos <= q_pos
@@ -271,7 +279,7 @@ class AttentionWorld:
         for (rid, q_len), qi in zip(work, qs, strict=True):
             req, ctx = self.reqs[rid], contexts[rid]
             ref = dense_attention(qi, req.keys, req.values, ctx, c.head_size ** -0.5,
-                                  c.sliding_window)
+                                  c.sliding_window, c.logits_soft_cap)
             got = out64[start:start + q_len]
             start += q_len
             err = (got - ref).abs()

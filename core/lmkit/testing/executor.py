@@ -110,7 +110,7 @@ def _with_pair(t: Target, model_dir: Path | None, body: Any,
 def _model_info(pair: _Pair) -> None:
     from dataclasses import asdict
 
-    fields = ("kv_bytes_per_block", "device", "dtype")
+    fields = ("kv_bytes_per_block", "device", "dtype", "kv_window")
     info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
         got, want = info[name], ref_info[name]

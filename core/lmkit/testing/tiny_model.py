@@ -1,5 +1,6 @@
 """A tiny random model directory (Llama architecture, byte-level tokenizer) for tests
-that need a real engine: executors, proposers end to end, schedulers in the engine.
+that need a real engine: executors, proposers end to end, schedulers in the engine;
+:func:`make_tiny_deepseek` writes a DeepSeek-V2/V3 one (MLA + MoE) the same way.
 
 The tokenizer maps each UTF-8 byte to one token (ids 0-255, GPT-2's byte alphabet),
 plus ``<|endoftext|>`` (256, EOS). Its vocabulary is small enough for brute-force
@@ -70,6 +71,44 @@ def make_tiny_model(directory: str | Path, *, vocab_size: int = 320, num_layers:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(directory)
+    make_byte_tokenizer().save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    return directory
+
+
+def make_tiny_deepseek(directory: str | Path, version: int = 3, *, q_lora_rank: int | None = 32,
+                       vocab_size: int = 320, seed: int = 0, **overrides: object) -> Path:
+    """Write a random-weight ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``
+    (MLA with or without q-LoRA, a dense first layer then MoE layers with a shared
+    expert, YaRN RoPE on V3) and the byte tokenizer to ``directory``; return it.
+    ``overrides`` replace config values (e.g. DeepSeek-V2-Lite's shapes on a GPU)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    eos_id = NUM_BYTE_TOKENS
+    values: dict[str, object] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+        q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, initializer_range=0.2,
+        tie_word_embeddings=False, eos_token_id=eos_id, bos_token_id=None, pad_token_id=eos_id)
+    if version == 3:
+        values.update(n_group=2, topk_group=1, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
+    values.update(overrides)
+    config_cls = getattr(transformers, f"DeepseekV{version}Config")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config_cls(**values), dtype=torch.float32)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -70,7 +70,8 @@ class CudaGraphRunner:
 
     Args:
         model: the runner's model (``model(input_ids, positions, ctx) -> hidden``,
-            ``model.attn`` its attention backend).
+            ``model.attn`` its attention backend, ``model.kv_cache_groups()`` every
+            backend planned per step).
         kv_caches: the runner's KV caches (fixed for the graphs' lifetime).
         device: the CUDA device.
         max_num_seqs: the scheduler's request limit (the largest size captured).
@@ -83,15 +84,22 @@ class CudaGraphRunner:
             1 for plain decode, ``1 + k`` with ``k`` speculative tokens (verification
             steps are replayed flattened, one row per token). The largest captured size
             is ``max_num_seqs * max_query_len`` (at most :data:`MAX_CAPTURE_SIZE`).
+        aux_layers: the target layers whose inputs a draft head reads (EAGLE-3,
+            :attr:`lmkit.api.ForwardContext.aux_hidden_layers`); the graphs capture them
+            as extra outputs, so verification steps replay with them too.
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
                  max_num_seqs: int, max_model_len: int, block_size: int,
-                 use_graphs: bool = True, max_query_len: int = 1) -> None:
+                 use_graphs: bool = True, max_query_len: int = 1,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.aux_layers = tuple(aux_layers)
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
         pin = torch.device(device).type == "cuda"
         self.attn = model.attn
+        # every KV cache group's backend is planned per replay (one for most models)
+        self.kv_groups = model.kv_cache_groups(len(kv_caches))
         self.kv_caches = kv_caches
         self.device = device
         self.block_size = block_size
@@ -111,7 +119,9 @@ class CudaGraphRunner:
         self._h_blocks = torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin)
         self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                      list[torch.Tensor]]] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0  # steps run through :meth:`replay`
         self.num_flattened_replays = 0  # of which with several query tokens per request
@@ -130,13 +140,13 @@ class CudaGraphRunner:
                 self._wait_for_copies()
                 self._stage_padding_only(bs)
                 self._upload(bs, 0, 1)
-                self.attn.plan(self._metadata(bs))
+                self._plan(bs)
                 self._run_model(bs)  # warm-up: compiles kernels, creates library handles
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self._run_model(bs)
-                self._graphs[bs] = (graph, hidden)
+                    hidden, aux = self._run_model(bs)
+                self._graphs[bs] = (graph, hidden, aux)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.capture_seconds = time.perf_counter() - start
@@ -144,9 +154,16 @@ class CudaGraphRunner:
                     len(self._graphs), self.sizes[0], self.max_bs, self.capture_seconds,
                     used / 2**20)
 
-    def _run_model(self, bs: int) -> torch.Tensor:
+    def _run_model(self, bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The padded forward of size ``bs``: hidden and the ``aux_layers`` inputs."""
         ids, positions = self._packed[:bs], self._packed[bs:2 * bs]
-        return self.model(ids, positions, ForwardContext(self.attn, self.kv_caches))
+        ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
+        return self.model(ids, positions, ctx), ctx.aux_hidden_states
+
+    def _plan(self, bs: int) -> None:
+        md = self._metadata(bs)
+        for group in self.kv_groups:
+            group.attn.plan(md)
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         """The padded decode metadata of a graph of size ``bs`` (device views fixed)."""
@@ -174,14 +191,15 @@ class CudaGraphRunner:
         return (0 < n <= self.max_bs and int(step.num_scheduled.max()) <= self.max_query_len
                 and step.block_tables.shape[1] <= self.max_blocks)
 
-    def replay(self, step: StepInputs) -> torch.Tensor:
+    def replay(self, step: StepInputs, aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden
         ``[num_tokens, hidden]`` in the step's token order.
 
         A step with several query tokens per request is flattened: token ``t`` at
         position ``p`` becomes a decode row with ``seq_len = p + 1`` over its request's
         block table (see the module docstring). The result is a view of the graph's
-        output buffer, valid until the next replay.
+        output buffer, valid until the next replay. With ``aux`` (a list), the inputs of
+        the :attr:`aux_layers` are appended to it, views of the graph's buffers too.
         """
         positions = step.positions.numpy()
         tables = step.block_tables.numpy()
@@ -193,11 +211,12 @@ class CudaGraphRunner:
             seq_lens = (positions + 1).astype(np.int32)
             tables = np.repeat(tables, step.num_scheduled, axis=0)
         return self.run_decode(step.input_ids.numpy(), positions, step.slot_mapping.numpy(),
-                               seq_lens, tables)
+                               seq_lens, tables, aux=aux)
 
     def run_decode(self, input_ids: np.ndarray | None, positions: np.ndarray,
                    slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                   device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   device_input_ids: torch.Tensor | None = None,
+                   aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Replay the graph for a decode step of ``n = len(positions)`` requests.
 
         :param input_ids: int64 ``[n]`` host token ids, or ``None`` with
@@ -205,6 +224,7 @@ class CudaGraphRunner:
             sampled tokens, not yet read back), copied in stream order.
         :param positions: int64 ``[n]``; ``slot_mapping`` int64 ``[n]``; ``seq_lens``
             int32 ``[n]``; ``block_tables`` int32 ``[n, width]`` (the used columns).
+        :param aux: a list that receives the :attr:`aux_layers` inputs ``[n, hidden]``.
         :return: hidden ``[n, hidden]``, a view of the graph's output buffer.
         """
         n = len(positions)
@@ -222,11 +242,14 @@ class CudaGraphRunner:
         self._upload(bs, n, width)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
-        self.attn.plan(self._metadata(bs))
-        if not self.use_graphs:
-            return self._run_model(bs)[:n]
-        graph, hidden = self._graphs[bs]
-        graph.replay()
+        self._plan(bs)
+        if self.use_graphs:
+            graph, hidden, taps = self._graphs[bs]
+            graph.replay()
+        else:
+            hidden, taps = self._run_model(bs)
+        if aux is not None:
+            aux.extend(t[:n] for t in taps)
         return hidden[:n]
 
     def _stage_padding_only(self, bs: int, n: int = 0) -> None:
@@ -257,13 +280,15 @@ class CudaGraphRunner:
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
                   kv_caches: list[torch.Tensor], device: torch.device,
-                  max_model_len: int) -> CudaGraphRunner | None:
+                  max_model_len: int,
+                  aux_layers: tuple[int, ...] = ()) -> CudaGraphRunner | None:
     """Capture decode graphs of ``model`` over ``kv_caches`` when they apply, else ``None``.
 
     They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
     backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly). With a
     speculative proposer in the stack, verification steps (``1 + k`` tokens per
-    request) are replayed too, flattened.
+    request) are replayed too, flattened; ``aux_layers`` (an EAGLE-3 head's target
+    layers) are captured as extra outputs.
     """
     if device.type != "cuda" or config.executor.enforce_eager:
         return None
@@ -276,6 +301,7 @@ def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
     spec_k = (config.speculative.num_speculative_tokens
               if stack.get("speculative") is not None else 0)
     graphs = CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
-                             max_model_len, config.cache.block_size, max_query_len=1 + spec_k)
+                             max_model_len, config.cache.block_size, max_query_len=1 + spec_k,
+                             aux_layers=aux_layers)
     graphs.capture()
     return graphs

@@ -38,14 +38,17 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
+from lmkit.api.kv_cache_spec import KVCacheGroup, one_kv_cache_group
 from lmkit.api.model import CausalLM, ForwardContext
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
 from lmkit.errors import ConfigError, PluginError
 from lmkit.worker import memory
+from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_draft_passes
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 
@@ -127,6 +130,7 @@ class DraftRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DraftPassGraphs | None = None  # the k - 1 draft passes, captured
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
@@ -136,15 +140,31 @@ class DraftRunner:
         return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
                    torch.device(ctx.build.device))
 
-    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
-        return memory.kv_bytes_per_block(self.proposer.attn, self.proposer.num_kv_layers, dtype)
+        return memory.kv_bytes_per_block(self._kv_groups())
 
-    def allocate(self, num_blocks: int, dtype: torch.dtype) -> None:
+    def kv_groups(self) -> tuple[KVCacheGroup]:
+        """The head's KV cache group (its layers on its one backend)."""
+        return self._kv_groups()
+
+    def allocate(self, num_blocks: int) -> None:
         """Allocate the head's KV caches: ``num_blocks`` blocks, as many as the target's."""
-        self.kv_caches = memory.allocate_kv_caches(self.proposer.attn,
-                                                   self.proposer.num_kv_layers, num_blocks,
-                                                   dtype, self.device)
+        self.kv_caches = memory.allocate_kv_caches(self._kv_groups(), num_blocks, self.device)
+
+    def _kv_groups(self) -> tuple[KVCacheGroup]:
+        """The head's layers, all on its one backend."""
+        return one_kv_cache_group(self.proposer.attn, self.proposer.num_kv_layers)
+
+    def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
+                       dtype: torch.dtype) -> None:
+        """Capture the draft passes in CUDA graphs when the target's decode runs in
+        graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly)."""
+        proposer = self.proposer
+        if proposer.supports_cuda_graphs and proposer.hidden_size > 0:
+            self.graphs = maybe_capture_draft_passes(
+                proposer, self.kv_caches, target_graphs, self.k, proposer.hidden_size, dtype,
+                max_num_seqs, self.max_model_len, self.block_size)
 
     # ------------------------------------------------------------------ one step
 
@@ -203,9 +223,15 @@ class DraftRunner:
             pos = last[act] + j
             table_rows = self.input_batch.block_table[rows[drafter[act]], pos // self.block_size]
             slots = table_rows * self.block_size + pos % self.block_size
-            ones = np.ones(len(act), dtype=np.int64)
-            h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
-                          np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
+            if self.graphs is not None and len(act) <= self.graphs.max_rows:
+                host_tables = self.input_batch.block_table[rows[drafter[act]],
+                                                           :draft_tables.shape[1]]
+                h = self.graphs.run(drafts[act_t, j - 1], feat.index_select(0, act_t), pos,
+                                    slots.astype(np.int64), host_tables)
+            else:
+                ones = np.ones(len(act), dtype=np.int64)
+                h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
+                              np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
             feat[act_t] = h
             drafts[act_t, j] = self.proposer.compute_logits(h).argmax(dim=-1)
         host = drafts.cpu().tolist()  # the one device-to-host copy of the drafts

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from lmkit.worker import memory
 from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 if TYPE_CHECKING:
+    from lmkit.api.kv_cache_spec import KVCacheGroup
     from lmkit.config.schema import SchedulerConfig
 
 
@@ -27,9 +28,8 @@ class DummyStepModel:
         scheduler: the step limits (``max_num_batched_tokens``, ``max_num_seqs``).
         max_model_len: the longest sequence.
         block_size: tokens per KV block.
-        device, dtype: where and in what the scratch KV cache is allocated.
-        num_layers: layers of the scratch KV cache.
-        attn: the model's attention backend (its KV cache layout).
+        device: where the scratch KV cache is allocated.
+        kv_groups: the model's KV cache groups (the scratch cache's layers and layouts).
         forward: ``forward(step, kv_caches) -> hidden [num_tokens, hidden]`` (the
             runner's eager forward: plan attention once, run the model).
         compute_logits: the model's LM head, ``hidden [n, hidden] -> [n, vocab]``.
@@ -39,9 +39,7 @@ class DummyStepModel:
     max_model_len: int
     block_size: int
     device: torch.device
-    dtype: torch.dtype
-    num_layers: int
-    attn: Any
+    kv_groups: tuple[KVCacheGroup, ...]
     forward: Callable[[StepInputs, list[torch.Tensor]], torch.Tensor]
     compute_logits: Callable[[torch.Tensor], torch.Tensor]
 
@@ -82,8 +80,8 @@ def dummy_step(runner: DummyStepModel, q_lens: np.ndarray, contexts: np.ndarray)
     leading one-token requests are the step's decodes."""
     num_reqs, lens = len(q_lens), q_lens + contexts
     blocks_per_req = -(-int(lens.max()) // runner.block_size)
-    caches = memory.allocate_kv_caches(runner.attn, runner.num_layers,
-                                       num_reqs * blocks_per_req, runner.dtype, runner.device)
+    caches = memory.allocate_kv_caches(runner.kv_groups, num_reqs * blocks_per_req,
+                                       runner.device)
     batch = InputBatch(num_reqs, int(lens.max()), runner.block_size, int(q_lens.sum()))
     for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
         state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], SamplingParams(), None,

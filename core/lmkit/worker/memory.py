@@ -9,22 +9,24 @@ held outside torch's allocator (the CUDA context, libraries, other processes).
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lmkit.api.kv_cache_spec import KVCacheGroup
 
 # the CPU pool's default cap: this share of the machine's (or the cgroup's) memory
 CPU_KV_RAM_FRACTION = 0.05
 
 
-def kv_bytes_per_block(attn: Any, num_layers: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V), from the backend's layout."""
-    elems = math.prod(attn.kv_cache_shape(1))
-    return elems * torch.empty((), dtype=dtype).element_size() * num_layers
+def kv_bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
+    """Bytes one KV block takes across all layers of all KV cache groups, from each
+    group's backend layout and dtype (:attr:`~lmkit.api.KVCacheGroup.page_bytes`)."""
+    return sum(group.bytes_per_block for group in groups)
 
 
 def cpu_kv_budget(kv_cache_memory_gb: float | None, bytes_per_block: int, block_size: int,
@@ -82,12 +84,17 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float,
     return max(0, min(budget, free - headroom))
 
 
-def allocate_kv_caches(attn: Any, num_layers: int, num_blocks: int, dtype: torch.dtype,
+def allocate_kv_caches(groups: Sequence[KVCacheGroup], num_blocks: int,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer, shaped ``attn.kv_cache_shape(num_blocks)``.
+    """One zeroed cache tensor per layer (indexed by layer), shaped by its group's
+    backend, ``attn.kv_cache_shape(num_blocks)``, in the backend's dtype.
 
     Zeroed so that slots never written (padding a backend may read and mask) hold no
     NaN bit patterns.
     """
-    shape = attn.kv_cache_shape(num_blocks)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    caches: dict[int, torch.Tensor] = {}
+    for group in groups:
+        shape = group.attn.kv_cache_shape(num_blocks)
+        for layer in group.layers:
+            caches[layer] = torch.zeros(shape, dtype=group.attn.dtype, device=device)
+    return [caches[layer] for layer in range(len(caches))]

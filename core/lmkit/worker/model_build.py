@@ -1,12 +1,14 @@
 """What the model runner checks and builds before a model's weights load: the chosen
 quantization method (its checkpoint checked) and the refusals of what the model or the
-method cannot do over several tensor-parallel ranks."""
+method cannot do over several tensor-parallel ranks; and, once the model is built, its
+KV cache groups, checked."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from lmkit.api.contract import build
+from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec, check_kv_cache_groups
 from lmkit.api.quantization import QuantizationMethod
 from lmkit.errors import ModelLoadError
 
@@ -58,3 +60,29 @@ def check_tensor_parallel(model_cls: type[Model], registration: Registration, ar
             f"quantized weights ({type(quant).__name__}) cannot be split over "
             f"{tp_size} ranks yet (quantized layers are not sharded); use --tp 1, "
             "or --quantization none to run the dense weights split.")
+
+
+def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_layers: int
+                    ) -> tuple[KVCacheGroup, ...]:
+    """The built model's KV cache groups, checked: they cover every layer once, each
+    backend serves its group's spec, and (for a model that declares
+    :meth:`~lmkit.api.Model.kv_cache_specs`) each layer has the spec it declared.
+
+    :raises ModelLoadError: naming the model class and what is inconsistent.
+    """
+    groups = model.kv_cache_groups(num_layers)
+    name = type(model).__name__
+    try:
+        check_kv_cache_groups(groups, num_layers)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}.kv_cache_groups(): {e}") from None
+    if specs is not None:
+        built = {layer: group.spec for group in groups for layer in group.layers}
+        for layer, spec in enumerate(specs):
+            if built[layer] != spec:
+                raise ModelLoadError(
+                    f"{name}.kv_cache_specs() declares layer {layer} "
+                    f"{spec.describe()}, but its kv_cache_groups() put it in a "
+                    f"{built[layer].describe()} group; build the groups from the declared "
+                    "specs (lmkit.api.build_kv_cache_groups)")
+    return groups

@@ -20,6 +20,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
+from lmkit.api.kv_cache_spec import KVCacheGroup, kv_window
 from lmkit.api.model import ForwardContext, ModelBuildContext
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
@@ -40,7 +41,7 @@ from lmkit.worker.draft_runner import DraftRunner, build_draft_proposer, kept_po
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
-from lmkit.worker.model_build import check_tensor_parallel, quantization_method
+from lmkit.worker.model_build import check_tensor_parallel, kv_cache_groups, quantization_method
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
 
@@ -91,7 +92,8 @@ class ModelRunner:
         self.num_layers = facts.num_layers
         self.max_model_len = facts.max_model_len
         self.default_eos_token_id = facts.eos_token_id
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer, shaped by its group's backend
+        self.kv_groups: tuple[KVCacheGroup, ...] = ()  # the model's KV cache groups
         self.requests: dict[str, CachedRequestState] = {}
         # samples every step, verifying draft tokens; random draws by the chosen kernels
         self.sampler = Sampler(build_sampling_kernels(stack, self.device))
@@ -131,6 +133,8 @@ class ModelRunner:
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
         model.load_weights(iterate_weights(self.model_dir) if quant is None
                            else quant.iterate_weights())
+        self.kv_groups = kv_cache_groups(model, model_cls.kv_cache_specs(hf_config),
+                                         self.num_layers)
         if isinstance(model, torch.nn.Module):
             model.eval()
         self.model = model
@@ -154,9 +158,17 @@ class ModelRunner:
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across all layers (and the draft head's, if any)."""
-        head = self.drafter.kv_bytes_per_block(self.dtype) if self.drafter is not None else 0
-        return memory.kv_bytes_per_block(self.model.attn, self.num_layers, self.dtype) + head
+        """Bytes of one KV block across all layers of every KV cache group (and the draft
+        head's, if any)."""
+        head = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        return memory.kv_bytes_per_block(self.kv_groups) + head
+
+    def kv_window(self) -> int | None:
+        """How many of the latest keys any layer (the draft head's included) reads, when
+        every layer slides; ``None`` when one reads the whole context
+        (:attr:`lmkit.api.ModelInfo.kv_window`)."""
+        head = self.drafter.kv_groups() if self.drafter is not None else ()
+        return kv_window((*self.kv_groups, *head))
 
     def available_kv_bytes(self) -> int:
         """Memory the KV cache may take on this device (CUDA: measured by profiling)."""
@@ -171,17 +183,20 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""
-        self.kv_caches = memory.allocate_kv_caches(self.model.attn, self.num_layers, num_blocks,
-                                                   self.dtype, self.device)
+        self.kv_caches = memory.allocate_kv_caches(self.kv_groups, num_blocks, self.device)
         self.num_blocks = num_blocks
         if self.drafter is not None:  # the head's KV: same blocks, its own tensors
-            self.drafter.allocate(num_blocks, self.dtype)
+            self.drafter.allocate(num_blocks)
         self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
-                                            self.model.attn)
+                                            self.kv_groups)
         if self.device.type == "cuda":
             warm_up_step_shapes(self.dummy_step_model())
+        aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
-                                         self.device, self.max_model_len)
+                                         self.device, self.max_model_len, tuple(aux_layers))
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
+                                        self.dtype)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
         # a pooling-only model never decodes; a draft head drafts after every forward
@@ -196,8 +211,7 @@ class ModelRunner:
         states."""
         head = self.model.compute_logits if self.facts.generates else _hidden_states
         return DummyStepModel(self.config.scheduler, self.max_model_len, self.block_size,
-                              self.device, self.dtype, self.num_layers, self.model.attn,
-                              self._forward, head)
+                              self.device, self.kv_groups, self._forward, head)
 
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """``(held, resident)`` leading blocks of ``block_hashes`` in the KV offload tier;
@@ -330,11 +344,10 @@ class ModelRunner:
                  aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Plan attention once, run the model; returns hidden ``[num_tokens, hidden]``.
         With ``aux``, the inputs of the draft head's target layers are appended to it
-        (an eager forward: captured graphs do not return them)."""
+        (captured graphs return them too)."""
         graphs = self.cuda_graphs
-        if (graphs is not None and kv_caches is self.kv_caches and aux is None
-                and graphs.can_replay(step)):
-            return graphs.replay(step)  # pure decode: a captured CUDA graph
+        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+            return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         seq_lens = step.seq_lens.numpy()
         md = AttentionMetadata(
@@ -344,8 +357,9 @@ class ModelRunner:
             block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
             num_decodes=step.num_decodes)
+        for group in self.kv_groups:  # every group's backend, once per step
+            group.attn.plan(md)
         attn = self.model.attn
-        attn.plan(md)
         if aux is None:
             return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))
         assert self.drafter is not None

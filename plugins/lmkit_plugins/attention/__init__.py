@@ -7,12 +7,22 @@ else ``flash_attn`` (40) when a FlashAttention generation is installed, else ``t
 kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
-declare ``non_causal`` (bidirectional attention, for encoders such as BERT).
+declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
+and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping).
+
+Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
+(multi-head/grouped-query attention over per-head K/V), ``mla_torch`` ``"mla"``
+(DeepSeek's multi-head latent attention over a latent cache, ``[num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]``). Models need one kind
+(:class:`lmkit.api.ModelFacts` ``attention_needs``), so ``auto`` never picks an MLA
+backend for Llama nor an MHA one for DeepSeek, and naming one is refused before the
+weights load.
 """
 
 from typing import Literal
 
 from lmkit.api import Caps, Spec, hookimpl
+from lmkit.api.mla_attention import MHA, MLA
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
@@ -61,8 +71,9 @@ def register_attention_backends(register):
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal"},
-            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"}},
+             "non_causal", "logits_soft_cap"},
+            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {MHA}},
         ),
         description="Reference paged attention in plain torch (CPU and CUDA).",
     ))
@@ -71,7 +82,7 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "non_causal"},
-            {"device": {"cpu"}, "dtype": {"float32"}},
+            {"device": {"cpu"}, "dtype": {"float32"}, "attention_kind": {MHA}},
         ),
         description="Reference paged attention with decode steps in lmkit's C kernel "
                     "(CPU, float32).",
@@ -83,7 +94,7 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
             {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
-             "head_size": {64, 80, 96, 128, 256}},
+             "head_size": {64, 80, 96, 128, 256}, "attention_kind": {MHA}},
         ),
         description="lmkit's Triton paged attention: split-K decode, causal prefill (CUDA).",
     ))
@@ -93,8 +104,9 @@ def register_attention_backends(register):
         options=FlashInferAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "cuda_graphs"},
-            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256}},
+             "cuda_graphs", "logits_soft_cap"},
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "head_size": {64, 128, 256},
+             "attention_kind": {MHA}},
         ),
         description="FlashInfer batch decode/prefill wrappers over the paged cache (CUDA).",
     ))
@@ -105,8 +117,20 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "cuda_graphs"},
-            {"device": {"cuda"}, "dtype": set(DTYPES), "head_size": set(CLAIMED_HEAD_SIZES)},
+            {"device": {"cuda"}, "dtype": set(DTYPES), "head_size": set(CLAIMED_HEAD_SIZES),
+             "attention_kind": {MHA}},
         ),
         description="FlashAttention varlen kernels over the paged cache, FA4 > FA3 > FA2 "
                     "(CUDA); ranked below flashinfer and triton under auto until measured.",
+    ))
+    register(Spec(
+        name="mla_torch", target="lmkit_plugins.attention.mla_torch:MLATorchAttention",
+        priority=10,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill"},
+            {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {MLA}},
+        ),
+        description="Reference multi-head latent attention (DeepSeek-V2/V3) in plain torch: "
+                    "absorbed decode over the latent cache, decompressed prefill (CPU, CUDA).",
     ))

@@ -31,6 +31,8 @@ class _DecodePlan:
 class CpuAttention(TorchAttention):
     """:class:`TorchAttention` with decode-only steps in a C kernel (CPU, float32)."""
 
+    supports_logits_soft_cap = False  # the C decode kernel does not soft-cap
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         kernel = None

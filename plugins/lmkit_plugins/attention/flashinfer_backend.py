@@ -47,9 +47,11 @@ class _FlashInferPlan:
 
 class FlashInferAttention(AttentionBackend):
     """FlashInfer paged attention (float16/bfloat16, head sizes 64/128/256, GQA,
-    sliding window, mixed prefill/decode, cached prefixes, chunked prefill)."""
+    sliding window, attention-score soft cap, mixed prefill/decode, cached prefixes,
+    chunked prefill)."""
 
     supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+    supports_logits_soft_cap = True  # FlashInfer's logits_soft_cap (planned per step)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -110,7 +112,8 @@ class FlashInferAttention(AttentionBackend):
                                "with several query tokens. Run such steps eagerly.")
         common = dict(num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                       page_size=bs, window_left=self._window_left, sm_scale=self.scale,
-                      q_data_type=self.dtype, kv_data_type=self.dtype)
+                      logits_soft_cap=self.logits_soft_cap, q_data_type=self.dtype,
+                      kv_data_type=self.dtype)
         decode = prefill = None
         nd = num_decodes
         if nd:

@@ -5,7 +5,8 @@ KV cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size
 at most two groups, decodes (one query token) and the rest, and builds per group, once
 per step: the block ids whose keys it gathers, the query rows and the boolean mask.
 :meth:`TorchAttention.run` then writes the new K/V through ``slot_mapping`` and runs one
-``scaled_dot_product_attention`` per group over the gathered, padded K/V. Query heads
+``scaled_dot_product_attention`` per group over the gathered, padded K/V (scores and
+softmax spelled out when built with a ``logits_soft_cap``). Query heads
 that share a KV head are folded into the query axis, so K/V are never repeated.
 
 Query token ``i`` of a request whose context before this step is ``c`` sits at position
@@ -77,8 +78,11 @@ class TorchAttention(AttentionBackend):
 
     Handles prefill, prefill over a cached prefix, chunked prefill, decode and
     multi-token decode queries (speculative decoding) in one mixed batch; GQA and an
-    optional sliding window. It is the reference the fast backends are tested against.
+    optional sliding window and attention-score soft cap. It is the reference the fast
+    backends are tested against.
     """
+
+    supports_logits_soft_cap = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -256,6 +260,23 @@ class TorchAttention(AttentionBackend):
                 out.index_copy_(0, group.out_rows, o)
         return out
 
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """``softmax(scale * q k^T) v`` over the allowed keys (``mask``: ``True`` where a
+        query may see a key); scores soft-capped first when built with a
+        ``logits_soft_cap`` (spelled out: SDPA has no soft cap)."""
+        cap = self.logits_soft_cap
+        if cap is None:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                  scale=self.scale)
+        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(self.scale / cap)
+        scores = torch.tanh_(scores).mul_(cap)
+        if mask is not None:
+            scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)  # no NaN rows
+        probs = torch.softmax(scores, dim=-1,
+                              dtype=torch.promote_types(scores.dtype, torch.float32))
+        return torch.matmul(probs.to(value.dtype), value)
+
     def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> torch.Tensor:
         """Every request's queries over all of its keys, from this step's k/v."""
@@ -265,10 +286,9 @@ class TorchAttention(AttentionBackend):
             out = q.new_empty(q.shape[0], self.num_heads, d)
             for start, end in b.bounds:  # [n, heads, d] -> [hkv, gq * n, d] per request
                 n = end - start
-                o = F.scaled_dot_product_attention(
+                o = self._sdpa(
                     q[start:end].view(n, hkv, gq, d).permute(1, 2, 0, 3).reshape(hkv, gq * n, d),
-                    k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                    scale=self.scale)
+                    k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), None)
                 out[start:end] = o.view(hkv, gq, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
             return out
 
@@ -279,7 +299,7 @@ class TorchAttention(AttentionBackend):
                  .reshape(r, hkv, gq * max_q, d))
         key = rows(k).reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
         value = rows(v).reshape(r, max_q, hkv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=b.mask, scale=self.scale)
+        o = self._sdpa(query, key, value, b.mask)
         o = (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
              .reshape(r * max_q, self.num_heads, d))
         return o if b.valid_rows is None else o.index_select(0, b.valid_rows)
@@ -306,7 +326,7 @@ class TorchAttention(AttentionBackend):
         else:  # [R, max_q, hkv, gq, d] -> [R, hkv, gq * max_q, d]
             query = (rows.reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
                      .reshape(r, hkv, gq * max_q, d))
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=g.mask, scale=self.scale)
+        o = self._sdpa(query, key, value, g.mask)
         if max_q == 1:
             return o.reshape(r, self.num_heads, d)
         return (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)

@@ -106,7 +106,8 @@ class RankWorker:
         return Started(self.rank, ModelInfo(
             kv_bytes_per_block=runner.kv_bytes_per_block(),
             available_kv_bytes=runner.available_kv_bytes(), device=str(runner.device),
-            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots))
+            dtype=stack.dtype, num_lookahead_slots=runner.num_lookahead_slots,
+            kv_window=runner.kv_window()))
 
     def handle(self, message: Any) -> Any:
         """Run one command; its reply (``None``: no reply, a rank other than 0 after a

@@ -57,6 +57,7 @@ class UniProcExecutor(Executor):
             device=str(runner.device),
             dtype=self.stack.dtype,
             num_lookahead_slots=runner.num_lookahead_slots,
+            kv_window=runner.kv_window(),
         )
 
     def _require_runner(self) -> Any:

@@ -21,6 +21,27 @@ def register_models(register):
                     "(top-k softmax routing; fused Triton MoE kernel on CUDA).",
     ))
     register(Spec(
+        name="DeepseekV2ForCausalLM", target="lmkit_plugins.models.deepseek:DeepseekV2ForCausalLM",
+        description="DeepSeek-V2 (and -Lite): multi-head latent attention on an MLA backend, "
+                    "dense first layers, MoE with shared experts (greedy/group-limited routing).",
+    ))
+    register(Spec(
+        name="DeepseekV3ForCausalLM", target="lmkit_plugins.models.deepseek:DeepseekV3ForCausalLM",
+        description="DeepSeek-V3: MLA (q-LoRA, YaRN), MoE with sigmoid bias-corrected grouped "
+                    "routing and shared experts; MTP layers skipped.",
+    ))
+    register(Spec(
+        name="Gemma3ForCausalLM", target="lmkit_plugins.models.gemma3:Gemma3ForCausalLM",
+        description="Gemma-3 text: sliding-window and full-attention layers interleaved "
+                    "(two KV cache groups), q/k norms, local and global RoPE bases.",
+    ))
+    register(Spec(
+        name="Gemma2ForCausalLM", target="lmkit_plugins.models.gemma3:Gemma2ForCausalLM",
+        description="Gemma-2: sliding-window and full-attention layers alternating (two KV "
+                    "cache groups), attention-score and final-logit soft-capping (needs a "
+                    "backend declaring logits_soft_cap: torch).",
+    ))
+    register(Spec(
         name="LlamaModel", target="lmkit_plugins.models.llama:LlamaEmbeddingModel",
         aliases=("MistralModel", "Qwen2Model", "Qwen3Model"),
         description="The Llama family without a language-model head (e.g. a Qwen3Model "

@@ -4,7 +4,9 @@ The variants differ only in data read from the HF config:
 
 * Qwen2: bias on the q/k/v projections.
 * Qwen3: RMSNorm over each query and key head before RoPE; explicit ``head_dim``.
-* Mistral (and Qwen with ``use_sliding_window``): a sliding attention window.
+* Mistral (and Qwen with ``use_sliding_window``): a sliding attention window; a config
+  whose ``layer_types`` mix sliding and full layers (Qwen2/Qwen3 ``max_window_layers``)
+  gets two KV cache groups, each with its own attention backend.
 * Llama 3.x: ``llama3`` RoPE scaling; SmolLM2 and small Qwen: tied embeddings.
 
 Tokens are packed along one axis (no batch axis). Projections are fused (QKV and
@@ -21,10 +23,15 @@ from lmkit.api import (
     AttentionBackend,
     CausalLM,
     ForwardContext,
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
     Model,
     ModelBuildContext,
     Needs,
     PoolingModel,
+    SlidingWindowSpec,
+    build_kv_cache_groups,
 )
 from torch import nn
 
@@ -41,7 +48,7 @@ from lmkit_plugins.models.layers import (
     silu_and_mul,
     whole_weight_loader,
 )
-from lmkit_plugins.models.llama_dims import LlamaDims, sliding_window_of
+from lmkit_plugins.models.llama_dims import LlamaDims, layer_windows
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
@@ -122,8 +129,10 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, dims: LlamaDims, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel | None = None, quant: Any = None,
-                 intermediate_size: int | None = None) -> None:
-        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts)
+                 intermediate_size: int | None = None,
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        # intermediate_size: instead of dims.intermediate_size (e.g. a MoE's shared experts);
+        # act: ``[n, 2 * size]`` gate-up -> ``[n, size]``, instead of SiLU-and-multiply
         super().__init__()
         kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
@@ -131,7 +140,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
                                    bias=dims.mlp_bias, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
-        self.act = silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul
+        self.act = act if act is not None else (
+            silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
@@ -207,9 +217,19 @@ class LlamaStack(nn.Module, Model):
     def attention_needs(cls, hf_config: Any) -> Needs:
         """What this model needs of the attention backend, known from its config alone
         (so that stack resolution can refuse or avoid a backend before weights load)."""
-        window = sliding_window_of(hf_config)
-        return Needs(features={"sliding_window"} if window else set(),
+        slides = any(layer_windows(hf_config))
+        return Needs(features={"sliding_window"} if slides else set(),
                      values={"head_size": LlamaDims.from_hf(hf_config).head_dim})
+
+    @classmethod
+    def kv_cache_specs(cls, hf_config: Any) -> tuple[KVCacheSpec, ...] | None:
+        """Per layer, sliding window or full attention when ``layer_types`` mixes them;
+        ``None`` (one group, ``self.attn``) when every layer attends alike."""
+        windows = layer_windows(hf_config)
+        if len(set(windows)) == 1:
+            return None
+        return tuple(FullAttentionSpec() if w is None else SlidingWindowSpec(window=w)
+                     for w in windows)
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
         super().__init__()
@@ -231,11 +251,32 @@ class LlamaStack(nn.Module, Model):
         self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
             dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device,
             quantization=quant)
-        self.attn: AttentionBackend = ctx.attention_cls(
-            num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
-            head_size=dims.head_dim,
-            scale=dims.head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
-            sliding_window=dims.sliding_window, options=ctx.attention_options)
+
+        def make_backend(window: int | None) -> AttentionBackend:
+            return ctx.attention_cls(
+                num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
+                head_size=dims.head_dim, scale=dims.head_dim ** -0.5, dtype=dtype,
+                device=device, block_size=ctx.block_size, sliding_window=window,
+                options=ctx.attention_options)
+
+        specs = self.kv_cache_specs(hf_config)
+        # several KV cache groups (mixed layer_types): each layer runs its group's backend
+        self._kv_groups: tuple[KVCacheGroup, ...] | None = None
+        self._layer_attn: list[AttentionBackend] | None = None
+        if specs is None:
+            self.attn: AttentionBackend = make_backend(dims.sliding_window)
+        else:
+            self._kv_groups = build_kv_cache_groups(specs, lambda spec: make_backend(
+                spec.window if isinstance(spec, SlidingWindowSpec) else None))
+            self.attn = self._kv_groups[0].attn
+            by_layer = {i: g.attn for g in self._kv_groups for i in g.layers}
+            self._layer_attn = [by_layer[i] for i in range(dims.num_layers)]
+
+    def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
+        """One group per attention kind when ``layer_types`` mixes them, else one."""
+        if self._kv_groups is not None:
+            return self._kv_groups
+        return super().kv_cache_groups(num_layers)
 
     def _mlp_builder(self, hf_config: Any, dims: LlamaDims, dtype: torch.dtype,
                      device: torch.device) -> Callable[[int], nn.Module] | None:
@@ -260,10 +301,12 @@ class LlamaStack(nn.Module, Model):
         residual: torch.Tensor | None = None
         aux = ctx.aux_hidden_layers
         taps: dict[int, torch.Tensor] = {}
+        layer_attn = self._layer_attn
         for i, layer in enumerate(self.model.layers):
             if aux and i in aux:  # a draft head reads the stream entering layer i
                 taps[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer.forward(hidden, residual, cos, sin, ctx.attn,
+            attn = ctx.attn if layer_attn is None else layer_attn[i]
+            hidden, residual = layer.forward(hidden, residual, cos, sin, attn,
                                              ctx.kv_caches[i], kv_slots)
         ctx.aux_hidden_states.extend(taps[i] for i in aux)
         hidden, _ = self.model.norm.forward(hidden, residual)

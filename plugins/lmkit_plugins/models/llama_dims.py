@@ -1,5 +1,5 @@
 """The shapes and variant switches of a Llama-family model, read once from its HF
-config (``LlamaDims``), and the attention window its layers share."""
+config (``LlamaDims``), and each layer's attention window."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ class LlamaDims:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    # the window every layer shares (None: full attention, or mixed; see layer_windows)
     sliding_window: int | None
+    layer_windows: tuple[int | None, ...]
 
     @classmethod
     def from_hf(cls, cfg: Any) -> LlamaDims:
@@ -39,6 +41,7 @@ class LlamaDims:
             qkv_bias, o_bias = True, False
         if model_type == "mistral":
             qkv_bias = o_bias = False
+        windows = layer_windows(cfg)
         return cls(
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -53,24 +56,38 @@ class LlamaDims:
             o_bias=o_bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=sliding_window_of(cfg),
+            sliding_window=shared_window(windows),
+            layer_windows=windows,
         )
 
 
-def sliding_window_of(cfg: Any) -> int | None:
-    """The attention window all layers share, or None for full attention."""
+def layer_windows(cfg: Any) -> tuple[int | None, ...]:
+    """Each layer's attention window (``None``: full attention), from the config's
+    ``sliding_window`` (off when ``use_sliding_window`` is false) and, when it lists
+    them, its ``layer_types`` (``sliding_attention`` / ``full_attention`` per layer, as
+    Qwen2/Qwen3 configs with ``max_window_layers`` set them). Without ``layer_types``
+    every layer slides (Mistral).
+
+    Raises:
+        ModelLoadError: ``layer_types`` does not list one known kind per layer.
+    """
+    num_layers = int(cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
     if getattr(cfg, "use_sliding_window", None) is False or not window:
-        return None
+        return (None,) * num_layers
     layer_types = getattr(cfg, "layer_types", None)
     if not layer_types:
-        return int(window)  # Mistral: every layer slides
-    kinds = set(layer_types)
-    if kinds == {"sliding_attention"}:
-        return int(window)
-    if "sliding_attention" in kinds:
+        return (int(window),) * num_layers  # Mistral: every layer slides
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if len(layer_types) != num_layers or unknown:
         raise ModelLoadError(
-            "this model mixes sliding-window and full-attention layers (layer_types); lmkit's "
-            "Llama-family implementation needs one attention kind for all layers. Set "
-            "use_sliding_window=false in config.json to run it with full attention.")
-    return None
+            f"config.json's layer_types must list 'sliding_attention' or 'full_attention' "
+            f"for each of the {num_layers} layers; it has {len(layer_types)} entries"
+            + (f" and unknown kinds {unknown}" if unknown else "")
+            + ". Fix layer_types, or remove it to use one attention kind for all layers.")
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def shared_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window every layer shares; ``None`` for full attention or mixed layers."""
+    return windows[0] if windows and len(set(windows)) == 1 else None

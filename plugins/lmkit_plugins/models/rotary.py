@@ -30,8 +30,13 @@ class RopeConfig:
     rotary_dim: int
 
 
-def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
+def rope_config_from_hf(hf_config: Any, head_dim: int, layer_type: str | None = None
+                        ) -> RopeConfig:
     """Read the RoPE settings of an HF config (transformers 4.x or 5.x attribute names).
+
+    ``layer_type`` (``"full_attention"``, ``"sliding_attention"``) picks that kind's
+    entry of per-layer-type ``rope_parameters`` (Gemma-3: a local base for sliding
+    layers); without it such a config must have one kind only.
 
     Raises:
         ModelLoadError: the checkpoint uses a RoPE type lmkit does not implement.
@@ -41,7 +46,9 @@ def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
     if params and all(isinstance(v, dict) for v in params.values()):
         # per-layer-type parameters ({"full_attention": {...}, ...}): one kind only
         kinds = sorted(params)
-        if len(kinds) != 1:
+        if layer_type is not None and layer_type in params:
+            kinds = [layer_type]
+        elif len(kinds) != 1:
             raise ModelLoadError(
                 f"this model uses different RoPE parameters per layer type ({', '.join(kinds)}); "
                 "lmkit's Llama-family implementation supports one RoPE setting for all layers.")

@@ -1,9 +1,12 @@
 """Moving whole KV blocks between the device caches and host memory.
 
-A *host block* is one block of every layer, contiguous: ``[num_layers, 2, block_elems]``
-(K then V per layer, ``block_elems = block_size * num_kv_heads * head_size``), so that
-one block is one copy and one file. Tiers keep host blocks as rows of a tensor
-``[rows, num_layers, 2, block_elems]``.
+A *host block* is one block of every layer, contiguous: ``[num_layers, parts,
+block_elems]``, so that one block is one copy and one file. For the K/V layout
+``[2, num_blocks, block_size, num_kv_heads, head_size]`` a layer's block has two parts
+(K then V, ``block_elems = block_size * num_kv_heads * head_size``); for the MLA latent
+layout ``[num_blocks, block_size, width]`` one (``block_size * width``); see
+:func:`lmkit.api.offload.kv_block_axis`. Tiers keep host blocks as rows of a tensor
+``[rows, num_layers, parts, block_elems]``.
 
 On CUDA the copies run on the copier's own streams, one for stores and one for loads
 (so that both directions of the bus are busy at once), each through its own device
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lmkit.api.offload import kv_block_axis
 
 DEFAULT_STAGING_BYTES = 256 * 2**20  # per direction
 
@@ -53,7 +57,8 @@ class StoreReads:
 
 
 class BlockCopier:
-    """Copies blocks of ``kv_caches`` (each ``[2, num_blocks, ...]``) to and from host rows.
+    """Copies blocks of ``kv_caches`` (each ``[2, num_blocks, ...]``, or the latent
+    ``[num_blocks, block_size, width]``) to and from host rows.
 
     Args:
         kv_caches: the per-layer device caches.
@@ -68,18 +73,22 @@ class BlockCopier:
         first = kv_caches[0]
         for cache in kv_caches:
             if (cache.shape != first.shape or cache.dtype != first.dtype
-                    or cache.device != first.device or cache.dim() < 3 or cache.shape[0] != 2
+                    or cache.device != first.device or cache.dim() < 3
                     or not cache.is_contiguous()):
                 raise ValueError(
                     "offload tiers need contiguous per-layer KV caches of one shape and dtype, "
-                    f"laid out [2, num_blocks, ...]; got {tuple(cache.shape)} {cache.dtype}")
-        self.num_blocks = int(first.shape[1])
-        self.caches = [c.view(2, self.num_blocks, -1) for c in kv_caches]  # [2, blocks, E]
+                    f"laid out [2, num_blocks, ...] or [num_blocks, block_size, width]; got "
+                    f"{tuple(cache.shape)} {cache.dtype}")
+        axis = kv_block_axis(first.shape)
+        self.num_blocks = int(first.shape[axis])
+        self.parts = 2 if axis == 1 else 1  # K and V, or one latent entry
+        # [parts, blocks, E]
+        self.caches = [c.view(self.parts, self.num_blocks, -1) for c in kv_caches]
         self.block_elems = int(self.caches[0].shape[2])
-        self.block_shape = (len(self.caches), 2, self.block_elems)
+        self.block_shape = (len(self.caches), self.parts, self.block_elems)
         self.dtype = first.dtype
         self.device = first.device
-        self.block_bytes = len(self.caches) * 2 * self.block_elems * first.element_size()
+        self.block_bytes = len(self.caches) * self.parts * self.block_elems * first.element_size()
         self.is_cuda = self.device.type == "cuda"
         cuda = self.is_cuda
         self.store_stream: Any = torch.cuda.Stream(self.device) if cuda else None
@@ -114,7 +123,7 @@ class BlockCopier:
             ids = torch.tensor(block_ids, dtype=torch.long)
             index = torch.tensor(rows, dtype=torch.long)
             for layer, cache in enumerate(self.caches):
-                for kv in (0, 1):  # host[:, layer, kv]: [rows, E], strided
+                for kv in range(self.parts):  # host[:, layer, kv]: [rows, E], strided
                     host[:, layer, kv].index_copy_(0, index, cache[kv].index_select(0, ids))
             return None
         current = torch.cuda.current_stream(self.device)
@@ -187,7 +196,7 @@ class BlockCopier:
             ids = torch.tensor(block_ids, dtype=torch.long)
             index = torch.tensor(rows, dtype=torch.long)
             for layer, cache in enumerate(self.caches):
-                for kv in (0, 1):
+                for kv in range(self.parts):
                     cache[kv].index_copy_(0, ids, host[:, layer, kv].index_select(0, index))
             return None
         current = torch.cuda.current_stream(self.device)

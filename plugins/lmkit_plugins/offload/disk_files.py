@@ -2,7 +2,7 @@
 
 Layout: ``<root>/<model+layout id>/<h[0:2]>/<h[2:4]>/<block hash hex>.kv``, where the
 id is the first 32 hex digits of the fingerprint (:func:`lmkit.api.offload.kv_cache_fingerprint`).
-A file is a 128-byte header, then the payload (one host block, ``[layers, 2, E]``)::
+A file is a 128-byte header, then the payload (one host block, ``[layers, parts, E]``)::
 
     magic "LMKVBLK\\0" | format version u32 | header size u32 | fingerprint 32 B |
     block hash 32 B | payload length u64 | MAC 32 B | key id 8 B

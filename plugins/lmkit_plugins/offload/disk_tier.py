@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 class PendingWrite:
     """A block on its way to disk; ``evicted`` ones are deleted once written."""
 
-    data: torch.Tensor  # [layers, 2, E] on the host
+    data: torch.Tensor  # [layers, parts, E] on the host
     future: Future
     evicted: bool = False
 
@@ -223,7 +223,7 @@ class DiskTier(OffloadManager):
     # -- writes -------------------------------------------------------------------
 
     def put(self, block_hash: bytes, data: torch.Tensor) -> Future | None:
-        """Hold host block ``data`` (``[layers, 2, E]``, owned by the tier from now on)
+        """Hold host block ``data`` (``[layers, parts, E]``, owned by the tier from now on)
         under ``block_hash`` and write it in the background; None when nothing is
         written (already held, or too much is waiting to be written)."""
         pending = self.writes.get(block_hash)

@@ -58,6 +58,8 @@ class EagleProposer(RunnerProposer):
         ConfigError: no ``speculative.model`` set, or it is not a head directory.
     """
 
+    supports_cuda_graphs = True  # draft passes replay in CUDA graphs
+
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
         self.checkpoint = HeadCheckpoint(config, "eagle")
         self.dims = self.checkpoint.dims
@@ -91,6 +93,7 @@ class EagleProposer(RunnerProposer):
         """Build the head (sharing what the checkpoint omits) and load its weights."""
         shapes = self.checkpoint.shapes
         self.attn = build_attention(self.dims, ctx.build)
+        self.hidden_size = self.dims.hidden_size
         self.head = EagleHead(self.checkpoint.hf_config, self.dims, ctx,
                               own_embedding="embed_tokens.weight" in shapes,
                               own_lm_head="lm_head.weight" in shapes,

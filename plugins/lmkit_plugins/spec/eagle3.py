@@ -56,6 +56,8 @@ class Eagle3Proposer(RunnerProposer):
             more than one decoder layer (not built yet).
     """
 
+    supports_cuda_graphs = True  # draft passes replay in CUDA graphs
+
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
         self.checkpoint = HeadCheckpoint(config, "eagle3")
         self.dims = self.checkpoint.dims
@@ -119,6 +121,7 @@ class Eagle3Proposer(RunnerProposer):
         """Build the head (sharing the target's embedding unless it has its own) and
         load its weights."""
         self.attn = build_attention(self.dims, ctx.build)
+        self.hidden_size = self.dims.hidden_size
         self.head = Eagle3Head(self.checkpoint.hf_config, self.dims, ctx,
                                self.draft_vocab_size, len(self.target_layers),
                                own_embedding="embed_tokens.weight" in self.checkpoint.shapes)

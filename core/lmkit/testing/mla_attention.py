@@ -1,0 +1,452 @@
+"""Conformance suite for MLA attention backends (:class:`lmkit.api.MLAAttentionBackend`).
+
+Every output of :meth:`~lmkit.api.MLAAttentionBackend.run_mla` is compared with dense
+multi-head latent attention computed in float64 over the request's whole latent
+history: per head ``[k_nope | v] = c_kv @ w_kv_b.T``, scores ``scale * (q_nope . k_nope
++ q_pe . k_pe)``, causal. The backend fills its own latent cache (``[num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]``); steps are planned with metadata built
+as the model runner builds it (:class:`~lmkit.testing.attention_world.AttentionWorld`:
+decodes first, scattered blocks, wide block tables). Every step runs two layers, each
+with its own cache and ``kv_b_proj`` weight (a backend caching per-layer weight
+products must key them by layer). Properties:
+
+* ``prefill``, ``decode`` (the absorbed path of most backends), ``mixed batch``;
+* ``chunked prefill`` (chunks not block-aligned), when the spec claims it;
+* ``prefill over a cached prefix`` and ``same-step prefix sharing``, when it claims
+  ``prefix_caching``;
+* ``multi-token queries`` (speculative decoding), when it claims ``multi_token_query``;
+* ``shapes``: head counts and MLA dimensions, DeepSeek-V2/V3's (``kv_lora_rank`` 512,
+  ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128) included,
+  restricted to the claimed ``head_size`` (``kv_lora_rank + qk_rope_head_dim``) values;
+* ``block sizes``, ``dtypes``: the whole workload per claimed block size and dtype;
+* ``unclaimed features refused``: a sliding window or ``causal=False`` raises;
+* ``cuda graphs``: when claimed and CUDA is present, ``run_mla`` captured in a graph
+  and replayed after a new ``plan`` gives the oracle's result.
+
+Use :func:`check_mla_attention_backend`, or subclass :class:`MLAAttentionConformance`
+and define an ``attention_backend`` fixture returning the spec (or class) under test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lmkit.api.mla_attention import MLAAttentionBackend
+from lmkit.testing import attention as mha_suite
+from lmkit.testing.attention import _device, _dtypes, _sizes
+from lmkit.testing.attention_world import AttentionCase, AttentionWorld, StepMismatch, _Req
+from lmkit.testing.failure import (
+    CONSTRUCTOR_PROPERTY,
+    NotApplicable,
+    Target,
+    resolve_target,
+    run_checks,
+    skip_if_not_applicable,
+)
+
+SUITE = "MLA attention"
+KIND = "attention"
+NUM_BLOCKS = 96
+NUM_LAYERS = 2
+# (atol, rtol) against the float64 oracle
+TOLERANCES = {torch.float32: (3e-4, 3e-4), torch.float16: (6e-3, 6e-3),
+              torch.bfloat16: (5e-2, 5e-2)}
+# (kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+SMALL_DIMS = (64, 32, 16, 32)
+DEEPSEEK_DIMS = (512, 128, 64, 128)
+UNEVEN_DIMS = (96, 48, 32, 16)  # v_head_dim != qk_nope_head_dim
+HEAD_COUNTS = (4, 16)
+# the softmax scale is not 1/sqrt(qk head dim) (YaRN's mscale changes it): a backend
+# must use the scale it is given
+SCALE_FACTOR = 0.8
+
+Workload = Callable[[AttentionWorld, Target], Iterable[tuple[str, Any]]]
+
+
+@dataclass
+class MLACase(AttentionCase):
+    """One MLA backend configuration: ``num_kv_heads`` is 1 and ``head_size`` the latent
+    width, as DeepSeek models construct it."""
+
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+
+    @classmethod
+    def of(cls, heads: int, dims: tuple[int, int, int, int], block_size: int,
+           dtype: torch.dtype, device: torch.device) -> MLACase:
+        rank, nope, rope, v = dims
+        return cls(heads, 1, rank + rope, block_size, dtype, device, kv_lora_rank=rank,
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v)
+
+    @property
+    def scale(self) -> float:
+        return SCALE_FACTOR * (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"{self.num_heads} heads, kv_lora_rank {self.kv_lora_rank}, qk_nope "
+                f"{self.qk_nope_head_dim}, qk_rope {self.qk_rope_head_dim}, v "
+                f"{self.v_head_dim}, block_size {self.block_size}, {dtype} on "
+                f"{self.device.type}")
+
+    def kwargs(self, options: Any) -> dict[str, Any]:
+        """The keyword arguments a DeepSeek model constructs the backend with."""
+        return {**super().kwargs(options), "scale": self.scale,
+                "kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}
+
+
+def dense_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+              k_pe: torch.Tensor, w_kv_b: torch.Tensor, context: int, scale: float
+              ) -> torch.Tensor:
+    """Causal MLA of queries at positions ``context + i`` over ``context + q_len`` latent
+    entries (float64): ``q_nope [q, H, nope]``, ``q_pe [q, H, rope]``, ``kv_c [k, rank]``,
+    ``k_pe [k, rope]``, ``w_kv_b [H * (nope + v), rank]``; returns ``[q, H, v]``."""
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    kv = (kv_c @ w_kv_b.t()).view(kv_c.shape[0], heads, -1)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    scores = (torch.einsum("qhd,khd->hqk", q_nope, k_nope)
+              + torch.einsum("qhr,kr->hqk", q_pe, k_pe)) * scale
+    q_pos = torch.arange(q_nope.shape[0])[:, None] + context
+    allowed = torch.arange(kv_c.shape[0])[None, :] <= q_pos
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.einsum("hqk,khv->qhv", scores.softmax(-1), v)
+
+
+class MLAWorld(AttentionWorld):
+    """Requests with latent history in ``NUM_LAYERS`` paged caches of one backend.
+
+    Each layer has its own cache, ``kv_b_proj`` weight, inputs and latent history
+    (:attr:`latents`); the base world's requests keep the blocks and token counts."""
+
+    case: MLACase
+
+    def __init__(self, backend: MLAAttentionBackend, case: MLACase, num_blocks: int,
+                 seed: int = 0) -> None:
+        super().__init__(backend, case, num_blocks, seed)
+        self.caches = [self.cache] + [torch.zeros_like(self.cache)
+                                      for _ in range(NUM_LAYERS - 1)]
+        per_head = case.qk_nope_head_dim + case.v_head_dim
+        self.weights = [self._rand(case.num_heads * per_head, case.kv_lora_rank)
+                        / math.sqrt(case.kv_lora_rank) for _ in range(NUM_LAYERS)]
+        # per layer: rid -> (c_kv, k_pe) history (float64, CPU)
+        self.latents: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(NUM_LAYERS)]
+
+    def fork(self, rid: int, parent: int, num_tokens: int) -> None:
+        super().fork(rid, parent, num_tokens)
+        for hist in self.latents:
+            c, p = hist[parent]
+            hist[rid] = (c[:num_tokens].clone(), p[:num_tokens].clone())
+
+    def step(self, work: list[tuple[int, int]],
+             forks: dict[int, tuple[int, int]] | None = None,
+             run: Callable[..., torch.Tensor] | None = None,
+             cuda_graph: bool = False, model_writes_kv: bool = False
+             ) -> StepMismatch | None:
+        """Run one step of every layer and compare each request with the oracle;
+        ``run(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_kv_b)`` replaces
+        ``backend.run_mla`` when given."""
+        forks = forks or {}
+        work = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
+        contexts: dict[int, int] = {}
+        empty = torch.zeros(0, 1, dtype=torch.float64)
+        for rid, q_len in sorted(work, key=lambda w: w[0] in forks):
+            if rid in forks:  # blocks now; the latent history once the parent's is written
+                AttentionWorld.fork(self, rid, *forks[rid])
+            req = self.reqs.setdefault(rid, _Req(empty, empty))
+            contexts[rid] = self.context_len(rid)
+            self._ensure_blocks(req, contexts[rid] + q_len)
+            # the world counts a request's tokens by its keys' rows
+            req.keys = torch.zeros(contexts[rid] + q_len, 1, dtype=torch.float64)
+        md = self.metadata(work, contexts, cuda_graph)
+        self.backend.plan(md)
+        self.num_steps += 1
+        for layer in range(NUM_LAYERS):
+            bad = self._run_layer(layer, work, contexts, forks, run)
+            if bad is not None:
+                return bad
+        return None
+
+    def _run_layer(self, layer: int, work: list[tuple[int, int]], contexts: dict[int, int],
+                   forks: dict[int, tuple[int, int]],
+                   run: Callable[..., torch.Tensor] | None) -> StepMismatch | None:
+        c = self.case
+        hist = self.latents[layer]
+        inputs = [(self._rand(q_len, c.num_heads, c.qk_nope_head_dim),
+                   self._rand(q_len, c.num_heads, c.qk_rope_head_dim),
+                   self._rand(q_len, c.kv_lora_rank), self._rand(q_len, c.qk_rope_head_dim))
+                  for _, q_len in work]
+        none = (torch.zeros(0, c.kv_lora_rank, dtype=torch.float64),
+                torch.zeros(0, c.qk_rope_head_dim, dtype=torch.float64))
+        # parents first: a forked request's prefix may be written by its parent this step
+        for i in sorted(range(len(work)), key=lambda i: work[i][0] in forks):
+            rid = work[i][0]
+            if rid in forks:
+                parent, num_tokens = forks[rid]
+                hist[rid] = (hist[parent][0][:num_tokens], hist[parent][1][:num_tokens])
+            old_c, old_p = hist.get(rid, none)
+            hist[rid] = (torch.cat([old_c, inputs[i][2]]), torch.cat([old_p, inputs[i][3]]))
+
+        def dev(i: int) -> torch.Tensor:
+            return torch.cat([x[i] for x in inputs]).to(dtype=c.dtype, device=c.device)
+
+        args = (dev(0), dev(1), dev(2), dev(3), self.caches[layer],
+                self.weights[layer].to(dtype=c.dtype, device=c.device))
+        if run is not None:
+            out = run(layer, *args)
+        else:
+            out = self.backend.run_mla(layer, *args)  # type: ignore[attr-defined]
+        n = args[0].shape[0]
+        expected = (n, c.num_heads, c.v_head_dim)
+        if tuple(out.shape) != expected or out.dtype != c.dtype:
+            return StepMismatch(work[0][0], contexts[work[0][0]], work[0][1],
+                                f"layer {layer}: run_mla() returned {tuple(out.shape)} "
+                                f"{out.dtype}; expected {expected} {c.dtype}")
+        out64 = out.detach().to("cpu", torch.float64)
+        atol, rtol = TOLERANCES.get(c.dtype, (1e-2, 1e-2))
+        start = 0
+        for (rid, q_len), x in zip(work, inputs, strict=True):
+            ctx = contexts[rid]
+            ref = dense_mla(x[0], x[1], *hist[rid], self.weights[layer], ctx, c.scale)
+            got = out64[start:start + q_len]
+            start += q_len
+            err = (got - ref).abs()
+            bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
+            if bool(bad.any()):
+                tok, head, _ = (int(i) for i in bad.nonzero()[0])
+                return StepMismatch(rid, ctx, q_len, (
+                    f"layer {layer}: output differs from dense causal MLA over the "
+                    f"request's {ctx + q_len} latent entries: max abs error "
+                    f"{float(err.nan_to_num(math.inf).max()):.3g} > tolerance {atol:g} + "
+                    f"{rtol:g}*|ref|; first at query token {tok} (position {ctx + tok}), "
+                    f"head {head}"))
+        return None
+
+
+def _dims_for(t: Target) -> list[tuple[int, int, int, int]]:
+    """The MLA dimension sets whose latent width the spec claims (``head_size``)."""
+    claimed = t.caps_values("head_size")
+    dims = [d for d in (SMALL_DIMS, UNEVEN_DIMS, DEEPSEEK_DIMS)
+            if claimed is None or d[0] + d[2] in claimed]
+    if not dims:
+        raise NotApplicable(f"{t.name} claims latent widths (head_size) "
+                            f"{sorted(claimed or ())}, none of the suite's "
+                            f"{[d[0] + d[2] for d in (SMALL_DIMS, UNEVEN_DIMS, DEEPSEEK_DIMS)]}")
+    return dims
+
+
+def base_case(t: Target) -> MLACase:
+    """4 heads, the first claimed dimension set (small ones first), the smallest block
+    size, float32 if claimed."""
+    dtypes = _dtypes(t)
+    dtype = torch.float32 if torch.float32 in dtypes else dtypes[0]
+    block = _sizes(t, "block_size", mha_suite.DEFAULT_BLOCK_SIZES)[0]
+    return MLACase.of(HEAD_COUNTS[0], _dims_for(t)[0], block, dtype, _device(t))
+
+
+def _run(t: Target, prop: str, case: MLACase, workload: Workload) -> None:
+    """Build the backend for ``case``, run ``workload``'s steps, fail on a mismatch."""
+    backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
+    if not isinstance(backend, MLAAttentionBackend):
+        raise t.fail(SUITE, CONSTRUCTOR_PROPERTY, case.describe(),
+                     f"{type(backend).__qualname__} does not subclass "
+                     "lmkit.api.MLAAttentionBackend")
+    world = MLAWorld(backend, case, NUM_BLOCKS)
+    for label, args in workload(world, t):
+        work, forks = args if isinstance(args, tuple) else (args, None)
+        described = ", ".join(f"req {rid}: context {world.context_len(rid)}, query {q}"
+                              for rid, q in work)
+        where = f"{case.describe()}; step {world.num_steps + 1} ({label}): [{described}]"
+        try:
+            bad = world.step(work, forks)
+        except Exception as e:
+            raise t.fail(SUITE, prop, where, f"plan()/run_mla() raised {type(e).__name__}: "
+                         f"{e}") from e
+        if bad is not None:
+            raise t.fail(SUITE, prop, where, f"request {bad.rid} (context {bad.context}, "
+                         f"query {bad.query_len}): {bad.detail}")
+
+
+def _checks(t: Target) -> dict[str, Callable[[], None]]:
+    def on_base(prop: str, workload: Workload, feature: str | None = None) -> Callable[[], None]:
+        def check() -> None:
+            if feature:
+                mha_suite._require(t, feature)
+            _run(t, prop, base_case(t), workload)
+        return check
+
+    def shapes() -> None:
+        base = base_case(t)
+        for heads in HEAD_COUNTS:
+            for dims in _dims_for(t):
+                case = MLACase.of(heads, dims, base.block_size, base.dtype, base.device)
+                _run(t, "shapes", case, mha_suite.full_workload)
+
+    def block_sizes() -> None:
+        base = base_case(t)
+        for bs in _sizes(t, "block_size", mha_suite.DEFAULT_BLOCK_SIZES):
+            _run(t, "block sizes", replace(base, block_size=bs), mha_suite.full_workload)
+
+    def dtypes() -> None:
+        base = base_case(t)
+        for dtype in _dtypes(t):
+            _run(t, "dtypes", replace(base, dtype=dtype), mha_suite.full_workload)
+
+    def unclaimed_refused() -> None:
+        base = base_case(t)
+        for what, kwargs in (("sliding_window=7", {"sliding_window": 7}),
+                             ("causal=False", {"causal": False})):
+            try:
+                t.cls(**{**base.kwargs(t.options), **kwargs})
+            except Exception:
+                continue
+            raise t.fail(SUITE, "unclaimed features refused", base.describe(),
+                         f"constructing the MLA backend with {what} succeeded; MLA backends "
+                         "attend causally over the whole context: raise an error instead")
+
+    def constructor() -> None:
+        case = base_case(t)
+        t.build(SUITE, KIND, CONSTRUCTOR_PROPERTY, case.describe(), **case.kwargs(t.options))
+
+    return {
+        CONSTRUCTOR_PROPERTY: constructor,
+        "prefill": on_base("prefill", mha_suite.prefill_workload),
+        "decode": on_base("decode", mha_suite.decode_workload),
+        "mixed batch": on_base("mixed batch", mha_suite.mixed_workload),
+        "chunked prefill": on_base("chunked prefill", mha_suite.chunked_workload,
+                                   "chunked_prefill"),
+        "prefill over a cached prefix": on_base("prefill over a cached prefix",
+                                                mha_suite.cached_prefix_workload,
+                                                "prefix_caching"),
+        "same-step prefix sharing": on_base("same-step prefix sharing",
+                                            mha_suite.same_step_sharing_workload,
+                                            "prefix_caching"),
+        "multi-token queries": on_base("multi-token queries", mha_suite.multi_query_workload,
+                                       "multi_token_query"),
+        "shapes": shapes,
+        "block sizes": block_sizes,
+        "dtypes": dtypes,
+        "unclaimed features refused": unclaimed_refused,
+        "cuda graphs": lambda: check_cuda_graphs(t),
+    }
+
+
+def check_cuda_graphs(t: Target) -> None:
+    """``run_mla`` of both layers captured once in a CUDA graph, then replayed after
+    ``plan`` (``metadata.cuda_graph = True``) for later decode steps of the same shape,
+    gives the oracle's result (only for specs claiming ``cuda_graphs``)."""
+    mha_suite._require(t, "cuda_graphs")
+    if not torch.cuda.is_available():
+        raise NotApplicable("no CUDA device")
+    prop, case = "cuda graphs", base_case(t)
+    if case.device.type != "cuda":
+        raise NotApplicable(f"{t.name} does not run on CUDA")
+    backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
+    world = MLAWorld(backend, case, NUM_BLOCKS)
+    world.step([(0, 9), (1, 17), (2, 4), (3, 30)])
+    work = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    contexts = {rid: world.context_len(rid) for rid, _ in work}
+    backend.plan(world.metadata(work, contexts, cuda_graph=True))
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=case.dtype, device=case.device)
+
+    n, h = len(work), case.num_heads
+    static = [(zeros(n, h, case.qk_nope_head_dim), zeros(n, h, case.qk_rope_head_dim),
+               zeros(n, case.kv_lora_rank), zeros(n, case.qk_rope_head_dim))
+              for _ in range(NUM_LAYERS)]
+    weights = [w.to(dtype=case.dtype, device=case.device) for w in world.weights]
+    graphs = [torch.cuda.CUDAGraph() for _ in range(NUM_LAYERS)]
+    outs: list[torch.Tensor] = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            for i in range(NUM_LAYERS):  # one graph per layer
+                backend.run_mla(i, *static[i], world.caches[i], weights[i])  # warm-up
+                with torch.cuda.graph(graphs[i], stream=stream):
+                    outs.append(backend.run_mla(i, *static[i], world.caches[i], weights[i]))
+    except Exception as e:
+        raise t.fail(SUITE, prop, case.describe(),
+                     f"capturing run_mla() in a CUDA graph raised {type(e).__name__}: {e}"
+                     ) from e
+    torch.cuda.current_stream().wait_stream(stream)
+
+    def replay(layer: int, *args: torch.Tensor) -> torch.Tensor:
+        for dst, src in zip(static[layer], args[:4], strict=True):
+            dst.copy_(src)
+        graphs[layer].replay()
+        return outs[layer].clone()
+
+    for i in range(3):
+        bad = world.step(work, run=replay, cuda_graph=True)
+        if bad is not None:
+            raise t.fail(SUITE, prop, f"{case.describe()}; replayed decode step {i + 1}",
+                         f"request {bad.rid} (context {bad.context}): {bad.detail}")
+
+
+def check_mla_attention_backend(backend: Any, options: Any = None,
+                                only: Iterable[str] | None = None) -> dict[str, str]:
+    """Run every MLA property against ``backend`` (a Spec, Registration or
+    MLAAttentionBackend subclass); return each property's outcome.
+
+    :raises ConformanceFailure: naming the first property that fails and its input.
+    """
+    t = resolve_target(backend, options)
+    return run_checks(_checks(t), set(only) if only is not None else None)
+
+
+class MLAAttentionConformance:
+    """pytest base class: one test per MLA property. Subclass it in a ``Test*`` class
+    with a fixture ``attention_backend`` returning the Spec (or class, or ``(spec,
+    options)``)."""
+
+    def _check(self, attention_backend: Any, prop: str) -> None:
+        skip_if_not_applicable(_checks(resolve_target(attention_backend))[prop])
+
+    def test_constructor_signature(self, attention_backend: Any) -> None:
+        self._check(attention_backend, CONSTRUCTOR_PROPERTY)
+
+    def test_prefill(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "prefill")
+
+    def test_decode(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "decode")
+
+    def test_mixed_batch(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "mixed batch")
+
+    def test_chunked_prefill(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "chunked prefill")
+
+    def test_prefill_over_cached_prefix(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "prefill over a cached prefix")
+
+    def test_same_step_prefix_sharing(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "same-step prefix sharing")
+
+    def test_multi_token_queries(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "multi-token queries")
+
+    def test_shapes(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "shapes")
+
+    def test_block_sizes(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "block sizes")
+
+    def test_dtypes(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "dtypes")
+
+    def test_unclaimed_features_refused(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "unclaimed features refused")
+
+    def test_cuda_graphs(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "cuda graphs")

@@ -415,8 +415,12 @@ static void* helper(void* arg) {
             }
         }
         seen = g;
-        job_t j = job; /* a torn copy (a newer job being written) claims nothing: its
-                          generation check in run_chunks fails */
+        /* a copy torn by the caller writing the next job claims nothing: the caller
+         * closes a finished job's state before writing the next one, and the state is
+         * read after the copy (x86 keeps loads in order; the barrier keeps the compiler
+         * from moving the copy past it) */
+        job_t j = job;
+        __asm__ volatile("" ::: "memory");
         if (id < j.helpers) run_chunks(g, &j);
     }
     return NULL;
@@ -483,6 +487,7 @@ static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, lo
         if (spins > 20000) sched_yield();
     }
     long waited = now_ns() - t1;
+    atomic_store(&state, ((uint64_t)g << 32) | UINT32_MAX); /* closed: nothing to claim */
     /* helpers fell behind: one held the caller up, or none ran at all though one was
      * awake (spinning for a job, it takes CPU time from the caller on a host without a
      * free core); a helper just woken from its sleep may well miss a short job */

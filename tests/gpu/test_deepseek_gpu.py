@@ -1,5 +1,6 @@
-"""A DeepSeek-V2-Lite-shaped model (bf16, CUDA) on ``mla_torch`` against transformers'
-own DeepseekV2 implementation.
+"""A DeepSeek-V2-Lite-shaped model (bf16, CUDA) on each MLA attention backend
+(``mla_torch``, ``mla_triton``, ``mla_flashinfer``; one skips, with the reason, where it
+cannot run) against transformers' own DeepseekV2 implementation.
 
 The model has DeepSeek-V2-Lite's real sizes (hidden 2048, 16 heads, ``kv_lora_rank``
 512, ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, no q-LoRA,
@@ -47,6 +48,7 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backends import unavailable  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
 from test_engine_gpu import ENGINE, NEW_TOKENS, _check_against_hf, _hf_model  # noqa: E402
@@ -67,6 +69,13 @@ V2_LITE = dict(
                                           original_max_position_embeddings=4096),
     tie_word_embeddings=False, attention_bias=False, eos_token_id=256, bos_token_id=None,
     pad_token_id=256, architectures=["DeepseekV2ForCausalLM"])
+
+
+#: the MLA attention backends, each served the same model (CUDA graphs on: decode steps
+#: replay captured graphs where the backend declares ``cuda_graphs``)
+ATTENTION = [pytest.param(name, marks=pytest.mark.skipif(
+    bool(unavailable(name)), reason=f"{name}: {unavailable(name)}"))
+    for name in ("mla_torch", "mla_triton", "mla_flashinfer")]
 
 
 def v2_lite_config(**overrides):
@@ -184,9 +193,9 @@ def random_prompts(vocab: int) -> list[list[int]]:
             for n in (1, 17, 100, 300, 33)]
 
 
-def _generate(model_dir: Path, prompts, logprobs: int | None):
-    with LLM(str(model_dir), attention="mla_torch", dtype="bfloat16", **ENGINE) as llm:
-        assert llm.engine.stack.get("attention").name == "mla_torch"
+def _generate(model_dir: Path, prompts, logprobs: int | None, attention: str = "mla_torch"):
+    with LLM(str(model_dir), attention=attention, dtype="bfloat16", **ENGINE) as llm:
+        assert llm.engine.stack.get("attention").name == attention
         return llm.generate(prompts, SamplingParams(
             temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs,
             prompt_logprobs=logprobs))
@@ -198,17 +207,20 @@ def _copies_the_previous_token(out) -> bool:
     return n < 2 or seq[n:] == [seq[i - 2] for i in range(n, len(seq))]
 
 
-def test_teacher_forced_logits_match_hf(v2_lite, hf_pair):
-    outs = _generate(v2_lite, random_prompts(V2_LITE["vocab_size"]), logprobs=5)
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_teacher_forced_logits_match_hf(v2_lite, hf_pair, attention):
+    outs = _generate(v2_lite, random_prompts(V2_LITE["vocab_size"]), logprobs=5,
+                     attention=attention)
     stats = _check_against_hf(outs, *hf_pair)
     assert stats["argmax_agreement"] >= 0.99, stats  # the copy circuit decides every argmax
     assert all(_copies_the_previous_token(out) for out in outs)
 
 
-def test_greedy_tokens_equal_hf_generate(v2_lite, hf_pair):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_greedy_tokens_equal_hf_generate(v2_lite, hf_pair, attention):
     hf16, _ = hf_pair
     prompts = random_prompts(V2_LITE["vocab_size"])
-    outs = _generate(v2_lite, prompts, logprobs=None)
+    outs = _generate(v2_lite, prompts, logprobs=None, attention=attention)
     for prompt, out in zip(prompts, outs, strict=True):
         ids = torch.tensor([prompt], device=DEVICE)
         with torch.inference_mode():

@@ -39,7 +39,7 @@ def classifier(minilm_dir, tmp_path_factory):
 
 def test_classify_matches_transformers(classifier):
     directory, ref = classifier
-    with LLM(str(directory), progress=False) as llm:
+    with LLM(str(directory), progress=False, dtype="float32") as llm:  # auto may be bf16
         probs = torch.tensor([o.data for o in llm.classify(TEXTS)])
         assert torch.allclose(probs, ref, atol=1e-5)
         default = torch.tensor([o.data for o in llm.embed(TEXTS, normalize=False)])
@@ -48,7 +48,7 @@ def test_classify_matches_transformers(classifier):
 
 def test_classify_endpoint(classifier):
     directory, ref = classifier
-    config = LMKitConfig.model_validate({"model": {"model": str(directory)},
+    config = LMKitConfig.model_validate({"model": {"model": str(directory), "dtype": "float32"},
                                          "server": {"served_model_name": "cls"}})
     with LiveServer(config, startup_timeout=120) as server:
         resp = httpx.post(f"{server.url}/classify", json={"model": "cls", "input": TEXTS},

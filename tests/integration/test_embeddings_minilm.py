@@ -60,7 +60,8 @@ def reference_embeddings(model_dir, texts):
 
 @pytest.fixture(scope="module")
 def llm(minilm_dir):
-    engine = LLM(str(minilm_dir), progress=False)
+    # float32: the reference is sentence-transformers' float32 (auto may mean bfloat16)
+    engine = LLM(str(minilm_dir), progress=False, dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -111,3 +112,11 @@ def test_score_is_the_cosine_and_maxsim_for_token_vectors(llm):
     num_tokens = len(llm.tokenizer.encode(SENTENCES[0]))
     assert maxsim[0] == pytest.approx(num_tokens, abs=1e-4)  # every token finds itself
     assert maxsim[1] < maxsim[0]
+
+
+def test_minilm_in_bfloat16_stays_within_cosine_0999(minilm_dir):
+    ref = reference_embeddings(minilm_dir, SENTENCES)
+    with LLM(str(minilm_dir), progress=False, dtype="bfloat16") as half:
+        ours = torch.tensor([o.embedding for o in half.embed(SENTENCES)])
+    cos = torch.nn.functional.cosine_similarity(ours, ref.float(), dim=-1)
+    assert float(cos.min()) >= 0.999, cos

@@ -23,7 +23,7 @@ TEXTS = ["A man is eating food.", "The girl is carrying a baby.", "Paris is in F
 @pytest.fixture(scope="module")
 def server(minilm_dir):
     config = LMKitConfig.model_validate({
-        "model": {"model": str(minilm_dir)},
+        "model": {"model": str(minilm_dir), "dtype": "float32"},  # compared at 1e-5
         "scheduler": {"max_num_seqs": 8},
         "server": {"served_model_name": MODEL, "max_queued_requests": 8},
     })
@@ -33,7 +33,7 @@ def server(minilm_dir):
 
 @pytest.fixture(scope="module")
 def offline(minilm_dir):
-    llm = LLM(str(minilm_dir), progress=False)
+    llm = LLM(str(minilm_dir), progress=False, dtype="float32")
     yield np.array([o.embedding for o in llm.embed(TEXTS)])
     llm.shutdown()
 

@@ -204,6 +204,7 @@ def test_metrics_cover_requests_latencies_and_engine(server, client):
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
+            values.setdefault(name.partition("{")[0], float(value))  # engine="0" etc.
     for name in ("lmkit_time_to_first_token_seconds_count",
                  "lmkit_inter_token_latency_seconds_count",
                  "lmkit_e2e_request_latency_seconds_count", "lmkit_prompt_tokens_total",

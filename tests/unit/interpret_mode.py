@@ -32,3 +32,18 @@ def require_triton_interpreter(cuda_reason: str = CUDA_REASON) -> None:
     if not isinstance(tl.zeros, InterpretedFunction):
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this module "
                     "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+
+
+def interpreted_spec(spec, **values):
+    """``spec`` (a CUDA-only kernel backend's registered Spec) re-declared for the CPU,
+    where its kernels run in the interpreter: ``device: cpu``, no CUDA needed, no
+    ``cuda_graphs``; ``values`` replace other caps values (e.g. ``head_size``). Register
+    it (a test plugin's hookimpl) or hand it to a conformance kit."""
+    import dataclasses
+
+    from lmkit.api import Caps
+
+    caps = Caps(spec.caps.features - {"cuda_graphs"},
+                {**spec.caps.values, "device": {"cpu"}, **values})
+    return dataclasses.replace(spec, name=f"{spec.name}_interpreted", needs_cuda=False,
+                               caps=caps)

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 from lmkit.config import load_config
-from lmkit.config.parallel import check_model_split, check_parallel_settings
+from lmkit.config.parallel import (
+    check_model_split,
+    check_parallel_settings,
+    data_parallel_devices,
+)
 from lmkit.errors import ConfigError, NoBackendError
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
@@ -28,9 +32,49 @@ def test_defaults_are_one_rank_mp():
         1, 1, "mp")
 
 
-def test_data_parallel_is_refused_as_not_built():
-    with pytest.raises(ConfigError, match=r"data_parallel_size is 2 \(set by .*--data_parallel_size\).*not built yet"):
-        check_parallel_settings(_config(data_parallel_size=2), "cpu")
+def test_data_parallel_runs_on_the_cpu_and_counts_tp_times_dp_cuda_devices(monkeypatch):
+    check_parallel_settings(_config(data_parallel_size=4, tensor_parallel_size=2), "cpu")
+    monkeypatch.setattr("lmkit.config.parallel.cuda_device_count", lambda: 4)
+    check_parallel_settings(_config(data_parallel_size=2, tensor_parallel_size=2), "cuda")
+    with pytest.raises(ConfigError, match=r"data_parallel_size 3 \(set by .*--data_parallel_size\)"
+                                          r" x tensor_parallel_size 2.*needs 6 CUDA devices.*"
+                                          r"has 4; use --dp 2 or fewer at --tp 2"):
+        check_parallel_settings(_config(data_parallel_size=3, tensor_parallel_size=2), "cuda")
+
+
+def test_each_data_parallel_engine_gets_its_own_devices():
+    cfg = _config(data_parallel_size=2, tensor_parallel_size=2)
+    assert data_parallel_devices(cfg, "cuda", cuda_devices=4) == ["0,1", "2,3"]
+    # a slice of what this process may see, in its order
+    assert data_parallel_devices(cfg, "cuda", visible="7, 3,5,1,6",
+                                 cuda_devices=5) == ["7,3", "5,1"]
+    assert data_parallel_devices(_config(data_parallel_size=3), "cuda",
+                                 cuda_devices=3) == ["0", "1", "2"]
+    assert data_parallel_devices(cfg, "cpu") == [None, None]  # the engines share the cores
+    ray = _config(data_parallel_size=2, tensor_parallel_size=2, distributed_backend="ray")
+    assert data_parallel_devices(ray, "cuda", cuda_devices=1) == [None, None]
+    with pytest.raises(ConfigError, match="needs 4 CUDA devices"):
+        data_parallel_devices(cfg, "cuda", cuda_devices=3)
+
+
+def test_engine_launches_plan_one_engine_config_each(monkeypatch):
+    from lmkit.frontend.engine_set import engine_launches
+
+    cfg = _load({"parallel.data_parallel_size": 2, "executor.device": "cuda"})
+    for where in ("lmkit.config.parallel", "lmkit.plugin_host.resolve"):
+        monkeypatch.setattr(f"{where}.cuda_device_count", lambda: 2)
+    launches = engine_launches(cfg, {"CUDA_VISIBLE_DEVICES": "4,6", "X": "1"})
+    assert [la.index for la in launches] == [0, 1]
+    assert [la.env for la in launches] == [{"CUDA_VISIBLE_DEVICES": "4", "X": "1"},
+                                           {"CUDA_VISIBLE_DEVICES": "6", "X": "1"}]
+    assert all(la.config_json["parallel"]["data_parallel_size"] == 1 for la in launches)
+    cpu = engine_launches(_load({"parallel.data_parallel_size": 2, "executor.device": "cpu"}))
+    assert len(cpu) == 2 and all("CUDA_VISIBLE_DEVICES" not in la.env for la in cpu)
+
+
+def test_data_parallel_size_must_be_positive():
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        _load({"parallel.data_parallel_size": 0})
 
 
 def test_ray_is_not_bound_by_this_hosts_devices(monkeypatch):
@@ -123,3 +167,4 @@ def test_tp_refuses_quantized_weights_and_auto_keeps_them_dense():
     with pytest.raises(NoBackendError, match="quantization 'gguf'.*tensor_parallel"):
         resolve_stack(_load({**base, "quantization.backend": "gguf"}), host,
                       weight_format="gguf")
+

@@ -85,7 +85,7 @@ def harness(smollm2_tokenizer):
                             stack={}, plugins=[],
                             stats={})
         llm = AsyncLLM(client, ready, LMKitConfig(), smollm2_tokenizer)
-        llm._loop_task = asyncio.create_task(llm._output_loop())
+        llm._start_output_loops()
         return llm
 
     make.state = state

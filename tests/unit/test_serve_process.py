@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lmkit.config.schema import LMKitConfig, ServerConfig
@@ -57,6 +58,13 @@ def test_serve_refuses_an_impossible_stack_before_binding(flags):
     assert served.stderr.count("error:") == 1 and served.stderr == checked.stderr
     assert "Uvicorn" not in served.stdout + served.stderr
     assert port_is_free(port)
+
+
+def test_serve_refuses_dp_zero_naming_the_flag():
+    served = lmkit_cli("serve", "--port", str(free_port()), "--dp", "0")
+    assert served.returncode == 2, served.stderr
+    assert ("parallel.data_parallel_size: Input should be greater than 0 (got 0) "
+            "[set by command-line option --dp]") in served.stderr
 
 
 def test_serve_refuses_two_key_sources_and_warns_about_a_key_in_argv(tmp_path):
@@ -144,48 +152,56 @@ def test_engine_process_does_not_import_from_the_working_directory(tmp_path):
 # ----------------------------------------------------------- restart policy
 
 
-class FakeClient:
+class FakeEngine:
     def __init__(self) -> None:
         self.alive = True
-
-    def is_alive(self) -> bool:
-        return self.alive
+        self.died = asyncio.Event()
 
 
 class FakeLLM:
-    """What :class:`EngineSupervisor` uses of an AsyncLLM; restarts fail ``failures``
-    times, then succeed."""
+    """What :class:`EngineSupervisor` uses of an AsyncLLM with ``num_engines`` engines;
+    restarts fail ``failures`` times, then succeed."""
 
-    def __init__(self, failures: int) -> None:
-        self.client = FakeClient()
+    def __init__(self, failures: int, num_engines: int = 1) -> None:
+        self.engines = [FakeEngine() for _ in range(num_engines)]
         self.failures = failures
         self.restart_calls: list[float] = []
-        self.died = asyncio.Event()
+        self.restarted_engines: list[int] = []
+        self.warmed: list[int | None] = []
         self.is_shutting_down = False
         self.dead_reason: str | None = None
-        self.engine_pid = 1
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
 
     @property
     def is_healthy(self) -> bool:
-        return self.client.alive
+        return all(e.alive for e in self.engines)
 
-    def kill(self) -> None:
-        self.client.alive = False
+    def engine_alive(self, engine: int) -> bool:
+        return self.engines[engine].alive
+
+    def kill(self, engine: int = 0) -> None:
+        self.engines[engine].alive = False
         self.dead_reason = "the engine process exited with status -9"
-        self.died.set()
+        self.engines[engine].died.set()
 
-    async def wait_engine_death(self) -> None:
-        await self.died.wait()
+    async def wait_engine_death(self, engine: int = 0) -> None:
+        await self.engines[engine].died.wait()
 
-    async def restart_engine(self, startup_timeout: float | None = None) -> None:
+    async def restart_engine(self, startup_timeout: float | None = None,
+                             engine: int = 0) -> None:
         self.restart_calls.append(asyncio.get_running_loop().time())
         if len(self.restart_calls) <= self.failures:
             raise EngineStartupError("the engine failed to start: no memory")
-        self.client = FakeClient()
-        self.died = asyncio.Event()
+        self.engines[engine] = FakeEngine()
+        self.restarted_engines.append(engine)
 
-    async def warm_up(self) -> None:
-        pass
+    ready = SimpleNamespace(generates=False)  # warm_up() embeds one prompt
+
+    async def embed(self, *args: object, engine: int | None = None, **kwargs: object) -> None:
+        self.warmed.append(engine)
 
 
 def supervise(llm: FakeLLM, attempts: int) -> tuple[EngineSupervisor, list, list]:
@@ -241,6 +257,31 @@ def test_supervisor_with_no_tries_gives_up_at_once():
         assert gave_up and not llm.restart_calls
 
     asyncio.run(main())
+
+
+def test_supervisor_restarts_each_data_parallel_engine_on_its_own():
+    async def main() -> None:
+        llm = FakeLLM(failures=0, num_engines=2)
+        sup, restarted, gave_up = supervise(llm, attempts=3)
+        task = asyncio.create_task(sup.run())
+        await asyncio.sleep(0)
+        llm.kill(1)
+        assert sup.is_restarting
+        while not restarted:
+            await asyncio.sleep(0.01)
+        assert llm.restarted_engines == [1] and llm.engine_alive(0)
+        assert not sup.is_restarting and sup.num_restarts == 1
+        llm.kill(0)  # the other one later: its own watcher restarts it
+        while len(restarted) < 2:
+            await asyncio.sleep(0.01)
+        assert llm.restarted_engines == [1, 0] and llm.is_healthy and not gave_up
+        llm.kill(1)  # and engine 1 again, from its new process
+        while len(restarted) < 3:
+            await asyncio.sleep(0.01)
+        assert llm.restarted_engines == [1, 0, 1] and llm.warmed == [1, 0, 1]
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
 
 
 def test_pip_for_model_fetches_does_not_import_from_the_working_directory(tmp_path):

@@ -169,11 +169,13 @@ def test_prometheus_series():
 
     stats = SpecDecodeStats(2)
     stats.record_step({"a": 2}, {"a": 1})
-    metrics = ServerMetrics(lambda: numeric_stats(stats.as_dict()))
+    metrics = ServerMetrics(lambda: [numeric_stats(stats.as_dict())])  # one engine
     text = metrics.render()[0].decode()
-    assert "lmkit_spec_decode_num_draft_tokens_total 2.0" in text
-    assert "lmkit_spec_decode_num_accepted_tokens_total 1.0" in text
-    assert "lmkit_spec_decode_acceptance_rate 0.5" in text
-    assert "lmkit_spec_decode_mean_accepted_length 2.0" in text
-    assert 'lmkit_spec_decode_acceptance_rate_per_position{position="0"} 1.0' in text
-    assert 'lmkit_spec_decode_acceptance_rate_per_position{position="1"} 0.0' in text
+    assert 'lmkit_spec_decode_num_draft_tokens_total{engine="0"} 2.0' in text
+    assert 'lmkit_spec_decode_num_accepted_tokens_total{engine="0"} 1.0' in text
+    assert 'lmkit_spec_decode_acceptance_rate{engine="0"} 0.5' in text
+    assert 'lmkit_spec_decode_mean_accepted_length{engine="0"} 2.0' in text
+    assert ('lmkit_spec_decode_acceptance_rate_per_position{engine="0",position="0"} 1.0'
+            in text)
+    assert ('lmkit_spec_decode_acceptance_rate_per_position{engine="0",position="1"} 0.0'
+            in text)

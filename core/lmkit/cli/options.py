@@ -72,7 +72,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("tensor_parallel_size", ("--tp",), "parallel.tensor_parallel_size", int | None,
          "Split the model over N devices (tensor parallel)."),
     Flag("data_parallel_size", ("--dp",), "parallel.data_parallel_size", int | None,
-         "Engine cores behind one server (data parallel; not built yet: only 1)."),
+         "Engine processes to spread requests over (data parallel)."),
     Flag("device", ("--device",), "executor.device", str | None, "auto, cpu or cuda."),
     Flag("dtype", ("--dtype",), "model.dtype", str | None, "auto, float32, bfloat16 or float16."),
     Flag("speculative", ("--speculative",), "speculative.backend", str | None,

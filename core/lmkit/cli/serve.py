@@ -61,8 +61,10 @@ def _print_ready(llm: Any, url: str, api_key: bool) -> None:
     kv_bytes, num_blocks = ready.stats.get("kv_cache_bytes"), ready.stats.get("num_blocks")
     if kv_bytes is not None and num_blocks is not None:
         block_size = llm.config.cache.block_size
+        each = f" per engine, {llm.num_engines} engines (data parallel)" \
+            if llm.num_engines > 1 else ""
         print_text(f"KV cache: {kv_bytes / 2**30:.2f} GiB, {int(num_blocks)} blocks of "
-                   f"{block_size} tokens ({int(num_blocks) * block_size} tokens)")
+                   f"{block_size} tokens ({int(num_blocks) * block_size} tokens){each}")
     print_text(f"OpenAI-compatible API at {url}/v1"
                + ("  (API key required)" if api_key else ""), style="bold green")
     print_text(f"health {url}/health  metrics {url}/metrics  stack {url}/v1/lmkit/stack")

@@ -51,8 +51,9 @@ class ModelConfig(Section):
     source: str = Field("auto", description="Model source plugin, or 'auto' to detect.")
     tokenizer: str | None = Field(None, description="Tokenizer path if different from the model.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype; 'auto' is float32 on CPU, bfloat16 on CUDA."
-    )
+        "auto", description="Weight and activation dtype; 'auto' is bfloat16 on CUDA, and on "
+        "the CPU float32, except bfloat16 for encoder (embedding) models on CPUs with "
+        "hardware bfloat16 matmuls (AMX or AVX512-BF16).")
     max_model_len: int | None = Field(
         None, gt=0, description="Context length; defaults to the model's own."
     )
@@ -115,7 +116,10 @@ class ParallelConfig(Section):
         "attention heads, the MLP and the vocabulary. Above 1 the executor is "
         "distributed_backend's (executor.backend 'auto').")
     data_parallel_size: int = Field(
-        1, gt=0, description="Engine cores behind one API server (not built yet: only 1).")
+        1, gt=0, description="Engine-core processes (data parallel), each with its own "
+        "executor (tensor_parallel_size ranks) and, on CUDA, its own devices; requests are "
+        "routed to one of them (load- and prefix-aware), by lmkit serve and by the "
+        "offline LLM alike.")
     distributed_backend: Literal["mp", "ray"] = Field(
         "mp", description="How the ranks run: 'mp' (one worker process per rank on this "
         "host) or 'ray' (Ray actors: the cluster at RAY_ADDRESS, or a local one).")

@@ -61,7 +61,8 @@ class EngineCore:
         self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
         check_model_split(config, self.facts)
         self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs,
-                                                  weight_format=self.facts.weight_format)
+                                                  weight_format=self.facts.weight_format,
+                                                  encoder=not self.facts.pooling.causal)
         self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")
@@ -125,6 +126,9 @@ class EngineCore:
         cfg = config.model_copy(deep=True)
         cfg.model.model = str(self.model_dir)
         cfg.model.max_model_len = max_len
+        # what auto resolved to (workers resolve again); update= as the stack's dtype is
+        # a plain str, one of the field's choices
+        cfg.model = cfg.model.model_copy(update={"dtype": self.stack.dtype})
         if not self.facts.pooling.causal:
             # bidirectional attention: a token's K/V depend on the whole prompt, so each
             # prompt runs in one step and no prefix of it can be reused

@@ -2,12 +2,17 @@
 
 Tokenization and chat templates (:class:`InputProcessor`), the ``n > 1`` fan-out, and
 detokenization and stop strings (:class:`OutputProcessor`) happen here, in the API
-process, so they never stall the engine's step loop. One background task reads the
-engine's outputs and hands them to per-request :class:`OutputCollector` s. When the
-engine process dies, every request in flight fails at once with
-:class:`~lmkit.errors.EngineDeadError` and :attr:`AsyncLLM.is_healthy` turns false;
-:meth:`AsyncLLM.restart_engine` starts a new one (:mod:`lmkit.serve.supervisor` decides
-when).
+process, so they never stall the engine's step loop. One background task per engine
+reads its outputs and hands them to per-request :class:`OutputCollector` s.
+
+With ``parallel.data_parallel_size`` N > 1 there are N engine processes
+(:mod:`lmkit.frontend.engine_set`, started in parallel); each request is routed to one
+of them (:mod:`lmkit.frontend.router`: prefix affinity, then load) and stays there, its
+aborts included. When an engine process dies, every request in flight *on it* fails at
+once with :class:`~lmkit.errors.EngineDeadError`, :attr:`AsyncLLM.is_healthy` turns
+false, and new requests go to the engines still alive (:attr:`AsyncLLM.can_serve`);
+:meth:`AsyncLLM.restart_engine` starts a new one in its place
+(:mod:`lmkit.serve.supervisor` decides when).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from lmkit.engine.messages import (
 )
 from lmkit.errors import EngineDeadError, InvalidRequestError, LMKitError
 from lmkit.frontend.collector import OutputCollector, RequestObserver
-from lmkit.frontend.core_client import EngineCoreClient, engine_config_json
+from lmkit.frontend.core_client import EngineCoreClient
+from lmkit.frontend.engine_set import EngineSet, EngineSlot, engine_launches, start_engines
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +57,18 @@ class AsyncLLM:
     """Submit requests and stream their outputs; the engine runs in another process.
 
     Build it with ``await AsyncLLM.start(config)``; close it with ``await shutdown()``.
+    ``engines`` is one engine's client (with its ``ready``) or the started engines.
     """
 
-    def __init__(self, client: EngineCoreClient, ready: EngineReady, config: LMKitConfig,
-                 tokenizer: Any, observer: RequestObserver | None = None,
+    def __init__(self, engines: EngineCoreClient | list[EngineSlot], ready: EngineReady,
+                 config: LMKitConfig, tokenizer: Any, observer: RequestObserver | None = None,
                  env: dict[str, str] | None = None) -> None:
         from lmkit.frontend.output_processor import OutputProcessor
         from lmkit.frontend.processor import InputProcessor
 
-        self.client = client
+        if isinstance(engines, EngineCoreClient):
+            engines = [EngineSlot(0, engines, ready, stats=dict(ready.stats))]
+        self.engines = EngineSet(engines, config.cache.block_size)
         self.ready = ready
         self.config = config
         self.tokenizer = tokenizer
@@ -69,7 +78,6 @@ class AsyncLLM:
             max_constraint_chars=config.structured_output.max_constraint_chars,
             logits_processors=ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stats: dict[str, float] = dict(ready.stats)
         self._collectors: dict[str, OutputCollector] = {}
         self._parent_of: dict[str, str] = {}  # engine request id -> parent id
         self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
@@ -77,65 +85,56 @@ class AsyncLLM:
         # pooling requests in flight: request id -> its result
         self._pooling: dict[str, asyncio.Future[EngineCoreOutput]] = {}
         self._query_ids = itertools.count(1)
-        self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._shutting_down = False
         self._env = env
-        self._engine_died = asyncio.Event()
 
     @classmethod
     async def start(cls, config: LMKitConfig, *, observer: RequestObserver | None = None,
                     startup_timeout: float | None = None,
                     env: dict[str, str] | None = None) -> AsyncLLM:
-        """Start the engine-core process, wait until it is ready, load the tokenizer."""
+        """Start the engine-core process(es) in parallel, wait until they are ready, load
+        the tokenizer. Raises :class:`~lmkit.errors.ConfigError` (before anything starts)
+        when the data-parallel engines need more devices than present, and
+        :class:`~lmkit.frontend.core_client.EngineStartupError` naming the engine that
+        failed."""
         from lmkit.loading.tokenizer import load_tokenizer
 
-        client, ready = await _start_client(config, env, startup_timeout)
+        slots = await start_engines(engine_launches(config, env), startup_timeout)
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_dir)
+            tokenizer = await asyncio.to_thread(load_tokenizer, slots[0].ready.model_dir)
         except BaseException:
-            await client.close(kill=True)
+            await asyncio.gather(*(s.client.close(kill=True) for s in slots))
             raise
-        llm = cls(client, ready, config, tokenizer, observer, env)
-        llm._loop_task = asyncio.create_task(llm._output_loop(), name="lmkit-engine-outputs")
+        llm = cls(slots, slots[0].ready, config, tokenizer, observer, env)
+        llm._start_output_loops()
         return llm
 
-    async def restart_engine(self, startup_timeout: float | None = None) -> None:
-        """Replace a dead engine process with a new one (same configuration and tokenizer).
+    def _start_output_loops(self) -> None:
+        for slot in self.engines.slots:
+            if slot.loop_task is None:
+                slot.loop_task = asyncio.create_task(
+                    self._output_loop(slot.index), name=f"lmkit-engine-outputs-{slot.index}")
 
-        Requests in flight have already failed; raises
+    async def restart_engine(self, startup_timeout: float | None = None,
+                             engine: int = 0) -> None:
+        """Replace dead engine process ``engine`` with a new one (same configuration,
+        devices and tokenizer).
+
+        Its requests in flight have already failed; raises
         :class:`~lmkit.frontend.core_client.EngineStartupError` if the new one fails to start.
         """
-        if self.client.is_alive() or self._shutting_down:
+        if self.engines.slots[engine].is_alive() or self._shutting_down:
             raise RuntimeError("restart_engine needs a dead engine and a running frontend")
-        if self._loop_task is not None:
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        await self.client.close(kill=True)
-        client, ready = await _start_client(self.config, self._env, startup_timeout)
-        self.client, self.ready, self.stats = client, ready, dict(ready.stats)
-        self._engine_died.clear()
-        self._loop_task = asyncio.create_task(self._output_loop(), name="lmkit-engine-outputs")
+        launch = engine_launches(self.config, self._env)[engine]
+        slot = await self.engines.replace(launch, startup_timeout)
+        if engine == 0:
+            self.ready = slot.ready
+        self._start_output_loops()
 
-    async def wait_engine_death(self) -> None:
-        """Return once the current engine process has died (or failed)."""
-        await self._engine_died.wait()
-
-    async def warm_up(self, max_tokens: int = 4) -> None:
-        """Run one short request through the whole path (chat template, tokenizer, engine
-        prefill and decode, detokenizer), so that the first request's one-time costs
-        (lazy imports and set-up, first-call allocations, kernels built on first use)
-        are paid before the server reports ready. Not counted in the metrics. A
-        pooling-only model (no language-model head) warms up with one embedding."""
-        if not self.ready.generates:
-            await self.embed("Hello!", PoolingParams(), request_id=f"warm-up-{uuid.uuid4().hex}")
-            return
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        has_template = getattr(self.tokenizer, "chat_template", None) is not None
-        messages = [{"role": "user", "content": "Hello!"}] if has_template else None
-        async for _ in self.generate(None if has_template else "Hello!", params,
-                                     messages=messages, request_id=f"warm-up-{uuid.uuid4().hex}",
-                                     observe=False):
-            pass
+    async def wait_engine_death(self, engine: int = 0) -> None:
+        """Return once engine ``engine``'s current process has died (or failed)."""
+        await self.engines.slots[engine].died.wait()
 
     # ------------------------------------------------------------------ facts
 
@@ -144,17 +143,48 @@ class AsyncLLM:
         return self.ready.max_model_len
 
     @property
+    def client(self) -> EngineCoreClient:
+        """The first engine's channel (the only one without data parallelism)."""
+        return self.engines.slots[0].client
+
+    @property
+    def num_engines(self) -> int:
+        """Engine processes behind this frontend (``parallel.data_parallel_size``)."""
+        return len(self.engines)
+
+    def engine_alive(self, engine: int) -> bool:
+        """True while engine ``engine``'s process runs."""
+        return self.engines.slots[engine].is_alive()
+
+    @property
     def is_healthy(self) -> bool:
-        """True while the engine process runs and answers."""
-        return not self._shutting_down and self.client.is_alive()
+        """True while every engine process runs and answers."""
+        return not self._shutting_down and all(self.engines.alive())
+
+    @property
+    def can_serve(self) -> bool:
+        """True while at least one engine runs (new requests are routed to those)."""
+        return not self._shutting_down and any(self.engines.alive())
 
     @property
     def dead_reason(self) -> str | None:
-        return self.client.dead_reason
+        """Why the dead engine(s) died, naming them when there are several."""
+        return self.engines.dead_reason()
 
     @property
     def engine_pid(self) -> int | None:
+        """The first engine's process id."""
         return self.client.pid
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The first engine's latest stats (every engine's: :attr:`engine_stats`)."""
+        return self.engines.slots[0].stats
+
+    @property
+    def engine_stats(self) -> list[dict[str, float]]:
+        """Each engine's latest ``EngineCore.stats()`` (empty while it is dead)."""
+        return [s.stats for s in self.engines.slots]
 
     @property
     def num_in_flight(self) -> int:
@@ -166,11 +196,12 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int] | None, params: SamplingParams, *,
                        messages: list[dict[str, Any]] | None = None,
                        request_id: str | None = None, priority: int = 0,
-                       chat_kwargs: dict[str, Any] | None = None, observe: bool = True
-                       ) -> AsyncIterator[RequestOutput]:
+                       chat_kwargs: dict[str, Any] | None = None, observe: bool = True,
+                       engine: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output (with per-step deltas) until it finishes.
 
-        ``observe=False`` keeps the request out of the metrics (warm-up).
+        ``observe=False`` keeps the request out of the metrics (warm-up); ``engine`` pins
+        the request to one engine instead of routing it (warm-up, tests).
 
         Raises :class:`InvalidRequestError` for a bad request (before or after it reaches
         the engine) and :class:`EngineDeadError` if the engine dies. Closing the iterator
@@ -178,7 +209,7 @@ class AsyncLLM:
         """
         from lmkit.frontend.processor import child_params
 
-        if not self.is_healthy:
+        if not self.can_serve:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
         if rid in self._collectors:
@@ -191,6 +222,7 @@ class AsyncLLM:
             requests = [(self.input_processor.make_request(
                 f"{rid}-{i}", ids, child_params(params, i), priority), i)
                 for i in range(params.n)]
+        chosen = self.engines.route(rid, ids, len(ids) * params.n, engine)
         collector = OutputCollector(len(ids), self.observer if observe else None)
         self._collectors[rid] = collector
         self._children[rid] = [req.request_id for req, _ in requests]
@@ -199,8 +231,9 @@ class AsyncLLM:
             self._parent_of[req.request_id] = rid
         finished = False
         try:
+            client = self.engines.slots[chosen].client
             for req, _ in requests:
-                await self.client.send(AddRequest.from_request(req))
+                await client.send(AddRequest.from_request(req))
             while True:
                 output = await collector.get()
                 finished = output.finished
@@ -219,11 +252,12 @@ class AsyncLLM:
             await self._forget(rid, abort=not finished)
 
     async def embed(self, prompt: str | list[int], params: PoolingParams, *,
-                    request_id: str | None = None, priority: int = 0) -> PoolingOutput:
+                    request_id: str | None = None, priority: int = 0,
+                    engine: int | None = None) -> PoolingOutput:
         """Run one pooling request (prefill only, beside generation in the same engine
-        steps) and return its pooled output. Raises as :meth:`generate` does;
-        cancelling the call aborts the request."""
-        if not self.is_healthy:
+        steps) and return its pooled output. Raises as :meth:`generate` does (``engine``
+        as there); cancelling the call aborts the request."""
+        if not self.can_serve:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
         if rid in self._collectors or rid in self._pooling:
@@ -231,17 +265,19 @@ class AsyncLLM:
                                       param="request_id", code="duplicate_request_id")
         _, ids = await self._tokenize(prompt, None, None)
         request = self.input_processor.make_pooling_request(rid, ids, params, priority)
+        index = self.engines.route(rid, ids, len(ids), engine)
         result: asyncio.Future[EngineCoreOutput] = asyncio.get_running_loop().create_future()
         self._pooling[rid] = result
         try:
-            await self.client.send(AddRequest.from_request(request))
+            await self.engines.slots[index].client.send(AddRequest.from_request(request))
             out = await result
         except BaseException:
             if not result.done():
-                await self._send_abort([rid])
+                await self._send_abort([rid], index)
             raise
         finally:
             self._pooling.pop(rid, None)
+            self.engines.release(rid)
         if out.pooled is None:
             raise InvalidRequestError(f"the engine ended pooling request {rid!r} without a "
                                       f"result ({out.finish_reason})", code="engine_error")
@@ -269,56 +305,61 @@ class AsyncLLM:
 
     async def _forget(self, rid: str, abort: bool) -> None:
         self._collectors.pop(rid, None)
+        index = self.engines.release(rid)
         engine_ids = self.output_processor.abort(rid)
         for eid in self._children.pop(rid, ()):
             self._parent_of.pop(eid, None)
-        if abort and engine_ids:
-            await self._send_abort(engine_ids)
+        if abort and engine_ids and index is not None:
+            await self._send_abort(engine_ids, index)
 
-    async def _send_abort(self, engine_ids: list[str]) -> None:
-        if self.client.is_alive():
+    async def _send_abort(self, engine_ids: list[str], engine: int) -> None:
+        client = self.engines.slots[engine].client
+        if client.is_alive():
             with contextlib.suppress(EngineDeadError):
-                await self.client.send(AbortRequests(request_ids=engine_ids))
+                await client.send(AbortRequests(request_ids=engine_ids))
 
-    async def get_stats(self, timeout: float = 10.0) -> dict[str, float]:
-        """Fresh ``EngineCore.stats()`` from the engine process."""
+    async def get_stats(self, timeout: float = 10.0, engine: int = 0) -> dict[str, float]:
+        """Fresh ``EngineCore.stats()`` from engine ``engine``'s process."""
         qid = next(self._query_ids)
         fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[qid] = fut
         try:
-            await self.client.send(StatsQuery(query_id=qid))
+            await self.engines.slots[engine].client.send(StatsQuery(query_id=qid))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._stats_waiters.pop(qid, None)
 
     # ------------------------------------------------------------------ output loop
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, index: int = 0) -> None:
+        slot = self.engines.slots[index]
         try:
             while True:
-                message = await self.client.recv()
+                message = await slot.client.recv()
                 if isinstance(message, EngineOutputs):
-                    self._deliver(message)
+                    self._deliver(message, index)
                 elif isinstance(message, EngineStats):
-                    self.stats = message.stats
+                    slot.stats = message.stats
                     fut = self._stats_waiters.get(message.query_id or 0)
                     if fut is not None and not fut.done():
                         fut.set_result(message.stats)
                 elif isinstance(message, RequestRejected):
                     await self._reject(message)
         except EngineDeadError as e:
+            error = e if len(self.engines) == 1 else EngineDeadError(f"engine {index}: {e}")
             if not self._shutting_down:
-                logger.error("engine core died: %s; failing %d requests in flight", e,
-                             len(self._collectors))
-            self._fail_all(e)
+                logger.error("engine core %d died: %s; failing %d requests in flight on it",
+                             index, e, len(self.engines.requests_on(index)))
+            self._fail_engine(index, error)
         except Exception as e:  # a bug here must not leave requests hanging
             logger.exception("the engine output loop failed")
-            self._fail_all(EngineDeadError(f"the frontend's output loop failed: {e!r}"))
-            await self.client.close(kill=True)
-        self.stats = {}  # a dead engine runs nothing: no stale gauges
-        self._engine_died.set()
+            self._fail_engine(index, EngineDeadError(f"the frontend's output loop failed: {e!r}"))
+            await slot.client.close(kill=True)
+        slot.stats = {}  # a dead engine runs nothing: no stale gauges
+        self.engines.router.forget_engine(index)
+        slot.died.set()
 
-    def _deliver(self, message: EngineOutputs) -> None:
+    def _deliver(self, message: EngineOutputs, index: int = 0) -> None:
         if self._pooling:  # (only while a pooling request is in flight)
             for out in message.outputs:
                 result = self._pooling.get(out.request_id)
@@ -330,7 +371,8 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(output)
         if processed.abort_ids:  # stop strings matched: the engine need not go on
-            task = asyncio.get_running_loop().create_task(self._send_abort(processed.abort_ids))
+            task = asyncio.get_running_loop().create_task(
+                self._send_abort(processed.abort_ids, index))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -347,6 +389,20 @@ class AsyncLLM:
         collector.fail(InvalidRequestError(message.message, param=message.param,
                                            code=message.code))
         await self._forget(rid, abort=True)
+
+    def _fail_engine(self, index: int, error: BaseException) -> None:
+        """Fail every request routed to engine ``index`` (stats queries: all of them,
+        which cannot tell engines apart and are retried by their callers)."""
+        routed = self.engines.requests_on(index)
+        for rid in routed:
+            collector = self._collectors.get(rid)
+            if collector is not None:
+                collector.fail(error)
+            pooled = self._pooling.get(rid)
+            if pooled is not None and not pooled.done():
+                pooled.set_exception(error)
+        if len(self.engines) == 1:  # (all the same: nothing else waits on another engine)
+            self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:
         for collector in list(self._collectors.values()):
@@ -368,19 +424,4 @@ class AsyncLLM:
         """Fail what is still in flight, stop the engine process, close the channel."""
         self._shutting_down = True
         self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-        await self.client.close(timeout=timeout)
-
-
-async def _start_client(config: LMKitConfig, env: dict[str, str] | None,
-                        startup_timeout: float | None) -> tuple[EngineCoreClient, EngineReady]:
-    """A new engine process for ``config``, ready (closed again if it fails)."""
-    client = EngineCoreClient(engine_config_json(config.model_dump(mode="json")), env=env)
-    try:
-        return client, await client.start(timeout=startup_timeout)
-    except BaseException:
-        await client.close(kill=True)
-        raise
+        await self.engines.close(timeout)

@@ -1,7 +1,9 @@
 """The offline API: ``LLM(model).generate(prompts, params)`` and ``LLM.chat(messages)``.
 
 The engine core runs in this process; requests are batched continuously, so passing
-many prompts at once is much faster than one at a time.
+many prompts at once is much faster than one at a time. With ``data_parallel_size``
+N > 1 it runs N engine processes instead (:mod:`lmkit.frontend.dp_engine`) and spreads
+the requests over them.
 """
 
 from __future__ import annotations
@@ -126,7 +128,13 @@ class LLM:
         if plugins:
             cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *plugins]})
         self.host = PluginHost.load(cfg.plugins)
-        self.engine = EngineCore(cfg, self.host, progress=progress)
+        self.engine: Any
+        if cfg.parallel.data_parallel_size > 1:  # engine processes, one per replica
+            from lmkit.frontend.dp_engine import DataParallelEngine
+
+            self.engine = DataParallelEngine(cfg)
+        else:
+            self.engine = EngineCore(cfg, self.host, progress=progress)
         self.config = self.engine.config
         from lmkit.loading.tokenizer import load_tokenizer
 

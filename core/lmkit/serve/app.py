@@ -55,15 +55,17 @@ class ServerState:
                            "turns 200 when ready)", code="model_loading",
                            headers={"Retry-After": "5"})
         supervisor = self.supervisor
-        if supervisor is not None and supervisor.is_restarting:
+        restarting = supervisor is not None and supervisor.is_restarting
+        # with data parallelism requests go on to the engines alive while one restarts
+        if self.llm.can_serve and (self.llm.num_engines > 1 or not restarting):
+            return self.llm
+        if supervisor is not None and restarting:
             wait = supervisor.retry_after_s()
             raise APIError(503, f"the engine died ({self.llm.dead_reason}) and is restarting; "
                            f"retry in {wait}s (GET /health turns 200 when it is back)",
                            code="engine_restarting", headers={"Retry-After": str(wait)})
-        if not self.llm.is_healthy:
-            raise APIError(503, f"the engine is not running: {self.llm.dead_reason}",
-                           code="engine_dead")
-        return self.llm
+        raise APIError(503, f"the engine is not running: {self.llm.dead_reason or 'shut down'}",
+                       code="engine_dead")
 
     def engine_is_up(self) -> bool:
         """True while the engine runs and no restart is under way."""
@@ -101,8 +103,13 @@ class ServerState:
             self._token_texts = TokenTexts(llm.tokenizer)
         return self._token_texts
 
-    def engine_stats(self) -> dict[str, float]:
-        return self.llm.stats if self.llm is not None else {}
+    def engine_stats(self) -> list[dict[str, float]]:
+        """Each engine's latest stats (none before the engine starts)."""
+        return self.llm.engine_stats if self.llm is not None else []
+
+    def routed_requests(self) -> list[int]:
+        """Requests the router sent to each engine since start."""
+        return list(self.llm.engines.router.num_routed) if self.llm is not None else []
 
 
 def get_state(request: Request) -> ServerState:
@@ -135,12 +142,13 @@ def build_app(config: LMKitConfig, *, llm: AsyncLLM | None = None,
     served = server.served_model_name or config.model.model
 
     metrics = metrics or ServerMetrics()
-    # what the engine can run at once plus a bounded queue
-    capacity = config.scheduler.max_num_seqs + server.max_queued_requests
+    # what the engines can run at once plus a bounded queue
+    capacity = (config.scheduler.max_num_seqs * config.parallel.data_parallel_size
+                + server.max_queued_requests)
     state = ServerState(config=config, served_model_name=served, metrics=metrics,
                         admission=AdmissionController(capacity),
                         accepted_model_names={served, config.model.model})
-    metrics.bind(state.engine_stats, state.engine_is_up)
+    metrics.bind(state.engine_stats, state.engine_is_up, state.routed_requests)
 
     def serve(started: AsyncLLM) -> asyncio.Task[None]:
         import time

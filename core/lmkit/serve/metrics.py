@@ -6,7 +6,10 @@ generated tokens); so are whether the engine is up and how often it was restarte
 Engine-level series (running and waiting requests, KV-cache usage, prefix-cache hit
 rate, preemptions, KV offload) come from ``EngineCore.stats()``, which the engine process
 sends over the channel periodically (none while the engine is dead); every numeric
-stat is also exported as ``lmkit_engine_stat{stat="..."}``. Each server has its own registry.
+stat is also exported as ``lmkit_engine_stat{stat="..."}``. Every engine-level series
+has an ``engine`` label (``"0"`` .. ``"N-1"`` with ``--dp N``; ``"0"`` alone otherwise),
+and ``lmkit_router_requests_total{engine}`` counts the requests the router sent to each.
+Each server has its own registry.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 # (metric, help, stat keys to try in order) for the engine's gauges and counters
-_ENGINE_GAUGES = (
+_ENGINE_GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lmkit_num_requests_running", "Requests running in the engine.",
      ("num_running_reqs", "num_running", "num_running_requests")),
     ("lmkit_num_requests_waiting", "Requests waiting in the engine's queue.",
@@ -38,7 +41,7 @@ _ENGINE_GAUGES = (
     ("lmkit_spec_decode_mean_accepted_length", "Tokens emitted per draft verification "
      "(1 + accepted drafts), mean since start.", ("spec_mean_accepted_length",)),
 )
-_ENGINE_COUNTERS = (
+_ENGINE_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
      ("num_preemptions", "preemptions")),
     ("lmkit_num_pooling_requests", "Pooling requests (embeddings, scores, classes) accepted "
@@ -79,48 +82,68 @@ def _first(stats: dict[str, float], keys: tuple[str, ...]) -> float | None:
 
 
 class EngineStatsCollector:
-    """Turns the latest ``EngineCore.stats()`` into Prometheus families on each scrape."""
+    """Turns each engine's latest ``EngineCore.stats()`` into Prometheus families (one
+    series per engine, labelled ``engine``) on each scrape, with the router's count of
+    requests sent to each engine."""
 
-    def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, get_stats: Callable[[], list[dict[str, float]]],
+                 get_routed: Callable[[], list[int]] = list) -> None:
         self.get_stats = get_stats
+        self.get_routed = get_routed
 
     def collect(self) -> Iterator[Any]:
-        stats = self.get_stats() or {}
-        for name, doc, keys in _ENGINE_GAUGES:
-            value = _first(stats, keys)
-            if value is not None:
-                yield GaugeMetricFamily(name, doc, value=value)
-        for name, doc, keys in _ENGINE_COUNTERS:
-            value = _first(stats, keys)
-            if value is not None:
-                yield CounterMetricFamily(name, doc, value=value)
-        hits = _first(stats, ("prefix_cache_hits",))
-        queries = _first(stats, ("prefix_cache_queries",))
-        rate = _first(stats, ("prefix_cache_hit_rate",))
-        if rate is None and hits is not None and queries:
-            rate = hits / queries
-        if rate is not None:
-            yield GaugeMetricFamily("lmkit_prefix_cache_hit_rate",
-                                    "Prefix-cache hits / queries (tokens) since start.", value=rate)
-        per_position = GaugeMetricFamily(
-            "lmkit_spec_decode_acceptance_rate_per_position", "Of the verifications with a "
-            "draft at this position, the fraction that accepted it.", labels=["position"])
-        for key in sorted(k for k in stats if k.startswith(_SPEC_POSITION_PREFIX)):
-            per_position.add_metric([key[len(_SPEC_POSITION_PREFIX):]], float(stats[key]))
-        if per_position.samples:
-            yield per_position
+        per_engine = [(str(i), stats or {}) for i, stats in enumerate(self.get_stats() or [])]
+        families: dict[str, Any] = {}
+
+        def family(kind: type, name: str, doc: str, *labels: str) -> Any:
+            if name not in families:
+                families[name] = kind(name, doc, labels=["engine", *labels])
+            return families[name]
+
+        for engine, stats in per_engine:
+            for name, doc, keys in _ENGINE_GAUGES:
+                value = _first(stats, keys)
+                if value is not None:
+                    family(GaugeMetricFamily, name, doc).add_metric([engine], value)
+            for name, doc, keys in _ENGINE_COUNTERS:
+                value = _first(stats, keys)
+                if value is not None:
+                    family(CounterMetricFamily, name, doc).add_metric([engine], value)
+            hits = _first(stats, ("prefix_cache_hits",))
+            queries = _first(stats, ("prefix_cache_queries",))
+            rate = _first(stats, ("prefix_cache_hit_rate",))
+            if rate is None and hits is not None and queries:
+                rate = hits / queries
+            if rate is not None:
+                family(GaugeMetricFamily, "lmkit_prefix_cache_hit_rate", "Prefix-cache hits / "
+                       "queries (tokens) since start.").add_metric([engine], rate)
+            for key in sorted(k for k in stats if k.startswith(_SPEC_POSITION_PREFIX)):
+                family(GaugeMetricFamily, "lmkit_spec_decode_acceptance_rate_per_position",
+                       "Of the verifications with a draft at this position, the fraction "
+                       "that accepted it.", "position").add_metric(
+                    [engine, key[len(_SPEC_POSITION_PREFIX):]], float(stats[key]))
+        yield from families.values()
         every = GaugeMetricFamily("lmkit_engine_stat", "Every numeric EngineCore.stats() value.",
-                                  labels=["stat"])
-        for key in sorted(stats):
-            every.add_metric([key], float(stats[key]))
+                                  labels=["engine", "stat"])
+        for engine, stats in per_engine:
+            for key in sorted(stats):
+                every.add_metric([engine, key], float(stats[key]))
         yield every
+        routed = CounterMetricFamily("lmkit_router_requests", "Requests the router sent to "
+                                     "each engine (data parallel) since start.",
+                                     labels=["engine"])
+        for i, count in enumerate(self.get_routed() or []):
+            routed.add_metric([str(i)], float(count))
+        yield routed
 
 
 class ServerMetrics:
     """The server's registry; also the :class:`RequestObserver` of every request."""
 
-    def __init__(self, get_engine_stats: Callable[[], dict[str, float]] | None = None) -> None:
-        self._get_engine_stats = get_engine_stats or dict
+    def __init__(self, get_engine_stats: Callable[[], list[dict[str, float]]] | None = None
+                 ) -> None:
+        self._get_engine_stats = get_engine_stats or list
+        self._get_routed: Callable[[], list[int]] = list
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("lmkit_requests", "Requests by outcome (stop, length, abort, "
@@ -140,12 +163,16 @@ class ServerMetrics:
                                "serves, 0 while loading, restarting or dead.", registry=r)
         self.engine_restarts = Counter("lmkit_engine_restarts", "Times a dead engine "
                                        "process was restarted.", registry=r)
-        r.register(EngineStatsCollector(lambda: self._get_engine_stats()))  # type: ignore[arg-type]
+        r.register(EngineStatsCollector(  # type: ignore[arg-type]
+            lambda: self._get_engine_stats(), lambda: self._get_routed()))
 
-    def bind(self, get_engine_stats: Callable[[], dict[str, float]],
-             is_engine_up: Callable[[], bool]) -> None:
-        """Read the engine's stats and whether it is up from the server (once it exists)."""
+    def bind(self, get_engine_stats: Callable[[], list[dict[str, float]]],
+             is_engine_up: Callable[[], bool],
+             get_routed: Callable[[], list[int]] = list) -> None:
+        """Read each engine's stats, whether they are all up, and the router's counts
+        from the server (once it exists)."""
         self._get_engine_stats = get_engine_stats
+        self._get_routed = get_routed
         self.engine_up.set_function(lambda: float(is_engine_up()))
 
     # RequestObserver

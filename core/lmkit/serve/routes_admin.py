@@ -16,9 +16,11 @@ OFFLOAD_STUCK = ("the KV offload tier is stuck (a read ran past offload.options.
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 when the engine is running; 503 while loading, after a failed start, while a
-    dead engine restarts (with ``Retry-After``), dead, or while its KV offload tier is
-    stuck (``offload_unhealthy`` stat)."""
+    """200 when the engine (every engine, with ``--dp N``) is running; 503 while loading,
+    after a failed start, while a dead engine restarts (with ``Retry-After``), dead, or
+    while a KV offload tier is stuck (``offload_unhealthy`` stat). With ``--dp N`` one
+    dead engine is enough for 503 (the error names it) although the others go on
+    serving."""
     state = get_state(request)
     llm = state.llm
     if llm is None:
@@ -31,7 +33,7 @@ async def health(request: Request) -> Response:
                             headers={"Retry-After": str(supervisor.retry_after_s())})
     if not llm.is_healthy:
         return JSONResponse({"status": "dead", "error": llm.dead_reason}, status_code=503)
-    if llm.stats.get("offload_unhealthy", 0) > 0:  # the engine runs on without the tier
+    if any(s.get("offload_unhealthy", 0) > 0 for s in llm.engine_stats):  # runs on without it
         return JSONResponse({"status": "unhealthy", "error": OFFLOAD_STUCK}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -59,7 +61,9 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/lmkit/stack")
 async def stack(request: Request) -> dict[str, Any]:
-    """The resolved plugin stack (with versions), the loaded plugins, and engine facts."""
+    """The resolved plugin stack (with versions), the loaded plugins, and engine facts
+    (``stats``: the first engine's; ``engines``: each engine's pid, liveness, routed
+    requests and stats)."""
     state = get_state(request)
     llm = state.require_llm()
     ready = llm.ready
@@ -75,4 +79,7 @@ async def stack(request: Request) -> dict[str, Any]:
         "plugins": ready.plugins,
         "engine_pid": llm.engine_pid,
         "stats": llm.stats,
+        "engines": [{"index": slot.index, "pid": slot.client.pid, "alive": slot.is_alive(),
+                     "routed_requests": llm.engines.router.num_routed[slot.index],
+                     "stats": slot.stats} for slot in llm.engines.slots],
     }

@@ -1,4 +1,5 @@
-"""Starting the engine (warmed up) and restarting it when it dies.
+"""Starting the engine (warmed up) and restarting it when it dies (each engine on its
+own under data parallelism).
 
 :func:`start_engine` starts the engine-core process and runs one warm-up request
 through it, so the first client request does not pay one-time costs. The
@@ -18,8 +19,11 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 
+from lmkit.api.pooling import PoolingParams
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.errors import EngineDeadError
 from lmkit.frontend.async_llm import AsyncLLM
@@ -28,6 +32,28 @@ from lmkit.frontend.collector import RequestObserver
 logger = logging.getLogger(__name__)
 
 STABLE_AFTER_S = 60.0  # an engine that ran this long resets the count of restart tries
+
+
+async def warm_up(llm: AsyncLLM, max_tokens: int = 4, engine: int | None = None) -> None:
+    """Run one short request through the whole path (chat template, tokenizer, engine
+    prefill and decode, detokenizer) on ``engine`` (default: on every engine, at once),
+    so that the first request's one-time costs (lazy imports and set-up, first-call
+    allocations, kernels built on first use) are paid before the server reports ready.
+    Not counted in the metrics. A pooling-only model (no language-model head) warms up
+    with one embedding."""
+    if engine is None:
+        await asyncio.gather(*(warm_up(llm, max_tokens, e) for e in range(llm.num_engines)))
+        return
+    rid = f"warm-up-{uuid.uuid4().hex}"
+    if not llm.ready.generates:
+        await llm.embed("Hello!", PoolingParams(), request_id=rid, engine=engine)
+        return
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    messages = [{"role": "user", "content": "Hello!"}] if has_template else None
+    async for _ in llm.generate(None if has_template else "Hello!", params, messages=messages,
+                                request_id=rid, observe=False, engine=engine):
+        pass
 
 
 async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None = None,
@@ -39,7 +65,7 @@ async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None 
                                startup_timeout=startup_timeout)
     try:
         started = time.monotonic()
-        await llm.warm_up()
+        await warm_up(llm)
         logger.info("warm-up request took %.2fs", time.monotonic() - started)
     except BaseException:
         await llm.shutdown()
@@ -48,11 +74,13 @@ async def start_engine(config: LMKitConfig, *, observer: RequestObserver | None 
 
 
 class EngineSupervisor:
-    """Restarts ``llm``'s engine process when it dies (see the module docstring).
+    """Restarts ``llm``'s engine processes when they die (see the module docstring);
+    with several engines (data parallel) each is watched and restarted on its own, with
+    its own count of tries, while the others keep serving.
 
-    ``on_restart`` runs after each successful restart, ``on_give_up(error)`` once the
-    tries are spent. :attr:`is_restarting` is true from the engine's death until the new
-    one is warm.
+    ``on_restart`` runs after each successful restart, ``on_give_up(error)`` once one
+    engine's tries are spent. :attr:`is_restarting` is true from an engine's death until
+    the new one is warm.
     """
 
     def __init__(self, llm: AsyncLLM, config: LMKitConfig, *,
@@ -65,14 +93,14 @@ class EngineSupervisor:
         self.startup_timeout = startup_timeout
         self.on_restart = on_restart
         self.on_give_up = on_give_up
-        self._restarting = False
+        self._restarting: set[int] = set()
         self.gave_up: str | None = None
         self.num_restarts = 0
         self._next_try_at = 0.0
 
     @property
     def is_restarting(self) -> bool:
-        """True from the engine's death (even before the supervisor has noticed it) until
+        """True from an engine's death (even before the supervisor has noticed it) until
         the new engine is warm, unless the supervisor gave up or restarts are off."""
         if self._restarting:
             return True
@@ -84,46 +112,58 @@ class EngineSupervisor:
         return max(1, math.ceil(self._next_try_at - time.monotonic()) + 1)
 
     async def run(self) -> None:
-        """Watch the engine until the frontend shuts down or the tries are spent."""
+        """Watch every engine until the frontend shuts down or one's tries are spent."""
+        watchers = [asyncio.create_task(self._watch(e), name=f"lmkit-supervise-engine-{e}")
+                    for e in range(self.llm.num_engines)]
+        try:
+            await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in watchers:
+                w.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    async def _watch(self, engine: int) -> None:
+        several = self.llm.num_engines > 1
+        name = f"engine {engine}" if several else "the engine"
         tries = 0
         up_since = time.monotonic()
         while True:
-            await self.llm.wait_engine_death()
+            await self.llm.wait_engine_death(engine)
             if self.llm.is_shutting_down:
                 return
             if time.monotonic() - up_since >= STABLE_AFTER_S:
                 tries = 0
-            self._restarting = True
-            error: BaseException = EngineDeadError(self.llm.dead_reason or "the engine died")
+            self._restarting.add(engine)
+            error: BaseException = EngineDeadError(self.llm.dead_reason or f"{name} died")
             while tries < self.max_attempts:
                 delay = self.backoff_s * 2 ** tries
                 tries += 1
                 self._next_try_at = time.monotonic() + delay
-                logger.warning("restarting the engine in %.1fs (try %d of %d)", delay, tries,
+                logger.warning("restarting %s in %.1fs (try %d of %d)", name, delay, tries,
                                self.max_attempts)
                 await asyncio.sleep(delay)
                 try:
-                    await self._restart()
+                    await self._restart(engine)
                     break
                 except Exception as e:  # a failed start: try again, or give up below
-                    logger.error("the engine restart failed: %s", e)
+                    logger.error("the restart of %s failed: %s", name, e)
                     error = e
             else:
-                self.gave_up = (f"the engine died and {self.max_attempts} restart tries "
+                self.gave_up = (f"{name} died and {self.max_attempts} restart tries "
                                 f"failed: {error}")
                 logger.error("%s; giving up", self.gave_up)
-                self._restarting = False
+                self._restarting.discard(engine)
                 if self.on_give_up is not None:
                     self.on_give_up(EngineDeadError(self.gave_up))
                 return
-            self._restarting = False
+            self._restarting.discard(engine)
             self.num_restarts += 1
             up_since = time.monotonic()
-            logger.warning("the engine is back (pid %s)", self.llm.engine_pid)
+            logger.warning("%s is back", name)
             if self.on_restart is not None:
                 self.on_restart(self.llm)
 
-    async def _restart(self) -> None:
-        if not self.llm.client.is_alive() or self.llm.engine_pid is None:
-            await self.llm.restart_engine(self.startup_timeout)
-        await self.llm.warm_up()
+    async def _restart(self, engine: int) -> None:
+        if not self.llm.engine_alive(engine):
+            await self.llm.restart_engine(self.startup_timeout, engine=engine)
+        await warm_up(self.llm, engine=engine)

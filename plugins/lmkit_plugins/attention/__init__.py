@@ -11,8 +11,9 @@ declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``t
 and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping).
 
 Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
-(multi-head/grouped-query attention over per-head K/V), ``mla_torch`` ``"mla"``
-(DeepSeek's multi-head latent attention over a latent cache, ``[num_blocks,
+(multi-head/grouped-query attention over per-head K/V); ``mla_torch`` (10, CPU and
+CUDA), ``mla_triton`` (46) and ``mla_flashinfer`` (48, kv_lora_rank 512 + rope 64 only)
+``"mla"`` (DeepSeek's multi-head latent attention over a latent cache, ``[num_blocks,
 block_size, kv_lora_rank + qk_rope_head_dim]``). Models need one kind
 (:class:`lmkit.api.ModelFacts` ``attention_needs``), so ``auto`` never picks an MLA
 backend for Llama nor an MHA one for DeepSeek, and naming one is refused before the
@@ -26,6 +27,10 @@ from lmkit.api.mla_attention import MHA, MLA
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
+from lmkit_plugins.attention.mla_options import (
+    MLAFlashInferAttentionOptions,
+    MLATritonAttentionOptions,
+)
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -133,4 +138,31 @@ def register_attention_backends(register):
         ),
         description="Reference multi-head latent attention (DeepSeek-V2/V3) in plain torch: "
                     "absorbed decode over the latent cache, decompressed prefill (CPU, CUDA).",
+    ))
+    # MLA backends (multi-head latent attention, DeepSeek-V2/V3): only for models whose
+    # needs say attention_kind=mla; on CUDA auto prefers mla_flashinfer, then mla_triton
+    register(Spec(
+        name="mla_triton", target="lmkit_plugins.attention.mla_triton:MLATritonAttention",
+        priority=46, requires=("triton",), needs_cuda=True, options=MLATritonAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
+             "attention_kind": {MLA}},
+        ),
+        description="lmkit's Triton MLA: absorbed split-K decode over the latent cache, "
+                    "decompressed causal prefill (CUDA).",
+    ))
+    register(Spec(
+        name="mla_flashinfer",
+        target="lmkit_plugins.attention.mla_flashinfer:MLAFlashInferAttention",
+        priority=48, requires=("flashinfer", "triton"), needs_cuda=True,
+        options=MLAFlashInferAttentionOptions,
+        caps=Caps(
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            # FlashInfer's MLA kernels: kv_lora_rank 512 + qk_rope_head_dim 64 only
+            {"device": {"cuda"}, "dtype": {"bfloat16", "float16"}, "attention_kind": {MLA},
+             "head_size": {576}},
+        ),
+        description="FlashInfer's MLA paged wrapper (absorbed form, kv_lora_rank 512 and "
+                    "rope 64 only) over the latent cache (CUDA).",
     ))

@@ -45,17 +45,65 @@ class _Group:
 
 
 @dataclass
-class _BidirectionalPlan:
-    """A non-causal step in which every request's keys are all this step's tokens."""
+class _BidirectionalGroup:
+    """Requests of an encoder step attended by one padded SDPA call."""
 
     num_reqs: int
     max_query_len: int
     rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
     valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
-    mask: torch.Tensor | None  # bool [num_reqs, 1, heads_per_kv * max_q, max_q]
-    # CPU: each request's token rows, attended one request at a time (no padding, no
-    # gathers: faster there than one padded call); None: the padded call
-    bounds: list[tuple[int, int]] | None = None
+    out_rows: Rows  # packed token rows the valid outputs go to
+    mask: torch.Tensor | None  # additive [num_reqs, 1, 1, max_q]: -inf on padding keys
+
+
+@dataclass
+class _BidirectionalPlan:
+    """A non-causal step in which every request's keys are all this step's tokens:
+    its requests in groups of similar length (see :func:`length_groups`)."""
+
+    num_tokens: int
+    groups: list[_BidirectionalGroup]
+    covers_all: bool  # one group, all tokens in order, no padding
+
+
+# length_groups' estimate of one SDPA call's fixed cost, in padded (query, key) pairs
+# per head: about one 64-token request's worth
+_CALL_COST = 64 * 64
+_MAX_GROUPS = 8
+# In bfloat16 on the CPU, encoder groups are padded to a multiple of this many tokens:
+# torch's CPU flash-attention kernel runs sequence lengths that are multiples of 16 two
+# to four times faster than the lengths just below them (head size 32: 16 x 12 heads
+# at 46 tokens 1.7 ms, at 48 tokens 0.9 ms; at 15 tokens slower than at 16), so the
+# masked padding costs less than it saves (MiniLM batches of 64: 1.1x the texts/s in
+# bfloat16; in float32, where the matmuls dominate, no gain was measured)
+_CPU_SDPA_ALIGN = 16
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def length_groups(lens: np.ndarray, max_groups: int = _MAX_GROUPS, align: int = 1
+                  ) -> list[np.ndarray]:
+    """Split requests of (key) lengths ``lens`` into groups attended by one padded call
+    each: sorted by length, cut into 1, 2, 4 or 8 runs of equal count, whichever has
+    the smallest estimated cost (padded query-key pairs plus :data:`_CALL_COST` per
+    call; each group padded to a multiple of ``align``). Padding every request of a
+    step to the longest wastes most of the attention work when lengths vary (MiniLM
+    batches of 6 to 40 word sentences: 2.7x the real pairs); one call per request
+    costs a call per request per layer."""
+    order = np.argsort(lens, kind="stable")
+    best = [order]
+    best_cost = float(len(lens) * _round_up(int(lens.max()), align) ** 2 + _CALL_COST)
+    k = 2
+    while k <= min(max_groups, len(lens)):
+        parts = np.array_split(order, k)
+        cost = (sum(len(p) * _round_up(int(lens[p[-1]]), align) ** 2 for p in parts)
+                + _CALL_COST * k)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+        k *= 2
+    return best
 
 
 @dataclass
@@ -92,11 +140,8 @@ class TorchAttention(AttentionBackend):
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self._plan: _Plan | None = None
         self._bidirectional: _BidirectionalPlan | None = None
-        # encoder steps: one padded call for the step's requests (a key mask hides the
-        # padding). One call per request avoids the padding but costs a call per request
-        # per layer: for MiniLM batches of 64 on 2 CPU cores about even on a quiet machine
-        # and 1.3x-6.7x slower when other jobs share the cores (in-process A/B)
-        self.attend_per_request = False
+        # encoder steps: at most this many padded calls, over requests of similar length
+        self.max_length_groups = _MAX_GROUPS
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
@@ -132,23 +177,42 @@ class TorchAttention(AttentionBackend):
 
     def _plan_bidirectional(self, md: AttentionMetadata, lens: np.ndarray
                             ) -> _BidirectionalPlan:
-        """Rows padding each request to the longest, and the key-length mask."""
+        """The step's requests in groups of similar length (:func:`length_groups`), each
+        padded to its longest (in bfloat16 on the CPU rounded up to a multiple of
+        :data:`_CPU_SDPA_ALIGN`), with an additive mask hiding the padding keys."""
         device = md.block_tables.device
-        num_reqs, max_q = md.num_reqs, int(lens.max())
-        if num_reqs == 1 or bool((lens == max_q).all()):
-            return _BidirectionalPlan(num_reqs, max_q, slice(0, num_reqs * max_q), None, None)
+        num_reqs, n = md.num_reqs, int(lens.sum())
+        align = (_CPU_SDPA_ALIGN if device.type == "cpu" and self.dtype == torch.bfloat16
+                 else 1)
+        if (num_reqs == 1 or bool((lens == lens[0]).all())) and lens[0] % align == 0:
+            rows = slice(0, n)
+            return _BidirectionalPlan(n, [_BidirectionalGroup(num_reqs, int(lens[0]), rows,
+                                                              None, rows, None)], True)
         starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
-        if self.attend_per_request:
-            bounds = [(int(a), int(a + n)) for a, n in zip(starts, lens, strict=True)]
-            return _BidirectionalPlan(num_reqs, max_q, slice(0), None, None, bounds)
-        offsets = np.arange(max_q)
-        padded = starts[:, None] + np.minimum(offsets[None, :], lens[:, None] - 1)
-        valid = (offsets[None, :] < lens[:, None]).reshape(-1)
-        allowed = torch.from_numpy(offsets[None, :] < lens[:, None]).to(device)  # [R, max_q]
-        mask = allowed[:, None, None, :].expand(num_reqs, 1, self.heads_per_kv * max_q, max_q)
-        return _BidirectionalPlan(num_reqs, max_q,
-                                  torch.from_numpy(padded.reshape(-1)).to(device),
-                                  torch.from_numpy(np.flatnonzero(valid)).to(device), mask)
+        groups = []
+        for reqs in length_groups(lens, self.max_length_groups, align):
+            g_lens, g_starts = lens[reqs], starts[reqs]
+            max_q = _round_up(int(g_lens.max()), align)
+            if len(reqs) == 1 and g_lens[0] == max_q:
+                rows = slice(int(g_starts[0]), int(g_starts[0]) + max_q)
+                groups.append(_BidirectionalGroup(1, max_q, rows, None, rows, None))
+                continue
+            offsets = np.arange(max_q)
+            padded = (g_starts[:, None] + np.minimum(offsets[None, :], g_lens[:, None] - 1)
+                      ).reshape(-1)
+            valid = (offsets[None, :] < g_lens[:, None]).reshape(-1)
+            mask = None
+            if not bool((g_lens == max_q).all()):
+                mask = torch.zeros(len(reqs), 1, 1, max_q, dtype=self.dtype)
+                mask.masked_fill_(torch.from_numpy(~valid.reshape(len(reqs), 1, 1, max_q)),
+                                  float("-inf"))
+                mask = mask.to(device)
+            dest = padded[valid]
+            groups.append(_BidirectionalGroup(
+                len(reqs), max_q, torch.from_numpy(padded).to(device),
+                None if mask is None else torch.from_numpy(np.flatnonzero(valid)).to(device),
+                _contiguous(dest) or torch.from_numpy(dest).to(device), mask))
+        return _BidirectionalPlan(n, groups, False)
 
     def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
         """:meth:`_plan_group` for a step whose every request decodes one token (the
@@ -262,17 +326,20 @@ class TorchAttention(AttentionBackend):
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
-        """``softmax(scale * q k^T) v`` over the allowed keys (``mask``: ``True`` where a
-        query may see a key); scores soft-capped first when built with a
-        ``logits_soft_cap`` (spelled out: SDPA has no soft cap)."""
+        """``softmax(scale * q k^T) v`` over the allowed keys (``mask``: boolean, ``True``
+        where a query may see a key, or additive, ``-inf`` on hidden keys); scores
+        soft-capped first when built with a ``logits_soft_cap`` (spelled out: SDPA has no
+        soft cap)."""
         cap = self.logits_soft_cap
         if cap is None:
             return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                   scale=self.scale)
         scores = torch.matmul(query, key.transpose(-1, -2)).mul_(self.scale / cap)
         scores = torch.tanh_(scores).mul_(cap)
-        if mask is not None:
+        if mask is not None and mask.dtype == torch.bool:
             scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)  # no NaN rows
+        elif mask is not None:
+            scores.add_(mask)
         probs = torch.softmax(scores, dim=-1,
                               dtype=torch.promote_types(scores.dtype, torch.float32))
         return torch.matmul(probs.to(value.dtype), value)
@@ -280,29 +347,34 @@ class TorchAttention(AttentionBackend):
     def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> torch.Tensor:
         """Every request's queries over all of its keys, from this step's k/v."""
-        r, max_q, hkv, gq, d = (b.num_reqs, b.max_query_len, self.num_kv_heads,
+        if b.covers_all:
+            return self._attend_group(b.groups[0], q, k, v)
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_size)
+        for g in b.groups:
+            o = self._attend_group(g, q, k, v)
+            if isinstance(g.out_rows, slice):
+                out[g.out_rows] = o
+            else:
+                out.index_copy_(0, g.out_rows, o)
+        return out
+
+    def _attend_group(self, g: _BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """One group's padded call; returns its valid rows ``[tokens, heads, d]``."""
+        r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
-        if b.bounds is not None:
-            out = q.new_empty(q.shape[0], self.num_heads, d)
-            for start, end in b.bounds:  # [n, heads, d] -> [hkv, gq * n, d] per request
-                n = end - start
-                o = self._sdpa(
-                    q[start:end].view(n, hkv, gq, d).permute(1, 2, 0, 3).reshape(hkv, gq * n, d),
-                    k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), None)
-                out[start:end] = o.view(hkv, gq, n, d).permute(2, 0, 1, 3).reshape(n, -1, d)
-            return out
 
         def rows(x: torch.Tensor) -> torch.Tensor:
-            return x[b.rows] if isinstance(b.rows, slice) else x.index_select(0, b.rows)
+            return x[g.rows] if isinstance(g.rows, slice) else x.index_select(0, g.rows)
 
         query = (rows(q).reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
                  .reshape(r, hkv, gq * max_q, d))
         key = rows(k).reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
         value = rows(v).reshape(r, max_q, hkv, d).transpose(1, 2)
-        o = self._sdpa(query, key, value, b.mask)
+        o = self._sdpa(query, key, value, g.mask)
         o = (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
              .reshape(r * max_q, self.num_heads, d))
-        return o if b.valid_rows is None else o.index_select(0, b.valid_rows)
+        return o if g.valid_rows is None else o.index_select(0, g.valid_rows)
 
     def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""

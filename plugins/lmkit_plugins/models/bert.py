@@ -39,6 +39,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+# activations Linear.forward_gelu fuses into the projection: name -> its `approximate`
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class BertLayer(nn.Module):
         self.out = Linear(dims.intermediate_size, {"weight": h}, bias=True, **kw)
         self.out_norm = LayerNorm(h, dims.layer_norm_eps, **kw)
         self.act = _ACTIVATIONS[dims.act]
+        self.gelu_approximate = _GELU_APPROXIMATE.get(dims.act)
 
     def forward(self, hidden: torch.Tensor, attn: AttentionBackend,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -113,9 +116,13 @@ class BertLayer(nn.Module):
         q, k, v = (qkv[:, i * h:(i + 1) * h].view(n, self.num_heads, self.head_dim)
                    for i in range(3))
         ctx = attn.run(self.layer_idx, q, k, v, kv_cache)  # [n, heads, head_dim]
-        hidden = self.attn_norm.forward(self.attn_out.forward(ctx.reshape(n, h)) + hidden)
-        inter = self.act(self.intermediate.forward(hidden))
-        return self.out_norm.forward(self.out.forward(inter) + hidden)
+        # (on the CPU the residual adds and the GELU run inside oneDNN's matmuls)
+        hidden = self.attn_norm.forward(self.attn_out.forward_add(ctx.reshape(n, h), hidden))
+        if self.gelu_approximate is not None:
+            inter = self.intermediate.forward_gelu(hidden, self.gelu_approximate)
+        else:
+            inter = self.act(self.intermediate.forward(hidden))
+        return self.out_norm.forward(self.out.forward_add(inter, hidden))
 
 
 class BertModel(nn.Module, PoolingModel):

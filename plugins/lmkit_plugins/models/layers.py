@@ -30,8 +30,9 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 
 try:  # the overload itself: calling it skips the op packet's Python dispatch
     _linear_pointwise = torch.ops.mkldnn._linear_pointwise.default
+    _linear_binary = torch.ops.mkldnn._linear_pointwise.binary
 except (AttributeError, RuntimeError):  # a torch built without oneDNN
-    _linear_pointwise = None
+    _linear_pointwise = _linear_binary = None
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -187,6 +188,32 @@ class Linear(nn.Module):
             return self.kernel(x, self.weight, self.bias)
         # [num_tokens, row] -> its first out columns (a view; the rest are padding)
         return self.kernel(x, self._padded_weight, self._padded_bias)[:, :self.out_features]
+
+    def _onednn_fusable(self, x: torch.Tensor) -> bool:
+        """Whether oneDNN runs this projection of ``x`` (CPU, float32/bfloat16, not the
+        row-GEMV kernel's decode sizes, no quantization, no padded weight), so that an
+        elementwise follower can join its matmul as a post-op."""
+        return (_linear_pointwise is not None and self._qkernel is None
+                and self._padded_weight is None and x.dim() == 2
+                and (self.kernel is _onednn_linear
+                     or (self.kernel is _row_gemv_or_onednn
+                         and x.shape[0] > _ROW_GEMV_MAX_ROWS)))
+
+    def forward_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """``F.gelu(forward(x), approximate=...)``; on the CPU the GELU is oneDNN's
+        post-op, applied to the matmul's float32 accumulator before it is stored (one
+        pass over the output fewer; in bfloat16 one rounding fewer)."""
+        if self._onednn_fusable(x):
+            return _linear_pointwise(x, self.weight, self.bias, "gelu", [], approximate)
+        return F.gelu(self.forward(x), approximate=approximate)
+
+    def forward_add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``forward(x) + other`` (a residual); on the CPU the add is oneDNN's binary
+        post-op, applied before the result is stored."""
+        if (self._onednn_fusable(x) and other.shape == (x.shape[0], self.out_features)
+                and other.dtype == x.dtype and other.is_contiguous()):
+            return _linear_binary(x, other, self.weight, self.bias, "add")
+        return self.forward(x) + other
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

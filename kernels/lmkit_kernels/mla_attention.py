@@ -1,0 +1,255 @@
+"""MLA attention launchers: absorbed decode over the latent cache, and causal prefill
+over decompressed keys and values, plus the per-head projections around them.
+
+Latent cache (``lmkit.api.mla_attention``): ``[num_blocks, block_size, kv_lora_rank +
+qk_rope_head_dim]``, ``c_kv`` then ``k_pe``. Batches pack requests as the paged
+attention kernels do (``query_start_loc``, ``seq_lens``, ``block_tables``; see
+:mod:`lmkit_kernels.paged_attention`).
+
+* decode (and short multi-token queries): :func:`absorb_query` folds ``w_uk`` into the
+  query, :func:`mla_decode` attends over the latent (:mod:`lmkit_kernels.mla_decode`),
+  :func:`apply_w_uv` maps the latent output to each head's values.
+* prefill: :func:`gather_latent` + :func:`decompress_latent` build per-head keys and
+  values for the context, :func:`mla_prefill` attends (:mod:`lmkit_kernels.mla_prefill`).
+
+References: :mod:`lmkit_kernels.mla_ref`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lmkit_kernels.checks import (
+    FLOAT_DTYPES,
+    check_shape,
+    check_tensor,
+    dot_needs_f32,
+    next_power_of_2,
+)
+from lmkit_kernels.mla_decode import mla_decode_kernel, mla_reduce_splits_kernel
+from lmkit_kernels.mla_prefill import mla_prefill_kernel
+from lmkit_kernels.paged_attention import MAX_SPLITS
+
+__all__ = ["MAX_DECODE_QUERY_LEN", "absorb_query", "apply_w_uv", "decode_head_tile",
+           "decompress_latent", "gather_latent", "mla_decode", "mla_prefill"]
+
+#: The longest query (tokens per request) :func:`mla_decode` takes: speculative
+#: verification; longer queries go through the decompressed prefill.
+MAX_DECODE_QUERY_LEN = 16
+_LOG2E = 1.4426950408889634
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``q_lat[t, h] = q_nope[t, h] @ w_uk[h]``: ``[num_heads, num_tokens, kv_lora_rank]``
+    (head-major, as the batched matmul leaves it; kernels take its strides).
+
+    :param q_nope: ``[num_tokens, num_heads, nope]``
+    :param w_uk: ``[num_heads, nope, kv_lora_rank]`` (:func:`lmkit_kernels.mla_ref.split_kv_b`)
+    """
+    return torch.bmm(q_nope.transpose(0, 1), w_uk)
+
+
+def apply_w_uv(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``out[t, h] = out_lat[t, h] @ w_uv[h].T``: ``[num_tokens, num_heads, v_dim]``.
+
+    :param out_lat: ``[num_tokens, num_heads, kv_lora_rank]`` (any strides)
+    :param w_uv: ``[num_heads, v_dim, kv_lora_rank]``
+    """
+    return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def gather_latent(kv_cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
+    """The cache entries at ``kv_slots`` (int64 ``[num_keys]``): ``[num_keys, kv_lora_rank
+    + rope]``."""
+    return kv_cache.view(-1, kv_cache.shape[-1]).index_select(0, kv_slots)
+
+
+def decompress_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int,
+                      qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_nope, k_pe, v)`` of gathered latent entries: ``[num_keys, num_heads, nope]``,
+    ``[num_keys, rope]`` and ``[num_keys, num_heads, v_dim]`` (strided views of one
+    matmul's output and of ``latent``)."""
+    rank = w_kv_b.shape[-1]
+    kv = (latent[:, :rank] @ w_kv_b.t()).view(latent.shape[0], num_heads, -1)
+    return kv[..., :qk_nope_head_dim], latent[:, rank:], kv[..., qk_nope_head_dim:]
+
+
+def decode_head_tile(num_heads: int, q_pad: int) -> int:
+    """Query heads per decode program: all heads up to 16, and at least 16 rows
+    (``tl.dot``'s minimum) of ``q_pad`` tokens times heads."""
+    return max(min(next_power_of_2(num_heads), 16), 16 // q_pad)
+
+
+def _decode_config(rank_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
+    if dtype == torch.float32 or rank_pad >= 1024:
+        return 16, 4, 2
+    return 32, 4, 2
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+               block_tables: torch.Tensor, *, max_query_len: int, scale: float,
+               out: torch.Tensor | None = None, num_splits: int = 1,
+               head_tile: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's few new tokens over its latent context.
+
+    :param q_lat: ``[num_tokens, num_heads, kv_lora_rank]`` (any row/head strides, unit
+        last stride), e.g. ``absorb_query(...).transpose(0, 1)``.
+    :param q_pe: ``[num_tokens, num_heads, rope]``.
+    :param kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope]``, q's dtype.
+    :param query_start_loc: int32 ``[num_reqs + 1]``; ``seq_lens``: int32 ``[num_reqs]``
+        (0 for a padding request); ``block_tables``: int32 ``[num_reqs, max_blocks]``.
+    :param max_query_len: host-side longest query, at most :data:`MAX_DECODE_QUERY_LEN`.
+    :param scale: softmax scale over the full query/key width (``nope + rope``).
+    :param out: optional ``[num_tokens, num_heads, kv_lora_rank]`` output (any strides,
+        unit last stride).
+    :param num_splits: context slices per request, a power of two up to
+        :data:`~lmkit_kernels.paged_attention.MAX_SPLITS`; unneeded slices exit at once.
+    :param head_tile: query heads per program (a power of two), default
+        :func:`decode_head_tile`.
+    :return: ``out``: the latent attention output, before ``w_uv``.
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    check_tensor("q_lat", q_lat, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device, dtype = q_lat.device, q_lat.dtype
+    num_tokens, num_heads, rank = q_lat.shape
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+    check_shape("q_pe", q_pe, (num_tokens, num_heads, None))
+    rope = q_pe.shape[2]
+    check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(dtype,), device=device,
+                 last_dim_contiguous=True)
+    check_shape("kv_cache", kv_cache, (None, None, rank + rope))
+    num_reqs = _check_batch(query_start_loc, seq_lens, block_tables, device)
+    if out is None:
+        out = torch.empty_like(q_lat)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(dtype,), device=device,
+                     last_dim_contiguous=True)
+        check_shape("out", out, tuple(q_lat.shape))
+    if not isinstance(max_query_len, int) or not 0 <= max_query_len <= MAX_DECODE_QUERY_LEN:
+        raise ValueError(f"max_query_len must be an int in [0, {MAX_DECODE_QUERY_LEN}] for "
+                         f"the decode kernel, got {max_query_len!r}; use mla_prefill")
+    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
+                         f"got {num_splits}")
+    if num_reqs == 0 or max_query_len == 0 or num_tokens == 0:
+        return out
+    q_pad = next_power_of_2(max_query_len)
+    tile = head_tile or decode_head_tile(num_heads, q_pad)
+    if tile & (tile - 1) or q_pad * tile < 16:
+        raise ValueError(f"head_tile must be a power of two with head_tile * "
+                         f"{q_pad} query rows >= 16, got {tile}")
+    rank_pad, rope_pad = max(16, next_power_of_2(rank)), max(16, next_power_of_2(rope))
+    block_n, num_warps, num_stages = _decode_config(rank_pad, dtype)
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, rank_pad),
+                               dtype=torch.float32, device=device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=device)
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    scale_log2 = scale * _LOG2E
+    mla_decode_kernel[(math.ceil(num_heads / tile), num_reqs, num_splits)](
+        q_lat, q_pe, kv_cache, out, part_out, part_lse, query_start_loc, seq_lens,
+        block_tables, scale_log2, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0),
+        q_pe.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, HEAD_TILE=tile, Q_PAD=q_pad, ROWS=q_pad * tile,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, RANK=rank, RANK_PAD=rank_pad, ROPE=rope,
+        ROPE_PAD=rope_pad, PAGE_SIZE=kv_cache.shape[1], DOT_F32=dot_needs_f32(dtype),
+        DOT_IEEE=dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        mla_reduce_splits_kernel[(num_reqs, num_heads, q_pad)](
+            out, part_out, part_lse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, BLOCK_N=block_n, RANK=rank,
+            RANK_PAD=rank_pad, num_warps=4,
+        )
+    return out
+
+
+def _check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, device: torch.device) -> int:
+    """Validate the batch layout tensors; returns ``num_reqs``."""
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
+                 device=device, contiguous=True)
+    num_reqs = query_start_loc.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device,
+                 contiguous=True)
+    check_shape("seq_lens", seq_lens, (num_reqs,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
+                 last_dim_contiguous=True)
+    if block_tables.shape[0] < num_reqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
+    return num_reqs
+
+
+def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 1
+    return 64, 64, 4, 2
+
+
+def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor,
+                k_pe: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, *, max_query_len: int, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal varlen attention with per-head ``[k_nope | k_pe]`` keys (``k_pe`` shared by
+    the heads) and values of another width.
+
+    :param q_nope: ``[num_tokens, num_heads, nope]``; ``q_pe``: ``[num_tokens, num_heads,
+        rope]`` (any row/head strides, unit last stride).
+    :param k_nope: ``[num_keys, num_heads, nope]``; ``k_pe``: ``[num_keys, rope]``;
+        ``v``: ``[num_keys, num_heads, v_dim]`` (:func:`decompress_latent`'s views).
+    :param cu_seqlens_q: int32 ``[num_reqs + 1]``: request ``r``'s query rows.
+    :param cu_seqlens_k: int32 ``[num_reqs + 1]``: its key rows; its queries are the
+        last ``q_len`` of its ``k_len`` positions.
+    :param max_query_len: host-side longest query.
+    :param out: optional ``[num_tokens, num_heads, v_dim]`` output.
+    :return: ``out``, in ``q_nope``'s dtype.
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    check_tensor("q_nope", q_nope, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    device, dtype = q_nope.device, q_nope.dtype
+    num_tokens, num_heads, nope = q_nope.shape
+    check_tensor("q_pe", q_pe, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+    check_shape("q_pe", q_pe, (num_tokens, num_heads, None))
+    rope = q_pe.shape[2]
+    check_tensor("k_nope", k_nope, ndim=3, dtypes=(dtype,), device=device,
+                 last_dim_contiguous=True)
+    check_shape("k_nope", k_nope, (None, num_heads, nope))
+    num_keys = k_nope.shape[0]
+    check_tensor("k_pe", k_pe, ndim=2, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+    check_shape("k_pe", k_pe, (num_keys, rope))
+    check_tensor("v", v, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
+    check_shape("v", v, (num_keys, num_heads, None))
+    v_dim = v.shape[2]
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, t, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    num_reqs = cu_seqlens_q.shape[0] - 1
+    check_shape("cu_seqlens_k", cu_seqlens_k, (num_reqs + 1,))
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, v_dim), dtype=dtype, device=device)
+    else:
+        check_tensor("out", out, ndim=3, dtypes=(dtype,), device=device,
+                     last_dim_contiguous=True)
+        check_shape("out", out, (num_tokens, num_heads, v_dim))
+    if num_reqs <= 0 or max_query_len <= 0 or num_tokens == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _prefill_config(dtype)
+    mla_prefill_kernel[(math.ceil(max_query_len / block_m), num_reqs, num_heads)](
+        q_nope, q_pe, k_nope, k_pe, v, out, cu_seqlens_q, cu_seqlens_k, scale * _LOG2E,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        NOPE=nope, NOPE_PAD=max(16, next_power_of_2(nope)), ROPE=rope,
+        ROPE_PAD=max(16, next_power_of_2(rope)), V_DIM=v_dim,
+        V_PAD=max(16, next_power_of_2(v_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_F32=dot_needs_f32(dtype), DOT_IEEE=dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

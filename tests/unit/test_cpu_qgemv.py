@@ -19,7 +19,9 @@ from lmkit_kernels.cpu.qgemv import (  # noqa: E402
     ISAS,
     MAX_ROWS,
     QTYPES,
+    dequantize_packed,
     dequantize_rows,
+    pack_weight,
     qgemv_isa,
     qgemv_linear,
     qgemv_unavailable_reason,
@@ -57,7 +59,7 @@ def test_kernel_matches_torch_reference(variant, qname, m, n, k):
     x = torch.randn(m, k, generator=gen) * 3
     wf = reference_dequantize(qtype, w, k)
     bias = torch.randn(n, generator=gen)
-    out = variant(x, qtype, w, bias, k)
+    out = variant(x, pack_weight(qtype, w, k), bias)
     ref = x @ wf.t() + bias
     assert ((out - ref).abs() <= _bound(x, wf)).all()
 
@@ -68,9 +70,10 @@ def test_rows_do_not_depend_on_the_batch(variant, qname):
     gen = torch.Generator().manual_seed(3)
     w = random_blocks(qtype, 45, 128, gen)
     x = torch.randn(9, 128, generator=gen)
-    whole = variant(x, qtype, w, None, 128)
+    packed = pack_weight(qtype, w, 128)
+    whole = variant(x, packed, None)
     for i in (0, 4, 8):
-        assert torch.equal(variant(x[i:i + 1], qtype, w, None, 128)[0], whole[i])
+        assert torch.equal(variant(x[i:i + 1], packed, None)[0], whole[i])
 
 
 @pytest.mark.parametrize("qname", sorted(QTYPES))
@@ -133,3 +136,104 @@ def test_checked_entry_refuses_bad_inputs():
         qgemv_linear(torch.zeros(1, 32), QTYPES["Q4_1"], torch.zeros(4, 18, dtype=torch.uint8))
     with pytest.raises(ValueError, match="float32"):
         qgemv_linear(torch.zeros(1, 32, dtype=torch.float64), QTYPES["Q4_1"], w)
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+@pytest.mark.parametrize("m,n,k", [(1, 5, 32), (2, 16, 64), (4, 33, 96), (6, 47, 128),
+                                   (9, 100, 224), (MAX_ROWS - 1, 31, 64)])
+def test_packed_groups_and_row_passes_cover_odd_shapes(variant, qname, m, n, k):
+    # n off the 16-row groups (a partial last group), m off the 4-row passes, x strided
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(11 * m + n + k)
+    w = random_blocks(qtype, n, k, gen)
+    x = (torch.randn(m, k + 32, generator=gen) * 2)[:, 16:16 + k]  # rows k + 32 floats apart
+    wf = reference_dequantize(qtype, w, k)
+    out = variant(x, pack_weight(qtype, w, k), None)
+    assert out.shape == (m, n)
+    assert ((out - x @ wf.t()).abs() <= _bound(x, wf)).all()
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_results_do_not_depend_on_the_thread_count(variant, qname):
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(12)
+    w = pack_weight(qtype, random_blocks(qtype, 83, 160, gen), 160)
+    x = torch.randn(6, 160, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = variant(x, w, None)
+        torch.set_num_threads(2)
+        two = variant(x, w, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_the_builds_agree_exactly(qname):
+    # same int8 activations, exact integer block sums, the same float steps per row
+    found = qgemv_variants()
+    if len(found) < 2:
+        pytest.skip("this CPU runs one build only")
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(13)
+    w = pack_weight(qtype, random_blocks(qtype, 37, 192, gen), 192)
+    x = torch.randn(5, 192, generator=gen)
+    b = torch.randn(37, generator=gen)
+    outs = [fn(x, w, b) for fn in found.values()]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_dequantize_packed_matches_reference(qname):
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(14)
+    w = random_blocks(qtype, 45, 96, gen)
+    ref = reference_dequantize(qtype, w, 96)
+    packed = pack_weight(qtype, w, 96)
+    assert torch.equal(dequantize_packed(packed), ref)
+    assert torch.equal(dequantize_packed(packed, 16, 16), ref[16:32])
+    assert torch.equal(dequantize_packed(packed, 32, 100), ref[32:])  # clipped at n
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dequantize_packed(packed, 8)
+
+
+def test_pack_weight_refuses_bad_weights():
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    with pytest.raises(ValueError, match="ggml type 7"):
+        pack_weight(7, torch.zeros(4, 20, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match=r"uint8 \[n, 20\]"):
+        pack_weight(QTYPES["Q4_1"], torch.zeros(4, 40, dtype=torch.uint8), 32)
+
+
+def test_concurrent_callers_get_their_own_results(variant):
+    # the helper pool serves one caller at a time; another caller runs alone meanwhile
+    import threading
+
+    qtype = QTYPES["Q4_1"]
+    gen = torch.Generator().manual_seed(15)
+    w = pack_weight(qtype, random_blocks(qtype, 300, 256, gen), 256)
+    xs = [torch.randn(2, 256, generator=gen) for _ in range(4)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [variant(x, w, None) for x in xs]
+        torch.set_num_threads(2)
+        got: dict[int, list[torch.Tensor]] = {}
+
+        def call(i: int) -> None:
+            got[i] = [variant(xs[i], w, None) for _ in range(50)]
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    for i, outs in got.items():
+        assert all(torch.equal(o, want[i]) for o in outs)

@@ -34,7 +34,12 @@ class GGUFCpuMethod(QuantizationMethod):
 
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
-        from lmkit_kernels.cpu.qgemv import QTYPES, qgemv_unavailable_reason, unchecked_qgemv
+        from lmkit_kernels.cpu.qgemv import (
+            QTYPES,
+            pack_weight,
+            qgemv_unavailable_reason,
+            unchecked_qgemv,
+        )
 
         self._linear = unchecked_qgemv()
         if self._linear is None:
@@ -43,6 +48,7 @@ class GGUFCpuMethod(QuantizationMethod):
                 f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
                 "with --quantization none.")
         self._qtypes = QTYPES
+        self._pack = pack_weight
         self._reader: Any = None
 
     def check(self) -> None:
@@ -67,12 +73,15 @@ class GGUFCpuMethod(QuantizationMethod):
                                (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
     def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
-        """``(x, bias) -> x @ W.T + bias`` over the packed blocks."""
-        kernel, qtype, data, k = self._linear, self._qtypes[weight.qtype], weight.data, weight.shape[1]
-        assert kernel is not None and data.dtype == torch.uint8 and data.is_contiguous()
+        """``(x, bias) -> x @ W.T + bias`` over the blocks, repacked once here for the
+        kernel (:func:`lmkit_kernels.cpu.qgemv.pack_weight`: the same bytes, regrouped
+        by 16 rows; ``weight`` itself is not kept)."""
+        kernel = self._linear
+        assert kernel is not None
+        packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
 
         def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return kernel(x, qtype, data, bias, k)
+            return kernel(x, packed, bias)
 
         return forward
 

@@ -37,7 +37,7 @@ from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
 from lmkit_kernels.cpu.checks import require_kernel
 
 __all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "ISAS", "MAX_ROWS", "QTYPES", "PackedWeight",
-           "dequantize_packed", "dequantize_rows", "pack_weight", "qgemv_isa", "qgemv_linear",
+           "bind_linear", "dequantize_packed", "dequantize_rows", "pack_weight", "qgemv_isa", "qgemv_linear",
            "qgemv_unavailable_reason", "qgemv_variants"]
 
 MAX_ROWS = 32  # inputs up to this many rows take the q8 dot-product kernel
@@ -289,6 +289,31 @@ def _make_linear(fn: ctypes._CFuncPtr) -> QLinearFn:  # type: ignore[name-define
             wf = dequantize_packed(w, r0, DEQUANT_TILE_ROWS)
             torch.mm(x, wf.t(), out=out[:, r0:r0 + wf.shape[0]])
         return out if bias is None else out.add_(bias)
+
+    return linear
+
+
+def bind_linear(w: PackedWeight) -> Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]:
+    """The best build's ``(x, bias) -> x @ dequant(w).T + bias`` for one packed weight
+    (a model's hot path: unchecked, like :func:`unchecked_qgemv`'s function, with the
+    weight's arguments bound once). Decode batches call the C kernel straight from this
+    one Python frame (a projection of a small model is ~10 us of weight reads, so the
+    per-call Python counts); larger ones take :func:`unchecked_qgemv`'s tile path."""
+    lib, fns, reason = _library()
+    fn = require_kernel(next(iter(fns.values()), None), "CPU quantized GEMV kernel", reason)
+    slow = _make_linear(fn)
+    qtype, wptr, n, k = w.qtype, w.data.data_ptr(), w.n, w.k
+    empty, threads, f32 = torch.empty, torch.get_num_threads, torch.float32
+
+    def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m = x.shape[0]
+        if m > MAX_ROWS or x.stride(1) != 1:
+            return slow(x, w, bias)
+        out = empty(m, n, dtype=f32)
+        if fn(qtype, x.data_ptr(), x.stride(0), wptr, None if bias is None else bias.data_ptr(),
+              out.data_ptr(), n, m, n, k, threads()):
+            raise MemoryError("the quantized GEMV kernel could not allocate its int8 activations")
+        return out
 
     return linear
 

@@ -49,7 +49,12 @@ from lmkit_plugins.models.layers import (
     whole_weight_loader,
 )
 from lmkit_plugins.models.llama_dims import LlamaDims, layer_windows
-from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.models.rotary import (
+    CPU_ROPE_MAX_ROWS,
+    RotaryEmbedding,
+    cpu_rope_kernel,
+    rope_config_from_hf,
+)
 from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
 # checkpoint tensors that carry no weights of ours (older exports save RoPE buffers)
@@ -85,6 +90,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         # CUDA half precision: q/k norm + RoPE in one in-place kernel (fused_ops)
         self._rotary_qk = rotary_qk_kernel() if fused_ops_enabled(device, dtype) else None
+        # CPU float32 decode: RoPE in place on the fused QKV output (lmkit's C kernel)
+        self._cpu_rope = cpu_rope_kernel(rotary, device, dtype) if not dims.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -108,7 +115,11 @@ class LlamaAttention(nn.Module):
             k = qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim)
         elif self.q_norm is None:
             # rotate query and key heads together: [n, num_heads + num_kv_heads, head_dim]
-            qk = self.rotary.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
+            qk = qkv[:, :qk_end].view(n, -1, self.head_dim)
+            if self._cpu_rope is not None and n <= CPU_ROPE_MAX_ROWS:
+                self._cpu_rope(qk, cos, sin)  # in place: qkv is this call's own output
+            else:
+                qk = self.rotary.apply(qk, cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:
             q = self.q_norm.forward(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))

@@ -36,6 +36,7 @@ class GGUFCpuMethod(QuantizationMethod):
         super().__init__(facts, options=options)
         from lmkit_kernels.cpu.qgemv import (
             QTYPES,
+            bind_linear,
             pack_weight,
             qgemv_unavailable_reason,
             unchecked_qgemv,
@@ -49,6 +50,7 @@ class GGUFCpuMethod(QuantizationMethod):
                 "with --quantization none.")
         self._qtypes = QTYPES
         self._pack = pack_weight
+        self._bind = bind_linear
         self._reader: Any = None
 
     def check(self) -> None:
@@ -76,14 +78,8 @@ class GGUFCpuMethod(QuantizationMethod):
         """``(x, bias) -> x @ W.T + bias`` over the blocks, repacked once here for the
         kernel (:func:`lmkit_kernels.cpu.qgemv.pack_weight`: the same bytes, regrouped
         by 16 rows; ``weight`` itself is not kept)."""
-        kernel = self._linear
-        assert kernel is not None
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
-
-        def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return kernel(x, packed, bias)
-
-        return forward
+        return self._bind(packed)  # the kernel call with the weight's arguments bound
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 rows of ``weight`` (the C kernel)."""

@@ -293,7 +293,7 @@ def _make_linear(fn: ctypes._CFuncPtr) -> QLinearFn:  # type: ignore[name-define
     return linear
 
 
-def bind_linear(w: PackedWeight) -> Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]:
+def bind_linear(w: PackedWeight) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """The best build's ``(x, bias) -> x @ dequant(w).T + bias`` for one packed weight
     (a model's hot path: unchecked, like :func:`unchecked_qgemv`'s function, with the
     weight's arguments bound once). Decode batches call the C kernel straight from this

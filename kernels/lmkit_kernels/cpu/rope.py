@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("rope.c")
 ABI = 1
 _P, _L = ctypes.c_void_p, ctypes.c_long
 
-RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+RopeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
 @functools.cache
@@ -44,23 +44,25 @@ def rope_unavailable_reason() -> str:
 def rope_kernel() -> RopeFn | None:
     """The kernel without per-call checks (for a model's hot path), or ``None``.
 
-    ``fn(x, cos, sin)`` rotates ``x [m, heads, dim]`` in place; the caller guarantees
-    what :func:`rope_inplace` checks.
+    ``fn(x, cos, sin, num_heads)`` rotates the first ``num_heads`` heads of ``x [m,
+    heads, dim]`` in place; the caller guarantees what :func:`rope_inplace` checks.
     """
     lib = _library()[0]
     if lib is None:
         return None
     rope = lib.lmkit_rope_inplace
 
-    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        m, heads, dim = x.shape
-        rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), m, heads, dim)
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+        rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+             num_heads, x.shape[2])
 
     return run
 
 
-def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate ``x: [m, heads, dim]`` in place (rows may be strided, heads contiguous)
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 num_heads: int | None = None) -> None:
+    """Rotate the first ``num_heads`` (all when ``None``) heads of ``x: [m, heads,
+    dim]`` in place (rows may be strided, heads contiguous)
     by ``cos``, ``sin``: contiguous ``[m, 1, dim]`` (``sin`` carrying the sign of
     "rotate half", as :meth:`RotaryEmbedding.cos_sin` returns them), ``m <=``
     :data:`MAX_ROWS`, ``dim`` even.
@@ -79,5 +81,8 @@ def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         if t.numel() != m * dim or not t.is_contiguous():
             raise ValueError(f"rope_inplace: {name} must be a contiguous [{m}, 1, {dim}], "
                              f"got {tuple(t.shape)}")
+    heads = x.shape[1] if num_heads is None else num_heads
+    if not 0 <= heads <= x.shape[1]:
+        raise ValueError(f"rope_inplace: num_heads={heads} is not within 0..{x.shape[1]}")
     require_float32_cpu("rope_inplace", x=x, cos=cos, sin=sin)
-    fn(x, cos, sin)
+    fn(x, cos, sin, heads)

@@ -92,6 +92,7 @@ class LlamaAttention(nn.Module):
         self._rotary_qk = rotary_qk_kernel() if fused_ops_enabled(device, dtype) else None
         # CPU float32 decode: RoPE in place on the fused QKV output (lmkit's C kernel)
         self._cpu_rope = cpu_rope_kernel(rotary, device, dtype) if not dims.qk_norm else None
+        self._head_counts = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -100,38 +101,52 @@ class LlamaAttention(nn.Module):
         with the fused kernel, K/V then go to the cache in the RoPE kernel."""
         n = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)  # [n, q_size + 2 * kv_size]
-        qk_end = self.q_size + self.kv_size
-        v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
         kv_written = kv_slots is not None and self._rotary_qk is not None
-        if self._rotary_qk is not None:
-            self._rotary_qk(qkv, cos, sin, num_heads=self.num_heads,
-                            num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                            q_norm=None if self.q_norm is None else self.q_norm.weight,
-                            k_norm=None if self.k_norm is None else self.k_norm.weight,
-                            eps=1e-6 if self.q_norm is None else self.q_norm.eps,
-                            kv_cache=kv_cache if kv_written else None,
-                            slot_mapping=kv_slots if kv_written else None)
-            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim)
-        elif self.q_norm is None:
-            # rotate query and key heads together: [n, num_heads + num_kv_heads, head_dim]
-            qk = qkv[:, :qk_end].view(n, -1, self.head_dim)
-            if self._cpu_rope is not None and n <= CPU_ROPE_MAX_ROWS:
-                self._cpu_rope(qk, cos, sin)  # in place: qkv is this call's own output
-            else:
-                qk = self.rotary.apply(qk, cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if self._cpu_rope is not None and n <= CPU_ROPE_MAX_ROWS:
+            # CPU float32 decode: q and k heads rotated in place (qkv is this call's own
+            # output), then all three as views of one split: few ops per layer
+            heads = qkv.view(n, -1, self.head_dim)  # [n, num_heads + 2 * num_kv_heads, d]
+            self._cpu_rope(heads, cos, sin, self.num_heads + self.num_kv_heads)
+            q, k, v = heads.split(self._head_counts, dim=1)
         else:
-            q = self.q_norm.forward(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))
-            k = self.k_norm.forward(
-                qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+            q, k, v = self._rotated_heads(qkv, cos, sin, kv_cache, kv_slots if kv_written
+                                          else None)
         if kv_written:  # [n, num_heads, head_dim]
             out = attn.run(self.layer_idx, q, k, v, kv_cache, kv_written=True)
         else:
             out = attn.run(self.layer_idx, q, k, v, kv_cache)
         out = self.o_proj.forward(out.reshape(n, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _rotated_heads(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, kv_slots: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` ``[n, heads, head_dim]`` of a fused QKV output, q/k normed (when
+        the model has q/k norms) and rotated: the fused CUDA kernel (which also writes
+        K/V to the cache when ``kv_slots`` is given), else torch ops."""
+        n = qkv.shape[0]
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
+        if self._rotary_qk is not None:
+            self._rotary_qk(qkv, cos, sin, num_heads=self.num_heads,
+                            num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
+                            q_norm=None if self.q_norm is None else self.q_norm.weight,
+                            k_norm=None if self.k_norm is None else self.k_norm.weight,
+                            eps=1e-6 if self.q_norm is None else self.q_norm.eps,
+                            kv_cache=kv_cache if kv_slots is not None else None,
+                            slot_mapping=kv_slots)
+            q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
+            # rotate query and key heads together: [n, num_heads + num_kv_heads, head_dim]
+            qk = self.rotary.apply(qkv[:, :qk_end].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm.forward(qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(
+                qkv[:, self.q_size:qk_end].view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

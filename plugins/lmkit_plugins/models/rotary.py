@@ -171,9 +171,9 @@ CPU_ROPE_MAX_ROWS = 32  # lmkit_kernels.cpu.rope.MAX_ROWS (decode batches)
 
 
 def cpu_rope_kernel(rotary: RotaryEmbedding, device: torch.device | str, dtype: torch.dtype
-                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
-    """lmkit's C in-place RoPE (:mod:`lmkit_kernels.cpu.rope`: ``fn(x, cos, sin)``
-    rotates ``x [n, heads, head_dim]``, ``n <=`` :data:`CPU_ROPE_MAX_ROWS`, the same
+                    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None:
+    """lmkit's C in-place RoPE (:mod:`lmkit_kernels.cpu.rope`: ``fn(x, cos, sin,
+    num_heads)`` rotates the first ``num_heads`` heads of ``x [n, heads, head_dim]``, ``n <=`` :data:`CPU_ROPE_MAX_ROWS`, the same
     numbers as :meth:`RotaryEmbedding.apply`) for a float32 CPU layer rotating whole
     heads, when it builds on this machine; else ``None`` (torch ops). At batch 1 it
     saves the torch ops' dispatch, about 20 us per layer."""

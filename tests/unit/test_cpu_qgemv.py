@@ -237,3 +237,20 @@ def test_concurrent_callers_get_their_own_results(variant):
         torch.set_num_threads(before)
     for i, outs in got.items():
         assert all(torch.equal(o, want[i]) for o in outs)
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+def test_bound_linear_is_the_unbound_kernel_exactly(qname):
+    # bind_linear (a model's hot path) against the best build's unbound function:
+    # decode rows, a strided x, a bias, and a batch past MAX_ROWS (the tile path)
+    if not qgemv_isa():
+        pytest.skip(qgemv_unavailable_reason())
+    qtype = QTYPES[qname]
+    gen = torch.Generator().manual_seed(11)
+    w = pack_weight(qtype, random_blocks(qtype, 40, 96, gen), 96)
+    bound, unbound = qgemv.bind_linear(w), qgemv.unchecked_qgemv()
+    bias = torch.randn(40, generator=gen)
+    wide = torch.randn(MAX_ROWS + 3, 200, generator=gen)
+    for x in (wide[:1, :96], wide[:5, :96], wide[:, 100:196], wide[:3, :192:2]):
+        for b in (None, bias):
+            assert torch.equal(bound(x, b), unbound(x, w, b))

@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         self._rotary_qk = rotary_qk_kernel() if fused_ops_enabled(device, dtype) else None
         # CPU float32 decode: RoPE in place on the fused QKV output (lmkit's C kernel)
         self._cpu_rope = cpu_rope_kernel(rotary, device, dtype) if not dims.qk_norm else None
-        self._head_counts = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+        self._head_counts = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: AttentionBackend, kv_cache: torch.Tensor,
@@ -107,7 +107,7 @@ class LlamaAttention(nn.Module):
             # output), then all three as views of one split: few ops per layer
             heads = qkv.view(n, -1, self.head_dim)  # [n, num_heads + 2 * num_kv_heads, d]
             self._cpu_rope(heads, cos, sin, self.num_heads + self.num_kv_heads)
-            q, k, v = heads.split(self._head_counts, dim=1)
+            q, k, v = heads.split_with_sizes(self._head_counts, 1)
         else:
             q, k, v = self._rotated_heads(qkv, cos, sin, kv_cache, kv_slots if kv_written
                                           else None)

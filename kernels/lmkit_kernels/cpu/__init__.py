@@ -6,6 +6,10 @@
   attention straight from the paged KV cache (the ``cpu`` attention backend)
 * :mod:`~lmkit_kernels.cpu.rms_norm` -- ``add_rms_norm``: float32 residual add +
   RMSNorm for decode batches
+* :mod:`~lmkit_kernels.cpu.rope` -- ``rope_inplace``: float32 RoPE of query and key
+  heads in place for decode batches
+* :mod:`~lmkit_kernels.cpu.qgemv` -- ``qgemv_linear``: ``x @ dequant(w).T + b`` over
+  GGUF-quantized (Q8_0 / Q4_0 / Q4_1) weights
 * :mod:`~lmkit_kernels.cpu.checks` -- argument checks their checked entry points share
 
 Importing this package imports nothing heavy; the kernel modules import torch.

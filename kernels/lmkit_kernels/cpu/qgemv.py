@@ -297,9 +297,9 @@ def bind_linear(w: PackedWeight) -> Callable[[torch.Tensor, torch.Tensor | None]
     """The best build's ``(x, bias) -> x @ dequant(w).T + bias`` for one packed weight
     (a model's hot path: unchecked, like :func:`unchecked_qgemv`'s function, with the
     weight's arguments bound once). Decode batches call the C kernel straight from this
-    one Python frame (a projection of a small model is ~10 us of weight reads, so the
+    one Python frame (a projection of a small model reads its weight in tens of us, so the
     per-call Python counts); larger ones take :func:`unchecked_qgemv`'s tile path."""
-    lib, fns, reason = _library()
+    _, fns, reason = _library()
     fn = require_kernel(next(iter(fns.values()), None), "CPU quantized GEMV kernel", reason)
     slow = _make_linear(fn)
     qtype, wptr, n, k = w.qtype, w.data.data_ptr(), w.n, w.k

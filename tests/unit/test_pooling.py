@@ -95,12 +95,14 @@ def test_pooling_requests_skip_the_prefix_cache():
     assert so.num_scheduled_tokens["p"] == 16  # every position computed for the pooler
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("max_groups", [1, 8])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 @pytest.mark.parametrize("lens", [[5, 3, 1], [4, 4], [7], [9, 1, 4, 4, 7, 2, 3, 8, 5, 6, 2],
-                                  [16, 16], [17, 3, 16]])
-def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups):
-    from lmkit_plugins.attention.torch_ref import TorchAttention
+                                  [16, 16], [17, 3, 16], [1, 3, 2, 4]])
+def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups,
+                                                            fused):
+    from lmkit_plugins.attention.torch_ref import TorchAttention, _fused_qkv_rows
 
     block, heads = 4, 4
     attn = TorchAttention(num_heads=heads, num_kv_heads=num_kv_heads, head_size=8,
@@ -110,10 +112,19 @@ def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, 
     tables = [[1 + 5 * i + j for j in range(5)] for i in range(len(lens))]
     attn.plan(make_metadata([(0, n) for n in lens], block, tables))
     total = sum(lens)
-    q = torch.randn(total, heads, 8, dtype=DTYPE)
-    k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
+    if fused:  # column slices of one QKV projection's rows (one gather moves all three)
+        qkv = torch.randn(total, (heads + 2 * num_kv_heads) * 8 + 3, dtype=DTYPE)
+        q = qkv[:, :heads * 8].view(total, heads, 8)
+        k, v = (qkv[:, (heads + i * num_kv_heads) * 8:(heads + (i + 1) * num_kv_heads) * 8]
+                .view(total, num_kv_heads, 8) for i in range(2))
+        assert _fused_qkv_rows(q, k, v) is not None
+    else:
+        q = torch.randn(total, heads, 8, dtype=DTYPE)
+        k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
+        assert _fused_qkv_rows(q, k, v) is None
     cache = torch.zeros(attn.kv_cache_shape(5 * len(lens) + 1), dtype=DTYPE)
     out = attn.run(0, q, k, v, cache)
+    assert out.shape == q.shape
     group = heads // num_kv_heads
     start = 0
     for n in lens:

@@ -51,8 +51,9 @@ class _BidirectionalGroup:
     num_reqs: int
     max_query_len: int
     rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
-    valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
-    out_rows: Rows  # packed token rows the valid outputs go to
+    # where each row of the padded output goes: its token's row, or for a padding row
+    # one of the spare rows after the step's tokens (see _BidirectionalPlan.num_padding)
+    out_rows: Rows
     mask: torch.Tensor | None  # additive [num_reqs, 1, 1, max_q]: -inf on padding keys
 
 
@@ -64,6 +65,7 @@ class _BidirectionalPlan:
     num_tokens: int
     groups: list[_BidirectionalGroup]
     covers_all: bool  # one group, all tokens in order, no padding
+    num_padding: int = 0  # padding rows of all groups: the output's spare rows
 
 
 # length_groups' estimate of one SDPA call's fixed cost, in padded (query, key) pairs
@@ -115,10 +117,34 @@ class _Plan:
 
 
 def _contiguous(idx: np.ndarray) -> slice | None:
-    """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1``, else None."""
-    if len(idx) and idx[-1] - idx[0] == len(idx) - 1:
+    """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1`` (in that order), else None."""
+    if (len(idx) and idx[-1] - idx[0] == len(idx) - 1
+            and (len(idx) == 1 or bool((np.diff(idx) == 1).all()))):
         return slice(int(idx[0]), int(idx[-1]) + 1)
     return None
+
+
+def _fused_qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[tokens, width]``: the rows of one fused QKV projection output that ``q``, ``k``
+    and ``v`` (``[tokens, heads, d]``) are adjacent column slices of (q, then k, then v,
+    each row's heads contiguous), so that one gather moves all three; None otherwise."""
+    if q.dim() != 3 or k.shape != v.shape or not (q.shape[0] == k.shape[0] > 0):
+        return None
+    qw, kw = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    size = q.element_size()
+    row = q.stride(0)
+    if (q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device
+            or q.device != v.device or q.untyped_storage().data_ptr()
+            != k.untyped_storage().data_ptr()
+            or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
+        return None
+    for x in (q, k, v):
+        if x.stride() != (row, x.shape[2], 1):
+            return None
+    if (k.data_ptr() - q.data_ptr() != qw * size or v.data_ptr() - k.data_ptr() != kw * size
+            or row < qw + 2 * kw):
+        return None
+    return q.as_strided((q.shape[0], qw + 2 * kw), (row, 1))
 
 
 class TorchAttention(AttentionBackend):
@@ -187,32 +213,36 @@ class TorchAttention(AttentionBackend):
         if (num_reqs == 1 or bool((lens == lens[0]).all())) and lens[0] % align == 0:
             rows = slice(0, n)
             return _BidirectionalPlan(n, [_BidirectionalGroup(num_reqs, int(lens[0]), rows,
-                                                              None, rows, None)], True)
+                                                              rows, None)], True)
         starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
         groups = []
+        spare = n  # the next spare output row (padding rows are written there, unread)
         for reqs in length_groups(lens, self.max_length_groups, align):
             g_lens, g_starts = lens[reqs], starts[reqs]
             max_q = _round_up(int(g_lens.max()), align)
             if len(reqs) == 1 and g_lens[0] == max_q:
                 rows = slice(int(g_starts[0]), int(g_starts[0]) + max_q)
-                groups.append(_BidirectionalGroup(1, max_q, rows, None, rows, None))
+                groups.append(_BidirectionalGroup(1, max_q, rows, rows, None))
                 continue
             offsets = np.arange(max_q)
             padded = (g_starts[:, None] + np.minimum(offsets[None, :], g_lens[:, None] - 1)
                       ).reshape(-1)
             valid = (offsets[None, :] < g_lens[:, None]).reshape(-1)
             mask = None
-            if not bool((g_lens == max_q).all()):
+            dest = padded
+            if not bool(valid.all()):
                 mask = torch.zeros(len(reqs), 1, 1, max_q, dtype=self.dtype)
                 mask.masked_fill_(torch.from_numpy(~valid.reshape(len(reqs), 1, 1, max_q)),
                                   float("-inf"))
                 mask = mask.to(device)
-            dest = padded[valid]
+                num_pad = int((~valid).sum())
+                dest = padded.copy()
+                dest[~valid] = np.arange(spare, spare + num_pad)
+                spare += num_pad
             groups.append(_BidirectionalGroup(
                 len(reqs), max_q, torch.from_numpy(padded).to(device),
-                None if mask is None else torch.from_numpy(np.flatnonzero(valid)).to(device),
                 _contiguous(dest) or torch.from_numpy(dest).to(device), mask))
-        return _BidirectionalPlan(n, groups, False)
+        return _BidirectionalPlan(n, groups, False, spare - n)
 
     def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
         """:meth:`_plan_group` for a step whose every request decodes one token (the
@@ -346,35 +376,46 @@ class TorchAttention(AttentionBackend):
 
     def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> torch.Tensor:
-        """Every request's queries over all of its keys, from this step's k/v."""
+        """Every request's queries over all of its keys, from this step's k/v. Each group's
+        padded output is copied once, whole, into the output: its padding rows land in
+        spare rows after the tokens', which are then cut off (a view)."""
+        fused = _fused_qkv_rows(q, k, v)
         if b.covers_all:
-            return self._attend_group(b.groups[0], q, k, v)
-        out = q.new_empty(q.shape[0], self.num_heads, self.head_size)
+            return self._attend_group(b.groups[0], q, k, v, fused)
+        out = q.new_empty(b.num_tokens + b.num_padding, self.num_heads, self.head_size)
         for g in b.groups:
-            o = self._attend_group(g, q, k, v)
+            o = self._attend_group(g, q, k, v, fused)
             if isinstance(g.out_rows, slice):
                 out[g.out_rows] = o
             else:
                 out.index_copy_(0, g.out_rows, o)
-        return out
+        return out[:b.num_tokens]
 
     def _attend_group(self, g: _BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
-        """One group's padded call; returns its valid rows ``[tokens, heads, d]``."""
+                      v: torch.Tensor, fused: torch.Tensor | None) -> torch.Tensor:
+        """One group's padded call; returns its output ``[num_reqs * max_q, heads, d]``
+        (padding rows included). ``fused``: q, k and v as one ``[tokens, width]`` row view
+        (see :func:`_fused_qkv_rows`), gathered in one call when given."""
         r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             return x[g.rows] if isinstance(g.rows, slice) else x.index_select(0, g.rows)
 
-        query = (rows(q).reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
+        if fused is not None:  # one gather; q, k, v are column slices of its rows
+            qkv = rows(fused)
+            qw, kw = self.num_heads * d, hkv * d
+            gq_rows, gk_rows, gv_rows = (qkv[:, :qw], qkv[:, qw:qw + kw],
+                                         qkv[:, qw + kw:qw + 2 * kw])
+        else:
+            gq_rows, gk_rows, gv_rows = rows(q), rows(k), rows(v)
+        query = (gq_rows.reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
                  .reshape(r, hkv, gq * max_q, d))
-        key = rows(k).reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
-        value = rows(v).reshape(r, max_q, hkv, d).transpose(1, 2)
+        key = gk_rows.reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
+        value = gv_rows.reshape(r, max_q, hkv, d).transpose(1, 2)
         o = self._sdpa(query, key, value, g.mask)
-        o = (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
-             .reshape(r * max_q, self.num_heads, d))
-        return o if g.valid_rows is None else o.index_select(0, g.valid_rows)
+        return (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
+                .reshape(r * max_q, self.num_heads, d))
 
     def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""

@@ -256,3 +256,34 @@ def test_dummy_steps_of_a_pooling_only_model_end_at_its_hidden_states(tmp_path):
     assert dummy.compute_logits(hidden) is hidden  # no LM head
     profile_run(dummy)
     warm_up_step_shapes(dummy)
+
+
+def test_pool_step_finalizes_equal_vectors_together_as_one_by_one():
+    # vectors of one size and parameters are stacked and normalized in one call; each
+    # must equal its own finalize, and per-token outputs ("all") still come back whole
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lmkit.api.pooling import ModelPooling
+    from lmkit.worker.pooling import PoolingRequests
+
+    reqs = PoolingRequests(PluginHost.load(), ModelPooling(default_pooler="mean"))
+    lens = [3, 5, 2, 4, 1]
+    kinds = [PoolingParams(), PoolingParams(pooling_type="cls", dimensions=3),
+             PoolingParams(normalize=False), PoolingParams(pooling_type="all"),
+             PoolingParams(dimensions=3)]
+    order = [f"r{i}" for i in range(len(lens))]
+    for rid, n, params in zip(order, lens, kinds, strict=True):
+        reqs.add(rid, params, n)
+    hidden = torch.randn(sum(lens), 6)
+    cu = np.cumsum(lens)
+    step = SimpleNamespace(num_scheduled=np.array(lens), num_computed=np.zeros(len(lens)),
+                           cu_num_tokens=cu)
+    done = reqs.pool_step(hidden, order, step)
+    assert list(done) == order and not reqs.states
+    for i, (n, params) in enumerate(zip(lens, kinds, strict=True)):
+        rows = hidden[cu[i] - n:cu[i]]
+        pooler = {None: MeanPooler(), "cls": CLSPooler(), "all": AllPooler()}[
+            params.pooling_type]
+        expected = finalize(pooler.pool(rows), params)
+        torch.testing.assert_close(torch.tensor(done[order[i]]), expected)

@@ -87,25 +87,41 @@ def _round_up(n: int, align: int) -> int:
 
 def length_groups(lens: np.ndarray, max_groups: int = _MAX_GROUPS, align: int = 1
                   ) -> list[np.ndarray]:
-    """Split requests of (key) lengths ``lens`` into groups attended by one padded call
-    each: sorted by length, cut into 1, 2, 4 or 8 runs of equal count, whichever has
-    the smallest estimated cost (padded query-key pairs plus :data:`_CALL_COST` per
-    call; each group padded to a multiple of ``align``). Padding every request of a
-    step to the longest wastes most of the attention work when lengths vary (MiniLM
-    batches of 6 to 40 word sentences: 2.7x the real pairs); one call per request
-    costs a call per request per layer."""
+    """Split requests of (key) lengths ``lens`` into at most ``max_groups`` groups
+    attended by one padded call each, with the smallest estimated cost: padded
+    query-key pairs (each group padded to its longest, rounded up to a multiple of
+    ``align``) plus :data:`_CALL_COST` per call. Groups are runs of the requests sorted
+    by length; a small dynamic program over the distinct padded lengths finds the best
+    cut points exactly (cutting between requests of the same padded length never
+    helps). Padding every request of a step to the longest wastes most of the attention
+    work when lengths vary (MiniLM batches of 6 to 40 word sentences: 2.7x the real
+    pairs); one call per request costs a call per request per layer."""
     order = np.argsort(lens, kind="stable")
-    best = [order]
-    best_cost = float(len(lens) * _round_up(int(lens.max()), align) ** 2 + _CALL_COST)
-    k = 2
-    while k <= min(max_groups, len(lens)):
-        parts = np.array_split(order, k)
-        cost = (sum(len(p) * _round_up(int(lens[p[-1]]), align) ** 2 for p in parts)
-                + _CALL_COST * k)
-        if cost < best_cost:
-            best, best_cost = parts, cost
-        k *= 2
-    return best
+    padded = -(-lens[order].astype(np.int64) // align) * align
+    sizes, counts = np.unique(padded, return_counts=True)  # ascending padded lengths
+    m = len(sizes)
+    cum = np.concatenate(([0], np.cumsum(counts)))
+    # cost[i, j]: one call over the requests of padded lengths sizes[i..j]
+    members = cum[None, 1:] - cum[:-1, None]
+    with np.errstate(invalid="ignore"):
+        cost = np.where(members > 0, members * sizes[None, :].astype(np.float64) ** 2
+                        + _CALL_COST, np.inf)
+    # best[g][j]: cheapest cover of sizes[0..j] by g + 1 calls; cut[g][j]: where the
+    # last call starts
+    best = [cost[0]]
+    cuts = [np.zeros(m, dtype=np.int64)]
+    for _ in range(1, min(max_groups, m)):
+        prev = np.concatenate(([np.inf], best[-1][:-1]))  # best cover of sizes[0..i-1]
+        total = prev[:, None] + cost  # [i, j]: last call over sizes[i..j]
+        cuts.append(np.argmin(total, axis=0))
+        best.append(total[cuts[-1], np.arange(m)])
+    g = int(np.argmin([b[m - 1] for b in best]))
+    bounds, j = [], m - 1
+    while g >= 0:
+        i = int(cuts[g][j]) if g else 0
+        bounds.append((int(cum[i]), int(cum[j + 1])))
+        j, g = i - 1, g - 1
+    return [order[a:b] for a, b in reversed(bounds)]
 
 
 @dataclass

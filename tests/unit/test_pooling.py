@@ -102,7 +102,8 @@ def test_pooling_requests_skip_the_prefix_cache():
                                   [16, 16], [17, 3, 16], [1, 3, 2, 4]])
 def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups,
                                                             fused):
-    from lmkit_plugins.attention.torch_ref import TorchAttention, _fused_qkv_rows
+    from lmkit_plugins.attention.encoder_groups import fused_qkv_rows
+    from lmkit_plugins.attention.torch_ref import TorchAttention
 
     block, heads = 4, 4
     attn = TorchAttention(num_heads=heads, num_kv_heads=num_kv_heads, head_size=8,
@@ -117,11 +118,11 @@ def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, 
         q = qkv[:, :heads * 8].view(total, heads, 8)
         k, v = (qkv[:, (heads + i * num_kv_heads) * 8:(heads + (i + 1) * num_kv_heads) * 8]
                 .view(total, num_kv_heads, 8) for i in range(2))
-        assert _fused_qkv_rows(q, k, v) is not None
+        assert fused_qkv_rows(q, k, v) is not None
     else:
         q = torch.randn(total, heads, 8, dtype=DTYPE)
         k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
-        assert _fused_qkv_rows(q, k, v) is None
+        assert fused_qkv_rows(q, k, v) is None
     cache = torch.zeros(attn.kv_cache_shape(5 * len(lens) + 1), dtype=DTYPE)
     out = attn.run(0, q, k, v, cache)
     assert out.shape == q.shape
@@ -164,7 +165,7 @@ def test_cpu_bfloat16_encoder_groups_are_padded_to_multiples_of_16(lens):
 
 def test_length_groups_cover_every_request_once_and_cut_padding():
     import numpy as np
-    from lmkit_plugins.attention.torch_ref import length_groups
+    from lmkit_plugins.attention.encoder_groups import length_groups
 
     lens = np.array([40, 6, 33, 12, 8, 25, 7, 39, 15, 30, 9, 11, 36, 20, 6, 28] * 4)
     groups = length_groups(lens)

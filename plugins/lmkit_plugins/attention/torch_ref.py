@@ -12,7 +12,7 @@ that share a KV head are folded into the query axis, so K/V are never repeated.
 Query token ``i`` of a request whose context before this step is ``c`` sits at position
 ``c + i`` and sees the keys at positions ``<= c + i`` (and ``> c + i - window`` with a
 sliding window); built with ``causal=False`` (an encoder), every query sees all of its
-request's keys. The backend reads only blocks listed in ``block_tables``; stale slots in
+request's keys (an encoder step is planned in :mod:`lmkit_plugins.attention.encoder_groups`). The backend reads only blocks listed in ``block_tables``; stale slots in
 a request's last block are masked out. KV caches must be allocated zeroed (the model
 runner does), so that masked-out padding never holds NaN bit patterns.
 """
@@ -26,7 +26,15 @@ import torch
 import torch.nn.functional as F
 from lmkit.api import AttentionBackend, AttentionMetadata
 
-Rows = slice | torch.Tensor  # token or request rows: a slice when contiguous
+from lmkit_plugins.attention.encoder_groups import (
+    MAX_LENGTH_GROUPS,
+    BidirectionalGroup,
+    BidirectionalPlan,
+    Rows,
+    contiguous_rows,
+    fused_qkv_rows,
+    plan_bidirectional,
+)
 
 
 @dataclass
@@ -45,122 +53,11 @@ class _Group:
 
 
 @dataclass
-class _BidirectionalGroup:
-    """Requests of an encoder step attended by one padded SDPA call."""
-
-    num_reqs: int
-    max_query_len: int
-    rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
-    # where each row of the padded output goes: its token's row, or for a padding row
-    # one of the spare rows after the step's tokens (see _BidirectionalPlan.num_padding)
-    out_rows: Rows
-    mask: torch.Tensor | None  # additive [num_reqs, 1, 1, max_q]: -inf on padding keys
-
-
-@dataclass
-class _BidirectionalPlan:
-    """A non-causal step in which every request's keys are all this step's tokens:
-    its requests in groups of similar length (see :func:`length_groups`)."""
-
-    num_tokens: int
-    groups: list[_BidirectionalGroup]
-    covers_all: bool  # one group, all tokens in order, no padding
-    num_padding: int = 0  # padding rows of all groups: the output's spare rows
-
-
-# length_groups' estimate of one SDPA call's fixed cost, in padded (query, key) pairs
-# per head: about one 64-token request's worth
-_CALL_COST = 64 * 64
-_MAX_GROUPS = 8
-# In bfloat16 on the CPU, encoder groups are padded to a multiple of this many tokens:
-# torch's CPU flash-attention kernel runs sequence lengths that are multiples of 16 two
-# to four times faster than the lengths just below them (head size 32: 16 x 12 heads
-# at 46 tokens 1.7 ms, at 48 tokens 0.9 ms; at 15 tokens slower than at 16), so the
-# masked padding costs less than it saves (MiniLM batches of 64: 1.1x the texts/s in
-# bfloat16; in float32, where the matmuls dominate, no gain was measured)
-_CPU_SDPA_ALIGN = 16
-
-
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def length_groups(lens: np.ndarray, max_groups: int = _MAX_GROUPS, align: int = 1
-                  ) -> list[np.ndarray]:
-    """Split requests of (key) lengths ``lens`` into at most ``max_groups`` groups
-    attended by one padded call each, with the smallest estimated cost: padded
-    query-key pairs (each group padded to its longest, rounded up to a multiple of
-    ``align``) plus :data:`_CALL_COST` per call. Groups are runs of the requests sorted
-    by length; a small dynamic program over the distinct padded lengths finds the best
-    cut points exactly (cutting between requests of the same padded length never
-    helps). Padding every request of a step to the longest wastes most of the attention
-    work when lengths vary (MiniLM batches of 6 to 40 word sentences: 2.7x the real
-    pairs); one call per request costs a call per request per layer."""
-    order = np.argsort(lens, kind="stable")
-    padded = -(-lens[order].astype(np.int64) // align) * align
-    sizes, counts = np.unique(padded, return_counts=True)  # ascending padded lengths
-    m = len(sizes)
-    cum = np.concatenate(([0], np.cumsum(counts)))
-    # cost[i, j]: one call over the requests of padded lengths sizes[i..j]
-    members = cum[None, 1:] - cum[:-1, None]
-    with np.errstate(invalid="ignore"):
-        cost = np.where(members > 0, members * sizes[None, :].astype(np.float64) ** 2
-                        + _CALL_COST, np.inf)
-    # best[g][j]: cheapest cover of sizes[0..j] by g + 1 calls; cut[g][j]: where the
-    # last call starts
-    best = [cost[0]]
-    cuts = [np.zeros(m, dtype=np.int64)]
-    for _ in range(1, min(max_groups, m)):
-        prev = np.concatenate(([np.inf], best[-1][:-1]))  # best cover of sizes[0..i-1]
-        total = prev[:, None] + cost  # [i, j]: last call over sizes[i..j]
-        cuts.append(np.argmin(total, axis=0))
-        best.append(total[cuts[-1], np.arange(m)])
-    g = int(np.argmin([b[m - 1] for b in best]))
-    bounds, j = [], m - 1
-    while g >= 0:
-        i = int(cuts[g][j]) if g else 0
-        bounds.append((int(cum[i]), int(cum[j + 1])))
-        j, g = i - 1, g - 1
-    return [order[a:b] for a, b in reversed(bounds)]
-
-
-@dataclass
 class _Plan:
     num_tokens: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     groups: list[_Group]
     covers_all: bool  # one group, all tokens in order, no padding: return its output as is
-
-
-def _contiguous(idx: np.ndarray) -> slice | None:
-    """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1`` (in that order), else None."""
-    if (len(idx) and idx[-1] - idx[0] == len(idx) - 1
-            and (len(idx) == 1 or bool((np.diff(idx) == 1).all()))):
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return None
-
-
-def _fused_qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """``[tokens, width]``: the rows of one fused QKV projection output that ``q``, ``k``
-    and ``v`` (``[tokens, heads, d]``) are adjacent column slices of (q, then k, then v,
-    each row's heads contiguous), so that one gather moves all three; None otherwise."""
-    if q.dim() != 3 or k.shape != v.shape or not (q.shape[0] == k.shape[0] > 0):
-        return None
-    qw, kw = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
-    size = q.element_size()
-    row = q.stride(0)
-    if (q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device
-            or q.device != v.device or q.untyped_storage().data_ptr()
-            != k.untyped_storage().data_ptr()
-            or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
-        return None
-    for x in (q, k, v):
-        if x.stride() != (row, x.shape[2], 1):
-            return None
-    if (k.data_ptr() - q.data_ptr() != qw * size or v.data_ptr() - k.data_ptr() != kw * size
-            or row < qw + 2 * kw):
-        return None
-    return q.as_strided((q.shape[0], qw + 2 * kw), (row, 1))
 
 
 class TorchAttention(AttentionBackend):
@@ -181,9 +78,9 @@ class TorchAttention(AttentionBackend):
                              f"num_kv_heads={self.num_kv_heads}")
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self._plan: _Plan | None = None
-        self._bidirectional: _BidirectionalPlan | None = None
+        self._bidirectional: BidirectionalPlan | None = None
         # encoder steps: at most this many padded calls, over requests of similar length
-        self.max_length_groups = _MAX_GROUPS
+        self.max_length_groups = MAX_LENGTH_GROUPS
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
@@ -218,47 +115,8 @@ class TorchAttention(AttentionBackend):
         self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
 
     def _plan_bidirectional(self, md: AttentionMetadata, lens: np.ndarray
-                            ) -> _BidirectionalPlan:
-        """The step's requests in groups of similar length (:func:`length_groups`), each
-        padded to its longest (in bfloat16 on the CPU rounded up to a multiple of
-        :data:`_CPU_SDPA_ALIGN`), with an additive mask hiding the padding keys."""
-        device = md.block_tables.device
-        num_reqs, n = md.num_reqs, int(lens.sum())
-        align = (_CPU_SDPA_ALIGN if device.type == "cpu" and self.dtype == torch.bfloat16
-                 else 1)
-        if (num_reqs == 1 or bool((lens == lens[0]).all())) and lens[0] % align == 0:
-            rows = slice(0, n)
-            return _BidirectionalPlan(n, [_BidirectionalGroup(num_reqs, int(lens[0]), rows,
-                                                              rows, None)], True)
-        starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
-        groups = []
-        spare = n  # the next spare output row (padding rows are written there, unread)
-        for reqs in length_groups(lens, self.max_length_groups, align):
-            g_lens, g_starts = lens[reqs], starts[reqs]
-            max_q = _round_up(int(g_lens.max()), align)
-            if len(reqs) == 1 and g_lens[0] == max_q:
-                rows = slice(int(g_starts[0]), int(g_starts[0]) + max_q)
-                groups.append(_BidirectionalGroup(1, max_q, rows, rows, None))
-                continue
-            offsets = np.arange(max_q)
-            padded = (g_starts[:, None] + np.minimum(offsets[None, :], g_lens[:, None] - 1)
-                      ).reshape(-1)
-            valid = (offsets[None, :] < g_lens[:, None]).reshape(-1)
-            mask = None
-            dest = padded
-            if not bool(valid.all()):
-                mask = torch.zeros(len(reqs), 1, 1, max_q, dtype=self.dtype)
-                mask.masked_fill_(torch.from_numpy(~valid.reshape(len(reqs), 1, 1, max_q)),
-                                  float("-inf"))
-                mask = mask.to(device)
-                num_pad = int((~valid).sum())
-                dest = padded.copy()
-                dest[~valid] = np.arange(spare, spare + num_pad)
-                spare += num_pad
-            groups.append(_BidirectionalGroup(
-                len(reqs), max_q, torch.from_numpy(padded).to(device),
-                _contiguous(dest) or torch.from_numpy(dest).to(device), mask))
-        return _BidirectionalPlan(n, groups, False, spare - n)
+                            ) -> BidirectionalPlan:
+        return plan_bidirectional(md, lens, self.dtype, self.max_length_groups)
 
     def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
         """:meth:`_plan_group` for a step whose every request decodes one token (the
@@ -281,7 +139,7 @@ class TorchAttention(AttentionBackend):
         q_lens, s_lens = query_lens[reqs], seq_lens[reqs]
         max_q, kv_len = int(q_lens.max()), int(s_lens.max())
         num_kv_blocks = -(-kv_len // self.block_size)
-        req_slice = _contiguous(reqs)
+        req_slice = contiguous_rows(reqs)
         if req_slice is not None:
             tables = md.block_tables[req_slice, :num_kv_blocks]
         else:
@@ -290,7 +148,7 @@ class TorchAttention(AttentionBackend):
 
         starts = qsl[reqs]
         if max_q == 1:  # decodes: one row each, no padding
-            rows: Rows = _contiguous(starts) or torch.from_numpy(starts).to(device)
+            rows: Rows = contiguous_rows(starts) or torch.from_numpy(starts).to(device)
             query_rows, out_rows, valid_rows = rows, rows, None
         elif num_reqs == 1:
             rows = slice(int(starts[0]), int(starts[0]) + max_q)
@@ -302,7 +160,7 @@ class TorchAttention(AttentionBackend):
             query_rows = torch.from_numpy(padded.reshape(-1)).to(device)
             valid_rows = torch.from_numpy(np.flatnonzero(valid)).to(device)
             dest = padded.reshape(-1)[valid]
-            out_rows = _contiguous(dest) or torch.from_numpy(dest).to(device)
+            out_rows = contiguous_rows(dest) or torch.from_numpy(dest).to(device)
 
         mask = None
         needs_mask = ((max_q > 1 and (self.causal or num_reqs > 1))
@@ -390,12 +248,12 @@ class TorchAttention(AttentionBackend):
                               dtype=torch.promote_types(scores.dtype, torch.float32))
         return torch.matmul(probs.to(value.dtype), value)
 
-    def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
+    def _attend_bidirectional(self, b: BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> torch.Tensor:
         """Every request's queries over all of its keys, from this step's k/v. Each group's
         padded output is copied once, whole, into the output: its padding rows land in
         spare rows after the tokens', which are then cut off (a view)."""
-        fused = _fused_qkv_rows(q, k, v)
+        fused = fused_qkv_rows(q, k, v)
         if b.covers_all:
             return self._attend_group(b.groups[0], q, k, v, fused)
         out = q.new_empty(b.num_tokens + b.num_padding, self.num_heads, self.head_size)
@@ -407,11 +265,11 @@ class TorchAttention(AttentionBackend):
                 out.index_copy_(0, g.out_rows, o)
         return out[:b.num_tokens]
 
-    def _attend_group(self, g: _BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
+    def _attend_group(self, g: BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, fused: torch.Tensor | None) -> torch.Tensor:
         """One group's padded call; returns its output ``[num_reqs * max_q, heads, d]``
         (padding rows included). ``fused``: q, k and v as one ``[tokens, width]`` row view
-        (see :func:`_fused_qkv_rows`), gathered in one call when given."""
+        (see :func:`fused_qkv_rows`), gathered in one call when given."""
         r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
 

@@ -104,8 +104,8 @@ class PoolingRequests:
         if not batches:
             return done
         for params, rids, outs in batches.values():
-            rows = finalize(torch.stack(outs), params).tolist()
-            done.update(zip(rids, rows, strict=True))
+            vectors = finalize(torch.stack(outs), params).tolist()
+            done.update(zip(rids, vectors, strict=True))
         return {rid: done[rid] for rid in order if rid in done}  # in step order
 
 

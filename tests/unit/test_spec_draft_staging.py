@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 
 def test_staged_arrays_arrive_whole_and_stay_valid_through_the_step():
-    staging = StepStaging(CPU, capacity=8)
+    staging = StepStaging(CPU, capacity=8, stage=True)  # the CUDA path, plain copies
     staging.begin()
     a = staging.put(np.arange(5))
     b = staging.put(np.array([[1, 2], [3, 4]], dtype=np.int32), torch.int32)
@@ -35,6 +35,8 @@ def test_staged_arrays_arrive_whole_and_stay_valid_through_the_step():
     staging.begin()  # the next step reuses the buffers from the front
     e = staging.put(np.array([9]))
     assert e.tolist() == [9] and staging.put(np.zeros(0, dtype=np.int64)).numel() == 0
+    direct = StepStaging(CPU)  # the CPU's default: no copy
+    assert direct.put(np.array([[5, 6]]), torch.int32).tolist() == [[5, 6]]
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,28 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
 
 class StepStaging:
     """Pinned host staging for one step's index arrays, per dtype.
 
     Call :meth:`begin` at the start of each step, then :meth:`put` each array; a put's
     device tensor stays valid until the next :meth:`begin` (its region is not reused
-    within the step). On the CPU the same buffers are used with plain copies.
+    within the step).
 
     Args:
         device: where the arrays go.
         capacity: initial elements per dtype (grows on demand).
+        stage: copy through the buffers (default: off the CPU; on the CPU the arrays are
+            wrapped as they are, ``True`` there runs the staging path with plain copies).
     """
 
-    def __init__(self, device: torch.device, capacity: int = 1024) -> None:
+    def __init__(self, device: torch.device, capacity: int = 1024,
+                 stage: bool | None = None) -> None:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
+        self.stage = self.device.type != "cpu" if stage is None else stage
         self.capacity = capacity
         self._host: dict[torch.dtype, torch.Tensor] = {}
         self._device: dict[torch.dtype, torch.Tensor] = {}
@@ -47,6 +53,8 @@ class StepStaging:
             dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``array`` (any shape) as a ``dtype`` tensor on the device, copied asynchronously."""
         a = np.asarray(array)
+        if not self.stage:  # the CPU: the host array is the device array
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=_NUMPY[dtype]))
         n = a.size
         used = self._used.get(dtype, 0)
         host = self._host.get(dtype)

@@ -117,11 +117,11 @@ class DraftPassGraphs:
         if features is not None:
             self.head.features[:n].copy_(features)
         self.num_passes += 1
-        on_device = isinstance(input_ids, torch.Tensor)
-        return self.runner.run_decode(
-            None if on_device else input_ids, positions, slots,
-            (positions + 1).astype(np.int32), block_tables,
-            device_input_ids=input_ids if on_device else None)
+        seq_lens = (positions + 1).astype(np.int32)
+        if isinstance(input_ids, torch.Tensor):
+            return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
+                                          device_input_ids=input_ids)
+        return self.runner.run_decode(input_ids, positions, slots, seq_lens, block_tables)
 
 
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],

@@ -27,7 +27,7 @@ import torch
 
 from lmkit.api.kv_cache_spec import one_kv_cache_group
 from lmkit.api.model import ForwardContext
-from lmkit.worker.cuda_graphs import CudaGraphRunner
+from lmkit.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner
 
 if TYPE_CHECKING:
     from lmkit.api.kv_cache_spec import KVCacheGroup
@@ -81,7 +81,8 @@ class DraftPassGraphs:
                  dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True) -> None:
         self.width = width
-        self.head = HeadPass(proposer, max_rows, width, dtype, device)
+        # rows for the largest captured size (the features of passes past it: eager)
+        self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device)
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs)
         self.num_passes = 0  # passes run through :meth:`run`

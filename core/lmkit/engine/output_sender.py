@@ -20,8 +20,6 @@ import threading
 
 import zmq
 
-_STOP = object()
-
 
 class OutputSender:
     """Sends byte strings on ``socket`` from a daemon thread, in queue order.
@@ -33,7 +31,7 @@ class OutputSender:
 
     def __init__(self, socket: zmq.Socket) -> None:
         self._socket = socket
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop
         self._error: zmq.ZMQError | None = None
         self._thread = threading.Thread(target=self._run, name="lmkit-engine-output",
                                         daemon=True)
@@ -48,16 +46,16 @@ class OutputSender:
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then stop the thread (waits up to ``timeout`` seconds)."""
         if self._thread.is_alive():
-            self._queue.put(_STOP)
+            self._queue.put(None)
             self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
             data = self._queue.get()
-            if data is _STOP:
+            if data is None:
                 return
             try:
-                self._socket.send(data, copy=False)  # type: ignore[arg-type]
+                self._socket.send(data, copy=False)
             except zmq.ZMQError as e:
                 self._error = e
                 return

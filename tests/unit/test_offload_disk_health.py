@@ -250,7 +250,8 @@ def test_health_endpoint_reports_a_stuck_tier(unhealthy, status, code):
     config = LMKitConfig.model_validate({"model": {"model": "tiny"}})
     client = TestClient(build_app(config))  # no lifespan: no engine is started
     client.app.state.lmkit.llm = SimpleNamespace(
-        is_healthy=True, dead_reason=None, stats={"offload_unhealthy": unhealthy})
+        is_healthy=True, dead_reason=None, stats={"offload_unhealthy": unhealthy},
+        engine_stats=[{"offload_unhealthy": unhealthy}])
     resp = client.get("/health")
     assert resp.status_code == code and resp.json()["status"] == status
     if code == 503:

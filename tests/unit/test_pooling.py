@@ -95,11 +95,14 @@ def test_pooling_requests_skip_the_prefix_cache():
     assert so.num_scheduled_tokens["p"] == 16  # every position computed for the pooler
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("max_groups", [1, 8])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 @pytest.mark.parametrize("lens", [[5, 3, 1], [4, 4], [7], [9, 1, 4, 4, 7, 2, 3, 8, 5, 6, 2],
-                                  [16, 16], [17, 3, 16]])
-def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups):
+                                  [16, 16], [17, 3, 16], [1, 3, 2, 4]])
+def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, max_groups,
+                                                            fused):
+    from lmkit_plugins.attention.encoder_groups import fused_qkv_rows
     from lmkit_plugins.attention.torch_ref import TorchAttention
 
     block, heads = 4, 4
@@ -110,10 +113,19 @@ def test_non_causal_attention_sees_every_key_of_its_request(num_kv_heads, lens, 
     tables = [[1 + 5 * i + j for j in range(5)] for i in range(len(lens))]
     attn.plan(make_metadata([(0, n) for n in lens], block, tables))
     total = sum(lens)
-    q = torch.randn(total, heads, 8, dtype=DTYPE)
-    k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
+    if fused:  # column slices of one QKV projection's rows (one gather moves all three)
+        qkv = torch.randn(total, (heads + 2 * num_kv_heads) * 8 + 3, dtype=DTYPE)
+        q = qkv[:, :heads * 8].view(total, heads, 8)
+        k, v = (qkv[:, (heads + i * num_kv_heads) * 8:(heads + (i + 1) * num_kv_heads) * 8]
+                .view(total, num_kv_heads, 8) for i in range(2))
+        assert fused_qkv_rows(q, k, v) is not None
+    else:
+        q = torch.randn(total, heads, 8, dtype=DTYPE)
+        k, v = (torch.randn(total, num_kv_heads, 8, dtype=DTYPE) for _ in range(2))
+        assert fused_qkv_rows(q, k, v) is None
     cache = torch.zeros(attn.kv_cache_shape(5 * len(lens) + 1), dtype=DTYPE)
     out = attn.run(0, q, k, v, cache)
+    assert out.shape == q.shape
     group = heads // num_kv_heads
     start = 0
     for n in lens:
@@ -153,7 +165,7 @@ def test_cpu_bfloat16_encoder_groups_are_padded_to_multiples_of_16(lens):
 
 def test_length_groups_cover_every_request_once_and_cut_padding():
     import numpy as np
-    from lmkit_plugins.attention.torch_ref import length_groups
+    from lmkit_plugins.attention.encoder_groups import length_groups
 
     lens = np.array([40, 6, 33, 12, 8, 25, 7, 39, 15, 30, 9, 11, 36, 20, 6, 28] * 4)
     groups = length_groups(lens)
@@ -245,3 +257,34 @@ def test_dummy_steps_of_a_pooling_only_model_end_at_its_hidden_states(tmp_path):
     assert dummy.compute_logits(hidden) is hidden  # no LM head
     profile_run(dummy)
     warm_up_step_shapes(dummy)
+
+
+def test_pool_step_finalizes_equal_vectors_together_as_one_by_one():
+    # vectors of one size and parameters are stacked and normalized in one call; each
+    # must equal its own finalize, and per-token outputs ("all") still come back whole
+    from types import SimpleNamespace
+
+    import numpy as np
+    from lmkit.api.pooling import ModelPooling
+    from lmkit.worker.pooling import PoolingRequests
+
+    reqs = PoolingRequests(PluginHost.load(), ModelPooling(default_pooler="mean"))
+    lens = [3, 5, 2, 4, 1]
+    kinds = [PoolingParams(), PoolingParams(pooling_type="cls", dimensions=3),
+             PoolingParams(normalize=False), PoolingParams(pooling_type="all"),
+             PoolingParams(dimensions=3)]
+    order = [f"r{i}" for i in range(len(lens))]
+    for rid, n, params in zip(order, lens, kinds, strict=True):
+        reqs.add(rid, params, n)
+    hidden = torch.randn(sum(lens), 6)
+    cu = np.cumsum(lens)
+    step = SimpleNamespace(num_scheduled=np.array(lens), num_computed=np.zeros(len(lens)),
+                           cu_num_tokens=cu)
+    done = reqs.pool_step(hidden, order, step)
+    assert list(done) == order and not reqs.states
+    for i, (n, params) in enumerate(zip(lens, kinds, strict=True)):
+        rows = hidden[cu[i] - n:cu[i]]
+        pooler = {None: MeanPooler(), "cls": CLSPooler(), "all": AllPooler()}[
+            params.pooling_type]
+        expected = finalize(pooler.pool(rows), params)
+        torch.testing.assert_close(torch.tensor(done[order[i]]), expected)

@@ -42,6 +42,15 @@ def test_one_request_measures_tokens_and_latencies():
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
 
 
+def test_chunks_with_empty_text_count_as_tokens():
+    # a random-weight model's tokens often decode to no text: each chunk with a choice
+    # is still a token event (first token, inter-token gaps); the usage chunk is not
+    r = run_one(lambda req: httpx.Response(200, text=sse_body(["", "", "x", ""], {
+        "completion_tokens": 4}), headers={"content-type": "text/event-stream"}))
+    assert r.ok and r.output_tokens == 4
+    assert r.ttft is not None and len(r.itls) == 3
+
+
 def test_one_request_records_http_and_stream_errors():
     r = run_one(lambda req: httpx.Response(429, text='{"error": {"message": "busy"}}'))
     assert not r.ok and r.error.startswith("HTTP 429")

@@ -130,26 +130,27 @@ def _run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
 
 
 def _padded_replays(monkeypatch):
-    """Make the runner verify, and the head draft, through the graph runners' padded,
-    fixed-buffer forwards on the CPU (``use_graphs=False``: the graph path without
-    capture), the padding rows' cache writes (slot -1) sent to the null block 0.
-    Returns the target's graph runners and a count of the head's replayed passes."""
+    """Make the runner verify, and the head catch up and draft, through the graph
+    runners' padded, fixed-buffer forwards on the CPU (``use_graphs=False``: the graph
+    path without capture), the padding rows' cache writes (slot -1) sent to the null
+    block 0. Returns the target's graph runners and the draft runners (their
+    ``graphs`` and ``catch_up_graphs`` count the passes replayed)."""
     import lmkit.worker.model_runner as model_runner
     from lmkit.worker.cuda_graphs import CudaGraphRunner
-    from lmkit.worker.draft_graphs import DraftPassGraphs
+    from lmkit.worker.draft_runner import DraftRunner
     from lmkit_plugins.attention.torch_ref import TorchAttention
 
     made: list[CudaGraphRunner] = []
-    passes = {"n": 0}
-    plan, run = TorchAttention.plan, DraftPassGraphs.run
+    drafters: list[DraftRunner] = []
+    plan, capture_graphs = TorchAttention.plan, DraftRunner.capture_graphs
 
     def plan_scratch_padding(self, metadata):
         plan(self, metadata)
         self._plan.slot_mapping = self._plan.slot_mapping.clamp(min=0)
 
-    def count_passes(self, *args):
-        passes["n"] += 1
-        return run(self, *args)
+    def record_drafter(self, *args):
+        capture_graphs(self, *args)
+        drafters.append(self)
 
     def capture(config, stack, model, kv_caches, device, max_model_len, aux_layers=()):
         made.append(CudaGraphRunner(
@@ -159,23 +160,34 @@ def _padded_replays(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(TorchAttention, "plan", plan_scratch_padding)
-    monkeypatch.setattr(DraftPassGraphs, "run", count_passes)
+    monkeypatch.setattr(DraftRunner, "capture_graphs", record_drafter)
     monkeypatch.setattr(model_runner, "maybe_capture", capture)
-    return made, passes
+    return made, drafters
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+@pytest.mark.parametrize("settings", [
+    {"max_num_seqs": 8},  # whole prompts, then verification steps
+    {"max_num_seqs": 2, "max_num_batched_tokens": 8},  # prompt chunks beside verification
+], ids=["batch-8", "small-chunks"])
 def test_drafts_equal_a_dense_reference_through_graph_replays(tiny, heads, monkeypatch,
-                                                              proposer):
+                                                              proposer, settings):
     """Verification steps replayed through the decode graphs (flattened) hand the head
     the same features as eager steps (EAGLE-3's target-layer inputs come out of the
-    graphs too), and the head's draft passes replay padded passes of their own: the
-    drafts still equal the dense reference."""
-    runners, draft_passes = _padded_replays(monkeypatch)
-    got, _ = _run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
-                         max_num_seqs=8)
+    graphs too); the head's catch-up passes after them replay padded, flattened passes
+    (one row per kept position: prompt chunks of at most 1 + k tokens too) and its draft
+    passes padded passes of their own: the drafts still equal the dense reference."""
+    runners, drafters = _padded_replays(monkeypatch)
+    got, _ = _run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, **settings)
     assert runners and runners[0].num_flattened_replays > 5
-    assert draft_passes["n"] > 20  # the k - 1 draft passes replayed too
+    drafter = drafters[0]
+    assert drafter.graphs is not None and drafter.graphs.num_passes > 20  # k - 1 passes
+    catch_up = drafter.catch_up_graphs
+    assert catch_up is not None and catch_up.width == 64 * (1 if proposer == "eagle" else 3)
+    assert catch_up.num_passes > 20
+    if "max_num_batched_tokens" in settings:
+        assert drafter.num_flattened_catch_ups > 0
+    assert drafter.num_eager_catch_ups > 0  # prompts catch up eagerly
     assert runners[0].aux_layers == (() if proposer == "eagle" else (0, 1, 1))
     reference = DenseEagle(tiny, heads[proposer])
     wrong = [key for key, drafts in got.items()

@@ -94,3 +94,15 @@ def test_trained_head_drafts_well_and_training_resumes(tmp_path):
     result = CliRunner().invoke(build_app(env=ENV), [
         "spec", "train-eagle", str(tiny), "--out", str(out), "--device", "tpu"], env=ENV)
     assert result.exit_code != 0 and "--device 'tpu': use cpu or cuda" in result.output
+
+
+def test_progress_in_a_log_is_one_line_per_tenth(capsys):
+    """Not a terminal (a log, a pipe): plain lines, so long GPU runs show progress."""
+    from lmkit_plugins.spec.train_eagle import _progress
+
+    update = _progress(True, 50, 0)
+    for step in range(1, 51):
+        update(step, 6.0 - step / 50)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10 and lines[0].startswith("lmkit: training EAGLE-3 head: step 5 of 50 (10%)")
+    assert "step 50 of 50 (100%), loss 5.0000" in lines[-1]

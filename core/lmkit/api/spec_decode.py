@@ -152,9 +152,9 @@ class RunnerProposer(Proposer):
     :meth:`forward` once over the positions the target computed and kept (their
     features are the target's hidden states; the KV of rejected positions is
     overwritten in a later step), then ``k - 1`` times over one position per request
-    (its features are the head's previous outputs), taking the argmax of
-    :meth:`compute_logits` as each draft: greedy drafts, which verification treats as
-    deterministic (one-hot), so outputs keep the target's distribution.
+    (its features are the head's previous outputs), taking :meth:`draft_argmax` (the
+    argmax of :meth:`compute_logits`) as each draft: greedy drafts, which verification
+    treats as deterministic (one-hot), so outputs keep the target's distribution.
     """
 
     #: KV caches the head needs (its decoder layers); set by the constructor
@@ -163,6 +163,12 @@ class RunnerProposer(Proposer):
     #: concatenated in this order, as its first pass's features (EAGLE-3); empty: the
     #: target's final hidden states (EAGLE-1/2). Known after :meth:`check_target`.
     target_layers: tuple[int, ...] = ()
+    #: the width of the catch-up pass's features (what the runner hands :meth:`forward`
+    #: there): the target's hidden size, times ``len(target_layers)`` when those are set;
+    #: set by :meth:`check_target`. With :attr:`supports_cuda_graphs`, a catch-up pass
+    #: after a decode or verification step then replays in CUDA graphs too (flattened,
+    #: one row per kept position); 0: it always runs eagerly
+    target_feature_size: int = 0
     #: its attention backend (set by :meth:`load`): shapes its KV caches, planned per step
     attn: AttentionBackend
     #: the width of :meth:`forward`'s output features (set by :meth:`load`)
@@ -204,3 +210,14 @@ class RunnerProposer(Proposer):
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` head outputs -> float32 logits over the target's vocabulary."""
+
+    def draft_argmax(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` head outputs -> ``[n]`` int64 greedy drafts (target token ids):
+        ``compute_logits(hidden_states).argmax(-1)``, the first id of equal maxima.
+
+        Optional: override it to reach the same ids in fewer operations (e.g. the argmax
+        over a draft vocabulary, then mapped to target ids, instead of full-vocabulary
+        logits). Runs between draft passes: no host synchronisation, no data-dependent
+        shapes.
+        """
+        return self.compute_logits(hidden_states).argmax(dim=-1)

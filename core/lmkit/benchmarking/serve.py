@@ -8,7 +8,9 @@ each sending its next request when the last one ends) and once per request rate 
 loop: Poisson arrivals with a seeded generator). Reported per run: requests completed
 and failed, request and token throughput, and mean / p50 / p99 of time to first token
 (TTFT), time per output token after the first (TPOT), inter-token latency between
-streamed chunks (ITL) and end-to-end latency.
+streamed chunks (ITL) and end-to-end latency. A chunk counts when it carries a choice,
+whether or not its text is empty (tokens of a random-weight model often decode to no
+text), as vLLM's benchmark client counts them.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ async def _one_request(client: Any, base_url: str, model: str, prompt: list[int]
                     result.error = str(event["error"].get("message"))
                     return result
                 now = time.perf_counter() - start
-                if any(c.get("text") for c in event.get("choices", [])):
+                # every chunk with a choice carries tokens, text or not (a random-weight
+                # model's tokens often decode to nothing; vLLM's client counts them too)
+                if event.get("choices"):
                     if result.ttft is None:
                         result.ttft = now
                     elif last is not None:

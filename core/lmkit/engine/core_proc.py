@@ -5,8 +5,9 @@ Started by :class:`lmkit.frontend.core_client.EngineCoreClient` (see
 import path) with one argument, ``HANDSHAKE_FILE``. The handshake file (JSON, in a
 private temp dir) holds the config and the two ZMQ addresses the frontend bound. The
 loop reads requests and aborts from a PULL socket without blocking while requests are
-running, steps the engine, and pushes the outputs back; it blocks on the socket only
-when the engine is idle. Stats go out periodically so the frontend's metrics stay fresh.
+running, steps the engine, and hands the encoded outputs to an output thread
+(:mod:`lmkit.engine.output_sender`) that pushes them back while the loop schedules the
+next step; it blocks on the socket only when the engine is idle. Stats go out periodically so the frontend's metrics stay fresh.
 
 The process exits when told to (:class:`Shutdown` or SIGTERM), when its parent dies, or
 with status 1 after sending :class:`EngineFailed` when the engine raises.
@@ -40,6 +41,7 @@ from lmkit.engine.messages import (
     make_engine_decoder,
     numeric_stats,
 )
+from lmkit.engine.output_sender import OutputSender
 from lmkit.errors import InvalidRequestError, LMKitError
 
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
@@ -80,6 +82,7 @@ class EngineCoreProc:
         self.output.setsockopt(zmq.LINGER, 2000)  # let the last outputs leave on exit
         self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_addr)
+        self.sender = OutputSender(self.output)  # from here on, only its thread sends
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
         self.encoder = make_encoder()
@@ -92,8 +95,8 @@ class EngineCoreProc:
         self._last_parent_check = time.monotonic()
 
     def send(self, message: Any) -> None:
-        """Encode and push one message to the frontend."""
-        self.output.send(self.encoder.encode(message), copy=False)
+        """Encode one message and queue it for the frontend (the output thread sends)."""
+        self.sender.send(self.encoder.encode(message))
 
     def run(self) -> None:
         """The busy loop: drain input, step while there is work, report stats."""
@@ -117,7 +120,9 @@ class EngineCoreProc:
             self._check_parent()
 
     def close(self) -> None:
-        """Close both sockets (pending outputs get LINGER time to leave)."""
+        """Send what is queued, then close both sockets (pending outputs get LINGER time
+        to leave)."""
+        self.sender.close()
         self.input.close()
         self.output.close()
 

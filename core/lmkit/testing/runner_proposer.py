@@ -9,9 +9,11 @@ Properties:
 * ``interface``: the class subclasses ``RunnerProposer``, its spec declares
   ``hidden_states`` or ``own_kv_cache`` (what makes the runner host it) and
   ``num_kv_layers`` is a positive int;
-* ``checked before load``: ``check_target`` accepts the target's config and refuses,
-  with a :class:`~lmkit.errors.ConfigError`, the same config at twice the hidden size
-  (a head reading the target's features cannot fit another width);
+* ``checked before load``: ``check_target`` accepts the target's config (and sets
+  ``target_feature_size``, when it does, to the width of the features the runner hands
+  the catch-up pass: the target's hidden size times ``len(target_layers)`` or 1) and
+  refuses, with a :class:`~lmkit.errors.ConfigError`, the same config at twice the
+  hidden size (a head reading the target's features cannot fit another width);
 * ``end to end``: with the proposer installed as a plugin, greedy outputs of ``LLM``
   with it equal those without it, and drafts were verified.
 """
@@ -72,6 +74,12 @@ def checked_before_load(t: Target, head_dir: str | Path, model_dir: str | Path) 
     except ConfigError as e:
         raise t.fail(SUITE, "checked before load", "the target the head was made for",
                      f"check_target refused it: {e}") from e
+    width = target.hidden_size * max(1, len(proposer.target_layers))
+    if proposer.target_feature_size not in (0, width):
+        raise t.fail(SUITE, "checked before load", "target_feature_size after check_target",
+                     f"{proposer.target_feature_size}, but the runner hands the catch-up pass "
+                     f"features of width {width} (hidden size {target.hidden_size} x "
+                     f"{max(1, len(proposer.target_layers))} layers); set it to that, or 0")
     wide = copy.deepcopy(target)
     wide.hidden_size = 2 * target.hidden_size
     wide.intermediate_size = 2 * target.intermediate_size

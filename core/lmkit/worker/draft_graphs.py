@@ -1,13 +1,21 @@
-"""CUDA graphs for a draft head's draft passes.
+"""CUDA graphs for a draft head's passes: its catch-up pass and its draft passes.
 
-After the catch-up pass, an EAGLE head drafts ``k - 1`` more tokens, each a pass of one
-query token per drafting request, fed the previous draft and the head's own output.
-Eagerly, each pass is a few dozen short kernels launched from Python: on a small
-target that costs as much as the target's own (captured) decode step. Those passes
-have the shape of a decode step, so they replay through a :class:`CudaGraphRunner`
-over the head, with the head's features in a fixed buffer: :class:`HeadPass` adapts
-``proposer.forward(ids, positions, features, ctx)`` to the graph runner's
-``model(ids, positions, ctx)``.
+After the target's verification step the head runs a catch-up pass over the positions
+the target kept (after a decode or verification step: at most ``1 + k`` per request),
+then drafts ``k - 1`` more tokens, each a pass of one query token per drafting request,
+fed the previous draft and the head's own output. Eagerly, each pass is a few dozen
+short kernels launched from Python: on a small target that costs as much as the
+target's own (captured) decode step. Those passes have the shape of a decode step, so
+they replay through a :class:`CudaGraphRunner` over the head, with the head's features
+in a fixed buffer: :class:`HeadPass` adapts ``proposer.forward(ids, positions,
+features, ctx)`` to the graph runner's ``model(ids, positions, ctx)``.
+
+Two runners per head: the draft passes' (features of the head's width, one row per
+drafting request) and the catch-up pass's (features of the target's width,
+:attr:`~lmkit.api.RunnerProposer.target_feature_size`), which replays *flattened* like
+the target's verification steps (see :mod:`lmkit.worker.cuda_graphs`): one decode row
+per kept position ``p``, ``seq_len = p + 1``, its request's block table. Prefill
+chunks and larger steps catch up eagerly.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 
 from lmkit.api.kv_cache_spec import one_kv_cache_group
 from lmkit.api.model import ForwardContext
-from lmkit.worker.cuda_graphs import CudaGraphRunner
+from lmkit.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner
 
 if TYPE_CHECKING:
     from lmkit.api.kv_cache_spec import KVCacheGroup
@@ -53,59 +61,82 @@ class HeadPass:
 
 
 class DraftPassGraphs:
-    """Captured draft passes of one head, one graph per padded number of requests.
+    """Captured passes of one head over features of one width, one graph per padded
+    number of rows (decode rows: one query token each).
 
     Args:
         proposer: the loaded head.
         kv_caches: the head's KV caches (fixed for the graphs' lifetime).
-        width: the head's hidden size; ``dtype``: its activations' dtype.
+        width: the features' width: the head's hidden size (draft passes) or
+            :attr:`~lmkit.api.RunnerProposer.target_feature_size` (the catch-up pass);
+            ``dtype``: their dtype.
         device: the CUDA device (any device with ``use_graphs=False``).
-        max_num_seqs: the most requests that draft in one step.
+        max_rows: the most rows of one pass (at most
+            :data:`~lmkit.worker.cuda_graphs.MAX_CAPTURE_SIZE` are captured).
         max_model_len: the context limit; ``block_size``: tokens per KV block.
         use_graphs: ``False`` runs the same padded, fixed-buffer passes eagerly (tests).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
-                 dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+                 dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True) -> None:
-        self.head = HeadPass(proposer, max_num_seqs, width, dtype, device)
-        self.runner = CudaGraphRunner(self.head, kv_caches, device, max_num_seqs,
-                                      max_model_len, block_size, use_graphs=use_graphs)
+        self.width = width
+        # rows for the largest captured size (the features of passes past it: eager)
+        self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device)
+        self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
+                                      block_size, use_graphs=use_graphs)
         self.num_passes = 0  # passes run through :meth:`run`
 
     @property
     def max_rows(self) -> int:
-        """The most requests one replayed pass takes."""
+        """The most rows one replayed pass takes."""
         return self.runner.max_bs
+
+    @property
+    def max_blocks(self) -> int:
+        """The widest block table a replayed pass takes."""
+        return self.runner.max_blocks
+
+    def feature_rows(self, n: int) -> torch.Tensor:
+        """The fixed feature buffer's first ``n`` rows, for a caller to fill in place
+        (then :meth:`run` with ``features=None``)."""
+        return self.head.features[:n]
 
     def capture(self) -> None:
         """Capture the graphs (no-op without ``use_graphs``)."""
         self.runner.capture()
 
-    def run(self, draft_ids: torch.Tensor, features: torch.Tensor, positions: np.ndarray,
-            slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
-        """One draft pass of ``n`` requests (``n <= max_rows``): token ``draft_ids[i]``
-        (device) at ``positions[i]`` with ``features[i]``, its K/V written to
-        ``slots[i]``, attending over ``block_tables[i]`` up to and including itself.
-        Returns the head's output ``[n, width]``, a view valid until the next pass."""
+    def run(self, input_ids: torch.Tensor | np.ndarray, features: torch.Tensor | None,
+            positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """One pass of ``n`` decode rows (``n <= max_rows``): token ``input_ids[i]``
+        (int64, on the device, e.g. the previous pass's drafts, or on the host) at
+        ``positions[i]`` with ``features[i]`` (``None``: already in
+        :meth:`feature_rows`), its K/V written to ``slots[i]``, attending over
+        ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
+        Returns the head's output ``[n, hidden]``, a view valid until the next pass."""
         n = len(positions)
-        self.head.features[:n].copy_(features)
+        if features is not None:
+            self.head.features[:n].copy_(features)
         self.num_passes += 1
-        return self.runner.run_decode(None, positions, slots, (positions + 1).astype(np.int32),
-                                      block_tables, device_input_ids=draft_ids)
+        seq_lens = (positions + 1).astype(np.int32)
+        if isinstance(input_ids, torch.Tensor):
+            return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
+                                          device_input_ids=input_ids)
+        return self.runner.run_decode(input_ids, positions, slots, seq_lens, block_tables)
 
 
-def maybe_capture_draft_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
-                               target_graphs: CudaGraphRunner | None, k: int, width: int,
-                               dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
-                               block_size: int) -> DraftPassGraphs | None:
-    """Graphs for the head's draft passes when the target's decode runs in graphs (the
-    same conditions: CUDA, a backend that can be captured, not ``enforce_eager``) and
-    there is more than one draft; else ``None`` (the passes run eagerly)."""
-    if target_graphs is None or k < 2:
+def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
+                         target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
+                         max_rows: int, max_model_len: int,
+                         block_size: int) -> DraftPassGraphs | None:
+    """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
+    rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
+    that can be captured, not ``enforce_eager``); else ``None`` (the passes run
+    eagerly)."""
+    if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
-                             max_num_seqs, max_model_len, block_size,
+                             max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs)
     graphs.capture()
     return graphs

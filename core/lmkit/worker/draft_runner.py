@@ -17,9 +17,15 @@ target's forward and verification (:meth:`DraftRunner.propose`):
    device between passes; one device-to-host copy returns them all.
 
 Everything planned here is known on the host before the passes run (the accepted
-counts were read with the sampled tokens), so the passes add no host round trip.
-Draft positions stop at the request's allocated blocks (the scheduler reserves ``k``
-lookahead slots) and at ``max_model_len``.
+counts were read with the sampled tokens), so the passes add no host round trip: the
+index arrays go to the device through pinned staging (:mod:`lmkit.worker.staging`),
+and the one synchronisation is the final copy of the drafts. Draft positions stop at
+the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) and at
+``max_model_len``.
+
+When the target's decode runs in CUDA graphs, so do the head's passes
+(:mod:`lmkit.worker.draft_graphs`): the draft passes, and the catch-up pass after a
+decode or verification step (at most ``1 + k`` kept positions per request), flattened.
 
 Prefix caching: a request that starts on cached blocks reuses the head KV that the
 request which computed those blocks wrote there (the head runs for every computed
@@ -43,7 +49,8 @@ from lmkit.api.model import CausalLM, ForwardContext
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
 from lmkit.errors import ConfigError, PluginError
 from lmkit.worker import memory
-from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_draft_passes
+from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
+from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
@@ -131,6 +138,10 @@ class DraftRunner:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DraftPassGraphs | None = None  # the k - 1 draft passes, captured
+        self.catch_up_graphs: DraftPassGraphs | None = None  # decode-like catch-up passes
+        self.staging = StepStaging(device)  # each step's index arrays, to the device
+        self.num_eager_catch_ups = 0  # catch-up passes run eagerly (prefill, large steps)
+        self.num_flattened_catch_ups = 0  # replayed ones with several rows of one request
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
@@ -158,13 +169,23 @@ class DraftRunner:
 
     def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
                        dtype: torch.dtype) -> None:
-        """Capture the draft passes in CUDA graphs when the target's decode runs in
-        graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly)."""
+        """Capture the head's passes in CUDA graphs when the target's decode runs in
+        graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly):
+        the ``k - 1`` draft passes (one row per request, with ``hidden_size``) and, with
+        ``target_feature_size``, decode-like catch-up passes (one row per kept position,
+        up to ``1 + k`` per request)."""
         proposer = self.proposer
-        if proposer.supports_cuda_graphs and proposer.hidden_size > 0:
-            self.graphs = maybe_capture_draft_passes(
-                proposer, self.kv_caches, target_graphs, self.k, proposer.hidden_size, dtype,
-                max_num_seqs, self.max_model_len, self.block_size)
+        if not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
+            return
+        args = (self.max_model_len, self.block_size)
+        if self.k >= 2:
+            self.graphs = maybe_capture_passes(proposer, self.kv_caches, target_graphs,
+                                               proposer.hidden_size, dtype, max_num_seqs,
+                                               *args)
+        if proposer.target_feature_size > 0:
+            self.catch_up_graphs = maybe_capture_passes(
+                proposer, self.kv_caches, target_graphs, proposer.target_feature_size, dtype,
+                max_num_seqs * (1 + self.k), *args)
 
     # ------------------------------------------------------------------ one step
 
@@ -187,6 +208,7 @@ class DraftRunner:
         sel = np.flatnonzero(num_kept > 0)
         if not len(sel):
             return {}
+        self.staging.begin()
         kept = num_kept[sel]
         rows = step.rows[sel]
         num_computed = step.num_computed[sel]
@@ -200,9 +222,11 @@ class DraftRunner:
         input_ids = self.input_batch.token_ids[token_rows, positions + 1]  # the token after
         slots = step.slot_mapping.numpy()[keep]
         seq_lens = num_computed + kept
-        tables = self._block_tables(rows, int(seq_lens.max()) + self.k)
-        out = self._run(input_ids, positions, slots, features.index_select(0, self._put(keep)),
-                        cu_kept, seq_lens, tables)
+        table = self.input_batch.block_table
+        width = min(table.shape[1], -(-(int(seq_lens.max()) + self.k) // self.block_size))
+        tables = table[rows, :width]  # wide enough for every draft position
+        out = self._catch_up(features, keep, input_ids, positions, slots, kept, seq_lens,
+                             tables)
 
         drafter = np.flatnonzero(drafting[sel])
         if not len(drafter):
@@ -210,61 +234,83 @@ class DraftRunner:
         last = seq_lens[drafter] - 1  # each drafting request's last kept position
         capacity = np.minimum(self.input_batch.num_blocks[rows[drafter]] * self.block_size,
                               self.max_model_len)
-        num_drafts = np.minimum(self.k, capacity - last)  # draft j writes position last + j
-        feat = out.index_select(0, self._put(cu_kept[drafter] - 1))
-        drafts = torch.zeros(len(drafter), self.k, dtype=torch.int64, device=self.device)
-        drafts[:, 0] = self.proposer.compute_logits(feat).argmax(dim=-1)
-        draft_tables = tables[self._put(drafter)]
+        num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
+        feat = out.index_select(0, self.staging.put(cu_kept[drafter] - 1))
+        ids = self.proposer.draft_argmax(feat)
+        columns = [ids]  # draft j of the requests still drafting, act_j
+        act = np.arange(len(drafter))
         for j in range(1, self.k):
-            act = np.flatnonzero(num_drafts > j)
-            if not len(act):
+            still = np.flatnonzero(num_drafts[act] > j)  # of act: those with a draft j
+            if not len(still):
                 break
-            act_t = self._put(act)
+            if len(still) < len(act):  # some stop at their blocks: the others' rows
+                index = self.staging.put(still)
+                ids, feat = ids.index_select(0, index), feat.index_select(0, index)
+                act = act[still]
             pos = last[act] + j
-            table_rows = self.input_batch.block_table[rows[drafter[act]], pos // self.block_size]
-            slots = table_rows * self.block_size + pos % self.block_size
+            req_rows = rows[drafter[act]]
+            slots_j = (table[req_rows, pos // self.block_size].astype(np.int64)
+                       * self.block_size + pos % self.block_size)
             if self.graphs is not None and len(act) <= self.graphs.max_rows:
-                host_tables = self.input_batch.block_table[rows[drafter[act]],
-                                                           :draft_tables.shape[1]]
-                h = self.graphs.run(drafts[act_t, j - 1], feat.index_select(0, act_t), pos,
-                                    slots.astype(np.int64), host_tables)
+                feat = self.graphs.run(ids, feat, pos, slots_j, tables[drafter[act]])
             else:
-                ones = np.ones(len(act), dtype=np.int64)
-                h = self._run(drafts[act_t, j - 1], pos, slots, feat.index_select(0, act_t),
-                              np.cumsum(ones), pos + 1, draft_tables.index_select(0, act_t))
-            feat[act_t] = h
-            drafts[act_t, j] = self.proposer.compute_logits(h).argmax(dim=-1)
-        host = drafts.cpu().tolist()  # the one device-to-host copy of the drafts
-        return {int(sel[d]): host[n][:int(num_drafts[n])] for n, d in enumerate(drafter)}
+                feat = self._run(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
+                                 pos + 1, tables[drafter[act]])
+            ids = self.proposer.draft_argmax(feat)
+            columns.append(ids)
+        flat = torch.cat(columns).cpu().numpy()  # the one device-to-host copy of the drafts
+        drafts = np.zeros((len(drafter), self.k), dtype=np.int64)
+        start = 0
+        for j, column in enumerate(columns):  # act_j: the requests with more than j drafts
+            act_j = np.flatnonzero(num_drafts > j) if j else np.arange(len(drafter))
+            drafts[act_j, j] = flat[start:start + len(column)]
+            start += len(column)
+        return {int(sel[d]): drafts[n, :int(num_drafts[n])].tolist()
+                for n, d in enumerate(drafter)}
+
+    def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,
+                  positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,
+                  seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """The catch-up pass over the kept rows ``keep`` of ``features``; returns the
+        head's output per kept position. After a decode or verification step (at most
+        ``1 + k`` kept per request) it replays the catch-up graphs, flattened: one decode
+        row per position, its request's block table; else it runs eagerly."""
+        graphs = self.catch_up_graphs
+        index = self.staging.put(keep)
+        if (graphs is not None and len(keep) <= graphs.max_rows
+                and int(kept.max()) <= 1 + self.k and tables.shape[1] <= graphs.max_blocks):
+            if features.shape[1] != graphs.width:
+                raise PluginError(
+                    f"speculative proposer {type(self.proposer).__qualname__} declares "
+                    f"target_feature_size {graphs.width}, but the target hands its catch-up "
+                    f"pass features of width {features.shape[1]}; set it in check_target to "
+                    "the target's hidden size times len(target_layers) (or 1)")
+            torch.index_select(features, 0, index, out=graphs.feature_rows(len(keep)))
+            self.num_flattened_catch_ups += int(kept.max()) > 1
+            return graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+        self.num_eager_catch_ups += 1
+        return self._run(input_ids, positions, slots, features.index_select(0, index),
+                         np.cumsum(kept), seq_lens, tables)
 
     def _run(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
              slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,
-             seq_lens: np.ndarray, tables: torch.Tensor) -> torch.Tensor:
-        """Plan the head's attention for one pass and run it; returns its features."""
+             seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """Plan the head's attention for one pass and run it eagerly; returns its
+        features."""
+        put = self.staging.put
         qsl = np.zeros(len(cu_query) + 1, dtype=np.int32)
         qsl[1:] = cu_query
         query_lens = np.diff(qsl)
-        qsl_cpu = torch.from_numpy(qsl)
-        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        seq_lens = seq_lens.astype(np.int32)
         md = AttentionMetadata(
             num_reqs=len(seq_lens), num_actual_tokens=int(qsl[-1]),
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(self.device), seq_lens=seq_cpu.to(self.device),
-            block_tables=tables, slot_mapping=self._put(slots),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
+            query_start_loc=put(qsl, torch.int32), seq_lens=put(seq_lens, torch.int32),
+            block_tables=put(tables, torch.int32), slot_mapping=put(slots),
+            query_start_loc_cpu=torch.from_numpy(qsl), seq_lens_cpu=torch.from_numpy(seq_lens),
             num_decodes=int(np.argmax(query_lens != 1)) if (query_lens != 1).any()
             else len(query_lens))
         self.proposer.attn.plan(md)
-        ids = input_ids if isinstance(input_ids, torch.Tensor) else self._put(input_ids)
-        return self.proposer.forward(ids, self._put(positions), features,
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else put(input_ids)
+        return self.proposer.forward(ids, put(positions), features,
                                      ForwardContext(self.proposer.attn, self.kv_caches))
-
-    def _block_tables(self, rows: np.ndarray, max_len: int) -> torch.Tensor:
-        """The rows' block tables, wide enough for positions below ``max_len``."""
-        table = self.input_batch.block_table
-        width = min(table.shape[1], -(-max_len // self.block_size))
-        return self._put(table[rows, :width], torch.int32)
-
-    def _put(self, array: np.ndarray | Sequence[int],
-             dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(array)).to(self.device, dtype)

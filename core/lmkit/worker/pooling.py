@@ -72,8 +72,12 @@ class PoolingRequests:
     def pool_step(self, hidden: torch.Tensor, order: list[str], step: StepInputs
                   ) -> dict[str, Any]:
         """Fold this step's chunks into their requests' states; return the finished
-        requests' outputs (truncated to ``dimensions``, normalized), as lists."""
+        requests' outputs (truncated to ``dimensions``, normalized), as lists.
+
+        Vectors of the same size and parameters are finalized together (one stack,
+        one normalization and one ``tolist`` per group, not per request)."""
         done: dict[str, Any] = {}
+        batches: dict[tuple[Any, ...], tuple[PoolingParams, list[str], list[torch.Tensor]]] = {}
         for i, rid in enumerate(order):
             entry = self.states.get(rid)
             if entry is None:
@@ -90,8 +94,19 @@ class PoolingRequests:
                     continue
                 out = entry.pooler.finish(entry.state, entry.num_prompt_tokens)
             del self.states[rid]
-            done[rid] = finalize(out, entry.params).tolist()
-        return done
+            if out.dim() != 1:  # per-token outputs ([n, dim]): one at a time
+                done[rid] = finalize(out, entry.params).tolist()
+                continue
+            key = (out.shape[0], out.dtype, entry.params.dimensions, entry.params.normalize)
+            batch = batches.setdefault(key, (entry.params, [], []))
+            batch[1].append(rid)
+            batch[2].append(out)
+        if not batches:
+            return done
+        for params, rids, outs in batches.values():
+            vectors = finalize(torch.stack(outs), params).tolist()
+            done.update(zip(rids, vectors, strict=True))
+        return {rid: done[rid] for rid in order if rid in done}  # in step order
 
 
 def finalize(out: torch.Tensor, params: PoolingParams) -> torch.Tensor:

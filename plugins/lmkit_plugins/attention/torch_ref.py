@@ -12,7 +12,7 @@ that share a KV head are folded into the query axis, so K/V are never repeated.
 Query token ``i`` of a request whose context before this step is ``c`` sits at position
 ``c + i`` and sees the keys at positions ``<= c + i`` (and ``> c + i - window`` with a
 sliding window); built with ``causal=False`` (an encoder), every query sees all of its
-request's keys. The backend reads only blocks listed in ``block_tables``; stale slots in
+request's keys (an encoder step is planned in :mod:`lmkit_plugins.attention.encoder_groups`). The backend reads only blocks listed in ``block_tables``; stale slots in
 a request's last block are masked out. KV caches must be allocated zeroed (the model
 runner does), so that masked-out padding never holds NaN bit patterns.
 """
@@ -26,7 +26,15 @@ import torch
 import torch.nn.functional as F
 from lmkit.api import AttentionBackend, AttentionMetadata
 
-Rows = slice | torch.Tensor  # token or request rows: a slice when contiguous
+from lmkit_plugins.attention.encoder_groups import (
+    MAX_LENGTH_GROUPS,
+    BidirectionalGroup,
+    BidirectionalPlan,
+    Rows,
+    contiguous_rows,
+    fused_qkv_rows,
+    plan_bidirectional,
+)
 
 
 @dataclass
@@ -45,80 +53,11 @@ class _Group:
 
 
 @dataclass
-class _BidirectionalGroup:
-    """Requests of an encoder step attended by one padded SDPA call."""
-
-    num_reqs: int
-    max_query_len: int
-    rows: Rows  # packed token rows, [num_reqs * max_query_len] when padded
-    valid_rows: torch.Tensor | None  # rows of the padded output that are real tokens
-    out_rows: Rows  # packed token rows the valid outputs go to
-    mask: torch.Tensor | None  # additive [num_reqs, 1, 1, max_q]: -inf on padding keys
-
-
-@dataclass
-class _BidirectionalPlan:
-    """A non-causal step in which every request's keys are all this step's tokens:
-    its requests in groups of similar length (see :func:`length_groups`)."""
-
-    num_tokens: int
-    groups: list[_BidirectionalGroup]
-    covers_all: bool  # one group, all tokens in order, no padding
-
-
-# length_groups' estimate of one SDPA call's fixed cost, in padded (query, key) pairs
-# per head: about one 64-token request's worth
-_CALL_COST = 64 * 64
-_MAX_GROUPS = 8
-# In bfloat16 on the CPU, encoder groups are padded to a multiple of this many tokens:
-# torch's CPU flash-attention kernel runs sequence lengths that are multiples of 16 two
-# to four times faster than the lengths just below them (head size 32: 16 x 12 heads
-# at 46 tokens 1.7 ms, at 48 tokens 0.9 ms; at 15 tokens slower than at 16), so the
-# masked padding costs less than it saves (MiniLM batches of 64: 1.1x the texts/s in
-# bfloat16; in float32, where the matmuls dominate, no gain was measured)
-_CPU_SDPA_ALIGN = 16
-
-
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
-def length_groups(lens: np.ndarray, max_groups: int = _MAX_GROUPS, align: int = 1
-                  ) -> list[np.ndarray]:
-    """Split requests of (key) lengths ``lens`` into groups attended by one padded call
-    each: sorted by length, cut into 1, 2, 4 or 8 runs of equal count, whichever has
-    the smallest estimated cost (padded query-key pairs plus :data:`_CALL_COST` per
-    call; each group padded to a multiple of ``align``). Padding every request of a
-    step to the longest wastes most of the attention work when lengths vary (MiniLM
-    batches of 6 to 40 word sentences: 2.7x the real pairs); one call per request
-    costs a call per request per layer."""
-    order = np.argsort(lens, kind="stable")
-    best = [order]
-    best_cost = float(len(lens) * _round_up(int(lens.max()), align) ** 2 + _CALL_COST)
-    k = 2
-    while k <= min(max_groups, len(lens)):
-        parts = np.array_split(order, k)
-        cost = (sum(len(p) * _round_up(int(lens[p[-1]]), align) ** 2 for p in parts)
-                + _CALL_COST * k)
-        if cost < best_cost:
-            best, best_cost = parts, cost
-        k *= 2
-    return best
-
-
-@dataclass
 class _Plan:
     num_tokens: int
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     groups: list[_Group]
     covers_all: bool  # one group, all tokens in order, no padding: return its output as is
-
-
-def _contiguous(idx: np.ndarray) -> slice | None:
-    """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1``, else None."""
-    if len(idx) and idx[-1] - idx[0] == len(idx) - 1:
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return None
 
 
 class TorchAttention(AttentionBackend):
@@ -139,9 +78,9 @@ class TorchAttention(AttentionBackend):
                              f"num_kv_heads={self.num_kv_heads}")
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self._plan: _Plan | None = None
-        self._bidirectional: _BidirectionalPlan | None = None
+        self._bidirectional: BidirectionalPlan | None = None
         # encoder steps: at most this many padded calls, over requests of similar length
-        self.max_length_groups = _MAX_GROUPS
+        self.max_length_groups = MAX_LENGTH_GROUPS
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(2, num_blocks, block_size, num_kv_heads, head_size)``."""
@@ -176,43 +115,8 @@ class TorchAttention(AttentionBackend):
         self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
 
     def _plan_bidirectional(self, md: AttentionMetadata, lens: np.ndarray
-                            ) -> _BidirectionalPlan:
-        """The step's requests in groups of similar length (:func:`length_groups`), each
-        padded to its longest (in bfloat16 on the CPU rounded up to a multiple of
-        :data:`_CPU_SDPA_ALIGN`), with an additive mask hiding the padding keys."""
-        device = md.block_tables.device
-        num_reqs, n = md.num_reqs, int(lens.sum())
-        align = (_CPU_SDPA_ALIGN if device.type == "cpu" and self.dtype == torch.bfloat16
-                 else 1)
-        if (num_reqs == 1 or bool((lens == lens[0]).all())) and lens[0] % align == 0:
-            rows = slice(0, n)
-            return _BidirectionalPlan(n, [_BidirectionalGroup(num_reqs, int(lens[0]), rows,
-                                                              None, rows, None)], True)
-        starts = md.query_start_loc_cpu[:num_reqs].numpy().astype(np.int64)
-        groups = []
-        for reqs in length_groups(lens, self.max_length_groups, align):
-            g_lens, g_starts = lens[reqs], starts[reqs]
-            max_q = _round_up(int(g_lens.max()), align)
-            if len(reqs) == 1 and g_lens[0] == max_q:
-                rows = slice(int(g_starts[0]), int(g_starts[0]) + max_q)
-                groups.append(_BidirectionalGroup(1, max_q, rows, None, rows, None))
-                continue
-            offsets = np.arange(max_q)
-            padded = (g_starts[:, None] + np.minimum(offsets[None, :], g_lens[:, None] - 1)
-                      ).reshape(-1)
-            valid = (offsets[None, :] < g_lens[:, None]).reshape(-1)
-            mask = None
-            if not bool((g_lens == max_q).all()):
-                mask = torch.zeros(len(reqs), 1, 1, max_q, dtype=self.dtype)
-                mask.masked_fill_(torch.from_numpy(~valid.reshape(len(reqs), 1, 1, max_q)),
-                                  float("-inf"))
-                mask = mask.to(device)
-            dest = padded[valid]
-            groups.append(_BidirectionalGroup(
-                len(reqs), max_q, torch.from_numpy(padded).to(device),
-                None if mask is None else torch.from_numpy(np.flatnonzero(valid)).to(device),
-                _contiguous(dest) or torch.from_numpy(dest).to(device), mask))
-        return _BidirectionalPlan(n, groups, False)
+                            ) -> BidirectionalPlan:
+        return plan_bidirectional(md, lens, self.dtype, self.max_length_groups)
 
     def _plan_decodes(self, md: AttentionMetadata, seq_lens: np.ndarray) -> _Group:
         """:meth:`_plan_group` for a step whose every request decodes one token (the
@@ -235,7 +139,7 @@ class TorchAttention(AttentionBackend):
         q_lens, s_lens = query_lens[reqs], seq_lens[reqs]
         max_q, kv_len = int(q_lens.max()), int(s_lens.max())
         num_kv_blocks = -(-kv_len // self.block_size)
-        req_slice = _contiguous(reqs)
+        req_slice = contiguous_rows(reqs)
         if req_slice is not None:
             tables = md.block_tables[req_slice, :num_kv_blocks]
         else:
@@ -244,7 +148,7 @@ class TorchAttention(AttentionBackend):
 
         starts = qsl[reqs]
         if max_q == 1:  # decodes: one row each, no padding
-            rows: Rows = _contiguous(starts) or torch.from_numpy(starts).to(device)
+            rows: Rows = contiguous_rows(starts) or torch.from_numpy(starts).to(device)
             query_rows, out_rows, valid_rows = rows, rows, None
         elif num_reqs == 1:
             rows = slice(int(starts[0]), int(starts[0]) + max_q)
@@ -256,7 +160,7 @@ class TorchAttention(AttentionBackend):
             query_rows = torch.from_numpy(padded.reshape(-1)).to(device)
             valid_rows = torch.from_numpy(np.flatnonzero(valid)).to(device)
             dest = padded.reshape(-1)[valid]
-            out_rows = _contiguous(dest) or torch.from_numpy(dest).to(device)
+            out_rows = contiguous_rows(dest) or torch.from_numpy(dest).to(device)
 
         mask = None
         needs_mask = ((max_q > 1 and (self.causal or num_reqs > 1))
@@ -344,37 +248,48 @@ class TorchAttention(AttentionBackend):
                               dtype=torch.promote_types(scores.dtype, torch.float32))
         return torch.matmul(probs.to(value.dtype), value)
 
-    def _attend_bidirectional(self, b: _BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
+    def _attend_bidirectional(self, b: BidirectionalPlan, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor) -> torch.Tensor:
-        """Every request's queries over all of its keys, from this step's k/v."""
+        """Every request's queries over all of its keys, from this step's k/v. Each group's
+        padded output is copied once, whole, into the output: its padding rows land in
+        spare rows after the tokens', which are then cut off (a view)."""
+        fused = fused_qkv_rows(q, k, v)
         if b.covers_all:
-            return self._attend_group(b.groups[0], q, k, v)
-        out = q.new_empty(q.shape[0], self.num_heads, self.head_size)
+            return self._attend_group(b.groups[0], q, k, v, fused)
+        out = q.new_empty(b.num_tokens + b.num_padding, self.num_heads, self.head_size)
         for g in b.groups:
-            o = self._attend_group(g, q, k, v)
+            o = self._attend_group(g, q, k, v, fused)
             if isinstance(g.out_rows, slice):
                 out[g.out_rows] = o
             else:
                 out.index_copy_(0, g.out_rows, o)
-        return out
+        return out[:b.num_tokens]
 
-    def _attend_group(self, g: _BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
-        """One group's padded call; returns its valid rows ``[tokens, heads, d]``."""
+    def _attend_group(self, g: BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, fused: torch.Tensor | None) -> torch.Tensor:
+        """One group's padded call; returns its output ``[num_reqs * max_q, heads, d]``
+        (padding rows included). ``fused``: q, k and v as one ``[tokens, width]`` row view
+        (see :func:`fused_qkv_rows`), gathered in one call when given."""
         r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             return x[g.rows] if isinstance(g.rows, slice) else x.index_select(0, g.rows)
 
-        query = (rows(q).reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
+        if fused is not None:  # one gather; q, k, v are column slices of its rows
+            qkv = rows(fused)
+            qw, kw = self.num_heads * d, hkv * d
+            gq_rows, gk_rows, gv_rows = (qkv[:, :qw], qkv[:, qw:qw + kw],
+                                         qkv[:, qw + kw:qw + 2 * kw])
+        else:
+            gq_rows, gk_rows, gv_rows = rows(q), rows(k), rows(v)
+        query = (gq_rows.reshape(r, max_q, hkv, gq, d).permute(0, 2, 3, 1, 4)
                  .reshape(r, hkv, gq * max_q, d))
-        key = rows(k).reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
-        value = rows(v).reshape(r, max_q, hkv, d).transpose(1, 2)
+        key = gk_rows.reshape(r, max_q, hkv, d).transpose(1, 2)  # [R, hkv, max_q, d]
+        value = gv_rows.reshape(r, max_q, hkv, d).transpose(1, 2)
         o = self._sdpa(query, key, value, g.mask)
-        o = (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
-             .reshape(r * max_q, self.num_heads, d))
-        return o if g.valid_rows is None else o.index_select(0, g.valid_rows)
+        return (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
+                .reshape(r * max_q, self.num_heads, d))
 
     def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""

@@ -88,6 +88,7 @@ class EagleProposer(RunnerProposer):
         if problems:
             raise ConfigError(f"the EAGLE head at {ckpt.model_dir} does not fit the target "
                               f"model: {'; '.join(problems)}")
+        self.target_feature_size = target.hidden_size  # the target's final hidden states
 
     def load(self, ctx: DraftHeadContext) -> None:
         """Build the head (sharing what the checkpoint omits) and load its weights."""

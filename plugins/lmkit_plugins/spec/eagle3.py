@@ -116,6 +116,7 @@ class Eagle3Proposer(RunnerProposer):
             raise ConfigError(f"the EAGLE-3 head at {ckpt.model_dir} does not fit the target "
                               f"model: {'; '.join(problems)}")
         self.target_layers = tuple(layers)
+        self.target_feature_size = len(layers) * target.hidden_size  # fc's input
 
     def load(self, ctx: DraftHeadContext) -> None:
         """Build the head (sharing the target's embedding unless it has its own) and
@@ -141,6 +142,10 @@ class Eagle3Proposer(RunnerProposer):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         assert self.head is not None, "load() first"
         return self.head.compute_logits(hidden_states)
+
+    def draft_argmax(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert self.head is not None, "load() first"
+        return self.head.draft_argmax(hidden_states)
 
 
 class Eagle3Head(nn.Module):
@@ -180,6 +185,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.ones(dims.vocab_size, dtype=torch.bool,
                                                device=device))
         self.target_ids: torch.Tensor | None = None  # by map_vocabulary
+        self.ids_ascending = True  # target_ids in draft-id order are ascending
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -207,6 +213,15 @@ class Eagle3Head(nn.Module):
         out[:, self.target_ids] = draft
         return out
 
+    def draft_argmax(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n]`` target ids: the argmax over the draft vocabulary,
+        mapped (:meth:`compute_logits`' argmax, without full-vocabulary logits; with
+        ascending ``target_ids`` equal maxima go to the same, lowest id)."""
+        if not self.ids_ascending:
+            return self.compute_logits(hidden_states).argmax(dim=-1)
+        ids = self.lm_head.forward(_normed(self.norm, hidden_states)).argmax(dim=-1)
+        return ids if self.target_ids is None else self.target_ids[ids]
+
     def map_vocabulary(self) -> None:
         """After loading: the target id of each draft id (``None``: the same ids)."""
         ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
@@ -215,6 +230,7 @@ class Eagle3Head(nn.Module):
             raise ModelLoadError(f"EAGLE-3 head d2t maps draft ids outside the target's "
                                  f"vocabulary [0, {self.vocab_size})")
         self.target_ids = None if same else ids
+        self.ids_ascending = same or bool((ids[1:] > ids[:-1]).all())
 
     def weight_targets(self, names: set[str]) -> dict[str, Loader]:
         """EAGLE-3 checkpoint name -> how to load it (``d2t`` / ``t2d`` when present)."""

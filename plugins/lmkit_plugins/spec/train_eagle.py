@@ -350,9 +350,23 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:
-    """A rich progress bar on stderr (``update(step, loss)``); a no-op when disabled."""
+    """Training progress on stderr (``update(step, loss)``): a rich bar on a terminal,
+    else one line per tenth of the steps (``lmkit: training EAGLE-3 head: step 80 of
+    800 (10%), loss 5.8213, 14 s``), so logs show it too; a no-op when disabled."""
     if not enabled:
         return lambda step, loss: None
+    import sys
+    import time
+
+    if not sys.stderr.isatty():
+        began, every = time.monotonic(), max(1, total // 10)
+
+        def line(step: int, loss: float) -> None:
+            if step % every == 0 or step >= total:
+                print(f"lmkit: training EAGLE-3 head: step {step} of {total} "
+                      f"({100 * step // max(total, 1)}%), loss {loss:.4f}, "
+                      f"{time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+        return line
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 

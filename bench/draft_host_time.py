@@ -1,0 +1,146 @@
+"""Host time of a draft head's step (``DraftRunner.propose``) on the CPU, before and
+after a change: the draft runner of git revision ``--rev`` against the working tree's,
+on the tiny random Llama with a random EAGLE / EAGLE-3 head (``lmkit.testing``).
+
+One process builds two engines per mode, one with each draft runner, and runs the same
+greedy requests on them alternately (``--rounds`` times, the first side alternating),
+timing every ``propose`` call. Modes: ``eager`` (the CPU's default: no graph runners)
+and ``padded`` (the target's verification steps and the head's passes through the
+graph runners' padded, fixed-buffer path with ``use_graphs=False``: the code path CUDA
+graphs take, run eagerly). On the CPU everything is synchronous: this measures Python
+and operator overhead plus the tiny model's compute, not GPU time::
+
+    OMP_NUM_THREADS=1 python bench/draft_host_time.py --rev 40e43c0 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
+           "abcabcabcabc"]
+
+
+def old_draft_runner(rev: str, tmp: Path) -> Any:
+    """The ``DraftRunner`` class of revision ``rev`` (its draft_graphs module beside it)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def load(name: str, path: str, replace: tuple[str, str] | None = None) -> Any:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        if replace:
+            text = text.replace(*replace)
+        file = tmp / f"{name}.py"
+        file.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    load("old_draft_graphs", "core/lmkit/worker/draft_graphs.py")
+    return load("old_draft_runner", "core/lmkit/worker/draft_runner.py",
+                ("from lmkit.worker.draft_graphs import", "from old_draft_graphs import")
+                ).DraftRunner
+
+
+def padded_capture() -> Any:
+    """``maybe_capture`` for the CPU: graph runners with ``use_graphs=False``."""
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+
+    def capture(config, stack, model, kv_caches, device, max_model_len, aux_layers=()):
+        return CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
+                               max_model_len, config.cache.block_size, use_graphs=False,
+                               max_query_len=1 + config.speculative.num_speculative_tokens,
+                               aux_layers=aux_layers)
+    return capture
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rev", default="40e43c0", help="the 'before' git revision")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--proposers", nargs="+", default=["eagle", "eagle3"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "padded"])
+    args = parser.parse_args()
+
+    import lmkit.worker.model_runner as model_runner
+    import torch
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
+    from lmkit.testing.tiny_model import make_tiny_model
+    from lmkit.worker.draft_runner import DraftRunner
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+
+    torch.set_num_threads(1)
+    plan = TorchAttention.plan
+
+    def plan_scratch_padding(self, metadata):  # padding rows' writes to the null block
+        plan(self, metadata)
+        self._plan.slot_mapping = self._plan.slot_mapping.clamp(min=0)
+
+    TorchAttention.plan = plan_scratch_padding
+    tmp = Path(tempfile.mkdtemp(prefix="draft-host-time-"))
+    runners = {"before": old_draft_runner(args.rev, tmp), "after": DraftRunner}
+    times: dict[str, list[float]] = {}
+
+    def timed(label: str, propose: Any) -> Any:
+        def wrapper(self, *a):
+            start = time.perf_counter()
+            out = propose(self, *a)
+            times[label].append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    for label, cls in runners.items():
+        cls.propose = timed(label, cls.propose)
+    tiny = make_tiny_model(tmp / "tiny")
+    heads = {"eagle": make_tiny_eagle_head(tmp / "eagle", tiny, layer_std=0.3),
+             "eagle3": make_tiny_eagle3_head(tmp / "eagle3", tiny)}
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    capture = model_runner.maybe_capture
+    print(f"{'proposer':8} {'mode':6} {'batch':>5} {'before us/step':>16} "
+          f"{'after us/step':>15} {'after/before':>12}")
+    for proposer in args.proposers:
+        for mode in args.modes:
+            model_runner.maybe_capture = padded_capture() if mode == "padded" else capture
+            for batch in args.batches:
+                engines, tokens = {}, {}
+                for label, cls in runners.items():
+                    model_runner.DraftRunner = cls
+                    engines[label] = LLM(str(tiny), speculative=proposer,
+                                         speculative_model=str(heads[proposer]),
+                                         num_speculative_tokens=3, num_blocks=128,
+                                         max_num_seqs=batch, device="cpu", dtype="float32",
+                                         max_model_len=64, block_size=4)
+                model_runner.DraftRunner = DraftRunner
+                medians: dict[str, list[float]] = {label: [] for label in runners}
+                for r in range(args.rounds + 1):  # round 0 warms up
+                    order = list(runners) if r % 2 else list(reversed(runners))
+                    for label in order:
+                        times[label] = []
+                        outs = engines[label].generate(PROMPTS, greedy)
+                        tokens[label] = [o.outputs[0].token_ids for o in outs]
+                        if r:
+                            medians[label].append(statistics.median(times[label]) * 1e6)
+                assert tokens["before"] == tokens["after"], "outputs differ"
+                for llm in engines.values():
+                    llm.shutdown()
+                b, a = (statistics.median(medians[k]) for k in ("before", "after"))
+                spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in medians.items()}
+                print(f"{proposer:8} {mode:6} {batch:5d} {b:8.0f} ({spread['before']:>9}) "
+                      f"{a:7.0f} ({spread['after']:>9}) {a / b:10.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

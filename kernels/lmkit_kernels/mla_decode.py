@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lmkit_kernels.paged_decode import decode_split, merge_partials
-from lmkit_kernels.paged_prefill import attention_dot
+from lmkit_kernels.paged_prefill import attention_dot, online_softmax_update
 
 
 @triton.jit(do_not_specialize=["stride_bt_req"])
@@ -96,13 +96,7 @@ def mla_decode_kernel(
             s = (attention_dot(q_lat, tl.trans(c_kv), DOT_IEEE)
                  + attention_dot(q_pe, tl.trans(k_pe), DOT_IEEE)) * scale_log2
             s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + attention_dot(p.to(c_kv.dtype), c_kv, DOT_IEEE)
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, c_kv, DOT_IEEE)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if active == 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lmkit_kernels.paged_prefill import attention_dot
+from lmkit_kernels.paged_prefill import attention_dot, online_softmax_update
 
 
 @triton.jit
@@ -98,13 +98,7 @@ def paged_decode_kernel(
                 v = v.to(tl.float32)
             s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [ROWS, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, DOT_IEEE)
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, DOT_IEEE)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         mask = g_ok[:, None] & d_ok[None, :]

@@ -33,6 +33,20 @@ def attention_dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_update(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
+    """One key tile of an online softmax: ``s`` the tile's log2-scaled scores (hidden
+    keys at ``-inf``), ``v`` its values; returns ``(acc, m, l)`` updated. Rows that have
+    seen no visible key yet keep ``m = -inf`` and are shifted by 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
                  stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
                  scale_log2, offs_d, d_ok,

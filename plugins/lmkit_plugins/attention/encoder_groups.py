@@ -99,6 +99,14 @@ def length_groups(lens: np.ndarray, max_groups: int = MAX_LENGTH_GROUPS, align: 
     return [order[a:b] for a, b in reversed(bounds)]
 
 
+def place_rows(out: torch.Tensor, rows: Rows, values: torch.Tensor) -> None:
+    """Write ``values`` into ``out``'s ``rows`` (a slice: a view copy; else an index copy)."""
+    if isinstance(rows, slice):
+        out[rows] = values
+    else:
+        out.index_copy_(0, rows, values)
+
+
 def contiguous_rows(idx: np.ndarray) -> slice | None:
     """``slice(a, b)`` when ``idx`` is ``a, a+1, ..., b-1`` (in that order), else None."""
     if (len(idx) and idx[-1] - idx[0] == len(idx) - 1

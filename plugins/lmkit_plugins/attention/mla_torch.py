@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from lmkit.api import MLAAttentionBackend
 
+from lmkit_plugins.attention.encoder_groups import place_rows
 from lmkit_plugins.attention.torch_ref import TorchAttention, _Group
 
 
@@ -76,10 +77,7 @@ class MLATorchAttention(MLAAttentionBackend, TorchAttention):
                 o = self._attend_decompressed(group, q_nope, q_pe, kv_cache, w)
             if group.valid_rows is not None:
                 o = o.index_select(0, group.valid_rows)
-            if isinstance(group.out_rows, slice):
-                out[group.out_rows] = o
-            else:
-                out.index_copy_(0, group.out_rows, o)
+            place_rows(out, group.out_rows, o)
         return out
 
     # ------------------------------------------------------------------ attend

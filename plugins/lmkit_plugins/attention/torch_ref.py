@@ -33,6 +33,7 @@ from lmkit_plugins.attention.encoder_groups import (
     Rows,
     contiguous_rows,
     fused_qkv_rows,
+    place_rows,
     plan_bidirectional,
 )
 
@@ -222,10 +223,7 @@ class TorchAttention(AttentionBackend):
             o = self._attend(group, q, kv_cache)
             if group.valid_rows is not None:
                 o = o.index_select(0, group.valid_rows)
-            if isinstance(group.out_rows, slice):
-                out[group.out_rows] = o
-            else:
-                out.index_copy_(0, group.out_rows, o)
+            place_rows(out, group.out_rows, o)
         return out
 
     def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -259,10 +257,7 @@ class TorchAttention(AttentionBackend):
         out = q.new_empty(b.num_tokens + b.num_padding, self.num_heads, self.head_size)
         for g in b.groups:
             o = self._attend_group(g, q, k, v, fused)
-            if isinstance(g.out_rows, slice):
-                out[g.out_rows] = o
-            else:
-                out.index_copy_(0, g.out_rows, o)
+            place_rows(out, g.out_rows, o)
         return out[:b.num_tokens]
 
     def _attend_group(self, g: BidirectionalGroup, q: torch.Tensor, k: torch.Tensor,

@@ -5,10 +5,8 @@ before any weight loads."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
+from deepseek_reference import hf_greedy, tiny_deepseek_and_hf, tokens
 from lmkit import LLM, SamplingParams
 from lmkit.errors import NoBackendError
 from lmkit.testing.tiny_model import make_tiny_deepseek, make_tiny_model
@@ -20,28 +18,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def deepseek(request, tmp_path_factory):
     """``(directory, HF model)`` of a tiny DeepSeek-V2 (no q-LoRA) or V3 (q-LoRA, YaRN)."""
-    from transformers import AutoModelForCausalLM
-
-    version = request.param
-    directory = make_tiny_deepseek(tmp_path_factory.mktemp(f"deepseek-v{version}"), version,
-                                   q_lora_rank=None if version == 2 else 32)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return directory, hf
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """HF's greedy continuation, EOS included (``generate`` would stop at it or, with
-    ``min_new_tokens``, mask it)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+    return tiny_deepseek_and_hf(tmp_path_factory, request.param)
 
 
 def test_batched_greedy_matches_hf(deepseek):

@@ -9,8 +9,6 @@ as ``mla_triton_interpreted`` (a test plugin, ``plugins=[__name__]``). float32.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from interpret_mode import interpreted_spec, require_triton_interpreter
 
@@ -18,9 +16,9 @@ require_triton_interpreter()
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from deepseek_reference import hf_greedy, tiny_deepseek_and_hf, tokens  # noqa: E402
 from lmkit import LLM, SamplingParams  # noqa: E402
 from lmkit.api import hookimpl  # noqa: E402
-from lmkit.testing.tiny_model import make_tiny_deepseek  # noqa: E402
 from lmkit_plugins import attention as builtin_attention  # noqa: E402
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
@@ -40,27 +38,8 @@ def register_attention_backends(register):
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def deepseek(request, tmp_path_factory):
     """``(directory, HF model)``: DeepSeek-V2 without q-LoRA, V3 with q-LoRA and YaRN."""
-    from transformers import AutoModelForCausalLM
+    return tiny_deepseek_and_hf(tmp_path_factory, request.param)
 
-    version = request.param
-    directory = make_tiny_deepseek(tmp_path_factory.mktemp(f"deepseek-v{version}"), version,
-                                   q_lora_rank=None if version == 2 else 32)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return directory, hf
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """HF's greedy continuation (full forward per token)."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
 
 
 @pytest.mark.slow

@@ -38,8 +38,8 @@ from lmkit_plugins.models.checkpoint_load import load_named_weights
 from lmkit_plugins.models.deepseek_mla import DeepseekMLA, MLADims
 from lmkit_plugins.models.deepseek_rope import DeepseekRope, softmax_scale
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, whole_weight_loader
-from lmkit_plugins.models.llama import LlamaMLP
 from lmkit_plugins.models.llama_dims import LlamaDims
+from lmkit_plugins.models.llama_layers import LlamaMLP
 from lmkit_plugins.models.moe import DEEPSEEK_EXPERT_NAMES, SparseMoE
 from lmkit_plugins.models.moe_routing import MoERouting
 

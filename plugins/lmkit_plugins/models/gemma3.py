@@ -46,8 +46,8 @@ from torch import nn
 from lmkit_plugins.models.checkpoint_load import load_named_weights
 from lmkit_plugins.models.fused_ops import fused_ops_enabled
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, whole_weight_loader
-from lmkit_plugins.models.llama import LlamaAttention, LlamaMLP
 from lmkit_plugins.models.llama_dims import LlamaDims, layer_windows
+from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",

@@ -27,7 +27,8 @@ from torch import nn
 
 from lmkit_plugins.models.fused_ops import fused_moe_enabled, fused_moe_kernel
 from lmkit_plugins.models.layers import Linear, _copy_checked
-from lmkit_plugins.models.llama import LlamaDims, LlamaMLP
+from lmkit_plugins.models.llama_dims import LlamaDims
+from lmkit_plugins.models.llama_layers import LlamaMLP
 from lmkit_plugins.models.moe_routing import MoERouting, route
 from lmkit_plugins.models.tensor_parallel import TensorParallel
 

@@ -35,7 +35,8 @@ from lmkit.api import (
 from torch import nn
 
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding
-from lmkit_plugins.models.llama import LlamaAttention, LlamaDims, LlamaMLP
+from lmkit_plugins.models.llama_dims import LlamaDims
+from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.spec.head_checkpoint import (
     HeadCheckpoint,

@@ -11,7 +11,8 @@ import torch
 from lmkit.api import ConfigError, LMKitConfig, ModelLoadError
 
 from lmkit_plugins.models.layers import Linear, whole_weight_loader
-from lmkit_plugins.models.llama import LlamaAttention, LlamaDims, LlamaMLP
+from lmkit_plugins.models.llama_dims import LlamaDims
+from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 
 Loader = Callable[[torch.Tensor], None]
 

@@ -121,10 +121,10 @@ def test_triton_backend_skips_its_write_when_the_model_wrote_kv():
 
 def _tiny_llama(attention_cls, monkeypatch):
     """A 2-layer bf16 Llama on the CPU with the fused kernels forced on (interpreted)."""
-    from lmkit_plugins.models import fused_ops, layers, llama
+    from lmkit_plugins.models import fused_ops, layers, llama, llama_layers
     from transformers import LlamaConfig
 
-    for module in (fused_ops, layers, llama):
+    for module in (fused_ops, layers, llama, llama_layers):
         monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

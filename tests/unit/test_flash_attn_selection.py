@@ -126,10 +126,11 @@ def test_asking_for_flash_attn_without_cuda_is_refused_with_the_reasons():
     assert "flash_attn" in result.stderr and "no CUDA device" in result.stderr
 
 
-def test_auto_ranks_flash_attn_below_flashinfer_and_triton():
+def test_auto_ranks_triton_then_flashinfer_then_flash_attn():
+    # triton first: faster than flashinfer when serving on the H100 (docs/gpu.md)
     host = PluginHost.load(env=ENV)
     order = [r.name for r in host.registry.all("attention")]
-    assert order.index("flashinfer") < order.index("triton") < order.index("flash_attn")
+    assert order.index("triton") < order.index("flashinfer") < order.index("flash_attn")
     spec = host.registry.get("attention", "flash_attn").spec
     assert "until measured" in spec.description
     assert spec.caps.why_not(Needs({"sliding_window", "cuda_graphs", "multi_token_query"},

@@ -26,6 +26,7 @@ stdout)::
 
     python bench/mla_decode.py --json mla_decode.json
     python bench/mla_decode.py --models v3 --batch-sizes 64 --contexts 4096 --sweep-splits
+    python bench/mla_decode.py --models v3 --contexts 4096 --sweep-head-tiles
 
 Without a CUDA device it exits with status 2 and says so.
 """
@@ -234,7 +235,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--sweep-splits", action="store_true",
-                        help="also time mla_triton with decode_num_splits 1, 2, 4, 8, 16")
+                        help="also time mla_triton with decode_num_splits 1, 2, 4, ..., 64")
+    parser.add_argument("--sweep-head-tiles", action="store_true",
+                        help="also time mla_triton with decode_head_tile 16, 32, 64 (16 at "
+                        "128 heads: the session-9 tiling, eight reads of the latent cache)")
     parser.add_argument("--warmup", type=int, default=3, help="graph replays before timing")
     parser.add_argument("--iters", type=int, default=10, help="graph replays timed")
     parser.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph")
@@ -265,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(int(args.copy_gib * 2 ** 30), warmup=5, iters=20)
     runs: list[tuple[str, dict | None]] = [(name, None) for name in args.backends]
     if args.sweep_splits and "mla_triton" in args.backends:
-        runs += [("mla_triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16)]
+        runs += [("mla_triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16, 32, 64)]
+    if args.sweep_head_tiles and "mla_triton" in args.backends:
+        runs += [("mla_triton", {"decode_head_tile": t}) for t in (16, 32, 64)]
     results = []
     for model in args.models:
         for num_seqs in args.batch_sizes:

@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_decode import DTYPES, copy_bandwidth, time_cuda  # noqa: E402
@@ -157,6 +158,8 @@ def bench_shape(model: str, num_seqs: int, context: int, runs, bandwidth: float,
                 time_backend(row, q_lat, batch, heads, ref, bandwidth, args)
         except torch.cuda.OutOfMemoryError as exc:  # the torch path at the largest shapes
             row["skipped"] = f"out of GPU memory: {str(exc).splitlines()[0]}"
+        except OutOfResources as exc:  # a tiling (--sweep-head-tiles) this GPU cannot fit
+            row["skipped"] = f"Triton: {str(exc).splitlines()[0]}"
         torch.cuda.empty_cache()
     return rows
 
@@ -188,6 +191,11 @@ def time_backend(row: dict, q_lat: torch.Tensor, batch, heads: int, ref: torch.T
         return
     plan = backend._plan
     row["num_splits"] = plan.num_splits
+    if row["backend"] == "mla_triton":  # the decode tiling (lmkit_kernels.mla_attention)
+        from lmkit_kernels.mla_attention import decode_head_tile
+
+        row["head_tile"] = (row["options"] or {}).get("decode_head_tile") or decode_head_tile(
+            heads, 1, DTYPES[args.dtype])
     cache = batch.kv_cache
     _time_attention(row, lambda: backend.attend_latent(plan, q_lat, batch.q_pe, cache), ref,
                     bandwidth, args)
@@ -202,7 +210,7 @@ def print_table(results: list[dict], bandwidth: float, args, device: str) -> Non
     print(f"MLA decode over the latent cache: kv_lora_rank 512, rope 64, {args.dtype}, "
           f"block {args.block_size}, on {device}")
     print(f"copy bandwidth (read+write): {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':<8}{'heads':>6}{'seqs x ctx':>12}  {'implementation':<33}{'splits':>7}"
+    print(f"{'model':<8}{'heads':>6}{'seqs x ctx':>12}  {'implementation':<33}{'splits':>7}{'tile':>5}"
           f"{'MB':>8}{'us':>10}{'GB/s':>7}{'of bw':>7}{'err':>9}{'layer us':>10}")
     for row in results:
         label = row["backend"] + "".join(f" {k}={v}" for k, v in row["options"].items())
@@ -212,7 +220,8 @@ def print_table(results: list[dict], bandwidth: float, args, device: str) -> Non
             print(f"{head}skipped: {row['skipped']}")
             continue
         layer = f"{row['layer_eager_us']:>10.1f}" if "layer_eager_us" in row else f"{'-':>10}"
-        print(f"{head}{row.get('num_splits', '-'):>7}{row['bytes'] / 1e6:>8.1f}"
+        print(f"{head}{row.get('num_splits', '-'):>7}{row.get('head_tile', '-'):>5}"
+              f"{row['bytes'] / 1e6:>8.1f}"
               f"{row['us']:>10.1f}{row['gb_per_s']:>7.0f}{row['fraction_of_copy_bw']:>7.1%}"
               f"{row['max_abs_err']:>9.1e}{layer}")
 

@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", type=int, default=64,
                     help="W4/W5: transformers' generate runs static batches of this many "
                     "requests (its continuous batching cannot cache MLA)")
-    ap.add_argument("--attention", default="auto", help="lmkit attention backend")
+    ap.add_argument("--attention", default="auto",
+                    help="lmkit attention backend, for every model of the run (an MLA one "
+                    "such as mla_triton serves only W4/W5: run those apart from W1-W3)")
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
     ap.add_argument("--executor", default="uniproc",
                     help="lmkit executor: uniproc (in process) or mp (a worker process)")

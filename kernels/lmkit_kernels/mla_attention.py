@@ -156,7 +156,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor, *, max_query_len: int, scale: float,
                out: torch.Tensor | None = None, num_splits: int = 1,
-               head_tile: int | None = None) -> torch.Tensor:
+               head_tile: int | None = None,
+               geometry: DecodeGeometry | None = None) -> torch.Tensor:
     """Causal attention of each request's few new tokens over its latent context.
 
     :param q_lat: ``[num_tokens, num_heads, kv_lora_rank]`` (any row/head strides, unit
@@ -174,6 +175,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         exit at once.
     :param head_tile: query heads per program (a power of two), default
         :func:`decode_head_tile`; see :func:`decode_geometry`.
+    :param geometry: the whole tiling instead (``head_tile`` then unused): for tuning
+        sweeps (``bench/mla_decode.py --sweep-geometry``).
     :return: ``out``: the latent attention output, before ``w_uv``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -203,8 +206,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         return out
     q_pad = next_power_of_2(max_query_len)
     rank_pad, rope_pad = max(16, next_power_of_2(rank)), max(16, next_power_of_2(rope))
-    tile, block_n, num_warps, num_stages = decode_geometry(num_heads, q_pad, rank_pad, dtype,
-                                                           head_tile)
+    if geometry is not None:
+        _check_geometry(geometry, q_pad)
+    tile, block_n, num_warps, num_stages = geometry or decode_geometry(
+        num_heads, q_pad, rank_pad, dtype, head_tile)
     if num_splits > 1:
         part_out = torch.empty((num_tokens, num_heads, num_splits, rank_pad),
                                dtype=torch.float32, device=device)
@@ -230,6 +235,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
             RANK_PAD=rank_pad, num_warps=4,
         )
     return out
+
+
+def _check_geometry(geo: DecodeGeometry, q_pad: int) -> None:
+    decode_geometry(1, q_pad, 16, torch.float32, geo.head_tile)  # the head tile's checks
+    for name, value, low in (("block_n", geo.block_n, 16), ("num_warps", geo.num_warps, 1)):
+        if value < low or value & (value - 1):
+            raise ValueError(f"geometry {name} must be a power of two >= {low}, got {value}")
+    if geo.num_stages < 1:
+        raise ValueError(f"geometry num_stages must be >= 1, got {geo.num_stages}")
 
 
 def _check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

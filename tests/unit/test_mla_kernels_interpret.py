@@ -239,6 +239,21 @@ def test_decode_geometry_by_head_count():
     assert decode_num_splits(1, 128, 1, cpu, torch.float32) == 4  # as with head_tile=16
 
 
+def test_decode_geometry_override():
+    """``mla_decode(geometry=...)`` (the bench's tiling sweep) gives the same result; a
+    tiling the kernel cannot take is refused."""
+    from lmkit_kernels.mla_attention import DecodeGeometry
+    batch = _batch([(40, 1), (3, 1), (0, 1)], num_heads=20, dtype=torch.bfloat16, seed=11)
+    cache = _written_cache(batch)
+    out, ref = _decode(batch, cache, 20, num_splits=2,
+                       geometry=DecodeGeometry(32, 16, 8, 3))
+    _close(out, ref, batch.num_tokens, torch.bfloat16)
+    with pytest.raises(ValueError, match="geometry block_n must be a power of two"):
+        _decode(batch, cache, 20, geometry=DecodeGeometry(32, 24, 4, 2))
+    with pytest.raises(ValueError, match="head_tile must be a power of two"):
+        _decode(batch, cache, 20, geometry=DecodeGeometry(8, 32, 4, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, pytest.param(8, marks=pytest.mark.slow)])
 def test_decode_at_128_heads_wide_tiles(dtype, num_splits):

@@ -161,7 +161,10 @@ def bench_shape(model: str, num_seqs: int, context: int, runs, bandwidth: float,
             if name == "torch":
                 time_torch(row, q_lat, batch, context, ref, bandwidth, args)
             elif name == "mla_decode":
-                time_kernel(row, q_lat, batch, heads, ref, bandwidth, args)
+                try:
+                    time_kernel(row, q_lat, batch, heads, ref, bandwidth, args)
+                except Exception as exc:  # noqa: BLE001 -- a sweep row that cannot compile
+                    row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             else:
                 time_backend(row, q_lat, batch, heads, ref, bandwidth, args)
         except torch.cuda.OutOfMemoryError as exc:  # the torch path at the largest shapes

@@ -17,15 +17,51 @@ from typing import Any
 
 import torch
 
-MODELS = ("qwen3-0.6b", "llama-3.1-8b", "tiny-qwen3", "tiny-llama")
+MODELS = ("qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite", "tiny-qwen3", "tiny-llama",
+          "tiny-deepseek-v2")
 SHARD_BYTES = 4 * 2**30
+#: DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite): 27 layers, the first
+#: dense, then MLA + 64 routed experts (top-6) and 2 shared ones; 15.7B parameters
+DEEPSEEK_V2_LITE = dict(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+    n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy",
+    n_group=1, topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1,
+    norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1,
+                                          mscale=0.707, mscale_all_dim=0.707,
+                                          original_max_position_embeddings=4096),
+    tie_word_embeddings=False, attention_bias=False)
+#: the same structure at toy size (--smoke): dense first layer, MLA, MoE, YaRN
+TINY_DEEPSEEK_V2 = dict(
+    DEEPSEEK_V2_LITE, vocab_size=1024, hidden_size=64, intermediate_size=128,
+    moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
+    qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, num_experts_per_tok=2,
+    max_position_embeddings=20480,  # YaRN's factor 40 over 512 original positions
+    rope_scaling=dict(DEEPSEEK_V2_LITE["rope_scaling"], original_max_position_embeddings=512))
 
 
-def hf_config(name: str) -> Any:
-    """The transformers config of ``name`` (one of :data:`MODELS`)."""
-    from transformers import LlamaConfig, Qwen3Config
+def hf_config(name: str, num_layers: int | None = None) -> Any:
+    """The transformers config of ``name`` (one of :data:`MODELS`); ``num_layers``
+    replaces the number of decoder layers (a smaller model of the same shape)."""
+    config = _hf_config(name)
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        config.num_hidden_layers = num_layers
+    return config
+
+
+def _hf_config(name: str) -> Any:
+    from transformers import DeepseekV2Config, LlamaConfig, Qwen3Config
 
     common = dict(eos_token_id=256, bos_token_id=None, pad_token_id=256)
+    if name == "deepseek-v2-lite":
+        return DeepseekV2Config(**DEEPSEEK_V2_LITE, **common)
+    if name == "tiny-deepseek-v2":
+        return DeepseekV2Config(**TINY_DEEPSEEK_V2, **common)
     if name == "qwen3-0.6b":
         return Qwen3Config(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                            num_key_value_heads=8, head_dim=128, intermediate_size=3072,
@@ -63,39 +99,86 @@ def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, t in model.state_dict().items():
+        shapes.update(_checkpoint_names(name, tuple(t.shape)))
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
 
 
+def _checkpoint_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """transformers 5 holds a MoE layer's experts as stacked tensors (``experts.gate_up_proj
+    [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and converts the checkpoints' per-expert
+    matrices when loading; checkpoints (and lmkit's loader) name each expert's."""
+    prefix, _, leaf = name.rpartition(".")
+    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
+        return {name: shape}
+    experts, rows, cols = shape
+    if leaf == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
+    return {f"{prefix}.{e}.{proj}.weight": (rows // 2, cols) for e in range(experts)
+            for proj in ("gate_proj", "up_proj")}
+
+
 def model_facts(config: Any) -> dict[str, Any]:
     """Sizes the bandwidth accounting needs: weight bytes one decode step reads (every
-    matrix; the embedding table only when it is also the LM head) and KV bytes per
-    cached token (bf16)."""
+    matrix; the embedding table only when it is also the LM head; of a MoE model's
+    routed experts none: ``moe`` gives their sizes, and the benchmark adds the experts a
+    step's batch is expected to touch) and KV bytes per cached token (bf16; MLA models
+    cache one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer)."""
     shapes = weight_shapes(config)
     total = sum(math.prod(s) for s in shapes.values()) * 2
     embed = math.prod(shapes["model.embed_tokens.weight"]) * 2
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
-    return {"param_bytes": total, "decode_weight_bytes": total if tied else total - embed,
-            "kv_bytes_per_token": kv_per_token, "num_params": total // 2}
+    layers = config.num_hidden_layers
+    if getattr(config, "kv_lora_rank", None):  # MLA: the latent cache
+        kv_per_token = layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    else:
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        kv_per_token = layers * 2 * config.num_key_value_heads * head_dim * 2
+    decode = total if tied else total - embed
+    facts: dict[str, Any] = {"param_bytes": total, "kv_bytes_per_token": kv_per_token,
+                             "num_params": total // 2, "num_hidden_layers": layers}
+    expert_names = [n for n in shapes if ".mlp.experts." in n]
+    if expert_names:
+        experts_bytes = sum(math.prod(shapes[n]) for n in expert_names) * 2
+        moe_layers = len({n.split(".mlp.experts.")[0] for n in expert_names})
+        num_experts = config.n_routed_experts
+        decode -= experts_bytes
+        facts["moe"] = {"layers": moe_layers, "experts": num_experts,
+                        "top_k": config.num_experts_per_tok,
+                        "expert_bytes": experts_bytes // (moe_layers * num_experts)}
+    facts["decode_weight_bytes"] = decode
+    return facts
 
 
-def write_model(name: str, directory: Path, seed: int = 0) -> Path:
-    """Write model ``name`` with random bf16 weights to ``directory``; return it. A
-    directory that already holds the model (written by an earlier run with the same
-    ``seed``) is reused as it is."""
+def expected_expert_bytes(moe: dict[str, Any], batch: int) -> float:
+    """Bytes of routed experts a decode step of ``batch`` tokens reads, expected under
+    uniform routing: ``E * (1 - (1 - k / E) ** batch)`` distinct experts per MoE layer."""
+    experts, top_k = moe["experts"], moe["top_k"]
+    touched = experts * (1.0 - (1.0 - top_k / experts) ** batch)
+    return moe["layers"] * touched * moe["expert_bytes"]
+
+
+def write_model(name: str, directory: Path, seed: int = 0, num_layers: int | None = None
+                ) -> Path:
+    """Write model ``name`` (with ``num_layers`` decoder layers if given) with random bf16
+    weights to ``directory``; return it. A directory that already holds the model
+    (written by an earlier run with the same ``seed`` and layers) is reused as it is."""
     from lmkit.testing.tiny_model import make_byte_tokenizer
     from safetensors.torch import save_file
 
     directory = Path(directory)
     stamp = directory / "lmkit-bench-model.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == {"name": name, "seed": seed}:
+    want: dict[str, Any] = {"name": name, "seed": seed}
+    if num_layers is not None:
+        want["num_hidden_layers"] = num_layers
+    if stamp.is_file() and json.loads(stamp.read_text()) == want:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    config = hf_config(name)
+    config = hf_config(name, num_layers)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -132,5 +215,5 @@ def write_model(name: str, directory: Path, seed: int = 0) -> Path:
     config.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     make_byte_tokenizer().save_pretrained(directory)
-    stamp.write_text(json.dumps({"name": name, "seed": seed}))
+    stamp.write_text(json.dumps(want))
     return directory

@@ -1,6 +1,8 @@
 """The two sides of the GPU engine benchmark, each run in its own process by
 ``bench/gpu_engine.py``: lmkit's engine core and Hugging Face transformers' continuous
-batching, on token-id workloads with EOS ignored.
+batching (or, for models whose attention its paged cache cannot hold -- DeepSeek's
+MLA -- transformers' ``generate`` over static batches), on token-id workloads with EOS
+ignored.
 
 lmkit is driven through :class:`lmkit.engine.core.EngineCore` (requests in, token ids
 out; no tokenizer, no detokenization, as nano-vllm's and vLLM's throughput benchmarks
@@ -194,7 +196,11 @@ def _profile_decode(engine: Any, wl: Workload, recorder: _StepRecorder, steps: i
 
 
 def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> dict[str, Any]:
-    """Bytes read per pure-decode step (weights + cached K/V) over its wall time."""
+    """Bytes read per pure-decode step (weights + cached K/V) over its wall time; of a
+    MoE model's routed experts, those the step's batch is expected to touch
+    (:func:`gpu_bench_models.expected_expert_bytes`)."""
+    from gpu_bench_models import expected_expert_bytes
+
     total_time = total_bytes = 0.0
     count = 0
     others: list[tuple[float, int]] = []  # (ms, tokens) of every other step
@@ -206,6 +212,8 @@ def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> 
             continue
         context = sum(so.scheduled_cached_reqs.num_computed_tokens) + len(so.num_scheduled_tokens)
         total_bytes += facts["decode_weight_bytes"] + context * facts["kv_bytes_per_token"]
+        if "moe" in facts:
+            total_bytes += expected_expert_bytes(facts["moe"], len(so.num_scheduled_tokens))
         total_time += dt
         count += 1
     if not count:
@@ -287,3 +295,68 @@ def _hf_run(model: Any, wl: Workload, generation_config_cls: Any) -> dict[str, A
         if len(stamps) > 1:
             extra["tpot_ms"] = 1e3 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     return _summary(wl["name"], elapsed, produced, sum(map(len, wl["prompts"])), **extra)
+
+
+def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
+                     attn: str = "sdpa") -> dict[str, Any]:
+    """transformers' ``generate`` (greedy, EOS suppressed by ``min_new_tokens``) over
+    static batches of ``batch_size`` requests, for models transformers' continuous
+    batching cannot serve: in transformers 5.24 its paged cache stores one K and one V
+    shape per layer, and DeepSeek's MLA layers hand it keys of 192 and values of 128 per
+    head (``index_copy_`` shape error, found by ``gpu_engine.py --smoke``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+        attn_implementation=attn, device_map=device)
+    model.eval()
+    import transformers
+
+    info: dict[str, Any] = {"load_s": time.perf_counter() - t0, "attn_implementation": attn,
+                            "mode": f"generate, static batches of {batch_size}",
+                            "transformers": transformers.__version__, "results": []}
+    pad = model.config.pad_token_id or 0
+    _hf_generate(model, [workloads[0]["prompts"][0][:16]], 8, pad)  # warm-up
+    for wl in workloads:
+        prompts, lens = wl["prompts"], wl["output_lens"]
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        produced = 0
+        for i in range(0, len(prompts), batch_size):
+            produced += _hf_generate(model, prompts[i:i + batch_size],
+                                     max(lens[i:i + batch_size]), pad)
+        sync()
+        elapsed = time.perf_counter() - start
+        extra: dict[str, Any] = {}
+        if len(prompts) == 1 and lens[0] > 1:  # tpot: the same request with one token
+            sync()
+            t1 = time.perf_counter()
+            _hf_generate(model, prompts, 1, pad)
+            sync()
+            first = time.perf_counter() - t1
+            extra = {"ttft_ms": 1e3 * first,
+                     "tpot_ms": 1e3 * (elapsed - first) / (lens[0] - 1)}
+        info["results"].append(_summary(wl["name"], elapsed, produced,
+                                        sum(map(len, prompts)), **extra))
+    return info
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad: int) -> int:
+    """One left-padded batch through ``model.generate``; the tokens it produced."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                             do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=pad)
+    return (out.shape[1] - width) * len(prompts)

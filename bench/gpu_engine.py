@@ -1,10 +1,13 @@
-"""GPU engine benchmarks W1-W3: lmkit against vLLM and transformers' continuous batching,
+"""GPU engine benchmarks W1-W5: lmkit against vLLM and transformers' continuous batching,
 in one run, and against the device's memory bandwidth.
 
 * W1: Qwen3-0.6B shape; 256 sequences, prompt and output lengths uniform in
   [100, 1024], token ids uniform in [0, 10000), seed 0 (nano-vllm's benchmark).
 * W2: Llama-3.1-8B shape; one 128-token prompt, 256 output tokens: ms per output token.
 * W3: Llama-3.1-8B shape; 256 prompts of 512 tokens, 256 output tokens each.
+* W4, W5: W3's and W2's requests on DeepSeek-V2-Lite's shape (MLA + MoE, 27 layers;
+  ``--layers N`` keeps the first N, which the report states); lmkit's MLA backend by
+  ``--attention`` (``mla_flashinfer``, ``mla_triton``, ``mla_torch``; ``auto`` picks).
 
 Models are random bf16 weights of the real shapes (:mod:`gpu_bench_models`), written
 once per run (to /dev/shm when it has room). Each side runs in its own process
@@ -18,6 +21,8 @@ of that bandwidth. The peer may run on the first N requests of W1/W3
     python bench/gpu_engine.py --peer vllm,hf --out gpu_engine.json   # + vLLM (installed)
     python bench/gpu_engine.py --peer none --baseline-tree OLD       # lmkit now vs OLD checkout
     python bench/gpu_engine.py --smoke --out /tmp/smoke.json      # CPU, toy sizes
+    python bench/gpu_engine.py --workloads W4,W5 --layers 8 --attention mla_triton \
+        --hf-subset W4=64 --out deepseek.json                      # DeepSeek-V2-Lite shape
 """
 
 from __future__ import annotations
@@ -41,12 +46,16 @@ import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 
 PEERS = ("vllm", "hf")
-SMALL, LARGE = "qwen3-0.6b", "llama-3.1-8b"
+SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
+#: each workload's model, and the toy model --smoke puts in its place
+WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK}
+SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2"}
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
 
 
 def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
-    """W1-W3 as token ids (fixed seed); toy sizes with ``smoke``."""
+    """W1-W5 as token ids (fixed seed); toy sizes with ``smoke``. W4/W5 are W3/W2's
+    requests (the same ids) for the DeepSeek model."""
     rng = np.random.default_rng(0)
     n1, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
     vocab = 1000 if smoke else 10000
@@ -55,13 +64,11 @@ def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
     w1 = [rng.integers(0, vocab, int(n)).tolist() for n in prompt_lens]
     p2, o2 = (16, 8) if smoke else (128, 256)
     n3, p3, o3 = (6, 32, 8) if smoke else (256, 512, 256)
-    return {
-        "W1": {"name": "W1", "prompts": w1, "output_lens": output_lens.tolist()},
-        "W2": {"name": "W2", "prompts": [rng.integers(0, vocab, p2).tolist()],
-               "output_lens": [o2]},
-        "W3": {"name": "W3", "prompts": [rng.integers(0, vocab, p3).tolist() for _ in range(n3)],
-               "output_lens": [o3] * n3},
-    }
+    w2 = {"name": "W2", "prompts": [rng.integers(0, vocab, p2).tolist()], "output_lens": [o2]}
+    w3 = {"name": "W3", "prompts": [rng.integers(0, vocab, p3).tolist() for _ in range(n3)],
+          "output_lens": [o3] * n3}
+    return {"W1": {"name": "W1", "prompts": w1, "output_lens": output_lens.tolist()},
+            "W2": w2, "W3": w3, "W4": {**w3, "name": "W4"}, "W5": {**w2, "name": "W5"}}
 
 
 def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float | None:
@@ -132,6 +139,9 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
         import gpu_bench_vllm
 
         result = gpu_bench_vllm.vllm_side(job["model_dir"], job["options"], job["workloads"])
+    elif job.get("hf_generate_batch"):
+        result = sides.hf_generate_side(job["model_dir"], job["workloads"],
+                                        job["hf_generate_batch"])
     else:
         result = sides.hf_side(job["model_dir"], job["workloads"], job.get("attn", "paged|sdpa"))
     result_file.write_text(json.dumps(result, indent=1, default=str))
@@ -191,7 +201,7 @@ def combine(report: dict[str, Any]) -> list[dict[str, Any]]:
     bw = report.get("copy_bandwidth_bytes_per_s")
     rows = []
     for name in report["workloads"]:
-        model = SMALL if name == "W1" else LARGE
+        model = WORKLOAD_MODELS[name]
         lm = _find(report["lmkit"].get(model, {}), name)
         hf = _find(report["hf"].get(model, {}), name)
         vl = _find(report.get("vllm", {}).get(model, {}), name)
@@ -265,6 +275,13 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{f('baseline_tok_s', '.0f'):>10} {f('ratio_vs_baseline', '.3f'):>7}")
     if subset:
         lines.append("* HF ran the first N requests of the workload (see hf_requests)")
+    for key, facts in report.get("models", {}).items():
+        if "of_layers" in facts:
+            lines.append(f"{key}: {facts['num_hidden_layers']} of its {facts['of_layers']} "
+                         f"layers ({facts['num_params']:,} parameters, bf16)")
+    for model, res in report.get("hf", {}).items():
+        if "mode" in res:
+            lines.append(f"HF on {model}: {res['mode']}")
     for res in report.get("lmkit_no_lookahead", {}).values():
         for r in res.get("results", []):
             extra = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
@@ -287,13 +304,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--smoke", action="store_true", help="toy models and workloads (CPU ok)")
-    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--workloads", default="W1,W2,W3",
+                    help="comma-separated, of W1-W5 (W4, W5: DeepSeek-V2-Lite shape)")
+    ap.add_argument("--layers", type=int,
+                    help="DeepSeek-V2-Lite (W4, W5) with only its first N decoder layers "
+                    "(stated in the report; default: all 27)")
     ap.add_argument("--peer", default="hf",
                     help="comma-separated peers among vllm, hf; or none")
     ap.add_argument("--baseline-tree", type=Path,
                     help="also run this other lmkit checkout's engine (A/B of two commits)")
     ap.add_argument("--hf-subset", default="", help="e.g. W1=32,W3=64: peer runs the first N")
-    ap.add_argument("--attention", default="auto", help="lmkit attention backend")
+    ap.add_argument("--hf-batch", type=int, default=64,
+                    help="W4/W5: transformers' generate runs static batches of this many "
+                    "requests (its continuous batching cannot cache MLA)")
+    ap.add_argument("--attention", default="auto",
+                    help="lmkit attention backend, for every model of the run (an MLA one "
+                    "such as mla_triton serves only W4/W5: run those apart from W1-W3)")
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
     ap.add_argument("--executor", default="uniproc",
                     help="lmkit executor: uniproc (in process) or mp (a worker process)")
@@ -320,9 +346,15 @@ def main(argv: list[str] | None = None) -> int:
 
     peers = parse_peers(args.peer)
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    unknown = [n for n in names if n not in WORKLOAD_MODELS]
+    if unknown:
+        ap.error(f"unknown workload {', '.join(unknown)}; choose from "
+                 f"{', '.join(WORKLOAD_MODELS)}")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be at least 1, got {args.layers}")
     all_workloads = make_workloads(args.smoke)
     if args.scale < 1.0:
-        for name in ("W1", "W3"):
+        for name in ("W1", "W3", "W4"):
             keep = max(1, int(len(all_workloads[name]["prompts"]) * args.scale))
             all_workloads[name] = _subset(all_workloads[name], keep)
     subsets = parse_subsets(args.hf_subset)
@@ -336,10 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         report["gpu"] = torch.cuda.get_device_name(0)
         report["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
-    small, large = ("tiny-qwen3", "tiny-llama") if args.smoke else (SMALL, LARGE)
-    plan = [(SMALL, small, [n for n in names if n == "W1"]),
-            (LARGE, large, [n for n in names if n in ("W2", "W3")])]
-    need = sum(models.model_facts(models.hf_config(m))["param_bytes"] for _, m, w in plan if w)
+    # (report key, model written, its layers or None for all, workloads)
+    plan = [(key, SMOKE_MODELS[key] if args.smoke else key,
+             args.layers if key == DEEPSEEK else None,
+             [n for n in names if WORKLOAD_MODELS[n] == key])
+            for key in (SMALL, LARGE, DEEPSEEK)]
+    need = sum(models.model_facts(models.hf_config(m, layers))["param_bytes"]
+               for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
                    executor=args.executor)
@@ -347,14 +382,17 @@ def main(argv: list[str] | None = None) -> int:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []
     try:
-        for key, model_name, wl_names in plan:
+        for key, model_name, layers, wl_names in plan:
             if not wl_names:
                 continue
             t0 = time.perf_counter()
-            model_dir = models.write_model(model_name, root / model_name)
-            facts = models.model_facts(models.hf_config(model_name))
+            model_dir = models.write_model(model_name, root / model_name, num_layers=layers)
+            facts = models.model_facts(models.hf_config(model_name, layers))
             report.setdefault("models", {})[key] = {"name": model_name, **facts,
                                                     "write_s": time.perf_counter() - t0}
+            if layers is not None:
+                report["models"][key]["of_layers"] = models.hf_config(
+                    model_name).num_hidden_layers
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             wls = [all_workloads[n] for n in wl_names]
@@ -375,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
                 for w in hf_wls:
                     report["hf_workloads"][w["name"]] = w
-                report["hf"][key] = run_side("hf", {**job, "workloads": hf_wls}, root,
-                                             args.side_timeout)
+                hf_job = {**job, "workloads": hf_wls}
+                if key == DEEPSEEK:  # MLA: transformers' CB cache cannot hold it
+                    hf_job["hf_generate_batch"] = args.hf_batch
+                report["hf"][key] = run_side("hf", hf_job, root, args.side_timeout)
             _write(report, args.out)
             if not args.lookahead_ab and not args.model_root:
                 shutil.rmtree(model_dir, ignore_errors=True)

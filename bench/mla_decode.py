@@ -26,6 +26,9 @@ stdout)::
 
     python bench/mla_decode.py --json mla_decode.json
     python bench/mla_decode.py --models v3 --batch-sizes 64 --contexts 4096 --sweep-splits
+    python bench/mla_decode.py --models v3 --contexts 4096 --sweep-head-tiles
+    python bench/mla_decode.py --models v3 --batch-sizes 1,64,256 --contexts 4096 \
+        --backends mla_triton --sweep-geometry
 
 Without a CUDA device it exits with status 2 and says so.
 """
@@ -41,6 +44,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_decode import DTYPES, copy_bandwidth, time_cuda  # noqa: E402
@@ -49,6 +53,10 @@ from attention_decode import DTYPES, copy_bandwidth, time_cuda  # noqa: E402
 MODELS = {"v2-lite": 16, "v2": 128, "v3": 128}
 DIMS = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 BACKENDS = ("mla_triton", "mla_flashinfer", "torch")
+#: --sweep-geometry: (head tile, BLOCK_N, warps, stages) of the decode kernel; the first is
+#: session 9's 16-head tiling, (64, 32, 8, 2) the default above 16 heads
+GEOMETRIES = ((16, 32, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2),
+              (64, 64, 8, 2), (64, 32, 8, 3), (64, 32, 16, 2), (128, 16, 16, 2))
 
 
 def torch_latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -152,10 +160,17 @@ def bench_shape(model: str, num_seqs: int, context: int, runs, bandwidth: float,
         try:
             if name == "torch":
                 time_torch(row, q_lat, batch, context, ref, bandwidth, args)
+            elif name == "mla_decode":
+                try:
+                    time_kernel(row, q_lat, batch, heads, ref, bandwidth, args)
+                except Exception as exc:  # noqa: BLE001 -- a sweep row that cannot compile
+                    row["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             else:
                 time_backend(row, q_lat, batch, heads, ref, bandwidth, args)
         except torch.cuda.OutOfMemoryError as exc:  # the torch path at the largest shapes
             row["skipped"] = f"out of GPU memory: {str(exc).splitlines()[0]}"
+        except OutOfResources as exc:  # a tiling (--sweep-head-tiles) this GPU cannot fit
+            row["skipped"] = f"Triton: {str(exc).splitlines()[0]}"
         torch.cuda.empty_cache()
     return rows
 
@@ -178,6 +193,23 @@ def time_torch(row: dict, q_lat: torch.Tensor, batch, context: int, ref: torch.T
         batch.scale), ref, bandwidth, args)
 
 
+def time_kernel(row: dict, q_lat: torch.Tensor, batch, heads: int, ref: torch.Tensor,
+                bandwidth: float, args) -> None:
+    """``mla_decode`` with the tiling ``row["options"]`` and the split count
+    ``mla_triton`` would choose for its head tile."""
+    from lmkit_kernels.mla_attention import DecodeGeometry, decode_num_splits, mla_decode
+
+    geo = DecodeGeometry(**row["options"])
+    lay = batch.layout
+    splits = decode_num_splits(lay.num_reqs, heads, 1, q_lat.device, q_lat.dtype,
+                               head_tile=geo.head_tile)
+    row["num_splits"], row["head_tile"] = splits, geo.head_tile
+    _time_attention(row, lambda: mla_decode(
+        q_lat, batch.q_pe, batch.kv_cache, lay.query_start_loc, lay.seq_lens,
+        lay.block_tables, max_query_len=1, scale=batch.scale, num_splits=splits,
+        geometry=geo), ref, bandwidth, args)
+
+
 def time_backend(row: dict, q_lat: torch.Tensor, batch, heads: int, ref: torch.Tensor,
                  bandwidth: float, args) -> None:
     """The backend ``row["backend"]``'s latent attention, then its whole ``run_mla``."""
@@ -187,6 +219,11 @@ def time_backend(row: dict, q_lat: torch.Tensor, batch, heads: int, ref: torch.T
         return
     plan = backend._plan
     row["num_splits"] = plan.num_splits
+    if row["backend"] == "mla_triton":  # the decode tiling (lmkit_kernels.mla_attention)
+        from lmkit_kernels.mla_attention import decode_head_tile
+
+        row["head_tile"] = (row["options"] or {}).get("decode_head_tile") or decode_head_tile(
+            heads, 1, DTYPES[args.dtype])
     cache = batch.kv_cache
     _time_attention(row, lambda: backend.attend_latent(plan, q_lat, batch.q_pe, cache), ref,
                     bandwidth, args)
@@ -201,17 +238,21 @@ def print_table(results: list[dict], bandwidth: float, args, device: str) -> Non
     print(f"MLA decode over the latent cache: kv_lora_rank 512, rope 64, {args.dtype}, "
           f"block {args.block_size}, on {device}")
     print(f"copy bandwidth (read+write): {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'model':<8}{'heads':>6}{'seqs x ctx':>12}  {'implementation':<33}{'splits':>7}"
+    print(f"{'model':<8}{'heads':>6}{'seqs x ctx':>12}  {'implementation':<33}{'splits':>7}{'tile':>5}"
           f"{'MB':>8}{'us':>10}{'GB/s':>7}{'of bw':>7}{'err':>9}{'layer us':>10}")
     for row in results:
         label = row["backend"] + "".join(f" {k}={v}" for k, v in row["options"].items())
+        if row["backend"] == "mla_decode":  # heads x keys, warps, stages
+            label = "mla_decode {head_tile}x{block_n} w{num_warps} s{num_stages}".format(
+                **row["options"])
         head = (f"{row['model']:<8}{row['num_heads']:>6}"
                 f"{row['num_seqs']:>6}x{row['context']:<5}  {label:<33}")
         if "skipped" in row:
             print(f"{head}skipped: {row['skipped']}")
             continue
         layer = f"{row['layer_eager_us']:>10.1f}" if "layer_eager_us" in row else f"{'-':>10}"
-        print(f"{head}{row.get('num_splits', '-'):>7}{row['bytes'] / 1e6:>8.1f}"
+        print(f"{head}{row.get('num_splits', '-'):>7}{row.get('head_tile', '-'):>5}"
+              f"{row['bytes'] / 1e6:>8.1f}"
               f"{row['us']:>10.1f}{row['gb_per_s']:>7.0f}{row['fraction_of_copy_bw']:>7.1%}"
               f"{row['max_abs_err']:>9.1e}{layer}")
 
@@ -234,7 +275,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--sweep-splits", action="store_true",
-                        help="also time mla_triton with decode_num_splits 1, 2, 4, 8, 16")
+                        help="also time mla_triton with decode_num_splits 1, 2, 4, ..., 64")
+    parser.add_argument("--sweep-geometry", action="store_true",
+                        help="also time lmkit_kernels.mla_attention.mla_decode itself with "
+                        "each tiling of GEOMETRIES (head tile, keys per tile, warps, stages)")
+    parser.add_argument("--sweep-head-tiles", action="store_true",
+                        help="also time mla_triton with decode_head_tile 16, 32, 64 (16 at "
+                        "128 heads: the session-9 tiling, eight reads of the latent cache)")
     parser.add_argument("--warmup", type=int, default=3, help="graph replays before timing")
     parser.add_argument("--iters", type=int, default=10, help="graph replays timed")
     parser.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph")
@@ -265,7 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(int(args.copy_gib * 2 ** 30), warmup=5, iters=20)
     runs: list[tuple[str, dict | None]] = [(name, None) for name in args.backends]
     if args.sweep_splits and "mla_triton" in args.backends:
-        runs += [("mla_triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16)]
+        runs += [("mla_triton", {"decode_num_splits": s}) for s in (1, 2, 4, 8, 16, 32, 64)]
+    if args.sweep_geometry:
+        runs += [("mla_decode", dict(zip(("head_tile", "block_n", "num_warps", "num_stages"),
+                                         g, strict=True))) for g in GEOMETRIES]
+    if args.sweep_head_tiles and "mla_triton" in args.backends:
+        runs += [("mla_triton", {"decode_head_tile": t}) for t in (16, 32, 64)]
     results = []
     for model in args.models:
         for num_seqs in args.batch_sizes:

@@ -18,6 +18,7 @@ References: :mod:`lmkit_kernels.mla_ref`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -30,9 +31,10 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.mla_decode import mla_decode_kernel, mla_reduce_splits_kernel
 from lmkit_kernels.mla_prefill import mla_prefill_kernel
-from lmkit_kernels.paged_attention import MAX_SPLITS
+from lmkit_kernels.paged_attention import MAX_SPLITS, choose_num_splits
 
-__all__ = ["MAX_DECODE_QUERY_LEN", "absorb_query", "apply_w_uv", "decode_head_tile",
+__all__ = ["MAX_DECODE_QUERY_LEN", "MLA_MAX_SPLITS", "DecodeGeometry", "absorb_query",
+           "apply_w_uv", "decode_geometry", "decode_head_tile", "decode_num_splits",
            "decompress_latent", "gather_latent", "mla_decode", "mla_prefill"]
 
 #: The longest query (tokens per request) :func:`mla_decode` takes: speculative
@@ -76,24 +78,86 @@ def decompress_latent(latent: torch.Tensor, w_kv_b: torch.Tensor, num_heads: int
     return kv[..., :qk_nope_head_dim], latent[:, rank:], kv[..., qk_nope_head_dim:]
 
 
-def decode_head_tile(num_heads: int, q_pad: int) -> int:
-    """Query heads per decode program: all heads up to 16, and at least 16 rows
-    (``tl.dot``'s minimum) of ``q_pad`` tokens times heads."""
-    return max(min(next_power_of_2(num_heads), 16), 16 // q_pad)
+#: Query heads up to which a decode program takes every head (V2-Lite's 16, V2/V3 on 8
+#: GPUs): one read of each latent tile per request, four warps, the tiles measured at
+#: 74-82% of the copy bandwidth on an H100 (docs/gpu.md).
+NARROW_HEADS = 16
+#: Rows (query tokens x heads) of a decode program above :data:`NARROW_HEADS`: V3's 128
+#: heads as two 64-row tiles over eight warps, so each latent tile is read twice per
+#: request (not eight times, as 16-head tiles did) and each ``tl.dot`` has the 64 rows
+#: of a Hopper warpgroup MMA.
+WIDE_ROWS = 64
+#: The most context slices :func:`mla_decode` takes: with two wide head tiles, batch 1
+#: needs 64 slices for 128 programs (about one per SM of an H100).
+MLA_MAX_SPLITS = 64
 
 
-def _decode_config(rank_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
-    if dtype == torch.float32 or rank_pad >= 1024:
-        return 16, 4, 2
-    return 32, 4, 2
+class DecodeGeometry(NamedTuple):
+    """How :func:`mla_decode` tiles a batch: query heads per program, keys per tile,
+    warps and pipeline stages per program."""
+
+    head_tile: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def is_wide(self) -> bool:
+        """Eight-warp programs (the wide tiles above :data:`NARROW_HEADS` heads)."""
+        return self.num_warps > 4
+
+
+def decode_head_tile(num_heads: int, q_pad: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Query heads per decode program: every head up to :data:`NARROW_HEADS` (at least
+    16 rows, ``tl.dot``'s minimum, of ``q_pad`` tokens times heads); more heads go in
+    tiles of :data:`WIDE_ROWS` rows, except in float32 (16 heads: its 64-row operands
+    would not fit registers and shared memory)."""
+    heads = next_power_of_2(num_heads)
+    if heads <= NARROW_HEADS or dtype == torch.float32:
+        return max(min(heads, NARROW_HEADS), 16 // q_pad)
+    return max(min(heads, WIDE_ROWS // q_pad), 1)
+
+
+def decode_geometry(num_heads: int, q_pad: int, rank_pad: int, dtype: torch.dtype,
+                    head_tile: int | None = None) -> DecodeGeometry:
+    """The decode kernel's tiling for ``num_heads`` heads of ``q_pad`` (padded) query
+    tokens; ``head_tile`` overrides :func:`decode_head_tile` (a power of two with at
+    least 16 rows). Programs of :data:`WIDE_ROWS` rows or more over more than
+    :data:`NARROW_HEADS` heads in float16/bfloat16 take eight warps (their ``[rows,
+    rank]`` float32 accumulator is 128 KiB at rank 512); the others four, as before."""
+    tile = head_tile or decode_head_tile(num_heads, q_pad, dtype)
+    if tile < 1 or tile & (tile - 1) or q_pad * tile < 16:
+        raise ValueError(f"head_tile must be a power of two with head_tile * "
+                         f"{q_pad} query rows >= 16, got {tile}")
+    block_n = 16 if dtype == torch.float32 or rank_pad >= 1024 else 32
+    wide = (next_power_of_2(num_heads) > NARROW_HEADS and q_pad * tile >= WIDE_ROWS
+            and dtype != torch.float32)
+    return DecodeGeometry(tile, block_n, 8 if wide else 4, 2)
+
+
+def decode_num_splits(num_reqs: int, num_heads: int, max_query_len: int,
+                      device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                      head_tile: int | None = None) -> int:
+    """Context slices per request for :func:`mla_decode`, from the batch shape only (a
+    CUDA graph's count stays right for any context length): about sixteen warps per SM
+    (:func:`~lmkit_kernels.paged_attention.choose_num_splits`), an eight-warp program
+    counting as two; up to :data:`~lmkit_kernels.paged_attention.MAX_SPLITS` for
+    narrow tiles (unchanged), :data:`MLA_MAX_SPLITS` for wide ones, whose few head
+    tiles per request would otherwise leave SMs idle at small batches."""
+    q_pad = next_power_of_2(max(max_query_len, 1))
+    geo = decode_geometry(num_heads, q_pad, 512, dtype, head_tile)  # rank: no effect on warps
+    head_tiles = -(-num_heads // geo.head_tile)
+    per_req = head_tiles * geo.num_warps // 4
+    return choose_num_splits(num_reqs, per_req, device,
+                             max_splits=MLA_MAX_SPLITS if geo.is_wide else MAX_SPLITS)
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor, *, max_query_len: int, scale: float,
                out: torch.Tensor | None = None, num_splits: int = 1,
-               head_tile: int | None = None) -> torch.Tensor:
+               head_tile: int | None = None,
+               geometry: DecodeGeometry | None = None) -> torch.Tensor:
     """Causal attention of each request's few new tokens over its latent context.
 
     :param q_lat: ``[num_tokens, num_heads, kv_lora_rank]`` (any row/head strides, unit
@@ -107,9 +171,12 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     :param out: optional ``[num_tokens, num_heads, kv_lora_rank]`` output (any strides,
         unit last stride).
     :param num_splits: context slices per request, a power of two up to
-        :data:`~lmkit_kernels.paged_attention.MAX_SPLITS`; unneeded slices exit at once.
+        :data:`MLA_MAX_SPLITS` (:func:`decode_num_splits` picks one); unneeded slices
+        exit at once.
     :param head_tile: query heads per program (a power of two), default
-        :func:`decode_head_tile`.
+        :func:`decode_head_tile`; see :func:`decode_geometry`.
+    :param geometry: the whole tiling instead (``head_tile`` then unused): for tuning
+        sweeps (``bench/mla_decode.py --sweep-geometry``).
     :return: ``out``: the latent attention output, before ``w_uv``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -132,18 +199,17 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     if not isinstance(max_query_len, int) or not 0 <= max_query_len <= MAX_DECODE_QUERY_LEN:
         raise ValueError(f"max_query_len must be an int in [0, {MAX_DECODE_QUERY_LEN}] for "
                          f"the decode kernel, got {max_query_len!r}; use mla_prefill")
-    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
+    if num_splits < 1 or num_splits > MLA_MAX_SPLITS or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two in [1, {MLA_MAX_SPLITS}], "
                          f"got {num_splits}")
     if num_reqs == 0 or max_query_len == 0 or num_tokens == 0:
         return out
     q_pad = next_power_of_2(max_query_len)
-    tile = head_tile or decode_head_tile(num_heads, q_pad)
-    if tile & (tile - 1) or q_pad * tile < 16:
-        raise ValueError(f"head_tile must be a power of two with head_tile * "
-                         f"{q_pad} query rows >= 16, got {tile}")
     rank_pad, rope_pad = max(16, next_power_of_2(rank)), max(16, next_power_of_2(rope))
-    block_n, num_warps, num_stages = _decode_config(rank_pad, dtype)
+    if geometry is not None:
+        _check_geometry(geometry, q_pad)
+    tile, block_n, num_warps, num_stages = geometry or decode_geometry(
+        num_heads, q_pad, rank_pad, dtype, head_tile)
     if num_splits > 1:
         part_out = torch.empty((num_tokens, num_heads, num_splits, rank_pad),
                                dtype=torch.float32, device=device)
@@ -169,6 +235,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
             RANK_PAD=rank_pad, num_warps=4,
         )
     return out
+
+
+def _check_geometry(geo: DecodeGeometry, q_pad: int) -> None:
+    decode_geometry(1, q_pad, 16, torch.float32, geo.head_tile)  # the head tile's checks
+    for name, value, low in (("block_n", geo.block_n, 16), ("num_warps", geo.num_warps, 1)):
+        if value < low or value & (value - 1):
+            raise ValueError(f"geometry {name} must be a power of two >= {low}, got {value}")
+    if geo.num_stages < 1:
+        raise ValueError(f"geometry num_stages must be >= 1, got {geo.num_stages}")
 
 
 def _check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -4,8 +4,12 @@ MLA has one latent "KV head" shared by every query head, so a program takes a ti
 ``HEAD_TILE`` query heads times the request's ``Q_PAD`` query tokens (``ROWS = Q_PAD *
 HEAD_TILE`` rows; one token for plain decode, a few for speculative verification) and
 reads each latent tile of its slice of the context once for all of them -- the
-bandwidth win of absorbing ``kv_b_proj`` into the query and output. With more heads
-than one tile (DeepSeek-V2/V3's 128 on one GPU: 8 tiles), the grid is ``(head tiles,
+bandwidth win of absorbing ``kv_b_proj`` into the query and output. The launcher sizes
+the tile by head count (:func:`lmkit_kernels.mla_attention.decode_geometry`): every head
+up to 16 (V2-Lite: one read per request, four warps), 64-row tiles over eight warps
+above (V2/V3's 128 heads on one GPU: two reads per request instead of the eight of
+16-head tiles, and ``tl.dot`` operands of a full Hopper warpgroup MMA); more context
+slices make up for the fewer head tiles at small batches. The grid is ``(head tiles,
 requests, splits)`` with the head tiles fastest, so the programs reading the same slice
 run together and share it through L2. Per row::
 

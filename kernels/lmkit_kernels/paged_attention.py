@@ -49,7 +49,8 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, *,
+                      max_splits: int = MAX_SPLITS) -> int:
     """How many slices to cut each request's context into for decode.
 
     Aims at about four programs (of four warps) per SM, enough loads in flight to
@@ -57,11 +58,12 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device) ->
     requests x 8 KV heads with 4096-token contexts ran best unsplit (99% of the copy
     bandwidth, against 93% with 2 splits). A power of two up to :data:`MAX_SPLITS`. Depends only on the batch
     shape, never on context lengths, so a CUDA graph captured with short contexts
-    replays as well with long ones.
+    replays as well with long ones. ``num_kv_heads`` counts four-warp programs per
+    request (a kernel of wider programs passes more); ``max_splits`` caps the count.
     """
     programs = max(1, num_reqs * num_kv_heads)
     want = max(1, 4 * _sm_count(device) // programs)
-    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+    return min(max_splits, 1 << (want.bit_length() - 1))
 
 
 def split_counters(num_reqs: int, num_kv_heads: int, device: torch.device | str

@@ -140,6 +140,17 @@ def test_mla_triton_split_counts_agree():
         _compare("mla_triton", reqs, seed=4, decode_num_splits=splits)
 
 
+def test_mla_triton_128_head_tilings_agree():
+    """V3's 128 heads: the default 64-row, eight-warp tiles with up to 64 slices, and
+    the 16/32-head tilings (``decode_head_tile``), on decodes and speculative queries."""
+    decodes = [(c, 1) for c in (5, 700, 4000)]
+    for options in ({}, {"decode_num_splits": 64}, {"decode_num_splits": 1}):
+        _compare("mla_triton", decodes + [(300, 4), (2000, 2)], seed=4, heads=V3_HEADS,
+                 **options)
+    for tile in (16, 32):
+        _compare("mla_triton", decodes, seed=4, heads=V3_HEADS, decode_head_tile=tile)
+
+
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_decode_cuda_graph_replay_is_identical_to_eager(name, heads):

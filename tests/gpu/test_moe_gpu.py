@@ -5,6 +5,7 @@ Mixtral through the engine on CUDA.
   at decode (1, 7 tokens) and prefill (300 tokens) sizes against the torch reference.
 * float32 multiplies in IEEE float32 (no TF32): near-exact against the reference.
 * One launch captured in a CUDA graph and replayed over another routing.
+* The large-tile configuration and the layer's route (fused / reference by token count).
 * A tiny random Mixtral through ``LLM``: float32 greedy tokens equal transformers'
   (CPU), and bfloat16 with CUDA graphs equals bfloat16 eager.
 """
@@ -84,6 +85,34 @@ def test_cuda_graph_replays_another_routing():
     graph.replay()
     torch.testing.assert_close(out.float(), fused_moe_ref(x, w13, w2, weights, ids).float(),
                                atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("tokens", [300, 1024])
+def test_large_tiles_and_the_routed_layer(tokens):
+    """The large-tile configuration bench/moe_kernel.py times, and MoEExperts' two
+    routes (fused below 256 rows per expert, the reference from 1,024 Mixtral tokens),
+    against the reference; inside a CUDA-graph capture the route is always fused."""
+    from lmkit_plugins.models.fused_ops import MoEExperts
+
+    x, w13, w2, weights, ids = _problem(tokens, 4096, 14336, 8, 2, torch.bfloat16, seed=7)
+    ref = fused_moe_ref(x, w13, w2, weights, ids).float()
+    large = fused_moe(x, w13, w2, weights, ids, block_m=128, block_n=128, block_k=64,
+                      num_warps=8, num_stages=3)
+    torch.testing.assert_close(large.float(), ref, atol=3e-2, rtol=3e-2)
+    routed = MoEExperts(fused_moe, fused_moe_ref)
+    assert routed.uses_fused(tokens, 2, 8) == (tokens < 1024)
+    torch.testing.assert_close(routed(x, w13, w2, weights, ids).float(), ref, atol=3e-2,
+                               rtol=3e-2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed(x, w13, w2, weights, ids)  # the reference would sync: fused instead
+    graph.replay()
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
 @pytest.fixture(scope="module")

@@ -121,3 +121,54 @@ def test_moe_block_on_the_fused_kernel_matches_hf(family):
         expected = hf(x[None])[0]
         got = block(x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_experts_routes_large_batches_to_the_reference(monkeypatch):
+    """Both routes of a MoE layer's experts give the reference's result; the fused
+    kernel runs below the rows-per-expert threshold, the grouped reference from it on."""
+    from lmkit_plugins.models.fused_ops import (
+        FUSED_MOE_MAX_ROWS_PER_EXPERT,
+        MOE_ROWS_ENV,
+        MoEExperts,
+        moe_experts,
+        moe_max_rows_per_expert,
+    )
+    calls = []
+
+    def spy(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    def fused(*args):
+        return fused_moe(*args, block_n=16, block_k=16)
+
+    experts = MoEExperts(spy("fused", fused), spy("reference", fused_moe_ref),
+                         max_rows_per_expert=4)  # 5 experts: fused below 20 rows
+    for tokens, route in ((9, "fused"), (10, "reference"), (13, "reference")):
+        x, w13, w2, weights, ids = _problem(tokens, 48, 40, 5, 2, torch.bfloat16, seed=tokens)
+        out = experts(x, w13, w2, weights, ids)
+        assert calls[-1] == route
+        torch.testing.assert_close(out.float(), fused_moe_ref(x, w13, w2, weights, ids).float(),
+                                   atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    default = MoEExperts(fused, fused_moe_ref)  # 256 rows per expert
+    assert default.uses_fused(1023, 2, 8) and not default.uses_fused(1024, 2, 8)
+    assert moe_experts("cpu") is fused_moe_ref  # no CUDA: the reference only
+    monkeypatch.delenv(MOE_ROWS_ENV, raising=False)
+    assert moe_max_rows_per_expert() == FUSED_MOE_MAX_ROWS_PER_EXPERT == 256
+    monkeypatch.setenv(MOE_ROWS_ENV, "512")
+    assert moe_max_rows_per_expert() == 512
+    monkeypatch.setenv(MOE_ROWS_ENV, "lots")
+    with pytest.raises(ValueError, match="expected a non-negative integer"):
+        moe_max_rows_per_expert()
+
+
+def test_large_tiles_match_reference():
+    """The large-tile configuration bench/moe_kernel.py times (128 x 128, BLOCK_K 64), over
+    ragged sizes smaller than one tile (masked)."""
+    x, w13, w2, weights, ids = _problem(70, 48, 40, 4, 2, torch.bfloat16, seed=9)
+    out = fused_moe(x, w13, w2, weights, ids, block_m=128, block_n=128, block_k=64,
+                    num_warps=8, num_stages=3)
+    torch.testing.assert_close(out.float(), fused_moe_ref(x, w13, w2, weights, ids).float(),
+                               atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])

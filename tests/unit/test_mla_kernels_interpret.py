@@ -213,3 +213,89 @@ def test_backend_at_deepseek_rank_and_rope():
     ref = mla_attention_ref(batch.q_nope, batch.q_pe, cache, batch.w_kv_b, lay.query_start_loc,
                             lay.seq_lens, lay.block_tables, batch.scale)
     _close(out, ref, batch.num_tokens, torch.float32)
+
+
+def test_decode_geometry_by_head_count():
+    """Up to 16 heads: one program for all heads, four warps (the session-9 tiling);
+    V2/V3's 128 heads: 64-row tiles over eight warps, more slices per request."""
+    from lmkit_kernels.mla_attention import decode_geometry, decode_num_splits
+    from lmkit_kernels.paged_attention import choose_num_splits
+    bf16 = torch.bfloat16
+    assert decode_geometry(16, 1, 512, bf16) == (16, 32, 4, 2)
+    assert decode_geometry(5, 2, 64, bf16) == (8, 32, 4, 2)
+    assert decode_geometry(128, 1, 512, bf16) == (64, 32, 8, 2)
+    assert decode_geometry(128, 4, 512, bf16) == (16, 32, 8, 2)  # 64 rows
+    assert decode_geometry(20, 1, 64, bf16) == (32, 32, 4, 2)  # 32 rows: four warps
+    assert decode_geometry(128, 1, 512, torch.float32) == (16, 16, 4, 2)  # float32: narrow
+    assert decode_geometry(128, 1, 512, bf16, head_tile=16) == (16, 32, 4, 2)
+    with pytest.raises(ValueError, match="head_tile must be a power of two"):
+        decode_geometry(128, 1, 512, bf16, head_tile=8)
+    cpu = torch.device("cpu")  # the interpreter counts 8 SMs
+    for num_reqs in (1, 2, 8, 64):  # the 16-head path keeps its split counts
+        assert decode_num_splits(num_reqs, 16, 1, cpu) == choose_num_splits(num_reqs, 1, cpu)
+    # 128 heads, 1 request: two 8-warp tiles count as four programs: 4 * 8 // 4 = 8
+    assert decode_num_splits(1, 128, 1, cpu) == 8
+    assert decode_num_splits(1, 128, 1, cpu, head_tile=16) == 4  # eight 4-warp tiles
+    assert decode_num_splits(1, 128, 1, cpu, torch.float32) == 4  # as with head_tile=16
+
+
+def test_decode_geometry_override():
+    """``mla_decode(geometry=...)`` (the bench's tiling sweep) gives the same result; a
+    tiling the kernel cannot take is refused."""
+    from lmkit_kernels.mla_attention import DecodeGeometry
+    batch = _batch([(40, 1), (3, 1), (0, 1)], num_heads=20, dtype=torch.bfloat16, seed=11)
+    cache = _written_cache(batch)
+    out, ref = _decode(batch, cache, 20, num_splits=2,
+                       geometry=DecodeGeometry(32, 16, 8, 3))
+    _close(out, ref, batch.num_tokens, torch.bfloat16)
+    with pytest.raises(ValueError, match="geometry block_n must be a power of two"):
+        _decode(batch, cache, 20, geometry=DecodeGeometry(32, 24, 4, 2))
+    with pytest.raises(ValueError, match="head_tile must be a power of two"):
+        _decode(batch, cache, 20, geometry=DecodeGeometry(8, 32, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, pytest.param(8, marks=pytest.mark.slow)])
+def test_decode_at_128_heads_wide_tiles(dtype, num_splits):
+    """V3's 128 query heads (bfloat16: two 64-row tiles; float32: 16-head tiles) against
+    the reference, and equal to the 16-head tiling of the same batch."""
+    batch = _batch([(3, 1), (150, 1), (0, 1), (47, 1)], num_heads=128, dtype=dtype, seed=8)
+    cache = _written_cache(batch)
+    out, ref = _decode(batch, cache, 128, num_splits=num_splits)
+    _close(out, ref, batch.num_tokens, dtype)
+    narrow, _ = _decode(batch, cache, 128, num_splits=num_splits, head_tile=16)
+    _close(out, narrow, batch.num_tokens, dtype)
+
+
+@pytest.mark.slow
+def test_decode_at_128_heads_multi_token_queries():
+    """Speculative queries at 128 heads: 2 and 3 tokens (q_pad 4: 16-head tiles of 64
+    rows), causal within the query."""
+    batch = _batch([(40, 3), (9, 2), (70, 1)], num_heads=128, dtype=torch.bfloat16, seed=9)
+    cache = _written_cache(batch)
+    out, ref = _decode(batch, cache, 128, num_splits=4)
+    _close(out, ref, batch.num_tokens, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_backend_at_128_heads_and_head_tile_option():
+    """``mla_triton`` at 128 heads: decodes (wide tiles) beside a prompt, by default and
+    with ``decode_head_tile`` 16; the option refuses what the kernel cannot tile."""
+    batch = _batch([(30, 1), (65, 1), (0, 20)], num_heads=128, dtype=torch.bfloat16, seed=10)
+    lay = batch.layout
+    ref = None
+    for options in ({}, {"decode_head_tile": 16}):
+        backend = _backend(batch, 128, torch.bfloat16, **options)
+        backend.plan(AttentionMetadata(**lay.metadata_kwargs()))
+        cache = batch.kv_cache.clone()
+        out = backend.run_mla(0, batch.q_nope, batch.q_pe, batch.kv_c, batch.k_pe, cache,
+                              batch.w_kv_b)
+        if ref is None:
+            ref = mla_attention_ref(batch.q_nope, batch.q_pe, cache, batch.w_kv_b,
+                                    lay.query_start_loc, lay.seq_lens, lay.block_tables,
+                                    batch.scale)
+        _close(out, ref, batch.num_tokens, torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_head_tile must be a power of two in"):
+        MLATritonAttentionOptions(decode_head_tile=8)
+    with pytest.raises(ValueError, match="decode_num_splits must be a power of two in"):
+        MLATritonAttentionOptions(decode_num_splits=128)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class MLAAttentionOptions(BaseModel):
@@ -27,7 +27,20 @@ class MLATritonAttentionOptions(MLAAttentionOptions):
 
     decode_num_splits: int | None = Field(
         None, description="Context slices per request in the MLA decode kernel (a power of "
-        "two up to 16); default: chosen from the batch shape and the number of SMs.")
+        "two up to 64); default: chosen from the batch shape and the number of SMs.")
+    decode_head_tile: int | None = Field(
+        None, description="Query heads per MLA decode program (a power of two from 16 "
+        "to 128); default: every head up to 16, else (float16, bfloat16) 64-row "
+        "tiles over eight warps. Each tile reads the latent cache once.")
+
+    @field_validator("decode_num_splits", "decode_head_tile")
+    @classmethod
+    def _power_of_two(cls, value: int | None, info) -> int | None:
+        low, high = (1, 64) if info.field_name == "decode_num_splits" else (16, 128)
+        if value is not None and (value < low or value > high or value & (value - 1)):
+            raise ValueError(f"{info.field_name} must be a power of two in [{low}, {high}], "
+                             f"got {value}")
+        return value
 
 
 class MLAFlashInferAttentionOptions(MLAAttentionOptions):

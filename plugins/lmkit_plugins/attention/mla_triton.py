@@ -35,7 +35,7 @@ from lmkit.api.mla_attention import MLAAttentionBackend
 from lmkit_kernels.mla_attention import (
     absorb_query,
     apply_w_uv,
-    decode_head_tile,
+    decode_num_splits,
     decompress_latent,
     gather_latent,
     mla_decode,
@@ -43,7 +43,6 @@ from lmkit_kernels.mla_attention import (
 )
 from lmkit_kernels.mla_cache_write import mla_cache_write
 from lmkit_kernels.mla_ref import split_kv_b
-from lmkit_kernels.paged_attention import choose_num_splits
 
 from lmkit_plugins.attention.mla_options import MLAAttentionOptions, MLATritonAttentionOptions
 from lmkit_plugins.attention.page_lists import context_slots, to_device
@@ -85,6 +84,8 @@ class MLATritonAttention(MLAAttentionBackend):
         if not self.causal:
             raise ValueError("mla_triton attends causally only (MLA models are decoders)")
         self.options = self.options or MLATritonAttentionOptions()
+        assert isinstance(self.options, MLATritonAttentionOptions)
+        self._head_tile = self.options.decode_head_tile  # None: by head count
         self._plan: _MLATritonPlan | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -126,11 +127,10 @@ class MLATritonAttention(MLAAttentionBackend):
                        max_query_len: int) -> int:
         """Plan the absorbed part (the leading ``num_decodes`` requests); returns the
         decode kernel's split count, fixed by the batch shape."""
-        head_tiles = -(-self.num_heads // decode_head_tile(self.num_heads,
-                                                           max(max_query_len, 1)))
         assert isinstance(self.options, MLATritonAttentionOptions)
-        return self.options.decode_num_splits or choose_num_splits(
-            max(num_decodes, 1), head_tiles, md.block_tables.device)
+        return self.options.decode_num_splits or decode_num_splits(
+            max(num_decodes, 1), self.num_heads, max_query_len, md.block_tables.device,
+            self.dtype, head_tile=self._head_tile)
 
     def attend_latent(self, plan: _MLATritonPlan, q_lat: torch.Tensor, q_pe: torch.Tensor,
                          kv_cache: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ class MLATritonAttention(MLAAttentionBackend):
         return mla_decode(q_lat, q_pe, kv_cache, plan.query_start_loc[: nd + 1],
                           plan.seq_lens[:nd], plan.block_tables[:nd],
                           max_query_len=plan.max_decode_query_len, scale=self.scale,
-                          num_splits=plan.num_splits)
+                          num_splits=plan.num_splits, head_tile=self._head_tile)
 
     def run_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -13,7 +13,8 @@ weight through :func:`lmkit_kernels.gemv.small_m_linear`, which on an H100 reads
 5-15% faster than cuBLAS at one row (bench/gemv_bandwidth.py); larger ones use cuBLAS.
 
 Mixture-of-experts blocks run lmkit's fused MoE kernel on CUDA in every dtype
-(:func:`fused_moe_enabled`).
+(:func:`fused_moe_enabled`) up to :data:`FUSED_MOE_MAX_ROWS_PER_EXPERT` rows per expert
+and its grouped torch reference (cuBLAS per expert) above (:class:`MoEExperts`).
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
 """
@@ -29,6 +30,15 @@ import torch
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 SMALL_BATCH = 8  # rows up to which projections use the weight-streaming Triton kernel
+#: Average ``(token, expert)`` rows per expert (``tokens * top_k / experts``) from which
+#: MoE layers run the grouped torch reference instead of the fused kernel: its 64 x 64
+#: tiles lose to cuBLAS on large per-expert GEMMs. H100, a Mixtral-8x7B layer in bf16
+#: (session 8, bench/moe_kernel.py), fused vs reference: 1.23 vs 1.65 ms at 300 tokens
+#: (75 rows per expert), 2.60 vs 2.11 at 1,024 (256 rows), 10.08 vs 5.79 at 4,096
+#: (1,024 rows); 256 is the smallest measured count where the reference won.
+#: ``LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT`` overrides it (``0``: always the reference).
+FUSED_MOE_MAX_ROWS_PER_EXPERT = 256
+MOE_ROWS_ENV = "LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT"
 
 
 def fused_ops_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -75,6 +85,55 @@ def fused_moe_kernel() -> Callable[..., torch.Tensor]:
     from lmkit_kernels.moe import fused_moe
 
     return fused_moe
+
+
+class MoEExperts:
+    """``(x, w13, w2, topk_weights, topk_ids) -> [T, H]``: ``fused`` (the Triton kernel)
+    below ``max_rows_per_expert`` average rows per expert, ``reference`` (the grouped
+    torch path, which reads the per-expert counts on the host) from there on; always
+    ``fused`` while a CUDA graph is being captured (no host sync allowed there)."""
+
+    def __init__(self, fused: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
+                 max_rows_per_expert: int = FUSED_MOE_MAX_ROWS_PER_EXPERT) -> None:
+        self.fused = fused
+        self.reference = reference
+        self.max_rows_per_expert = max_rows_per_expert
+
+    def uses_fused(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether a call over ``num_tokens`` tokens runs the fused kernel."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return True
+        return num_tokens * top_k < self.max_rows_per_expert * num_experts
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        fn = (self.fused if self.uses_fused(topk_ids.shape[0], topk_ids.shape[1], w13.shape[0])
+              else self.reference)
+        return fn(x, w13, w2, topk_weights, topk_ids)
+
+
+def moe_max_rows_per_expert() -> int:
+    """:data:`FUSED_MOE_MAX_ROWS_PER_EXPERT`, or ``$LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT``.
+
+    :raises ValueError: when the variable is not a non-negative integer."""
+    raw = os.environ.get(MOE_ROWS_ENV, "").strip()
+    if not raw:
+        return FUSED_MOE_MAX_ROWS_PER_EXPERT
+    if not raw.isdigit():
+        raise ValueError(f"{MOE_ROWS_ENV}={raw!r}: expected a non-negative integer (average "
+                         "rows per expert from which MoE layers use the torch reference; "
+                         f"default {FUSED_MOE_MAX_ROWS_PER_EXPERT}); unset it or fix it")
+    return int(raw)
+
+
+def moe_experts(device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """The experts function of a MoE layer on ``device``: :class:`MoEExperts` over the
+    fused kernel when :func:`fused_moe_enabled`, else the torch reference."""
+    from lmkit_kernels.moe_ref import fused_moe_ref
+
+    if not fused_moe_enabled(device):
+        return fused_moe_ref
+    return MoEExperts(fused_moe_kernel(), fused_moe_ref, moe_max_rows_per_expert())
 
 
 def linear_kernel(device: torch.device | str, dtype: torch.dtype,

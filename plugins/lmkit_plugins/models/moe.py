@@ -5,8 +5,9 @@ A router (a bias-free projection to one logit per expert) picks each token's exp
 (:mod:`lmkit_plugins.models.moe_routing`); the experts are SwiGLU MLPs whose weights
 are stacked, ``w13 [E, 2 * I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``, and
 run in one call: on CUDA lmkit's fused Triton kernel
-(:func:`lmkit_kernels.moe.fused_moe`, grouped GEMMs over tokens sorted by expert),
-elsewhere its torch reference (:func:`lmkit_kernels.moe_ref.fused_moe_ref`, one pair
+(:func:`lmkit_kernels.moe.fused_moe`, grouped GEMMs over tokens sorted by expert) up to
+:data:`~lmkit_plugins.models.fused_ops.FUSED_MOE_MAX_ROWS_PER_EXPERT` rows per expert,
+above that and elsewhere its torch reference (:func:`lmkit_kernels.moe_ref.fused_moe_ref`, one pair
 of matrix products per expert). Optional shared experts (DeepSeek) are one dense
 :class:`~lmkit_plugins.models.llama.LlamaMLP` every token runs through, added last.
 
@@ -22,10 +23,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from lmkit_kernels.moe_ref import fused_moe_ref
 from torch import nn
 
-from lmkit_plugins.models.fused_ops import fused_moe_enabled, fused_moe_kernel
+from lmkit_plugins.models.fused_ops import moe_experts
 from lmkit_plugins.models.layers import Linear, _copy_checked
 from lmkit_plugins.models.llama_dims import LlamaDims
 from lmkit_plugins.models.llama_layers import LlamaMLP
@@ -69,8 +69,7 @@ class SparseMoE(nn.Module):
         self.shared_experts = LlamaMLP(
             replace(dims, mlp_bias=False), dtype, device, tp,
             intermediate_size=shared_intermediate_size) if shared_intermediate_size else None
-        self._experts: Callable[..., torch.Tensor] = (
-            fused_moe_kernel() if fused_moe_enabled(device) else fused_moe_ref)
+        self._experts: Callable[..., torch.Tensor] = moe_experts(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, hidden]`` in ``x``'s dtype."""

@@ -3,8 +3,8 @@
 Under ``attention: auto`` on a CUDA device the highest-priority available backend wins:
 ``flashinfer`` (60) when the ``flashinfer`` package is installed, else ``triton`` (50),
 else ``flash_attn`` (40) when a FlashAttention generation is installed, else ``torch``
-(10). On the CPU, ``cpu`` (20) for float32 (the reference with decode-only steps in a C
-kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
+(10). On the CPU, ``cpu`` (20) for float32 and bfloat16 (the reference with float32
+decode-only steps and encoder steps in C kernels), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
 declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
@@ -87,10 +87,10 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "non_causal"},
-            {"device": {"cpu"}, "dtype": {"float32"}, "attention_kind": {MHA}},
+            {"device": {"cpu"}, "dtype": {"float32", "bfloat16"}, "attention_kind": {MHA}},
         ),
-        description="Reference paged attention with decode steps in lmkit's C kernel "
-                    "(CPU, float32).",
+        description="Reference paged attention with decode steps (float32) and encoder "
+                    "steps (float32, bfloat16) in lmkit's C kernels (CPU).",
     ))
     register(Spec(
         name="triton", target="lmkit_plugins.attention.triton_backend:TritonAttention",

@@ -47,6 +47,20 @@ INLINE uint16_t f32_to_bf16(float x) { /* round to nearest even (finite x) */
     return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
 }
 
+/* Horizontal max and sum of 16 lanes in a fixed tree (16 -> 8 -> 4 -> 2 -> 1): a
+ * dependency chain of 4, not 16. */
+INLINE float hmax(v16 x) {
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) x[j] = x[j + w] > x[j] ? x[j + w] : x[j];
+    return x[0];
+}
+
+INLINE float hsum(v16 x) {
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) x[j] += x[j + w];
+    return x[0];
+}
+
 /* exp(x) for x <= 0 (softmax after subtracting the maximum; -inf gives 0): Cephes'
  * expf range reduction and polynomial (about 1 ulp), 0 below -87.3. */
 INLINE v16 exp_nonpositive(v16 x) {
@@ -81,7 +95,8 @@ CLONES static void attend(const float* qs, const float* kt, const float* vs, flo
             v16 acc[TILE] = {0};
             for (long e = 0; e < d; e++) {
                 v16 kv = *(const v16*)(kt + e * len16 + b * 16);
-                for (long t = 0; t < TILE; t++) acc[t] += qs[(i0 + (t < m ? t : 0)) * d + e] * kv;
+                for (long t = 0; t < TILE; t++) /* (a last tile's spare rows: row i0) */
+                    acc[t] += qs[(i0 + (t < m ? t : 0)) * d + e] * kv;
             }
             for (long t = 0; t < TILE; t++)
                 *(v16*)(s + t * len16 + b * 16) = b == nb - 1 ? acc[t] + pad : acc[t];
@@ -94,16 +109,13 @@ CLONES static void attend(const float* qs, const float* kt, const float* vs, flo
                 v16i ge = mx >= row[b];
                 mx = (v16)(((v16i)mx & ge) | ((v16i)row[b] & ~ge));
             }
-            float m1 = mx[0];
-            for (int j = 1; j < 16; j++) m1 = mx[j] > m1 ? mx[j] : m1;
+            const float m1 = hmax(mx);
             v16 sum = splat(0.0f);
             for (long b = 0; b < nb; b++) {
                 row[b] = exp_nonpositive(row[b] - m1);
                 sum += row[b];
             }
-            float total = 0.0f;
-            for (int j = 0; j < 16; j++) total += sum[j];
-            inv[t] = 1.0f / total;
+            inv[t] = 1.0f / hsum(sum);
         }
         for (long c = 0; c < db; c++) { /* out: TILE queries x 16 head dims */
             v16 acc[TILE] = {0};

@@ -1,9 +1,11 @@
-"""lmkit's C kernels for CPU decode, compiled on first use (see :mod:`.build`).
+"""lmkit's C kernels for the CPU (decode, encoders), compiled on first use (see :mod:`.build`).
 
 * :mod:`~lmkit_kernels.cpu.row_gemv` -- ``row_gemv_linear``: float32 ``x @ w.T + b``
   for decode batches (at most 32 rows), one sequential weight stream per thread
 * :mod:`~lmkit_kernels.cpu.paged_decode` -- ``paged_decode_attention``: float32 decode
   attention straight from the paged KV cache (the ``cpu`` attention backend)
+* :mod:`~lmkit_kernels.cpu.encoder_attention` -- ``encoder_attention``: bidirectional
+  attention over packed requests, float32 or bfloat16 (the ``cpu`` backend's encoder steps)
 * :mod:`~lmkit_kernels.cpu.rms_norm` -- ``add_rms_norm``: float32 residual add +
   RMSNorm for decode batches
 * :mod:`~lmkit_kernels.cpu.rope` -- ``rope_inplace``: float32 RoPE of query and key

@@ -6,8 +6,10 @@ Under ``attention: auto`` on a CUDA device the highest-priority available backen
 ``flash_attn`` (40) when a FlashAttention generation is installed, else ``torch`` (10).
 ``triton`` ranks first because it measured faster on the H100 where it matters most:
 serving Qwen3-0.6B at 32 requests/s, 6,521-6,664 output tokens/s against flashinfer's
-4,101 (FlashInfer's host-side ``plan()`` runs on every mixed step), and W1/W2 (docs/gpu.md). On the CPU, ``cpu`` (20) for float32 (the reference with decode-only steps in a C
-kernel), else ``torch``. All five share one KV-cache layout, ``[2, num_blocks,
+4,101 (FlashInfer's host-side ``plan()`` runs on every mixed step), and W1/W2 (docs/gpu.md).
+On the CPU, ``cpu`` (20) for float32 and bfloat16 (the reference with float32
+decode-only steps and encoder steps in C kernels), else ``torch``. All five share one
+KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
 declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
@@ -90,10 +92,10 @@ def register_attention_backends(register):
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
              "non_causal"},
-            {"device": {"cpu"}, "dtype": {"float32"}, "attention_kind": {MHA}},
+            {"device": {"cpu"}, "dtype": {"float32", "bfloat16"}, "attention_kind": {MHA}},
         ),
-        description="Reference paged attention with decode steps in lmkit's C kernel "
-                    "(CPU, float32).",
+        description="Reference paged attention with decode steps (float32) and encoder "
+                    "steps (float32, bfloat16) in lmkit's C kernels (CPU).",
     ))
     register(Spec(
         name="triton", target="lmkit_plugins.attention.triton_backend:TritonAttention",

@@ -1,12 +1,15 @@
-"""Paged attention for float32 on the CPU: lmkit's C decode kernel, torch for the rest.
+"""Paged attention on the CPU: lmkit's C decode and encoder kernels, torch for the rest.
 
-A step in which every request decodes one token (single-stream and batched decoding,
-the CPU's common step) goes through :mod:`lmkit_kernels.cpu.paged_decode`, which
-stores the new K/V and attends each request's query straight from its cache blocks.
-Any other step (prefill, chunked prefill, prefill over a cached prefix, mixed steps,
+In float32, a step in which every request decodes one token (single-stream and batched
+decoding, the CPU's common step) goes through :mod:`lmkit_kernels.cpu.paged_decode`,
+which stores the new K/V and attends each request's query straight from its cache
+blocks. In float32 and bfloat16, an encoder's step (non-causal, every key one of the
+step's tokens; head size a multiple of 16) goes through
+:mod:`lmkit_kernels.cpu.encoder_attention`, which attends each request's packed rows in
+place (no padding, no gathers). Any other step (prefill, chunked prefill, prefill over a cached prefix, mixed steps,
 multi-token queries) is planned and run exactly as :class:`TorchAttention` does, so
-every property of the reference holds; the decode path differs from it only in the
-order of float32 sums. When the kernel cannot be built on this machine the backend
+every property of the reference holds; the kernels differ from it only in the order
+of float32 sums (and, in bfloat16, in rounding the float32 output once). When the kernel cannot be built on this machine the backend
 logs why once and runs every step as the reference.
 """
 
@@ -28,8 +31,15 @@ class _DecodePlan:
     seq_lens: torch.Tensor  # int32 [num_reqs], contiguous
 
 
+@dataclass
+class _EncoderPlan:
+    num_tokens: int
+    cu_seqlens: torch.Tensor  # int64 [num_reqs + 1], contiguous
+
+
 class CpuAttention(TorchAttention):
-    """:class:`TorchAttention` with decode-only steps in a C kernel (CPU, float32)."""
+    """:class:`TorchAttention` with decode-only steps (float32) and encoder steps
+    (float32, bfloat16) in C kernels."""
 
     supports_logits_soft_cap = False  # the C decode kernel does not soft-cap
 
@@ -41,13 +51,32 @@ class CpuAttention(TorchAttention):
 
             kernel = decode_attention_kernel()
         self._decode_kernel = kernel
+        encoder = None
+        if (torch.device(self.device).type == "cpu" and not self.causal
+                and self.head_size % 16 == 0):
+            from lmkit_kernels.cpu.encoder_attention import encoder_attention_kernel
+
+            encoder = encoder_attention_kernel(self.dtype)
+        self._encoder_kernel = encoder
         self._decode: _DecodePlan | None = None
+        self._encoder: _EncoderPlan | None = None
         self._metadata: AttentionMetadata | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Decode-only steps: the kernel's arguments; other steps: the reference plan."""
+        """Decode-only and encoder steps: the kernel's arguments; other steps: the
+        reference plan."""
         md = metadata
         n = md.num_actual_tokens
+        self._encoder = None
+        if (self._encoder_kernel is not None and n > 0 and not md.cuda_graph
+                and int(md.seq_lens_cpu[:md.num_reqs].sum()) == n):
+            # every key is one of this step's tokens: request r's rows are
+            # query_start_loc[r] .. query_start_loc[r + 1] - 1
+            self._encoder = _EncoderPlan(
+                n, md.query_start_loc_cpu[:md.num_reqs + 1].to(torch.int64).contiguous())
+            self._decode, self._plan = None, None
+            self._metadata = md
+            return
         if self._decode_kernel is not None and n == md.num_reqs > 0 and not md.cuda_graph:
             tables = md.block_tables[:n]
             self._decode = _DecodePlan(
@@ -63,7 +92,18 @@ class CpuAttention(TorchAttention):
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kv_cache: torch.Tensor) -> torch.Tensor:
-        """As :meth:`TorchAttention.run`; decode-only steps through the C kernel."""
+        """As :meth:`TorchAttention.run`; decode-only and encoder steps through the C
+        kernels."""
+        encoder = self._encoder
+        if encoder is not None:
+            n = encoder.num_tokens
+            q, k, v = q[:n], k[:n], v[:n]
+            if not _heads_contiguous(q, k, v):  # head views the kernel cannot read
+                if self._plan is None:
+                    super().plan(self._metadata)  # type: ignore[arg-type]
+                return super().run(layer, q, k, v, kv_cache)
+            return self._encoder_kernel(q, k, v, encoder.cu_seqlens,  # type: ignore[misc]
+                                        self.scale)
         plan = self._decode
         if plan is None:
             return super().run(layer, q, k, v, kv_cache)
@@ -77,10 +117,15 @@ class CpuAttention(TorchAttention):
                                    self.sliding_window or 0)
 
 
+def _heads_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether each row's heads are contiguous (any row stride, as views of a fused QKV
+    output have), as the kernels read them."""
+    d = q.shape[2]
+    return all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
+
+
 def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads these tensors as they are: rows of contiguous heads
-    (any row stride, as views of a fused QKV output have) and a contiguous cache."""
-    d = q.shape[2]
-    return (all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
-            and kv_cache.is_contiguous())
+    """Whether the decode kernel reads these tensors as they are: rows of contiguous
+    heads and a contiguous cache."""
+    return _heads_contiguous(q, k, v) and kv_cache.is_contiguous()

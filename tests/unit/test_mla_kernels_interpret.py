@@ -299,3 +299,16 @@ def test_backend_at_128_heads_and_head_tile_option():
         MLATritonAttentionOptions(decode_head_tile=8)
     with pytest.raises(ValueError, match="decode_num_splits must be a power of two in"):
         MLATritonAttentionOptions(decode_num_splits=128)
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize("q_pad", [1, 2, 4, 8])
+def test_float32_decode_programs_stay_within_the_row_budget(num_heads, q_pad):
+    """Float32 programs of 16 heads x 8 query tokens (128 rows) overflowed the H100's
+    shared memory (340 KB asked, 227 KB there); float32 tiles hold at most 32 rows, and
+    the 16-row minimum of ``tl.dot`` still holds."""
+    from lmkit_kernels.mla_attention import F32_MAX_ROWS, decode_head_tile
+
+    tile = decode_head_tile(num_heads, q_pad, torch.float32)
+    assert 16 <= tile * q_pad <= F32_MAX_ROWS
+    assert decode_head_tile(num_heads, q_pad, torch.bfloat16) * q_pad >= tile * q_pad

@@ -107,3 +107,25 @@ def test_options_are_validated():
         MLAFlashInferAttentionOptions(backend="cutlass")
     with pytest.raises(ValidationError):
         MLATritonAttentionOptions(workspace_mb=1)
+
+
+def test_mla_flashinfer_constructs_with_its_own_options(monkeypatch):
+    """mla_flashinfer subclasses mla_triton with other options; building it must not
+    assume mla_triton's (an assert on them broke every DeepSeek run on flashinfer, found
+    on the H100). FlashInfer itself is replaced by a recording stand-in."""
+    import types
+
+    from lmkit.testing.mla_attention import MLACase
+    from lmkit_plugins.attention.mla_flashinfer import MLAFlashInferAttention
+
+    made = []
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = lambda workspace, backend: made.append(backend)
+    package = types.ModuleType("flashinfer")
+    package.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    case = MLACase.of(16, (512, 128, 64, 128), 16, torch.bfloat16, torch.device("cpu"))
+    options = MLAFlashInferAttentionOptions(workspace_mb=1, backend="fa2")
+    backend = MLAFlashInferAttention(**case.kwargs(options))
+    assert backend.options is options and made == ["fa2"]

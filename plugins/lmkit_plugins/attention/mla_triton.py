@@ -84,8 +84,9 @@ class MLATritonAttention(MLAAttentionBackend):
         if not self.causal:
             raise ValueError("mla_triton attends causally only (MLA models are decoders)")
         self.options = self.options or MLATritonAttentionOptions()
-        assert isinstance(self.options, MLATritonAttentionOptions)
-        self._head_tile = self.options.decode_head_tile  # None: by head count
+        # a subclass (mla_flashinfer) brings its own options and its own decode kernel
+        self._head_tile = (self.options.decode_head_tile  # None: by head count
+                           if isinstance(self.options, MLATritonAttentionOptions) else None)
         self._plan: _MLATritonPlan | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:

@@ -24,8 +24,10 @@ the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) an
 ``max_model_len``.
 
 When the target's decode runs in CUDA graphs, so do the head's passes
-(:mod:`lmkit.worker.draft_graphs`): the draft passes, and the catch-up pass after a
-decode or verification step (at most ``1 + k`` kept positions per request), flattened.
+(:mod:`lmkit.worker.draft_graphs`): the draft passes (with their greedy drafts, fed
+to the next pass on the device, when the head declares ``supports_graph_drafts``), and
+the catch-up pass after a decode or verification step (at most ``1 + k`` kept
+positions per request), flattened.
 
 Prefix caching: a request that starts on cached blocks reuses the head KV that the
 request which computed those blocks wrote there (the head runs for every computed
@@ -181,7 +183,8 @@ class DraftRunner:
         if self.k >= 2:
             self.graphs = maybe_capture_passes(proposer, self.kv_caches, target_graphs,
                                                proposer.hidden_size, dtype, max_num_seqs,
-                                               *args)
+                                               *args, drafts=proposer.supports_graph_drafts,
+                                               passes_per_step=self.k - 1)
         if proposer.target_feature_size > 0:
             self.catch_up_graphs = maybe_capture_passes(
                 proposer, self.kv_caches, target_graphs, proposer.target_feature_size, dtype,
@@ -239,6 +242,8 @@ class DraftRunner:
         ids = self.proposer.draft_argmax(feat)
         columns = [ids]  # draft j of the requests still drafting, act_j
         act = np.arange(len(drafter))
+        graphs = self.graphs
+        fed = False  # ids and feat are already the draft graphs' inputs (fed back there)
         for j in range(1, self.k):
             still = np.flatnonzero(num_drafts[act] > j)  # of act: those with a draft j
             if not len(still):
@@ -246,17 +251,22 @@ class DraftRunner:
             if len(still) < len(act):  # some stop at their blocks: the others' rows
                 index = self.staging.put(still)
                 ids, feat = ids.index_select(0, index), feat.index_select(0, index)
-                act = act[still]
+                act, fed = act[still], False
             pos = last[act] + j
             req_rows = rows[drafter[act]]
             slots_j = (table[req_rows, pos // self.block_size].astype(np.int64)
                        * self.block_size + pos % self.block_size)
-            if self.graphs is not None and len(act) <= self.graphs.max_rows:
-                feat = self.graphs.run(ids, feat, pos, slots_j, tables[drafter[act]])
+            if graphs is not None and len(act) <= graphs.max_rows:
+                feat = graphs.run(None if fed else ids, None if fed else feat, pos, slots_j,
+                                  tables[drafter[act]])
+                if graphs.drafts_in_graph:  # taken in the replay, fed to the next one
+                    ids, fed = graphs.drafts(len(act)), True
+                    columns.append(ids.clone())  # the buffer is the next pass's input
+                    continue
             else:
                 feat = self._run(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
                                  pos + 1, tables[drafter[act]])
-            ids = self.proposer.draft_argmax(feat)
+            ids, fed = self.proposer.draft_argmax(feat), False
             columns.append(ids)
         flat = torch.cat(columns).cpu().numpy()  # the one device-to-host copy of the drafts
         drafts = np.zeros((len(drafter), self.k), dtype=np.int64)

@@ -8,9 +8,11 @@ timing every ``propose`` call. Modes: ``eager`` (the CPU's default: no graph run
 and ``padded`` (the target's verification steps and the head's passes through the
 graph runners' padded, fixed-buffer path with ``use_graphs=False``: the code path CUDA
 graphs take, run eagerly). On the CPU everything is synchronous: this measures Python
-and operator overhead plus the tiny model's compute, not GPU time::
+and operator overhead plus the tiny model's compute, not GPU time. In padded mode a
+second table leaves out the time inside the graph runners' model calls (what a CUDA
+graph replays in one launch): the host work a GPU step would still do around them::
 
-    OMP_NUM_THREADS=1 python bench/draft_host_time.py --rev 40e43c0 --rounds 5
+    OMP_NUM_THREADS=1 python bench/draft_host_time.py --rev 20b895b --rounds 5
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
 
 
 def old_draft_runner(rev: str, tmp: Path) -> Any:
-    """The ``DraftRunner`` class of revision ``rev`` (its draft_graphs module beside it)."""
+    """The ``DraftRunner`` class of revision ``rev`` (its draft_graphs, staging and
+    cuda_graphs modules beside it: the head's graph runners and staging of that
+    revision; the target's graph runner is the working tree's on both sides)."""
     root = Path(__file__).resolve().parents[1]
 
-    def load(name: str, path: str, replace: tuple[str, str] | None = None) -> Any:
+    def load(name: str, path: str, *replace: tuple[str, str]) -> Any:
         text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
                               capture_output=True, text=True).stdout
-        if replace:
-            text = text.replace(*replace)
+        for old, new in replace:
+            text = text.replace(old, new)
         file = tmp / f"{name}.py"
         file.write_text(text)
         spec = importlib.util.spec_from_file_location(name, file)
@@ -47,9 +51,13 @@ def old_draft_runner(rev: str, tmp: Path) -> Any:
         spec.loader.exec_module(module)
         return module
 
-    load("old_draft_graphs", "core/lmkit/worker/draft_graphs.py")
+    load("old_cuda_graphs", "core/lmkit/worker/cuda_graphs.py")
+    load("old_staging", "core/lmkit/worker/staging.py")
+    load("old_draft_graphs", "core/lmkit/worker/draft_graphs.py",
+         ("from lmkit.worker.cuda_graphs import", "from old_cuda_graphs import"))
     return load("old_draft_runner", "core/lmkit/worker/draft_runner.py",
-                ("from lmkit.worker.draft_graphs import", "from old_draft_graphs import")
+                ("from lmkit.worker.draft_graphs import", "from old_draft_graphs import"),
+                ("from lmkit.worker.staging import", "from old_staging import")
                 ).DraftRunner
 
 
@@ -93,17 +101,33 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="draft-host-time-"))
     runners = {"before": old_draft_runner(args.rev, tmp), "after": DraftRunner}
     times: dict[str, list[float]] = {}
+    outside: dict[str, list[float]] = {}  # the same, less the graph bodies' time
+    in_graph = [0.0]
 
     def timed(label: str, propose: Any) -> Any:
         def wrapper(self, *a):
+            in_graph[0] = 0.0
             start = time.perf_counter()
             out = propose(self, *a)
-            times[label].append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            times[label].append(elapsed)
+            outside[label].append(elapsed - in_graph[0])
+            return out
+        return wrapper
+
+    def graph_body(run_model: Any) -> Any:
+        def wrapper(self, bs):
+            start = time.perf_counter()
+            out = run_model(self, bs)
+            in_graph[0] += time.perf_counter() - start
             return out
         return wrapper
 
     for label, cls in runners.items():
         cls.propose = timed(label, cls.propose)
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    for graph_cls in (CudaGraphRunner, sys.modules["old_cuda_graphs"].CudaGraphRunner):
+        graph_cls._run_model = graph_body(graph_cls._run_model)
     tiny = make_tiny_model(tmp / "tiny")
     heads = {"eagle": make_tiny_eagle_head(tmp / "eagle", tiny, layer_std=0.3),
              "eagle3": make_tiny_eagle3_head(tmp / "eagle3", tiny)}
@@ -125,21 +149,25 @@ def main() -> None:
                                          max_model_len=64, block_size=4)
                 model_runner.DraftRunner = DraftRunner
                 medians: dict[str, list[float]] = {label: [] for label in runners}
+                outer: dict[str, list[float]] = {label: [] for label in runners}
                 for r in range(args.rounds + 1):  # round 0 warms up
                     order = list(runners) if r % 2 else list(reversed(runners))
                     for label in order:
-                        times[label] = []
+                        times[label], outside[label] = [], []
                         outs = engines[label].generate(PROMPTS, greedy)
                         tokens[label] = [o.outputs[0].token_ids for o in outs]
                         if r:
                             medians[label].append(statistics.median(times[label]) * 1e6)
+                            outer[label].append(statistics.median(outside[label]) * 1e6)
                 assert tokens["before"] == tokens["after"], "outputs differ"
                 for llm in engines.values():
                     llm.shutdown()
-                b, a = (statistics.median(medians[k]) for k in ("before", "after"))
-                spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in medians.items()}
-                print(f"{proposer:8} {mode:6} {batch:5d} {b:8.0f} ({spread['before']:>9}) "
-                      f"{a:7.0f} ({spread['after']:>9}) {a / b:10.2f}", flush=True)
+                rows = [(mode, medians)] + ([("host", outer)] if mode == "padded" else [])
+                for name, table in rows:  # host: padded, less the graph bodies
+                    b, a = (statistics.median(table[k]) for k in ("before", "after"))
+                    spread = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in table.items()}
+                    print(f"{proposer:8} {name:6} {batch:5d} {b:8.0f} ({spread['before']:>9}) "
+                          f"{a:7.0f} ({spread['after']:>9}) {a / b:10.2f}", flush=True)
 
 
 if __name__ == "__main__":

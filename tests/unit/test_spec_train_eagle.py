@@ -106,3 +106,54 @@ def test_progress_in_a_log_is_one_line_per_tenth(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 10 and lines[0].startswith("lmkit: training EAGLE-3 head: step 5 of 50 (10%)")
     assert "step 50 of 50 (100%), loss 5.0000" in lines[-1]
+
+
+@pytest.mark.slow  # five short trainings on the CPU (~7 s)
+def test_cached_features_train_exactly_like_the_target_every_step(tmp_path, monkeypatch):
+    """The feature cache holds what the target's forward returns: training over it in
+    memory or in memory-mapped files gives exactly the same losses, step for step (the
+    same seed), and the same as running the target over each step's sequences up to
+    float rounding (those forwards batch other sequences together: padded differently,
+    the sums round differently); a resumed run reuses the files on disk without
+    running the target again."""
+    import shutil
+
+    from lmkit_plugins.spec.eagle_features import TargetFeatures
+    from lmkit_plugins.spec.train_eagle import train
+
+    tiny = make_tiny_model(tmp_path / "tiny")
+    common = dict(max_steps=6, device="cpu", max_new_tokens=16, lr=3e-3, batch_size=3,
+                  save_every=3, progress=False, feature_batch=4)
+    runs = {}
+    forwards = {"sequences": 0}
+    call = TargetFeatures.__call__
+
+    def counted(self, sequences):
+        forwards["sequences"] += len(sequences)
+        return call(self, sequences)
+
+    monkeypatch.setattr(TargetFeatures, "__call__", counted)
+    for mode in ("off", "memory", "disk"):
+        out = tmp_path / mode
+        if runs:  # the same generated data (greedy answers) for every run
+            out.mkdir()
+            shutil.copy(tmp_path / "off" / "train_data.pt", out / "train_data.pt")
+        forwards["sequences"] = 0
+        runs[mode] = train(str(tiny), out, feature_cache=mode, **common)
+        assert runs[mode]["feature_cache"] == mode and len(runs[mode]["losses"]) == 6
+        num_sequences = len(torch.load(out / "train_data.pt")["sequences"])
+        # off: each step's sequences; cached: every sequence once
+        assert forwards["sequences"] == (18 if mode == "off" else num_sequences)
+    assert runs["disk"]["losses"] == runs["memory"]["losses"]
+    torch.testing.assert_close(runs["memory"]["losses"], runs["off"]["losses"], rtol=1e-5,
+                               atol=0)
+    assert runs["memory"]["losses"][0] != runs["memory"]["losses"][-1]  # it trained
+    assert (tmp_path / "disk" / "features" / "index.json").is_file()
+    forwards["sequences"] = 0
+    resumed = train(str(tiny), tmp_path / "disk", feature_cache="disk",
+                    **{**common, "max_steps": 8})
+    assert resumed["resumed_from"] == 6 and forwards["sequences"] == 0
+    # a cache too large for --feature-cache-gb goes to disk
+    tiny_gb = train(str(tiny), tmp_path / "memory", feature_cache="memory",
+                    feature_cache_gb=1e-9, **{**common, "max_steps": 7})
+    assert tiny_gb["feature_cache"] == "disk" and tiny_gb["resumed_from"] == 6

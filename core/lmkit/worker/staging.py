@@ -53,14 +53,14 @@ class StepStaging:
         used it (the step before the last) must have read them. One event marks the
         finished step's copies (recorded here, behind them in stream order)."""
         if self.pin and self._used:
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[self._turn] = event
+            done = torch.cuda.Event()
+            done.record()
+            self._copied[self._turn] = done
         self._turn ^= 1
         self._host, self._device = self._sets[self._turn]
-        event = self._copied[self._turn]
-        if event is not None:
-            event.synchronize()
+        pending = self._copied[self._turn]
+        if pending is not None:
+            pending.synchronize()
             self._copied[self._turn] = None
         self._used.clear()
 

@@ -157,3 +157,16 @@ def test_cached_features_train_exactly_like_the_target_every_step(tmp_path, monk
     tiny_gb = train(str(tiny), tmp_path / "memory", feature_cache="memory",
                     feature_cache_gb=1e-9, **{**common, "max_steps": 7})
     assert tiny_gb["feature_cache"] == "disk" and tiny_gb["resumed_from"] == 6
+
+
+def test_feature_cache_progress_is_one_line_per_tenth(capsys):
+    """Building the feature cache of a large prompt set reports its progress too."""
+    from lmkit_plugins.spec.eagle_features import _reporter
+
+    report = _reporter(True, 40)
+    for done in (16, 32, 40):  # batches of 16 sequences, the last of 8
+        report(done)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("lmkit: target features: 16 of 40 sequences (40%)")
+    assert lines[-1].startswith("lmkit: target features: 40 of 40 sequences (100%)")
+    assert len(lines) == 3

@@ -13,6 +13,11 @@ second table leaves out the time inside the graph runners' model calls (what a C
 graph replays in one launch): the host work a GPU step would still do around them::
 
     OMP_NUM_THREADS=1 python bench/draft_host_time.py --rev 20b895b --rounds 5
+
+With ``--device cuda`` (triton attention) the modes are ``eager`` (``enforce_eager``)
+and ``graphs`` (captured CUDA graphs, the target's and the head's); each ``propose``
+then ends with the drafts' copy to the host, so its wall time is the draft step's
+whole cost, GPU time included.
 """
 
 from __future__ import annotations
@@ -79,8 +84,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--proposers", nargs="+", default=["eagle", "eagle3"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "padded"])
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="eager, padded (CPU) / eager, graphs (cuda)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    modes = args.modes or (["eager", "graphs"] if cuda else ["eager", "padded"])
 
     import lmkit.worker.model_runner as model_runner
     import torch
@@ -136,8 +145,11 @@ def main() -> None:
     print(f"{'proposer':8} {'mode':6} {'batch':>5} {'before us/step':>16} "
           f"{'after us/step':>15} {'after/before':>12}")
     for proposer in args.proposers:
-        for mode in args.modes:
+        for mode in modes:
             model_runner.maybe_capture = padded_capture() if mode == "padded" else capture
+            device = ({"device": "cuda", "attention": "triton", "block_size": 16,
+                       "enforce_eager": mode == "eager"} if cuda
+                      else {"device": "cpu", "block_size": 4})
             for batch in args.batches:
                 engines, tokens = {}, {}
                 for label, cls in runners.items():
@@ -145,8 +157,8 @@ def main() -> None:
                     engines[label] = LLM(str(tiny), speculative=proposer,
                                          speculative_model=str(heads[proposer]),
                                          num_speculative_tokens=3, num_blocks=128,
-                                         max_num_seqs=batch, device="cpu", dtype="float32",
-                                         max_model_len=64, block_size=4)
+                                         max_num_seqs=batch, dtype="float32",
+                                         max_model_len=64, **device)
                 model_runner.DraftRunner = DraftRunner
                 medians: dict[str, list[float]] = {label: [] for label in runners}
                 outer: dict[str, list[float]] = {label: [] for label in runners}

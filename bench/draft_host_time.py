@@ -43,8 +43,11 @@ def old_draft_runner(rev: str, tmp: Path) -> Any:
     root = Path(__file__).resolve().parents[1]
 
     def load(name: str, path: str, *replace: tuple[str, str]) -> Any:
-        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout
+        if Path(rev).is_dir():  # a copy of the revision's files (no git history at hand)
+            text = (Path(rev) / path).read_text()
+        else:
+            text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True,
+                                  capture_output=True, text=True).stdout
         for old, new in replace:
             text = text.replace(old, new)
         file = tmp / f"{name}.py"
@@ -80,7 +83,8 @@ def padded_capture() -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rev", default="40e43c0", help="the 'before' git revision")
+    parser.add_argument("--rev", default="20b895b",
+                        help="the 'before' git revision (or a directory holding its files)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--proposers", nargs="+", default=["eagle", "eagle3"])

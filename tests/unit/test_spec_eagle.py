@@ -200,11 +200,12 @@ def test_drafts_equal_a_dense_reference_through_graph_replays(tiny, heads, monke
 def test_draft_passes_take_their_drafts_in_the_replay(tiny, heads, monkeypatch, proposer,
                                                       mode):
     """The draft passes' graphs take each pass's greedy drafts themselves and feed them
-    (and the head's output) to the next pass on the device: every replayed pass takes
-    its drafts inside the replay (the eager argmax runs once per step, for the first
-    draft), and the drafts equal the dense reference. A feed that hands the next pass
-    wrong ids is caught by that comparison; a head without ``supports_graph_drafts``
-    takes them eagerly after each replay, with the same drafts."""
+    (and the head's output) to the next pass on the device, and the catch-up pass's
+    graphs take the first drafts: every replayed pass takes its drafts inside the
+    replay (the eager argmax runs only after eager catch-ups), and the drafts equal the
+    dense reference. A feed that hands the next pass wrong ids is caught by that
+    comparison; a head without ``supports_graph_drafts`` takes them eagerly after each
+    replay, with the same drafts."""
     from lmkit.worker.draft_graphs import HeadPass
     from lmkit.worker.draft_runner import DraftRunner
     from lmkit_plugins.spec.eagle import EagleProposer
@@ -239,8 +240,9 @@ def test_draft_passes_take_their_drafts_in_the_replay(tiny, heads, monkeypatch, 
     _, drafters = _padded_replays(monkeypatch)
     got, _ = _run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
                          max_num_seqs=8)
-    graphs = drafters[0].graphs
+    graphs, catch_up = drafters[0].graphs, drafters[0].catch_up_graphs
     assert graphs is not None and graphs.num_passes > 20
+    assert catch_up is not None and catch_up.num_passes > 20
     reference = DenseEagle(tiny, heads[proposer])
     wrong = [key for key, drafts in got.items()
              if drafts != reference.drafts(list(key[1]), len(drafts))]
@@ -249,8 +251,10 @@ def test_draft_passes_take_their_drafts_in_the_replay(tiny, heads, monkeypatch, 
         return
     assert len(got) > 20 and not wrong, f"{len(wrong)} of {len(got)} drafts differ"
     if mode == "in-graph":
-        assert graphs.drafts_in_graph and calls["in_graph"] == graphs.num_passes
-        assert calls["argmax"] == calls["in_graph"] + calls["drafting_steps"]
+        assert graphs.drafts_in_graph and catch_up.drafts_in_graph
+        assert calls["in_graph"] == graphs.num_passes + catch_up.num_passes
+        eager = calls["argmax"] - calls["in_graph"]  # first drafts after eager catch-ups
+        assert 0 < eager <= drafters[0].num_eager_catch_ups < calls["drafting_steps"]
     else:
         assert not graphs.drafts_in_graph and calls["in_graph"] == 0
         assert calls["argmax"] == graphs.num_passes + calls["drafting_steps"]

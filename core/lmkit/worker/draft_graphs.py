@@ -17,11 +17,13 @@ the target's verification steps (see :mod:`lmkit.worker.cuda_graphs`): one decod
 per kept position ``p``, ``seq_len = p + 1``, its request's block table. Prefill
 chunks and larger steps catch up eagerly.
 
-With :attr:`~lmkit.api.RunnerProposer.supports_graph_drafts` the draft passes' graphs
-also take the greedy drafts (:meth:`~lmkit.api.RunnerProposer.draft_argmax`) and feed
-the pass's outputs straight back: the drafts into the graphs' input-id buffer, the
-head's output into the feature buffer. A draft pass is then one replay, and the next
-pass reads its inputs where the last one left them, without leaving the device.
+With :attr:`~lmkit.api.RunnerProposer.supports_graph_drafts` the graphs also take the
+greedy drafts (:meth:`~lmkit.api.RunnerProposer.draft_argmax`) of every row, into the
+graphs' input-id buffer (whose ids the pass has read), and the draft passes' graphs
+feed the head's output into their feature buffer: a draft pass is then one replay, and
+the next pass reads its inputs where the last one left them, without leaving the
+device. The catch-up pass's drafts at each request's last kept position are its first
+draft.
 """
 
 from __future__ import annotations
@@ -49,17 +51,20 @@ class HeadPass:
         max_rows: the largest pass (rows of :attr:`features`).
         width: the features' width (the head's hidden size: passes after the first).
         dtype, device: of the features.
-        drafts: also take the pass's greedy drafts and feed them and the head's output
-            back (into :attr:`feed_ids` and :attr:`features`) for the next pass (draft
-            passes, where ``width`` is the head's hidden size).
+        drafts: also take the pass's greedy drafts, into :attr:`feed_ids` (the next
+            pass's input ids).
+        feed_features: also copy the head's output into :attr:`features` (the next
+            pass's features: draft passes, where ``width`` is the head's hidden size).
     """
 
     def __init__(self, proposer: RunnerProposer, max_rows: int, width: int,
-                 dtype: torch.dtype, device: torch.device, drafts: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, drafts: bool = False,
+                 feed_features: bool = False) -> None:
         self.proposer = proposer
         self.attn = proposer.attn
         self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
         self.drafts = drafts
+        self.feed_features = feed_features
         self.feed_ids: torch.Tensor | None = None  # the graphs' input-id buffer (drafts)
 
     def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
@@ -70,9 +75,10 @@ class HeadPass:
                  ctx: ForwardContext) -> torch.Tensor:
         n = len(input_ids)
         hidden = self.proposer.forward(input_ids, positions, self.features[:n], ctx)
-        if self.drafts:  # in the graph: the drafts and features of the next pass
+        if self.drafts:  # in the graph: the drafts (the next pass's ids) ...
             assert self.feed_ids is not None
             self.feed_ids[:n].copy_(self.proposer.draft_argmax(hidden))
+        if self.feed_features:  # ... and its features
             self.features[:n].copy_(hidden)
         return hidden
 
@@ -92,21 +98,25 @@ class DraftPassGraphs:
             :data:`~lmkit.worker.cuda_graphs.MAX_CAPTURE_SIZE` are captured).
         max_model_len: the context limit; ``block_size``: tokens per KV block.
         use_graphs: ``False`` runs the same padded, fixed-buffer passes eagerly (tests).
-        drafts: the passes take their greedy drafts and feed them back (see
-            :class:`HeadPass`; :meth:`drafts` reads them).
+        drafts: the passes take their greedy drafts (see :class:`HeadPass`;
+            :meth:`drafts` reads them).
         passes_per_step: passes one step runs (sizes the host staging: a step's passes
             never wait for each other's uploads).
+        feed_features: with ``drafts``, the passes also feed the head's output back as
+            the next pass's features (the draft passes: ``width`` is the head's hidden
+            size).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True,
-                 drafts: bool = False, passes_per_step: int = 1) -> None:
+                 drafts: bool = False, passes_per_step: int = 1,
+                 feed_features: bool = False) -> None:
         self.width = width
         self.drafts_in_graph = drafts
         # rows for the largest captured size (the features of passes past it: eager)
         self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device,
-                             drafts=drafts)
+                             drafts=drafts, feed_features=drafts and feed_features)
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs,
                                       num_staging=passes_per_step + 1)
@@ -163,17 +173,18 @@ class DraftPassGraphs:
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
                          max_rows: int, max_model_len: int, block_size: int,
-                         drafts: bool = False,
-                         passes_per_step: int = 1) -> DraftPassGraphs | None:
+                         drafts: bool = False, passes_per_step: int = 1,
+                         feed_features: bool = False) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
-    eagerly). ``drafts``, ``passes_per_step``: see :class:`DraftPassGraphs`."""
+    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``: see
+    :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs, drafts=drafts,
-                             passes_per_step=passes_per_step)
+                             passes_per_step=passes_per_step, feed_features=feed_features)
     graphs.capture()
     return graphs

@@ -184,11 +184,11 @@ class DraftRunner:
             self.graphs = maybe_capture_passes(proposer, self.kv_caches, target_graphs,
                                                proposer.hidden_size, dtype, max_num_seqs,
                                                *args, drafts=proposer.supports_graph_drafts,
-                                               passes_per_step=self.k - 1)
+                                               passes_per_step=self.k - 1, feed_features=True)
         if proposer.target_feature_size > 0:
             self.catch_up_graphs = maybe_capture_passes(
                 proposer, self.kv_caches, target_graphs, proposer.target_feature_size, dtype,
-                max_num_seqs * (1 + self.k), *args)
+                max_num_seqs * (1 + self.k), *args, drafts=proposer.supports_graph_drafts)
 
     # ------------------------------------------------------------------ one step
 
@@ -228,8 +228,8 @@ class DraftRunner:
         table = self.input_batch.block_table
         width = min(table.shape[1], -(-(int(seq_lens.max()) + self.k) // self.block_size))
         tables = table[rows, :width]  # wide enough for every draft position
-        out = self._catch_up(features, keep, input_ids, positions, slots, kept, seq_lens,
-                             tables)
+        out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
+                                      seq_lens, tables)
 
         drafter = np.flatnonzero(drafting[sel])
         if not len(drafter):
@@ -238,8 +238,10 @@ class DraftRunner:
         capacity = np.minimum(self.input_batch.num_blocks[rows[drafter]] * self.block_size,
                               self.max_model_len)
         num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
-        feat = out.index_select(0, self.staging.put(cu_kept[drafter] - 1))
-        ids = self.proposer.draft_argmax(feat)
+        index = self.staging.put(cu_kept[drafter] - 1)  # each one's last kept row
+        feat = out.index_select(0, index)
+        ids = (drafted.index_select(0, index) if drafted is not None
+               else self.proposer.draft_argmax(feat))
         columns = [ids]  # draft j of the requests still drafting, act_j
         act = np.arange(len(drafter))
         graphs = self.graphs
@@ -280,11 +282,14 @@ class DraftRunner:
 
     def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,
-                  seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+                  seq_lens: np.ndarray, tables: np.ndarray
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The catch-up pass over the kept rows ``keep`` of ``features``; returns the
-        head's output per kept position. After a decode or verification step (at most
-        ``1 + k`` kept per request) it replays the catch-up graphs, flattened: one decode
-        row per position, its request's block table; else it runs eagerly."""
+        head's output per kept position and, when the replay took them, the greedy
+        drafts there (``None``: take them from the output). After a decode or
+        verification step (at most ``1 + k`` kept per request) it replays the catch-up
+        graphs, flattened: one decode row per position, its request's block table; else
+        it runs eagerly."""
         graphs = self.catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
@@ -297,10 +302,11 @@ class DraftRunner:
                     "the target's hidden size times len(target_layers) (or 1)")
             torch.index_select(features, 0, index, out=graphs.feature_rows(len(keep)))
             self.num_flattened_catch_ups += int(kept.max()) > 1
-            return graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+            out = graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+            return out, graphs.drafts(len(keep)) if graphs.drafts_in_graph else None
         self.num_eager_catch_ups += 1
         return self._run(input_ids, positions, slots, features.index_select(0, index),
-                         np.cumsum(kept), seq_lens, tables)
+                         np.cumsum(kept), seq_lens, tables), None
 
     def _run(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
              slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,

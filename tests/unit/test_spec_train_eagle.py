@@ -170,3 +170,16 @@ def test_feature_cache_progress_is_one_line_per_tenth(capsys):
     assert lines[0].startswith("lmkit: target features: 16 of 40 sequences (40%)")
     assert lines[-1].startswith("lmkit: target features: 40 of 40 sequences (100%)")
     assert len(lines) == 3
+
+
+def test_feature_cache_options_are_checked(tmp_path):
+    """Wrong feature-cache options are refused before anything runs, naming the choices."""
+    for args, message in ((["--feature-cache", "ram"],
+                           "--feature-cache 'ram': use one of memory, disk, off"),
+                          (["--feature-batch", "0"], "--feature-batch must be at least 1"),
+                          (["--feature-cache-gb", "-1"], "--feature-cache-gb must be 0 or more")):
+        result = CliRunner().invoke(build_app(env=ENV), [
+            "spec", "train-eagle", "some-model", "--out", str(tmp_path / "head"),
+            "--device", "cpu", *args], env=ENV)
+        assert result.exit_code != 0 and message in result.output, result.output
+    assert not (tmp_path / "head").exists()

@@ -190,7 +190,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     while step < max_steps:
         picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
         optimizer.zero_grad()
-        total = 0.0
+        total = torch.zeros((), device=device)  # on the device: one sync per step
         features = ([cache.get(i) for i in picks] if cache is not None
                     else target([sequences[i] for i in picks]))
         for i, (taps_i, final_i) in zip(picks, features, strict=True):
@@ -203,11 +203,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                 0.8 ** j * -(want[j:] * torch.log_softmax(got.float(), -1)).sum(-1).mean()
                 for j, got in enumerate(steps)]).sum() / batch_size
             loss.backward()
-            total += loss.detach().item()
+            total += loss.detach()
         optimizer.step()
         step += 1
-        loss_value = total
-        losses.append(total)
+        loss_value = total.item()
+        losses.append(loss_value)
         bar(step, loss_value)
         if step % save_every == 0 or step == max_steps:
             save()

@@ -56,6 +56,32 @@ def test_unrolled_steps_equal_chained_drafting():
                                            rtol=1e-4, atol=1e-4)
 
 
+def test_a_padded_batch_loses_what_its_sequences_lose_one_by_one():
+    """The batch loss (one padded forward) is the sum of the sequences' own losses: no
+    real row reads padding, and padding rows count nowhere (gradients too)."""
+    from lmkit_plugins.spec.eagle_trainable import distill_loss
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
+    head = TrainableEagle3(cfg, 3, 50)
+    for param in head.parameters():
+        param.data.normal_(0, 0.3)
+    lengths = (9, 2, 5)  # the short one has fewer unrolled steps than ttt_steps
+    embeds = [torch.randn(m, 32) for m in lengths]
+    taps = [torch.randn(m, 96) for m in lengths]
+    want = [torch.softmax(torch.randn(m, 50), -1) for m in lengths]
+    batch = distill_loss(head, embeds, taps, want, 3, 3)
+    batch.backward()
+    grads = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    alone = sum(distill_loss(head, [e], [t], [w], 3, 3) for e, t, w in zip(embeds, taps, want))
+    alone.backward()
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
+    for got, expect in zip(grads, (p.grad for p in head.parameters()), strict=True):
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # trains twice on the CPU (~20 s)
 def test_trained_head_drafts_well_and_training_resumes(tmp_path):
     from lmkit_plugins.spec.train_eagle import train

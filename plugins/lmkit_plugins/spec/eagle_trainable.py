@@ -1,6 +1,7 @@
 """The trainable EAGLE-3 head of ``lmkit spec train-eagle``: the head over dense
-sequences with autograd, its ``state_dict`` in the checkpoint's names, and the unrolled
-draft steps of EAGLE-3's training-time test."""
+sequences with autograd, its ``state_dict`` in the checkpoint's names, the unrolled
+draft steps of EAGLE-3's training-time test, and the distillation loss over a batch of
+right-padded sequences (one forward and backward for the whole batch)."""
 
 from __future__ import annotations
 
@@ -80,25 +81,26 @@ class TrainableEagle3(nn.Module):
 
     def qkv(self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated ``q [heads, n, d]`` and ``k, v`` (repeated to the query heads) of the
-        midlayer for tokens ``embeds`` and features ``feature`` at ``positions``."""
-        d, m, n = self.dims, self.midlayer, len(embeds)
+        """Rotated ``q [..., heads, n, d]`` and ``k, v`` (repeated to the query heads) of
+        the midlayer for tokens ``embeds [..., n, hidden]`` (``...``: none, or a batch)
+        and features ``feature`` at ``positions [n]``."""
+        d, m, lead = self.dims, self.midlayer, embeds.shape[:-1]
         x = torch.cat((m.input_layernorm(embeds), m.hidden_norm(feature)), -1)
         a = m.self_attn
-        q = a.q_proj(x).view(n, d.num_heads, d.head_dim)
-        k = a.k_proj(x).view(n, d.num_kv_heads, d.head_dim)
-        v = a.v_proj(x).view(n, d.num_kv_heads, d.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = a.q_proj(x).view(-1, d.num_heads, d.head_dim)  # rows of every sequence
+        k = a.k_proj(x).view(-1, d.num_kv_heads, d.head_dim)
+        v = a.v_proj(x).view(-1, d.num_kv_heads, d.head_dim)
+        cos, sin = self.rotary.cos_sin(positions.expand(lead).reshape(-1), x.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         group = d.num_heads // d.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return tuple(t.view(*lead, d.num_heads, d.head_dim).transpose(-3, -2)  # type: ignore[return-value]
+                     for t in (q, k, v))
 
     def finish(self, attn_out: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        """``attn_out [heads, n, d]`` -> the head's output before its final norm."""
+        """``attn_out [..., heads, n, d]`` -> the head's output before its final norm."""
         m = self.midlayer
-        n = attn_out.shape[1]
-        residual = m.self_attn.o_proj(attn_out.transpose(0, 1).reshape(n, -1)) + feature
+        residual = m.self_attn.o_proj(attn_out.transpose(-3, -2).flatten(-2)) + feature
         return m.mlp(m.post_attention_layernorm(residual)) + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,8 +114,9 @@ class TrainableEagle3(nn.Module):
         the draft at position ``p`` made ``j`` passes after the last real feature: its
         feature is step ``j - 1``'s output at ``p - 1``, and it attends to the real
         keys up to ``p - j`` and to step ``i``'s key at ``p - j + i``. Step ``j``'s
-        logits cover positions ``j .. n - 1``."""
-        n = len(embeds)
+        logits cover positions ``j .. n - 1``. ``embeds [..., n, hidden]``, ``taps``
+        alike: one sequence, or a batch (right-padded: no real row reads a later one)."""
+        n = embeds.shape[-2]
         scale = self.dims.head_dim ** -0.5
         positions = torch.arange(n, device=embeds.device)
         feature = self.fc(taps)
@@ -124,14 +127,14 @@ class TrainableEagle3(nn.Module):
         results = [self.logits(hidden)]
         for j in range(1, num_steps):
             rows = positions[j:]  # step j drafts at positions j .. n - 1
-            feature = hidden[:-1]  # step j - 1's output one position earlier
-            q, k, v = self.qkv(embeds[rows], feature, rows)
-            real = q @ keys[0].transpose(1, 2) * scale  # [heads, n - j, n]
+            feature = hidden[..., :-1, :]  # step j - 1's output one position earlier
+            q, k, v = self.qkv(embeds[..., j:, :], feature, rows)
+            real = q @ keys[0].transpose(-1, -2) * scale  # [..., heads, n - j, n]
             allowed = positions[None, :] <= (rows - j)[:, None]
             real = real.masked_fill(~allowed, float("-inf"))
             # step i's key at p - j + i is its row p - j: the first n - j rows
-            diag_k = [keys[i][:, :n - j] for i in range(1, j)] + [k]
-            diag_v = [values[i][:, :n - j] for i in range(1, j)] + [v]
+            diag_k = [keys[i][..., :n - j, :] for i in range(1, j)] + [k]
+            diag_v = [values[i][..., :n - j, :] for i in range(1, j)] + [v]
             diag = torch.stack([(q * dk).sum(-1) * scale for dk in diag_k], -1)
             att = torch.softmax(torch.cat((real, diag), -1), -1)
             out = att[..., :n] @ values[0]
@@ -142,3 +145,26 @@ class TrainableEagle3(nn.Module):
             values.append(v)
             results.append(self.logits(hidden))
         return results
+
+
+def distill_loss(head: TrainableEagle3, embeds: list[torch.Tensor], taps: list[torch.Tensor],
+                 want: list[torch.Tensor], ttt_steps: int, batch_size: int) -> torch.Tensor:
+    """The distillation loss of a batch of sequences, in one padded forward: per
+    sequence of ``m`` rows (``embeds [m, hidden]`` of the tokens after each position,
+    ``taps [m, width]``, ``want [m, draft vocab]`` the target's distribution), the
+    cross-entropy of ``min(ttt_steps, m)`` unrolled steps, step ``j`` averaged over its
+    rows and weighted ``0.8 ** j``; summed over the batch, divided by ``batch_size``."""
+    lengths = torch.tensor([len(e) for e in embeds], device=embeds[0].device)
+    pad = torch.nn.utils.rnn.pad_sequence
+    steps = head.unrolled(pad(embeds, batch_first=True), pad(taps, batch_first=True),
+                          min(ttt_steps, int(lengths.max())))
+    target = pad(want, batch_first=True)
+    loss = target.new_zeros(())
+    for j, got in enumerate(steps):
+        rows = (j + torch.arange(got.shape[1], device=lengths.device))[None, :]
+        real = rows < lengths[:, None]  # [batch, rows of step j]: not padding
+        ce = -(target[:, j:] * torch.log_softmax(got.float(), -1)).sum(-1)
+        count = real.sum(-1)
+        per_sequence = (ce * real).sum(-1) / count.clamp(min=1)
+        loss = loss + 0.8 ** j * per_sequence[count > 0].sum()
+    return loss / batch_size

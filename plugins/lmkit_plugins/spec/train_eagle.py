@@ -41,7 +41,7 @@ from lmkit_plugins.spec.eagle_features import (
     TargetFeatures,
     cache_bytes,
 )
-from lmkit_plugins.spec.eagle_trainable import TrainableEagle3
+from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, distill_loss
 
 __all__ = ["TrainableEagle3", "train"]
 
@@ -190,23 +190,18 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     while step < max_steps:
         picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
         optimizer.zero_grad()
-        total = torch.zeros((), device=device)  # on the device: one sync per step
         features = ([cache.get(i) for i in picks] if cache is not None
                     else target([sequences[i] for i in picks]))
-        for i, (taps_i, final_i) in zip(picks, features, strict=True):
-            embeds = target.embed(sequences[i][1:-1])
-            feats = taps_i[:-2].to(device).float()
-            # position p: token p + 1 and features at p -> the target's distribution at p + 1
-            want = torch.softmax(final_i[1:-1].to(device).float() @ draft_rows.T, -1)
-            steps = head.unrolled(embeds, feats, min(ttt_steps, len(want)))
-            loss = torch.stack([
-                0.8 ** j * -(want[j:] * torch.log_softmax(got.float(), -1)).sum(-1).mean()
-                for j, got in enumerate(steps)]).sum() / batch_size
-            loss.backward()
-            total += loss.detach()
+        # position p: token p + 1 and features at p -> the target's distribution at p + 1
+        loss = distill_loss(
+            head, [target.embed(sequences[i][1:-1]) for i in picks],
+            [t[:-2].to(device).float() for t, _ in features],
+            [torch.softmax(f[1:-1].to(device).float() @ draft_rows.T, -1) for _, f in features],
+            ttt_steps, batch_size)
+        loss.backward()
         optimizer.step()
         step += 1
-        loss_value = total.item()
+        loss_value = loss.item()  # the one host synchronisation of the step
         losses.append(loss_value)
         bar(step, loss_value)
         if step % save_every == 0 or step == max_steps:

@@ -75,7 +75,8 @@ def test_a_padded_batch_loses_what_its_sequences_lose_one_by_one():
     batch.backward()
     grads = [p.grad.clone() for p in head.parameters()]
     head.zero_grad()
-    alone = sum(distill_loss(head, [e], [t], [w], 3, 3) for e, t, w in zip(embeds, taps, want))
+    alone = sum(distill_loss(head, [e], [t], [w], 3, 3)
+                for e, t, w in zip(embeds, taps, want, strict=True))
     alone.backward()
     torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
     for got, expect in zip(grads, (p.grad for p in head.parameters()), strict=True):

@@ -36,7 +36,7 @@ class ScratchSlotTorchAttention(TorchAttention):
         self._plan.slot_mapping = self._plan.slot_mapping.clamp(min=0)
 
 
-def test_staged_arrays_arrive_whole_and_stay_valid_through_the_step():
+def test_staged_arrays_arrive_whole_and_stay_valid_through_the_next_step():
     staging = StepStaging(CPU, capacity=8, stage=True)  # the CUDA path, plain copies
     staging.begin()
     a = staging.put(np.arange(5))
@@ -47,9 +47,13 @@ def test_staged_arrays_arrive_whole_and_stay_valid_through_the_step():
     assert b.tolist() == [[1, 2], [3, 4]] and b.dtype == torch.int32
     assert c.tolist() == list(range(100, 120)) and d.tolist() == [7, 8]
     assert a.data_ptr() != c.data_ptr()
-    staging.begin()  # the next step reuses the buffers from the front
+    staging.begin()  # the next step: the other set of buffers (double-buffered)
     e = staging.put(np.array([9]))
     assert e.tolist() == [9] and staging.put(np.zeros(0, dtype=np.int64)).numel() == 0
+    assert a.tolist() == list(range(5)) and d.tolist() == [7, 8]  # the last step's: intact
+    staging.begin()  # the step after: the first set again, from the front
+    f = staging.put(np.array([11, 12]))
+    assert f.data_ptr() == c.data_ptr() and e.tolist() == [9]
     direct = StepStaging(CPU)  # the CPU's default: no copy
     assert direct.put(np.array([[5, 6]]), torch.int32).tolist() == [[5, 6]]
 

@@ -56,6 +56,33 @@ def test_unrolled_steps_equal_chained_drafting():
                                            rtol=1e-4, atol=1e-4)
 
 
+def test_a_padded_batch_loses_what_its_sequences_lose_one_by_one():
+    """The batch loss (one padded forward) is the sum of the sequences' own losses: no
+    real row reads padding, and padding rows count nowhere (gradients too)."""
+    from lmkit_plugins.spec.eagle_trainable import distill_loss
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
+    head = TrainableEagle3(cfg, 3, 50)
+    for param in head.parameters():
+        param.data.normal_(0, 0.3)
+    lengths = (9, 2, 5)  # the short one has fewer unrolled steps than ttt_steps
+    embeds = [torch.randn(m, 32) for m in lengths]
+    taps = [torch.randn(m, 96) for m in lengths]
+    want = [torch.softmax(torch.randn(m, 50), -1) for m in lengths]
+    batch = distill_loss(head, embeds, taps, want, 3, 3)
+    batch.backward()
+    grads = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    alone = sum(distill_loss(head, [e], [t], [w], 3, 3)
+                for e, t, w in zip(embeds, taps, want, strict=True))
+    alone.backward()
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
+    for got, expect in zip(grads, (p.grad for p in head.parameters()), strict=True):
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow  # trains twice on the CPU (~20 s)
 def test_trained_head_drafts_well_and_training_resumes(tmp_path):
     from lmkit_plugins.spec.train_eagle import train
@@ -106,3 +133,80 @@ def test_progress_in_a_log_is_one_line_per_tenth(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 10 and lines[0].startswith("lmkit: training EAGLE-3 head: step 5 of 50 (10%)")
     assert "step 50 of 50 (100%), loss 5.0000" in lines[-1]
+
+
+@pytest.mark.slow  # five short trainings on the CPU (~7 s)
+def test_cached_features_train_exactly_like_the_target_every_step(tmp_path, monkeypatch):
+    """The feature cache holds what the target's forward returns: training over it in
+    memory or in memory-mapped files gives exactly the same losses, step for step (the
+    same seed), and the same as running the target over each step's sequences up to
+    float rounding (those forwards batch other sequences together: padded differently,
+    the sums round differently); a resumed run reuses the files on disk without
+    running the target again."""
+    import shutil
+
+    from lmkit_plugins.spec.eagle_features import TargetFeatures
+    from lmkit_plugins.spec.train_eagle import train
+
+    tiny = make_tiny_model(tmp_path / "tiny")
+    common = dict(max_steps=6, device="cpu", max_new_tokens=16, lr=3e-3, batch_size=3,
+                  save_every=3, progress=False, feature_batch=4)
+    runs = {}
+    forwards = {"sequences": 0}
+    call = TargetFeatures.__call__
+
+    def counted(self, sequences):
+        forwards["sequences"] += len(sequences)
+        return call(self, sequences)
+
+    monkeypatch.setattr(TargetFeatures, "__call__", counted)
+    for mode in ("off", "memory", "disk"):
+        out = tmp_path / mode
+        if runs:  # the same generated data (greedy answers) for every run
+            out.mkdir()
+            shutil.copy(tmp_path / "off" / "train_data.pt", out / "train_data.pt")
+        forwards["sequences"] = 0
+        runs[mode] = train(str(tiny), out, feature_cache=mode, **common)
+        assert runs[mode]["feature_cache"] == mode and len(runs[mode]["losses"]) == 6
+        num_sequences = len(torch.load(out / "train_data.pt")["sequences"])
+        # off: each step's sequences; cached: every sequence once
+        assert forwards["sequences"] == (18 if mode == "off" else num_sequences)
+    assert runs["disk"]["losses"] == runs["memory"]["losses"]
+    torch.testing.assert_close(runs["memory"]["losses"], runs["off"]["losses"], rtol=1e-5,
+                               atol=0)
+    assert runs["memory"]["losses"][0] != runs["memory"]["losses"][-1]  # it trained
+    assert (tmp_path / "disk" / "features" / "index.json").is_file()
+    forwards["sequences"] = 0
+    resumed = train(str(tiny), tmp_path / "disk", feature_cache="disk",
+                    **{**common, "max_steps": 8})
+    assert resumed["resumed_from"] == 6 and forwards["sequences"] == 0
+    # a cache too large for --feature-cache-gb goes to disk
+    tiny_gb = train(str(tiny), tmp_path / "memory", feature_cache="memory",
+                    feature_cache_gb=1e-9, **{**common, "max_steps": 7})
+    assert tiny_gb["feature_cache"] == "disk" and tiny_gb["resumed_from"] == 6
+
+
+def test_feature_cache_progress_is_one_line_per_tenth(capsys):
+    """Building the feature cache of a large prompt set reports its progress too."""
+    from lmkit_plugins.spec.eagle_features import _reporter
+
+    report = _reporter(True, 40)
+    for done in (16, 32, 40):  # batches of 16 sequences, the last of 8
+        report(done)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("lmkit: target features: 16 of 40 sequences (40%)")
+    assert lines[-1].startswith("lmkit: target features: 40 of 40 sequences (100%)")
+    assert len(lines) == 3
+
+
+def test_feature_cache_options_are_checked(tmp_path):
+    """Wrong feature-cache options are refused before anything runs, naming the choices."""
+    for args, message in ((["--feature-cache", "ram"],
+                           "--feature-cache 'ram': use one of memory, disk, off"),
+                          (["--feature-batch", "0"], "--feature-batch must be at least 1"),
+                          (["--feature-cache-gb", "-1"], "--feature-cache-gb must be 0 or more")):
+        result = CliRunner().invoke(build_app(env=ENV), [
+            "spec", "train-eagle", "some-model", "--out", str(tmp_path / "head"),
+            "--device", "cpu", *args], env=ENV)
+        assert result.exit_code != 0 and message in result.output, result.output
+    assert not (tmp_path / "head").exists()

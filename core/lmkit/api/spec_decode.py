@@ -178,6 +178,10 @@ class RunnerProposer(Proposer):
     #: runner then replays the ``k - 1`` draft passes when the target's decode runs in
     #: graphs
     supports_cuda_graphs: bool = False
+    #: with :attr:`supports_cuda_graphs`: :meth:`draft_argmax` may be captured too; the
+    #: draft passes' graphs then take the drafts and feed them to the next pass on the
+    #: device (one replay per pass); else it runs eagerly after each replay
+    supports_graph_drafts: bool = False
 
     @abstractmethod
     def check_target(self, target_hf_config: Any) -> None:

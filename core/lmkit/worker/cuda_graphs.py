@@ -87,12 +87,16 @@ class CudaGraphRunner:
         aux_layers: the target layers whose inputs a draft head reads (EAGLE-3,
             :attr:`lmkit.api.ForwardContext.aux_hidden_layers`); the graphs capture them
             as extra outputs, so verification steps replay with them too.
+        num_staging: pinned host staging sets used in turn: a set is rewritten only
+            ``num_staging`` replays after its upload, so the host waits for that upload
+            (not the last one) before staging the next replay (a draft head's passes of
+            one step take as many sets as passes, plus one).
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  use_graphs: bool = True, max_query_len: int = 1,
-                 aux_layers: tuple[int, ...] = ()) -> None:
+                 aux_layers: tuple[int, ...] = (), num_staging: int = 2) -> None:
         self.model = model
         self.aux_layers = tuple(aux_layers)
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
@@ -113,12 +117,17 @@ class CudaGraphRunner:
         self._seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
-        # pinned host staging; the host copies of query_start_loc never change
-        self._h_packed = torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin)
-        self._h_seq_lens = torch.zeros(bs, dtype=torch.int32, pin_memory=pin)
-        self._h_blocks = torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin)
+        # pinned host staging (``num_staging`` sets, used in turn: packed, seq_lens,
+        # block tables); the host copies of query_start_loc never change
+        self._host = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin))
+                      for _ in range(max(1, num_staging))]
+        self._slot = 0
+        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[0]
         self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
-        self._copied: torch.cuda.Event | None = None
+        # per set: the event recorded after its last upload (None: nothing in flight)
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._host)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                       list[torch.Tensor]]] = {}
@@ -137,7 +146,7 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):
-                self._wait_for_copies()
+                self._next_staging()
                 self._stage_padding_only(bs)
                 self._upload(bs, 0, 1)
                 self._plan(bs)
@@ -213,15 +222,25 @@ class CudaGraphRunner:
         return self.run_decode(step.input_ids.numpy(), positions, step.slot_mapping.numpy(),
                                seq_lens, tables, aux=aux)
 
+    @property
+    def input_ids_buffer(self) -> torch.Tensor:
+        """The device buffer the graphs read their input ids from (row ``i`` of every
+        size at index ``i``): what a captured model may write the next replay's ids to
+        (then :meth:`run_decode` with ``ids_in_place``)."""
+        return self._packed[:self.max_bs]
+
     def run_decode(self, input_ids: np.ndarray | None, positions: np.ndarray,
                    slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                    device_input_ids: torch.Tensor | None = None,
-                   aux: list[torch.Tensor] | None = None) -> torch.Tensor:
+                   aux: list[torch.Tensor] | None = None,
+                   ids_in_place: bool = False) -> torch.Tensor:
         """Replay the graph for a decode step of ``n = len(positions)`` requests.
 
         :param input_ids: int64 ``[n]`` host token ids, or ``None`` with
             ``device_input_ids``: int64 ``[n]`` on the device (e.g. the previous step's
-            sampled tokens, not yet read back), copied in stream order.
+            sampled tokens, not yet read back), copied in stream order, or ``None`` with
+            ``ids_in_place``: the ids are already in :attr:`input_ids_buffer` (e.g. the
+            previous replay wrote them there); its padding rows are reset.
         :param positions: int64 ``[n]``; ``slot_mapping`` int64 ``[n]``; ``seq_lens``
             int32 ``[n]``; ``block_tables`` int32 ``[n, width]`` (the used columns).
         :param aux: a list that receives the :attr:`aux_layers` inputs ``[n, hidden]``.
@@ -229,7 +248,7 @@ class CudaGraphRunner:
         """
         n = len(positions)
         bs = self.padded_size(n)
-        self._wait_for_copies()
+        self._next_staging()
         packed = self._h_packed.numpy()
         if input_ids is not None:
             packed[:n] = input_ids
@@ -239,7 +258,7 @@ class CudaGraphRunner:
         self._h_seq_lens.numpy()[:n] = seq_lens
         width = block_tables.shape[1]
         self._h_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
-        self._upload(bs, n, width)
+        self._upload(bs, n, width, ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
         self._plan(bs)
@@ -260,22 +279,29 @@ class CudaGraphRunner:
         packed[2 * bs + n:3 * bs] = -1
         self._h_seq_lens.numpy()[n:bs] = 0
 
-    def _upload(self, bs: int, n: int, width: int) -> None:
-        """Copy the staged rows to the device buffers (asynchronous, pinned)."""
-        self._packed[:3 * bs].copy_(self._h_packed[:3 * bs], non_blocking=True)
+    def _upload(self, bs: int, n: int, width: int, ids_from: int = 0) -> None:
+        """Copy the staged rows to the device buffers (asynchronous, pinned), the input
+        ids from row ``ids_from`` on (the rows before it are on the device already)."""
+        self._packed[ids_from:3 * bs].copy_(self._h_packed[ids_from:3 * bs],
+                                            non_blocking=True)
         self._seq_lens[:bs].copy_(self._h_seq_lens[:bs], non_blocking=True)
         if n:
             self._block_tables[:n, :width].copy_(
                 self._h_blocks[:n * width].view(n, width), non_blocking=True)
         if self.use_graphs:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._slot] = event
 
-    def _wait_for_copies(self) -> None:
-        """The staging buffers are about to change: the last upload must have read them."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+    def _next_staging(self) -> None:
+        """Stage the next replay in the next host set; the upload that last read that
+        set must be done (``num_staging`` replays ago: usually long since)."""
+        self._slot = (self._slot + 1) % len(self._host)
+        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[self._slot]
+        event = self._copied[self._slot]
+        if event is not None:
+            event.synchronize()
+            self._copied[self._slot] = None
 
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,

@@ -16,6 +16,14 @@ drafting request) and the catch-up pass's (features of the target's width,
 the target's verification steps (see :mod:`lmkit.worker.cuda_graphs`): one decode row
 per kept position ``p``, ``seq_len = p + 1``, its request's block table. Prefill
 chunks and larger steps catch up eagerly.
+
+With :attr:`~lmkit.api.RunnerProposer.supports_graph_drafts` the graphs also take the
+greedy drafts (:meth:`~lmkit.api.RunnerProposer.draft_argmax`) of every row, into the
+graphs' input-id buffer (whose ids the pass has read), and the draft passes' graphs
+feed the head's output into their feature buffer: a draft pass is then one replay, and
+the next pass reads its inputs where the last one left them, without leaving the
+device. The catch-up pass's drafts at each request's last kept position are its first
+draft.
 """
 
 from __future__ import annotations
@@ -43,13 +51,21 @@ class HeadPass:
         max_rows: the largest pass (rows of :attr:`features`).
         width: the features' width (the head's hidden size: passes after the first).
         dtype, device: of the features.
+        drafts: also take the pass's greedy drafts, into :attr:`feed_ids` (the next
+            pass's input ids).
+        feed_features: also copy the head's output into :attr:`features` (the next
+            pass's features: draft passes, where ``width`` is the head's hidden size).
     """
 
     def __init__(self, proposer: RunnerProposer, max_rows: int, width: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, drafts: bool = False,
+                 feed_features: bool = False) -> None:
         self.proposer = proposer
         self.attn = proposer.attn
         self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
+        self.drafts = drafts
+        self.feed_features = feed_features
+        self.feed_ids: torch.Tensor | None = None  # the graphs' input-id buffer (drafts)
 
     def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
         """One group: the head's layers on its own backend."""
@@ -57,7 +73,14 @@ class HeadPass:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
-        return self.proposer.forward(input_ids, positions, self.features[:len(input_ids)], ctx)
+        n = len(input_ids)
+        hidden = self.proposer.forward(input_ids, positions, self.features[:n], ctx)
+        if self.drafts:  # in the graph: the drafts (the next pass's ids) ...
+            assert self.feed_ids is not None
+            self.feed_ids[:n].copy_(self.proposer.draft_argmax(hidden))
+        if self.feed_features:  # ... and its features
+            self.features[:n].copy_(hidden)
+        return hidden
 
 
 class DraftPassGraphs:
@@ -75,16 +98,29 @@ class DraftPassGraphs:
             :data:`~lmkit.worker.cuda_graphs.MAX_CAPTURE_SIZE` are captured).
         max_model_len: the context limit; ``block_size``: tokens per KV block.
         use_graphs: ``False`` runs the same padded, fixed-buffer passes eagerly (tests).
+        drafts: the passes take their greedy drafts (see :class:`HeadPass`;
+            :meth:`drafts` reads them).
+        passes_per_step: passes one step runs (sizes the host staging: a step's passes
+            never wait for each other's uploads).
+        feed_features: with ``drafts``, the passes also feed the head's output back as
+            the next pass's features (the draft passes: ``width`` is the head's hidden
+            size).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int,
-                 max_model_len: int, block_size: int, use_graphs: bool = True) -> None:
+                 max_model_len: int, block_size: int, use_graphs: bool = True,
+                 drafts: bool = False, passes_per_step: int = 1,
+                 feed_features: bool = False) -> None:
         self.width = width
+        self.drafts_in_graph = drafts
         # rows for the largest captured size (the features of passes past it: eager)
-        self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device)
+        self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device,
+                             drafts=drafts, feed_features=drafts and feed_features)
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
-                                      block_size, use_graphs=use_graphs)
+                                      block_size, use_graphs=use_graphs,
+                                      num_staging=passes_per_step + 1)
+        self.head.feed_ids = self.runner.input_ids_buffer
         self.num_passes = 0  # passes run through :meth:`run`
 
     @property
@@ -106,10 +142,16 @@ class DraftPassGraphs:
         """Capture the graphs (no-op without ``use_graphs``)."""
         self.runner.capture()
 
-    def run(self, input_ids: torch.Tensor | np.ndarray, features: torch.Tensor | None,
+    def drafts(self, n: int) -> torch.Tensor:
+        """The last pass's greedy drafts of its ``n`` rows (with ``drafts``): a view of
+        the input-id buffer, i.e. the next pass's input ids, valid until that pass."""
+        return self.runner.input_ids_buffer[:n]
+
+    def run(self, input_ids: torch.Tensor | np.ndarray | None, features: torch.Tensor | None,
             positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
         """One pass of ``n`` decode rows (``n <= max_rows``): token ``input_ids[i]``
-        (int64, on the device, e.g. the previous pass's drafts, or on the host) at
+        (int64, on the device, e.g. the previous pass's drafts, or on the host; ``None``:
+        already in the input-id buffer, where the last pass fed its drafts) at
         ``positions[i]`` with ``features[i]`` (``None``: already in
         :meth:`feature_rows`), its K/V written to ``slots[i]``, attending over
         ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
@@ -119,6 +161,9 @@ class DraftPassGraphs:
             self.head.features[:n].copy_(features)
         self.num_passes += 1
         seq_lens = (positions + 1).astype(np.int32)
+        if input_ids is None:
+            return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
+                                          ids_in_place=True)
         if isinstance(input_ids, torch.Tensor):
             return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
                                           device_input_ids=input_ids)
@@ -127,16 +172,19 @@ class DraftPassGraphs:
 
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
-                         max_rows: int, max_model_len: int,
-                         block_size: int) -> DraftPassGraphs | None:
+                         max_rows: int, max_model_len: int, block_size: int,
+                         drafts: bool = False, passes_per_step: int = 1,
+                         feed_features: bool = False) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
-    eagerly)."""
+    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``: see
+    :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
-                             use_graphs=target_graphs.use_graphs)
+                             use_graphs=target_graphs.use_graphs, drafts=drafts,
+                             passes_per_step=passes_per_step, feed_features=feed_features)
     graphs.capture()
     return graphs

@@ -24,8 +24,10 @@ the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) an
 ``max_model_len``.
 
 When the target's decode runs in CUDA graphs, so do the head's passes
-(:mod:`lmkit.worker.draft_graphs`): the draft passes, and the catch-up pass after a
-decode or verification step (at most ``1 + k`` kept positions per request), flattened.
+(:mod:`lmkit.worker.draft_graphs`): the draft passes (with their greedy drafts, fed
+to the next pass on the device, when the head declares ``supports_graph_drafts``), and
+the catch-up pass after a decode or verification step (at most ``1 + k`` kept
+positions per request), flattened.
 
 Prefix caching: a request that starts on cached blocks reuses the head KV that the
 request which computed those blocks wrote there (the head runs for every computed
@@ -181,11 +183,12 @@ class DraftRunner:
         if self.k >= 2:
             self.graphs = maybe_capture_passes(proposer, self.kv_caches, target_graphs,
                                                proposer.hidden_size, dtype, max_num_seqs,
-                                               *args)
+                                               *args, drafts=proposer.supports_graph_drafts,
+                                               passes_per_step=self.k - 1, feed_features=True)
         if proposer.target_feature_size > 0:
             self.catch_up_graphs = maybe_capture_passes(
                 proposer, self.kv_caches, target_graphs, proposer.target_feature_size, dtype,
-                max_num_seqs * (1 + self.k), *args)
+                max_num_seqs * (1 + self.k), *args, drafts=proposer.supports_graph_drafts)
 
     # ------------------------------------------------------------------ one step
 
@@ -225,8 +228,8 @@ class DraftRunner:
         table = self.input_batch.block_table
         width = min(table.shape[1], -(-(int(seq_lens.max()) + self.k) // self.block_size))
         tables = table[rows, :width]  # wide enough for every draft position
-        out = self._catch_up(features, keep, input_ids, positions, slots, kept, seq_lens,
-                             tables)
+        out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
+                                      seq_lens, tables)
 
         drafter = np.flatnonzero(drafting[sel])
         if not len(drafter):
@@ -235,10 +238,14 @@ class DraftRunner:
         capacity = np.minimum(self.input_batch.num_blocks[rows[drafter]] * self.block_size,
                               self.max_model_len)
         num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
-        feat = out.index_select(0, self.staging.put(cu_kept[drafter] - 1))
-        ids = self.proposer.draft_argmax(feat)
+        index = self.staging.put(cu_kept[drafter] - 1)  # each one's last kept row
+        feat = out.index_select(0, index)
+        ids = (drafted.index_select(0, index) if drafted is not None
+               else self.proposer.draft_argmax(feat))
         columns = [ids]  # draft j of the requests still drafting, act_j
         act = np.arange(len(drafter))
+        graphs = self.graphs
+        fed = False  # ids and feat are already the draft graphs' inputs (fed back there)
         for j in range(1, self.k):
             still = np.flatnonzero(num_drafts[act] > j)  # of act: those with a draft j
             if not len(still):
@@ -246,17 +253,22 @@ class DraftRunner:
             if len(still) < len(act):  # some stop at their blocks: the others' rows
                 index = self.staging.put(still)
                 ids, feat = ids.index_select(0, index), feat.index_select(0, index)
-                act = act[still]
+                act, fed = act[still], False
             pos = last[act] + j
             req_rows = rows[drafter[act]]
             slots_j = (table[req_rows, pos // self.block_size].astype(np.int64)
                        * self.block_size + pos % self.block_size)
-            if self.graphs is not None and len(act) <= self.graphs.max_rows:
-                feat = self.graphs.run(ids, feat, pos, slots_j, tables[drafter[act]])
+            if graphs is not None and len(act) <= graphs.max_rows:
+                feat = graphs.run(None if fed else ids, None if fed else feat, pos, slots_j,
+                                  tables[drafter[act]])
+                if graphs.drafts_in_graph:  # taken in the replay, fed to the next one
+                    ids, fed = graphs.drafts(len(act)), True
+                    columns.append(ids.clone())  # the buffer is the next pass's input
+                    continue
             else:
                 feat = self._run(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
                                  pos + 1, tables[drafter[act]])
-            ids = self.proposer.draft_argmax(feat)
+            ids, fed = self.proposer.draft_argmax(feat), False
             columns.append(ids)
         flat = torch.cat(columns).cpu().numpy()  # the one device-to-host copy of the drafts
         drafts = np.zeros((len(drafter), self.k), dtype=np.int64)
@@ -270,11 +282,14 @@ class DraftRunner:
 
     def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,
-                  seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+                  seq_lens: np.ndarray, tables: np.ndarray
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The catch-up pass over the kept rows ``keep`` of ``features``; returns the
-        head's output per kept position. After a decode or verification step (at most
-        ``1 + k`` kept per request) it replays the catch-up graphs, flattened: one decode
-        row per position, its request's block table; else it runs eagerly."""
+        head's output per kept position and, when the replay took them, the greedy
+        drafts there (``None``: take them from the output). After a decode or
+        verification step (at most ``1 + k`` kept per request) it replays the catch-up
+        graphs, flattened: one decode row per position, its request's block table; else
+        it runs eagerly."""
         graphs = self.catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
@@ -287,10 +302,11 @@ class DraftRunner:
                     "the target's hidden size times len(target_layers) (or 1)")
             torch.index_select(features, 0, index, out=graphs.feature_rows(len(keep)))
             self.num_flattened_catch_ups += int(kept.max()) > 1
-            return graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+            out = graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+            return out, graphs.drafts(len(keep)) if graphs.drafts_in_graph else None
         self.num_eager_catch_ups += 1
         return self._run(input_ids, positions, slots, features.index_select(0, index),
-                         np.cumsum(kept), seq_lens, tables)
+                         np.cumsum(kept), seq_lens, tables), None
 
     def _run(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
              slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,

@@ -5,6 +5,8 @@ device stream (a blocking copy synchronises it): between a draft head's kernels,
 such copy stalls the host until the device has caught up. :class:`StepStaging` copies
 through page-locked host buffers instead (``non_blocking``), filled front to back
 within one step, so a step's copies queue behind its kernels and the host runs ahead.
+Two sets of buffers take turns, step by step: a step's staging waits only for the
+copies of the step before the last one, never for the last step's.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class StepStaging:
-    """Pinned host staging for one step's index arrays, per dtype.
+    """Pinned host staging for one step's index arrays, per dtype, double-buffered.
 
     Call :meth:`begin` at the start of each step, then :meth:`put` each array; a put's
-    device tensor stays valid until the next :meth:`begin` (its region is not reused
-    within the step).
+    device tensor stays valid through the next step too (steps alternate between two
+    sets of buffers; a step reuses the set of the step before the last).
 
     Args:
         device: where the arrays go.
@@ -37,16 +39,29 @@ class StepStaging:
         self.pin = self.device.type == "cuda"
         self.stage = self.device.type != "cpu" if stage is None else stage
         self.capacity = capacity
-        self._host: dict[torch.dtype, torch.Tensor] = {}
-        self._device: dict[torch.dtype, torch.Tensor] = {}
+        # two sets, per dtype: host buffer, device buffer; the step's set is _sets[_turn]
+        self._sets: list[tuple[dict[torch.dtype, torch.Tensor], dict[torch.dtype, torch.Tensor]]]
+        self._sets = [({}, {}), ({}, {})]
+        self._turn = 0
+        self._host, self._device = self._sets[0]
         self._used: dict[torch.dtype, int] = {}
-        self._copied: torch.cuda.Event | None = None
+        # per set: recorded after its step's copies were queued (None: none in flight)
+        self._copied: list[torch.cuda.Event | None] = [None, None]
 
     def begin(self) -> None:
-        """A new step: the last step's copies must have read the host buffers."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        """A new step, in the other set of buffers: the copies of the step that last
+        used it (the step before the last) must have read them. One event marks the
+        finished step's copies (recorded here, behind them in stream order)."""
+        if self.pin and self._used:
+            done = torch.cuda.Event()
+            done.record()
+            self._copied[self._turn] = done
+        self._turn ^= 1
+        self._host, self._device = self._sets[self._turn]
+        pending = self._copied[self._turn]
+        if pending is not None:
+            pending.synchronize()
+            self._copied[self._turn] = None
         self._used.clear()
 
     def put(self, array: np.ndarray | Sequence[int],
@@ -71,7 +86,4 @@ class StepStaging:
         dst = self._device[dtype][used:used + n]
         dst.copy_(src, non_blocking=self.pin)
         self._used[dtype] = used + n
-        if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
         return dst.view(a.shape)

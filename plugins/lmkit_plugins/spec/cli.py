@@ -30,12 +30,22 @@ def train_eagle(
     lr: Annotated[float, _opt("--lr", "AdamW learning rate.")] = 3e-4,
     save_every: Annotated[int, _opt("--save-every", "Checkpoint every N steps.")] = 100,
     seed: Annotated[int, _opt("--seed", "Seed of the sequence sampling.")] = 0,
+    feature_cache: Annotated[str, _opt("--feature-cache", "Where the target's features are "
+                                       "cached, computed once: memory (up to "
+                                       "--feature-cache-gb, else disk), disk (OUT/features, "
+                                       "reused on resume) or off (the target runs every "
+                                       "step).")] = "memory",
+    feature_cache_gb: Annotated[float, _opt("--feature-cache-gb", "The most GiB of features "
+                                            "kept in memory.")] = 8.0,
+    feature_batch: Annotated[int, _opt("--feature-batch", "Sequences per forward of the "
+                                       "target when computing features.")] = 16,
 ) -> None:
     """Train an EAGLE-3 head for MODEL from its own generations (self-distillation);
     use it with --speculative eagle3 --speculative-model OUT."""
     import torch
     from lmkit.api import ConfigError
 
+    from lmkit_plugins.spec.eagle_features import CACHE_MODES
     from lmkit_plugins.spec.train_eagle import train
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,18 +55,27 @@ def train_eagle(
         raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
     for name, value in (("--max-steps", max_steps), ("--batch-size", batch_size),
                         ("--save-every", save_every), ("--max-new-tokens", max_new_tokens),
-                        ("--draft-vocab-size", draft_vocab_size)):
+                        ("--draft-vocab-size", draft_vocab_size),
+                        ("--feature-batch", feature_batch)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1 (got {value})")
+    if feature_cache not in CACHE_MODES:
+        raise ConfigError(f"--feature-cache {feature_cache!r}: use one of "
+                          f"{', '.join(CACHE_MODES)}")
+    if feature_cache_gb < 0:
+        raise ConfigError(f"--feature-cache-gb must be 0 or more (got {feature_cache_gb})")
     try:
         result = train(model, out, max_steps=max_steps, device=device, prompts=prompts,
                        max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
-                       lr=lr, batch_size=batch_size, save_every=save_every, seed=seed)
+                       lr=lr, batch_size=batch_size, save_every=save_every, seed=seed,
+                       feature_cache=feature_cache, feature_cache_gb=feature_cache_gb,
+                       feature_batch=feature_batch)
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]
     print(f"wrote {out} (step {result['step']}, loss {result['loss']:.4f}"
-          + (f", resumed from step {resumed}" if resumed is not None else "") + ")")
+          + (f", resumed from step {resumed}" if resumed is not None else "")
+          + f", feature cache: {result['feature_cache']})")
 
 
 def _arg(help: str) -> Any:

@@ -58,6 +58,7 @@ class Eagle3Proposer(RunnerProposer):
     """
 
     supports_cuda_graphs = True  # draft passes replay in CUDA graphs
+    supports_graph_drafts = True  # and take their drafts inside them
 
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
         self.checkpoint = HeadCheckpoint(config, "eagle3")

@@ -4,9 +4,15 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
 1. **Data**: the target generates greedy answers to a prompt set (the chat prompts of
    ``lmkit bench``, built in, or a JSONL file of ``{"prompt": ...}`` lines) with lmkit
    itself; the token sequences are kept in ``DIR/train_data.pt``.
-2. **Features**: per training sequence, one forward of the target (transformers) gives
-   the inputs of the three tapped layers (``[2, L // 2, L - 3]``, or ``--layers``) and
-   its logits.
+2. **Features**: the target (transformers) runs over the training sequences, several
+   per forward (``--feature-batch``), giving the inputs of the three tapped layers
+   (``[2, L // 2, L - 3]``) and its final hidden states (its logits over the draft
+   vocabulary follow from them). By default it runs once, before training, into a
+   feature cache (:mod:`lmkit_plugins.spec.eagle_features`): in memory up to
+   ``--feature-cache-gb``, else memory-mapped files under ``DIR/features`` (reused
+   when the run resumes; ``--feature-cache disk`` always writes them); training steps
+   read the cache. ``--feature-cache off`` runs the target over each step's sequences
+   instead (the same losses: the cache holds exactly what that forward returns).
 3. **Objective**: at every position ``p`` the head, given the token at ``p + 1`` and the
    fused features at ``p``, is trained to the target's distribution of the token at
    ``p + 2`` (cross-entropy against the target's probabilities restricted to the draft
@@ -27,185 +33,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 from lmkit_plugins.models.llama import LlamaDims
-from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.spec.eagle_features import (
+    CACHE_MODES,
+    FeatureCache,
+    TargetFeatures,
+    cache_bytes,
+)
+from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, distill_loss
+
+__all__ = ["TrainableEagle3", "train"]
 
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
                "vocab_size", "head_dim", "rope_theta", "rope_scaling", "rope_parameters")
 
 
-class _Norm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) \
-            * self.weight
-
-
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, q: int, kv: int) -> None:
-        super().__init__()
-        # q/k/v read [embedding, feature]: 2 * hidden inputs
-        self.q_proj = nn.Linear(2 * hidden, q, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, kv, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, kv, bias=False)
-        self.o_proj = nn.Linear(q, hidden, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-
-
-class _MidLayer(nn.Module):
-    def __init__(self, d: LlamaDims) -> None:
-        super().__init__()
-        h = d.hidden_size
-        self.self_attn = _Attention(h, d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim)
-        self.mlp = _MLP(h, d.intermediate_size)
-        self.input_layernorm = _Norm(h, d.rms_norm_eps)
-        self.hidden_norm = _Norm(h, d.rms_norm_eps)
-        self.post_attention_layernorm = _Norm(h, d.rms_norm_eps)
-
-
-class TrainableEagle3(nn.Module):
-    """An EAGLE-3 head over dense sequences (autograd); its ``state_dict`` names are the
-    checkpoint's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``)."""
-
-    def __init__(self, hf_config: Any, num_taps: int, draft_vocab_size: int) -> None:
-        super().__init__()
-        d = LlamaDims.from_hf(hf_config)
-        self.dims = d
-        h = d.hidden_size
-        self.fc = nn.Linear(num_taps * h, h, bias=False)
-        self.midlayer = _MidLayer(d)
-        self.norm = _Norm(h, d.rms_norm_eps)
-        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
-                    mlp.up_proj, mlp.down_proj, self.fc):
-            nn.init.normal_(lin.weight, std=0.02)
-        self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, d.head_dim), d.head_dim,
-                                      torch.device("cpu"))
-
-    def qkv(self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated ``q [heads, n, d]`` and ``k, v`` (repeated to the query heads) of the
-        midlayer for tokens ``embeds`` and features ``feature`` at ``positions``."""
-        d, m, n = self.dims, self.midlayer, len(embeds)
-        x = torch.cat((m.input_layernorm(embeds), m.hidden_norm(feature)), -1)
-        a = m.self_attn
-        q = a.q_proj(x).view(n, d.num_heads, d.head_dim)
-        k = a.k_proj(x).view(n, d.num_kv_heads, d.head_dim)
-        v = a.v_proj(x).view(n, d.num_kv_heads, d.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        group = d.num_heads // d.num_kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-
-    def finish(self, attn_out: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-        """``attn_out [heads, n, d]`` -> the head's output before its final norm."""
-        m = self.midlayer
-        n = attn_out.shape[1]
-        residual = m.self_attn.o_proj(attn_out.transpose(0, 1).reshape(n, -1)) + feature
-        return m.mlp(m.post_attention_layernorm(residual)) + residual
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of head outputs."""
-        return self.lm_head(self.norm(hidden))
-
-    def unrolled(self, embeds: torch.Tensor, taps: torch.Tensor, num_steps: int
-                 ) -> list[torch.Tensor]:
-        """Draft-vocabulary logits of ``num_steps`` unrolled draft steps, as drafting
-        runs them (EAGLE-3's training-time test). Row ``p`` of step ``j`` (0-based) is
-        the draft at position ``p`` made ``j`` passes after the last real feature: its
-        feature is step ``j - 1``'s output at ``p - 1``, and it attends to the real
-        keys up to ``p - j`` and to step ``i``'s key at ``p - j + i``. Step ``j``'s
-        logits cover positions ``j .. n - 1``."""
-        n = len(embeds)
-        scale = self.dims.head_dim ** -0.5
-        positions = torch.arange(n, device=embeds.device)
-        feature = self.fc(taps)
-        q, k, v = self.qkv(embeds, feature, positions)
-        keys, values = [k], [v]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        hidden = self.finish(out, feature)
-        results = [self.logits(hidden)]
-        for j in range(1, num_steps):
-            rows = positions[j:]  # step j drafts at positions j .. n - 1
-            feature = hidden[:-1]  # step j - 1's output one position earlier
-            q, k, v = self.qkv(embeds[rows], feature, rows)
-            real = q @ keys[0].transpose(1, 2) * scale  # [heads, n - j, n]
-            allowed = positions[None, :] <= (rows - j)[:, None]
-            real = real.masked_fill(~allowed, float("-inf"))
-            # step i's key at p - j + i is its row p - j: the first n - j rows
-            diag_k = [keys[i][:, :n - j] for i in range(1, j)] + [k]
-            diag_v = [values[i][:, :n - j] for i in range(1, j)] + [v]
-            diag = torch.stack([(q * dk).sum(-1) * scale for dk in diag_k], -1)
-            att = torch.softmax(torch.cat((real, diag), -1), -1)
-            out = att[..., :n] @ values[0]
-            for i, dv in enumerate(diag_v):
-                out = out + att[..., n + i, None] * dv
-            hidden = self.finish(out, feature)
-            keys.append(k)
-            values.append(v)
-            results.append(self.logits(hidden))
-        return results
-
-
 def default_taps(num_layers: int) -> list[int]:
     """The tapped target layers EAGLE-3 uses (vLLM's ``[2, L // 2, L - 3]``), clipped to
     the layers of a small model."""
     return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
-
-
-class TargetFeatures:
-    """The target (transformers) for features: the inputs of the tapped layers and the
-    logits, for one token sequence."""
-
-    def __init__(self, model_dir: Path, taps: list[int], device: str, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        self.model.to(device)  # type: ignore[arg-type]  # transformers' stub types it oddly
-        self.model.eval()
-        self.taps, self.device = taps, device
-        self._seen: dict[int, torch.Tensor] = {}
-        for i in set(taps):
-            self.model.model.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-
-    def _hook(self, i: int) -> Any:
-        def hook(module: Any, args: Any, kwargs: Any) -> None:
-            self._seen[i] = (args[0] if args else kwargs["hidden_states"]).detach()
-        return hook
-
-    @torch.no_grad()
-    def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(embeds of tokens[1:], taps [n, 3 * hidden], logits [n, vocab])``."""
-        ids = torch.tensor([tokens], device=self.device)
-        logits = self.model(ids).logits[0].float()
-        taps = torch.cat([self._seen[i][0] for i in self.taps], -1).float()
-        embeds = self.model.get_input_embeddings()(ids)[0].float()
-        return embeds, taps, logits
-
-    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The target's language-model head rows of ``ids`` (the draft head's init)."""
-        return self.model.get_output_embeddings().weight[ids].detach().float().cpu()
 
 
 def load_prompts(path: Path | None) -> list[str]:
@@ -263,12 +111,18 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
 def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path | None = None,
           max_new_tokens: int = 128, draft_vocab_size: int = 32000, lr: float = 3e-4,
           batch_size: int = 4, save_every: int = 100, taps: list[int] | None = None,
-          seed: int = 0, ttt_steps: int = 3, progress: bool = True) -> dict[str, Any]:
+          seed: int = 0, ttt_steps: int = 3, progress: bool = True,
+          feature_cache: str = "memory", feature_cache_gb: float = 8.0,
+          feature_batch: int = 16) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
-    ``{"step", "loss", "resumed_from"}``. See the module docstring."""
+    ``{"step", "loss", "resumed_from", "losses", "feature_cache"}`` (``losses``: this
+    run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``). See the
+    module docstring."""
     from lmkit.api import load_hf_config
     from safetensors.torch import save_file
 
+    if feature_cache not in CACHE_MODES:
+        raise ValueError(f"feature cache {feature_cache!r}: use one of {', '.join(CACHE_MODES)}")
     out.mkdir(parents=True, exist_ok=True)
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
     if data_path.is_file():
@@ -290,14 +144,24 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     taps = taps or default_taps(dims.num_layers)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     target = TargetFeatures(model_dir, taps, device, dtype)
+    if feature_cache == "memory" and cache_bytes(sequences, len(taps), dims.hidden_size,
+                                                 dtype) > feature_cache_gb * 2**30:
+        feature_cache = "disk"  # larger than allowed in memory: memory-mapped files
+    cache = None if feature_cache == "off" else FeatureCache.build(
+        target, sequences, feature_batch, out / "features" if feature_cache == "disk" else None,
+        {"model": model, "taps": taps}, progress)
     state = torch.load(state_path) if state_path.is_file() else None
     ids = (state["draft_ids"] if state is not None else
            draft_vocabulary(sequences, min(draft_vocab_size, dims.vocab_size), dims.vocab_size))
-    head = TrainableEagle3(hf_config, len(taps), len(ids))
+    with torch.random.fork_rng(devices=[]):  # the head's initial weights: from the seed
+        torch.manual_seed(seed)
+        head = TrainableEagle3(hf_config, len(taps), len(ids))
+    draft_rows = target.lm_head_rows(ids)
     if state is None:
         with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head_rows(ids))
+            head.lm_head.weight.copy_(draft_rows)
     head.to(device)
+    draft_rows = draft_rows.to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr)
     step, resumed_from = 0, None
     generator = torch.Generator().manual_seed(seed)
@@ -306,7 +170,6 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         optimizer.load_state_dict(state["optimizer"])
         step = resumed_from = state["step"]
         generator.set_state(state["generator"])
-    draft_ids = ids.to(device)
 
     def save() -> None:
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()
@@ -322,31 +185,31 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                     "step": step, "generator": generator.get_state(), "draft_ids": ids},
                    state_path)
 
-    loss_value = float("nan")
+    loss_value, losses = float("nan"), []
     bar = _progress(progress, max_steps, step)
     while step < max_steps:
         picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
         optimizer.zero_grad()
-        total = 0.0
-        for i in picks:
-            embeds, feats, logits = target(sequences[i])
-            # position p: token p + 1 and features at p -> the target's distribution at p + 1
-            want = torch.softmax(logits[1:-1].index_select(-1, draft_ids), -1)
-            steps = head.unrolled(embeds[1:-1], feats[:-2], min(ttt_steps, len(want)))
-            loss = torch.stack([
-                0.8 ** j * -(want[j:] * torch.log_softmax(got.float(), -1)).sum(-1).mean()
-                for j, got in enumerate(steps)]).sum() / batch_size
-            loss.backward()
-            total += loss.detach().item()
+        features = ([cache.get(i) for i in picks] if cache is not None
+                    else target([sequences[i] for i in picks]))
+        # position p: token p + 1 and features at p -> the target's distribution at p + 1
+        loss = distill_loss(
+            head, [target.embed(sequences[i][1:-1]) for i in picks],
+            [t[:-2].to(device).float() for t, _ in features],
+            [torch.softmax(f[1:-1].to(device).float() @ draft_rows.T, -1) for _, f in features],
+            ttt_steps, batch_size)
+        loss.backward()
         optimizer.step()
         step += 1
-        loss_value = total
+        loss_value = loss.item()  # the one host synchronisation of the step
+        losses.append(loss_value)
         bar(step, loss_value)
         if step % save_every == 0 or step == max_steps:
             save()
     if resumed_from == max_steps or (step == 0 and max_steps == 0):
         save()
-    return {"step": step, "loss": loss_value, "resumed_from": resumed_from}
+    return {"step": step, "loss": loss_value, "resumed_from": resumed_from, "losses": losses,
+            "feature_cache": feature_cache}
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:

@@ -72,8 +72,8 @@ class OutputProcessor:
     def add_request(self, request: Request, prompt_text: str | None,
                     parent_id: str | None = None, index: int = 0, n: int = 1) -> None:
         """Track ``request`` as completion ``index`` of parent ``parent_id`` (itself if None)."""
-        from lmkit.text.detokenizer import IncrementalDetokenizer
         from lmkit.text.stop import StopStringMatcher
+        from lmkit.text.stream_detokenizer import make_detokenizer
 
         pid = parent_id or request.request_id
         parent = self._parents.get(pid)
@@ -83,8 +83,8 @@ class OutputProcessor:
         params = request.sampling_params
         comp = _Completion(
             index=index, parent=parent,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                               skip_special_tokens=params.skip_special_tokens),
+            detokenizer=make_detokenizer(self.tokenizer, request.prompt_token_ids,
+                                         skip_special_tokens=params.skip_special_tokens),
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None,
         )

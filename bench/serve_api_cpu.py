@@ -67,9 +67,12 @@ def make_model(directory: Path, tokenizer_dir: Path | None) -> tuple[Path, int]:
 
 
 def start_server(tree: Path, model_dir: Path, port: int, max_num_seqs: int,
-                 log: Path, extra: list[str]) -> subprocess.Popen[bytes]:
-    """``lmkit serve`` with ``tree``'s sources first on the import path."""
+                 log: Path, extra: list[str], extra_path: str | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """``lmkit serve`` with ``tree``'s sources (then ``extra_path``) first on the import
+    path."""
     paths = [str(tree.resolve() / p) for p in ("core", "plugins", "kernels")]
+    paths += [extra_path] if extra_path else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "lmkit.cli.main", "serve", "--model", str(model_dir),
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", required=True, metavar="NAME=DIR",
                    help="a source tree to serve from (repeat for A/B)")
+    p.add_argument("--extra-path", action="append", default=[], metavar="NAME=PATH",
+                   help="also put PATH on tree NAME's import path (e.g. a --target install "
+                   "of the fast-serve extra)")
     p.add_argument("--rounds", type=int, default=3, help="load rounds per tree")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
@@ -171,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     args = p.parse_args(argv)
 
+    from lmkit.benchmarking.serve import run_serve_bench
     from lmkit.benchmarking.workload import random_workload
 
     trees = dict(t.split("=", 1) for t in args.tree)
+    extra_paths = dict(t.split("=", 1) for t in args.extra_path)
     root = Path(tempfile.mkdtemp(prefix="lmkit-api-cpu-"))
     model_dir, vocab = make_model(root / "model", args.tokenizer_from or default_tokenizer_dir())
     workload = random_workload(args.requests, (args.input_len, args.input_len),
@@ -186,12 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, tree) in enumerate(trees.items()):
             port = args.port + i
             proc = start_server(Path(tree), model_dir, port, args.concurrency,
-                                root / f"{name}.log", args.server_arg)
+                                root / f"{name}.log", args.server_arg, extra_paths.get(name))
             servers[name] = (proc, f"http://127.0.0.1:{port}")
-        for name, (proc, url) in servers.items():
+        for proc, url in servers.values():
             wait_ready(url, proc, 300)
-            from lmkit.benchmarking.serve import run_serve_bench
-
             run_serve_bench(url, warm, concurrency=[8])
         for r in range(args.rounds):
             for name, (proc, url) in servers.items():
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["rounds"].append(rec)
                 print(json.dumps(rec), flush=True)
         if args.py_spy:
-            result["py_spy"] = {name: profile(proc.pid, args.py_spy, root / f"{name}.spy",
+            spy_dir = args.out.parent if args.out else root
+        result["py_spy"] = {name: profile(proc.pid, args.py_spy, spy_dir / f"{name}.spy",
                                               url, workload, args.concurrency)
                                 for name, (proc, url) in servers.items()}
     finally:
@@ -212,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         us = [r["us_per_token"] for r in result["rounds"] if r["tree"] == name]
         summary[name] = {"median_us_per_token": statistics.median(us), "min": min(us),
                          "max": max(us), "rounds": len(us)}
+    first = next(iter(trees))
+    for name in list(trees)[1:]:  # paired: the same round's ratio to the first tree
+        ratios = [b["us_per_token"] / a["us_per_token"]
+                  for a in result["rounds"] if a["tree"] == first
+                  for b in result["rounds"] if b["tree"] == name and b["round"] == a["round"]]
+        summary[name][f"median_ratio_to_{first}"] = statistics.median(ratios)
     result["summary"] = summary
     print(json.dumps({"summary": summary, "load": [result["load_before"],
                                                    result["load_after"]]}, indent=1))

@@ -2,8 +2,9 @@
 
 The client binds two ZMQ ``ipc://`` sockets in a private temp dir (mode 0700): a PUSH
 socket for requests and a PULL socket for outputs. The handshake file there (mode 0600)
-holds the configuration without the API key. Every call is ``zmq.asyncio``, so
-the API process's event loop never blocks on the engine. :meth:`EngineCoreClient.recv`
+holds the configuration without the API key. Every call is ``zmq.asyncio`` (or
+non-blocking: :meth:`EngineCoreClient.recv` first takes a message already waiting, with
+no poll), so the API process's event loop never blocks on the engine. :meth:`EngineCoreClient.recv`
 notices within :data:`DEATH_POLL_S` when the engine process has exited and raises
 :class:`~lmkit.errors.EngineDeadError`, so nothing waits forever on a dead engine.
 """
@@ -90,6 +91,9 @@ class EngineCoreClient:
         self.output_addr = f"ipc://{self._tmpdir / 'output.sock'}"
         self._to_engine.bind(self.input_addr)
         self._from_engine.bind(self.output_addr)
+        # the same socket, blocking API: recv() takes a waiting message without the poll
+        # (two awaits and a future) that an empty socket needs
+        self._from_engine_now = zmq.Socket.shadow(self._from_engine.underlying)
         self._closed = False
 
     @property
@@ -151,6 +155,10 @@ class EngineCoreClient:
         Raises :class:`EngineDeadError` once the process has exited (after delivering
         whatever it sent before dying) or after it reported :class:`EngineFailed`.
         """
+        try:  # a waiting message (a busy engine sends one per step): no poll
+            return self._decode(self._from_engine_now.recv(zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            pass
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             dead = not self.is_alive()  # still deliver what it sent before dying
@@ -158,15 +166,17 @@ class EngineCoreClient:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
             if await self._from_engine.poll(int(wait * 1000), zmq.POLLIN):
-                frame = await self._from_engine.recv(copy=False)
-                message = self._decoder.decode(frame.buffer)
-                if isinstance(message, EngineFailed) and self.dead_reason is None:
-                    self.dead_reason = f"the engine failed: {message.error}"  # fatal
-                return message
+                return self._decode(await self._from_engine.recv(copy=False))
             if dead:
                 raise EngineDeadError(self.dead_reason or "the engine process is not running")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def _decode(self, frame: zmq.Frame) -> FromEngine:
+        message = self._decoder.decode(frame.buffer)
+        if isinstance(message, EngineFailed) and self.dead_reason is None:
+            self.dead_reason = f"the engine failed: {message.error}"  # fatal
+        return message
 
     async def close(self, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop the engine (politely unless ``kill``), close the sockets, remove the temp dir."""

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rec), flush=True)
         if args.py_spy:
             spy_dir = args.out.parent if args.out else root
-        result["py_spy"] = {name: profile(proc.pid, args.py_spy, spy_dir / f"{name}.spy",
+            result["py_spy"] = {name: profile(proc.pid, args.py_spy, spy_dir / f"{name}.spy",
                                               url, workload, args.concurrency)
                                 for name, (proc, url) in servers.items()}
     finally:

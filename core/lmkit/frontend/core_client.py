@@ -93,7 +93,7 @@ class EngineCoreClient:
         self._from_engine.bind(self.output_addr)
         # the same socket, blocking API: recv() takes a waiting message without the poll
         # (two awaits and a future) that an empty socket needs
-        self._from_engine_now = zmq.Socket.shadow(self._from_engine.underlying)
+        self._from_engine_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._from_engine.underlying)
         self._closed = False
 
     @property

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -185,7 +185,7 @@ class EngineCoreClient:
             self._reader_loop = loop
         # the FD only signals that the socket's state changed, and reading EVENTS re-arms
         # it: a message that came after the recv above shows here, never lost
-        if self._from_engine_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._has_message():
             return
         self._waiter = waiter = loop.create_future()
         timer = loop.call_later(timeout, _resolve, waiter)
@@ -197,8 +197,12 @@ class EngineCoreClient:
 
     def _on_readable(self) -> None:
         # reading EVENTS also clears the FD, so the (level-triggered) reader stops firing
-        if self._from_engine_now.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._waiter:
+        if self._has_message() and self._waiter:
             _resolve(self._waiter)
+
+    def _has_message(self) -> bool:
+        events = cast(int, self._from_engine_now.getsockopt(zmq.EVENTS))
+        return bool(events & zmq.POLLIN)
 
     def _remove_reader(self) -> None:
         loop, self._reader_loop = self._reader_loop, None

@@ -229,6 +229,12 @@ class ServerConfig(Section):
         "with status 1 for a supervisor to restart it; 0: exit at once.")
     engine_restart_backoff_s: float = Field(
         1.0, gt=0, le=60, description="Wait before the first restart of a dead engine.")
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        "auto", description="The API process's event loop. auto: uvloop when installed "
+        "(`pip install 'lmkit[fast-serve]'`; less CPU per streamed token), asyncio's otherwise.")
+    http: Literal["auto", "h11", "httptools"] = Field(
+        "auto", description="uvicorn's HTTP implementation. auto: httptools when installed "
+        "(the fast-serve extra), h11 otherwise.")
 
     @model_validator(mode="after")
     def _one_key_source(self) -> ServerConfig:

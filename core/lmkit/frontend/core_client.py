@@ -2,8 +2,10 @@
 
 The client binds two ZMQ ``ipc://`` sockets in a private temp dir (mode 0700): a PUSH
 socket for requests and a PULL socket for outputs. The handshake file there (mode 0600)
-holds the configuration without the API key. Every call is ``zmq.asyncio``, so
-the API process's event loop never blocks on the engine. :meth:`EngineCoreClient.recv`
+holds the configuration without the API key. Sends are ``zmq.asyncio``; receives are
+non-blocking reads (a message already waiting is taken at once) and an empty socket is
+waited for with the event loop's reader on the socket's FD, so the API process's event
+loop never blocks on the engine. One coroutine at a time reads a client. :meth:`EngineCoreClient.recv`
 notices within :data:`DEATH_POLL_S` when the engine process has exited and raises
 :class:`~lmkit.errors.EngineDeadError`, so nothing waits forever on a dead engine.
 """
@@ -19,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -90,6 +92,12 @@ class EngineCoreClient:
         self.output_addr = f"ipc://{self._tmpdir / 'output.sock'}"
         self._to_engine.bind(self.input_addr)
         self._from_engine.bind(self.output_addr)
+        # outputs are read with the blocking API, non-blocking: a waiting message is taken
+        # at once, and an empty socket is waited for with the loop's reader on the
+        # socket's FD (cheaper than zmq.asyncio's poll, which builds a poller per wait)
+        self._from_engine_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._from_engine.underlying)
+        self._reader_loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
     @property
@@ -152,21 +160,60 @@ class EngineCoreClient:
         whatever it sent before dying) or after it reported :class:`EngineFailed`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        sock = self._from_engine_now
         while True:
             dead = not self.is_alive()  # still deliver what it sent before dying
-            wait = 0.0 if dead else DEATH_POLL_S
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - time.monotonic()))
-            if await self._from_engine.poll(int(wait * 1000), zmq.POLLIN):
-                frame = await self._from_engine.recv(copy=False)
-                message = self._decoder.decode(frame.buffer)
-                if isinstance(message, EngineFailed) and self.dead_reason is None:
-                    self.dead_reason = f"the engine failed: {message.error}"  # fatal
-                return message
+            try:  # a waiting message (a busy engine sends one per step): no wait
+                return self._decode(sock.recv(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                pass
             if dead:
                 raise EngineDeadError(self.dead_reason or "the engine process is not running")
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+            wait = DEATH_POLL_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return None
+            await self._wait_readable(wait)
+
+    async def _wait_readable(self, timeout: float) -> None:
+        """Until the output socket may have a message, or ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        if self._reader_loop is not loop:
+            self._remove_reader()
+            loop.add_reader(self._from_engine_now.FD, self._on_readable)
+            self._reader_loop = loop
+        # the FD only signals that the socket's state changed, and reading EVENTS re-arms
+        # it: a message that came after the recv above shows here, never lost
+        if self._has_message():
+            return
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _on_readable(self) -> None:
+        # reading EVENTS also clears the FD, so the (level-triggered) reader stops firing
+        if self._has_message() and self._waiter:
+            _resolve(self._waiter)
+
+    def _has_message(self) -> bool:
+        events = cast(int, self._from_engine_now.getsockopt(zmq.EVENTS))
+        return bool(events & zmq.POLLIN)
+
+    def _remove_reader(self) -> None:
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._from_engine_now.FD)
+
+    def _decode(self, frame: zmq.Frame) -> FromEngine:
+        message = self._decoder.decode(frame.buffer)
+        if isinstance(message, EngineFailed) and self.dead_reason is None:
+            self.dead_reason = f"the engine failed: {message.error}"  # fatal
+        return message
 
     async def close(self, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop the engine (politely unless ``kill``), close the sockets, remove the temp dir."""
@@ -189,10 +236,16 @@ class EngineCoreClient:
                 await _wait_exit(proc, 5.0)
         if self.dead_reason is None:
             self.dead_reason = "the engine was shut down"
+        self._remove_reader()
         self._to_engine.close()
         self._from_engine.close()
         self._ctx.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -17,21 +17,37 @@ class _Completion:
     index: int
     parent: _Parent
     detokenizer: Any
-    stop: Any
+    stop: Any  # a StopStringMatcher, or None without stop strings
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # what the step being processed added (None: nothing yet)
+    delta_ids: list[int] | None = None
+    delta_text: str = ""
+    delta_logprobs: list[TokenLogprob] | None = None
 
-    def output(self, delta_text: str = "", delta_ids: list[int] | None = None,
-               delta_logprobs: list[TokenLogprob] | None = None) -> CompletionOutput:
+    def add_delta(self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None
+                  ) -> None:
+        if self.delta_ids is None:  # the common case: one output per request and step
+            self.delta_text, self.delta_ids, self.delta_logprobs = text, ids, logprobs
+            return
+        self.delta_text += text
+        self.delta_ids = self.delta_ids + ids
+        if logprobs:
+            self.delta_logprobs = [*(self.delta_logprobs or ()), *logprobs]
+
+    def output(self) -> CompletionOutput:
+        """The cumulative output with the step's delta (taken: the next starts empty)."""
+        ids, self.delta_ids = self.delta_ids, None
         return CompletionOutput(
             index=self.index, text=self.text, token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
-            delta_text=delta_text, delta_token_ids=delta_ids or [],
-            delta_logprobs=delta_logprobs,
+            delta_text=self.delta_text if ids is not None else "",
+            delta_token_ids=ids if ids is not None else [],
+            delta_logprobs=self.delta_logprobs if ids is not None else None,
         )
 
 
@@ -72,8 +88,8 @@ class OutputProcessor:
     def add_request(self, request: Request, prompt_text: str | None,
                     parent_id: str | None = None, index: int = 0, n: int = 1) -> None:
         """Track ``request`` as completion ``index`` of parent ``parent_id`` (itself if None)."""
-        from lmkit.text.detokenizer import IncrementalDetokenizer
         from lmkit.text.stop import StopStringMatcher
+        from lmkit.text.stream_detokenizer import make_detokenizer
 
         pid = parent_id or request.request_id
         parent = self._parents.get(pid)
@@ -83,9 +99,10 @@ class OutputProcessor:
         params = request.sampling_params
         comp = _Completion(
             index=index, parent=parent,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                               skip_special_tokens=params.skip_special_tokens),
-            stop=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            detokenizer=make_detokenizer(self.tokenizer, request.prompt_token_ids,
+                                         skip_special_tokens=params.skip_special_tokens),
+            stop=StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            if params.stop else None,
             logprobs=[] if params.logprobs is not None else None,
         )
         parent.children[index] = comp
@@ -109,8 +126,9 @@ class OutputProcessor:
         return ids
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Detokenize and check one engine step's outputs; see :class:`ProcessedOutputs`."""
         result = ProcessedOutputs()
-        changed: dict[str, tuple[_Parent, dict[int, tuple[str, list[int], Any]]]] = {}
+        changed: dict[str, _Parent] = {}
         for out in outputs:
             comp = self._by_engine_id.get(out.request_id)
             if comp is None or comp.finish_reason is not None:
@@ -118,9 +136,15 @@ class OutputProcessor:
             parent = comp.parent
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = out.prompt_logprobs
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            delta_text, hit = self._push_text(comp, out.new_token_ids)
-            comp.token_ids.extend(out.new_token_ids)
+            if out.num_cached_tokens > parent.num_cached_tokens:
+                parent.num_cached_tokens = out.num_cached_tokens
+            new_ids = out.new_token_ids
+            delta_text = comp.detokenizer.push(new_ids) if new_ids else ""
+            stop = comp.stop
+            hit = None
+            if stop is not None:
+                delta_text, hit = stop.feed(delta_text)
+            comp.token_ids.extend(new_ids)
             if comp.logprobs is not None and out.new_logprobs:
                 comp.logprobs.extend(out.new_logprobs)
             if hit is not None:
@@ -128,37 +152,30 @@ class OutputProcessor:
                 result.abort_ids.append(out.request_id)
             elif out.finish_reason is not None:
                 # text held back for an incomplete character, then for a partial stop string
-                tail, hit = comp.stop.feed(comp.detokenizer.flush())
+                tail = comp.detokenizer.flush()
+                if stop is not None:
+                    tail, hit = stop.feed(tail)
                 delta_text += tail
                 if hit is not None:
                     comp.finish_reason, comp.stop_reason = "stop", hit
                 else:
-                    delta_text += comp.stop.flush()
+                    if stop is not None:
+                        delta_text += stop.flush()
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
             comp.text += delta_text
-            entry = changed.setdefault(parent.request_id, (parent, {}))
-            prev = entry[1].get(comp.index)
-            ids = (prev[1] if prev else []) + list(out.new_token_ids)
-            text = (prev[0] if prev else "") + delta_text
-            entry[1][comp.index] = (text, ids, out.new_logprobs)
-        for parent, deltas in changed.values():
-            outs = []
-            for idx in sorted(parent.children):
-                comp = parent.children[idx]
-                d = deltas.get(idx)
-                outs.append(comp.output(d[0], d[1], d[2]) if d else comp.output())
-            ro = RequestOutput(
+            comp.add_delta(delta_text, list(new_ids), out.new_logprobs)
+            changed[parent.request_id] = parent
+        for parent in changed.values():
+            children = parent.children
+            outs = [children[i].output() for i in sorted(children)] if len(children) > 1 \
+                else [c.output() for c in children.values()]
+            finished = parent.finished
+            result.request_outputs.append(RequestOutput(
                 request_id=parent.request_id, prompt=parent.prompt,
                 prompt_token_ids=parent.prompt_token_ids, outputs=outs,
-                finished=parent.finished, prompt_logprobs=parent.prompt_logprobs,
+                finished=finished, prompt_logprobs=parent.prompt_logprobs,
                 num_cached_tokens=parent.num_cached_tokens,
-            )
-            result.request_outputs.append(ro)
-            if parent.finished:
+            ))
+            if finished:
                 self._forget(parent)
         return result
-
-    @staticmethod
-    def _push_text(comp: _Completion, token_ids: list[int]) -> tuple[str, str | None]:
-        new_text = comp.detokenizer.push(token_ids) if token_ids else ""
-        return comp.stop.feed(new_text)

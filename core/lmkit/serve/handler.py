@@ -38,6 +38,10 @@ class Formatter(Protocol):
         """Stream chunks for a new output of prompt ``index``."""
         ...
 
+    def events(self, index: int, output: RequestOutput) -> bytes:
+        """The same chunks as server-sent events, in one piece (one socket write)."""
+        ...
+
     def final_chunks(self) -> list[dict[str, Any]]:
         """Chunks after every request finished (the usage chunk)."""
         ...
@@ -100,8 +104,9 @@ async def _sse_body(first: tuple[int, RequestOutput],
         while True:
             index, output = pending
             _check_errors(output)
-            for chunk in formatter.chunks(index, output):
-                yield sse(chunk)
+            events = formatter.events(index, output)
+            if events:
+                yield events
             try:
                 pending = await merged.__anext__()
             except StopAsyncIteration:

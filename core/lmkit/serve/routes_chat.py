@@ -15,6 +15,7 @@ from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
 from lmkit.serve.logprobs import TokenTexts, chat_logprobs
 from lmkit.serve.protocol import ChatCompletionRequest
+from lmkit.serve.streaming import ChunkTemplate
 
 router = APIRouter()
 
@@ -36,15 +37,9 @@ class ChatFormatter:
         self._started = False
         self._finished: set[int] = set()
         self._usage_counts = (0, 0)
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-            "model": self.model, "system_fingerprint": None, "choices": choices,
-        }
-        if self.include_usage:
-            chunk["usage"] = self._usage() if self.continuous_usage else None
-        return chunk
+        self._template = ChunkTemplate({"id": request_id, "object": "chat.completion.chunk",
+                                        "created": self.created, "model": model,
+                                        "system_fingerprint": None}, self.include_usage)
 
     def _usage(self) -> dict[str, int]:
         prompt, completion = self._usage_counts
@@ -56,14 +51,26 @@ class ChatFormatter:
                               sum(len(c.token_ids) for c in output.outputs))
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        usage = self._chunk_usage(output)
+        return [self._template.as_dict(c, usage) for c in self._choices(output)]
+
+    def events(self, index: int, output: RequestOutput) -> bytes:
+        usage = self._chunk_usage(output)
+        return b"".join([self._template.event(c, usage) for c in self._choices(output)])
+
+    def _chunk_usage(self, output: RequestOutput) -> dict[str, int] | None:
         self._track(output)
+        return self._usage() if self.include_usage and self.continuous_usage else None
+
+    def _choices(self, output: RequestOutput) -> list[list[dict[str, Any]]]:
+        """Each chunk's choices for a new output."""
         chunks = []
         if not self._started:
             self._started = True
             for i in range(self.body.n):
-                chunks.append(self._chunk([{
+                chunks.append([{
                     "index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]))
+                    "logprobs": None, "finish_reason": None}])
         for c in output.outputs:
             if c.index in self._finished:
                 continue
@@ -71,22 +78,20 @@ class ChatFormatter:
                 logprobs = None
                 if self.num_top is not None:
                     logprobs = chat_logprobs(self.texts, c.delta_logprobs or [], self.num_top)
-                chunks.append(self._chunk([{
+                chunks.append([{
                     "index": c.index, "delta": {"content": c.delta_text},
-                    "logprobs": logprobs, "finish_reason": None}]))
+                    "logprobs": logprobs, "finish_reason": None}])
             if c.finish_reason is not None:
                 self._finished.add(c.index)
-                chunks.append(self._chunk([{
+                chunks.append([{
                     "index": c.index, "delta": {}, "logprobs": None,
-                    "finish_reason": c.finish_reason}]))
+                    "finish_reason": c.finish_reason}])
         return chunks
 
     def final_chunks(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
-        chunk = self._chunk([])
-        chunk["usage"] = self._usage()
-        return [chunk]
+        return [self._template.as_dict([], self._usage())]
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         (output,) = outputs

@@ -15,6 +15,7 @@ from lmkit.serve.handler import created_now, respond
 from lmkit.serve.logprobs import TokenTexts, completion_logprobs, merge_completion_logprobs
 from lmkit.serve.protocol import CompletionRequest
 from lmkit.serve.request_body import count_sequences, read_json, validate
+from lmkit.serve.streaming import ChunkTemplate
 
 router = APIRouter()
 
@@ -39,6 +40,9 @@ class CompletionFormatter:
         self._offsets: dict[int, int] = {}
         self._prompt_tokens: dict[int, int] = {}
         self._completion_tokens: dict[int, int] = {}
+        self._template = ChunkTemplate({"id": request_id, "object": "text_completion",
+                                        "created": self.created, "model": model},
+                                       self.include_usage)
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -60,7 +64,16 @@ class CompletionFormatter:
         self._completion_tokens[index] = sum(len(c.token_ids) for c in output.outputs)
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        return [self._template.as_dict(c, u) for c, u in self._parts(index, output)]
+
+    def events(self, index: int, output: RequestOutput) -> bytes:
+        return b"".join([self._template.event(c, u) for c, u in self._parts(index, output)])
+
+    def _parts(self, index: int, output: RequestOutput
+               ) -> list[tuple[list[dict[str, Any]], dict[str, int] | None]]:
+        """Each chunk's choices and usage for a new output of prompt ``index``."""
         self._track(index, output)
+        usage = self._usage() if self.include_usage and self.continuous_usage else None
         chunks = []
         for c in output.outputs:
             choice = index * self.n + c.index
@@ -88,22 +101,14 @@ class CompletionFormatter:
                 continue
             if c.finish_reason is not None:
                 self._finished.add(choice)
-            chunk: dict[str, Any] = {
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": choice, "text": text, "logprobs": logprobs,
-                             "finish_reason": c.finish_reason}],
-            }
-            if self.include_usage:
-                chunk["usage"] = self._usage() if self.continuous_usage else None
-            chunks.append(chunk)
+            chunks.append(([{"index": choice, "text": text, "logprobs": logprobs,
+                             "finish_reason": c.finish_reason}], usage))
         return chunks
 
     def final_chunks(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
-        return [{"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.model, "choices": [], "usage": self._usage()}]
+        return [self._template.as_dict([], self._usage())]
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []

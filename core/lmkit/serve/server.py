@@ -62,14 +62,18 @@ def run_server(config: LMKitConfig, *, on_ready: Callable[[AsyncLLM, str], None]
     the engine cannot start, and :class:`~lmkit.errors.EngineDeadError` if it died and
     could not be restarted.
     """
-    asyncio.run(_serve(config, on_ready, on_engine_ready, log_level, shutdown_timeout,
-                       startup_timeout, engine_env))
+    from lmkit.serve.event_loop import resolve_event_loop, resolve_http, run_in_loop
+
+    # a missing uvloop or httptools fails here, before the engine starts
+    loop, http = resolve_event_loop(config.server), resolve_http(config.server)
+    run_in_loop(loop, _serve(config, on_ready, on_engine_ready, log_level, shutdown_timeout,
+                             startup_timeout, engine_env, http))
 
 
 async def _serve(config: LMKitConfig, on_ready: Callable[[AsyncLLM, str], None] | None,
                  on_engine_ready: Callable[[AsyncLLM], None] | None, log_level: str,
                  shutdown_timeout: float, startup_timeout: float | None,
-                 engine_env: dict[str, str] | None) -> None:
+                 engine_env: dict[str, str] | None, http: str = "auto") -> None:
     import uvicorn
 
     metrics = ServerMetrics()
@@ -88,7 +92,7 @@ async def _serve(config: LMKitConfig, on_ready: Callable[[AsyncLLM, str], None] 
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=log_level,
         timeout_graceful_shutdown=int(shutdown_timeout), access_log=log_level == "debug",
-        lifespan="on",
+        lifespan="on", http=http,
     ))
     holder["server"] = server
 

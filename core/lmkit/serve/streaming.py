@@ -28,6 +28,36 @@ def sse(payload: Any) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+class ChunkTemplate:
+    """One stream's chunk JSON: the fields every chunk repeats (``fixed``: id, object,
+    created, model, ...) are encoded once; per chunk only ``choices`` (and ``usage`` when
+    ``include_usage``) are. :meth:`event` is byte for byte ``sse(as_dict(...))``.
+    """
+
+    def __init__(self, fixed: dict[str, Any], include_usage: bool) -> None:
+        if not fixed:
+            raise ValueError("a chunk template needs at least one fixed field")
+        self.fixed = fixed
+        self.include_usage = include_usage
+        self._head = b"data: " + _json.encode(fixed)[:-1] + b',"choices":'
+
+    def as_dict(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+                ) -> dict[str, Any]:
+        """The chunk as a JSON-ready dict."""
+        chunk = {**self.fixed, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+              ) -> bytes:
+        """The chunk as one server-sent event."""
+        if self.include_usage:
+            return b"".join((self._head, _json.encode(choices), b',"usage":',
+                             _json.encode(usage), b"}\n\n"))
+        return self._head + _json.encode(choices) + b"}\n\n"
+
+
 class ClientDisconnected(Exception):
     """The HTTP client closed the connection before the response was ready."""
 

@@ -1,0 +1,72 @@
+"""OutputProcessor: per-step deltas and cumulative fields, with and without stop strings,
+for ``n`` completions and for several outputs of one request in one engine message."""
+
+from __future__ import annotations
+
+from lmkit.api.outputs import EngineCoreOutput, TokenLogprob
+from lmkit.api.request import Request
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.frontend.output_processor import OutputProcessor
+from lmkit.testing.tiny_model import make_byte_tokenizer
+
+
+def _ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _lp(token_id: int) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, logprob=-1.0, rank=1)
+
+
+def test_two_outputs_of_one_request_in_one_step_fold_into_one_delta():
+    tok = make_byte_tokenizer()
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=10, logprobs=0)
+    proc.add_request(Request("r", _ids(tok, "hi"), params), "hi")
+    a, b = _ids(tok, "ab"), _ids(tok, "cd")
+    step = proc.process_outputs([
+        EngineCoreOutput("r", a, new_logprobs=[_lp(i) for i in a]),
+        EngineCoreOutput("r", b, new_logprobs=[_lp(i) for i in b]),
+    ])
+    (out,) = step.request_outputs
+    (c,) = out.outputs
+    assert (c.delta_text, c.text) == ("abcd", "abcd")
+    assert c.delta_token_ids == a + b == c.token_ids
+    assert [lp.token_id for lp in c.delta_logprobs] == a + b  # none dropped
+    step = proc.process_outputs([EngineCoreOutput("r", _ids(tok, "e"), finish_reason="length",
+                                                  new_logprobs=[_lp(_ids(tok, "e")[0])])])
+    (c,) = step.request_outputs[0].outputs
+    assert (c.delta_text, c.text, c.finish_reason) == ("e", "abcde", "length")
+    assert step.request_outputs[0].finished and not proc.has_unfinished()
+
+
+def test_n_completions_report_every_child_with_only_the_changed_ones_delta():
+    tok = make_byte_tokenizer()
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=10, n=2)
+    for i in (1, 0):  # added out of order: outputs come back by index
+        proc.add_request(Request(f"p-{i}", [1], params), None, parent_id="p", index=i, n=2)
+    step = proc.process_outputs([EngineCoreOutput("p-1", _ids(tok, "x"))])
+    (out,) = step.request_outputs
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert [(c.delta_text, c.text) for c in out.outputs] == [("", ""), ("x", "x")]
+    assert out.outputs[0].delta_token_ids == [] and not out.finished
+    step = proc.process_outputs([EngineCoreOutput("p-0", _ids(tok, "y"), finish_reason="stop"),
+                                 EngineCoreOutput("p-1", _ids(tok, "z"), finish_reason="length")])
+    (out,) = step.request_outputs
+    assert [(c.delta_text, c.text) for c in out.outputs] == [("y", "y"), ("z", "xz")]
+    assert out.finished and not proc.has_unfinished()
+
+
+def test_stop_string_split_over_steps_is_held_and_cut():
+    tok = make_byte_tokenizer()
+    proc = OutputProcessor(tok)
+    proc.add_request(Request("r", [1], SamplingParams(max_tokens=20, stop=["END"])), None)
+    texts = []
+    aborts = []
+    for piece in ("ab", "E", "N", "Dxx"):
+        step = proc.process_outputs([EngineCoreOutput("r", _ids(tok, piece))])
+        texts += [c.delta_text for o in step.request_outputs for c in o.outputs]
+        aborts += step.abort_ids
+    assert "".join(texts) == "ab" and texts[1:3] == ["", ""]
+    assert aborts == ["r"] and not proc.has_unfinished()

@@ -141,7 +141,9 @@ def main() -> None:
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     for graph_cls in (CudaGraphRunner, sys.modules["old_cuda_graphs"].CudaGraphRunner):
         graph_cls._run_model = graph_body(graph_cls._run_model)
-    tiny = make_tiny_model(tmp / "tiny")
+    # head size 64 on CUDA: the smallest the triton backend serves
+    tiny = (make_tiny_model(tmp / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
+            if args.device == "cuda" else make_tiny_model(tmp / "tiny"))
     heads = {"eagle": make_tiny_eagle_head(tmp / "eagle", tiny, layer_std=0.3),
              "eagle3": make_tiny_eagle3_head(tmp / "eagle3", tiny)}
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

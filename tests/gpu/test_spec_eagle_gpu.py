@@ -82,7 +82,8 @@ def test_drafts_taken_inside_captured_graphs(tmp_path, monkeypatch, proposer):
     from lmkit_plugins.spec.eagle import EagleProposer
     from lmkit_plugins.spec.eagle3 import Eagle3Proposer
 
-    tiny = make_tiny_model(tmp_path / "tiny")
+    # head size 64: the smallest the triton backend serves
+    tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
     head = (make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3) if proposer == "eagle"
             else make_tiny_eagle3_head(tmp_path / "head", tiny))
     plain, _, _ = _run(tiny, head, proposer, monkeypatch, speculative=False)

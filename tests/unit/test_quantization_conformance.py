@@ -30,7 +30,32 @@ def method(tmp_path_factory):
 
 @pytest.mark.slow  # every property on a tiny model: about 5 s here
 def test_the_scaffold_method_passes(method):
-    assert set(check_quantization_method(method).values()) == {"passed"}
+    results = check_quantization_method(method)
+    assert results.pop("norm linear").startswith("not applicable")  # declares no norm folding
+    assert set(results.values()) == {"passed"}
+
+
+def _folding(method, add_residual: bool):
+    """The scaffold method declaring norm folding, done in torch (``add_residual=False``:
+    a broken one that forgets the residual)."""
+    def linear_with_norm(self, weight):
+        lin = self.linear(weight)
+
+        def folded(x, residual, norm_weight, eps, bias):
+            h = x + residual if residual is not None and add_residual else x
+            normed = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+            return lin(normed, bias), h
+        return lin, folded
+
+    return type("Folding", (method,), {"supports_norm_linear": True, "norm_linear_max_rows": 32,
+                                       "linear_with_norm": linear_with_norm})
+
+
+def test_norm_folding_is_checked_when_declared(method):
+    assert check_quantization_method(_folding(method, True), only=["norm linear"]) == {
+        "norm linear": "passed"}
+    with pytest.raises(ConformanceFailure, match="the returned residual is not x"):
+        check_quantization_method(_folding(method, False), only=["norm linear"])
 
 
 @pytest.mark.parametrize(("prop", "override", "message"), [

@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -39,6 +39,8 @@ class QuantizedTensor:
 
 # (x [n, in] float, bias [out] or None) -> [n, out]
 QuantizedLinear = Callable[[Any, Any], Any]
+# (x [n, in], residual [n, in] or None, norm weight [in], eps, bias) -> (y [n, out], h)
+QuantizedNormLinear = Callable[[Any, Any, Any, float, Any], tuple[Any, Any]]
 
 
 class QuantizationMethod(ABC):
@@ -46,6 +48,11 @@ class QuantizationMethod(ABC):
     ``register_quantization_methods``; built as ``cls(facts, *, options)`` for the model
     whose :class:`~lmkit.api.model_facts.ModelFacts` are ``facts``: its directory, head
     counts and weight format)."""
+
+    #: Whether :meth:`linear_with_norm` folds a pre-norm layer's residual add + RMSNorm
+    #: into a projection (for inputs of up to :attr:`norm_linear_max_rows` rows)
+    supports_norm_linear: ClassVar[bool] = False
+    norm_linear_max_rows: ClassVar[int] = 0
 
     def __init__(self, facts: ModelFacts, *, options: BaseModel | None = None) -> None:
         self.facts = facts
@@ -82,3 +89,20 @@ class QuantizationMethod(ABC):
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> Any:
         """Float32 ``[len(rows), in]`` of the given rows (int64 tensor; all when
         ``None``): embedding lookups and layers left dense."""
+
+    def linear_with_norm(self, weight: QuantizedTensor
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
+        """:meth:`linear`'s function and, from the same prepared weight, one with the
+        layer's input norm folded in: ``(x, residual, norm_weight, eps, bias) -> (y,
+        h)`` with ``h = x + residual`` (``x`` itself when ``residual`` is ``None``) and
+        ``y = linear(rms_norm(h) * norm_weight, bias)``, the norm computed bit for bit
+        as lmkit's float32 CPU RMSNorm kernel computes it
+        (:mod:`lmkit_kernels.cpu.rms_norm`), for float32 CPU inputs of at most
+        :attr:`norm_linear_max_rows` rows with unit stride along ``in`` (models route
+        other inputs to the separate norm). Only for methods declaring
+        :attr:`supports_norm_linear`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not fold norms into its projections; declare "
+            "supports_norm_linear = True and implement linear_with_norm(), or call "
+            "linear() only.")
+

@@ -55,7 +55,7 @@
 #define MR 4  /* rows of x sharing one pass over a group */
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 }; /* ggml type numbers */
 
-int lmkit_qgemv_abi(void) { return 3; }
+int lmkit_qgemv_abi(void) { return 4; }
 
 int lmkit_qgemv_isa_supported(const char* isa) {
     __builtin_cpu_init();
@@ -502,16 +502,55 @@ static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, lo
     pthread_mutex_unlock(&pool_lock);
 }
 
-/* per-thread scratch for the quantized activations, grown as needed (no allocation per
- * call once warm; the Python thread that calls is the only user of its buffer) */
+/* ---- prologues: the layer's input transform, folded into the activation quantization
+ * (lmkit_qgemv_pro_*): PRO_ADD_RMS_NORM computes, per row, h = x + res (x alone without
+ * res; h written to res_out when given) and rms_norm(h) * nw exactly as rms_norm.c's
+ * lmkit_add_rms_norm does (the same code, built with the same flags, so bit-identical),
+ * then quantizes that row; the float row never leaves the scratch. ---- */
+enum { PRO_NONE = 0, PRO_ADD_RMS_NORM = 2 };
+typedef struct { int kind; const float* res; long ldr; const float* nw; float eps;
+                 float* res_out; long ldo; } prologue_t;
+
+#define LANES 16
+static float sum_squares(const float* h, long n) {
+    float lanes[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        #pragma omp simd
+        for (int j = 0; j < LANES; j++) lanes[j] += h[i + j] * h[i + j];
+    }
+    for (; i < n; i++) lanes[i % LANES] += h[i] * h[i];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+static void add_rms_norm_row(const float* x, const prologue_t* p, long r, long n, float* o) {
+    const float* h = x;
+    if (p->res) {
+        float* hr = p->res_out + r * p->ldo;
+        const float* rr = p->res + r * p->ldr;
+        #pragma omp simd
+        for (long i = 0; i < n; i++) hr[i] = x[i] + rr[i];
+        h = hr;
+    }
+    float inv = 1.0f / sqrtf(sum_squares(h, n) / (float)n + p->eps);
+    #pragma omp simd
+    for (long i = 0; i < n; i++) o[i] = p->nw[i] * (h[i] * inv);
+}
+
+/* per-thread scratch for the quantized activations (and a prologue's float rows), grown
+ * as needed (no allocation per call once warm; the Python thread that calls is the only
+ * user of its buffer) */
 static __thread void* scratch;
 static __thread size_t scratch_size;
 
-static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
-                 const uint8_t* w, const float* bias, float* y, long ldy, long m, long n,
-                 long k, int threads) {
+static int qgemv(groups_fn fn, int avx512, int type, const prologue_t* pro, const float* x,
+                 long ldx, const uint8_t* w, const float* bias, float* y, long ldy, long m,
+                 long n, long k, int threads) {
     long nb = k / QK;
-    size_t need = (size_t)(m * k) + (size_t)(m * nb) * 12 + 64;
+    size_t rows = pro->kind != PRO_NONE ? (size_t)(m * k) * 4 + 64 : 0;
+    size_t need = (size_t)(m * k) + (size_t)(m * nb) * 12 + 64 + rows;
     if (need > scratch_size) {
         free(scratch);
         scratch = malloc(need);
@@ -520,6 +559,12 @@ static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
     }
     float* f = (float*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     xquant xq = {(int8_t*)(f + 3 * m * nb), f, (int32_t*)(f + m * nb), f + 2 * m * nb};
+    if (pro->kind == PRO_ADD_RMS_NORM) {
+        float* h = (float*)(((uintptr_t)(xq.q + m * k) + 63) & ~(uintptr_t)63);
+        for (long r = 0; r < m; r++) add_rms_norm_row(x + r * ldx, pro, r, k, h + r * k);
+        x = h;
+        ldx = k;
+    }
     quantize_x(avx512, x, ldx, m, k, xq);
     long groups = (n + GR - 1) / GR, gbytes = lmkit_qpack_group_bytes(type, k);
     run_groups(fn, type, w, gbytes, groups, xq, bias, y, ldy, m, n, k, threads);
@@ -528,15 +573,35 @@ static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
 
 /* Entry points over packed weights: 0 on success, 1 when out of memory. k must be a
  * multiple of 32; y [m, n] rows ldy floats apart. */
+static const prologue_t no_prologue = {PRO_NONE, NULL, 0, NULL, 0.0f, NULL, 0};
+
 int lmkit_qgemv_avx512vnni(int type, const float* x, long ldx, const uint8_t* w,
                            const float* b, float* y, long ldy, long m, long n, long k,
                            int threads) {
-    return qgemv(groups_vnni, 1, type, x, ldx, w, b, y, ldy, m, n, k, threads);
+    return qgemv(groups_vnni, 1, type, &no_prologue, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
 int lmkit_qgemv_avx2(int type, const float* x, long ldx, const uint8_t* w, const float* b,
                      float* y, long ldy, long m, long n, long k, int threads) {
-    return qgemv(groups_avx2, 0, type, x, ldx, w, b, y, ldy, m, n, k, threads);
+    return qgemv(groups_avx2, 0, type, &no_prologue, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+/* The same with a residual add + RMSNorm folded in (see prologue_t): res (rows ldr
+ * apart, or NULL), norm weight nw [k], res_out [m, k] rows ldo apart (x + res). */
+int lmkit_qgemv_norm_avx512vnni(int type, const float* x, long ldx, const float* res,
+                                long ldr, const float* nw, float eps, float* res_out,
+                                long ldo, const uint8_t* w, const float* b, float* y,
+                                long ldy, long m, long n, long k, int threads) {
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo};
+    return qgemv(groups_vnni, 1, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+int lmkit_qgemv_norm_avx2(int type, const float* x, long ldx, const float* res, long ldr,
+                          const float* nw, float eps, float* res_out, long ldo,
+                          const uint8_t* w, const float* b, float* y, long ldy, long m,
+                          long n, long k, int threads) {
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo};
+    return qgemv(groups_avx2, 0, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
 /* One block's 32 weights as floats, from a GGUF block or from row r of a packed group. */

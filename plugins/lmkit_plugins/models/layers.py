@@ -147,6 +147,10 @@ class Linear(nn.Module):
         self._quant = (QuantizedShards(quantization, list(shard_sizes))
                        if quantization is not None else None)
         self._qkernel: Any = None
+        # the method's kernel with the input norm folded in (forward_add_rms_norm)
+        self._qnorm: Any = None
+        self._qnorm_rows = min(quantization.norm_linear_max_rows, _CPU_NORM_MAX_ROWS) if (
+            quantization is not None and quantization.supports_norm_linear) else 0
         row = None if self._quant else cpu_weight_row_length(self.kernel, dtype, out)
         if self._quant is not None:  # filled by load_shard from the packed shards
             weight = torch.empty(0, in_features, **kw)
@@ -170,6 +174,7 @@ class Linear(nn.Module):
         if weight is not None and self._quant is not None:
             if self._quant.add(shard, weight, size, self.in_features):
                 self._qkernel, dense = self._quant.build()
+                self._qnorm = self._quant.norm_kernel
                 if dense is not None:
                     self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
                 self._quant = None
@@ -188,6 +193,22 @@ class Linear(nn.Module):
             return self.kernel(x, self.weight, self.bias)
         # [num_tokens, row] -> its first out columns (a view; the rest are padding)
         return self.kernel(x, self._padded_weight, self._padded_bias)[:, :self.out_features]
+
+    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                             norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(norm(x + residual)), x + residual)`` (``x`` alone, and returned as
+        the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
+        projection. With a quantization method that folds norms
+        (``supports_norm_linear``), decode-sized float32 CPU inputs take one kernel
+        call, bit-identical to the two steps."""
+        if (self._qnorm is not None and x.shape[0] <= self._qnorm_rows and x.dim() == 2
+                and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+                and norm.has_cpu_kernel):
+            return self._qnorm(x, residual, norm.weight, norm.eps, self.bias)
+        if residual is None:
+            return self.forward(norm.forward(x)), x  # type: ignore[arg-type]
+        h, residual = norm.forward(x, residual)
+        return self.forward(h), residual
 
     def _onednn_fusable(self, x: torch.Tensor) -> bool:
         """Whether oneDNN runs this projection of ``x`` (CPU, float32/bfloat16, not the
@@ -272,6 +293,9 @@ class RMSNorm(nn.Module):
         self._fused = rms_norm_kernel() if fused_ops_enabled(device, dtype) else None
         # CPU float32: lmkit's C kernel for decode-sized inputs (see cpu_rms_norm_kernel)
         self._cpu_rows = cpu_rms_norm_kernel(device, dtype)
+        #: whether inputs of up to 32 rows take lmkit's C kernel (what a quantized
+        #: projection that folds the norm reproduces; see Linear.forward_add_rms_norm)
+        self.has_cpu_kernel = self._cpu_rows is not None and self._fused is None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -317,6 +341,10 @@ class VocabEmbedding(nn.Module):
         self._quant = QuantizedShards(quantization, ["weight"]) if quantization else None
         self._qtable: Any = None
         self._qkernel: Any = None
+        # the method's kernel with the input norm folded in (forward_add_rms_norm)
+        self._qnorm: Any = None
+        self._qnorm_rows = min(quantization.norm_linear_max_rows, _CPU_NORM_MAX_ROWS) if (
+            quantization is not None and quantization.supports_norm_linear) else 0
         row = None if quantization else cpu_weight_row_length(self.kernel, dtype, vocab_size)
         if quantization is not None:  # filled by load() from the packed table
             weight = torch.empty(0, hidden_size, dtype=dtype, device=device)

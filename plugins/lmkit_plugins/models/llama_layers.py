@@ -61,8 +61,14 @@ class LlamaAttention(nn.Module):
                 kv_slots: torch.Tensor | None = None) -> torch.Tensor:
         """``kv_slots``: the backend's :meth:`~lmkit.api.AttentionBackend.kv_write_slots`;
         with the fused kernel, K/V then go to the cache in the RoPE kernel."""
-        n = hidden.shape[0]
-        qkv = self.qkv_proj.forward(hidden)  # [n, q_size + 2 * kv_size]
+        return self.attend(self.qkv_proj.forward(hidden), cos, sin, attn, kv_cache, kv_slots)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn: AttentionBackend, kv_cache: torch.Tensor,
+               kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` from the QKV projection's output ``[n, q_size + 2 *
+        kv_size]`` on (a caller that computed it, e.g. with its norm folded in)."""
+        n = qkv.shape[0]
         kv_written = kv_slots is not None and self._rotary_qk is not None
         if self._cpu_rope is not None and n <= CPU_ROPE_MAX_ROWS:
             # CPU float32 decode: q and k heads rotated in place (qkv is this call's own
@@ -151,12 +157,25 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.mlp = mlp if mlp is not None else LlamaMLP(dims, dtype, device, tp, quant)
+        # a quantization method that folds norms into projections: each norm runs inside
+        # the QKV / gate-up projection's kernel (Linear.forward_add_rms_norm)
+        self._norm_folded = (quant is not None and quant.supports_norm_linear and tp is None
+                             and isinstance(self.mlp, LlamaMLP))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
                 kv_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # submodules' forward is called directly: nn.Module.__call__ (hooks, which
         # nothing here uses) costs ~0.5 ms per step over 30 layers on a CPU
+        if self._norm_folded:
+            attn_in = self.self_attn
+            qkv, residual = attn_in.qkv_proj.forward_add_rms_norm(
+                hidden, residual, self.input_layernorm)
+            hidden = attn_in.attend(qkv, cos, sin, attn, kv_cache, kv_slots)
+            mlp = self.mlp
+            gate_up, residual = mlp.gate_up_proj.forward_add_rms_norm(
+                hidden, residual, self.post_attention_layernorm)
+            return mlp.down_proj.forward(mlp.act(gate_up)), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)

@@ -8,7 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lmkit.api import QuantizationMethod, QuantizedLinear, QuantizedTensor
+from lmkit.api import (
+    QuantizationMethod,
+    QuantizedLinear,
+    QuantizedNormLinear,
+    QuantizedTensor,
+)
 
 
 class QuantizedShards:
@@ -32,10 +37,16 @@ class QuantizedShards:
         return len(self.parts) == len(self.names)
 
     def build(self) -> tuple[QuantizedLinear | None, torch.Tensor | None]:
-        """``(kernel, None)`` for fused quantized shards, else ``(None, dense weight)``."""
+        """``(kernel, None)`` for fused quantized shards, else ``(None, dense weight)``;
+        with a method that folds norms (``supports_norm_linear``) also the kernel with
+        the norm folded in (:attr:`norm_kernel`)."""
+        self.norm_kernel: QuantizedNormLinear | None = None
         parts = [self.parts[n] for n in self.names]
         if all(isinstance(p, QuantizedTensor) for p in parts):
             fused = self.method.fuse(parts)  # type: ignore[arg-type]
+            if fused is not None and self.method.supports_norm_linear:
+                kernel, self.norm_kernel = self.method.linear_with_norm(fused)
+                return kernel, None
             if fused is not None:
                 return self.method.linear(fused), None
         return None, torch.cat([self.dense(p) for p in parts])

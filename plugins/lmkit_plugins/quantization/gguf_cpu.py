@@ -18,6 +18,7 @@ from lmkit.api import (
     ModelLoadError,
     QuantizationMethod,
     QuantizedLinear,
+    QuantizedNormLinear,
     QuantizedTensor,
 )
 
@@ -30,7 +31,12 @@ GGUF_NAME = "model.gguf"  # lmkit.loading.gguf.GGUF_NAME: the file kept beside a
 
 
 class GGUFCpuMethod(QuantizationMethod):
-    """GGUF blocks on the CPU (see the module docstring)."""
+    """GGUF blocks on the CPU (see the module docstring). Decode batches may fold the
+    layer's residual add + RMSNorm into the activation quantization
+    (:meth:`linear_with_norm`)."""
+
+    supports_norm_linear = True
+    norm_linear_max_rows = 32  # lmkit_kernels.cpu.qgemv.MAX_ROWS
 
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
@@ -49,8 +55,13 @@ class GGUFCpuMethod(QuantizationMethod):
                 f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
                 "with --quantization none.")
         self._qtypes = QTYPES
+        from lmkit_kernels.cpu.qgemv import MAX_ROWS
+        from lmkit_kernels.cpu.qgemv_norm import bind_norm_linear
+
+        assert MAX_ROWS >= self.norm_linear_max_rows
         self._pack = pack_weight
         self._bind = bind_linear
+        self._bind_norm = bind_norm_linear
         self._reader: Any = None
 
     def check(self) -> None:
@@ -80,6 +91,13 @@ class GGUFCpuMethod(QuantizationMethod):
         by 16 rows; ``weight`` itself is not kept)."""
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._bind(packed)  # the kernel call with the weight's arguments bound
+
+    def linear_with_norm(self, weight: QuantizedTensor
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
+        """:meth:`linear`'s function and the one with the norm folded in
+        (:func:`lmkit_kernels.cpu.qgemv_norm.bind_norm_linear`), over one packing."""
+        packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
+        return self._bind(packed), self._bind_norm(packed)
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 rows of ``weight`` (the C kernel)."""

@@ -229,8 +229,8 @@ def _norm_linear(w: _World) -> None:
                 normed = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
                 want = lin(normed, bias)
                 got, got_h = w.call(prop, f"linear_with_norm({name})[1](x, residual, ...)",
-                                    lambda f=folded, x=x, r=residual: f(x, r, norm_w, 1e-5,
-                                                                       bias))
+                                    lambda f=folded, x=x, r=residual, nw=norm_w, b=bias:
+                                    f(x, r, nw, 1e-5, b))
                 error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
                 where = f"x [{rows}, {k}], residual {'given' if residual is not None else 'None'}"
                 if not torch.equal(got_h, h):

@@ -43,6 +43,7 @@ from lmkit.api.quantization import (
     QuantizationMethod,
     QuantizedLinear,
     QuantizedNormLinear,
+    QuantizedSiluLinear,
     QuantizedTensor,
 )
 from lmkit.api.request import Request, RequestStatus
@@ -139,7 +140,8 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
     "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
-    "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedTensor",
+    "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
+    "QuantizedTensor",
     "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",

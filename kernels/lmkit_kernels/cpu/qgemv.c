@@ -507,9 +507,26 @@ static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, lo
  * res; h written to res_out when given) and rms_norm(h) * nw exactly as rms_norm.c's
  * lmkit_add_rms_norm does (the same code, built with the same flags, so bit-identical),
  * then quantizes that row; the float row never leaves the scratch. ---- */
-enum { PRO_NONE = 0, PRO_ADD_RMS_NORM = 2 };
+enum { PRO_NONE = 0, PRO_SILU_MUL = 1, PRO_ADD_RMS_NORM = 2 };
 typedef struct { int kind; const float* res; long ldr; const float* nw; float eps;
-                 float* res_out; long ldo; } prologue_t;
+                 float* res_out; long ldo; void* exp16; } prologue_t;
+
+/* PRO_SILU_MUL: each row of x holds gate [k] then up [k]; the row quantized is
+ * silu(gate) * up computed as torch's vectorized CPU silu computes it, gate / (1 +
+ * exp(-gate)) with Sleef's 16-lane expf (1 ulp, `exp16`: the Sleef_expf16_u10 that
+ * torch's AVX-512 build runs, its address passed in), then the product: bit for bit
+ * torch's F.silu(gate) * up when torch runs its AVX-512 kernels and k % 16 == 0. */
+typedef __m512 (*exp16_fn)(__m512);
+__attribute__((target("avx512f")))
+static void silu_mul_row(void* exp16, const float* g, const float* u, float* o, long k) {
+    exp16_fn ex = (exp16_fn)exp16;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (long i = 0; i < k; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, ex(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+}
 
 #define LANES 16
 static float sum_squares(const float* h, long n) {
@@ -559,9 +576,12 @@ static int qgemv(groups_fn fn, int avx512, int type, const prologue_t* pro, cons
     }
     float* f = (float*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     xquant xq = {(int8_t*)(f + 3 * m * nb), f, (int32_t*)(f + m * nb), f + 2 * m * nb};
-    if (pro->kind == PRO_ADD_RMS_NORM) {
+    if (pro->kind != PRO_NONE) {
         float* h = (float*)(((uintptr_t)(xq.q + m * k) + 63) & ~(uintptr_t)63);
-        for (long r = 0; r < m; r++) add_rms_norm_row(x + r * ldx, pro, r, k, h + r * k);
+        for (long r = 0; r < m; r++) {
+            if (pro->kind == PRO_ADD_RMS_NORM) add_rms_norm_row(x + r * ldx, pro, r, k, h + r * k);
+            else silu_mul_row(pro->exp16, x + r * ldx, x + r * ldx + k, h + r * k, k);
+        }
         x = h;
         ldx = k;
     }
@@ -573,7 +593,7 @@ static int qgemv(groups_fn fn, int avx512, int type, const prologue_t* pro, cons
 
 /* Entry points over packed weights: 0 on success, 1 when out of memory. k must be a
  * multiple of 32; y [m, n] rows ldy floats apart. */
-static const prologue_t no_prologue = {PRO_NONE, NULL, 0, NULL, 0.0f, NULL, 0};
+static const prologue_t no_prologue = {PRO_NONE, NULL, 0, NULL, 0.0f, NULL, 0, NULL};
 
 int lmkit_qgemv_avx512vnni(int type, const float* x, long ldx, const uint8_t* w,
                            const float* b, float* y, long ldy, long m, long n, long k,
@@ -592,7 +612,7 @@ int lmkit_qgemv_norm_avx512vnni(int type, const float* x, long ldx, const float*
                                 long ldr, const float* nw, float eps, float* res_out,
                                 long ldo, const uint8_t* w, const float* b, float* y,
                                 long ldy, long m, long n, long k, int threads) {
-    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo};
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo, NULL};
     return qgemv(groups_vnni, 1, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
@@ -600,8 +620,17 @@ int lmkit_qgemv_norm_avx2(int type, const float* x, long ldx, const float* res, 
                           const float* nw, float eps, float* res_out, long ldo,
                           const uint8_t* w, const float* b, float* y, long ldy, long m,
                           long n, long k, int threads) {
-    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo};
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo, NULL};
     return qgemv(groups_avx2, 0, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+/* The same with SiLU-and-multiply folded in (PRO_SILU_MUL): x rows hold gate then up
+ * (2k floats used of each ldx), exp16 is Sleef_expf16_u10; AVX-512 build only. */
+int lmkit_qgemv_silu_avx512vnni(int type, void* exp16, const float* x, long ldx,
+                                const uint8_t* w, const float* b, float* y, long ldy,
+                                long m, long n, long k, int threads) {
+    prologue_t p = {PRO_SILU_MUL, NULL, 0, NULL, 0.0f, NULL, 0, exp16};
+    return qgemv(groups_vnni, 1, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
 /* One block's 32 weights as floats, from a GGUF block or from row r of a packed group. */

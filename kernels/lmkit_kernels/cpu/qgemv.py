@@ -57,6 +57,8 @@ _DEQUANT = ([_I, _I, _P, _L, _P, _L, _L, _P, _L, _I], None)
 # type, x, ldx, res, ldr, norm weight, eps, res_out, ldo, w, b, y, ldy, m, n, k, threads
 _GEMV_NORM = ([_I, _P, _L, _P, _L, _P, ctypes.c_float, _P, _L, _P, _P, _P, _L, _L, _L, _L, _I],
               _I)
+# type, exp16, x, ldx, w, b, y, ldy, m, n, k, threads
+_GEMV_SILU = ([_I, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _I], _I)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ def _library() -> tuple[ctypes.CDLL | None, dict[str, ctypes._CFuncPtr], str]:  
         fallback="no quantized weights on the CPU", check=_check,
         functions={f"lmkit_qgemv_{isa}": _GEMV for isa in ISAS}
         | {f"lmkit_qgemv_norm_{isa}": _GEMV_NORM for isa in ISAS}
+        | {"lmkit_qgemv_silu_avx512vnni": _GEMV_SILU}
         | {"lmkit_qgemv_isa_supported": ([ctypes.c_char_p], _I),
            "lmkit_qpack_group_bytes": ([_I, _L], _L),
            "lmkit_qpack": ([_I, _P, _L, _L, _L, _P], None),

@@ -46,7 +46,8 @@ class LlamaAttention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         qkw = {**kw, "quantization": quant}
         self.qkv_proj = Linear(dims.hidden_size, {"q": self.q_size, "k": self.kv_size,
-                                                  "v": self.kv_size}, bias=dims.qkv_bias, **qkw)
+                                                  "v": self.kv_size}, bias=dims.qkv_bias,
+                               fold="norm", **qkw)
         self.o_proj = Linear(self.q_size, {"weight": dims.hidden_size}, bias=dims.o_bias, **qkw)
         self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, **kw) if dims.qk_norm else None
@@ -132,13 +133,24 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         size = (intermediate_size or dims.intermediate_size) // (tp.size if tp is not None else 1)
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
-                                   bias=dims.mlp_bias, **kw)
-        self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias, **kw)
+                                   bias=dims.mlp_bias, fold="norm", **kw)
+        self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias,
+                                fold="silu_mul", **kw)
         self.act = act if act is not None else (
             silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul)
+        # a quantization method that folds SiLU-and-multiply into the down projection
+        self._silu_folded = (quant is not None and quant.supports_silu_mul_linear
+                             and self.act is silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj.forward(self.act(self.gate_up_proj.forward(x)))
+        return self.down_from_gate_up(self.gate_up_proj.forward(x))
+
+    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` from the gate-up projection's output on."""
+        if self._silu_folded:
+            out = self.down_proj.forward_silu_mul(gate_up)
+        else:
+            out = self.down_proj.forward(self.act(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -175,7 +187,7 @@ class LlamaDecoderLayer(nn.Module):
             mlp = self.mlp
             gate_up, residual = mlp.gate_up_proj.forward_add_rms_norm(
                 hidden, residual, self.post_attention_layernorm)
-            return mlp.down_proj.forward(mlp.act(gate_up)), residual
+            return mlp.down_from_gate_up(gate_up), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)

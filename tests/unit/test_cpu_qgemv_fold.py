@@ -1,6 +1,7 @@
-"""The quantized GEMV with the residual add + RMSNorm folded in (``qgemv_norm``): the
-same bits as lmkit's RMSNorm kernel followed by the plain quantized GEMV, with and
-without a residual, for strided inputs and every batch size it takes."""
+"""The quantized GEMV with its input transform folded in (``qgemv_fold``): the folded
+residual add + RMSNorm gives the same bits as lmkit's RMSNorm kernel then the plain
+quantized GEMV (with and without a residual, strided inputs, every batch size it takes),
+the folded SiLU-and-multiply the same bits as torch's ``F.silu(gate) * up`` then the GEMV."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lmkit_kernels.cpu.qgemv import (  # noqa: E402
     qgemv_isa,
     random_blocks,
 )
-from lmkit_kernels.cpu.qgemv_norm import bind_norm_linear  # noqa: E402
+from lmkit_kernels.cpu.qgemv_fold import bind_norm_linear  # noqa: E402
 from lmkit_kernels.cpu.rms_norm import rms_norm_kernel  # noqa: E402
 
 
@@ -45,3 +46,21 @@ def test_folded_norm_is_bit_identical_to_norm_then_gemv(qname, m, with_residual)
         assert h is x
     else:
         assert torch.equal(h, summed) and torch.equal(h, x + residual)
+
+
+@pytest.mark.parametrize("qname", sorted(QTYPES))
+@pytest.mark.parametrize("m", [1, 3, MAX_ROWS])
+def test_folded_silu_is_bit_identical_to_torch_silu_then_gemv(qname, m):
+    from lmkit_kernels.cpu.qgemv_fold import bind_silu_linear
+
+    qtype, k, n = QTYPES[qname], 1536, 100
+    gen = torch.Generator().manual_seed(m)
+    w = pack_weight(qtype, random_blocks(qtype, n, k, gen), k)
+    fn = bind_silu_linear(w)
+    if fn is None:
+        pytest.skip("torch does not run its AVX-512 silu here (or no AVX-512 VNNI build)")
+    gate_up = torch.randn(m, 2 * k + 32, generator=gen)[:, :2 * k] * 4  # strided rows
+    gate_up[0, :8] = torch.tensor([-100.0, -88.0, -20.0, -1e-8, 0.0, 20.0, 88.0, 100.0])
+    bias = torch.randn(n, generator=gen)
+    act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    assert torch.equal(fn(gate_up, bias), bind_linear(w)(act.contiguous(), bias))

@@ -10,11 +10,14 @@ the same weights. Reports:
 * perplexity of a held text (teacher forcing, prompt log-probabilities) on each path;
   a prompt of more than 32 tokens runs the quantized path's float32 tiles, so the
   quantized path is also scored with prefill chunks of 16 tokens
-  (``max_num_batched_tokens=16``), which run the int8-activation kernels.
+  (``max_num_batched_tokens=16``), which run the int8-activation kernels;
+* with ``--llamacpp`` (llama-cpp-python installed): llama.cpp's perplexity on the same
+  GGUF and the same token ids (every position's logits from one context), and lmkit's
+  relative to it.
 
 ::
 
-    python bench/cpu_quant_quality.py --prompts 16 --tokens 32 --out quality.json
+    python bench/cpu_quant_quality.py --prompts 16 --tokens 32 --llamacpp --out quality.json
 """
 
 from __future__ import annotations
@@ -62,10 +65,20 @@ def run(quantization: str, prompts: list[str], tokens: int, **options: Any
     scored = llm.generate([HELD_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0,
                                                       temperature=0))[0]
     logprobs = [p.logprob for p in scored.prompt_logprobs or [] if p is not None]
+    model_dir = str(llm.engine.model_dir)
     llm.shutdown()
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "generate_s": gen_s,
+    return {"model_dir": model_dir, "held_ids": list(scored.prompt_token_ids),"tokens": [list(o.outputs[0].token_ids) for o in outs], "generate_s": gen_s,
             "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
             "scored_tokens": len(logprobs)}
+
+
+def llamacpp_perplexity(model_dir: str, ids: list[int], threads: int) -> float:
+    """llama.cpp's perplexity of ``ids`` (the ids lmkit scored) on the model's GGUF."""
+    from lmkit.benchmarking.llamacpp import gguf_file
+    from lmkit.benchmarking.llamacpp_batch import prompt_logprobs
+
+    logprobs = prompt_logprobs(gguf_file(model_dir), ids, threads)
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
@@ -86,6 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="also score the held text with llama.cpp on the same GGUF")
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prompts = (PROMPT_STEMS * (args.prompts // len(PROMPT_STEMS) + 1))[:args.prompts]
@@ -100,6 +116,11 @@ def main() -> None:
                              "relative_int8_activations":
                                  chunked["perplexity"] / dense["perplexity"] - 1,
                              "scored_tokens": quant["scored_tokens"]}}
+    if args.llamacpp:
+        ref = llamacpp_perplexity(quant["model_dir"], quant["held_ids"], args.threads)
+        report["perplexity"].update(
+            llamacpp=ref, relative_to_llamacpp=quant["perplexity"] / ref - 1,
+            relative_to_llamacpp_int8_activations=chunked["perplexity"] / ref - 1)
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -28,11 +28,13 @@ def test_the_kept_gguf_is_the_peer_model(tmp_path):
     assert gguf_file(str(tmp_path)) == tmp_path / "model.gguf"
 
 
-def test_unknown_and_throughput_peers_are_refused(tmp_path):
+def test_unknown_peers_and_models_without_a_gguf_are_refused(tmp_path):
     setup = BenchSetup("toy", str(tmp_path), {}, "float32", "cpu", 1)
     with pytest.raises(ValueError, match="unknown peer 'vllm'"):
         offline.latency(setup, WORKLOAD, peer="vllm")
-    with pytest.raises(ValueError, match="latency only"):
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        offline.throughput(setup, WORKLOAD, peer="vllm")
+    with pytest.raises(ConfigError, match="keeps none"):
         offline.throughput(setup, WORKLOAD, peer="llamacpp")
 
 

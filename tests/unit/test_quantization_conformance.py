@@ -30,7 +30,33 @@ def method(tmp_path_factory):
 
 @pytest.mark.slow  # every property on a tiny model: about 5 s here
 def test_the_scaffold_method_passes(method):
-    assert set(check_quantization_method(method).values()) == {"passed"}
+    results = check_quantization_method(method)
+    assert results.pop("norm linear").startswith("not applicable")  # declares no folding
+    assert results.pop("silu mul linear").startswith("not applicable")
+    assert set(results.values()) == {"passed"}
+
+
+def _folding(method, add_residual: bool):
+    """The scaffold method declaring norm folding, done in torch (``add_residual=False``:
+    a broken one that forgets the residual)."""
+    def linear_with_norm(self, weight):
+        lin = self.linear(weight)
+
+        def folded(x, residual, norm_weight, eps, bias):
+            h = x + residual if residual is not None and add_residual else x
+            normed = norm_weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+            return lin(normed, bias), h
+        return lin, folded
+
+    return type("Folding", (method,), {"supports_norm_linear": True, "fold_max_rows": 32,
+                                       "linear_with_norm": linear_with_norm})
+
+
+def test_norm_folding_is_checked_when_declared(method):
+    assert check_quantization_method(_folding(method, True), only=["norm linear"]) == {
+        "norm linear": "passed"}
+    with pytest.raises(ConformanceFailure, match="the returned residual is not x"):
+        check_quantization_method(_folding(method, False), only=["norm linear"])
 
 
 @pytest.mark.parametrize(("prop", "override", "message"), [
@@ -58,3 +84,25 @@ def test_a_constructor_without_facts_fails(method):
     with pytest.raises(ConformanceFailure, match=r"(?s)constructor signature.*cls\(facts, \*, "
                                                  r"options\)"):
         check_quantization_method(Old, only=["constructor signature"])
+
+
+def test_silu_folding_is_checked_when_declared(method):
+    def linear_with_silu_mul(self, weight, exact=True):
+        lin = self.linear(weight)
+
+        def folded(gate_up, bias):
+            k = gate_up.shape[1] // 2
+            act = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+            return lin(act if exact else gate_up[:, k:].contiguous(), bias)
+        return lin, folded
+
+    def folding(exact):
+        return type("SiluFolding", (method,), {
+            "supports_silu_mul_linear": True, "fold_max_rows": 32,
+            "linear_with_silu_mul": lambda self, w: linear_with_silu_mul(self, w, exact)})
+
+    assert check_quantization_method(folding(True), only=["silu mul linear"]) == {
+        "silu mul linear": "passed"}
+    with pytest.raises(ConformanceFailure, match="against linear"):
+        check_quantization_method(folding(False), only=["silu mul linear"])
+

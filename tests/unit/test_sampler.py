@@ -41,6 +41,17 @@ def test_greedy_is_argmax_with_first_index_on_ties():
     assert out.logprobs is None
 
 
+def test_verify_greedy_takes_the_first_index_on_ties():
+    from lmkit.sample.drafts import verify_greedy
+
+    logits = torch.tensor([[0.1, 3.0, 3.0, -1.0], [5.0, 1.0, 5.0, 5.0], [-2.0, -1.0, -3.0, -1.0]])
+    out = verify_greedy(logits, [[], [0]])  # a plain decode, then one draft (accepted)
+    assert out.token_ids == [[1], [0, 1]] and out.num_accepted == [0, 1]
+    wide = torch.full((1, 49152), -1.0)
+    wide[0, [7, 30000, 49151]] = 2.0
+    assert verify_greedy(wide, [[]]).token_ids == [[7]]
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax_and_input_is_untouched():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)

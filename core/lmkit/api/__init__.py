@@ -39,7 +39,13 @@ from lmkit.api.outputs import (
     TokenLogprob,
 )
 from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
-from lmkit.api.quantization import QuantizationMethod, QuantizedLinear, QuantizedTensor
+from lmkit.api.quantization import (
+    QuantizationMethod,
+    QuantizedLinear,
+    QuantizedNormLinear,
+    QuantizedSiluLinear,
+    QuantizedTensor,
+)
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.sampling_kernels import DraftRows, RandomRows, SamplingKernels
@@ -134,7 +140,8 @@ __all__ = [
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
     "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
     "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
-    "QuantizationMethod", "QuantizedLinear", "QuantizedTensor",
+    "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
+    "QuantizedTensor",
     "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
     "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",

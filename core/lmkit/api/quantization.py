@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -39,6 +39,10 @@ class QuantizedTensor:
 
 # (x [n, in] float, bias [out] or None) -> [n, out]
 QuantizedLinear = Callable[[Any, Any], Any]
+# (x [n, in], residual [n, in] or None, norm weight [in], eps, bias) -> (y [n, out], h)
+QuantizedNormLinear = Callable[[Any, Any, Any, float, Any], tuple[Any, Any]]
+# (gate_up [n, 2 * in], bias) -> (silu(gate) * up) @ W.T + bias  [n, out]
+QuantizedSiluLinear = Callable[[Any, Any], Any]
 
 
 class QuantizationMethod(ABC):
@@ -46,6 +50,13 @@ class QuantizationMethod(ABC):
     ``register_quantization_methods``; built as ``cls(facts, *, options)`` for the model
     whose :class:`~lmkit.api.model_facts.ModelFacts` are ``facts``: its directory, head
     counts and weight format)."""
+
+    #: Whether :meth:`linear_with_norm` folds a pre-norm layer's residual add + RMSNorm
+    #: into a projection (for inputs of up to :attr:`fold_max_rows` rows)
+    supports_norm_linear: ClassVar[bool] = False
+    #: Whether :meth:`linear_with_silu_mul` folds SiLU-and-multiply into a projection
+    supports_silu_mul_linear: ClassVar[bool] = False
+    fold_max_rows: ClassVar[int] = 0
 
     def __init__(self, facts: ModelFacts, *, options: BaseModel | None = None) -> None:
         self.facts = facts
@@ -82,3 +93,33 @@ class QuantizationMethod(ABC):
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> Any:
         """Float32 ``[len(rows), in]`` of the given rows (int64 tensor; all when
         ``None``): embedding lookups and layers left dense."""
+
+    def linear_with_norm(self, weight: QuantizedTensor
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
+        """:meth:`linear`'s function and, from the same prepared weight, one with the
+        layer's input norm folded in: ``(x, residual, norm_weight, eps, bias) -> (y,
+        h)`` with ``h = x + residual`` (``x`` itself when ``residual`` is ``None``) and
+        ``y = linear(rms_norm(h) * norm_weight, bias)``, the norm computed bit for bit
+        as lmkit's float32 CPU RMSNorm kernel computes it
+        (:mod:`lmkit_kernels.cpu.rms_norm`), for float32 CPU inputs of at most
+        :attr:`fold_max_rows` rows with unit stride along ``in`` (models route
+        other inputs to the separate norm). Only for methods declaring
+        :attr:`supports_norm_linear`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not fold norms into its projections; declare "
+            "supports_norm_linear = True and implement linear_with_norm(), or call "
+            "linear() only.")
+
+    def linear_with_silu_mul(self, weight: QuantizedTensor
+                             ) -> tuple[QuantizedLinear, QuantizedSiluLinear | None]:
+        """:meth:`linear`'s function and, from the same prepared weight, one with a gated
+        MLP's SiLU-and-multiply folded in: ``(gate_up, bias) -> linear(silu(gate) * up,
+        bias)`` for ``gate_up`` ``[n, 2 * in]`` (gate then up per row), bit-identical to
+        torch's ``F.silu(gate) * up`` followed by :meth:`linear`, for float32 CPU inputs of
+        at most :attr:`fold_max_rows` rows with unit stride along the row; ``None``
+        instead of the folded function where the method cannot guarantee that here.
+        Only for methods declaring :attr:`supports_silu_mul_linear`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not fold SiLU-and-multiply into its projections; "
+            "declare supports_silu_mul_linear = True and implement linear_with_silu_mul(), "
+            "or call linear() only.")

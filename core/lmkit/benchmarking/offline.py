@@ -20,7 +20,7 @@ from lmkit.benchmarking.workload import (
     random_workload,
 )
 
-PEERS = ("hf", "llamacpp", "none")  # llamacpp: latency only (the same GGUF file)
+PEERS = ("hf", "llamacpp", "none")  # llamacpp: the model's GGUF file
 
 
 @dataclass
@@ -67,9 +67,9 @@ def throughput(setup: BenchSetup, workload: Workload, peer: str = "hf",
                hf_batch_size: int | None = None, rounds: int = 1) -> dict[str, Any]:
     """Run lmkit and the peer on ``workload`` (``rounds`` times, see :func:`_paired`);
     return both results and their ratio."""
-    if peer not in ("hf", "none"):
-        raise ValueError(f"throughput's peer is hf or none, not {peer!r} (the llamacpp peer "
-                         "runs single-stream latency only)")
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; choose {', '.join(PEERS)}")
+
     def run_lmkit() -> dict[str, Any]:
         return run_isolated(sides.lmkit_throughput, setup.model_dir, setup.options, workload,
                             setup.threads)
@@ -78,8 +78,22 @@ def throughput(setup: BenchSetup, workload: Workload, peer: str = "hf",
         return run_isolated(sides.hf_throughput, setup.model_dir, workload, setup.dtype,
                             setup.device, hf_batch_size or len(workload.prompts), setup.threads)
 
-    return _paired("throughput", setup, workload, run_lmkit, run_hf if peer == "hf" else None,
-                   rounds)
+    def run_llamacpp() -> dict[str, Any]:
+        import torch
+
+        from lmkit.benchmarking.llamacpp import gguf_file
+        from lmkit.benchmarking.llamacpp_batch import llamacpp_throughput
+
+        return run_isolated(llamacpp_throughput, gguf_file(setup.model_dir), workload,
+                            setup.threads or torch.get_num_threads())
+
+    if peer == "llamacpp":
+        from lmkit.benchmarking.llamacpp import gguf_file
+
+        gguf_file(setup.model_dir)  # refuse a model without a GGUF before running lmkit
+    runners = {"hf": run_hf, "llamacpp": run_llamacpp}
+    return _paired("throughput", setup, workload, run_lmkit, runners.get(peer), rounds,
+                   peer_name=peer)
 
 
 def latency(setup: BenchSetup, workload: Workload, peer: str = "hf",

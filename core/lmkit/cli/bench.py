@@ -75,8 +75,8 @@ OutputLen = Annotated[str, typer.Option(help="Output length N or LOW:HIGH (EOS i
 Seed = Annotated[int, typer.Option(help="Workload seed.", rich_help_panel=WORKLOAD)]
 Dataset = Annotated[Path | None, typer.Option(help="JSON lines file for --workload file.",
                                               rich_help_panel=WORKLOAD)]
-Peer = Annotated[str, typer.Option(help="Peer engine run on the same workload: hf or none "
-                                   "(latency also: llamacpp, the model's GGUF file).")]
+Peer = Annotated[str, typer.Option(help="Peer engine run on the same workload: hf, llamacpp "
+                                   "(the model's GGUF file) or none.")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads for both sides.")]
 Out = Annotated[Path | None, typer.Option("--out", help="Write the JSON report here.")]
 Rounds = Annotated[int, typer.Option(

@@ -15,7 +15,14 @@ model that keeps ``model.gguf``). Properties:
   rows (error at most :data:`MAX_LINEAR_ERROR` of the largest output);
 * ``fuse``: :meth:`fuse` of two same-typed weights is ``None`` (not fusable) or one
   weight whose rows are both parts' rows;
-* ``dequantize rows``: ``dequantize(w, rows)`` is ``dequantize(w)[rows]``.
+* ``dequantize rows``: ``dequantize(w, rows)`` is ``dequantize(w)[rows]``;
+* ``norm linear`` (methods declaring ``supports_norm_linear``): ``linear_with_norm(w)``'s
+  folded function gives ``h = x + residual`` exactly (``x`` without a residual) and
+  ``linear(rms_norm(h) * norm_weight, bias)`` (error at most :data:`MAX_LINEAR_ERROR`)
+  for 1 and 3 rows;
+* ``silu mul linear`` (methods declaring ``supports_silu_mul_linear``): the folded
+  function of ``linear_with_silu_mul(w)``, where the method gives one, is
+  ``linear(silu(gate) * up, bias)`` (error at most :data:`MAX_LINEAR_ERROR`).
 
 A method that does not declare ``"cpu"`` among its ``device`` values, or whose
 ``weight_format`` values do not include the model's format, is not applicable here.
@@ -206,9 +213,66 @@ def _dequantize_rows(w: _World) -> None:
                          f"rows {rows.tolist()}")
 
 
+def _norm_linear(w: _World) -> None:
+    prop = "norm linear"
+    torch = w.torch
+    if not w.method.supports_norm_linear:
+        raise NotApplicable("the method does not declare supports_norm_linear")
+    gen = torch.Generator().manual_seed(0)
+    for name, weight in w.quantized(prop).items():
+        lin, folded = w.call(prop, f"linear_with_norm({name})",
+                             lambda weight=weight: w.method.linear_with_norm(weight))
+        k = weight.shape[1]
+        norm_w, bias = torch.rand(k, generator=gen) + 0.5, torch.randn(weight.shape[0],
+                                                                      generator=gen)
+        for rows in (1, 3):
+            x = torch.randn(rows, k, generator=gen)
+            for residual in (None, torch.randn(rows, k, generator=gen)):
+                h = x if residual is None else x + residual
+                normed = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+                want = lin(normed, bias)
+                got, got_h = w.call(prop, f"linear_with_norm({name})[1](x, residual, ...)",
+                                    lambda f=folded, x=x, r=residual, nw=norm_w, b=bias:
+                                    f(x, r, nw, 1e-5, b))
+                error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+                where = f"x [{rows}, {k}], residual {'given' if residual is not None else 'None'}"
+                if not torch.equal(got_h, h):
+                    raise w.fail(prop, f"{name}: the returned residual is not x + residual", where)
+                if tuple(got.shape) != tuple(want.shape) or error > MAX_LINEAR_ERROR:
+                    raise w.fail(prop, f"{name}: error {error:.3g} of the largest output (at "
+                                 f"most {MAX_LINEAR_ERROR}) against linear(rms_norm(x + "
+                                 "residual) * norm_weight, bias)", where)
+
+
+def _silu_mul_linear(w: _World) -> None:
+    prop = "silu mul linear"
+    torch = w.torch
+    if not w.method.supports_silu_mul_linear:
+        raise NotApplicable("the method does not declare supports_silu_mul_linear")
+    gen = torch.Generator().manual_seed(0)
+    for name, weight in w.quantized(prop).items():
+        lin, folded = w.call(prop, f"linear_with_silu_mul({name})",
+                             lambda weight=weight: w.method.linear_with_silu_mul(weight))
+        if folded is None:  # the method cannot fold here (e.g. this CPU): linear() only
+            continue
+        k = weight.shape[1]
+        bias = torch.randn(weight.shape[0], generator=gen)
+        for rows in (1, 3):
+            gate_up = torch.randn(rows, 2 * k, generator=gen)
+            want = lin(torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:], bias)
+            got = w.call(prop, f"linear_with_silu_mul({name})[1](gate_up, bias)",
+                         lambda f=folded, g=gate_up, b=bias: f(g, b))
+            error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+            if tuple(got.shape) != tuple(want.shape) or error > MAX_LINEAR_ERROR:
+                raise w.fail(prop, f"{name}: error {error:.3g} of the largest output (at most "
+                             f"{MAX_LINEAR_ERROR}) against linear(silu(gate) * up, bias)",
+                             f"gate_up [{rows}, {2 * k}]")
+
+
 PROPERTIES: dict[str, Callable[[_World], None]] = {
     CONSTRUCTOR_PROPERTY: lambda w: None, "check": _check, "weights": _weights,
-    "linear": _linear, "fuse": _fuse, "dequantize rows": _dequantize_rows}
+    "linear": _linear, "fuse": _fuse, "dequantize rows": _dequantize_rows,
+    "norm linear": _norm_linear, "silu mul linear": _silu_mul_linear}
 
 
 def _with_world(t: Target, model_dir: Path | None, prop: str,
@@ -274,3 +338,10 @@ class QuantizationConformance:
 
     def test_dequantize_rows(self, quantization_method: Any) -> None:
         self._check(quantization_method, "dequantize rows")
+
+    def test_norm_linear(self, quantization_method: Any) -> None:
+        self._check(quantization_method, "norm linear")
+
+    def test_silu_mul_linear(self, quantization_method: Any) -> None:
+        self._check(quantization_method, "silu mul linear")
+

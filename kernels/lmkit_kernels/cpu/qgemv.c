@@ -55,7 +55,7 @@
 #define MR 4  /* rows of x sharing one pass over a group */
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 }; /* ggml type numbers */
 
-int lmkit_qgemv_abi(void) { return 3; }
+int lmkit_qgemv_abi(void) { return 4; }
 
 int lmkit_qgemv_isa_supported(const char* isa) {
     __builtin_cpu_init();
@@ -502,16 +502,72 @@ static void run_groups(groups_fn fn, int type, const uint8_t* w, long gbytes, lo
     pthread_mutex_unlock(&pool_lock);
 }
 
-/* per-thread scratch for the quantized activations, grown as needed (no allocation per
- * call once warm; the Python thread that calls is the only user of its buffer) */
+/* ---- prologues: the layer's input transform, folded into the activation quantization
+ * (lmkit_qgemv_pro_*): PRO_ADD_RMS_NORM computes, per row, h = x + res (x alone without
+ * res; h written to res_out when given) and rms_norm(h) * nw exactly as rms_norm.c's
+ * lmkit_add_rms_norm does (the same code, built with the same flags, so bit-identical),
+ * then quantizes that row; the float row never leaves the scratch. ---- */
+enum { PRO_NONE = 0, PRO_SILU_MUL = 1, PRO_ADD_RMS_NORM = 2 };
+typedef struct { int kind; const float* res; long ldr; const float* nw; float eps;
+                 float* res_out; long ldo; void* exp16; } prologue_t;
+
+/* PRO_SILU_MUL: each row of x holds gate [k] then up [k]; the row quantized is
+ * silu(gate) * up computed as torch's vectorized CPU silu computes it, gate / (1 +
+ * exp(-gate)) with Sleef's 16-lane expf (1 ulp, `exp16`: the Sleef_expf16_u10 that
+ * torch's AVX-512 build runs, its address passed in), then the product: bit for bit
+ * torch's F.silu(gate) * up when torch runs its AVX-512 kernels and k % 16 == 0. */
+typedef __m512 (*exp16_fn)(__m512);
+__attribute__((target("avx512f")))
+static void silu_mul_row(void* exp16, const float* g, const float* u, float* o, long k) {
+    exp16_fn ex = (exp16_fn)exp16;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (long i = 0; i < k; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, ex(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+}
+
+#define LANES 16
+static float sum_squares(const float* h, long n) {
+    float lanes[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        #pragma omp simd
+        for (int j = 0; j < LANES; j++) lanes[j] += h[i + j] * h[i + j];
+    }
+    for (; i < n; i++) lanes[i % LANES] += h[i] * h[i];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+static void add_rms_norm_row(const float* x, const prologue_t* p, long r, long n, float* o) {
+    const float* h = x;
+    if (p->res) {
+        float* hr = p->res_out + r * p->ldo;
+        const float* rr = p->res + r * p->ldr;
+        #pragma omp simd
+        for (long i = 0; i < n; i++) hr[i] = x[i] + rr[i];
+        h = hr;
+    }
+    float inv = 1.0f / sqrtf(sum_squares(h, n) / (float)n + p->eps);
+    #pragma omp simd
+    for (long i = 0; i < n; i++) o[i] = p->nw[i] * (h[i] * inv);
+}
+
+/* per-thread scratch for the quantized activations (and a prologue's float rows), grown
+ * as needed (no allocation per call once warm; the Python thread that calls is the only
+ * user of its buffer) */
 static __thread void* scratch;
 static __thread size_t scratch_size;
 
-static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
-                 const uint8_t* w, const float* bias, float* y, long ldy, long m, long n,
-                 long k, int threads) {
+static int qgemv(groups_fn fn, int avx512, int type, const prologue_t* pro, const float* x,
+                 long ldx, const uint8_t* w, const float* bias, float* y, long ldy, long m,
+                 long n, long k, int threads) {
     long nb = k / QK;
-    size_t need = (size_t)(m * k) + (size_t)(m * nb) * 12 + 64;
+    size_t rows = pro->kind != PRO_NONE ? (size_t)(m * k) * 4 + 64 : 0;
+    size_t need = (size_t)(m * k) + (size_t)(m * nb) * 12 + 64 + rows;
     if (need > scratch_size) {
         free(scratch);
         scratch = malloc(need);
@@ -520,6 +576,15 @@ static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
     }
     float* f = (float*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     xquant xq = {(int8_t*)(f + 3 * m * nb), f, (int32_t*)(f + m * nb), f + 2 * m * nb};
+    if (pro->kind != PRO_NONE) {
+        float* h = (float*)(((uintptr_t)(xq.q + m * k) + 63) & ~(uintptr_t)63);
+        for (long r = 0; r < m; r++) {
+            if (pro->kind == PRO_ADD_RMS_NORM) add_rms_norm_row(x + r * ldx, pro, r, k, h + r * k);
+            else silu_mul_row(pro->exp16, x + r * ldx, x + r * ldx + k, h + r * k, k);
+        }
+        x = h;
+        ldx = k;
+    }
     quantize_x(avx512, x, ldx, m, k, xq);
     long groups = (n + GR - 1) / GR, gbytes = lmkit_qpack_group_bytes(type, k);
     run_groups(fn, type, w, gbytes, groups, xq, bias, y, ldy, m, n, k, threads);
@@ -528,15 +593,44 @@ static int qgemv(groups_fn fn, int avx512, int type, const float* x, long ldx,
 
 /* Entry points over packed weights: 0 on success, 1 when out of memory. k must be a
  * multiple of 32; y [m, n] rows ldy floats apart. */
+static const prologue_t no_prologue = {PRO_NONE, NULL, 0, NULL, 0.0f, NULL, 0, NULL};
+
 int lmkit_qgemv_avx512vnni(int type, const float* x, long ldx, const uint8_t* w,
                            const float* b, float* y, long ldy, long m, long n, long k,
                            int threads) {
-    return qgemv(groups_vnni, 1, type, x, ldx, w, b, y, ldy, m, n, k, threads);
+    return qgemv(groups_vnni, 1, type, &no_prologue, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
 int lmkit_qgemv_avx2(int type, const float* x, long ldx, const uint8_t* w, const float* b,
                      float* y, long ldy, long m, long n, long k, int threads) {
-    return qgemv(groups_avx2, 0, type, x, ldx, w, b, y, ldy, m, n, k, threads);
+    return qgemv(groups_avx2, 0, type, &no_prologue, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+/* The same with a residual add + RMSNorm folded in (see prologue_t): res (rows ldr
+ * apart, or NULL), norm weight nw [k], res_out [m, k] rows ldo apart (x + res). */
+int lmkit_qgemv_norm_avx512vnni(int type, const float* x, long ldx, const float* res,
+                                long ldr, const float* nw, float eps, float* res_out,
+                                long ldo, const uint8_t* w, const float* b, float* y,
+                                long ldy, long m, long n, long k, int threads) {
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo, NULL};
+    return qgemv(groups_vnni, 1, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+int lmkit_qgemv_norm_avx2(int type, const float* x, long ldx, const float* res, long ldr,
+                          const float* nw, float eps, float* res_out, long ldo,
+                          const uint8_t* w, const float* b, float* y, long ldy, long m,
+                          long n, long k, int threads) {
+    prologue_t p = {PRO_ADD_RMS_NORM, res, ldr, nw, eps, res_out, ldo, NULL};
+    return qgemv(groups_avx2, 0, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
+}
+
+/* The same with SiLU-and-multiply folded in (PRO_SILU_MUL): x rows hold gate then up
+ * (2k floats used of each ldx), exp16 is Sleef_expf16_u10; AVX-512 build only. */
+int lmkit_qgemv_silu_avx512vnni(int type, void* exp16, const float* x, long ldx,
+                                const uint8_t* w, const float* b, float* y, long ldy,
+                                long m, long n, long k, int threads) {
+    prologue_t p = {PRO_SILU_MUL, NULL, 0, NULL, 0.0f, NULL, 0, exp16};
+    return qgemv(groups_vnni, 1, type, &p, x, ldx, w, b, y, ldy, m, n, k, threads);
 }
 
 /* One block's 32 weights as floats, from a GGUF block or from row r of a packed group. */

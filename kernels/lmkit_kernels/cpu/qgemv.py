@@ -47,13 +47,18 @@ GROUP_ROWS = 16  # weight rows per packed group (qgemv.c's GR)
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type number -> bytes per block
 SOURCE = Path(__file__).with_name("qgemv.c")
-ABI = 3
+ABI = 4
 ISAS = ("avx512vnni", "avx2")
 ISA_ENV = "LMKIT_CPU_ISA"
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _GEMV = ([_I, _P, _L, _P, _P, _P, _L, _L, _L, _L, _I], _I)
 _DEQUANT = ([_I, _I, _P, _L, _P, _L, _L, _P, _L, _I], None)
+# type, x, ldx, res, ldr, norm weight, eps, res_out, ldo, w, b, y, ldy, m, n, k, threads
+_GEMV_NORM = ([_I, _P, _L, _P, _L, _P, ctypes.c_float, _P, _L, _P, _P, _P, _L, _L, _L, _L, _I],
+              _I)
+# type, exp16, x, ldx, w, b, y, ldy, m, n, k, threads
+_GEMV_SILU = ([_I, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _I], _I)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ def _library() -> tuple[ctypes.CDLL | None, dict[str, ctypes._CFuncPtr], str]:  
         SOURCE, "lmkit_qgemv_abi", ABI, what="CPU quantized GEMV kernel",
         fallback="no quantized weights on the CPU", check=_check,
         functions={f"lmkit_qgemv_{isa}": _GEMV for isa in ISAS}
+        | {f"lmkit_qgemv_norm_{isa}": _GEMV_NORM for isa in ISAS}
+        | {"lmkit_qgemv_silu_avx512vnni": _GEMV_SILU}
         | {"lmkit_qgemv_isa_supported": ([ctypes.c_char_p], _I),
            "lmkit_qpack_group_bytes": ([_I, _L], _L),
            "lmkit_qpack": ([_I, _P, _L, _L, _L, _P], None),

@@ -133,7 +133,10 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], *, bias: bool,
-                 dtype: torch.dtype, device: torch.device, quantization: Any = None) -> None:
+                 dtype: torch.dtype, device: torch.device, quantization: Any = None,
+                 fold: str | None = None) -> None:
+        # fold: the input transform a quantization method may fold into this layer's
+        # kernel: "norm" (forward_add_rms_norm) or "silu_mul" (forward_silu_mul)
         super().__init__()
         self.in_features = in_features
         self.out_features = out = sum(shard_sizes.values())
@@ -144,9 +147,14 @@ class Linear(nn.Module):
             start += size
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
         kw = {"dtype": dtype, "device": device}
-        self._quant = (QuantizedShards(quantization, list(shard_sizes))
+        self._quant = (QuantizedShards(quantization, list(shard_sizes), fold)
                        if quantization is not None else None)
         self._qkernel: Any = None
+        # the method's kernels with the input norm / SiLU-and-multiply folded in
+        self._qnorm: Any = None
+        self._qsilu: Any = None
+        self._qfold_rows = min(quantization.fold_max_rows, _CPU_NORM_MAX_ROWS) if (
+            quantization is not None) else 0
         row = None if self._quant else cpu_weight_row_length(self.kernel, dtype, out)
         if self._quant is not None:  # filled by load_shard from the packed shards
             weight = torch.empty(0, in_features, **kw)
@@ -170,6 +178,7 @@ class Linear(nn.Module):
         if weight is not None and self._quant is not None:
             if self._quant.add(shard, weight, size, self.in_features):
                 self._qkernel, dense = self._quant.build()
+                self._qnorm, self._qsilu = self._quant.norm_kernel, self._quant.silu_kernel
                 if dense is not None:
                     self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
                 self._quant = None
@@ -188,6 +197,32 @@ class Linear(nn.Module):
             return self.kernel(x, self.weight, self.bias)
         # [num_tokens, row] -> its first out columns (a view; the rest are padding)
         return self.kernel(x, self._padded_weight, self._padded_bias)[:, :self.out_features]
+
+    def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                             norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(forward(norm(x + residual)), x + residual)`` (``x`` alone, and returned as
+        the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
+        projection. With a quantization method that folds norms
+        (``supports_norm_linear``), decode-sized float32 CPU inputs take one kernel
+        call, bit-identical to the two steps."""
+        if (self._qnorm is not None and x.shape[0] <= self._qfold_rows and x.dim() == 2
+                and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+                and norm.has_cpu_kernel):
+            return self._qnorm(x, residual, norm.weight, norm.eps, self.bias)
+        if residual is None:
+            return self.forward(norm.forward(x)), x  # type: ignore[arg-type]
+        h, residual = norm.forward(x, residual)
+        return self.forward(h), residual
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward(silu_and_mul(gate_up))``: a gated MLP's down projection. With a
+        quantization method that folds SiLU-and-multiply (``supports_silu_mul_linear``),
+        decode-sized float32 CPU inputs take one kernel call, bit-identical to the two
+        steps."""
+        if (self._qsilu is not None and gate_up.shape[0] <= self._qfold_rows
+                and gate_up.dim() == 2 and gate_up.stride(1) == 1):
+            return self._qsilu(gate_up, self.bias)
+        return self.forward(silu_and_mul(gate_up))
 
     def _onednn_fusable(self, x: torch.Tensor) -> bool:
         """Whether oneDNN runs this projection of ``x`` (CPU, float32/bfloat16, not the
@@ -272,6 +307,9 @@ class RMSNorm(nn.Module):
         self._fused = rms_norm_kernel() if fused_ops_enabled(device, dtype) else None
         # CPU float32: lmkit's C kernel for decode-sized inputs (see cpu_rms_norm_kernel)
         self._cpu_rows = cpu_rms_norm_kernel(device, dtype)
+        #: whether inputs of up to 32 rows take lmkit's C kernel (what a quantized
+        #: projection that folds the norm reproduces; see Linear.forward_add_rms_norm)
+        self.has_cpu_kernel = self._cpu_rows is not None and self._fused is None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lmkit.api import QuantizationMethod, QuantizedLinear, QuantizedTensor
+from lmkit.api import (
+    QuantizationMethod,
+    QuantizedLinear,
+    QuantizedNormLinear,
+    QuantizedSiluLinear,
+    QuantizedTensor,
+)
 
 
 class QuantizedShards:
@@ -16,8 +22,10 @@ class QuantizedShards:
     ``k``, ``v``); once every shard has arrived, :meth:`build` fuses them (or, for
     shards the method cannot fuse, dequantizes them into a dense float32 weight)."""
 
-    def __init__(self, method: QuantizationMethod, shard_names: list[str]) -> None:
+    def __init__(self, method: QuantizationMethod, shard_names: list[str],
+                 fold: str | None = None) -> None:
         self.method = method
+        self.fold = fold  # "norm", "silu_mul" or None: the kernel variant build() adds
         self.names = shard_names
         self.parts: dict[str, QuantizedTensor | torch.Tensor] = {}
 
@@ -32,10 +40,21 @@ class QuantizedShards:
         return len(self.parts) == len(self.names)
 
     def build(self) -> tuple[QuantizedLinear | None, torch.Tensor | None]:
-        """``(kernel, None)`` for fused quantized shards, else ``(None, dense weight)``."""
+        """``(kernel, None)`` for fused quantized shards, else ``(None, dense weight)``;
+        for the layer's ``fold``, when the method declares it, also the kernel with the
+        norm (:attr:`norm_kernel`) or SiLU-and-multiply (:attr:`silu_kernel`) folded in."""
+        self.norm_kernel: QuantizedNormLinear | None = None
+        self.silu_kernel: QuantizedSiluLinear | None = None
         parts = [self.parts[n] for n in self.names]
         if all(isinstance(p, QuantizedTensor) for p in parts):
             fused = self.method.fuse(parts)  # type: ignore[arg-type]
+            if fused is not None and self.fold == "norm" and self.method.supports_norm_linear:
+                kernel, self.norm_kernel = self.method.linear_with_norm(fused)
+                return kernel, None
+            if (fused is not None and self.fold == "silu_mul"
+                    and self.method.supports_silu_mul_linear):
+                kernel, self.silu_kernel = self.method.linear_with_silu_mul(fused)
+                return kernel, None
             if fused is not None:
                 return self.method.linear(fused), None
         return None, torch.cat([self.dense(p) for p in parts])

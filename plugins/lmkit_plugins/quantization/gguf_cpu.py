@@ -18,6 +18,8 @@ from lmkit.api import (
     ModelLoadError,
     QuantizationMethod,
     QuantizedLinear,
+    QuantizedNormLinear,
+    QuantizedSiluLinear,
     QuantizedTensor,
 )
 
@@ -30,7 +32,14 @@ GGUF_NAME = "model.gguf"  # lmkit.loading.gguf.GGUF_NAME: the file kept beside a
 
 
 class GGUFCpuMethod(QuantizationMethod):
-    """GGUF blocks on the CPU (see the module docstring)."""
+    """GGUF blocks on the CPU (see the module docstring). Decode batches may fold the
+    layer's residual add + RMSNorm into the activation quantization
+    (:meth:`linear_with_norm`), and a gated MLP's SiLU-and-multiply into its down
+    projection's (:meth:`linear_with_silu_mul`)."""
+
+    supports_norm_linear = True
+    supports_silu_mul_linear = True  # where torch's AVX-512 silu can be matched
+    fold_max_rows = 32  # lmkit_kernels.cpu.qgemv.MAX_ROWS
 
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
@@ -49,8 +58,14 @@ class GGUFCpuMethod(QuantizationMethod):
                 f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
                 "with --quantization none.")
         self._qtypes = QTYPES
+        from lmkit_kernels.cpu.qgemv import MAX_ROWS
+        from lmkit_kernels.cpu.qgemv_fold import bind_norm_linear, bind_silu_linear
+
+        assert MAX_ROWS >= self.fold_max_rows
         self._pack = pack_weight
         self._bind = bind_linear
+        self._bind_norm = bind_norm_linear
+        self._bind_silu = bind_silu_linear
         self._reader: Any = None
 
     def check(self) -> None:
@@ -80,6 +95,21 @@ class GGUFCpuMethod(QuantizationMethod):
         by 16 rows; ``weight`` itself is not kept)."""
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._bind(packed)  # the kernel call with the weight's arguments bound
+
+    def linear_with_norm(self, weight: QuantizedTensor
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
+        """:meth:`linear`'s function and the one with the norm folded in
+        (:func:`lmkit_kernels.cpu.qgemv_fold.bind_norm_linear`), over one packing."""
+        packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
+        return self._bind(packed), self._bind_norm(packed)
+
+    def linear_with_silu_mul(self, weight: QuantizedTensor
+                             ) -> tuple[QuantizedLinear, QuantizedSiluLinear | None]:
+        """:meth:`linear`'s function and the one with SiLU-and-multiply folded in
+        (:func:`lmkit_kernels.cpu.qgemv_fold.bind_silu_linear`; ``None`` where torch's
+        AVX-512 ``silu`` cannot be matched bit for bit), over one packing."""
+        packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
+        return self._bind(packed), self._bind_silu(packed)
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 rows of ``weight`` (the C kernel)."""

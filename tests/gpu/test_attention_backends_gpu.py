@@ -12,20 +12,15 @@ generous timeout (FlashAttention-4 keeps compiled kernels on disk with
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from gpu_only import require_cuda_and_triton
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter; unset it",
-                allow_module_level=True)
-pytest.importorskip("triton")
+require_cuda_and_triton()
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends import backend_params, unavailable  # noqa: E402

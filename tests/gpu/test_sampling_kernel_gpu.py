@@ -3,18 +3,12 @@ vocabulary (151936), and its in-kernel noise against the target distribution."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from gpu_only import require_cuda_and_triton
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter; unset it",
-                allow_module_level=True)
-pytest.importorskip("triton")
+require_cuda_and_triton()
 
 from lmkit_kernels.sampling import sample, sample_ref  # noqa: E402
 

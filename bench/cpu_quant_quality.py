@@ -51,8 +51,8 @@ PROMPT_STEMS = [
 ]
 
 
-def run(quantization: str, prompts: list[str], tokens: int, **options: Any
-        ) -> dict[str, Any]:
+def run(quantization: str, prompts: list[str], tokens: int, held_text: str = HELD_TEXT,
+        **options: Any) -> dict[str, Any]:
     """Greedy outputs for ``prompts`` and the held text's perplexity on one path."""
     from lmkit import SamplingParams
     from lmkit.frontend.llm import LLM
@@ -62,7 +62,7 @@ def run(quantization: str, prompts: list[str], tokens: int, **options: Any
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens,
                                                 ignore_eos=True)) if prompts else []
     gen_s = time.perf_counter() - t0
-    scored = llm.generate([HELD_TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0,
+    scored = llm.generate([held_text], SamplingParams(max_tokens=1, prompt_logprobs=0,
                                                       temperature=0))[0]
     logprobs = [p.logprob for p in scored.prompt_logprobs or [] if p is not None]
     model_dir = str(llm.engine.model_dir)
@@ -102,13 +102,26 @@ def main() -> None:
     ap.add_argument("--llamacpp", action="store_true",
                     help="also score the held text with llama.cpp on the same GGUF")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
+    ap.add_argument("--text", default=None,
+                    help="score this text file instead of the built-in paragraph (e.g. "
+                         "bench/data/held_text_long.txt, ~1,100 tokens)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.prompts < 1:
+        ap.error("--prompts must be at least 1")
+    held = HELD_TEXT
+    if args.text:
+        try:
+            held = open(args.text, encoding="utf-8").read().strip()
+        except OSError as e:
+            ap.error(f"--text {args.text}: {e.strerror}")
+        if not held:
+            ap.error(f"--text {args.text} is empty")
     prompts = (PROMPT_STEMS * (args.prompts // len(PROMPT_STEMS) + 1))[:args.prompts]
-    quant = run("gguf", prompts, args.tokens)
-    dense = run("none", prompts, args.tokens)
-    chunked = run("gguf", [], 0, max_num_batched_tokens=16)
-    report = {"prompts": args.prompts, "tokens": args.tokens,
+    quant = run("gguf", prompts, args.tokens, held)
+    dense = run("none", prompts, args.tokens, held)
+    chunked = run("gguf", [], 0, held, max_num_batched_tokens=16)
+    report = {"prompts": args.prompts, "tokens": args.tokens, "text": args.text or "built-in",
               "greedy": agreement(quant["tokens"], dense["tokens"]),
               "perplexity": {"gguf": quant["perplexity"], "float32": dense["perplexity"],
                              "relative": quant["perplexity"] / dense["perplexity"] - 1,

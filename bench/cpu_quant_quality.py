@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -130,6 +131,9 @@ def main() -> None:
                                  chunked["perplexity"] / dense["perplexity"] - 1,
                              "scored_tokens": quant["scored_tokens"]}}
     if args.llamacpp:
+        # scoring is a multi-row llama_decode, which the prebuilt CPU library crashes in
+        # with its AMX/repacked weight buffers (a segfault on this AMX host): plain buffers
+        os.environ.setdefault("LMKIT_LLAMACPP_EXTRA_BUFTS", "0")
         ref = llamacpp_perplexity(quant["model_dir"], quant["held_ids"], args.threads)
         report["perplexity"].update(
             llamacpp=ref, relative_to_llamacpp=quant["perplexity"] / ref - 1,

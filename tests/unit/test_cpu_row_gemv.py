@@ -213,6 +213,21 @@ def test_compiles_once_per_source_and_reuses_the_library(tmp_path, compiler):
     assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so", ".so"]  # no temp files
 
 
+def test_an_edited_local_header_rebuilds_the_library(tmp_path, compiler):
+    """Kernels share code through headers next to them (sum_squares.h): the cache key
+    covers the headers a source includes with quotes, and a missing one is reported."""
+    (tmp_path / "value.h").write_text("static inline int value(void) { return 1; }\n")
+    src = tmp_path / "uses.c"
+    src.write_text('#include "value.h"\nint uses(void) { return value(); }\n')
+    first = build.compile_library(src, directory=tmp_path / "cache")
+    assert build.compile_library(src, directory=tmp_path / "cache") == first
+    (tmp_path / "value.h").write_text("static inline int value(void) { return 2; }\n")
+    assert build.compile_library(src, directory=tmp_path / "cache") != first
+    (tmp_path / "value.h").unlink()
+    with pytest.raises(build.KernelUnavailable, match="uses.c includes value.h"):
+        build.compile_library(src, directory=tmp_path / "cache")
+
+
 def test_a_compile_error_is_reported_with_the_compilers_message(tmp_path, compiler):
     src = tmp_path / "broken.c"
     src.write_text("int broken(void) { return undeclared_name; }\n")

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -69,6 +70,27 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout.strip()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _local_headers(source: Path, seen: set[Path] | None = None) -> bytes:
+    """The bytes of every header ``source`` includes with quotes (from its directory,
+    recursively), so that editing a shared header rebuilds each library using it."""
+    seen = set() if seen is None else seen
+    out = b""
+    for name in _LOCAL_INCLUDE.findall(source.read_bytes()):
+        header = source.parent / name.decode()
+        if header in seen:
+            continue
+        seen.add(header)
+        try:
+            out += header.read_bytes() + _local_headers(header, seen)
+        except OSError as exc:
+            raise KernelUnavailable(f"{source.name} includes {header.name}, which cannot "
+                                    f"be read: {exc}") from exc
+    return out
+
+
 def compile_library(source: Path, *, directory: Path | None = None) -> Path:
     """The shared library built from ``source``, compiling it if it is not cached.
 
@@ -80,7 +102,7 @@ def compile_library(source: Path, *, directory: Path | None = None) -> Path:
         raise KernelUnavailable(f"C kernels are built for x86-64 Linux, not "
                                 f"{platform.system()} {platform.machine()}")
     compiler = find_compiler()
-    text = source.read_bytes()
+    text = source.read_bytes() + _local_headers(source)
     digest = hashlib.sha256(text + _compiler_version(compiler).encode()
                             + " ".join(CFLAGS).encode()).hexdigest()[:16]
     directory = cache_dir() if directory is None else directory

@@ -528,19 +528,7 @@ static void silu_mul_row(void* exp16, const float* g, const float* u, float* o, 
     }
 }
 
-#define LANES 16
-static float sum_squares(const float* h, long n) {
-    float lanes[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        #pragma omp simd
-        for (int j = 0; j < LANES; j++) lanes[j] += h[i + j] * h[i + j];
-    }
-    for (; i < n; i++) lanes[i % LANES] += h[i] * h[i];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-    return lanes[0];
-}
+#include "sum_squares.h"  /* sum_squares(): one reduction for both norms */
 
 static void add_rms_norm_row(const float* x, const prologue_t* p, long r, long n, float* o) {
     const float* h = x;

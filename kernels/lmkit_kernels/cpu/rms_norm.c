@@ -16,21 +16,7 @@
 
 int lmkit_rms_norm_abi(void) { return 1; }
 
-#define LANES 16
-
-static float sum_squares(const float* h, long n) {
-    float lanes[LANES] = {0};
-    long i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        #pragma omp simd
-        for (int j = 0; j < LANES; j++) lanes[j] += h[i + j] * h[i + j];
-    }
-    for (; i < n; i++) lanes[i % LANES] += h[i] * h[i];
-    /* fixed tree: 16 -> 8 -> 4 -> 2 -> 1 */
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-    return lanes[0];
-}
+#include "sum_squares.h"  /* sum_squares(): one reduction for both norms */
 
 /* out[r] = rms_norm(x[r] (+ residual[r])) * weight; with a residual, res_out[r] gets
  * x[r] + residual[r] (the new residual stream). Rows of x/residual/out/res_out are

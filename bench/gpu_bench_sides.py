@@ -227,19 +227,28 @@ def _decode_bandwidth(steps: list[tuple[float, Any]], facts: dict[str, Any]) -> 
 # ---------------------------------------------------------------------- HF peer
 
 
-def hf_side(model_dir: str, workloads: list[Workload], attn: str = "paged|sdpa"
-            ) -> dict[str, Any]:
-    """transformers' continuous batching (``init_continuous_batching`` manager, greedy,
-    EOS disabled) on each workload; per-request ``max_new_tokens``."""
+def _load_hf(model_dir: str, attn: str) -> tuple[Any, str]:
+    """transformers' model from ``model_dir`` in eval mode: bf16 on CUDA, else float32
+    on the CPU; returns it and the device name."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
         attn_implementation=attn, device_map=device)
     model.eval()
+    return model, device
+
+
+def hf_side(model_dir: str, workloads: list[Workload], attn: str = "paged|sdpa"
+            ) -> dict[str, Any]:
+    """transformers' continuous batching (``init_continuous_batching`` manager, greedy,
+    EOS disabled) on each workload; per-request ``max_new_tokens``."""
+    from transformers import GenerationConfig
+
+    t0 = time.perf_counter()
+    model, device = _load_hf(model_dir, attn)
     info: dict[str, Any] = {"load_s": time.perf_counter() - t0, "attn_implementation": attn,
                             "results": []}
     import transformers
@@ -305,14 +314,9 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
     shape per layer, and DeepSeek's MLA layers hand it keys of 192 and values of 128 per
     head (``index_copy_`` shape error, found by ``gpu_engine.py --smoke``)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        attn_implementation=attn, device_map=device)
-    model.eval()
+    model, device = _load_hf(model_dir, attn)
     import transformers
 
     info: dict[str, Any] = {"load_s": time.perf_counter() - t0, "attn_implementation": attn,

@@ -38,15 +38,17 @@ def test_dp2_spreads_requests_reports_each_engine_and_survives_a_killed_engine(t
         pids = [e["pid"] for e in engines]
         assert len(set(pids)) == 2 and all(e["alive"] for e in engines)
 
-        # different prompts (no shared prefix) at once: the least-loaded engine takes each
+        # different prompts (no shared prefix) at once: the least-loaded engine takes each;
+        # long enough that all four are still running when the last is routed (with 16
+        # tokens a request could finish first and its engine take a third: [3, 1])
         prompts = [f"{word} upon a time there was" for word in ("Once", "Twice", "Thrice",
                                                                   "Again")]
         futures = [pool.submit(httpx.post, f"{server.url}/v1/completions",
-                               json=_body(16, p), timeout=60) for p in prompts]
+                               json=_body(160, p), timeout=60) for p in prompts]
         for fut in futures:
             resp = fut.result()
             assert resp.status_code == 200, resp.text
-            assert resp.json()["usage"]["completion_tokens"] == 16
+            assert resp.json()["usage"]["completion_tokens"] == 160
         routed = [e["routed_requests"] for e in _engines(server)]
         # warm-up ran on each engine outside the router; the 4 requests split 2 / 2
         assert routed == [2, 2], routed

@@ -42,6 +42,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
+from lmkit.worker.staging import CopyFences
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
@@ -123,11 +124,9 @@ class CudaGraphRunner:
                        torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin))
                       for _ in range(max(1, num_staging))]
-        self._slot = 0
+        self._fences = CopyFences(len(self._host), self.use_graphs)
         self._h_packed, self._h_seq_lens, self._h_blocks = self._host[0]
         self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
-        # per set: the event recorded after its last upload (None: nothing in flight)
-        self._copied: list[torch.cuda.Event | None] = [None] * len(self._host)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                       list[torch.Tensor]]] = {}
@@ -288,20 +287,12 @@ class CudaGraphRunner:
         if n:
             self._block_tables[:n, :width].copy_(
                 self._h_blocks[:n * width].view(n, width), non_blocking=True)
-        if self.use_graphs:
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[self._slot] = event
+        self._fences.mark()
 
     def _next_staging(self) -> None:
         """Stage the next replay in the next host set; the upload that last read that
         set must be done (``num_staging`` replays ago: usually long since)."""
-        self._slot = (self._slot + 1) % len(self._host)
-        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[self._slot]
-        event = self._copied[self._slot]
-        if event is not None:
-            event.synchronize()
-            self._copied[self._slot] = None
+        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[self._fences.advance()]
 
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,

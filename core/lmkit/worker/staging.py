@@ -19,6 +19,33 @@ import torch
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
+class CopyFences:
+    """``n`` host staging slots used in turn, each fenced by an event recorded behind the
+    asynchronous copies that last read it: :meth:`advance` moves to the next slot and
+    waits (only) for that slot's copies, :meth:`mark` fences the current slot's."""
+
+    def __init__(self, n: int, enabled: bool) -> None:
+        self.enabled = enabled  # CUDA: copies are asynchronous; elsewhere nothing to wait on
+        self.slot = 0
+        self._events: list[torch.cuda.Event | None] = [None] * max(1, n)
+
+    def mark(self) -> None:
+        """The copies queued so far read the current slot: fence them."""
+        if self.enabled:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self.slot] = event
+
+    def advance(self) -> int:
+        """Move to the next slot once the copies that last read it are done; its index."""
+        self.slot = (self.slot + 1) % len(self._events)
+        event = self._events[self.slot]
+        if event is not None:
+            event.synchronize()
+            self._events[self.slot] = None
+        return self.slot
+
+
 class StepStaging:
     """Pinned host staging for one step's index arrays, per dtype, double-buffered.
 
@@ -39,29 +66,20 @@ class StepStaging:
         self.pin = self.device.type == "cuda"
         self.stage = self.device.type != "cpu" if stage is None else stage
         self.capacity = capacity
-        # two sets, per dtype: host buffer, device buffer; the step's set is _sets[_turn]
+        # two sets, per dtype: host buffer, device buffer; the step's set is the fences' slot
         self._sets: list[tuple[dict[torch.dtype, torch.Tensor], dict[torch.dtype, torch.Tensor]]]
         self._sets = [({}, {}), ({}, {})]
-        self._turn = 0
+        self._fences = CopyFences(2, self.pin)
         self._host, self._device = self._sets[0]
         self._used: dict[torch.dtype, int] = {}
-        # per set: recorded after its step's copies were queued (None: none in flight)
-        self._copied: list[torch.cuda.Event | None] = [None, None]
 
     def begin(self) -> None:
         """A new step, in the other set of buffers: the copies of the step that last
         used it (the step before the last) must have read them. One event marks the
         finished step's copies (recorded here, behind them in stream order)."""
-        if self.pin and self._used:
-            done = torch.cuda.Event()
-            done.record()
-            self._copied[self._turn] = done
-        self._turn ^= 1
-        self._host, self._device = self._sets[self._turn]
-        pending = self._copied[self._turn]
-        if pending is not None:
-            pending.synchronize()
-            self._copied[self._turn] = None
+        if self._used:
+            self._fences.mark()
+        self._host, self._device = self._sets[self._fences.advance()]
         self._used.clear()
 
     def put(self, array: np.ndarray | Sequence[int],

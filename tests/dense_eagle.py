@@ -1,6 +1,6 @@
 """EAGLE and EAGLE-3 heads computed densely in plain torch from their checkpoints (no
 KV cache, whole sequences; HF transformers for the target's features): the reference
-the paged drafts of tests/unit/test_spec_eagle.py must equal."""
+the paged drafts of tests/unit/eagle/test_spec_eagle_drafts.py must equal."""
 
 from __future__ import annotations
 

@@ -1,0 +1,96 @@
+"""Helpers of the EAGLE tests in this folder (their fixtures are in ``conftest.py``):
+the shared settings and prompts, an in-process engine run that records every draft, and
+the graph runners' padded replays on the CPU."""
+
+from __future__ import annotations
+
+from lmkit import SamplingParams
+from lmkit.api import LMKitConfig
+from lmkit.api.request import Request
+from lmkit.plugin_host.manager import PluginHost
+from lmkit.spec_decode.manager import ProposerManager
+
+COMMON = dict(device="cpu", dtype="float32", max_model_len=256, block_size=4)
+PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
+           "abcabcabcabc"]  # the last one hits the prefix cache of the first
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def tokens(outs):
+    """Each output's first completion's token ids."""
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None, **settings):
+    """Run ``prompts`` greedily in an in-process engine; return what the head drafted
+    for each request at each length: ``{(prompt index, tokens so far): drafts}``."""
+    from lmkit.engine.core import EngineCore
+
+    seen: dict[tuple[int, int], list[int]] = {}
+    take = ProposerManager.take_runner_drafts
+
+    def record(self, requests, drafts):
+        for r in requests:
+            if r.request_id in drafts:
+                seen[(int(r.request_id), tuple(r.all_token_ids))] = list(drafts[r.request_id])
+        return take(self, requests, drafts)
+
+    monkeypatch.setattr(ProposerManager, "take_runner_drafts", record)
+    config = LMKitConfig.model_validate({
+        "model": {"model": str(tiny), "dtype": "float32", "max_model_len": 64},
+        "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
+        "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
+        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
+                        "disable_by_batch_size": settings.pop("disable_by_batch_size", None)},
+        "scheduler": settings})
+    core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
+                      progress=False)
+    try:
+        tok = core.facts
+        for i, prompt in enumerate(prompts):
+            core.add_request(Request(str(i), list(prompt.encode()),
+                                     GREEDY if params is None else params[i],
+                                     eos_token_id=tok.eos_token_id))
+        while core.has_unfinished_requests():
+            core.step()
+        stats = core.stats()
+    finally:
+        core.shutdown()
+    return seen, stats
+
+
+
+def padded_replays(monkeypatch):
+    """Make the runner verify, and the head catch up and draft, through the graph
+    runners' padded, fixed-buffer forwards on the CPU (``use_graphs=False``: the graph
+    path without capture), the padding rows' cache writes (slot -1) sent to the null
+    block 0. Returns the target's graph runners and the draft runners (their
+    ``graphs`` and ``catch_up_graphs`` count the passes replayed)."""
+    import lmkit.worker.model_runner as model_runner
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    from lmkit.worker.draft_runner import DraftRunner
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+
+    made: list[CudaGraphRunner] = []
+    drafters: list[DraftRunner] = []
+    plan, capture_graphs = TorchAttention.plan, DraftRunner.capture_graphs
+
+    def plan_scratch_padding(self, metadata):
+        plan(self, metadata)
+        self._plan.slot_mapping = self._plan.slot_mapping.clamp(min=0)
+
+    def record_drafter(self, *args):
+        capture_graphs(self, *args)
+        drafters.append(self)
+
+    def capture(config, stack, model, kv_caches, device, max_model_len, aux_layers=()):
+        made.append(CudaGraphRunner(
+            model, kv_caches, device, config.scheduler.max_num_seqs, max_model_len,
+            config.cache.block_size, use_graphs=False,
+            max_query_len=1 + config.speculative.num_speculative_tokens, aux_layers=aux_layers))
+        return made[-1]
+
+    monkeypatch.setattr(TorchAttention, "plan", plan_scratch_padding)
+    monkeypatch.setattr(DraftRunner, "capture_graphs", record_drafter)
+    monkeypatch.setattr(model_runner, "maybe_capture", capture)
+    return made, drafters

@@ -314,6 +314,7 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
     shape per layer, and DeepSeek's MLA layers hand it keys of 192 and values of 128 per
     head (``index_copy_`` shape error, found by ``gpu_engine.py --smoke``)."""
     import torch
+    from lmkit.benchmarking.sides import hf_generate_batch
 
     t0 = time.perf_counter()
     model, device = _load_hf(model_dir, attn)
@@ -323,7 +324,7 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
                             "mode": f"generate, static batches of {batch_size}",
                             "transformers": transformers.__version__, "results": []}
     pad = model.config.pad_token_id or 0
-    _hf_generate(model, [workloads[0]["prompts"][0][:16]], 8, pad)  # warm-up
+    hf_generate_batch(model, [workloads[0]["prompts"][0][:16]], 8, pad)  # warm-up
     for wl in workloads:
         prompts, lens = wl["prompts"], wl["output_lens"]
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -331,7 +332,7 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
         start = time.perf_counter()
         produced = 0
         for i in range(0, len(prompts), batch_size):
-            produced += _hf_generate(model, prompts[i:i + batch_size],
+            produced += hf_generate_batch(model, prompts[i:i + batch_size],
                                      max(lens[i:i + batch_size]), pad)
         sync()
         elapsed = time.perf_counter() - start
@@ -339,7 +340,7 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
         if len(prompts) == 1 and lens[0] > 1:  # tpot: the same request with one token
             sync()
             t1 = time.perf_counter()
-            _hf_generate(model, prompts, 1, pad)
+            hf_generate_batch(model, prompts, 1, pad)
             sync()
             first = time.perf_counter() - t1
             extra = {"ttft_ms": 1e3 * first,
@@ -347,20 +348,3 @@ def hf_generate_side(model_dir: str, workloads: list[Workload], batch_size: int,
         info["results"].append(_summary(wl["name"], elapsed, produced,
                                         sum(map(len, prompts)), **extra))
     return info
-
-
-def _hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad: int) -> int:
-    """One left-padded batch through ``model.generate``; the tokens it produced."""
-    import torch
-
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    with torch.inference_mode():
-        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
-                             do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=pad)
-    return (out.shape[1] - width) * len(prompts)

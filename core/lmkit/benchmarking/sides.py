@@ -39,6 +39,24 @@ def lmkit_throughput(model: str, options: dict[str, Any], workload: Workload,
             **{k: v for k, v in stats.items() if k.startswith("spec_")}}
 
 
+def hf_generate_batch(model: Any, prompts: list[list[int]], new_tokens: int, pad: int) -> int:
+    """One left-padded batch of token-id prompts through ``model.generate`` (greedy,
+    exactly ``new_tokens`` each, EOS ignored); returns the tokens it produced."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(model.device),
+                             attention_mask=mask.to(model.device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    return (out.shape[1] - width) * len(prompts)
+
+
 def hf_throughput(model_dir: str, workload: Workload, dtype: str, device: str,
                   batch_size: int, threads: int | None) -> dict[str, Any]:
     """Static batches through ``model.generate`` (left padding, greedy, EOS ignored).
@@ -56,16 +74,7 @@ def hf_throughput(model_dir: str, workload: Workload, dtype: str, device: str,
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def run(prompts: list[list[int]], new_tokens: int) -> None:
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        with torch.inference_mode():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=pad)
+        hf_generate_batch(model, prompts, new_tokens, pad)
 
     run([workload.prompts[0][:32]] * 2, 4)
     t0 = time.perf_counter()

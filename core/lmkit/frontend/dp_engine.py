@@ -3,8 +3,8 @@
 synchronous interface of :class:`~lmkit.engine.core.EngineCore` that ``LLM`` drives
 (``add_request``, ``step``, ``abort_requests``, ...).
 
-Requests are routed by :class:`~lmkit.frontend.router.EngineRouter` (prefix affinity,
-then load) and stay on their engine. The engines step on their own, in parallel;
+Requests are routed as the server routes them (:class:`~lmkit.frontend.engine_set.
+EngineSet`: prefix affinity, then load) and stay on their engine. The engines step on their own, in parallel;
 :meth:`DataParallelEngine.step` returns what any of them produced since the last call
 (waiting for the first output when nothing is ready). A private event loop runs the
 channels, so an ``LLM`` with ``data_parallel_size > 1`` cannot be driven from inside a
@@ -30,8 +30,7 @@ from lmkit.engine.messages import (
     RequestRejected,
 )
 from lmkit.errors import EngineDeadError, InvalidRequestError
-from lmkit.frontend.engine_set import EngineSlot, engine_launches, start_engines
-from lmkit.frontend.router import EngineRouter
+from lmkit.frontend.engine_set import EngineSet, EngineSlot, engine_launches, start_engines
 
 
 class DataParallelEngine:
@@ -67,8 +66,7 @@ class DataParallelEngine:
         self.facts = SimpleNamespace(max_model_len=ready.max_model_len,
                                      vocab_size=ready.vocab_size,
                                      eos_token_ids=list(ready.eos_token_ids))
-        self.router = EngineRouter(len(self.slots), config.cache.block_size)
-        self._routes: dict[str, tuple[int, int]] = {}  # request id -> (engine, tokens)
+        self.engines = EngineSet(self.slots, config.cache.block_size)
         self._rejected: list[tuple[str, InvalidRequestError]] = []
         self._inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._readers = [self._loop.create_task(self._read(slot)) for slot in self.slots]
@@ -86,25 +84,22 @@ class DataParallelEngine:
 
     def add_request(self, request: Any) -> None:
         """Route a validated request to one engine and send it there."""
-        alive = [s.is_alive() for s in self.slots]
-        if not any(alive):
-            raise EngineDeadError("; ".join(f"engine {s.index}: {s.client.dead_reason}"
-                                            for s in self.slots))
-        engine = self.router.choose(request.prompt_token_ids, alive)
-        tokens = len(request.prompt_token_ids)
-        self._loop.run_until_complete(
-            self.slots[engine].client.send(AddRequest.from_request(request)))
-        self.router.add(engine, tokens)
-        self._routes[request.request_id] = (engine, tokens)
+        ids = request.prompt_token_ids
+        engine = self.engines.route(request.request_id, ids, len(ids))
+        try:
+            self._loop.run_until_complete(
+                self.slots[engine].client.send(AddRequest.from_request(request)))
+        except BaseException:
+            self.engines.release(request.request_id)
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests on their engines; unknown or finished ids are ignored."""
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
-            route = self._routes.pop(rid, None)
-            if route is not None:
-                self.router.release(*route)
-                by_engine.setdefault(route[0], []).append(rid)
+            engine = self.engines.release(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
         for engine, ids in by_engine.items():
             client = self.slots[engine].client
             if client.is_alive():
@@ -112,7 +107,7 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request sent to an engine has not finished."""
-        return bool(self._routes)
+        return self.engines.num_routed > 0
 
     def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of requests an engine refused."""
@@ -125,7 +120,7 @@ class DataParallelEngine:
 
         :raises EngineDeadError: an engine died (naming it).
         """
-        if not self._routes:
+        if not self.has_unfinished_requests():
             return []
         return self._loop.run_until_complete(self._drain())
 
@@ -139,15 +134,13 @@ class DataParallelEngine:
                 raise EngineDeadError(f"engine {engine} of {len(self.slots)}: {message}")
             if isinstance(message, EngineOutputs):
                 for out in message.outputs:
-                    if out.request_id not in self._routes:
+                    if self.engines.engine_of(out.request_id) is None:
                         continue  # aborted meanwhile
                     outputs.append(out)
                     if out.finished:
-                        self.router.release(*self._routes.pop(out.request_id))
+                        self.engines.release(out.request_id)
             elif isinstance(message, RequestRejected):
-                route = self._routes.pop(message.request_id, None)
-                if route is not None:
-                    self.router.release(*route)
+                if self.engines.release(message.request_id) is not None:
                     self._rejected.append((message.request_id, InvalidRequestError(
                         message.message, param=message.param, code=message.code)))
             elif isinstance(message, EngineStats):
@@ -157,7 +150,7 @@ class DataParallelEngine:
     def stats(self) -> dict[str, Any]:
         """Each engine's latest stats (``engines``) and the router's counts."""
         return {"data_parallel_size": len(self.slots),
-                "routed_requests": list(self.router.num_routed),
+                "routed_requests": list(self.engines.router.num_routed),
                 "engines": [dict(s.stats) for s in self.slots]}
 
     def shutdown(self) -> None:

@@ -122,7 +122,7 @@ class EngineSet:
 
     Every request is routed once (:meth:`route`, through an
     :class:`~lmkit.frontend.router.EngineRouter`) and stays on that engine for its life:
-    its messages and aborts go there (:meth:`send`) until :meth:`release`.
+    its messages and aborts go to that engine until :meth:`release`.
     """
 
     def __init__(self, slots: list[EngineSlot], block_size: int) -> None:
@@ -166,6 +166,11 @@ class EngineSet:
         self.router.add(engine, num_tokens)
         self._routes[request_id] = (engine, num_tokens)
         return engine
+
+    @property
+    def num_routed(self) -> int:
+        """Requests routed and not yet released."""
+        return len(self._routes)
 
     def engine_of(self, request_id: str) -> int | None:
         """The engine a request was routed to (None once released)."""

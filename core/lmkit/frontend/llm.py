@@ -9,7 +9,6 @@ the requests over them.
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,16 +17,15 @@ from lmkit.api.outputs import PoolingOutput, RequestOutput
 from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
+from lmkit.frontend.prompts import (
+    Prompt,
+    PromptInput,
+    as_prompt,
+    as_prompt_list,
+)
 from lmkit.plugin_host.manager import PluginHost
 
-Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
-# What LLM.generate accepts for one prompt, as vLLM does: text, token ids, or a dict
-# {"prompt": text} / {"prompt_token_ids": ids}.
-PromptInput = Prompt | Mapping[str, Any]
-ACCEPTED_PROMPTS = ("a str, a list of token ids (ints), {'prompt': str}, "
-                    "{'prompt_token_ids': [int, ...]}, or a list of these")
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 # Short keyword arguments of LLM(...) and the config paths they set.
 SHORT_OPTIONS = {
@@ -331,70 +329,6 @@ class LLM:
         missing = [i for i, r in enumerate(results) if r is None]
         assert not missing, f"requests {missing} never finished"
         return results  # type: ignore[return-value]
-
-
-def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
-    """The prompts of one :meth:`LLM.generate` call, each as text or token ids.
-
-    Accepts one prompt or a list of them; a prompt is a ``str``, a list of token ids
-    (a flat list of ints is one prompt), ``{"prompt": str}`` or
-    ``{"prompt_token_ids": [int, ...]}`` (vLLM's ``TextPrompt``/``TokensPrompt``).
-
-    :raises TypeError: anything else, naming what was given and what is accepted.
-    """
-    if isinstance(prompts, (str, Mapping)):
-        return [as_prompt(prompts)]
-    if not isinstance(prompts, Sequence):
-        raise TypeError(f"LLM.generate() got prompts of type {type(prompts).__name__}; "
-                        f"accepted: {ACCEPTED_PROMPTS}.")
-    seq = list(prompts)
-    if seq and all(_is_token_id(t) for t in seq):
-        return [as_prompt(seq)]  # one prompt given as token ids
-    return [as_prompt(p, index=i) for i, p in enumerate(seq)]
-
-
-def as_prompt(prompt: PromptInput, index: int | None = None) -> Prompt:
-    """One prompt as text or a list of token ids (see :func:`as_prompt_list`).
-
-    :raises TypeError: a prompt of another form; ``index`` names its place in a list.
-    """
-    where = f"prompt {index}" if index is not None else "a prompt"
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        keys = [k for k in prompt if k in PROMPT_KEYS]
-        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
-        if len(keys) != 1 or unknown:
-            raise TypeError(
-                f"LLM.generate() got {where} as a dict with keys {sorted(map(str, prompt))}; "
-                "a prompt dict has exactly one of 'prompt' (text) or 'prompt_token_ids' "
-                f"(other vLLM keys are not supported); accepted: {ACCEPTED_PROMPTS}.")
-        value = prompt[keys[0]]
-        if keys[0] == "prompt" and isinstance(value, str):
-            return value
-        if keys[0] == "prompt_token_ids" and _is_token_list(value):
-            return [int(t) for t in value]
-        want = "str" if keys[0] == "prompt" else "list of ints"
-        raise TypeError(f"LLM.generate() got {where} with {keys[0]!r} of type "
-                        f"{type(value).__name__}; it must be a {want}.")
-    if _is_token_list(prompt):
-        return [int(t) for t in prompt]
-    raise TypeError(f"LLM.generate() got {where} of type {type(prompt).__name__} "
-                    f"({_preview(prompt)}); accepted: {ACCEPTED_PROMPTS}.")
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_token_list(value: Any) -> bool:
-    return (isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-            and all(_is_token_id(t) for t in value))
-
-
-def _preview(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _progress(total: int) -> Any:

@@ -51,24 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends import unavailable  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
+from lmkit.testing.model_shapes import DEEPSEEK_V2_LITE  # noqa: E402
 from test_engine_gpu import ENGINE, NEW_TOKENS, _check_against_hf, _hf_model  # noqa: E402
 
 NUM_FREQS = 8  # RoPE pairs the copy circuit uses (the fastest): neighbours score 13% lower
 PEAK_SCORE = 150.0  # the attended key's score: the next-best key scores ~20 less
 NOISE_STD = 0.006
 #: DeepSeek-V2-Lite's config.json, but 3 layers (dense, MoE, MoE)
-V2_LITE = dict(
-    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=3, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-    n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy",
-    n_group=1, topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1,
-    norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
-    rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1,
-                                          mscale=0.707, mscale_all_dim=0.707,
-                                          original_max_position_embeddings=4096),
-    tie_word_embeddings=False, attention_bias=False, eos_token_id=256, bos_token_id=None,
-    pad_token_id=256, architectures=["DeepseekV2ForCausalLM"])
+V2_LITE = dict(DEEPSEEK_V2_LITE, num_hidden_layers=3, eos_token_id=256, bos_token_id=None,
+               pad_token_id=256, architectures=["DeepseekV2ForCausalLM"])
 
 
 #: the MLA attention backends, each served the same model (CUDA graphs on: decode steps

@@ -101,3 +101,20 @@ def check_batch_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
     return num_reqs
 
+
+def check_slot_mapping(slot_mapping: torch.Tensor, device: torch.device,
+                       **sources: torch.Tensor) -> int:
+    """Validate a cache write's ``slot_mapping`` (int32 or int64 ``[num_tokens]``,
+    contiguous) against the row counts of the tensors it writes from (by name, e.g.
+    ``key=..., value=...``); returns ``num_tokens``.
+
+    :raises ValueError: on a dtype, device or stride mismatch, or a source with fewer
+        rows than ``slot_mapping`` has entries.
+    """
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 device=device, contiguous=True)
+    num_tokens = slot_mapping.shape[0]
+    if any(t.shape[0] < num_tokens for t in sources.values()):
+        raise ValueError(f"slot_mapping has {num_tokens} entries but {'/'.join(sources)} have "
+                         f"only {'/'.join(str(t.shape[0]) for t in sources.values())} rows")
+    return num_tokens

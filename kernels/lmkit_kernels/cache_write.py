@@ -16,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkit_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, next_power_of_2
+from lmkit_kernels.checks import (
+    FLOAT_DTYPES,
+    check_shape,
+    check_slot_mapping,
+    check_tensor,
+    next_power_of_2,
+)
 
 __all__ = ["reshape_and_cache"]
 
@@ -76,12 +82,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         check_tensor(name, t, ndim=3, dtypes=(kv_cache.dtype,), device=device,
                      last_dim_contiguous=True)
         check_shape(name, t, (None, num_kv_heads, head_size))
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
-                 device=device, contiguous=True)
-    num_tokens = slot_mapping.shape[0]
-    if key.shape[0] < num_tokens or value.shape[0] < num_tokens:
-        raise ValueError(f"slot_mapping has {num_tokens} entries but key/value have only "
-                         f"{key.shape[0]}/{value.shape[0]} rows")
+    num_tokens = check_slot_mapping(slot_mapping, device, key=key, value=value)
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]

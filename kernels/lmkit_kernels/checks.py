@@ -78,3 +78,43 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> N
             e is not None and s != e for s, e in zip(shape, expected, strict=False)):
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
+
+
+def check_batch_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, device: torch.device) -> int:
+    """Validate a paged-attention batch's layout tensors; returns ``num_reqs``.
+
+    :param query_start_loc: int32 ``[num_reqs + 1]``, contiguous.
+    :param seq_lens: int32 ``[num_reqs]``, contiguous.
+    :param block_tables: int32 ``[>= num_reqs, max_blocks]``, unit last stride.
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
+                 device=device, contiguous=True)
+    num_reqs = query_start_loc.shape[0] - 1
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device,
+                 contiguous=True)
+    check_shape("seq_lens", seq_lens, (num_reqs,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
+                 last_dim_contiguous=True)
+    if block_tables.shape[0] < num_reqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
+    return num_reqs
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, device: torch.device,
+                       **sources: torch.Tensor) -> int:
+    """Validate a cache write's ``slot_mapping`` (int32 or int64 ``[num_tokens]``,
+    contiguous) against the row counts of the tensors it writes from (by name, e.g.
+    ``key=..., value=...``); returns ``num_tokens``.
+
+    :raises ValueError: on a dtype, device or stride mismatch, or a source with fewer
+        rows than ``slot_mapping`` has entries.
+    """
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 device=device, contiguous=True)
+    num_tokens = slot_mapping.shape[0]
+    if any(t.shape[0] < num_tokens for t in sources.values()):
+        raise ValueError(f"slot_mapping has {num_tokens} entries but {'/'.join(sources)} have "
+                         f"only {'/'.join(str(t.shape[0]) for t in sources.values())} rows")
+    return num_tokens

@@ -24,6 +24,7 @@ import torch
 
 from lmkit_kernels.checks import (
     FLOAT_DTYPES,
+    check_batch_layout,
     check_shape,
     check_tensor,
     dot_needs_f32,
@@ -197,7 +198,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     check_tensor("kv_cache", kv_cache, ndim=3, dtypes=(dtype,), device=device,
                  last_dim_contiguous=True)
     check_shape("kv_cache", kv_cache, (None, None, rank + rope))
-    num_reqs = _check_batch(query_start_loc, seq_lens, block_tables, device)
+    num_reqs = check_batch_layout(query_start_loc, seq_lens, block_tables, device)
     if out is None:
         out = torch.empty_like(q_lat)
     else:
@@ -252,22 +253,6 @@ def _check_geometry(geo: DecodeGeometry, q_pad: int) -> None:
             raise ValueError(f"geometry {name} must be a power of two >= {low}, got {value}")
     if geo.num_stages < 1:
         raise ValueError(f"geometry num_stages must be >= 1, got {geo.num_stages}")
-
-
-def _check_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, device: torch.device) -> int:
-    """Validate the batch layout tensors; returns ``num_reqs``."""
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
-                 device=device, contiguous=True)
-    num_reqs = query_start_loc.shape[0] - 1
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device,
-                 contiguous=True)
-    check_shape("seq_lens", seq_lens, (num_reqs,))
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
-                 last_dim_contiguous=True)
-    if block_tables.shape[0] < num_reqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
-    return num_reqs
 
 
 def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:

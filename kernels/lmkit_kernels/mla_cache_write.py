@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkit_kernels.checks import FLOAT_DTYPES, check_tensor, next_power_of_2
+from lmkit_kernels.checks import FLOAT_DTYPES, check_slot_mapping, check_tensor, next_power_of_2
 
 __all__ = ["mla_cache_write"]
 
@@ -65,12 +65,7 @@ def mla_cache_write(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
         raise ValueError(f"kv_c ({rank} wide) and k_pe ({rope} wide) must fill the cache "
                          f"entry of {kv_cache.shape[2]}: kv_cache is [num_blocks, block_size, "
                          "kv_lora_rank + qk_rope_head_dim]")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
-                 device=device, contiguous=True)
-    num_tokens = slot_mapping.shape[0]
-    if kv_c.shape[0] < num_tokens or k_pe.shape[0] < num_tokens:
-        raise ValueError(f"slot_mapping has {num_tokens} entries but kv_c/k_pe have only "
-                         f"{kv_c.shape[0]}/{k_pe.shape[0]} rows")
+    num_tokens = check_slot_mapping(slot_mapping, device, kv_c=kv_c, k_pe=k_pe)
     if num_tokens == 0:
         return
     _mla_cache_write_kernel[(num_tokens,)](

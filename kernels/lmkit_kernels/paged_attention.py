@@ -26,6 +26,7 @@ import torch
 
 from lmkit_kernels.checks import (
     FLOAT_DTYPES,
+    check_batch_layout,
     check_shape,
     check_tensor,
     dot_needs_f32,
@@ -156,16 +157,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                          f"({num_kv_heads}) for grouped-query attention")
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} is above the supported {MAX_HEAD_SIZE}")
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,),
-                 device=device, contiguous=True)
-    num_reqs = query_start_loc.shape[0] - 1
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device,
-                 contiguous=True)
-    check_shape("seq_lens", seq_lens, (num_reqs,))
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device,
-                 last_dim_contiguous=True)
-    if block_tables.shape[0] < num_reqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
+    num_reqs = check_batch_layout(query_start_loc, seq_lens, block_tables, device)
     if out is None:
         out = torch.empty_like(q)
     else:

@@ -24,16 +24,19 @@ def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> Quantization
     checkpoint checked (a malformed file is refused here, before the model is built);
     ``None`` for dense weights.
 
-    :raises ModelLoadError: the method computes in float32 and the model dtype is not.
+    :raises ModelLoadError: the model dtype is not one the method computes in (its
+        caps' ``dtype`` values; float32 for a method that declares none).
     """
     reg = stack.get("quantization")
     if reg is None:
         return None
-    if stack.dtype != "float32":
+    dtypes = sorted(reg.spec.caps.values.get("dtype", {"float32"}))
+    if stack.dtype not in dtypes:
         raise ModelLoadError(
-            f"quantization {reg.name!r} computes in float32 but the model dtype is "
-            f"{stack.dtype}; use --dtype float32 (or auto on the CPU), or "
-            "--quantization none.")
+            f"quantization {reg.name!r} computes in {' or '.join(dtypes)} but the model "
+            f"dtype is {stack.dtype}; use --dtype {dtypes[0]}"
+            + (" (or auto on the CPU)" if dtypes == ["float32"] else "")
+            + ", or --quantization none.")
     method: QuantizationMethod = build(
         "quantization", reg.spec.load(), facts,
         options=stack.options["quantization"], plugin=reg.origin)

@@ -163,6 +163,13 @@ def plan_weights(headers: dict[str, TensorHeader], layout: Fp8Layout) -> dict[st
         tensor that is not a 2-D ``.weight``, FP8 mixture-of-experts weights, zero points.
     """
     suffix = "." + layout.scale_suffix
+    for name, h in headers.items():  # dtypes first: the plainest reason
+        if h.dtype not in FLOAT_DTYPES + ("F8_E4M3",) and not name.endswith(IGNORED_SUFFIXES):
+            raise ModelLoadError(
+                f"tensor {name!r} in {h.file} has dtype {h.dtype}; the fp8 method reads "
+                f"F8_E4M3 weights with {'/'.join(FLOAT_DTYPES)} scales and "
+                f"{'/'.join(FLOAT_DTYPES)} tensors (checkpoint layout: {layout.describe()}). "
+                "Convert the checkpoint, or run it with --quantization none if it is dense.")
     plan: dict[str, str] = {}
     for name, h in headers.items():
         where = f"tensor {name!r} in {h.file}"
@@ -180,12 +187,6 @@ def plan_weights(headers: dict[str, TensorHeader], layout: Fp8Layout) -> dict[st
             continue
         if h.dtype == "F8_E4M3":
             plan[name] = _checked_scale(name, h, headers, layout, where)
-        elif h.dtype not in FLOAT_DTYPES:
-            raise ModelLoadError(
-                f"{where} has dtype {h.dtype}; the fp8 method reads F8_E4M3 weights with "
-                f"{'/'.join(FLOAT_DTYPES)} scales and {'/'.join(FLOAT_DTYPES)} tensors "
-                f"(checkpoint layout: {layout.describe()}). Convert the checkpoint, or run "
-                "it with --quantization none if it is dense.")
     return plan
 
 

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from lmkit import LLM, SamplingParams  # noqa: E402
-from lmkit.api import ConfigError, ModelLoadError, QuantizedTensor, hookimpl  # noqa: E402
+from lmkit.api import ConfigError, ModelLoadError, hookimpl  # noqa: E402
 from lmkit.config import LMKitConfig  # noqa: E402
 from lmkit.loading.model_facts import load_model_facts  # noqa: E402
 from lmkit.plugin_host.manager import PluginHost  # noqa: E402
@@ -27,7 +27,10 @@ from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack  # noqa: E402
 from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
 from lmkit.worker.model_build import quantization_method  # noqa: E402
 from lmkit_plugins import models as builtin_models  # noqa: E402
-from lmkit_plugins.quantization.fp8_write import write_fp8_checkpoint  # noqa: E402
+from lmkit_plugins.quantization.fp8_write import (  # noqa: E402
+    write_dequantized,
+    write_fp8_checkpoint,
+)
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 CPU_NAME = "fp8_cpu"
@@ -121,23 +124,6 @@ def test_model_dtypes_the_methods_do_not_compute_in_are_refused(host, dense):
         quantization_method(gguf, facts)
 
 
-def _dequantized_copy(fp8_dir: Path, dense: Path, out: Path, host: PluginHost) -> Path:
-    """``dense`` with every weight replaced by what the method loads from ``fp8_dir``,
-    dequantized (float32)."""
-    from lmkit_plugins.quantization.fp8_cuda import Fp8Method
-    from safetensors.torch import save_file
-
-    method = Fp8Method(load_model_facts(fp8_dir, host))
-    weights = {n: (method.dequantize(w) if isinstance(w, QuantizedTensor) else w.float())
-               for n, w in method.iterate_weights()}
-    out.mkdir()
-    for f in dense.iterdir():
-        if not f.name.endswith(".safetensors"):
-            (out / f.name).write_bytes(f.read_bytes())
-    save_file({n: w.contiguous() for n, w in weights.items()}, str(out / "model.safetensors"))
-    return out
-
-
 def _greedy(model_dir: Path, quantization: str) -> tuple[str | None, list[list[int]]]:
     """The method the engine chose, and its greedy tokens."""
     prompts = [[5, 17, 42, 99, 7], [250, 3, 3, 8]]  # 9 prefill rows, 2 per decode step
@@ -150,7 +136,7 @@ def _greedy(model_dir: Path, quantization: str) -> tuple[str | None, list[list[i
 
 @pytest.mark.slow  # two engines per case: about 10 s here
 @pytest.mark.parametrize("layout", ["dense", "compressed-tensors"])
-def test_greedy_tokens_equal_the_dequantized_dense_model(host, dense, tmp_path, layout):
+def test_greedy_tokens_equal_the_dequantized_dense_model(dense, tmp_path, layout):
     """A dense checkpoint quantized at load (named method) and a compressed-tensors one
     (``auto``) give the tokens of the dense model holding their dequantized weights."""
     if layout == "dense":
@@ -158,7 +144,7 @@ def test_greedy_tokens_equal_the_dequantized_dense_model(host, dense, tmp_path, 
     else:
         model = write_fp8_checkpoint(dense, tmp_path / "fp8", "compressed-tensors", "channel")
         choice = "auto"
-    reference = _dequantized_copy(model, dense, tmp_path / "dequantized", host)
+    reference = write_dequantized(model, tmp_path / "dequantized")
     used, got = _greedy(model, choice)
     assert used == CPU_NAME
     assert _greedy(reference, "none") == (None, got)

@@ -4,7 +4,8 @@ method reads (:mod:`lmkit_plugins.quantization.fp8_checkpoint`): compressed-tens
 ``quant_method: fp8`` (block-wise ``weight_scale_inv``). The projections are quantized;
 embeddings, the LM head and norms are copied as they are (what llm-compressor's FP8
 schemes do with ``ignore: [lm_head]``). Used by the tests and benchmarks to build FP8
-checkpoints of known content; also a way to make one from a local dense model.
+checkpoints of known content (and, :func:`write_dequantized`, the dense models they
+stand for); also a way to make one from a local dense model.
 
     python -m lmkit_plugins.quantization.fp8_write DENSE_DIR OUT_DIR --layout fp8
 """
@@ -70,7 +71,6 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str = "compressed-tensors
     """Write ``src`` (a dense safetensors model directory) to ``dst`` as an FP8
     checkpoint (one safetensors file); return ``dst``."""
     from lmkit.api import iterate_weights
-    from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
@@ -84,8 +84,36 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str = "compressed-tensors
             tensors[name[: -len("weight")] + suffix] = scale.contiguous()
         else:
             tensors[name] = t.contiguous()
+    return _save(src, dst, tensors, config)
+
+
+def write_dequantized(model_dir: Path, dst: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write the dense model the ``fp8`` method's weights for ``model_dir`` stand for:
+    every tensor as the method loads it (FP8 checkpoint or dense one quantized at load),
+    quantized ones dequantized, in ``dtype``; the reference FP8 runs are compared with.
+    """
+    from lmkit.api import PluginHost, QuantizedTensor, load_model_facts
+
+    from lmkit_plugins.quantization.fp8_cuda import Fp8Method
+
+    model_dir, dst = Path(model_dir), Path(dst)
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    method = Fp8Method(load_model_facts(model_dir, host))
+    tensors = {name: (method.dequantize(w) if isinstance(w, QuantizedTensor) else w)
+               .to("cpu", dtype).contiguous() for name, w in method.iterate_weights()}
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    return _save(model_dir, dst, tensors, config)
+
+
+def _save(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]
+          ) -> Path:
+    """``dst``: ``tensors`` in one safetensors file, ``config``, and ``src``'s other
+    files (tokenizer, generation config)."""
+    from safetensors.torch import save_file
+
     dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():  # tokenizer, generation config
+    for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy(f, dst / f.name)

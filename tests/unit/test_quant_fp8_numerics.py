@@ -77,7 +77,9 @@ def test_block_quantization_scales_each_block():
 
 def test_per_token_activation_scales():
     x = torch.randn(5, 64) * torch.tensor([1e-3, 1, 10, 100, 0])[:, None]
+    before = x.clone()
     xq, scale = quantize_per_token(x)
+    assert torch.equal(x, before)  # the input is left alone (float32 included)
     assert scale.shape == (5, 1)
     assert torch.allclose(scale[:4, 0], x[:4].abs().amax(dim=1) / E4M3_MAX)
     assert torch.equal(xq.float()[4], torch.zeros(64))

@@ -103,7 +103,8 @@ class Fp8Method(QuantizationMethod):
 
     def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
         """``(x, bias) -> x @ W.T + bias`` (:class:`Fp8Linear`)."""
-        return Fp8Linear(weight.data, self.opts.gemv_max_rows, self.opts.gemv_block_k)
+        return Fp8Linear(weight.data, self.opts.gemv_max_rows, self.opts.gemv_block_k,
+                         self.opts.gemv_block_n)
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 ``weight * scale`` (rows ``rows``), on the weight's device."""
@@ -121,7 +122,8 @@ class Fp8Linear:
     ``torch._scaled_mm`` (per-token activation scales) above; on the CPU their torch
     references. Everything shape-dependent is decided here, once, not per call."""
 
-    def __init__(self, data: Fp8Weight, max_rows: int, block_k: int) -> None:
+    def __init__(self, data: Fp8Weight, max_rows: int, block_k: int,
+                 block_n: int | None = None) -> None:
         from lmkit_kernels.fp8 import scaled_mm_unsupported_reason
 
         self.weight = data.weight.contiguous()  # [out, in] float8_e4m3fn
@@ -130,7 +132,7 @@ class Fp8Linear:
         self.max_rows = max_rows
         self.block_k = block_k
         # narrow programs for small outputs so that every SM gets work (as bf16 does)
-        self.block_n = 16 if self.weight.shape[0] <= 2048 else 32
+        self.block_n = block_n or (16 if self.weight.shape[0] <= 2048 else 32)
         self.on_cuda = self.weight.is_cuda
         #: why large batches dequantize instead of _scaled_mm (odd sizes); None: they don't
         self.scaled_mm_unsupported = (scaled_mm_unsupported_reason(self.weight)

@@ -16,9 +16,19 @@ class Fp8Options(BaseModel):
         "stream the FP8 weight through lmkit's Triton GEMV (weight-only FP8); larger ones "
         "quantize the activations per token and run torch._scaled_mm (W8A8). 0: always "
         "_scaled_mm.")
+    gemv_block_n: int | None = Field(
+        None, description="Output columns per program of the GEMV kernel (16, 32 or 64); "
+        "default: 16 for projections of at most 2048 outputs, else 32 (as for bf16).")
     gemv_block_k: int = Field(
         512, description="Input columns per loop iteration of the GEMV kernel (a power of "
         "two from 64 to 4096).")
+
+    @field_validator("gemv_block_n")
+    @classmethod
+    def _block_n(cls, v: int | None) -> int | None:
+        if v is not None and v not in (16, 32, 64):
+            raise ValueError(f"must be 16, 32 or 64, got {v}")
+        return v
 
     @field_validator("gemv_block_k")
     @classmethod

@@ -122,6 +122,8 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Ten
     xq, x_scale = quantize_per_token(x)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale_row,
                            out_dtype=torch.bfloat16)
+    if isinstance(out, tuple):  # torch < 2.4 returned (out, amax)
+        out = out[0]
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if bias is None else out.add_(bias)

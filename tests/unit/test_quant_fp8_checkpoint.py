@@ -100,6 +100,15 @@ def test_block_scales_are_requantized_per_channel(dense, host, tmp_path):
                                                      row_max / 448 / 1024) + 1e-9).all()
 
 
+def test_activation_and_kv_cache_scales_are_ignored(dense, host, tmp_path):
+    fp8 = write_fp8_checkpoint(dense, tmp_path / "fp8", "compressed-tensors", "channel")
+    extra = {f"{QKV}.input_scale": torch.ones(1), "model.layers.0.self_attn.k_scale":
+             torch.ones(()), "model.layers.0.self_attn.v_scale": torch.ones(())}
+    _rewrite(fp8, lambda t: t.update(extra))
+    _, weights = _loaded(fp8, host)
+    assert not set(extra) & set(weights) and f"{QKV}.weight" in weights
+
+
 def test_a_dense_checkpoint_is_quantized_at_load(dense, host):
     assert read_layout(dense).source == "dense"
     method, weights = _loaded(dense, host)

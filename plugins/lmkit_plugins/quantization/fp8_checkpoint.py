@@ -19,7 +19,8 @@ Per-tensor scales become per-channel ones exactly (the value repeated). Block-wi
 scales cannot be expressed per channel: such weights are dequantized (float32) and
 quantized again per channel, which rounds each value a second time (see
 docs/quantization.md for the error this adds). Static activation scales
-(``input_scale``) are ignored: activations are always quantized per token.
+(``input_scale``) are ignored: activations are always quantized per token; so are
+KV-cache scales (``k_scale``, ``v_scale``): the cache stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ QTYPE = "F8_E4M3"  # QuantizedTensor.qtype: e4m3 weights with float32 per-channe
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # dense tensors and scales
 #: the dense projections quantized at load: every Linear of the Llama-family blocks
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
-IGNORED_SUFFIXES = (".input_scale",)  # static activation scales: per-token ones are used
+# static activation scales (per-token ones are used) and KV-cache scales (the cache
+# stays in the model dtype)
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 
 @dataclass(frozen=True)

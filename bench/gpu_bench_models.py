@@ -110,17 +110,19 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int,
 
 
 def read_bytes(name: str, shape: tuple[int, ...], quantization: str | None) -> int:
-    """Bytes a step reads of checkpoint tensor ``name``: bf16, or with ``quantization
-    == "fp8"`` the projections the ``fp8`` method quantizes (its ``PROJECTION`` names)
-    as 1 byte per weight plus a float32 scale per output row."""
-    if quantization == "fp8":
+    """Bytes a step reads of checkpoint tensor ``name``: bf16, or with ``quantization``
+    ``"fp8"`` the projections the ``fp8`` method quantizes (its ``PROJECTION`` names;
+    ``"fp8-lm-head"``: and the LM head) as 1 byte per weight plus a float32 scale per
+    output row."""
+    if quantization in ("fp8", "fp8-lm-head"):
         from lmkit_plugins.quantization.fp8_checkpoint import PROJECTION
 
-        if PROJECTION.search(name) and ".experts." not in name:
+        if (PROJECTION.search(name) and ".experts." not in name) or (
+                quantization == "fp8-lm-head" and name == "lm_head.weight"):
             return math.prod(shape) + 4 * shape[0]
     elif quantization not in (None, "none"):
         raise ValueError(f"no byte accounting for quantization {quantization!r}; known: "
-                         "none, fp8")
+                         "none, fp8, fp8-lm-head")
     return math.prod(shape) * 2
 
 

@@ -60,6 +60,15 @@ SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
 WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK}
 SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2"}
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
+QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
+
+
+def quantization_options(quantization: str) -> dict[str, Any]:
+    """The engine options of ``--quantization`` (``fp8-lm-head``: the fp8 method with
+    ``quantize_lm_head``)."""
+    if quantization == "fp8-lm-head":
+        return {"quantization": "fp8", "quantization.options": {"quantize_lm_head": True}}
+    return {"quantization": quantization}
 
 
 def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
@@ -243,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="then profile this many decode steps per workload (torch profiler)")
     ap.add_argument("--lookahead-ab", action="store_true",
                     help="also run lmkit with the decode lookahead off (LMKIT_DECODE_LOOKAHEAD=0)")
-    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="lmkit's (and vLLM's) weights: none (bf16) or fp8 (quantized at "
-                    "load)")
-    ap.add_argument("--baseline-quantization", choices=("none", "fp8"),
+                    "load); fp8-lm-head: the LM head too (lmkit only)")
+    ap.add_argument("--baseline-quantization", choices=QUANTIZATIONS,
                     help="also run lmkit with these weights, reported as the baseline "
                     "(with --baseline-tree: that checkout's lmkit)")
     ap.add_argument("--scale", type=float, default=1.0,
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
-                   executor=args.executor, quantization=args.quantization)
+                   executor=args.executor, **quantization_options(args.quantization))
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []
@@ -321,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.baseline_tree or args.baseline_quantization:
                 base_q = args.baseline_quantization or args.quantization
                 base_job = {**job, "tag": key + "-base", "profile_steps": 0,
-                            "options": {**options, "quantization": base_q},
+                            "options": {**{k: v for k, v in options.items()
+                                           if k != "quantization.options"},
+                                        **quantization_options(base_q)},
                             "facts": models.model_facts(models.hf_config(model_name, layers),
                                                         base_q)}
                 report["lmkit_baseline"][key] = run_side("lmkit", base_job, root,

@@ -32,14 +32,24 @@ def test_fp8_decode_bytes_of_the_llama_8b_shape():
     assert fp8["decode_weight_bytes"] == weights + scales + head + 2 * 4096 * (2 * 32 + 1)
     assert fp8["param_bytes"] == bf16["param_bytes"]  # the bf16 checkpoint written
     assert (bf16["quantization"], fp8["quantization"]) == ("none", "fp8")
+    with_head = models.model_facts(config, "fp8-lm-head")
+    assert fp8["decode_weight_bytes"] - with_head["decode_weight_bytes"] == head // 2 - 4 * 128256
     with pytest.raises(ValueError, match="no byte accounting for quantization 'int4'"):
         models.model_facts(config, "int4")
+    assert gpu_engine.quantization_options("fp8-lm-head") == {
+        "quantization": "fp8", "quantization.options": {"quantize_lm_head": True}}
+    from lmkit.frontend.llm import build_config
+
+    cfg = build_config("/m", None, gpu_engine.quantization_options("fp8-lm-head"))
+    assert (cfg.quantization.backend, cfg.quantization.options) == (
+        "fp8", {"quantize_lm_head": True})
 
 
 def test_command_line_takes_the_quantizations(capsys):
     with pytest.raises(SystemExit):
         gpu_engine.main(["--quantization", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+    assert gpu_engine.QUANTIZATIONS == ("none", "fp8", "fp8-lm-head")
 
 
 def test_logit_error_smoke(tmp_path):

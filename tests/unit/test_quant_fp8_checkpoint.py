@@ -221,3 +221,19 @@ def test_an_empty_directory_is_refused(host, dense, tmp_path):
     facts = dataclasses.replace(load_model_facts(dense, host), model_dir=tmp_path)
     with pytest.raises(ModelLoadError, match="no weights in"):
         Fp8Method(facts).check()
+
+
+def test_the_lm_head_is_quantized_only_when_asked(host, tmp_path):
+    from lmkit_plugins.quantization.fp8_options import Fp8Options
+
+    untied = make_tiny_model(tmp_path / "untied")
+    config = json.loads((untied / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (untied / "config.json").write_text(json.dumps(config))
+    _rewrite(untied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    facts = load_model_facts(untied, host)
+    plain = dict(Fp8Method(facts).iterate_weights())
+    assert not isinstance(plain["lm_head.weight"], QuantizedTensor)
+    asked = dict(Fp8Method(facts, options=Fp8Options(quantize_lm_head=True)).iterate_weights())
+    assert isinstance(asked["lm_head.weight"], QuantizedTensor)
+    assert not isinstance(asked["model.embed_tokens.weight"], QuantizedTensor)

@@ -269,10 +269,12 @@ def quantized(data: Fp8Weight) -> QuantizedTensor:
 
 
 def iterate_fp8(tensors: Iterator[tuple[str, torch.Tensor]], plan: dict[str, str],
-                layout: Fp8Layout, device: torch.device) -> Iterator[tuple[str, Any]]:
+                layout: Fp8Layout, device: torch.device, quantize_lm_head: bool = False
+                ) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` for the checkpoint's ``tensors``: FP8 weights (paired with
-    their scales, in whatever order the files hold them) and, for a dense checkpoint,
-    the projections as :class:`QuantizedTensor` on ``device``; the rest as stored.
+    their scales, in whatever order the files hold them), for a dense checkpoint the
+    projections, and with ``quantize_lm_head`` a dense ``lm_head.weight``, as
+    :class:`QuantizedTensor` on ``device``; the rest as stored.
 
     :raises ModelLoadError: a scale that is not finite and positive."""
     scale_of = {s: w for w, s in plan.items()}
@@ -282,7 +284,9 @@ def iterate_fp8(tensors: Iterator[tuple[str, torch.Tensor]], plan: dict[str, str
             continue
         key = name if name in plan else scale_of.get(name)
         if key is None:
-            if layout.source == "dense" and PROJECTION.search(name) and ".experts." not in name:
+            if (layout.source == "dense" and PROJECTION.search(name)
+                    and ".experts." not in name) or (quantize_lm_head
+                                                     and name == "lm_head.weight"):
                 yield name, quantized(quantize_dense(t.to(device)))
             else:
                 yield name, t

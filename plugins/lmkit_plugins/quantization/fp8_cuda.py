@@ -90,7 +90,7 @@ class Fp8Method(QuantizationMethod):
             self.check()
         assert self._plan is not None and self._layout is not None
         yield from iterate_fp8(iterate_weights(Path(self.facts.model_dir)), self._plan,
-                               self._layout, self.device)
+                               self._layout, self.device, self.opts.quantize_lm_head)
 
     def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:
         """Rows (and their scales) concatenated: per-channel scales fuse exactly."""

@@ -23,6 +23,11 @@ class Fp8Options(BaseModel):
         512, description="Input columns per loop iteration of the GEMV kernel (a power of "
         "two from 64 to 4096).")
 
+    quantize_lm_head: bool = Field(
+        False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
+        "at load: on Llama-3.1-8B 0.5 GB fewer bytes per decoded token, at the cost of FP8 "
+        "error in the logits. A tied head (the embedding table) stays dense.")
+
     @field_validator("gemv_block_n")
     @classmethod
     def _block_n(cls, v: int | None) -> int | None:

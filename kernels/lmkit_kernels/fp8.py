@@ -12,10 +12,11 @@ Two products, chosen by the number of rows:
   as FP8, converted to the activations' dtype in the kernel, the float32 accumulator
   scaled per column at the end); reference :func:`fp8_linear_ref`;
 * larger batches: W8A8, :func:`scaled_mm_linear`: the activations quantized per token
-  to e4m3 (dynamic, ``max|x[m, :]| / 448``), then ``torch._scaled_mm`` with row-wise
-  scales (``scale_a [M, 1]``, ``scale_b [1, N]``, float32, contiguous; the second
-  operand column-major, i.e. ``W.t()`` of the row-major ``[N, K]`` weight; bfloat16
-  output; ``K`` and ``N`` multiples of 16; SM 8.9+); reference :func:`scaled_mm_ref`.
+  to e4m3 (dynamic, ``max|x[m, :]| / 448``; one Triton kernel on CUDA,
+  :mod:`lmkit_kernels.fp8_quant`), then ``torch._scaled_mm`` with row-wise scales
+  (``scale_a [M, 1]``, ``scale_b [1, N]``, float32, contiguous; the second operand
+  column-major, i.e. ``W.t()`` of the row-major ``[N, K]`` weight; bfloat16 output;
+  ``K`` and ``N`` multiples of 16; SM 8.9+); reference :func:`scaled_mm_ref`.
 
 Both read only tensor metadata on the host and allocate through torch's caching
 allocator: they are safe inside CUDA-graph capture.
@@ -28,7 +29,8 @@ import torch
 from lmkit_kernels.checks import check_shape, check_tensor
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "MIN_SCALE", "dequantize_fp8", "fp8_linear_ref",
-           "quantize_per_block", "quantize_per_channel", "quantize_per_token", "scaled_mm_linear",
+           "quantize_per_block", "quantize_per_channel", "quantize_per_token",
+           "quantize_per_token_ref", "scaled_mm_linear",
            "scaled_mm_ref", "scaled_mm_unsupported_reason"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -70,7 +72,18 @@ def quantize_per_block(weight: torch.Tensor, block: tuple[int, int]
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: ``(xq [M, K] e4m3, scale [M, 1]
     float32)`` with ``scale[m] = max|x[m, :]| / 448`` (each row's own range; no host
-    synchronisation)."""
+    synchronisation): on CUDA one Triton kernel
+    (:func:`lmkit_kernels.fp8_quant.quantize_per_token_triton`), elsewhere
+    :func:`quantize_per_token_ref`."""
+    if x.is_cuda:
+        from lmkit_kernels.fp8_quant import quantize_per_token_triton
+
+        return quantize_per_token_triton(x, max_value=E4M3_MAX, min_scale=MIN_SCALE)
+    return quantize_per_token_ref(x)
+
+
+def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of :func:`quantize_per_token`."""
     # one float32 temporary (a prefill of 16k rows into down_proj: 0.9 GB), used in place
     scale = x.abs().amax(dim=1, keepdim=True).float().div_(E4M3_MAX).clamp_min_(MIN_SCALE)
     xf = x.to(torch.float32, copy=True)  # a copy even when x is float32: divided in place
@@ -145,7 +158,7 @@ def scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """The reference of :func:`scaled_mm_linear` (``scale``: ``[N]``): the same per-token
     activation quantization, then float32 products of the e4m3 values, both scales,
     rounded through bfloat16 as ``_scaled_mm``'s output is."""
-    xq, x_scale = quantize_per_token(x)
+    xq, x_scale = quantize_per_token_ref(x)
     out = (xq.float() @ weight.float().T) * x_scale * scale.float()[None, :]
     out = out.to(torch.bfloat16).to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)

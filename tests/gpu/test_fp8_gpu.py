@@ -86,6 +86,21 @@ def test_scaled_mm_matches_the_reference_at_real_shapes(shape):
         _close(got, fp8_linear_ref(x, q, scale), 6e-2)
 
 
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_per_token_quantization_kernel_matches_the_reference(k):
+    from lmkit_kernels.fp8 import quantize_per_token, quantize_per_token_ref
+
+    x = torch.randn(300, k, device="cuda").bfloat16() * torch.logspace(
+        -3, 2, 300, device="cuda")[:, None].bfloat16()
+    xq, scale = quantize_per_token(x)  # the Triton kernel on CUDA
+    want_q, want_scale = quantize_per_token_ref(x)
+    assert torch.equal(scale, want_scale)
+    differ = xq.float() != want_q.float()
+    # both divide with IEEE rounding and convert to nearest: at most a stray last bit
+    assert float(differ.float().mean()) <= 1e-4
+    assert ((xq.float() - want_q.float()).abs() <= want_q.float().abs() / 8 + 2**-9).all()
+
+
 @pytest.mark.parametrize("rows", [4, 64])  # the GEMV and the _scaled_mm path
 def test_both_products_replay_under_cuda_graphs(rows):
     q, scale = _fp8_weight(4096, 4096)

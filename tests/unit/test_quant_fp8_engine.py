@@ -126,6 +126,16 @@ def test_model_dtypes_the_methods_do_not_compute_in_are_refused(host, dense):
         quantization_method(gguf, facts)
 
 
+def test_quantized_checkpoints_without_a_method_are_refused(host, dense, tmp_path):
+    fp8 = write_fp8_checkpoint(dense, tmp_path / "fp8", "compressed-tensors", "channel")
+    none = ResolvedStack("cpu", "float32", {"quantization": None}, {"quantization": None})
+    with pytest.raises(ModelLoadError, match=r"holds quantized weights \(compressed-tensors, "
+                                             r"declared by config.json's quantization_config\)"
+                                             r".*use --quantization auto"):
+        quantization_method(none, load_model_facts(fp8, host))
+    assert quantization_method(none, load_model_facts(dense, host)) is None
+
+
 def _greedy(model_dir: Path, quantization: str) -> tuple[str | None, list[list[int]]]:
     """The method the engine chose, and its greedy tokens."""
     prompts = [[5, 17, 42, 99, 7], [250, 3, 3, 8]]  # 9 prefill rows, 2 per decode step

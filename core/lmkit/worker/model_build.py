@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec, check_kv_cache_groups
+from lmkit.api.model_facts import DENSE_WEIGHT_FORMAT
 from lmkit.api.quantization import QuantizationMethod
 from lmkit.errors import ModelLoadError
 
@@ -25,10 +26,19 @@ def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> Quantization
     ``None`` for dense weights.
 
     :raises ModelLoadError: the model dtype is not one the method computes in (its
-        caps' ``dtype`` values; float32 for a method that declares none).
+        caps' ``dtype`` values; float32 for a method that declares none); or no method
+        is chosen for a checkpoint whose ``config.json`` declares quantized weights
+        (they cannot load dense; a GGUF model loads its dense conversion).
     """
     reg = stack.get("quantization")
     if reg is None:
+        if facts.weight_format not in (DENSE_WEIGHT_FORMAT, "gguf"):
+            raise ModelLoadError(
+                f"{facts.model_dir} holds quantized weights ({facts.weight_format}, "
+                "declared by config.json's quantization_config), which load only through "
+                "a quantization method, and none is chosen; use --quantization auto (fp8 "
+                "reads FP8 checkpoints on CUDA; `lmkit plugins list` shows the methods), "
+                "or a dense copy of the model.")
         return None
     dtypes = sorted(reg.spec.caps.values.get("dtype", {"float32"}))
     if stack.dtype not in dtypes:

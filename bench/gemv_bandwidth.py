@@ -5,9 +5,13 @@ Every Llama-3.1-8B and Qwen3-0.6B projection (fused QKV, output, fused gate-up, 
 LM head) at ``M`` rows is timed inside a CUDA graph of back-to-back calls over several
 copies of the weight (more bytes than the L2 cache holds), as the engine replays a
 decode step. Reports bytes read (the weight, plus x and the output) per second and the
-fraction of the copy bandwidth measured in the same run::
+fraction of the copy bandwidth measured in the same run. With ``--fp8`` the weights are
+FP8 e4m3 with per-channel scales (:mod:`lmkit_kernels.fp8`): the Triton kernel runs with
+``weight_scale`` and ``torch._scaled_mm`` (per-token FP8 activations) takes cuBLAS's
+place; bytes count 1 per weight plus the scales::
 
     python bench/gemv_bandwidth.py --out gemv.json
+    python bench/gemv_bandwidth.py --fp8 --rows 1,4,16 --out gemv_fp8.json
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ SHAPES = {  # name: (N, K)
 }
 CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
     (16, 512, 4, 4), (16, 1024, 4, 3), (16, 256, 4, 6), (32, 512, 4, 4), (32, 256, 8, 4),
-    (64, 256, 8, 3),
+    (64, 256, 8, 3), (32, 1024, 4, 3), (64, 512, 8, 3),
 ]
 L2_BYTES = 60 * 2**20
 
@@ -60,30 +64,43 @@ def _time(fn, calls: int = 20, reps: int = 5) -> float:
     return start.elapsed_time(end) / 1e3 / (calls * reps)
 
 
-def bench_shape(n: int, k: int, m: int) -> dict:
-    copies = max(2, -(-L2_BYTES // (n * k * 2)) + 1)
+def bench_shape(n: int, k: int, m: int, fp8: bool = False) -> dict:
+    from lmkit_kernels.fp8 import fp8_linear_ref, quantize_per_channel, scaled_mm_linear
+
+    weight_bytes = n * k + 4 * n if fp8 else n * k * 2
+    copies = max(2, -(-L2_BYTES // weight_bytes) + 1)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    # fp8: (weight, per-channel scale); bf16: (weight, None)
+    pairs = [quantize_per_channel(w) if fp8 else (w, None) for w in ws]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    nbytes = n * k * 2 + m * (n + k) * 2
+    nbytes = weight_bytes + m * (n + k) * 2
     i = [0]
 
-    def nxt() -> torch.Tensor:
+    def nxt() -> tuple[torch.Tensor, torch.Tensor | None]:
         i[0] = (i[0] + 1) % copies
-        return ws[i[0]]
+        return pairs[i[0]]
 
-    row = {"N": n, "K": k, "M": m, "bytes": nbytes}
-    row["cublas_s"] = _time(lambda: F.linear(x, nxt()), calls=copies * 4)
-    ref = F.linear(x, ws[0]).float()
+    def peer() -> torch.Tensor:
+        w, s = nxt()
+        return F.linear(x, w) if s is None else scaled_mm_linear(x, w, s.view(1, -1))
+
+    def triton(bn: int, bk: int, warps: int, stages: int,
+               pair: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        w, s = pair or nxt()
+        return small_m_linear(x, w, block_n=bn, block_k=bk, num_warps=warps,
+                              num_stages=stages, weight_scale=s)
+
+    row = {"N": n, "K": k, "M": m, "bytes": nbytes, "fp8": fp8}
+    row["cublas_s"] = _time(peer, calls=copies * 4)
+    w0, s0 = pairs[0]
+    ref = (F.linear(x, w0) if s0 is None else fp8_linear_ref(x, w0, s0)).float()
     best = None
     for cfg in CONFIGS:
         bn, bk, warps, stages = cfg
         try:
-            out = small_m_linear(x, ws[0], block_n=bn, block_k=bk, num_warps=warps,
-                                 num_stages=stages)
+            out = triton(*cfg, pair=pairs[0])
             err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
-            t = _time(lambda bn=bn, bk=bk, warps=warps, stages=stages: small_m_linear(
-                x, nxt(), block_n=bn, block_k=bk, num_warps=warps, num_stages=stages),
-                calls=copies * 4)
+            t = _time(lambda cfg=cfg: triton(*cfg), calls=copies * 4)
         except Exception as e:  # a config that does not compile/fit: skip it
             row.setdefault("failed", []).append(f"{cfg}: {type(e).__name__}")
             continue
@@ -95,6 +112,7 @@ def bench_shape(n: int, k: int, m: int) -> dict:
     if best:
         row["triton_s"], row["triton_config"] = best
     ws.clear()
+    pairs.clear()
     torch.cuda.empty_cache()
     return row
 
@@ -103,18 +121,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--rows", default="1,16")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 weights (Triton with weight_scale; _scaled_mm as the peer)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
-            r = bench_shape(n, k, m)
+            r = bench_shape(n, k, m, args.fp8)
             r["name"] = name
             rows.append(r)
             cub = r["bytes"] / r["cublas_s"] / bw
             tri = r["bytes"] / r["triton_s"] / bw if "triton_s" in r else float("nan")
-            print(f"M={m:2d} {name:18s} cuBLAS {1e6 * r['cublas_s']:8.1f} us ({cub:5.1%})  "
+            peer = "_scaled_mm" if args.fp8 else "cuBLAS"
+            print(f"M={m:2d} {name:18s} {peer} {1e6 * r['cublas_s']:8.1f} us ({cub:5.1%})  "
                   f"triton {1e6 * r.get('triton_s', float('nan')):8.1f} us ({tri:5.1%}) "
                   f"{r.get('triton_config')} {r.get('failed', '')} {r.get('wrong', '')}",
                   flush=True)

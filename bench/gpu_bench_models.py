@@ -109,14 +109,33 @@ def _checkpoint_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int,
             for proj in ("gate_proj", "up_proj")}
 
 
-def model_facts(config: Any) -> dict[str, Any]:
+def read_bytes(name: str, shape: tuple[int, ...], quantization: str | None) -> int:
+    """Bytes a step reads of checkpoint tensor ``name``: bf16, or with ``quantization``
+    ``"fp8"`` the projections the ``fp8`` method quantizes (its ``PROJECTION`` names;
+    ``"fp8-lm-head"``: and the LM head) as 1 byte per weight plus a float32 scale per
+    output row."""
+    if quantization in ("fp8", "fp8-lm-head"):
+        from lmkit_plugins.quantization.fp8_checkpoint import PROJECTION
+
+        if (PROJECTION.search(name) and ".experts." not in name) or (
+                quantization == "fp8-lm-head" and name == "lm_head.weight"):
+            return math.prod(shape) + 4 * shape[0]
+    elif quantization not in (None, "none"):
+        raise ValueError(f"no byte accounting for quantization {quantization!r}; known: "
+                         "none, fp8, fp8-lm-head")
+    return math.prod(shape) * 2
+
+
+def model_facts(config: Any, quantization: str | None = None) -> dict[str, Any]:
     """Sizes the bandwidth accounting needs: weight bytes one decode step reads (every
     matrix; the embedding table only when it is also the LM head; of a MoE model's
     routed experts none: ``moe`` gives their sizes, and the benchmark adds the experts a
-    step's batch is expected to touch) and KV bytes per cached token (bf16; MLA models
-    cache one latent of ``kv_lora_rank + qk_rope_head_dim`` per layer)."""
+    step's batch is expected to touch), as stored under ``quantization``
+    (:func:`read_bytes`), and KV bytes per cached token (bf16; MLA models cache one
+    latent of ``kv_lora_rank + qk_rope_head_dim`` per layer). ``param_bytes``: the bf16
+    checkpoint's size."""
     shapes = weight_shapes(config)
-    total = sum(math.prod(s) for s in shapes.values()) * 2
+    total = sum(read_bytes(n, s, quantization) for n, s in shapes.items())
     embed = math.prod(shapes["model.embed_tokens.weight"]) * 2
     tied = bool(getattr(config, "tie_word_embeddings", False))
     layers = config.num_hidden_layers
@@ -127,11 +146,13 @@ def model_facts(config: Any) -> dict[str, Any]:
                     or config.hidden_size // config.num_attention_heads)
         kv_per_token = layers * 2 * config.num_key_value_heads * head_dim * 2
     decode = total if tied else total - embed
-    facts: dict[str, Any] = {"param_bytes": total, "kv_bytes_per_token": kv_per_token,
-                             "num_params": total // 2, "num_hidden_layers": layers}
+    num_params = sum(math.prod(s) for s in shapes.values())
+    facts: dict[str, Any] = {"param_bytes": num_params * 2, "kv_bytes_per_token": kv_per_token,
+                             "num_params": num_params, "num_hidden_layers": layers,
+                             "quantization": quantization or "none"}
     expert_names = [n for n in shapes if ".mlp.experts." in n]
     if expert_names:
-        experts_bytes = sum(math.prod(shapes[n]) for n in expert_names) * 2
+        experts_bytes = sum(read_bytes(n, shapes[n], quantization) for n in expert_names)
         moe_layers = len({n.split(".mlp.experts.")[0] for n in expert_names})
         num_experts = config.n_routed_experts
         decode -= experts_bytes

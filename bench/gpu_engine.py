@@ -23,6 +23,14 @@ of that bandwidth. The peer may run on the first N requests of W1/W3
     python bench/gpu_engine.py --smoke --out /tmp/smoke.json      # CPU, toy sizes
     python bench/gpu_engine.py --workloads W4,W5 --layers 8 --attention mla_triton \
         --hf-subset W4=64 --out deepseek.json                      # DeepSeek-V2-Lite shape
+    python bench/gpu_engine.py --workloads W2,W3 --peer none --quantization fp8 \
+        --baseline-quantization none --out fp8.json                # FP8 weights vs bf16
+
+With ``--quantization fp8`` lmkit quantizes the random bf16 weights to FP8 at load and
+the bandwidth accounting counts what it reads (1 byte per projection weight plus its
+per-row scale; embedding/LM head and norms bf16); ``--baseline-quantization`` runs
+lmkit once more with other weights as the baseline columns (a vLLM peer gets
+``quantization="fp8"`` too; transformers stays bf16).
 """
 
 from __future__ import annotations
@@ -52,6 +60,15 @@ SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
 WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK}
 SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2"}
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
+QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
+
+
+def quantization_options(quantization: str) -> dict[str, Any]:
+    """The engine options of ``--quantization`` (``fp8-lm-head``: the fp8 method with
+    ``quantize_lm_head``)."""
+    if quantization == "fp8-lm-head":
+        return {"quantization": "fp8", "quantization.options": {"quantize_lm_head": True}}
+    return {"quantization": quantization}
 
 
 def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
@@ -235,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="then profile this many decode steps per workload (torch profiler)")
     ap.add_argument("--lookahead-ab", action="store_true",
                     help="also run lmkit with the decode lookahead off (LMKIT_DECODE_LOOKAHEAD=0)")
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                    help="lmkit's (and vLLM's) weights: none (bf16) or fp8 (quantized at "
+                    "load); fp8-lm-head: the LM head too (lmkit only)")
+    ap.add_argument("--baseline-quantization", choices=QUANTIZATIONS,
+                    help="also run lmkit with these weights, reported as the baseline "
+                    "(with --baseline-tree: that checkout's lmkit)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
@@ -265,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
         "platform": platform.platform(), "torch": torch.__version__,
         "workload_sizes": {n: all_workloads[n]["output_lens"] for n in names},
-        "lmkit": {}, "hf": {}, "vllm": {}, "lmkit_baseline": {}, "hf_workloads": {}}
+        "lmkit": {}, "hf": {}, "vllm": {}, "lmkit_baseline": {}, "hf_workloads": {},
+        "quantization": args.quantization, "baseline_quantization": args.baseline_quantization}
     if args.baseline_tree:
         report["baseline_tree"] = _tree_commit(args.baseline_tree)
     if torch.cuda.is_available():
@@ -280,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
-                   executor=args.executor)
+                   executor=args.executor, **quantization_options(args.quantization))
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []
@@ -290,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.perf_counter()
             model_dir = models.write_model(model_name, root / model_name, num_layers=layers)
-            facts = models.model_facts(models.hf_config(model_name, layers))
+            facts = models.model_facts(models.hf_config(model_name, layers), args.quantization)
             report.setdefault("models", {})[key] = {"name": model_name, **facts,
                                                     "write_s": time.perf_counter() - t0}
             if layers is not None:
@@ -303,10 +327,16 @@ def main(argv: list[str] | None = None) -> int:
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
-            if args.baseline_tree:
-                report["lmkit_baseline"][key] = run_side(
-                    "lmkit", {**job, "tag": key + "-base", "profile_steps": 0}, root,
-                    args.side_timeout, args.baseline_tree)
+            if args.baseline_tree or args.baseline_quantization:
+                base_q = args.baseline_quantization or args.quantization
+                base_job = {**job, "tag": key + "-base", "profile_steps": 0,
+                            "options": {**{k: v for k, v in options.items()
+                                           if k != "quantization.options"},
+                                        **quantization_options(base_q)},
+                            "facts": models.model_facts(models.hf_config(model_name, layers),
+                                                        base_q)}
+                report["lmkit_baseline"][key] = run_side("lmkit", base_job, root,
+                                                         args.side_timeout, args.baseline_tree)
             if "vllm" in peers:
                 report["vllm"][key] = run_side("vllm", job, root, args.side_timeout)
             if args.lookahead_ab:  # run last, so that a time limit cuts only these

@@ -91,6 +91,11 @@ def format_table(report: dict[str, Any]) -> str:
         if "of_layers" in facts:
             lines.append(f"{key}: {facts['num_hidden_layers']} of its {facts['of_layers']} "
                          f"layers ({facts['num_params']:,} parameters, bf16)")
+    quant, base_quant = report.get("quantization", "none"), report.get("baseline_quantization")
+    if quant != "none" or base_quant:
+        lines.append(f"lmkit weights: {quant}" + (f"; baseline: {base_quant}" if base_quant
+                                                  else "") + " (bw frac counts the bytes "
+                     "read in that format; HF runs bf16)")
     for model, res in report.get("hf", {}).items():
         if "mode" in res:
             lines.append(f"HF on {model}: {res['mode']}")

@@ -10,6 +10,10 @@
   verification (greedy prefix, rejection sampling), with its torch reference
 * :mod:`~lmkit_kernels.moe` -- ``fused_moe``: mixture-of-experts MLPs as grouped GEMMs
   over tokens sorted by expert (torch reference in ``moe_ref``)
+* :mod:`~lmkit_kernels.fp8` -- FP8 e4m3 weights with per-channel scales: quantization,
+  ``scaled_mm_linear`` (W8A8 through ``torch._scaled_mm``, per-token activation scales
+  from ``fp8_quant``) and the references; decode-sized products are ``gemv``'s kernel
+  with ``weight_scale``
 * :mod:`~lmkit_kernels.reference` -- the torch references the tests compare against
 * :mod:`~lmkit_kernels.random_batch` -- random paged batches for tests and benchmarks
 

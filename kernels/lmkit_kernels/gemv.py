@@ -28,7 +28,7 @@ def _small_m_linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, s_ptr=None, HAS_SCALE: tl.constexpr = False,
 ):
     # program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] over the whole K
     pid = tl.program_id(0)
@@ -44,10 +44,14 @@ def _small_m_linear_kernel(
         k_ok = (k + ks) < K
         x = tl.load(x_base + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + (k + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_SCALE:  # FP8 weights: converted to the activations' dtype for the dot
+            w = w.to(x.dtype)
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w))
+    if HAS_SCALE:  # per-output-channel weight scales, float32 [N]
+        acc *= tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
@@ -56,12 +60,16 @@ def _small_m_linear_kernel(
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-                   num_stages: int = 4) -> torch.Tensor:
+                   num_stages: int = 4, weight_scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for at most :data:`MAX_ROWS` rows of ``x``.
 
     :param x: ``[M, K]``, float16 or bfloat16, ``M <= 16``, unit last stride.
-    :param weight: ``[N, K]`` in ``x``'s dtype, unit last stride (the usual layout).
+    :param weight: ``[N, K]`` in ``x``'s dtype, unit last stride (the usual layout);
+        float8_e4m3fn with ``weight_scale``.
     :param bias: optional ``[N]``.
+    :param weight_scale: float32 ``[N]``, contiguous: FP8 weights' per-output-channel
+        scales (``out = x @ (weight * weight_scale[:, None]).T``).
     :param block_n: output columns per program (a power of two >= 16).
     :param block_k: ``K`` slice per loop iteration (a power of two >= 16).
     :return: a new ``[M, N]`` tensor in ``x``'s dtype (float32 accumulation).
@@ -71,10 +79,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {m}; use F.linear")
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device,
-                 last_dim_contiguous=True)
+    check_tensor("weight", weight, ndim=2, device=x.device, last_dim_contiguous=True,
+                 dtypes=(x.dtype,) if weight_scale is None else (torch.float8_e4m3fn,))
     check_shape("weight", weight, (None, k))
     n = weight.shape[0]
+    if weight_scale is not None:
+        check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,),
+                     device=x.device, contiguous=True)
+        check_shape("weight_scale", weight_scale, (n,))
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
         check_shape("bias", bias, (n,))
@@ -85,6 +97,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_F32=dot_needs_f32(x.dtype), num_warps=num_warps, num_stages=num_stages,
+            s_ptr=weight_scale, HAS_SCALE=weight_scale is not None,
         )
     return out
 

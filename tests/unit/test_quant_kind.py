@@ -74,14 +74,9 @@ def test_a_method_for_another_device_is_refused(host):
 
 
 def test_unknown_method_lists_the_known_ones(host):
-    with pytest.raises(ConfigError, match=r"unknown quantization 'ggfu'; known: gguf.*"
+    with pytest.raises(ConfigError, match=r"unknown quantization 'ggfu'; known: fp8, gguf.*"
                                           r"Did you mean 'gguf'"):
         resolve_stack(_config("ggfu"), host, weight_format="gguf")
-
-
-def test_fp8_is_refused_as_not_built_yet(host):
-    with pytest.raises(ConfigError, match=r"--quantization fp8 .* not built yet"):
-        host.hook.configure(config=_config("fp8"))
 
 
 def _model_dir(tmp_path: Path, gguf: bool) -> Path:

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.spec import Needs
 
 
+#: the weight format of a checkpoint of dense float weights (no quantization declared)
+DENSE_WEIGHT_FORMAT = "safetensors"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What lmkit knows about a model before loading its weights.
@@ -52,8 +56,10 @@ class ModelFacts:
             parallelism splits over ranks (``config.json``'s values; the key/value heads
             default to the attention heads; 0 when the config does not state one).
         weight_format: the format of the weights a quantization method must read:
-            ``"gguf"`` when the directory keeps its GGUF file (see
-            :func:`lmkit.loading.gguf.weight_format`), else ``"safetensors"``.
+            ``"gguf"`` when the directory keeps its GGUF file, else the
+            ``quantization_config.quant_method`` its ``config.json`` declares
+            (``"compressed-tensors"``, ``"fp8"``), else :data:`DENSE_WEIGHT_FORMAT`
+            (see :func:`lmkit.loading.gguf.weight_format`).
     """
 
     model_dir: Path

@@ -75,8 +75,8 @@ class QuantizationMethod(ABC):
     def iterate_weights(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(hf_name, tensor)`` for every weight of ``facts.model_dir``, under
         Hugging Face names:
-        quantized weights as :class:`QuantizedTensor`, the others as dense float32
-        ``torch.Tensor``."""
+        quantized weights as :class:`QuantizedTensor`, the others as dense float
+        ``torch.Tensor`` (float32, or the checkpoint's own float dtype)."""
 
     @abstractmethod
     def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:

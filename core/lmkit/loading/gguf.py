@@ -12,6 +12,7 @@ second load only checks the entry's marker file.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from lmkit.api.model_facts import DENSE_WEIGHT_FORMAT
 from lmkit.errors import ModelLoadError, ModelNotFoundError
 from lmkit.loading.cache import (
     atomic_entry,
@@ -36,9 +38,27 @@ GGUF_NAME = "model.gguf"  # the GGUF file kept beside its conversion
 
 
 def weight_format(model_dir: Path) -> str:
-    """``"gguf"`` when ``model_dir`` keeps its GGUF file (:data:`GGUF_NAME`), else
-    ``"safetensors"``: the format a quantization method must read."""
-    return "gguf" if (Path(model_dir) / GGUF_NAME).is_file() else "safetensors"
+    """The format a quantization method must read: ``"gguf"`` when ``model_dir`` keeps
+    its GGUF file (:data:`GGUF_NAME`); else the ``quant_method`` its ``config.json``
+    declares in ``quantization_config`` (``"compressed-tensors"``, ``"fp8"``, ...),
+    lower-cased; else ``"safetensors"`` (dense weights)."""
+    if (Path(model_dir) / GGUF_NAME).is_file():
+        return "gguf"
+    return declared_quant_method(Path(model_dir) / "config.json") or DENSE_WEIGHT_FORMAT
+
+
+def declared_quant_method(config_path: Path) -> str | None:
+    """``quantization_config.quant_method`` of a ``config.json`` (lower-cased), or
+    ``None`` when it declares none (or cannot be read: loading reports that)."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method is None:
+        return None
+    return str(method).strip().lower() or None
 
 
 def _keep_gguf(gguf_path: Path, dest: Path) -> None:

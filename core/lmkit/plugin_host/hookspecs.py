@@ -158,7 +158,10 @@ def register_quantization_methods(register: Register) -> None:
     formats it reads, such as ``"gguf"``, and the devices it runs on) and as features the
     tensor types it reads (``"Q4_1"``) and its kernels (``"kernel:q8_dot_avx2"``).
     ``auto`` picks one whose ``weight_format`` and ``device`` fit the checkpoint and the
-    device, and leaves the weights dense when none does.
+    device, and leaves the weights dense when none does, or when the checkpoint is dense
+    (``"safetensors"``: no ``quantization_config``): a method that quantizes dense
+    weights at load (``fp8``) runs when named. Declare ``values={"dtype": {...}}`` for
+    the model dtypes it computes in (float32 when not declared).
 
     :param register: call ``register(Spec(...))`` once per method.
     """

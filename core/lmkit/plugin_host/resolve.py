@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from lmkit.api.model_facts import DENSE_WEIGHT_FORMAT
 from lmkit.config.errors import format_validation_error
 from lmkit.config.parallel import check_parallel_settings
 from lmkit.errors import ConfigError, StackConflictError
@@ -125,8 +126,8 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     :param weight_format: the checkpoint's weight format
         (:attr:`lmkit.api.model_facts.ModelFacts.weight_format`): a
         quantization method must read it. ``None`` (no model at hand, as in ``lmkit
-        config check``): ``auto`` chooses no method, a named one is checked for the
-        device only.
+        config check``) or dense ``"safetensors"``: ``auto`` chooses no method; a named
+        one is checked for the device only (no model) or for reading that format.
     :param encoder: the model is a bidirectional encoder (``ModelPooling(causal=False)``):
         ``model.dtype: auto`` may then mean bfloat16 on the CPU (:func:`auto_dtype`).
     :raises ConfigError: (or a subclass) with every reason and where the offending
@@ -158,8 +159,10 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
         if kind == "executor" and choice == "auto" and tensor_parallel:
             choice = config.parallel.distributed_backend  # one model over several ranks
         reg = None
-        # auto quantization follows the checkpoint: with no model at hand, none is chosen
-        unknown_format = kind == "quantization" and choice == "auto" and weight_format is None
+        # auto quantization follows the checkpoint: dense weights (or no model at hand)
+        # stay dense, even where a method could quantize them at load
+        unknown_format = (kind == "quantization" and choice == "auto"
+                          and weight_format in (None, DENSE_WEIGHT_FORMAT))
         if not (kind in OPTIONAL_KINDS and choice == "none") and not unknown_format:
             needs = base.get(kind, Needs())
             if choice == "auto":

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec, check_kv_cache_groups
+from lmkit.api.model_facts import DENSE_WEIGHT_FORMAT
 from lmkit.api.quantization import QuantizationMethod
 from lmkit.errors import ModelLoadError
 
@@ -24,16 +25,28 @@ def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> Quantization
     checkpoint checked (a malformed file is refused here, before the model is built);
     ``None`` for dense weights.
 
-    :raises ModelLoadError: the method computes in float32 and the model dtype is not.
+    :raises ModelLoadError: the model dtype is not one the method computes in (its
+        caps' ``dtype`` values; float32 for a method that declares none); or no method
+        is chosen for a checkpoint whose ``config.json`` declares quantized weights
+        (they cannot load dense; a GGUF model loads its dense conversion).
     """
     reg = stack.get("quantization")
     if reg is None:
+        if facts.weight_format not in (DENSE_WEIGHT_FORMAT, "gguf"):
+            raise ModelLoadError(
+                f"{facts.model_dir} holds quantized weights ({facts.weight_format}, "
+                "declared by config.json's quantization_config), which load only through "
+                "a quantization method, and none is chosen; use --quantization auto (fp8 "
+                "reads FP8 checkpoints on CUDA; `lmkit plugins list` shows the methods), "
+                "or a dense copy of the model.")
         return None
-    if stack.dtype != "float32":
+    dtypes = sorted(reg.spec.caps.values.get("dtype", {"float32"}))
+    if stack.dtype not in dtypes:
         raise ModelLoadError(
-            f"quantization {reg.name!r} computes in float32 but the model dtype is "
-            f"{stack.dtype}; use --dtype float32 (or auto on the CPU), or "
-            "--quantization none.")
+            f"quantization {reg.name!r} computes in {' or '.join(dtypes)} but the model "
+            f"dtype is {stack.dtype}; use --dtype {dtypes[0]}"
+            + (" (or auto on the CPU)" if dtypes == ["float32"] else "")
+            + ", or --quantization none.")
     method: QuantizationMethod = build(
         "quantization", reg.spec.load(), facts,
         options=stack.options["quantization"], plugin=reg.origin)

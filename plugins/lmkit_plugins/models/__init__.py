@@ -4,6 +4,7 @@ quantization methods their layers compute with."""
 from lmkit.api import Caps, ConfigError, Spec, hookimpl
 
 from lmkit_plugins.poolers import pooler_specs
+from lmkit_plugins.quantization.fp8_options import Fp8Options
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
 
@@ -73,15 +74,29 @@ def register_quantization_methods(register):
         requires=("gguf",), priority=50,
         caps=Caps({"Q8_0", "Q4_0", "Q4_1", "F32", "F16", "kernel:q8_dot_avx512vnni",
                    "kernel:q8_dot_avx2", "kernel:dequantize_f32_tiles"},
-                  {"weight_format": {"gguf"}, "device": {"cpu"}}),
+                  {"weight_format": {"gguf"}, "device": {"cpu"}, "dtype": {"float32"}}),
         description="GGUF Q8_0/Q4_0/Q4_1 blocks kept packed on the CPU (C kernels, int8 "
                     "activations for decode batches).",
     ))
 
 
+    register(Spec(
+        name="fp8", target="lmkit_plugins.quantization.fp8_cuda:Fp8Method",
+        requires=("triton",), needs_cuda=True, priority=50, options=Fp8Options,
+        caps=Caps({"F8_E4M3", "quantize_at_load", "kernel:fp8_gemv_triton",
+                   "kernel:scaled_mm_rowwise"},
+                  {"weight_format": {"safetensors", "compressed-tensors", "fp8"},
+                   "device": {"cuda"}, "dtype": {"bfloat16", "float16"}}),
+        description="FP8 e4m3 weights with per-channel scales on CUDA (SM 8.9+): FP8 "
+                    "checkpoints (compressed-tensors, quant_method fp8) or dense ones "
+                    "quantized at load; Triton GEMV for decode, torch._scaled_mm above.",
+    ))
+
+
 @hookimpl
 def configure(config):
-    if config.quantization.backend.lower() == "fp8":
+    if config.quantization.backend.lower() == "fp8" and config.executor.device == "cpu":
         raise ConfigError(
-            "--quantization fp8 (FP8 e4m3 weights on CUDA) is not built yet; the methods "
-            "built are: gguf (GGUF blocks on the CPU), or none (dense weights).")
+            "--quantization fp8 runs FP8 e4m3 weights on CUDA GPUs (compute capability "
+            "8.9+) only, and the device is cpu; on the CPU use --quantization gguf (a GGUF "
+            "checkpoint) or none (dense weights).")

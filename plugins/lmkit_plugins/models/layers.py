@@ -179,8 +179,9 @@ class Linear(nn.Module):
             if self._quant.add(shard, weight, size, self.in_features):
                 self._qkernel, dense = self._quant.build()
                 self._qnorm, self._qsilu = self._quant.norm_kernel, self._quant.silu_kernel
-                if dense is not None:
-                    self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
+                if dense is not None:  # on the layer's device (a CUDA method's dense parts)
+                    self.weight = nn.Parameter(dense.to(self.weight.device, self.weight.dtype),
+                                               requires_grad=False)
                 self._quant = None
         elif weight is not None:
             _copy_checked(self.weight[start:start + size], weight, shard)
@@ -374,7 +375,8 @@ class VocabEmbedding(nn.Module):
         self._quant.add("weight", weight, self.vocab_size, self.weight.shape[1])
         self._qkernel, dense = self._quant.build()
         if dense is not None:
-            self.weight = nn.Parameter(dense.to(self.weight.dtype), requires_grad=False)
+            self.weight = nn.Parameter(dense.to(self.weight.device, self.weight.dtype),
+                                       requires_grad=False)
         else:
             self._qtable = weight
 

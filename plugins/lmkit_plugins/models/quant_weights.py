@@ -57,7 +57,8 @@ class QuantizedShards:
                 return kernel, None
             if fused is not None:
                 return self.method.linear(fused), None
-        return None, torch.cat([self.dense(p) for p in parts])
+        dense = [self.dense(p) for p in parts]  # a CUDA method's on the GPU, dense on the CPU
+        return None, torch.cat([d.to(dense[0].device) for d in dense])
 
     def dense_rows(self, table: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of a packed table as float32 (embedding lookups)."""

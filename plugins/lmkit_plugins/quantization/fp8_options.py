@@ -1,0 +1,43 @@
+"""Options of the ``fp8`` quantization method (kept apart from the method so that
+registering it imports no torch)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Fp8Options(BaseModel):
+    """Options of the ``fp8`` quantization method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gemv_max_rows: int = Field(
+        16, ge=0, le=16, description="Projections of up to this many rows (decode batches) "
+        "stream the FP8 weight through lmkit's Triton GEMV (weight-only FP8); larger ones "
+        "quantize the activations per token and run torch._scaled_mm (W8A8). 0: always "
+        "_scaled_mm.")
+    gemv_block_n: int | None = Field(
+        None, description="Output columns per program of the GEMV kernel (16, 32 or 64); "
+        "default: 16 for projections of at most 2048 outputs, else 32 (as for bf16).")
+    gemv_block_k: int = Field(
+        512, description="Input columns per loop iteration of the GEMV kernel (a power of "
+        "two from 64 to 4096).")
+
+    quantize_lm_head: bool = Field(
+        False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
+        "at load: on Llama-3.1-8B 0.5 GB fewer bytes per decoded token, at the cost of FP8 "
+        "error in the logits. A tied head (the embedding table) stays dense.")
+
+    @field_validator("gemv_block_n")
+    @classmethod
+    def _block_n(cls, v: int | None) -> int | None:
+        if v is not None and v not in (16, 32, 64):
+            raise ValueError(f"must be 16, 32 or 64, got {v}")
+        return v
+
+    @field_validator("gemv_block_k")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 64 or v > 4096 or v & (v - 1):
+            raise ValueError(f"must be a power of two from 64 to 4096, got {v}")
+        return v

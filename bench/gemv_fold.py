@@ -8,9 +8,12 @@ folded kernel (:class:`lmkit_plugins.models.fused_ops.GemvFold`), each inside a 
 graph of back-to-back calls over enough weight copies to miss L2 (as a decode step
 replays them; :mod:`gemv_bandwidth`). A and B alternate over ``--rounds`` rounds; the
 report gives medians, the spread, the weight bandwidth as a fraction of the copy
-bandwidth, and the saving per decode step over all layers::
+bandwidth, and the saving per decode step over all layers. ``--sweep`` also times the
+folded kernel at other launch parameters (the fold's prologue and in-loop transform
+may favour other tiles than ``small_m_linear``'s)::
 
     python bench/gemv_fold.py --rows 1,4,8 --out gemv_fold.json
+    python bench/gemv_fold.py --rows 1 --sweep
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bandwidth import L2_BYTES, _time, copy_bandwidth  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
+from lmkit_kernels.gemv_fold import norm_small_m_linear, silu_mul_small_m_linear  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
 from lmkit_plugins.models.fused_ops import GemvFold, small_m_tiles  # noqa: E402
 
@@ -38,9 +42,12 @@ SHAPES = {
     "qwen0.6b.qkv": ("norm", 4096, 1024, 28), "qwen0.6b.gate_up": ("norm", 6144, 1024, 28),
     "qwen0.6b.down": ("silu", 1024, 3072, 28),
 }
+SWEEP = [  # (block_n, num_warps, num_stages); block_k stays 512 (it sets the sum order)
+    (16, 4, 4), (32, 4, 4), (32, 4, 3), (32, 4, 2), (64, 4, 3), (32, 8, 3), (64, 8, 3),
+]
 
 
-def bench_shape(fold: str, n: int, k: int, m: int, rounds: int) -> dict:
+def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = False) -> dict:
     """Seconds per call, unfused and folded, over ``rounds`` alternating rounds."""
     copies = max(2, -(-L2_BYTES // (n * k * 2)) + 1)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -74,10 +81,24 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int) -> dict:
     for _ in range(rounds):
         for name, fn in (("unfused", unfused), ("folded", fused)):
             times[name].append(_time(fn, calls=copies * 4))
+    result: dict = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+                    for name, t in times.items()}
+    for bn, warps, stages in SWEEP if sweep else ():
+        kw = {"block_n": bn, "block_k": 512, "num_warps": warps, "num_stages": stages}
+        if fold == "silu":
+            def fn(kw=kw):
+                return silu_mul_small_m_linear(x, nxt(), **kw)
+        else:
+            def fn(kw=kw):
+                return norm_small_m_linear(x, residual, norm_weight, 1e-5, nxt(), **kw)[0]
+        try:
+            t = statistics.median(_time(fn, calls=copies * 4) for _ in range(rounds))
+        except Exception as e:  # a config that does not compile or fit: skip it
+            t = f"{type(e).__name__}"
+        result.setdefault("sweep", []).append({**kw, "median_s": t})
     ws.clear()
     torch.cuda.empty_cache()
-    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
-            for name, t in times.items()}
+    return result
 
 
 def main() -> None:
@@ -85,6 +106,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time other launch parameters")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -92,7 +114,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         saved: dict[str, float] = {}
         for name, (fold, n, k, layers) in SHAPES.items():
-            r = bench_shape(fold, n, k, m, args.rounds)
+            r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
             r.update(name=name, M=m, N=n, K=k)
             rows.append(r)
             u, f = r["unfused"]["median_s"], r["folded"]["median_s"]
@@ -103,6 +125,11 @@ def main() -> None:
                   f"folded {1e6 * f:7.1f} us [{1e6 * r['folded']['min_s']:.1f}-"
                   f"{1e6 * r['folded']['max_s']:.1f}]  weight read at "
                   f"{n * k * 2 / f / bw:5.1%} of copy bw (folded)", flush=True)
+            for c in r.get("sweep", []):
+                t = c["median_s"]
+                print(f"    folded bn={c['block_n']} warps={c['num_warps']} stages="
+                      f"{c['num_stages']}: " + (f"{1e6 * t:7.1f} us" if isinstance(t, float)
+                                                else t), flush=True)
         for model, s in saved.items():
             print(f"M={m:2d} {model}: {1e3 * s:.3f} ms saved per decode step (all layers)")
     if args.out:

@@ -87,28 +87,46 @@ def test_the_switch_and_the_device_decide():
     # no CUDA device is touched: the decision reads the device type and the dtype
     cuda = torch.device("cuda")
     if fused_ops.fused_ops_enabled(cuda, torch.bfloat16):  # triton installed
-        assert isinstance(gemv_fold(cuda, torch.bfloat16), GemvFold)
-    assert gemv_fold(cuda, torch.float32) is None
-    assert gemv_fold(CPU, torch.bfloat16) is None
+        assert isinstance(gemv_fold(cuda, torch.bfloat16, "norm"), GemvFold)
+    assert gemv_fold(cuda, torch.float32, "norm") is None
+    assert gemv_fold(CPU, torch.bfloat16, "silu_mul") is None
 
 
-def test_env_switch_turns_the_fold_off(fused_on_cpu, monkeypatch):
-    assert isinstance(gemv_fold(CPU, torch.bfloat16), GemvFold)
-    for off in ("0", "off", "False"):
-        monkeypatch.setenv("LMKIT_GEMV_FOLD", off)
-        assert gemv_fold(CPU, torch.bfloat16) is None
-        model = _tiny_llama()
-        assert not any(layer._norm_folded or layer.mlp._silu_folded
-                       for layer in model.model.layers)
+def _folded(model):
+    """(norm folded, SiLU folded) over the model's layers: each all or none, else None."""
+    norm = {layer._norm_folded for layer in model.model.layers}
+    silu = {layer.mlp._silu_folded for layer in model.model.layers}
+    return (norm.pop() if len(norm) == 1 else None, silu.pop() if len(silu) == 1 else None)
+
+
+def test_env_switch_turns_folds_off(fused_on_cpu, monkeypatch):
+    assert isinstance(gemv_fold(CPU, torch.bfloat16, "norm"), GemvFold)
+    assert _folded(_tiny_llama()) == (True, True)
+    for value, expected in (("0", (False, False)), ("off", (False, False)),
+                            ("False", (False, False)), ("1", (True, True)),
+                            ("norm", (True, False)), ("silu_mul", (False, True)),
+                            ("silu_mul, norm", (True, True))):
+        monkeypatch.setenv("LMKIT_GEMV_FOLD", value)
+        assert _folded(_tiny_llama()) == expected, value
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "norm,silu")
+    with pytest.raises(ValueError, match="unknown fold silu; expected 1 .all., 0 .none. or "
+                                         "a comma-separated subset of norm, silu_mul"):
+        gemv_fold(CPU, torch.bfloat16, "norm")
+
+
+class _Method:
+    """As much of a quantization method as building a Linear reads."""
+
+    fold_max_rows = 32
 
 
 def test_which_layers_fold(fused_on_cpu):
     kw = {"dtype": torch.bfloat16, "device": CPU}
     assert Linear(64, {"weight": 32}, bias=False, fold="norm", **kw).gemv_fold is not None
+    assert Linear(64, {"weight": 32}, bias=False, fold="silu_mul", quantization=_Method(),
+                  **kw).gemv_fold is None  # quantized weights: the method's own kernels
     assert Linear(64, {"weight": 32}, bias=False, **kw).gemv_fold is None  # nothing to fold
     model = _tiny_llama()
-    for layer in model.model.layers:
-        assert layer._norm_folded and layer.mlp._silu_folded
     dims = model.dims
     tp = TensorParallel(rank=0, size=2, group=None)
     sharded = llama_layers.LlamaDecoderLayer(dims, 0, model.rotary, torch.bfloat16, CPU, tp)

@@ -19,7 +19,7 @@ Those small batches also fold the transform before a projection into its kernel
 (:class:`GemvFold`, :mod:`lmkit_kernels.gemv_fold`): the pre-norm layers' residual
 add + RMSNorm into the QKV and gate-up projections, SiLU-and-multiply into the down
 projection (two kernels and their launches fewer per layer); ``LMKIT_GEMV_FOLD=0``
-turns that off alone.
+turns that off alone, ``norm`` or ``silu_mul`` keeps only that fold.
 
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
@@ -45,7 +45,8 @@ SMALL_BATCH = 8  # rows up to which projections use the weight-streaming Triton 
 #: ``LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT`` overrides it (``0``: always the reference).
 FUSED_MOE_MAX_ROWS_PER_EXPERT = 256
 MOE_ROWS_ENV = "LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT"
-GEMV_FOLD_ENV = "LMKIT_GEMV_FOLD"  # "0": no transforms folded into small-batch projections
+GEMV_FOLD_ENV = "LMKIT_GEMV_FOLD"
+GEMV_FOLDS = ("norm", "silu_mul")  # the transforms GemvFold folds into a projection
 
 
 def _switched_off(name: str) -> bool:
@@ -204,10 +205,30 @@ class GemvFold:
         return self._silu_mul_linear(gate_up, weight, bias, **small_m_tiles(weight.shape[0]))
 
 
-def gemv_fold(device: torch.device | str, dtype: torch.dtype) -> GemvFold | None:
-    """The :class:`GemvFold` for a dense layer on ``device``/``dtype`` when the fused
-    kernels are on (:func:`fused_ops_enabled`) and ``LMKIT_GEMV_FOLD`` is not ``0``;
-    else ``None`` (the transform runs as its own kernel)."""
-    if not fused_ops_enabled(device, dtype) or _switched_off(GEMV_FOLD_ENV):
+def gemv_fold(device: torch.device | str, dtype: torch.dtype, fold: str) -> GemvFold | None:
+    """The :class:`GemvFold` for a dense projection on ``device``/``dtype`` whose input
+    transform is ``fold`` (one of :data:`GEMV_FOLDS`), when the fused kernels are on
+    (:func:`fused_ops_enabled`) and :func:`gemv_folds` allows it; else ``None`` (the
+    transform runs as its own kernel)."""
+    if not fused_ops_enabled(device, dtype) or fold not in gemv_folds():
         return None
     return GemvFold()
+
+
+def gemv_folds() -> frozenset[str]:
+    """The folds ``LMKIT_GEMV_FOLD`` allows: all of :data:`GEMV_FOLDS` (unset or ``1``),
+    none (``0``), or a comma-separated subset (``norm``, ``silu_mul``).
+
+    :raises ValueError: on any other value."""
+    raw = os.environ.get(GEMV_FOLD_ENV, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return frozenset(GEMV_FOLDS)
+    if _switched_off(GEMV_FOLD_ENV):
+        return frozenset()
+    folds = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = sorted(folds - set(GEMV_FOLDS))
+    if unknown:
+        raise ValueError(f"{GEMV_FOLD_ENV}={raw!r}: unknown fold {', '.join(unknown)}; expected "
+                         f"1 (all), 0 (none) or a comma-separated subset of "
+                         f"{', '.join(GEMV_FOLDS)}; unset it or fix it")
+    return frozenset(folds)

@@ -153,7 +153,8 @@ class Linear(nn.Module):
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
         #: dense CUDA half precision: the weight-streaming kernel with ``fold`` inside, for
         #: decode-sized inputs (fused_ops.GemvFold); None when the fold does not apply
-        self.gemv_fold = gemv_fold(device, dtype) if fold and quantization is None else None
+        self.gemv_fold = (gemv_fold(device, dtype, fold) if fold and quantization is None
+                          else None)
         kw = {"dtype": dtype, "device": device}
         self._quant = (QuantizedShards(quantization, list(shard_sizes), fold)
                        if quantization is not None else None)

@@ -267,9 +267,8 @@ def norm_small_m_linear_ref(x: torch.Tensor, residual: torch.Tensor | None,
                             bias: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of :func:`norm_small_m_linear`."""
-    if residual is None:
-        return small_m_linear_ref(rms_norm_ref(x, norm_weight, eps), weight, bias), x
-    normed, h = rms_norm_ref(x, norm_weight, eps, residual)
+    out = rms_norm_ref(x, norm_weight, eps, residual)
+    normed, h = out if isinstance(out, tuple) else (out, x)
     return small_m_linear_ref(normed, weight, bias), h
 
 

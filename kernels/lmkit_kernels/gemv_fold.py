@@ -23,10 +23,14 @@ residual``, the next layer's residual stream, is stored by program 0 alone.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import max_shared_mem
 from triton.language.extra import libdevice
+from triton.runtime.errors import OutOfResources
 
 from lmkit_kernels.activation import silu_and_mul_ref
 from lmkit_kernels.checks import (
@@ -44,6 +48,8 @@ __all__ = ["norm_small_m_linear", "norm_small_m_linear_ref", "silu_mul_small_m_l
            "silu_mul_small_m_linear_ref"]
 
 _MAX_NORM_BLOCK = 8192  # the prologue reads rows in slices of at most this many elements
+#: launch variant -> the stages that fit, learned when a launch ran out of shared memory
+_STAGES_THAT_FIT: dict[tuple, int] = {}
 
 
 @triton.jit
@@ -147,6 +153,12 @@ def _fold_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
+@functools.cache
+def _max_shared_mem(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(max_shared_mem(index))
+
+
 def _check_weight(x: torch.Tensor, k: int, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> int:
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device,
@@ -176,20 +188,42 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         return
     res = residual if residual is not None else x
     hsum = res_out if res_out is not None else x
-    # one program at least: program 0 stores the residual sum even when n == 0
-    _fold_linear_kernel[(max(1, triton.cdiv(n, block_n)),)](
-        x, res, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, out, hsum, m, n, k,
-        x.stride(0), res.stride(0), hsum.stride(0), weight.stride(0), out.stride(0),
-        1.0 / k if k else 0.0, float(eps),
-        SILU_MUL=norm_weight is None, HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=1 if m == 1 else 16, BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM_BLOCK=min(max(16, next_power_of_2(k)), _MAX_NORM_BLOCK),
-        DOT_F32=dot_needs_f32(x.dtype),
-        IEEE_DOT=x.dtype == torch.float32 and not is_interpreting(),
-        ACCURATE_EXP=not is_interpreting(), num_warps=num_warps, num_stages=num_stages,
-        enable_fp_fusion=False,  # round where the separate kernels round (no FMA contraction)
-    )
+    block_m = 1 if m == 1 else 16
+    silu_mul = norm_weight is None
+    variant = (x.device, x.dtype, silu_mul, residual is not None, bias is not None, block_m,
+               block_n, block_k, num_warps)
+    stages = min(num_stages, _STAGES_THAT_FIT.get(variant, num_stages))
+    if not is_interpreting():
+        # the input tiles are pipelined beside the weight's (x and residual, or gate and
+        # up, and the norm weight): fewer stages where they would not fit in shared
+        # memory beside the transformed tile's conversion to the dot's layout
+        rows = (2 if silu_mul or residual is not None else 1) * block_m + (0 if silu_mul else 1)
+        stage_bytes = (block_n + rows) * block_k * x.element_size()
+        room = _max_shared_mem(x.device) - 16 * block_k * x.element_size()
+        stages = max(1, min(stages, room // stage_bytes))
+    while True:
+        try:
+            # one program at least: program 0 stores the residual sum even when n == 0
+            _fold_linear_kernel[(max(1, triton.cdiv(n, block_n)),)](
+                x, res, norm_weight if norm_weight is not None else x, weight,
+                bias if bias is not None else weight, out, hsum, m, n, k,
+                x.stride(0), res.stride(0), hsum.stride(0), weight.stride(0), out.stride(0),
+                1.0 / k if k else 0.0, float(eps),
+                SILU_MUL=silu_mul, HAS_RESIDUAL=residual is not None,
+                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, NORM_BLOCK=min(max(16, next_power_of_2(k)), _MAX_NORM_BLOCK),
+                DOT_F32=dot_needs_f32(x.dtype),
+                IEEE_DOT=x.dtype == torch.float32 and not is_interpreting(),
+                ACCURATE_EXP=not is_interpreting(), num_warps=num_warps, num_stages=stages,
+                enable_fp_fusion=False,  # round where the separate kernels round (no FMA)
+            )
+            return
+        except OutOfResources:
+            # raised before anything is enqueued (safe inside a CUDA-graph capture)
+            if stages <= 1:
+                raise
+            stages -= 1
+            _STAGES_THAT_FIT[variant] = stages
 
 
 def norm_small_m_linear(x: torch.Tensor, residual: torch.Tensor | None,

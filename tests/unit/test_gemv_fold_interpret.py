@@ -138,3 +138,40 @@ def test_launchers_reject_bad_arguments():
         silu_mul_small_m_linear(torch.randn(2, 63).to(bf), w)
     with pytest.raises(ValueError, match="weight must have shape"):
         silu_mul_small_m_linear(torch.randn(2, 128).to(bf), w)
+
+
+def test_a_launch_out_of_shared_memory_retries_with_fewer_stages(monkeypatch):
+    # a GPU whose shared memory holds two stages of this variant: the launcher learns it
+    from lmkit_kernels import gemv_fold
+    from triton.runtime.errors import OutOfResources
+
+    stages_tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kwargs):
+                stages_tried.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(num_stages * 65536, 2 * 65536, "shared memory")
+            return launch
+
+    monkeypatch.setattr(gemv_fold, "_fold_linear_kernel", Kernel())
+    monkeypatch.setattr(gemv_fold, "_STAGES_THAT_FIT", {})
+    x, w = torch.randn(3, 32).to(torch.bfloat16), torch.randn(16, 32).to(torch.bfloat16)
+    silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=4)
+    silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=4)
+    assert stages_tried == [4, 3, 2, 2]
+    stages_tried.clear()
+    norm_small_m_linear(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-6, w, num_stages=4)
+    assert stages_tried == [4, 3, 2]  # another variant: learned on its own
+    monkeypatch.setattr(gemv_fold, "_STAGES_THAT_FIT", {})
+
+    class NeverFits(Kernel):
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kwargs):
+                raise OutOfResources(1, 0, "shared memory")
+            return launch
+
+    monkeypatch.setattr(gemv_fold, "_fold_linear_kernel", NeverFits())
+    with pytest.raises(OutOfResources):
+        silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=2)

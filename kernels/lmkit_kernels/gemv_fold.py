@@ -17,8 +17,9 @@ so the result equals the two-kernel path up to the order of the float32 sum of s
 in the norm (the same in Triton's interpreter, where the outputs are bit-identical).
 
 RMSNorm needs each row's ``1 / rms`` before its first product: every program computes
-it in a prologue (one pass over the rows, in float32). The residual sum ``x +
-residual``, the next layer's residual stream, is stored by program 0 alone.
+it (one pass over the rows, in float32) in its first loop iteration, while the
+pipeline's first weight tiles are in flight. The residual sum ``x + residual``, the
+next layer's residual stream, is stored by program 0 alone.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ from lmkit_kernels.checks import (
 from lmkit_kernels.gemv import MAX_ROWS, small_m_linear_ref
 from lmkit_kernels.norm import rms_norm_ref
 
-__all__ = ["norm_small_m_linear", "norm_small_m_linear_ref", "silu_mul_small_m_linear",
-           "silu_mul_small_m_linear_ref"]
+__all__ = ["SILU_ROWS_BLOCK_K", "launch_config", "norm_small_m_linear", "norm_small_m_linear_ref",
+           "silu_mul_small_m_linear", "silu_mul_small_m_linear_ref"]
 
 _MAX_NORM_BLOCK = 8192  # the prologue reads rows in slices of at most this many elements
+#: widest K slice for more than one row through the SiLU fold (see launch_config)
+SILU_ROWS_BLOCK_K = 128
 #: launch variant -> the stages that fit, learned when a launch ran out of shared memory
 _STAGES_THAT_FIT: dict[tuple, int] = {}
 
@@ -124,14 +127,18 @@ def _fold_linear_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if not SILU_MUL:
-        for m in range(0, M):
-            r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm, stride_hm,
-                          inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
-            rstd = tl.where(arows == m, r, rstd)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for k in range(0, K, BLOCK_K):
+        if not SILU_MUL:
+            if k == 0:
+                # each row's 1 / rms, inside the loop rather than before it: the software
+                # pipeline has issued the first weight tiles' loads by then (on sm_90 the
+                # prologue runs while they are in flight, not ahead of them)
+                for m in range(0, M):
+                    r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm,
+                                  stride_hm, inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
+                    rstd = tl.where(arows == m, r, rstd)
         k_ok = (k + ks) < K
         if SILU_MUL:
             a = _silu_mul_tile(x_ptr, arows, k + ks, arow_ok, k_ok, stride_xm, K, ACCURATE_EXP)
@@ -151,6 +158,37 @@ def _fold_linear_kernel(
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
+
+
+def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, block_k: int,
+                  num_stages: int, element_size: int, max_shared: int | None
+                  ) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_K, num_stages)`` for a call over ``rows`` rows asked to run with
+    ``block_k`` and ``num_stages``, on a device with ``max_shared`` bytes of shared memory
+    per program (``None``: no limit, the interpreter).
+
+    * ``BLOCK_M``: the rows the transform runs on, 1 for one row (the dot still takes a
+      16-row tile, zero below), else 16.
+    * More than one row through the SiLU fold: ``K`` slices of at most
+      :data:`SILU_ROWS_BLOCK_K`, with as many more stages as keep the same weight bytes
+      in flight (16 rows of SiLU over 512 columns spill registers on sm_90). On the GPU
+      the dot accumulates in ``K`` order whatever the slice, so the result is unchanged;
+      in the interpreter the slice sets the float32 sum order.
+    * Stages: the input tiles (x and residual or gate and up, and the norm weight) are
+      pipelined beside the weight's, ``num_stages - 1`` buffers of each, next to a
+      scratch tile for the transformed input's move into the dot's layout; fewer stages
+      where they would not fit (sm_90's 227 KiB hold 4 at ``block_n`` 32 and 16 rows).
+    """
+    block_m = 1 if rows == 1 else 16
+    if silu_mul and block_m == 16 and block_k > SILU_ROWS_BLOCK_K:
+        num_stages = 1 + (num_stages - 1) * block_k // SILU_ROWS_BLOCK_K
+        block_k = SILU_ROWS_BLOCK_K
+    if max_shared is not None:
+        tiles = (2 if silu_mul or has_residual else 1) * block_m + (0 if silu_mul else 1)
+        stage_bytes = (block_n + tiles) * block_k * element_size
+        room = max_shared - 16 * block_k * element_size
+        num_stages = max(1, min(num_stages, 1 + room // stage_bytes))
+    return block_m, block_k, num_stages
 
 
 @functools.cache
@@ -188,19 +226,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         return
     res = residual if residual is not None else x
     hsum = res_out if res_out is not None else x
-    block_m = 1 if m == 1 else 16
     silu_mul = norm_weight is None
+    block_m, block_k, stages = launch_config(
+        m, silu_mul, residual is not None, block_n, block_k, num_stages, x.element_size(),
+        None if is_interpreting() else _max_shared_mem(x.device))
     variant = (x.device, x.dtype, silu_mul, residual is not None, bias is not None, block_m,
                block_n, block_k, num_warps)
-    stages = min(num_stages, _STAGES_THAT_FIT.get(variant, num_stages))
-    if not is_interpreting():
-        # the input tiles are pipelined beside the weight's (x and residual, or gate and
-        # up, and the norm weight): fewer stages where they would not fit in shared
-        # memory beside the transformed tile's conversion to the dot's layout
-        rows = (2 if silu_mul or residual is not None else 1) * block_m + (0 if silu_mul else 1)
-        stage_bytes = (block_n + rows) * block_k * x.element_size()
-        room = _max_shared_mem(x.device) - 16 * block_k * x.element_size()
-        stages = max(1, min(stages, room // stage_bytes))
+    stages = min(stages, _STAGES_THAT_FIT.get(variant, stages))
     while True:
         try:
             # one program at least: program 0 stores the residual sum even when n == 0
@@ -280,6 +312,8 @@ def silu_mul_small_m_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         last stride.
     :param weight: ``[N, I]`` in ``gate_up``'s dtype, unit last stride.
     :param bias: optional ``[N]``.
+    :param block_k: ``K`` slice per loop iteration, at most :data:`SILU_ROWS_BLOCK_K` for
+        more than one row (:func:`launch_config`).
     :return: a new ``[M, N]`` tensor in ``gate_up``'s dtype.
     :raises ValueError: on a shape, dtype, device or stride mismatch, an odd width, or
         ``M > 16``.

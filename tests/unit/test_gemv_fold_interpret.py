@@ -122,6 +122,22 @@ def test_empty_batch():
                                    weight).shape == (0, 16)
 
 
+def test_launch_config():
+    from lmkit_kernels.gemv_fold import SILU_ROWS_BLOCK_K, launch_config
+
+    # one row: the transform on one row, as asked; the interpreter has no shared memory limit
+    assert launch_config(1, True, False, 32, 512, 4, 2, None) == (1, 512, 4)
+    # several rows of SiLU: narrower slices, as many more stages as keep the weight bytes
+    assert launch_config(5, True, False, 32, 512, 4, 2, None) == (16, SILU_ROWS_BLOCK_K, 13)
+    assert launch_config(5, False, True, 32, 512, 4, 2, None) == (16, 512, 4)
+    # shared memory: (stages - 1) stages of the weight and input tiles, plus a scratch tile
+    stage = (32 + 2 * 16 + 1) * 512 * 2
+    assert launch_config(5, False, True, 32, 512, 4, 2, 3 * stage + 16 * 512 * 2) == (16, 512, 4)
+    assert launch_config(5, False, True, 32, 512, 4, 2, 3 * stage + 16 * 512 * 2 - 1) == (
+        16, 512, 3)
+    assert launch_config(5, False, True, 32, 512, 4, 2, 1000)[2] == 1
+
+
 def test_launchers_reject_bad_arguments():
     bf = torch.bfloat16
     x, w = torch.randn(2, 32).to(bf), torch.randn(8, 32).to(bf)
@@ -158,8 +174,8 @@ def test_a_launch_out_of_shared_memory_retries_with_fewer_stages(monkeypatch):
     monkeypatch.setattr(gemv_fold, "_fold_linear_kernel", Kernel())
     monkeypatch.setattr(gemv_fold, "_STAGES_THAT_FIT", {})
     x, w = torch.randn(3, 32).to(torch.bfloat16), torch.randn(16, 32).to(torch.bfloat16)
-    silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=4)
-    silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=4)
+    silu_mul_small_m_linear(torch.cat([x, x], 1), w, block_k=64, num_stages=4)
+    silu_mul_small_m_linear(torch.cat([x, x], 1), w, block_k=64, num_stages=4)
     assert stages_tried == [4, 3, 2, 2]
     stages_tried.clear()
     norm_small_m_linear(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-6, w, num_stages=4)
@@ -174,4 +190,4 @@ def test_a_launch_out_of_shared_memory_retries_with_fewer_stages(monkeypatch):
 
     monkeypatch.setattr(gemv_fold, "_fold_linear_kernel", NeverFits())
     with pytest.raises(OutOfResources):
-        silu_mul_small_m_linear(torch.cat([x, x], 1), w, num_stages=2)
+        silu_mul_small_m_linear(torch.cat([x, x], 1), w, block_k=64, num_stages=2)

@@ -20,6 +20,7 @@ of that bandwidth. The peer may run on the first N requests of W1/W3
     python bench/gpu_engine.py --out gpu_engine.json                 # lmkit and HF
     python bench/gpu_engine.py --peer vllm,hf --out gpu_engine.json   # + vLLM (installed)
     python bench/gpu_engine.py --peer none --baseline-tree OLD       # lmkit now vs OLD checkout
+    python bench/gpu_engine.py --peer none --workloads W2 --ab-env LMKIT_GEMV_FOLD=0  # A/B a switch
     python bench/gpu_engine.py --smoke --out /tmp/smoke.json      # CPU, toy sizes
     python bench/gpu_engine.py --workloads W4,W5 --layers 8 --attention mla_triton \
         --hf-subset W4=64 --out deepseek.json                      # DeepSeek-V2-Lite shape
@@ -137,7 +138,8 @@ def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float,
     if proc.returncode != 0 or not result_file.exists():
         if side == "lmkit" and "LMKIT_DECODE_LOOKAHEAD" not in job.get("env", {}):
             print("lmkit failed; once more without the decode lookahead", flush=True)
-            retry = run_side(side, {**job, "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}, workdir,
+            retry = run_side(side, {**job, "env": {**job.get("env", {}),
+                                                   "LMKIT_DECODE_LOOKAHEAD": "0"}}, workdir,
                              timeout, tree)
             retry["retried_without_lookahead_after"] = f"exit status {proc.returncode}"
             return retry
@@ -190,6 +192,17 @@ def parse_peers(text: str) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}, none")
     return peers
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """``"LMKIT_GEMV_FOLD=0,X=1"`` -> ``{"LMKIT_GEMV_FOLD": "0", "X": "1"}``."""
+    env = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip():
+            raise SystemExit(f"--ab-env: expected NAME=VALUE[,NAME=VALUE...], got {part!r}")
+        env[name.strip()] = value.strip()
+    return env
 
 
 def _tree_commit(tree: Path) -> str:
@@ -258,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-quantization", choices=QUANTIZATIONS,
                     help="also run lmkit with these weights, reported as the baseline "
                     "(with --baseline-tree: that checkout's lmkit)")
+    ap.add_argument("--ab-env", default="",
+                    help="also run lmkit with these environment variables right after its "
+                    "run on each model, e.g. LMKIT_GEMV_FOLD=0 (A/B of a kernel switch; "
+                    "NAME=VALUE, comma-separated); reported as lmkit_ab")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
@@ -271,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     peers = parse_peers(args.peer)
+    ab_env = parse_env(args.ab_env)
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in WORKLOAD_MODELS]
     if unknown:
@@ -327,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
+                if ab_env:
+                    report.setdefault("lmkit_ab", {})[key] = run_side(
+                        "lmkit", {**job, "tag": key + "-ab", "env": ab_env}, root,
+                        args.side_timeout)
             if args.baseline_tree or args.baseline_quantization:
                 base_q = args.baseline_quantization or args.quantization
                 base_job = {**job, "tag": key + "-base", "profile_steps": 0,

@@ -99,11 +99,16 @@ def format_table(report: dict[str, Any]) -> str:
     for model, res in report.get("hf", {}).items():
         if "mode" in res:
             lines.append(f"HF on {model}: {res['mode']}")
-    for res in report.get("lmkit_no_lookahead", {}).values():
+    runs = [("without the decode lookahead", res)
+            for res in report.get("lmkit_no_lookahead", {}).values()]
+    runs += [("with " + " ".join(f"{k}={v}" for k, v in res.get("env", {}).items()), res)
+             for res in report.get("lmkit_ab", {}).values()]
+    for label, res in runs:
         for r in res.get("results", []):
             extra = f", {r['tpot_ms']:.2f} ms/token" if "tpot_ms" in r else ""
-            lines.append(f"{r['workload']} without the decode lookahead: "
-                         f"{r['output_tokens_per_s']:.0f} tok/s{extra}")
+            lines.append(f"{r['workload']} {label}: {r['output_tokens_per_s']:.0f} tok/s{extra}")
+        if "error" in res:
+            lines.append(f"lmkit {label}: ERROR {res['error']}")
     for side in ("lmkit", "lmkit_baseline", "vllm", "hf"):
         for model, res in report.get(side, {}).items():
             if "error" in res:

@@ -15,6 +15,12 @@ weight through :func:`lmkit_kernels.gemv.small_m_linear`, which on an H100 reads
 Mixture-of-experts blocks run lmkit's fused MoE kernel on CUDA in every dtype
 (:func:`fused_moe_enabled`) up to :data:`FUSED_MOE_MAX_ROWS_PER_EXPERT` rows per expert
 and its grouped torch reference (cuBLAS per expert) above (:class:`MoEExperts`).
+Those small batches also fold the transform before a projection into its kernel
+(:class:`GemvFold`, :mod:`lmkit_kernels.gemv_fold`): the pre-norm layers' residual
+add + RMSNorm into the QKV and gate-up projections, SiLU-and-multiply into the down
+projection (two kernels and their launches fewer per layer); ``LMKIT_GEMV_FOLD=0``
+turns that off alone, ``norm`` or ``silu_mul`` keeps only that fold.
+
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
 """
@@ -39,6 +45,12 @@ SMALL_BATCH = 8  # rows up to which projections use the weight-streaming Triton 
 #: ``LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT`` overrides it (``0``: always the reference).
 FUSED_MOE_MAX_ROWS_PER_EXPERT = 256
 MOE_ROWS_ENV = "LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT"
+GEMV_FOLD_ENV = "LMKIT_GEMV_FOLD"
+GEMV_FOLDS = ("norm", "silu_mul")  # the transforms GemvFold folds into a projection
+
+
+def _switched_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def fused_ops_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -51,7 +63,7 @@ def fused_moe_enabled(device: torch.device | str) -> bool:
     """Whether a mixture-of-experts layer on ``device`` runs lmkit's fused MoE kernel
     (:func:`lmkit_kernels.moe.fused_moe`, any float dtype): CUDA, Triton installed, and
     ``LMKIT_FUSED_OPS`` not ``0``; otherwise its torch reference."""
-    if os.environ.get("LMKIT_FUSED_OPS", "1").strip() in ("0", "false", "no", "off"):
+    if _switched_off("LMKIT_FUSED_OPS"):
         return False
     return (torch.device(device).type == "cuda"
             and importlib.util.find_spec("triton") is not None)
@@ -149,10 +161,74 @@ def linear_kernel(device: torch.device | str, dtype: torch.dtype,
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                ) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
-            # narrow programs for small outputs so that every SM gets work
-            block_n = 16 if weight.shape[0] <= 2048 else 32
-            return small_m_linear(x, weight, bias, block_n=block_n, block_k=512,
-                                  num_warps=4, num_stages=4)
+            return small_m_linear(x, weight, bias, **small_m_tiles(weight.shape[0]))
         return F.linear(x, weight, bias)
 
     return linear
+
+
+def small_m_tiles(out_features: int) -> dict[str, int]:
+    """The launch parameters of the weight-streaming kernels for a projection with
+    ``out_features`` outputs: narrow programs for small outputs so that every SM gets
+    work."""
+    return {"block_n": 16 if out_features <= 2048 else 32, "block_k": 512, "num_warps": 4,
+            "num_stages": 4}
+
+
+class GemvFold:
+    """Projections of at most :data:`SMALL_BATCH` rows (the inputs :func:`linear_kernel`
+    sends to the weight-streaming kernel) with their input transform folded into that
+    kernel (:mod:`lmkit_kernels.gemv_fold`), over the same tiles: the result is the
+    unfused path's up to the order of the norm's float32 sum of squares."""
+
+    def __init__(self) -> None:
+        from lmkit_kernels.gemv_fold import norm_small_m_linear, silu_mul_small_m_linear
+
+        self._norm_linear = norm_small_m_linear
+        self._silu_mul_linear = silu_mul_small_m_linear
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether the folded kernel runs for the input ``x`` (``[rows, in]``)."""
+        return x.dim() == 2 and x.shape[0] <= SMALL_BATCH
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual) @ weight.T + bias, x + residual)``."""
+        return self._norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                 **small_m_tiles(weight.shape[0]))
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(gate_up) @ weight.T + bias``."""
+        return self._silu_mul_linear(gate_up, weight, bias, **small_m_tiles(weight.shape[0]))
+
+
+def gemv_fold(device: torch.device | str, dtype: torch.dtype, fold: str) -> GemvFold | None:
+    """The :class:`GemvFold` for a dense projection on ``device``/``dtype`` whose input
+    transform is ``fold`` (one of :data:`GEMV_FOLDS`), when the fused kernels are on
+    (:func:`fused_ops_enabled`) and :func:`gemv_folds` allows it; else ``None`` (the
+    transform runs as its own kernel)."""
+    if not fused_ops_enabled(device, dtype) or fold not in gemv_folds():
+        return None
+    return GemvFold()
+
+
+def gemv_folds() -> frozenset[str]:
+    """The folds ``LMKIT_GEMV_FOLD`` allows: all of :data:`GEMV_FOLDS` (unset or ``1``),
+    none (``0``), or a comma-separated subset (``norm``, ``silu_mul``).
+
+    :raises ValueError: on any other value."""
+    raw = os.environ.get(GEMV_FOLD_ENV, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return frozenset(GEMV_FOLDS)
+    if _switched_off(GEMV_FOLD_ENV):
+        return frozenset()
+    folds = {part.strip() for part in raw.split(",") if part.strip()}
+    unknown = sorted(folds - set(GEMV_FOLDS))
+    if unknown:
+        raise ValueError(f"{GEMV_FOLD_ENV}={raw!r}: unknown fold {', '.join(unknown)}; expected "
+                         f"1 (all), 0 (none) or a comma-separated subset of "
+                         f"{', '.join(GEMV_FOLDS)}; unset it or fix it")
+    return frozenset(folds)

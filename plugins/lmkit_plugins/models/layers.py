@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from lmkit.api import ModelLoadError
 from torch import nn
 
-from lmkit_plugins.models.fused_ops import fused_ops_enabled, linear_kernel, rms_norm_kernel
+from lmkit_plugins.models.fused_ops import (
+    fused_ops_enabled,
+    gemv_fold,
+    linear_kernel,
+    rms_norm_kernel,
+)
 from lmkit_plugins.models.quant_weights import QuantizedShards
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -146,6 +151,10 @@ class Linear(nn.Module):
             self.shard_offsets[name] = (start, size)
             start += size
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
+        #: dense CUDA half precision: the weight-streaming kernel with ``fold`` inside, for
+        #: decode-sized inputs (fused_ops.GemvFold); None when the fold does not apply
+        self.gemv_fold = (gemv_fold(device, dtype, fold) if fold and quantization is None
+                          else None)
         kw = {"dtype": dtype, "device": device}
         self._quant = (QuantizedShards(quantization, list(shard_sizes), fold)
                        if quantization is not None else None)
@@ -205,7 +214,11 @@ class Linear(nn.Module):
         the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
         projection. With a quantization method that folds norms
         (``supports_norm_linear``), decode-sized float32 CPU inputs take one kernel
-        call, bit-identical to the two steps."""
+        call, bit-identical to the two steps; so do decode-sized inputs with
+        :attr:`gemv_fold`."""
+        if self.gemv_fold is not None and self.gemv_fold.takes(x):
+            return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                              self.bias)
         if (self._qnorm is not None and x.shape[0] <= self._qfold_rows and x.dim() == 2
                 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
                 and norm.has_cpu_kernel):
@@ -215,15 +228,20 @@ class Linear(nn.Module):
         h, residual = norm.forward(x, residual)
         return self.forward(h), residual
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``forward(silu_and_mul(gate_up))``: a gated MLP's down projection. With a
-        quantization method that folds SiLU-and-multiply (``supports_silu_mul_linear``),
-        decode-sized float32 CPU inputs take one kernel call, bit-identical to the two
-        steps."""
+    def forward_silu_mul(self, gate_up: torch.Tensor,
+                         act: Callable[[torch.Tensor], torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+        """``forward(act(gate_up))``, ``act`` SiLU-and-multiply (:func:`silu_and_mul` when
+        not given): a gated MLP's down projection. With a quantization method that folds
+        SiLU-and-multiply (``supports_silu_mul_linear``), decode-sized float32 CPU inputs
+        take one kernel call, bit-identical to the two steps; with :attr:`gemv_fold`,
+        decode-sized inputs too."""
+        if self.gemv_fold is not None and self.gemv_fold.takes(gate_up):
+            return self.gemv_fold.silu_mul_linear(gate_up, self.weight, self.bias)
         if (self._qsilu is not None and gate_up.shape[0] <= self._qfold_rows
                 and gate_up.dim() == 2 and gate_up.stride(1) == 1):
             return self._qsilu(gate_up, self.bias)
-        return self.forward(silu_and_mul(gate_up))
+        return self.forward((act or silu_and_mul)(gate_up))
 
     def _onednn_fusable(self, x: torch.Tensor) -> bool:
         """Whether oneDNN runs this projection of ``x`` (CPU, float32/bfloat16, not the

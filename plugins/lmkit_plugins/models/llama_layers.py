@@ -138,9 +138,12 @@ class LlamaMLP(nn.Module):
                                 fold="silu_mul", **kw)
         self.act = act if act is not None else (
             silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul)
-        # a quantization method that folds SiLU-and-multiply into the down projection
-        self._silu_folded = (quant is not None and quant.supports_silu_mul_linear
-                             and self.act is silu_and_mul)
+        # a quantization method that folds SiLU-and-multiply into the down projection, or
+        # (dense, CUDA half precision, tp off) the small-batch kernel that does
+        self._silu_folded = ((quant is not None and quant.supports_silu_mul_linear
+                              and self.act is silu_and_mul)
+                             or (act is None and tp is None
+                                 and self.down_proj.gemv_fold is not None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_from_gate_up(self.gate_up_proj.forward(x))
@@ -148,7 +151,7 @@ class LlamaMLP(nn.Module):
     def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` from the gate-up projection's output on."""
         if self._silu_folded:
-            out = self.down_proj.forward_silu_mul(gate_up)
+            out = self.down_proj.forward_silu_mul(gate_up, self.act)
         else:
             out = self.down_proj.forward(self.act(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -169,10 +172,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(dims, layer_idx, rotary, dtype, device, tp, quant)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, **kw)
         self.mlp = mlp if mlp is not None else LlamaMLP(dims, dtype, device, tp, quant)
-        # a quantization method that folds norms into projections: each norm runs inside
-        # the QKV / gate-up projection's kernel (Linear.forward_add_rms_norm)
-        self._norm_folded = (quant is not None and quant.supports_norm_linear and tp is None
-                             and isinstance(self.mlp, LlamaMLP))
+        # a quantization method that folds norms into projections, or (dense, CUDA half
+        # precision) the small-batch kernel that does: each norm runs inside the QKV /
+        # gate-up projection's kernel (Linear.forward_add_rms_norm)
+        self._norm_folded = tp is None and isinstance(self.mlp, LlamaMLP) and (
+            (quant is not None and quant.supports_norm_linear)
+            or self.self_attn.qkv_proj.gemv_fold is not None)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,

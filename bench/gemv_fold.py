@@ -1,0 +1,141 @@
+"""Folded small-batch projections against the separate kernels they replace, on CUDA.
+
+For each decode projection that takes a fold (Llama-3.1-8B and Qwen3-0.6B: QKV and
+gate-up after the RMSNorm with residual add, down after SiLU-and-multiply) at ``M``
+rows, times the unfused pair (``rms_norm`` / ``silu_and_mul``, then ``small_m_linear``
+with the model's tiles, :func:`lmkit_plugins.models.fused_ops.small_m_tiles`) and the
+folded kernel (:class:`lmkit_plugins.models.fused_ops.GemvFold`), each inside a CUDA
+graph of back-to-back calls over enough weight copies to miss L2 (as a decode step
+replays them; :mod:`gemv_bandwidth`). A and B alternate over ``--rounds`` rounds; the
+report gives medians, the spread, the weight bandwidth as a fraction of the copy
+bandwidth, and the saving per decode step over all layers. ``--sweep`` also times the
+folded kernel at other launch parameters (the fold's prologue and in-loop transform
+may favour other tiles than ``small_m_linear``'s)::
+
+    python bench/gemv_fold.py --rows 1,4,8 --out gemv_fold.json
+    python bench/gemv_fold.py --rows 1 --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_bandwidth import L2_BYTES, _time, copy_bandwidth  # noqa: E402
+from lmkit_kernels.activation import silu_and_mul  # noqa: E402
+from lmkit_kernels.gemv import small_m_linear  # noqa: E402
+from lmkit_kernels.gemv_fold import norm_small_m_linear, silu_mul_small_m_linear  # noqa: E402
+from lmkit_kernels.norm import rms_norm  # noqa: E402
+from lmkit_plugins.models.fused_ops import GemvFold, small_m_tiles  # noqa: E402
+
+#: name: (fold, N, K, layers); the norm folds carry a residual, as in every layer but
+#: the first
+SHAPES = {
+    "llama8b.qkv": ("norm", 6144, 4096, 32), "llama8b.gate_up": ("norm", 28672, 4096, 32),
+    "llama8b.down": ("silu", 4096, 14336, 32),
+    "qwen0.6b.qkv": ("norm", 4096, 1024, 28), "qwen0.6b.gate_up": ("norm", 6144, 1024, 28),
+    "qwen0.6b.down": ("silu", 1024, 3072, 28),
+}
+SWEEP = [  # (block_n, num_warps, num_stages); block_k stays 512 (it sets the sum order)
+    (16, 4, 4), (32, 4, 4), (32, 4, 3), (32, 4, 2), (64, 4, 3), (32, 8, 3), (64, 8, 3),
+]
+
+
+def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = False) -> dict:
+    """Seconds per call, unfused and folded, over ``rounds`` alternating rounds."""
+    copies = max(2, -(-L2_BYTES // (n * k * 2)) + 1)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    width = 2 * k if fold == "silu" else k
+    x = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    tiles = small_m_tiles(n)
+    folded = GemvFold()
+    i = [0]
+
+    def nxt() -> torch.Tensor:
+        i[0] = (i[0] + 1) % copies
+        return ws[i[0]]
+
+    if fold == "silu":
+        def unfused():
+            return small_m_linear(silu_and_mul(x), nxt(), **tiles)
+
+        def fused():
+            return folded.silu_mul_linear(x, nxt(), None)
+    else:
+        def unfused():
+            normed, _ = rms_norm(x, norm_weight, 1e-5, residual)
+            return small_m_linear(normed, nxt(), **tiles)
+
+        def fused():
+            return folded.norm_linear(x, residual, norm_weight, 1e-5, nxt(), None)[0]
+
+    times: dict[str, list[float]] = {"unfused": [], "folded": []}
+    for _ in range(rounds):
+        for name, fn in (("unfused", unfused), ("folded", fused)):
+            times[name].append(_time(fn, calls=copies * 4))
+    result: dict = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+                    for name, t in times.items()}
+    for bn, warps, stages in SWEEP if sweep else ():
+        kw = {"block_n": bn, "block_k": 512, "num_warps": warps, "num_stages": stages}
+        if fold == "silu":
+            def fn(kw=kw):
+                return silu_mul_small_m_linear(x, nxt(), **kw)
+        else:
+            def fn(kw=kw):
+                return norm_small_m_linear(x, residual, norm_weight, 1e-5, nxt(), **kw)[0]
+        try:
+            t = statistics.median(_time(fn, calls=copies * 4) for _ in range(rounds))
+        except Exception as e:  # a config that does not compile or fit: skip it
+            t = f"{type(e).__name__}"
+        result.setdefault("sweep", []).append({**kw, "median_s": t})
+    ws.clear()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time other launch parameters")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
+    rows = []
+    for m in (int(r) for r in args.rows.split(",")):
+        saved: dict[str, float] = {}
+        for name, (fold, n, k, layers) in SHAPES.items():
+            r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
+            r.update(name=name, M=m, N=n, K=k)
+            rows.append(r)
+            u, f = r["unfused"]["median_s"], r["folded"]["median_s"]
+            model = name.split(".")[0]
+            saved[model] = saved.get(model, 0.0) + (u - f) * layers
+            print(f"M={m:2d} {name:17s} unfused {1e6 * u:7.1f} us "
+                  f"[{1e6 * r['unfused']['min_s']:.1f}-{1e6 * r['unfused']['max_s']:.1f}]  "
+                  f"folded {1e6 * f:7.1f} us [{1e6 * r['folded']['min_s']:.1f}-"
+                  f"{1e6 * r['folded']['max_s']:.1f}]  weight read at "
+                  f"{n * k * 2 / f / bw:5.1%} of copy bw (folded)", flush=True)
+            for c in r.get("sweep", []):
+                t = c["median_s"]
+                print(f"    folded bn={c['block_n']} warps={c['num_warps']} stages="
+                      f"{c['num_stages']}: " + (f"{1e6 * t:7.1f} us" if isinstance(t, float)
+                                                else t), flush=True)
+        for model, s in saved.items():
+            print(f"M={m:2d} {model}: {1e3 * s:.3f} ms saved per decode step (all layers)")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"copy_bandwidth": bw, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

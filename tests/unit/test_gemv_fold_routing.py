@@ -1,0 +1,171 @@
+"""Where the Llama family's layers fold RMSNorm / SiLU-and-multiply into the small-batch
+projection (:class:`lmkit_plugins.models.fused_ops.GemvFold`), on the CPU.
+
+The fold is for dense CUDA half-precision layers; here the device check is stubbed
+through the same seam the other fused-kernel tests use (``fused_ops_enabled`` in the
+model modules), so the layers run lmkit's Triton kernels in the interpreter. Checked:
+which layers fold (not float32, not CPU, not quantized, not under tensor
+parallelism, not around a non-dense MLP, not with ``LMKIT_GEMV_FOLD=0``), that inputs
+of at most ``SMALL_BATCH`` rows take the folded kernels and larger ones the separate
+kernels, and that a tiny Llama's hidden states are bit-identical with the fold on and
+off.
+"""
+
+from __future__ import annotations
+
+import pytest
+from interpret_mode import require_triton_interpreter
+
+require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
+torch = pytest.importorskip("torch")
+
+from lmkit.api import AttentionMetadata, ForwardContext, ModelBuildContext  # noqa: E402
+from lmkit_kernels.interpreter import bf16_round_to_nearest  # noqa: E402
+from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
+from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
+from lmkit_plugins.models.fused_ops import SMALL_BATCH, GemvFold, gemv_fold  # noqa: E402
+from lmkit_plugins.models.layers import Linear  # noqa: E402
+from lmkit_plugins.models.tensor_parallel import TensorParallel  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def gpu_rounding():
+    with bf16_round_to_nearest() as patched:
+        yield patched
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The seam: the fused kernels count as enabled on this CPU (run interpreted)."""
+    monkeypatch.delenv("LMKIT_GEMV_FOLD", raising=False)
+    for module in (fused_ops, layers, llama, llama_layers):
+        monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
+
+
+def _config(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 32,
+                          "tie_word_embeddings": True, **kw})
+
+
+def _tiny_llama(seed=0):
+    ctx = ModelBuildContext(dtype=torch.bfloat16, device=CPU, block_size=4,
+                            attention_cls=TritonAttention)
+    model = llama.LlamaForCausalLM(_config(), ctx)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1
+                    else 0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _run(model, num_tokens):
+    # one request's prefill of num_tokens tokens over blocks 0.. of its cache
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    blocks = -(-num_tokens // 4)
+    md = AttentionMetadata(num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens,
+                           max_seq_len=num_tokens, query_start_loc=qsl, seq_lens=seq_lens,
+                           block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                           slot_mapping=torch.arange(num_tokens), query_start_loc_cpu=qsl,
+                           seq_lens_cpu=seq_lens)
+    caches = [torch.zeros(model.attn.kv_cache_shape(blocks), dtype=torch.bfloat16)
+              for _ in range(2)]
+    model.attn.plan(md)
+    ids = torch.arange(num_tokens) * 7 % 64
+    with torch.inference_mode():
+        return model(ids, torch.arange(num_tokens), ForwardContext(model.attn, caches))
+
+
+def test_the_switch_and_the_device_decide():
+    # no CUDA device is touched: the decision reads the device type and the dtype
+    cuda = torch.device("cuda")
+    if fused_ops.fused_ops_enabled(cuda, torch.bfloat16):  # triton installed
+        assert isinstance(gemv_fold(cuda, torch.bfloat16, "norm"), GemvFold)
+    assert gemv_fold(cuda, torch.float32, "norm") is None
+    assert gemv_fold(CPU, torch.bfloat16, "silu_mul") is None
+
+
+def _folded(model):
+    """(norm folded, SiLU folded) over the model's layers: each all or none, else None."""
+    norm = {layer._norm_folded for layer in model.model.layers}
+    silu = {layer.mlp._silu_folded for layer in model.model.layers}
+    return (norm.pop() if len(norm) == 1 else None, silu.pop() if len(silu) == 1 else None)
+
+
+def test_env_switch_turns_folds_off(fused_on_cpu, monkeypatch):
+    assert isinstance(gemv_fold(CPU, torch.bfloat16, "norm"), GemvFold)
+    assert _folded(_tiny_llama()) == (True, True)
+    for value, expected in (("0", (False, False)), ("off", (False, False)),
+                            ("False", (False, False)), ("1", (True, True)),
+                            ("norm", (True, False)), ("silu_mul", (False, True)),
+                            ("silu_mul, norm", (True, True))):
+        monkeypatch.setenv("LMKIT_GEMV_FOLD", value)
+        assert _folded(_tiny_llama()) == expected, value
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "norm,silu")
+    with pytest.raises(ValueError, match="unknown fold silu; expected 1 .all., 0 .none. or "
+                                         "a comma-separated subset of norm, silu_mul"):
+        gemv_fold(CPU, torch.bfloat16, "norm")
+
+
+class _Method:
+    """As much of a quantization method as building a Linear reads."""
+
+    fold_max_rows = 32
+
+
+def test_which_layers_fold(fused_on_cpu):
+    kw = {"dtype": torch.bfloat16, "device": CPU}
+    assert Linear(64, {"weight": 32}, bias=False, fold="norm", **kw).gemv_fold is not None
+    assert Linear(64, {"weight": 32}, bias=False, fold="silu_mul", quantization=_Method(),
+                  **kw).gemv_fold is None  # quantized weights: the method's own kernels
+    assert Linear(64, {"weight": 32}, bias=False, **kw).gemv_fold is None  # nothing to fold
+    model = _tiny_llama()
+    dims = model.dims
+    tp = TensorParallel(rank=0, size=2, group=None)
+    sharded = llama_layers.LlamaDecoderLayer(dims, 0, model.rotary, torch.bfloat16, CPU, tp)
+    assert not sharded._norm_folded and not sharded.mlp._silu_folded
+    other_mlp = llama_layers.LlamaDecoderLayer(dims, 0, model.rotary, torch.bfloat16, CPU,
+                                               mlp=torch.nn.Identity())
+    assert not other_mlp._norm_folded
+    gelu = llama_layers.LlamaMLP(dims, torch.bfloat16, CPU, act=lambda t: t[:, :96])
+    assert not gelu._silu_folded
+
+
+def test_without_the_seam_cpu_layers_do_not_fold(monkeypatch):
+    monkeypatch.delenv("LMKIT_GEMV_FOLD", raising=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert Linear(64, {"weight": 32}, bias=False, fold="norm", dtype=dtype,
+                      device=CPU).gemv_fold is None
+
+
+def _count_calls(monkeypatch):
+    calls = {"norm_linear": 0, "silu_mul_linear": 0}
+    for name in calls:
+        real = getattr(GemvFold, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(GemvFold, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("num_tokens", [1, SMALL_BATCH, SMALL_BATCH + 3])
+def test_small_inputs_take_the_fold_and_match_the_separate_kernels(fused_on_cpu, monkeypatch,
+                                                                    num_tokens):
+    calls = _count_calls(monkeypatch)
+    folded = _run(_tiny_llama(), num_tokens)
+    small = num_tokens <= SMALL_BATCH
+    assert calls == {"norm_linear": 4 if small else 0, "silu_mul_linear": 2 if small else 0}
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "0")
+    unfolded = _run(_tiny_llama(), num_tokens)
+    assert calls["norm_linear"] == (4 if small else 0)  # no more calls with the fold off
+    assert torch.equal(folded, unfolded)

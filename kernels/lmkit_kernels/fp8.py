@@ -85,7 +85,10 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of :func:`quantize_per_token`."""
     # one float32 temporary (a prefill of 16k rows into down_proj: 0.9 GB), used in place
-    scale = x.abs().amax(dim=1, keepdim=True).float().div_(E4M3_MAX).clamp_min_(MIN_SCALE)
+    # divided by a tensor: CUDA divides by a Python scalar as a product with its reciprocal,
+    # which differs from the kernel's IEEE division in the last bit
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = amax.div_(amax.new_tensor(E4M3_MAX)).clamp_min_(MIN_SCALE)
     xf = x.to(torch.float32, copy=True)  # a copy even when x is float32: divided in place
     return xf.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE), scale
 

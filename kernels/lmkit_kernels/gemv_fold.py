@@ -29,7 +29,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import max_shared_mem
 from triton.language.extra import libdevice
 from triton.runtime.errors import OutOfResources
 
@@ -194,7 +193,9 @@ def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, b
 @functools.cache
 def _max_shared_mem(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(max_shared_mem(index))
+    # triton.compiler.max_shared_mem is missing from some Triton releases: ask the driver
+    props = triton.runtime.driver.active.utils.get_device_properties(index)
+    return int(props["max_shared_mem"])
 
 
 def _check_weight(x: torch.Tensor, k: int, weight: torch.Tensor,

@@ -17,9 +17,11 @@ so the result equals the two-kernel path up to the order of the float32 sum of s
 in the norm (the same in Triton's interpreter, where the outputs are bit-identical).
 
 RMSNorm needs each row's ``1 / rms`` before its first product: every program computes
-it (one pass over the rows, in float32) in its first loop iteration, while the
-pipeline's first weight tiles are in flight. The residual sum ``x + residual``, the
-next layer's residual stream, is stored by program 0 alone.
+it in a prologue (one pass over the rows, in float32), whose latency another program
+on the same SM hides where two fit in its shared memory (3 stages at one row on sm_90;
+computing it inside the loop instead, behind the pipeline's first loads, made Triton
+3.6 run the loop's transform on all 16 rows of the dot tile). The residual sum ``x +
+residual``, the next layer's residual stream, is stored by program 0 alone.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import max_shared_mem
 from triton.language.extra import libdevice
 from triton.runtime.errors import OutOfResources
 
@@ -127,18 +128,14 @@ def _fold_linear_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if not SILU_MUL:
+        for m in range(0, M):
+            r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm, stride_hm,
+                          inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
+            rstd = tl.where(arows == m, r, rstd)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for k in range(0, K, BLOCK_K):
-        if not SILU_MUL:
-            if k == 0:
-                # each row's 1 / rms, inside the loop rather than before it: the software
-                # pipeline has issued the first weight tiles' loads by then (on sm_90 the
-                # prologue runs while they are in flight, not ahead of them)
-                for m in range(0, M):
-                    r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm,
-                                  stride_hm, inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
-                    rstd = tl.where(arows == m, r, rstd)
         k_ok = (k + ks) < K
         if SILU_MUL:
             a = _silu_mul_tile(x_ptr, arows, k + ks, arow_ok, k_ok, stride_xm, K, ACCURATE_EXP)
@@ -192,9 +189,15 @@ def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, b
 
 
 @functools.cache
-def _max_shared_mem(device: torch.device) -> int:
+def _max_shared_mem(device: torch.device) -> int | None:
+    """Shared memory per program on ``device`` (Triton's driver), or ``None`` when this
+    Triton does not say (then a launch that does not fit retries with fewer stages)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(max_shared_mem(index))
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)
+                   ["max_shared_mem"])
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def _check_weight(x: torch.Tensor, k: int, weight: torch.Tensor,

@@ -346,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
                 if ab_env:
-                    report.setdefault("lmkit_ab", {})[key] = run_side(
-                        "lmkit", {**job, "tag": key + "-ab", "env": ab_env}, root,
-                        args.side_timeout)
+                    ab = run_side("lmkit", {**job, "tag": key + "-ab", "env": ab_env}, root,
+                                  args.side_timeout)
+                    report.setdefault("lmkit_ab", {})[key] = {"env": ab_env, **ab}
             if args.baseline_tree or args.baseline_quantization:
                 base_q = args.baseline_quantization or args.quantization
                 base_job = {**job, "tag": key + "-base", "profile_steps": 0,

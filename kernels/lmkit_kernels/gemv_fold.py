@@ -17,9 +17,11 @@ so the result equals the two-kernel path up to the order of the float32 sum of s
 in the norm (the same in Triton's interpreter, where the outputs are bit-identical).
 
 RMSNorm needs each row's ``1 / rms`` before its first product: every program computes
-it (one pass over the rows, in float32) in its first loop iteration, while the
-pipeline's first weight tiles are in flight. The residual sum ``x + residual``, the
-next layer's residual stream, is stored by program 0 alone.
+it in a prologue (one pass over the rows, in float32), whose latency another program
+on the same SM hides where two fit in its shared memory (3 stages at one row on sm_90;
+computing it inside the loop instead, behind the pipeline's first loads, made Triton
+3.6 run the loop's transform on all 16 rows of the dot tile). The residual sum ``x +
+residual``, the next layer's residual stream, is stored by program 0 alone.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ from lmkit_kernels.checks import (
 from lmkit_kernels.gemv import MAX_ROWS, small_m_linear_ref
 from lmkit_kernels.norm import rms_norm_ref
 
-__all__ = ["SILU_ROWS_BLOCK_K", "launch_config", "norm_small_m_linear", "norm_small_m_linear_ref",
+__all__ = ["SILU_TILE", "launch_config", "norm_small_m_linear", "norm_small_m_linear_ref",
            "silu_mul_small_m_linear", "silu_mul_small_m_linear_ref"]
 
 _MAX_NORM_BLOCK = 8192  # the prologue reads rows in slices of at most this many elements
-#: widest K slice for more than one row through the SiLU fold (see launch_config)
-SILU_ROWS_BLOCK_K = 128
+#: the most elements of a SiLU fold's transform tile (rows x K slice; see launch_config)
+SILU_TILE = 2048
 #: launch variant -> the stages that fit, learned when a launch ran out of shared memory
 _STAGES_THAT_FIT: dict[tuple, int] = {}
 
@@ -107,6 +109,20 @@ def _silu_mul_tile(x_ptr, rows, cs, row_ok, k_ok, stride_xm, K,
 
 
 @triton.jit
+def _pad_rows(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # [BLOCK_M, BLOCK_K] (2, 4 or 8 rows) -> [16, BLOCK_K], zeros below: each join
+    # doubles the rows. (A broadcast, as for one row, lets Triton 3.6 move the transform
+    # onto all 16 rows; through join and reshape it stays on BLOCK_M.)
+    if BLOCK_M <= 8:
+        a = tl.reshape(tl.permute(tl.join(a, tl.zeros_like(a)), (2, 0, 1)), (2 * BLOCK_M, BLOCK_K))
+    if BLOCK_M <= 4:
+        a = tl.reshape(tl.permute(tl.join(a, tl.zeros_like(a)), (2, 0, 1)), (4 * BLOCK_M, BLOCK_K))
+    if BLOCK_M <= 2:
+        a = tl.reshape(tl.permute(tl.join(a, tl.zeros_like(a)), (2, 0, 1)), (8 * BLOCK_M, BLOCK_K))
+    return a
+
+
+@triton.jit
 def _fold_linear_kernel(
     x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, M, N, K,
     stride_xm, stride_rm, stride_hm, stride_wn, stride_om, inv_k, eps,
@@ -116,8 +132,8 @@ def _fold_linear_kernel(
     ACCURATE_EXP: tl.constexpr,
 ):
     # program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] = transform(x) @ w[cols].T over
-    # the whole K. The transform runs on BLOCK_M rows (1 for one-row inputs: no work on
-    # the 15 padding rows of the 16-row dot tile, which then holds zeros there).
+    # the whole K. The transform runs on BLOCK_M rows (M rounded up to a power of two):
+    # no work on the padding rows of the 16-row dot tile, which hold zeros.
     pid = tl.program_id(0)
     rows = tl.arange(0, 16)
     arows = tl.arange(0, BLOCK_M)
@@ -126,18 +142,14 @@ def _fold_linear_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if not SILU_MUL:
+        for m in range(0, M):
+            r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm, stride_hm,
+                          inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
+            rstd = tl.where(arows == m, r, rstd)
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for k in range(0, K, BLOCK_K):
-        if not SILU_MUL:
-            if k == 0:
-                # each row's 1 / rms, inside the loop rather than before it: the software
-                # pipeline has issued the first weight tiles' loads by then (on sm_90 the
-                # prologue runs while they are in flight, not ahead of them)
-                for m in range(0, M):
-                    r = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, K, stride_xm, stride_rm,
-                                  stride_hm, inv_k, eps, HAS_RESIDUAL, NORM_BLOCK)
-                    rstd = tl.where(arows == m, r, rstd)
         k_ok = (k + ks) < K
         if SILU_MUL:
             a = _silu_mul_tile(x_ptr, arows, k + ks, arow_ok, k_ok, stride_xm, K, ACCURATE_EXP)
@@ -146,6 +158,8 @@ def _fold_linear_kernel(
                              stride_xm, stride_rm, HAS_RESIDUAL)
         if BLOCK_M == 1:  # [1, BLOCK_K] -> the 16-row tile, zeros below
             a = tl.where(rows[:, None] == 0, a, tl.zeros((16, BLOCK_K), dtype=a.dtype))
+        elif BLOCK_M < 16:
+            a = _pad_rows(a, BLOCK_M, BLOCK_K)
         w = tl.load(w_base + (k + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
@@ -166,22 +180,24 @@ def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, b
     ``block_k`` and ``num_stages``, on a device with ``max_shared`` bytes of shared memory
     per program (``None``: no limit, the interpreter).
 
-    * ``BLOCK_M``: the rows the transform runs on, 1 for one row (the dot still takes a
-      16-row tile, zero below), else 16.
-    * More than one row through the SiLU fold: ``K`` slices of at most
-      :data:`SILU_ROWS_BLOCK_K`, with as many more stages as keep the same weight bytes
-      in flight (16 rows of SiLU over 512 columns spill registers on sm_90). On the GPU
-      the dot accumulates in ``K`` order whatever the slice, so the result is unchanged;
-      in the interpreter the slice sets the float32 sum order.
+    * ``BLOCK_M``: the rows the transform runs on, ``rows`` rounded up to a power of two
+      (the dot still takes a 16-row tile, zero below).
+    * The SiLU fold: a transform tile of at most :data:`SILU_TILE` elements (``K``
+      slices of ``SILU_TILE / BLOCK_M`` for 8 and 16 rows), with as many more stages as
+      keep the same weight bytes in flight (8 rows of SiLU over 512 columns, or 16 over
+      256, spill registers on sm_90). On the GPU the dot accumulates in ``K`` order
+      whatever the slice, so the result is unchanged; in the interpreter the slice sets
+      the float32 sum order.
     * Stages: the input tiles (x and residual or gate and up, and the norm weight) are
       pipelined beside the weight's, ``num_stages - 1`` buffers of each, next to a
       scratch tile for the transformed input's move into the dot's layout; fewer stages
       where they would not fit (sm_90's 227 KiB hold 4 at ``block_n`` 32 and 16 rows).
     """
-    block_m = 1 if rows == 1 else 16
-    if silu_mul and block_m == 16 and block_k > SILU_ROWS_BLOCK_K:
-        num_stages = 1 + (num_stages - 1) * block_k // SILU_ROWS_BLOCK_K
-        block_k = SILU_ROWS_BLOCK_K
+    block_m = next_power_of_2(rows)
+    if silu_mul and block_m * block_k > SILU_TILE:
+        narrow = max(16, SILU_TILE // block_m)
+        num_stages = 1 + (num_stages - 1) * block_k // narrow
+        block_k = narrow
     if max_shared is not None:
         tiles = (2 if silu_mul or has_residual else 1) * block_m + (0 if silu_mul else 1)
         stage_bytes = (block_n + tiles) * block_k * element_size
@@ -191,11 +207,15 @@ def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, b
 
 
 @functools.cache
-def _max_shared_mem(device: torch.device) -> int:
+def _max_shared_mem(device: torch.device) -> int | None:
+    """Shared memory per program on ``device`` (Triton's driver), or ``None`` when this
+    Triton does not say (then a launch that does not fit retries with fewer stages)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    # triton.compiler.max_shared_mem is missing from some Triton releases: ask the driver
-    props = triton.runtime.driver.active.utils.get_device_properties(index)
-    return int(props["max_shared_mem"])
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)
+                   ["max_shared_mem"])
+    except (AttributeError, KeyError, TypeError):
+        return None
 
 
 def _check_weight(x: torch.Tensor, k: int, weight: torch.Tensor,
@@ -313,8 +333,8 @@ def silu_mul_small_m_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         last stride.
     :param weight: ``[N, I]`` in ``gate_up``'s dtype, unit last stride.
     :param bias: optional ``[N]``.
-    :param block_k: ``K`` slice per loop iteration, at most :data:`SILU_ROWS_BLOCK_K` for
-        more than one row (:func:`launch_config`).
+    :param block_k: ``K`` slice per loop iteration, at most :data:`SILU_TILE` divided by
+        the rows rounded up to a power of two (:func:`launch_config`).
     :return: a new ``[M, N]`` tensor in ``gate_up``'s dtype.
     :raises ValueError: on a shape, dtype, device or stride mismatch, an odd width, or
         ``M > 16``.

@@ -6,7 +6,7 @@ Run as a script (Triton must not be in interpreter mode, so the test runs it in 
 subprocess): ``python offline_sm90.py '[[rows, fold, has_residual, out_features], ...]'``
 prints one JSON object per variant, launched as
 :class:`lmkit_plugins.models.fused_ops.GemvFold` launches it
-(:func:`lmkit_plugins.models.fused_ops.small_m_tiles`,
+(:meth:`lmkit_plugins.models.fused_ops.GemvFold.tiles`,
 :func:`lmkit_kernels.gemv_fold.launch_config`).
 """
 
@@ -20,6 +20,8 @@ import sys
 import tempfile
 
 SM90_MAX_SHARED = 232448  # bytes of shared memory a program may use on sm_90 (227 KiB)
+SM90_SM_SHARED = 233472  # bytes of shared memory per SM (228 KiB; 1 KiB of it per program
+#                          is the system's)
 
 
 def bundled_tool(name: str) -> str | None:
@@ -35,12 +37,12 @@ def bundled_tool(name: str) -> str | None:
 
 def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dict:
     from lmkit_kernels.gemv_fold import _fold_linear_kernel, launch_config
-    from lmkit_plugins.models.fused_ops import small_m_tiles
+    from lmkit_plugins.models.fused_ops import GemvFold
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler import compile as triton_compile
 
-    tiles = small_m_tiles(out_features)
+    tiles = GemvFold.tiles(fold, out_features)
     silu_mul = fold == "silu_mul"
     block_m, block_k, stages = launch_config(rows, silu_mul, has_residual, tiles["block_n"],
                                              tiles["block_k"], tiles["num_stages"], 2,

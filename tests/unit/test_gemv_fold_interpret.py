@@ -60,7 +60,7 @@ def _inputs(rows, k, n, dtype, bias, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize(("with_residual", "bias"), [(False, False), (True, True),
                                                      (True, False)])
 def test_norm_fold_matches_norm_then_linear(dtype, rows, with_residual, bias):
@@ -83,7 +83,7 @@ def test_norm_fold_matches_norm_then_linear(dtype, rows, with_residual, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 9, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_fold_matches_silu_then_linear(dtype, rows, bias):
     g, _, weight, b = _inputs(rows, 200, 24, dtype, bias, seed=7)
@@ -123,18 +123,22 @@ def test_empty_batch():
 
 
 def test_launch_config():
-    from lmkit_kernels.gemv_fold import SILU_ROWS_BLOCK_K, launch_config
+    from lmkit_kernels.gemv_fold import SILU_TILE, launch_config
 
-    # one row: the transform on one row, as asked; the interpreter has no shared memory limit
+    # the transform runs on the rows rounded up to a power of two, over the slice asked
+    # for; the interpreter has no shared memory limit
     assert launch_config(1, True, False, 32, 512, 4, 2, None) == (1, 512, 4)
-    # several rows of SiLU: narrower slices, as many more stages as keep the weight bytes
-    assert launch_config(5, True, False, 32, 512, 4, 2, None) == (16, SILU_ROWS_BLOCK_K, 13)
-    assert launch_config(5, False, True, 32, 512, 4, 2, None) == (16, 512, 4)
+    assert launch_config(3, True, False, 32, 512, 4, 2, None) == (4, 512, 4)
+    assert launch_config(5, False, True, 32, 512, 4, 2, None) == (8, 512, 4)
+    # 8 or 16 rows of SiLU: narrower slices, as many more stages as keep the weight bytes
+    assert SILU_TILE == 2048
+    assert launch_config(5, True, False, 32, 512, 4, 2, None) == (8, 256, 7)
+    assert launch_config(16, True, False, 32, 512, 4, 2, None) == (16, 128, 13)
     # shared memory: (stages - 1) stages of the weight and input tiles, plus a scratch tile
-    stage = (32 + 2 * 16 + 1) * 512 * 2
-    assert launch_config(5, False, True, 32, 512, 4, 2, 3 * stage + 16 * 512 * 2) == (16, 512, 4)
+    stage = (32 + 2 * 8 + 1) * 512 * 2
+    assert launch_config(5, False, True, 32, 512, 4, 2, 3 * stage + 16 * 512 * 2) == (8, 512, 4)
     assert launch_config(5, False, True, 32, 512, 4, 2, 3 * stage + 16 * 512 * 2 - 1) == (
-        16, 512, 3)
+        8, 512, 3)
     assert launch_config(5, False, True, 32, 512, 4, 2, 1000)[2] == 1
 
 

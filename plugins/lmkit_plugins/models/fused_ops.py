@@ -175,11 +175,19 @@ def small_m_tiles(out_features: int) -> dict[str, int]:
             "num_stages": 4}
 
 
+#: pipeline stages of the norm fold: 3 lets two programs share an SM at one row on sm_90
+#: (86 KiB of shared memory each; 4 stages take 121 KiB), so one's 1/rms prologue runs
+#: while the other streams its weight tiles. Not yet measured against 4 on a GPU:
+#: ``bench/gemv_fold.py --sweep`` times both.
+NORM_FOLD_STAGES = 3
+
+
 class GemvFold:
     """Projections of at most :data:`SMALL_BATCH` rows (the inputs :func:`linear_kernel`
     sends to the weight-streaming kernel) with their input transform folded into that
-    kernel (:mod:`lmkit_kernels.gemv_fold`), over the same tiles: the result is the
-    unfused path's up to the order of the norm's float32 sum of squares."""
+    kernel (:mod:`lmkit_kernels.gemv_fold`), over the same tiles (the norm fold with
+    :data:`NORM_FOLD_STAGES` stages): the result is the unfused path's up to the order
+    of the norm's float32 sum of squares."""
 
     def __init__(self) -> None:
         from lmkit_kernels.gemv_fold import norm_small_m_linear, silu_mul_small_m_linear
@@ -197,12 +205,20 @@ class GemvFold:
                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual) @ weight.T + bias, x + residual)``."""
         return self._norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                 **small_m_tiles(weight.shape[0]))
+                                 **self.tiles("norm", weight.shape[0]))
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
         """``silu_and_mul(gate_up) @ weight.T + bias``."""
-        return self._silu_mul_linear(gate_up, weight, bias, **small_m_tiles(weight.shape[0]))
+        return self._silu_mul_linear(gate_up, weight, bias,
+                                     **self.tiles("silu_mul", weight.shape[0]))
+
+    @staticmethod
+    def tiles(fold: str, out_features: int) -> dict[str, int]:
+        """The launch parameters of ``fold``'s kernel (one of :data:`GEMV_FOLDS`) for a
+        projection with ``out_features`` outputs."""
+        tiles = small_m_tiles(out_features)
+        return {**tiles, "num_stages": NORM_FOLD_STAGES} if fold == "norm" else tiles
 
 
 def gemv_fold(device: torch.device | str, dtype: torch.dtype, fold: str) -> GemvFold | None:

@@ -91,6 +91,7 @@ def build_model(name: str, num_layers: int, seed: int, device: str = "cuda") -> 
     return model.eval()
 
 
+@torch.no_grad()  # the weights require grad: quantizing them must not record a graph
 def swap_projections(model: nn.Module, fp8: bool, saved: dict[str, nn.Module]) -> None:
     """Replace every projection by :class:`Fp8Projection` (``fp8``), or put the saved
     bf16 ones back."""

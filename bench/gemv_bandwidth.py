@@ -33,6 +33,11 @@ CONFIGS = [  # (block_n, block_k, num_warps, num_stages)
     (16, 512, 4, 4), (16, 1024, 4, 3), (16, 256, 4, 6), (32, 512, 4, 4), (32, 256, 8, 4),
     (64, 256, 8, 3), (32, 1024, 4, 3), (64, 512, 8, 3),
 ]
+#: more candidates for FP8 weights (half the bytes per tile: longer K slices, more warps)
+FP8_CONFIGS = [
+    (16, 1024, 8, 4), (16, 2048, 4, 2), (16, 2048, 8, 3), (32, 1024, 8, 4), (32, 2048, 8, 2),
+    (32, 512, 8, 6), (64, 1024, 8, 3), (16, 512, 8, 6),
+]
 L2_BYTES = 60 * 2**20
 
 
@@ -95,7 +100,7 @@ def bench_shape(n: int, k: int, m: int, fp8: bool = False) -> dict:
     w0, s0 = pairs[0]
     ref = (F.linear(x, w0) if s0 is None else fp8_linear_ref(x, w0, s0)).float()
     best = None
-    for cfg in CONFIGS:
+    for cfg in CONFIGS + (FP8_CONFIGS if fp8 else []):
         bn, bk, warps, stages = cfg
         try:
             out = triton(*cfg, pair=pairs[0])
@@ -107,6 +112,7 @@ def bench_shape(n: int, k: int, m: int, fp8: bool = False) -> dict:
         if err > 2e-2:
             row.setdefault("wrong", []).append(f"{cfg}: rel err {err:.3g}")
             continue
+        row.setdefault("configs", {})[",".join(map(str, cfg))] = t
         if best is None or t < best[0]:
             best = (t, cfg)
     if best:

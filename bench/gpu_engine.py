@@ -64,11 +64,14 @@ ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_mod
 QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
 
 
-def quantization_options(quantization: str) -> dict[str, Any]:
+def quantization_options(quantization: str, extra: dict[str, Any] | None = None
+                         ) -> dict[str, Any]:
     """The engine options of ``--quantization`` (``fp8-lm-head``: the fp8 method with
-    ``quantize_lm_head``)."""
+    ``quantize_lm_head``), with ``extra`` method options (``--quantization-options``)."""
     if quantization == "fp8-lm-head":
-        return {"quantization": "fp8", "quantization.options": {"quantize_lm_head": True}}
+        quantization, extra = "fp8", {"quantize_lm_head": True, **(extra or {})}
+    if extra:
+        return {"quantization": quantization, "quantization.options": extra}
     return {"quantization": quantization}
 
 
@@ -268,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="lmkit's (and vLLM's) weights: none (bf16) or fp8 (quantized at "
                     "load); fp8-lm-head: the LM head too (lmkit only)")
+    ap.add_argument("--quantization-options", type=json.loads, default=None,
+                    help="the method's options for lmkit's run, as JSON, e.g. "
+                    "'{\"gemv_block_k\": 1024, \"gemv_num_warps\": 8}'")
     ap.add_argument("--baseline-quantization", choices=QUANTIZATIONS,
                     help="also run lmkit with these weights, reported as the baseline "
                     "(with --baseline-tree: that checkout's lmkit)")
@@ -322,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
-                   executor=args.executor, **quantization_options(args.quantization))
+                   executor=args.executor,
+                   **quantization_options(args.quantization, args.quantization_options))
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []

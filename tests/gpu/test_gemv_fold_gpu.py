@@ -2,10 +2,14 @@
 
 * At Llama-3.1-8B's shapes (QKV and gate-up with the RMSNorm folded in, down with
   SiLU-and-multiply), against the separate kernels the model runs without the fold
-  (``rms_norm`` / ``silu_and_mul``, then ``small_m_linear`` with the same tiles): the
-  SiLU fold and the residual sum bit for bit; the norm fold within one unit in the last
-  place, at least 98% of outputs bit-identical (the norm's float32 sum of squares is
-  reduced in another order, so ``1 / rms`` may differ in its last bit). The measured
+  (``rms_norm`` / ``silu_and_mul``, then ``small_m_linear`` with the same tiles): at the
+  one row the layers fold (``FOLD_MAX_ROWS``) the SiLU fold and the residual sum bit for
+  bit, the norm fold within one unit in the last place, at least 98% of outputs
+  bit-identical (the norm's float32 sum of squares is reduced in another order, so
+  ``1 / rms`` may differ in its last bit). At 2-16 rows (which the kernels accept but
+  the layers do not fold: slower there) the padded tiles accumulate in another order:
+  at least 99% of outputs bit-identical and the rest within float rounding of the
+  products (H100, session 11: up to 148 ulp on outputs near zero). The measured
   differences are printed (``pytest -s``).
 * A 2-layer Llama-3.1-8B-shape model (tests/gpu/copy_circuit_model.py) generates the
   same greedy tokens under CUDA graphs with the fold on and off (``LMKIT_GEMV_FOLD=0``),
@@ -31,7 +35,7 @@ from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
-from lmkit_plugins.models.fused_ops import GemvFold, small_m_tiles  # noqa: E402
+from lmkit_plugins.models.fused_ops import FOLD_MAX_ROWS, GemvFold, small_m_tiles  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 ROWS = [1, 2, 5, 8, 16]
@@ -50,6 +54,16 @@ def _report(what, out, ref):
     same = (ulps == 0).float().mean().item()
     print(f"{what}: {same:.4%} bit-identical, max {ulps.max().item()} ulp")
     return same, ulps.max().item()
+
+
+def _check(rows, out, ref, same, max_ulp, folded_max_ulp):
+    """Bit-identical up to ``folded_max_ulp`` where the layers fold; elsewhere close."""
+    if rows <= FOLD_MAX_ROWS:
+        assert max_ulp <= folded_max_ulp and same >= 0.98
+    else:
+        assert same >= 0.99
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-3 * scale)
 
 
 def _unfused(x, weight, bias=None):
@@ -74,14 +88,15 @@ def test_norm_fold_at_llama8b_shapes(dtype, rows, n, with_residual, bias):
     else:
         normed, ref_h = rms_norm(x, norm_weight, 1e-5, residual)
     assert torch.equal(h, ref_h)
-    same, max_ulp = _report(f"norm fold {rows}x{HIDDEN} -> {n}", out, _unfused(normed, weight, b))
-    assert max_ulp <= 1 and same >= 0.98
+    ref = _unfused(normed, weight, b)
+    same, max_ulp = _report(f"norm fold {rows}x{HIDDEN} -> {n}", out, ref)
+    _check(rows, out, ref, same, max_ulp, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_fold_at_llama8b_shapes_is_bit_identical(dtype, rows, bias):
+def test_silu_fold_at_llama8b_shapes(dtype, rows, bias):
     g = torch.Generator(device="cuda").manual_seed(rows)
     kw = {"device": "cuda", "generator": g}
     gate_up = (3 * torch.randn(rows, 2 * INTERMEDIATE, **kw)).to(dtype)
@@ -89,8 +104,8 @@ def test_silu_fold_at_llama8b_shapes_is_bit_identical(dtype, rows, bias):
     b = torch.randn(HIDDEN, **kw).to(dtype) if bias else None
     out = GemvFold().silu_mul_linear(gate_up, weight, b)
     ref = _unfused(silu_and_mul(gate_up), weight, b)
-    _report(f"silu fold {rows}x{2 * INTERMEDIATE} -> {HIDDEN}", out, ref)
-    assert torch.equal(out, ref)
+    same, max_ulp = _report(f"silu fold {rows}x{2 * INTERMEDIATE} -> {HIDDEN}", out, ref)
+    _check(rows, out, ref, same, max_ulp, 0)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,12 @@ def test_fp8_decode_bytes_of_the_llama_8b_shape():
         models.model_facts(config, "int4")
     assert gpu_engine.quantization_options("fp8-lm-head") == {
         "quantization": "fp8", "quantization.options": {"quantize_lm_head": True}}
+    assert gpu_engine.quantization_options("fp8", {"gemv_num_warps": 8}) == {
+        "quantization": "fp8", "quantization.options": {"gemv_num_warps": 8}}
+    assert gpu_engine.quantization_options("fp8-lm-head", {"gemv_block_k": 1024}) == {
+        "quantization": "fp8",
+        "quantization.options": {"quantize_lm_head": True, "gemv_block_k": 1024}}
+    assert gpu_engine.quantization_options("none") == {"quantization": "none"}
     from lmkit.frontend.llm import build_config
 
     cfg = build_config("/m", None, gpu_engine.quantization_options("fp8-lm-head"))

@@ -6,7 +6,7 @@ through the same seam the other fused-kernel tests use (``fused_ops_enabled`` in
 model modules), so the layers run lmkit's Triton kernels in the interpreter. Checked:
 which layers fold (not float32, not CPU, not quantized, not under tensor
 parallelism, not around a non-dense MLP, not with ``LMKIT_GEMV_FOLD=0``), that inputs
-of at most ``SMALL_BATCH`` rows take the folded kernels and larger ones the separate
+of at most ``FOLD_MAX_ROWS`` rows take the folded kernels and larger ones the separate
 kernels, and that a tiny Llama's hidden states are bit-identical with the fold on and
 off.
 """
@@ -23,7 +23,12 @@ from lmkit.api import AttentionMetadata, ForwardContext, ModelBuildContext  # no
 from lmkit_kernels.interpreter import bf16_round_to_nearest  # noqa: E402
 from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
-from lmkit_plugins.models.fused_ops import SMALL_BATCH, GemvFold, gemv_fold  # noqa: E402
+from lmkit_plugins.models.fused_ops import (  # noqa: E402
+    FOLD_MAX_ROWS,
+    SMALL_BATCH,
+    GemvFold,
+    gemv_fold,
+)
 from lmkit_plugins.models.layers import Linear  # noqa: E402
 from lmkit_plugins.models.tensor_parallel import TensorParallel  # noqa: E402
 
@@ -158,12 +163,12 @@ def _count_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("num_tokens", [1, SMALL_BATCH, SMALL_BATCH + 3])
+@pytest.mark.parametrize("num_tokens", [1, FOLD_MAX_ROWS + 1, SMALL_BATCH, SMALL_BATCH + 3])
 def test_small_inputs_take_the_fold_and_match_the_separate_kernels(fused_on_cpu, monkeypatch,
                                                                     num_tokens):
     calls = _count_calls(monkeypatch)
     folded = _run(_tiny_llama(), num_tokens)
-    small = num_tokens <= SMALL_BATCH
+    small = num_tokens <= FOLD_MAX_ROWS
     assert calls == {"norm_linear": 4 if small else 0, "silu_mul_linear": 2 if small else 0}
     monkeypatch.setenv("LMKIT_GEMV_FOLD", "0")
     unfolded = _run(_tiny_llama(), num_tokens)

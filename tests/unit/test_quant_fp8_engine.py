@@ -102,8 +102,10 @@ def test_fp8_on_the_cpu_is_refused_with_what_to_use(host):
     ({"gemv_max_rows": 17}, r"gemv_max_rows.*less than or equal to 16"),
     ({"gemv_block_k": 100}, r"gemv_block_k.*power of two from 64 to 4096, got 100"),
     ({"gemv_block_n": 8}, r"gemv_block_n.*must be 16, 32 or 64, got 8"),
+    ({"gemv_num_warps": 6}, r"gemv_num_warps.*must be 4 or 8, got 6"),
+    ({"gemv_num_stages": 0}, r"gemv_num_stages.*greater than or equal to 1"),
     ({"block": 1}, r"options.block: unknown field; known fields: gemv_max_rows, gemv_block_n, "
-                    r"gemv_block_k"),
+                    r"gemv_block_k, gemv_num_warps, gemv_num_stages"),
 ])
 def test_option_errors(host, options, pattern):
     with pytest.raises(ConfigError, match=r"invalid options for quantization 'fp8_cpu'[\s\S]*"

@@ -180,10 +180,15 @@ def small_m_tiles(out_features: int) -> dict[str, int]:
 #: while the other streams its weight tiles. Not yet measured against 4 on a GPU:
 #: ``bench/gemv_fold.py --sweep`` times both.
 NORM_FOLD_STAGES = 3
+#: rows up to which the folds run. Measured on the H100 (``bench/gemv_fold.py``, session
+#: 11): at 1 row the folds save 0.07 ms per Llama-8B decode step; at 8 rows the folded
+#: kernels are slower than the separate ones (Llama-8B down projection 171 vs 45 us,
+#: Qwen3-0.6B's 38 vs 8.6 us), so 2-8 rows keep the separate kernels
+FOLD_MAX_ROWS = 1
 
 
 class GemvFold:
-    """Projections of at most :data:`SMALL_BATCH` rows (the inputs :func:`linear_kernel`
+    """Projections of at most :data:`FOLD_MAX_ROWS` rows (of the inputs :func:`linear_kernel`
     sends to the weight-streaming kernel) with their input transform folded into that
     kernel (:mod:`lmkit_kernels.gemv_fold`), over the same tiles (the norm fold with
     :data:`NORM_FOLD_STAGES` stages): the result is the unfused path's up to the order
@@ -198,7 +203,7 @@ class GemvFold:
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         """Whether the folded kernel runs for the input ``x`` (``[rows, in]``)."""
-        return x.dim() == 2 and x.shape[0] <= SMALL_BATCH
+        return x.dim() == 2 and x.shape[0] <= FOLD_MAX_ROWS
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

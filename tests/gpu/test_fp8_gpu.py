@@ -75,6 +75,21 @@ def test_gemv_matches_the_reference_at_real_shapes(shape, dtype):
                 _close(got, fp8_linear_ref(x, q, scale, b), 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_one_row_kernel_matches_the_reference_at_real_shapes(shape, dtype):
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+    q, scale = _fp8_weight(*shape)
+    bias = torch.randn(shape[0], device="cuda").to(dtype)
+    x = torch.randn(1, shape[1], device="cuda").to(dtype)
+    for b in (None, bias):
+        for tiles in ((16, 512, 4), (32, 256, 4), (8, 1024, 8)):
+            got = fp8_row_linear(x, q, scale, b, block_n=tiles[0], block_k=tiles[1],
+                                 num_warps=tiles[2])
+            _close(got, fp8_linear_ref(x, q, scale, b), 1e-2)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_scaled_mm_matches_the_reference_at_real_shapes(shape):
     q, scale = _fp8_weight(*shape)

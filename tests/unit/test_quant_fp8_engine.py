@@ -105,7 +105,11 @@ def test_fp8_on_the_cpu_is_refused_with_what_to_use(host):
     ({"gemv_num_warps": 6}, r"gemv_num_warps.*must be 4 or 8, got 6"),
     ({"gemv_num_stages": 0}, r"gemv_num_stages.*greater than or equal to 1"),
     ({"block": 1}, r"options.block: unknown field; known fields: gemv_max_rows, gemv_block_n, "
-                    r"gemv_block_k, gemv_num_warps, gemv_num_stages"),
+                    r"gemv_block_k, gemv_num_warps, gemv_num_stages, gemv_row_kernel, "
+                    r"gemv_row_tiles"),
+    ({"gemv_row_tiles": [16, 300, 4]}, r"gemv_row_tiles.*block_k must be a power of two up "
+                                       r"to 4096, got 300"),
+    ({"gemv_row_tiles": [16, 512, 2]}, r"gemv_row_tiles.*warps must be 4 or 8, got 2"),
 ])
 def test_option_errors(host, options, pattern):
     with pytest.raises(ConfigError, match=r"invalid options for quantization 'fp8_cpu'[\s\S]*"

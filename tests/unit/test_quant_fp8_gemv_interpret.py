@@ -35,6 +35,40 @@ def test_fp8_gemv_matches_the_reference(dtype, rows):
         assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 64), (32, 128), (8, 256)])
+def test_one_row_kernel_matches_the_reference(dtype, block_n, block_k):
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+    g = torch.Generator().manual_seed(block_n)
+    w = torch.randn(70, 200, generator=g) * torch.logspace(-2, 0, 70)[:, None]
+    q, scale = quantize_per_channel(w)  # 70 rows, K = 200: partial row and K blocks
+    x = torch.randn(1, 200, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    for bias in (None, b):
+        out = fp8_row_linear(x, q, scale, bias, block_n=block_n, block_k=block_k)
+        ref = fp8_linear_ref(x, q, scale, bias)
+        assert out.shape == (1, 70) and out.dtype == dtype
+        assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+        tiled = small_m_linear(x, q, bias, block_n=16, block_k=64, weight_scale=scale)
+        assert (out.float() - tiled.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+
+
+def test_one_row_kernel_refuses_what_it_cannot_run():
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+    q, scale = quantize_per_channel(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="takes one row, got 2; use small_m_linear"):
+        fp8_row_linear(torch.randn(2, 64, dtype=torch.bfloat16), q, scale)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight has dtype bfloat16"):
+        fp8_row_linear(x, q.bfloat16(), scale)
+    with pytest.raises(ValueError, match=r"weight_scale must have shape \[32\]"):
+        fp8_row_linear(x, q, scale[:8])
+    with pytest.raises(ValueError, match="block_k must be a power of two, got 100"):
+        fp8_row_linear(x, q, scale, block_k=100)
+
+
 def test_fp8_weights_need_their_scales():
     q, scale = quantize_per_channel(torch.randn(32, 64))
     x = torch.randn(2, 64, dtype=torch.bfloat16)

@@ -105,7 +105,9 @@ class Fp8Method(QuantizationMethod):
         """``(x, bias) -> x @ W.T + bias`` (:class:`Fp8Linear`)."""
         return Fp8Linear(weight.data, self.opts.gemv_max_rows, self.opts.gemv_block_k,
                          self.opts.gemv_block_n, num_warps=self.opts.gemv_num_warps,
-                         num_stages=self.opts.gemv_num_stages)
+                         num_stages=self.opts.gemv_num_stages,
+                         row_tiles=self.opts.gemv_row_tiles if self.opts.gemv_row_kernel
+                         else None)
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 ``weight * scale`` (rows ``rows``), on the weight's device."""
@@ -119,13 +121,16 @@ class Fp8Method(QuantizationMethod):
 
 
 class Fp8Linear:
-    """One projection's FP8 product: the Triton GEMV for at most ``max_rows`` rows,
-    ``torch._scaled_mm`` (per-token activation scales) above; on the CPU their torch
-    references. Everything shape-dependent is decided here, once, not per call."""
+    """One projection's FP8 product: one row through the one-row kernel
+    (:func:`lmkit_kernels.fp8_gemv.fp8_row_linear`, unless ``row_tiles`` is ``None``),
+    up to ``max_rows`` rows through the tiled Triton GEMV, ``torch._scaled_mm``
+    (per-token activation scales) above; on the CPU their torch references. Everything
+    shape-dependent is decided here, once, not per call."""
 
     def __init__(self, data: Fp8Weight, max_rows: int, block_k: int,
                  block_n: int | None = None, *, num_warps: int = 4,
-                 num_stages: int = 4) -> None:
+                 num_stages: int = 4, row_tiles: tuple[int, int, int] | None = None
+                 ) -> None:
         from lmkit_kernels.fp8 import scaled_mm_unsupported_reason
 
         self.weight = data.weight.contiguous()  # [out, in] float8_e4m3fn
@@ -134,6 +139,8 @@ class Fp8Linear:
         self.max_rows = max_rows
         self.block_k = block_k
         self.num_warps, self.num_stages = num_warps, num_stages
+        #: one-row inputs' kernel launch (block_n, block_k, warps); None: the tiled GEMV
+        self.row_tiles = row_tiles
         # narrow programs for small outputs so that every SM gets work (as bf16 does)
         self.block_n = block_n or (16 if self.weight.shape[0] <= 2048 else 32)
         self.on_cuda = self.weight.is_cuda
@@ -148,6 +155,12 @@ class Fp8Linear:
             from lmkit_kernels.fp8 import fp8_linear_ref, scaled_mm_ref
 
             return (fp8_linear_ref if small else scaled_mm_ref)(x, self.weight, self.scale, bias)
+        if small and self.row_tiles is not None and x.shape[0] == 1:
+            from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+            block_n, block_k, warps = self.row_tiles
+            return fp8_row_linear(x, self.weight, self.scale, bias, block_n=block_n,
+                                  block_k=block_k, num_warps=warps)
         if small:
             from lmkit_kernels.gemv import small_m_linear
 

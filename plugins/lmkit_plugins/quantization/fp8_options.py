@@ -27,6 +27,13 @@ class Fp8Options(BaseModel):
     gemv_num_stages: int = Field(
         4, ge=1, le=8, description="Pipeline stages of the GEMV kernel's weight loads "
         "(1-8; more stages need more shared memory).")
+    gemv_row_kernel: bool = Field(
+        True, description="One-row inputs (batch-1 decode) through the one-row FP8 kernel "
+        "(lmkit_kernels.fp8_gemv: no tensor-core tile, many narrow programs) instead of "
+        "the tiled GEMV.")
+    gemv_row_tiles: tuple[int, int, int] = Field(
+        (16, 512, 4), description="The one-row kernel's launch: weight rows per program, "
+        "K slice per iteration (powers of two) and warps (4 or 8).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
@@ -45,6 +52,17 @@ class Fp8Options(BaseModel):
     def _warps(cls, v: int) -> int:
         if v not in (4, 8):
             raise ValueError(f"must be 4 or 8, got {v}")
+        return v
+
+    @field_validator("gemv_row_tiles")
+    @classmethod
+    def _row_tiles(cls, v: tuple[int, int, int]) -> tuple[int, int, int]:
+        block_n, block_k, warps = v
+        for name, value, top in (("block_n", block_n, 256), ("block_k", block_k, 4096)):
+            if value < 1 or value > top or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two up to {top}, got {value}")
+        if warps not in (4, 8):
+            raise ValueError(f"warps must be 4 or 8, got {warps}")
         return v
 
     @field_validator("gemv_block_k")

@@ -32,8 +32,10 @@ class Fp8Options(BaseModel):
         "(lmkit_kernels.fp8_gemv: no tensor-core tile, many narrow programs) instead of "
         "the tiled GEMV.")
     gemv_row_tiles: tuple[int, int, int] = Field(
-        (16, 512, 4), description="The one-row kernel's launch: weight rows per program, "
-        "K slice per iteration (powers of two) and warps (4 or 8).")
+        (8, 1024, 4), description="The one-row kernel's launch: weight rows per program, "
+        "K slice per iteration (powers of two) and warps (4 or 8); the default was the "
+        "fastest over Llama-8B's four projections on an H100 (bench/gemv_bandwidth.py "
+        "--fp8 --rows 1).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "

@@ -80,6 +80,19 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> N
         raise ValueError(f"{name} must have shape {want}, got {list(shape)}")
 
 
+def check_scale_and_bias(x: torch.Tensor, n: int, weight_scale: torch.Tensor | None,
+                         bias: torch.Tensor | None) -> None:
+    """A projection's optional per-output-channel ``weight_scale`` (float32 ``[n]``,
+    contiguous) and ``bias`` (``[n]`` in ``x``'s dtype, contiguous), on ``x``'s device."""
+    if weight_scale is not None:
+        check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,),
+                     device=x.device, contiguous=True)
+        check_shape("weight_scale", weight_scale, (n,))
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
+        check_shape("bias", bias, (n,))
+
+
 def check_batch_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                        block_tables: torch.Tensor, device: torch.device) -> int:
     """Validate a paged-attention batch's layout tensors; returns ``num_reqs``.

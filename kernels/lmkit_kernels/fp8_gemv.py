@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkit_kernels.checks import check_shape, check_tensor
+from lmkit_kernels.checks import check_scale_and_bias, check_shape, check_tensor
 
 __all__ = ["ROW_TILES", "fp8_row_linear"]
 
@@ -77,12 +77,7 @@ def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
                  dtypes=(torch.float8_e4m3fn,))
     check_shape("weight", weight, (None, k))
     n = weight.shape[0]
-    check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,),
-                 device=x.device, contiguous=True)
-    check_shape("weight_scale", weight_scale, (n,))
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
-        check_shape("bias", bias, (n,))
+    check_scale_and_bias(x, n, weight_scale, bias)
     for name, value in (("block_n", block_n), ("block_k", block_k)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkit_kernels.checks import check_shape, check_tensor, dot_needs_f32
+from lmkit_kernels.checks import check_scale_and_bias, check_shape, check_tensor, dot_needs_f32
 
 __all__ = ["MAX_ROWS", "small_m_linear", "small_m_linear_ref"]
 
@@ -83,13 +83,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                  dtypes=(x.dtype,) if weight_scale is None else (torch.float8_e4m3fn,))
     check_shape("weight", weight, (None, k))
     n = weight.shape[0]
-    if weight_scale is not None:
-        check_tensor("weight_scale", weight_scale, ndim=1, dtypes=(torch.float32,),
-                     device=x.device, contiguous=True)
-        check_shape("weight_scale", weight_scale, (n,))
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device, contiguous=True)
-        check_shape("bias", bias, (n,))
+    check_scale_and_bias(x, n, weight_scale, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
         _small_m_linear_kernel[(triton.cdiv(n, block_n),)](

@@ -183,7 +183,7 @@ static inline int32_t load4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); retu
  * past the end of a call's weight it reads into the next weight of the arena (packed in
  * load order). __builtin_prefetch, not _mm_prefetch: GCC 12 dropped _mm_prefetch from
  * these target("avx512...") loops (no prefetch instruction in the library;
- * tests/unit/test_cpu_qgemv_speed.py checks the built library has them). */
+ * tests/unit/test_cpu_qgemv_stream.py checks the built library has them). */
 #define PF_DIST 16384
 static inline void prefetch_block(const uint8_t* g, long b, long step) {
     for (long o = 0; o < step; o += 64) __builtin_prefetch(g + b * step + PF_DIST + o, 0, 3);

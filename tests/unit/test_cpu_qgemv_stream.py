@@ -34,7 +34,7 @@ def test_the_built_library_prefetches_the_weight_stream():
         pytest.skip("objdump not installed")
     listing = subprocess.run([objdump, "-d", str(compile_library(qgemv.SOURCE))],
                              capture_output=True, text=True, check=True).stdout
-    assert "prefetcht0" in listing
+    assert "prefetcht1" in listing
 
 
 def _extreme_blocks(qtype: int, n: int, k: int) -> torch.Tensor:

@@ -179,14 +179,16 @@ static inline int32_t load4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); retu
  * weights (~100 MB for the default model) come from the shared L3 or DRAM. With the dot
  * products' work in the loop, the out-of-order window holds only a few blocks' loads, and
  * the hardware prefetcher alone leaves one core at about 60% of its plain streaming read
- * rate (bench/cpu_qgemv.py). 16 KiB ahead (about 1 us of the loop) covers the latency;
- * past the end of a call's weight it reads into the next weight of the arena (packed in
- * load order). __builtin_prefetch, not _mm_prefetch: GCC 12 dropped _mm_prefetch from
- * these target("avx512...") loops (no prefetch instruction in the library;
+ * rate (bench/cpu_qgemv.py). 16 KiB ahead (about 1 us of the loop) covers the latency,
+ * into L2 (prefetcht1: at one thread 7 to 9% faster than into L1, whose fill buffers the
+ * demand loads then keep; 8 KiB ahead or 32 KiB were slower); past the end of a call's
+ * weight it reads into the next weight of the arena (packed in load order).
+ * __builtin_prefetch, not _mm_prefetch: GCC 12 dropped _mm_prefetch from these
+ * target("avx512...") loops (no prefetch instruction in the library;
  * tests/unit/test_cpu_qgemv_stream.py checks the built library has them). */
 #define PF_DIST 16384
 static inline void prefetch_block(const uint8_t* g, long b, long step) {
-    for (long o = 0; o < step; o += 64) __builtin_prefetch(g + b * step + PF_DIST + o, 0, 3);
+    for (long o = 0; o < step; o += 64) __builtin_prefetch(g + b * step + PF_DIST + o, 0, 2);
 }
 
 /* Bytes of one block's slice of a group (quantized weights and scales). */

@@ -178,11 +178,12 @@ static inline int32_t load4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); retu
  * `step` bytes per block (its quantized weights, then its scales), and a decode step's
  * weights (~100 MB for the default model) come from the shared L3 or DRAM. With the dot
  * products' work in the loop, the out-of-order window holds only a few blocks' loads, and
- * the hardware prefetcher alone leaves one core at about 60% of its plain streaming read
- * rate (bench/cpu_qgemv.py). 16 KiB ahead (about 1 us of the loop) covers the latency,
+ * the hardware prefetcher alone leaves one core at about 60% of the rate of a loop that
+ * only loads the same bytes. 16 KiB ahead (about 1 us of the loop) covers the latency,
  * into L2 (prefetcht1: at one thread 7 to 9% faster than into L1, whose fill buffers the
  * demand loads then keep; 8 KiB ahead or 32 KiB were slower); past the end of a call's
- * weight it reads into the next weight of the arena (packed in load order).
+ * weight it reads into the next weight of the arena (the gguf method packs them in the
+ * order a step reads them).
  * __builtin_prefetch, not _mm_prefetch: GCC 12 dropped _mm_prefetch from these
  * target("avx512...") loops (no prefetch instruction in the library;
  * tests/unit/test_cpu_qgemv_stream.py checks the built library has them). */

@@ -76,7 +76,8 @@ class TwinCaches:
         return out, ref, md, (q, k, v)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 4, 128), (8, 1, 80)])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 4, 128), (8, 1, 80),
+                                                   (4, 2, 40)])  # 40: not the AVX-512 path
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_steps_match_the_reference(kernel, heads, kv_heads, head_size, block_size,

@@ -25,6 +25,7 @@ from lmkit_kernels.cpu.qgemv import (  # noqa: E402
     reference_dequantize,
 )
 from lmkit_plugins.quantization.gguf_file import (  # noqa: E402
+    forward_order,
     hf_name,
     iterate_tensors,
     open_checked,
@@ -90,6 +91,29 @@ def test_names():
     assert hf_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
     assert hf_name("output_norm.weight") == "model.norm.weight"
     assert hf_name("rope_freqs.weight") is None
+
+
+def test_tensors_come_in_the_order_a_decode_step_reads_them(tmp_path):
+    # the file's order (llama.cpp writes token_embd first and a layer's ffn before its
+    # attention) is not the step's; the packed weights land in the order they are yielded
+    path = _write(tmp_path / "model.gguf", [
+        ("token_embd.weight", random_blocks(QTYPES["Q8_0"], 10, 64,
+                                            torch.Generator().manual_seed(1)).numpy(), Q.Q8_0),
+        ("blk.1.attn_q.weight", _q4_1(8, 64), Q.Q4_1),
+        ("blk.0.ffn_down.weight", _q4_1(64, 64, 2), Q.Q4_1),
+        ("blk.0.attn_output.weight", _q4_1(64, 64, 3), Q.Q4_1),
+        ("output_norm.weight", np.ones(64, dtype=np.float32), None),
+        ("blk.0.attn_q.weight", _q4_1(8, 64, 4), Q.Q4_1),
+    ])
+    names = [name for name, _ in iterate_tensors(open_checked(path), num_heads=2,
+                                                  num_kv_heads=1)]
+    assert names == ["model.layers.0.self_attn.q_proj.weight",
+                     "model.layers.0.self_attn.o_proj.weight",
+                     "model.layers.0.mlp.down_proj.weight",
+                     "model.layers.1.self_attn.q_proj.weight",
+                     "model.norm.weight", "model.embed_tokens.weight"]
+    assert forward_order("blk.2.new_thing.weight") > forward_order("blk.2.ffn_down.weight")
+    assert forward_order("blk.2.new_thing.weight") < forward_order("blk.10.attn_norm.weight")
 
 
 def test_truncated_file_is_refused(tmp_path):

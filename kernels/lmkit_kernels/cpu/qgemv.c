@@ -174,18 +174,26 @@ static void quantize_x(int avx512, const float* x, long ldx, long m, long k, xqu
 
 static inline int32_t load4(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
 
-/* Software prefetch PF_DIST bytes ahead of the group's stream: a group is read as one
- * sweep of `step` bytes per block (its quantized weights, then its scales), and the
- * hardware prefetcher alone leaves a single core well below its L3 bandwidth. */
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
-static const long pf_dist = 2048;
-static inline void prefetch_ahead(const uint8_t* g, long b, long step) {
-    if (pf_dist <= 0) return;
-    const uint8_t* p = g + b * step + pf_dist;
-    for (long o = 0; o < step; o += 64) _mm_prefetch((const char*)(p + o), PF_HINT);
+/* Software prefetch PF_DIST bytes ahead of the stream: a group is read as one sweep of
+ * `step` bytes per block (its quantized weights, then its scales), and a decode step's
+ * weights (~100 MB for the default model) come from the shared L3 or DRAM. With the dot
+ * products' work in the loop, the out-of-order window holds only a few blocks' loads, and
+ * the hardware prefetcher alone leaves one core at about 60% of the rate of a loop that
+ * only loads the same bytes. 16 KiB ahead (about 1 us of the loop) covers the latency,
+ * into L2 (prefetcht1: at one thread 7 to 9% faster than into L1, whose fill buffers the
+ * demand loads then keep; 8 KiB ahead or 32 KiB were slower); past the end of a call's
+ * weight it reads into the next weight of the arena (the gguf method packs them in the
+ * order a step reads them).
+ * __builtin_prefetch, not _mm_prefetch: GCC 12 dropped _mm_prefetch from these
+ * target("avx512...") loops (no prefetch instruction in the library;
+ * tests/unit/test_cpu_qgemv_stream.py checks the built library has them). */
+#define PF_DIST 16384
+static inline void prefetch_block(const uint8_t* g, long b, long step) {
+    for (long o = 0; o < step; o += 64) __builtin_prefetch(g + b * step + PF_DIST + o, 0, 2);
 }
+
+/* Bytes of one block's slice of a group (quantized weights and scales). */
+static inline long block_step(int type) { return quant_bytes(type) + 2 * GR * (type == Q4_1 ? 2 : 1); }
 
 /* ---- AVX-512 VNNI: one group (16 rows) against MM rows of x -> out[i][16] ---- */
 #define VNNI "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
@@ -197,12 +205,14 @@ static inline void group_vnni(const int type, const int MM, const uint8_t* g, lo
     const long qb = quant_bytes(type);
     const uint8_t *Q = g, *D = g + nb * qb, *M = D + nb * 2 * GR;
     const int corr = type == Q8_0 ? 128 : type == Q4_0 ? 8 : 0;
-    const __m512i lo = _mm512_set1_epi8(0x0f);
+    const __m512i lo = _mm512_set1_epi8(0x0f), hi = _mm512_set1_epi8((char)0xf0);
     __m512 acc[MR], macc[MR];
     for (int i = 0; i < MM; i++) { acc[i] = _mm512_setzero_ps(); macc[i] = _mm512_setzero_ps(); }
-    const long step = (nb * qb + nb * 2 * GR * (type == Q4_1 ? 2 : 1)) / nb;
     for (long b = 0; b < nb; b++) {
-        prefetch_ahead(g, b, step);
+        prefetch_block(g, b, block_step(type));
+        /* Q4 types: w[t] the low nibbles, w[t + 4] the high ones kept in place (16 times
+         * the weight: vpdpbusd does not saturate, and the block's sum of those products
+         * shifted right by 4 is exact), one port-0 shift per block instead of four */
         __m512i w[8];
         if (type == Q8_0) {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(Q + b * qb + 64 * j);
@@ -210,7 +220,7 @@ static inline void group_vnni(const int type, const int MM, const uint8_t* g, lo
             for (int t = 0; t < 4; t++) {
                 __m512i v = _mm512_loadu_si512(Q + b * qb + 64 * t);
                 w[t] = _mm512_and_si512(v, lo);
-                w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo);
+                w[t + 4] = _mm512_and_si512(v, hi);
             }
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(D + b * 2 * GR)));
@@ -219,10 +229,11 @@ static inline void group_vnni(const int type, const int MM, const uint8_t* g, lo
             long o = i * nb + b;
             __m512i s0 = corr ? _mm512_set1_epi32(-corr * xs[o]) : _mm512_setzero_si512();
             __m512i s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
+            for (int j = 0; j < 4; j++) {
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load4(xb + 4 * j)));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load4(xb + 4 * j + 4)));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(load4(xb + 4 * j + 16)));
             }
+            if (type != Q8_0) s1 = _mm512_srai_epi32(s1, 4);
             __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             acc[i] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(xd[o])), acc[i]);
             if (type == Q4_1) {
@@ -275,6 +286,7 @@ static inline void half_avx2(const int type, const int MM, const uint8_t* g, lon
     __m256 acc[MR], macc[MR];
     for (int i = 0; i < MM; i++) { acc[i] = _mm256_setzero_ps(); macc[i] = _mm256_setzero_ps(); }
     for (long b = 0; b < nb; b++) {
+        if (h == 0) prefetch_block(g, b, block_step(type)); /* the second half hits the cache */
         __m256i w[8];
         if (type == Q8_0) {
             for (int j = 0; j < 8; j++)

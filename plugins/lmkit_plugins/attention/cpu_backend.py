@@ -120,8 +120,9 @@ class CpuAttention(TorchAttention):
 def _heads_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether each row's heads are contiguous (any row stride, as views of a fused QKV
     output have), as the kernels read them."""
-    d = q.shape[2]
-    return all(t.stride(2) == 1 and t.stride(1) == d for t in (q, k, v))
+    d = q.shape[2]  # spelled out, not a generator: this runs per layer and step
+    return (q.stride(2) == 1 and q.stride(1) == d and k.stride(2) == 1 and k.stride(1) == d
+            and v.stride(2) == 1 and v.stride(1) == d)
 
 
 def _kernel_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

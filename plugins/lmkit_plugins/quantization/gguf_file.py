@@ -33,6 +33,10 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 _IGNORED = ("rope_freqs.weight",)  # llama3 RoPE factors: lmkit computes them from config
+# a layer's tensors in the order a decode step reads them, then the model's last ones
+_LAYER_ORDER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                "ffn_gate", "ffn_up", "ffn_down")
+_LAST_ORDER = ("output_norm", "output", "token_embd")  # token_embd: the tied LM head
 
 
 def _refuse(path: Path, what: str) -> ModelLoadError:
@@ -99,6 +103,21 @@ def hf_name(gguf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{kind}"
 
 
+def forward_order(gguf_name: str) -> tuple[int, int]:
+    """Sort key putting a file's tensors in the order a decode step reads them (layer by
+    layer: attention, then MLP; the final norm and LM head last; names it does not know
+    after the others). The method packs quantized weights one after another as they are
+    loaded, so a step then streams them in address order: each projection's prefetch
+    runs on into the next one instead of into a weight already read."""
+    base = gguf_name.rpartition(".")[0]
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        rank = _LAYER_ORDER.index(part) if part in _LAYER_ORDER else len(_LAYER_ORDER)
+        return (int(layer) if layer.isdigit() else 1 << 30, rank)
+    rank = _LAST_ORDER.index(base) if base in _LAST_ORDER else len(_LAST_ORDER)
+    return (1 << 30, rank)
+
+
 def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's query/key permutation (its converter interleaves
     the two rotary halves of each head; HF keeps them apart): ``hf = gguf[index]``."""
@@ -108,13 +127,13 @@ def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
 
 def iterate_tensors(reader: Any, num_heads: int, num_kv_heads: int
                     ) -> Iterator[tuple[str, Any]]:
-    """``(hf_name, tensor)`` per tensor: quantized as :class:`QuantizedTensor`
-    (``uint8 [out, row_bytes]``), the others float32, q/k rows put in HF order (the
-    model's query and key/value head counts, from its ModelFacts)."""
+    """``(hf_name, tensor)`` per tensor in :func:`forward_order`: quantized as
+    :class:`QuantizedTensor` (``uint8 [out, row_bytes]``), the others float32, q/k rows
+    put in HF order (the model's query and key/value head counts, from its ModelFacts)."""
     from gguf import GGMLQuantizationType
 
     heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
-    for t in reader.tensors:
+    for t in sorted(reader.tensors, key=lambda t: forward_order(t.name)):  # stable
         name = hf_name(t.name)
         if name is None:
             continue

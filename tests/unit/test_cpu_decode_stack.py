@@ -79,6 +79,22 @@ def _shape(model, name: str) -> tuple[int, int]:
     raise AssertionError(name)
 
 
+def _default_model(smollm2_dir):
+    """The default model (SmolLM2-135M Q4_1) loaded as the model runner loads it."""
+    from lmkit.loading.model_facts import load_model_facts
+    from lmkit.plugin_host.manager import PluginHost
+
+    facts = load_model_facts(smollm2_dir, PluginHost.load(
+        env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+    quant = GGUFCpuMethod(facts, options=None)
+    quant.check()
+    ctx = ModelBuildContext(torch.float32, torch.device("cpu"), BLOCK, CpuAttention,
+                            quantization=quant)
+    model = LlamaForCausalLM(transformers.AutoConfig.from_pretrained(smollm2_dir), ctx)
+    model.load_weights(quant.iterate_weights())
+    return model
+
+
 def _model(attention=CpuAttention, config=None):
     quant = GGUFCpuMethod(None, options=None)  # the facts only serve reading a file
     ctx = ModelBuildContext(torch.float32, torch.device("cpu"), BLOCK, attention,
@@ -142,10 +158,10 @@ def _counting(model):
     return runs
 
 
-def _pair(monkeypatch):
-    on = _model()
+def _pair(monkeypatch, make=_model):
+    on = make()
     monkeypatch.setenv(decode_stack.DISABLE_ENV, "0")
-    off = _model()
+    off = make()
     monkeypatch.delenv(decode_stack.DISABLE_ENV)
     assert on._cpu_decode is not None and off._cpu_decode is None
     return on, off
@@ -170,6 +186,29 @@ def test_executor_is_bit_identical_to_the_python_layers(monkeypatch, batch):
     assert runs == [False] + [True] * 20
     for ca, cb in zip(a.caches, b.caches, strict=True):
         assert torch.equal(ca, cb)
+
+
+@needs_executor
+@pytest.mark.slow
+def test_the_default_model_gives_the_same_bits(monkeypatch, smollm2_dir):
+    """SmolLM2-135M Q4_1: hidden states, logits and greedy tokens of 12 decode steps at
+    batch 1 and 2 equal the Python layers' (and the caches they wrote)."""
+    on, off = _pair(monkeypatch, lambda: _default_model(smollm2_dir))
+    runs = _counting(on)
+    a, b = _Driver(on), _Driver(off)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 7045, 30, 14]]
+    for batch in (1, 2):
+        a.lens, b.lens = [], []
+        ha, la, _ = a.step(prompts[:batch])
+        hb, lb, _ = b.step(prompts[:batch])
+        for _ in range(12):
+            tokens = la.argmax(-1).tolist()
+            assert tokens == lb.argmax(-1).tolist()
+            ha, la, _ = a.step([[t] for t in tokens])
+            hb, lb, _ = b.step([[t] for t in tokens])
+            assert torch.equal(ha, hb) and torch.equal(la, lb)
+    assert runs == ([False] + [True] * 12) * 2
+    assert all(torch.equal(x, y) for x, y in zip(a.caches, b.caches, strict=True))
 
 
 @needs_executor

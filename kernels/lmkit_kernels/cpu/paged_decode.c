@@ -136,6 +136,9 @@ static void attend(const float* q, float* out, const float* kcache, const float*
  * attend computes it but with the group's queries (scores) and outputs (values) kept
  * in registers: each key row and value row of the head is loaded once per pass. */
 #define AVX512 __attribute__((target("avx512f"), always_inline)) static inline
+#ifndef PF
+#define PF 16 /* keys ahead to prefetch (a block of 16 further, as blocks are mostly allocated in order) */
+#endif
 AVX512 void group_scores(const int G, const int NV, const float* q, const float* kcache,
                          const int32_t* table, long start, long end, long kv_width,
                          long block_size, float scale, float* scores, long len) {
@@ -148,6 +151,8 @@ AVX512 void group_scores(const int G, const int NV, const float* q, const float*
             base = (long)table[b] * block_size - b * block_size, next = (b + 1) * block_size;
         }
         const float* kr = kcache + (base + j) * kv_width;
+        for (int v = 0; v < NV; v++) /* the head's row PF keys ahead (same block mostly) */
+            _mm_prefetch((const char*)(kr + PF * kv_width + 16 * v), _MM_HINT_T0);
         __m512 kv[8];
         for (int v = 0; v < NV; v++) kv[v] = _mm512_loadu_ps(kr + 16 * v);
         for (int g = 0; g < G; g++) {
@@ -169,6 +174,8 @@ AVX512 void group_values(const int G, const int NV, float* out, const float* vca
             base = (long)table[b] * block_size - b * block_size, next = (b + 1) * block_size;
         }
         const float* vr = vcache + (base + j) * kv_width;
+        for (int v = 0; v < NV; v++)
+            _mm_prefetch((const char*)(vr + PF * kv_width + 16 * v), _MM_HINT_T0);
         __m512 vv[8];
         for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_ps(vr + 16 * v);
         for (int g = 0; g < G; g++) {

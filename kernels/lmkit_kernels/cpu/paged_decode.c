@@ -17,8 +17,11 @@
  * query group (group * head_size / 16 <= 16: SmolLM2's 3 x 64) take attend_grouped:
  * per KV head, the group's queries and outputs stay in registers while each key and
  * value row of that head is loaded once, instead of reloading the query and the
- * output accumulators from memory for every (key, query head) pair. SmolLM2-135M
- * decode at 250 tokens of context: about 45 -> see paged_decode.py for the numbers.
+ * output accumulators from memory for every (key, query head) pair, with a 16-lane exp
+ * (the scalar loop's conversions keep GCC from vectorising it). SmolLM2's shape at
+ * batch 1 over 30 layers' caches (a 2-core Xeon, one thread, the ctypes call
+ * included; paired rounds against the per-head loop): 47.1 -> 18.1 us per layer at 250
+ * tokens of context, 195 -> 68 us at 1,000, results within 3e-7 of it.
  *
  * Built at run time by lmkit_kernels/cpu/build.py with -O3 -fopenmp.
  */

@@ -28,6 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,7 +116,7 @@ def decode_stack_unavailable_reason() -> str:
     return _library()[1]
 
 
-def _address(fn: object) -> int:
+def _address(fn: Any) -> int:
     value = ctypes.cast(fn, ctypes.c_void_p).value
     assert value, "a kernel entry point without an address"
     return value

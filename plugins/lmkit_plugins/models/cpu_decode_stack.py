@@ -79,7 +79,9 @@ class CpuDecodeStack:
             return None
         if not self._caches_fit(ctx.kv_caches):
             return None
-        return self._stack.run(hidden, cos, sin, *args, ctx.kv_caches)
+        slot_mapping, block_tables, seq_lens = args
+        return self._stack.run(hidden, cos, sin, slot_mapping, block_tables, seq_lens,
+                               ctx.kv_caches)
 
 
 def _qlinear(method: Any, linear: Linear, kernel: Any) -> QLinear | None:
@@ -120,7 +122,7 @@ def build_cpu_decode_stack(model: LlamaStack, quant: Any
         return None, "not the gguf quantization method"
     if not model.model.norm.has_cpu_kernel:
         return None, "the C RMSNorm kernel is unavailable"
-    layers = []
+    layers: list[Any] = []
     for layer in model.model.layers:
         weights = _layer_weights(layer, quant, LayerWeights)
         if weights is None:
@@ -154,9 +156,9 @@ def _layer_weights(layer: Any, quant: Any, make: Any) -> Any:
              _qlinear(quant, attn.o_proj, attn.o_proj._qkernel),
              _qlinear(quant, mlp.gate_up_proj, mlp.gate_up_proj._qnorm),
              _qlinear(quant, mlp.down_proj, mlp.down_proj._qsilu)]
-    if any(p is None for p in parts):
-        return None
     qkv, o, gate_up, down = parts
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
     if (qkv.n != attn.q_size + 2 * attn.kv_size or o.k != attn.q_size
             or gate_up.n != 2 * down.k or qkv.k != o.n or gate_up.k != o.n or down.n != o.n):
         return None

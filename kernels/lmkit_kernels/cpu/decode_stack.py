@@ -160,7 +160,8 @@ class DecodeStack:
     """The plan of one model (see the module docstring); :meth:`run` runs a step.
 
     Holds references to every tensor whose address the plan keeps, so the plan stays
-    valid as long as this object lives (rebuild it when weights are reloaded).
+    valid as long as this object lives (rebuild it when weights are reloaded). Runs one
+    step at a time (the model runner's): the step struct and scratch are reused.
     """
 
     def __init__(self, layers: Sequence[LayerWeights], *, hidden: int, num_heads: int,

@@ -269,6 +269,18 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert _model()._cpu_decode is None
 
 
+def test_a_kernel_library_with_another_abi_turns_it_off(monkeypatch):
+    """decode_stack.c declares the kernels' signatures: a library whose ABI moved may
+    have other ones, so the executor stays off and says which."""
+    monkeypatch.setitem(decode_stack._ABIS, "qgemv", -1)
+    decode_stack._kernel_addresses.cache_clear()
+    try:
+        stack, reason = decode_stack.make_decode_stack([], hidden=1)
+        assert stack is None and "qgemv's ABI" in reason
+    finally:
+        decode_stack._kernel_addresses.cache_clear()
+
+
 def test_an_unbuildable_library_keeps_the_python_layers(monkeypatch, tmp_path, caplog):
     """The loader returns None with one warning (as every C kernel's does), the model
     runs its Python layers."""

@@ -122,12 +122,23 @@ def _address(fn: Any) -> int:
     return value
 
 
+# the ABI of each library whose entry points decode_stack.c's typedefs declare: a
+# library with another ABI may have other signatures, so the executor stays off
+_ABIS = {"qgemv": 4, "rope": 1, "paged_decode": 1, "rms_norm": 1}
+
+
 @functools.cache
 def _kernel_addresses() -> tuple[dict[str, int] | None, str]:
     """The entry points the executor calls, by role, or ``(None, why not)``."""
     from lmkit_kernels.cpu import paged_decode, qgemv, rms_norm, rope
     from lmkit_kernels.cpu.qgemv_fold import _torch_exp16
 
+    modules = {"qgemv": qgemv, "rope": rope, "paged_decode": paged_decode,
+               "rms_norm": rms_norm}
+    for name, module in modules.items():
+        if module.ABI != _ABIS[name]:
+            return None, (f"{name}'s ABI is {module.ABI}, decode_stack.c calls ABI "
+                          f"{_ABIS[name]}: update its typedefs and _ABIS")
     qlib, fns, reason = qgemv._library()
     if qlib is None:
         return None, reason

@@ -72,6 +72,9 @@ class AttentionBackend(ABC):
       (see :meth:`kv_write_slots`).
     * :attr:`supports_logits_soft_cap`: the backend honours ``logits_soft_cap``; built
       with one otherwise, it raises (its spec must then not claim ``logits_soft_cap``).
+    * :attr:`supports_paged_decode_args`: the backend runs float32 decode-only steps
+      with lmkit's C paged decode kernel and hands them to a model (see
+      :meth:`paged_decode_args`).
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -84,6 +87,12 @@ class AttentionBackend(ABC):
     #: (the spec claims the ``logits_soft_cap`` feature too). ``False``: constructing the
     #: backend with a cap raises instead of silently ignoring it.
     supports_logits_soft_cap: ClassVar[bool] = False
+
+    #: Whether :meth:`paged_decode_args` gives the planned step's arguments of lmkit's C
+    #: paged decode kernel (``lmkit_kernels.cpu.paged_decode``) when :meth:`run` would
+    #: run that kernel with ``scale`` and ``sliding_window`` (a model that runs a whole
+    #: decode step in C then computes the same attention without calling :meth:`run`).
+    supports_paged_decode_args: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
@@ -132,6 +141,20 @@ class AttentionBackend(ABC):
         :return: ``[num_tokens, num_heads, head_size]``, causal within each request
             (every query sees all of its request's keys when built with ``causal=False``).
         """
+
+    def paged_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(slot_mapping, block_tables, seq_lens)`` of the planned step when every
+        layer's :meth:`run` would store K/V and attend through lmkit's C paged decode
+        kernel (a float32 decode-only step: one token per request; the cache laid out
+        ``[2, num_blocks, block_size, num_kv_heads, head_size]`` and contiguous), else
+        ``None``: int64 ``[n]``, int32 ``[n, max_blocks]`` (unit stride along blocks)
+        and int32 ``[n]`` (contiguous), as that kernel takes them. Called after
+        :meth:`plan`; only for backends declaring :attr:`supports_paged_decode_args`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.paged_decode_args() called, but the backend does not "
+            "declare supports_paged_decode_args = True; models must check that class "
+            "attribute first")
 
     def kv_write_slots(self) -> torch.Tensor:
         """The planned step's ``slot_mapping``, where a model writing K/V itself stores

@@ -12,6 +12,9 @@
   heads in place for decode batches
 * :mod:`~lmkit_kernels.cpu.qgemv` -- ``qgemv_linear``: ``x @ dequant(w).T + b`` over
   GGUF-quantized (Q8_0 / Q4_0 / Q4_1) weights
+* :mod:`~lmkit_kernels.cpu.decode_stack` -- ``DecodeStack``: a Llama-family decode step
+  (all layers over GGUF-quantized weights, and the final norm) in one C call over the
+  kernels above, bit-identical to calling them from Python
 * :mod:`~lmkit_kernels.cpu.checks` -- argument checks their checked entry points share
 
 Importing this package imports nothing heavy; the kernel modules import torch.

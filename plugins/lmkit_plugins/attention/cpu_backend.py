@@ -42,6 +42,7 @@ class CpuAttention(TorchAttention):
     (float32, bfloat16) in C kernels."""
 
     supports_logits_soft_cap = False  # the C decode kernel does not soft-cap
+    supports_paged_decode_args = True  # decode-only steps: the C kernel's arguments
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -89,6 +90,12 @@ class CpuAttention(TorchAttention):
         self._decode = None
         self._metadata = None
         super().plan(metadata)
+
+    def paged_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The planned decode-only step's kernel arguments (see
+        :meth:`lmkit.api.AttentionBackend.paged_decode_args`), else ``None``."""
+        plan = self._decode
+        return None if plan is None else (plan.slot_mapping, plan.block_tables, plan.seq_lens)
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kv_cache: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ The layers are in :mod:`lmkit_plugins.models.llama_layers`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -37,12 +38,15 @@ from lmkit.api import (
 from torch import nn
 
 from lmkit_plugins.models.checkpoint_load import load_named_weights
+from lmkit_plugins.models.cpu_decode_stack import CpuDecodeStack, build_cpu_decode_stack
 from lmkit_plugins.models.fused_ops import fused_ops_enabled
 from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding, whole_weight_loader
 from lmkit_plugins.models.llama_dims import LlamaDims, layer_windows
 from lmkit_plugins.models.llama_layers import LlamaDecoderLayer
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
 
 # checkpoint tensors that carry no weights of ours (older exports save RoPE buffers)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -110,6 +114,9 @@ class LlamaStack(nn.Module, Model):
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
         quant = ctx.quantization  # a QuantizationMethod, or None for dense weights
+        self._quant = quant
+        # lmkit's C decode-stack executor, built when the weights are loaded (if it applies)
+        self._cpu_decode: CpuDecodeStack | None = None
         self.model = LlamaModel(dims, self.rotary, dtype, device, tp, quant,
                                 self._mlp_builder(hf_config, dims, dtype, device))
         self._fused_ops = fused_ops_enabled(device, dtype)
@@ -166,6 +173,10 @@ class LlamaStack(nn.Module, Model):
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self._cpu_decode is not None:  # a CPU decode step in one C call, where it applies
+            out = self._cpu_decode.run(hidden, cos, sin, ctx)
+            if out is not None:
+                return out
         kv_slots = ctx.attn.kv_write_slots() if self._model_writes_kv else None
         residual: torch.Tensor | None = None
         aux = ctx.aux_hidden_layers
@@ -256,7 +267,11 @@ class LlamaStack(nn.Module, Model):
             return key.endswith(_IGNORED_SUFFIXES) or (
                 key == "lm_head.weight" and self.lm_head is None)
 
-        return load_named_weights(targets, weights, key_of, ignored)
+        used = load_named_weights(targets, weights, key_of, ignored)
+        self._cpu_decode, reason = build_cpu_decode_stack(self, self._quant)
+        if reason:
+            logger.debug("the CPU decode-stack executor is not used: %s", reason)
+        return used
 
 
 class LlamaForCausalLM(LlamaStack, CausalLM):

@@ -9,6 +9,7 @@ load dense.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,8 @@ class GGUFCpuMethod(QuantizationMethod):
         self._bind_norm = bind_norm_linear
         self._bind_silu = bind_silu_linear
         self._reader: Any = None
+        # kernel function -> the packed weight it computes with (packed_weight())
+        self._packed: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def check(self) -> None:
         """Validate ``model.gguf`` of the model directory (see :func:`open_checked`)."""
@@ -94,14 +97,14 @@ class GGUFCpuMethod(QuantizationMethod):
         kernel (:func:`lmkit_kernels.cpu.qgemv.pack_weight`: the same bytes, regrouped
         by 16 rows; ``weight`` itself is not kept)."""
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
-        return self._bind(packed)  # the kernel call with the weight's arguments bound
+        return self._keep(packed, self._bind(packed))[0]  # the weight's arguments bound
 
     def linear_with_norm(self, weight: QuantizedTensor
                          ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
         """:meth:`linear`'s function and the one with the norm folded in
         (:func:`lmkit_kernels.cpu.qgemv_fold.bind_norm_linear`), over one packing."""
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
-        return self._bind(packed), self._bind_norm(packed)
+        return self._keep(packed, self._bind(packed), self._bind_norm(packed))  # type: ignore[return-value]
 
     def linear_with_silu_mul(self, weight: QuantizedTensor
                              ) -> tuple[QuantizedLinear, QuantizedSiluLinear | None]:
@@ -109,7 +112,19 @@ class GGUFCpuMethod(QuantizationMethod):
         (:func:`lmkit_kernels.cpu.qgemv_fold.bind_silu_linear`; ``None`` where torch's
         AVX-512 ``silu`` cannot be matched bit for bit), over one packing."""
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
-        return self._bind(packed), self._bind_silu(packed)
+        return self._keep(packed, self._bind(packed), self._bind_silu(packed))  # type: ignore[return-value]
+
+    def _keep(self, packed: Any, *kernels: Any) -> tuple[Any, ...]:
+        for kernel in kernels:
+            if kernel is not None:
+                self._packed[kernel] = packed
+        return kernels
+
+    def packed_weight(self, kernel: Any) -> Any:
+        """The :class:`lmkit_kernels.cpu.qgemv.PackedWeight` a kernel function this
+        method returned computes with (for code that calls the C kernels itself, e.g.
+        :mod:`lmkit_plugins.models.cpu_decode_stack`), else ``None``."""
+        return self._packed.get(kernel) if kernel is not None else None
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 rows of ``weight`` (the C kernel)."""

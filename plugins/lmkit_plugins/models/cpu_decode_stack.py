@@ -1,0 +1,166 @@
+"""When a Llama-family model runs its decode step through lmkit's C decode-stack
+executor (:mod:`lmkit_kernels.cpu.decode_stack`): every condition in one place.
+
+The executor runs all decoder layers and the final norm of a decode step in one C
+call, calling the kernels the Python-sequenced layers call (in the same order, with
+the same arguments), so hidden states and logits are the same bits either way; it
+saves the layers' Python glue, about a fifth of a SmolLM2-135M step at batch 1.
+
+For the model (decided once, when its weights are loaded: :func:`build_cpu_decode_stack`):
+
+* ``LMKIT_CPU_DECODE_STACK`` is not ``0`` and the executor's library builds (else one
+  warning says why, and the Python layers run);
+* float32 on the CPU, no tensor parallelism, one KV cache group, an attention backend
+  declaring :attr:`~lmkit.api.AttentionBackend.supports_paged_decode_args`;
+* the ``gguf`` quantization method, with every layer on the quantized fast path: plain
+  :class:`~lmkit_plugins.models.llama_layers.LlamaDecoderLayer` / ``LlamaAttention`` /
+  ``LlamaMLP`` (no q/k norms, no mixture of experts), the input norms folded into the
+  QKV and gate-up projections, SiLU-and-multiply into the down projection (qgemv's
+  AVX-512 VNNI build), RoPE over whole heads by the C kernel, C RMSNorm kernels.
+
+For each step (:meth:`CpuDecodeStack.run`, which returns ``None`` to send the step
+through the Python layers): no draft-head taps (``aux_hidden_layers``), at most
+:data:`~lmkit_kernels.cpu.decode_stack.MAX_ROWS` rows, the backend's planned step is a
+decode-only step its C kernel runs (:meth:`~lmkit.api.AttentionBackend.paged_decode_args`),
+the context's backend is the model's own, and the KV caches are float32, contiguous and
+laid out as the kernel reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lmkit.api import ForwardContext
+
+from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+if TYPE_CHECKING:
+    from lmkit_kernels.cpu.decode_stack import DecodeStack, QLinear
+
+    from lmkit_plugins.models.layers import Linear
+    from lmkit_plugins.models.llama import LlamaStack
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecodeStack:
+    """A model's executor plan and its per-step conditions (module docstring)."""
+
+    def __init__(self, stack: DecodeStack, attn: Any, max_rows: int,
+                 block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self._stack = stack
+        self._attn = attn
+        self._max_rows = max_rows
+        self._cache_shape = (2, block_size, num_kv_heads, head_dim)  # but num_blocks
+        self._caches: list[torch.Tensor] | None = None
+        self._caches_ok = False
+
+    def _caches_fit(self, caches: list[torch.Tensor]) -> bool:
+        if caches is not self._caches:  # a new list: check its layout once
+            shape = tuple(caches[0].shape) if caches else ()
+            self._caches_ok = len(shape) == 5 and all(
+                c.dtype == torch.float32 and c.is_contiguous() and c.device.type == "cpu"
+                and tuple(c.shape) == shape for c in caches) and (
+                (shape[0],) + shape[2:] == self._cache_shape)
+            self._caches = caches
+        return self._caches_ok
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            ctx: ForwardContext) -> torch.Tensor | None:
+        """The step's final hidden states ``[n, hidden]`` from the embeddings ``hidden``,
+        or ``None`` when the executor does not apply to this step."""
+        if (ctx.aux_hidden_layers or hidden.shape[0] > self._max_rows
+                or ctx.attn is not self._attn or hidden.stride(1) != 1):
+            return None
+        args = ctx.attn.paged_decode_args()
+        if args is None or args[0].shape[0] != hidden.shape[0]:
+            return None
+        if not self._caches_fit(ctx.kv_caches):
+            return None
+        slot_mapping, block_tables, seq_lens = args
+        return self._stack.run(hidden, cos, sin, slot_mapping, block_tables, seq_lens,
+                               ctx.kv_caches)
+
+
+def _qlinear(method: Any, linear: Linear, kernel: Any) -> QLinear | None:
+    from lmkit_kernels.cpu.decode_stack import QLinear
+
+    packed = method.packed_weight(kernel)
+    if packed is None:
+        return None
+    return QLinear(packed.qtype, packed.data, linear.bias, packed.n, packed.k)
+
+
+def build_cpu_decode_stack(model: LlamaStack, quant: Any
+                           ) -> tuple[CpuDecodeStack | None, str]:
+    """The executor for ``model`` (its weights loaded; ``quant`` its quantization method
+    or ``None``), or ``(None, why not)``."""
+    from lmkit_kernels.cpu.decode_stack import (
+        DISABLE_ENV,
+        MAX_ROWS,
+        LayerWeights,
+        decode_stack_disabled,
+        make_decode_stack,
+    )
+
+    from lmkit_plugins.quantization.gguf_cpu import GGUFCpuMethod
+
+    if decode_stack_disabled():
+        return None, f"turned off by {DISABLE_ENV}=0"
+    dims, attn = model.dims, model.attn
+    params = next(model.model.norm.parameters())
+    if params.device.type != "cpu" or params.dtype != torch.float32:
+        return None, "not a float32 CPU model"
+    if model.tp is not None or model._layer_attn is not None:
+        return None, "tensor parallel or several KV cache groups"
+    if not type(attn).supports_paged_decode_args:
+        return None, f"the attention backend {type(attn).__name__} does not hand out " \
+                     "paged decode arguments"
+    if not isinstance(quant, GGUFCpuMethod):
+        return None, "not the gguf quantization method"
+    if not model.model.norm.has_cpu_kernel:
+        return None, "the C RMSNorm kernel is unavailable"
+    layers: list[Any] = []
+    for layer in model.model.layers:
+        weights = _layer_weights(layer, quant, LayerWeights)
+        if weights is None:
+            return None, f"layer {len(layers)} is not on the quantized fast path"
+        layers.append(weights)
+    stack, reason = make_decode_stack(
+        layers, hidden=dims.hidden_size, num_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+        intermediate=dims.intermediate_size, block_size=attn.block_size, scale=attn.scale,
+        window=attn.sliding_window or 0, final_norm=model.model.norm.weight,
+        final_eps=model.model.norm.eps)
+    if stack is None:
+        return None, reason
+    return CpuDecodeStack(stack, attn, MAX_ROWS, attn.block_size, dims.num_kv_heads,
+                          dims.head_dim), ""
+
+
+def _layer_weights(layer: Any, quant: Any, make: Any) -> Any:
+    """``LayerWeights`` of a layer on the quantized fast path, else ``None``."""
+    if (type(layer) is not LlamaDecoderLayer or not layer._norm_folded
+            or type(layer.self_attn) is not LlamaAttention or type(layer.mlp) is not LlamaMLP):
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if (attn._cpu_rope is None or attn.q_norm is not None or attn._rotary_qk is not None
+            or not mlp._silu_folded or mlp.tp is not None):
+        return None
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(n.has_cpu_kernel for n in norms):
+        return None
+    parts = [_qlinear(quant, attn.qkv_proj, attn.qkv_proj._qnorm),
+             _qlinear(quant, attn.o_proj, attn.o_proj._qkernel),
+             _qlinear(quant, mlp.gate_up_proj, mlp.gate_up_proj._qnorm),
+             _qlinear(quant, mlp.down_proj, mlp.down_proj._qsilu)]
+    qkv, o, gate_up, down = parts
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    if (qkv.n != attn.q_size + 2 * attn.kv_size or o.k != attn.q_size
+            or gate_up.n != 2 * down.k or qkv.k != o.n or gate_up.k != o.n or down.n != o.n):
+        return None
+    return make(qkv, o, gate_up, down, norms[0].weight, norms[0].eps, norms[1].weight,
+                norms[1].eps)

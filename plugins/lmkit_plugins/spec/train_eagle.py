@@ -23,11 +23,16 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
 4. **Checkpoints**: every ``--save-every`` steps and at the end, ``DIR/config.json`` and
    ``DIR/model.safetensors`` (the head) and ``DIR/train_state.pt`` (optimizer, step,
    random state). Running the command again on the same ``DIR`` resumes from there.
+5. **Held-out accuracy**: ``--holdout`` sequences (by default 5% of a set of 100 or
+   more) never train; at every checkpoint the head's draft accuracy on them per draft
+   step and the tokens per speculative step it implies are printed and written to
+   ``DIR/eval.json`` (:mod:`lmkit_plugins.spec.eagle_eval`).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 
 from lmkit_plugins.models.llama import LlamaDims
+from lmkit_plugins.spec.eagle_eval import draft_accuracy, expected_tokens_per_step, holdout_split
 from lmkit_plugins.spec.eagle_features import (
     CACHE_MODES,
     FeatureCache,
@@ -113,10 +119,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
           batch_size: int = 4, save_every: int = 100, taps: list[int] | None = None,
           seed: int = 0, ttt_steps: int = 3, progress: bool = True,
           feature_cache: str = "memory", feature_cache_gb: float = 8.0,
-          feature_batch: int = 16) -> dict[str, Any]:
+          feature_batch: int = 16, holdout: int | None = None) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
-    ``{"step", "loss", "resumed_from", "losses", "feature_cache"}`` (``losses``: this
-    run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``). See the
+    ``{"step", "loss", "resumed_from", "losses", "feature_cache", "eval"}`` (``losses``:
+    this run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``;
+    ``eval``: the last held-out evaluation, ``None`` without held-out sequences). See the
     module docstring."""
     from lmkit.api import load_hf_config
     from safetensors.torch import save_file
@@ -139,6 +146,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     sequences = [s for s in data["sequences"] if len(s) >= 3]
     if not sequences:
         raise ValueError("the prompt set gave no sequence of 3 tokens or more to train on")
+    train_ids, held_ids = holdout_split(len(sequences), holdout, seed)
     hf_config = load_hf_config(model_dir)
     dims = LlamaDims.from_hf(hf_config)
     taps = taps or default_taps(dims.num_layers)
@@ -185,19 +193,42 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                     "step": step, "generator": generator.get_state(), "draft_ids": ids},
                    state_path)
 
+    def loss_inputs(picks: list[int]) -> tuple[list[torch.Tensor], ...]:
+        # position p: token p + 1 and features at p -> the target's logits at p + 1
+        features = ([cache.get(i) for i in picks] if cache is not None
+                    else target([sequences[i] for i in picks]))
+        return ([target.embed(sequences[i][1:-1]) for i in picks],
+                [t[:-2].to(device).float() for t, _ in features],
+                [f[1:-1].to(device).float() @ draft_rows.T for _, f in features])
+
+    last_eval: dict[str, Any] | None = None
+
+    def evaluate() -> None:
+        nonlocal last_eval
+        if not held_ids:
+            return
+        head.eval()
+        accuracy = draft_accuracy(
+            head, [lambda i=i: tuple(x[0] for x in loss_inputs([i])) for i in held_ids],
+            ttt_steps)
+        head.train()
+        last_eval = {"step": step, "sequences": len(held_ids), "accuracy": accuracy,
+                     "tokens_per_step": expected_tokens_per_step(accuracy)}
+        (out / "eval.json").write_text(json.dumps(last_eval, indent=1))
+        if progress:
+            print(f"lmkit: held-out draft accuracy at step {step} ({len(held_ids)} "
+                  f"sequences): {', '.join(f'{a:.3f}' for a in accuracy)} by draft position, "
+                  f"{last_eval['tokens_per_step']:.2f} tokens per step", file=sys.stderr)
+
     loss_value, losses = float("nan"), []
     bar = _progress(progress, max_steps, step)
     while step < max_steps:
-        picks = torch.randint(len(sequences), (batch_size,), generator=generator).tolist()
+        picks = [train_ids[j] for j in
+                 torch.randint(len(train_ids), (batch_size,), generator=generator).tolist()]
         optimizer.zero_grad()
-        features = ([cache.get(i) for i in picks] if cache is not None
-                    else target([sequences[i] for i in picks]))
-        # position p: token p + 1 and features at p -> the target's distribution at p + 1
-        loss = distill_loss(
-            head, [target.embed(sequences[i][1:-1]) for i in picks],
-            [t[:-2].to(device).float() for t, _ in features],
-            [torch.softmax(f[1:-1].to(device).float() @ draft_rows.T, -1) for _, f in features],
-            ttt_steps, batch_size)
+        embeds, taps_in, logits = loss_inputs(picks)
+        loss = distill_loss(head, embeds, taps_in, [torch.softmax(x, -1) for x in logits],
+                            ttt_steps, batch_size)
         loss.backward()
         optimizer.step()
         step += 1
@@ -206,10 +237,12 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         bar(step, loss_value)
         if step % save_every == 0 or step == max_steps:
             save()
+            evaluate()
     if resumed_from == max_steps or (step == 0 and max_steps == 0):
         save()
+        evaluate()
     return {"step": step, "loss": loss_value, "resumed_from": resumed_from, "losses": losses,
-            "feature_cache": feature_cache}
+            "feature_cache": feature_cache, "eval": last_eval}
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:

@@ -1,0 +1,93 @@
+"""``lmkit spec train-eagle``'s held-out evaluation: the split (default size, seeded,
+disjoint, refusals), the draft accuracy of the unrolled steps against the target's
+argmax, the tokens per step it implies, and a training run that writes and prints it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lmkit.cli.main import build_app
+from lmkit.testing.tiny_model import make_tiny_model
+from lmkit_plugins.spec.eagle_eval import (
+    default_holdout,
+    draft_accuracy,
+    expected_tokens_per_step,
+    holdout_split,
+)
+from lmkit_plugins.spec.train_eagle import TrainableEagle3
+from transformers import LlamaConfig
+from typer.testing import CliRunner
+
+ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def test_default_holdout_is_five_percent_of_large_sets_only():
+    assert [default_holdout(n) for n in (1, 40, 99, 100, 1000, 4000)] == [0, 0, 0, 5, 50, 100]
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    train, held = holdout_split(200, None, seed=3)
+    assert len(held) == 10 and sorted(train + held) == list(range(200))
+    assert holdout_split(200, None, seed=3) == (train, held)  # a resumed run keeps it
+    assert holdout_split(200, None, seed=4)[1] != held
+    assert holdout_split(30, 0, seed=0) == (list(range(30)), [])
+    for bad in (-1, 30):
+        with pytest.raises(ValueError, match=rf"--holdout {bad}: keep between 0 and 29 of "
+                                             r"the 30 sequences"):
+            holdout_split(30, bad, seed=0)
+
+
+def test_tokens_per_step_chains_the_acceptance_of_each_position():
+    assert expected_tokens_per_step([]) == 1.0
+    assert expected_tokens_per_step([1.0, 1.0, 1.0]) == 4.0
+    assert expected_tokens_per_step([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens_per_step([0.0, 1.0]) == 1.0
+
+
+def test_accuracy_counts_the_argmax_of_every_unrolled_step():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
+    head = TrainableEagle3(cfg, 3, 50)
+    for param in head.parameters():
+        param.data.normal_(0, 0.3)
+    n = 9
+    embeds, taps = torch.randn(n, 32), torch.randn(n, 96)
+    with torch.no_grad():
+        steps = head.unrolled(embeds, taps, 3)
+    # targets the head's own step-0 argmax everywhere: step 0 exact, later steps only
+    # where their argmax agrees with step 0's at the same position
+    target = torch.nn.functional.one_hot(steps[0].argmax(-1), 50).float()
+    got = draft_accuracy(head, [lambda: (embeds, taps, target)], 3)
+    assert got[0] == 1.0
+    for j in (1, 2):
+        same = (steps[j].argmax(-1) == steps[0].argmax(-1)[j:]).float().mean().item()
+        assert got[j] == pytest.approx(same)
+    wrong = torch.nn.functional.one_hot((steps[0].argmax(-1) + 1) % 50, 50).float()
+    assert draft_accuracy(head, [lambda: (embeds, taps, wrong)], 3)[0] == 0.0
+    short = draft_accuracy(head, [lambda: (embeds[:2], taps[:2], target[:2])], 3)
+    assert short[0] == 1.0 and short[2] != short[2]  # no position for step 2: nan
+
+
+@pytest.mark.slow  # trains on the CPU (~10 s)
+def test_training_holds_sequences_out_and_reports_their_accuracy(tmp_path):
+    tiny = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "head"
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "train-eagle", str(tiny), "--out", str(out), "--max-steps", "60",
+        "--device", "cpu", "--lr", "3e-3", "--max-new-tokens", "24", "--save-every", "30",
+        "--holdout", "6"], env=ENV)
+    assert result.exit_code == 0, result.output
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["step"] == 60 and ev["sequences"] == 6 and len(ev["accuracy"]) == 3
+    assert all(0.0 <= a <= 1.0 for a in ev["accuracy"])
+    assert ev["tokens_per_step"] == pytest.approx(expected_tokens_per_step(ev["accuracy"]))
+    assert "held-out draft accuracy (6 sequences): " in result.stdout
+    assert "held-out draft accuracy at step 30 (6 sequences)" in result.stderr
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "train-eagle", str(tiny), "--out", str(tmp_path / "h2"), "--device", "cpu",
+        "--holdout", "40"], env=ENV)
+    assert result.exit_code != 0
+    assert "--holdout 40: keep between 0 and 39 of the 40 sequences" in result.output

@@ -12,3 +12,20 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture
+def random_trainable_head():
+    """A tiny EAGLE-3 training head (hidden 32, vocabulary 50, three taps) with weights
+    drawn large (N(0, 0.3)) so that every term of its forward matters; seeded."""
+    import torch
+    from lmkit_plugins.spec.eagle_trainable import TrainableEagle3
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
+    head = TrainableEagle3(cfg, 3, 50)
+    for param in head.parameters():
+        param.data.normal_(0, 0.3)
+    return head

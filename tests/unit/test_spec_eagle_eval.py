@@ -16,8 +16,6 @@ from lmkit_plugins.spec.eagle_eval import (
     expected_tokens_per_step,
     holdout_split,
 )
-from lmkit_plugins.spec.train_eagle import TrainableEagle3
-from transformers import LlamaConfig
 from typer.testing import CliRunner
 
 ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -46,13 +44,8 @@ def test_tokens_per_step_chains_the_acceptance_of_each_position():
     assert expected_tokens_per_step([0.0, 1.0]) == 1.0
 
 
-def test_accuracy_counts_the_argmax_of_every_unrolled_step():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
-    head = TrainableEagle3(cfg, 3, 50)
-    for param in head.parameters():
-        param.data.normal_(0, 0.3)
+def test_accuracy_counts_the_argmax_of_every_unrolled_step(random_trainable_head):
+    head = random_trainable_head
     n = 9
     embeds, taps = torch.randn(n, 32), torch.randn(n, 96)
     with torch.no_grad():

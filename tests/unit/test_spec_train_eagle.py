@@ -12,9 +12,7 @@ from lmkit.api import CHAT_PROMPTS
 from lmkit.cli.main import build_app
 from lmkit.testing.eagle_head import make_tiny_eagle3_head
 from lmkit.testing.tiny_model import make_tiny_model
-from lmkit_plugins.spec.train_eagle import TrainableEagle3
 from torch.nn import functional as F
-from transformers import LlamaConfig
 from typer.testing import CliRunner
 
 ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
@@ -37,13 +35,8 @@ def _drafted(head, embeds, feature0, p, j):
     return head.logits(hidden)[0]
 
 
-def test_unrolled_steps_equal_chained_drafting():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
-    head = TrainableEagle3(cfg, 3, 50)
-    for param in head.parameters():  # larger weights: every term matters
-        param.data.normal_(0, 0.3)
+def test_unrolled_steps_equal_chained_drafting(random_trainable_head):
+    head = random_trainable_head
     n = 9
     embeds, taps = torch.randn(n, 32), torch.randn(n, 96)
     with torch.no_grad():
@@ -56,17 +49,13 @@ def test_unrolled_steps_equal_chained_drafting():
                                            rtol=1e-4, atol=1e-4)
 
 
-def test_a_padded_batch_loses_what_its_sequences_lose_one_by_one():
+def test_a_padded_batch_loses_what_its_sequences_lose_one_by_one(random_trainable_head):
     """The batch loss (one padded forward) is the sum of the sequences' own losses: no
     real row reads padding, and padding rows count nowhere (gradients too)."""
     from lmkit_plugins.spec.eagle_trainable import distill_loss
 
+    head = random_trainable_head
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
-    head = TrainableEagle3(cfg, 3, 50)
-    for param in head.parameters():
-        param.data.normal_(0, 0.3)
     lengths = (9, 2, 5)  # the short one has fewer unrolled steps than ttt_steps
     embeds = [torch.randn(m, 32) for m in lengths]
     taps = [torch.randn(m, 96) for m in lengths]

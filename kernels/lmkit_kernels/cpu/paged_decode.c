@@ -237,6 +237,16 @@ static void softmax_rows16(float* scores, long num_heads, long len, float* inv) 
     }
 }
 
+/* CASE(g, nv) for the query-group size G and head-size vectors NV the grouped kernels
+ * are specialized for (G * NV <= 16 accumulators) */
+#define GROUP_DISPATCH(CASE) \
+    switch (NV) { \
+    case 2: switch (G) { CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(5, 2) CASE(6, 2) \
+                         CASE(7, 2) CASE(8, 2) } break; \
+    case 4: switch (G) { CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) } break; \
+    default: switch (G) { CASE(1, 8) CASE(2, 8) } break; \
+    }
+
 /* attend over the grouped kernels; 0 (nothing done) for shapes they do not take. */
 __attribute__((target("avx512f")))
 static int attend_grouped(const float* q, float* out, const float* kcache,
@@ -256,11 +266,7 @@ static int attend_grouped(const float* q, float* out, const float* kcache,
         const float* kc = kcache + kh * head_size;
 #define SC(g, nv) case g: group_scores(g, nv, qh, kc, table, start, end, kv_width, \
                                        block_size, scale, sh, len); break;
-        switch (NV) {
-        case 2: switch (G) { SC(1, 2) SC(2, 2) SC(3, 2) SC(4, 2) SC(5, 2) SC(6, 2) SC(7, 2) SC(8, 2) } break;
-        case 4: switch (G) { SC(1, 4) SC(2, 4) SC(3, 4) SC(4, 4) } break;
-        default: switch (G) { SC(1, 8) SC(2, 8) } break;
-        }
+        GROUP_DISPATCH(SC)
 #undef SC
     }
     float inv[num_heads];
@@ -272,11 +278,7 @@ static int attend_grouped(const float* q, float* out, const float* kcache,
         const float* ih = inv + kh * G;
 #define VA(g, nv) case g: group_values(g, nv, oh, vc, table, start, end, kv_width, \
                                        block_size, sh, len, ih); break;
-        switch (NV) {
-        case 2: switch (G) { VA(1, 2) VA(2, 2) VA(3, 2) VA(4, 2) VA(5, 2) VA(6, 2) VA(7, 2) VA(8, 2) } break;
-        case 4: switch (G) { VA(1, 4) VA(2, 4) VA(3, 4) VA(4, 4) } break;
-        default: switch (G) { VA(1, 8) VA(2, 8) } break;
-        }
+        GROUP_DISPATCH(VA)
 #undef VA
     }
     return 1;

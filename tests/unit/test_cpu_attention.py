@@ -76,8 +76,12 @@ class TwinCaches:
         return out, ref, md, (q, k, v)
 
 
+# the grouped AVX-512 kernels (9/3 x 64, 4/4 x 128) at their largest groups (16/2 x 32:
+# 8 per KV head; 4/2 x 128: 2) and the plain loop (80: no group kernel; 4/1 x 128: 4 per
+# KV head need too many accumulators; 40: not a multiple of 16)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 4, 128), (8, 1, 80),
-                                                   (4, 2, 40)])  # 40: not the AVX-512 path
+                                                   (4, 2, 40), (16, 2, 32), (4, 2, 128),
+                                                   (4, 1, 128)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_steps_match_the_reference(kernel, heads, kv_heads, head_size, block_size,

@@ -174,3 +174,25 @@ def test_small_inputs_take_the_fold_and_match_the_separate_kernels(fused_on_cpu,
     unfolded = _run(_tiny_llama(), num_tokens)
     assert calls["norm_linear"] == (4 if small else 0)  # no more calls with the fold off
     assert torch.equal(folded, unfolded)
+
+
+def test_a_replaced_input_norm_is_never_folded(fused_on_cpu, monkeypatch):
+    """An EAGLE-1/2 head's first layer has no input norm (its own identity module): with
+    the folds on, its one-row QKV projection must not fold an RMSNorm in (nor read the
+    replacement's weight), and the layer computes what it computes unfolded."""
+
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    model = _tiny_llama()
+    layer = model.model.layers[0]
+    assert layer._norm_folded
+    layer.replace_input_norm(Identity())
+    assert not layer._norm_folded
+    folded_out = _run(model, 1)  # later layers still fold
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "0")
+    unfolded = _tiny_llama()
+    assert _folded(unfolded) == (False, False)
+    unfolded.model.layers[0].replace_input_norm(Identity())
+    torch.testing.assert_close(folded_out, _run(unfolded, 1), rtol=0, atol=0)

@@ -50,14 +50,16 @@ def test_accuracy_counts_the_argmax_of_every_unrolled_step(random_trainable_head
     embeds, taps = torch.randn(n, 32), torch.randn(n, 96)
     with torch.no_grad():
         steps = head.unrolled(embeds, taps, 3)
-    # targets the head's own step-0 argmax everywhere: step 0 exact, later steps only
-    # where their argmax agrees with step 0's at the same position
+    # targets the head's own step-0 argmax everywhere: step 0 exact, a later draft of
+    # the chain after position s right where its argmax is step 0's at s + j, and
+    # accepted only if the chain's earlier drafts were
     target = torch.nn.functional.one_hot(steps[0].argmax(-1), 50).float()
     got = draft_accuracy(head, [lambda: (embeds, taps, target)], 3)
     assert got[0] == 1.0
-    for j in (1, 2):
-        same = (steps[j].argmax(-1) == steps[0].argmax(-1)[j:]).float().mean().item()
-        assert got[j] == pytest.approx(same)
+    right = [steps[j].argmax(-1) == steps[0].argmax(-1)[j:] for j in range(3)]
+    assert got[1] == pytest.approx(right[1].float().mean().item())
+    both = right[1][:n - 2] & right[2]
+    assert got[2] == pytest.approx(both.sum().item() / right[1][:n - 2].sum().item())
     wrong = torch.nn.functional.one_hot((steps[0].argmax(-1) + 1) % 50, 50).float()
     assert draft_accuracy(head, [lambda: (embeds, taps, wrong)], 3)[0] == 0.0
     short = draft_accuracy(head, [lambda: (embeds[:2], taps[:2], target[:2])], 3)

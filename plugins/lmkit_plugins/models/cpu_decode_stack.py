@@ -49,8 +49,9 @@ class CpuDecodeStack:
     """A model's executor plan and its per-step conditions (module docstring)."""
 
     def __init__(self, stack: DecodeStack, attn: Any, max_rows: int,
-                 block_size: int, num_kv_heads: int, head_dim: int) -> None:
+                 block_size: int, num_kv_heads: int, head_dim: int, num_layers: int) -> None:
         self._stack = stack
+        self._num_layers = num_layers
         self._attn = attn
         self._max_rows = max_rows
         self._cache_shape = (2, block_size, num_kv_heads, head_dim)  # but num_blocks
@@ -60,7 +61,7 @@ class CpuDecodeStack:
     def _caches_fit(self, caches: list[torch.Tensor]) -> bool:
         if caches is not self._caches:  # a new list: check its layout once
             shape = tuple(caches[0].shape) if caches else ()
-            self._caches_ok = len(shape) == 5 and all(
+            self._caches_ok = len(caches) == self._num_layers and len(shape) == 5 and all(
                 c.dtype == torch.float32 and c.is_contiguous() and c.device.type == "cpu"
                 and tuple(c.shape) == shape for c in caches) and (
                 (shape[0],) + shape[2:] == self._cache_shape)
@@ -127,6 +128,9 @@ def build_cpu_decode_stack(model: LlamaStack, quant: Any
         weights = _layer_weights(layer, quant, LayerWeights)
         if weights is None:
             return None, f"layer {len(layers)} is not on the quantized fast path"
+        # the C executor sizes its strides and scratch from the model's dimensions
+        if weights.o.n != dims.hidden_size or weights.down.k != dims.intermediate_size:
+            return None, f"layer {len(layers)}'s projections do not have the model's widths"
         layers.append(weights)
     stack, reason = make_decode_stack(
         layers, hidden=dims.hidden_size, num_heads=dims.num_heads,
@@ -137,7 +141,7 @@ def build_cpu_decode_stack(model: LlamaStack, quant: Any
     if stack is None:
         return None, reason
     return CpuDecodeStack(stack, attn, MAX_ROWS, attn.block_size, dims.num_kv_heads,
-                          dims.head_dim), ""
+                          dims.head_dim, len(layers)), ""
 
 
 def _layer_weights(layer: Any, quant: Any, make: Any) -> Any:

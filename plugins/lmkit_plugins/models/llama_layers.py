@@ -179,6 +179,13 @@ class LlamaDecoderLayer(nn.Module):
             (quant is not None and quant.supports_norm_linear)
             or self.self_attn.qkv_proj.gemv_fold is not None)
 
+    def replace_input_norm(self, norm: nn.Module) -> None:
+        """Use ``norm`` (``forward(x) -> x'``, e.g. an identity) as the input norm instead
+        of the RMSNorm (an EAGLE-1/2 head's first layer has none). Folding the input
+        norm into the QKV projection only ever folds an RMSNorm, so it stops here."""
+        self.input_layernorm = norm
+        self._norm_folded = False
+
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, attn: AttentionBackend, kv_cache: torch.Tensor,
                 kv_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -171,5 +171,6 @@ class Fp8Linear:
             from lmkit_kernels.fp8 import scaled_mm_linear
 
             return scaled_mm_linear(x, self.weight, self.scale_row, bias)
-        dense = (self.weight.to(x.dtype) * self.scale[:, None].to(x.dtype))
+        # scaled in float32 (a small scale would lose bits, or underflow, in fp16/bf16)
+        dense = (self.weight.float() * self.scale[:, None]).to(x.dtype)
         return F.linear(x, dense, bias)

@@ -131,7 +131,7 @@ class EagleHead(nn.Module):
         self.fc = Linear(2 * h, {"weight": h}, bias=fc_bias, **kw)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(dims, i, self.rotary, dtype, device) for i in range(dims.num_layers))
-        self.layers[0].input_layernorm = NoNorm()
+        self.layers[0].replace_input_norm(NoNorm())
         self.embed_tokens = VocabEmbedding(dims.vocab_size, h, **kw) if own_embedding else None
         self.lm_head = (Linear(h, {"weight": dims.vocab_size}, bias=False, **kw)
                         if own_lm_head else None)

@@ -2,13 +2,16 @@
 
 ``lmkit spec train-eagle`` keeps a few of its sequences out of training (``--holdout``)
 and, at every checkpoint, runs the head over them exactly as it trains (the unrolled
-draft steps of :meth:`~lmkit_plugins.spec.eagle_trainable.TrainableEagle3.unrolled`):
-step ``j``'s accuracy is the fraction of positions where the head's argmax equals the
-target's (both over the draft vocabulary), given that the ``j`` drafts before it were
-right -- an estimate of the acceptance rate at draft position ``j`` under greedy
-verification. With them, the expected tokens per speculative step of ``k`` drafts is
-``1 + a0 + a0 a1 + ... + a0 ... a(k-1)``. The estimate ignores target tokens outside the
-draft vocabulary (which no draft can match), so serving accepts somewhat less.
+draft steps of :meth:`~lmkit_plugins.spec.eagle_trainable.TrainableEagle3.unrolled`:
+row ``s`` of step ``j`` is the ``j``-th draft of the chain that starts after position
+``s``). A draft is right where the head's argmax equals the target's (both over the
+draft vocabulary); a chain's ``j``-th draft is accepted under greedy verification when
+it and every draft before it in the chain are right. Draft position ``j``'s accuracy
+``a_j`` is the fraction of chains whose drafts ``0..j`` are all right among those whose
+drafts ``0..j-1`` are (the acceptance rate at that position), and the expected tokens
+per speculative step of ``k`` drafts ``1 + a0 + a0 a1 + ... + a0 ... a(k-1)``. The
+estimate ignores target tokens outside the draft vocabulary (which no draft can match),
+so serving accepts somewhat less.
 """
 
 from __future__ import annotations
@@ -54,20 +57,26 @@ def holdout_split(num_sequences: int, holdout: int | None, seed: int
 @torch.no_grad()
 def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, Any, Any]]],
                    ttt_steps: int) -> list[float]:
-    """Per draft step, the fraction of positions where the head's argmax is the
-    target's. ``examples`` give ``(embeds [m, hidden], taps [m, width], target_logits
+    """Per draft position ``j``, the acceptance rate of the ``j``-th draft among chains
+    whose earlier drafts were all accepted (module docstring); ``nan`` where no chain
+    reaches it. ``examples`` give ``(embeds [m, hidden], taps [m, width], target_logits
     [m, draft vocab])`` of one sequence each, laid out as the training loss takes them
     (:func:`~lmkit_plugins.spec.eagle_trainable.distill_loss`)."""
-    correct = [0] * ttt_steps
-    counted = [0] * ttt_steps
+    accepted = [0] * ttt_steps  # chains (starts s < m - j) with drafts 0..j all right
+    reached = [0] * ttt_steps  # the same starts with drafts 0..j-1 all right
     for example in examples:
         embeds, taps, target = example()
         steps = head.unrolled(embeds, taps, min(ttt_steps, embeds.shape[0]))
         want = target.argmax(-1)
+        chain: torch.Tensor | None = None
         for j, logits in enumerate(steps):
-            correct[j] += int((logits.argmax(-1) == want[j:]).sum())
-            counted[j] += logits.shape[0]
-    return [c / n if n else float("nan") for c, n in zip(correct, counted, strict=True)]
+            right = logits.argmax(-1) == want[j:]  # row s: the chain after position s
+            before = (torch.ones_like(right) if chain is None
+                      else chain[:right.shape[0]])
+            chain = before & right
+            reached[j] += int(before.sum())
+            accepted[j] += int(chain.sum())
+    return [a / r if r else float("nan") for a, r in zip(accepted, reached, strict=True)]
 
 
 def expected_tokens_per_step(accuracy: Sequence[float]) -> float:

@@ -83,6 +83,22 @@ class StepMismatch:
     detail: str
 
 
+def tolerance_error(got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
+                    context: int) -> str | None:
+    """``None`` when ``got`` (``[q_len, heads, d]``, a request's step output) is within
+    ``atol + rtol * |ref|`` of ``ref`` everywhere (NaN never is); else the largest error
+    and the first query token and head past the tolerance, in words (token positions
+    counted after ``context`` earlier entries)."""
+    err = (got - ref).abs()
+    bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
+    if not bool(bad.any()):
+        return None
+    tok, head, _ = (int(i) for i in bad.nonzero()[0])
+    return (f"max abs error {float(err.nan_to_num(math.inf).max()):.3g} > tolerance "
+            f"{atol:g} + {rtol:g}*|ref|; first at query token {tok} (position "
+            f"{context + tok}), head {head}")
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int,
                     scale: float, window: int | None, soft_cap: float | None = None
                     ) -> torch.Tensor:
@@ -282,13 +298,9 @@ class AttentionWorld:
                                   c.sliding_window, c.logits_soft_cap)
             got = out64[start:start + q_len]
             start += q_len
-            err = (got - ref).abs()
-            bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
-            if bool(bad.any()):
-                tok, head, _ = (int(i) for i in bad.nonzero()[0])
+            error = tolerance_error(got, ref, atol, rtol, ctx)
+            if error is not None:
                 return StepMismatch(rid, ctx, q_len, (
                     f"output differs from causal attention over the request's "
-                    f"{ctx + q_len} keys: max abs error {float(err.nan_to_num(math.inf).max()):.3g} "
-                    f"> tolerance {atol:g} + {rtol:g}*|ref|; first at query token {tok} "
-                    f"(position {ctx + tok}), head {head}"))
+                    f"{ctx + q_len} keys: {error}"))
         return None

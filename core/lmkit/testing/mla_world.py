@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from lmkit.api.mla_attention import MLAAttentionBackend
-from lmkit.testing.attention_world import AttentionCase, AttentionWorld, StepMismatch, _Req
+from lmkit.testing.attention_world import (
+    AttentionCase,
+    AttentionWorld,
+    StepMismatch,
+    _Req,
+    tolerance_error,
+)
 
 NUM_LAYERS = 2
 # (atol, rtol) against the float64 oracle
@@ -176,14 +182,9 @@ class MLAWorld(AttentionWorld):
             ref = dense_mla(x[0], x[1], *hist[rid], self.weights[layer], ctx, c.scale)
             got = out64[start:start + q_len]
             start += q_len
-            err = (got - ref).abs()
-            bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
-            if bool(bad.any()):
-                tok, head, _ = (int(i) for i in bad.nonzero()[0])
+            error = tolerance_error(got, ref, atol, rtol, ctx)
+            if error is not None:
                 return StepMismatch(rid, ctx, q_len, (
                     f"layer {layer}: output differs from dense causal MLA over the "
-                    f"request's {ctx + q_len} latent entries: max abs error "
-                    f"{float(err.nan_to_num(math.inf).max()):.3g} > tolerance {atol:g} + "
-                    f"{rtol:g}*|ref|; first at query token {tok} (position {ctx + tok}), "
-                    f"head {head}"))
+                    f"request's {ctx + q_len} latent entries: {error}"))
         return None

@@ -148,29 +148,44 @@ class Fp8Linear:
         self.scaled_mm_unsupported = (scaled_mm_unsupported_reason(self.weight)
                                       if self.on_cuda else None)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [n, in] -> [n, out] in x's dtype
-        small = x.shape[0] <= self.max_rows
+        # the three products, bound once: (x, bias) -> [n, out] (no imports or tile
+        # choices per call)
+        self._one_row, self._few_rows, self._many_rows = self._products()
+
+    def _products(self) -> tuple[Any, Any, Any]:
+        """The one-row (``None``: the few-rows product takes one row too), few-rows and
+        many-rows products of this weight on its device."""
+        w, s, row_tiles = self.weight, self.scale, self.row_tiles
         if not self.on_cuda:
             from lmkit_kernels.fp8 import fp8_linear_ref, scaled_mm_ref
 
-            return (fp8_linear_ref if small else scaled_mm_ref)(x, self.weight, self.scale, bias)
-        if small and self.row_tiles is not None and x.shape[0] == 1:
-            from lmkit_kernels.fp8_gemv import fp8_row_linear
+            return (None, lambda x, b: fp8_linear_ref(x, w, s, b),
+                    lambda x, b: scaled_mm_ref(x, w, s, b))
+        from lmkit_kernels.fp8 import scaled_mm_linear
+        from lmkit_kernels.fp8_gemv import fp8_row_linear
+        from lmkit_kernels.gemv import small_m_linear
 
-            block_n, block_k, warps = self.row_tiles
-            return fp8_row_linear(x, self.weight, self.scale, bias, block_n=block_n,
-                                  block_k=block_k, num_warps=warps)
-        if small:
-            from lmkit_kernels.gemv import small_m_linear
+        def one_row(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            block_n, block_k, warps = row_tiles
+            return fp8_row_linear(x, w, s, bias, block_n=block_n, block_k=block_k,
+                                  num_warps=warps)
 
-            return small_m_linear(x, self.weight, bias, weight_scale=self.scale,
-                                  block_n=self.block_n, block_k=self.block_k,
-                                  num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.scaled_mm_unsupported is None:
-            from lmkit_kernels.fp8 import scaled_mm_linear
+        def few_rows(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return small_m_linear(x, w, bias, weight_scale=s, block_n=self.block_n,
+                                  block_k=self.block_k, num_warps=self.num_warps,
+                                  num_stages=self.num_stages)
 
-            return scaled_mm_linear(x, self.weight, self.scale_row, bias)
-        # scaled in float32 (a small scale would lose bits, or underflow, in fp16/bf16)
-        dense = (self.weight.float() * self.scale[:, None]).to(x.dtype)
-        return F.linear(x, dense, bias)
+        def many_rows(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if self.scaled_mm_unsupported is None:
+                return scaled_mm_linear(x, w, self.scale_row, bias)
+            # scaled in float32 (a small scale would lose bits, or underflow, in fp16/bf16)
+            return F.linear(x, (w.float() * s[:, None]).to(x.dtype), bias)
+
+        return (None if row_tiles is None else one_row), few_rows, many_rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [n, in] -> [n, out] in x's dtype
+        rows = x.shape[0]
+        if rows == 1 and self._one_row is not None:
+            return self._one_row(x, bias)
+        return (self._few_rows if rows <= self.max_rows else self._many_rows)(x, bias)

@@ -90,9 +90,9 @@ def test_silu_and_mul_equals_silu_of_gate_times_up():
 @pytest.fixture
 def no_row_gemv(monkeypatch):
     """The layers as built on a machine where the C row-GEMV kernel is not available."""
-    import lmkit_plugins.models.layers as layers
+    import lmkit_plugins.models.cpu_linear as cpu_linear
 
-    monkeypatch.setattr(layers, "_row_gemv", lambda: None)
+    monkeypatch.setattr(cpu_linear, "_row_gemv", lambda: None)
 
 
 def _onednn_or_skip():

@@ -265,9 +265,10 @@ def test_cache_dir_and_switch_follow_the_environment(monkeypatch, tmp_path):
 
 
 def test_without_the_kernel_float32_layers_fall_back_to_onednn(monkeypatch):
+    import lmkit_plugins.models.cpu_linear as cpu_linear
     import lmkit_plugins.models.layers as layers
 
-    monkeypatch.setattr(layers, "_row_gemv", lambda: None)
+    monkeypatch.setattr(cpu_linear, "_row_gemv", lambda: None)
     kernel = layers.cpu_linear_kernel(CPU, torch.float32)
     assert kernel is not layers._row_gemv_or_onednn
     assert layers.cpu_linear_kernel(CPU, torch.bfloat16) is not layers._row_gemv_or_onednn

@@ -48,12 +48,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 from gpu_report import combine, format_table  # noqa: E402
+from gpu_workloads import _subset, make_workloads, parse_subsets  # noqa: E402
 
 PEERS = ("vllm", "hf")
 SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
@@ -73,24 +72,6 @@ def quantization_options(quantization: str, extra: dict[str, Any] | None = None
     if extra:
         return {"quantization": quantization, "quantization.options": extra}
     return {"quantization": quantization}
-
-
-def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
-    """W1-W5 as token ids (fixed seed); toy sizes with ``smoke``. W4/W5 are W3/W2's
-    requests (the same ids) for the DeepSeek model."""
-    rng = np.random.default_rng(0)
-    n1, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
-    vocab = 1000 if smoke else 10000
-    prompt_lens = rng.integers(lo, hi + 1, n1)
-    output_lens = rng.integers(lo, hi + 1, n1)
-    w1 = [rng.integers(0, vocab, int(n)).tolist() for n in prompt_lens]
-    p2, o2 = (16, 8) if smoke else (128, 256)
-    n3, p3, o3 = (6, 32, 8) if smoke else (256, 512, 256)
-    w2 = {"name": "W2", "prompts": [rng.integers(0, vocab, p2).tolist()], "output_lens": [o2]}
-    w3 = {"name": "W3", "prompts": [rng.integers(0, vocab, p3).tolist() for _ in range(n3)],
-          "output_lens": [o3] * n3}
-    return {"W1": {"name": "W1", "prompts": w1, "output_lens": output_lens.tolist()},
-            "W2": w2, "W3": w3, "W4": {**w3, "name": "W4"}, "W5": {**w2, "name": "W5"}}
 
 
 def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float | None:
@@ -168,22 +149,6 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     else:
         result = sides.hf_side(job["model_dir"], job["workloads"], job.get("attn", "paged|sdpa"))
     result_file.write_text(json.dumps(result, indent=1, default=str))
-
-
-def _subset(wl: sides.Workload, n: int | None) -> sides.Workload:
-    if not n or n >= len(wl["prompts"]):
-        return wl
-    return {**wl, "prompts": wl["prompts"][:n], "output_lens": wl["output_lens"][:n],
-            "subset_of": len(wl["prompts"])}
-
-
-def parse_subsets(text: str) -> dict[str, int]:
-    """``"W1=32,W3=64"`` -> ``{"W1": 32, "W3": 64}``."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, n = part.partition("=")
-        out[name.strip().upper()] = int(n)
-    return out
 
 
 def parse_peers(text: str) -> list[str]:

@@ -133,8 +133,8 @@ class Linear(nn.Module):
         the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
         projection. With a quantization method that folds norms
         (``supports_norm_linear``), decode-sized float32 CPU inputs take one kernel
-        call, bit-identical to the two steps; so do decode-sized inputs with
-        :attr:`gemv_fold`."""
+        call, bit-identical to the two steps; so do one-row CUDA inputs with
+        :attr:`gemv_fold` (the same bits up to the order of the norm's sum of squares)."""
         if self.gemv_fold is not None and self.gemv_fold.takes(x):
             return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                               self.bias)
@@ -154,7 +154,7 @@ class Linear(nn.Module):
         not given): a gated MLP's down projection. With a quantization method that folds
         SiLU-and-multiply (``supports_silu_mul_linear``), decode-sized float32 CPU inputs
         take one kernel call, bit-identical to the two steps; with :attr:`gemv_fold`,
-        decode-sized inputs too."""
+        one-row CUDA inputs too."""
         if self.gemv_fold is not None and self.gemv_fold.takes(gate_up):
             return self.gemv_fold.silu_mul_linear(gate_up, self.weight, self.bias)
         if (self._qsilu is not None and gate_up.shape[0] <= self._qfold_rows

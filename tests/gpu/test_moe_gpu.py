@@ -61,16 +61,24 @@ def test_float32_is_ieee():
                                fused_moe_ref(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-4)
 
 
-def test_cuda_graph_replays_another_routing():
-    x, w13, w2, weights, ids = _problem(8, 512, 1024, 8, 2, torch.bfloat16, seed=5)
+def _captured(warm_up, fn):
+    """``(graph, out)``: ``fn()`` captured in a CUDA graph after ``warm_up()`` ran on a
+    side stream (Triton compiles outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+        warm_up()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, ids)
+        out = fn()
+    return graph, out
+
+
+def test_cuda_graph_replays_another_routing():
+    x, w13, w2, weights, ids = _problem(8, 512, 1024, 8, 2, torch.bfloat16, seed=5)
+    graph, out = _captured(lambda: fused_moe(x, w13, w2, weights, ids),
+                           lambda: fused_moe(x, w13, w2, weights, ids))
     new_weights, new_ids = _routing(8, 8, 2, seed=11)
     assert not torch.equal(new_ids, ids)
     weights.copy_(new_weights)
@@ -97,14 +105,9 @@ def test_large_tiles_and_the_routed_layer(tokens):
     assert routed.uses_fused(tokens, 2, 8) == (tokens < 1024)
     torch.testing.assert_close(routed(x, w13, w2, weights, ids).float(), ref, atol=3e-2,
                                rtol=3e-2)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = routed(x, w13, w2, weights, ids)  # the reference would sync: fused instead
+    # the reference would sync inside the capture: the routed layer takes the fused kernel
+    graph, out = _captured(lambda: fused_moe(x, w13, w2, weights, ids),
+                           lambda: routed(x, w13, w2, weights, ids))
     graph.replay()
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from lmkit_kernels.checks import check_scale_and_bias, check_shape, check_tensor, dot_needs_f32
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait, prefetch_args, prefetch_weight_rows
 
 __all__ = ["MAX_ROWS", "small_m_linear", "small_m_linear_ref"]
 
@@ -29,6 +30,7 @@ def _small_m_linear_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, s_ptr=None, HAS_SCALE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PF_LINE: tl.constexpr = 1, PF_LINES: tl.constexpr = 0,
 ):
     # program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] over the whole K
     pid = tl.program_id(0)
@@ -40,6 +42,8 @@ def _small_m_linear_kernel(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     x_base = x_ptr + rows[:, None] * stride_xm
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    prefetch_weight_rows(w_ptr, cols, N, K, stride_wn, PF_LINE, PF_LINES)
+    pdl_wait(USE_PDL)  # the weights are the step's constants; x is the previous kernel's
     for k in range(0, K, BLOCK_K):
         k_ok = (k + ks) < K
         x = tl.load(x_base + (k + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -92,6 +96,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_F32=dot_needs_f32(x.dtype), num_warps=num_warps, num_stages=num_stages,
             s_ptr=weight_scale, HAS_SCALE=weight_scale is not None,
+            **prefetch_args(weight, block_k), **pdl_launch_args(x.device),
         )
     return out
 

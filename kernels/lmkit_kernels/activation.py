@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lmkit_kernels.checks import FLOAT_DTYPES, check_tensor, is_interpreting
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
@@ -24,8 +25,9 @@ _BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr,
-                         ACCURATE_EXP: tl.constexpr):
+                         ACCURATE_EXP: tl.constexpr, USE_PDL: tl.constexpr = False):
     # program (row, tile): out[row, tile] = silu(x[row, tile]) * x[row, size + tile]
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -58,7 +60,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (num_tokens, triton.cdiv(size, _BLOCK))
         _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), size,
                                    BLOCK=_BLOCK, ACCURATE_EXP=not is_interpreting(),
-                                   num_warps=4, enable_fp_fusion=False)
+                                   num_warps=4, enable_fp_fusion=False,
+                                   **pdl_launch_args(gate_up.device))
     return out
 
 

@@ -23,6 +23,7 @@ from lmkit_kernels.checks import (
     check_tensor,
     next_power_of_2,
 )
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 
 __all__ = ["reshape_and_cache"]
 
@@ -34,9 +35,10 @@ def _reshape_and_cache_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # One program copies HEADS_PER_PROGRAM heads of one token: [heads, head_size].
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0)
     head_start = tl.program_id(1) * HEADS_PER_PROGRAM
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -97,5 +99,5 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, HEADS_PER_PROGRAM=heads_per_program,
-        num_warps=4,
+        num_warps=4, **pdl_launch_args(device),
     )

@@ -45,6 +45,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.gemv import MAX_ROWS, small_m_linear_ref
 from lmkit_kernels.norm import rms_norm_ref
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait, prefetch_args, prefetch_weight_rows
 
 __all__ = ["SILU_TILE", "launch_config", "norm_small_m_linear", "norm_small_m_linear_ref",
            "silu_mul_small_m_linear", "silu_mul_small_m_linear_ref"]
@@ -129,7 +130,8 @@ def _fold_linear_kernel(
     SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_F32: tl.constexpr, IEEE_DOT: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr, USE_PDL: tl.constexpr = False, PF_LINE: tl.constexpr = 1,
+    PF_LINES: tl.constexpr = 0,
 ):
     # program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] = transform(x) @ w[cols].T over
     # the whole K. The transform runs on BLOCK_M rows (M rounded up to a power of two):
@@ -141,6 +143,8 @@ def _fold_linear_kernel(
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
+    prefetch_weight_rows(w_ptr, cols, N, K, stride_wn, PF_LINE, PF_LINES)
+    pdl_wait(USE_PDL)  # x and the residual are earlier kernels' outputs
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if not SILU_MUL:
         for m in range(0, M):
@@ -269,6 +273,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
                 IEEE_DOT=x.dtype == torch.float32 and not is_interpreting(),
                 ACCURATE_EXP=not is_interpreting(), num_warps=num_warps, num_stages=stages,
                 enable_fp_fusion=False,  # round where the separate kernels round (no FMA)
+                **prefetch_args(weight, block_k), **pdl_launch_args(x.device),
             )
             return
         except OutOfResources:

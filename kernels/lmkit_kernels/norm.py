@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from lmkit_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, next_power_of_2
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -27,9 +28,10 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     hidden_size, inv_hidden_size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # One program normalises one row: [hidden_size].
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -80,6 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
             enable_fp_fusion=False,  # round where torch rounds (no FMA contraction)
+            **pdl_launch_args(x.device),
         )
     return out if residual is None else (out, res_out)
 

@@ -34,6 +34,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
+from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled
 
 __all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention",
            "prefill_config", "split_counters"]
@@ -65,6 +66,17 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, *,
     programs = max(1, num_reqs * num_kv_heads)
     want = max(1, 4 * _sm_count(device) // programs)
     return min(max_splits, 1 << (want.bit_length() - 1))
+
+
+def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
+    """``KV_LINE`` / ``KV_LINES`` of the decode kernel: one KV head's row of a token as
+    128-byte lines, prefetched for a slice's first tile before the PDL wait (none when
+    prefetching is off or the head's row is not a whole number of lines)."""
+    line = max(1, 128 // k_cache.element_size())
+    lines = head_size // line
+    if not prefetch_enabled(k_cache.device) or head_size % line or lines & (lines - 1):
+        return {"KV_LINE": line, "KV_LINES": 0}
+    return {"KV_LINE": line, "KV_LINES": lines}
 
 
 def split_counters(num_reqs: int, num_kv_heads: int, device: torch.device | str
@@ -206,12 +218,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             ROWS=max(16, next_power_of_2(group)), NUM_SPLITS=splits, FUSED_MERGE=fused_merge,
             BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages,
+            **_kv_prefetch(k_cache, head_size), **pdl_launch_args(device),
         )
         if splits > 1 and not fused_merge:
             reduce_splits_kernel[(num_reqs, num_heads)](
                 out, part_out, part_lse, query_start_loc, seq_lens, out.stride(0),
                 out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits, BLOCK_N=block_n,
                 HEAD_SIZE=head_size, HEAD_PAD=head_pad, num_warps=4,
+                **pdl_launch_args(device),
             )
         return out
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lmkit_kernels.paged_prefill import attention_dot, online_softmax_update
+from lmkit_kernels.pdl import pdl_wait, prefetch_l2
 
 
 @triton.jit
@@ -52,16 +53,35 @@ def paged_decode_kernel(
     ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # before the PDL wait only what the step's host copies wrote is read (query starts,
+    # sequence lengths, block tables): the previous kernel writes q and the newest K/V
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
     split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N)
     # a request with no query row (padding) has nothing to write; idle slices exit
-    if (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active):
+    has_work = (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active)
+    if KV_LINES > 0:  # the slice's first K and V tile into L2 while the previous kernel ends
+        if has_work:
+            offs_p = split * split_len + tl.arange(0, BLOCK_N)
+            p_ok = offs_p < seq_len
+            p_block = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt_req
+                              + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
+            lines = tl.arange(0, KV_LINES) * KV_LINE
+            p_slot = tl.where(p_ok, offs_p % PAGE_SIZE, 0)
+            prefetch_l2(k_cache_ptr + p_block[:, None] * stride_kc_block
+                        + p_slot[:, None] * stride_kc_slot + kv_head * stride_kc_head
+                        + lines[None, :])
+            prefetch_l2(v_cache_ptr + p_block[:, None] * stride_vc_block
+                        + p_slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
+                        + lines[None, :])
+    pdl_wait(USE_PDL)
+    if has_work:
         kv_start = split * split_len
         kv_end = tl.minimum(kv_start + split_len, seq_len)
 
@@ -155,10 +175,11 @@ def reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr,
     stride_o_tok, stride_o_head,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Merge one (request, query head)'s slice partials (the second launch, when the
     decode kernel does not merge them itself); one-slice requests are already written."""
+    pdl_wait(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)

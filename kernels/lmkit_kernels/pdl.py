@@ -21,6 +21,11 @@ ordered as without PDL:
   the chain are ever in flight, and the next one's programs take SM slots only once
   every program of this one has been scheduled.
 
+So before its wait a program may read whatever the kernels *two or more* places
+earlier in the stream wrote (and the host's copies at the start of the step: block
+tables, sequence lengths, slot mappings), never what the previous kernel writes;
+and it may prefetch any line into L2 (:func:`prefetch_l2`: L2 is coherent).
+
 A kernel launched without PDL after one launched with it is ordered as usual (it starts
 after the whole predecessor completes), and a PDL kernel after a torch/cuBLAS kernel
 waits for it to complete, so PDL kernels mix freely with others. Under CUDA-graph
@@ -44,7 +49,8 @@ import triton.language as tl
 from lmkit_kernels.checks import is_interpreting
 
 __all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait",
-           "prefetch_args", "prefetch_weight_rows"]
+           "prefetch_args", "prefetch_enabled", "prefetch_l2",
+           "prefetch_weight_rows"]
 
 #: the switch: ``0`` turns programmatic dependent launch off
 ENV = "LMKIT_PDL"
@@ -69,20 +75,28 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the cache lines holding ``ptrs`` to be brought into L2, without waiting
+    for them or loading anything into registers (one pointer per 128-byte line is
+    enough). L2 is shared by all SMs, so a line prefetched before a later write still
+    reads the written value afterwards: prefetching is always safe; it only pays for
+    data that is read soon after."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_weight_rows(w_ptr, rows, N, K, stride_wn, PF_LINE: tl.constexpr,
                          PF_LINES: tl.constexpr):
-    """Ask for the first ``PF_LINES`` 128-byte lines (``PF_LINE`` elements each) of
-    weight rows ``rows`` (clamped to ``N`` rows, ``K`` columns) to be brought into L2,
-    without waiting for them: what a weight-streaming program does before
-    :func:`pdl_wait`, so its first weight slice arrives while the previous kernel
-    finishes. Only data no kernel of the step writes (weights) may be prefetched so.
-    Compiles to nothing when ``PF_LINES`` is 0 (see :func:`prefetch_args`)."""
+    """Prefetch into L2 the first ``PF_LINES`` 128-byte lines (``PF_LINE`` elements each)
+    of weight rows ``rows`` (clamped to ``N`` rows, ``K`` columns): what a
+    weight-streaming program does before :func:`pdl_wait`, so its first weight slice
+    arrives while the previous kernel finishes. Compiles to nothing when ``PF_LINES``
+    is 0 (see :func:`prefetch_args`)."""
     if PF_LINES > 0:
         safe_rows = tl.minimum(rows, N - 1).to(tl.int64)
         offs = tl.minimum(tl.arange(0, PF_LINES) * PF_LINE, K - 1)
-        ptrs = w_ptr + safe_rows[:, None] * stride_wn + offs[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(w_ptr + safe_rows[:, None] * stride_wn + offs[None, :])
 
 
 def _switch_on(name: str) -> bool:
@@ -120,11 +134,17 @@ def pdl_launch_args(device: torch.device) -> dict[str, Any]:
     return {"USE_PDL": False}
 
 
+def prefetch_enabled(device: torch.device) -> bool:
+    """Whether kernels prefetch into L2 before their PDL wait: PDL on for ``device``
+    and ``LMKIT_PDL_PREFETCH`` not 0."""
+    return pdl_enabled(device) and _switch_on(PREFETCH_ENV)
+
+
 def prefetch_args(weight: torch.Tensor, block_k: int) -> dict[str, int]:
     """``PF_LINE`` / ``PF_LINES`` for :func:`prefetch_weight_rows`: the lines of one
-    ``block_k`` slice of ``weight``'s rows, when PDL is on for its device and
-    ``LMKIT_PDL_PREFETCH`` is not 0; else no prefetch (``PF_LINES=0``)."""
+    ``block_k`` slice of ``weight``'s rows when :func:`prefetch_enabled`, else no
+    prefetch (``PF_LINES=0``)."""
     line = max(1, 128 // weight.element_size())
-    if not (pdl_enabled(weight.device) and _switch_on(PREFETCH_ENV)):
+    if not prefetch_enabled(weight.device):
         return {"PF_LINE": line, "PF_LINES": 0}
     return {"PF_LINE": line, "PF_LINES": max(1, block_k // line)}

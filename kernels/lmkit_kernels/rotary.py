@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from lmkit_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, next_power_of_2
+from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 
 __all__ = ["rotary_qk_", "rotary_qk_ref"]
 
@@ -40,10 +41,11 @@ def _rotary_qk_kernel(
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, ROT: tl.constexpr, HEADS: tl.constexpr, HAS_NORM: tl.constexpr,
-    WRITE_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    WRITE_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # program (token, head group): HEADS heads of one token, [HEADS, HEAD_PAD]; heads
     # count query, key, then (when writing the cache) value heads
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     dims = tl.arange(0, HEAD_PAD)
@@ -155,7 +157,7 @@ def rotary_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_h
         HAS_NORM=q_norm is not None, WRITE_CACHE=write_cache,
         PAGE_SIZE=kv_cache.shape[2] if write_cache else 1, num_warps=4,
         # no mul+add -> FMA contraction: each product is rounded, as in transformers
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_launch_args(qkv.device),
     )
 
 

@@ -54,7 +54,8 @@ __all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait",
 
 #: the switch: ``0`` turns programmatic dependent launch off
 ENV = "LMKIT_PDL"
-#: ``0`` keeps PDL but drops the weight prefetch that GEMVs issue before their wait
+#: how many ``block_k`` slices of its weight rows a GEMV program prefetches before its
+#: wait (a power of two; default 1); ``0`` keeps PDL without any prefetch
 PREFETCH_ENV = "LMKIT_PDL_PREFETCH"
 
 try:  # griddepcontrol in Triton >= 3.4 (the GPU machine has 3.6)
@@ -134,17 +135,28 @@ def pdl_launch_args(device: torch.device) -> dict[str, Any]:
     return {"USE_PDL": False}
 
 
+def _prefetch_slices() -> int:
+    value = os.environ.get(PREFETCH_ENV, "1").strip().lower() or "1"
+    if value in ("0", "1", "2", "4", "8"):
+        return int(value)
+    raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0 (no prefetch), or 1 (the "
+                     "default), 2, 4 or 8 weight slices")
+
+
 def prefetch_enabled(device: torch.device) -> bool:
     """Whether kernels prefetch into L2 before their PDL wait: PDL on for ``device``
-    and ``LMKIT_PDL_PREFETCH`` not 0."""
-    return pdl_enabled(device) and _switch_on(PREFETCH_ENV)
+    and ``LMKIT_PDL_PREFETCH`` not 0.
+
+    :raises ValueError: ``LMKIT_PDL_PREFETCH`` not one of 0, 1, 2, 4, 8.
+    """
+    return pdl_enabled(device) and _prefetch_slices() > 0
 
 
 def prefetch_args(weight: torch.Tensor, block_k: int) -> dict[str, int]:
-    """``PF_LINE`` / ``PF_LINES`` for :func:`prefetch_weight_rows`: the lines of one
-    ``block_k`` slice of ``weight``'s rows when :func:`prefetch_enabled`, else no
-    prefetch (``PF_LINES=0``)."""
+    """``PF_LINE`` / ``PF_LINES`` for :func:`prefetch_weight_rows`: the lines of the first
+    ``LMKIT_PDL_PREFETCH`` (default 1) ``block_k`` slices of ``weight``'s rows when
+    :func:`prefetch_enabled`, else no prefetch (``PF_LINES=0``)."""
     line = max(1, 128 // weight.element_size())
     if not prefetch_enabled(weight.device):
         return {"PF_LINE": line, "PF_LINES": 0}
-    return {"PF_LINE": line, "PF_LINES": max(1, block_k // line)}
+    return {"PF_LINE": line, "PF_LINES": max(1, _prefetch_slices() * block_k // line)}

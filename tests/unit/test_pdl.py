@@ -56,6 +56,16 @@ def test_prefetch_lines_follow_the_weight_dtype(monkeypatch):
         "PF_LINE": 128, "PF_LINES": 8}
     assert pdl.prefetch_args(torch.empty(4, 32, dtype=torch.float32), 16) == {
         "PF_LINE": 32, "PF_LINES": 1}  # a slice shorter than a line: its one line
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "4")  # four slices
+    assert pdl.prefetch_args(torch.empty(4, 4096, dtype=torch.bfloat16), 512) == {
+        "PF_LINE": 64, "PF_LINES": 32}
+
+
+def test_a_bad_prefetch_depth_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "3")
+    with pytest.raises(ValueError, match="LMKIT_PDL_PREFETCH='3': expected 0"):
+        pdl.prefetch_enabled(torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("value", ["2", "maybe"])

@@ -1,0 +1,214 @@
+"""A batch-1 decode step's kernel chain, replayed from CUDA graphs under several kernel
+settings in one process.
+
+The chain is what the Llama family runs on CUDA for one token: per layer the QKV
+projection (bf16: with the residual add + RMSNorm folded in), RoPE + cache write,
+decode attention over ``--context`` tokens, the output projection, the gate-up
+projection (folded norm), the down projection (folded SiLU); then the final norm, the
+LM head and an argmax. ``--weights fp8`` runs the FP8 path instead (separate RMSNorm and
+SiLU kernels, the one-row FP8 GEMV; ``--fp8-lm-head`` quantizes the LM head too).
+
+Each setting is a set of environment variables read when the kernels launch, e.g.
+``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``: one CUDA graph is captured per setting, and
+the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
+setting's median step time, its spread, and the weight bytes per step over that time::
+
+    python bench/decode_chain.py --settings LMKIT_PDL=0 LMKIT_PDL=1 \\
+        LMKIT_PDL=1,LMKIT_PDL_PREFETCH=2 --out chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_bandwidth import copy_bandwidth  # noqa: E402
+from lmkit_kernels.activation import silu_and_mul  # noqa: E402
+from lmkit_kernels.fp8 import quantize_per_channel  # noqa: E402
+from lmkit_kernels.fp8_gemv import fp8_row_linear  # noqa: E402
+from lmkit_kernels.gemv import small_m_linear  # noqa: E402
+from lmkit_kernels.norm import rms_norm  # noqa: E402
+from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
+from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
+from lmkit_kernels.rotary import rotary_qk_  # noqa: E402
+from lmkit_plugins.models.fused_ops import GemvFold, small_m_tiles  # noqa: E402
+
+#: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
+MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
+          "qwen0.6b": (1024, 16, 8, 128, 3072, 151936)}
+
+
+def parse_setting(text: str) -> dict[str, str]:
+    """``"A=1,B=2"`` -> ``{"A": "1", "B": "2"}``; ``"default"`` -> ``{}``."""
+    if text == "default":
+        return {}
+    pairs = [p.split("=", 1) for p in text.split(",")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise SystemExit(f"a setting is NAME=VALUE[,NAME=VALUE...] or 'default'; got {text!r}")
+    return dict(pairs)
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block, then restore what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Chain:
+    """Random weights of ``layers`` decoder layers and the step's inputs, and the step."""
+
+    def __init__(self, model: str, layers: int, context: int, weights: str,
+                 fp8_lm_head: bool) -> None:
+        hidden, heads, kv_heads, head, inter, vocab = MODELS[model]
+        self.dims = (hidden, heads, kv_heads, head)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.fp8 = weights == "fp8"
+
+        def w(out_features: int, in_features: int, fp8: bool) -> tuple:
+            t = torch.randn(out_features, in_features, generator=g, device="cuda",
+                            dtype=torch.bfloat16) * in_features ** -0.5
+            return quantize_per_channel(t) if fp8 else (t, None)
+
+        qkv = (heads + 2 * kv_heads) * head
+        self.layers = [{"qkv": w(qkv, hidden, self.fp8), "o": w(hidden, heads * head, self.fp8),
+                        "gate_up": w(2 * inter, hidden, self.fp8),
+                        "down": w(hidden, inter, self.fp8),
+                        "ln1": torch.ones(hidden, dtype=torch.bfloat16, device="cuda"),
+                        "ln2": torch.ones(hidden, dtype=torch.bfloat16, device="cuda")}
+                       for _ in range(layers)]
+        self.lm_head = w(vocab, hidden, self.fp8 and fp8_lm_head)
+        self.norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+        self.weight_bytes = sum(t.numel() * t.element_size() for p in self.layers
+                                for t, _ in (p["qkv"], p["o"], p["gate_up"], p["down"]))
+        self.weight_bytes += self.lm_head[0].numel() * self.lm_head[0].element_size()
+        self.batch = make_paged_batch([(context, 1)], num_heads=heads, num_kv_heads=kv_heads,
+                                      head_size=head, block_size=16, dtype=torch.bfloat16,
+                                      device="cuda", seed=1)
+        self.caches = torch.stack([self.batch.kv_cache] * layers)
+        self.counters = split_counters(1, kv_heads, "cuda")
+        self.cos = torch.randn(1, head, device="cuda", generator=g)
+        self.sin = torch.randn(1, head, device="cuda", generator=g)
+        self.x = torch.randn(1, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+        self.fold = GemvFold()
+
+    def _linear(self, x: torch.Tensor, wt: tuple) -> torch.Tensor:
+        weight, scale = wt
+        if scale is not None:
+            return fp8_row_linear(x, weight, scale)
+        return small_m_linear(x, weight, None, **small_m_tiles(weight.shape[0]))
+
+    def step(self) -> torch.Tensor:
+        """One decode step over all layers; returns the argmax token (a device tensor)."""
+        hidden, heads, kv_heads, head = self.dims
+        batch, x, residual = self.batch, self.x, None
+        for i, p in enumerate(self.layers):
+            if self.fp8:
+                if residual is None:
+                    h, residual = rms_norm(x, p["ln1"], 1e-5), x
+                else:
+                    h, residual = rms_norm(x, p["ln1"], 1e-5, residual)
+                qkv = self._linear(h, p["qkv"])
+            else:
+                qkv, residual = self.fold.norm_linear(x, residual, p["ln1"], 1e-5,
+                                                      p["qkv"][0], None)
+            rotary_qk_(qkv, self.cos, self.sin, num_heads=heads, num_kv_heads=kv_heads,
+                       head_size=head, kv_cache=self.caches[i],
+                       slot_mapping=batch.slot_mapping)
+            attn = paged_attention(qkv[:, :heads * head].view(1, heads, head), self.caches[i],
+                                   batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                                   max_query_len=1, scale=head ** -0.5,
+                                   split_counters=self.counters)
+            h = self._linear(attn.reshape(1, heads * head), p["o"])
+            if self.fp8:
+                h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                x = self._linear(silu_and_mul(self._linear(h, p["gate_up"])), p["down"])
+            else:
+                gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
+                                                          p["gate_up"][0], None)
+                x = self.fold.silu_mul_linear(gate_up, p["down"][0], None)
+        h, _ = rms_norm(x, self.norm, 1e-5, residual)
+        return self._linear(h, self.lm_head).argmax(dim=-1)
+
+
+def capture(step: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph:
+    """``step`` run twice eagerly (compiles), then captured."""
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama8b")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256, help="tokens in the cache")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--fp8-lm-head", action="store_true")
+    ap.add_argument("--settings", nargs="+", default=["LMKIT_PDL=0", "default"],
+                    help="NAME=VALUE[,NAME=VALUE...] per setting, or 'default'")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--replays", type=int, default=20, help="graph replays per round")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_chain.py needs a CUDA GPU")
+    settings = [(s, parse_setting(s)) for s in args.settings]
+    chain = Chain(args.model, args.layers, args.context, args.weights, args.fp8_lm_head)
+    graphs = {}
+    for name, env in settings:
+        with environment(env):
+            graphs[name] = capture(chain.step)
+    times: dict[str, list[float]] = {name: [] for name, _ in settings}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(args.rounds):
+        for name, _ in settings:
+            graph = graphs[name]
+            graph.replay()
+            start.record()
+            for _ in range(args.replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / args.replays)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"{args.model} x {args.layers} layers, {args.weights} weights "
+          f"({chain.weight_bytes / 1e9:.2f} GB per step), context {args.context}")
+    rows = []
+    for name, _ in settings:
+        ms = statistics.median(times[name])
+        frac = chain.weight_bytes / (ms * 1e-3) / bw
+        rows.append({"setting": name, "median_ms": ms, "min_ms": min(times[name]),
+                     "max_ms": max(times[name]), "bw_frac": frac})
+        print(f"  {name:48s} {ms:7.3f} ms  ({min(times[name]):.3f}-{max(times[name]):.3f})"
+              f"  weights at {100 * frac:5.1f}% of copy bandwidth")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "copy_bandwidth": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,9 @@ LM head and an argmax. ``--weights fp8`` runs the FP8 path instead (separate RMS
 SiLU kernels, the one-row FP8 GEMV; ``--fp8-lm-head`` quantizes the LM head too).
 
 Each setting is a set of environment variables read when the kernels launch, e.g.
-``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``: one CUDA graph is captured per setting, and
+``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``, and optionally ``TILES=BN/BK/WARPS/STAGES``:
+the bf16 GEMVs' (and their folds') launch parameters for every projection instead of
+:func:`lmkit_plugins.models.fused_ops.small_m_tiles`. One CUDA graph is captured per setting, and
 the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
 setting's median step time, its spread, and the weight bytes per step over that time::
 
@@ -28,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import lmkit_plugins.models.fused_ops as fused_ops
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +43,7 @@ from lmkit_kernels.norm import rms_norm  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.rotary import rotary_qk_  # noqa: E402
-from lmkit_plugins.models.fused_ops import GemvFold, small_m_tiles  # noqa: E402
+from lmkit_plugins.models.fused_ops import GemvFold  # noqa: E402
 
 #: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
 MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
@@ -59,12 +62,21 @@ def parse_setting(text: str) -> dict[str, str]:
 
 @contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` for the block, then restore what was there."""
+    """Set ``values`` in ``os.environ`` for the block (``TILES`` patches the GEMV launch
+    parameters instead), then restore what was there."""
+    values = dict(values)
+    tiles = values.pop("TILES", None)
     saved = {k: os.environ.get(k) for k in values}
+    original = fused_ops.small_m_tiles
+    if tiles is not None:
+        bn, bk, warps, stages = (int(t) for t in tiles.split("/"))
+        fused_ops.small_m_tiles = lambda out_features: {  # type: ignore[assignment]
+            "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
     os.environ.update(values)
     try:
         yield
     finally:
+        fused_ops.small_m_tiles = original  # type: ignore[assignment]
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -113,7 +125,7 @@ class Chain:
         weight, scale = wt
         if scale is not None:
             return fp8_row_linear(x, weight, scale)
-        return small_m_linear(x, weight, None, **small_m_tiles(weight.shape[0]))
+        return small_m_linear(x, weight, None, **fused_ops.small_m_tiles(weight.shape[0]))
 
     def step(self) -> torch.Tensor:
         """One decode step over all layers; returns the argmax token (a device tensor)."""

@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra import libdevice
-
 from lmkit_kernels.checks import (
     check_scale_and_bias,
     check_shape,
@@ -53,6 +51,18 @@ MODES = {"plain": 0, "norm": 1, "silu_mul": 2}
 
 
 @triton.jit
+def _mul_rn(a, b, GPU_MATH: tl.constexpr):
+    # a * b rounded to nearest, never contracted into an FMA with a following add (PTX
+    # does not contract instructions with an explicit rounding mode); the interpreter's
+    # numpy multiply is that already
+    if GPU_MATH:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
 def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, HAS_RESIDUAL: tl.constexpr,
               NORM_BLOCK: tl.constexpr, GPU_MATH: tl.constexpr):
     # 1 / rms of the row x (+ residual), rounded as lmkit_kernels.norm rounds (its kernel
@@ -71,15 +81,8 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, HAS_RESIDUAL: tl.const
             h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + k + cs, h, mask=(k + cs) < store_end)
         hf = h.to(tl.float32)
-        if GPU_MATH:
-            ss += tl.sum(libdevice.mul_rn(hf, hf), axis=0)
-        else:
-            ss += tl.sum(hf * hf, axis=0)
-    if GPU_MATH:
-        variance = libdevice.mul_rn(ss, inv_k)
-    else:
-        variance = ss * inv_k
-    return tl.rsqrt(variance + eps)
+        ss += tl.sum(_mul_rn(hf, hf, GPU_MATH), axis=0)
+    return tl.rsqrt(_mul_rn(ss, inv_k, GPU_MATH) + eps)
 
 
 @triton.jit

@@ -44,7 +44,6 @@ from lmkit.api import (
 )
 
 from lmkit_plugins.models.fused_ops import fused_ops_enabled, gemv_folds
-
 from lmkit_plugins.quantization.fp8_checkpoint import (
     QTYPE,
     Fp8Layout,

@@ -19,10 +19,11 @@ With ``--fp8`` (one row only) the weights are FP8 e4m3 with per-channel scales a
 pair is ``rms_norm`` / ``silu_and_mul`` then the one-row FP8 kernel
 (:func:`lmkit_kernels.fp8_gemv.fp8_row_linear`) against its folds
 (:mod:`lmkit_kernels.fp8_gemv_fold`), both at the FP8 method's default one-row tiles
-(``--row-tiles`` for others) and each also pipelined (``pipeline``), the four
-alternating::
+(``--row-tiles`` for others) and each also pipelined (``pipeline``), all alternating;
+``--fold-block-n`` also times the folds at other rows per program (the FP8 option
+``gemv_row_fold_block_n``; the same result)::
 
-    python bench/gemv_fold.py --fp8 --rows 1 --out gemv_fold_fp8.json
+    python bench/gemv_fold.py --fp8 --rows 1 --fold-block-n 16,32 --out gemv_fold_fp8.json
 """
 
 from __future__ import annotations
@@ -110,11 +111,12 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = Fa
     return result
 
 
-def bench_fp8_shape(fold: str, n: int, k: int, rounds: int,
-                    tiles: tuple[int, ...]) -> dict:
+def bench_fp8_shape(fold: str, n: int, k: int, rounds: int, tiles: tuple[int, ...],
+                    fold_block_ns: tuple[int, ...] = ()) -> dict:
     """Seconds per call at one row with FP8 weights, over ``rounds`` alternating rounds:
     the separate kernels then the one-row kernel (``unfused``), its fold (``folded``),
-    and both pipelined."""
+    both pipelined (``*_pipelined``), and the folds at each of ``fold_block_ns`` rows per
+    program (``folded_bn<N>``, ``folded_bn<N>_pipelined``)."""
     from lmkit_kernels.fp8 import quantize_per_channel
     from lmkit_kernels.fp8_gemv import fp8_row_linear
     from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear, silu_mul_fp8_row_linear
@@ -124,14 +126,14 @@ def bench_fp8_shape(fold: str, n: int, k: int, rounds: int,
     x = torch.randn(1, 2 * k if fold == "silu" else k, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    launch = {"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2]}
     i = [0]
 
     def nxt() -> tuple[torch.Tensor, torch.Tensor]:
         i[0] = (i[0] + 1) % copies
         return ws[i[0]]
 
-    def variant(folded: bool, pipeline: bool):
+    def variant(folded: bool, pipeline: bool, block_n: int = tiles[0]):
+        launch = {"block_n": block_n, "block_k": tiles[1], "num_warps": tiles[2]}
         if fold == "silu" and folded:
             return lambda: silu_mul_fp8_row_linear(x, *nxt(), pipeline=pipeline, **launch)
         if fold == "silu":
@@ -144,6 +146,9 @@ def bench_fp8_shape(fold: str, n: int, k: int, rounds: int,
 
     fns = {"unfused": variant(False, False), "folded": variant(True, False),
            "unfused_pipelined": variant(False, True), "folded_pipelined": variant(True, True)}
+    for bn in fold_block_ns:
+        fns[f"folded_bn{bn}"] = variant(True, False, bn)
+        fns[f"folded_bn{bn}_pipelined"] = variant(True, True, bn)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -165,6 +170,9 @@ def main() -> None:
     ap.add_argument("--row-tiles", default=None,
                     help="with --fp8: block_n,block_k,warps of the one-row kernel "
                     "(default: the FP8 method's)")
+    ap.add_argument("--fold-block-n", default="",
+                    help="with --fp8: also time the folds at these rows per program "
+                    "(comma-separated powers of two)")
     args = ap.parse_args()
     if args.fp8 and (args.rows != "1" or args.sweep):
         ap.error(f"--fp8 times the one-row FP8 kernel: use --rows 1 without --sweep (got "
@@ -180,7 +188,8 @@ def main() -> None:
         saved: dict[str, float] = {}
         for name, (fold, n, k, layers) in SHAPES.items():
             if args.fp8:
-                r = bench_fp8_shape(fold, n, k, args.rounds, tiles)
+                r = bench_fp8_shape(fold, n, k, args.rounds, tiles, tuple(
+                    int(v) for v in args.fold_block_n.split(",") if v))
             else:
                 r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
             r.update(name=name, M=m, N=n, K=k, fp8=args.fp8)
@@ -200,6 +209,10 @@ def main() -> None:
                       f"[{1e6 * up['min_s']:.1f}-{1e6 * up['max_s']:.1f}]  folded "
                       f"{1e6 * fp['median_s']:7.1f} us [{1e6 * fp['min_s']:.1f}-"
                       f"{1e6 * fp['max_s']:.1f}]", flush=True)
+            for key in (key for key in r if key.startswith("folded_bn")):
+                t = r[key]
+                print(f"     {key:17s} {1e6 * t['median_s']:7.1f} us [{1e6 * t['min_s']:.1f}-"
+                      f"{1e6 * t['max_s']:.1f}]", flush=True)
             for c in r.get("sweep", []):
                 t = c["median_s"]
                 print(f"    folded bn={c['block_n']} warps={c['num_warps']} stages="

@@ -178,10 +178,22 @@ def test_one_row_folds_and_matches_the_separate_kernels(cuda_on_cpu, calls, monk
     assert torch.equal(hidden3[:1], want[:1])  # (causal: the first token alone)
 
 
-def test_the_pipelined_kernels_give_the_same_tokens(cuda_on_cpu):
+def test_pipelined_and_wider_folds_give_the_same_results(cuda_on_cpu, monkeypatch):
     hidden, logits = _run(_model(), 1)
     piped, piped_logits = _run(_model(_method(gemv_row_pipeline=True)), 1)
     assert torch.equal(hidden, piped) and torch.equal(logits, piped_logits)
+    launches = []
+    for name in ("norm_fp8_row_linear", "silu_mul_fp8_row_linear"):
+        def spy(*args, _fn=getattr(fp8_gemv_fold, name), **kw):
+            launches.append((kw["block_n"], kw["block_k"], kw["pipeline"]))
+            return _fn(*args, **kw)
+        monkeypatch.setattr(fp8_gemv_fold, name, spy)
+    wide = _model(_method(gemv_row_fold_block_n=16, gemv_row_tiles=(8, 32, 4)))
+    wide_hidden, wide_logits = _run(wide, 1)
+    # the folds at 16 rows per program, the K slice (the sum order) of gemv_row_tiles
+    assert set(launches) == {(16, 32, False)} and len(launches) == 3 * LAYERS
+    narrow_hidden, narrow_logits = _run(_model(_method(gemv_row_tiles=(8, 32, 4))), 1)
+    assert torch.equal(wide_hidden, narrow_hidden) and torch.equal(wide_logits, narrow_logits)
 
 
 def test_the_switches(cuda_on_cpu, monkeypatch):

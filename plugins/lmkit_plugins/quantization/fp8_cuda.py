@@ -144,7 +144,8 @@ class Fp8Method(QuantizationMethod):
                          opts.gemv_block_n, num_warps=opts.gemv_num_warps,
                          num_stages=opts.gemv_num_stages,
                          row_tiles=opts.gemv_row_tiles if opts.gemv_row_kernel else None,
-                         pipeline=opts.gemv_row_pipeline, folds=folds)
+                         pipeline=opts.gemv_row_pipeline, folds=folds,
+                         fold_block_n=opts.gemv_row_fold_block_n)
 
     def linear_with_norm(self, weight: QuantizedTensor
                          ) -> tuple[QuantizedLinear, QuantizedNormLinear | None]:
@@ -187,7 +188,8 @@ class Fp8Linear:
     def __init__(self, data: Fp8Weight, max_rows: int, block_k: int,
                  block_n: int | None = None, *, num_warps: int = 4,
                  num_stages: int = 4, row_tiles: tuple[int, int, int] | None = None,
-                 pipeline: bool = False, folds: frozenset[str] = frozenset()) -> None:
+                 pipeline: bool = False, folds: frozenset[str] = frozenset(),
+                 fold_block_n: int | None = None) -> None:
         from lmkit_kernels.fp8 import scaled_mm_unsupported_reason
 
         self.weight = data.weight.contiguous()  # [out, in] float8_e4m3fn
@@ -199,6 +201,7 @@ class Fp8Linear:
         #: one-row inputs' kernel launch (block_n, block_k, warps); None: the tiled GEMV
         self.row_tiles = row_tiles
         self.pipeline = pipeline  # the one-row kernel's (and its folds') pipelined loop
+        self.fold_block_n = fold_block_n  # the folds' rows per program (None: row_tiles')
         # narrow programs for small outputs so that every SM gets work (as bf16 does)
         self.block_n = block_n or (16 if self.weight.shape[0] <= 2048 else 32)
         self.on_cuda = runs_kernels(self.weight)
@@ -246,16 +249,18 @@ class Fp8Linear:
 
         return (None if row_tiles is None else one_row), few_rows, many_rows
 
-    def _row_launch(self) -> dict[str, Any]:
+    def _row_launch(self, fold: bool = False) -> dict[str, Any]:
         assert self.row_tiles is not None
         block_n, block_k, warps = self.row_tiles
+        if fold and self.fold_block_n is not None:  # (the same sums: block_k is kept)
+            block_n = self.fold_block_n
         return {"block_n": block_n, "block_k": block_k, "num_warps": warps,
                 "pipeline": self.pipeline}
 
     def _norm_fold(self) -> QuantizedNormLinear:
         from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear
 
-        w, s, launch = self.weight, self.scale, self._row_launch()
+        w, s, launch = self.weight, self.scale, self._row_launch(fold=True)
 
         def norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, bias: torch.Tensor | None
@@ -269,7 +274,7 @@ class Fp8Linear:
     def _silu_mul_fold(self) -> QuantizedSiluLinear:
         from lmkit_kernels.fp8_gemv_fold import silu_mul_fp8_row_linear
 
-        w, s, launch = self.weight, self.scale, self._row_launch()
+        w, s, launch = self.weight, self.scale, self._row_launch(fold=True)
 
         def silu_mul_linear(gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             if gate_up.shape[0] == 0:

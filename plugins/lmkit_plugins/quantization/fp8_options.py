@@ -41,6 +41,12 @@ class Fp8Options(BaseModel):
         "SiLU-and-multiply) issues the loads of the next K slice before it multiplies the "
         "current one: two slices per program in flight; the same result "
         "(bench/gemv_bandwidth.py --fp8 --rows 1 times both). Needs gemv_row_kernel.")
+    gemv_row_fold_block_n: int | None = Field(
+        None, description="Weight rows per program of the one-row kernel with the input "
+        "norm or SiLU-and-multiply folded in (a power of two up to 256; each program "
+        "recomputes 1 / rms and the transform, so wider programs may pay); default: "
+        "gemv_row_tiles' block_n. The result does not change (bench/gemv_fold.py --fp8 "
+        "--fold-block-n times the choices).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
@@ -79,6 +85,13 @@ class Fp8Options(BaseModel):
                              "gemv_row_kernel=false turns off; set gemv_row_kernel to true or "
                              "drop gemv_row_pipeline")
         return self
+
+    @field_validator("gemv_row_fold_block_n")
+    @classmethod
+    def _fold_block_n(cls, v: int | None) -> int | None:
+        if v is not None and (v < 1 or v > 256 or v & (v - 1)):
+            raise ValueError(f"must be a power of two up to 256, got {v}")
+        return v
 
     @field_validator("gemv_block_k")
     @classmethod

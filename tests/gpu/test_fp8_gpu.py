@@ -221,12 +221,28 @@ def test_pipelined_one_row_kernel_is_the_plain_one(dtype, tiles):
                    fp8_row_linear(x, q, scale, **launch), 1)
 
 
+def _fold_matches(what: str, got: torch.Tensor, want: torch.Tensor, block_n: int,
+                  max_ulp: int) -> None:
+    """At the separate kernel's tiles: :func:`_same_bits`. At other rows per program
+    (``gemv_row_fold_block_n``) the final sum across the K slice may run in another
+    order: at least 98% bit-identical, the rest within float rounding of the sums."""
+    if block_n == 8:
+        _same_bits(what, got, want, max_ulp)
+        return
+    same = (_ulps(got, want) == 0).float().mean().item()
+    print(f"{what} (block_n {block_n}): {same:.4%} bit-identical")
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3 * scale)
+    assert same >= 0.98, what
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("block_n", [8, 16])
 @pytest.mark.parametrize(("n", "with_residual", "bias"),
                          [(6144, True, False), (6144, False, True), (28672, True, False)])
-def test_fp8_norm_fold_at_llama8b_shapes(dtype, pipeline, n, with_residual, bias):
-    """Against rms_norm then the one-row kernel with the same tiles: the residual sum
+def test_fp8_norm_fold_at_llama8b_shapes(dtype, pipeline, block_n, n, with_residual, bias):
+    """Against rms_norm then the one-row kernel with the default tiles: the residual sum
     bit for bit, the output within one ulp (the norm's sum of squares may be reduced in
     another order, so 1 / rms may differ in its last bit)."""
     from lmkit_kernels.fp8_gemv import fp8_row_linear
@@ -241,19 +257,21 @@ def test_fp8_norm_fold_at_llama8b_shapes(dtype, pipeline, n, with_residual, bias
     q, scale = _fp8_weight(n, 4096)
     b = torch.randn(n, **kw).to(dtype) if bias else None
     out, h = norm_fp8_row_linear(x, residual, norm_weight, 1e-5, q, scale, b,
-                                 pipeline=pipeline)
+                                 pipeline=pipeline, block_n=block_n)
     if residual is None:
         normed, want_h = rms_norm(x, norm_weight, 1e-5), x
     else:
         normed, want_h = rms_norm(x, norm_weight, 1e-5, residual)
     assert torch.equal(h, want_h)
-    _same_bits(f"fp8 norm fold -> {n}", out, fp8_row_linear(normed, q, scale, b), 1)
+    _fold_matches(f"fp8 norm fold -> {n}", out, fp8_row_linear(normed, q, scale, b),
+                  block_n, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("block_n", [8, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp8_silu_fold_at_llama8b_shapes(dtype, pipeline, bias):
+def test_fp8_silu_fold_at_llama8b_shapes(dtype, pipeline, block_n, bias):
     """Against silu_and_mul then the one-row kernel: bit for bit (the same roundings)."""
     from lmkit_kernels.activation import silu_and_mul
     from lmkit_kernels.fp8_gemv import fp8_row_linear
@@ -263,8 +281,9 @@ def test_fp8_silu_fold_at_llama8b_shapes(dtype, pipeline, bias):
     gate_up = (3 * torch.randn(1, 2 * 14336, device="cuda", generator=g)).to(dtype)
     q, scale = _fp8_weight(4096, 14336)
     b = torch.randn(4096, device="cuda", generator=g).to(dtype) if bias else None
-    out = silu_mul_fp8_row_linear(gate_up, q, scale, b, pipeline=pipeline)
-    _same_bits("fp8 silu fold", out, fp8_row_linear(silu_and_mul(gate_up), q, scale, b), 0)
+    out = silu_mul_fp8_row_linear(gate_up, q, scale, b, pipeline=pipeline, block_n=block_n)
+    _fold_matches("fp8 silu fold", out, fp8_row_linear(silu_and_mul(gate_up), q, scale, b),
+                  block_n, 0)
 
 
 def test_pdl_chain_replays_under_cuda_graphs():

@@ -6,8 +6,9 @@ registers, register spills and whether its PTX waits on the previous kernel
 
 Run as a script (Triton must not be in interpreter mode, so the test runs it in a
 subprocess): ``python offline_sm90_fp8.py '[[mode, has_residual, N, K, pipeline,
-use_pdl], ...]'`` prints one JSON object per variant, launched with the FP8 method's
-default one-row tiles (:data:`lmkit_kernels.fp8_gemv.ROW_TILES`) and, with PDL, the
+use_pdl(, block_n)], ...]'`` prints one JSON object per variant, launched with the FP8
+method's default one-row tiles (:data:`lmkit_kernels.fp8_gemv.ROW_TILES`; ``block_n``
+instead of its rows per program where given) and, with PDL, the
 weight prefetch :func:`lmkit_kernels.pdl.prefetch_args` asks for.
 """
 
@@ -24,14 +25,15 @@ from offline_sm90 import bundled_tool
 
 
 def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
-             use_pdl: bool) -> dict:
+             use_pdl: bool, block_n: int | None = None) -> dict:
     from lmkit_kernels.checks import next_power_of_2
     from lmkit_kernels.fp8_gemv import MAX_NORM_BLOCK, MODES, ROW_TILES, _fp8_row_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler import compile as triton_compile
 
-    block_n, block_k, warps = ROW_TILES
+    block_k, warps = ROW_TILES[1:]
+    block_n = block_n or ROW_TILES[0]
     types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp8e4nv",
              "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
              "N": "i32", "K": "i32", "stride_wn": "i32", "inv_k": "fp32", "eps": "fp32"}
@@ -56,7 +58,8 @@ def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
     fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     ptx = kernel.asm["ptx"]
     return {"mode": mode, "has_residual": has_residual, "N": n, "K": k,
-            "pipeline": pipeline, "use_pdl": use_pdl, "shared": kernel.metadata.shared,
+            "pipeline": pipeline, "use_pdl": use_pdl, "block_n": block_n,
+            "shared": kernel.metadata.shared,
             "registers": int(fields["REG"]), "stack": int(fields["STACK"]),
             "waits": "griddepcontrol.wait" in ptx,
             "launches_dependents": "griddepcontrol.launch_dependents" in ptx,

@@ -1,7 +1,7 @@
 """The one-row FP8 kernel (:mod:`lmkit_kernels.fp8_gemv`: plain, with the input norm
 or SiLU-and-multiply folded in, plain and pipelined) compiled for sm_90 (H100/H200)
 without a GPU, with Triton's bundled ``ptxas``, at Llama-3.1-8B's shapes: no register
-spills, and with PDL the programs prefetch their first weight lines and wait on the
+spills (also for the folds at 16 rows per program), and with PDL the programs prefetch their first weight lines and wait on the
 previous kernel (``griddepcontrol.wait``), without PDL neither."""
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ SHAPES = [("norm", True, 6144, 4096), ("norm", False, 28672, 4096),
           ("silu_mul", False, 4096, 14336), ("plain", False, 4096, 4096),
           ("plain", False, 128256, 4096)]
 VARIANTS = [[*shape, pipeline, True] for shape in SHAPES for pipeline in (False, True)] + [
-    [*shape, False, False] for shape in SHAPES[:3]]
+    [*shape, False, False] for shape in SHAPES[:3]] + [
+    # the folds at 16 rows per program (gemv_row_fold_block_n=16; pipelined, that width
+    # spills at block_k 1024 and 4 warps: 255 registers and 280-336 bytes of stack)
+    [*shape, False, True, 16] for shape in SHAPES[:3]]
 
 
 def test_sm90_variants_do_not_spill_and_wait_with_pdl():

@@ -45,8 +45,10 @@ class Fp8Options(BaseModel):
         None, description="Weight rows per program of the one-row kernel with the input "
         "norm or SiLU-and-multiply folded in (a power of two up to 256; each program "
         "recomputes 1 / rms and the transform, so wider programs may pay); default: "
-        "gemv_row_tiles' block_n. The result does not change (bench/gemv_fold.py --fp8 "
-        "--fold-block-n times the choices).")
+        "gemv_row_tiles' block_n. The products and their per-position sums stay the "
+        "same; the final sum across the K slice may run in another order on the GPU "
+        "(bench/gemv_fold.py --fp8 --fold-block-n times the choices; 16 is the widest "
+        "that does not spill registers at block_k 1024 and 4 warps).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "

@@ -9,7 +9,10 @@ fraction of the copy bandwidth measured in the same run. With ``--fp8`` the weig
 FP8 e4m3 with per-channel scales (:mod:`lmkit_kernels.fp8`): the Triton kernel runs with
 ``weight_scale`` and ``torch._scaled_mm`` (per-token FP8 activations) takes cuBLAS's
 place; bytes count 1 per weight plus the scales; at one row the one-row FP8 kernel
-(:mod:`lmkit_kernels.fp8_gemv`) is timed beside the tiled one over :data:`ROW_TILES`::
+(:mod:`lmkit_kernels.fp8_gemv`) is timed beside the tiled one over :data:`ROW_TILES`,
+each launch plain and pipelined (``pipeline``: the next K slice's loads issued before
+the current slice's products), with the per-layer sum of Llama-8B's four projections
+per launch at the end::
 
     python bench/gemv_bandwidth.py --out gemv.json
     python bench/gemv_bandwidth.py --fp8 --rows 1,4,16 --out gemv_fp8.json
@@ -43,6 +46,24 @@ FP8_CONFIGS = [
 ROW_TILES = [(8, 512, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 512, 8),
              (32, 256, 4), (32, 512, 8), (8, 1024, 4)]
 L2_BYTES = 60 * 2**20
+PIPELINED = ",pipelined"  # the suffix of a pipelined one-row launch's key
+
+
+def row_config_key(tiles: tuple[int, int, int], pipeline: bool) -> str:
+    """The JSON key of a one-row launch: ``block_n,block_k,warps`` (+ ``,pipelined``)."""
+    return ",".join(map(str, tiles)) + (PIPELINED if pipeline else "")
+
+
+def layer_sums(rows: list[dict], model: str = "llama8b") -> dict[str, float]:
+    """Seconds per layer of ``model``'s four projections (QKV, output, gate-up, down)
+    at one row, per one-row launch timed for all four (the LM head is not per layer)."""
+    per_shape = [r.get("row_configs", {}) for r in rows
+                 if r["M"] == 1 and r.get("name", "").startswith(model + ".")
+                 and not r["name"].endswith(".lm_head")]
+    if len(per_shape) != 4:
+        return {}
+    keys = set.intersection(*(set(c) for c in per_shape))
+    return {key: sum(c[key] for c in per_shape) for key in sorted(keys)}
 
 
 def copy_bandwidth() -> float:
@@ -122,20 +143,23 @@ def bench_shape(n: int, k: int, m: int, fp8: bool = False) -> dict:
     if fp8 and m == 1:  # the one-row kernel (lmkit_kernels.fp8_gemv) beside the tiled one
         from lmkit_kernels.fp8_gemv import fp8_row_linear
 
-        for tiles in ROW_TILES:
-            def row_kernel(tiles=tiles, pair=None):
+        for tiles, pipeline in ((t, p) for t in ROW_TILES for p in (False, True)):
+            def row_kernel(tiles=tiles, pipeline=pipeline, pair=None):
                 w, s = pair or nxt()
                 return fp8_row_linear(x, w, s, block_n=tiles[0], block_k=tiles[1],
-                                      num_warps=tiles[2])
+                                      num_warps=tiles[2], pipeline=pipeline)
+            key = row_config_key(tiles, pipeline)
             err = (row_kernel(pair=pairs[0]).float() - ref).abs().max().item() / ref.abs().max().item()
             if err > 2e-2:
-                row.setdefault("wrong", []).append(f"row {tiles}: rel err {err:.3g}")
+                row.setdefault("wrong", []).append(f"row {key}: rel err {err:.3g}")
                 continue
-            row.setdefault("row_configs", {})[",".join(map(str, tiles))] = _time(
-                row_kernel, calls=copies * 4)
-        if row.get("row_configs"):
-            tiles = min(row["row_configs"], key=row["row_configs"].get)
-            row["row_s"], row["row_config"] = row["row_configs"][tiles], tiles
+            row.setdefault("row_configs", {})[key] = _time(row_kernel, calls=copies * 4)
+        for pipeline, suffix in ((False, ""), (True, "_pipelined")):
+            timed = {key: t for key, t in row.get("row_configs", {}).items()
+                     if key.endswith(PIPELINED) is pipeline}
+            if timed:
+                key = min(timed, key=timed.get)
+                row["row" + suffix + "_s"], row["row" + suffix + "_config"] = timed[key], key
     if best:
         row["triton_s"], row["triton_config"] = best
     ws.clear()
@@ -166,9 +190,21 @@ def main() -> None:
                   f"triton {1e6 * r.get('triton_s', float('nan')):8.1f} us ({tri:5.1%}) "
                   f"{r.get('triton_config')} {r.get('failed', '')} {r.get('wrong', '')}",
                   flush=True)
-            if "row_s" in r:
-                print(f"     {'':18s} one-row kernel {1e6 * r['row_s']:8.1f} us "
-                      f"({r['bytes'] / r['row_s'] / bw:5.1%}) ({r['row_config']})", flush=True)
+            for suffix, what in (("", "one-row kernel"), ("_pipelined", "  pipelined")):
+                if f"row{suffix}_s" in r:
+                    t = r[f"row{suffix}_s"]
+                    print(f"     {'':18s} {what:14s} {1e6 * t:8.1f} us "
+                          f"({r['bytes'] / t / bw:5.1%}) ({r[f'row{suffix}_config']})",
+                          flush=True)
+    sums = layer_sums(rows)
+    if sums:
+        print("llama8b, one layer's four projections at one row, per one-row launch "
+              "(block_n,block_k,warps):")
+        for tiles in dict.fromkeys(key.removesuffix(PIPELINED) for key in sums):
+            plain, piped = sums.get(tiles), sums.get(tiles + PIPELINED)
+            print(f"  {tiles:12s} plain " + (f"{1e6 * plain:7.1f} us" if plain else "   n/a")
+                  + "  pipelined " + (f"{1e6 * piped:7.1f} us" if piped else "   n/a"),
+                  flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)

@@ -14,6 +14,16 @@ may favour other tiles than ``small_m_linear``'s)::
 
     python bench/gemv_fold.py --rows 1,4,8 --out gemv_fold.json
     python bench/gemv_fold.py --rows 1 --sweep
+
+With ``--fp8`` (one row only) the weights are FP8 e4m3 with per-channel scales and the
+pair is ``rms_norm`` / ``silu_and_mul`` then the one-row FP8 kernel
+(:func:`lmkit_kernels.fp8_gemv.fp8_row_linear`) against its folds
+(:mod:`lmkit_kernels.fp8_gemv_fold`), both at the FP8 method's default one-row tiles
+(``--row-tiles`` for others) and each also pipelined (``pipeline``), all alternating;
+``--fold-block-n`` also times the folds at other rows per program (the FP8 option
+``gemv_row_fold_block_n``; the same result)::
+
+    python bench/gemv_fold.py --fp8 --rows 1 --fold-block-n 16,32 --out gemv_fold_fp8.json
 """
 
 from __future__ import annotations
@@ -101,21 +111,88 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = Fa
     return result
 
 
+def bench_fp8_shape(fold: str, n: int, k: int, rounds: int, tiles: tuple[int, ...],
+                    fold_block_ns: tuple[int, ...] = ()) -> dict:
+    """Seconds per call at one row with FP8 weights, over ``rounds`` alternating rounds:
+    the separate kernels then the one-row kernel (``unfused``), its fold (``folded``),
+    both pipelined (``*_pipelined``), and the folds at each of ``fold_block_ns`` rows per
+    program (``folded_bn<N>``, ``folded_bn<N>_pipelined``)."""
+    from lmkit_kernels.fp8 import quantize_per_channel
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+    from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear, silu_mul_fp8_row_linear
+
+    copies = max(2, -(-L2_BYTES // (n * k)) + 1)
+    ws = [quantize_per_channel(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
+    x = torch.randn(1, 2 * k if fold == "silu" else k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    i = [0]
+
+    def nxt() -> tuple[torch.Tensor, torch.Tensor]:
+        i[0] = (i[0] + 1) % copies
+        return ws[i[0]]
+
+    def variant(folded: bool, pipeline: bool, block_n: int = tiles[0]):
+        launch = {"block_n": block_n, "block_k": tiles[1], "num_warps": tiles[2]}
+        if fold == "silu" and folded:
+            return lambda: silu_mul_fp8_row_linear(x, *nxt(), pipeline=pipeline, **launch)
+        if fold == "silu":
+            return lambda: fp8_row_linear(silu_and_mul(x), *nxt(), pipeline=pipeline, **launch)
+        if folded:
+            return lambda: norm_fp8_row_linear(x, residual, norm_weight, 1e-5, *nxt(),
+                                               pipeline=pipeline, **launch)[0]
+        return lambda: fp8_row_linear(rms_norm(x, norm_weight, 1e-5, residual)[0], *nxt(),
+                                      pipeline=pipeline, **launch)
+
+    fns = {"unfused": variant(False, False), "folded": variant(True, False),
+           "unfused_pipelined": variant(False, True), "folded_pipelined": variant(True, True)}
+    for bn in fold_block_ns:
+        fns[f"folded_bn{bn}"] = variant(True, False, bn)
+        fns[f"folded_bn{bn}_pipelined"] = variant(True, True, bn)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(_time(fn, calls=copies * 4))
+    ws.clear()
+    torch.cuda.empty_cache()
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+            for name, t in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time other launch parameters")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 weights: the one-row FP8 kernel and its folds (--rows 1)")
+    ap.add_argument("--row-tiles", default=None,
+                    help="with --fp8: block_n,block_k,warps of the one-row kernel "
+                    "(default: the FP8 method's)")
+    ap.add_argument("--fold-block-n", default="",
+                    help="with --fp8: also time the folds at these rows per program "
+                    "(comma-separated powers of two)")
     args = ap.parse_args()
+    if args.fp8 and (args.rows != "1" or args.sweep):
+        ap.error(f"--fp8 times the one-row FP8 kernel: use --rows 1 without --sweep (got "
+                 f"--rows {args.rows}{' --sweep' if args.sweep else ''})")
+    from lmkit_kernels.fp8_gemv import ROW_TILES
+
+    tiles = (tuple(int(v) for v in args.row_tiles.split(",")) if args.row_tiles
+             else ROW_TILES)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: copy bandwidth {bw / 1e12:.3f} TB/s")
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         saved: dict[str, float] = {}
         for name, (fold, n, k, layers) in SHAPES.items():
-            r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
-            r.update(name=name, M=m, N=n, K=k)
+            if args.fp8:
+                r = bench_fp8_shape(fold, n, k, args.rounds, tiles, tuple(
+                    int(v) for v in args.fold_block_n.split(",") if v))
+            else:
+                r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
+            r.update(name=name, M=m, N=n, K=k, fp8=args.fp8)
             rows.append(r)
             u, f = r["unfused"]["median_s"], r["folded"]["median_s"]
             model = name.split(".")[0]
@@ -124,7 +201,18 @@ def main() -> None:
                   f"[{1e6 * r['unfused']['min_s']:.1f}-{1e6 * r['unfused']['max_s']:.1f}]  "
                   f"folded {1e6 * f:7.1f} us [{1e6 * r['folded']['min_s']:.1f}-"
                   f"{1e6 * r['folded']['max_s']:.1f}]  weight read at "
-                  f"{n * k * 2 / f / bw:5.1%} of copy bw (folded)", flush=True)
+                  f"{n * k * (1 if args.fp8 else 2) / f / bw:5.1%} of copy bw (folded)",
+                  flush=True)
+            if "folded_pipelined" in r:
+                up, fp = r["unfused_pipelined"], r["folded_pipelined"]
+                print(f"     {'pipelined':17s} unfused {1e6 * up['median_s']:7.1f} us "
+                      f"[{1e6 * up['min_s']:.1f}-{1e6 * up['max_s']:.1f}]  folded "
+                      f"{1e6 * fp['median_s']:7.1f} us [{1e6 * fp['min_s']:.1f}-"
+                      f"{1e6 * fp['max_s']:.1f}]", flush=True)
+            for key in (key for key in r if key.startswith("folded_bn")):
+                t = r[key]
+                print(f"     {key:17s} {1e6 * t['median_s']:7.1f} us [{1e6 * t['min_s']:.1f}-"
+                      f"{1e6 * t['max_s']:.1f}]", flush=True)
             for c in r.get("sweep", []):
                 t = c["median_s"]
                 print(f"    folded bn={c['block_n']} warps={c['num_warps']} stages="

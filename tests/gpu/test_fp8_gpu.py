@@ -186,3 +186,165 @@ def test_greedy_tokens_with_fp8_weights(models, graphs):
     agreement = _agreement(at_load, reference)
     print({"graphs": graphs, "agreement_with_dequantized_bf16": agreement})
     assert agreement >= 0.99, (at_load, reference)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Units in the last place between two bfloat16/float16 tensors (elementwise)."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _same_bits(what: str, got: torch.Tensor, want: torch.Tensor, max_ulp: int) -> None:
+    """``got`` is ``want`` up to ``max_ulp`` units in the last place, at least 98% of it
+    bit for bit (printed: ``pytest -s``)."""
+    ulps = _ulps(got, want)
+    same = (ulps == 0).float().mean().item()
+    print(f"{what}: {same:.4%} bit-identical, max {ulps.max().item()} ulp")
+    assert got.shape == want.shape and ulps.max().item() <= max_ulp and same >= 0.98, what
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tiles", [(8, 1024, 4), (16, 512, 4)], ids=["8x1024", "16x512"])
+def test_pipelined_one_row_kernel_is_the_plain_one(dtype, tiles):
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+
+    launch = {"block_n": tiles[0], "block_k": tiles[1], "num_warps": tiles[2]}
+    for shape in SHAPES:
+        q, scale = _fp8_weight(*shape)
+        x = torch.randn(1, shape[1], device="cuda").to(dtype)
+        # the same products summed in the same order: bit for bit (allowing one ulp
+        # in case the compiler reduces the accumulator in another order)
+        _same_bits(f"pipelined {shape} {tiles}",
+                   fp8_row_linear(x, q, scale, pipeline=True, **launch),
+                   fp8_row_linear(x, q, scale, **launch), 1)
+
+
+def _fold_matches(what: str, got: torch.Tensor, want: torch.Tensor, block_n: int,
+                  max_ulp: int) -> None:
+    """At the separate kernel's tiles: :func:`_same_bits`. At other rows per program
+    (``gemv_row_fold_block_n``) the final sum across the K slice may run in another
+    order: at least 98% bit-identical, the rest within float rounding of the sums."""
+    if block_n == 8:
+        _same_bits(what, got, want, max_ulp)
+        return
+    same = (_ulps(got, want) == 0).float().mean().item()
+    print(f"{what} (block_n {block_n}): {same:.4%} bit-identical")
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3 * scale)
+    assert same >= 0.98, what
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("block_n", [8, 16])
+@pytest.mark.parametrize(("n", "with_residual", "bias"),
+                         [(6144, True, False), (6144, False, True), (28672, True, False)])
+def test_fp8_norm_fold_at_llama8b_shapes(dtype, pipeline, block_n, n, with_residual, bias):
+    """Against rms_norm then the one-row kernel with the default tiles: the residual sum
+    bit for bit, the output within one ulp (the norm's sum of squares may be reduced in
+    another order, so 1 / rms may differ in its last bit)."""
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+    from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear
+    from lmkit_kernels.norm import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    kw = {"device": "cuda", "generator": g}
+    x = torch.randn(1, 4096, **kw).to(dtype)
+    residual = (4 * torch.randn(1, 4096, **kw)).to(dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(4096, **kw)).to(dtype)
+    q, scale = _fp8_weight(n, 4096)
+    b = torch.randn(n, **kw).to(dtype) if bias else None
+    out, h = norm_fp8_row_linear(x, residual, norm_weight, 1e-5, q, scale, b,
+                                 pipeline=pipeline, block_n=block_n)
+    if residual is None:
+        normed, want_h = rms_norm(x, norm_weight, 1e-5), x
+    else:
+        normed, want_h = rms_norm(x, norm_weight, 1e-5, residual)
+    assert torch.equal(h, want_h)
+    _fold_matches(f"fp8 norm fold -> {n}", out, fp8_row_linear(normed, q, scale, b),
+                  block_n, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+@pytest.mark.parametrize("block_n", [8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_silu_fold_at_llama8b_shapes(dtype, pipeline, block_n, bias):
+    """Against silu_and_mul then the one-row kernel: bit for bit (the same roundings)."""
+    from lmkit_kernels.activation import silu_and_mul
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+    from lmkit_kernels.fp8_gemv_fold import silu_mul_fp8_row_linear
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    gate_up = (3 * torch.randn(1, 2 * 14336, device="cuda", generator=g)).to(dtype)
+    q, scale = _fp8_weight(4096, 14336)
+    b = torch.randn(4096, device="cuda", generator=g).to(dtype) if bias else None
+    out = silu_mul_fp8_row_linear(gate_up, q, scale, b, pipeline=pipeline, block_n=block_n)
+    _fold_matches("fp8 silu fold", out, fp8_row_linear(silu_and_mul(gate_up), q, scale, b),
+                  block_n, 1 if pipeline else 0)
+
+
+def test_pdl_chain_replays_under_cuda_graphs():
+    """A decode layer's FP8 chain (norm fold, plain, norm fold, SiLU fold), launched with
+    programmatic dependent launch where the GPU has it, captured and replayed: each
+    kernel reads its predecessor's output, so a missing wait would show as a stale read."""
+    from lmkit_kernels.fp8_gemv import fp8_row_linear
+    from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear, silu_mul_fp8_row_linear
+
+    qkv, o, gate_up, down = (_fp8_weight(n, k, seed) for seed, (n, k) in enumerate(SHAPES))
+    norm_weight = torch.ones(4096, device="cuda").bfloat16()
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+
+    def layer(x):
+        a, res = norm_fp8_row_linear(x, None, norm_weight, 1e-5, *qkv)
+        hidden = fp8_row_linear(a[:, :4096].contiguous(), *o)
+        g, res = norm_fp8_row_linear(hidden, res, norm_weight, 1e-5, *gate_up)
+        return silu_mul_fp8_row_linear(g, *down), res
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = layer(x)
+    for seed in (1, 2):
+        x.copy_(torch.randn(1, 4096, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_res = layer(x)
+        assert torch.equal(out, want) and torch.equal(res, want_res)
+
+
+def _generate_folded(model_dir: Path) -> tuple[list[bool], list[list[int]]]:
+    llm = LLM(str(model_dir), quantization="fp8", **ENGINE)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.cuda_graphs is not None
+        folded = [layer.self_attn.qkv_proj._qnorm is not None
+                  and layer.mlp.down_proj._qsilu is not None
+                  for layer in runner.model.model.layers]
+        outs = llm.generate(_prompts()[:1], SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))  # batch 1: folded
+        outs += llm.generate(_prompts(), SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))  # batch 4: not
+    finally:
+        llm.shutdown()
+    return folded, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_greedy_tokens_with_the_fp8_fold_on_and_off(models, monkeypatch):
+    """Under CUDA graphs, the fold on (the default) and off (``LMKIT_GEMV_FOLD=0``)."""
+    monkeypatch.delenv("LMKIT_GEMV_FOLD", raising=False)
+    folded, on = _generate_folded(models["dense"])
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "0")
+    unfolded, off = _generate_folded(models["dense"])
+    assert all(folded) and not any(unfolded)
+    agreement = _agreement(on, off)
+    print({"fold_on_vs_off_agreement": agreement})
+    assert agreement >= 0.99, (on, off)

@@ -67,3 +67,29 @@ def test_logit_error_smoke(tmp_path):
         assert 0 < report[key]["mean_relative_error"] < 0.1, report[key]
     assert report["prefill_w8a8"]["positions"] == 80
     assert report["decode_weight_only"]["positions"] == 40
+
+
+def test_one_row_sweep_times_each_launch_plain_and_pipelined():
+    import gemv_bandwidth as bw
+
+    assert bw.row_config_key((8, 1024, 4), False) == "8,1024,4"
+    assert bw.row_config_key((8, 1024, 4), True) == "8,1024,4,pipelined"
+    launches = {"8,1024,4": 1e-5, "8,1024,4,pipelined": 2e-5, "16,512,4": 3e-5}
+    rows = [{"M": 1, "name": f"llama8b.{p}", "row_configs": dict(launches)}
+            for p in ("qkv", "o", "gate_up", "down")]
+    rows[0]["row_configs"].pop("16,512,4")  # not timed for every projection: no sum
+    rows += [{"M": 1, "name": "llama8b.lm_head", "row_configs": {"8,1024,4": 1.0}},
+             {"M": 16, "name": "llama8b.qkv"}]
+    assert bw.layer_sums(rows) == pytest.approx({"8,1024,4": 4e-5,
+                                                 "8,1024,4,pipelined": 8e-5})
+    assert bw.layer_sums(rows[1:]) == {}  # a projection missing
+
+
+def test_gemv_fold_bench_takes_fp8_at_one_row_only(monkeypatch, capsys):
+    import gemv_fold
+
+    monkeypatch.setattr(sys, "argv", ["gemv_fold.py", "--fp8", "--rows", "1,4"])
+    with pytest.raises(SystemExit):
+        gemv_fold.main()
+    assert ("--fp8 times the one-row FP8 kernel: use --rows 1 without --sweep (got --rows "
+            "1,4)") in capsys.readouterr().err

@@ -110,6 +110,11 @@ def test_fp8_on_the_cpu_is_refused_with_what_to_use(host):
     ({"gemv_row_tiles": [16, 300, 4]}, r"gemv_row_tiles.*block_k must be a power of two up "
                                        r"to 4096, got 300"),
     ({"gemv_row_tiles": [16, 512, 2]}, r"gemv_row_tiles.*warps must be 4 or 8, got 2"),
+    ({"gemv_row_fold_block_n": 24}, r"gemv_row_fold_block_n.*must be a power of two up to "
+                                     r"256, got 24"),
+    ({"gemv_row_pipeline": True, "gemv_row_kernel": False},
+     r"gemv_row_pipeline is an option of the one-row kernel, which gemv_row_kernel=false "
+     r"turns off; set gemv_row_kernel to true or drop gemv_row_pipeline"),
 ])
 def test_option_errors(host, options, pattern):
     with pytest.raises(ConfigError, match=r"invalid options for quantization 'fp8_cpu'[\s\S]*"

@@ -128,8 +128,8 @@ def test_the_method_passes_the_quantization_conformance_suite():
     """On a dense tiny checkpoint quantized at load (the suite compares with the dense
     weights, so FP8 checkpoints are checked in test_quant_fp8_checkpoint.py)."""
     results = check_quantization_method(Fp8Method)
-    assert results.pop("norm linear").startswith("not applicable")
-    assert results.pop("silu mul linear").startswith("not applicable")
+    # the folds are CUDA kernels: on the CPU linear_with_norm / linear_with_silu_mul give
+    # no folded function, which the suite accepts
     assert set(results.values()) == {"passed"}
 
 

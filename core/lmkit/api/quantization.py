@@ -95,7 +95,7 @@ class QuantizationMethod(ABC):
         ``None``): embedding lookups and layers left dense."""
 
     def linear_with_norm(self, weight: QuantizedTensor
-                         ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear | None]:
         """:meth:`linear`'s function and, from the same prepared weight, one with the
         layer's input norm folded in: ``(x, residual, norm_weight, eps, bias) -> (y,
         h)`` with ``h = x + residual`` (``x`` itself when ``residual`` is ``None``) and
@@ -103,7 +103,10 @@ class QuantizationMethod(ABC):
         as lmkit's float32 CPU RMSNorm kernel computes it
         (:mod:`lmkit_kernels.cpu.rms_norm`), for float32 CPU inputs of at most
         :attr:`fold_max_rows` rows with unit stride along ``in`` (models route
-        other inputs to the separate norm). Only for methods declaring
+        other inputs to the separate norm); a CUDA method's, for half-precision inputs,
+        as lmkit's Triton RMSNorm kernel computes it (models route them there when that
+        kernel is the model's norm). ``None`` instead of the folded function where the
+        method does not fold here. Only for methods declaring
         :attr:`supports_norm_linear`."""
         raise NotImplementedError(
             f"{type(self).__name__} does not fold norms into its projections; declare "
@@ -116,7 +119,9 @@ class QuantizationMethod(ABC):
         MLP's SiLU-and-multiply folded in: ``(gate_up, bias) -> linear(silu(gate) * up,
         bias)`` for ``gate_up`` ``[n, 2 * in]`` (gate then up per row), bit-identical to
         torch's ``F.silu(gate) * up`` followed by :meth:`linear`, for float32 CPU inputs of
-        at most :attr:`fold_max_rows` rows with unit stride along the row; ``None``
+        at most :attr:`fold_max_rows` rows with unit stride along the row (a CUDA
+        method's, for half-precision inputs, to lmkit's Triton SiLU-and-multiply
+        kernel's); ``None``
         instead of the folded function where the method cannot guarantee that here.
         Only for methods declaring :attr:`supports_silu_mul_linear`."""
         raise NotImplementedError(

@@ -17,7 +17,7 @@ model that keeps ``model.gguf``). Properties:
   weight whose rows are both parts' rows;
 * ``dequantize rows``: ``dequantize(w, rows)`` is ``dequantize(w)[rows]``;
 * ``norm linear`` (methods declaring ``supports_norm_linear``): ``linear_with_norm(w)``'s
-  folded function gives ``h = x + residual`` exactly (``x`` without a residual) and
+  folded function, where the method gives one, gives ``h = x + residual`` exactly (``x`` without a residual) and
   ``linear(rms_norm(h) * norm_weight, bias)`` (error at most :data:`MAX_LINEAR_ERROR`)
   for 1 and 3 rows;
 * ``silu mul linear`` (methods declaring ``supports_silu_mul_linear``): the folded
@@ -222,6 +222,8 @@ def _norm_linear(w: _World) -> None:
     for name, weight in w.quantized(prop).items():
         lin, folded = w.call(prop, f"linear_with_norm({name})",
                              lambda weight=weight: w.method.linear_with_norm(weight))
+        if folded is None:  # the method cannot fold here (e.g. a CUDA method on the CPU)
+            continue
         k = weight.shape[1]
         norm_w, bias = torch.rand(k, generator=gen) + 0.5, torch.randn(weight.shape[0],
                                                                       generator=gen)

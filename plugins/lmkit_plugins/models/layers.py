@@ -133,14 +133,16 @@ class Linear(nn.Module):
         the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
         projection. With a quantization method that folds norms
         (``supports_norm_linear``), decode-sized float32 CPU inputs take one kernel
-        call, bit-identical to the two steps; so do one-row CUDA inputs with
-        :attr:`gemv_fold` (the same bits up to the order of the norm's sum of squares)."""
+        call, bit-identical to the two steps (a CUDA method's inputs of up to its
+        ``fold_max_rows`` rows too, where the norm is lmkit's kernel); so do one-row CUDA
+        inputs with :attr:`gemv_fold` (the same bits up to the order of the norm's sum of
+        squares)."""
         if self.gemv_fold is not None and self.gemv_fold.takes(x):
             return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                               self.bias)
         if (self._qnorm is not None and x.shape[0] <= self._qfold_rows and x.dim() == 2
                 and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-                and norm.has_cpu_kernel):
+                and (norm.has_cpu_kernel or norm.has_fused_kernel)):
             return self._qnorm(x, residual, norm.weight, norm.eps, self.bias)
         if residual is None:
             return self.forward(norm.forward(x)), x  # type: ignore[arg-type]
@@ -248,6 +250,9 @@ class RMSNorm(nn.Module):
         #: whether inputs of up to 32 rows take lmkit's C kernel (what a quantized
         #: projection that folds the norm reproduces; see Linear.forward_add_rms_norm)
         self.has_cpu_kernel = self._cpu_rows is not None and self._fused is None
+        #: whether 2-D inputs take lmkit's Triton kernel (what a CUDA quantization method
+        #: that folds the norm reproduces)
+        self.has_fused_kernel = self._fused is not None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

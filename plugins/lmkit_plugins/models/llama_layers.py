@@ -138,10 +138,11 @@ class LlamaMLP(nn.Module):
                                 fold="silu_mul", **kw)
         self.act = act if act is not None else (
             silu_and_mul_kernel() if fused_ops_enabled(device, dtype) else silu_and_mul)
-        # a quantization method that folds SiLU-and-multiply into the down projection, or
-        # (dense, CUDA half precision, tp off) the small-batch kernel that does
+        # a quantization method that folds SiLU-and-multiply into the down projection (the
+        # torch op's, or with tp off lmkit's CUDA kernel's), or (dense, CUDA half
+        # precision, tp off) the small-batch kernel that does
         self._silu_folded = ((quant is not None and quant.supports_silu_mul_linear
-                              and self.act is silu_and_mul)
+                              and (self.act is silu_and_mul or (act is None and tp is None)))
                              or (act is None and tp is None
                                  and self.down_proj.gemv_fold is not None))
 

@@ -10,6 +10,15 @@ weight-streaming Triton GEMV (:func:`lmkit_kernels.gemv.small_m_linear` with
 activations per token and multiply in FP8 with ``torch._scaled_mm``
 (:func:`lmkit_kernels.fp8.scaled_mm_linear`, W8A8). Both are CUDA-graph safe.
 
+One-row inputs (batch-1 decode) take the one-row kernel (:mod:`lmkit_kernels.fp8_gemv`),
+which also folds the pre-norm layers' residual add + RMSNorm into the QKV and gate-up
+projections and SiLU-and-multiply into the down projection
+(:mod:`lmkit_kernels.fp8_gemv_fold`; the method's ``linear_with_norm`` /
+``linear_with_silu_mul``, at :attr:`Fp8Method.fold_max_rows` rows): bit-identical to
+the separate kernels up to the order of the norm's sum of squares. ``LMKIT_GEMV_FOLD``
+(0, or the folds to keep) and ``LMKIT_FUSED_OPS=0`` turn the folds off, as for dense
+weights (:mod:`lmkit_plugins.models.fused_ops`).
+
 Where the weights are on the CPU (a machine without CUDA: tests only, since the
 method's caps declare ``device: cuda``), :meth:`Fp8Method.linear` computes the same two
 products with their torch references.
@@ -27,11 +36,14 @@ from lmkit.api import (
     ModelLoadError,
     QuantizationMethod,
     QuantizedLinear,
+    QuantizedNormLinear,
+    QuantizedSiluLinear,
     QuantizedTensor,
     check_weight_files,
     iterate_weights,
 )
 
+from lmkit_plugins.models.fused_ops import fused_ops_enabled, gemv_folds
 from lmkit_plugins.quantization.fp8_checkpoint import (
     QTYPE,
     Fp8Layout,
@@ -50,6 +62,20 @@ if TYPE_CHECKING:
 MIN_CAPABILITY = (8, 9)  # e4m3 conversions and FP8 tensor cores: Ada, Hopper and newer
 
 
+def runs_kernels(weight: torch.Tensor) -> bool:
+    """Whether products with ``weight`` run lmkit's Triton kernels (a CUDA weight) rather
+    than their torch references (the seam the CPU routing tests force)."""
+    return weight.is_cuda
+
+
+def row_folds(device: torch.device) -> frozenset[str]:
+    """The transforms the one-row kernel folds into its product on ``device`` (of
+    ``norm``, ``silu_mul``): those ``LMKIT_GEMV_FOLD`` allows where the model runs lmkit's
+    separate norm and SiLU kernels, which the folds reproduce (CUDA, Triton,
+    ``LMKIT_FUSED_OPS`` not 0; FP8 models compute in bfloat16 or float16); else none."""
+    return gemv_folds() if fused_ops_enabled(device, torch.bfloat16) else frozenset()
+
+
 def gpu_unsupported_reason(device: torch.device) -> str | None:
     """Why FP8 weights cannot run on CUDA ``device`` (``None``: they can)."""
     major, minor = torch.cuda.get_device_capability(device)
@@ -61,6 +87,12 @@ def gpu_unsupported_reason(device: torch.device) -> str | None:
 
 class Fp8Method(QuantizationMethod):
     """FP8 e4m3 weights with per-output-channel scales (see the module docstring)."""
+
+    supports_norm_linear = True
+    supports_silu_mul_linear = True
+    #: the folds run in the one-row kernel only (as for dense weights, folds pay at one
+    #: row: lmkit_plugins.models.fused_ops.FOLD_MAX_ROWS)
+    fold_max_rows = 1
 
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
@@ -103,11 +135,32 @@ class Fp8Method(QuantizationMethod):
 
     def linear(self, weight: QuantizedTensor) -> QuantizedLinear:
         """``(x, bias) -> x @ W.T + bias`` (:class:`Fp8Linear`)."""
-        return Fp8Linear(weight.data, self.opts.gemv_max_rows, self.opts.gemv_block_k,
-                         self.opts.gemv_block_n, num_warps=self.opts.gemv_num_warps,
-                         num_stages=self.opts.gemv_num_stages,
-                         row_tiles=self.opts.gemv_row_tiles if self.opts.gemv_row_kernel
-                         else None)
+        return self._linear(weight)
+
+    def _linear(self, weight: QuantizedTensor, fold: str | None = None) -> Fp8Linear:
+        opts = self.opts
+        folds = row_folds(self.device) & {fold} if fold else frozenset()
+        return Fp8Linear(weight.data, opts.gemv_max_rows, opts.gemv_block_k,
+                         opts.gemv_block_n, num_warps=opts.gemv_num_warps,
+                         num_stages=opts.gemv_num_stages,
+                         row_tiles=opts.gemv_row_tiles if opts.gemv_row_kernel else None,
+                         pipeline=opts.gemv_row_pipeline, folds=folds,
+                         fold_block_n=opts.gemv_row_fold_block_n)
+
+    def linear_with_norm(self, weight: QuantizedTensor
+                         ) -> tuple[QuantizedLinear, QuantizedNormLinear | None]:
+        """:meth:`linear`'s product and the one-row kernel with the input norm folded in
+        (:attr:`Fp8Linear.norm_linear`; ``None`` where it does not run: see
+        :func:`row_folds`)."""
+        linear = self._linear(weight, "norm")
+        return linear, linear.norm_linear
+
+    def linear_with_silu_mul(self, weight: QuantizedTensor
+                             ) -> tuple[QuantizedLinear, QuantizedSiluLinear | None]:
+        """:meth:`linear`'s product and the one-row kernel with SiLU-and-multiply folded
+        in (:attr:`Fp8Linear.silu_mul_linear`; ``None`` where it does not run)."""
+        linear = self._linear(weight, "silu_mul")
+        return linear, linear.silu_mul_linear
 
     def dequantize(self, weight: QuantizedTensor, rows: Any = None) -> torch.Tensor:
         """Float32 ``weight * scale`` (rows ``rows``), on the weight's device."""
@@ -125,12 +178,18 @@ class Fp8Linear:
     (:func:`lmkit_kernels.fp8_gemv.fp8_row_linear`, unless ``row_tiles`` is ``None``),
     up to ``max_rows`` rows through the tiled Triton GEMV, ``torch._scaled_mm``
     (per-token activation scales) above; on the CPU their torch references. Everything
-    shape-dependent is decided here, once, not per call."""
+    shape-dependent is decided here, once, not per call.
+
+    With the one-row kernel on CUDA, ``folds`` (of ``norm``, ``silu_mul``) adds that
+    kernel with the transform folded in: :attr:`norm_linear` ``(x, residual,
+    norm_weight, eps, bias) -> (y, x + residual)`` and :attr:`silu_mul_linear`
+    ``(gate_up, bias) -> y``, for one-row inputs (``None`` when not built)."""
 
     def __init__(self, data: Fp8Weight, max_rows: int, block_k: int,
                  block_n: int | None = None, *, num_warps: int = 4,
-                 num_stages: int = 4, row_tiles: tuple[int, int, int] | None = None
-                 ) -> None:
+                 num_stages: int = 4, row_tiles: tuple[int, int, int] | None = None,
+                 pipeline: bool = False, folds: frozenset[str] = frozenset(),
+                 fold_block_n: int | None = None) -> None:
         from lmkit_kernels.fp8 import scaled_mm_unsupported_reason
 
         self.weight = data.weight.contiguous()  # [out, in] float8_e4m3fn
@@ -141,9 +200,11 @@ class Fp8Linear:
         self.num_warps, self.num_stages = num_warps, num_stages
         #: one-row inputs' kernel launch (block_n, block_k, warps); None: the tiled GEMV
         self.row_tiles = row_tiles
+        self.pipeline = pipeline  # the one-row kernel's (and its folds') pipelined loop
+        self.fold_block_n = fold_block_n  # the folds' rows per program (None: row_tiles')
         # narrow programs for small outputs so that every SM gets work (as bf16 does)
         self.block_n = block_n or (16 if self.weight.shape[0] <= 2048 else 32)
-        self.on_cuda = self.weight.is_cuda
+        self.on_cuda = runs_kernels(self.weight)
         #: why large batches dequantize instead of _scaled_mm (odd sizes); None: they don't
         self.scaled_mm_unsupported = (scaled_mm_unsupported_reason(self.weight)
                                       if self.on_cuda else None)
@@ -151,6 +212,11 @@ class Fp8Linear:
         # the three products, bound once: (x, bias) -> [n, out] (no imports or tile
         # choices per call)
         self._one_row, self._few_rows, self._many_rows = self._products()
+        folding = self.on_cuda and row_tiles is not None
+        self.norm_linear: QuantizedNormLinear | None = (
+            self._norm_fold() if folding and "norm" in folds else None)
+        self.silu_mul_linear: QuantizedSiluLinear | None = (
+            self._silu_mul_fold() if folding and "silu_mul" in folds else None)
 
     def _products(self) -> tuple[Any, Any, Any]:
         """The one-row (``None``: the few-rows product takes one row too), few-rows and
@@ -165,10 +231,10 @@ class Fp8Linear:
         from lmkit_kernels.fp8_gemv import fp8_row_linear
         from lmkit_kernels.gemv import small_m_linear
 
+        launch = self._row_launch() if row_tiles is not None else {}
+
         def one_row(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            block_n, block_k, warps = row_tiles
-            return fp8_row_linear(x, w, s, bias, block_n=block_n, block_k=block_k,
-                                  num_warps=warps)
+            return fp8_row_linear(x, w, s, bias, **launch)
 
         def few_rows(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             return small_m_linear(x, w, bias, weight_scale=s, block_n=self.block_n,
@@ -182,6 +248,40 @@ class Fp8Linear:
             return F.linear(x, (w.float() * s[:, None]).to(x.dtype), bias)
 
         return (None if row_tiles is None else one_row), few_rows, many_rows
+
+    def _row_launch(self, fold: bool = False) -> dict[str, Any]:
+        assert self.row_tiles is not None
+        block_n, block_k, warps = self.row_tiles
+        if fold and self.fold_block_n is not None:  # (the same sums: block_k is kept)
+            block_n = self.fold_block_n
+        return {"block_n": block_n, "block_k": block_k, "num_warps": warps,
+                "pipeline": self.pipeline}
+
+    def _norm_fold(self) -> QuantizedNormLinear:
+        from lmkit_kernels.fp8_gemv_fold import norm_fp8_row_linear
+
+        w, s, launch = self.weight, self.scale, self._row_launch(fold=True)
+
+        def norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float, bias: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if x.shape[0] == 0:  # (the models route at most one row here)
+                return x.new_empty((0, w.shape[0])), x if residual is None else x + residual
+            return norm_fp8_row_linear(x, residual, norm_weight, eps, w, s, bias, **launch)
+
+        return norm_linear
+
+    def _silu_mul_fold(self) -> QuantizedSiluLinear:
+        from lmkit_kernels.fp8_gemv_fold import silu_mul_fp8_row_linear
+
+        w, s, launch = self.weight, self.scale, self._row_launch(fold=True)
+
+        def silu_mul_linear(gate_up: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if gate_up.shape[0] == 0:
+                return gate_up.new_empty((0, w.shape[0]))
+            return silu_mul_fp8_row_linear(gate_up, w, s, bias, **launch)
+
+        return silu_mul_linear
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [n, in] -> [n, out] in x's dtype

@@ -3,7 +3,7 @@ registering it imports no torch)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Fp8Options(BaseModel):
@@ -36,6 +36,19 @@ class Fp8Options(BaseModel):
         "K slice per iteration (powers of two) and warps (4 or 8); the default was the "
         "fastest over Llama-8B's four projections on an H100 (bench/gemv_bandwidth.py "
         "--fp8 --rows 1).")
+    gemv_row_pipeline: bool = Field(
+        False, description="The one-row kernel (and its folds of the input norm and "
+        "SiLU-and-multiply) issues the loads of the next K slice before it multiplies the "
+        "current one: two slices per program in flight; the same result "
+        "(bench/gemv_bandwidth.py --fp8 --rows 1 times both). Needs gemv_row_kernel.")
+    gemv_row_fold_block_n: int | None = Field(
+        None, description="Weight rows per program of the one-row kernel with the input "
+        "norm or SiLU-and-multiply folded in (a power of two up to 256; each program "
+        "recomputes 1 / rms and the transform, so wider programs may pay); default: "
+        "gemv_row_tiles' block_n. The products and their per-position sums stay the "
+        "same; the final sum across the K slice may run in another order on the GPU "
+        "(bench/gemv_fold.py --fp8 --fold-block-n times the choices; 16 is the widest "
+        "that does not spill registers at block_k 1024 and 4 warps).")
 
     quantize_lm_head: bool = Field(
         False, description="Also quantize an untied LM head stored dense (lm_head.weight) "
@@ -65,6 +78,21 @@ class Fp8Options(BaseModel):
                 raise ValueError(f"{name} must be a power of two up to {top}, got {value}")
         if warps not in (4, 8):
             raise ValueError(f"warps must be 4 or 8, got {warps}")
+        return v
+
+    @model_validator(mode="after")
+    def _pipeline_needs_the_row_kernel(self) -> Fp8Options:
+        if self.gemv_row_pipeline and not self.gemv_row_kernel:
+            raise ValueError("gemv_row_pipeline is an option of the one-row kernel, which "
+                             "gemv_row_kernel=false turns off; set gemv_row_kernel to true or "
+                             "drop gemv_row_pipeline")
+        return self
+
+    @field_validator("gemv_row_fold_block_n")
+    @classmethod
+    def _fold_block_n(cls, v: int | None) -> int | None:
+        if v is not None and (v < 1 or v > 256 or v & (v - 1)):
+            raise ValueError(f"must be a power of two up to 256, got {v}")
         return v
 
     @field_validator("gemv_block_k")

@@ -6,12 +6,16 @@ projection (bf16: with the residual add + RMSNorm folded in), RoPE + cache write
 decode attention over ``--context`` tokens, the output projection, the gate-up
 projection (folded norm), the down projection (folded SiLU); then the final norm, the
 LM head and an argmax. ``--weights fp8`` runs the FP8 path instead (separate RMSNorm and
-SiLU kernels, the one-row FP8 GEMV; ``--fp8-lm-head`` quantizes the LM head too).
+SiLU folded into the one-row FP8 GEMV as the model runs them, :mod:`lmkit_kernels.
+fp8_gemv_fold`; ``--fp8-lm-head`` quantizes the LM head too).
 
 Each setting is a set of environment variables read when the kernels launch, e.g.
 ``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``, and optionally ``TILES=BN/BK/WARPS/STAGES``:
 the bf16 GEMVs' (and their folds') launch parameters for every projection instead of
-:func:`lmkit_plugins.models.fused_ops.small_m_tiles`. One CUDA graph is captured per setting, and
+:func:`lmkit_plugins.models.fused_ops.small_m_tiles`; for FP8, ``FP8_TILES=BN/BK/WARPS``
+and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
+``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
+as the model switches). One CUDA graph is captured per setting, and
 the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
 setting's median step time, its spread, and the weight bytes per step over that time::
 
@@ -37,13 +41,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bandwidth import copy_bandwidth  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.fp8 import quantize_per_channel  # noqa: E402
-from lmkit_kernels.fp8_gemv import fp8_row_linear  # noqa: E402
+from lmkit_kernels.fp8_gemv import ROW_TILES, fp8_row_linear  # noqa: E402
+from lmkit_kernels.fp8_gemv_fold import (  # noqa: E402
+    norm_fp8_row_linear,
+    silu_mul_fp8_row_linear,
+)
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.rotary import rotary_qk_  # noqa: E402
 from lmkit_plugins.models.fused_ops import GemvFold  # noqa: E402
+
+#: the FP8 one-row launch of the setting being captured (FP8_TILES / FP8_PIPE)
+FP8_LAUNCH: dict[str, object] = {}
 
 #: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
 MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
@@ -66,6 +77,11 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     parameters instead), then restore what was there."""
     values = dict(values)
     tiles = values.pop("TILES", None)
+    bn, bk, warps = (int(t) for t in values.pop("FP8_TILES", "/".join(
+        map(str, ROW_TILES))).split("/"))
+    FP8_LAUNCH.clear()
+    FP8_LAUNCH.update(block_n=bn, block_k=bk, num_warps=warps,
+                      pipeline=values.pop("FP8_PIPE", "0") == "1")
     saved = {k: os.environ.get(k) for k in values}
     original = fused_ops.small_m_tiles
     if tiles is not None:
@@ -124,15 +140,19 @@ class Chain:
     def _linear(self, x: torch.Tensor, wt: tuple) -> torch.Tensor:
         weight, scale = wt
         if scale is not None:
-            return fp8_row_linear(x, weight, scale)
+            return fp8_row_linear(x, weight, scale, **FP8_LAUNCH)
         return small_m_linear(x, weight, None, **fused_ops.small_m_tiles(weight.shape[0]))
 
     def step(self) -> torch.Tensor:
         """One decode step over all layers; returns the argmax token (a device tensor)."""
         hidden, heads, kv_heads, head = self.dims
         batch, x, residual = self.batch, self.x, None
+        fold = os.environ.get("LMKIT_GEMV_FOLD", "1") != "0"
         for i, p in enumerate(self.layers):
-            if self.fp8:
+            if self.fp8 and fold:
+                qkv, residual = norm_fp8_row_linear(x, residual, p["ln1"], 1e-5, *p["qkv"],
+                                                    **FP8_LAUNCH)
+            elif self.fp8:
                 if residual is None:
                     h, residual = rms_norm(x, p["ln1"], 1e-5), x
                 else:
@@ -149,7 +169,11 @@ class Chain:
                                    max_query_len=1, scale=head ** -0.5,
                                    split_counters=self.counters)
             h = self._linear(attn.reshape(1, heads * head), p["o"])
-            if self.fp8:
+            if self.fp8 and fold:
+                gate_up, residual = norm_fp8_row_linear(h, residual, p["ln2"], 1e-5,
+                                                        *p["gate_up"], **FP8_LAUNCH)
+                x = silu_mul_fp8_row_linear(gate_up, *p["down"], **FP8_LAUNCH)
+            elif self.fp8:
                 h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
                 x = self._linear(silu_and_mul(self._linear(h, p["gate_up"])), p["down"])
             else:

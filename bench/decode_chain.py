@@ -15,7 +15,8 @@ the bf16 GEMVs' (and their folds') launch parameters for every projection instea
 :func:`lmkit_plugins.models.fused_ops.small_m_tiles`; for FP8, ``FP8_TILES=BN/BK/WARPS``
 and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
 ``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
-as the model switches). One CUDA graph is captured per setting, and
+as the model switches); ``SPLITS=N``: decode attention cuts each context into ``N``
+slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count. One CUDA graph is captured per setting, and
 the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
 setting's median step time, its spread, and the weight bytes per step over that time::
 
@@ -56,6 +57,9 @@ from lmkit_plugins.models.fused_ops import GemvFold  # noqa: E402
 #: the FP8 one-row launch of the setting being captured (FP8_TILES / FP8_PIPE)
 FP8_LAUNCH: dict[str, object] = {}
 
+#: decode attention's launch of the setting being captured (SPLITS)
+ATTENTION: dict[str, int] = {}
+
 #: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
 MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
           "qwen0.6b": (1024, 16, 8, 128, 3072, 151936)}
@@ -82,6 +86,10 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     FP8_LAUNCH.clear()
     FP8_LAUNCH.update(block_n=bn, block_k=bk, num_warps=warps,
                       pipeline=values.pop("FP8_PIPE", "0") == "1")
+    splits = values.pop("SPLITS", None)
+    ATTENTION.clear()
+    if splits is not None:
+        ATTENTION["num_splits"] = int(splits)
     saved = {k: os.environ.get(k) for k in values}
     original = fused_ops.small_m_tiles
     if tiles is not None:
@@ -147,9 +155,10 @@ class Chain:
         """One decode step over all layers; returns the argmax token (a device tensor)."""
         hidden, heads, kv_heads, head = self.dims
         batch, x, residual = self.batch, self.x, None
-        fold = os.environ.get("LMKIT_GEMV_FOLD", "1") != "0"
+        fold = os.environ.get("LMKIT_GEMV_FOLD", "1")  # 1, 0, or the one fold kept
+        norm_fold, silu_fold = fold in ("1", "norm"), fold in ("1", "silu_mul")
         for i, p in enumerate(self.layers):
-            if self.fp8 and fold:
+            if self.fp8 and norm_fold:
                 qkv, residual = norm_fp8_row_linear(x, residual, p["ln1"], 1e-5, *p["qkv"],
                                                     **FP8_LAUNCH)
             elif self.fp8:
@@ -167,15 +176,17 @@ class Chain:
             attn = paged_attention(qkv[:, :heads * head].view(1, heads, head), self.caches[i],
                                    batch.query_start_loc, batch.seq_lens, batch.block_tables,
                                    max_query_len=1, scale=head ** -0.5,
-                                   split_counters=self.counters)
+                                   split_counters=self.counters, **ATTENTION)
             h = self._linear(attn.reshape(1, heads * head), p["o"])
-            if self.fp8 and fold:
-                gate_up, residual = norm_fp8_row_linear(h, residual, p["ln2"], 1e-5,
-                                                        *p["gate_up"], **FP8_LAUNCH)
-                x = silu_mul_fp8_row_linear(gate_up, *p["down"], **FP8_LAUNCH)
-            elif self.fp8:
-                h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
-                x = self._linear(silu_and_mul(self._linear(h, p["gate_up"])), p["down"])
+            if self.fp8:
+                if norm_fold:
+                    gate_up, residual = norm_fp8_row_linear(h, residual, p["ln2"], 1e-5,
+                                                            *p["gate_up"], **FP8_LAUNCH)
+                else:
+                    h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                    gate_up = self._linear(h, p["gate_up"])
+                x = silu_mul_fp8_row_linear(gate_up, *p["down"], **FP8_LAUNCH) if silu_fold \
+                    else self._linear(silu_and_mul(gate_up), p["down"])
             else:
                 gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
                                                           p["gate_up"][0], None)

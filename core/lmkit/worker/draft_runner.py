@@ -142,7 +142,7 @@ class DraftRunner:
                  requests: Mapping[str, CachedRequestState] | None = None,
                  vocab_size: int = 0) -> None:
         self.proposer = proposer
-        self.requests: Mapping[str, CachedRequestState] = requests or {}
+        self.requests: Mapping[str, CachedRequestState] = requests if requests is not None else {}
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.input_batch = input_batch

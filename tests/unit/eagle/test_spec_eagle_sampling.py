@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import COMMON, GREEDY, PROMPTS, run_engine, tokens
+from eagle_engine import COMMON, GREEDY, PROMPTS, padded_replays, run_engine, tokens
 from lmkit import LLM, SamplingParams
 from lmkit.errors import ConfigError
 from test_spec_eagle import _homogeneity_p_value
@@ -97,6 +97,28 @@ def test_greedy_requests_keep_argmax_drafts_beside_sampled_ones(tiny, heads, bas
              **_spec(proposer, heads[proposer]), **{**COMMON, "max_model_len": 64}) as llm:
         outs = tokens(llm.generate(PROMPTS, params))
     assert [o for i, o in enumerate(outs) if i % 2 == 0] == baseline[0::2]
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_sampled_drafts_in_padded_graph_passes_equal_eager_ones(tiny, heads, monkeypatch,
+                                                                proposer):
+    """The sampling draft passes and catch-up passes (the graphs' padded, fixed-buffer
+    forwards, uncaptured on the CPU: parameters and uniforms in buffers, drafts and
+    candidates taken inside the pass) draft what eager passes draft, for seeded
+    requests; a greedy request beside them replays the same passes."""
+    params = [SamplingParams(temperature=1.5, top_p=0.95, top_k=60, seed=10 + i,
+                             max_tokens=32, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[2] = GREEDY
+    eager, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
+                          params=params, max_num_seqs=8)
+    _, drafters = padded_replays(monkeypatch)
+    padded, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
+                           params=params, max_num_seqs=8)
+    graphs, catch_up = drafters[0].sampled_graphs, drafters[0].sampled_catch_up_graphs
+    assert graphs is not None and graphs.samples_in_graph and graphs.num_passes > 10
+    assert catch_up is not None and catch_up.samples_in_graph and catch_up.num_passes > 10
+    assert drafters[0].num_sampled_steps > 10
+    assert len(eager) > 20 and padded == eager
 
 
 def test_seeded_sampled_requests_are_reproducible(tiny, heads):

@@ -35,7 +35,7 @@ def test_distribution_is_the_targets_filters(temperature, top_k, top_p, min_p,
     logits = torch.randn(1, V) * 2
     n = 100_000
     rows = _rows(n, temperature, top_k, top_p, min_p)
-    ids, cand, q = sample_draft_tokens(logits.expand(n, V).contiguous(), None, *rows.tensors(),
+    ids, cand, q = sample_draft_tokens(logits.expand(n, V).contiguous(), None, rows,
                                        num_candidates=num_candidates)
     want = logits_to_probs(logits.clone(), torch.tensor([temperature]),
                            torch.tensor([top_k or V]), torch.tensor([top_p]),
@@ -53,7 +53,7 @@ def test_candidates_bound_the_distribution_and_greedy_rows_take_the_argmax():
     logits = torch.randn(3, V)
     rows = _rows(3, 1.0)
     rows.temperature[1] = 0.0  # a greedy row
-    ids, cand, q = sample_draft_tokens(logits, None, *rows.tensors(), num_candidates=8)
+    ids, cand, q = sample_draft_tokens(logits, None, rows, num_candidates=8)
     assert cand.shape == q.shape == (3, 8)
     # a kept set larger than the candidates: the target's distribution, truncated to them
     top = logits[0].softmax(dim=-1).topk(8)
@@ -66,7 +66,7 @@ def test_candidates_bound_the_distribution_and_greedy_rows_take_the_argmax():
 def test_a_draft_vocabulary_maps_to_target_ids():
     target_ids = torch.tensor([3, 7, 8, 20, 41])  # draft id -> target id
     logits = torch.randn(4, 5)
-    ids, cand, q = sample_draft_tokens(logits, target_ids, *_rows(4, 1.0).tensors())
+    ids, cand, q = sample_draft_tokens(logits, target_ids, _rows(4, 1.0))
     dense = candidates_to_dense(cand, q, V)
     outside = torch.ones(V, dtype=torch.bool)
     outside[target_ids] = False

@@ -65,8 +65,15 @@ class DraftRowParams:
 
     def select(self, index: torch.Tensor, uniform: torch.Tensor) -> DraftRowParams:
         """Rows ``index`` (device int64) with ``uniform`` (``[len(index)]``) as theirs."""
-        return DraftRowParams(*(t.index_select(0, index) for t in self.tensors()[:4]),
-                              uniform)
+        return DraftRowParams(self.temperature.index_select(0, index),
+                              self.top_k.index_select(0, index),
+                              self.top_p.index_select(0, index),
+                              self.min_p.index_select(0, index), uniform)
+
+    def head(self, n: int) -> DraftRowParams:
+        """The first ``n`` rows (views)."""
+        return DraftRowParams(self.temperature[:n], self.top_k[:n], self.top_p[:n],
+                              self.min_p[:n], self.uniform[:n])
 
     def scatter(self, index: torch.Tensor, num_rows: int, uniform: torch.Tensor
                 ) -> DraftRowParams:
@@ -87,9 +94,7 @@ class DraftRowParams:
 
 
 def sample_draft_tokens(logits: torch.Tensor, target_ids: torch.Tensor | None,
-                        temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor, uniform: torch.Tensor,
-                        num_candidates: int = NUM_DRAFT_CANDIDATES
+                        rows: DraftRowParams, num_candidates: int = NUM_DRAFT_CANDIDATES
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one draft per row of the head's ``logits`` (see the module docstring).
 
@@ -97,10 +102,9 @@ def sample_draft_tokens(logits: torch.Tensor, target_ids: torch.Tensor | None,
         logits: float32 ``[n, draft vocab]`` (``-inf``: never drafted).
         target_ids: int64 ``[draft vocab]``, the target id of each draft id; ``None``:
             the draft vocabulary is the target's.
-        temperature: float32 ``[n]``; 0 takes the argmax (the row's ``q`` is unused).
-        top_k: int64 ``[n]``; ``<= 0`` or ``>=`` the candidate count: off.
-        top_p: float32 ``[n]`` in ``(0, 1]``; ``min_p``: float32 ``[n]`` in ``[0, 1]``.
-        uniform: float32 ``[n]`` in ``[0, 1)``, one draw per row.
+        rows: each row's temperature (0 takes the argmax; the row's ``q`` is then
+            unused), top-k (``<= 0`` or ``>=`` the candidate count: off), top-p in
+            ``(0, 1]``, min-p in ``[0, 1]`` and uniform in ``[0, 1)``, ``[n]`` each.
         num_candidates: candidates per row (at most the draft vocabulary).
 
     Returns:
@@ -109,6 +113,7 @@ def sample_draft_tokens(logits: torch.Tensor, target_ids: torch.Tensor | None,
         row's ``q`` is that of temperature 1).
     """
     c = min(num_candidates, logits.shape[1])
+    temperature, top_k, top_p, min_p = rows.temperature, rows.top_k, rows.top_p, rows.min_p
     greedy = temperature <= 0
     argmax = logits.argmax(dim=-1)
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
@@ -125,7 +130,7 @@ def sample_draft_tokens(logits: torch.Tensor, target_ids: torch.Tensor | None,
     q = q / q.sum(dim=-1, keepdim=True)  # the top candidate is always kept
     cdf = q.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(uniform.unsqueeze(1) * total,
+    target = torch.minimum(rows.uniform.unsqueeze(1) * total,
                            torch.nextafter(total, torch.zeros_like(total)))
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=c - 1)  # [n, 1]
     ids = torch.where(greedy, argmax, cand.gather(1, pick).squeeze(1))

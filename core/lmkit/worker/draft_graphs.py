@@ -92,8 +92,7 @@ class HeadPass:
         if self.drafts and self.params is not None:  # sampled drafts (and candidates)
             assert self.feed_ids is not None
             logits, target_ids = self.proposer.draft_logits(hidden)
-            ids, cand, q = sample_draft_tokens(
-                logits, target_ids, *(t[:n] for t in self.params.tensors()))
+            ids, cand, q = sample_draft_tokens(logits, target_ids, self.params.head(n))
             if self.candidates is None:
                 rows = len(self.features)
                 self.candidates = (cand.new_zeros(rows, cand.shape[1]),

@@ -93,8 +93,7 @@ class StepDraftSampler:
         """Eagerly draw draft ``j`` of requests ``act`` from the head's outputs
         ``features`` (``[len(act), hidden]``); returns the ids and records the pass."""
         logits, target_ids = self.proposer.draft_logits(features)
-        ids, cand, q = sample_draft_tokens(logits, target_ids,
-                                           *self.rows(act, j).tensors())
+        ids, cand, q = sample_draft_tokens(logits, target_ids, self.rows(act, j))
         self.record(j, act, cand, q)
         return ids
 

@@ -142,7 +142,8 @@ class DraftRunner:
                  requests: Mapping[str, CachedRequestState] | None = None,
                  vocab_size: int = 0) -> None:
         self.proposer = proposer
-        self.requests: Mapping[str, CachedRequestState] = requests if requests is not None else {}
+        self.requests: Mapping[str, CachedRequestState] = (requests if requests is not None
+                                                           else {})
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.input_batch = input_batch
@@ -258,8 +259,9 @@ class DraftRunner:
         tables = table[rows, :width]  # wide enough for every draft position
         drafter = np.flatnonzero(drafting[sel])
         req_ids = [self.input_batch.req_ids[r] for r in rows[drafter]]
-        sampler = StepDraftSampler.maybe(self.proposer, [self.requests[r] for r in req_ids],
-                                         self.k, self.staging, self.vocab_size, self.device)
+        sampler = (StepDraftSampler.maybe(self.proposer, [self.requests[r] for r in req_ids],
+                                          self.k, self.staging, self.vocab_size, self.device)
+                   if self.requests else None)  # none given: argmax drafts (tests)
         self.num_sampled_steps += sampler is not None
         out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
                                       seq_lens, tables, sampler, cu_kept[drafter] - 1)

@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmkit.sample.draft_sampling import DraftRowParams, draw_draft_uniforms, sample_draft_tokens
+from lmkit.sample.draft_sampling import (
+    DraftRowParams,
+    candidates_to_dense,
+    draw_draft_uniforms,
+    sample_draft_tokens,
+)
 
 if TYPE_CHECKING:
     from lmkit.api.spec_decode import RunnerProposer
@@ -117,8 +122,8 @@ class StepDraftSampler:
             if not len(take):
                 continue
             index = self.staging.put(take)
-            at = self.staging.put(slot[act[take]] + j).unsqueeze(1)
-            dense.index_put_((at, cand.index_select(0, index)), q.index_select(0, index),
-                             accumulate=True)
+            rows = candidates_to_dense(cand.index_select(0, index), q.index_select(0, index),
+                                       self.vocab_size)
+            dense.index_copy_(0, self.staging.put(slot[act[take]] + j), rows)
         blocks = dense.view(len(mine), k, self.vocab_size)
         return {int(d): blocks[i, :int(num_drafts[d])] for i, d in enumerate(mine)}

@@ -192,3 +192,19 @@ def test_draft_sampling_option_is_validated(tiny, heads):
     with pytest.raises(ConfigError, match=r"speculative.options.draft_sampling: Input should "
                                           r"be 'auto' or 'greedy' \(got 'sometimes'\)"):
         LLM(str(tiny), num_blocks=96, **_spec("eagle", heads["eagle"], "sometimes"), **COMMON)
+
+
+@pytest.mark.slow
+def test_sampled_drafts_with_the_worker_in_its_own_process(tiny, heads):
+    """The draft distributions stay in the worker (executor mp): seeded sampled outputs
+    are those of the in-process engine."""
+    params = [SamplingParams(temperature=1.0, top_k=40, seed=40 + i, max_tokens=16,
+                             ignore_eos=True) for i in range(3)]
+    outs = []
+    for executor in ("mp", None):
+        settings = {"executor": executor} if executor else {}
+        with LLM(str(tiny), num_blocks=96, **_spec("eagle3", heads["eagle3"]), **settings,
+                 **COMMON) as llm:
+            outs.append(tokens(llm.generate(PROMPTS[:3], params)))
+            assert llm.stats()["spec_num_draft_tokens"] > 0
+    assert outs[0] == outs[1]

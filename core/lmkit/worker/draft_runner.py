@@ -56,7 +56,7 @@ from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, Runn
 from lmkit.errors import ConfigError, PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
-from lmkit.worker.draft_sampler import StepDraftSampler
+from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
 from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
@@ -156,8 +156,7 @@ class DraftRunner:
         # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
         self.sampled_graphs: DraftPassGraphs | None = None
         self.sampled_catch_up_graphs: DraftPassGraphs | None = None
-        # request id -> (its drafts, [num_drafts, vocab] distributions they were drawn from)
-        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
         self.num_eager_catch_ups = 0  # catch-up passes run eagerly (prefill, large steps)
@@ -326,38 +325,16 @@ class DraftRunner:
             start += len(column)
         result = {int(sel[d]): drafts[n, :int(num_drafts[n])].tolist()
                   for n, d in enumerate(drafter)}
-        self._keep_probs(req_ids, [result[int(sel[d])] for d in drafter],
-                         sampler.draft_probs(num_drafts) if sampler is not None else {})
+        self.sampled.keep(self.input_batch.row_of, req_ids,
+                          [result[int(sel[d])] for d in drafter],
+                          sampler.draft_probs(num_drafts) if sampler is not None else {})
         return result
-
-    def _keep_probs(self, req_ids: list[str], drafts: list[list[int]],
-                    probs: dict[int, torch.Tensor]) -> None:
-        """Keep the sampled drafts' distributions for their verification next step (and
-        forget those of requests gone or drafted again)."""
-        live = self.input_batch.row_of
-        self.draft_probs = {r: v for r, v in self.draft_probs.items() if r in live}
-        for n, rid in enumerate(req_ids):
-            block = probs.get(n)
-            if block is None:
-                self.draft_probs.pop(rid, None)
-            else:
-                self.draft_probs[rid] = (drafts[n], block)
 
     def take_probs(self, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
                    ) -> list[torch.Tensor | None] | None:
         """Per request of a verification step, the distributions its scheduled drafts
-        were sampled from (``[len(drafts), vocab]``, the leading ones when the scheduler
-        or a grammar cut them), or ``None`` (greedy drafts: one-hot); ``None`` when no
-        request has any. Each request's are handed out once."""
-        if not self.draft_probs:
-            return None
-        out: list[torch.Tensor | None] = []
-        for rid, scheduled in zip(req_ids, drafts, strict=True):
-            kept = self.draft_probs.pop(rid, None) if scheduled else None
-            n = len(scheduled)
-            same = kept is not None and kept[0][:n] == list(scheduled)
-            out.append(kept[1][:n] if same and kept is not None else None)
-        return out if any(p is not None for p in out) else None
+        were sampled from (:meth:`SampledDrafts.take`); ``None`` when none has any."""
+        return self.sampled.take(req_ids, drafts)
 
     def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,

@@ -11,9 +11,8 @@ passes keep the argmax), inside the captured passes or eagerly, all on the devic
   candidates and their probabilities, kept here on the device;
 * after the passes, the sampled requests' distributions are scattered into float32
   ``[num_drafts, vocab]`` blocks over the target vocabulary (0 outside the candidates,
-  and outside an EAGLE-3 head's draft vocabulary), which the runner hands verification
-  in the next step (:meth:`DraftRunner.take_probs
-  <lmkit.worker.draft_runner.DraftRunner.take_probs>`).
+  and outside an EAGLE-3 head's draft vocabulary), kept (:class:`SampledDrafts`) until
+  the runner hands them to the verification of those drafts in the next step.
 
 Memory: the candidates are ``[rows, 256]`` per pass; the dense blocks are
 ``num_sampled * k * vocab * 4`` bytes, e.g. 48 MiB at 32 sampled requests, ``k = 3``
@@ -22,7 +21,7 @@ and a 128k vocabulary (greedy requests take none).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -127,3 +126,43 @@ class StepDraftSampler:
             dense.index_copy_(0, self.staging.put(slot[act[take]] + j), rows)
         blocks = dense.view(len(mine), k, self.vocab_size)
         return {int(d): blocks[i, :int(num_drafts[d])] for i, d in enumerate(mine)}
+
+
+class SampledDrafts:
+    """The sampled drafts' distributions, kept on the device from the step that drew
+    them to the step that verifies them: request id -> (its drafts, float32
+    ``[num_drafts, vocab]``)."""
+
+    def __init__(self) -> None:
+        self.probs: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+    def keep(self, live: Container[str], req_ids: Sequence[str],
+             drafts: Sequence[list[int]], probs: Mapping[int, torch.Tensor]) -> None:
+        """After a step's drafting: keep ``probs`` (by index into ``req_ids``, the
+        drafting requests, whose ``drafts`` they are); forget those of requests drafted
+        again without any, and of requests no longer ``live``."""
+        self.probs = {r: v for r, v in self.probs.items() if r in live}
+        for n, rid in enumerate(req_ids):
+            block = probs.get(n)
+            if block is None:
+                self.probs.pop(rid, None)
+            else:
+                self.probs[rid] = (drafts[n], block)
+
+    def take(self, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+             ) -> list[torch.Tensor | None] | None:
+        """Per request of a verification step, the distributions its scheduled drafts
+        were sampled from (``[len(drafts), vocab]``: the leading rows when the scheduler
+        or a grammar cut them), or ``None`` (argmax drafts: one-hot); ``None`` when no
+        request has any. Each request's are handed out once."""
+        if not self.probs:
+            return None
+        out: list[torch.Tensor | None] = []
+        for rid, scheduled in zip(req_ids, drafts, strict=True):
+            kept = self.probs.pop(rid, None) if scheduled else None
+            n = len(scheduled)
+            if kept is not None and kept[0][:n] == list(scheduled):
+                out.append(kept[1][:n])
+            else:
+                out.append(None)
+        return out if any(p is not None for p in out) else None

@@ -83,3 +83,18 @@ def test_seeded_rows_draw_from_their_generator():
     b = draw_draft_uniforms(2, 4, {0: gen(5)}, torch.device("cpu"))
     assert torch.equal(a[1], b[0]) and torch.equal(a[1], torch.rand(4, generator=gen(5)))
     assert bool(((a >= 0) & (a < 1)).all())
+
+
+def test_traces_as_one_graph_without_host_reads():
+    """A proxy, on the CPU, for CUDA-graph capture of the sampling: dynamo traces it whole
+    (``fullgraph``: no ``.item()``, no data-dependent shapes), with the draft map too, and
+    the traced function draws what the plain one draws."""
+    traced = torch.compile(sample_draft_tokens, backend="eager", fullgraph=True, dynamic=False)
+    logits = torch.randn(6, 40)
+    rows = _rows(6, 0.8, top_k=10, top_p=0.9, min_p=0.01)
+    rows.temperature[2] = 0.0
+    target_ids = torch.randperm(V)[:40]
+    for ids_map in (None, target_ids):
+        got = traced(logits, ids_map, rows, 16)
+        want = sample_draft_tokens(logits, ids_map, rows, 16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -154,7 +154,11 @@ class RunnerProposer(Proposer):
     overwritten in a later step), then ``k - 1`` times over one position per request
     (its features are the head's previous outputs), taking :meth:`draft_argmax` (the
     argmax of :meth:`compute_logits`) as each draft: greedy drafts, which verification
-    treats as deterministic (one-hot), so outputs keep the target's distribution.
+    treats as deterministic (one-hot), so outputs keep the target's distribution. With
+    :attr:`samples_drafts`, the drafts of requests that sample are drawn instead from
+    :meth:`draft_logits` after the request's temperature and truncation filters, and
+    verification gets the distributions they were drawn from
+    (:mod:`lmkit.sample.draft_sampling`).
     """
 
     #: KV caches the head needs (its decoder layers); set by the constructor
@@ -182,6 +186,11 @@ class RunnerProposer(Proposer):
     #: draft passes' graphs then take the drafts and feed them to the next pass on the
     #: device (one replay per pass); else it runs eagerly after each replay
     supports_graph_drafts: bool = False
+    #: the runner samples the drafts of requests with ``temperature > 0`` from the head's
+    #: distribution (:meth:`draft_logits`, filtered by the request's temperature, min-p,
+    #: top-k and top-p) and verifies them against it; ``False``: argmax drafts for every
+    #: request (a proposer option, e.g. ``draft_sampling: greedy``)
+    samples_drafts: bool = False
 
     @abstractmethod
     def check_target(self, target_hf_config: Any) -> None:
@@ -225,3 +234,15 @@ class RunnerProposer(Proposer):
         shapes.
         """
         return self.compute_logits(hidden_states).argmax(dim=-1)
+
+    def draft_logits(self, hidden_states: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, hidden]`` head outputs -> (float32 logits ``[n, draft vocab]``, the int64
+        target id of each draft id or ``None`` when the draft vocabulary is the
+        target's): what sampled drafts are drawn from.
+
+        Optional: the default is :meth:`compute_logits` over the target's vocabulary;
+        a head with a smaller draft vocabulary returns its own logits and the map.
+        Runs between draft passes: no host synchronisation, no data-dependent shapes.
+        """
+        return self.compute_logits(hidden_states), None

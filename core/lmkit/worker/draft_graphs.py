@@ -23,7 +23,12 @@ graphs' input-id buffer (whose ids the pass has read), and the draft passes' gra
 feed the head's output into their feature buffer: a draft pass is then one replay, and
 the next pass reads its inputs where the last one left them, without leaving the
 device. The catch-up pass's drafts at each request's last kept position are its first
-draft.
+draft. With :attr:`~lmkit.api.RunnerProposer.samples_drafts` a second set of both
+runners is captured whose passes *sample* the drafts
+(:mod:`lmkit.sample.draft_sampling`): the rows' parameters and pre-drawn uniforms sit in
+fixed buffers set before each replay, each row's candidates and their probabilities in
+fixed buffers read after it; steps whose drafting requests are all greedy replay the
+argmax set.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from lmkit.api.kv_cache_spec import one_kv_cache_group
 from lmkit.api.model import ForwardContext
+from lmkit.sample.draft_sampling import DraftRowParams, sample_draft_tokens
 from lmkit.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner
 
 if TYPE_CHECKING:
@@ -55,17 +61,25 @@ class HeadPass:
             pass's input ids).
         feed_features: also copy the head's output into :attr:`features` (the next
             pass's features: draft passes, where ``width`` is the head's hidden size).
+        sampling: with ``drafts``, draw them by
+            :func:`~lmkit.sample.draft_sampling.sample_draft_tokens` with the row
+            parameters in :attr:`params` (greedy rows: the argmax of the same logits),
+            keeping each row's candidates and their probabilities (:attr:`candidates`).
     """
 
     def __init__(self, proposer: RunnerProposer, max_rows: int, width: int,
                  dtype: torch.dtype, device: torch.device, drafts: bool = False,
-                 feed_features: bool = False) -> None:
+                 feed_features: bool = False, sampling: bool = False) -> None:
         self.proposer = proposer
         self.attn = proposer.attn
         self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
         self.drafts = drafts
         self.feed_features = feed_features
         self.feed_ids: torch.Tensor | None = None  # the graphs' input-id buffer (drafts)
+        # sampled drafts: the rows' parameters in, their candidates out (fixed buffers;
+        # the candidates' are made by the first, uncaptured, warm-up call)
+        self.params = DraftRowParams.greedy(max_rows, device) if sampling else None
+        self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
         """One group: the head's layers on its own backend."""
@@ -75,7 +89,18 @@ class HeadPass:
                  ctx: ForwardContext) -> torch.Tensor:
         n = len(input_ids)
         hidden = self.proposer.forward(input_ids, positions, self.features[:n], ctx)
-        if self.drafts:  # in the graph: the drafts (the next pass's ids) ...
+        if self.drafts and self.params is not None:  # sampled drafts (and candidates)
+            assert self.feed_ids is not None
+            logits, target_ids = self.proposer.draft_logits(hidden)
+            ids, cand, q = sample_draft_tokens(logits, target_ids, self.params.head(n))
+            if self.candidates is None:
+                rows = len(self.features)
+                self.candidates = (cand.new_zeros(rows, cand.shape[1]),
+                                   q.new_zeros(rows, q.shape[1]))
+            self.feed_ids[:n].copy_(ids)
+            self.candidates[0][:n].copy_(cand)
+            self.candidates[1][:n].copy_(q)
+        elif self.drafts:  # in the graph: the drafts (the next pass's ids) ...
             assert self.feed_ids is not None
             self.feed_ids[:n].copy_(self.proposer.draft_argmax(hidden))
         if self.feed_features:  # ... and its features
@@ -105,18 +130,22 @@ class DraftPassGraphs:
         feed_features: with ``drafts``, the passes also feed the head's output back as
             the next pass's features (the draft passes: ``width`` is the head's hidden
             size).
+        sampling: with ``drafts``, the passes sample them (see :class:`HeadPass`;
+            :meth:`set_params` before a pass, :meth:`candidates` after it).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True,
                  drafts: bool = False, passes_per_step: int = 1,
-                 feed_features: bool = False) -> None:
+                 feed_features: bool = False, sampling: bool = False) -> None:
         self.width = width
         self.drafts_in_graph = drafts
+        self.samples_in_graph = drafts and sampling
         # rows for the largest captured size (the features of passes past it: eager)
         self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device,
-                             drafts=drafts, feed_features=drafts and feed_features)
+                             drafts=drafts, feed_features=drafts and feed_features,
+                             sampling=self.samples_in_graph)
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs,
                                       num_staging=passes_per_step + 1)
@@ -147,6 +176,20 @@ class DraftPassGraphs:
         the input-id buffer, i.e. the next pass's input ids, valid until that pass."""
         return self.runner.input_ids_buffer[:n]
 
+    def set_params(self, params: DraftRowParams) -> None:
+        """The next pass's row parameters (``samples_in_graph``), copied in stream order
+        into the graphs' buffers (rows past them keep what they held: padding, unread)."""
+        assert self.head.params is not None, "graphs captured without sampling"
+        for dst, src in zip(self.head.params.tensors(), params.tensors(), strict=True):
+            dst[:len(src)].copy_(src)
+
+    def candidates(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last pass's candidate ids and probabilities of its ``n`` rows
+        (``[n, c]`` views, valid until the next pass)."""
+        assert self.head.candidates is not None, "no sampled pass has run"
+        cand, q = self.head.candidates
+        return cand[:n], q[:n]
+
     def run(self, input_ids: torch.Tensor | np.ndarray | None, features: torch.Tensor | None,
             positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
         """One pass of ``n`` decode rows (``n <= max_rows``): token ``input_ids[i]``
@@ -174,17 +217,19 @@ def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor]
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
                          max_rows: int, max_model_len: int, block_size: int,
                          drafts: bool = False, passes_per_step: int = 1,
-                         feed_features: bool = False) -> DraftPassGraphs | None:
+                         feed_features: bool = False, sampling: bool = False
+                         ) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
-    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``: see
+    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``, ``sampling``: see
     :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs, drafts=drafts,
-                             passes_per_step=passes_per_step, feed_features=feed_features)
+                             passes_per_step=passes_per_step, feed_features=feed_features,
+                             sampling=sampling)
     graphs.capture()
     return graphs

@@ -14,7 +14,11 @@ target's forward and verification (:meth:`DraftRunner.propose`):
 2. **Draft**: for each request that sampled, the argmax of the head's logits at its
    last kept position is draft 1; then ``k - 1`` passes of one position per request
    feed the previous draft and the head's own output back in. Drafts stay on the
-   device between passes; one device-to-host copy returns them all.
+   device between passes; one device-to-host copy returns them all. With
+   :attr:`~lmkit.api.RunnerProposer.samples_drafts`, requests with ``temperature > 0``
+   draw each draft from the head's filtered distribution instead
+   (:mod:`lmkit.worker.draft_sampler`), and the distributions stay on the device until
+   the next step verifies those drafts (:meth:`DraftRunner.take_probs`).
 
 Everything planned here is known on the host before the passes run (the accepted
 counts were read with the sampled tokens), so the passes add no host round trip: the
@@ -52,6 +56,7 @@ from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, Runn
 from lmkit.errors import ConfigError, PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
+from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
 from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
@@ -128,11 +133,18 @@ class DraftRunner:
         input_batch: the runner's persistent batch (tokens, block tables).
         max_model_len: no draft position reaches it.
         device: where the head runs.
+        requests: the runner's request states by id (sampling parameters, generators:
+            read when the head samples drafts); ``vocab_size``: the target's.
     """
 
     def __init__(self, proposer: RunnerProposer, num_speculative_tokens: int,
-                 input_batch: InputBatch, max_model_len: int, device: torch.device) -> None:
+                 input_batch: InputBatch, max_model_len: int, device: torch.device,
+                 requests: Mapping[str, CachedRequestState] | None = None,
+                 vocab_size: int = 0) -> None:
         self.proposer = proposer
+        self.requests: Mapping[str, CachedRequestState] = (requests if requests is not None
+                                                           else {})
+        self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.input_batch = input_batch
         self.block_size = input_batch.block_size
@@ -141,17 +153,24 @@ class DraftRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DraftPassGraphs | None = None  # the k - 1 draft passes, captured
         self.catch_up_graphs: DraftPassGraphs | None = None  # decode-like catch-up passes
+        # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
+        self.sampled_graphs: DraftPassGraphs | None = None
+        self.sampled_catch_up_graphs: DraftPassGraphs | None = None
+        self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
+        self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
         self.num_eager_catch_ups = 0  # catch-up passes run eagerly (prefill, large steps)
         self.num_flattened_catch_ups = 0  # replayed ones with several rows of one request
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
-             input_batch: InputBatch, max_model_len: int) -> DraftRunner:
+             input_batch: InputBatch, max_model_len: int,
+             requests: Mapping[str, CachedRequestState] | None = None,
+             vocab_size: int = 0) -> DraftRunner:
         """Load ``proposer``'s weights next to the loaded target; return its runner."""
         proposer.load(ctx)
         return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
-                   torch.device(ctx.build.device))
+                   torch.device(ctx.build.device), requests, vocab_size)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
@@ -175,20 +194,29 @@ class DraftRunner:
         graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly):
         the ``k - 1`` draft passes (one row per request, with ``hidden_size``) and, with
         ``target_feature_size``, decode-like catch-up passes (one row per kept position,
-        up to ``1 + k`` per request)."""
+        up to ``1 + k`` per request); with ``samples_drafts`` (and graph drafts) a
+        second, sampling set of both."""
         proposer = self.proposer
         if not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
         args = (self.max_model_len, self.block_size)
-        if self.k >= 2:
-            self.graphs = maybe_capture_passes(proposer, self.kv_caches, target_graphs,
-                                               proposer.hidden_size, dtype, max_num_seqs,
-                                               *args, drafts=proposer.supports_graph_drafts,
-                                               passes_per_step=self.k - 1, feed_features=True)
-        if proposer.target_feature_size > 0:
-            self.catch_up_graphs = maybe_capture_passes(
-                proposer, self.kv_caches, target_graphs, proposer.target_feature_size, dtype,
-                max_num_seqs * (1 + self.k), *args, drafts=proposer.supports_graph_drafts)
+        drafts = proposer.supports_graph_drafts
+        for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
+            passes = catch_up = None
+            if self.k >= 2:
+                passes = maybe_capture_passes(
+                    proposer, self.kv_caches, target_graphs, proposer.hidden_size, dtype,
+                    max_num_seqs, *args, drafts=drafts, passes_per_step=self.k - 1,
+                    feed_features=True, sampling=sampling)
+            if proposer.target_feature_size > 0:
+                catch_up = maybe_capture_passes(
+                    proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
+                    dtype, max_num_seqs * (1 + self.k), *args, drafts=drafts,
+                    sampling=sampling)
+            if sampling:
+                self.sampled_graphs, self.sampled_catch_up_graphs = passes, catch_up
+            else:
+                self.graphs, self.catch_up_graphs = passes, catch_up
 
     # ------------------------------------------------------------------ one step
 
@@ -228,10 +256,14 @@ class DraftRunner:
         table = self.input_batch.block_table
         width = min(table.shape[1], -(-(int(seq_lens.max()) + self.k) // self.block_size))
         tables = table[rows, :width]  # wide enough for every draft position
-        out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
-                                      seq_lens, tables)
-
         drafter = np.flatnonzero(drafting[sel])
+        req_ids = [self.input_batch.req_ids[r] for r in rows[drafter]]
+        sampler = (StepDraftSampler.maybe(self.proposer, [self.requests[r] for r in req_ids],
+                                          self.k, self.staging, self.vocab_size, self.device)
+                   if self.requests else None)  # none given: argmax drafts (tests)
+        self.num_sampled_steps += sampler is not None
+        out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
+                                      seq_lens, tables, sampler, cu_kept[drafter] - 1)
         if not len(drafter):
             return {}
         last = seq_lens[drafter] - 1  # each drafting request's last kept position
@@ -240,11 +272,18 @@ class DraftRunner:
         num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
         index = self.staging.put(cu_kept[drafter] - 1)  # each one's last kept row
         feat = out.index_select(0, index)
-        ids = (drafted.index_select(0, index) if drafted is not None
-               else self.proposer.draft_argmax(feat))
-        columns = [ids]  # draft j of the requests still drafting, act_j
         act = np.arange(len(drafter))
+        if drafted is not None and (sampler is None) == (drafted[1] is None):
+            ids = drafted[0].index_select(0, index)  # taken in the catch-up replay
+            if sampler is not None:  # sampled there: with the rows' candidates
+                sampler.record(0, act, *(t.index_select(0, index) for t in drafted[1]))
+        else:
+            ids = (sampler.sample(feat, act, 0) if sampler is not None
+                   else self.proposer.draft_argmax(feat))
+        columns = [ids]  # draft j of the requests still drafting, act_j
         graphs = self.graphs
+        if sampler is not None and self.sampled_graphs is not None:
+            graphs = self.sampled_graphs
         fed = False  # ids and feat are already the draft graphs' inputs (fed back there)
         for j in range(1, self.k):
             still = np.flatnonzero(num_drafts[act] > j)  # of act: those with a draft j
@@ -259,16 +298,23 @@ class DraftRunner:
             slots_j = (table[req_rows, pos // self.block_size].astype(np.int64)
                        * self.block_size + pos % self.block_size)
             if graphs is not None and len(act) <= graphs.max_rows:
+                if sampler is not None and graphs.samples_in_graph:
+                    graphs.set_params(sampler.rows(act, j))
                 feat = graphs.run(None if fed else ids, None if fed else feat, pos, slots_j,
                                   tables[drafter[act]])
-                if graphs.drafts_in_graph:  # taken in the replay, fed to the next one
+                if graphs.drafts_in_graph and (sampler is None or graphs.samples_in_graph):
+                    # taken in the replay, fed to the next one
                     ids, fed = graphs.drafts(len(act)), True
                     columns.append(ids.clone())  # the buffer is the next pass's input
+                    if sampler is not None:
+                        sampler.record(j, act, *graphs.candidates(len(act)))
                     continue
             else:
                 feat = self._run(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
                                  pos + 1, tables[drafter[act]])
-            ids, fed = self.proposer.draft_argmax(feat), False
+            ids = (sampler.sample(feat, act, j) if sampler is not None
+                   else self.proposer.draft_argmax(feat))
+            fed = False
             columns.append(ids)
         flat = torch.cat(columns).cpu().numpy()  # the one device-to-host copy of the drafts
         drafts = np.zeros((len(drafter), self.k), dtype=np.int64)
@@ -277,20 +323,35 @@ class DraftRunner:
             act_j = np.flatnonzero(num_drafts > j) if j else np.arange(len(drafter))
             drafts[act_j, j] = flat[start:start + len(column)]
             start += len(column)
-        return {int(sel[d]): drafts[n, :int(num_drafts[n])].tolist()
-                for n, d in enumerate(drafter)}
+        result = {int(sel[d]): drafts[n, :int(num_drafts[n])].tolist()
+                  for n, d in enumerate(drafter)}
+        self.sampled.keep(self.input_batch.row_of, req_ids,
+                          [result[int(sel[d])] for d in drafter],
+                          sampler.draft_probs(num_drafts) if sampler is not None else {})
+        return result
+
+    def take_probs(self, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
+                   ) -> list[torch.Tensor | None] | None:
+        """Per request of a verification step, the distributions its scheduled drafts
+        were sampled from (:meth:`SampledDrafts.take`); ``None`` when none has any."""
+        return self.sampled.take(req_ids, drafts)
 
     def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,
                   positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,
-                  seq_lens: np.ndarray, tables: np.ndarray
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  seq_lens: np.ndarray, tables: np.ndarray,
+                  sampler: StepDraftSampler | None = None,
+                  last_rows: np.ndarray | None = None
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]:
         """The catch-up pass over the kept rows ``keep`` of ``features``; returns the
-        head's output per kept position and, when the replay took them, the greedy
-        drafts there (``None``: take them from the output). After a decode or
-        verification step (at most ``1 + k`` kept per request) it replays the catch-up
-        graphs, flattened: one decode row per position, its request's block table; else
-        it runs eagerly."""
+        head's output per kept position and, when the replay took them, the drafts
+        there and (sampled: ``sampler`` and the drafters' ``last_rows``) the rows'
+        candidates and probabilities, else ``None``: take them from the output. After a
+        decode or verification step (at most ``1 + k`` kept per request) it replays
+        the catch-up graphs, flattened: one decode row per position, its request's
+        block table; else it runs eagerly."""
         graphs = self.catch_up_graphs
+        if sampler is not None and self.sampled_catch_up_graphs is not None:
+            graphs = self.sampled_catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
                 and int(kept.max()) <= 1 + self.k and tables.shape[1] <= graphs.max_blocks):
@@ -302,8 +363,15 @@ class DraftRunner:
                     "the target's hidden size times len(target_layers) (or 1)")
             torch.index_select(features, 0, index, out=graphs.feature_rows(len(keep)))
             self.num_flattened_catch_ups += int(kept.max()) > 1
+            sampling = sampler is not None and graphs.samples_in_graph
+            if sampling:
+                assert sampler is not None and last_rows is not None
+                graphs.set_params(sampler.catch_up_rows(last_rows, len(keep)))
             out = graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
-            return out, graphs.drafts(len(keep)) if graphs.drafts_in_graph else None
+            if not graphs.drafts_in_graph:
+                return out, None
+            return out, (graphs.drafts(len(keep)),
+                         graphs.candidates(len(keep)) if sampling else None)
         self.num_eager_catch_ups += 1
         return self._run(input_ids, positions, slots, features.index_select(0, index),
                          np.cumsum(kept), seq_lens, tables), None

@@ -152,7 +152,7 @@ class ModelRunner:
             self.drafter = DraftRunner.load(
                 head, DraftHeadContext(model, hf_config, ctx),
                 self.config.speculative.num_speculative_tokens, self.input_batch,
-                self.max_model_len)
+                self.max_model_len, self.requests, self.vocab_size)
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
@@ -419,6 +419,8 @@ class ModelRunner:
                 [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)
         draft_probs = so.spec_draft_probs if so is not None else None
         probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
+        if self.drafter is not None:  # the head's sampled drafts' distributions
+            probs = self.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
         return self.sampler.sample_requests(logits, md, drafts, probs)
 
     def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],

@@ -7,7 +7,9 @@ Speculation is off unless named: ``--speculative ngram --num-speculative-tokens 
 prompt_lookup_min: 3}}``.
 """
 
-from lmkit.api import Caps, Needs, NoOptions, Spec, hookimpl
+from typing import Literal
+
+from lmkit.api import Caps, Needs, Spec, hookimpl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LMKIT_PLUGIN_API = ">=1.0,<2"
@@ -33,6 +35,19 @@ class NgramOptions(BaseModel):
         return self
 
 
+class EagleOptions(BaseModel):
+    """Options of the ``eagle`` and ``eagle3`` proposers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_sampling: Literal["auto", "greedy"] = Field(
+        "auto", description="How the head drafts for requests with temperature > 0: "
+        "'auto' samples each draft from the head's distribution after the request's "
+        "temperature, min-p, top-k and top-p, and verifies it against that distribution "
+        "(more drafts accepted); 'greedy' drafts the head's argmax for every request. "
+        "Greedy requests always get argmax drafts; outputs follow the target either way.")
+
+
 @hookimpl
 def register_spec_proposers(register):
     register(Spec(
@@ -45,7 +60,7 @@ def register_spec_proposers(register):
     ))
     register(Spec(
         name="eagle", target="lmkit_plugins.spec.eagle:EagleProposer", priority=5,
-        options=NoOptions,
+        options=EagleOptions,
         caps=Caps(features={"hidden_states", "own_kv_cache"},
                   values={"max_k": set(range(1, 65))}),
         stack_needs={"attention": Needs({"multi_token_query"})},
@@ -54,7 +69,7 @@ def register_spec_proposers(register):
     ))
     register(Spec(
         name="eagle3", target="lmkit_plugins.spec.eagle3:Eagle3Proposer", priority=5,
-        options=NoOptions,
+        options=EagleOptions,
         caps=Caps(features={"hidden_states", "own_kv_cache"},
                   values={"max_k": set(range(1, 65))}),
         stack_needs={"attention": Needs({"multi_token_query"})},

@@ -34,6 +34,7 @@ from lmkit_plugins.models.layers import Linear, VocabEmbedding
 from lmkit_plugins.models.llama_dims import LlamaDims
 from lmkit_plugins.models.llama_layers import LlamaDecoderLayer, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.spec import EagleOptions
 from lmkit_plugins.spec.head_checkpoint import (
     HeadCheckpoint,
     Loader,
@@ -63,6 +64,8 @@ class EagleProposer(RunnerProposer):
     supports_graph_drafts = True  # and take their drafts inside them
 
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
+        # sampled requests' drafts drawn from the head's distribution (draft_sampling)
+        self.samples_drafts = (options or EagleOptions()).draft_sampling == "auto"
         self.checkpoint = HeadCheckpoint(config, "eagle")
         self.dims = self.checkpoint.dims
         self.num_kv_layers = self.dims.num_layers

@@ -10,7 +10,8 @@ over ``concat[input_layernorm(embedding), hidden_norm(feature)]`` (its q/k/v tak
 ``2 * hidden`` inputs), its residual is the feature; a final ``norm`` precedes the
 head's own language-model head over a *draft vocabulary* of ``draft_vocab_size`` ids,
 mapped to the target's by ``d2t`` (``target id = draft id + d2t[draft id]``; ``t2d``,
-the target-side mask, is read and not needed for greedy drafts).
+the target-side mask, is read and not needed: sampled drafts are drawn over the draft
+vocabulary and mapped, so target ids outside it get probability 0).
 
 Checkpoint tensors: ``fc.weight``, ``midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,
 down}_proj, input_layernorm, hidden_norm, post_attention_layernorm}.weight`` (also
@@ -38,6 +39,7 @@ from lmkit_plugins.models.layers import Linear, RMSNorm, VocabEmbedding
 from lmkit_plugins.models.llama_dims import LlamaDims
 from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
+from lmkit_plugins.spec import EagleOptions
 from lmkit_plugins.spec.head_checkpoint import (
     HeadCheckpoint,
     Loader,
@@ -61,6 +63,8 @@ class Eagle3Proposer(RunnerProposer):
     supports_graph_drafts = True  # and take their drafts inside them
 
     def __init__(self, config: LMKitConfig, *, options: Any = None) -> None:
+        # sampled requests' drafts drawn from the head's distribution (draft_sampling)
+        self.samples_drafts = (options or EagleOptions()).draft_sampling == "auto"
         self.checkpoint = HeadCheckpoint(config, "eagle3")
         self.dims = self.checkpoint.dims
         if self.dims.num_layers != 1:
@@ -149,6 +153,12 @@ class Eagle3Proposer(RunnerProposer):
         assert self.head is not None, "load() first"
         return self.head.draft_argmax(hidden_states)
 
+    def draft_logits(self, hidden_states: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits over the draft vocabulary and its map to target ids (``d2t``)."""
+        assert self.head is not None, "load() first"
+        return self.head.draft_logits(hidden_states), self.head.target_ids
+
 
 class Eagle3Head(nn.Module):
     """``fc``, the midlayer, the final norm and the draft-vocabulary LM head."""
@@ -214,6 +224,10 @@ class Eagle3Head(nn.Module):
         out = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         out[:, self.target_ids] = draft
         return out
+
+    def draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 ``[n, draft vocab]`` logits (draft ids)."""
+        return self.lm_head.forward(_normed(self.norm, hidden_states)).float()
 
     def draft_argmax(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n]`` target ids: the argmax over the draft vocabulary,

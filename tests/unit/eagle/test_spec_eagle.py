@@ -119,7 +119,8 @@ def _homogeneity_p_value(a, b) -> float:
 
 
 def test_sampled_outputs_follow_the_target_distribution(tiny, tmp_path):
-    """Sampled with eagle drafts (verified by rejection sampling as one-hot proposals),
+    """Sampled with argmax eagle drafts (``draft_sampling: greedy``, verified by
+    rejection sampling as one-hot proposals; sampled drafts: test_spec_eagle_sampling.py),
     the joint distribution of the first three tokens is the one sampled without
     speculation. The head always drafts the token the target samples most often after
     the first, so drafts are accepted often and rejected often."""
@@ -139,7 +140,8 @@ def test_sampled_outputs_follow_the_target_distribution(tiny, tmp_path):
     head = make_tiny_eagle_head(tmp_path / "head", tiny,
                                 constant_draft=later.most_common(1)[0][0])
     spec, stats = run(speculative="eagle", speculative_model=str(head),
-                      num_speculative_tokens=2)
+                      num_speculative_tokens=2,
+                      **{"speculative.options": {"draft_sampling": "greedy"}})
     assert 0.1 < stats["spec_acceptance_rate"] < 0.9, stats
     cells = sorted(plain.keys() | spec.keys())
     p = _homogeneity_p_value([plain[c] for c in cells], [spec[c] for c in cells])

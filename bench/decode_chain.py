@@ -169,9 +169,13 @@ class Chain:
                 else:
                     h, residual = rms_norm(x, p["ln1"], 1e-5, residual)
                 qkv = self._linear(h, p["qkv"])
-            else:
+            elif norm_fold:
                 qkv, residual = self.fold.norm_linear(x, residual, p["ln1"], 1e-5,
                                                       p["qkv"][0], None)
+            else:
+                h, residual = (rms_norm(x, p["ln1"], 1e-5), x) if residual is None \
+                    else rms_norm(x, p["ln1"], 1e-5, residual)
+                qkv = self._linear(h, p["qkv"])
             rotary_qk_(qkv, self.cos, self.sin, num_heads=heads, num_kv_heads=kv_heads,
                        head_size=head, kv_cache=self.caches[i],
                        slot_mapping=batch.slot_mapping)
@@ -190,9 +194,14 @@ class Chain:
                 x = silu_mul_fp8_row_linear(gate_up, *p["down"], **FP8_LAUNCH) if silu_fold \
                     else self._linear(silu_and_mul(gate_up), p["down"])
             else:
-                gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
-                                                          p["gate_up"][0], None)
-                x = self.fold.silu_mul_linear(gate_up, p["down"][0], None)
+                if norm_fold:
+                    gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
+                                                              p["gate_up"][0], None)
+                else:
+                    h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                    gate_up = self._linear(h, p["gate_up"])
+                x = self.fold.silu_mul_linear(gate_up, p["down"][0], None) if silu_fold \
+                    else self._linear(silu_and_mul(gate_up), p["down"])
         h, _ = rms_norm(x, self.norm, 1e-5, residual)
         return self._linear(h, self.lm_head).argmax(dim=-1)
 

@@ -13,8 +13,7 @@ Each setting is a set of environment variables read when the kernels launch, e.g
 ``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``, and optionally ``TILES=BN/BK/WARPS/STAGES``:
 the bf16 GEMVs' (and their folds') launch parameters for every projection instead of
 :func:`lmkit_plugins.models.fused_ops.small_m_tiles`; for FP8, ``FP8_TILES=BN/BK/WARPS``
-``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant),
-``FP8_AHEAD=N`` (each iteration prefetches the weight slice ``N`` ahead into L2), and
+and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
 ``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
 as the model switches); ``SPLITS=N``: decode attention cuts each context into ``N``
 slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count. One CUDA graph is captured per setting, and
@@ -86,8 +85,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
         map(str, ROW_TILES))).split("/"))
     FP8_LAUNCH.clear()
     FP8_LAUNCH.update(block_n=bn, block_k=bk, num_warps=warps,
-                      pipeline=values.pop("FP8_PIPE", "0") == "1",
-                      prefetch_ahead=int(values.pop("FP8_AHEAD", "0")))
+                      pipeline=values.pop("FP8_PIPE", "0") == "1")
     splits = values.pop("SPLITS", None)
     ATTENTION.clear()
     if splits is not None:

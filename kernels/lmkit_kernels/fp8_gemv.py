@@ -109,7 +109,7 @@ def _fp8_row_kernel(
     inv_k, eps, MODE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PIPELINE: tl.constexpr,
     NORM_BLOCK: tl.constexpr, GPU_MATH: tl.constexpr, USE_PDL: tl.constexpr,
-    PF_LINE: tl.constexpr, PF_LINES: tl.constexpr, PF_AHEAD: tl.constexpr = 0,
+    PF_LINE: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     # program n: out[n * BLOCK_N:(n + 1) * BLOCK_N] = s * (W[rows] @ a) (+ bias), a the
     # input row (MODE 0) or its transform (see _input_slice)
@@ -143,11 +143,6 @@ def _fp8_row_kernel(
         acc += w.to(tl.float32) * a
     else:
         for k in range(0, K, BLOCK_K):
-            if PF_AHEAD > 0:  # the slice PF_AHEAD ahead into L2: more bytes in flight
-                ahead = k + PF_AHEAD * BLOCK_K
-                if ahead < K:
-                    prefetch_weight_rows(w_ptr + ahead, cols, N, K - ahead, stride_wn,
-                                         128, BLOCK_K // 128)
             k_ok = (k + ks) < K
             a = _input_slice(x_ptr, res_ptr, g_ptr, k + ks, k_ok, K, rstd, MODE,
                              HAS_RESIDUAL, GPU_MATH)
@@ -187,15 +182,10 @@ def launch_row_kernel(mode: str, x: torch.Tensor, weight: torch.Tensor,
                       out: torch.Tensor, k: int, *, residual: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None,
                       res_out: torch.Tensor | None = None, eps: float = 0.0, block_n: int,
-                      block_k: int, num_warps: int, pipeline: bool,
-                      prefetch_ahead: int = 0) -> None:
+                      block_k: int, num_warps: int, pipeline: bool) -> None:
     """Launch the one-row kernel over checked arguments (:func:`fp8_row_linear`,
     :mod:`lmkit_kernels.fp8_gemv_fold`): ``mode`` one of :data:`MODES`, ``k`` the
-    product's inner size, ``res_out`` where program 0 stores ``x + residual``;
-    ``prefetch_ahead``: on the GPU, each iteration also prefetches into L2 the weight
-    slice that many slices ahead (0: none; needs ``block_k >= 128``, no ``pipeline``)."""
-    ahead = prefetch_ahead if (not is_interpreting() and block_k >= 128
-                               and not pipeline) else 0
+    product's inner size, ``res_out`` where program 0 stores ``x + residual``."""
     n = out.shape[1]
     if not n and res_out is None:
         return
@@ -208,14 +198,14 @@ def launch_row_kernel(mode: str, x: torch.Tensor, weight: torch.Tensor,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, PIPELINE=pipeline,
         NORM_BLOCK=min(max(16, next_power_of_2(k)), MAX_NORM_BLOCK),
-        GPU_MATH=not is_interpreting(), num_warps=num_warps, PF_AHEAD=ahead,
+        GPU_MATH=not is_interpreting(), num_warps=num_warps,
         **prefetch_args(weight, block_k), **pdl_launch_args(x.device))
 
 
 def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None, *, block_n: int = ROW_TILES[0],
                    block_k: int = ROW_TILES[1], num_warps: int = ROW_TILES[2],
-                   pipeline: bool = False, prefetch_ahead: int = 0) -> torch.Tensor:
+                   pipeline: bool = False) -> torch.Tensor:
     """``x @ (weight * weight_scale[:, None]).T (+ bias)`` for one row of ``x``.
 
     :param x: ``[1, K]``, float16 or bfloat16, unit last stride.
@@ -226,8 +216,6 @@ def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         (powers of two).
     :param pipeline: issue the next slice's loads before the current slice's products
         (the same result).
-    :param prefetch_ahead: also prefetch the weight slice this many slices ahead into L2
-        in each iteration (CUDA only; the same result).
     :return: a new ``[1, N]`` tensor in ``x``'s dtype (float32 accumulation: products
         summed per slice position over the slices, then across the slice).
     :raises ValueError: on a shape, dtype, device or stride mismatch, or more than one row.
@@ -236,6 +224,5 @@ def fp8_row_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     n = check_row_launch(x, weight, weight_scale, bias, k, block_n, block_k, "fp8_row_linear")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     launch_row_kernel("plain", x, weight, weight_scale, bias, out, k, block_n=block_n,
-                      block_k=block_k, num_warps=num_warps, pipeline=pipeline,
-                      prefetch_ahead=prefetch_ahead)
+                      block_k=block_k, num_warps=num_warps, pipeline=pipeline)
     return out

@@ -36,8 +36,7 @@ def norm_fp8_row_linear(x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                         weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                         block_n: int = ROW_TILES[0], block_k: int = ROW_TILES[1],
-                        num_warps: int = ROW_TILES[2], pipeline: bool = False,
-                        prefetch_ahead: int = 0
+                        num_warps: int = ROW_TILES[2], pipeline: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(h) @ (weight * weight_scale[:, None]).T (+ bias), h)`` with ``h = x +
     residual`` (``x`` when ``residual`` is None), for one row: the result of
@@ -51,8 +50,7 @@ def norm_fp8_row_linear(x: torch.Tensor, residual: torch.Tensor | None,
     :param weight: ``[N, K]`` float8_e4m3fn, unit last stride; ``weight_scale`` float32
         ``[N]``; ``bias`` optional ``[N]`` in ``x``'s dtype.
     :param block_n: weight rows per program, ``block_k``: ``K`` slice per iteration
-        (powers of two); ``pipeline``, ``prefetch_ahead``: as
-        :func:`~lmkit_kernels.fp8_gemv.fp8_row_linear`.
+        (powers of two); ``pipeline``: as :func:`~lmkit_kernels.fp8_gemv.fp8_row_linear`.
     :return: a new ``[1, N]`` tensor and the residual sum (a new ``[1, K]`` tensor, or
         ``x`` itself without ``residual``); inputs are not modified.
     :raises ValueError: on a shape, dtype, device or stride mismatch, or more than one row.
@@ -72,16 +70,14 @@ def norm_fp8_row_linear(x: torch.Tensor, residual: torch.Tensor | None,
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     launch_row_kernel("norm", x, weight, weight_scale, bias, out, k, residual=residual,
                       norm_weight=norm_weight, res_out=res_out, eps=eps, block_n=block_n,
-                      block_k=block_k, num_warps=num_warps, pipeline=pipeline,
-                      prefetch_ahead=prefetch_ahead)
+                      block_k=block_k, num_warps=num_warps, pipeline=pipeline)
     return out, (res_out if res_out is not None else x)
 
 
 def silu_mul_fp8_row_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                             weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                             block_n: int = ROW_TILES[0], block_k: int = ROW_TILES[1],
-                            num_warps: int = ROW_TILES[2], pipeline: bool = False,
-                            prefetch_ahead: int = 0
+                            num_warps: int = ROW_TILES[2], pipeline: bool = False
                             ) -> torch.Tensor:
     """``(silu(gate) * up) @ (weight * weight_scale[:, None]).T (+ bias)`` for one row
     ``gate_up = [gate | up]``: the result of :func:`lmkit_kernels.activation.silu_and_mul`
@@ -105,7 +101,7 @@ def silu_mul_fp8_row_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
     launch_row_kernel("silu_mul", gate_up, weight, weight_scale, bias, out, k,
                       block_n=block_n, block_k=block_k, num_warps=num_warps,
-                      pipeline=pipeline, prefetch_ahead=prefetch_ahead)
+                      pipeline=pipeline)
     return out
 
 

@@ -25,7 +25,7 @@ from offline_sm90 import bundled_tool
 
 
 def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
-             use_pdl: bool, block_n: int | None = None, ahead: int = 0) -> dict:
+             use_pdl: bool, block_n: int | None = None) -> dict:
     from lmkit_kernels.checks import next_power_of_2
     from lmkit_kernels.fp8_gemv import MAX_NORM_BLOCK, MODES, ROW_TILES, _fp8_row_kernel
     from triton.backends.compiler import GPUTarget
@@ -41,7 +41,7 @@ def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
                  "BLOCK_N": block_n, "BLOCK_K": block_k, "PIPELINE": pipeline,
                  "NORM_BLOCK": min(next_power_of_2(k), MAX_NORM_BLOCK), "GPU_MATH": True,
                  "USE_PDL": use_pdl, "PF_LINE": 128, "PF_LINES": block_k // 128 if use_pdl
-                 else 0, "PF_AHEAD": ahead}
+                 else 0}
     signature = {**types, **{c: "constexpr" for c in constants}}
     # what the launch specialises on: 16-byte aligned pointers, sizes divisible by 16
     names = _fp8_row_kernel.arg_names
@@ -58,13 +58,12 @@ def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
     fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     ptx = kernel.asm["ptx"]
     return {"mode": mode, "has_residual": has_residual, "N": n, "K": k,
-            "pipeline": pipeline, "use_pdl": use_pdl, "block_n": block_n, "ahead": ahead,
+            "pipeline": pipeline, "use_pdl": use_pdl, "block_n": block_n,
             "shared": kernel.metadata.shared,
             "registers": int(fields["REG"]), "stack": int(fields["STACK"]),
             "waits": "griddepcontrol.wait" in ptx,
             "launches_dependents": "griddepcontrol.launch_dependents" in ptx,
-            "prefetches": "prefetch.global.L2" in ptx,
-            "prefetch_count": ptx.count("prefetch.global.L2"), "fma": "fma.rn.f32" in ptx,
+            "prefetches": "prefetch.global.L2" in ptx, "fma": "fma.rn.f32" in ptx,
             "mul_rn": "mul.rn.f32" in ptx}
 
 

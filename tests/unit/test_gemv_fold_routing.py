@@ -43,8 +43,9 @@ def gpu_rounding():
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """The seam: the fused kernels count as enabled on this CPU (run interpreted)."""
-    monkeypatch.delenv("LMKIT_GEMV_FOLD", raising=False)
+    """The seam: the fused kernels count as enabled on this CPU (run interpreted); both
+    folds on (``LMKIT_GEMV_FOLD=1``; unset keeps only the norm fold)."""
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "1")
     for module in (fused_ops, layers, llama, llama_layers):
         monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
 
@@ -107,6 +108,9 @@ def _folded(model):
 def test_env_switch_turns_folds_off(fused_on_cpu, monkeypatch):
     assert isinstance(gemv_fold(CPU, torch.bfloat16, "norm"), GemvFold)
     assert _folded(_tiny_llama()) == (True, True)
+    monkeypatch.delenv("LMKIT_GEMV_FOLD")  # the default: the norm fold only
+    assert _folded(_tiny_llama()) == (True, False)
+    assert gemv_fold(CPU, torch.bfloat16, "silu_mul") is None
     for value, expected in (("0", (False, False)), ("off", (False, False)),
                             ("False", (False, False)), ("1", (True, True)),
                             ("norm", (True, False)), ("silu_mul", (False, True)),

@@ -51,8 +51,9 @@ def gpu_rounding():
 @pytest.fixture
 def cuda_on_cpu(monkeypatch):
     """The seams: FP8 weights on this CPU run the Triton kernels, and the fused kernels
-    count as enabled (all run interpreted)."""
-    monkeypatch.delenv("LMKIT_GEMV_FOLD", raising=False)
+    count as enabled (all run interpreted); both folds on (``LMKIT_GEMV_FOLD=1``; unset
+    keeps only the norm fold)."""
+    monkeypatch.setenv("LMKIT_GEMV_FOLD", "1")
     monkeypatch.delenv("LMKIT_FUSED_OPS", raising=False)
     for module in (fused_ops, layers, llama, llama_layers, fp8_cuda):
         monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
@@ -201,6 +202,9 @@ def test_the_switches(cuda_on_cpu, monkeypatch):
     method = _method()
     assert method.linear_with_norm(w)[1] is not None
     assert method.linear_with_silu_mul(w)[1] is not None
+    monkeypatch.delenv("LMKIT_GEMV_FOLD")  # the default: the norm fold only
+    assert method.linear_with_norm(w)[1] is not None
+    assert method.linear_with_silu_mul(w)[1] is None
     monkeypatch.setenv("LMKIT_GEMV_FOLD", "norm")
     assert method.linear_with_norm(w)[1] is not None
     assert method.linear_with_silu_mul(w)[1] is None

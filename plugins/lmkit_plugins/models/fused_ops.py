@@ -17,9 +17,11 @@ Mixture-of-experts blocks run lmkit's fused MoE kernel on CUDA in every dtype
 and its grouped torch reference (cuBLAS per expert) above (:class:`MoEExperts`).
 Those small batches also fold the transform before a projection into its kernel
 (:class:`GemvFold`, :mod:`lmkit_kernels.gemv_fold`): the pre-norm layers' residual
-add + RMSNorm into the QKV and gate-up projections, SiLU-and-multiply into the down
-projection (two kernels and their launches fewer per layer); ``LMKIT_GEMV_FOLD=0``
-turns that off alone, ``norm`` or ``silu_mul`` keeps only that fold.
+add + RMSNorm into the QKV and gate-up projections (two kernels and their launches
+fewer per layer), and with ``LMKIT_GEMV_FOLD=1`` also SiLU-and-multiply into the down
+projection (off by default: slower, see :data:`DEFAULT_GEMV_FOLDS`);
+``LMKIT_GEMV_FOLD=0`` turns folding off alone, ``norm`` or ``silu_mul`` keeps only
+that fold.
 
 Float32 and CPU models keep the torch ops (which match Hugging Face bit for bit on
 the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks).
@@ -48,6 +50,12 @@ FUSED_MOE_MAX_ROWS_PER_EXPERT = 256
 MOE_ROWS_ENV = "LMKIT_FUSED_MOE_MAX_ROWS_PER_EXPERT"
 GEMV_FOLD_ENV = "LMKIT_GEMV_FOLD"
 GEMV_FOLDS = ("norm", "silu_mul")  # the transforms GemvFold folds into a projection
+#: the folds on when ``LMKIT_GEMV_FOLD`` is unset: the SiLU fold measured slower than the
+#: separate SiLU kernel on an H100 once the decode step's kernels launch with PDL (W2's
+#: 32-layer chain, session 12: norm fold only 5.595 ms, both 5.673, none 5.648; FP8
+#: weights 3.405 / 3.514 / 3.470): every down-projection program recomputes SiLU over the
+#: whole gate-up row, where the norm fold's per-program prologue is one cheap row pass
+DEFAULT_GEMV_FOLDS = ("norm",)
 
 
 def _switched_off(name: str) -> bool:
@@ -239,12 +247,15 @@ def gemv_fold(device: torch.device | str, dtype: torch.dtype, fold: str) -> Gemv
 
 
 def gemv_folds() -> frozenset[str]:
-    """The folds ``LMKIT_GEMV_FOLD`` allows: all of :data:`GEMV_FOLDS` (unset or ``1``),
-    none (``0``), or a comma-separated subset (``norm``, ``silu_mul``).
+    """The folds ``LMKIT_GEMV_FOLD`` allows: :data:`DEFAULT_GEMV_FOLDS` (unset), all of
+    :data:`GEMV_FOLDS` (``1``), none (``0``), or a comma-separated subset (``norm``,
+    ``silu_mul``).
 
     :raises ValueError: on any other value."""
     raw = os.environ.get(GEMV_FOLD_ENV, "").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
+    if raw == "":
+        return frozenset(DEFAULT_GEMV_FOLDS)
+    if raw in ("1", "true", "yes", "on"):
         return frozenset(GEMV_FOLDS)
     if _switched_off(GEMV_FOLD_ENV):
         return frozenset()

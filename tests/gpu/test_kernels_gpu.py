@@ -229,3 +229,14 @@ def test_fused_layer_kernels_round_like_transformers(dtype):
     gate, up = (torch.randn(2, n, 14336, device=CUDA, generator=gen) * 4).to(dtype)
     _differs_by_at_most_one_ulp_rarely(silu_and_mul(torch.cat((gate, up), -1)),
                                        torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_cos_sin_matches_the_torch_ops_bit_for_bit(dtype):
+    from lmkit_kernels.rotary_cos_sin import rotary_cos_sin, rotary_cos_sin_ref
+
+    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).cuda()
+    positions = torch.cat([torch.arange(0, 4096), torch.tensor([65535, 131071])]).cuda()
+    cos, sin = rotary_cos_sin(positions, inv_freq, dtype)
+    ref_cos, ref_sin = rotary_cos_sin_ref(positions, inv_freq, dtype)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)

@@ -116,12 +116,20 @@ class RotaryEmbedding(torch.nn.Module):
 
         ``sin`` carries the sign of "rotate half" (``[-sin, sin]``). Computed once per
         step and shared by every layer. On the CPU the rows come from a table (one
-        ``index_select`` instead of about ten small ops per step).
+        ``index_select`` instead of about ten small ops per step); on CUDA with the fused
+        kernels (half precision) from one kernel
+        (:func:`lmkit_kernels.rotary_cos_sin.rotary_cos_sin`, the same bits).
         """
         if positions.device.type == "cpu" and positions.numel():
             table = self._cpu_table(int(positions.max()) + 1, dtype)
             rows = table.index_select(1, positions)  # [2, n, 1, rotary_dim]
             return rows[0], rows[1]
+        from lmkit_plugins.models.fused_ops import fused_ops_enabled
+
+        if fused_ops_enabled(positions.device, dtype):  # one kernel for the ~nine ops
+            from lmkit_kernels.rotary_cos_sin import rotary_cos_sin
+
+            return rotary_cos_sin(positions.contiguous(), self.inv_freq, dtype)
         return self._compute_cos_sin(positions, dtype)
 
     def _cpu_table(self, num_positions: int, dtype: torch.dtype) -> torch.Tensor:

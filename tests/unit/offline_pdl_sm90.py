@@ -16,7 +16,7 @@ import json
 import os
 
 # pointer arguments that are not bf16 activations/weights
-_POINTER_TYPES = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
+_POINTER_TYPES = {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
                   "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "block_tables_ptr": "*i32", "slot_ptr": "*i64", "slot_mapping_ptr": "*i64",
                   "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*fp32"}
@@ -31,6 +31,7 @@ def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:
     from lmkit_kernels.norm import _rms_norm_kernel
     from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
     from lmkit_kernels.rotary import _rotary_qk_kernel
+    from lmkit_kernels.rotary_cos_sin import _cos_sin_kernel
 
     lines = 8 if pdl else 0
     return [
@@ -54,6 +55,7 @@ def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:
           "ROT": 128, "HEADS": 8, "HAS_NORM": False, "WRITE_CACHE": True,
           "PAGE_SIZE": 16}, 1),
         ("rms_norm", _rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 1),
+        ("rotary_cos_sin", _cos_sin_kernel, {"HALF": 64, "HALF_PAD": 64, "ACCURATE": True}, 1),
         ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "ACCURATE_EXP": True}, 1),
         ("reshape_and_cache", _reshape_and_cache_kernel,
          {"NUM_KV_HEADS": 8, "HEAD_SIZE": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16,

@@ -124,7 +124,7 @@ def _address(fn: Any) -> int:
 
 # the ABI of each library whose entry points decode_stack.c's typedefs declare: a
 # library with another ABI may have other signatures, so the executor stays off
-_ABIS = {"qgemv": 4, "rope": 1, "paged_decode": 1, "rms_norm": 1}
+_ABIS = {"qgemv": 5, "rope": 1, "paged_decode": 1, "rms_norm": 1}
 
 
 @functools.cache

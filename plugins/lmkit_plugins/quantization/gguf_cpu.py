@@ -1,5 +1,5 @@
-"""The ``gguf`` quantization method: a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept packed
-on the CPU and multiplied by lmkit's C kernels (:mod:`lmkit_kernels.cpu.qgemv`).
+"""The ``gguf`` quantization method: a GGUF file's Q8_0/Q4_0/Q4_1 blocks and Q4_K/Q6_K
+super-blocks kept packed on the CPU and multiplied by lmkit's C kernels (:mod:`lmkit_kernels.cpu.qgemv`).
 
 Decode batches (at most 32 rows) quantize the activations per block to int8 and take
 integer block dot products, as llama.cpp does; larger batches dequantize the weights to

@@ -2,8 +2,8 @@
 
 :func:`open_checked` validates the whole file before any tensor is used: the header and
 tensor table must parse, every tensor's type must be one this method reads (quantized
-``Q8_0``/``Q4_0``/``Q4_1`` or dense ``F32``/``F16``), a quantized row must hold whole
-blocks (ggml's 32 weights), and every tensor's bytes must lie inside the file (a
+``Q8_0``/``Q4_0``/``Q4_1``, the k-quants ``Q4_K``/``Q6_K``, or dense ``F32``/``F16``), a
+quantized row must hold whole blocks (ggml's 32 weights, 256 for k-quants), and every tensor's bytes must lie inside the file (a
 truncated download is caught here, not halfway through loading).
 :func:`iterate_tensors` then yields the tensors under Hugging Face names, with the
 row permutation llama.cpp's converter applies to the query and key projections undone.
@@ -20,7 +20,7 @@ import torch
 from lmkit.api import ModelLoadError, QuantizedTensor
 
 # ggml types this method reads: quantized ones kept packed, float ones dense
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 DENSE = ("F32", "F16")
 ARCHITECTURES = ("llama",)  # GGUF general.architecture values whose names map below
 

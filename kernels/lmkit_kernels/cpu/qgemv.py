@@ -39,7 +39,7 @@ from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
 from lmkit_kernels.cpu.checks import require_kernel
 from lmkit_kernels.cpu.kquants import KBLOCK_BYTES, KQTYPES, random_kblocks, reference_dequantize_k
 
-__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "ISAS", "MAX_ROWS", "QTYPES", "PackedWeight",
+__all__ = ["ALL_QTYPES", "BLOCK_BYTES", "BLOCK_SIZE", "BLOCK_VALUES", "ISAS", "MAX_ROWS", "QTYPES", "PackedWeight",
            "bind_linear", "dequantize_packed", "dequantize_rows", "pack_weight", "qgemv_isa", "qgemv_linear",
            "qgemv_unavailable_reason", "qgemv_variants"]
 
@@ -47,7 +47,8 @@ MAX_ROWS = 32  # inputs up to this many rows take the q8 dot-product kernel
 DEQUANT_TILE_ROWS = 4096  # weight rows dequantized at once for larger inputs (of GROUP_ROWS)
 BLOCK_SIZE = 32  # weights per block of Q8_0, Q4_0, Q4_1
 GROUP_ROWS = 16  # weight rows per packed group (qgemv.c's GR)
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8} | KQTYPES  # name -> ggml type number
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number, blocks of 32
+ALL_QTYPES = QTYPES | KQTYPES  # and the k-quants (super-blocks of 256)
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34} | KBLOCK_BYTES  # ggml type number -> bytes per block
 BLOCK_VALUES = {t: 256 if t in KBLOCK_BYTES else BLOCK_SIZE for t in BLOCK_BYTES}  # per block
 SOURCE = Path(__file__).with_name("qgemv.c")
@@ -245,7 +246,7 @@ def _lib() -> ctypes.CDLL:
 def _check_weight(caller: str, qtype: int, weight: torch.Tensor, k: int) -> None:
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"{caller}: ggml type {qtype} is not one of "
-                         f"{', '.join(f'{k}={v}' for k, v in QTYPES.items())}")
+                         f"{', '.join(f'{k}={v}' for k, v in ALL_QTYPES.items())}")
     block = BLOCK_VALUES[qtype]
     if k % block:
         raise ValueError(f"{caller}: k={k} is not a multiple of {block}, the block size of "
@@ -259,7 +260,7 @@ def _check_weight(caller: str, qtype: int, weight: torch.Tensor, k: int) -> None
 
 def pack_weight(qtype: int, weight: torch.Tensor, k: int) -> PackedWeight:
     """GGUF rows ``uint8 [n, k / block * block_bytes]`` of ggml type ``qtype`` (one of
-    :data:`QTYPES`' values) repacked for the kernel (once, at load; a copy: ``weight``
+    :data:`ALL_QTYPES`' values) repacked for the kernel (once, at load; a copy: ``weight``
     can be dropped). Raises ``ValueError`` for a weight it does not take and
     ``RuntimeError`` when the kernel is unavailable."""
     lib = _lib()
@@ -356,7 +357,7 @@ def qgemv_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor,
     :func:`pack_weight` and call :func:`unchecked_qgemv`'s function).
 
     ``weight`` is ``uint8 [n, k / 32 * block_bytes]`` in ggml type ``qtype`` (one of
-    :data:`QTYPES`' values) with unit stride along its bytes; ``x`` float32 CPU.
+    :data:`ALL_QTYPES`' values) with unit stride along its bytes; ``x`` float32 CPU.
     Raises ``ValueError`` for inputs it does not take and ``RuntimeError`` when the
     kernel is unavailable.
     """

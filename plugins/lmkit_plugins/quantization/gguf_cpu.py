@@ -45,7 +45,7 @@ class GGUFCpuMethod(QuantizationMethod):
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
         from lmkit_kernels.cpu.qgemv import (
-            QTYPES,
+            ALL_QTYPES,
             bind_linear,
             pack_weight,
             qgemv_unavailable_reason,
@@ -58,7 +58,7 @@ class GGUFCpuMethod(QuantizationMethod):
                 "the gguf quantization method needs lmkit's C quantized-GEMV kernel, which "
                 f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
                 "with --quantization none.")
-        self._qtypes = QTYPES
+        self._qtypes = ALL_QTYPES
         from lmkit_kernels.cpu.qgemv import MAX_ROWS
         from lmkit_kernels.cpu.qgemv_fold import bind_norm_linear, bind_silu_linear
 

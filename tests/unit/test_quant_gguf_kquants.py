@@ -75,9 +75,9 @@ def test_greedy_tokens_equal_the_dequantized_float32_model(kquant_gguf, tmp_path
     assert compared >= 16, compared  # of 48
 
 
-def _kquant_weights(model, seed: int = 0):
+def _kquant_weights(model, seed: int = 0, mixed_layer: int | None = None):
     """Random k-quant checkpoint tensors: Q4_K and Q6_K by layer and projection (fused
-    parts share a type), norms dense."""
+    parts share a type, except ``mixed_layer``'s value projection), norms dense."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for name in sorted(model._weight_targets()):
@@ -87,12 +87,14 @@ def _kquant_weights(model, seed: int = 0):
         n, k = _shape(model, name)
         layer = int(name.split(".")[2]) if ".layers." in name else 0
         kind = "Q6_K" if (layer + ("down" in name) + ("o_proj" in name)) % 2 else "Q4_K"
+        if layer == mixed_layer and "v_proj" in name:
+            kind = "Q6_K" if kind == "Q4_K" else "Q4_K"
         raw = random_kblocks(KQTYPES[kind], n, k, gen, scale=0.0005)
         out.append((name, QuantizedTensor(raw, kind, (n, k))))
     return out
 
 
-def _kquant_model():
+def _kquant_model(mixed_layer: int | None = None):
     from lmkit.api import ModelBuildContext
     from lmkit_plugins.attention.cpu_backend import CpuAttention
     from lmkit_plugins.models.llama import LlamaForCausalLM
@@ -102,7 +104,7 @@ def _kquant_model():
     ctx = ModelBuildContext(torch.float32, torch.device("cpu"), BLOCK, CpuAttention,
                             quantization=GGUFCpuMethod(None, options=None))
     model = LlamaForCausalLM(_config(hidden_size=256, intermediate_size=512), ctx)
-    model.load_weights(_kquant_weights(model))
+    model.load_weights(_kquant_weights(model, mixed_layer=mixed_layer))
     return model
 
 
@@ -143,3 +145,17 @@ def test_k_quant_rows_of_partial_super_blocks_are_refused(tmp_path, kind):
     with pytest.raises(ModelLoadError, match=rf"(row size \(384\) is not a multiple of {kind} "
                                              rf"block size \(256\)|{kind}.*whole blocks of 256)"):
         open_checked(path)
+
+
+def test_a_layer_of_mixed_types_runs_its_parts_and_keeps_the_decode_stack_off(monkeypatch):
+    """Q4_K query/key beside a Q6_K value projection: the fused QKV runs each part's
+    kernel (test_quant_gguf_file checks the outputs), and the executor, whose plan has one
+    type per projection, says which layer keeps it off."""
+    from lmkit_plugins.models.cpu_decode_stack import build_cpu_decode_stack
+
+    model = _kquant_model(mixed_layer=1)
+    stack, reason = build_cpu_decode_stack(model, model._quant)
+    assert stack is None and "layer 1 is not on the quantized fast path" in reason
+    assert model._cpu_decode is None
+    hidden, logits, _ = _Driver(model).step([[5, 17, 3]])
+    assert torch.isfinite(logits).all() and hidden.shape == (3, 256)

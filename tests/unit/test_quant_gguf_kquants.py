@@ -2,8 +2,8 @@
 GGUF (Q4_K projections and embedding, Q6_K down projections and LM head, one layer's
 value projection in Q6_K beside Q4_K query/key as llama.cpp's Q4_K_M mixes them, F32
 norms) decodes the same greedy tokens as the float32 model transformers dequantizes from
-the same file; the C decode-stack executor takes k-quant layers bit for bit; truncated
-and wrong-size k-quant tensors are refused before anything loads."""
+the same file; the C decode-stack executor takes k-quant layers (a mixed-type QKV too) bit
+for bit; truncated and wrong-size k-quant tensors are refused before anything loads."""
 
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ def test_greedy_tokens_equal_the_dequantized_float32_model(kquant_gguf, tmp_path
     assert compared >= 16, compared  # of 48
 
 
-def _kquant_weights(model, seed: int = 0, mixed_layer: int | None = None):
+def _kquant_weights(model, seed: int = 0, flip: tuple[str, ...] = ()):
     """Random k-quant checkpoint tensors: Q4_K and Q6_K by layer and projection (fused
-    parts share a type, except ``mixed_layer``'s value projection), norms dense."""
+    parts share a type, except layer 1's projections named in ``flip``), norms dense."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for name in sorted(model._weight_targets()):
@@ -87,14 +87,14 @@ def _kquant_weights(model, seed: int = 0, mixed_layer: int | None = None):
         n, k = _shape(model, name)
         layer = int(name.split(".")[2]) if ".layers." in name else 0
         kind = "Q6_K" if (layer + ("down" in name) + ("o_proj" in name)) % 2 else "Q4_K"
-        if layer == mixed_layer and "v_proj" in name:
+        if layer == 1 and any(f in name for f in flip):
             kind = "Q6_K" if kind == "Q4_K" else "Q4_K"
         raw = random_kblocks(KQTYPES[kind], n, k, gen, scale=0.0005)
         out.append((name, QuantizedTensor(raw, kind, (n, k))))
     return out
 
 
-def _kquant_model(mixed_layer: int | None = None):
+def _kquant_model(flip: tuple[str, ...] = ()):
     from lmkit.api import ModelBuildContext
     from lmkit_plugins.attention.cpu_backend import CpuAttention
     from lmkit_plugins.models.llama import LlamaForCausalLM
@@ -104,21 +104,29 @@ def _kquant_model(mixed_layer: int | None = None):
     ctx = ModelBuildContext(torch.float32, torch.device("cpu"), BLOCK, CpuAttention,
                             quantization=GGUFCpuMethod(None, options=None))
     model = LlamaForCausalLM(_config(hidden_size=256, intermediate_size=512), ctx)
-    model.load_weights(_kquant_weights(model, mixed_layer=mixed_layer))
+    model.load_weights(_kquant_weights(model, flip=flip))
     return model
 
 
 @needs_executor
-def test_the_decode_stack_runs_k_quant_layers_bit_identically(monkeypatch):
-    on, off = _pair(monkeypatch, make=_kquant_model)
+@pytest.mark.parametrize("flip", [(), ("v_proj",)], ids=["one-type", "mixed-qkv"])
+def test_the_decode_stack_runs_k_quant_layers_bit_identically(monkeypatch, flip):
+    """Including a layer whose value projection is Q6_K beside Q4_K query and key: the
+    executor runs the fused QKV as two calls (its ``qkv_tail``), the Python layers as the
+    method's mixed kernel, with the same bits."""
+    on, off = _pair(monkeypatch, make=lambda: _kquant_model(flip))
     a, b = _Driver(on), _Driver(off)
-    ha, la, _ = a.step([[5, 17, 3], [9, 2]])
-    hb, lb, _ = b.step([[5, 17, 3], [9, 2]])
+    la = a.step([[5, 17, 3], [9, 2]])[1]
+    lb = b.step([[5, 17, 3], [9, 2]])[1]
+    runs = []
+    real = on._cpu_decode.run
+    on._cpu_decode.run = lambda *args: runs.append(1) or real(*args)
     for _ in range(6):
         nxt = la.argmax(-1).tolist()
         ha, la, _ = a.step([[t] for t in nxt])
         hb, lb, _ = b.step([[t] for t in nxt])
         assert torch.equal(ha, hb) and torch.equal(la, lb)
+    assert len(runs) == 6
 
 
 def _one_tensor(path: Path, kind: str, rows: int = 4, k: int = 512) -> Path:
@@ -147,13 +155,13 @@ def test_k_quant_rows_of_partial_super_blocks_are_refused(tmp_path, kind):
         open_checked(path)
 
 
-def test_a_layer_of_mixed_types_runs_its_parts_and_keeps_the_decode_stack_off(monkeypatch):
-    """Q4_K query/key beside a Q6_K value projection: the fused QKV runs each part's
-    kernel (test_quant_gguf_file checks the outputs), and the executor, whose plan has one
-    type per projection, says which layer keeps it off."""
+def test_a_qkv_of_three_type_runs_keeps_the_decode_stack_off():
+    """Q4_K query, Q6_K key, Q4_K value: three row ranges, more than the executor's plan
+    takes (two); it says which layer keeps the step on the Python layers, which run the
+    method's mixed kernel."""
     from lmkit_plugins.models.cpu_decode_stack import build_cpu_decode_stack
 
-    model = _kquant_model(mixed_layer=1)
+    model = _kquant_model(flip=("k_proj",))
     stack, reason = build_cpu_decode_stack(model, model._quant)
     assert stack is None and "layer 1 is not on the quantized fast path" in reason
     assert model._cpu_decode is None

@@ -113,7 +113,9 @@ def quantize_k(qtype: int, w: torch.Tensor) -> torch.Tensor:
     q = torch.where(step != 0, sub / step, 0).round().clamp(-32, 31).to(torch.int32) + 32
     q = q.reshape(n, -1, 2, 4, 32)  # [.., h, t, l]
     ql = (q[:, :, :, 0:2] & 0x0F) | ((q[:, :, :, 2:4] & 0x0F) << 4)  # [.., h, 2, 32]
-    qh = sum(((q[:, :, :, t] >> 4) & 3) << (2 * t) for t in range(4))  # [.., h, 32]
+    qh = (q[:, :, :, 0] >> 4) & 3  # [.., h, 32]: bits 2t..2t+1 from weight row t
+    for t in range(1, 4):
+        qh = qh | (((q[:, :, :, t] >> 4) & 3) << (2 * t))
     out = torch.cat([ql.reshape(n, -1, 128).to(torch.uint8), qh.reshape(n, -1, 64).to(torch.uint8),
                      sc.to(torch.int8).view(torch.uint8), d.half().view(torch.uint8).reshape(n, -1, 2)],
                     dim=-1)

@@ -93,9 +93,18 @@ class GGUFCpuMethod(QuantizationMethod):
             return None
         if len(parts) == 1:
             return parts[0]
-        if len({p.qtype for p in parts}) != 1:
-            flat = tuple(q for p in parts for q in (p.data if p.qtype == MIXED else (p,)))
-            return QuantizedTensor(flat, MIXED, (sum(p.shape[0] for p in flat), parts[0].shape[1]))
+        if len({p.qtype for p in parts}) != 1:  # runs of one type fused, kept in order
+            flat = [q for p in parts for q in (p.data if p.qtype == MIXED else (p,))]
+            runs: list[list[QuantizedTensor]] = []
+            for q in flat:
+                if runs and runs[-1][0].qtype == q.qtype:
+                    runs[-1].append(q)
+                else:
+                    runs.append([q])
+            fused = tuple(self.fuse(run) for run in runs)
+            if len(fused) == 1:
+                return fused[0]
+            return QuantizedTensor(fused, MIXED, (sum(p.shape[0] for p in flat), parts[0].shape[1]))
         data = torch.cat([p.data for p in parts])
         return QuantizedTensor(data, parts[0].qtype,
                                (sum(p.shape[0] for p in parts), parts[0].shape[1]))
@@ -115,8 +124,9 @@ class GGUFCpuMethod(QuantizationMethod):
         (:func:`lmkit_kernels.cpu.qgemv_fold.bind_norm_linear`), over one packing."""
         if weight.qtype == MIXED:
             pairs = [self.linear_with_norm(p) for p in weight.data]
-            return (_mixed([a for a, _ in pairs], weight.data),
-                    _mixed_norm([b for _, b in pairs], weight.data))
+            norm = _mixed_norm([b for _, b in pairs], weight.data)
+            self._packed[norm] = tuple(self._packed[b] for _, b in pairs)  # parts, in order
+            return _mixed([a for a, _ in pairs], weight.data), norm
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._keep(packed, self._bind(packed), self._bind_norm(packed))  # type: ignore[return-value]
 
@@ -138,7 +148,8 @@ class GGUFCpuMethod(QuantizationMethod):
 
     def packed_weight(self, kernel: Any) -> Any:
         """The :class:`lmkit_kernels.cpu.qgemv.PackedWeight` a kernel function this
-        method returned computes with (for code that calls the C kernels itself, e.g.
+        method returned computes with (a tuple of them, in row order, for the norm-folded
+        kernel of a :data:`MIXED` projection) (for code that calls the C kernels itself, e.g.
         :mod:`lmkit_plugins.models.cpu_decode_stack`), else ``None``."""
         return self._packed.get(kernel) if kernel is not None else None
 

@@ -95,8 +95,9 @@ static void kdequantize_rows(int type, int packed, const uint8_t* w, long ldw, c
     }
 }
 
-/* x rows [m, k] -> Q8_K: xq.q [m, k] int8, xq.d [m * k / 256] scales, xq.s [m * k / 16]
- * sums of 16 (plain C, the same bytes in both builds). */
+/* x rows [m, k] -> Q8_K: xq.q [m, k] int8, xq.d [m * k / 256] scales, and the sums of
+ * each 16 values as int16 [m * k / 16] where xq.s points (|sum| <= 2032; plain C, the
+ * same bytes in both builds). */
 static void quantize_x_k(const float* x, long ldx, long m, long k, xquant xq) {
     long nbk = k / QK_K;
     for (long i = 0; i < m; i++)
@@ -107,11 +108,11 @@ static void quantize_x_k(const float* x, long ldx, long m, long k, xquant xq) {
             for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(v[j]));
             float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
             for (int j = 0; j < QK_K; j++) q[j] = (int8_t)lrintf(v[j] * id);
-            int32_t* s = xq.s + (i * nbk + b) * 16;
+            int16_t* s = (int16_t*)xq.s + (i * nbk + b) * 16;
             for (int j = 0; j < 16; j++) {
                 int sum = 0;
                 for (int l = 0; l < 16; l++) sum += q[16 * j + l];
-                s[j] = sum;
+                s[j] = (int16_t)sum;
             }
             xq.d[i * nbk + b] = dd;
         }
@@ -121,17 +122,36 @@ static inline void kprefetch(const uint8_t* blk, int bb) {
     for (int o = 0; o < bb; o += 64) __builtin_prefetch(blk + PF_DIST + o, 0, 2);
 }
 
-/* sum over sub-blocks of mins (Q4_K) or scales (Q6_K) times the xq sums of 16 */
-static inline int q4k_min_sum(const uint8_t* mn, const int32_t* bs) {
-    int s = 0;
-    for (int j = 0; j < 8; j++) s += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-    return s;
+/* The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K super-block from its
+ * 12 packed bytes, with 32-bit operations (llama.cpp's utmp unpacking; q4k_scales is
+ * the byte-wise reference). */
+static inline void q4k_scales_fast(const uint8_t* s, uint32_t u[4]) {
+    const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;
 }
 
-static inline int q6k_corr_sum(const int8_t* sc, const int32_t* bs) {
-    int s = 0;
-    for (int j = 0; j < 16; j++) s += sc[j] * bs[j];
-    return s;
+/* 16 int16 per super-block for the correction: Q4_K's mins, each twice (sub-blocks of
+ * 32 cover two sums of 16), or Q6_K's scales; vpmaddwd with the xq sums of 16 then
+ * gives 8 int32 whose total is the super-block's correction */
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256i kcorr_weights(int type, const uint8_t* blk, const uint32_t* u) {
+    if (type == Q4_K) {
+        __m128i mn = _mm_loadl_epi64((const __m128i*)((const uint8_t*)u + 8));
+        return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn));
+    }
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 192)));
+}
+
+__attribute__((target("f16c")))
+static inline float f16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
 }
 
 /* ---- AVX2: one weight row against MM rows of x -> out[MM] ---- */
@@ -139,22 +159,21 @@ __attribute__((target(AVX2), always_inline))
 static inline void krow_avx2(const int type, const int MM, const uint8_t* wr, long nbk, long k,
                              const int8_t* xq, const float* xd, const int32_t* xs, float* out) {
     const __m256i lo = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+    const int16_t* bsum = (const int16_t*)xs;
     const int bb = kblock_bytes(type);
     __m256 acc[MR];
-    float cacc[MR];
-    for (int i = 0; i < MM; i++) { acc[i] = _mm256_setzero_ps(); cacc[i] = 0.0f; }
+    for (int i = 0; i < MM; i++) acc[i] = _mm256_setzero_ps();
     for (long b = 0; b < nbk; b++) {
         const uint8_t* blk = wr + b * bb;
         kprefetch(blk, bb);
         __m256i u[8], scv[8];
         float d, c;      /* super-block scale; the correction's scale (dmin, or 32 d) */
-        uint8_t mn[8];
-        const int8_t* s6 = (const int8_t*)(blk + 192);
+        uint32_t sm[4];  /* Q4_K: scales (bytes 0..7) and mins (8..15) */
         if (type == Q4_K) {
-            uint8_t sc[8];
-            d = fp16(blk);
-            c = fp16(blk + 2);
-            q4k_scales(blk + 4, sc, mn);
+            d = f16(blk);
+            c = f16(blk + 2);
+            q4k_scales_fast(blk + 4, sm);
+            const uint8_t* sc = (const uint8_t*)sm;
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * t));
                 u[2 * t] = _mm256_and_si256(v, lo);
@@ -163,7 +182,8 @@ static inline void krow_avx2(const int type, const int MM, const uint8_t* wr, lo
                 scv[2 * t + 1] = _mm256_set1_epi16(sc[2 * t + 1]);
             }
         } else {
-            d = fp16(blk + 208);
+            const int8_t* s6 = (const int8_t*)(blk + 192);
+            d = f16(blk + 208);
             c = 32.0f * d;
             for (int h = 0; h < 2; h++) {
                 __m256i q0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * h));
@@ -180,25 +200,25 @@ static inline void krow_avx2(const int type, const int MM, const uint8_t* wr, lo
                 }
             }
         }
+        const __m256i cw = kcorr_weights(type, blk, sm);
         for (int i = 0; i < MM; i++) {
             const int8_t* xb = xq + i * k + b * QK_K;
-            const int32_t* bs = xs + (i * nbk + b) * 16;
             __m256i s = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 __m256i p = _mm256_maddubs_epi16(u[t], _mm256_loadu_si256((const __m256i*)(xb + 32 * t)));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv[t]));
             }
+            __m256i corr = _mm256_madd_epi16(cw, _mm256_loadu_si256((const __m256i*)(bsum + (i * nbk + b) * 16)));
             float dx = xd[i * nbk + b];
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * dx), acc[i]);
-            int corr = type == Q4_K ? q4k_min_sum(mn, bs) : q6k_corr_sum(s6, bs);
-            cacc[i] += c * dx * (float)corr;
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(c * dx), acc[i]);
         }
     }
     for (int i = 0; i < MM; i++) {
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        out[i] = _mm_cvtss_f32(h) - cacc[i];
+        out[i] = _mm_cvtss_f32(h);
     }
 }
 
@@ -212,23 +232,22 @@ static inline void krow_vnni(const int type, const int MM, const uint8_t* wr, lo
                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i idx6 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
                                           1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int16_t* bsum = (const int16_t*)xs;
     const int bb = kblock_bytes(type);
     __m512 acc[MR];
-    float cacc[MR];
-    for (int i = 0; i < MM; i++) { acc[i] = _mm512_setzero_ps(); cacc[i] = 0.0f; }
+    __m256 cacc[MR];
+    for (int i = 0; i < MM; i++) { acc[i] = _mm512_setzero_ps(); cacc[i] = _mm256_setzero_ps(); }
     for (long b = 0; b < nbk; b++) {
         const uint8_t* blk = wr + b * bb;
         kprefetch(blk, bb);
         __m512i u[4], scv[4];
         float d, c;
-        uint8_t mn[8];
-        const int8_t* s6 = (const int8_t*)(blk + 192);
+        uint32_t sm[4];
         if (type == Q4_K) {
-            uint8_t sc[8];
-            d = fp16(blk);
-            c = fp16(blk + 2);
-            q4k_scales(blk + 4, sc, mn);
-            __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sc)));
+            d = f16(blk);
+            c = f16(blk + 2);
+            q4k_scales_fast(blk + 4, sm);
+            __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm)));
             for (int t = 0; t < 4; t++) { /* weights 64t..64t+63: chunk t's low, then high nibbles */
                 __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * t));
                 __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
@@ -236,7 +255,8 @@ static inline void krow_vnni(const int type, const int MM, const uint8_t* wr, lo
                 scv[t] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx4, _mm512_set1_epi16((short)(2 * t))), s16);
             }
         } else {
-            d = fp16(blk + 208);
+            const int8_t* s6 = (const int8_t*)(blk + 192);
+            d = f16(blk + 208);
             c = 32.0f * d;
             __m512i s16 = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)s6)));
             for (int h = 0; h < 2; h++) { /* weights 128h..+63, then 128h+64..+127 */
@@ -251,19 +271,26 @@ static inline void krow_vnni(const int type, const int MM, const uint8_t* wr, lo
                 scv[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx6, _mm512_set1_epi16((short)(8 * h + 4))), s16);
             }
         }
+        const __m256i cw = kcorr_weights(type, blk, sm);
         for (int i = 0; i < MM; i++) {
             const int8_t* xb = xq + i * k + b * QK_K;
-            const int32_t* bs = xs + (i * nbk + b) * 16;
             __m512i s = _mm512_setzero_si512();
             for (int t = 0; t < 4; t++)
                 s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u[t], _mm512_loadu_si512(xb + 64 * t)), scv[t]);
+            __m256i corr = _mm256_madd_epi16(cw, _mm256_loadu_si256((const __m256i*)(bsum + (i * nbk + b) * 16)));
             float dx = xd[i * nbk + b];
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(d * dx), acc[i]);
-            int corr = type == Q4_K ? q4k_min_sum(mn, bs) : q6k_corr_sum(s6, bs);
-            cacc[i] += c * dx * (float)corr;
+            cacc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(c * dx), cacc[i]);
         }
     }
-    for (int i = 0; i < MM; i++) out[i] = _mm512_reduce_add_ps(acc[i]) - cacc[i];
+    for (int i = 0; i < MM; i++) {
+        __m256 h = _mm256_sub_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1))), cacc[i]);
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_add_ss(q, _mm_movehdup_ps(q));
+        out[i] = _mm_cvtss_f32(q);
+    }
 }
 
 /* groups g0..g1 of a packed k-quant weight (groups_fn): each row against the rows of x */
@@ -278,7 +305,7 @@ static void NAME(int type, const uint8_t* w, long gbytes, long g0, long g1, xqua
             int mm = m - i0 < MR ? (int)(m - i0) : MR;                                      \
             const int8_t* q = xq.q + i0 * k;                                                \
             const float* d = xq.d + i0 * nbk;                                               \
-            const int32_t* s = xq.s + i0 * nbk * 16;                                        \
+            const int32_t* s = (const int32_t*)((const int16_t*)xq.s + i0 * nbk * 16);      \
             float out[MR];                                                                  \
             if (type == Q4_K) switch (mm) {                                                 \
                 case 1: ROW(Q4_K, 1, wr, nbk, k, q, d, s, out); break;                      \

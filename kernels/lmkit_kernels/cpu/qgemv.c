@@ -1,5 +1,6 @@
 /* y = x @ dequant(w).T (+ b) for a few float32 rows of x over GGUF-quantized weights
- * (Q8_0, Q4_0, Q4_1), and dequantization of such weights.
+ * (Q8_0, Q4_0, Q4_1 here; the k-quants Q4_K and Q6_K in qgemv_k.c, included below and
+ * served by the same entry points), and dequantization of such weights.
  *
  * GGUF block layouts (ggml, 32 weights per block, little-endian):
  *   Q8_0: fp16 d, int8 q[32]                  w = d * q                      (34 bytes)

@@ -149,7 +149,7 @@ def test_unsupported_type_is_refused_with_the_supported_list(tmp_path):
     q5k = np.zeros((2, 176), dtype=np.uint8)  # one Q5_K super-block per row (256 values)
     path = _write(tmp_path / "model.gguf", [("blk.0.ffn_up.weight", q5k, Q.Q5_K)])
     with pytest.raises(ModelLoadError, match=r"type Q5_K; the gguf method reads F16, F32, "
-                                             r"Q4_0, Q4_1, Q4_K, Q6_K, Q8_0.*--quantization none"):
+                                             r"Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0.*--quantization none"):
         open_checked(path)
 
 

@@ -167,3 +167,21 @@ def test_a_qkv_of_three_type_runs_keeps_the_decode_stack_off():
     assert model._cpu_decode is None
     hidden, logits, _ = _Driver(model).step([[5, 17, 3]])
     assert torch.isfinite(logits).all() and hidden.shape == (3, 256)
+
+
+def test_q5_0_is_held_as_q8_0_exactly(tmp_path):
+    """llama.cpp's Q4_K_M writes Q5_0 for rows that are not whole super-blocks; the
+    method holds it as Q8_0 blocks of the same weights."""
+    from lmkit_plugins.quantization.gguf_file import iterate_tensors, q5_0_as_q8_0
+
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    w[0, :32] = 0.0
+    raw = gguf.quants.quantize(w, Q.Q5_0)  # uint8 [6, 3 * 22]
+    want = gguf.quants.dequantize(raw, Q.Q5_0)
+    held = q5_0_as_q8_0(torch.from_numpy(raw))
+    assert held.shape == (6, 3 * 34)
+    assert np.array_equal(gguf.quants.dequantize(held.numpy(), Q.Q8_0), want)
+    path = _write(tmp_path / "model.gguf", [("blk.0.ffn_up.weight", raw, Q.Q5_0)])
+    (name, t), = iterate_tensors(open_checked(path), num_heads=2, num_kv_heads=1)
+    assert name == "model.layers.0.mlp.up_proj.weight" and t.qtype == "Q8_0"
+    assert t.shape == (6, 96) and torch.equal(t.data, held)

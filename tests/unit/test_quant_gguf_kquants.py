@@ -155,6 +155,7 @@ def test_k_quant_rows_of_partial_super_blocks_are_refused(tmp_path, kind):
         open_checked(path)
 
 
+@needs_executor
 def test_a_qkv_of_three_type_runs_keeps_the_decode_stack_off():
     """Q4_K query, Q6_K key, Q4_K value: three row ranges, more than the executor's plan
     takes (two); it says which layer keeps the step on the Python layers, which run the

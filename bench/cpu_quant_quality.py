@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--text", default=None,
                     help="score this text file instead of the built-in paragraph (e.g. "
                          "bench/data/held_text_long.txt, ~1,100 tokens)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file or model alias instead of the default model (e.g. a "
+                         "Q6_K or Q4_K_M requantization)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.prompts < 1:
@@ -119,10 +122,11 @@ def main() -> None:
         if not held:
             ap.error(f"--text {args.text} is empty")
     prompts = (PROMPT_STEMS * (args.prompts // len(PROMPT_STEMS) + 1))[:args.prompts]
-    quant = run("gguf", prompts, args.tokens, held)
-    dense = run("none", prompts, args.tokens, held)
-    chunked = run("gguf", [], 0, held, max_num_batched_tokens=16)
-    report = {"prompts": args.prompts, "tokens": args.tokens, "text": args.text or "built-in",
+    model = {"model": args.model} if args.model else {}
+    quant = run("gguf", prompts, args.tokens, held, **model)
+    dense = run("none", prompts, args.tokens, held, **model)
+    chunked = run("gguf", [], 0, held, max_num_batched_tokens=16, **model)
+    report = {"model": args.model or "default", "prompts": args.prompts, "tokens": args.tokens, "text": args.text or "built-in",
               "greedy": agreement(quant["tokens"], dense["tokens"]),
               "perplexity": {"gguf": quant["perplexity"], "float32": dense["perplexity"],
                              "relative": quant["perplexity"] / dense["perplexity"] - 1,

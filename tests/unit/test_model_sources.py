@@ -9,6 +9,7 @@ import shutil
 import socket
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,13 +39,16 @@ def tiny_dir(tmp_path_factory) -> Path:
     return path
 
 
-def write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
-    """A 2-layer float32 Llama GGUF with a small GPT-2 style BPE tokenizer, tied embeddings."""
+def write_tiny_llama_gguf(path: Path, arch: str = "llama", hidden: int = 16, inter: int = 32,
+                          encode: Any = None) -> None:
+    """A 2-layer float32 Llama GGUF with a small GPT-2 style BPE tokenizer, tied embeddings
+    (an ``output.weight`` too when ``encode`` is given). ``encode(name, array)``, when
+    given, returns ``(data, ggml_type or None)`` to write a quantized tensor instead."""
     import gguf
 
     rng = np.random.default_rng(0)
     vocab = ["<unk>", "<s>", "</s>", *"abcdefghij ", "ab", "cd"]
-    hidden, inter, heads, kv_heads = 16, 32, 4, 2
+    heads, kv_heads = 4, 2
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_context_length(64)
@@ -65,19 +69,25 @@ def write_tiny_llama_gguf(path: Path, arch: str = "llama") -> None:
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.1).astype(np.float32)
 
+    def add(name, data):
+        data, qtype = (data, None) if encode is None or data.ndim == 1 else encode(name, data)
+        w.add_tensor(name, data, raw_dtype=qtype)
+
     head_dim = hidden // heads
-    w.add_tensor("token_embd.weight", rand(len(vocab), hidden))
+    add("token_embd.weight", rand(len(vocab), hidden))
     for i in range(2):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", rand(heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_k.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_v.weight", rand(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_output.weight", rand(hidden, heads * head_dim))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(inter, hidden))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(inter, hidden))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(hidden, inter))
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+        add(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        add(f"blk.{i}.attn_q.weight", rand(heads * head_dim, hidden))
+        add(f"blk.{i}.attn_k.weight", rand(kv_heads * head_dim, hidden))
+        add(f"blk.{i}.attn_v.weight", rand(kv_heads * head_dim, hidden))
+        add(f"blk.{i}.attn_output.weight", rand(hidden, heads * head_dim))
+        add(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        add(f"blk.{i}.ffn_gate.weight", rand(inter, hidden))
+        add(f"blk.{i}.ffn_up.weight", rand(inter, hidden))
+        add(f"blk.{i}.ffn_down.weight", rand(hidden, inter))
+    add("output_norm.weight", np.ones(hidden, np.float32))
+    if encode is not None:
+        add("output.weight", rand(len(vocab), hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

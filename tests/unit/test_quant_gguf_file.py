@@ -149,7 +149,7 @@ def test_unsupported_type_is_refused_with_the_supported_list(tmp_path):
     q5k = np.zeros((2, 176), dtype=np.uint8)  # one Q5_K super-block per row (256 values)
     path = _write(tmp_path / "model.gguf", [("blk.0.ffn_up.weight", q5k, Q.Q5_K)])
     with pytest.raises(ModelLoadError, match=r"type Q5_K; the gguf method reads F16, F32, "
-                                             r"Q4_0, Q4_1, Q8_0.*--quantization none"):
+                                             r"Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0.*--quantization none"):
         open_checked(path)
 
 
@@ -187,7 +187,15 @@ def test_method_check_runs_before_the_model_and_fuses_same_types(tmp_path):
     b = QuantizedTensor(random_blocks(3, 2, 64, gen), "Q4_1", (2, 64))
     fused = method.fuse([a, b])
     assert fused is not None and fused.shape == (6, 64)
-    assert method.fuse([a, QuantizedTensor(random_blocks(8, 2, 64, gen), "Q8_0", (2, 64))]) is None
+    c = QuantizedTensor(random_blocks(8, 2, 64, gen), "Q8_0", (2, 64))
+    mixed = method.fuse([a, c])  # parts of different types: each keeps its own kernel
+    assert mixed is not None and mixed.qtype == "mixed" and mixed.shape == (6, 64)
+    xm, bias = torch.randn(3, 64, generator=gen), torch.randn(6, generator=gen)
+    torch.testing.assert_close(method.linear(mixed)(xm, bias), torch.cat(
+        [method.linear(a)(xm, bias[:4]), method.linear(c)(xm, bias[4:])], dim=1), rtol=0, atol=0)
+    assert torch.equal(method.dequantize(mixed), torch.cat([method.dequantize(a),
+                                                            method.dequantize(c)]))
+    assert method.fuse([a, QuantizedTensor(random_blocks(8, 2, 96, gen), "Q8_0", (2, 96))]) is None
     x = torch.randn(2, 64, generator=gen)
     want = x @ reference_dequantize(3, fused.data, 64).t()
     got = method.linear(fused)(x, None)

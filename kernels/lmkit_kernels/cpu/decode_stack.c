@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-int lmkit_decode_stack_abi(void) { return 1; }
+int lmkit_decode_stack_abi(void) { return 2; }
 
 typedef int (*qgemv_fn)(int type, const float* x, long ldx, const uint8_t* w, const float* b,
                         float* y, long ldy, long m, long n, long k, int threads);
@@ -53,8 +53,12 @@ typedef void (*norm_fn)(const float* x, long ldx, const float* residual, long ld
 /* A packed quantized projection y [m, n] = x [m, k] @ W.T (+ bias): qgemv.c's arguments. */
 typedef struct { int type; const uint8_t* w; const float* bias; long n, k; } ds_linear;
 
+/* qkv.n + qkv_tail.n = (num_heads + 2 kv heads) * head_dim; qkv_tail (n = 0: none) is
+ * the fused QKV's last rows when they have another type than the first ones (a Q4_K_M
+ * file's Q6_K value projection beside Q4_K query and key): its own call, same input */
 typedef struct {
-    ds_linear qkv, o, gate_up, down;       /* qkv.n = (num_heads + 2 kv heads) * head_dim */
+    ds_linear qkv, o, gate_up, down;
+    ds_linear qkv_tail;
     const float* input_norm; float input_eps;
     const float* post_norm; float post_eps;
 } ds_layer;
@@ -85,7 +89,7 @@ typedef struct {
 
 /* Floats of scratch a step of m rows needs (ds_step.work). */
 long lmkit_decode_stack_work_floats(const ds_plan* p, long m) {
-    long qkv = p->layers[0].qkv.n, q = p->num_heads * p->head_dim;
+    long qkv = p->layers[0].qkv.n + p->layers[0].qkv_tail.n, q = p->num_heads * p->head_dim;
     return m * (qkv + q + 4 * p->hidden + 2 * p->intermediate);
 }
 
@@ -93,7 +97,7 @@ long lmkit_decode_stack_work_floats(const ds_plan* p, long m) {
 int lmkit_decode_stack(const ds_plan* p, const ds_step* s) {
     const long m = s->m, H = p->hidden, hd = p->head_dim;
     const long q_size = p->num_heads * hd, kv_width = p->num_kv_heads * hd;
-    const long nqkv = p->layers[0].qkv.n, I = p->intermediate;
+    const long nqkv = p->layers[0].qkv.n + p->layers[0].qkv_tail.n, I = p->intermediate;
     float* qkv = s->work;                  /* [m, nqkv] */
     float* attn = qkv + m * nqkv;          /* [m, q_size] */
     float* o = attn + m * q_size;          /* [m, H] */
@@ -112,7 +116,13 @@ int lmkit_decode_stack(const ds_plan* p, const ds_step* s) {
         /* input norm folded into QKV; the residual becomes in + res (in alone: layer 0) */
         float* res_in = res ? r1 : NULL;
         if (p->qgemv_norm(L->qkv.type, in, ld_in, res, ld_res, L->input_norm, L->input_eps,
-                          res_in, H, L->qkv.w, L->qkv.bias, qkv, nqkv, m, nqkv, H, th))
+                          res_in, H, L->qkv.w, L->qkv.bias, qkv, nqkv, m, L->qkv.n, H, th))
+            return 1;
+        /* the tail recomputes the same norm (and writes the same residual) */
+        if (L->qkv_tail.n
+            && p->qgemv_norm(L->qkv_tail.type, in, ld_in, res, ld_res, L->input_norm,
+                             L->input_eps, res_in, H, L->qkv_tail.w, L->qkv_tail.bias,
+                             qkv + L->qkv.n, nqkv, m, L->qkv_tail.n, H, th))
             return 1;
         const float* res_attn = res ? r1 : in;
         long ld_res_attn = res ? H : ld_in;

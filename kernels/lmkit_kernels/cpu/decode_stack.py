@@ -39,7 +39,7 @@ __all__ = ["DISABLE_ENV", "MAX_ROWS", "DecodeStack", "LayerWeights", "QLinear",
 
 MAX_ROWS = 32  # the folded kernels' and RoPE's decode-batch limit (qgemv.MAX_ROWS)
 SOURCE = Path(__file__).with_name("decode_stack.c")
-ABI = 1
+ABI = 2
 DISABLE_ENV = "LMKIT_CPU_DECODE_STACK"
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
@@ -50,7 +50,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("input_eps", _F), ("post_norm", _P), ("post_eps", _F)]
+                ("qkv_tail", _Linear), ("input_norm", _P), ("input_eps", _F),
+                ("post_norm", _P), ("post_eps", _F)]
 
 
 class _Plan(ctypes.Structure):
@@ -85,7 +86,8 @@ class QLinear:
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer: fused QKV, O, fused gate-up and down projections, and the two
-    norms (float32 ``[hidden]`` weights and their eps)."""
+    norms (float32 ``[hidden]`` weights and their eps); ``qkv_tail``: the fused QKV's last
+    rows when their type differs from the first ones' (``qkv`` then holds the first)."""
 
     qkv: QLinear
     o: QLinear
@@ -95,6 +97,7 @@ class LayerWeights:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
+    qkv_tail: QLinear | None = None
 
 
 def decode_stack_disabled() -> bool:
@@ -124,7 +127,7 @@ def _address(fn: Any) -> int:
 
 # the ABI of each library whose entry points decode_stack.c's typedefs declare: a
 # library with another ABI may have other signatures, so the executor stays off
-_ABIS = {"qgemv": 4, "rope": 1, "paged_decode": 1, "rms_norm": 1}
+_ABIS = {"qgemv": 5, "rope": 1, "paged_decode": 1, "rms_norm": 1}
 
 
 @functools.cache
@@ -162,7 +165,9 @@ def _kernel_addresses() -> tuple[dict[str, int] | None, str]:
             "norm": _address(norm_lib.lmkit_add_rms_norm)}, ""  # type: ignore[union-attr]
 
 
-def _linear(q: QLinear) -> _Linear:
+def _linear(q: QLinear | None) -> _Linear:
+    if q is None:
+        return _Linear(0, None, None, 0, 0)
     return _Linear(q.qtype, q.data.data_ptr(), None if q.bias is None else q.bias.data_ptr(),
                    q.n, q.k)
 
@@ -183,7 +188,8 @@ class DecodeStack:
         self.hidden, self.head_dim = hidden, head_dim
         self._layers = (_Layer * len(layers))(*[
             _Layer(_linear(w.qkv), _linear(w.o), _linear(w.gate_up), _linear(w.down),
-                   w.input_norm.data_ptr(), w.input_eps, w.post_norm.data_ptr(), w.post_eps)
+                   _linear(w.qkv_tail), w.input_norm.data_ptr(), w.input_eps,
+                   w.post_norm.data_ptr(), w.post_eps)
             for w in layers])
         self._plan = _Plan(len(layers), hidden, num_heads, num_kv_heads, head_dim,
                            intermediate, block_size, scale, window, final_norm.data_ptr(),

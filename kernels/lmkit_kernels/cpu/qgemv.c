@@ -1,5 +1,6 @@
 /* y = x @ dequant(w).T (+ b) for a few float32 rows of x over GGUF-quantized weights
- * (Q8_0, Q4_0, Q4_1), and dequantization of such weights.
+ * (Q8_0, Q4_0, Q4_1 here; the k-quants Q4_K and Q6_K in qgemv_k.c, included below and
+ * served by the same entry points), and dequantization of such weights.
  *
  * GGUF block layouts (ggml, 32 weights per block, little-endian):
  *   Q8_0: fp16 d, int8 q[32]                  w = d * q                      (34 bytes)
@@ -55,7 +56,7 @@
 #define MR 4  /* rows of x sharing one pass over a group */
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 }; /* ggml type numbers */
 
-int lmkit_qgemv_abi(void) { return 4; }
+int lmkit_qgemv_abi(void) { return 5; }
 
 int lmkit_qgemv_isa_supported(const char* isa) {
     __builtin_cpu_init();
@@ -71,19 +72,26 @@ int lmkit_qgemv_isa_supported(const char* isa) {
 
 /* Bytes of one GGUF block of `type`, 0 for a type this file does not read. */
 int lmkit_qgemv_block_bytes(int type) {
-    return type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : 0;
+    return type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20
+        : type == 12 ? 144 : type == 14 ? 210 : 0; /* Q4_K, Q6_K: qgemv_k.c */
 }
+
+static inline int is_kquant(int type);
+static long kgroup_bytes(int type, long k);
+static void kpack(int type, const uint8_t* w, long ldw, long n, long k, uint8_t* out);
 
 static long quant_bytes(int type) { return type == Q8_0 ? QK * GR : QK / 2 * GR; }
 
 /* Bytes of one packed group of GR rows of k weights. */
 long lmkit_qpack_group_bytes(int type, long k) {
+    if (is_kquant(type)) return kgroup_bytes(type, k);
     long nb = k / QK, bytes = nb * (quant_bytes(type) + 2 * GR * (type == Q4_1 ? 2 : 1));
     return (bytes + 63) / 64 * 64;
 }
 
 /* GGUF rows w [n, ldw bytes] -> packed groups out [ceil(n / GR) * group bytes]. */
 void lmkit_qpack(int type, const uint8_t* w, long ldw, long n, long k, uint8_t* out) {
+    if (is_kquant(type)) { kpack(type, w, ldw, n, k, out); return; }
     long nb = k / QK, qb = quant_bytes(type), gbytes = lmkit_qpack_group_bytes(type, k);
     int bb = lmkit_qgemv_block_bytes(type);
     long groups = (n + GR - 1) / GR;
@@ -354,6 +362,8 @@ static void groups_avx2(int type, const uint8_t* w, long gbytes, long g0, long g
 typedef void (*groups_fn)(int, const uint8_t*, long, long, long, xquant, const float*, float*,
                           long, long, long, long);
 
+#include "qgemv_k.c"  /* Q4_K, Q6_K: kgroups_avx2, kgroups_vnni, quantize_x_k, ... */
+
 /* ---- the thread pool: helpers that claim chunks of groups, the caller never waits on
  * a helper that has not started ----
  * An OpenMP team splits the groups statically and joins at a barrier: on a shared host
@@ -585,7 +595,12 @@ static int qgemv(groups_fn fn, int avx512, int type, const prologue_t* pro, cons
         x = h;
         ldx = k;
     }
-    quantize_x(avx512, x, ldx, m, k, xq);
+    if (is_kquant(type)) { /* Q8_K activations in the same scratch (fewer bytes) */
+        quantize_x_k(x, ldx, m, k, xq);
+        fn = avx512 ? kgroups_vnni : kgroups_avx2;
+    } else {
+        quantize_x(avx512, x, ldx, m, k, xq);
+    }
     long groups = (n + GR - 1) / GR, gbytes = lmkit_qpack_group_bytes(type, k);
     run_groups(fn, type, w, gbytes, groups, xq, bias, y, ldy, m, n, k, threads);
     return 0;
@@ -670,6 +685,10 @@ static void packed_block(int type, const uint8_t* g, long nb, long b, long r, fl
  * call on large batches (or per embedding lookup). */
 void lmkit_dequantize_rows(int type, int packed, const uint8_t* w, long ldw, const long* idx,
                            long count, long k, float* out, long ldo, int threads) {
+    if (is_kquant(type)) {
+        kdequantize_rows(type, packed, w, ldw, idx, count, k, out, ldo, threads);
+        return;
+    }
     long nb = k / QK, gbytes = lmkit_qpack_group_bytes(type, k);
     int bytes = lmkit_qgemv_block_bytes(type);
     if (threads > count) threads = (int)count;

@@ -1,14 +1,16 @@
 """``x @ dequant(w).T + b`` over GGUF-quantized weights on the CPU: the C q-GEMV kernel.
 
 Weights arrive in their GGUF blocks (``Q8_0``, ``Q4_0``, ``Q4_1``: 32 weights per block
-with fp16 scales, see ``qgemv.c`` for the layouts), as a ``uint8`` tensor ``[out,
+with fp16 scales, see ``qgemv.c`` for the layouts; the k-quants ``Q4_K`` and ``Q6_K``:
+super-blocks of 256, see ``qgemv_k.c``), as a ``uint8`` tensor ``[out,
 blocks * block_bytes]``, and are repacked once (:func:`pack_weight`, the same bytes
 moved) into groups of 16 rows whose quantized weights interleave so that one AVX-512
 VNNI instruction multiplies 4 weights of all 16 rows. For decode batches (at most
 :data:`MAX_ROWS` rows) the kernel quantizes each row of ``x`` per block of 32 to int8,
 as llama.cpp does, and sums integer block dot products scaled by both block scales: a
 single stream reads about 100 MB of weights per token for the default model instead of
-538 MB of float32. Larger batches (prefill) dequantize the weight to float32 in tiles of
+538 MB of float32 (k-quant rows are kept as they are, 16 rows a group, and their
+activations quantized per 256 to Q8_K, as llama.cpp does). Larger batches (prefill) dequantize the weight to float32 in tiles of
 rows and multiply with torch (:func:`dequantize_rows`), where the product is
 compute-bound and the activations keep float32 precision.
 
@@ -35,19 +37,22 @@ import torch
 
 from lmkit_kernels.cpu.build import KernelUnavailable, bind_kernel_library
 from lmkit_kernels.cpu.checks import require_kernel
+from lmkit_kernels.cpu.kquants import KBLOCK_BYTES, KQTYPES, random_kblocks, reference_dequantize_k
 
-__all__ = ["BLOCK_BYTES", "BLOCK_SIZE", "ISAS", "MAX_ROWS", "QTYPES", "PackedWeight",
+__all__ = ["ALL_QTYPES", "BLOCK_BYTES", "BLOCK_SIZE", "BLOCK_VALUES", "ISAS", "MAX_ROWS", "QTYPES", "PackedWeight",
            "bind_linear", "dequantize_packed", "dequantize_rows", "pack_weight", "qgemv_isa", "qgemv_linear",
            "qgemv_unavailable_reason", "qgemv_variants"]
 
 MAX_ROWS = 32  # inputs up to this many rows take the q8 dot-product kernel
 DEQUANT_TILE_ROWS = 4096  # weight rows dequantized at once for larger inputs (of GROUP_ROWS)
-BLOCK_SIZE = 32  # weights per block, every type here
+BLOCK_SIZE = 32  # weights per block of Q8_0, Q4_0, Q4_1
 GROUP_ROWS = 16  # weight rows per packed group (qgemv.c's GR)
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # ggml type number -> bytes per block
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type number, blocks of 32
+ALL_QTYPES = QTYPES | KQTYPES  # and the k-quants (super-blocks of 256)
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34} | KBLOCK_BYTES  # ggml type number -> bytes per block
+BLOCK_VALUES = {t: 256 if t in KBLOCK_BYTES else BLOCK_SIZE for t in BLOCK_BYTES}  # per block
 SOURCE = Path(__file__).with_name("qgemv.c")
-ABI = 4
+ABI = 5
 ISAS = ("avx512vnni", "avx2")
 ISA_ENV = "LMKIT_CPU_ISA"
 
@@ -110,7 +115,10 @@ def _usable(lib: ctypes.CDLL) -> list[str]:
 
 def reference_dequantize(qtype: int, weight: torch.Tensor, k: int) -> torch.Tensor:
     """A torch reference of the block layouts: ``uint8 [n, k/32 * bytes]`` -> float32
-    ``[n, k]``. For tests and the self-check; :func:`dequantize_rows` is the fast one."""
+    ``[n, k]`` (k-quants: :func:`lmkit_kernels.cpu.kquants.reference_dequantize_k`).
+    For tests and the self-check; :func:`dequantize_rows` is the fast one."""
+    if qtype in KBLOCK_BYTES:
+        return reference_dequantize_k(qtype, weight, k)
     n = weight.shape[0]
     blocks = weight.reshape(n, k // BLOCK_SIZE, BLOCK_BYTES[qtype])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
@@ -126,6 +134,8 @@ def reference_dequantize(qtype: int, weight: torch.Tensor, k: int) -> torch.Tens
 
 def random_blocks(qtype: int, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
     """Random well-formed blocks ``uint8 [n, k/32 * bytes]`` (finite fp16 scales)."""
+    if qtype in KBLOCK_BYTES:
+        return random_kblocks(qtype, n, k, generator)
     nb, size = k // BLOCK_SIZE, BLOCK_BYTES[qtype]
     raw = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=generator)
     scales = (torch.rand(n, nb, 2, generator=generator) * 0.02 + 0.001).half()
@@ -141,10 +151,11 @@ def _check(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, f"lmkit_qgemv_{isa}")
         for qtype in BLOCK_BYTES:
             # 5 rows cover a pass of 4 and a tail; 37 outputs a partial group
-            raw = random_blocks(qtype, 37, 96, gen)
-            x = torch.randn(5, 96, generator=gen)
-            ref = x @ reference_dequantize(qtype, raw, 96).t()
-            w = _pack(lib, qtype, raw, 96)
+            k = 3 * BLOCK_VALUES[qtype]
+            raw = random_blocks(qtype, 37, k, gen)
+            x = torch.randn(5, k, generator=gen)
+            ref = x @ reference_dequantize(qtype, raw, k).t()
+            w = _pack(lib, qtype, raw, k)
             out = _gemv(fn, x, w, None)
             if not torch.allclose(out, ref, rtol=0.05, atol=0.05 * float(ref.abs().max())):
                 raise KernelUnavailable(
@@ -235,10 +246,12 @@ def _lib() -> ctypes.CDLL:
 def _check_weight(caller: str, qtype: int, weight: torch.Tensor, k: int) -> None:
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"{caller}: ggml type {qtype} is not one of "
-                         f"{', '.join(f'{k}={v}' for k, v in QTYPES.items())}")
-    if k % BLOCK_SIZE:
-        raise ValueError(f"{caller}: k={k} is not a multiple of {BLOCK_SIZE}")
-    row_bytes = k // BLOCK_SIZE * BLOCK_BYTES[qtype]
+                         f"{', '.join(f'{k}={v}' for k, v in ALL_QTYPES.items())}")
+    block = BLOCK_VALUES[qtype]
+    if k % block:
+        raise ValueError(f"{caller}: k={k} is not a multiple of {block}, the block size of "
+                         f"ggml type {qtype}")
+    row_bytes = k // block * BLOCK_BYTES[qtype]
     if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes
             or weight.stride(1) != 1 or weight.device.type != "cpu"):
         raise ValueError(f"{caller}: weight must be a CPU uint8 [n, {row_bytes}] with unit "
@@ -246,8 +259,8 @@ def _check_weight(caller: str, qtype: int, weight: torch.Tensor, k: int) -> None
 
 
 def pack_weight(qtype: int, weight: torch.Tensor, k: int) -> PackedWeight:
-    """GGUF rows ``uint8 [n, k / 32 * block_bytes]`` of ggml type ``qtype`` (one of
-    :data:`QTYPES`' values) repacked for the kernel (once, at load; a copy: ``weight``
+    """GGUF rows ``uint8 [n, k / block * block_bytes]`` of ggml type ``qtype`` (one of
+    :data:`ALL_QTYPES`' values) repacked for the kernel (once, at load; a copy: ``weight``
     can be dropped). Raises ``ValueError`` for a weight it does not take and
     ``RuntimeError`` when the kernel is unavailable."""
     lib = _lib()
@@ -344,7 +357,7 @@ def qgemv_linear(x: torch.Tensor, qtype: int, weight: torch.Tensor,
     :func:`pack_weight` and call :func:`unchecked_qgemv`'s function).
 
     ``weight`` is ``uint8 [n, k / 32 * block_bytes]`` in ggml type ``qtype`` (one of
-    :data:`QTYPES`' values) with unit stride along its bytes; ``x`` float32 CPU.
+    :data:`ALL_QTYPES`' values) with unit stride along its bytes; ``x`` float32 CPU.
     Raises ``ValueError`` for inputs it does not take and ``RuntimeError`` when the
     kernel is unavailable.
     """

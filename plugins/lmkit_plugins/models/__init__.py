@@ -72,10 +72,12 @@ def register_quantization_methods(register):
     register(Spec(
         name="gguf", target="lmkit_plugins.quantization.gguf_cpu:GGUFCpuMethod",
         requires=("gguf",), priority=50,
-        caps=Caps({"Q8_0", "Q4_0", "Q4_1", "F32", "F16", "kernel:q8_dot_avx512vnni",
+        caps=Caps({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "F32", "F16",
+                   "kernel:q8_dot_avx512vnni",
                    "kernel:q8_dot_avx2", "kernel:dequantize_f32_tiles"},
                   {"weight_format": {"gguf"}, "device": {"cpu"}, "dtype": {"float32"}}),
-        description="GGUF Q8_0/Q4_0/Q4_1 blocks kept packed on the CPU (C kernels, int8 "
+        description="GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K (and Q5_0, held as Q8_0) blocks kept "
+                    "packed on the CPU (C kernels, int8 "
                     "activations for decode batches).",
     ))
 

@@ -85,13 +85,22 @@ class CpuDecodeStack:
                                ctx.kv_caches)
 
 
-def _qlinear(method: Any, linear: Linear, kernel: Any) -> QLinear | None:
+def _qlinear(method: Any, linear: Linear, kernel: Any, segments: int = 1
+             ) -> list[QLinear] | None:
+    """The packed projection(s) behind ``kernel``: one, or up to ``segments`` row ranges
+    of different types (a fused projection of mixed types), each with its bias rows."""
     from lmkit_kernels.cpu.decode_stack import QLinear
 
     packed = method.packed_weight(kernel)
-    if packed is None:
+    parts = packed if isinstance(packed, tuple) else (packed,)
+    if packed is None or len(parts) > segments:
         return None
-    return QLinear(packed.qtype, packed.data, linear.bias, packed.n, packed.k)
+    out, row = [], 0
+    for p in parts:
+        bias = None if linear.bias is None else linear.bias[row:row + p.n]
+        out.append(QLinear(p.qtype, p.data, bias, p.n, p.k))
+        row += p.n
+    return out
 
 
 def build_cpu_decode_stack(model: LlamaStack, quant: Any
@@ -156,15 +165,19 @@ def _layer_weights(layer: Any, quant: Any, make: Any) -> Any:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(n.has_cpu_kernel for n in norms):
         return None
-    parts = [_qlinear(quant, attn.qkv_proj, attn.qkv_proj._qnorm),
-             _qlinear(quant, attn.o_proj, attn.o_proj._qkernel),
+    qkv_parts = _qlinear(quant, attn.qkv_proj, attn.qkv_proj._qnorm, segments=2)
+    parts = [_qlinear(quant, attn.o_proj, attn.o_proj._qkernel),
              _qlinear(quant, mlp.gate_up_proj, mlp.gate_up_proj._qnorm),
              _qlinear(quant, mlp.down_proj, mlp.down_proj._qsilu)]
-    qkv, o, gate_up, down = parts
-    if qkv is None or o is None or gate_up is None or down is None:
+    if qkv_parts is None or any(p is None for p in parts):
         return None
-    if (qkv.n != attn.q_size + 2 * attn.kv_size or o.k != attn.q_size
+    (o,), (gate_up,), (down,) = parts  # type: ignore[misc]
+    qkv, tail = qkv_parts[0], (qkv_parts[1] if len(qkv_parts) > 1 else None)
+    if tail is not None and tail.k != qkv.k:
+        return None
+    qkv_n = qkv.n + (0 if tail is None else tail.n)
+    if (qkv_n != attn.q_size + 2 * attn.kv_size or o.k != attn.q_size
             or gate_up.n != 2 * down.k or qkv.k != o.n or gate_up.k != o.n or down.n != o.n):
         return None
     return make(qkv, o, gate_up, down, norms[0].weight, norms[0].eps, norms[1].weight,
-                norms[1].eps)
+                norms[1].eps, qkv_tail=tail)

@@ -1,5 +1,5 @@
-"""The ``gguf`` quantization method: a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept packed
-on the CPU and multiplied by lmkit's C kernels (:mod:`lmkit_kernels.cpu.qgemv`).
+"""The ``gguf`` quantization method: a GGUF file's Q8_0/Q4_0/Q4_1 blocks and Q4_K/Q6_K
+super-blocks kept packed on the CPU and multiplied by lmkit's C kernels (:mod:`lmkit_kernels.cpu.qgemv`).
 
 Decode batches (at most 32 rows) quantize the activations per block to int8 and take
 integer block dot products, as llama.cpp does; larger batches dequantize the weights to
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
 
 GGUF_NAME = "model.gguf"  # lmkit.loading.gguf.GGUF_NAME: the file kept beside a conversion
+# qtype of a fused projection whose parts differ in type (a Q4_K_M file's Q6_K value
+# projection beside Q4_K query and key): ``data`` is the tuple of parts, each computed by
+# its own kernel into its columns of the output
+MIXED = "mixed"
 
 
 class GGUFCpuMethod(QuantizationMethod):
@@ -45,7 +49,7 @@ class GGUFCpuMethod(QuantizationMethod):
     def __init__(self, facts: ModelFacts, *, options: Any = None) -> None:
         super().__init__(facts, options=options)
         from lmkit_kernels.cpu.qgemv import (
-            QTYPES,
+            ALL_QTYPES,
             bind_linear,
             pack_weight,
             qgemv_unavailable_reason,
@@ -58,7 +62,7 @@ class GGUFCpuMethod(QuantizationMethod):
                 "the gguf quantization method needs lmkit's C quantized-GEMV kernel, which "
                 f"is not available here: {qgemv_unavailable_reason()}. Run the model dense "
                 "with --quantization none.")
-        self._qtypes = QTYPES
+        self._qtypes = ALL_QTYPES
         from lmkit_kernels.cpu.qgemv import MAX_ROWS
         from lmkit_kernels.cpu.qgemv_fold import bind_norm_linear, bind_silu_linear
 
@@ -83,11 +87,24 @@ class GGUFCpuMethod(QuantizationMethod):
         self._reader = None  # drop the file mapping once every tensor is copied
 
     def fuse(self, parts: list[QuantizedTensor]) -> QuantizedTensor | None:
-        """Rows of same-typed parts concatenated; ``None`` for mixed types."""
-        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        """Rows of same-typed parts concatenated; parts of different types kept apart in
+        one :data:`MIXED` tensor; ``None`` for parts of different widths."""
+        if len({p.shape[1] for p in parts}) != 1:
             return None
         if len(parts) == 1:
             return parts[0]
+        if len({p.qtype for p in parts}) != 1:  # runs of one type fused, kept in order
+            flat = [q for p in parts for q in (p.data if p.qtype == MIXED else (p,))]
+            runs: list[list[QuantizedTensor]] = []
+            for q in flat:
+                if runs and runs[-1][0].qtype == q.qtype:
+                    runs[-1].append(q)
+                else:
+                    runs.append([q])
+            fused = tuple(self.fuse(run) for run in runs)
+            if len(fused) == 1:
+                return fused[0]
+            return QuantizedTensor(fused, MIXED, (sum(p.shape[0] for p in flat), parts[0].shape[1]))
         data = torch.cat([p.data for p in parts])
         return QuantizedTensor(data, parts[0].qtype,
                                (sum(p.shape[0] for p in parts), parts[0].shape[1]))
@@ -96,6 +113,8 @@ class GGUFCpuMethod(QuantizationMethod):
         """``(x, bias) -> x @ W.T + bias`` over the blocks, repacked once here for the
         kernel (:func:`lmkit_kernels.cpu.qgemv.pack_weight`: the same bytes, regrouped
         by 16 rows; ``weight`` itself is not kept)."""
+        if weight.qtype == MIXED:
+            return _mixed([self.linear(p) for p in weight.data], weight.data)
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._keep(packed, self._bind(packed))[0]  # the weight's arguments bound
 
@@ -103,6 +122,11 @@ class GGUFCpuMethod(QuantizationMethod):
                          ) -> tuple[QuantizedLinear, QuantizedNormLinear]:
         """:meth:`linear`'s function and the one with the norm folded in
         (:func:`lmkit_kernels.cpu.qgemv_fold.bind_norm_linear`), over one packing."""
+        if weight.qtype == MIXED:
+            pairs = [self.linear_with_norm(p) for p in weight.data]
+            norm = _mixed_norm([b for _, b in pairs], weight.data)
+            self._packed[norm] = tuple(self._packed[b] for _, b in pairs)  # parts, in order
+            return _mixed([a for a, _ in pairs], weight.data), norm
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._keep(packed, self._bind(packed), self._bind_norm(packed))  # type: ignore[return-value]
 
@@ -111,6 +135,8 @@ class GGUFCpuMethod(QuantizationMethod):
         """:meth:`linear`'s function and the one with SiLU-and-multiply folded in
         (:func:`lmkit_kernels.cpu.qgemv_fold.bind_silu_linear`; ``None`` where torch's
         AVX-512 ``silu`` cannot be matched bit for bit), over one packing."""
+        if weight.qtype == MIXED:
+            return self.linear(weight), None
         packed = self._pack(self._qtypes[weight.qtype], weight.data, weight.shape[1])
         return self._keep(packed, self._bind(packed), self._bind_silu(packed))  # type: ignore[return-value]
 
@@ -122,7 +148,8 @@ class GGUFCpuMethod(QuantizationMethod):
 
     def packed_weight(self, kernel: Any) -> Any:
         """The :class:`lmkit_kernels.cpu.qgemv.PackedWeight` a kernel function this
-        method returned computes with (for code that calls the C kernels itself, e.g.
+        method returned computes with (a tuple of them, in row order, for the norm-folded
+        kernel of a :data:`MIXED` projection) (for code that calls the C kernels itself, e.g.
         :mod:`lmkit_plugins.models.cpu_decode_stack`), else ``None``."""
         return self._packed.get(kernel) if kernel is not None else None
 
@@ -130,4 +157,38 @@ class GGUFCpuMethod(QuantizationMethod):
         """Float32 rows of ``weight`` (the C kernel)."""
         from lmkit_kernels.cpu.qgemv import dequantize_rows
 
+        if weight.qtype == MIXED:
+            whole = torch.cat([self.dequantize(p) for p in weight.data])
+            return whole if rows is None else whole[rows]
         return dequantize_rows(self._qtypes[weight.qtype], weight.data, weight.shape[1], rows)
+
+
+def _split(bias: torch.Tensor | None, parts: tuple[QuantizedTensor, ...]
+           ) -> list[torch.Tensor | None]:
+    if bias is None:
+        return [None] * len(parts)
+    return list(bias.split([p.shape[0] for p in parts]))
+
+
+def _mixed(kernels: list[QuantizedLinear], parts: tuple[QuantizedTensor, ...]
+           ) -> QuantizedLinear:
+    """One projection over parts of different types: each part's kernel, outputs side
+    by side (the same values as the parts computed apart)."""
+    def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.cat([k(x, b) for k, b in zip(kernels, _split(bias, parts), strict=True)],
+                         dim=1)
+
+    return linear
+
+
+def _mixed_norm(kernels: list[QuantizedNormLinear], parts: tuple[QuantizedTensor, ...]
+                ) -> QuantizedNormLinear:
+    """:func:`_mixed` with the norm folded: each part's kernel computes the same norm
+    (bit-identical; it is a few microseconds a row) and the first one's residual is kept."""
+    def linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = [k(x, residual, norm_weight, eps, b)
+                for k, b in zip(kernels, _split(bias, parts), strict=True)]
+        return torch.cat([y for y, _ in outs], dim=1), outs[0][1]
+
+    return linear

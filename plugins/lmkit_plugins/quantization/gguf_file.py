@@ -2,8 +2,9 @@
 
 :func:`open_checked` validates the whole file before any tensor is used: the header and
 tensor table must parse, every tensor's type must be one this method reads (quantized
-``Q8_0``/``Q4_0``/``Q4_1`` or dense ``F32``/``F16``), a quantized row must hold whole
-blocks (ggml's 32 weights), and every tensor's bytes must lie inside the file (a
+``Q8_0``/``Q4_0``/``Q4_1``, the k-quants ``Q4_K``/``Q6_K``, ``Q5_0`` (held as ``Q8_0``, see
+:func:`q5_0_as_q8_0`), or dense ``F32``/``F16``), a
+quantized row must hold whole blocks (ggml's 32 weights, 256 for k-quants), and every tensor's bytes must lie inside the file (a
 truncated download is caught here, not halfway through loading).
 :func:`iterate_tensors` then yields the tensors under Hugging Face names, with the
 row permutation llama.cpp's converter applies to the query and key projections undone.
@@ -20,7 +21,8 @@ import torch
 from lmkit.api import ModelLoadError, QuantizedTensor
 
 # ggml types this method reads: quantized ones kept packed, float ones dense
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_1")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0")
+HELD_AS = {"Q5_0": "Q8_0"}  # read as another type the kernels compute with (exactly)
 DENSE = ("F32", "F16")
 ARCHITECTURES = ("llama",)  # GGUF general.architecture values whose names map below
 
@@ -118,6 +120,23 @@ def forward_order(gguf_name: str) -> tuple[int, int]:
     return (1 << 30, rank)
 
 
+def q5_0_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """``Q5_0`` rows ``uint8 [n, blocks * 22]`` as ``Q8_0`` rows ``uint8 [n, blocks * 34]``
+    holding the same weights exactly: a ``Q5_0`` block (fp16 ``d``, 32 high bits ``qh``,
+    16 bytes of nibbles; weight ``j`` is ``d * ((nibble_j | bit_j << 4) - 16)``) becomes
+    ``d`` and the 32 int8 values ``q5 - 16``. llama.cpp's ``Q4_K_M`` writes ``Q5_0`` for
+    rows that are not whole super-blocks of 256; the ``Q8_0`` kernel then reads 34 bytes
+    per block where the file has 22."""
+    n = rows.shape[0]
+    blk = rows.reshape(n, -1, 22)
+    qh = blk[..., 2:6].contiguous().view(torch.int32)  # [n, nb, 1]
+    bits = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # [n, nb, 32]
+    qs = blk[..., 6:22].to(torch.int32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    q = ((low | (bits << 4)) - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([blk[..., 0:2], q], dim=-1).reshape(n, -1).contiguous()
+
+
 def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's query/key permutation (its converter interleaves
     the two rotary halves of each head; HF keeps them apart): ``hf = gguf[index]``."""
@@ -148,6 +167,8 @@ def iterate_tensors(reader: Any, num_heads: int, num_kv_heads: int
                 data = data[unpermute_rows(data.shape[0], num_heads)]
         if qtype in QUANTIZED:
             out, k = int(np.prod(t.shape[1:])), int(t.shape[0])
-            yield name, QuantizedTensor(data.contiguous(), qtype, (out, k))
+            if qtype == "Q5_0":
+                data = q5_0_as_q8_0(data)
+            yield name, QuantizedTensor(data.contiguous(), HELD_AS.get(qtype, qtype), (out, k))
         else:
             yield name, data.contiguous()

@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 
 from lmkit_kernels.activation import silu_and_mul_ref
-from lmkit_kernels.checks import check_shape, check_tensor
+from lmkit_kernels.checks import check_tensor
 from lmkit_kernels.fp8 import fp8_linear_ref
 from lmkit_kernels.fp8_gemv import ROW_TILES, check_row_launch, launch_row_kernel
+from lmkit_kernels.gemv_fold import check_norm_inputs
 from lmkit_kernels.norm import rms_norm_ref
 
 __all__ = ["norm_fp8_row_linear", "norm_fp8_row_linear_ref", "silu_mul_fp8_row_linear",
@@ -58,15 +59,7 @@ def norm_fp8_row_linear(x: torch.Tensor, residual: torch.Tensor | None,
     k = x.shape[-1]
     n = check_row_launch(x, weight, weight_scale, bias, k, block_n, block_k,
                          "norm_fp8_row_linear")
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=x.device,
-                 contiguous=True)
-    check_shape("norm_weight", norm_weight, (k,))
-    res_out = None
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device,
-                     last_dim_contiguous=True)
-        check_shape("residual", residual, (1, k))
-        res_out = torch.empty((1, k), dtype=x.dtype, device=x.device)
+    res_out = check_norm_inputs(x, residual, norm_weight)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     launch_row_kernel("norm", x, weight, weight_scale, bias, out, k, residual=residual,
                       norm_weight=norm_weight, res_out=res_out, eps=eps, block_n=block_n,

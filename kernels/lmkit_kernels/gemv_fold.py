@@ -284,6 +284,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             _STAGES_THAT_FIT[variant] = stages
 
 
+def check_norm_inputs(x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor) -> torch.Tensor | None:
+    """Check a folded norm's ``norm_weight`` (``[K]``, ``x``'s dtype) and ``residual``
+    (``x``'s shape and dtype, unit last stride) against ``x: [M, K]``; return a new
+    contiguous ``[M, K]`` tensor for the residual sum, or ``None`` without a residual.
+
+    :raises ValueError: on a shape, dtype, device or stride mismatch.
+    """
+    m, k = x.shape
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=x.device,
+                 contiguous=True)
+    check_shape("norm_weight", norm_weight, (k,))
+    if residual is None:
+        return None
+    check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device,
+                 last_dim_contiguous=True)
+    check_shape("residual", residual, (m, k))
+    return torch.empty((m, k), dtype=x.dtype, device=x.device)
+
+
 def norm_small_m_linear(x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                         bias: torch.Tensor | None = None, *, block_n: int = 16,
@@ -308,15 +328,7 @@ def norm_small_m_linear(x: torch.Tensor, residual: torch.Tensor | None,
     """
     _check_rows("x", x, "norm_small_m_linear")
     m, k = x.shape
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=x.device,
-                 contiguous=True)
-    check_shape("norm_weight", norm_weight, (k,))
-    res_out = None
-    if residual is not None:
-        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device,
-                     last_dim_contiguous=True)
-        check_shape("residual", residual, (m, k))
-        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = check_norm_inputs(x, residual, norm_weight)
     n = _check_weight(x, k, weight, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, k, residual=residual, norm_weight=norm_weight,

@@ -35,6 +35,17 @@ def bundled_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+def resource_usage(kernel) -> dict[str, str]:
+    """``{"REG": registers, "STACK": bytes}`` of a compiled kernel, read from its cubin
+    with the bundled ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([bundled_tool("cuobjdump"), "-res-usage", f.name], check=True,
+                           capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    return dict(re.findall(r"(REG|STACK):(\d+)", usage))
+
+
 def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dict:
     from lmkit_kernels.gemv_fold import _fold_linear_kernel, launch_config
     from lmkit_plugins.models.fused_ops import GemvFold
@@ -51,7 +62,9 @@ def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dic
     ints = ["M", "N", "K", "stride_xm", "stride_rm", "stride_hm", "stride_wn", "stride_om"]
     constants = {"SILU_MUL": silu_mul, "HAS_RESIDUAL": has_residual, "HAS_BIAS": False,
                  "BLOCK_M": block_m, "BLOCK_N": tiles["block_n"], "BLOCK_K": block_k,
-                 "NORM_BLOCK": 4096, "DOT_F32": False, "IEEE_DOT": False, "ACCURATE_EXP": True}
+                 "NORM_BLOCK": 4096, "DOT_F32": False, "IEEE_DOT": False, "ACCURATE_EXP": True,
+                 # launched with PDL on an H100: the wait and the first slice's prefetch
+                 "USE_PDL": True, "PF_LINE": 64, "PF_LINES": block_k // 64}
     signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints},
                  "inv_k": "fp32", "eps": "fp32", **{c: "constexpr" for c in constants}}
     # what the launch specialises on: 16-byte aligned pointers, sizes divisible by 16
@@ -62,12 +75,7 @@ def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dic
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": tiles["num_warps"], "num_stages": stages,
                                      "enable_fp_fusion": False})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([bundled_tool("cuobjdump"), "-res-usage", f.name], check=True,
-                           capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    fields = resource_usage(kernel)
     return {"rows": rows, "fold": fold, "has_residual": has_residual,
             "out_features": out_features, "block_m": block_m, "block_k": block_k,
             "num_stages": stages, "shared": kernel.metadata.shared,

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
-from offline_sm90 import bundled_tool
+from offline_sm90 import resource_usage
 
 
 def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
@@ -50,12 +47,7 @@ def _compile(mode: str, has_residual: bool, n: int, k: int, pipeline: bool,
     kernel = triton_compile(ASTSource(_fp8_row_kernel, signature, constants, attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([bundled_tool("cuobjdump"), "-res-usage", f.name], check=True,
-                           capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    fields = resource_usage(kernel)
     ptx = kernel.asm["ptx"]
     return {"mode": mode, "has_residual": has_residual, "N": n, "K": k,
             "pipeline": pipeline, "use_pdl": use_pdl, "block_n": block_n,

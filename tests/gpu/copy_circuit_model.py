@@ -131,3 +131,23 @@ def write_copy_circuit_model(directory: Path, config=None, device: str | None = 
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     make_byte_tokenizer().save_pretrained(directory)
     return directory
+
+
+def generate_greedy(model_dir: Path, backend: str, prompt_sets: list[list[list[int]]],
+                    max_tokens: int = 24) -> tuple[list[list[list[int]]], object]:
+    """Greedy tokens of an in-process CUDA engine (bf16, CUDA graphs on) for each set of
+    prompts in turn, and the runner's model (read before shutdown)."""
+    from lmkit import SamplingParams
+    from lmkit.frontend.llm import LLM
+
+    llm = LLM(str(model_dir), attention=backend, dtype="bfloat16", max_num_seqs=8,
+              max_model_len=2048, num_blocks=1024, device="cuda")
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.cuda_graphs is not None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(p, params)]
+                  for p in prompt_sets]
+        return tokens, runner.model
+    finally:
+        llm.shutdown()

@@ -32,7 +32,11 @@ pytestmark = pytest.mark.gpu
 
 import torch  # noqa: E402
 from backends import backend_params  # noqa: E402
-from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
+from copy_circuit_model import (  # noqa: E402
+    generate_greedy,
+    llama_config,
+    write_copy_circuit_model,
+)
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
@@ -116,21 +120,8 @@ def llama8b_shape(tmp_path_factory) -> Path:
 
 
 def _generate(model_dir, backend, prompt_sets):
-    from lmkit import SamplingParams
-    from lmkit.frontend.llm import LLM
-
-    llm = LLM(str(model_dir), attention=backend, dtype="bfloat16", max_num_seqs=8,
-              max_model_len=2048, num_blocks=1024, device="cuda")
-    try:
-        runner = llm.engine.executor.runner
-        assert runner.cuda_graphs is not None
-        folded = [layer._norm_folded for layer in runner.model.model.layers]
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(p, params)]
-                  for p in prompt_sets]
-    finally:
-        llm.shutdown()
-    return tokens, folded
+    tokens, model = generate_greedy(model_dir, backend, prompt_sets)
+    return tokens, [layer._norm_folded for layer in model.model.layers]
 
 
 @pytest.mark.parametrize("backend", backend_params("triton", "flashinfer"))

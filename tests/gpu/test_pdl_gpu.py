@@ -26,7 +26,11 @@ pytestmark = pytest.mark.gpu
 
 import torch  # noqa: E402
 from backends import backend_params  # noqa: E402
-from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
+from copy_circuit_model import (  # noqa: E402
+    generate_greedy,
+    llama_config,
+    write_copy_circuit_model,
+)
 from lmkit_kernels import pdl  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
@@ -123,21 +127,6 @@ def llama8b_shape(tmp_path_factory) -> Path:
                                     device="cuda")
 
 
-def _generate(model_dir, backend, prompt_sets):
-    from lmkit import SamplingParams
-    from lmkit.frontend.llm import LLM
-
-    llm = LLM(str(model_dir), attention=backend, dtype="bfloat16", max_num_seqs=8,
-              max_model_len=2048, num_blocks=1024, device="cuda")
-    try:
-        assert llm.engine.executor.runner.cuda_graphs is not None
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        return [[list(o.outputs[0].token_ids) for o in llm.generate(p, params)]
-                for p in prompt_sets]
-    finally:
-        llm.shutdown()
-
-
 @needs_hopper
 @pytest.mark.parametrize("backend", backend_params("triton", "flashinfer"))
 def test_greedy_tokens_equal_with_pdl_on_and_off(llama8b_shape, backend, monkeypatch):
@@ -145,7 +134,7 @@ def test_greedy_tokens_equal_with_pdl_on_and_off(llama8b_shape, backend, monkeyp
     batch = [torch.randint(0, 128256, (n,), generator=g).tolist() for n in (1, 17, 100, 300, 33)]
     prompt_sets = [batch[2:3], batch]
     monkeypatch.setenv(pdl.ENV, "1")
-    on = _generate(llama8b_shape, backend, prompt_sets)
+    on, _ = generate_greedy(llama8b_shape, backend, prompt_sets)
     monkeypatch.setenv(pdl.ENV, "0")
-    off = _generate(llama8b_shape, backend, prompt_sets)
+    off, _ = generate_greedy(llama8b_shape, backend, prompt_sets)
     assert on == off

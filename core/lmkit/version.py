@@ -6,4 +6,4 @@ __version__ = "0.1.0"
 # additions to hookspecs or interfaces; bump the major number for breaking changes.
 # Plugins declare the range they support with a module attribute, e.g.
 # ``LMKIT_PLUGIN_API = ">=1.0,<2"``.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: SamplingKernels.argmax (optional)

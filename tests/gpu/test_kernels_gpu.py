@@ -240,3 +240,16 @@ def test_rotary_cos_sin_matches_the_torch_ops_bit_for_bit(dtype):
     cos, sin = rotary_cos_sin(positions, inv_freq, dtype)
     ref_cos, ref_sin = rotary_cos_sin_ref(positions, inv_freq, dtype)
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_argmax(rows, dtype):
+    from lmkit_kernels.argmax import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 128256, generator=g, device="cuda").to(dtype)
+    x[0, [7, 90000]] = 100.0  # a tie across chunks: the first index
+    if rows > 1:
+        x[1, 5000] = float("nan")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

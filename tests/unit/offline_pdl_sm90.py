@@ -16,7 +16,8 @@ import json
 import os
 
 # pointer arguments that are not bf16 activations/weights
-_POINTER_TYPES = {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
+_POINTER_TYPES = {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "val_ptr": "*fp32",
+                  "idx_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
                   "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "block_tables_ptr": "*i32", "slot_ptr": "*i64", "slot_mapping_ptr": "*i64",
                   "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*fp32"}
@@ -25,6 +26,7 @@ _FLOATS = {"scale_log2", "eps", "inv_head_size", "inv_hidden_size", "inv_k"}
 
 def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:
     from lmkit_kernels.activation import _silu_and_mul_kernel
+    from lmkit_kernels.argmax import _chunk_argmax_kernel, _rows_argmax_kernel
     from lmkit_kernels.cache_write import _reshape_and_cache_kernel
     from lmkit_kernels.gemv import _small_m_linear_kernel
     from lmkit_kernels.gemv_fold import _fold_linear_kernel
@@ -55,6 +57,8 @@ def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:
           "ROT": 128, "HEADS": 8, "HAS_NORM": False, "WRITE_CACHE": True,
           "PAGE_SIZE": 16}, 1),
         ("rms_norm", _rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096}, 1),
+        ("chunk_argmax", _chunk_argmax_kernel, {"CHUNKS": 32, "BLOCK": 4096}, 1),
+        ("rows_argmax", _rows_argmax_kernel, {"CHUNKS": 32, "CHUNKS_PAD": 32}, 1),
         ("rotary_cos_sin", _cos_sin_kernel, {"HALF": 64, "HALF_PAD": 64, "ACCURATE": True}, 1),
         ("silu_and_mul", _silu_and_mul_kernel, {"BLOCK": 1024, "ACCURATE_EXP": True}, 1),
         ("reshape_and_cache", _reshape_and_cache_kernel,

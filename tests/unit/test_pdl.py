@@ -19,7 +19,8 @@ sys.path.insert(0, str(HERE))
 from offline_sm90 import bundled_tool  # noqa: E402
 
 KERNELS = {"small_m_linear", "gemv_fold", "paged_decode", "reduce_splits", "rotary_qk",
-           "rms_norm", "silu_and_mul", "reshape_and_cache", "rotary_cos_sin"}
+           "rms_norm", "silu_and_mul", "reshape_and_cache", "rotary_cos_sin",
+           "chunk_argmax", "rows_argmax"}
 PREFETCHING = {"small_m_linear", "gemv_fold", "paged_decode"}
 
 

@@ -166,3 +166,23 @@ def test_conformance_suite_in_the_interpreter():
     from lmkit.testing.sampling_kernels import check_sampling_kernels
 
     assert set(check_sampling_kernels(TritonSamplingKernels).values()) == {"passed"}
+
+
+def test_greedy_argmax_routing(monkeypatch):
+    from lmkit_plugins.sampling.policy import uses_argmax_kernel
+
+    assert uses_argmax_kernel(1, 128256, "cuda") and uses_argmax_kernel(64, 32768, "cuda")
+    assert not uses_argmax_kernel(65, 128256, "cuda")  # many rows: torch's grid is fine
+    assert not uses_argmax_kernel(1, 32767, "cuda") and not uses_argmax_kernel(1, 10**6, "cpu")
+    taken = []
+    monkeypatch.setattr(triton_kernels, "uses_argmax_kernel", lambda *shape: True)
+    monkeypatch.setattr(triton_kernels, "argmax_rows",
+                        lambda logits: taken.append(logits.shape) or logits.argmax(dim=-1))
+    logits = torch.randn(3, VOCAB)
+    kernels = TritonSamplingKernels(device=CPU)
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1)) and taken == [(3, VOCAB)]
+    # the sampler's greedy rows go through it
+    md = metadata([SamplingParams(temperature=0.0)] * 3, CPU)
+    out = Sampler(kernels)(logits, md)
+    assert out.sampled_token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert len(taken) == 2

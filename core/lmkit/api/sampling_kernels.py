@@ -3,21 +3,23 @@
 The sampler (:mod:`lmkit.sample`) owns the pipeline: raw logprobs, logit adjustments
 (bias, bans, allowed ids, penalties, plugin logits processors; the grammar bitmask
 before it), greedy argmax, the greedy acceptance of drafts and the host copy. Two steps
-of random sampling go through a :class:`SamplingKernels` object, chosen per engine by
-the ``sampling_kernels`` kind (``--sampling-kernels``):
+of random sampling, and the greedy rows' argmax, go through a :class:`SamplingKernels`
+object, chosen per engine by the ``sampling_kernels`` kind (``--sampling-kernels``):
 
 - :meth:`SamplingKernels.sample`: adjusted logits -> one draw per row (temperature,
   min-p, top-k, top-p, then the draw), a step without drafts;
 - :meth:`SamplingKernels.verify`: target distributions -> rejection sampling of the
-  drafts (each draft's test, each row's recovered or bonus draw).
+  drafts (each draft's test, each row's recovered or bonus draw);
+- :meth:`SamplingKernels.argmax` (optional, plugin API 1.1): the adjusted logits' argmax
+  per row, ``torch.argmax`` unless a kernel set overrides it.
 
 The core's default is the torch implementation,
 :class:`lmkit.sample.kernels.TorchSamplingKernels` (``lmkit.api.TorchSamplingKernels``;
 registered as ``torch``). A plugin usually subclasses it, overrides a method and calls
 ``super()`` for the rows or shapes its kernels do not serve exactly or fast: a
 per-request seed (``rows.generators``) must keep drawing from that generator alone.
-Greedy rows' results are ignored (the sampler takes the argmax), so a kernel set may
-treat them as it likes.
+Greedy rows' results are ignored (the sampler takes :meth:`SamplingKernels.argmax`), so
+a kernel set may treat them as it likes.
 """
 
 from __future__ import annotations
@@ -94,6 +96,20 @@ class SamplingKernels(ABC):
         Returns:
             int64 ``[num_rows]`` on the logits' device (greedy rows: any valid id).
         """
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, exactly as ``torch.argmax(logits, dim=-1)``: the first index
+        of the largest value, a NaN counting as larger than everything. The sampler's
+        greedy rows take it. Added in plugin API 1.1; the default is ``torch.argmax``.
+
+        Args:
+            logits: ``[num_rows, vocab]`` (float32, or the model's dtype when nothing
+                adjusted them); not modified.
+
+        Returns:
+            int64 ``[num_rows]`` on the logits' device.
+        """
+        return logits.argmax(dim=-1)
 
     @abstractmethod
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,

@@ -131,7 +131,7 @@ class Sampler:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
         if md.needs_logit_adjustment or not md.all_greedy:
             logits = adjust_logits(logits.to(torch.float32, copy=True), md)
-        greedy_ids = None if md.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if md.all_random else self.kernels.argmax(logits)
         accepted = None
         if md.all_greedy:
             assert greedy_ids is not None

@@ -9,8 +9,9 @@ needs). ``sample`` is one draw per row (no drafts); ``verify`` is rejection samp
 A step uses the kernel when the nearest measured shape (batch, then vocabulary, both on
 a log scale) was at least :data:`MIN_SPEEDUP` faster for every filter the step uses
 (``temp``: temperature only, ``top-k``, ``top-p``; a step using top-k and top-p needs
-both to win). Greedy rows never use it: the Triton greedy path measured 3-8x slower
-than ``torch.argmax``, so the sampler keeps the argmax. Re-measure and update
+both to win). Greedy rows never use the sampling kernel's greedy path (3-8x slower
+than ``torch.argmax``); their argmax takes :func:`lmkit_kernels.argmax.argmax_rows` for
+few long rows (:data:`ARGMAX_MAX_ROWS`, :data:`ARGMAX_MIN_VOCAB`), else ``torch.argmax``. Re-measure and update
 :data:`MEASURED` (and the docs table) when the kernels or the torch path change.
 """
 
@@ -20,6 +21,20 @@ import math
 
 # Below this measured speedup the kernel is within noise of torch: keep torch.
 MIN_SPEEDUP = 1.05
+
+#: greedy rows' argmax through :func:`lmkit_kernels.argmax.argmax_rows` (two short
+#: kernels) instead of ``torch.argmax`` for at most this many rows of at least
+#: ARGMAX_MIN_VOCAB entries: torch reduces a row with one thread block (28 us per step at
+#: batch 1 over 128,256 logits on an H100, W2's profile); the kernel spreads each row
+#: over 4,096-wide chunks. Small vocabularies keep torch (one launch instead of two).
+ARGMAX_MAX_ROWS = 64
+ARGMAX_MIN_VOCAB = 32768
+
+
+def uses_argmax_kernel(num_rows: int, vocab: int, device_type: str) -> bool:
+    """Whether greedy rows' argmax takes lmkit's chunked kernel (see
+    :data:`ARGMAX_MAX_ROWS`)."""
+    return device_type == "cuda" and num_rows <= ARGMAX_MAX_ROWS and vocab >= ARGMAX_MIN_VOCAB
 
 BATCHES = (1, 32, 256)
 VOCABS = (49152, 151936)

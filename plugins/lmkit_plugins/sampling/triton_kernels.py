@@ -7,7 +7,8 @@ They serve exactly, and so only take, steps whose random rows have no per-reques
 reproduce) and, for ``sample``, no min-p (the kernel has no min-p filter); for
 ``verify``, deterministic drafts only (no draft distributions). Greedy rows go through
 the kernels as greedy (temperature 0: a cheap argmax) and the sampler replaces them
-with its own ``torch.argmax``. The logits reach them already adjusted (bias, bans,
+with :meth:`TritonSamplingKernels.argmax`: lmkit's chunked argmax kernel for a few rows
+of a large vocabulary (on CUDA), ``torch.argmax`` otherwise (the same result). The logits reach them already adjusted (bias, bans,
 penalties, logits processors, grammar bitmask) and logprobs stay the sampler's.
 """
 
@@ -18,10 +19,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from lmkit.api import DraftRows, RandomRows, TorchSamplingKernels
+from lmkit_kernels.argmax import argmax_rows
 from lmkit_kernels.rejection_sample import rejection_sample
 from lmkit_kernels.sampling import sample as triton_sample
 
-from lmkit_plugins.sampling.policy import modes, use_kernel
+from lmkit_plugins.sampling.policy import modes, use_kernel, uses_argmax_kernel
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:
@@ -44,6 +46,14 @@ class TritonSamplingKernels(TorchSamplingKernels):
             temperature = temperature.masked_fill(rows.is_greedy, 0.0)
         return triton_sample(logits, temperature=temperature, top_k=rows.top_k,
                              top_p=rows.top_p)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """See :meth:`lmkit.api.SamplingKernels.argmax`: the chunked kernel where
+        :func:`~lmkit_plugins.sampling.policy.uses_argmax_kernel` says so."""
+        if (logits.dim() == 2 and logits.stride(-1) == 1
+                and uses_argmax_kernel(logits.shape[0], logits.shape[1], logits.device.type)):
+            return argmax_rows(logits)
+        return super().argmax(logits)
 
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,
                draft_probs: Sequence[torch.Tensor | None] | None

@@ -49,7 +49,7 @@ import triton.language as tl
 from lmkit_kernels.checks import is_interpreting
 
 __all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait",
-           "prefetch_args", "prefetch_enabled", "prefetch_l2",
+           "prefetch_args", "prefetch_depth", "prefetch_enabled", "prefetch_l2",
            "prefetch_weight_rows"]
 
 #: the switch: ``0`` turns programmatic dependent launch off
@@ -143,20 +143,25 @@ def _prefetch_slices() -> int:
                      "default), 2, 4 or 8 weight slices")
 
 
-def prefetch_enabled(device: torch.device) -> bool:
-    """Whether kernels prefetch into L2 before their PDL wait: PDL on for ``device``
-    and ``LMKIT_PDL_PREFETCH`` not 0.
+def prefetch_depth(device: torch.device) -> int:
+    """How many ``block_k`` weight slices a GEMV program prefetches before its PDL wait:
+    ``LMKIT_PDL_PREFETCH`` (default 1) when PDL is on for ``device``, else 0.
 
     :raises ValueError: ``LMKIT_PDL_PREFETCH`` not one of 0, 1, 2, 4, 8.
     """
-    return pdl_enabled(device) and _prefetch_slices() > 0
+    return _prefetch_slices() if pdl_enabled(device) else 0
+
+
+def prefetch_enabled(device: torch.device) -> bool:
+    """Whether kernels prefetch into L2 before their PDL wait (:func:`prefetch_depth`
+    above 0)."""
+    return prefetch_depth(device) > 0
 
 
 def prefetch_args(weight: torch.Tensor, block_k: int) -> dict[str, int]:
     """``PF_LINE`` / ``PF_LINES`` for :func:`prefetch_weight_rows`: the lines of the first
-    ``LMKIT_PDL_PREFETCH`` (default 1) ``block_k`` slices of ``weight``'s rows when
-    :func:`prefetch_enabled`, else no prefetch (``PF_LINES=0``)."""
+    :func:`prefetch_depth` ``block_k`` slices of ``weight``'s rows (``PF_LINES=0``: no
+    prefetch)."""
     line = max(1, 128 // weight.element_size())
-    if not prefetch_enabled(weight.device):
-        return {"PF_LINE": line, "PF_LINES": 0}
-    return {"PF_LINE": line, "PF_LINES": max(1, _prefetch_slices() * block_k // line)}
+    depth = prefetch_depth(weight.device)
+    return {"PF_LINE": line, "PF_LINES": max(1, depth * block_k // line) if depth else 0}

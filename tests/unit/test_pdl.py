@@ -50,7 +50,7 @@ def test_on_for_hopper_unless_switched_off(monkeypatch):
 
 
 def test_prefetch_lines_follow_the_weight_dtype(monkeypatch):
-    monkeypatch.setattr(pdl, "prefetch_enabled", lambda device: True)
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     assert pdl.prefetch_args(torch.empty(4, 4096, dtype=torch.bfloat16), 512) == {
         "PF_LINE": 64, "PF_LINES": 8}
     assert pdl.prefetch_args(torch.empty(4, 4096, dtype=torch.float8_e4m3fn), 1024) == {

@@ -29,3 +29,15 @@ def random_trainable_head():
     for param in head.parameters():
         param.data.normal_(0, 0.3)
     return head
+
+
+@pytest.fixture
+def fp8_gpu_rounding():
+    """Triton's interpreter converts float32 to e4m3 (and bfloat16) as the GPU does, for
+    bit-exact FP8 kernel tests; skips where this Triton has no conversion hook."""
+    from lmkit_kernels.interpreter import fp8_round_to_nearest
+
+    with fp8_round_to_nearest() as patched:
+        if not patched:
+            pytest.skip("this Triton's interpreter has no conversion hook to patch")
+        yield

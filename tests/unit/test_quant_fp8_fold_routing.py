@@ -27,7 +27,6 @@ import lmkit_kernels.fp8_gemv as fp8_gemv  # noqa: E402
 import lmkit_kernels.fp8_gemv_fold as fp8_gemv_fold  # noqa: E402
 from lmkit.api import AttentionMetadata, ForwardContext, ModelBuildContext  # noqa: E402
 from lmkit_kernels.fp8 import quantize_per_channel  # noqa: E402
-from lmkit_kernels.interpreter import fp8_round_to_nearest  # noqa: E402
 from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
 from lmkit_plugins.models.tensor_parallel import TensorParallel  # noqa: E402
@@ -40,12 +39,7 @@ CPU = torch.device("cpu")
 LAYERS = 2
 
 
-@pytest.fixture(autouse=True)
-def gpu_rounding():
-    with fp8_round_to_nearest() as patched:
-        if not patched:
-            pytest.skip("this Triton's interpreter has no conversion hook to patch")
-        yield
+pytestmark = pytest.mark.usefixtures("fp8_gpu_rounding")
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from lmkit_kernels.fp8_gemv_fold import (  # noqa: E402
     silu_mul_fp8_row_linear,
     silu_mul_fp8_row_linear_ref,
 )
-from lmkit_kernels.interpreter import fp8_round_to_nearest  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
 
 # (N, K, block_n, block_k): partial programs (N not a multiple of block_n), K tails
@@ -30,12 +29,7 @@ from lmkit_kernels.norm import rms_norm  # noqa: E402
 SHAPES = [(70, 200, 8, 64), (33, 96, 16, 32), (24, 64, 8, 128), (9, 300, 4, 256)]
 
 
-@pytest.fixture(autouse=True)
-def gpu_rounding():
-    with fp8_round_to_nearest() as patched:
-        if not patched:
-            pytest.skip("this Triton's interpreter has no conversion hook to patch")
-        yield
+pytestmark = pytest.mark.usefixtures("fp8_gpu_rounding")
 
 
 def _weight(n, k, g):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 from interpret_mode import require_triton_interpreter
+from tiny_prefill import prefill_hidden
 
 require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
 torch = pytest.importorskip("torch")
@@ -25,7 +26,7 @@ pytest.importorskip("transformers")
 
 import lmkit_kernels.fp8_gemv as fp8_gemv  # noqa: E402
 import lmkit_kernels.fp8_gemv_fold as fp8_gemv_fold  # noqa: E402
-from lmkit.api import AttentionMetadata, ForwardContext, ModelBuildContext  # noqa: E402
+from lmkit.api import ModelBuildContext  # noqa: E402
 from lmkit_kernels.fp8 import quantize_per_channel  # noqa: E402
 from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
@@ -123,20 +124,8 @@ def _model(method=None, **config):
 
 
 def _run(model, num_tokens):
-    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
-    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
-    blocks = -(-num_tokens // 4)
-    md = AttentionMetadata(num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens,
-                           max_seq_len=num_tokens, query_start_loc=qsl, seq_lens=seq_lens,
-                           block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                           slot_mapping=torch.arange(num_tokens), query_start_loc_cpu=qsl,
-                           seq_lens_cpu=seq_lens)
-    caches = [torch.zeros(model.attn.kv_cache_shape(blocks), dtype=torch.bfloat16)
-              for _ in range(LAYERS)]
-    model.attn.plan(md)
-    ids = torch.arange(num_tokens) * 7 % 64
+    hidden = prefill_hidden(model, num_tokens, LAYERS)
     with torch.inference_mode():
-        hidden = model(ids, torch.arange(num_tokens), ForwardContext(model.attn, caches))
         return hidden, model.compute_logits(hidden[-1:])
 
 

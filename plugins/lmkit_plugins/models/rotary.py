@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from lmkit.api import ModelLoadError
 
+from lmkit_plugins.models.fused_ops import fused_ops_enabled
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -124,10 +126,8 @@ class RotaryEmbedding(torch.nn.Module):
             table = self._cpu_table(int(positions.max()) + 1, dtype)
             rows = table.index_select(1, positions)  # [2, n, 1, rotary_dim]
             return rows[0], rows[1]
-        from lmkit_plugins.models.fused_ops import fused_ops_enabled
-
         if fused_ops_enabled(positions.device, dtype):  # one kernel for the ~nine ops
-            from lmkit_kernels.rotary_cos_sin import rotary_cos_sin
+            from lmkit_kernels.rotary_cos_sin import rotary_cos_sin  # (imports triton)
 
             return rotary_cos_sin(positions.contiguous(), self.inv_freq, dtype)
         return self._compute_cos_sin(positions, dtype)

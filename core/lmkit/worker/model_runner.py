@@ -22,7 +22,6 @@ from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, kv_window
 from lmkit.api.model import ForwardContext, ModelBuildContext
-from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import DraftHeadContext
 from lmkit.errors import ModelLoadError
@@ -44,6 +43,7 @@ from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatc
 from lmkit.worker.model_build import check_tensor_parallel, kv_cache_groups, quantization_method
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
+from lmkit.worker.step_plan import SamplingPlan, commit_tokens, sampling_plan
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
@@ -253,7 +253,7 @@ class ModelRunner:
             hidden = self._forward(step, self.kv_caches, aux)
             if self.offload is not None:  # write-through stores read what the forward wrote
                 self.offload.after_forward(so.kv_transfers)
-            plan = self._sampling_plan(order, step, so.scheduled_spec_decode_tokens)
+            plan = sampling_plan(order, step, so.scheduled_spec_decode_tokens, self.requests)
             pooled = None
             if self.pooling:  # pooling requests pool their chunks and never sample
                 pooling = self.pooling.states
@@ -262,7 +262,8 @@ class ModelRunner:
             verified = self._sample(hidden, order, plan, so)
             prompt_logprobs = step_prompt_logprobs(self.model, self.requests,
                                                    hidden, order, step)
-        out = self._commit(order, plan, verified, prompt_logprobs)
+        out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
+                            self.input_batch)
         out.pooled = pooled
         if self.drafter is not None:  # the head drafts the next step's tokens, now
             with torch.inference_mode():
@@ -370,24 +371,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sampling_plan(self, order: list[str], step: StepInputs,
-                       spec: dict[str, list[int]]) -> list[tuple[int, int, list[int]]]:
-        """Which requests sample this step: ``(step index, first hidden row, drafts)``.
-
-        A request samples when its chunk reaches the end of its known tokens; with
-        draft tokens it gets logits at the last known token and at every draft
-        (``len(drafts) + 1`` rows), which speculative verification consumes.
-        """
-        plan = []
-        ends = step.num_computed + step.num_scheduled
-        for i, rid in enumerate(order):
-            drafts = spec.get(rid) or []
-            if ends[i] - len(drafts) >= self.requests[rid].num_tokens:
-                plan.append((i, int(step.cu_num_tokens[i]) - 1 - len(drafts), drafts))
-        return plan
-
     def _sample(self, hidden: torch.Tensor, order: list[str],
-                plan: list[tuple[int, int, list[int]]], so: SchedulerOutput | None = None
+                plan: SamplingPlan, so: SchedulerOutput | None = None
                 ) -> VerifiedTokens:
         """Sample (and verify drafts) for every planned request in one call."""
         if not plan:
@@ -422,27 +407,6 @@ class ModelRunner:
         if self.drafter is not None:  # the head's sampled drafts' distributions
             probs = self.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
         return self.sampler.sample_requests(logits, md, drafts, probs)
-
-    def _commit(self, order: list[str], plan: list[tuple[int, int, list[int]]],
-                verified: VerifiedTokens, prompt_logprobs: dict[str, list[TokenLogprob | None]]
-                ) -> ModelRunnerOutput:
-        """Append the accepted tokens to the runner's copies, build the output."""
-        out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order],
-                                prompt_logprobs=prompt_logprobs)
-        if verified.logprobs is not None:
-            out.logprobs = [[] for _ in order]
-        for n, (i, _, drafts) in enumerate(plan):
-            rid = order[i]
-            tokens = verified.token_ids[n]  # accepted drafts + 1
-            if drafts:
-                out.num_draft_tokens[rid] = len(drafts)
-                out.num_accepted_tokens[rid] = verified.num_accepted[n]
-            if out.logprobs is not None and verified.logprobs is not None:
-                out.logprobs[i] = verified.logprobs[n]
-            out.sampled_token_ids[i] = tokens
-            self.requests[rid].output_token_ids.extend(tokens)
-            self.input_batch.append_tokens(self.input_batch.row_of[rid], tokens)
-        return out
 
 
 def _eos_of(new: NewRequestData, default: int | None) -> int | None:

@@ -1,0 +1,56 @@
+"""Which requests of a step sample, and what the step's sampled tokens do to the runner's
+copies of them: the bookkeeping around :meth:`lmkit.worker.model_runner.ModelRunner.
+execute_model`'s sampling (pure host work, no device calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lmkit.api.outputs import TokenLogprob
+from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.sample.sampler import VerifiedTokens
+from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+
+#: per sampling request: (step index, first hidden row, its drafts)
+SamplingPlan = list[tuple[int, int, list[int]]]
+
+
+def sampling_plan(order: list[str], step: StepInputs, spec: Mapping[str, list[int]],
+                  requests: Mapping[str, CachedRequestState]) -> SamplingPlan:
+    """Which requests sample this step: ``(step index, first hidden row, drafts)``.
+
+    A request samples when its chunk reaches the end of its known tokens; with
+    draft tokens it gets logits at the last known token and at every draft
+    (``len(drafts) + 1`` rows), which speculative verification consumes.
+    """
+    plan = []
+    ends = step.num_computed + step.num_scheduled
+    for i, rid in enumerate(order):
+        drafts = spec.get(rid) or []
+        if ends[i] - len(drafts) >= requests[rid].num_tokens:
+            plan.append((i, int(step.cu_num_tokens[i]) - 1 - len(drafts), drafts))
+    return plan
+
+
+def commit_tokens(order: list[str], plan: SamplingPlan, verified: VerifiedTokens,
+                  prompt_logprobs: dict[str, list[TokenLogprob | None]],
+                  requests: Mapping[str, CachedRequestState], input_batch: InputBatch
+                  ) -> ModelRunnerOutput:
+    """Append the accepted tokens to the runner's copies (request states and the batch's
+    token rows) and build the step's output."""
+    out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[] for _ in order],
+                            prompt_logprobs=prompt_logprobs)
+    if verified.logprobs is not None:
+        out.logprobs = [[] for _ in order]
+    for n, (i, _, drafts) in enumerate(plan):
+        rid = order[i]
+        tokens = verified.token_ids[n]  # accepted drafts + 1
+        if drafts:
+            out.num_draft_tokens[rid] = len(drafts)
+            out.num_accepted_tokens[rid] = verified.num_accepted[n]
+        if out.logprobs is not None and verified.logprobs is not None:
+            out.logprobs[i] = verified.logprobs[n]
+        out.sampled_token_ids[i] = tokens
+        requests[rid].output_token_ids.extend(tokens)
+        input_batch.append_tokens(input_batch.row_of[rid], tokens)
+    return out

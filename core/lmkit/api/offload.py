@@ -180,7 +180,9 @@ def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor])
     directory, its ``config.json``, and the name, size and modification time of each
     weight file) with the same attention backend, block size, dtype and per-layer
     block shape; the device pool size does not count. Blocks stored under one
-    fingerprint must never be loaded under another.
+    fingerprint must never be loaded under another. With a draft head
+    (``speculative.model``), whose KV blocks the tier carries beside the target's, the
+    head's files count too.
     """
     h = hashlib.blake2b(FINGERPRINT_VERSION, digest_size=32)
 
@@ -189,18 +191,25 @@ def kv_cache_fingerprint(config: LMKitConfig, kv_caches: Sequence[torch.Tensor])
             raw = part if isinstance(part, bytes) else str(part).encode()
             h.update(len(raw).to_bytes(8, "little") + raw)
 
+    def add_files(model: Path) -> None:
+        if model.is_dir():
+            config_json = model / "config.json"
+            add(config_json.read_bytes() if config_json.is_file() else b"")
+            for f in sorted(model.iterdir()):
+                if f.suffix in WEIGHT_SUFFIXES and f.is_file():
+                    st = f.stat()
+                    add(f.name, st.st_size, st.st_mtime_ns)
+        elif model.is_file():
+            st = model.stat()
+            add(st.st_size, st.st_mtime_ns)
+
     model = Path(str(config.model.model))
     add("model", model)
-    if model.is_dir():
-        config_json = model / "config.json"
-        add(config_json.read_bytes() if config_json.is_file() else b"")
-        for f in sorted(model.iterdir()):
-            if f.suffix in WEIGHT_SUFFIXES and f.is_file():
-                st = f.stat()
-                add(f.name, st.st_size, st.st_mtime_ns)
-    elif model.is_file():
-        st = model.stat()
-        add(st.st_size, st.st_mtime_ns)
+    add_files(model)
+    if config.speculative.model is not None:  # a draft head's KV rides with the target's
+        head = Path(config.speculative.model)
+        add("draft head", config.speculative.backend, head)
+        add_files(head)
     add("attention", config.attention.backend, "block_size", config.cache.block_size)
     add("layers", len(kv_caches))
     for cache in kv_caches:

@@ -75,7 +75,7 @@ class ProposerManager(StepPhase):
 
         Raises:
             ConfigError: a runner-hosted proposer with a feature it cannot work with yet
-                (tensor parallelism, a KV offload tier).
+                (tensor parallelism).
         """
         reg = stack.get("speculative")
         if reg is None:
@@ -259,8 +259,3 @@ def _check_runner_hosted(config: LMKitConfig, name: str) -> None:
             "not built yet for tensor parallelism (parallel.tensor_parallel_size = "
             f"{config.parallel.tensor_parallel_size}); use --tp 1, or a token-based proposer "
             "(--speculative ngram).")
-    if config.offload.backend != "none":
-        raise ConfigError(
-            f"speculative proposer {name!r} keeps a draft KV cache next to the target's, and "
-            f"the KV offload tier ({config.offload.backend!r}) does not carry it yet (not "
-            "built yet); turn offload off (--offload none) or use --speculative ngram.")

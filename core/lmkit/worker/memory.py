@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmkit.errors import ConfigError
+
 if TYPE_CHECKING:
     from lmkit.api.kv_cache_spec import KVCacheGroup
 
@@ -98,3 +100,23 @@ def allocate_kv_caches(groups: Sequence[KVCacheGroup], num_blocks: int,
         for layer in group.layers:
             caches[layer] = torch.zeros(shape, dtype=group.attn.dtype, device=device)
     return [caches[layer] for layer in range(len(caches))]
+
+
+def check_head_blocks_offloadable(target: list[torch.Tensor], head: list[torch.Tensor]
+                                  ) -> None:
+    """The offload tiers copy one block of every layer as one host row, so a draft head's
+    KV cache must be laid out like the target's to ride along.
+
+    Raises:
+        ConfigError: the head's per-layer cache differs in shape or dtype.
+    """
+    want = target[0]
+    for cache in head:
+        if cache.shape != want.shape or cache.dtype != want.dtype:
+            raise ConfigError(
+                f"the KV offload tier carries the draft head's KV blocks beside the "
+                f"target's, one layout for all: the head's cache is {list(cache.shape)} "
+                f"{cache.dtype} per layer, the target's {list(want.shape)} {want.dtype} "
+                "(a head with other KV head counts or sizes); turn offload off "
+                "(--offload none) or use a head shaped like the target.")
+

@@ -187,8 +187,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.drafter is not None:  # the head's KV: same blocks, its own tensors
             self.drafter.allocate(num_blocks)
-        self.offload = build_offload_worker(self.config, self.stack, self.kv_caches,
-                                            self.kv_groups)
+        caches, groups = self.kv_caches, self.kv_groups
+        if self.drafter is not None and self.config.offload.backend != "none":
+            # the tier carries the head's KV blocks too (same block ids as the target's)
+            memory.check_head_blocks_offloadable(self.kv_caches, self.drafter.kv_caches)
+            caches = caches + self.drafter.kv_caches
+            groups = groups + self.drafter.kv_groups()
+        self.offload = build_offload_worker(self.config, self.stack, caches, groups)
         if self.device.type == "cuda":
             warm_up_step_shapes(self.dummy_step_model())
         aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
@@ -251,8 +256,8 @@ class ModelRunner:
             [] if self.drafter is not None and self.drafter.proposer.target_layers else None)
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches, aux)
-            if self.offload is not None:  # write-through stores read what the forward wrote
-                self.offload.after_forward(so.kv_transfers)
+            if self.offload is not None and self.drafter is None:
+                self.offload.after_forward(so.kv_transfers)  # they read what it wrote
             plan = sampling_plan(order, step, so.scheduled_spec_decode_tokens, self.requests)
             pooled = None
             if self.pooling:  # pooling requests pool their chunks and never sample
@@ -272,6 +277,8 @@ class ModelRunner:
                     order, step, plan, verified.num_accepted, self.requests,
                     self.config.speculative.disable_by_batch_size))
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
+            if self.offload is not None:  # write-through stores: after the head's KV too
+                self.offload.after_forward(so.kv_transfers)
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step)
         out.finished_kv_loads = self._finished_kv_loads()
@@ -416,3 +423,4 @@ def _eos_of(new: NewRequestData, default: int | None) -> int | None:
 def _hidden_states(hidden: torch.Tensor) -> torch.Tensor:
     """The head of a model without a language-model head: its hidden states as they are."""
     return hidden
+

@@ -21,9 +21,11 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None, **settings):
+def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
+               offload=None, **settings):
     """Run ``prompts`` greedily in an in-process engine; return what the head drafted
-    for each request at each length: ``{(prompt index, tokens so far): drafts}``."""
+    for each request at each length: ``{(prompt index, tokens so far): drafts}``, and
+    the engine's stats. ``offload``: the config's ``offload`` section (none: off)."""
     from lmkit.engine.core import EngineCore
 
     seen: dict[tuple[int, int], list[int]] = {}
@@ -42,7 +44,7 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None, 
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
         "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
                         "disable_by_batch_size": settings.pop("disable_by_batch_size", None)},
-        "scheduler": settings})
+        "scheduler": settings, **({"offload": offload} if offload else {})})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
                       progress=False)
     try:

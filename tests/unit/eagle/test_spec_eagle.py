@@ -95,9 +95,9 @@ def test_eagle3_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
 
 
 def test_features_not_built_yet_are_refused(tiny, head):
-    with pytest.raises(ConfigError, match=r"KV offload tier .*not built yet"):
-        LLM(str(tiny), speculative="eagle", speculative_model=str(head), offload="cpu",
-            num_blocks=96, **COMMON)
+    with pytest.raises(ConfigError, match=r"not built yet for tensor parallelism"):
+        LLM(str(tiny), speculative="eagle", speculative_model=str(head), num_blocks=96,
+            **{"parallel.tensor_parallel_size": 2}, **COMMON)
 
 
 def _homogeneity_p_value(a, b) -> float:

@@ -86,3 +86,33 @@ def test_training_holds_sequences_out_and_reports_their_accuracy(tmp_path):
         "--holdout", "40"], env=ENV)
     assert result.exit_code != 0
     assert "--holdout 40: keep between 0 and 39 of the 40 sequences" in result.output
+
+
+def test_chains_in_the_prompt_are_not_counted(random_trainable_head):
+    """``first`` leaves out the chains that start in the prompt (serving never drafts
+    there); a ``truth`` row of -1 (outside the draft vocabulary) is always a miss."""
+    head = random_trainable_head
+    n, first = 9, 4
+    embeds, taps = torch.randn(n, 32), torch.randn(n, 96)
+    with torch.no_grad():
+        steps = head.unrolled(embeds, taps, 2)
+    argmax0 = steps[0].argmax(-1)
+    # the target agrees with step 0 only in the answer: counted from row 4 on, exact
+    target = torch.nn.functional.one_hot((argmax0 + 1) % 50, 50).float()
+    target[first:] = torch.nn.functional.one_hot(argmax0[first:], 50).float()
+    assert draft_accuracy(head, [lambda: (embeds, taps, target)], 2)[0] == pytest.approx(
+        first_rate(first, n))
+    assert draft_accuracy(head, [lambda: (embeds, taps, target, first)], 2)[0] == 1.0
+    # truth given: compared instead of the logits' argmax; -1 never matches
+    truth = argmax0.clone()
+    truth[first] = -1
+    got = draft_accuracy(head, [lambda: (embeds, taps, target, first, truth)], 2)
+    assert got[0] == pytest.approx((n - first - 1) / (n - first))
+    right1 = steps[1].argmax(-1) == truth[1:]
+    chains = right1[first:n - 1] & (truth[first:n - 1] != -1)
+    assert got[1] == pytest.approx(chains.sum().item() / (n - first - 2))
+
+
+def first_rate(first: int, n: int) -> float:
+    """Step 0's accuracy when every row from ``first`` on is right and none before."""
+    return (n - first) / n

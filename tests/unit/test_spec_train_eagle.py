@@ -193,9 +193,63 @@ def test_feature_cache_options_are_checked(tmp_path):
     for args, message in ((["--feature-cache", "ram"],
                            "--feature-cache 'ram': use one of memory, disk, off"),
                           (["--feature-batch", "0"], "--feature-batch must be at least 1"),
-                          (["--feature-cache-gb", "-1"], "--feature-cache-gb must be 0 or more")):
+                          (["--feature-cache-gb", "-1"], "--feature-cache-gb must be 0 or more"),
+                          (["--lr-schedule", "linear"],
+                           "--lr-schedule 'linear': use one of constant, cosine"),
+                          (["--warmup-steps", "-2"], "--warmup-steps must be 0 or more")):
         result = CliRunner().invoke(build_app(env=ENV), [
             "spec", "train-eagle", "some-model", "--out", str(tmp_path / "head"),
             "--device", "cpu", *args], env=ENV)
         assert result.exit_code != 0 and message in result.output, result.output
     assert not (tmp_path / "head").exists()
+
+
+def test_prompt_rows_are_context_and_never_trained(random_trainable_head):
+    """With ``first``, a sequence's rows before it add nothing to the loss (changing their
+    targets changes nothing) but still feed the answer rows (changing their inputs does)."""
+    from lmkit_plugins.spec.eagle_trainable import distill_loss
+
+    head = random_trainable_head
+    torch.manual_seed(1)
+    embeds, taps = [torch.randn(8, 32)], [torch.randn(8, 96)]
+    want = [torch.softmax(torch.randn(8, 50), -1)]
+    base = distill_loss(head, embeds, taps, want, 3, 1, [3])
+    other = want[0].clone()
+    other[:3] = torch.softmax(torch.randn(3, 50), -1)
+    assert distill_loss(head, embeds, taps, [other], 3, 1, [3]) == base
+    assert distill_loss(head, embeds, taps, [other], 3, 1, [0]) != \
+        distill_loss(head, embeds, taps, want, 3, 1, [0])
+    moved = embeds[0].clone()
+    moved[0] += 1.0
+    assert distill_loss(head, [moved], taps, want, 3, 1, [3]) != base
+    # a first row past every step's rows: nothing trains
+    assert distill_loss(head, embeds, taps, want, 3, 1, [8]) == 0
+
+
+def test_answer_rows_start_at_the_last_prompt_token(capsys):
+    from lmkit_plugins.spec.train_eagle import answer_rows
+
+    data = {"sequences": [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4], [7, 8, 9]],
+            "prompt_lens": [3, 3, 1]}
+    # row p predicts token p + 2; the first answer token (index 3) is the target's, so
+    # drafting starts with token 4: row 2 = prompt length - 1; one answer token: dropped
+    assert answer_rows(data, progress=True) == ([[1, 2, 3, 4, 5, 6], [7, 8, 9]], [2, 0])
+    assert capsys.readouterr().err == ""
+    old = {"sequences": data["sequences"] + [[1, 2]]}  # before prompt lengths were kept
+    assert answer_rows(old, progress=True) == (data["sequences"], [0, 0, 0])
+    assert "no prompt lengths" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no answer of 2 tokens or more"):
+        answer_rows({"sequences": [[1, 2, 3]], "prompt_lens": [2]}, progress=False)
+
+
+def test_learning_rate_warms_up_then_stays_or_decays():
+    from lmkit_plugins.spec.train_eagle import learning_rate
+
+    assert [learning_rate(1.0, s, 100, "constant", 0) for s in (0, 50, 99)] == [1.0] * 3
+    assert [learning_rate(1.0, s, 100, "constant", 4) for s in (0, 1, 3, 50)] == \
+        [0.25, 0.5, 1.0, 1.0]
+    cosine = [learning_rate(2.0, s, 100, "cosine", 0) for s in (0, 50, 100)]
+    assert cosine == pytest.approx([2.0, 1.0, 0.0], abs=1e-12)
+    decaying = [learning_rate(1.0, s, 100, "cosine", 10) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(decaying, decaying[1:], strict=False))
+    assert learning_rate(1.0, 4, 100, "cosine", 10) < learning_rate(1.0, 9, 100, "cosine", 10)

@@ -28,6 +28,10 @@ def train_eagle(
     draft_vocab_size: Annotated[int, _opt("--draft-vocab-size", "Draft vocabulary size.")] = 32000,
     batch_size: Annotated[int, _opt("--batch-size", "Sequences per step.")] = 4,
     lr: Annotated[float, _opt("--lr", "AdamW learning rate.")] = 3e-4,
+    lr_schedule: Annotated[str, _opt("--lr-schedule", "constant, or cosine: decayed to 0 at "
+                                     "--max-steps.")] = "constant",
+    warmup_steps: Annotated[int, _opt("--warmup-steps", "Steps of linear learning-rate "
+                                      "warm-up.")] = 0,
     save_every: Annotated[int, _opt("--save-every", "Checkpoint every N steps.")] = 100,
     seed: Annotated[int, _opt("--seed", "Seed of the sequence sampling.")] = 0,
     feature_cache: Annotated[str, _opt("--feature-cache", "Where the target's features are "
@@ -50,7 +54,7 @@ def train_eagle(
     from lmkit.api import ConfigError
 
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
-    from lmkit_plugins.spec.train_eagle import train
+    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
@@ -63,6 +67,11 @@ def train_eagle(
                         ("--feature-batch", feature_batch)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1 (got {value})")
+    if warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps must be 0 or more (got {warmup_steps})")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"--lr-schedule {lr_schedule!r}: use one of "
+                          f"{', '.join(LR_SCHEDULES)}")
     if feature_cache not in CACHE_MODES:
         raise ConfigError(f"--feature-cache {feature_cache!r}: use one of "
                           f"{', '.join(CACHE_MODES)}")
@@ -73,7 +82,8 @@ def train_eagle(
                        max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
                        lr=lr, batch_size=batch_size, save_every=save_every, seed=seed,
                        feature_cache=feature_cache, feature_cache_gb=feature_cache_gb,
-                       feature_batch=feature_batch, holdout=holdout)
+                       feature_batch=feature_batch, holdout=holdout,
+                       lr_schedule=lr_schedule, warmup_steps=warmup_steps)
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]

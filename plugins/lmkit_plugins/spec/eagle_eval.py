@@ -4,14 +4,15 @@
 and, at every checkpoint, runs the head over them exactly as it trains (the unrolled
 draft steps of :meth:`~lmkit_plugins.spec.eagle_trainable.TrainableEagle3.unrolled`:
 row ``s`` of step ``j`` is the ``j``-th draft of the chain that starts after position
-``s``). A draft is right where the head's argmax equals the target's (both over the
+``s``); chains that start in the prompt are left out, since serving drafts only
+after it. A draft is right where the head's argmax equals the target's (both over the
 draft vocabulary); a chain's ``j``-th draft is accepted under greedy verification when
 it and every draft before it in the chain are right. Draft position ``j``'s accuracy
 ``a_j`` is the fraction of chains whose drafts ``0..j`` are all right among those whose
 drafts ``0..j-1`` are (the acceptance rate at that position), and the expected tokens
-per speculative step of ``k`` drafts ``1 + a0 + a0 a1 + ... + a0 ... a(k-1)``. The
-estimate ignores target tokens outside the draft vocabulary (which no draft can match),
-so serving accepts somewhat less.
+per speculative step of ``k`` drafts ``1 + a0 + a0 a1 + ... + a0 ... a(k-1)``. ``lmkit spec
+train-eagle`` compares against the sequence's own tokens (the target's greedy answer),
+so answer tokens outside the draft vocabulary count as misses, as in serving.
 """
 
 from __future__ import annotations
@@ -55,24 +56,32 @@ def holdout_split(num_sequences: int, holdout: int | None, seed: int
 
 
 @torch.no_grad()
-def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, Any, Any]]],
+def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
                    ttt_steps: int) -> list[float]:
     """Per draft position ``j``, the acceptance rate of the ``j``-th draft among chains
     whose earlier drafts were all accepted (module docstring); ``nan`` where no chain
     reaches it. ``examples`` give ``(embeds [m, hidden], taps [m, width], target_logits
     [m, draft vocab])`` of one sequence each, laid out as the training loss takes them
-    (:func:`~lmkit_plugins.spec.eagle_trainable.distill_loss`)."""
+    (:func:`~lmkit_plugins.spec.eagle_trainable.distill_loss`), optionally with a fourth
+    item ``first``: chains starting before row ``first`` (the prompt, which serving
+    never drafts) are not counted, and a fifth, ``truth [m]``: the draft id of the token
+    each row must predict (``-1``: outside the draft vocabulary, never right), compared
+    instead of the target logits' argmax over the draft vocabulary."""
     accepted = [0] * ttt_steps  # chains (starts s < m - j) with drafts 0..j all right
     reached = [0] * ttt_steps  # the same starts with drafts 0..j-1 all right
     for example in examples:
-        embeds, taps, target = example()
+        embeds, taps, target, *rest = example()
+        first = int(rest[0]) if rest else 0
         steps = head.unrolled(embeds, taps, min(ttt_steps, embeds.shape[0]))
-        want = target.argmax(-1)
+        want = rest[1] if len(rest) > 1 else target.argmax(-1)
         chain: torch.Tensor | None = None
         for j, logits in enumerate(steps):
             right = logits.argmax(-1) == want[j:]  # row s: the chain after position s
+            right[:first] = False  # chains that start in the prompt never count
             before = (torch.ones_like(right) if chain is None
                       else chain[:right.shape[0]])
+            before = before.clone()
+            before[:first] = False  # (at step 0 ``before`` is all ones)
             chain = before & right
             reached[j] += int(before.sum())
             accepted[j] += int(chain.sum())

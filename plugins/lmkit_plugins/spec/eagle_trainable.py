@@ -148,13 +148,20 @@ class TrainableEagle3(nn.Module):
 
 
 def distill_loss(head: TrainableEagle3, embeds: list[torch.Tensor], taps: list[torch.Tensor],
-                 want: list[torch.Tensor], ttt_steps: int, batch_size: int) -> torch.Tensor:
+                 want: list[torch.Tensor], ttt_steps: int, batch_size: int,
+                 first: list[int] | None = None) -> torch.Tensor:
     """The distillation loss of a batch of sequences, in one padded forward: per
     sequence of ``m`` rows (``embeds [m, hidden]`` of the tokens after each position,
     ``taps [m, width]``, ``want [m, draft vocab]`` the target's distribution), the
     cross-entropy of ``min(ttt_steps, m)`` unrolled steps, step ``j`` averaged over its
-    rows and weighted ``0.8 ** j``; summed over the batch, divided by ``batch_size``."""
+    rows and weighted ``0.8 ** j``; summed over the batch, divided by ``batch_size``.
+
+    ``first`` (per sequence, default 0): the first row whose prediction counts. Rows
+    before it (the prompt, which serving never drafts) are read as context only: the
+    head attends to them, but their predictions add nothing to the loss."""
     lengths = torch.tensor([len(e) for e in embeds], device=embeds[0].device)
+    starts = torch.tensor(first if first is not None else [0] * len(embeds),
+                          device=lengths.device)
     pad = torch.nn.utils.rnn.pad_sequence
     steps = head.unrolled(pad(embeds, batch_first=True), pad(taps, batch_first=True),
                           min(ttt_steps, int(lengths.max())))
@@ -162,7 +169,8 @@ def distill_loss(head: TrainableEagle3, embeds: list[torch.Tensor], taps: list[t
     loss = target.new_zeros(())
     for j, got in enumerate(steps):
         rows = (j + torch.arange(got.shape[1], device=lengths.device))[None, :]
-        real = rows < lengths[:, None]  # [batch, rows of step j]: not padding
+        # [batch, rows of step j]: not padding, and not a prompt row
+        real = (rows < lengths[:, None]) & (rows >= starts[:, None])
         ce = -(target[:, j:] * torch.log_softmax(got.float(), -1)).sum(-1)
         count = real.sum(-1)
         per_sequence = (ce * real).sum(-1) / count.clamp(min=1)

@@ -13,25 +13,29 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
    when the run resumes; ``--feature-cache disk`` always writes them); training steps
    read the cache. ``--feature-cache off`` runs the target over each step's sequences
    instead (the same losses: the cache holds exactly what that forward returns).
-3. **Objective**: at every position ``p`` the head, given the token at ``p + 1`` and the
-   fused features at ``p``, is trained to the target's distribution of the token at
-   ``p + 2`` (cross-entropy against the target's probabilities restricted to the draft
+3. **Objective**: at every answer position ``p`` the head, given the token at ``p + 1``
+   and the fused features at ``p``, is trained to the target's distribution of the
+   token at ``p + 2`` (the prompt is context only: serving never drafts inside it) (cross-entropy against the target's probabilities restricted to the draft
    vocabulary: its ``draft_vocab_size`` most frequent tokens in the data), and so are
    ``ttt_steps - 1`` unrolled draft steps that read the head's own outputs as drafting
    does (EAGLE-3's training-time test, weighted ``0.8 ** step``; the tokens are the
    data's, not the drafts).
+   AdamW at ``--lr``, constant or (``--lr-schedule cosine``) decayed to zero at
+   ``--max-steps``, after ``--warmup-steps`` of linear warm-up.
 4. **Checkpoints**: every ``--save-every`` steps and at the end, ``DIR/config.json`` and
    ``DIR/model.safetensors`` (the head) and ``DIR/train_state.pt`` (optimizer, step,
    random state). Running the command again on the same ``DIR`` resumes from there.
 5. **Held-out accuracy**: ``--holdout`` sequences (by default 5% of a set of 100 or
    more) never train; at every checkpoint the head's draft accuracy on them per draft
    step and the tokens per speculative step it implies are printed and written to
-   ``DIR/eval.json`` (:mod:`lmkit_plugins.spec.eagle_eval`).
+   ``DIR/eval.json`` (:mod:`lmkit_plugins.spec.eagle_eval`), over the answers only and
+   against the answers' own tokens (tokens outside the draft vocabulary are misses).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -81,9 +85,10 @@ def load_prompts(path: Path | None) -> list[str]:
 
 
 def generate_data(model: str, prompts: list[str], max_new_tokens: int, device: str
-                  ) -> tuple[Path, list[list[int]]]:
+                  ) -> tuple[Path, list[list[int]], list[int]]:
     """The target's greedy answers to ``prompts`` (prompt and answer token ids), with
-    lmkit; also returns the model's local directory."""
+    lmkit; also returns the model's local directory and each prompt's length in tokens
+    (the answer follows it)."""
     from lmkit import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
@@ -92,7 +97,8 @@ def generate_data(model: str, prompts: list[str], max_new_tokens: int, device: s
         chat = getattr(llm.tokenizer, "chat_template", None)
         outs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if chat
                 else llm.generate(prompts, params))
-    return model_dir, [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return (model_dir, [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
+            [len(o.prompt_token_ids) for o in outs])
 
 
 def head_config(hf_config: Any, taps: list[int], draft_vocab_size: int) -> dict[str, Any]:
@@ -114,12 +120,49 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
     return torch.tensor(sorted(ids), dtype=torch.int64)
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(lr: float, step: int, max_steps: int, schedule: str, warmup: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): a linear warm-up over the
+    first ``warmup`` steps, then ``lr`` (``constant``) or a cosine decay to zero at
+    ``max_steps`` (``cosine``; a resumed run with a larger ``--max-steps`` decays over
+    the new total from where it stands)."""
+    scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    if schedule == "cosine":
+        scale *= 0.5 * (1.0 + math.cos(math.pi * min(step, max_steps) / max(max_steps, 1)))
+    return lr * scale
+
+
+def answer_rows(data: dict[str, Any], progress: bool) -> tuple[list[list[int]], list[int]]:
+    """The training sequences of ``data`` and, per sequence, its first row that trains:
+    row ``p`` predicts token ``p + 2``, and serving drafts from the first answer token
+    on (the target samples that one), so answers train from row ``prompt length - 1``;
+    the prompt rows are context only. Sequences with fewer than two answer tokens have
+    no such row and are dropped. Data written before prompt lengths were kept trains on
+    every row (as it did then), with a note."""
+    lens = data.get("prompt_lens")
+    if lens is None:
+        if progress:
+            print("lmkit: this training data has no prompt lengths (written by an older "
+                  "lmkit): every position trains, prompts included; delete "
+                  "train_data.pt to regenerate it", file=sys.stderr)
+        pairs = [(s, 0) for s in data["sequences"] if len(s) >= 3]
+    else:
+        pairs = [(s, n - 1) for s, n in zip(data["sequences"], lens, strict=True)
+                 if len(s) >= max(n + 2, 3)]
+    if not pairs:
+        raise ValueError("the prompt set gave no answer of 2 tokens or more to train on")
+    return [s for s, _ in pairs], [f for _, f in pairs]
+
+
 def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path | None = None,
           max_new_tokens: int = 128, draft_vocab_size: int = 32000, lr: float = 3e-4,
           batch_size: int = 4, save_every: int = 100, taps: list[int] | None = None,
           seed: int = 0, ttt_steps: int = 3, progress: bool = True,
           feature_cache: str = "memory", feature_cache_gb: float = 8.0,
-          feature_batch: int = 16, holdout: int | None = None) -> dict[str, Any]:
+          feature_batch: int = 16, holdout: int | None = None,
+          lr_schedule: str = "constant", warmup_steps: int = 0) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
     ``{"step", "loss", "resumed_from", "losses", "feature_cache", "eval"}`` (``losses``:
     this run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``;
@@ -130,6 +173,9 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
 
     if feature_cache not in CACHE_MODES:
         raise ValueError(f"feature cache {feature_cache!r}: use one of {', '.join(CACHE_MODES)}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"learning-rate schedule {lr_schedule!r}: use one of "
+                         f"{', '.join(LR_SCHEDULES)}")
     out.mkdir(parents=True, exist_ok=True)
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
     if data_path.is_file():
@@ -138,14 +184,13 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
             raise ValueError(f"{out} holds a training run for model {data.get('model')!r}, "
                              f"not {model!r}; use another --out directory")
     else:
-        model_dir, sequences = generate_data(model, load_prompts(prompts), max_new_tokens,
-                                             device)
-        data = {"model": model, "model_dir": str(model_dir), "sequences": sequences}
+        model_dir, sequences, prompt_lens = generate_data(model, load_prompts(prompts),
+                                                          max_new_tokens, device)
+        data = {"model": model, "model_dir": str(model_dir), "sequences": sequences,
+                "prompt_lens": prompt_lens}
         torch.save(data, data_path)
     model_dir = Path(data["model_dir"])
-    sequences = [s for s in data["sequences"] if len(s) >= 3]
-    if not sequences:
-        raise ValueError("the prompt set gave no sequence of 3 tokens or more to train on")
+    sequences, firsts = answer_rows(data, progress)
     train_ids, held_ids = holdout_split(len(sequences), holdout, seed)
     hf_config = load_hf_config(model_dir)
     dims = LlamaDims.from_hf(hf_config)
@@ -201,6 +246,14 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                 [t[:-2].to(device).float() for t, _ in features],
                 [f[1:-1].to(device).float() @ draft_rows.T for _, f in features])
 
+    to_draft = torch.full((dims.vocab_size,), -1, dtype=torch.int64)
+    to_draft[ids] = torch.arange(len(ids))
+
+    def held_out(i: int) -> tuple[Any, ...]:
+        # the sequence's own next-next tokens (the target's greedy answer) as draft ids
+        truth = to_draft[torch.tensor(sequences[i][2:])].to(device)
+        return (*(x[0] for x in loss_inputs([i])), firsts[i], truth)
+
     last_eval: dict[str, Any] | None = None
 
     def evaluate() -> None:
@@ -208,9 +261,8 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         if not held_ids:
             return
         head.eval()
-        accuracy = draft_accuracy(
-            head, [lambda i=i: tuple(x[0] for x in loss_inputs([i])) for i in held_ids],
-            ttt_steps)
+        accuracy = draft_accuracy(head, [lambda i=i: held_out(i) for i in held_ids],
+                                  ttt_steps)
         head.train()
         last_eval = {"step": step, "sequences": len(held_ids), "accuracy": accuracy,
                      "tokens_per_step": expected_tokens_per_step(accuracy)}
@@ -226,9 +278,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         picks = [train_ids[j] for j in
                  torch.randint(len(train_ids), (batch_size,), generator=generator).tolist()]
         optimizer.zero_grad()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(lr, step, max_steps, lr_schedule, warmup_steps)
         embeds, taps_in, logits = loss_inputs(picks)
         loss = distill_loss(head, embeds, taps_in, [torch.softmax(x, -1) for x in logits],
-                            ttt_steps, batch_size)
+                            ttt_steps, batch_size, [firsts[i] for i in picks])
         loss.backward()
         optimizer.step()
         step += 1

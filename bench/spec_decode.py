@@ -6,7 +6,9 @@ engine and as one with the proposer (``ngram`` prompt lookup by default), and ti
 same requests on each,
 alternately, ``--repeats`` times (the first side alternates too), so both see the same
 machine load; the medians are reported. Greedy, EOS ignored, every output length fixed
-by the workload. Per row: output tokens/s of both sides, the speedup (and each pair's),
+by the workload (``--stop-at-eos``: requests end at EOS instead, as a chat client's
+do; a chat model's short answers otherwise go on past EOS into text its draft head
+never saw). Per row: output tokens/s of both sides, the speedup (and each pair's),
 the mean accepted length (tokens emitted per verification: 1 + accepted drafts), the
 draft acceptance rate, whether the greedy outputs were identical (they must be) and, on
 CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
@@ -39,7 +41,8 @@ from lmkit.benchmarking.workload import Workload, chat_workload, copy_workload, 
 
 
 def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any],
-                workload: Workload, threads: int | None, repeats: int) -> dict[str, Any]:
+                workload: Workload, threads: int | None, repeats: int,
+                stop_at_eos: bool = False) -> dict[str, Any]:
     """Both engines in one process, timed alternately ``repeats`` times each (which one
     goes first alternates too), so both sides see the same machine load."""
     import time
@@ -52,7 +55,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
         torch.set_num_threads(threads)
     engines = {"plain": LLM(model, **base_opts), "spec": LLM(model, **spec_opts)}
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=not stop_at_eos)
               for n in workload.output_lens]
     times: dict[str, list[float]] = {"plain": [], "spec": []}
     tokens: dict[str, list[list[int]]] = {}
@@ -127,7 +130,7 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
         spec_opts["speculative.model"] = args.speculative_model
     print(f"[{kind} batch {batch}] {wl.describe()}", file=sys.stderr, flush=True)
     r = run_isolated(paired_side, model_dir, base_opts, spec_opts, wl, args.threads,
-                     args.repeats)
+                     args.repeats, args.stop_at_eos)
     row = {"workload": kind, "batch": batch, "num_requests": n, "proposer": args.proposer,
            **r, "base_tokens_per_s": r["output_tokens"] / r["plain_s"],
            "spec_tokens_per_s": r["output_tokens"] / r["spec_s"],
@@ -163,6 +166,9 @@ def main() -> None:
                     help="requests run one at a time in the batch-1 rows")
     ap.add_argument("--waves", type=int, default=1, help="requests per batch slot (batch > 1)")
     ap.add_argument("--chat-output-len", type=int, default=128)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="requests end at EOS (output lengths at most the workload's; both "
+                         "sides stop alike, greedy); default: EOS ignored, fixed lengths")
     ap.add_argument("--proposer", default="ngram", help="ngram, eagle or eagle3")
     ap.add_argument("--speculative-model", default=None,
                     help="the draft head directory (eagle, eagle3)")
@@ -193,7 +199,7 @@ def main() -> None:
                           "dtype": args.dtype, "threads": args.threads,
                           "attention": args.attention},
               "proposer": args.proposer, "speculative_model": args.speculative_model,
-              "spec_tokens": args.spec_tokens, "prompt_lookup_max": args.prompt_lookup_max,
+              "spec_tokens": args.spec_tokens, "stop_at_eos": args.stop_at_eos, "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,
               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows}
     print("\n".join(format_row(r) for r in rows))

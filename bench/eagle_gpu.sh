@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 17's measurement on one GPU machine, in one command: train an EAGLE-3 head for
+# the default model (SmolLM2-135M-Instruct, GGUF) with `lmkit spec train-eagle` on a
+# prompt set disjoint from the benchmark's, then time the chat workload at batch 1 and
+# 32 with no speculation beside eagle3 (the new head) and beside ngram, each pair in one
+# process (bench/spec_decode.py), and print the head's held-out accuracy.
+#
+#   GGUF=path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results bash bench/eagle_gpu.sh [train] [bench]
+#
+# PROMPTS (default 4000), STEPS (default 6000), BATCH (16), LR (1e-3), VOCAB (8192),
+# ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
+# (triton) set the run; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With no step
+# named both run (training ~5 minutes on an H100 at the defaults, the benchmark ~6).
+set -euo pipefail
+out=${OUT:-eagle-gpu}
+gguf=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file}
+head=${HEAD:-$out/head}
+steps=${*:-train bench}
+here=$(dirname "$0")
+mkdir -p "$out"
+for step in $steps; do
+  case $step in
+    train)
+      python3 "$here/eagle_train_prompts.py" "$out/prompts.jsonl" --count "${PROMPTS:-4000}"
+      lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
+        --max-steps "${STEPS:-6000}" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" \
+        --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \
+        --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 \
+        2>&1 | tee "$out/train.log"
+      cp "$head/eval.json" "$out/eval.json" ;;
+    bench)
+      for proposer in eagle3 ngram; do
+        extra=()
+        [[ $proposer == eagle3 ]] && extra=(--speculative-model "$head")
+        python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
+          --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \
+          --workloads chat --batches 1 32 --batch1-prompts 8 --chat-output-len 128 --stop-at-eos \
+          --spec-tokens "${K:-3}" --repeats 2 --out "$out/spec_$proposer.json" \
+          | tee "$out/spec_$proposer.log"
+      done ;;
+    *) echo "unknown step '$step'; choose from: train bench" >&2; exit 2 ;;
+  esac
+done
+echo "results in $out/"

@@ -116,3 +116,36 @@ def test_chains_in_the_prompt_are_not_counted(random_trainable_head):
 def first_rate(first: int, n: int) -> float:
     """Step 0's accuracy when every row from ``first`` on is right and none before."""
     return (n - first) / n
+
+
+@pytest.mark.slow  # trains on the CPU (~10 s)
+def test_accuracy_on_another_prompt_set_is_reported_beside(tmp_path):
+    """``--eval-prompts``: the target answers that set too (once, kept with the data) and
+    each checkpoint reports the head's accuracy there; a resumed run with another set
+    answers only that one; a missing file is refused."""
+    tiny = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "head"
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"prompt": p}) for p in ("abcabc", "hello", "x y z")))
+    args = ["spec", "train-eagle", str(tiny), "--out", str(out), "--device", "cpu", "--lr",
+            "3e-3", "--max-new-tokens", "16", "--save-every", "20", "--holdout", "4"]
+    result = CliRunner().invoke(build_app(env=ENV), [*args, "--max-steps", "20",
+                                                     "--eval-prompts", "bench"], env=ENV)
+    assert result.exit_code == 0, result.output
+    assert "draft accuracy on bench (" in result.stdout
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["sequences"] == 4 and ev["eval_prompts"]["source"] == "bench"
+    assert 30 <= ev["eval_prompts"]["sequences"] <= 40  # answers of 2 tokens or more
+    assert all(0.0 <= a <= 1.0 for a in ev["eval_prompts"]["accuracy"])
+    data = torch.load(out / "train_data.pt")
+    result = CliRunner().invoke(build_app(env=ENV), [*args, "--max-steps", "40",
+                                                     "--eval-prompts", str(other)], env=ENV)
+    assert result.exit_code == 0, result.output
+    again = torch.load(out / "train_data.pt")
+    assert again["sequences"] == data["sequences"]  # the training data stays
+    assert again["eval"]["source"] == str(other) and len(again["eval"]["sequences"]) == 3
+    assert json.loads((out / "eval.json").read_text())["eval_prompts"]["sequences"] <= 3
+    result = CliRunner().invoke(build_app(env=ENV), [*args, "--max-steps", "41",
+                                                     "--eval-prompts", str(tmp_path / "no")],
+                                env=ENV)
+    assert result.exit_code != 0 and "not a file" in result.output

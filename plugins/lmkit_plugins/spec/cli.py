@@ -32,6 +32,10 @@ def train_eagle(
                                      "--max-steps.")] = "constant",
     warmup_steps: Annotated[int, _opt("--warmup-steps", "Steps of linear learning-rate "
                                       "warm-up.")] = 0,
+    eval_prompts: Annotated[str | None, _opt("--eval-prompts", "Also measure draft accuracy "
+                                             "at each checkpoint on the target's answers to "
+                                             "this JSONL prompt set, or 'bench' (lmkit bench's "
+                                             "chat prompts).")] = None,
     save_every: Annotated[int, _opt("--save-every", "Checkpoint every N steps.")] = 100,
     seed: Annotated[int, _opt("--seed", "Seed of the sequence sampling.")] = 0,
     feature_cache: Annotated[str, _opt("--feature-cache", "Where the target's features are "
@@ -83,18 +87,21 @@ def train_eagle(
                        lr=lr, batch_size=batch_size, save_every=save_every, seed=seed,
                        feature_cache=feature_cache, feature_cache_gb=feature_cache_gb,
                        feature_batch=feature_batch, holdout=holdout,
-                       lr_schedule=lr_schedule, warmup_steps=warmup_steps)
+                       lr_schedule=lr_schedule, warmup_steps=warmup_steps,
+                       eval_prompts=eval_prompts)
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]
     print(f"wrote {out} (step {result['step']}, loss {result['loss']:.4f}"
           + (f", resumed from step {resumed}" if resumed is not None else "")
           + f", feature cache: {result['feature_cache']})")
-    if result["eval"] is not None:
-        ev = result["eval"]
-        print(f"held-out draft accuracy ({ev['sequences']} sequences): "
-              f"{', '.join(f'{a:.3f}' for a in ev['accuracy'])} by draft position, "
-              f"{ev['tokens_per_step']:.2f} tokens per speculative step")
+    ev = result["eval"] or {}
+    for what, report in (("held-out draft accuracy", ev if "accuracy" in ev else None),
+                         (f"draft accuracy on {eval_prompts}", ev.get("eval_prompts"))):
+        if report is not None:
+            print(f"{what} ({report['sequences']} sequences): "
+                  f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
+                  f"{report['tokens_per_step']:.2f} tokens per speculative step")
 
 
 def _arg(help: str) -> Any:

@@ -30,6 +30,9 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
    step and the tokens per speculative step it implies are printed and written to
    ``DIR/eval.json`` (:mod:`lmkit_plugins.spec.eagle_eval`), over the answers only and
    against the answers' own tokens (tokens outside the draft vocabulary are misses).
+   ``--eval-prompts FILE`` (or ``bench``: the chat prompts of ``lmkit bench``) adds the
+   same measure on the target's answers to another prompt set -- the traffic the head
+   will serve -- reported beside it (``eval_prompts`` in ``eval.json``).
 """
 
 from __future__ import annotations
@@ -162,7 +165,8 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
           seed: int = 0, ttt_steps: int = 3, progress: bool = True,
           feature_cache: str = "memory", feature_cache_gb: float = 8.0,
           feature_batch: int = 16, holdout: int | None = None,
-          lr_schedule: str = "constant", warmup_steps: int = 0) -> dict[str, Any]:
+          lr_schedule: str = "constant", warmup_steps: int = 0,
+          eval_prompts: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
     ``{"step", "loss", "resumed_from", "losses", "feature_cache", "eval"}`` (``losses``:
     this run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``;
@@ -178,19 +182,30 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                          f"{', '.join(LR_SCHEDULES)}")
     out.mkdir(parents=True, exist_ok=True)
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
-    if data_path.is_file():
-        data = torch.load(data_path)
-        if data.get("model") != model:
-            raise ValueError(f"{out} holds a training run for model {data.get('model')!r}, "
-                             f"not {model!r}; use another --out directory")
-    else:
-        model_dir, sequences, prompt_lens = generate_data(model, load_prompts(prompts),
-                                                          max_new_tokens, device)
-        data = {"model": model, "model_dir": str(model_dir), "sequences": sequences,
-                "prompt_lens": prompt_lens}
+    eval_source = None if eval_prompts is None else str(eval_prompts)
+    data = torch.load(data_path) if data_path.is_file() else None
+    if data is not None and data.get("model") != model:
+        raise ValueError(f"{out} holds a training run for model {data.get('model')!r}, "
+                         f"not {model!r}; use another --out directory")
+    need_eval = eval_source is not None and (data is None or (data.get("eval") or {}).get(
+        "source") != eval_source)
+    if data is None or need_eval:  # the target answers the prompts (one engine for both)
+        train_prompts = load_prompts(prompts) if data is None else []
+        extra = load_eval_prompts(eval_source) if need_eval else []
+        model_dir, generated, lens = generate_data(model, train_prompts + extra,
+                                                   max_new_tokens, device)
+        n = len(train_prompts)
+        if data is None:
+            data = {"model": model, "model_dir": str(model_dir), "sequences": generated[:n],
+                    "prompt_lens": lens[:n]}
+        if need_eval:
+            data["eval"] = {"source": eval_source, "sequences": generated[n:],
+                            "prompt_lens": lens[n:]}
         torch.save(data, data_path)
     model_dir = Path(data["model_dir"])
     sequences, firsts = answer_rows(data, progress)
+    eval_set = (answer_rows(data["eval"], False) if eval_source is not None
+                else ([], []))
     train_ids, held_ids = holdout_split(len(sequences), holdout, seed)
     hf_config = load_hf_config(model_dir)
     dims = LlamaDims.from_hf(hf_config)
@@ -254,23 +269,30 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         truth = to_draft[torch.tensor(sequences[i][2:])].to(device)
         return (*(x[0] for x in loss_inputs([i])), firsts[i], truth)
 
+    def eval_example(seq: list[int], first: int) -> tuple[Any, ...]:
+        (t, f), = target([seq])  # a small set: the target runs at each evaluation
+        return (target.embed(seq[1:-1]), t[:-2].float(), f[1:-1].float() @ draft_rows.T,
+                first, to_draft[torch.tensor(seq[2:])].to(device))
+
     last_eval: dict[str, Any] | None = None
 
     def evaluate() -> None:
         nonlocal last_eval
-        if not held_ids:
+        if not held_ids and not eval_set[0]:
             return
         head.eval()
-        accuracy = draft_accuracy(head, [lambda i=i: held_out(i) for i in held_ids],
-                                  ttt_steps)
+        last_eval = {"step": step}
+        if held_ids:
+            last_eval.update(_accuracy_report(head, [lambda i=i: held_out(i) for i in held_ids],
+                                              ttt_steps))
+            _print_accuracy(progress, f"held-out draft accuracy at step {step}", last_eval)
+        if eval_set[0]:
+            report = _accuracy_report(head, [lambda s=s, f=f: eval_example(s, f)
+                                             for s, f in zip(*eval_set, strict=True)], ttt_steps)
+            last_eval["eval_prompts"] = {"source": eval_source, **report}
+            _print_accuracy(progress, f"draft accuracy on {eval_source} at step {step}", report)
         head.train()
-        last_eval = {"step": step, "sequences": len(held_ids), "accuracy": accuracy,
-                     "tokens_per_step": expected_tokens_per_step(accuracy)}
         (out / "eval.json").write_text(json.dumps(last_eval, indent=1))
-        if progress:
-            print(f"lmkit: held-out draft accuracy at step {step} ({len(held_ids)} "
-                  f"sequences): {', '.join(f'{a:.3f}' for a in accuracy)} by draft position, "
-                  f"{last_eval['tokens_per_step']:.2f} tokens per step", file=sys.stderr)
 
     loss_value, losses = float("nan"), []
     bar = _progress(progress, max_steps, step)
@@ -297,6 +319,31 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         evaluate()
     return {"step": step, "loss": loss_value, "resumed_from": resumed_from, "losses": losses,
             "feature_cache": feature_cache, "eval": last_eval}
+
+
+def load_eval_prompts(source: str) -> list[str]:
+    """``--eval-prompts``: ``bench`` (the chat prompts of ``lmkit bench``) or a JSONL file
+    like ``--prompts``."""
+    if source == "bench":
+        return load_prompts(None)
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"--eval-prompts {source!r}: not a file; give a JSONL prompt file "
+                         "or 'bench' (the chat prompts of lmkit bench)")
+    return load_prompts(path)
+
+
+def _accuracy_report(head: Any, examples: list[Any], ttt_steps: int) -> dict[str, Any]:
+    accuracy = draft_accuracy(head, examples, ttt_steps)
+    return {"sequences": len(examples), "accuracy": accuracy,
+            "tokens_per_step": expected_tokens_per_step(accuracy)}
+
+
+def _print_accuracy(progress: bool, what: str, report: dict[str, Any]) -> None:
+    if progress:
+        print(f"lmkit: {what} ({report['sequences']} sequences): "
+              f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
+              f"{report['tokens_per_step']:.2f} tokens per step", file=sys.stderr)
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:

@@ -26,7 +26,7 @@ for step in $steps; do
       lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
         --max-steps "${STEPS:-6000}" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" \
         --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \
-        --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 \
+        --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 --eval-prompts bench \
         2>&1 | tee "$out/train.log"
       cp "$head/eval.json" "$out/eval.json" ;;
     bench)

@@ -42,6 +42,9 @@ def test_tokens_per_step_chains_the_acceptance_of_each_position():
     assert expected_tokens_per_step([1.0, 1.0, 1.0]) == 4.0
     assert expected_tokens_per_step([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens_per_step([0.0, 1.0]) == 1.0
+    nan = float("nan")
+    assert expected_tokens_per_step([0.0, nan, nan]) == 1.0  # later positions never reached
+    assert expected_tokens_per_step([0.5, 0.0, nan]) == 1.5
 
 
 def test_accuracy_counts_the_argmax_of_every_unrolled_step(random_trainable_head):

@@ -119,4 +119,3 @@ def check_head_blocks_offloadable(target: list[torch.Tensor], head: list[torch.T
                 f"{cache.dtype} per layer, the target's {list(want.shape)} {want.dtype} "
                 "(a head with other KV head counts or sizes); turn offload off "
                 "(--offload none) or use a head shaped like the target.")
-

@@ -93,6 +93,8 @@ def expected_tokens_per_step(accuracy: Sequence[float]) -> float:
     ``j`` is accepted with probability ``accuracy[j]`` once the drafts before it were."""
     total, run = 1.0, 1.0
     for a in accuracy:
+        if run == 0.0:  # no chain gets this far (its accuracy is nan: never reached)
+            break
         run *= a
         total += run
     return total

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17's measurement on one GPU machine, in one command: train an EAGLE-3 head for
 # the default model (SmolLM2-135M-Instruct, GGUF) with `lmkit spec train-eagle` on a
-# prompt set disjoint from the benchmark's, then time the chat workload at batch 1 and
+# prompt set disjoint from the benchmark's (everyday tasks first: `--tasks`), then time the chat workload at batch 1 and
 # 32 with no speculation beside eagle3 (the new head) and beside ngram, each pair in one
 # process (bench/spec_decode.py), and print the head's held-out accuracy.
 #
@@ -22,7 +22,7 @@ mkdir -p "$out"
 for step in $steps; do
   case $step in
     train)
-      python3 "$here/eagle_train_prompts.py" "$out/prompts.jsonl" --count "${PROMPTS:-4000}"
+      python3 "$here/eagle_train_prompts.py" "$out/prompts.jsonl" --count "${PROMPTS:-4000}" --tasks
       lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
         --max-steps "${STEPS:-6000}" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" \
         --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \

@@ -12,12 +12,17 @@ backend consume (vLLM v1's ``InputBatch`` / ``_prepare_inputs`` in spirit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.sample.sampler import make_generator
+
+if TYPE_CHECKING:
+    from lmkit.api.scheduler_output import NewRequestData
 
 
 @dataclass
@@ -33,6 +38,25 @@ class CachedRequestState:
     num_computed_tokens: int
     # prompt logprobs gathered over the prefill chunks; None once sent (or not asked)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, device: torch.device,
+                 default_eos_token_id: int | None) -> CachedRequestState:
+        """The runner's copy of a newly scheduled (or resumed) request: its own seeded
+        generator, the model's EOS unless the request names one, and room for prompt
+        logprobs from its first computed position (earlier ones are prefix hits)."""
+        params = new.sampling_params
+        resumed = bool(new.output_token_ids)
+        return cls(
+            req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids), sampling_params=params,
+            generator=(make_generator(params.seed, device) if params.seed is not None
+                       else None),
+            eos_token_id=(default_eos_token_id if new.eos_token_id is None
+                          else new.eos_token_id),
+            num_computed_tokens=new.num_computed_tokens,
+            prompt_logprobs=([None] * (new.num_computed_tokens + 1)
+                             if params.prompt_logprobs is not None and not resumed else None))
 
     @property
     def num_prompt_tokens(self) -> int:

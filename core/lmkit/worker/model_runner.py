@@ -32,7 +32,7 @@ from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
 from lmkit.sample.kernels import build_sampling_kernels
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.processors import LogitsProcessorSet
-from lmkit.sample.sampler import Sampler, VerifiedTokens, make_generator
+from lmkit.sample.sampler import Sampler, VerifiedTokens
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
@@ -47,7 +47,7 @@ from lmkit.worker.step_plan import SamplingPlan, commit_tokens, sampling_plan
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
-    from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
+    from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.manager import PluginHost
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -291,25 +291,14 @@ class ModelRunner:
             self._drop(rid)
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)  # resent (resumed) without a preemption notice
-            params = new.sampling_params
-            resumed = bool(new.output_token_ids)
-            state = CachedRequestState(
-                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
-                output_token_ids=list(new.output_token_ids), sampling_params=params,
-                generator=(make_generator(params.seed, self.device)
-                           if params.seed is not None else None),
-                eos_token_id=_eos_of(new, self.default_eos_token_id),
-                num_computed_tokens=new.num_computed_tokens,
-                # positions before the first computed one have no logprobs (prefix hits)
-                prompt_logprobs=([None] * (new.num_computed_tokens + 1)
-                                 if params.prompt_logprobs is not None and not resumed else None))
+            state = CachedRequestState.from_new(new, self.device, self.default_eos_token_id)
             self.requests[new.req_id] = state
             batch.add_request(state, list(new.block_ids))
             if new.pooling_params is not None:  # prefill only: pooled, never sampled
                 self.pooling.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
             else:
-                self.logits_processors.add(new.req_id, params, state.prompt_token_ids,
-                                           state.output_token_ids)
+                self.logits_processors.add(new.req_id, new.sampling_params,
+                                           state.prompt_token_ids, state.output_token_ids)
         cached = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                  cached.num_computed_tokens, strict=True):
@@ -416,11 +405,6 @@ class ModelRunner:
         return self.sampler.sample_requests(logits, md, drafts, probs)
 
 
-def _eos_of(new: NewRequestData, default: int | None) -> int | None:
-    return default if new.eos_token_id is None else new.eos_token_id
-
-
 def _hidden_states(hidden: torch.Tensor) -> torch.Tensor:
     """The head of a model without a language-model head: its hidden states as they are."""
     return hidden
-

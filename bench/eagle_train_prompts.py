@@ -142,7 +142,8 @@ def prompts(n: int, seed: int = 0, tasks: bool = False) -> list[str]:
         assert not found, f"task prompts in lmkit bench's chat set: {found}"
         first = list(dict.fromkeys(p + style for p in task_prompts() for style in STYLES))
         random.Random(seed).shuffle(first)
-        rest = [p for p in prompts(n, seed) if p not in set(first)]
+        chosen = set(first)
+        rest = [p for p in prompts(n, seed) if p not in chosen]
         return (first + rest)[:n]
     taken = set(CHAT_PROMPTS)
     base = [tpl.format(t=topic) for tpl, topic in itertools.product(TEMPLATES, TOPICS)]

@@ -199,7 +199,8 @@ def main() -> None:
                           "dtype": args.dtype, "threads": args.threads,
                           "attention": args.attention},
               "proposer": args.proposer, "speculative_model": args.speculative_model,
-              "spec_tokens": args.spec_tokens, "stop_at_eos": args.stop_at_eos, "prompt_lookup_max": args.prompt_lookup_max,
+              "spec_tokens": args.spec_tokens, "stop_at_eos": args.stop_at_eos,
+              "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,
               "disable_by_batch_size": args.disable_by_batch_size, "rows": rows}
     print("\n".join(format_row(r) for r in rows))

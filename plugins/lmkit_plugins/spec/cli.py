@@ -96,12 +96,13 @@ def train_eagle(
           + (f", resumed from step {resumed}" if resumed is not None else "")
           + f", feature cache: {result['feature_cache']})")
     ev = result["eval"] or {}
-    for what, report in (("held-out draft accuracy", ev if "accuracy" in ev else None),
-                         (f"draft accuracy on {eval_prompts}", ev.get("eval_prompts"))):
-        if report is not None:
-            print(f"{what} ({report['sequences']} sequences): "
-                  f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
-                  f"{report['tokens_per_step']:.2f} tokens per speculative step")
+    reports = [("held-out draft accuracy", ev)] if "accuracy" in ev else []
+    if "eval_prompts" in ev:
+        reports.append((f"draft accuracy on {ev['eval_prompts']['source']}", ev["eval_prompts"]))
+    for what, report in reports:
+        print(f"{what} ({report['sequences']} sequences): "
+              f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
+              f"{report['tokens_per_step']:.2f} tokens per speculative step")
 
 
 def _arg(help: str) -> Any:

@@ -74,14 +74,11 @@ def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
         first = int(rest[0]) if rest else 0
         steps = head.unrolled(embeds, taps, min(ttt_steps, embeds.shape[0]))
         want = rest[1] if len(rest) > 1 else target.argmax(-1)
-        chain: torch.Tensor | None = None
+        # chains that start in the prompt never count: none of them is "reached"
+        chain = torch.arange(embeds.shape[0], device=want.device) >= first
         for j, logits in enumerate(steps):
             right = logits.argmax(-1) == want[j:]  # row s: the chain after position s
-            right[:first] = False  # chains that start in the prompt never count
-            before = (torch.ones_like(right) if chain is None
-                      else chain[:right.shape[0]])
-            before = before.clone()
-            before[:first] = False  # (at step 0 ``before`` is all ones)
+            before = chain[:right.shape[0]]  # step 0: every counted start
             chain = before & right
             reached[j] += int(before.sum())
             accepted[j] += int(chain.sum())

@@ -15,8 +15,9 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
    instead (the same losses: the cache holds exactly what that forward returns).
 3. **Objective**: at every answer position ``p`` the head, given the token at ``p + 1``
    and the fused features at ``p``, is trained to the target's distribution of the
-   token at ``p + 2`` (the prompt is context only: serving never drafts inside it) (cross-entropy against the target's probabilities restricted to the draft
-   vocabulary: its ``draft_vocab_size`` most frequent tokens in the data), and so are
+   token at ``p + 2`` (cross-entropy against the target's probabilities restricted to
+   the draft vocabulary: its ``draft_vocab_size`` most frequent tokens in the data; the
+   prompt is context only, since serving never drafts inside it), and so are
    ``ttt_steps - 1`` unrolled draft steps that read the head's own outputs as drafting
    does (EAGLE-3's training-time test, weighted ``0.8 ** step``; the tokens are the
    data's, not the drafts).
@@ -155,7 +156,7 @@ def answer_rows(data: dict[str, Any], progress: bool) -> tuple[list[list[int]], 
         pairs = [(s, n - 1) for s, n in zip(data["sequences"], lens, strict=True)
                  if len(s) >= max(n + 2, 3)]
     if not pairs:
-        raise ValueError("the prompt set gave no answer of 2 tokens or more to train on")
+        raise ValueError("the prompt set gave no answer of 2 tokens or more")
     return [s for s, _ in pairs], [f for _, f in pairs]
 
 
@@ -253,26 +254,32 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                     "step": step, "generator": generator.get_state(), "draft_ids": ids},
                    state_path)
 
-    def loss_inputs(picks: list[int]) -> tuple[list[torch.Tensor], ...]:
+    def rows(seq: list[int], taps_out: torch.Tensor, final: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # position p: token p + 1 and features at p -> the target's logits at p + 1
-        features = ([cache.get(i) for i in picks] if cache is not None
-                    else target([sequences[i] for i in picks]))
-        return ([target.embed(sequences[i][1:-1]) for i in picks],
-                [t[:-2].to(device).float() for t, _ in features],
-                [f[1:-1].to(device).float() @ draft_rows.T for _, f in features])
+        return (target.embed(seq[1:-1]), taps_out[:-2].to(device).float(),
+                final[1:-1].to(device).float() @ draft_rows.T)
+
+    def loss_inputs(picks: list[int]) -> tuple[list[torch.Tensor], ...]:
+        seqs = [sequences[i] for i in picks]
+        features = [cache.get(i) for i in picks] if cache is not None else target(seqs)
+        per_seq = [rows(s, t, f) for s, (t, f) in zip(seqs, features, strict=True)]
+        return tuple(list(column) for column in zip(*per_seq, strict=True))
 
     to_draft = torch.full((dims.vocab_size,), -1, dtype=torch.int64)
     to_draft[ids] = torch.arange(len(ids))
 
+    def example(seq: list[int], first: int, features: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[Any, ...]:
+        # truth: the sequence's own next-next tokens (the target's greedy answer), draft ids
+        return (*rows(seq, *features), first, to_draft[torch.tensor(seq[2:])].to(device))
+
     def held_out(i: int) -> tuple[Any, ...]:
-        # the sequence's own next-next tokens (the target's greedy answer) as draft ids
-        truth = to_draft[torch.tensor(sequences[i][2:])].to(device)
-        return (*(x[0] for x in loss_inputs([i])), firsts[i], truth)
+        s = sequences[i]
+        return example(s, firsts[i], cache.get(i) if cache is not None else target([s])[0])
 
     def eval_example(seq: list[int], first: int) -> tuple[Any, ...]:
-        (t, f), = target([seq])  # a small set: the target runs at each evaluation
-        return (target.embed(seq[1:-1]), t[:-2].float(), f[1:-1].float() @ draft_rows.T,
-                first, to_draft[torch.tensor(seq[2:])].to(device))
+        return example(seq, first, target([seq])[0])  # a small set: no cache
 
     last_eval: dict[str, Any] | None = None
 

@@ -3,7 +3,10 @@ that take their greedy drafts inside the replay and feed them to the next pass o
 device (``RunnerProposer.supports_graph_drafts``). On the tiny random Llama with random
 ``eagle`` / ``eagle3`` heads (float32, triton attention): greedy outputs equal plain
 decoding, and the drafts equal those of the same graphs with the argmax run eagerly
-after each replay (the same kernels, captured or not)."""
+after each replay (the same kernels, captured or not). The ``k - 1 = 2`` greedy draft
+passes replay as one chained graph (triton keeps its captured decode plan valid as the
+positions move); with ``LMKIT_DRAFT_CHAIN=0`` they replay one graph per pass, with the
+same drafts."""
 
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def test_drafts_taken_inside_captured_graphs(tmp_path, monkeypatch, proposer):
     assert in_graph == plain
     assert drafter.graphs is not None and drafter.graphs.runner.use_graphs
     assert drafter.graphs.drafts_in_graph and drafter.graphs.num_passes > 10
+    assert drafter.graphs.chain == 2
+    monkeypatch.setenv("LMKIT_DRAFT_CHAIN", "0")
+    unchained, unchained_drafts, drafter = _run(tiny, head, proposer, monkeypatch)
+    assert drafter.graphs.chain == 1 and unchained == plain and unchained_drafts == drafts
+    monkeypatch.delenv("LMKIT_DRAFT_CHAIN")
     cls = EagleProposer if proposer == "eagle" else Eagle3Proposer
     monkeypatch.setattr(cls, "supports_graph_drafts", False)
     eager, eager_drafts, drafter = _run(tiny, head, proposer, monkeypatch)

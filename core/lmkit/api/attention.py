@@ -75,6 +75,8 @@ class AttentionBackend(ABC):
     * :attr:`supports_paged_decode_args`: the backend runs float32 decode-only steps
       with lmkit's C paged decode kernel and hands them to a model (see
       :meth:`paged_decode_args`).
+    * :attr:`supports_in_place_decode_metadata`: a decode-only plan made for CUDA graphs
+      stays valid when the values in its metadata's device buffers change in place.
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -93,6 +95,16 @@ class AttentionBackend(ABC):
     #: run that kernel with ``scale`` and ``sliding_window`` (a model that runs a whole
     #: decode step in C then computes the same attention without calling :meth:`run`).
     supports_paged_decode_args: ClassVar[bool] = False
+
+    #: Whether a decode-only :meth:`plan` with ``metadata.cuda_graph`` (one query token
+    #: per request) stays valid for kernels captured after it when the *values* in the
+    #: metadata's device buffers (``seq_lens``, ``slot_mapping``, ``block_tables``, and
+    #: the positions a model reads) change in place, with the same number of requests:
+    #: :meth:`run` reads them on the device at launch and the plan keeps nothing derived
+    #: from their host copies. A draft head's chained passes rely on it (one CUDA graph
+    #: runs several passes, each one position further, planned once); ``False``: each
+    #: pass is replayed and planned on its own.
+    supports_in_place_decode_metadata: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,

@@ -92,13 +92,26 @@ class CudaGraphRunner:
             ``num_staging`` replays after its upload, so the host waits for that upload
             (not the last one) before staging the next replay (a draft head's passes of
             one step take as many sets as passes, plus one).
+        chain: forward passes per replay (default 1). With ``chain = c > 1`` one replay
+            runs the model ``c`` times in a row, for a model that feeds its own next
+            input ids (and features) on the device, as a draft head's
+            :class:`~lmkit.worker.draft_graphs.HeadPass` does: before pass ``j > 0`` the
+            graph copies that pass's positions, cache slots and ``seq_lens`` (staged
+            with the replay's, :meth:`run_decode`'s ``chain_rows``) into the buffers the
+            attention kernels read, so the backend's plan of pass 0 must stay valid
+            when those values change in place
+            (:attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata`);
+            without graphs the passes are re-planned one by one. Each pass's input ids
+            are kept (:meth:`chain_input_ids`).
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  use_graphs: bool = True, max_query_len: int = 1,
-                 aux_layers: tuple[int, ...] = (), num_staging: int = 2) -> None:
+                 aux_layers: tuple[int, ...] = (), num_staging: int = 2,
+                 chain: int = 1) -> None:
         self.model = model
+        self.chain = max(1, chain)
         self.aux_layers = tuple(aux_layers)
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
         pin = torch.device(device).type == "cuda"
@@ -118,14 +131,21 @@ class CudaGraphRunner:
         self._seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        # chained passes (``chain > 1``): passes 1.. positions | slots | seq_lens, and
+        # the input ids every pass read
+        links = self.chain - 1
+        self._chain_rows = torch.zeros(links, 3, bs, dtype=torch.int64, device=device)
+        self._chain_ids = torch.zeros(self.chain, bs, dtype=torch.int64, device=device)
         # pinned host staging (``num_staging`` sets, used in turn: packed, seq_lens,
-        # block tables); the host copies of query_start_loc never change
+        # block tables, chained passes' rows); the host copies of query_start_loc never
+        # change
         self._host = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin))
+                       torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin))
                       for _ in range(max(1, num_staging))]
         self._fences = CopyFences(len(self._host), self.use_graphs)
-        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[0]
+        self._h_packed, self._h_seq_lens, self._h_blocks, self._h_chain = self._host[0]
         self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
@@ -163,19 +183,41 @@ class CudaGraphRunner:
                     used / 2**20)
 
     def _run_model(self, bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The padded forward of size ``bs``: hidden and the ``aux_layers`` inputs."""
+        """The padded forward of size ``bs`` (``chain`` passes): hidden and the
+        ``aux_layers`` inputs (of the last pass)."""
         ids, positions = self._packed[:bs], self._packed[bs:2 * bs]
         ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
-        return self.model(ids, positions, ctx), ctx.aux_hidden_states
+        if self.chain == 1:
+            return self.model(ids, positions, ctx), ctx.aux_hidden_states
+        live = (positions, self._packed[2 * bs:3 * bs], self._seq_lens[:bs])
+        for j in range(self.chain):
+            if j:  # pass j's positions, slots and seq_lens where the kernels read them
+                for dst, src in zip(live, self._chain_rows[j - 1, :, :bs], strict=True):
+                    dst.copy_(src)
+                if not self.use_graphs:  # eager: plan each pass (any backend)
+                    self._plan(bs, self._h_chain_rows(bs)[j - 1, 2])
+                ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
+            self._chain_ids[j, :bs].copy_(ids)
+            hidden = self.model(ids, positions, ctx)
+        return hidden, ctx.aux_hidden_states
 
-    def _plan(self, bs: int) -> None:
-        md = self._metadata(bs)
+    def chain_input_ids(self, n: int) -> torch.Tensor:
+        """The input ids each of the last replay's ``chain`` passes read, ``[chain, n]``
+        (a view, valid until the next replay): with a model that feeds its drafts as the
+        next pass's ids, row ``j + 1`` holds pass ``j``'s drafts (the last pass's are in
+        :attr:`input_ids_buffer`)."""
+        return self._chain_ids[:, :n]
+
+    def _plan(self, bs: int, seq_lens: np.ndarray | None = None) -> None:
+        md = self._metadata(bs, seq_lens)
         for group in self.kv_groups:
             group.attn.plan(md)
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        """The padded decode metadata of a graph of size ``bs`` (device views fixed)."""
-        h_seq_lens = self._h_seq_lens[:bs]
+    def _metadata(self, bs: int, seq_lens: np.ndarray | None = None) -> AttentionMetadata:
+        """The padded decode metadata of a graph of size ``bs`` (device views fixed);
+        ``seq_lens``: the host copy of a chained pass's (default: the staged ones)."""
+        h_seq_lens = self._h_seq_lens[:bs] if seq_lens is None else torch.from_numpy(
+            seq_lens.astype(np.int32))
         return AttentionMetadata(
             num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
             max_seq_len=max(1, int(h_seq_lens.numpy().max())),
@@ -232,7 +274,8 @@ class CudaGraphRunner:
                    slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                    device_input_ids: torch.Tensor | None = None,
                    aux: list[torch.Tensor] | None = None,
-                   ids_in_place: bool = False) -> torch.Tensor:
+                   ids_in_place: bool = False,
+                   chain_rows: np.ndarray | None = None) -> torch.Tensor:
         """Replay the graph for a decode step of ``n = len(positions)`` requests.
 
         :param input_ids: int64 ``[n]`` host token ids, or ``None`` with
@@ -243,7 +286,11 @@ class CudaGraphRunner:
         :param positions: int64 ``[n]``; ``slot_mapping`` int64 ``[n]``; ``seq_lens``
             int32 ``[n]``; ``block_tables`` int32 ``[n, width]`` (the used columns).
         :param aux: a list that receives the :attr:`aux_layers` inputs ``[n, hidden]``.
-        :return: hidden ``[n, hidden]``, a view of the graph's output buffer.
+        :param chain_rows: with ``chain = c > 1`` (required then): int64 ``[c - 1, 3, n]``,
+            the positions, cache slots and ``seq_lens`` of passes ``1..c-1`` (a row that
+            must not write: slot ``-1``).
+        :return: hidden ``[n, hidden]`` (of the last pass), a view of the graph's output
+            buffer.
         """
         n = len(positions)
         bs = self.padded_size(n)
@@ -257,6 +304,11 @@ class CudaGraphRunner:
         self._h_seq_lens.numpy()[:n] = seq_lens
         width = block_tables.shape[1]
         self._h_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
+        if self.chain > 1:
+            if chain_rows is None or chain_rows.shape != (self.chain - 1, 3, n):
+                raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
+                                 f"of shape {(self.chain - 1, 3, n)}")
+            self._h_chain_rows(bs)[:, :, :n] = chain_rows
         self._upload(bs, n, width, ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
@@ -277,6 +329,12 @@ class CudaGraphRunner:
         packed[bs + n:2 * bs] = 0
         packed[2 * bs + n:3 * bs] = -1
         self._h_seq_lens.numpy()[n:bs] = 0
+        if self.chain > 1:
+            self._h_chain_rows(bs)[:, :, n:] = np.array([0, -1, 0])[:, None]
+
+    def _h_chain_rows(self, bs: int) -> np.ndarray:
+        """The host staging of chained passes' rows for size ``bs``: ``[chain - 1, 3, bs]``."""
+        return self._h_chain[:(self.chain - 1) * 3 * bs].numpy().reshape(-1, 3, bs)
 
     def _upload(self, bs: int, n: int, width: int, ids_from: int = 0) -> None:
         """Copy the staged rows to the device buffers (asynchronous, pinned), the input
@@ -287,12 +345,17 @@ class CudaGraphRunner:
         if n:
             self._block_tables[:n, :width].copy_(
                 self._h_blocks[:n * width].view(n, width), non_blocking=True)
+        if self.chain > 1:
+            links = self.chain - 1
+            self._chain_rows[:, :, :bs].copy_(
+                self._h_chain[:links * 3 * bs].view(links, 3, bs), non_blocking=True)
         self._fences.mark()
 
     def _next_staging(self) -> None:
         """Stage the next replay in the next host set; the upload that last read that
         set must be done (``num_staging`` replays ago: usually long since)."""
-        self._h_packed, self._h_seq_lens, self._h_blocks = self._host[self._fences.advance()]
+        (self._h_packed, self._h_seq_lens, self._h_blocks,
+         self._h_chain) = self._host[self._fences.advance()]
 
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,

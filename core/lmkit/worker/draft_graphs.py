@@ -132,14 +132,21 @@ class DraftPassGraphs:
             size).
         sampling: with ``drafts``, the passes sample them (see :class:`HeadPass`;
             :meth:`set_params` before a pass, :meth:`candidates` after it).
+        chain: passes per replay (greedy drafts fed forward: ``drafts`` and
+            ``feed_features``, not ``sampling``): one replay runs ``chain`` draft passes,
+            each one position further (:class:`~lmkit.worker.cuda_graphs.CudaGraphRunner`'s
+            ``chain``), instead of one replay per pass; :meth:`chain_drafts` reads them.
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True,
                  drafts: bool = False, passes_per_step: int = 1,
-                 feed_features: bool = False, sampling: bool = False) -> None:
+                 feed_features: bool = False, sampling: bool = False, chain: int = 1) -> None:
+        if chain > 1 and not (drafts and feed_features and not sampling):
+            raise ValueError("chained draft passes need greedy drafts fed forward")
         self.width = width
+        self.chain = max(1, chain)
         self.drafts_in_graph = drafts
         self.samples_in_graph = drafts and sampling
         # rows for the largest captured size (the features of passes past it: eager)
@@ -148,9 +155,10 @@ class DraftPassGraphs:
                              sampling=self.samples_in_graph)
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs,
-                                      num_staging=passes_per_step + 1)
+                                      num_staging=-(-passes_per_step // self.chain) + 1,
+                                      chain=self.chain)
         self.head.feed_ids = self.runner.input_ids_buffer
-        self.num_passes = 0  # passes run through :meth:`run`
+        self.num_passes = 0  # passes run through :meth:`run` (``chain`` per call)
 
     @property
     def max_rows(self) -> int:
@@ -176,6 +184,11 @@ class DraftPassGraphs:
         the input-id buffer, i.e. the next pass's input ids, valid until that pass."""
         return self.runner.input_ids_buffer[:n]
 
+    def chain_drafts(self, n: int) -> torch.Tensor:
+        """The greedy drafts of the last replay's ``chain`` passes, ``[chain, n]`` (a new
+        tensor): row ``j`` is pass ``j``'s."""
+        return torch.cat([self.runner.chain_input_ids(n)[1:], self.drafts(n)[None]])
+
     def set_params(self, params: DraftRowParams) -> None:
         """The next pass's row parameters (``samples_in_graph``), copied in stream order
         into the graphs' buffers (rows past them keep what they held: padding, unread)."""
@@ -191,45 +204,49 @@ class DraftPassGraphs:
         return cand[:n], q[:n]
 
     def run(self, input_ids: torch.Tensor | np.ndarray | None, features: torch.Tensor | None,
-            positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+            positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+            chain_rows: np.ndarray | None = None) -> torch.Tensor:
         """One pass of ``n`` decode rows (``n <= max_rows``): token ``input_ids[i]``
         (int64, on the device, e.g. the previous pass's drafts, or on the host; ``None``:
         already in the input-id buffer, where the last pass fed its drafts) at
         ``positions[i]`` with ``features[i]`` (``None``: already in
         :meth:`feature_rows`), its K/V written to ``slots[i]``, attending over
         ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
-        Returns the head's output ``[n, hidden]``, a view valid until the next pass."""
+        With ``chain > 1``, ``chain_rows`` (int64 ``[chain - 1, 3, n]``: positions, slots,
+        ``seq_lens``) places the passes after the first, which run in the same replay.
+        Returns the head's output ``[n, hidden]`` (of the last pass), a view valid until
+        the next pass."""
         n = len(positions)
         if features is not None:
             self.head.features[:n].copy_(features)
-        self.num_passes += 1
+        self.num_passes += self.chain
         seq_lens = (positions + 1).astype(np.int32)
+        args = (positions, slots, seq_lens, block_tables)
         if input_ids is None:
-            return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
-                                          ids_in_place=True)
+            return self.runner.run_decode(None, *args, ids_in_place=True, chain_rows=chain_rows)
         if isinstance(input_ids, torch.Tensor):
-            return self.runner.run_decode(None, positions, slots, seq_lens, block_tables,
-                                          device_input_ids=input_ids)
-        return self.runner.run_decode(input_ids, positions, slots, seq_lens, block_tables)
+            return self.runner.run_decode(None, *args, device_input_ids=input_ids,
+                                          chain_rows=chain_rows)
+        return self.runner.run_decode(input_ids, *args, chain_rows=chain_rows)
 
 
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
                          max_rows: int, max_model_len: int, block_size: int,
                          drafts: bool = False, passes_per_step: int = 1,
-                         feed_features: bool = False, sampling: bool = False
+                         feed_features: bool = False, sampling: bool = False, chain: int = 1
                          ) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
-    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``, ``sampling``: see
-    :class:`DraftPassGraphs`."""
+    eagerly). ``drafts``, ``passes_per_step``, ``feed_features``, ``sampling``,
+    ``chain``: see :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs, drafts=drafts,
                              passes_per_step=passes_per_step, feed_features=feed_features,
-                             sampling=sampling)
+                             sampling=sampling, chain=chain)
     graphs.capture()
     return graphs

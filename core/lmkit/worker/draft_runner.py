@@ -42,6 +42,7 @@ be a little worse for that request; verification keeps outputs exact either way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -204,10 +205,12 @@ class DraftRunner:
         for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
             passes = catch_up = None
             if self.k >= 2:
+                chain = self.k - 1 if drafts and not sampling and self._can_chain(
+                    target_graphs) else 1
                 passes = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.hidden_size, dtype,
                     max_num_seqs, *args, drafts=drafts, passes_per_step=self.k - 1,
-                    feed_features=True, sampling=sampling)
+                    feed_features=True, sampling=sampling, chain=chain)
             if proposer.target_feature_size > 0:
                 catch_up = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
@@ -217,6 +220,17 @@ class DraftRunner:
                 self.sampled_graphs, self.sampled_catch_up_graphs = passes, catch_up
             else:
                 self.graphs, self.catch_up_graphs = passes, catch_up
+
+    def _can_chain(self, target_graphs: CudaGraphRunner | None) -> bool:
+        """Whether the ``k - 1`` greedy draft passes can replay as one chained graph:
+        the head's attention backend keeps a captured decode plan valid as the positions
+        move (:attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata`;
+        without graphs every pass is re-planned anyway), and ``LMKIT_DRAFT_CHAIN`` is
+        not ``0``."""
+        if os.environ.get("LMKIT_DRAFT_CHAIN", "1") == "0" or target_graphs is None:
+            return False
+        return (not target_graphs.use_graphs
+                or type(self.proposer.attn).supports_in_place_decode_metadata)
 
     # ------------------------------------------------------------------ one step
 
@@ -284,6 +298,10 @@ class DraftRunner:
         graphs = self.graphs
         if sampler is not None and self.sampled_graphs is not None:
             graphs = self.sampled_graphs
+        if (graphs is not None and graphs.chain > 1 and sampler is None
+                and len(act) <= graphs.max_rows and int(num_drafts.max()) > 1):
+            return self._chained_drafts(graphs, ids, feat, last, num_drafts, tables[drafter],
+                                        [int(sel[d]) for d in drafter], req_ids)
         fed = False  # ids and feat are already the draft graphs' inputs (fed back there)
         for j in range(1, self.k):
             still = np.flatnonzero(num_drafts[act] > j)  # of act: those with a draft j
@@ -328,6 +346,30 @@ class DraftRunner:
         self.sampled.keep(self.input_batch.row_of, req_ids,
                           [result[int(sel[d])] for d in drafter],
                           sampler.draft_probs(num_drafts) if sampler is not None else {})
+        return result
+
+    def _chained_drafts(self, graphs: DraftPassGraphs, ids: torch.Tensor, feat: torch.Tensor,
+                        last: np.ndarray, num_drafts: np.ndarray, tables: np.ndarray, step_index: list[int], req_ids: list[str]
+                        ) -> dict[int, list[int]]:
+        """Greedy drafts ``2..k`` of every drafting request from one replay of the chained
+        draft passes (``graphs.chain == k - 1``), given draft 1 (``ids``) and the
+        head's output at each request's last kept position (``feat``).
+
+        Pass ``j`` (``1..k-1``) writes position ``last + j``; a request with fewer
+        drafts (its blocks or the context limit end first) stays on its last kept
+        position with no cache slot in its later passes, whose drafts are dropped."""
+        passes = np.arange(1, self.k)[:, None]  # [k - 1, 1]
+        writes = num_drafts[None, :] > passes  # [k - 1, n]: pass j has a draft j
+        pos = np.where(writes, last[None, :] + passes, last[None, :])
+        blocks = np.take_along_axis(tables, pos.T // self.block_size, axis=1).T
+        slots = np.where(writes, blocks.astype(np.int64) * self.block_size
+                         + pos % self.block_size, -1)
+        placed = np.stack([pos, slots, pos + 1], axis=1)  # [k - 1, 3, n]
+        graphs.run(ids, feat, placed[0, 0], placed[0, 1], tables, chain_rows=placed[1:])
+        flat = torch.cat([ids[None], graphs.chain_drafts(len(last))]).cpu().numpy()  # [k, n]
+        result = {i: flat[:int(m), n].tolist()
+                  for n, (i, m) in enumerate(zip(step_index, num_drafts, strict=True))}
+        self.sampled.keep(self.input_batch.row_of, req_ids, list(result.values()), {})
         return result
 
     def take_probs(self, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]

@@ -57,6 +57,9 @@ class TritonAttention(AttentionBackend):
     """
 
     supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+    # decode kernels read seq_lens / slots / block tables on the device; the plan keeps
+    # only counts and the split choice
+    supports_in_place_decode_metadata = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -152,3 +152,42 @@ def test_no_draft_passes_after_large_steps(tiny, head, baseline, monkeypatch):
     assert all(d == reference.drafts(list(key[1]), len(d)) for key, d in got.items())
 
 
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_chained_draft_passes_equal_one_replay_per_pass(tiny, heads, monkeypatch, proposer):
+    """The ``k - 1`` greedy draft passes replay as one chained pass sequence (the
+    positions, slots and ``seq_lens`` of passes after the first staged with the replay):
+    the drafts equal the dense reference and those of one replay per pass
+    (``LMKIT_DRAFT_CHAIN=0``), also for requests whose drafts stop early at the context
+    limit (their later passes write nowhere)."""
+    from lmkit.worker.draft_runner import DraftRunner
+
+    chained = {"calls": 0, "short": 0}
+    run = DraftRunner._chained_drafts
+
+    def counted(self, graphs, ids, feat, last, num_drafts, *rest):
+        chained["calls"] += 1
+        chained["short"] += int((num_drafts < self.k).sum())
+        return run(self, graphs, ids, feat, last, num_drafts, *rest)
+
+    monkeypatch.setattr(DraftRunner, "_chained_drafts", counted)
+    prompts = [*PROMPTS, "z" * 40]  # 40 + 32 tokens: runs into max_model_len 64
+    got = {}
+    for chain in ("1", "0"):
+        monkeypatch.setenv("LMKIT_DRAFT_CHAIN", chain)
+        _, drafters = padded_replays(monkeypatch)
+        got[chain], _ = run_engine(tiny, heads[proposer], monkeypatch, prompts, proposer,
+                                   max_num_seqs=8)
+        graphs = drafters[0].graphs
+        assert graphs is not None and graphs.chain == (2 if chain == "1" else 1)
+        if chain == "1":
+            assert chained["calls"] > 20 and chained["short"] > 0
+            assert graphs.num_passes == 2 * chained["calls"]
+            calls = chained["calls"]
+    assert chained["calls"] == calls  # none with the chain off
+    assert got["1"] == got["0"]
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = [key for key, drafts in got["1"].items()
+             if drafts != reference.drafts(list(key[1]), len(drafts))]
+    assert len(got["1"]) > 20 and not wrong, f"{len(wrong)} of {len(got['1'])} drafts differ"

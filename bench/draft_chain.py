@@ -1,0 +1,86 @@
+"""Chained draft passes on and off (``LMKIT_DRAFT_CHAIN``), in one process, on a random
+SmolLM2-135M-shaped target with a random EAGLE-3 head (its drafts are almost never
+accepted, so every speculative step has the same shape: this measures what a step
+costs, not what it gains). Engines for plain decoding and for each ``k`` with the
+``k - 1`` draft passes replayed as one chained CUDA graph or one graph per pass run the
+same greedy requests in interleaved rounds; medians of ms per output token::
+
+    python bench/draft_chain.py --ks 3 5 --batches 1 8 --rounds 3
+
+Needs CUDA and triton attention (the chain needs a backend that keeps a captured
+decode plan valid as positions move: ``supports_in_place_decode_metadata``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", type=int, nargs="+", default=[3, 5], help="draft tokens per step")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--attention", default="triton")
+    args = ap.parse_args()
+
+    import torch
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.eagle_head import make_tiny_eagle3_head
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="draft-chain-"))
+    target = make_tiny_model(root / "target", vocab_size=49152, num_layers=30, hidden_size=576,
+                             num_heads=9, num_kv_heads=3, max_position_embeddings=2048)
+    head = make_tiny_eagle3_head(root / "head", target, layer_ids=(2, 15, 27),
+                                 draft_vocab_size=8192, layer_std=0.02)
+    gen = torch.Generator().manual_seed(0)
+    batch = max(args.batches)
+    prompts = [{"prompt_token_ids": torch.randint(300, 40000, (40,), generator=gen).tolist()}
+               for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sides: dict[str, dict] = {"plain": {}}
+    for k in args.ks:
+        for chain in ("1", "0"):
+            sides[f"k{k}-{'chained' if chain == '1' else 'per-pass'}"] = {"k": k, "chain": chain}
+    engines = {}
+    for name, side in sides.items():
+        kw = {}
+        if side:
+            os.environ["LMKIT_DRAFT_CHAIN"] = side["chain"]  # read when graphs are captured
+            kw = dict(speculative="eagle3", speculative_model=str(head),
+                      num_speculative_tokens=side["k"])
+        engines[name] = LLM(str(target), device="cuda", attention=args.attention,
+                            dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
+                            gpu_memory_utilization=0.8 / len(sides), **kw)
+        engines[name].generate(prompts[:2], params)  # warm-up
+    times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in sides for b in args.batches}
+    for r in range(args.rounds):
+        for b in args.batches:
+            for name in (list(sides) if r % 2 else list(reversed(list(sides)))):
+                start = time.perf_counter()
+                if b == 1:  # one request at a time
+                    for prompt in prompts[:4]:
+                        engines[name].generate([prompt], params)
+                    tokens = 4 * args.output_len
+                else:
+                    engines[name].generate(prompts[:b], params)
+                    tokens = b * args.output_len
+                times[(name, b)].append((time.perf_counter() - start) / tokens * 1e3)
+    for b in args.batches:
+        plain = statistics.median(times[("plain", b)])
+        for name in sides:
+            ms = statistics.median(times[(name, b)])
+            rounds = ", ".join(f"{t:.3f}" for t in times[(name, b)])
+            print(f"batch {b:3d}  {name:14s} {ms:7.3f} ms/token  x plain {plain / ms:5.2f}  "
+                  f"(rounds {rounds})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -97,6 +97,7 @@ def test_torch_reference_passes_every_applicable_property():
     assert results["dtypes"] == "passed"
     assert results["logits soft cap"] == "passed"
     assert results["cuda graphs"].startswith("not applicable")
+    assert results["in-place decode metadata"].startswith("not applicable")
 
 
 def test_a_backend_that_drops_the_cached_prefix_fails_with_the_input():
@@ -156,6 +157,11 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
         pytest.skip("; ".join(reg.spec.unavailable_reasons()))
     results = check_attention_backend(reg)
     assert results["cuda graphs"] == "passed"
+    in_place = results["in-place decode metadata"]  # triton declares it
+    if reg.spec.load().supports_in_place_decode_metadata:
+        assert in_place == "passed"
+    else:
+        assert in_place.startswith("not applicable")
     assert results["prefill over a cached prefix"] == "passed"
     if name == "flashinfer":
         assert results["logits soft cap"] == "passed"
@@ -187,3 +193,27 @@ def test_a_backend_that_cannot_soft_cap_refuses_a_cap():
     caps = Caps({"sliding_window"}, {"device": {"cpu"}, "dtype": {"float32"}})
     with pytest.raises(ConformanceFailure, match="does not claim 'logits_soft_cap', yet"):
         check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_place_decode_metadata_catches_a_plan_that_copies_its_buffers():
+    """A backend declaring ``supports_in_place_decode_metadata`` whose plan keeps a copy
+    of ``seq_lens`` (so a graph replayed without a new plan attends over stale context
+    lengths) fails the property; the real triton backend passes it (above)."""
+    from dataclasses import replace
+
+    from lmkit_plugins.attention.triton_backend import TritonAttention
+
+    class StaleTriton(TritonAttention):
+        def plan(self, metadata):
+            super().plan(metadata)
+            self._plan = replace(self._plan, seq_lens=self._plan.seq_lens.clone())
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    reg = host.registry.get("attention", "triton")
+    if reg.spec.unavailable_reasons():
+        pytest.skip("; ".join(reg.spec.unavailable_reasons()))
+    spec = Spec(name="stale_triton", target=lambda: StaleTriton, options=reg.spec.options,
+                caps=reg.spec.caps)
+    with pytest.raises(ConformanceFailure, match="in-place decode metadata"):
+        check_attention_backend(spec, only=["in-place decode metadata"])

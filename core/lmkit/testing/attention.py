@@ -24,7 +24,11 @@ runner builds it. Properties:
   (``logits_soft_cap``) raises when constructed with one, instead of silently ignoring
   it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured
-  in a graph and replayed after a new ``plan`` gives the eager result.
+  in a graph and replayed after a new ``plan`` gives the eager result;
+* ``in-place decode metadata``: when it also declares
+  ``supports_in_place_decode_metadata``, the same graph replayed for later decode steps
+  with *no* new ``plan`` (only the values in the metadata's device buffers changed, as
+  a draft head's chained passes change them) gives the eager result.
 
 Use :func:`check_attention_backend` directly, or subclass
 :class:`AttentionConformance` and define an ``attention_backend`` fixture returning
@@ -272,21 +276,26 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         "model-written K/V": model_written_kv,
         "unclaimed features refused": unclaimed_refused,
         "cuda graphs": lambda: check_cuda_graphs(t),
+        "in-place decode metadata": lambda: check_cuda_graphs(t, in_place=True),
     }
 
 
-def check_cuda_graphs(t: Target) -> None:
+def check_cuda_graphs(t: Target, in_place: bool = False) -> None:
     """``run`` captured once in a CUDA graph, then replayed after ``plan`` for later
     decode steps of the same shape, gives the oracle's result (only for specs claiming
     ``cuda_graphs``). Those steps are planned with ``metadata.cuda_graph = True``, as
-    the runner plans the steps it captures and replays."""
+    the runner plans the steps it captures and replays. ``in_place``: the later steps
+    are not planned at all, only their metadata's device buffers rewritten (only for
+    backends declaring ``supports_in_place_decode_metadata``)."""
     _require(t, "cuda_graphs")
     if not torch.cuda.is_available():
         raise NotApplicable("no CUDA device")
-    prop, case = "cuda graphs", base_case(t)
+    prop, case = "in-place decode metadata" if in_place else "cuda graphs", base_case(t)
     if case.device.type != "cuda":
         raise NotApplicable(f"{t.name} does not run on CUDA")
     backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
+    if in_place and not type(backend).supports_in_place_decode_metadata:
+        raise NotApplicable("does not declare supports_in_place_decode_metadata")
     world = AttentionWorld(backend, case, NUM_BLOCKS)
     world.step([(0, 9), (1, 17), (2, 4), (3, 30)])
     work = [(0, 1), (1, 1), (2, 1), (3, 1)]
@@ -319,7 +328,7 @@ def check_cuda_graphs(t: Target) -> None:
         return out.clone()
 
     for i in range(3):
-        bad = world.step(work, run=replay, cuda_graph=True)
+        bad = world.step(work, run=replay, cuda_graph=True, plan=not in_place)
         if bad is not None:
             raise t.fail(SUITE, prop, f"{case.describe()}; replayed decode step {i + 1}",
                          f"request {bad.rid} (context {bad.context}): {bad.detail}")
@@ -395,3 +404,6 @@ class AttentionConformance:
 
     def test_cuda_graphs(self, attention_backend: Any) -> None:
         self._check(attention_backend, "cuda graphs")
+
+    def test_in_place_decode_metadata(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "in-place decode metadata")

@@ -232,8 +232,8 @@ class AttentionWorld:
     def step(self, work: list[tuple[int, int]],
              forks: dict[int, tuple[int, int]] | None = None,
              run: Callable[..., torch.Tensor] | None = None,
-             cuda_graph: bool = False, model_writes_kv: bool = False
-             ) -> StepMismatch | None:
+             cuda_graph: bool = False, model_writes_kv: bool = False,
+             plan: bool = True) -> StepMismatch | None:
         """Run one step and compare every request with the oracle.
 
         :param work: ``(rid, query_len)`` pairs; decodes are moved first, as the runner
@@ -246,6 +246,9 @@ class AttentionWorld:
         :param cuda_graph: plan the step as one replayed from a CUDA graph.
         :param model_writes_kv: store K/V at the slots ``kv_write_slots()`` returns, as a
             model that fuses the cache write does, and call ``run(..., kv_written=True)``.
+        :param plan: ``False`` skips ``plan``: only the persistent metadata buffers are
+            rewritten (with ``run``: a graph replayed under the plan it was captured
+            with).
         :return: the first mismatch, or None.
         """
         c = self.case
@@ -274,7 +277,8 @@ class AttentionWorld:
             return torch.cat(parts).to(dtype=c.dtype, device=c.device)
 
         q, k, v = dev(qs), dev(ks), dev(vs)
-        self.backend.plan(md)
+        if plan:
+            self.backend.plan(md)
         if run is not None:
             out = run(q, k, v, self.cache)
         elif model_writes_kv:

@@ -14,14 +14,10 @@ step of ``n`` requests up to the next captured size ``bs``:
 * the attention backend's ``plan()`` runs on the host outside the graph, with the
   padded metadata (``cuda_graph=True``), before capture and before every
   replay; the kernels it planned read the metadata buffers at their fixed addresses.
-  Backends declaring
-  :attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata` are planned
-  only for the capture: the plan of a size stays valid for all its replays, whose new
-  metadata is only written into the buffers.
 
 Per replay the host packs ``input_ids | positions | slot_mapping`` into one pinned
 buffer (one host-to-device copy), copies ``seq_lens`` and the used block-table
-columns, plans (if the backend needs it), and replays. Only backends whose spec declares ``cuda_graphs`` are
+columns, plans, and replays. Only backends whose spec declares ``cuda_graphs`` are
 captured; ``executor.enforce_eager`` (``--enforce-eager``) turns graphs off.
 
 Speculative verification steps (``1 + k`` query tokens per request: the last known
@@ -149,13 +145,7 @@ class CudaGraphRunner:
                        torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin))
                       for _ in range(max(1, num_staging))]
         self._fences = CopyFences(len(self._host), self.use_graphs)
-        # numpy views of the same host sets (staged through without per-call conversion)
-        self._host_np = [tuple(t.numpy() for t in host) for host in self._host]
         self._h_packed, self._h_seq_lens, self._h_blocks, self._h_chain = self._host[0]
-        self._np_packed, self._np_seq_lens, self._np_blocks, self._np_chain = self._host_np[0]
-        # replays re-plan unless every planned backend keeps a captured plan valid
-        self.replan_replays = not all(type(g.attn).supports_in_place_decode_metadata
-                                      for g in self.kv_groups)
         self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
@@ -305,15 +295,15 @@ class CudaGraphRunner:
         n = len(positions)
         bs = self.padded_size(n)
         self._next_staging()
-        packed = self._np_packed
+        packed = self._h_packed.numpy()
         if input_ids is not None:
             packed[:n] = input_ids
         packed[bs:bs + n] = positions
         packed[2 * bs:2 * bs + n] = slot_mapping
         self._stage_padding_only(bs, n)
-        self._np_seq_lens[:n] = seq_lens
+        self._h_seq_lens.numpy()[:n] = seq_lens
         width = block_tables.shape[1]
-        self._np_blocks[:n * width].reshape(n, width)[:] = block_tables
+        self._h_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
         if self.chain > 1:
             if chain_rows is None or chain_rows.shape != (self.chain - 1, 3, n):
                 raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
@@ -322,8 +312,7 @@ class CudaGraphRunner:
         self._upload(bs, n, width, ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
-        if self.replan_replays or not self.use_graphs:
-            self._plan(bs)
+        self._plan(bs)
         if self.use_graphs:
             graph, hidden, taps = self._graphs[bs]
             graph.replay()
@@ -335,17 +324,17 @@ class CudaGraphRunner:
 
     def _stage_padding_only(self, bs: int, n: int = 0) -> None:
         """Host staging of padding rows ``n..bs``: token 0 at position 0, no slot, no context."""
-        packed = self._np_packed
+        packed = self._h_packed.numpy()
         packed[n:bs] = 0
         packed[bs + n:2 * bs] = 0
         packed[2 * bs + n:3 * bs] = -1
-        self._np_seq_lens[n:bs] = 0
+        self._h_seq_lens.numpy()[n:bs] = 0
         if self.chain > 1:
             self._h_chain_rows(bs)[:, :, n:] = np.array([0, -1, 0])[:, None]
 
     def _h_chain_rows(self, bs: int) -> np.ndarray:
         """The host staging of chained passes' rows for size ``bs``: ``[chain - 1, 3, bs]``."""
-        return self._np_chain[:(self.chain - 1) * 3 * bs].reshape(-1, 3, bs)
+        return self._h_chain[:(self.chain - 1) * 3 * bs].numpy().reshape(-1, 3, bs)
 
     def _upload(self, bs: int, n: int, width: int, ids_from: int = 0) -> None:
         """Copy the staged rows to the device buffers (asynchronous, pinned), the input
@@ -365,9 +354,8 @@ class CudaGraphRunner:
     def _next_staging(self) -> None:
         """Stage the next replay in the next host set; the upload that last read that
         set must be done (``num_staging`` replays ago: usually long since)."""
-        slot = self._fences.advance()
-        self._h_packed, self._h_seq_lens, self._h_blocks, self._h_chain = self._host[slot]
-        self._np_packed, self._np_seq_lens, self._np_blocks, self._np_chain = self._host_np[slot]
+        (self._h_packed, self._h_seq_lens, self._h_blocks,
+         self._h_chain) = self._host[self._fences.advance()]
 
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,

@@ -13,6 +13,14 @@ still-unread sampled tokens on the device straight into the graph's inputs. Anyt
 else (a new or resumed request, draft tokens, a grammar bitmask, offload transfers,
 a request at another position) discards the prediction and the step runs normally.
 
+With a draft head (EAGLE) the lookahead runs only where speculation is off by batch
+size (``speculative.disable_by_batch_size``): after a step of more requests than that,
+whose head drafted nothing, the next step is a plain decode step and is launched ahead
+like any other; the launched forward keeps the features the head reads (the final
+hidden states, or the inputs of its target layers), and taking the step runs the
+head's catch-up over them (:meth:`~lmkit.worker.draft_runner.DraftRunner.propose`),
+so the head's KV cache has no holes when the batch shrinks and speculation resumes.
+
 A request is predicted only when its next cache slot is already allocated (its
 block table covers the next position) and it samples greedily without logprobs,
 penalties, logit bias, a pending ``min_tokens`` or structured output, so that the
@@ -35,6 +43,7 @@ import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.spec_decode.rows import is_plain_greedy
+from lmkit.worker.input_batch import StepInputs
 
 if TYPE_CHECKING:
     from lmkit.api.sampling_params import SamplingParams
@@ -42,7 +51,8 @@ if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.cuda_graphs import CudaGraphRunner
-    from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+    from lmkit.worker.draft_runner import DraftRunner
+    from lmkit.worker.input_batch import CachedRequestState, InputBatch
 
 
 @dataclass
@@ -55,6 +65,8 @@ class _Pending:
     tokens: torch.Tensor  # int64 [n] on the device, sampled greedily
     host_tokens: torch.Tensor  # int64 [n], their (pinned) host copy, valid once ``ready``
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: done)
+    slots: np.ndarray | None = None  # int64 [n], the cache slot each request wrote (drafter)
+    features: torch.Tensor | None = None  # [n, width], what the draft head reads (drafter)
 
 
 @dataclass
@@ -76,35 +88,53 @@ class DecodeLookahead:
             a step taken from the lookahead appends its tokens there.
         requests: the runner's per-request states by id (same objects, kept current).
         max_model_len: no step is launched past this position.
+        drafter: the runner's draft head, if any: steps are then launched ahead only
+            for batches of more than ``min_batch`` requests (where speculation is off),
+            and taking one runs the head's catch-up over its features.
+        min_batch: see ``drafter`` (``speculative.disable_by_batch_size``).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
-                 requests: dict[str, CachedRequestState], max_model_len: int) -> None:
+                 requests: dict[str, CachedRequestState], max_model_len: int,
+                 drafter: DraftRunner | None = None, min_batch: int = 0) -> None:
         self.graphs = graphs
         self.model = model
         self.input_batch = input_batch
         self.requests = requests
         self.max_model_len = max_model_len
+        self.drafter = drafter
+        self.min_batch = min_batch if drafter is not None else 0
         self.pending: _Pending | None = None
         self.stats = LookaheadStats()
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,
               model: Any, input_batch: InputBatch, requests: dict[str, CachedRequestState],
-              max_model_len: int) -> DecodeLookahead | None:
+              max_model_len: int, drafter: DraftRunner | None = None
+              ) -> DecodeLookahead | None:
         """A lookahead when decode graphs are replayed and
-        :func:`decode_lookahead_slots` reserves its slot (no offload tier, not off)."""
+        :func:`decode_lookahead_slots` reserves its slot (no offload tier, not off);
+        with a draft head only when ``speculative.disable_by_batch_size`` is set."""
         if graphs is None or not decode_lookahead_slots(config, stack):
             return None
-        return cls(graphs, model, input_batch, requests, max_model_len)
+        if drafter is None:
+            return cls(graphs, model, input_batch, requests, max_model_len)
+        limit = config.speculative.disable_by_batch_size
+        if limit is None:  # the head drafts after every step: nothing to predict
+            return None
+        return cls(graphs, model, input_batch, requests, max_model_len, drafter, limit)
 
     # ------------------------------------------------------------------ launching
 
-    def after_step(self, so: SchedulerOutput, order: list[str], step: StepInputs) -> None:
-        """After a normally run step: launch the next decode step if it is predictable."""
+    def after_step(self, so: SchedulerOutput, order: list[str], step: StepInputs,
+                   drafted: bool = False) -> None:
+        """After a normally run step: launch the next decode step if it is predictable
+        (not after a step whose draft head ``drafted``: the next one verifies)."""
         self.pending = None
         n = len(order)
         if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
+            return
+        if drafted or n <= self.min_batch:
             return
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
@@ -135,7 +165,7 @@ class DecodeLookahead:
                                                                     non_blocking=True)]
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
-        if self._launchable(order, rows):
+        if len(order) > self.min_batch and self._launchable(order, rows):
             self._launch(order, rows, tokens)  # queued before this step's tokens are read
         if pending.ready is not None:
             pending.ready.synchronize()  # this step's tokens only, not the one just queued
@@ -145,7 +175,29 @@ class DecodeLookahead:
         for rid, row, token in zip(order, rows.tolist(), sampled, strict=True):
             requests[rid].output_token_ids.append(token)
             batch.append_tokens(row, [token])
-        return ModelRunnerOutput(req_ids=order, sampled_token_ids=[[t] for t in sampled])
+        out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[t] for t in sampled])
+        if self.drafter is not None:
+            out.draft_token_ids = self._catch_up(order, rows, pending, idx)
+        return out
+
+    def _catch_up(self, order: list[str], rows: np.ndarray, pending: _Pending,
+                  idx: list[int]) -> dict[str, list[int]]:
+        """The draft head's pass over a taken step (one position per request, its
+        features kept at launch); drafts where the batch is small enough to speculate."""
+        assert self.drafter is not None and pending.features is not None
+        assert pending.slots is not None
+        n = len(order)
+        features = pending.features
+        if idx != list(range(len(pending.req_ids))):
+            features = features[torch.tensor(idx, dtype=torch.int64).to(features.device)]
+        positions = pending.positions[idx]
+        step = decode_step_inputs(rows, positions, pending.slots[idx], self.input_batch)
+        drafting = np.array([n <= self.min_batch
+                             and self.requests[r].sampling_params.use_spec_decode
+                             for r in order], dtype=bool)
+        with torch.inference_mode():
+            drafts = self.drafter.propose(features, step, np.ones(n, dtype=np.int64), drafting)
+        return {order[i]: d for i, d in drafts.items()}
 
     def _matches(self, so: SchedulerOutput, order: list[str], pending: _Pending) -> bool:
         if not order or so.scheduled_new_reqs or not _plain(so):
@@ -185,9 +237,15 @@ class DecodeLookahead:
         slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
+        taps = self.drafter.proposer.target_layers if self.drafter is not None else ()
+        aux: list[torch.Tensor] | None = [] if taps else None
         with torch.inference_mode():
             hidden = self.graphs.run_decode(ids, positions, slots, seq_lens,
-                                            batch.block_table[rows, :width], device_ids)
+                                            batch.block_table[rows, :width], device_ids,
+                                            aux=aux)
+            features = None
+            if self.drafter is not None:  # what the head reads, kept past the next replay
+                features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             ready = None
             if tokens.is_cuda:  # read back asynchronously, ahead of any later launch
@@ -198,11 +256,31 @@ class DecodeLookahead:
             else:
                 host = tokens
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
-                                positions.copy(), tokens, host, ready)
+                                positions.copy(), tokens, host, ready, slots, features)
         self._count("launched")
 
     def _count(self, what: str) -> None:
         setattr(self.stats, what, getattr(self.stats, what) + 1)
+
+
+def decode_step_inputs(rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       input_batch: InputBatch) -> StepInputs:
+    """The :class:`~lmkit.worker.input_batch.StepInputs` of a decode step of the batch
+    ``rows`` (one token each, at ``positions``, written to ``slots``), as the runner
+    would have packed it (host tensors)."""
+    n = len(rows)
+    seq_lens = (positions + 1).astype(np.int32)
+    width = int(-(-int(seq_lens.max()) // input_batch.block_size))
+    return StepInputs(
+        rows=rows, num_scheduled=np.ones(n, dtype=np.int64),
+        cu_num_tokens=np.arange(1, n + 1, dtype=np.int64), num_computed=positions,
+        input_ids=torch.from_numpy(input_batch.token_ids[rows, positions].astype(np.int64)),
+        positions=torch.from_numpy(positions.astype(np.int64)),
+        slot_mapping=torch.from_numpy(slots.astype(np.int64)),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_tables=torch.from_numpy(np.ascontiguousarray(
+            input_batch.block_table[rows, :width])), num_decodes=n)
 
 
 def decode_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:

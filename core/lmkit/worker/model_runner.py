@@ -205,10 +205,11 @@ class ModelRunner:
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
         # a pooling-only model never decodes; a draft head drafts after every forward
-        if self.facts.generates and self.drafter is None:
+        # unless speculation is off by batch size (then large batches run ahead)
+        if self.facts.generates:
             self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
                                                    self.input_batch, self.requests,
-                                                   self.max_model_len)
+                                                   self.max_model_len, self.drafter)
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the
@@ -280,7 +281,7 @@ class ModelRunner:
             if self.offload is not None:  # write-through stores: after the head's KV too
                 self.offload.after_forward(so.kv_transfers)
         if self.lookahead is not None:
-            self.lookahead.after_step(so, order, step)
+            self.lookahead.after_step(so, order, step, drafted=bool(out.draft_token_ids))
         out.finished_kv_loads = self._finished_kv_loads()
         return out
 

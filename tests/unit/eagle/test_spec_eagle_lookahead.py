@@ -1,0 +1,64 @@
+"""Decode steps launched ahead (:mod:`lmkit.worker.gpu_lookahead`) beside a draft head,
+on the CPU through the graph runners' padded path: with speculation off by batch size
+(``disable_by_batch_size``), steps of larger batches are plain decode steps, launched
+ahead like any other; taking one runs the head's catch-up over the features kept at
+launch, so when the batch shrinks and speculation resumes, the head's drafts still
+equal the dense reference (a hole in its KV cache would change them) and every token
+equals the run without the lookahead."""
+
+from __future__ import annotations
+
+import pytest
+from dense_eagle import DenseEagle
+from eagle_engine import PROMPTS, padded_replays, run_engine
+from lmkit import SamplingParams
+
+# requests finish at different steps: 5 running (speculation off), then 2 (drafting)
+MAX_TOKENS = [8, 12, 40, 16, 40]
+
+
+def lookahead_on_the_cpu(monkeypatch) -> list:
+    """Let the runner build its lookahead on the CPU; returns the lookaheads built."""
+    import lmkit.worker.gpu_lookahead as gpu_lookahead
+    import lmkit.worker.model_runner as model_runner
+
+    made: list = []
+    init = gpu_lookahead.DecodeLookahead.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(gpu_lookahead, "decode_lookahead_slots", lambda config, stack: 1)
+    monkeypatch.setattr(model_runner, "decode_lookahead_slots", lambda config, stack: 1)
+    monkeypatch.setattr(gpu_lookahead.DecodeLookahead, "__init__", record)
+    return made
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_steps_launched_ahead_keep_the_head_caught_up(tiny, heads, monkeypatch, proposer):
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in MAX_TOKENS]
+    settings = dict(max_num_seqs=8, disable_by_batch_size=2)
+    padded_replays(monkeypatch)
+    without, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                            **settings)
+    made = lookahead_on_the_cpu(monkeypatch)
+    got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                            **settings)
+    assert len(made) == 1 and made[0].drafter is not None and made[0].min_batch == 2
+    assert made[0].stats.used > 5  # large-batch steps taken from the lookahead
+    assert stats["spec_num_steps_off"] > 5 and stats["spec_num_verifications"] > 5
+    assert got == without  # same tokens (the keys) and the same drafts
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = [key for key, drafts in got.items()
+             if drafts != reference.drafts(list(key[1]), len(drafts))]
+    assert len(got) > 20 and not wrong, f"{len(wrong)} of {len(got)} drafts differ"
+
+
+def test_no_lookahead_beside_a_head_that_always_drafts(tiny, heads, monkeypatch):
+    """Without ``disable_by_batch_size`` every step verifies drafts: nothing to launch."""
+    padded_replays(monkeypatch)
+    made = lookahead_on_the_cpu(monkeypatch)
+    run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle", max_num_seqs=8)
+    assert made == []

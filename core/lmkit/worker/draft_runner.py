@@ -349,8 +349,8 @@ class DraftRunner:
         return result
 
     def _chained_drafts(self, graphs: DraftPassGraphs, ids: torch.Tensor, feat: torch.Tensor,
-                        last: np.ndarray, num_drafts: np.ndarray, tables: np.ndarray, step_index: list[int], req_ids: list[str]
-                        ) -> dict[int, list[int]]:
+                        last: np.ndarray, num_drafts: np.ndarray, tables: np.ndarray,
+                        step_index: list[int], req_ids: list[str]) -> dict[int, list[int]]:
         """Greedy drafts ``2..k`` of every drafting request from one replay of the chained
         draft passes (``graphs.chain == k - 1``), given draft 1 (``ids``) and the
         head's output at each request's last kept position (``feat``).

@@ -9,7 +9,9 @@
 #
 # PROMPTS (default 4000), STEPS (default 6000), BATCH (16), LR (1e-3), VOCAB (8192),
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
-# (triton) set the run; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# (triton) set the run; OFF_ABOVE (default 16) adds an eagle3 run with speculation off
+# above that batch size (`--disable-by-batch-size`: batch 32 then decodes plainly, run
+# ahead, the head catching up); OFF_ABOVE=none skips it; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With no step
 # named both run (training ~5 minutes on an H100 at the defaults, the benchmark ~6).
 set -euo pipefail
@@ -30,14 +32,19 @@ for step in $steps; do
         2>&1 | tee "$out/train.log"
       cp "$head/eval.json" "$out/eval.json" ;;
     bench)
-      for proposer in eagle3 ngram; do
+      off=${OFF_ABOVE:-16}
+      runs=(eagle3 ngram)
+      [[ $off != none ]] && runs+=(eagle3-off)
+      for run in "${runs[@]}"; do
+        proposer=${run%-off}
         extra=()
         [[ $proposer == eagle3 ]] && extra=(--speculative-model "$head")
+        [[ $run == *-off ]] && extra+=(--disable-by-batch-size "$off")
         python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
           --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \
           --workloads chat --batches 1 32 --batch1-prompts 8 --chat-output-len 128 --stop-at-eos \
-          --spec-tokens "${K:-3}" --repeats 2 --out "$out/spec_$proposer.json" \
-          | tee "$out/spec_$proposer.log"
+          --spec-tokens "${K:-3}" --repeats 2 --out "$out/spec_$run.json" \
+          | tee "$out/spec_$run.log"
       done ;;
     *) echo "unknown step '$step'; choose from: train bench" >&2; exit 2 ;;
   esac

@@ -101,8 +101,8 @@ class CudaGraphRunner:
             attention kernels read, so the backend's plan of pass 0 must stay valid
             when those values change in place
             (:attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata`);
-            without graphs the passes are re-planned one by one. Each pass's input ids
-            are kept (:meth:`chain_input_ids`).
+            without graphs the passes are re-planned one by one. The input ids of
+            passes 1.. are kept (:meth:`chain_input_ids`).
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
@@ -132,10 +132,10 @@ class CudaGraphRunner:
         self._block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
         # chained passes (``chain > 1``): passes 1.. positions | slots | seq_lens, and
-        # the input ids every pass read
+        # the input ids each of them read (the previous pass's drafts)
         links = self.chain - 1
         self._chain_rows = torch.zeros(links, 3, bs, dtype=torch.int64, device=device)
-        self._chain_ids = torch.zeros(self.chain, bs, dtype=torch.int64, device=device)
+        self._chain_ids = torch.zeros(links, bs, dtype=torch.int64, device=device)
         # pinned host staging (``num_staging`` sets, used in turn: packed, seq_lens,
         # block tables, chained passes' rows); the host copies of query_start_loc never
         # change
@@ -197,14 +197,14 @@ class CudaGraphRunner:
                 if not self.use_graphs:  # eager: plan each pass (any backend)
                     self._plan(bs, self._h_chain_rows(bs)[j - 1, 2])
                 ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
-            self._chain_ids[j, :bs].copy_(ids)
+                self._chain_ids[j - 1, :bs].copy_(ids)
             hidden = self.model(ids, positions, ctx)
         return hidden, ctx.aux_hidden_states
 
     def chain_input_ids(self, n: int) -> torch.Tensor:
-        """The input ids each of the last replay's ``chain`` passes read, ``[chain, n]``
+        """The input ids passes ``1..chain-1`` of the last replay read, ``[chain - 1, n]``
         (a view, valid until the next replay): with a model that feeds its drafts as the
-        next pass's ids, row ``j + 1`` holds pass ``j``'s drafts (the last pass's are in
+        next pass's ids, row ``j`` holds pass ``j``'s drafts (the last pass's are in
         :attr:`input_ids_buffer`)."""
         return self._chain_ids[:, :n]
 

@@ -187,7 +187,7 @@ class DraftPassGraphs:
     def chain_drafts(self, n: int) -> torch.Tensor:
         """The greedy drafts of the last replay's ``chain`` passes, ``[chain, n]`` (a new
         tensor): row ``j`` is pass ``j``'s."""
-        return torch.cat([self.runner.chain_input_ids(n)[1:], self.drafts(n)[None]])
+        return torch.cat([self.runner.chain_input_ids(n), self.drafts(n)[None]])
 
     def set_params(self, params: DraftRowParams) -> None:
         """The next pass's row parameters (``samples_in_graph``), copied in stream order

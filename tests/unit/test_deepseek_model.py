@@ -21,8 +21,7 @@ from lmkit.errors import ConfigError, NoBackendError  # noqa: E402
 from lmkit.loading.model_facts import load_model_facts  # noqa: E402
 from lmkit.plugin_host.manager import PluginHost  # noqa: E402
 from lmkit.plugin_host.resolve import resolve_stack  # noqa: E402
-from lmkit.worker.draft_runner import build_draft_proposer  # noqa: E402
-from lmkit.worker.model_build import check_tensor_parallel  # noqa: E402
+from lmkit.worker.model_build import build_draft_proposer, check_tensor_parallel  # noqa: E402
 from lmkit_plugins.attention.mla_torch import MLATorchAttention  # noqa: E402
 from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
 from lmkit_plugins.models.deepseek import (  # noqa: E402

@@ -50,79 +50,18 @@ import numpy as np
 import torch
 
 from lmkit.api.attention import AttentionMetadata
-from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, one_kv_cache_group
-from lmkit.api.model import CausalLM, ForwardContext
-from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, DraftHeadContext, RunnerProposer
-from lmkit.errors import ConfigError, PluginError
+from lmkit.api.model import ForwardContext
+from lmkit.api.spec_decode import DraftHeadContext, RunnerProposer
+from lmkit.errors import PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
 from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
-    from lmkit.config.schema import LMKitConfig
-    from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
-
-
-def build_draft_proposer(config: LMKitConfig, stack: ResolvedStack, model_cls: type,
-                         architecture: str, target_hf_config: Any) -> RunnerProposer | None:
-    """The stack's runner-hosted proposer, built and checked against the target before
-    any weights load; ``None`` when speculation is off or token-based.
-
-    Raises:
-        ConfigError: the target cannot host a draft head, or the head does not fit it.
-        PluginError: the plugin declares runner-hosted features but its class is not a
-            :class:`~lmkit.api.RunnerProposer`.
-    """
-    reg = stack.get("speculative")
-    if reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
-        return None
-    if not (issubclass(model_cls, CausalLM) and model_cls.supports_draft_heads):
-        raise ConfigError(
-            f"speculative proposer {reg.name!r} reads the target's hidden states and input "
-            f"embedding, but the model plugin of architecture {architecture} does not declare "
-            "supports_draft_heads; use a token-based proposer (--speculative ngram).")
-    proposer = build("speculative", reg.spec.load(), config,
-                     options=stack.options["speculative"], plugin=reg.origin)
-    if not isinstance(proposer, RunnerProposer):
-        raise PluginError(
-            f"speculative proposer {reg.name!r} (plugin {reg.origin}) declares "
-            f"{', '.join(sorted(RUNNER_HOSTED_FEATURES & reg.spec.caps.features))} but its "
-            f"class {type(proposer).__qualname__} does not subclass lmkit.api.RunnerProposer; "
-            "runner-hosted proposers must (see docs/speculative-decoding.md).")
-    proposer.check_target(target_hf_config)
-    return proposer
-
-
-def kept_positions(order: Sequence[str], step: StepInputs,
-                   plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
-                   requests: Mapping[str, CachedRequestState],
-                   disable_by_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per step request (after the step's tokens are committed): how many of its
-    scheduled positions the head catches up on, and whether it drafts.
-
-    Kept: the scheduled positions minus the rejected drafts, and only those whose next
-    token is known (a pooling request's last prompt position has none). Drafting: the
-    request sampled this step and does not opt out of speculation, and the step ran at
-    most ``disable_by_batch_size`` requests (the engine proposes nothing after larger
-    steps, so the draft passes are skipped; the head still catches up).
-
-    Args:
-        plan: the runner's sampling plan, ``(step index, first hidden row, drafts)``.
-        num_accepted: per plan entry, drafts accepted.
-    """
-    kept = step.num_scheduled.copy()
-    drafting = np.zeros(len(order), dtype=bool)
-    draft = disable_by_batch_size is None or len(order) <= disable_by_batch_size
-    for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
-        kept[i] -= len(drafts) - accepted
-        drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
-    num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
-                             count=len(order))
-    return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting
 
 
 class DraftRunner:

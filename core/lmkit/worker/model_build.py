@@ -1,21 +1,25 @@
 """What the model runner checks and builds before a model's weights load: the chosen
 quantization method (its checkpoint checked) and the refusals of what the model or the
-method cannot do over several tensor-parallel ranks; and, once the model is built, its
+method cannot do over several tensor-parallel ranks; the runner-hosted speculative
+proposer (a draft head), checked against the target; and, once the model is built, its
 KV cache groups, checked."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec, check_kv_cache_groups
+from lmkit.api.model import CausalLM
 from lmkit.api.model_facts import DENSE_WEIGHT_FORMAT
 from lmkit.api.quantization import QuantizationMethod
-from lmkit.errors import ModelLoadError
+from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, RunnerProposer
+from lmkit.errors import ConfigError, ModelLoadError, PluginError
 
 if TYPE_CHECKING:
     from lmkit.api.model import Model
     from lmkit.api.model_facts import ModelFacts
+    from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
 
@@ -99,3 +103,33 @@ def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_lay
                     f"{built[layer].describe()} group; build the groups from the declared "
                     "specs (lmkit.api.build_kv_cache_groups)")
     return groups
+
+
+def build_draft_proposer(config: LMKitConfig, stack: ResolvedStack, model_cls: type,
+                         architecture: str, target_hf_config: Any) -> RunnerProposer | None:
+    """The stack's runner-hosted proposer, built and checked against the target before
+    any weights load; ``None`` when speculation is off or token-based.
+
+    Raises:
+        ConfigError: the target cannot host a draft head, or the head does not fit it.
+        PluginError: the plugin declares runner-hosted features but its class is not a
+            :class:`~lmkit.api.RunnerProposer`.
+    """
+    reg = stack.get("speculative")
+    if reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
+        return None
+    if not (issubclass(model_cls, CausalLM) and model_cls.supports_draft_heads):
+        raise ConfigError(
+            f"speculative proposer {reg.name!r} reads the target's hidden states and input "
+            f"embedding, but the model plugin of architecture {architecture} does not declare "
+            "supports_draft_heads; use a token-based proposer (--speculative ngram).")
+    proposer = build("speculative", reg.spec.load(), config,
+                     options=stack.options["speculative"], plugin=reg.origin)
+    if not isinstance(proposer, RunnerProposer):
+        raise PluginError(
+            f"speculative proposer {reg.name!r} (plugin {reg.origin}) declares "
+            f"{', '.join(sorted(RUNNER_HOSTED_FEATURES & reg.spec.caps.features))} but its "
+            f"class {type(proposer).__qualname__} does not subclass lmkit.api.RunnerProposer; "
+            "runner-hosted proposers must (see docs/speculative-decoding.md).")
+    proposer.check_target(target_hf_config)
+    return proposer

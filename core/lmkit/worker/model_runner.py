@@ -36,14 +36,19 @@ from lmkit.sample.sampler import Sampler, VerifiedTokens
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
-from lmkit.worker.draft_runner import DraftRunner, build_draft_proposer, kept_positions
+from lmkit.worker.draft_runner import DraftRunner
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
-from lmkit.worker.model_build import check_tensor_parallel, kv_cache_groups, quantization_method
+from lmkit.worker.model_build import (
+    build_draft_proposer,
+    check_tensor_parallel,
+    kv_cache_groups,
+    quantization_method,
+)
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
-from lmkit.worker.step_plan import SamplingPlan, commit_tokens, sampling_plan
+from lmkit.worker.step_plan import SamplingPlan, commit_tokens, kept_positions, sampling_plan
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts

@@ -1,10 +1,13 @@
 """Which requests of a step sample, and what the step's sampled tokens do to the runner's
 copies of them: the bookkeeping around :meth:`lmkit.worker.model_runner.ModelRunner.
-execute_model`'s sampling (pure host work, no device calls)."""
+execute_model`'s sampling, and which positions a draft head catches up on (pure host
+work, no device calls)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.runner_output import ModelRunnerOutput
@@ -54,3 +57,31 @@ def commit_tokens(order: list[str], plan: SamplingPlan, verified: VerifiedTokens
         requests[rid].output_token_ids.extend(tokens)
         input_batch.append_tokens(input_batch.row_of[rid], tokens)
     return out
+
+
+def kept_positions(order: Sequence[str], step: StepInputs,
+                   plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
+                   requests: Mapping[str, CachedRequestState],
+                   disable_by_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per step request (after the step's tokens are committed): how many of its
+    scheduled positions the head catches up on, and whether it drafts.
+
+    Kept: the scheduled positions minus the rejected drafts, and only those whose next
+    token is known (a pooling request's last prompt position has none). Drafting: the
+    request sampled this step and does not opt out of speculation, and the step ran at
+    most ``disable_by_batch_size`` requests (the engine proposes nothing after larger
+    steps, so the draft passes are skipped; the head still catches up).
+
+    Args:
+        plan: the runner's sampling plan, ``(step index, first hidden row, drafts)``.
+        num_accepted: per plan entry, drafts accepted.
+    """
+    kept = step.num_scheduled.copy()
+    drafting = np.zeros(len(order), dtype=bool)
+    draft = disable_by_batch_size is None or len(order) <= disable_by_batch_size
+    for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
+        kept[i] -= len(drafts) - accepted
+        drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
+    num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
+                             count=len(order))
+    return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting

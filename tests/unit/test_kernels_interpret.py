@@ -160,7 +160,7 @@ def test_launcher_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 256])  # 256: FA2's pages
 def test_reshape_and_cache(dtype, block_size):
     num_kv_heads, head_size, num_blocks = 3, 64, 6
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size).to(dtype)

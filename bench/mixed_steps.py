@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "stack": {k: v for k, v in engine.stack.names().items() if v},
         "running": args.running, "prompt_len": args.prompt_len, "every": args.every,
         "arrivals": args.arrivals, "jit_compiles_during_timed_steps": list(compiles),
-        "kinds": {}}
+        "piecewise_replays": _piecewise_replays(engine), "kinds": {}}
     for kind, times in timer.by_kind.items():
         if times:
             q = sorted(times)
@@ -133,6 +133,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         report["profile"] = _profile(engine, timer, args, prompt, newcomer)
     return report
+
+
+def _piecewise_replays(engine: Any) -> int | None:
+    """Steps the engine ran through piecewise CUDA graphs (``None``: none captured, or
+    the runner lives in another process)."""
+    pieces = getattr(getattr(engine.executor, "runner", None), "piecewise", None)
+    return pieces.num_replays if pieces is not None else None
 
 
 def _profile(engine: Any, timer: _Timer, args: argparse.Namespace, prompt: Any,
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, r in report["kinds"].items():
         print(f"{kind:7s} steps {r['steps']:4d}  p50 {r['p50_ms']:8.2f} ms  "
               f"p90 {r['p90_ms']:8.2f} ms  allocator {r['allocator']}")
+    print(f"piecewise graph replays: {report['piecewise_replays']}")
     print(f"stack {report['stack']}; Triton compiles in timed steps: "
           f"{len(report['jit_compiles_during_timed_steps'])}")
     for section in ("host_top", "kernels_top"):

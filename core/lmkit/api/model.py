@@ -50,6 +50,12 @@ class ForwardContext:
     entering layer ``i``: the embeddings for layer 0) the model appends to
     ``aux_hidden_states``, ``[num_tokens, hidden]`` each, in this order. An EAGLE-3 draft
     head reads three of them; empty (the default) asks for nothing.
+
+    ``attn`` is the backend the model built, or, while piecewise CUDA graphs of a mixed
+    step are captured or replayed (:mod:`lmkit.worker.piecewise_graphs`), a stand-in for
+    it: its ``run``/``run_mla`` and ``kv_write_slots`` and the backend's data attributes
+    work as the backend's; calling any other method of it inside ``forward`` makes the
+    runner run mixed steps eagerly. Models must not check its type.
     """
 
     attn: AttentionBackend

@@ -104,6 +104,11 @@ class ExecutorConfig(BackendSection):
         "auto", description="Where the model runs; 'auto' picks CUDA when available."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    piecewise_max_tokens: int = Field(
+        2048, ge=0, description="Largest step (in tokens; at most "
+        "scheduler.max_num_batched_tokens) run through piecewise CUDA graphs: mixed "
+        "prefill+decode steps and prefill chunks replay the forward captured between "
+        "attention calls, attention running eagerly in between. 0 turns them off.")
 
 
 class ParallelConfig(Section):

@@ -46,6 +46,7 @@ from lmkit.worker.model_build import (
     kv_cache_groups,
     quantization_method,
 )
+from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner, maybe_capture_piecewise
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
 from lmkit.worker.step_plan import SamplingPlan, commit_tokens, kept_positions, sampling_plan
@@ -109,6 +110,7 @@ class ModelRunner:
         # structured output: the backend's bitmask kernel (torch on CPU)
         self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
+        self.piecewise: PiecewiseGraphRunner | None = None  # mixed steps' graphs (CUDA)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
         self.drafter: DraftRunner | None = None  # a runner-hosted proposer (EAGLE head)
         # KV slots per request the scheduler reserves so decode steps can launch ahead
@@ -204,6 +206,9 @@ class ModelRunner:
         aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
                                          self.device, self.max_model_len, tuple(aux_layers))
+        self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
+                                                 self.device, len(self.kv_groups),
+                                                 tuple(aux_layers))
         if self.drafter is not None:
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
@@ -362,6 +367,9 @@ class ModelRunner:
             num_decodes=step.num_decodes)
         for group in self.kv_groups:  # every group's backend, once per step
             group.attn.plan(md)
+        pieces = self.piecewise
+        if pieces is not None and kv_caches is self.kv_caches and pieces.can_run(step.num_tokens):
+            return pieces.run(dev, step.num_tokens, aux)  # graphs between attention calls
         attn = self.model.attn
         if aux is None:
             return self.model(dev.input_ids, dev.positions, ForwardContext(attn, kv_caches))

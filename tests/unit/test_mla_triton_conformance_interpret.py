@@ -16,6 +16,7 @@ from interpret_mode import interpreted_spec, require_triton_interpreter
 require_triton_interpreter()
 
 from lmkit.plugin_host.manager import PluginHost  # noqa: E402
+from lmkit.testing import mla_attention  # noqa: E402
 from lmkit.testing.mla_attention import MLAAttentionConformance  # noqa: E402
 
 #: latent widths: the kit's small dimension sets (80, 128) and DeepSeek's (576)
@@ -30,7 +31,13 @@ class TestMLATritonInterpreted(MLAAttentionConformance):
                                 head_size=HEAD_SIZES)
 
     @pytest.mark.slow
-    def test_shapes(self, attention_backend):
+    def test_shapes(self, attention_backend, monkeypatch):
+        """The kit's shapes over 4 query heads (each latent width) and 128 (the small
+        one), not 16: in float32 the decode kernel tiles 16 heads per program (4 heads:
+        one tile, 12 rows masked; 128: eight full tiles) and the prefill kernel runs one
+        program per head, so 16 heads (one full tile) is no path the others miss, and
+        cost 48 of the interpreter's 110 s. The GPU suite runs all head counts."""
+        monkeypatch.setattr(mla_attention, "HEAD_COUNTS", (4,))
         super().test_shapes(attention_backend)
 
     @pytest.mark.slow

@@ -194,3 +194,23 @@ def test_not_captured_off_cuda_or_when_off(tiny_torch):
     with pytest.raises(ConfigError, match="piecewise_max_tokens"):
         load_config(None, cli={"model.model": "x", "executor.piecewise_max_tokens": -1},
                     env={})
+
+
+@pytest.mark.parametrize(("kwargs", "env", "reason"), [
+    ({"tp_size": 2}, None, "tensor parallelism"),
+    ({"num_kv_groups": 2}, None, "one KV cache group"),
+    ({}, "0", None),
+])
+def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs, env, reason):
+    """The checks before any capture (they run on a CUDA device object without touching
+    the device)."""
+    cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
+    if env is not None:
+        monkeypatch.setenv("LMKIT_PIECEWISE_GRAPHS", env)
+    args = {"num_kv_groups": 1, **kwargs}
+    with caplog.at_level("INFO", logger="lmkit.worker.piecewise_graphs"):
+        got = maybe_capture_piecewise(cfg, tiny_torch, [], torch.device("cuda"),
+                                      args.pop("num_kv_groups"), **args)
+    assert got is None
+    if reason is not None:
+        assert reason in caplog.text

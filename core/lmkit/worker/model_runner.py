@@ -208,7 +208,7 @@ class ModelRunner:
                                          self.device, self.max_model_len, tuple(aux_layers))
         self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
                                                  self.device, len(self.kv_groups),
-                                                 tuple(aux_layers))
+                                                 tuple(aux_layers), self.tp_size)
         if self.drafter is not None:
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)

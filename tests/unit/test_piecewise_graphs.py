@@ -19,6 +19,8 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: the graph path is tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
+from types import SimpleNamespace  # noqa: E402
+
 import numpy as np  # noqa: E402
 from lmkit.api.attention import AttentionMetadata  # noqa: E402
 from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
@@ -190,18 +192,27 @@ def test_a_model_using_other_backend_methods_is_refused(tiny_torch):
 def test_not_captured_off_cuda_or_when_off(tiny_torch):
     cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
     assert cfg.executor.piecewise_max_tokens == 2048
-    assert maybe_capture_piecewise(cfg, tiny_torch, [], CPU, 1) is None
+    assert maybe_capture_piecewise(cfg, _stack(), tiny_torch, [], CPU, 1) is None
     with pytest.raises(ConfigError, match="piecewise_max_tokens"):
         load_config(None, cli={"model.model": "x", "executor.piecewise_max_tokens": -1},
                     env={})
 
 
-@pytest.mark.parametrize(("kwargs", "env", "reason"), [
-    ({"tp_size": 2}, None, "tensor parallelism"),
-    ({"num_kv_groups": 2}, None, "one KV cache group"),
-    ({}, "0", None),
+def _stack(features=("cuda_graphs",)):
+    """A resolved stack's attention entry, as the gate reads it."""
+    entry = SimpleNamespace(name="fake", spec=SimpleNamespace(
+        caps=SimpleNamespace(features=set(features))))
+    return SimpleNamespace(get=lambda kind: entry if kind == "attention" else None)
+
+
+@pytest.mark.parametrize(("kwargs", "env", "features", "reason"), [
+    ({"tp_size": 2}, None, ("cuda_graphs",), "tensor parallelism"),
+    ({"num_kv_groups": 2}, None, ("cuda_graphs",), "one KV cache group"),
+    ({}, None, ("chunked_prefill",), "takes no padded plans"),
+    ({}, "0", ("cuda_graphs",), None),
 ])
-def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs, env, reason):
+def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs, env,
+                                        features, reason):
     """The checks before any capture (they run on a CUDA device object without touching
     the device)."""
     cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
@@ -209,8 +220,8 @@ def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs,
         monkeypatch.setenv("LMKIT_PIECEWISE_GRAPHS", env)
     args = {"num_kv_groups": 1, **kwargs}
     with caplog.at_level("INFO", logger="lmkit.worker.piecewise_graphs"):
-        got = maybe_capture_piecewise(cfg, tiny_torch, [], torch.device("cuda"),
-                                      args.pop("num_kv_groups"), **args)
+        got = maybe_capture_piecewise(cfg, _stack(features), tiny_torch, [],
+                                      torch.device("cuda"), args.pop("num_kv_groups"), **args)
     assert got is None
     if reason is not None:
         assert reason in caplog.text

@@ -43,6 +43,7 @@ from lmkit.api.model import ForwardContext
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -347,16 +348,19 @@ class PiecewiseGraphRunner:
         return hidden[:n]
 
 
-def maybe_capture_piecewise(config: LMKitConfig, model: Any, kv_caches: list[torch.Tensor],
-                            device: torch.device, num_kv_groups: int,
-                            aux_layers: tuple[int, ...] = (), tp_size: int = 1
-                            ) -> PiecewiseGraphRunner | None:
+def maybe_capture_piecewise(config: LMKitConfig, stack: ResolvedStack, model: Any,
+                            kv_caches: list[torch.Tensor], device: torch.device,
+                            num_kv_groups: int, aux_layers: tuple[int, ...] = (),
+                            tp_size: int = 1) -> PiecewiseGraphRunner | None:
     """Capture piecewise graphs of ``model`` when they apply, else ``None``.
 
     They apply on CUDA, unless ``executor.enforce_eager`` is set or
     ``executor.piecewise_max_tokens`` is 0 (or the environment sets
     ``LMKIT_PIECEWISE_GRAPHS=0``), for a model with one KV cache group on one rank
-    (``tp_size`` 1: under tensor parallelism mixed steps stay eager for now). The
+    (``tp_size`` 1: under tensor parallelism mixed steps stay eager for now), with an
+    attention backend whose spec declares ``cuda_graphs``: the capture runs each
+    attention call once on a padding plan (no context, cache slot ``-1``), which such
+    backends take (``torch``'s cache write would index slot -1). The
     largest size is ``min(piecewise_max_tokens, scheduler.max_num_batched_tokens)``.
     A model that uses its backend in a way the graphs cannot be split around runs its
     mixed steps eagerly (logged).
@@ -366,6 +370,11 @@ def maybe_capture_piecewise(config: LMKitConfig, model: Any, kv_caches: list[tor
     if os.environ.get("LMKIT_PIECEWISE_GRAPHS") == "0":  # an A/B switch for benchmarks
         limit = 0
     if device.type != "cuda" or config.executor.enforce_eager or limit < 1:
+        return None
+    attention = stack.get("attention")
+    if attention is None or "cuda_graphs" not in attention.spec.caps.features:
+        logger.info("attention backend %s takes no padded plans: mixed steps run eagerly",
+                    attention.name if attention is not None else "none")
         return None
     if tp_size > 1:  # not yet run on several GPUs: collectives between pieces unchecked
         logger.info("piecewise CUDA graphs are not used under tensor parallelism yet: "

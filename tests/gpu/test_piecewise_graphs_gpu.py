@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
-from lmkit.api.attention import AttentionMetadata  # noqa: E402
 from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
 from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402
@@ -68,13 +67,7 @@ def _mixed_step(context_lens, prompt_len, seed):
 
 
 def _plan(model, step, dev):
-    model.attn.plan(AttentionMetadata(
-        num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
-        max_query_len=int(step.num_scheduled.max()), max_seq_len=int(step.seq_lens.max()),
-        query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
-        block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
-        query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-        num_decodes=step.num_decodes))
+    model.attn.plan(step.attention_metadata(dev))
 
 
 def test_replayed_pieces_equal_the_eager_forward(bf16_model):

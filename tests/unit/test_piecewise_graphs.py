@@ -22,7 +22,6 @@ torch = pytest.importorskip("torch")
 from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
-from lmkit.api.attention import AttentionMetadata  # noqa: E402
 from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
 from lmkit.config import load_config  # noqa: E402
 from lmkit.errors import ConfigError  # noqa: E402
@@ -104,13 +103,7 @@ def _mixed_step(context_lens, prompt_len):
 
 
 def _plan(model, step):
-    model.attn.plan(AttentionMetadata(
-        num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
-        max_query_len=int(step.num_scheduled.max()), max_seq_len=int(step.seq_lens.max()),
-        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
-        block_tables=step.block_tables, slot_mapping=step.slot_mapping,
-        query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-        num_decodes=step.num_decodes))
+    model.attn.plan(step.attention_metadata())
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_triton", "tiny_torch", "tiny_deepseek"])

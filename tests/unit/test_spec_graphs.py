@@ -80,13 +80,7 @@ def _verification_step(contexts, num_drafts):
 
 def _eager(model, step, caches):
     """The model runner's eager forward (multi-token queries as one prefill group)."""
-    md = AttentionMetadata(
-        num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
-        max_query_len=int(step.num_scheduled.max()), max_seq_len=int(step.seq_lens.max()),
-        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
-        block_tables=step.block_tables, slot_mapping=step.slot_mapping,
-        query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-        num_decodes=step.num_decodes)
+    md = step.attention_metadata()
     model.attn.plan(md)
     return model(step.input_ids, step.positions, ForwardContext(model.attn, caches))
 

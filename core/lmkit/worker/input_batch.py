@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lmkit.api.attention import AttentionMetadata
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.sampler import make_generator
@@ -93,6 +94,20 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.cu_num_tokens[-1]) if len(self.cu_num_tokens) else 0
+
+    def attention_metadata(self, dev: StepInputs | None = None) -> AttentionMetadata:
+        """This step's attention metadata: the device tensors of ``dev`` (its copy on
+        the model's device, :meth:`DeviceInputs.copy`; default: this step's own), the
+        host copies of this step."""
+        dev = self if dev is None else dev
+        seq_lens = self.seq_lens.numpy()
+        return AttentionMetadata(
+            num_reqs=self.num_reqs, num_actual_tokens=self.num_tokens,
+            max_query_len=int(self.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
+            block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
+            query_start_loc_cpu=self.query_start_loc, seq_lens_cpu=self.seq_lens,
+            num_decodes=self.num_decodes)
 
 
 class InputBatch:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmkit.api.attention import AttentionMetadata
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, kv_window
 from lmkit.api.model import ForwardContext, ModelBuildContext
@@ -358,14 +357,7 @@ class ModelRunner:
         if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
             return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
-        seq_lens = step.seq_lens.numpy()
-        md = AttentionMetadata(
-            num_reqs=step.num_reqs, num_actual_tokens=step.num_tokens,
-            max_query_len=int(step.num_scheduled.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
-            block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
-            query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-            num_decodes=step.num_decodes)
+        md = step.attention_metadata(dev)
         for group in self.kv_groups:  # every group's backend, once per step
             group.attn.plan(md)
         pieces = self.piecewise

@@ -19,8 +19,6 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: the graph path is tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from types import SimpleNamespace  # noqa: E402
-
 import numpy as np  # noqa: E402
 from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
 from lmkit.config import load_config  # noqa: E402
@@ -185,27 +183,18 @@ def test_a_model_using_other_backend_methods_is_refused(tiny_torch):
 def test_not_captured_off_cuda_or_when_off(tiny_torch):
     cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
     assert cfg.executor.piecewise_max_tokens == 2048
-    assert maybe_capture_piecewise(cfg, _stack(), tiny_torch, [], CPU, 1) is None
+    assert maybe_capture_piecewise(cfg, tiny_torch, [], CPU, 1) is None
     with pytest.raises(ConfigError, match="piecewise_max_tokens"):
         load_config(None, cli={"model.model": "x", "executor.piecewise_max_tokens": -1},
                     env={})
 
 
-def _stack(features=("cuda_graphs",)):
-    """A resolved stack's attention entry, as the gate reads it."""
-    entry = SimpleNamespace(name="fake", spec=SimpleNamespace(
-        caps=SimpleNamespace(features=set(features))))
-    return SimpleNamespace(get=lambda kind: entry if kind == "attention" else None)
-
-
-@pytest.mark.parametrize(("kwargs", "env", "features", "reason"), [
-    ({"tp_size": 2}, None, ("cuda_graphs",), "tensor parallelism"),
-    ({"num_kv_groups": 2}, None, ("cuda_graphs",), "one KV cache group"),
-    ({}, None, ("chunked_prefill",), "takes no padded plans"),
-    ({}, "0", ("cuda_graphs",), None),
+@pytest.mark.parametrize(("kwargs", "env", "reason"), [
+    ({"tp_size": 2}, None, "tensor parallelism"),
+    ({"num_kv_groups": 2}, None, "one KV cache group"),
+    ({}, "0", None),
 ])
-def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs, env,
-                                        features, reason):
+def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs, env, reason):
     """The checks before any capture (they run on a CUDA device object without touching
     the device)."""
     cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
@@ -213,8 +202,43 @@ def test_when_piecewise_graphs_stay_off(tiny_torch, monkeypatch, caplog, kwargs,
         monkeypatch.setenv("LMKIT_PIECEWISE_GRAPHS", env)
     args = {"num_kv_groups": 1, **kwargs}
     with caplog.at_level("INFO", logger="lmkit.worker.piecewise_graphs"):
-        got = maybe_capture_piecewise(cfg, _stack(features), tiny_torch, [],
-                                      torch.device("cuda"), args.pop("num_kv_groups"), **args)
+        got = maybe_capture_piecewise(cfg, tiny_torch, [], torch.device("cuda"),
+                                      args.pop("num_kv_groups"), **args)
     assert got is None
     if reason is not None:
         assert reason in caplog.text
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_triton", "tiny_torch", "tiny_deepseek"])
+def test_warm_up_never_calls_the_backend_and_sizes_buffers_as_it_answers(
+        model_fixture, request, monkeypatch):
+    """Before a capture the runner runs each size once without the backend (no plan:
+    any backend takes part): the output buffers it makes must have the shape and dtype
+    the backend's real answer has, or replays could not copy into them."""
+    model = request.getfixturevalue(model_fixture)
+    method = "run_mla" if model_fixture == "tiny_deepseek" else "run"
+    answers = []
+    real = getattr(model.attn, method)
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        answers.append((tuple(out.shape[1:]), out.dtype))
+        return out
+
+    monkeypatch.setattr(model.attn, method, spy)
+    caches = [torch.randn(model.attn.kv_cache_shape(64)) for _ in range(model.dims.num_layers)]
+    before = [c.clone() for c in caches]
+    runner = PiecewiseGraphRunner(model, caches, CPU, max_tokens=32, use_graphs=False)
+    with torch.inference_mode():
+        runner._stage_padding_only(32)
+        hidden, _, calls = runner._run_model(32, 32, "warm")
+        assert answers == [] and calls == []  # no backend call, nothing recorded
+        assert hidden.shape == (32, model.dims.hidden_size) and torch.isfinite(hidden).all()
+        for got, want in zip(caches, before, strict=True):
+            assert torch.equal(got, want)  # the warm-up wrote no cache entry
+        step = _mixed_step([5], 12)
+        _plan(model, step)
+        runner.run(step, step.num_tokens)
+    assert len(answers) == model.dims.num_layers
+    outs = {(key[2], key[3]) for key in runner._buffers if key[:2] == (method, "out")}
+    assert outs == set(answers)

@@ -55,7 +55,9 @@ class ForwardContext:
     step are captured or replayed (:mod:`lmkit.worker.piecewise_graphs`), a stand-in for
     it: its ``run``/``run_mla`` and ``kv_write_slots`` and the backend's data attributes
     work as the backend's; calling any other method of it inside ``forward`` makes the
-    runner run mixed steps eagerly. Models must not check its type.
+    runner run mixed steps eagerly. Models must not check its type, and must be done
+    with an attention call's output before the next attention call (the stand-in's
+    outputs share one buffer).
     """
 
     attn: AttentionBackend

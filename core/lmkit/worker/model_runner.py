@@ -205,10 +205,9 @@ class ModelRunner:
         aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
                                          self.device, self.max_model_len, tuple(aux_layers))
-        self.piecewise = maybe_capture_piecewise(self.config, self.stack, self.model,
-                                                 self.kv_caches, self.device,
-                                                 len(self.kv_groups), tuple(aux_layers),
-                                                 self.tp_size)
+        self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
+                                                 self.device, len(self.kv_groups),
+                                                 tuple(aux_layers), self.tp_size)
         if self.drafter is not None:
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)

@@ -14,8 +14,10 @@ where the next graph reads it (vLLM splits its compiled graph at the same place)
 
 How the split is made without changing any model: while a size is captured, the model's
 forward gets a stand-in for its attention backend (:class:`_AttentionBreak`). Each
-``run`` (or ``run_mla``) call ends the graph being captured, records the call, runs it
-once so its output buffer exists, and begins the next graph; ``kv_write_slots`` returns
+``run`` (or ``run_mla``) call ends the graph being captured, records the call and
+begins the next graph, returning a fixed buffer of the call's documented output shape
+(the backend itself is never called while capturing, so any backend works, with no
+plan); ``kv_write_slots`` returns
 the runner's fixed slot buffer (a model that stores K/V in its RoPE kernel does so
 inside the graphs). Padding rows ``n..N`` of a step of ``n`` tokens read token 0 at
 position 0 and write no cache slot (``-1``); only rows ``0..n`` of each attention call
@@ -38,12 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
-    from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -97,9 +97,10 @@ class _AttentionBreak:
     ``mode`` ``"capture"``: every attention call ends the graph being captured and
     begins the next (see the module docstring); ``"eager"``: the call runs on the
     step's first ``n`` tokens and its output is padded back to ``N`` rows (the
-    graph-free path); ``"warm"``: eager, and the fixed buffers a capture copies the
-    calls' arguments and outputs into are made (the warm-up before a capture: no
-    allocation may happen outside the graphs' pool while one is captured).
+    graph-free path); ``"warm"``: the call is skipped (its output buffer stands in) and
+    the fixed buffers a capture copies the calls' arguments into are made (the warm-up
+    before a capture compiles the other kernels; no allocation may happen outside the
+    graphs' pool while one is captured).
     """
 
     def __init__(self, runner: PiecewiseGraphRunner, size: int, n: int, mode: str) -> None:
@@ -127,36 +128,42 @@ class _AttentionBreak:
 
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> torch.Tensor:
-        if self._mode != "capture":
-            token_args = _TOKEN_ARGS[method]
+        runner, size = self._runner, self._size
+        token_args = _TOKEN_ARGS[method]
+        if self._mode == "eager":  # the step's first n tokens, output padded to size rows
             n = self._n
             sliced = [a[:n] if i in token_args else a for i, a in enumerate(args)]
             out = getattr(self._attn, method)(*sliced, **kwargs)
-            if self._mode == "warm":  # the fixed buffers a capture copies into
-                for i in token_args:
-                    self._runner.buffer((method, i), args[i])
-                self._runner.buffer((method, "out"), out)
-            padded = out.new_zeros((self._size, *out.shape[1:]))
+            padded = out.new_zeros((size, *out.shape[1:]))
             padded[:n] = out
             return padded
+        # warm-up and capture never call the backend (no plan is needed, whatever the
+        # backend): the output is the fixed buffer of the call's documented shape
+        out_buf = runner.buffer((method, "out"), self._output_like(method, args))[:size]
+        if self._mode == "warm":  # makes the fixed buffers a capture copies into
+            for i in token_args:
+                runner.buffer((method, i), args[i])
+            return out_buf
         # the graph copies the token-major arguments into fixed buffers shared by every
         # layer and size (the attention call reads them there before the next graph
         # overwrites them), so no layer's q/k/v stays allocated after the capture
-        runner, size = self._runner, self._size
-        token_args = _TOKEN_ARGS[method]
         fixed = list(args)
         for i in token_args:
             buf = runner.buffer((method, i), args[i])[:size]
             buf.copy_(args[i])
             fixed[i] = buf
         runner.end_graph()
-        # one run on the padding plan (zeros) outside any graph gives the output's shape
-        out = getattr(self._attn, method)(*fixed, **kwargs)
-        out_buf = runner.buffer((method, "out"), out)[:size]
-        out_buf.copy_(out)
         self.calls.append(_Call(method, tuple(fixed), kwargs, out_buf))
         runner.begin_graph()
         return out_buf
+
+    def _output_like(self, method: str, args: tuple[Any, ...]) -> torch.Tensor:
+        """A tensor of one row of the call's output shape and dtype (``run``: ``[n,
+        num_heads, head_size of v]``; ``run_mla``: ``[n, num_heads, v_head_dim]``), the
+        shapes :class:`~lmkit.api.AttentionBackend` and its MLA kind document."""
+        q = args[1]
+        width = args[3].shape[-1] if method == "run" else self._attn.v_head_dim
+        return q.new_empty((1, q.shape[1], width))
 
 
 @dataclass
@@ -243,19 +250,6 @@ class PiecewiseGraphRunner:
         self._packed[:2 * size].zero_()
         self._packed[2 * size:3 * size].fill_(-1)
 
-    def _padding_metadata(self, size: int) -> AttentionMetadata:
-        """``size`` requests of one token, no context, no slot: every attention call on
-        it returns zeros (the plan the capture and warm-up run under)."""
-        dev = self.device
-        qsl = torch.arange(size + 1, dtype=torch.int32)
-        seq_lens = torch.zeros(size, dtype=torch.int32)
-        return AttentionMetadata(
-            num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=1,
-            query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev),
-            block_tables=torch.zeros(size, 1, dtype=torch.int32, device=dev),
-            slot_mapping=self.slots(size), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            num_decodes=size)
-
     # ------------------------------------------------------------------ capture
 
     def end_graph(self) -> None:
@@ -285,7 +279,6 @@ class PiecewiseGraphRunner:
         with torch.inference_mode():
             for size in reversed(self.sizes):
                 self._stage_padding_only(size)
-                self.attn.plan(self._padding_metadata(size))
                 self._run_model(size, size, "warm")  # compiles kernels, makes buffers
                 torch.cuda.synchronize(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -348,19 +341,16 @@ class PiecewiseGraphRunner:
         return hidden[:n]
 
 
-def maybe_capture_piecewise(config: LMKitConfig, stack: ResolvedStack, model: Any,
-                            kv_caches: list[torch.Tensor], device: torch.device,
-                            num_kv_groups: int, aux_layers: tuple[int, ...] = (),
-                            tp_size: int = 1) -> PiecewiseGraphRunner | None:
+def maybe_capture_piecewise(config: LMKitConfig, model: Any, kv_caches: list[torch.Tensor],
+                            device: torch.device, num_kv_groups: int,
+                            aux_layers: tuple[int, ...] = (), tp_size: int = 1
+                            ) -> PiecewiseGraphRunner | None:
     """Capture piecewise graphs of ``model`` when they apply, else ``None``.
 
     They apply on CUDA, unless ``executor.enforce_eager`` is set or
     ``executor.piecewise_max_tokens`` is 0 (or the environment sets
     ``LMKIT_PIECEWISE_GRAPHS=0``), for a model with one KV cache group on one rank
-    (``tp_size`` 1: under tensor parallelism mixed steps stay eager for now), with an
-    attention backend whose spec declares ``cuda_graphs``: the capture runs each
-    attention call once on a padding plan (no context, cache slot ``-1``), which such
-    backends take (``torch``'s cache write would index slot -1). The
+    (``tp_size`` 1: under tensor parallelism mixed steps stay eager for now). The
     largest size is ``min(piecewise_max_tokens, scheduler.max_num_batched_tokens)``.
     A model that uses its backend in a way the graphs cannot be split around runs its
     mixed steps eagerly (logged).
@@ -370,11 +360,6 @@ def maybe_capture_piecewise(config: LMKitConfig, stack: ResolvedStack, model: An
     if os.environ.get("LMKIT_PIECEWISE_GRAPHS") == "0":  # an A/B switch for benchmarks
         limit = 0
     if device.type != "cuda" or config.executor.enforce_eager or limit < 1:
-        return None
-    attention = stack.get("attention")
-    if attention is None or "cuda_graphs" not in attention.spec.caps.features:
-        logger.info("attention backend %s takes no padded plans: mixed steps run eagerly",
-                    attention.name if attention is not None else "none")
         return None
     if tp_size > 1:  # not yet run on several GPUs: collectives between pieces unchecked
         logger.info("piecewise CUDA graphs are not used under tensor parallelism yet: "

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from lmkit.testing.attention_graphs import replay_decode_steps
 from lmkit.testing.attention_world import AttentionCase, AttentionWorld
 from lmkit.testing.failure import (
     CONSTRUCTOR_PROPERTY,
@@ -296,42 +297,7 @@ def check_cuda_graphs(t: Target, in_place: bool = False) -> None:
     backend = t.build(SUITE, KIND, prop, case.describe(), **case.kwargs(t.options))
     if in_place and not type(backend).supports_in_place_decode_metadata:
         raise NotApplicable("does not declare supports_in_place_decode_metadata")
-    world = AttentionWorld(backend, case, NUM_BLOCKS)
-    world.step([(0, 9), (1, 17), (2, 4), (3, 30)])
-    work = [(0, 1), (1, 1), (2, 1), (3, 1)]
-    contexts = {rid: world.context_len(rid) for rid, _ in work}
-    backend.plan(world.metadata(work, contexts, cuda_graph=True))
-    q = torch.zeros(len(work), case.num_heads, case.head_size, dtype=case.dtype,
-                    device=case.device)
-    k = torch.zeros(len(work), case.num_kv_heads, case.head_size, dtype=case.dtype,
-                    device=case.device)
-    v = torch.zeros_like(k)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            backend.run(0, q, k, v, world.cache)  # warm-up (compiles kernels)
-            with torch.cuda.graph(graph, stream=stream):
-                out = backend.run(0, q, k, v, world.cache)
-    except Exception as e:
-        raise t.fail(SUITE, prop, case.describe(),
-                     f"capturing run() in a CUDA graph raised {type(e).__name__}: {e}") from e
-    torch.cuda.current_stream().wait_stream(stream)
-
-    def replay(q_new: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               kv_cache: torch.Tensor) -> torch.Tensor:
-        q.copy_(q_new)
-        k.copy_(k_new)
-        v.copy_(v_new)
-        graph.replay()
-        return out.clone()
-
-    for i in range(3):
-        bad = world.step(work, run=replay, cuda_graph=True, plan=not in_place)
-        if bad is not None:
-            raise t.fail(SUITE, prop, f"{case.describe()}; replayed decode step {i + 1}",
-                         f"request {bad.rid} (context {bad.context}): {bad.detail}")
+    replay_decode_steps(t, prop, backend, case, NUM_BLOCKS, plan=not in_place)
 
 
 def check_attention_backend(backend: Any, options: Any = None,

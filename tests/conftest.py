@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,34 @@ def minilm_dir() -> Path:
                              source="alias", progress=False)
     except ModelNotFoundError as e:
         pytest.skip(f"all-minilm-l6-v2 cannot be fetched here: {e}")
+
+
+@contextlib.contextmanager
+def _turn(config: pytest.Config, alone: bool) -> Iterator[None]:
+    """Under pytest-xdist (``-n``): a test marked ``alone`` (it asserts a wall-clock bound,
+    such as a refusal within a second) runs while no other worker runs a test, its
+    setup and teardown included; the others share the machine. Two ``flock`` files per
+    run: every test passes a turnstile, then holds a shared lock; an ``alone`` test
+    holds the turnstile (no new test starts) until it has the lock to itself."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: one test at a time anyway
+        yield
+        return
+    import fcntl
+
+    folder = Path(config.option.basetemp).parent  # xdist: the run's basetemp, per worker /gwN
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _turn(item.config, item.get_closest_marker("alone") is not None):
+        return (yield)

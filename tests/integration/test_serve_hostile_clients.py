@@ -16,7 +16,8 @@ from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
 from test_serve_lifecycle import read_stream
 
-pytestmark = pytest.mark.slow
+# alone: refusals are timed (under a second) while the server streams another request
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 MODEL = "tiny"
 

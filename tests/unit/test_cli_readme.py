@@ -35,7 +35,8 @@ def test_readme_starts_with_the_two_setup_commands() -> None:
     assert README.index("```") < README.index("\n## ")  # before any section
     serve, tests = first.strip().splitlines()
     assert serve == 'pip install torch==2.13.0 && pip install -e ".[serve,gguf]" && lmkit serve'
-    assert tests == 'pip install torch==2.13.0 && pip install -e ".[test]" && pytest -q'
+    assert tests == ('pip install torch==2.13.0 && pip install -e ".[test]" && '
+                     'pytest -q -n 2 --dist loadfile')
 
 
 def test_ci_runs_the_readme_test_command() -> None:

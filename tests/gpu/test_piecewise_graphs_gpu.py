@@ -24,10 +24,9 @@ torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
-from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
+from lmkit.api.model import ForwardContext  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
-from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402
-from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
+from lmkit.testing.tiny_model import load_tiny_model, make_tiny_model  # noqa: E402
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch  # noqa: E402
 from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner  # noqa: E402
 from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
@@ -46,12 +45,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bf16_model(model_dir):
-    ctx = ModelBuildContext(dtype=torch.bfloat16, device=CUDA, block_size=BLOCK,
-                            attention_cls=TritonAttention)
-    model = LlamaForCausalLM(load_hf_config(model_dir), ctx)
-    model.load_weights(iterate_weights(model_dir))
+    model = load_tiny_model(model_dir, LlamaForCausalLM, TritonAttention,
+                            dtype=torch.bfloat16, device=CUDA, block_size=BLOCK)
     assert model._model_writes_kv  # the case this file is about
-    return model.eval()
+    return model
 
 
 def _mixed_step(context_lens, prompt_len, seed):

@@ -19,9 +19,12 @@ torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
 from lmkit.api.attention import AttentionMetadata  # noqa: E402
-from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
-from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402
-from lmkit.testing.tiny_model import make_tiny_deepseek, make_tiny_model  # noqa: E402
+from lmkit.api.model import ForwardContext  # noqa: E402
+from lmkit.testing.tiny_model import (  # noqa: E402
+    load_tiny_model,
+    make_tiny_deepseek,
+    make_tiny_model,
+)
 from lmkit.worker.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
 from lmkit.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
 from lmkit_plugins.attention.mla_triton import MLATritonAttention  # noqa: E402
@@ -49,22 +52,14 @@ def test_capture_sizes():
 def tiny_model(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
                            num_heads=4, num_kv_heads=2)
-    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
-                            attention_cls=TritonAttention)
-    model = LlamaForCausalLM(load_hf_config(path), ctx)
-    model.load_weights(iterate_weights(path))
-    return model.eval()
+    return load_tiny_model(path, LlamaForCausalLM, TritonAttention, block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     pytest.importorskip("transformers")
     path = make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), 3)
-    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
-                            attention_cls=MLATritonAttention)
-    model = DeepseekV3ForCausalLM(load_hf_config(path), ctx)
-    model.load_weights(iterate_weights(path))
-    return model.eval()
+    return load_tiny_model(path, DeepseekV3ForCausalLM, MLATritonAttention, block_size=BLOCK)
 
 
 def _decode_step(context_lens):

@@ -20,11 +20,14 @@ require_triton_interpreter("CUDA is available: the graph path is tested in tests
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
-from lmkit.api.model import ForwardContext, ModelBuildContext  # noqa: E402
+from lmkit.api.model import ForwardContext  # noqa: E402
 from lmkit.config import load_config  # noqa: E402
 from lmkit.errors import ConfigError  # noqa: E402
-from lmkit.loading.weights import iterate_weights, load_hf_config  # noqa: E402
-from lmkit.testing.tiny_model import make_tiny_deepseek, make_tiny_model  # noqa: E402
+from lmkit.testing.tiny_model import (  # noqa: E402
+    load_tiny_model,
+    make_tiny_deepseek,
+    make_tiny_model,
+)
 from lmkit.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
 from lmkit.worker.piecewise_graphs import (  # noqa: E402
     PiecewiseGraphRunner,
@@ -57,11 +60,7 @@ def test_piecewise_sizes():
 def _llama(tmp_path_factory, attention_cls):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
                            num_heads=4, num_kv_heads=2)
-    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
-                            attention_cls=attention_cls)
-    model = LlamaForCausalLM(load_hf_config(path), ctx)
-    model.load_weights(iterate_weights(path))
-    return model.eval()
+    return load_tiny_model(path, LlamaForCausalLM, attention_cls, block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +77,7 @@ def tiny_torch(tmp_path_factory):
 def tiny_deepseek(tmp_path_factory):
     pytest.importorskip("transformers")
     path = make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), 3)
-    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
-                            attention_cls=MLATritonAttention)
-    model = DeepseekV3ForCausalLM(load_hf_config(path), ctx)
-    model.load_weights(iterate_weights(path))
-    return model.eval()
+    return load_tiny_model(path, DeepseekV3ForCausalLM, MLATritonAttention, block_size=BLOCK)
 
 
 def _mixed_step(context_lens, prompt_len):

@@ -19,15 +19,14 @@ import numpy as np
 import pytest
 import torch
 from lmkit.api.attention import AttentionMetadata
-from lmkit.api.model import ForwardContext, ModelBuildContext
+from lmkit.api.model import ForwardContext
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.loading.model_facts import load_model_facts
-from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import resolve_stack
-from lmkit.testing.tiny_model import make_tiny_model
+from lmkit.testing.tiny_model import load_tiny_model, make_tiny_model
 from lmkit.worker.cuda_graphs import CudaGraphRunner
 from lmkit.worker.input_batch import CachedRequestState, InputBatch
 from lmkit.worker.model_runner import ModelRunner
@@ -54,11 +53,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(model_dir):
-    ctx = ModelBuildContext(dtype=torch.float32, device=CPU, block_size=BLOCK,
-                            attention_cls=ScratchSlotTorchAttention)
-    m = LlamaForCausalLM(load_hf_config(model_dir), ctx)
-    m.load_weights(iterate_weights(model_dir))
-    return m.eval()
+    return load_tiny_model(model_dir, LlamaForCausalLM, ScratchSlotTorchAttention,
+                           block_size=BLOCK)
 
 
 def _verification_step(contexts, num_drafts):

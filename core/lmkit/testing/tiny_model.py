@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 EOS = "<|endoftext|>"
 NUM_BYTE_TOKENS = 256
@@ -116,3 +117,20 @@ def make_tiny_deepseek(directory: str | Path, version: int = 3, *, q_lora_rank: 
     make_byte_tokenizer().save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
     return directory
+
+
+def load_tiny_model(directory: str | Path, model_cls: Any, attention_cls: Any, *,
+                    dtype: Any = None, device: Any = "cpu", block_size: int = 16) -> Any:
+    """``model_cls`` built over the checkpoint in ``directory`` (its ``config.json``) with
+    ``attention_cls`` and its weights loaded, in eval mode: the model as the runner
+    builds it, for tests that drive a model directly (default float32 on the CPU)."""
+    import torch
+
+    from lmkit.api.model import ModelBuildContext
+    from lmkit.loading.weights import iterate_weights, load_hf_config
+
+    ctx = ModelBuildContext(dtype=dtype or torch.float32, device=torch.device(device),
+                            block_size=block_size, attention_cls=attention_cls)
+    model = model_cls(load_hf_config(directory), ctx)
+    model.load_weights(iterate_weights(directory))
+    return model.eval()

@@ -58,6 +58,8 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         stats = core.stats()
     finally:
         core.shutdown()
+        # unwrap, so that a later run in the same test records into its own dict only
+        monkeypatch.setattr(ProposerManager, "take_runner_drafts", take)
     return seen, stats
 
 

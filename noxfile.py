@@ -16,7 +16,8 @@ nox.options.error_on_missing_interpreters = True
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite; extra arguments go to pytest (``nox -s tests -- -k config``)."""
-    session.run("pytest", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("pytest", "-q", "-n", "2", "--dist", "loadfile", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})  # as the README's command and CI run it
 
 
 @nox.session(venv_backend="none")

@@ -45,12 +45,16 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     # the runner lives in this process with uniproc; a worker process's is not reachable
     runner = getattr(engine.executor, "runner", None)
     graphs = runner.cuda_graphs if runner is not None else None
+    pieces = getattr(runner, "piecewise", None)
     startup = time.perf_counter() - t0
     info: dict[str, Any] = {
         "startup_s": startup, "stack": {k: v for k, v in engine.stack.names().items() if v},
         "num_kv_blocks": engine.num_blocks, "block_size": engine.config.cache.block_size,
         "cuda_graph_sizes": graphs.sizes if graphs else None,
-        "cuda_graph_capture_s": graphs.capture_seconds if graphs else None, "results": []}
+        "cuda_graph_capture_s": graphs.capture_seconds if graphs else None,
+        "piecewise_graph_sizes": pieces.sizes if pieces else None,
+        "piecewise_graph_capture_s": pieces.capture_seconds if pieces else None,
+        "results": []}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     recorder = _StepRecorder(engine)

@@ -175,6 +175,29 @@ def test_a_model_using_other_backend_methods_is_refused(tiny_torch):
         runner.run(step, step.num_tokens)
 
 
+class _ChecksItsBackend(torch.nn.Module):
+    """A model whose forward insists on the backend's type (the contract says not to)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, input_ids, positions, ctx):
+        if not isinstance(ctx.attn, TorchAttention):
+            raise TypeError("expected a TorchAttention")
+        return input_ids
+
+
+@pytest.mark.parametrize("model_cls", [_AsksForMore, _ChecksItsBackend])
+def test_a_warm_up_failure_keeps_mixed_steps_eager(tiny_torch, model_cls):
+    """What the capture runs first, before any graph: a model that fails beside the
+    stand-in is refused there with the reason (then its mixed steps run eagerly)."""
+    runner = PiecewiseGraphRunner(model_cls(tiny_torch.attn), [], CPU, max_tokens=16,
+                                  use_graphs=False)
+    with pytest.raises(PiecewiseUnsupportedError, match=r"paged_decode_args|TypeError"):
+        runner.warm_up(16)
+
+
 def test_not_captured_off_cuda_or_when_off(tiny_torch):
     cfg, _ = load_config(None, cli={"model.model": "x"}, env={})
     assert cfg.executor.piecewise_max_tokens == 2048

@@ -267,8 +267,9 @@ class PiecewiseGraphRunner:
     def capture(self) -> None:
         """Capture every size, largest first (smaller ones reuse its memory pool).
 
-        Raises :class:`PiecewiseUnsupportedError` (before any capture) when the model
-        uses its backend in a way the graphs cannot be split around."""
+        Raises :class:`PiecewiseUnsupportedError` (from :meth:`warm_up`, before any
+        capture) when the model uses its backend in a way the graphs cannot be split
+        around, or its forward fails beside the stand-in backend."""
         if not self.use_graphs or not self.sizes:
             return
         start = time.perf_counter()
@@ -278,8 +279,7 @@ class PiecewiseGraphRunner:
         stream = torch.cuda.Stream(self.device)
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._stage_padding_only(size)
-                self._run_model(size, size, "warm")  # compiles kernels, makes buffers
+                self.warm_up(size)
                 torch.cuda.synchronize(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
@@ -296,6 +296,21 @@ class PiecewiseGraphRunner:
         logger.info("captured piecewise CUDA graphs for steps of %d..%d tokens (%d sizes, "
                     "%d pieces each) in %.1f s, %.0f MiB", self.sizes[0], self.max_tokens,
                     len(self.sizes), pieces, self.capture_seconds, used / 2**20)
+
+    def warm_up(self, size: int) -> None:
+        """Run the padded forward of ``size`` once without the backend (compiles the
+        kernels a capture records, makes the fixed buffers). Any error the model raises
+        there -- before anything is captured -- becomes
+        :class:`PiecewiseUnsupportedError`: that model's mixed steps stay eager."""
+        self._stage_padding_only(size)
+        try:
+            self._run_model(size, size, "warm")
+        except PiecewiseUnsupportedError:
+            raise
+        except Exception as exc:
+            raise PiecewiseUnsupportedError(
+                f"the model's forward failed beside the stand-in attention backend "
+                f"({type(exc).__name__}: {exc})") from exc
 
     def _run_model(self, size: int, n: int, mode: str
                    ) -> tuple[torch.Tensor, list[torch.Tensor], list[_Call]]:
@@ -373,6 +388,6 @@ def maybe_capture_piecewise(config: LMKitConfig, model: Any, kv_caches: list[tor
     try:
         runner.capture()
     except PiecewiseUnsupportedError as exc:
-        logger.info("no piecewise CUDA graphs: %s; mixed steps run eagerly", exc)
+        logger.warning("no piecewise CUDA graphs: %s; mixed steps run eagerly", exc)
         return None
     return runner

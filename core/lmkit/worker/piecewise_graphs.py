@@ -17,14 +17,16 @@ forward gets a stand-in for its attention backend (:class:`_AttentionBreak`). Ea
 ``run`` (or ``run_mla``) call ends the graph being captured, records the call and
 begins the next graph, returning a fixed buffer of the call's documented output shape
 (the backend itself is never called while capturing, so any backend works, with no
-plan); ``kv_write_slots`` returns
-the runner's fixed slot buffer (a model that stores K/V in its RoPE kernel does so
-inside the graphs). Padding rows ``n..N`` of a step of ``n`` tokens read token 0 at
+plan); ``kv_write_slots`` returns the runner's fixed slot buffer (a model that stores
+K/V in its RoPE kernel does so inside the graphs). The graphs copy each call's q/k/v
+into buffers shared by every layer and size, and every call's output goes to one shared
+buffer, so a captured size holds the activations of one forward. Padding rows ``n..N`` of a step of ``n`` tokens read token 0 at
 position 0 and write no cache slot (``-1``); only rows ``0..n`` of each attention call
 run, and only rows ``0..n`` of the output are returned.
 
 Models whose layers reach their attention other than through ``ForwardContext.attn``
-(several KV cache groups) are not captured. ``executor.piecewise_max_tokens`` sets the
+(several KV cache groups) are not captured, nor models under tensor parallelism (not yet
+run on several GPUs). ``executor.piecewise_max_tokens`` sets the
 largest step taken (``0``: off); ``executor.enforce_eager`` turns these graphs off with
 the decode graphs. Without graphs (``use_graphs=False``, any device) the same padded,
 fixed-buffer forward runs eagerly, which is how the CPU tests check the padding.

@@ -15,6 +15,13 @@ _RUN_MODULE = ("import sys, runpy\n"
                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
 
 
+def switched_off(variable: str) -> bool:
+    """Whether the environment turns an optimisation off: ``variable`` set to ``0``,
+    ``false``, ``off`` or ``no`` (any case; unset: on). The engine's A/B switches
+    (``LMKIT_DECODE_LOOKAHEAD``, ``LMKIT_PIECEWISE_GRAPHS``) read it this way."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def python_module_command(module: str, *args: str) -> list[str]:
     """The command line of ``python -m MODULE ARGS`` in this interpreter, for a child
     process that must not import from the working directory."""

@@ -34,7 +34,6 @@ so that the next slot is there even when the next token starts a new block.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
+from lmkit.platform import switched_off
 from lmkit.spec_decode.rows import is_plain_greedy
 from lmkit.worker.input_batch import StepInputs
 
@@ -287,7 +287,7 @@ def decode_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:
     """KV slots per request the scheduler must reserve past the scheduled tokens for the
     runner to launch decode steps ahead: 1 when it will (CUDA, graphs on, a backend that
     can be captured, no offload tier, ``LMKIT_DECODE_LOOKAHEAD`` not ``0``), else 0."""
-    if os.environ.get("LMKIT_DECODE_LOOKAHEAD", "1").strip() in ("0", "false", "off", "no"):
+    if switched_off("LMKIT_DECODE_LOOKAHEAD"):
         return 0
     attention = stack.get("attention")
     if (stack.device != "cuda" or config.executor.enforce_eager or attention is None

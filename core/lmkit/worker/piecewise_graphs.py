@@ -34,8 +34,8 @@ fixed-buffer forward runs eagerly, which is how the CPU tests check the padding.
 
 from __future__ import annotations
 
+import bisect
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmkit.api.model import ForwardContext
+from lmkit.platform import switched_off
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
@@ -331,7 +332,7 @@ class PiecewiseGraphRunner:
 
     def padded_size(self, num_tokens: int) -> int:
         """The smallest captured size holding ``num_tokens``."""
-        return next(s for s in self.sizes if s >= num_tokens)
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def run(self, dev: StepInputs, num_tokens: int,
             aux: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -346,10 +347,10 @@ class PiecewiseGraphRunner:
         if self.use_graphs:
             cap = self._captured[size]
             attn = self.attn
-            for graph, call in zip(cap.graphs, [*cap.calls, None], strict=True):
+            cap.graphs[0].replay()  # then each attention call and the graph after it
+            for call, graph in zip(cap.calls, cap.graphs[1:], strict=True):
+                call.run(attn, n)
                 graph.replay()
-                if call is not None:
-                    call.run(attn, n)
             hidden, taps = cap.hidden, cap.aux
         else:
             hidden, taps, _ = self._run_model(size, n, "eager")
@@ -374,7 +375,7 @@ def maybe_capture_piecewise(config: LMKitConfig, model: Any, kv_caches: list[tor
     """
     limit = min(config.executor.piecewise_max_tokens,
                 config.scheduler.max_num_batched_tokens)
-    if os.environ.get("LMKIT_PIECEWISE_GRAPHS") == "0":  # an A/B switch for benchmarks
+    if switched_off("LMKIT_PIECEWISE_GRAPHS"):  # an A/B switch for benchmarks
         limit = 0
     if device.type != "cuda" or config.executor.enforce_eager or limit < 1:
         return None

@@ -27,12 +27,10 @@ from lmkit.errors import ModelLoadError
 from lmkit.loading.model_facts import model_class
 from lmkit.loading.weights import iterate_weights, load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
-from lmkit.sample.bitmask import apply_grammar_bitmask, bitmask_kernel
+from lmkit.sample.bitmask import bitmask_kernel
 from lmkit.sample.kernels import build_sampling_kernels
-from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.processors import LogitsProcessorSet
-from lmkit.sample.sampler import Sampler, VerifiedTokens
-from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
+from lmkit.sample.sampler import Sampler
 from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
 from lmkit.worker.draft_runner import DraftRunner
@@ -48,7 +46,8 @@ from lmkit.worker.model_build import (
 from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner, maybe_capture_piecewise
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
-from lmkit.worker.step_plan import SamplingPlan, commit_tokens, kept_positions, sampling_plan
+from lmkit.worker.step_plan import commit_tokens, kept_positions, sampling_plan
+from lmkit.worker.step_sampling import sample_step
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
@@ -274,7 +273,7 @@ class ModelRunner:
                 pooling = self.pooling.states
                 plan = [p for p in plan if order[p[0]] not in pooling]
                 pooled = self.pooling.pool_step(hidden, order, step)
-            verified = self._sample(hidden, order, plan, so)
+            verified = sample_step(self, hidden, order, plan, so)
             prompt_logprobs = step_prompt_logprobs(self.model, self.requests,
                                                    hidden, order, step)
         out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
@@ -353,14 +352,15 @@ class ModelRunner:
         With ``aux``, the inputs of the draft head's target layers are appended to it
         (captured graphs return them too)."""
         graphs = self.cuda_graphs
-        if graphs is not None and kv_caches is self.kv_caches and graphs.can_replay(step):
+        own = kv_caches is self.kv_caches  # the target's forward (graphs hold its caches)
+        if graphs is not None and own and graphs.can_replay(step):
             return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         md = step.attention_metadata(dev)
         for group in self.kv_groups:  # every group's backend, once per step
             group.attn.plan(md)
         pieces = self.piecewise
-        if pieces is not None and kv_caches is self.kv_caches and pieces.can_run(step.num_tokens):
+        if pieces is not None and own and pieces.can_run(step.num_tokens):
             return pieces.run(dev, step.num_tokens, aux)  # graphs between attention calls
         attn = self.model.attn
         if aux is None:
@@ -370,45 +370,6 @@ class ModelRunner:
         hidden = self.model(dev.input_ids, dev.positions, ctx)
         aux.extend(ctx.aux_hidden_states)
         return hidden
-
-    # ------------------------------------------------------------------ sampling
-
-    def _sample(self, hidden: torch.Tensor, order: list[str],
-                plan: SamplingPlan, so: SchedulerOutput | None = None
-                ) -> VerifiedTokens:
-        """Sample (and verify drafts) for every planned request in one call."""
-        if not plan:
-            return VerifiedTokens([], [])
-        by_state = [(self.requests[order[i]], first_row, drafts)
-                    for i, first_row, drafts in plan]
-        drafts = [d for _, _, d in plan]
-        rows = hidden_rows(by_state)  # a slice when contiguous: no gather
-        if isinstance(rows, slice):
-            selected = hidden[rows]
-        else:
-            index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-            selected = hidden.index_select(0, index)
-        logits = self.model.compute_logits(selected)
-        if so is not None and so.grammar_bitmask is not None:  # structured output
-            apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
-                                  [order[i] for i, _, _ in plan],
-                                  [len(d) + 1 for d in drafts], self.apply_token_bitmask)
-        if not self.logits_processors.affects_greedy and all(
-                is_plain_greedy(s.sampling_params, len(s.output_token_ids))
-                for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
-            return self.sampler.verify_greedy(logits, drafts)
-        # one row per sampled position; outputs extended by drafts are views, not copies
-        r = sampling_rows(by_state)
-        md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
-                                    r.eos_token_ids, self.vocab_size, hidden.device)
-        if self.logits_processors.in_use:  # plugin processors: the slot of every row
-            md.logits_processors, md.processor_slots = self.logits_processors.for_step(
-                [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)
-        draft_probs = so.spec_draft_probs if so is not None else None
-        probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
-        if self.drafter is not None:  # the head's sampled drafts' distributions
-            probs = self.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
-        return self.sampler.sample_requests(logits, md, drafts, probs)
 
 
 def _hidden_states(hidden: torch.Tensor) -> torch.Tensor:

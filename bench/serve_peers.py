@@ -10,6 +10,7 @@ ratios lmkit / vLLM.
 
     python bench/serve_peers.py --rates 4,16,inf --num-prompts 512 --out serve_peers.json
     python bench/serve_peers.py --sides lmkit --smoke        # CPU, toy model, lmkit only
+    python bench/serve_peers.py --rates inf --client-procs 1,4  # is the client the limit?
 """
 
 from __future__ import annotations
@@ -84,8 +85,16 @@ def run_side(side: str, model_dir: Path, workload: Any, rates: list[float], port
         warm = random_workload(16, (64, 256), (16, 32), vocab_size=1000, seed=args.seed + 1)
         run_serve_bench(url, warm, request_rates=[float("inf")], seed=args.seed + 1)
         spy = _start_py_spy(proc.pid, args.py_spy, log_dir / f"{side}.pyspy.txt")
-        info["report"] = run_serve_bench(url, workload, request_rates=rates, seed=args.seed,
-                                         timeout_s=args.request_timeout)
+        for procs in args.client_procs:  # one report; runs named by their client count
+            rep = run_serve_bench(url, workload, request_rates=rates, seed=args.seed,
+                                  timeout_s=args.request_timeout, client_procs=procs)
+            if len(args.client_procs) > 1:
+                for run in rep["runs"]:
+                    run["mode"] = f"{run['mode']} x{procs}"
+            if "report" in info:
+                info["report"]["runs"] += rep["runs"]
+            else:
+                info["report"] = rep
         if spy is not None:
             spy.wait(timeout=args.py_spy + 30)
             info["py_spy_top"] = summarize_py_spy(log_dir / f"{side}.pyspy.txt")
@@ -141,9 +150,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def format_table(sides: dict[str, dict[str, Any]]) -> str:
     """One line per request rate: each side's throughput and latency percentiles."""
-    lines = [f"{'rate':>11} {'side':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
+    lines = [f"{'rate':>14} {'side':>6} {'req/s':>7} {'out tok/s':>10} {'TTFT p50':>9} "
              f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-             f"{'failed':>6}"]
+             f"{'failed':>6} {'client CPU':>10}"]
     runs: dict[str, dict[str, Any]] = {}
     for side, info in sides.items():
         if "error" in info:
@@ -156,14 +165,15 @@ def format_table(sides: dict[str, dict[str, Any]]) -> str:
             def ms(key: str, q: str, r: dict[str, Any] = r) -> str:
                 v = (r.get(key) or {}).get(q)
                 return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
-            lines.append(f"{rate:>11} {side:>6} {r['requests_per_s']:7.2f} "
+            lines.append(f"{rate:>14} {side:>6} {r['requests_per_s']:7.2f} "
                          f"{r['output_tokens_per_s']:10.0f} {ms('ttft_ms', 'p50'):>9} "
                          f"{ms('ttft_ms', 'p99'):>9} {ms('tpot_ms', 'p50'):>9} "
                          f"{ms('tpot_ms', 'p99'):>9} {ms('itl_ms', 'p50'):>8} "
-                         f"{ms('itl_ms', 'p99'):>8} {r['failed']:>6}")
+                         f"{ms('itl_ms', 'p99'):>8} {r['failed']:>6} "
+                         f"{r.get('client_cpu', float('nan')):>10.0%}")
         if {"lmkit", "vllm"} <= by_side.keys():
             a, b = by_side["lmkit"], by_side["vllm"]
-            lines.append(f"{rate:>11} {'ratio':>6} {'':7} "
+            lines.append(f"{rate:>14} {'ratio':>6} {'':7} "
                          f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:10.3f}")
     return "\n".join(lines)
 
@@ -181,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--client-procs", default="1",
+                    help="benchmark client processes per run, comma-separated for a sweep "
+                         "against the same server start (one Python process reads about "
+                         "10k streamed tokens/s)")
     ap.add_argument("--py-spy", type=float, default=0,
                     help="sample the server's processes with py-spy for this many seconds "
                          "from the start of the timed sweep (a host-side profile)")
@@ -195,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(sides) - set(SIDES)):
         ap.error(f"unknown side {', '.join(unknown)}; known: {', '.join(SIDES)}")
     rates = [float(r) for r in args.rates.split(",")]
+    args.client_procs = [int(c) for c in args.client_procs.split(",")]
+    if min(args.client_procs) < 1:
+        ap.error("--client-procs values must be >= 1")
     args.limits = dict(LIMITS)
     model_name = "tiny-qwen3" if args.smoke else args.model
     if args.smoke:

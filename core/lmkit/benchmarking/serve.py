@@ -26,6 +26,9 @@ from typing import Any
 
 from lmkit.benchmarking.workload import Workload
 
+# a client process busier than this (CPU time over run time) may be what a run measures
+CLIENT_SATURATED = 0.9
+
 
 @dataclass
 class RequestResult:
@@ -128,42 +131,122 @@ def summarize(mode: str, results: list[RequestResult], elapsed_s: float) -> dict
     }
 
 
-async def _closed_loop(client: Any, base_url: str, model: str, workload: Workload,
-                       concurrency: int, api_key: str | None) -> list[RequestResult]:
-    queue = list(zip(workload.prompts, workload.output_lens, strict=True))
-    results: list[RequestResult | None] = [None] * len(queue)
-    next_index = 0
+@dataclass
+class Share:
+    """One client process's part of a run: its requests (``prompts``/``output_lens``),
+    their arrival offsets in seconds from the run's start (open loop; None: closed
+    loop) and how many requests it keeps in flight (closed loop: its clients; open
+    loop: its part of ``max_concurrency``, None for no cap)."""
 
-    async def worker() -> None:
-        nonlocal next_index
-        while next_index < len(queue):
-            i = next_index
-            next_index += 1
-            prompt, out_len = queue[i]
-            results[i] = await _one_request(client, base_url, model, prompt, out_len, api_key)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return [r for r in results if r is not None]
+    prompts: list[list[int]]
+    output_lens: list[int]
+    offsets: list[float] | None
+    concurrency: int | None
 
 
-async def _open_loop(client: Any, base_url: str, model: str, workload: Workload, rate: float,
-                     seed: int, max_concurrency: int | None, api_key: str | None
-                     ) -> list[RequestResult]:
+@dataclass
+class ShareResult:
+    """What one client process measured: its requests' results (in its share's order),
+    the run's start and end on the host's monotonic clock, and the CPU time the
+    process used in between."""
+
+    results: list[RequestResult]
+    start: float
+    end: float
+    cpu_s: float
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrival times (seconds from the start) of ``n`` requests at ``rate``
+    requests/s, from a generator seeded by ``seed``; all zero for an infinite rate."""
+    if not math.isfinite(rate):
+        return [0.0] * n
     rng = random.Random(seed)
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    offsets, t = [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
 
-    async def send(prompt: list[int], out_len: int) -> RequestResult:
-        if limit is None:
-            return await _one_request(client, base_url, model, prompt, out_len, api_key)
-        async with limit:
-            return await _one_request(client, base_url, model, prompt, out_len, api_key)
 
-    tasks = []
-    for prompt, out_len in zip(workload.prompts, workload.output_lens, strict=True):
-        tasks.append(asyncio.create_task(send(prompt, out_len)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-    return list(await asyncio.gather(*tasks))
+def split_run(workload: Workload, procs: int, *, concurrency: int | None = None,
+              rate: float | None = None, seed: int = 0, max_concurrency: int | None = None
+              ) -> list[Share]:
+    """Deal one run's requests round-robin to ``procs`` client processes.
+
+    Closed loop (``concurrency``): the clients are dealt out too, and a process with
+    none is dropped, so at most ``concurrency`` processes run. Open loop (``rate``):
+    every request keeps the arrival time it has in the one-process schedule, and
+    ``max_concurrency`` is dealt out like the clients.
+    """
+    if (concurrency is None) == (rate is None):
+        raise ValueError("split_run needs exactly one of concurrency and rate")
+    procs = max(1, min(procs, len(workload.prompts)))
+    total = concurrency if concurrency is not None else max_concurrency
+    if total is not None:
+        procs = min(procs, total)
+    offsets = None if rate is None else arrival_offsets(len(workload.prompts), rate, seed)
+    shares = []
+    for i in range(procs):
+        cap = None if total is None else total // procs + (i < total % procs)
+        shares.append(Share(prompts=workload.prompts[i::procs],
+                            output_lens=workload.output_lens[i::procs],
+                            offsets=None if offsets is None else offsets[i::procs],
+                            concurrency=cap))
+    return shares
+
+
+async def run_share(client: Any, base_url: str, model: str, share: Share,
+                    api_key: str | None, start: float | None = None) -> ShareResult:
+    """Send ``share``'s requests from this process: closed loop when it has no offsets
+    (``share.concurrency`` clients, each sending its next request when the last ends),
+    else each at ``start + offset`` (``start``: now, on ``time.monotonic``) with at most
+    ``share.concurrency`` in flight."""
+    start = time.monotonic() if start is None else start
+    cpu0 = time.process_time()
+    items = list(zip(share.prompts, share.output_lens, strict=True))
+    results: list[RequestResult | None] = [None] * len(items)
+
+    async def one(i: int) -> None:
+        results[i] = await _one_request(client, base_url, model, *items[i], api_key)
+
+    if share.offsets is None:
+        next_index = 0
+
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < len(items):
+                next_index += 1
+                await one(next_index - 1)
+
+        await asyncio.gather(*(worker() for _ in range(share.concurrency or 1)))
+    else:
+        limit = asyncio.Semaphore(share.concurrency) if share.concurrency else None
+
+        async def send(i: int, at: float) -> None:
+            if (delay := start + at - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                return await one(i)
+            async with limit:
+                await one(i)
+
+        await asyncio.gather(*(send(i, at) for i, at in enumerate(share.offsets)))
+    return ShareResult([r for r in results if r is not None], start, time.monotonic(),
+                       time.process_time() - cpu0)
+
+
+def merge_shares(mode: str, shares: Sequence[ShareResult]) -> dict[str, Any]:
+    """One run's report from its client processes' results: :func:`summarize` over all
+    their requests, from the earliest start to the latest end, plus ``client_procs`` and
+    ``client_cpu`` (the busiest client process's CPU time over its run time: near 1.0,
+    that client was saturated and the run may measure the client, not the server)."""
+    start = min(s.start for s in shares)
+    elapsed = max(s.end for s in shares) - start
+    run = summarize(mode, [r for s in shares for r in s.results], elapsed)
+    run["client_procs"] = len(shares)
+    run["client_cpu"] = max(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares)
+    return run
 
 
 async def _served_model(client: Any, base_url: str, api_key: str | None) -> str:
@@ -172,52 +255,73 @@ async def _served_model(client: Any, base_url: str, api_key: str | None) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-async def _sweep(base_url: str, workload: Workload, concurrency: Sequence[int],
-                 request_rates: Sequence[float], max_concurrency: int | None,
-                 api_key: str | None, model: str | None, seed: int, timeout_s: float
-                 ) -> dict[str, Any]:
+def http_client(timeout_s: float) -> Any:
+    """An ``httpx.AsyncClient`` with no cap on connections (one per request in flight)."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
+
+
+async def _prepare(base_url: str, workload: Workload, api_key: str | None,
+                   model: str | None, timeout_s: float) -> str:
+    """The model name to ask for, after one short warm-up request that must succeed."""
+    async with http_client(timeout_s) as client:
         model = model or await _served_model(client, base_url, api_key)
         warm = await _one_request(client, base_url, model, workload.prompts[0], 4, api_key)
-        if not warm.ok:
-            from lmkit.errors import LMKitError
+    if not warm.ok:
+        from lmkit.errors import LMKitError
 
-            raise LMKitError(f"the warm-up request to {base_url} failed: {warm.error}")
-        runs = []
-        for c in concurrency:
-            t0 = time.perf_counter()
-            results = await _closed_loop(client, base_url, model, workload, c, api_key)
-            runs.append(summarize(f"concurrency={c}", results, time.perf_counter() - t0))
-        for rate in request_rates:
-            t0 = time.perf_counter()
-            results = await _open_loop(client, base_url, model, workload, rate, seed,
-                                       max_concurrency, api_key)
-            runs.append(summarize(f"rate={rate:g}/s", results, time.perf_counter() - t0))
-    return {"bench": "serve", "url": base_url, "model": model,
-            "workload": workload.describe(), "runs": runs}
+        raise LMKitError(f"the warm-up request to {base_url} failed: {warm.error}")
+    return model
+
+
+async def _run_here(base_url: str, model: str, share: Share, api_key: str | None,
+                    timeout_s: float) -> ShareResult:
+    async with http_client(timeout_s) as client:
+        return await run_share(client, base_url, model, share, api_key)
 
 
 def run_serve_bench(base_url: str, workload: Workload, *, concurrency: Sequence[int] = (),
                     request_rates: Sequence[float] = (), max_concurrency: int | None = None,
                     api_key: str | None = None, model: str | None = None, seed: int = 0,
-                    timeout_s: float = 600.0) -> dict[str, Any]:
+                    timeout_s: float = 600.0, client_procs: int = 1) -> dict[str, Any]:
     """Benchmark the server at ``base_url`` (e.g. ``http://127.0.0.1:8000``).
 
     Runs ``workload`` once per entry of ``concurrency`` (closed loop) and once per entry
     of ``request_rates`` (requests/s, Poisson arrivals seeded by ``seed``; ``inf`` sends
     all at once; ``max_concurrency`` caps requests in flight). With neither given, runs
-    concurrency 1. ``model`` defaults to the server's. Returns the report dict (one
-    entry per run in ``runs``); see :func:`format_serve_report`.
+    concurrency 1. ``model`` defaults to the server's. ``client_procs`` > 1 sends each
+    run from that many processes (:func:`split_run`,
+    :mod:`lmkit.benchmarking.serve_procs`), for servers that stream faster than one
+    Python process can read; every run reports ``client_cpu`` (see
+    :func:`merge_shares`). Returns the report dict (one entry per run in ``runs``); see
+    :func:`format_serve_report`.
     """
     if not concurrency and not request_rates:
         concurrency = (1,)
     if any(c < 1 for c in concurrency) or any(r <= 0 for r in request_rates):
         raise ValueError("concurrency must be >= 1 and request rates > 0")
-    return asyncio.run(_sweep(base_url.rstrip("/"), workload, concurrency, request_rates,
-                              max_concurrency, api_key, model, seed, timeout_s))
+    if client_procs < 1:
+        raise ValueError(f"client_procs must be >= 1, got {client_procs}")
+    base_url = base_url.rstrip("/")
+    model = asyncio.run(_prepare(base_url, workload, api_key, model, timeout_s))
+    runs = [(f"concurrency={c}", split_run(workload, client_procs, concurrency=c))
+            for c in concurrency]
+    runs += [(f"rate={r:g}/s", split_run(workload, client_procs, rate=r, seed=seed,
+                                         max_concurrency=max_concurrency))
+             for r in request_rates]
+    reports = []
+    for mode, shares in runs:
+        if len(shares) == 1:
+            done = [asyncio.run(_run_here(base_url, model, shares[0], api_key, timeout_s))]
+        else:
+            from lmkit.benchmarking.serve_procs import run_in_processes
+
+            done = run_in_processes(base_url, model, shares, api_key, timeout_s)
+        reports.append(merge_shares(mode, done))
+    return {"bench": "serve", "url": base_url, "model": model,
+            "workload": workload.describe(), "client_procs": client_procs, "runs": reports}
 
 
 def format_serve_report(report: dict[str, Any]) -> str:
@@ -241,4 +345,9 @@ def format_serve_report(report: dict[str, Any]) -> str:
                      f"{trio(run['itl_ms']):>22}")
         for err, count in run["errors"].items():
             lines.append(f"    {count} x {err}")
+        cpu = run.get("client_cpu")
+        if cpu is not None and cpu >= CLIENT_SATURATED:
+            lines.append(f"    the client used {cpu:.0%} of a core ({run['client_procs']} "
+                         "process(es)): this run may measure the client, not the server; "
+                         "add client processes (--client-procs)")
     return "\n".join(lines)

@@ -160,6 +160,13 @@ def model_facts(config: Any, quantization: str | None = None) -> dict[str, Any]:
                         "top_k": config.num_experts_per_tok,
                         "expert_bytes": experts_bytes // (moe_layers * num_experts)}
     facts["decode_weight_bytes"] = decode
+    # the matrix products' FLOPs per token (gpu_run_profile): every 2-D weight but the
+    # embedding and the LM head, which runs only where a token is sampled
+    head = config.vocab_size * config.hidden_size
+    facts["lm_head_params"] = head
+    facts["linear_params"] = sum(
+        math.prod(s) for n, s in shapes.items()
+        if len(s) == 2 and n not in ("model.embed_tokens.weight", "lm_head.weight"))
     return facts
 
 

@@ -30,11 +30,14 @@ def _summary(name: str, elapsed: float, output_tokens: int, prompt_tokens: int,
 
 
 def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload],
-               facts: dict[str, Any], profile_steps: int = 0) -> dict[str, Any]:
+               facts: dict[str, Any], profile_steps: int = 0, profile_run: bool = False
+               ) -> dict[str, Any]:
     """Start one engine for ``model_dir``, warm it up, run each workload; results.
 
     With ``profile_steps``, each workload is then replayed until its decode phase and
     that many decode steps run under the torch profiler (kernel table in the result).
+    With ``profile_run``, each workload runs once more whole under the profiler
+    (:mod:`gpu_run_profile`: where the run's GPU time goes).
     """
     import torch
     from lmkit.engine.core import EngineCore
@@ -78,8 +81,23 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     if profile_steps:
         info["profiles"] = {wl["name"]: _profile_decode(engine, wl, recorder, profile_steps)
                             for wl in workloads}
+    if profile_run:
+        from gpu_run_profile import profile_run as run_profiled
+
+        info["run_profiles"] = {
+            wl["name"]: run_profiled(lambda wl=wl: _run_engine(engine, shifted(wl, 13),
+                                                               recorder),
+                                     facts, len(wl["prompts"]))
+            for wl in workloads}
     engine.shutdown()
     return info
+
+
+def shifted(wl: Workload, by: int) -> Workload:
+    """``wl`` with every token id moved by ``by`` (mod its top id + 1): the same work, no
+    prefix-cache hits from a run of ``wl``."""
+    top = max(max(p) for p in wl["prompts"]) + 1
+    return {**wl, "prompts": [[(t + by) % top for t in p] for p in wl["prompts"]]}
 
 
 def _watch_jit_compiles() -> list[str]:

@@ -25,10 +25,13 @@ from typing import Any
 Workload = dict[str, Any]  # {"name", "prompts": [[ids]], "output_lens": [n]}
 
 
-def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
+def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload],
+              facts: dict[str, Any] | None = None, profile_run: bool = False
               ) -> dict[str, Any]:
     """Start vLLM's ``LLM`` for ``model_dir`` with lmkit's engine limits; run each
-    workload (warm-up, then timed); results in the same shape as lmkit's side."""
+    workload (warm-up, then timed); results in the same shape as lmkit's side. With
+    ``profile_run``, each batch workload runs once more under the profiler
+    (:mod:`gpu_run_profile`), as on lmkit's side."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm
@@ -54,6 +57,14 @@ def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
         else:
             info["results"].append(_generate(llm, wl))
     info["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile_run:
+        from gpu_bench_sides import shifted
+        from gpu_run_profile import profile_run as run_profiled
+
+        info["run_profiles"] = {
+            wl["name"]: run_profiled(lambda wl=wl: _generate(llm, shifted(wl, 13)), facts,
+                                     len(wl["prompts"]))
+            for wl in workloads if len(wl["prompts"]) > 1}
     return info
 
 

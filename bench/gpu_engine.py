@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 from gpu_report import combine, format_table  # noqa: E402
+from gpu_run_profile import format_profiles  # noqa: E402
 from gpu_workloads import _subset, make_workloads, parse_subsets  # noqa: E402
 
 PEERS = ("vllm", "hf")
@@ -138,11 +139,13 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     job = json.loads(job_file.read_text())
     if side == "lmkit":
         result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
-                                  job["facts"], job.get("profile_steps", 0))
+                                  job["facts"], job.get("profile_steps", 0),
+                                  job.get("profile_run", False))
     elif side == "vllm":
         import gpu_bench_vllm
 
-        result = gpu_bench_vllm.vllm_side(job["model_dir"], job["options"], job["workloads"])
+        result = gpu_bench_vllm.vllm_side(job["model_dir"], job["options"], job["workloads"],
+                                          job["facts"], job.get("profile_run", False))
     elif job.get("hf_generate_batch"):
         result = sides.hf_generate_side(job["model_dir"], job["workloads"],
                                         job["hf_generate_batch"])
@@ -231,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-timeout", type=float, default=900.0)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="then profile this many decode steps per workload (torch profiler)")
+    ap.add_argument("--profile-run", action="store_true",
+                    help="then run each workload once more whole under the profiler, on "
+                    "lmkit's and vLLM's side (GPU busy/idle time, kernel time by kind, the "
+                    "matrix products' TFLOP/s; bench/gpu_run_profile.py)")
     ap.add_argument("--lookahead-ab", action="store_true",
                     help="also run lmkit with the decode lookahead off (LMKIT_DECODE_LOOKAHEAD=0)")
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             wls = [all_workloads[n] for n in wl_names]
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
-                   "workloads": wls, "facts": facts, "profile_steps": args.profile_steps}
+                   "workloads": wls, "facts": facts, "profile_steps": args.profile_steps,
+                   "profile_run": args.profile_run}
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
                 if ab_env:
@@ -324,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.baseline_tree or args.baseline_quantization:
                 base_q = args.baseline_quantization or args.quantization
                 base_job = {**job, "tag": key + "-base", "profile_steps": 0,
+                            "profile_run": False,
                             "options": {**{k: v for k, v in options.items()
                                            if k != "quantization.options"},
                                         **quantization_options(base_q)},
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["vllm"][key] = run_side("vllm", job, root, args.side_timeout)
             if args.lookahead_ab:  # run last, so that a time limit cuts only these
                 ab_jobs.append((key, {**job, "tag": key + "-nola", "profile_steps": 0,
+                                      "profile_run": False,
                                       "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}))
             if "hf" in peers:
                 hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
@@ -359,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                               for k, v in report["hf_workloads"].items()}
     report["workload_sizes"] = {k: v for k, v in report["workload_sizes"].items()}
     text = format_table(report)
+    if profiles := format_profiles(report):
+        text += "\n\n" + profiles
     print("\n" + text, flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -241,6 +241,20 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.close()
 
+    def release(self) -> None:
+        """Drop everything that holds device memory: the graphs (decode, piecewise, the
+        lookahead that replays them), the draft head, the offload worker, the KV caches
+        and the model. The runner cannot step afterwards; the executor's shutdown calls
+        it so that another engine in the same process gets the memory back."""
+        self.lookahead = None
+        self.cuda_graphs = None
+        self.piecewise = None  # its graphs and buffers hold the KV caches and weights too
+        self.drafter = None
+        self.offload = None
+        self.kv_caches = []
+        self.model = None
+        self.requests.clear()
+
     def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
         return self.offload.finished_loads(wait) if self.offload is not None else {}
 

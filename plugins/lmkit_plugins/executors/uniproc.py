@@ -87,20 +87,18 @@ class UniProcExecutor(Executor):
             self.runner.close_offload()
 
     def shutdown(self) -> None:
-        """Release the model and KV cache. Safe to call twice."""
+        """Release the model, the KV cache and the graphs (:meth:`ModelRunner.release`),
+        and return their device memory. Safe to call twice."""
         runner, self.runner = self.runner, None
-        if runner is not None:
-            # everything that holds the model, the KV caches or graph memory pools: the
-            # graphs, the decode lookahead (which holds the graphs), the offload worker
-            runner.lookahead = None
-            runner.cuda_graphs = None
-            runner.offload = None
-            runner.kv_caches = []
-            runner.model = None
-            if runner.device.type == "cuda":
-                import gc
+        if runner is None:
+            return
+        cuda = runner.device.type == "cuda"
+        runner.release()
+        del runner  # before collecting: the runner must not outlive this call
+        import gc
 
-                import torch
+        gc.collect()  # reference cycles (modules, graphs) would hold device memory
+        if cuda:
+            import torch
 
-                gc.collect()  # reference cycles (modules, graphs) would hold device memory
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()

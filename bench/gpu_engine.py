@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
     ap.add_argument("--executor", default="uniproc",
                     help="lmkit executor: uniproc (in process) or mp (a worker process)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="lmkit's tensor-parallel size (the mp executor over NCCL when > 1; "
+                    "the peers run on one GPU)")
     ap.add_argument("--model-root", help="where to write the random models (kept there, and "
                     "reused by a later run)")
     ap.add_argument("--skip-lmkit", action="store_true",
@@ -302,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
                    executor=args.executor,
                    **quantization_options(args.quantization, args.quantization_options))
+    if args.tp > 1:
+        options["tensor_parallel_size"] = args.tp
+        if options["executor"] == "uniproc":  # the default: one process cannot hold ranks
+            options["executor"] = "mp"
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []

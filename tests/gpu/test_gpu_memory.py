@@ -29,6 +29,28 @@ def test_two_engines_in_one_process_both_get_their_share(tmp_path):
         second.shutdown()
 
 
+def live_cuda_tensors(top: int = 12) -> list[str]:
+    """The largest CUDA tensors Python still reaches, with who holds them (for the
+    failure message: what an engine left behind)."""
+    import gc
+
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+                continue
+        except Exception:  # noqa: BLE001 - some objects refuse isinstance checks
+            continue
+        holders = sorted({type(r).__qualname__ for r in gc.get_referrers(obj)
+                          if not isinstance(r, list) or len(r) < 1000})[:6]
+        found.append((obj.numel() * obj.element_size(), tuple(obj.shape), str(obj.dtype),
+                      holders))
+    found.sort(key=lambda f: -f[0])
+    return [f"{b / 2**20:.1f} MiB {shape} {dtype} held by {holders}"
+            for b, shape, dtype, holders in found[:top]]
+
+
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_shutdown_returns_the_engines_memory(tmp_path, attention):
     """After ``shutdown`` an engine holds no device memory (KV cache, graphs, lookahead),
@@ -51,5 +73,6 @@ def test_shutdown_returns_the_engines_memory(tmp_path, attention):
         print(f"engine {len(blocks)} ({attention}): {blocks[-1]} blocks; after shutdown "
               f"{left / 2**20:.1f} MiB still allocated, {torch.cuda.memory_reserved() / 2**20:.0f}"
               f" MiB reserved, {free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
-        assert left < 64 * 2**20, f"{left / 2**20:.1f} MiB still allocated after shutdown"
+        assert left < 64 * 2**20, (f"{left / 2**20:.1f} MiB still allocated after shutdown; "
+                                   f"alive: {live_cuda_tensors()}")
     assert min(blocks) > 0.9 * max(blocks), blocks

@@ -45,13 +45,17 @@ def test_greedy_outputs_identical_float32(smollm2, attention):
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             stats = llm.stats()
             graphs = llm.engine.executor.runner.cuda_graphs
+            # plain facts only: the graph runner holds the KV caches, and keeping it past
+            # shutdown would keep them allocated while the next engine sizes its own
+            facts = None if graphs is None else (graphs.max_bs, graphs.num_flattened_replays)
+            del graphs
         assert got == base, f"max_num_seqs={max_num_seqs}"
         assert stats["spec_mean_accepted_length"] > 2.0
         if attention == "torch":  # no cuda_graphs capability: everything eager
-            assert graphs is None
+            assert facts is None
         else:  # graphs sized for 1 + k tokens per request, verification replayed
-            assert graphs is not None and graphs.max_bs == min(5 * max_num_seqs, 512)
-            assert graphs.num_flattened_replays > 0, "verification steps ran eagerly"
+            assert facts is not None and facts[0] == min(5 * max_num_seqs, 512)
+            assert facts[1] > 0, "verification steps ran eagerly"
 
 
 def test_bfloat16_runs_and_accepts_drafts(smollm2):

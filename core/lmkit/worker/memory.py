@@ -61,29 +61,52 @@ def system_memory_bytes() -> int:
 
 
 def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float,
-                   profile: Callable[[], None], baseline: int = 0) -> int:
+                   profile: Callable[[], None], baseline: int = 0,
+                   reserve_for_graphs: bool = False) -> int:
     """Bytes left for the KV cache on ``device`` after running ``profile`` once.
 
     ``gpu_memory_utilization`` is this engine's share of the device (as in vLLM v1):
     memory that other engines of the same process held before this one started
     (``baseline``, bytes allocated through torch) is not counted against it, and the
-    result never exceeds what is free now. ``profile`` runs the largest forward (and
-    logits) the runner will ever run, with the weights already loaded. The result may
-    be 0 (the caller reports it).
+    result never exceeds what is free now, less a margin. ``profile`` runs the largest
+    forward (and logits) the runner will ever run, with the weights already loaded.
+    ``reserve_for_graphs``: CUDA graphs are captured after the KV cache, and their
+    memory pool holds up to one such forward's activations, so those stay free too
+    (see :func:`kv_budget_bytes`). The result may be 0 (the caller reports it).
     """
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     profile()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    # used on the device but not through torch's allocator: context, cuBLAS, others
-    outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return kv_budget_bytes(gpu_memory_utilization, total=total, free=free,
+                           reserved=torch.cuda.memory_reserved(device), peak=peak,
+                           baseline=baseline,
+                           graph_reserve=max(0, peak - before) if reserve_for_graphs else 0)
+
+
+HEADROOM_BYTES = 256 * 2**20  # allocator fragmentation, cuBLAS workspaces created later
+
+
+def kv_budget_bytes(gpu_memory_utilization: float, *, total: int, free: int, reserved: int,
+                    peak: int, baseline: int = 0, graph_reserve: int = 0) -> int:
+    """The KV cache's bytes from a profile's measurements (:func:`cuda_kv_budget`).
+
+    This engine's share is ``gpu_memory_utilization * total`` less what it used at the
+    profile's peak (``peak - baseline``: the weights and the largest step's activations)
+    and less memory held outside torch's allocator (``total - free - reserved``: the
+    CUDA context, libraries, other processes). It never exceeds ``free`` less
+    :data:`HEADROOM_BYTES` and ``graph_reserve``: when other engines hold memory (or the
+    share is near 1), free memory binds, and the graphs captured after the KV cache must
+    still fit.
+    """
+    outside_torch = max(0, (total - free) - reserved)
     budget = int(gpu_memory_utilization * total) - (peak - baseline) - outside_torch
-    headroom = 256 * 2**20  # allocator fragmentation, cuBLAS workspaces created later
-    return max(0, min(budget, free - headroom))
+    return max(0, min(budget, free - HEADROOM_BYTES - graph_reserve))
 
 
 def allocate_kv_caches(groups: Sequence[KVCacheGroup], num_blocks: int,

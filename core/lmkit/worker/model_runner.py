@@ -184,7 +184,8 @@ class ModelRunner:
                                         self.max_model_len)
         return memory.cuda_kv_budget(self.device, self.config.cache.gpu_memory_utilization,
                                      lambda: profile_run(self.dummy_step_model()),
-                                     baseline=self._baseline_bytes)
+                                     baseline=self._baseline_bytes,
+                                     reserve_for_graphs=not self.config.executor.enforce_eager)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` zeroed KV blocks per layer."""

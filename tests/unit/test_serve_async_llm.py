@@ -257,3 +257,54 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(harness):
     error, ticks, elapsed = run(main())
     assert error.code == "context_length_exceeded" and engine.num_added == 0
     assert ticks >= elapsed / 0.005 / 4  # the loop ran through most of the encoding
+
+
+def test_the_output_loop_lets_streams_run_while_a_backlog_drains(smollm2_tokenizer):
+    """Behind an engine that is always ahead (a message is waiting at every recv), the
+    output loop must still yield to the event loop every OUTPUT_SLICE_S, or every
+    stream (and every new request) waits until the backlog empties."""
+    from lmkit.engine.messages import EngineOutputs
+    from lmkit.frontend import async_llm
+    from lmkit.frontend.engine_set import EngineSlot
+
+    class Backlog:  # recv returns at once, like a socket with messages queued
+        def __init__(self, n):
+            self.left = n
+
+        def is_alive(self):
+            return True
+
+        async def recv(self):
+            if not self.left:
+                raise EngineDeadError("done")
+            self.left -= 1
+            return EngineOutputs(outputs=[])
+
+    async def main():
+        ready = EngineReady(model_dir="/nonexistent", max_model_len=64, vocab_size=49152,
+                            stack={}, plugins=[], stats={})
+        slot = EngineSlot(0, Backlog(120), ready)
+        llm = AsyncLLM([slot], ready, LMKitConfig(), smollm2_tokenizer)
+        llm._deliver = lambda message, index=0: time.sleep(0.001)  # 1 ms per message
+        beats = []
+
+        async def heartbeat():
+            while True:
+                beats.append(time.perf_counter())
+                await asyncio.sleep(0)
+
+        hb = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        await llm._output_loop(0)
+        hb.cancel()
+        during = [b for b in beats if b > start]
+        gaps = [b - a for a, b in zip([start, *during], during, strict=False)]
+        return time.perf_counter() - start, during, gaps
+
+    elapsed, during, gaps = asyncio.run(main())
+    slice_s = getattr(async_llm, "OUTPUT_SLICE_S", 0.01)
+    assert elapsed >= 0.12
+    # ~12 slices of 10 ms: the other task ran between them, never waiting much longer
+    assert len(during) >= 0.5 * elapsed / slice_s
+    assert max(gaps) < 5 * slice_s

@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 
 # longer text is tokenized in a thread (about 1 ms of encoding per 1,000 characters)
 TOKENIZE_INLINE_CHARS = 100_000
+# the output loop lets the event loop run after at most this long delivering outputs:
+# streams send what their requests got so far, and each chunk carries every token
+# delivered since (an H200 serving 256 streams of a small model went seconds between
+# two chunks of one stream while the loop drained a backlog that never emptied)
+OUTPUT_SLICE_S = 0.01
 
 
 class RequestAbortedError(LMKitError):
@@ -333,11 +338,18 @@ class AsyncLLM:
 
     async def _output_loop(self, index: int = 0) -> None:
         slot = self.engines.slots[index]
+        loop = asyncio.get_running_loop()
+        last_yield = loop.time()
         try:
             while True:
-                message = await slot.client.recv()
+                message = await slot.client.recv()  # returns at once while a backlog waits
                 if isinstance(message, EngineOutputs):
                     self._deliver(message, index)
+                    if loop.time() - last_yield >= OUTPUT_SLICE_S:
+                        # behind a busy engine the backlog never empties: let the streams
+                        # (and new requests) run, or they would wait until it does
+                        await asyncio.sleep(0)
+                        last_yield = loop.time()
                 elif isinstance(message, EngineStats):
                     slot.stats = message.stats
                     fut = self._stats_waiters.get(message.query_id or 0)

@@ -121,7 +121,8 @@ def load_round(url: str, pid: int, workload: Any, concurrency: int) -> dict[str,
     tokens = run["output_tokens"]
     return {"cpu_s": cpu, "wall_s": wall, "tokens": tokens,
             "us_per_token": cpu / tokens * 1e6, "tok_per_s": run["output_tokens_per_s"],
-            "itl_p50_ms": run["itl_ms"]["p50"], "threads_cpu_s": threads}
+            "itl_p50_ms": run["itl_ms"]["p50"], "itl_p99_ms": run["itl_ms"]["p99"],
+            "threads_cpu_s": threads}
 
 
 def profile(pid: int, seconds: float, out: Path, url: str, workload: Any,

@@ -33,6 +33,7 @@ speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (a
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,21 @@ if TYPE_CHECKING:
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every CUDA graph of this process is captured on (decode,
+    piecewise, draft passes), one per device. torch keeps a cuBLAS workspace (32 MiB on
+    Hopper) for every stream a product ran on, for the life of the process: a new stream
+    per capture left one behind for every engine built and shut down."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capture_stream(index)
+
+
+@functools.cache
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
+
 
 MAX_CAPTURE_SIZE = 512
 
@@ -172,7 +188,7 @@ class CudaGraphRunner:
                 self._run_model(bs)  # warm-up: compiles kernels, creates library handles
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(self.device)):
                     hidden, aux = self._run_model(bs)
                 self._graphs[bs] = (graph, hidden, aux)
         torch.cuda.synchronize(self.device)

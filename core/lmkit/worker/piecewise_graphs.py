@@ -44,6 +44,7 @@ import torch
 
 from lmkit.api.model import ForwardContext
 from lmkit.platform import switched_off
+from lmkit.worker.cuda_graphs import capture_stream
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
@@ -279,7 +280,7 @@ class PiecewiseGraphRunner:
         torch.cuda.empty_cache()  # the pool may take blocks the allocator kept cached
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         with torch.inference_mode():
             for size in reversed(self.sizes):
                 self.warm_up(size)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from lmkit.testing.model_shapes import DEEPSEEK_V2_LITE
 
-MODELS = ("qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite", "tiny-qwen3", "tiny-llama",
-          "tiny-deepseek-v2")
+MODELS = ("qwen3-0.6b", "llama-3.1-8b", "llama-3.1-70b", "deepseek-v2-lite", "tiny-qwen3",
+          "tiny-llama", "tiny-deepseek-v2")
 SHARD_BYTES = 4 * 2**30
 #: the same structure at toy size (--smoke): dense first layer, MLA, MoE, YaRN
 TINY_DEEPSEEK_V2 = dict(
@@ -64,6 +64,15 @@ def _hf_config(name: str) -> Any:
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 8192},
                            **common)
+    if name == "llama-3.1-70b":  # beyond one GPU: --tp 2 with --load-format dummy
+        return LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                           num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                           tie_word_embeddings=False, rms_norm_eps=1e-5,
+                           max_position_embeddings=131072, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 8192},
+                           **common)
     if name == "tiny-qwen3":  # --smoke: the same code paths at toy size
         return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -81,32 +90,11 @@ def _hf_config(name: str) -> Any:
 
 
 def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """HF checkpoint tensor names and shapes of ``config``'s model (from a meta-device
-    instance: no memory is allocated)."""
-    from transformers import AutoModelForCausalLM
+    """HF checkpoint tensor names and shapes of ``config``'s model (lmkit's dummy-weight
+    loader's, :func:`lmkit.loading.dummy.checkpoint_shapes`)."""
+    from lmkit.loading.dummy import checkpoint_shapes
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, t in model.state_dict().items():
-        shapes.update(_checkpoint_names(name, tuple(t.shape)))
-    if getattr(config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
-def _checkpoint_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """transformers 5 holds a MoE layer's experts as stacked tensors (``experts.gate_up_proj
-    [E, 2I, H]``, ``experts.down_proj [E, H, I]``) and converts the checkpoints' per-expert
-    matrices when loading; checkpoints (and lmkit's loader) name each expert's."""
-    prefix, _, leaf = name.rpartition(".")
-    if not prefix.endswith(".experts") or leaf not in ("gate_up_proj", "down_proj"):
-        return {name: shape}
-    experts, rows, cols = shape
-    if leaf == "down_proj":
-        return {f"{prefix}.{e}.down_proj.weight": (rows, cols) for e in range(experts)}
-    return {f"{prefix}.{e}.{proj}.weight": (rows // 2, cols) for e in range(experts)
-            for proj in ("gate_proj", "up_proj")}
+    return checkpoint_shapes(config)
 
 
 def read_bytes(name: str, shape: tuple[int, ...], quantization: str | None) -> int:
@@ -178,12 +166,13 @@ def expected_expert_bytes(moe: dict[str, Any], batch: int) -> float:
     return moe["layers"] * touched * moe["expert_bytes"]
 
 
-def write_model(name: str, directory: Path, seed: int = 0, num_layers: int | None = None
-                ) -> Path:
+def write_model(name: str, directory: Path, seed: int = 0, num_layers: int | None = None,
+                weights: bool = True) -> Path:
     """Write model ``name`` (with ``num_layers`` decoder layers if given) with random bf16
     weights to ``directory``; return it. A directory that already holds the model
-    (written by an earlier run with the same ``seed`` and layers) is reused as it is."""
-    from lmkit.testing.tiny_model import make_byte_tokenizer
+    (written by an earlier run with the same ``seed`` and layers) is reused as it is.
+    ``weights=False`` writes its config and tokenizer only, for engines that draw
+    random weights themselves (``load_format dummy``: shapes too large to write)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -191,11 +180,15 @@ def write_model(name: str, directory: Path, seed: int = 0, num_layers: int | Non
     want: dict[str, Any] = {"name": name, "seed": seed}
     if num_layers is not None:
         want["num_hidden_layers"] = num_layers
+    if not weights:
+        want["weights"] = False
     if stamp.is_file() and json.loads(stamp.read_text()) == want:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     config = hf_config(name, num_layers)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    if not weights:
+        return _write_files(directory, config, stamp, want)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     index: dict[str, str] = {}
@@ -228,6 +221,13 @@ def write_model(name: str, directory: Path, seed: int = 0, num_layers: int | Non
     total = sum(t.numel() * 2 for _, ts in files for t in ts.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+    return _write_files(directory, config, stamp, want)
+
+
+def _write_files(directory: Path, config: Any, stamp: Path, want: dict[str, Any]) -> Path:
+    """A model directory's files besides its weights, and the stamp that marks it done."""
+    from lmkit.testing.tiny_model import make_byte_tokenizer
+
     config.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     make_byte_tokenizer().save_pretrained(directory)

@@ -42,7 +42,9 @@ def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
                    max_num_batched_tokens=options["max_num_batched_tokens"],
                    max_model_len=options["max_model_len"],
                    # --quantization fp8: vLLM's own FP8 weights, quantized at load
-                   **({"quantization": "fp8"} if options.get("quantization") == "fp8" else {}))
+                   **({"quantization": "fp8"} if options.get("quantization") == "fp8" else {}),
+                   **({"load_format": "dummy"} if options.get("load_format") == "dummy"
+                      else {}))
     info: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "vllm": vllm.__version__,
                             "gpu": torch.cuda.get_device_name(0), "results": []}
     for wl in workloads:

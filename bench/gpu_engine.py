@@ -1,4 +1,4 @@
-"""GPU engine benchmarks W1-W5: lmkit against vLLM and transformers' continuous batching,
+"""GPU engine benchmarks W1-W7: lmkit against vLLM and transformers' continuous batching,
 in one run, and against the device's memory bandwidth.
 
 * W1: Qwen3-0.6B shape; 256 sequences, prompt and output lengths uniform in
@@ -8,6 +8,8 @@ in one run, and against the device's memory bandwidth.
 * W4, W5: W3's and W2's requests on DeepSeek-V2-Lite's shape (MLA + MoE, 27 layers;
   ``--layers N`` keeps the first N, which the report states); lmkit's MLA backend by
   ``--attention`` (``mla_flashinfer``, ``mla_triton``, ``mla_torch``; ``auto`` picks).
+* W6, W7: W2's and W3's requests on Llama-3.1-70B's shape (141 GB of bf16 weights: run
+  lmkit with ``--tp 2`` or more and ``--load-format dummy``, which writes no weights).
 
 Models are random bf16 weights of the real shapes (:mod:`gpu_bench_models`), written
 once per run (to /dev/shm when it has room). Each side runs in its own process
@@ -57,9 +59,12 @@ from gpu_workloads import _subset, make_workloads, parse_subsets  # noqa: E402
 
 PEERS = ("vllm", "hf")
 SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
+HUGE = "llama-3.1-70b"  # W6/W7: W2/W3 on the 70B shape (several GPUs: --tp 2)
 #: each workload's model, and the toy model --smoke puts in its place
-WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK}
-SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2"}
+WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK,
+                   "W6": HUGE, "W7": HUGE}
+SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2",
+                HUGE: "tiny-llama"}
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
 QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
 
@@ -209,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     ap.add_argument("--smoke", action="store_true", help="toy models and workloads (CPU ok)")
     ap.add_argument("--workloads", default="W1,W2,W3",
-                    help="comma-separated, of W1-W5 (W4, W5: DeepSeek-V2-Lite shape)")
+                    help="comma-separated, of W1-W7 (W4, W5: DeepSeek-V2-Lite shape; W6, W7: "
+                    "Llama-3.1-70B shape)")
     ap.add_argument("--layers", type=int,
                     help="DeepSeek-V2-Lite (W4, W5) with only its first N decoder layers "
                     "(stated in the report; default: all 27)")
@@ -227,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="lmkit without CUDA graphs")
     ap.add_argument("--executor", default="uniproc",
                     help="lmkit executor: uniproc (in process) or mp (a worker process)")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                    help="dummy: write only the models' configs, and every side draws random "
+                    "weights itself (lmkit --load-format dummy, vLLM load_format='dummy'): "
+                    "shapes too large to write, such as W6/W7's 70B")
     ap.add_argument("--tp", type=int, default=1,
                     help="lmkit's tensor-parallel size (the mp executor over NCCL when > 1; "
                     "the peers run on one GPU)")
@@ -298,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(key, SMOKE_MODELS[key] if args.smoke else key,
              args.layers if key == DEEPSEEK else None,
              [n for n in names if WORKLOAD_MODELS[n] == key])
-            for key in (SMALL, LARGE, DEEPSEEK)]
+            for key in (SMALL, LARGE, DEEPSEEK, HUGE)]
     need = sum(models.model_facts(models.hf_config(m, layers))["param_bytes"]
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
                    executor=args.executor,
                    **quantization_options(args.quantization, args.quantization_options))
+    if args.load_format == "dummy":
+        options["load_format"] = "dummy"
     if args.tp > 1:
         options["tensor_parallel_size"] = args.tp
         if options["executor"] == "uniproc":  # the default: one process cannot hold ranks
@@ -317,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             if not wl_names:
                 continue
             t0 = time.perf_counter()
-            model_dir = models.write_model(model_name, root / model_name, num_layers=layers)
+            model_dir = models.write_model(model_name, root / model_name, num_layers=layers,
+                                           weights=args.load_format != "dummy")
             facts = models.model_facts(models.hf_config(model_name, layers), args.quantization)
             report.setdefault("models", {})[key] = {"name": model_name, **facts,
                                                     "write_s": time.perf_counter() - t0}

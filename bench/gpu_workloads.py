@@ -1,4 +1,4 @@
-"""The GPU engine benchmark's workloads W1-W5 as token ids (fixed seed), and the subsets
+"""The GPU engine benchmark's workloads W1-W7 as token ids (fixed seed), and the subsets
 a slow peer runs (``--hf-subset``)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import gpu_bench_sides as sides  # noqa: E402
 
 
 def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
-    """W1-W5 as token ids (fixed seed); toy sizes with ``smoke``. W4/W5 are W3/W2's
-    requests (the same ids) for the DeepSeek model."""
+    """W1-W7 as token ids (fixed seed); toy sizes with ``smoke``. W4/W5 are W3/W2's
+    requests (the same ids) for the DeepSeek model, W6/W7 W2/W3's for the 70B shape."""
     rng = np.random.default_rng(0)
     n1, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
     vocab = 1000 if smoke else 10000
@@ -27,7 +27,8 @@ def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
     w3 = {"name": "W3", "prompts": [rng.integers(0, vocab, p3).tolist() for _ in range(n3)],
           "output_lens": [o3] * n3}
     return {"W1": {"name": "W1", "prompts": w1, "output_lens": output_lens.tolist()},
-            "W2": w2, "W3": w3, "W4": {**w3, "name": "W4"}, "W5": {**w2, "name": "W5"}}
+            "W2": w2, "W3": w3, "W4": {**w3, "name": "W4"}, "W5": {**w2, "name": "W5"},
+            "W6": {**w2, "name": "W6"}, "W7": {**w3, "name": "W7"}}
 
 
 def _subset(wl: sides.Workload, n: int | None) -> sides.Workload:

@@ -25,7 +25,8 @@ def _setup(opts: ConfigOptions, threads: int | None):
     host = build_host(config)
     status(f"resolving {config.model.model} ...")
     cache = Path(config.model.cache_dir) if config.model.cache_dir else None
-    model_dir = resolve_model(config.model.model, host, cache, source=config.model.source)
+    model_dir = resolve_model(config.model.model, host, cache, source=config.model.source,
+                              weights=config.model.load_format != "dummy")
     device, dtype = resolve_device(config)
     # engine options: every setting not left at its default (the model is passed apart)
     options = {path: _get(config, path) for path, layer in provenance.items()

@@ -75,6 +75,8 @@ FLAGS: tuple[Flag, ...] = (
          "Engine processes to spread requests over (data parallel)."),
     Flag("device", ("--device",), "executor.device", str | None, "auto, cpu or cuda."),
     Flag("dtype", ("--dtype",), "model.dtype", str | None, "auto, float32, bfloat16 or float16."),
+    Flag("load_format", ("--load-format",), "model.load_format", str | None,
+         "auto (the checkpoint's weights) or dummy (random weights from config.json alone)."),
     Flag("speculative", ("--speculative",), "speculative.backend", str | None,
          "Speculative-decoding proposer, 'auto' or 'none'.", short="--spec"),
     Flag("num_speculative_tokens", ("--num-speculative-tokens",),

@@ -59,6 +59,10 @@ class ModelConfig(Section):
     )
     seed: int = Field(0, description="Seed for requests that give none.")
     cache_dir: str | None = Field(None, description="Where fetched and converted models live.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="Where the weights come from: 'auto', the checkpoint; 'dummy', "
+        "random weights of the config.json's shapes, no weight files read (benchmarks of "
+        "shapes no checkpoint here holds).")
 
 
 class CacheConfig(Section):

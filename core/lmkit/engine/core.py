@@ -56,7 +56,8 @@ class EngineCore:
         self.host.hook.configure(config=config)
         cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else None
         self.model_dir: Path = resolve_model(config.model.model, self.host, cache_dir,
-                                             source=config.model.source, progress=progress)
+                                             source=config.model.source, progress=progress,
+                                             weights=config.model.load_format != "dummy")
         # what every process knows of the model (context, EOS, architecture, needs): once
         self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
         check_model_split(config, self.facts)

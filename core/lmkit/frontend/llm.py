@@ -32,6 +32,7 @@ SHORT_OPTIONS = {
     "dtype": "model.dtype",
     "max_model_len": "model.max_model_len",
     "seed": "model.seed",
+    "load_format": "model.load_format",
     "tokenizer": "model.tokenizer",
     "block_size": "cache.block_size",
     "enable_prefix_caching": "cache.enable_prefix_caching",

@@ -29,7 +29,7 @@ KIND = "model_source"
 
 
 def resolve_model(ref: str, host: PluginHost, cache_dir: Path | None = None,
-                  source: str = "auto", progress: bool = True) -> Path:
+                  source: str = "auto", progress: bool = True, weights: bool = True) -> Path:
     """Return the local model directory for ``ref`` (``config.json``, ``*.safetensors``,
     tokenizer files), fetching or converting it into ``cache_dir`` first if needed.
 
@@ -40,6 +40,8 @@ def resolve_model(ref: str, host: PluginHost, cache_dir: Path | None = None,
         cache_dir: lmkit's cache directory (default :func:`default_cache_dir`).
         source: ``"auto"`` or the name of one registered model source.
         progress: let the source show download / conversion progress on stderr.
+        weights: whether the directory must hold weight files (``False`` for
+            ``model.load_format: dummy``, which reads config.json alone).
 
     Raises:
         ModelNotFoundError: no source understands ``ref`` (the message lists what was
@@ -71,13 +73,13 @@ def resolve_model(ref: str, host: PluginHost, cache_dir: Path | None = None,
 
     source_obj: ModelSource = build(KIND, cls, plugin=reg.origin)
     model_dir = Path(source_obj.fetch(ref, cache_dir, progress))
-    validate_model_dir(model_dir, f"model source {reg.name!r} for {ref!r}")
+    validate_model_dir(model_dir, f"model source {reg.name!r} for {ref!r}", weights)
     return model_dir
 
 
-def validate_model_dir(model_dir: Path, origin: str = "") -> None:
-    """Check that ``model_dir`` is a usable HF directory: ``config.json`` and readable
-    ``*.safetensors`` headers (no tensor data is read).
+def validate_model_dir(model_dir: Path, origin: str = "", weights: bool = True) -> None:
+    """Check that ``model_dir`` is a usable HF directory: ``config.json`` and (unless
+    ``weights`` is false) readable ``*.safetensors`` headers (no tensor data is read).
 
     Raises:
         ModelLoadError: naming the missing or corrupt file.
@@ -90,7 +92,8 @@ def validate_model_dir(model_dir: Path, origin: str = "") -> None:
             f"{model_dir / 'config.json'}{by} is missing: a Hugging Face model directory "
             "needs config.json, *.safetensors and tokenizer files."
         )
-    check_weight_files(model_dir)
+    if weights:
+        check_weight_files(model_dir)
 
 
 def _load(reg: Registration) -> type[ModelSource]:

@@ -1,12 +1,17 @@
 """What the model runner checks and builds before a model's weights load: the chosen
 quantization method (its checkpoint checked) and the refusals of what the model or the
-method cannot do over several tensor-parallel ranks; the runner-hosted speculative
-proposer (a draft head), checked against the target; and, once the model is built, its
-KV cache groups, checked."""
+method cannot do over several tensor-parallel ranks; where the weights come from (the
+checkpoint, or random ones with ``model.load_format: dummy``); the runner-hosted
+speculative proposer (a draft head), checked against the target; and, once the model is
+built, its KV cache groups, checked."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lmkit.api.contract import build
 from lmkit.api.kv_cache_spec import KVCacheGroup, KVCacheSpec, check_kv_cache_groups
@@ -56,6 +61,36 @@ def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> Quantization
         options=stack.options["quantization"], plugin=reg.origin)
     method.check()
     return method
+
+
+def check_load_format(config: LMKitConfig, stack: ResolvedStack) -> None:
+    """Refuse ``model.load_format: dummy`` beside a quantization method (random weights
+    are dense; the method reads its own checkpoint format).
+
+    :raises ConfigError: naming the method and what to use instead.
+    """
+    reg = stack.get("quantization")
+    if config.model.load_format == "dummy" and reg is not None:
+        raise ConfigError(
+            f"model.load_format dummy draws dense random weights, which quantization "
+            f"{reg.name!r} cannot read; use --quantization none, or --load-format auto")
+
+
+def weight_source(config: LMKitConfig, model_dir: Path, hf_config: Any,
+                  quant: QuantizationMethod | None, dtype: torch.dtype,
+                  device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` stream the model loads: random weights of the config's
+    shapes (``load_format: dummy``, drawn on ``device``), the quantization method's, or
+    the checkpoint's safetensors."""
+    if config.model.load_format == "dummy":
+        from lmkit.loading.dummy import dummy_weights
+
+        return dummy_weights(hf_config, dtype, device, config.model.seed)
+    if quant is not None:
+        return quant.iterate_weights()
+    from lmkit.loading.weights import iterate_weights
+
+    return iterate_weights(model_dir)
 
 
 def check_tensor_parallel(model_cls: type[Model], registration: Registration, architecture: str,

@@ -25,7 +25,7 @@ from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import DraftHeadContext
 from lmkit.errors import ModelLoadError
 from lmkit.loading.model_facts import model_class
-from lmkit.loading.weights import iterate_weights, load_hf_config
+from lmkit.loading.weights import load_hf_config
 from lmkit.offload.worker import OffloadWorker, build_offload_worker
 from lmkit.sample.bitmask import bitmask_kernel
 from lmkit.sample.kernels import build_sampling_kernels
@@ -39,9 +39,11 @@ from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.model_build import (
     build_draft_proposer,
+    check_load_format,
     check_tensor_parallel,
     kv_cache_groups,
     quantization_method,
+    weight_source,
 )
 from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner, maybe_capture_piecewise
 from lmkit.worker.pooling import PoolingRequests
@@ -124,6 +126,7 @@ class ModelRunner:
         attention = self.stack.get("attention")
         if attention is None:
             raise ModelLoadError("no attention backend was resolved for this stack")
+        check_load_format(self.config, self.stack)
         quant = quantization_method(self.stack, self.facts)
         ctx = ModelBuildContext(
             dtype=self.dtype, device=self.device, block_size=self.block_size,
@@ -136,8 +139,8 @@ class ModelRunner:
         head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
                                     hf_config)
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
-        model.load_weights(iterate_weights(self.model_dir) if quant is None
-                           else quant.iterate_weights())
+        model.load_weights(weight_source(self.config, self.model_dir, hf_config, quant,
+                                         self.dtype, self.device))
         self.kv_groups = kv_cache_groups(model, model_cls.kv_cache_specs(hf_config),
                                          self.num_layers)
         if isinstance(model, torch.nn.Module):

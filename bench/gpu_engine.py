@@ -304,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         report["gpu"] = torch.cuda.get_device_name(0)
         report["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+        if args.tp > 1:  # lmkit's decode reads its shards on tp devices at once (the
+            # peers run on one: its bandwidth fraction is lmkit's only)
+            report["copy_bandwidth_one_device_bytes_per_s"] = report[
+                "copy_bandwidth_bytes_per_s"]
+            report["copy_bandwidth_bytes_per_s"] *= args.tp
+            report["gpu"] += f" x{args.tp} (the limit: {args.tp} devices' copy bandwidth)"
     # (report key, model written, its layers or None for all, workloads)
     plan = [(key, SMOKE_MODELS[key] if args.smoke else key,
              args.layers if key == DEEPSEEK else None,

@@ -55,24 +55,17 @@ def _hf_config(name: str) -> Any:
                            num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                            vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
                            max_position_embeddings=40960, rope_theta=1000000.0, **common)
+    llama31 = dict(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                   rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}, **common)
     if name == "llama-3.1-8b":
         return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                           num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                           tie_word_embeddings=False, rms_norm_eps=1e-5,
-                           max_position_embeddings=131072, rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 8192},
-                           **common)
+                           intermediate_size=14336, **llama31)
     if name == "llama-3.1-70b":  # beyond one GPU: --tp 2 with --load-format dummy
         return LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                           num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-                           tie_word_embeddings=False, rms_norm_eps=1e-5,
-                           max_position_embeddings=131072, rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 8192},
-                           **common)
+                           intermediate_size=28672, **llama31)
     if name == "tiny-qwen3":  # --smoke: the same code paths at toy size
         return Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, intermediate_size=128,

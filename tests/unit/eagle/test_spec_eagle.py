@@ -53,12 +53,12 @@ def test_n_greater_than_one_and_opt_out(tiny, head):
 
 
 def test_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
-    import lmkit.worker.model_runner as runner
+    import lmkit.loading.weights as weights
 
     def no_weights(*_):
         raise AssertionError("a refused head must fail before any weights load")
 
-    monkeypatch.setattr(runner, "iterate_weights", no_weights)
+    monkeypatch.setattr(weights, "iterate_weights", no_weights)  # the runner's weight source
     wide = make_tiny_eagle_head(tmp_path / "wide", tiny, hidden_size=96)
     other_vocab = make_tiny_eagle_head(tmp_path / "vocab", tiny, vocab_size=512)
     cases = [
@@ -75,12 +75,12 @@ def test_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
 
 
 def test_eagle3_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
-    import lmkit.worker.model_runner as runner
+    import lmkit.loading.weights as weights
 
     def no_weights(*_):
         raise AssertionError("a refused head must fail before any weights load")
 
-    monkeypatch.setattr(runner, "iterate_weights", no_weights)
+    monkeypatch.setattr(weights, "iterate_weights", no_weights)  # the runner's weight source
     cases = [
         (make_tiny_eagle3_head(tmp_path / "taps", tiny, layer_ids=(0, 1, 5)),
          r"target layers \[0, 1, 5\] are not all layers of the 2-layer target"),

@@ -1,7 +1,9 @@
 """Engine features under ``--tp 2`` over NCCL (two or more GPUs), one check each, in
-float32 so that greedy tokens compare exactly: decode CUDA graphs (replayed with their
-all-reduces inside) give the eager tokens; ngram speculation gives plain decoding's
-tokens and accepts drafts; a regex constraint holds and gives TP=1's tokens."""
+float32 so that greedy tokens compare exactly (triton attention, which CUDA graphs
+capture): decode CUDA graphs (replayed with their all-reduces inside) give the eager
+tokens; ngram speculation gives plain decoding's tokens and drafts; an EAGLE-3 head
+hosted on every rank gives TP=1's tokens and acceptance; a regex constraint holds and
+gives TP=1's tokens."""
 
 from __future__ import annotations
 
@@ -24,13 +26,15 @@ PROMPTS = ["one two three one two three one two three one two",
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-tp-features"), hidden_size=256,
+    # head size 64: the triton backend's smallest (it declares cuda_graphs; under `auto`
+    # a smaller head would fall back to one that runs eagerly)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tp-features"), hidden_size=512,
                            num_heads=8, num_kv_heads=4, num_layers=4)
 
 
 def run(model_dir, params, **settings):
-    with LLM(str(model_dir), device="cuda", dtype="float32", progress=False,
-             **settings) as llm:
+    with LLM(str(model_dir), device="cuda", dtype="float32", attention="triton",
+             progress=False, **settings) as llm:
         outs = llm.generate(PROMPTS, params)
         return llm.engine.stats(), [o.outputs[0] for o in outs]
 
@@ -64,3 +68,15 @@ def test_tp2_structured_output_holds_and_equals_tp1(model_dir):
     assert [c.text for c in two] == [c.text for c in one]
     for c in two:
         assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c.text
+
+
+def test_tp2_eagle3_head_on_every_rank_equals_tp1(model_dir, tmp_path):
+    from lmkit.testing.eagle_head import make_tiny_eagle3_head
+
+    head = make_tiny_eagle3_head(tmp_path / "head", model_dir)
+    spec = dict(speculative="eagle3", speculative_model=str(head), num_speculative_tokens=3)
+    stats_one, one = run(model_dir, GREEDY, tensor_parallel_size=1, **spec)
+    stats_two, two = run(model_dir, GREEDY, tensor_parallel_size=2, **spec)
+    assert [c.token_ids for c in two] == [c.token_ids for c in one]
+    assert stats_two["spec_num_draft_tokens"] == stats_one["spec_num_draft_tokens"] > 0
+    assert stats_two["spec_num_accepted_tokens"] == stats_one["spec_num_accepted_tokens"]

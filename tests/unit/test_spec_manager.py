@@ -15,7 +15,7 @@ from lmkit.config.schema import LMKitConfig
 from lmkit.errors import ConfigError, PluginError
 from lmkit.plugin_host.registry import Registration
 from lmkit.plugin_host.resolve import ResolvedStack
-from lmkit.spec_decode.manager import ProposerManager
+from lmkit.spec_decode.manager import ProposerManager, check_runner_hosted
 from lmkit.spec_decode.stats import SpecDecodeStats
 
 K = 3
@@ -139,13 +139,26 @@ def test_runner_hosted_proposers_take_the_runner_drafts():
         m.after_step(SchedulerOutput(num_scheduled_tokens={"a": 1}),
                      ModelRunnerOutput(draft_token_ids={"a": [100]}),
                      [EngineCoreOutput("a", [3], None)])
-    bad = LMKitConfig.model_validate({"speculative": {"backend": "eagle"},
-                                      "parallel": {"tensor_parallel_size": 2}})
-    with pytest.raises(ConfigError, match="not built yet for tensor parallelism"):
-        ProposerManager.from_stack(bad, stack, 100)
-    # a KV offload tier carries the head's blocks (tests/unit/eagle/test_spec_eagle_offload.py)
+    # under tensor parallelism every rank's runner hosts the head
+    # (tests/unit/eagle/test_spec_eagle_tp.py)
+    tp = LMKitConfig.model_validate({"speculative": {"backend": "eagle"},
+                                     "parallel": {"tensor_parallel_size": 2}})
+    assert ProposerManager.from_stack(tp, stack, 100) is not None
+    tp_offload = LMKitConfig.model_validate({"speculative": {"backend": "eagle"},
+                                             "parallel": {"tensor_parallel_size": 2},
+                                             "offload": {"backend": "cpu"}})
+    tier = Registration(kind="offload", spec=Spec(name="cpu", target=lambda: None,
+                                                  caps=Caps(set())), plugin="test")
+    with_tier = ResolvedStack("cpu", "float32", {**stack.entries, "offload": tier},
+                              {**stack.options, "offload": None})
+    with pytest.raises(ConfigError, match=r"each rank holds 1/2 of the target's KV heads"):
+        check_runner_hosted(tp_offload, with_tier)
+    check_runner_hosted(tp, stack)  # no tier: fine
+    # on one rank a KV offload tier carries the head's blocks
+    # (tests/unit/eagle/test_spec_eagle_offload.py)
     offload = LMKitConfig.model_validate({"speculative": {"backend": "eagle"},
                                           "offload": {"backend": "cpu"}})
+    check_runner_hosted(offload, with_tier)
     assert ProposerManager.from_stack(offload, stack, 100) is not None
 
 

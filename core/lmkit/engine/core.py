@@ -32,7 +32,7 @@ from lmkit.offload.attach import OffloadPhase, prefix_tier
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
 from lmkit.sample.processors import check_request
-from lmkit.spec_decode.manager import ProposerManager
+from lmkit.spec_decode.manager import ProposerManager, check_runner_hosted
 from lmkit.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class EngineCore:
         self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs,
                                                   weight_format=self.facts.weight_format,
                                                   encoder=not self.facts.pooling.causal)
+        check_runner_hosted(config, self.stack)
         self.config = self._runtime_config(config)
 
         executor_reg = self.stack.get("executor")

@@ -71,20 +71,18 @@ class ProposerManager(StepPhase):
         """The manager for the stack's proposer, or ``None`` when speculation is off.
 
         A runner-hosted proposer (``caps.features`` with ``"hidden_states"`` or
-        ``"own_kv_cache"``) is built by the model runner, not here.
-
-        Raises:
-            ConfigError: a runner-hosted proposer with a feature it cannot work with yet
-                (tensor parallelism).
+        ``"own_kv_cache"``) is built by the model runner, not here; under tensor
+        parallelism every rank's runner holds the whole head and drafts the same tokens
+        (it reads the replicated hidden states, the target's sharded embedding and LM
+        head through their collectives, and samples drafts with the requests' seeded
+        generators), and the engine takes rank 0's.
         """
         reg = stack.get("speculative")
         if reg is None:
             return None
         hosted = sorted(RUNNER_HOSTED_FEATURES & reg.spec.caps.features)
         proposer: SpecProposer | None = None
-        if hosted:
-            _check_runner_hosted(config, reg.name)
-        else:
+        if not hosted:  # a runner-hosted head is built by the model runner(s)
             proposer = build("speculative", reg.spec.load(), config,
                              options=stack.options["speculative"], plugin=reg.origin)
         k = config.speculative.num_speculative_tokens
@@ -250,12 +248,22 @@ class ProposerManager(StepPhase):
         return out
 
 
-def _check_runner_hosted(config: LMKitConfig, name: str) -> None:
-    """Refuse what a runner-hosted proposer does not work with yet, before any model
-    loads."""
-    if config.parallel.tensor_parallel_size > 1:
+def check_runner_hosted(config: LMKitConfig, stack: ResolvedStack) -> None:
+    """Refuse, before any model loads, what a runner-hosted proposer (a draft head)
+    cannot run with: a KV offload tier under tensor parallelism. The tier carries the
+    head's KV blocks beside the target's in one layout, and there each rank holds a
+    share of the target's KV heads but all of the head's.
+
+    :raises ConfigError: naming the settings to change.
+    """
+    reg = stack.get("speculative")
+    tp = config.parallel.tensor_parallel_size
+    if reg is None or tp == 1 or stack.get("offload") is None:
+        return
+    if RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
         raise ConfigError(
-            f"speculative proposer {name!r} runs a draft head in the model runner, which is "
-            "not built yet for tensor parallelism (parallel.tensor_parallel_size = "
-            f"{config.parallel.tensor_parallel_size}); use --tp 1, or a token-based proposer "
-            "(--speculative ngram).")
+            f"speculative proposer {reg.name!r} keeps a draft head's KV cache beside the "
+            f"target's, and the KV offload tier carries both in one layout; under tensor "
+            f"parallelism (parallel.tensor_parallel_size = {tp}) each rank holds 1/{tp} of "
+            "the target's KV heads but all of the head's, so they cannot ride together: use "
+            "--offload none, --tp 1, or a token-based proposer (--speculative ngram).")

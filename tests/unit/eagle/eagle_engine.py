@@ -22,10 +22,12 @@ def tokens(outs):
 
 
 def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
-               offload=None, **settings):
+               offload=None, parallel=None, **settings):
     """Run ``prompts`` greedily in an in-process engine; return what the head drafted
     for each request at each length: ``{(prompt index, tokens so far): drafts}``, and
-    the engine's stats. ``offload``: the config's ``offload`` section (none: off)."""
+    the engine's stats. ``offload``: the config's ``offload`` section (none: off);
+    ``parallel``: its ``parallel`` section (tensor parallel: the ranks in worker
+    processes, the drafts recorded here, in the engine)."""
     from lmkit.engine.core import EngineCore
 
     seen: dict[tuple[int, int], list[int]] = {}
@@ -44,7 +46,8 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
         "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
                         "disable_by_batch_size": settings.pop("disable_by_batch_size", None)},
-        "scheduler": settings, **({"offload": offload} if offload else {})})
+        "scheduler": settings, **({"offload": offload} if offload else {}),
+        **({"parallel": parallel} if parallel else {})})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),
                       progress=False)
     try:
@@ -55,7 +58,7 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
                                      eos_token_id=tok.eos_token_id))
         while core.has_unfinished_requests():
             core.step()
-        stats = core.stats()
+        stats = {**core.stats(), "executor": core.stack.get("executor").name}
     finally:
         core.shutdown()
         # unwrap, so that a later run in the same test records into its own dict only

@@ -94,12 +94,6 @@ def test_eagle3_refusals_before_weights_load(tiny, head, tmp_path, monkeypatch):
                 **COMMON)
 
 
-def test_features_not_built_yet_are_refused(tiny, head):
-    with pytest.raises(ConfigError, match=r"not built yet for tensor parallelism"):
-        LLM(str(tiny), speculative="eagle", speculative_model=str(head), num_blocks=96,
-            **{"parallel.tensor_parallel_size": 2}, **COMMON)
-
-
 def _homogeneity_p_value(a, b) -> float:
     """Pearson's chi-square test that two count vectors come from one distribution
     (cells with fewer than 10 counts in both pooled)."""

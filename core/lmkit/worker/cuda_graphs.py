@@ -33,7 +33,6 @@ speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (a
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +42,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
+from lmkit.worker.graph_stream import capture_stream
 from lmkit.worker.staging import CopyFences
 
 if TYPE_CHECKING:
@@ -51,21 +51,6 @@ if TYPE_CHECKING:
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream every CUDA graph of this process is captured on (decode,
-    piecewise, draft passes), one per device. torch keeps a cuBLAS workspace (32 MiB on
-    Hopper) for every stream a product ran on, for the life of the process: a new stream
-    per capture left one behind for every engine built and shut down."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capture_stream(index)
-
-
-@functools.cache
-def _capture_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(torch.device("cuda", index))
-
 
 MAX_CAPTURE_SIZE = 512
 

@@ -44,7 +44,7 @@ import torch
 
 from lmkit.api.model import ForwardContext
 from lmkit.platform import switched_off
-from lmkit.worker.cuda_graphs import capture_stream
+from lmkit.worker.graph_stream import capture_stream
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig

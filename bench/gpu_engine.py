@@ -53,18 +53,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
+import gpu_workloads as wl  # noqa: E402
 from gpu_report import combine, format_table  # noqa: E402
 from gpu_run_profile import format_profiles  # noqa: E402
-from gpu_workloads import _subset, make_workloads, parse_subsets  # noqa: E402
 
 PEERS = ("vllm", "hf")
-SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
-HUGE = "llama-3.1-70b"  # W6/W7: W2/W3 on the 70B shape (several GPUs: --tp 2)
-#: each workload's model, and the toy model --smoke puts in its place
-WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK,
-                   "W6": HUGE, "W7": HUGE}
-SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2",
-                HUGE: "tiny-llama"}
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
 QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
 
@@ -281,18 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     peers = parse_peers(args.peer)
     ab_env = parse_env(args.ab_env)
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
-    unknown = [n for n in names if n not in WORKLOAD_MODELS]
+    unknown = [n for n in names if n not in wl.WORKLOAD_MODELS]
     if unknown:
         ap.error(f"unknown workload {', '.join(unknown)}; choose from "
-                 f"{', '.join(WORKLOAD_MODELS)}")
+                 f"{', '.join(wl.WORKLOAD_MODELS)}")
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be at least 1, got {args.layers}")
-    all_workloads = make_workloads(args.smoke)
+    all_workloads = wl.make_workloads(args.smoke)
     if args.scale < 1.0:
         for name in ("W1", "W3", "W4"):
             keep = max(1, int(len(all_workloads[name]["prompts"]) * args.scale))
-            all_workloads[name] = _subset(all_workloads[name], keep)
-    subsets = parse_subsets(args.hf_subset)
+            all_workloads[name] = wl.subset(all_workloads[name], keep)
+    subsets = wl.parse_subsets(args.hf_subset)
     report: dict[str, Any] = {
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
         "platform": platform.platform(), "torch": torch.__version__,
@@ -311,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             report["copy_bandwidth_bytes_per_s"] *= args.tp
             report["gpu"] += f" x{args.tp} (the limit: {args.tp} devices' copy bandwidth)"
     # (report key, model written, its layers or None for all, workloads)
-    plan = [(key, SMOKE_MODELS[key] if args.smoke else key,
-             args.layers if key == DEEPSEEK else None,
-             [n for n in names if WORKLOAD_MODELS[n] == key])
-            for key in (SMALL, LARGE, DEEPSEEK, HUGE)]
+    plan = [(key, wl.SMOKE_MODELS[key] if args.smoke else key,
+             args.layers if key == wl.DEEPSEEK else None,
+             [n for n in names if wl.WORKLOAD_MODELS[n] == key])
+            for key in (wl.SMALL, wl.LARGE, wl.DEEPSEEK, wl.HUGE)]
     need = sum(models.model_facts(models.hf_config(m, layers))["param_bytes"]
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
@@ -373,11 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                                       "profile_run": False,
                                       "env": {"LMKIT_DECODE_LOOKAHEAD": "0"}}))
             if "hf" in peers:
-                hf_wls = [_subset(w, subsets.get(w["name"])) for w in wls]
+                hf_wls = [wl.subset(w, subsets.get(w["name"])) for w in wls]
                 for w in hf_wls:
                     report["hf_workloads"][w["name"]] = w
                 hf_job = {**job, "workloads": hf_wls}
-                if key == DEEPSEEK:  # MLA: transformers' CB cache cannot hold it
+                if key == wl.DEEPSEEK:  # MLA: transformers' CB cache cannot hold it
                     hf_job["hf_generate_batch"] = args.hf_batch
                 report["hf"][key] = run_side("hf", hf_job, root, args.side_timeout)
             _write(report, args.out)
@@ -390,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.model_root:
             shutil.rmtree(root, ignore_errors=True)
-    report["rows"] = combine(report, WORKLOAD_MODELS)
+    report["rows"] = combine(report, wl.WORKLOAD_MODELS)
     report["hf_workloads"] = {k: {"requests": len(v["prompts"]), "subset_of": v.get("subset_of")}
                               for k, v in report["hf_workloads"].items()}
     report["workload_sizes"] = {k: v for k, v in report["workload_sizes"].items()}

@@ -11,6 +11,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_sides as sides  # noqa: E402
 
+SMALL, LARGE, DEEPSEEK = "qwen3-0.6b", "llama-3.1-8b", "deepseek-v2-lite"
+HUGE = "llama-3.1-70b"  # W6/W7: W2/W3 on the 70B shape (several GPUs: --tp 2)
+#: each workload's model, and the toy model --smoke puts in its place
+WORKLOAD_MODELS = {"W1": SMALL, "W2": LARGE, "W3": LARGE, "W4": DEEPSEEK, "W5": DEEPSEEK,
+                   "W6": HUGE, "W7": HUGE}
+SMOKE_MODELS = {SMALL: "tiny-qwen3", LARGE: "tiny-llama", DEEPSEEK: "tiny-deepseek-v2",
+                HUGE: "tiny-llama"}
+
 
 def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
     """W1-W7 as token ids (fixed seed); toy sizes with ``smoke``. W4/W5 are W3/W2's
@@ -31,7 +39,8 @@ def make_workloads(smoke: bool) -> dict[str, sides.Workload]:
             "W6": {**w2, "name": "W6"}, "W7": {**w3, "name": "W7"}}
 
 
-def _subset(wl: sides.Workload, n: int | None) -> sides.Workload:
+def subset(wl: sides.Workload, n: int | None) -> sides.Workload:
+    """The first ``n`` requests of ``wl`` (all of them for ``n`` None or too large)."""
     if not n or n >= len(wl["prompts"]):
         return wl
     return {**wl, "prompts": wl["prompts"][:n], "output_lens": wl["output_lens"][:n],

@@ -26,7 +26,7 @@ def test_a_config_only_model_directory(tmp_path):
 def test_the_70b_shape_and_its_workloads():
     facts = models.model_facts(models.hf_config("llama-3.1-70b"))
     assert 70.5e9 < facts["num_params"] < 70.6e9
-    assert gpu_engine.WORKLOAD_MODELS["W6"] == gpu_engine.WORKLOAD_MODELS["W7"] == "llama-3.1-70b"
+    assert gpu_engine.wl.WORKLOAD_MODELS["W6"] == gpu_engine.wl.WORKLOAD_MODELS["W7"] == "llama-3.1-70b"
     wls = make_workloads(smoke=True)
     assert wls["W6"]["prompts"] == wls["W2"]["prompts"]
     assert wls["W7"]["prompts"] == wls["W3"]["prompts"]

@@ -62,18 +62,20 @@ def run_in_processes(base_url: str, model: str, shares: Sequence[Share],
     try:
         deadline = time.monotonic() + START_TIMEOUT_S + timeout_s * max(
             len(s.prompts) for s in shares)
+        dead: list[int] = []
         while len(done) < len(shares):
-            try:
-                index, result = out.get(timeout=1.0)
+            try:  # after a death is seen, one more look: its report may be in flight
+                index, result = out.get(timeout=5.0 if dead else 1.0)
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in done and not p.is_alive()]
                 if dead:
                     raise LMKitError(f"benchmark client process {dead[0]} exited with status "
                                      f"{procs[dead[0]].exitcode} before reporting") from None
+                dead = [i for i, p in enumerate(procs) if i not in done and not p.is_alive()]
                 if time.monotonic() > deadline:
                     raise LMKitError("benchmark client processes did not finish in time") \
                         from None
                 continue
+            dead = []
             if isinstance(result, str):
                 raise LMKitError(f"benchmark client process {index} failed: {result}")
             done[index] = result

@@ -8,8 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_bench_models as models  # noqa: E402
-import gpu_engine  # noqa: E402
-from gpu_workloads import make_workloads  # noqa: E402
+from gpu_workloads import WORKLOAD_MODELS, make_workloads  # noqa: E402
 
 
 def test_a_config_only_model_directory(tmp_path):
@@ -26,7 +25,7 @@ def test_a_config_only_model_directory(tmp_path):
 def test_the_70b_shape_and_its_workloads():
     facts = models.model_facts(models.hf_config("llama-3.1-70b"))
     assert 70.5e9 < facts["num_params"] < 70.6e9
-    assert gpu_engine.wl.WORKLOAD_MODELS["W6"] == gpu_engine.wl.WORKLOAD_MODELS["W7"] == "llama-3.1-70b"
+    assert WORKLOAD_MODELS["W6"] == WORKLOAD_MODELS["W7"] == "llama-3.1-70b"
     wls = make_workloads(smoke=True)
     assert wls["W6"]["prompts"] == wls["W2"]["prompts"]
     assert wls["W7"]["prompts"] == wls["W3"]["prompts"]

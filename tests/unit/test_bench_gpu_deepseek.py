@@ -20,6 +20,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 import gpu_bench_models as models  # noqa: E402
 import gpu_engine  # noqa: E402
+import gpu_workloads  # noqa: E402
 
 
 def test_v2_lite_config_is_the_real_shape_and_layers_can_be_cut():
@@ -68,7 +69,7 @@ def test_command_line_refuses_unknown_workloads_and_bad_layers(capsys):
     with pytest.raises(SystemExit):
         gpu_engine.main(["--workloads", "W4", "--layers", "0"])
     assert "--layers must be at least 1" in capsys.readouterr().err
-    wls = gpu_engine.make_workloads(smoke=False)
+    wls = gpu_workloads.make_workloads(smoke=False)
     assert len(wls["W4"]["prompts"]) == 256 and {len(p) for p in wls["W4"]["prompts"]} == {512}
     assert wls["W4"]["output_lens"] == [256] * 256
     assert len(wls["W5"]["prompts"]) == 1 and wls["W5"]["output_lens"] == [256]

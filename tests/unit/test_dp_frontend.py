@@ -62,7 +62,7 @@ def test_requests_spread_and_aborts_reach_their_engine(two_engines):
         agens = [llm.generate(f"long {i}", SamplingParams(max_tokens=200)) for i in range(2)]
         for agen in agens:
             await agen.__anext__()
-        on = [llm.engines.engine_of(rid) for rid in llm._collectors]
+        on = [llm.engines.engine_of(rid) for rid in llm.in_flight.collectors]
         await agens[1].aclose()
         await asyncio.sleep(0.1)
         stats = [await llm.get_stats(engine=e) for e in range(2)]
@@ -93,7 +93,7 @@ def test_a_dead_engine_fails_only_its_requests_and_the_other_serves(two_engines)
         agens = [llm.generate(f"long {i}", SamplingParams(max_tokens=100)) for i in range(2)]
         for agen in agens:
             await agen.__anext__()
-        victim = llm.engines.engine_of(next(iter(llm._collectors)))
+        victim = llm.engines.engine_of(next(iter(llm.in_flight.collectors)))
         procs[victim][0].should_stop = True
         llm.engines.slots[victim].client.proc.kill()
         results = []

@@ -3,7 +3,8 @@
 Tokenization and chat templates (:class:`InputProcessor`), the ``n > 1`` fan-out, and
 detokenization and stop strings (:class:`OutputProcessor`) happen here, in the API
 process, so they never stall the engine's step loop. One background task per engine
-reads its outputs and hands them to per-request :class:`OutputCollector` s.
+reads its outputs and hands them to per-request :class:`OutputCollector` s through
+:class:`~lmkit.frontend.in_flight.InFlight`, the bookkeeping of the requests in flight.
 
 With ``parallel.data_parallel_size`` N > 1 there are N engine processes
 (:mod:`lmkit.frontend.engine_set`, started in parallel); each request is routed to one
@@ -42,6 +43,7 @@ from lmkit.errors import EngineDeadError, InvalidRequestError, LMKitError
 from lmkit.frontend.collector import OutputCollector, RequestObserver
 from lmkit.frontend.core_client import EngineCoreClient
 from lmkit.frontend.engine_set import EngineSet, EngineSlot, engine_launches, start_engines
+from lmkit.frontend.in_flight import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +85,7 @@ class AsyncLLM:
             max_constraint_chars=config.structured_output.max_constraint_chars,
             logits_processors=ready.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
-        self._collectors: dict[str, OutputCollector] = {}
-        self._parent_of: dict[str, str] = {}  # engine request id -> parent id
-        self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, float]]] = {}
-        # pooling requests in flight: request id -> its result
-        self._pooling: dict[str, asyncio.Future[EngineCoreOutput]] = {}
+        self.in_flight = InFlight(self.output_processor)
         self._query_ids = itertools.count(1)
         self._background: set[asyncio.Task[None]] = set()
         self._shutting_down = False
@@ -194,7 +191,7 @@ class AsyncLLM:
     @property
     def num_in_flight(self) -> int:
         """Parent requests submitted and not yet finished."""
-        return len(self._collectors)
+        return len(self.in_flight)
 
     # ------------------------------------------------------------------ requests
 
@@ -217,7 +214,7 @@ class AsyncLLM:
         if not self.can_serve:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
-        if rid in self._collectors:
+        if self.in_flight.holds(rid):
             raise InvalidRequestError(f"request id {rid!r} is already in use",
                                       param="request_id", code="duplicate_request_id")
         text, ids = await self._tokenize(prompt, messages, chat_kwargs)
@@ -229,11 +226,7 @@ class AsyncLLM:
                 for i in range(params.n)]
         chosen = self.engines.route(rid, ids, len(ids) * params.n, engine)
         collector = OutputCollector(len(ids), self.observer if observe else None)
-        self._collectors[rid] = collector
-        self._children[rid] = [req.request_id for req, _ in requests]
-        for req, index in requests:
-            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=params.n)
-            self._parent_of[req.request_id] = rid
+        self.in_flight.add(rid, collector, requests, text, params.n)
         finished = False
         try:
             client = self.engines.slots[chosen].client
@@ -265,14 +258,14 @@ class AsyncLLM:
         if not self.can_serve:
             raise EngineDeadError(self.dead_reason or "the engine is shutting down")
         rid = request_id or uuid.uuid4().hex
-        if rid in self._collectors or rid in self._pooling:
+        if self.in_flight.holds(rid):
             raise InvalidRequestError(f"request id {rid!r} is already in use",
                                       param="request_id", code="duplicate_request_id")
         _, ids = await self._tokenize(prompt, None, None)
         request = self.input_processor.make_pooling_request(rid, ids, params, priority)
         index = self.engines.route(rid, ids, len(ids), engine)
         result: asyncio.Future[EngineCoreOutput] = asyncio.get_running_loop().create_future()
-        self._pooling[rid] = result
+        self.in_flight.pooling[rid] = result
         try:
             await self.engines.slots[index].client.send(AddRequest.from_request(request))
             out = await result
@@ -281,7 +274,7 @@ class AsyncLLM:
                 await self._send_abort([rid], index)
             raise
         finally:
-            self._pooling.pop(rid, None)
+            self.in_flight.pooling.pop(rid, None)
             self.engines.release(rid)
         if out.pooled is None:
             raise InvalidRequestError(f"the engine ended pooling request {rid!r} without a "
@@ -303,17 +296,14 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by the id given to :meth:`generate` (no-op when finished)."""
-        collector = self._collectors.get(request_id)
+        collector = self.in_flight.collectors.get(request_id)
         if collector is not None:
             collector.fail(RequestAbortedError(f"request {request_id!r} was aborted"))
         await self._forget(request_id, abort=True)
 
     async def _forget(self, rid: str, abort: bool) -> None:
-        self._collectors.pop(rid, None)
         index = self.engines.release(rid)
-        engine_ids = self.output_processor.abort(rid)
-        for eid in self._children.pop(rid, ()):
-            self._parent_of.pop(eid, None)
+        engine_ids = self.in_flight.forget(rid)
         if abort and engine_ids and index is not None:
             await self._send_abort(engine_ids, index)
 
@@ -327,12 +317,12 @@ class AsyncLLM:
         """Fresh ``EngineCore.stats()`` from engine ``engine``'s process."""
         qid = next(self._query_ids)
         fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[qid] = fut
+        self.in_flight.stats_waiters[qid] = fut
         try:
             await self.engines.slots[engine].client.send(StatsQuery(query_id=qid))
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._stats_waiters.pop(qid, None)
+            self.in_flight.stats_waiters.pop(qid, None)
 
     # ------------------------------------------------------------------ output loop
 
@@ -352,11 +342,11 @@ class AsyncLLM:
                         last_yield = loop.time()
                 elif isinstance(message, EngineStats):
                     slot.stats = message.stats
-                    fut = self._stats_waiters.get(message.query_id or 0)
-                    if fut is not None and not fut.done():
-                        fut.set_result(message.stats)
+                    self.in_flight.answer_stats(message.query_id, message.stats)
                 elif isinstance(message, RequestRejected):
-                    await self._reject(message)
+                    rid = self.in_flight.reject(message)
+                    if rid is not None:
+                        await self._forget(rid, abort=True)
         except EngineDeadError as e:
             error = e if len(self.engines) == 1 else EngineDeadError(f"engine {index}: {e}")
             if not self._shutting_down:
@@ -372,58 +362,18 @@ class AsyncLLM:
         slot.died.set()
 
     def _deliver(self, message: EngineOutputs, index: int = 0) -> None:
-        if self._pooling:  # (only while a pooling request is in flight)
-            for out in message.outputs:
-                result = self._pooling.get(out.request_id)
-                if result is not None and out.finished and not result.done():
-                    result.set_result(out)
-        processed = self.output_processor.process_outputs(message.outputs)
-        for output in processed.request_outputs:
-            collector = self._collectors.get(output.request_id)
-            if collector is not None:
-                collector.put(output)
-        if processed.abort_ids:  # stop strings matched: the engine need not go on
-            task = asyncio.get_running_loop().create_task(
-                self._send_abort(processed.abort_ids, index))
+        abort_ids = self.in_flight.deliver(message)
+        if abort_ids:  # stop strings matched: the engine need not go on
+            task = asyncio.get_running_loop().create_task(self._send_abort(abort_ids, index))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-
-    async def _reject(self, message: RequestRejected) -> None:
-        result = self._pooling.get(message.request_id)
-        if result is not None and not result.done():
-            result.set_exception(InvalidRequestError(message.message, param=message.param,
-                                                      code=message.code))
-            return
-        rid = self._parent_of.get(message.request_id)
-        collector = self._collectors.get(rid) if rid is not None else None
-        if rid is None or collector is None:
-            return
-        collector.fail(InvalidRequestError(message.message, param=message.param,
-                                           code=message.code))
-        await self._forget(rid, abort=True)
 
     def _fail_engine(self, index: int, error: BaseException) -> None:
         """Fail every request routed to engine ``index`` (stats queries: all of them,
         which cannot tell engines apart and are retried by their callers)."""
-        routed = self.engines.requests_on(index)
-        for rid in routed:
-            collector = self._collectors.get(rid)
-            if collector is not None:
-                collector.fail(error)
-            pooled = self._pooling.get(rid)
-            if pooled is not None and not pooled.done():
-                pooled.set_exception(error)
+        self.in_flight.fail(list(self.engines.requests_on(index)), error)
         if len(self.engines) == 1:  # (all the same: nothing else waits on another engine)
-            self._fail_all(error)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for collector in list(self._collectors.values()):
-            collector.fail(error)
-        futures: list[asyncio.Future[Any]] = [*self._stats_waiters.values(),
-                                              *self._pooling.values()]
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(error)
+            self.in_flight.fail_all(error)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -435,5 +385,5 @@ class AsyncLLM:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight, stop the engine process, close the channel."""
         self._shutting_down = True
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self.in_flight.fail_all(EngineDeadError("the server is shutting down"))
         await self.engines.close(timeout)

@@ -13,6 +13,13 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
     python bench/attention_decode.py --out k.json
     python bench/attention_decode.py --backends triton --sweep-splits --out k.json
     python bench/attention_decode.py --num-seqs 1 --context 384 --out w2_attn.json  # W2-like
+    python bench/attention_decode.py --num-seqs 256 --num-heads 16 --context-range 200,2048 \
+        --backends triton --sweep-slices 0,256,512,1024 --out w1_attn.json  # W1-like, mixed
+
+``--context-range LO,HI`` draws each sequence's context uniformly from LO..HI (fixed
+seed) instead of ``--context`` for all, as a batch of requests at different points of
+their generation has; ``--sweep-slices`` then times triton with each of
+``LMKIT_DECODE_SLICE``'s values (how large batches cut long contexts; 0: not at all).
 
 The triton backend is timed twice: merging its context slices inside the decode kernel
 (the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -111,11 +119,26 @@ def graph_seconds_per_call(backend, md, batch, args) -> float:
     return time_cuda(graph.replay, warmup=2, iters=iters) / args.graph_layers
 
 
+def context_lengths(args) -> list[int]:
+    """Each sequence's cached tokens (the new one included): ``--context`` for all, or
+    drawn from ``--context-range LO,HI`` (seed 0)."""
+    if not args.context_range:
+        return [args.context] * args.num_seqs
+    lo, _, hi = args.context_range.partition(",")
+    if not (lo.strip().isdigit() and hi.strip().isdigit()) or not 1 <= int(lo) <= int(hi):
+        raise SystemExit(f"--context-range: expected LO,HI with 1 <= LO <= HI, got "
+                         f"{args.context_range!r}")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(int(lo), int(hi) + 1, (args.num_seqs,), generator=gen).tolist()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096,
                         help="cached tokens per sequence, the new one included")
+    parser.add_argument("--context-range", default="",
+                        help="LO,HI: each sequence's context drawn uniformly from LO..HI")
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
@@ -130,14 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                         "graph of this many calls (0: eager only)")
     parser.add_argument("--sweep-splits", action="store_true",
                         help="also time triton with decode_num_splits 1, 2, 4, 8, 16")
+    parser.add_argument("--sweep-slices", default="",
+                        help="also time triton with LMKIT_DECODE_SLICE at each of these "
+                        "values (comma-separated tokens; 0: large batches unsplit)")
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     args = parser.parse_args(argv)
+    contexts = context_lengths(args)
     if not torch.cuda.is_available():
         print("attention_decode needs a CUDA device", file=sys.stderr)
         return 2
 
     def make_batch(block_size: int):
-        return make_paged_batch([(args.context - 1, 1)] * args.num_seqs,
+        return make_paged_batch([(c - 1, 1) for c in contexts],
                                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                                 head_size=args.head_size, block_size=block_size,
                                 dtype=DTYPES[args.dtype], device="cuda")
@@ -154,18 +181,28 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("flash_attn", None, 128))
     if args.sweep_splits:
         runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
+    slices = [int(v) for v in args.sweep_slices.split(",") if v.strip()]
+    runs += [("triton", {"slice": v}, args.block_size) for v in slices]
     results = []
     for name, options, block_size in runs:
         if block_size not in batches:
             batches[block_size] = make_batch(block_size)
-        row = bench_backend(name, batches[block_size], args, options, block_size)
+        env_slice = (options or {}).get("slice")
+        if env_slice is not None:
+            os.environ["LMKIT_DECODE_SLICE"] = str(env_slice)
+        row = bench_backend(name, batches[block_size], args,
+                            None if env_slice is not None else options, block_size)
+        os.environ.pop("LMKIT_DECODE_SLICE", None)
+        if env_slice is not None:
+            row["options"] = {"LMKIT_DECODE_SLICE": env_slice}
         for mode in ("eager", "graph"):
             if f"{mode}_gb_per_s" in row:
                 row[f"{mode}_fraction_of_copy_bw"] = row[f"{mode}_gb_per_s"] * 1e9 / bandwidth
         results.append(row)
 
     device = torch.cuda.get_device_name()
-    print(f"decode attention: {args.num_seqs} seqs x {args.context} tokens, heads "
+    span = args.context_range.replace(",", "-") if args.context_range else args.context
+    print(f"decode attention: {args.num_seqs} seqs x {span} tokens, heads "
           f"{args.num_heads}/{args.num_kv_heads}x{args.head_size}, {args.dtype}, "
           f"block {args.block_size}, on {device}")
     print(f"copy bandwidth (read+write): {bandwidth / 1e9:.0f} GB/s")

@@ -4,7 +4,8 @@ The workload runs once more (token ids shifted: no prefix-cache hits from the ti
 run) under the torch profiler with CUDA activity only (no host-side tracing, so the
 run's own host work is not slowed by it), on lmkit's side and vLLM's alike. From the
 kernel records: the run's wall time, the time the GPU was busy (the union of kernel,
-copy and fill intervals) and idle, the kernel time by kind (matrix products,
+copy and fill intervals) and idle -- with the idle gaps between busy intervals by size,
+so a few long stalls tell apart from many short ones --, the kernel time by kind (matrix products,
 attention, everything else, by kernel name), and for a dense model the rate its
 products reached: ``2 x (linear-layer parameters) x (tokens computed)`` plus the LM
 head at every output token, over the product kernels' time. Kernel names are kept
@@ -24,6 +25,9 @@ GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|_mm_|sm90_|splitk
                   r"|aten::(mm|addmm|bmm|linear)$", re.I)
 ATTENTION = re.compile(r"attn|attention|flash|paged|unified|fmha|mla_", re.I)
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+#: idle gaps by length: (label, upper bound in us)
+GAP_BUCKETS = (("<10us", 10.0), ("10-100us", 100.0), ("0.1-1ms", 1000.0),
+               (">=1ms", float("inf")))
 
 
 def kind_of(name: str) -> str:
@@ -46,8 +50,11 @@ def summarize_trace(events: list[dict[str, Any]], wall_s: float,
                    if e.get("ph") == "X" and e.get("cat") in busy_cats)
     busy = 0.0
     end = float("-inf")
+    gaps: list[float] = []
     for a, b in spans:  # union of intervals
         if a > end:
+            if end > float("-inf"):
+                gaps.append(a - end)
             busy += b - a
             end = b
         elif b > end:
@@ -65,6 +72,7 @@ def summarize_trace(events: list[dict[str, Any]], wall_s: float,
     out: dict[str, Any] = {
         "wall_s": wall_s, "gpu_busy_s": busy / 1e6,
         "gpu_idle_frac": max(0.0, 1.0 - busy / 1e6 / wall_s) if wall_s else None,
+        "idle_gaps": gap_histogram(gaps),
         "kernel_s": {k: v / 1e6 for k, v in kinds.items()},
         "kernels": sum(c for _, c in by_name.values()),
         "top_kernels": [{"name": n[:160], "s": us / 1e6, "calls": c} for n, (us, c) in
@@ -72,6 +80,17 @@ def summarize_trace(events: list[dict[str, Any]], wall_s: float,
     if gemm_flops is not None and kinds["gemm"] > 0:
         out["gemm_tflops"] = gemm_flops / (kinds["gemm"] / 1e6) / 1e12
     return out
+
+
+def gap_histogram(gaps_us: list[float]) -> dict[str, Any]:
+    """Idle gaps (us) by :data:`GAP_BUCKETS`: count and seconds per bucket, and the
+    five longest gaps in ms."""
+    buckets = {label: {"count": 0, "s": 0.0} for label, _ in GAP_BUCKETS}
+    for gap in gaps_us:
+        label = next(lb for lb, bound in GAP_BUCKETS if gap < bound)
+        buckets[label]["count"] += 1
+        buckets[label]["s"] += gap / 1e6
+    return {"buckets": buckets, "longest_ms": [g / 1e3 for g in sorted(gaps_us)[-5:][::-1]]}
 
 
 def gemm_flops(facts: dict[str, Any], result: dict[str, Any], num_requests: int
@@ -118,6 +137,12 @@ def format_profiles(report: dict[str, Any]) -> str:
                 lines.append(f"{name:>4} {side:>6} {p['wall_s']:8.3f} {p['gpu_busy_s']:8.3f} "
                              f"{p['gpu_idle_frac']:6.1%} {k['gemm']:7.3f} {k['attention']:7.3f} "
                              f"{k['other']:7.3f} {tf:>7} {p['kernels']:>9}")
+            gaps = p.get("idle_gaps")
+            if gaps:
+                cut = "  ".join(f"{lb} {v['count']}x {v['s'] * 1e3:.0f}ms"
+                                for lb, v in gaps["buckets"].items())
+                lines.append(f"{'':>11} idle gaps: {cut}; longest "
+                             + ", ".join(f"{g:.1f}" for g in gaps["longest_ms"]) + " ms")
     if not lines:
         return ""
     head = (f"{'wl':>4} {'side':>6} {'wall s':>8} {'busy s':>8} {'idle':>6} {'gemm s':>7} "

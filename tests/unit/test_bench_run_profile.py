@@ -41,6 +41,25 @@ def test_busy_time_is_the_union_of_gpu_intervals():
     assert "gemm_tflops" not in rp.summarize_trace(events, 1.0, gemm_flops=None)
 
 
+def test_idle_gaps_by_length():
+    """The gaps between busy intervals (not the overlaps) land in their buckets."""
+    events = [kernel("a", 0, 10), kernel("b", 5, 10),  # overlap: no gap
+              kernel("c", 20, 5),  # 5 us after 15
+              kernel("d", 75, 5),  # 50 us
+              kernel("e", 580, 20),  # 500 us
+              kernel("f", 2600, 1)]  # 2 ms
+    gaps = rp.summarize_trace(events, wall_s=3e-3)["idle_gaps"]
+    assert {k: v["count"] for k, v in gaps["buckets"].items()} == {
+        "<10us": 1, "10-100us": 1, "0.1-1ms": 1, ">=1ms": 1}
+    assert gaps["buckets"]["0.1-1ms"]["s"] == pytest.approx(500e-6)
+    assert gaps["longest_ms"] == pytest.approx([2.0, 0.5, 0.05, 0.005])
+    report = {"lmkit": {"m": {"run_profiles": {"W1": {
+        "wall_s": 3e-3, "gpu_busy_s": 1e-3, "gpu_idle_frac": 0.6, "kernels": 6,
+        "kernel_s": {"gemm": 0.0, "attention": 0.0, "other": 1e-3},
+        "idle_gaps": gaps}}}}}
+    assert "idle gaps: <10us 1x 0ms" in rp.format_profiles(report)
+
+
 def test_gemm_flops_of_a_dense_run():
     facts = models.model_facts(models.hf_config("tiny-llama"))
     # 2 layers x (q, k, v, o, gate, up, down) of hidden 64, kv 2 x 16, intermediate 128

@@ -14,12 +14,11 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
     python bench/attention_decode.py --backends triton --sweep-splits --out k.json
     python bench/attention_decode.py --num-seqs 1 --context 384 --out w2_attn.json  # W2-like
     python bench/attention_decode.py --num-seqs 256 --num-heads 16 --context-range 200,2048 \
-        --backends triton --sweep-slices 0,256,512,1024 --out w1_attn.json  # W1-like, mixed
+        --backends triton --sweep-splits --out w1_attn.json  # W1-like, mixed lengths
 
 ``--context-range LO,HI`` draws each sequence's context uniformly from LO..HI (fixed
 seed) instead of ``--context`` for all, as a batch of requests at different points of
-their generation has; ``--sweep-slices`` then times triton with each of
-``LMKIT_DECODE_SLICE``'s values (how large batches cut long contexts; 0: not at all).
+their generation has.
 
 The triton backend is timed twice: merging its context slices inside the decode kernel
 (the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 
@@ -153,9 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                         "graph of this many calls (0: eager only)")
     parser.add_argument("--sweep-splits", action="store_true",
                         help="also time triton with decode_num_splits 1, 2, 4, 8, 16")
-    parser.add_argument("--sweep-slices", default="",
-                        help="also time triton with LMKIT_DECODE_SLICE at each of these "
-                        "values (comma-separated tokens; 0: large batches unsplit)")
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     args = parser.parse_args(argv)
     contexts = context_lengths(args)
@@ -181,20 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("flash_attn", None, 128))
     if args.sweep_splits:
         runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
-    slices = [int(v) for v in args.sweep_slices.split(",") if v.strip()]
-    runs += [("triton", {"slice": v}, args.block_size) for v in slices]
     results = []
     for name, options, block_size in runs:
         if block_size not in batches:
             batches[block_size] = make_batch(block_size)
-        env_slice = (options or {}).get("slice")
-        if env_slice is not None:
-            os.environ["LMKIT_DECODE_SLICE"] = str(env_slice)
-        row = bench_backend(name, batches[block_size], args,
-                            None if env_slice is not None else options, block_size)
-        os.environ.pop("LMKIT_DECODE_SLICE", None)
-        if env_slice is not None:
-            row["options"] = {"LMKIT_DECODE_SLICE": env_slice}
+        row = bench_backend(name, batches[block_size], args, options, block_size)
         for mode in ("eager", "graph"):
             if f"{mode}_gb_per_s" in row:
                 row[f"{mode}_fraction_of_copy_bw"] = row[f"{mode}_gb_per_s"] * 1e9 / bandwidth

@@ -55,7 +55,7 @@ def mla_decode_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N, 0)
+    split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N)
     # a request with no query row (padding) has nothing to write; idle slices exit
     if (q_len > 0) & (split < active):
         kv_start = split * split_len
@@ -131,7 +131,7 @@ def mla_reduce_splits_kernel(
     tok = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    _, active = decode_split(tl.load(seq_lens_ptr + req), NUM_SPLITS, BLOCK_N, 0)
+    _, active = decode_split(tl.load(seq_lens_ptr + req), NUM_SPLITS, BLOCK_N)
     if (tok < q_len) & (active > 1):
         q_row = (q_start + tok).to(tl.int64)
         rows = q_row * NUM_HEADS + head + tl.arange(0, 1)  # [1]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -37,17 +36,11 @@ from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
 from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled
 
-__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "SLICE_ENV", "choose_decode_slicing",
-           "choose_num_splits", "paged_attention",
+__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "choose_num_splits", "paged_attention",
            "prefill_config", "split_counters"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16
-#: large decode batches cut contexts into slices of at least this many tokens (0: never)
-SLICE_ENV = "LMKIT_DECODE_SLICE"
-DEFAULT_SLICE = 512
-#: the slices per request a large batch's grid holds (longer contexts: longer slices)
-LARGE_BATCH_SPLITS = 8
 _LOG2E = 1.4426950408889634
 
 
@@ -73,41 +66,6 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, *,
     programs = max(1, num_reqs * num_kv_heads)
     want = max(1, 4 * _sm_count(device) // programs)
     return min(max_splits, 1 << (want.bit_length() - 1))
-
-
-def balanced_slice_tokens() -> int:
-    """``LMKIT_DECODE_SLICE``: the slice length (tokens, a multiple of 64) large decode
-    batches cut long contexts into; 0 turns the cut off (the A/B switch). Default 512.
-
-    :raises ValueError: not 0 or a positive multiple of 64.
-    """
-    value = os.environ.get(SLICE_ENV, "").strip() or str(DEFAULT_SLICE)
-    if not value.isdigit() or int(value) % 64:
-        raise ValueError(f"{SLICE_ENV}={value!r}: expected 0 (off) or a multiple of 64 "
-                         f"(tokens per context slice; default {DEFAULT_SLICE})")
-    return int(value)
-
-
-def choose_decode_slicing(num_reqs: int, num_kv_heads: int, device: torch.device
-                          ) -> tuple[int, int]:
-    """``(num_splits, min_slice)`` for a decode batch of ``num_reqs`` requests.
-
-    A batch too small to fill the device gets :func:`choose_num_splits`' equal slices.
-    A batch that fills it on its own (one program per request and KV head is already
-    four per SM) would run unsplit; but its requests' contexts differ in length, a
-    program reads its whole context, and the launch lasts until the longest ones end
-    (on an H200, Qwen3-0.6B's 256 decodes with contexts of 200-2,000 tokens read the
-    cache at 72% of the copy bandwidth, against 87% for Llama-8B's even 640). So
-    contexts longer than :func:`balanced_slice_tokens` are cut into slices of that
-    length (up to :data:`LARGE_BATCH_SPLITS` of them; longer contexts get longer
-    slices), and shorter ones stay one slice, written without a merge. Like
-    :func:`choose_num_splits` it depends on the batch shape only.
-    """
-    splits = choose_num_splits(num_reqs, num_kv_heads, device)
-    if splits > 1:
-        return splits, 0
-    min_slice = balanced_slice_tokens()
-    return (LARGE_BATCH_SPLITS, min_slice) if min_slice else (1, 0)
 
 
 def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
@@ -168,7 +126,7 @@ def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, *, max_query_len: int,
                     scale: float | None = None, out: torch.Tensor | None = None,
-                    num_splits: int | None = None, min_slice: int | None = None,
+                    num_splits: int | None = None,
                     split_counters: torch.Tensor | None = None,
                     prefill_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
@@ -189,9 +147,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         :data:`MAX_SPLITS`); default :func:`choose_num_splits`. A context needs at most
         one slice per ``BLOCK_N`` tokens (64 for half precision); unneeded slices exit
         at once, and a one-slice context is written without a merge.
-    :param min_slice: decode only: no slice shorter than this many tokens (0 or a
-        multiple of 64), so a context at most that long is one slice; default: with
-        ``num_splits`` given 0, else :func:`choose_decode_slicing`'s.
     :param split_counters: decode only: a zeroed int32 buffer of at least ``num_reqs *
         num_kv_heads`` counters (:func:`split_counters`, left zeroed by every launch):
         the decode kernel then merges the slices itself; without it a second kernel
@@ -235,17 +190,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                  DOT_F32=dot_needs_f32(q.dtype), DOT_IEEE=q.dtype == torch.float32)
 
     if max_query_len == 1:
-        if num_splits is None:
-            splits, chosen_slice = choose_decode_slicing(num_reqs, num_kv_heads, device)
-        else:
-            splits, chosen_slice = num_splits, 0
-        min_slice = chosen_slice if min_slice is None else min_slice
+        splits = choose_num_splits(num_reqs, num_kv_heads, device) if num_splits is None \
+            else num_splits
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                              f"got {splits}")
-        if not isinstance(min_slice, int) or min_slice < 0 or min_slice % 64:
-            raise ValueError(f"min_slice must be 0 or a positive multiple of 64, got "
-                             f"{min_slice!r}")
         block_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
         fused_merge = split_counters is not None and splits > 1
         if fused_merge:
@@ -270,14 +219,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             ROWS=max(16, next_power_of_2(group)), NUM_SPLITS=splits, FUSED_MERGE=fused_merge,
             BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages,
             **_kv_prefetch(k_cache, head_size), **pdl_launch_args(device),
-            MIN_SLICE=min_slice if splits > 1 else 0,
         )
         if splits > 1 and not fused_merge:
             reduce_splits_kernel[(num_reqs, num_heads)](
                 out, part_out, part_lse, query_start_loc, seq_lens, out.stride(0),
                 out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=splits, BLOCK_N=block_n,
                 HEAD_SIZE=head_size, HEAD_PAD=head_pad, num_warps=4,
-                **pdl_launch_args(device), MIN_SLICE=min_slice,
+                **pdl_launch_args(device),
             )
         return out
 

@@ -7,10 +7,6 @@ whole ``BLOCK_N`` tiles sized from each request's own ``seq_len`` on the device,
 grid fixed at CUDA-graph capture stays correct for any context length, and a short
 context uses fewer slices than the grid has (the rest exit at once): a context of at
 most ``BLOCK_N`` tokens is one slice, whose program writes the output directly.
-``MIN_SLICE`` (a multiple of ``BLOCK_N``, or 0) keeps slices at least that long: with it,
-large batches of mixed context lengths cut only their long contexts, so that no
-program reads much more than the others and the launch ends with the bulk of its work
-instead of a tail of the longest requests (a short context stays one slice).
 
 With several slices, each leaves a partial result (normalised output and log-sum-exp)
 that must be merged:
@@ -34,13 +30,10 @@ from lmkit_kernels.pdl import pdl_wait, prefetch_l2
 
 
 @triton.jit
-def decode_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MIN_SLICE: tl.constexpr):
-    """``(split_len, active)``: each slice's length (whole tiles, at least ``MIN_SLICE``)
-    and how many slices a context of ``seq_len`` tokens fills (at least 1: an empty
-    context writes zeros)."""
+def decode_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(split_len, active)``: each slice's length (whole tiles) and how many slices a
+    context of ``seq_len`` tokens fills (at least 1: an empty context writes zeros)."""
     split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    split_len = tl.maximum(split_len, MIN_SLICE)
     active = tl.maximum((seq_len + split_len - 1) // tl.maximum(split_len, 1), 1)
     return split_len, active
 
@@ -61,7 +54,6 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
-    MIN_SLICE: tl.constexpr = 0,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,7 +63,7 @@ def paged_decode_kernel(
     # sequence lengths, block tables): the previous kernel writes q and the newest K/V
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N, MIN_SLICE)
+    split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N)
     # a request with no query row (padding) has nothing to write; idle slices exit
     has_work = (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active)
     if KV_LINES > 0:  # the slice's first K and V tile into L2 while the previous kernel ends
@@ -184,7 +176,6 @@ def reduce_splits_kernel(
     stride_o_tok, stride_o_head,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr = False,
-    MIN_SLICE: tl.constexpr = 0,
 ):
     """Merge one (request, query head)'s slice partials (the second launch, when the
     decode kernel does not merge them itself); one-slice requests are already written."""
@@ -192,7 +183,7 @@ def reduce_splits_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
-    _, active = decode_split(tl.load(seq_lens_ptr + req), NUM_SPLITS, BLOCK_N, MIN_SLICE)
+    _, active = decode_split(tl.load(seq_lens_ptr + req), NUM_SPLITS, BLOCK_N)
     if (tl.load(query_start_loc_ptr + req + 1) > q_row) & (active > 1):
         rows = req.to(tl.int64) * NUM_HEADS + head + tl.arange(0, 1)  # [1]
         merged = merge_partials(part_out_ptr, part_lse_ptr, rows, rows >= 0, active,

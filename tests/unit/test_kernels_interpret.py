@@ -85,61 +85,6 @@ def test_decode_merges_slices_in_one_launch(dtype, num_heads, num_kv_heads, num_
         _attend(batch, num_splits=num_splits, split_counters=counters[:3])
 
 
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_min_slice_cuts_only_long_contexts(dtype, merge_in_kernel):
-    """``min_slice``: contexts up to that long stay one slice, longer ones are cut into
-    slices of at least that length (at most ``num_splits``); every output is right,
-    whether the slices merge in the launch or in a second one."""
-    reqs = [(10, 1), (127, 1), (128, 1), (129, 1), (300, 1), (700, 1), (0, 1)]
-    batch = make_paged_batch(reqs, num_heads=4, num_kv_heads=2, head_size=64,
-                             block_size=16, dtype=dtype, seed=11)
-    counters = split_counters(batch.num_reqs, 2, "cpu") if merge_in_kernel else None
-    for _ in range(2):
-        out = _attend(batch, num_splits=4, min_slice=128, split_counters=counters)
-        _check_attention(batch, out, dtype)
-        if counters is not None:
-            assert torch.all(counters == 0)
-    # (10 and 127 tokens: one slice; 129: two of 128; 301: three of 128; 701: four of
-    # 192 -- NUM_SPLITS bounds the count, so long contexts get longer slices)
-    with pytest.raises(ValueError, match="min_slice must be 0 or a positive multiple of 64"):
-        _attend(batch, num_splits=4, min_slice=100)
-
-
-def test_decode_slicing_policy(monkeypatch):
-    """Small batches split evenly; batches that fill the device cut only long contexts
-    (LMKIT_DECODE_SLICE, default 512; 0 turns it off; anything else is refused)."""
-    from lmkit_kernels import paged_attention as pa
-
-    cpu = torch.device("cpu")  # 8 "SMs" in the interpreter: 32 programs fill it
-    monkeypatch.delenv(pa.SLICE_ENV, raising=False)
-    assert pa.choose_decode_slicing(1, 2, cpu) == (16, 0)
-    assert pa.choose_decode_slicing(4, 2, cpu) == (4, 0)
-    assert pa.choose_decode_slicing(64, 8, cpu) == (pa.LARGE_BATCH_SPLITS, 512)
-    monkeypatch.setenv(pa.SLICE_ENV, "256")
-    assert pa.choose_decode_slicing(64, 8, cpu) == (pa.LARGE_BATCH_SPLITS, 256)
-    monkeypatch.setenv(pa.SLICE_ENV, "0")
-    assert pa.choose_decode_slicing(64, 8, cpu) == (1, 0)
-    monkeypatch.setenv(pa.SLICE_ENV, "100")
-    with pytest.raises(ValueError, match="LMKIT_DECODE_SLICE='100': expected 0"):
-        pa.choose_decode_slicing(64, 8, cpu)
-
-
-def test_decode_default_slicing_on_a_large_batch(monkeypatch):
-    """The launcher's default for a batch that fills the (interpreter's) device: long
-    contexts cut, short ones whole -- the right answer either way."""
-    from lmkit_kernels import paged_attention as pa
-
-    monkeypatch.setenv(pa.SLICE_ENV, "64")
-    reqs = [(5 + 37 * i, 1) for i in range(20)]  # 5..708 tokens
-    batch = make_paged_batch(reqs, num_heads=2, num_kv_heads=2, head_size=64,
-                             block_size=16, dtype=torch.float32, seed=12)
-    assert pa.choose_decode_slicing(batch.num_reqs, 2, torch.device("cpu"))[1] == 64
-    counters = split_counters(batch.num_reqs, 2, "cpu")
-    _check_attention(batch, _attend(batch, split_counters=counters), torch.float32)
-    assert torch.all(counters == 0)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "head_size"), [(16, 64), (32, 128)])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2)])

@@ -48,11 +48,6 @@ class TritonAttentionOptions(BaseModel):
     decode_num_splits: int | None = Field(
         None, description="Context slices per request in the decode kernel (a power of two "
         "up to 16); default: chosen from the batch shape and the number of SMs.")
-    decode_min_slice: int = Field(
-        0, ge=0, multiple_of=64, description="Shortest decode context slice in tokens (a "
-        "multiple of 64): contexts up to that long stay one slice; 0: the default "
-        "(equal slices for small batches; LMKIT_DECODE_SLICE, 512, for batches that fill "
-        "the device).")
     decode_merge_in_kernel: bool = Field(
         True, description="Merge the decode kernel's context slices in the same launch "
         "(the last slice to finish merges, counted with atomics); false: a second kernel "

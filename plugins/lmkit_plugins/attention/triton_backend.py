@@ -3,7 +3,7 @@
 Same cache layout as the torch reference, ``[2, num_blocks, block_size, num_kv_heads,
 head_size]``, so the two are interchangeable on one cache. :meth:`TritonAttention.plan`
 does O(batch) host work once per step: it counts the leading one-token (decode)
-requests and picks the decode kernel's context slicing (the kernel merges its slices in the
+requests and picks the decode kernel's split count (the kernel merges its slices in the
 same launch, counting them on counters this backend keeps zeroed; option
 ``decode_merge_in_kernel``). :meth:`TritonAttention.run` per
 layer writes the new K/V through ``slot_mapping`` (unless the model already did, see
@@ -12,9 +12,8 @@ kernel for the leading decodes and the causal prefill kernel for the rest (prefi
 cached prefix, chunked prefill, multi-token decode). It reads only device tensors and
 host values fixed at plan time, so a pure-decode step can be captured in a CUDA graph:
 the runner keeps the metadata tensors at fixed addresses and calls ``plan`` before
-capture and before every replay. The decode slicing depends on the batch shape only
-(:func:`~lmkit_kernels.paged_attention.choose_decode_slicing`), so a graph captured with
-short contexts stays fast with long ones.
+capture and before every replay. The decode split count depends on the batch shape
+only, so a graph captured with short contexts stays fast with long ones.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from lmkit.api import AttentionBackend, AttentionMetadata
 from lmkit_kernels.cache_write import reshape_and_cache
 from lmkit_kernels.paged_attention import (
     MAX_HEAD_SIZE,
-    choose_decode_slicing,
+    choose_num_splits,
     paged_attention,
     split_counters,
 )
@@ -43,7 +42,6 @@ class _TritonPlan:
     num_tokens: int
     num_decodes: int  # leading requests with one query token
     num_splits: int  # decode context slices
-    min_slice: int  # their shortest length (0: equal slices)
     max_prefill_query_len: int  # over the requests after the leading decodes
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
@@ -97,18 +95,13 @@ class TritonAttention(AttentionBackend):
         not_decode = np.flatnonzero(query_lens != 1)
         num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
         max_prefill = int(query_lens[num_decodes:].max()) if num_decodes < num_reqs else 0
-        if self.options.decode_num_splits:
-            splits, min_slice = self.options.decode_num_splits, self.options.decode_min_slice
-        else:
-            splits, min_slice = choose_decode_slicing(max(num_decodes, 1), self.num_kv_heads,
-                                                      md.block_tables.device)
-            if self.options.decode_min_slice:
-                min_slice = self.options.decode_min_slice
+        splits = self.options.decode_num_splits or choose_num_splits(
+            max(num_decodes, 1), self.num_kv_heads, md.block_tables.device)
         if self.options.decode_merge_in_kernel and num_decodes:
             self._grow_counters(num_decodes, md.block_tables.device)
         self._plan = _TritonPlan(
             num_reqs=num_reqs, num_tokens=md.num_actual_tokens, num_decodes=num_decodes,
-            num_splits=splits, min_slice=min_slice, max_prefill_query_len=max_prefill,
+            num_splits=splits, max_prefill_query_len=max_prefill,
             query_start_loc=md.query_start_loc[: num_reqs + 1],
             seq_lens=md.seq_lens[:num_reqs], block_tables=md.block_tables[:num_reqs],
             slot_mapping=md.slot_mapping[: md.num_actual_tokens],
@@ -156,7 +149,7 @@ class TritonAttention(AttentionBackend):
         if nd:
             paged_attention(q, kv_cache, plan.query_start_loc[: nd + 1], plan.seq_lens[:nd],
                             plan.block_tables[:nd], max_query_len=1, scale=self.scale,
-                            out=out, num_splits=plan.num_splits, min_slice=plan.min_slice,
+                            out=out, num_splits=plan.num_splits,
                             split_counters=self._counters)
         if nd < plan.num_reqs:
             paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],

@@ -137,12 +137,12 @@ def format_profiles(report: dict[str, Any]) -> str:
                 lines.append(f"{name:>4} {side:>6} {p['wall_s']:8.3f} {p['gpu_busy_s']:8.3f} "
                              f"{p['gpu_idle_frac']:6.1%} {k['gemm']:7.3f} {k['attention']:7.3f} "
                              f"{k['other']:7.3f} {tf:>7} {p['kernels']:>9}")
-            gaps = p.get("idle_gaps")
-            if gaps:
-                cut = "  ".join(f"{lb} {v['count']}x {v['s'] * 1e3:.0f}ms"
-                                for lb, v in gaps["buckets"].items())
-                lines.append(f"{'':>11} idle gaps: {cut}; longest "
-                             + ", ".join(f"{g:.1f}" for g in gaps["longest_ms"]) + " ms")
+                gaps = p.get("idle_gaps")
+                if gaps:
+                    cut = "  ".join(f"{lb} {v['count']}x {v['s'] * 1e3:.0f}ms"
+                                    for lb, v in gaps["buckets"].items())
+                    lines.append(f"{'':>11} idle gaps: {cut}; longest "
+                                 + ", ".join(f"{g:.1f}" for g in gaps["longest_ms"]) + " ms")
     if not lines:
         return ""
     head = (f"{'wl':>4} {'side':>6} {'wall s':>8} {'busy s':>8} {'idle':>6} {'gemm s':>7} "

@@ -53,11 +53,13 @@ def test_idle_gaps_by_length():
         "<10us": 1, "10-100us": 1, "0.1-1ms": 1, ">=1ms": 1}
     assert gaps["buckets"]["0.1-1ms"]["s"] == pytest.approx(500e-6)
     assert gaps["longest_ms"] == pytest.approx([2.0, 0.5, 0.05, 0.005])
-    report = {"lmkit": {"m": {"run_profiles": {"W1": {
-        "wall_s": 3e-3, "gpu_busy_s": 1e-3, "gpu_idle_frac": 0.6, "kernels": 6,
-        "kernel_s": {"gemm": 0.0, "attention": 0.0, "other": 1e-3},
-        "idle_gaps": gaps}}}}}
-    assert "idle gaps: <10us 1x 0ms" in rp.format_profiles(report)
+    profile = {"wall_s": 3e-3, "gpu_busy_s": 1e-3, "gpu_idle_frac": 0.6, "kernels": 6,
+               "kernel_s": {"gemm": 0.0, "attention": 0.0, "other": 1e-3}, "idle_gaps": gaps}
+    report = {"lmkit": {"unprofiled": {"results": []},
+                        "m": {"run_profiles": {"W1": profile, "W3": profile}}}}
+    text = rp.format_profiles(report)
+    assert text.count("idle gaps: <10us 1x 0ms") == 2  # under each workload's line
+    assert rp.format_profiles({"lmkit": {"unprofiled": {"results": []}}}) == ""
 
 
 def test_gemm_flops_of_a_dense_run():

@@ -60,3 +60,28 @@ def test_release_drops_each_holder():
     assert runner.kv_caches == [] and runner.requests == {}
     assert all(getattr(runner, name) is None for name in
                ("lookahead", "cuda_graphs", "piecewise", "drafter", "offload", "model"))
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_startup_heap_frozen_until_shutdown(model_dir, monkeypatch, switch):
+    """The engine's startup objects leave the collected generations once it is up (no
+    full collection walks them mid-run), and come back at shutdown so the model's
+    cycles can be collected; ``LMKIT_GC_FREEZE=0`` leaves the collector alone."""
+    import gc
+
+    if switch is None:
+        monkeypatch.delenv("LMKIT_GC_FREEZE", raising=False)
+    else:
+        monkeypatch.setenv("LMKIT_GC_FREEZE", switch)
+    gc.unfreeze()
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", attention="torch",
+              progress=False)
+    try:
+        frozen = gc.get_freeze_count()
+        model = weakref.ref(llm.engine.executor.runner.model)
+        assert (frozen > 1000) if switch is None else frozen == 0
+        assert model() is not None
+    finally:
+        llm.shutdown()
+    assert gc.get_freeze_count() == 0
+    assert model() is None

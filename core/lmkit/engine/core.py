@@ -24,6 +24,7 @@ from lmkit.api.request import Request, RequestStatus
 from lmkit.api.scheduler import SchedulerContext
 from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
+from lmkit.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from lmkit.engine.phases import StepPhase, StepPhases
 from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
 from lmkit.engine.step_trace import StepTracePhase
@@ -44,7 +45,8 @@ class EngineCore:
     Construction resolves the model files and the plugin stack (cross-checked before any
     weights load), starts the executor, sizes the KV pool from the memory the executor
     reports, builds the scheduler (with its :class:`~lmkit.api.SchedulerContext`) and
-    the feature phases.
+    the feature phases, then freezes the startup heap out of the garbage collector's
+    full collections (:mod:`lmkit.engine.gc_heap`).
     """
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
@@ -89,6 +91,8 @@ class EngineCore:
         self.view = EngineView(self.stack, self.config.model_copy(deep=True), self.facts,
                                self.model_info, self.num_blocks, self.stats)
         self.host.hook.engine_started(engine=self.view)
+        # startup's objects out of later full collections (a mid-run stall otherwise)
+        self._gc_frozen = freeze_startup_heap()
 
     # ------------------------------------------------------------------ setup
 
@@ -233,6 +237,8 @@ class EngineCore:
         if self._closed:
             return
         self._closed = True
+        if self._gc_frozen:
+            unfreeze_heap()  # before the executor collects what the model leaves behind
         try:
             self.phases.shutdown()
             self.executor.shutdown()

@@ -110,6 +110,27 @@ def test_prefill_tile_sizes(dtype, tiles):
         _attend(batch, prefill_tiles=(8, 16, 4, 1))
 
 
+def test_decode_split_choice_by_batch_shape(monkeypatch):
+    """Below one program (request x KV head) per SM: equal slices aiming at four per SM
+    (choose_num_splits); from there up to 16 per SM in at most four slices; the switch
+    keeps the first rule throughout and refuses anything but 0/1."""
+    from lmkit_kernels import paged_attention as pa
+
+    cpu = torch.device("cpu")  # the interpreter counts 8 SMs
+    monkeypatch.delenv(pa.MID_SPLITS_ENV, raising=False)
+    assert pa.choose_decode_splits(1, 2, cpu) == pa.choose_num_splits(1, 2, cpu) == 16
+    assert pa.choose_decode_splits(3, 2, cpu) == 4  # 6 programs: below one per SM
+    assert [pa.choose_decode_splits(n, 8, cpu) for n in (1, 2, 4, 8, 16, 64)] == [
+        4, 4, 4, 2, 1, 1]
+    assert [pa.choose_num_splits(n, 8, cpu) for n in (1, 2, 4, 8, 16, 64)] == [
+        4, 2, 1, 1, 1, 1]
+    monkeypatch.setenv(pa.MID_SPLITS_ENV, "0")
+    assert pa.choose_decode_splits(4, 8, cpu) == 1
+    monkeypatch.setenv(pa.MID_SPLITS_ENV, "maybe")
+    with pytest.raises(ValueError, match="LMKIT_DECODE_MID_SPLITS='maybe'"):
+        pa.choose_decode_splits(4, 8, cpu)
+
+
 def test_head_size_not_power_of_two_and_default_splits():
     batch = make_paged_batch([(40, 1), (9, 1)], num_heads=4, num_kv_heads=4, head_size=80,
                              block_size=16, dtype=torch.float16, seed=2)

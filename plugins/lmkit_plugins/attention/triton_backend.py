@@ -13,7 +13,8 @@ cached prefix, chunked prefill, multi-token decode). It reads only device tensor
 host values fixed at plan time, so a pure-decode step can be captured in a CUDA graph:
 the runner keeps the metadata tensors at fixed addresses and calls ``plan`` before
 capture and before every replay. The decode split count depends on the batch shape
-only, so a graph captured with short contexts stays fast with long ones.
+only (:func:`~lmkit_kernels.paged_attention.choose_decode_splits`), so a graph captured
+with short contexts stays fast with long ones.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lmkit.api import AttentionBackend, AttentionMetadata
 from lmkit_kernels.cache_write import reshape_and_cache
 from lmkit_kernels.paged_attention import (
     MAX_HEAD_SIZE,
-    choose_num_splits,
+    choose_decode_splits,
     paged_attention,
     split_counters,
 )
@@ -95,7 +96,7 @@ class TritonAttention(AttentionBackend):
         not_decode = np.flatnonzero(query_lens != 1)
         num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
         max_prefill = int(query_lens[num_decodes:].max()) if num_decodes < num_reqs else 0
-        splits = self.options.decode_num_splits or choose_num_splits(
+        splits = self.options.decode_num_splits or choose_decode_splits(
             max(num_decodes, 1), self.num_kv_heads, md.block_tables.device)
         if self.options.decode_merge_in_kernel and num_decodes:
             self._grow_counters(num_decodes, md.block_tables.device)

@@ -102,6 +102,8 @@ _LAZY = {
     "FCFSWaitingQueue": "lmkit.scheduler.queues",
     "PriorityWaitingQueue": "lmkit.scheduler.queues",
     "ModelRunner": "lmkit.worker.model_runner",
+    "freeze_startup_heap": "lmkit.engine.gc_heap",
+    "unfreeze_heap": "lmkit.engine.gc_heap",
     "SchedulerOutputWire": "lmkit.worker.step_codec",
     "RunnerOutputWire": "lmkit.worker.step_codec",
     "scheduler_output_to_wire": "lmkit.worker.step_codec",

@@ -8,7 +8,9 @@ behind it). After startup :func:`freeze_startup_heap` collects once and moves ev
 object then alive to the permanent generation (:func:`gc.freeze`), so later
 collections walk only what the run itself made; :func:`unfreeze_heap` gives them back
 at shutdown, so that reference cycles among them (modules, graphs holding device
-memory) can be collected then. vLLM's engine does the same after its startup.
+memory) can be collected then. vLLM's engine does the same after its startup. The
+``mp``/``ray`` executors' rank workers do it too, once their KV cache and graphs exist
+(through ``lmkit.api``), and unfreeze when stopped.
 ``LMKIT_GC_FREEZE=0`` turns it off (the A/B switch).
 """
 

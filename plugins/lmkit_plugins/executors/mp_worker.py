@@ -121,7 +121,12 @@ class RankWorker:
                 return Executed(self.rank, message.seq, runner_output_to_wire(out))
             return None
         if isinstance(message, InitKVCache):
+            from lmkit.api import freeze_startup_heap
+
             runner.initialize_kv_cache(message.num_blocks)
+            # the rank's startup heap (shard, graphs) out of later full collections,
+            # which would stall this rank's steps and every rank waiting on it
+            freeze_startup_heap()
         elif isinstance(message, OffloadLookup):
             held, resident = runner.offload_lookup(message.block_hashes)
             return Looked(self.rank, message.seq, held, resident)
@@ -130,6 +135,9 @@ class RankWorker:
         elif isinstance(message, CloseOffload):
             runner.close_offload()
         elif isinstance(message, Stop):
+            from lmkit.api import unfreeze_heap
+
+            unfreeze_heap()
             self.runner = None
         return Done(self.rank, message.seq)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -35,7 +34,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
-from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled
+from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled, switch_on
 
 __all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MID_SPLITS_ENV", "choose_decode_splits",
            "choose_num_splits", "paged_attention",
@@ -75,15 +74,6 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, *,
     return min(max_splits, 1 << (want.bit_length() - 1))
 
 
-def _mid_splits_on() -> bool:
-    value = os.environ.get(MID_SPLITS_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{MID_SPLITS_ENV}={value!r}: expected 1 (on, the default) or 0 (off)")
-
-
 def choose_decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
     """Context slices per request for the paged decode kernel (batch shape only, like
     :func:`choose_num_splits`, which it follows below one program per SM).
@@ -99,7 +89,7 @@ def choose_decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device)
     """
     programs = max(1, num_reqs * num_kv_heads)
     sms = _sm_count(device)
-    if programs < sms or not _mid_splits_on():
+    if programs < sms or not switch_on(MID_SPLITS_ENV):
         return choose_num_splits(num_reqs, num_kv_heads, device)
     want = max(1, MID_PROGRAMS_PER_SM * sms // programs)
     return min(MID_MAX_SPLITS, 1 << (want.bit_length() - 1))

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from lmkit_kernels.checks import is_interpreting
 
-__all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait",
+__all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait", "switch_on",
            "prefetch_args", "prefetch_depth", "prefetch_enabled", "prefetch_l2",
            "prefetch_weight_rows"]
 
@@ -100,7 +100,11 @@ def prefetch_weight_rows(w_ptr, rows, N, K, stride_wn, PF_LINE: tl.constexpr,
         prefetch_l2(w_ptr + safe_rows[:, None] * stride_wn + offs[None, :])
 
 
-def _switch_on(name: str) -> bool:
+def switch_on(name: str) -> bool:
+    """Environment switch ``name``: on unless set to 0/false/no/off (any case).
+
+    :raises ValueError: set to anything else.
+    """
     value = os.environ.get(name, "1").strip().lower()
     if value in ("1", "true", "yes", "on", ""):
         return True
@@ -120,7 +124,7 @@ def pdl_enabled(device: torch.device) -> bool:
 
     :raises ValueError: ``LMKIT_PDL`` set to something other than 0/1.
     """
-    if device.type != "cuda" or not _HAS_GDC or is_interpreting() or not _switch_on(ENV):
+    if device.type != "cuda" or not _HAS_GDC or is_interpreting() or not switch_on(ENV):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_supports(index)

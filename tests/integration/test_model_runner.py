@@ -154,8 +154,8 @@ def test_partial_prefill_samples_nothing_then_decodes_match_hf(tiny):
 
 def test_step_shape_warm_up_runs_mixed_steps_on_scratch_caches(tiny):
     """The JIT warm-up (run at start-up on CUDA) plans decodes mixed with a short and
-    a long prefill over a cached prefix; the runner's KV cache and requests are left
-    as they were."""
+    a long prefill over a cached prefix, and one request alone (the LM head's one-row
+    kernel variant); the runner's KV cache and requests are left as they were."""
     model, directory = tiny
     runner = make_runner(directory)
     sched = MiniScheduler(runner)
@@ -170,7 +170,7 @@ def test_step_shape_warm_up_runs_mixed_steps_on_scratch_caches(tiny):
     runner.model.attn.plan = plan
     long = 128 - 40  # the tiny model's max_model_len (128) leaves room for a 16-token prefix
     assert planned == [(3, [1, 1, 1, 5, long], [34, 18, 41, 5, long + 16]),
-                       (1, [1, 7], [21, 7]), (3, [1, 1, 1], [10, 31, 65])]
+                       (1, [1, 7], [21, 7]), (3, [1, 1, 1], [10, 31, 65]), (1, [1], [13])]
     assert all(torch.equal(a, b) for a, b in zip(kv_before, runner.kv_caches, strict=True))
     for _ in range(5):
         sched.step({"a": 1})

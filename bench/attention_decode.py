@@ -18,7 +18,9 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
 
 ``--context-range LO,HI`` draws each sequence's context uniformly from LO..HI (fixed
 seed) instead of ``--context`` for all, as a batch of requests at different points of
-their generation has.
+their generation has. ``--sweep-decode-tiles 64/4/3,128/4/2`` also times triton with
+each decode tile configuration (``BLOCK_N/num_warps/num_stages``; option
+``decode_tiles``).
 
 The triton backend is timed twice: merging its context slices inside the decode kernel
 (the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
@@ -130,6 +132,17 @@ def context_lengths(args) -> list[int]:
     return torch.randint(int(lo), int(hi) + 1, (args.num_seqs,), generator=gen).tolist()
 
 
+def parse_tiles(text: str) -> list[list[int]]:
+    """``"64/4/3,128/4/2"`` -> ``[[64, 4, 3], [128, 4, 2]]``."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        fields = part.split("/")
+        if len(fields) != 3 or not all(f.isdigit() for f in fields):
+            raise SystemExit(f"--sweep-decode-tiles: expected BLOCK_N/warps/stages, got {part!r}")
+        out.append([int(f) for f in fields])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=64)
@@ -151,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                         "graph of this many calls (0: eager only)")
     parser.add_argument("--sweep-splits", action="store_true",
                         help="also time triton with decode_num_splits 1, 2, 4, 8, 16")
+    parser.add_argument("--sweep-decode-tiles", default="",
+                        help="also time triton with these decode tiles, BLOCK_N/warps/stages "
+                        "comma-separated (e.g. 64/4/3,128/4/2)")
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     args = parser.parse_args(argv)
     contexts = context_lengths(args)
@@ -176,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(("flash_attn", None, 128))
     if args.sweep_splits:
         runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
+    runs += [("triton", {"decode_tiles": tiles}, args.block_size)
+             for tiles in parse_tiles(args.sweep_decode_tiles)]
     results = []
     for name, options, block_size in runs:
         if block_size not in batches:

@@ -155,7 +155,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     scale: float | None = None, out: torch.Tensor | None = None,
                     num_splits: int | None = None,
                     split_counters: torch.Tensor | None = None,
-                    prefill_tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    prefill_tiles: tuple[int, int, int, int] | None = None,
+                    decode_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
@@ -181,6 +182,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     :param prefill_tiles: prefill only, for tuning: ``(BLOCK_M, BLOCK_N, num_warps,
         num_stages)`` instead of :func:`prefill_config`'s choice (powers of two,
         ``BLOCK_M, BLOCK_N >= 16``).
+    :param decode_tiles: decode only, for tuning: ``(BLOCK_N, num_warps, num_stages)``
+        instead of the default (64, 4, 3 in half precision; powers of two, ``BLOCK_N >=
+        16``).
     :return: ``out``, ``[num_tokens, num_heads, head_size]``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -222,7 +226,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                              f"got {splits}")
-        block_n, num_warps, num_stages = _decode_config(head_pad, q.dtype)
+        if decode_tiles is not None and (
+                len(decode_tiles) != 3 or decode_tiles[0] < 16
+                or any(t < 1 or t & (t - 1) for t in decode_tiles[:2]) or decode_tiles[2] < 1):
+            raise ValueError("decode_tiles must be (BLOCK_N, num_warps, num_stages): powers "
+                             f"of two with BLOCK_N >= 16; got {decode_tiles}")
+        block_n, num_warps, num_stages = decode_tiles or _decode_config(head_pad, q.dtype)
         fused_merge = split_counters is not None and splits > 1
         if fused_merge:
             check_tensor("split_counters", split_counters, ndim=1, dtypes=(torch.int32,),

@@ -33,3 +33,10 @@ def test_contexts_fixed_or_drawn_from_a_range():
 def test_a_bad_range_is_refused(bad):
     with pytest.raises(SystemExit, match="--context-range: expected LO,HI"):
         attention_decode.context_lengths(_args(context_range=bad))
+
+
+def test_decode_tiles_parse_and_refuse():
+    assert attention_decode.parse_tiles("64/4/3, 128/4/2") == [[64, 4, 3], [128, 4, 2]]
+    assert attention_decode.parse_tiles("") == []
+    with pytest.raises(SystemExit, match="BLOCK_N/warps/stages"):
+        attention_decode.parse_tiles("64/4")

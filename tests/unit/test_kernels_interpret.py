@@ -131,6 +131,27 @@ def test_decode_split_choice_by_batch_shape(monkeypatch):
         pa.choose_decode_splits(4, 8, cpu)
 
 
+@pytest.mark.parametrize("tiles", [(32, 4, 2), (128, 4, 2), (64, 8, 3)])
+def test_decode_tiles(tiles):
+    """Other decode tile configurations (a tuning knob) give the same attention."""
+    batch = make_paged_batch([(4, 1), (150, 1), (300, 1)], num_heads=8, num_kv_heads=2,
+                             head_size=64, block_size=16, dtype=torch.bfloat16, seed=5)
+    counters = split_counters(batch.num_reqs, 2, "cpu")
+    out = _attend(batch, num_splits=2, split_counters=counters, decode_tiles=tiles)
+    _check_attention(batch, out, torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_tiles must be"):
+        _attend(batch, decode_tiles=(8, 4, 2))
+
+
+def test_decode_tiles_option_is_checked():
+    from lmkit_plugins.attention import TritonAttentionOptions
+    from pydantic import ValidationError
+
+    assert TritonAttentionOptions(decode_tiles=[128, 4, 2]).decode_tiles == (128, 4, 2)
+    with pytest.raises(ValidationError, match="decode_tiles is"):
+        TritonAttentionOptions(decode_tiles=[100, 4, 2])
+
+
 def test_head_size_not_power_of_two_and_default_splits():
     batch = make_paged_batch([(40, 1), (9, 1)], num_heads=4, num_kv_heads=4, head_size=80,
                              block_size=16, dtype=torch.float16, seed=2)

@@ -29,7 +29,7 @@ from typing import Literal
 
 from lmkit.api import Caps, Spec, hookimpl
 from lmkit.api.mla_attention import MHA, MLA
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lmkit_plugins.attention.flash_attn_generations import CLAIMED_HEAD_SIZES, DTYPES, GENERATIONS
 from lmkit_plugins.attention.mla_options import (
@@ -48,10 +48,24 @@ class TritonAttentionOptions(BaseModel):
     decode_num_splits: int | None = Field(
         None, description="Context slices per request in the decode kernel (a power of two "
         "up to 16); default: chosen from the batch shape and the number of SMs.")
+    decode_tiles: tuple[int, int, int] | None = Field(
+        None, description="For tuning: the decode kernel's (BLOCK_N, num_warps, "
+        "num_stages), powers of two with BLOCK_N >= 16; default: 64, 4, 3 in half "
+        "precision.")
     decode_merge_in_kernel: bool = Field(
         True, description="Merge the decode kernel's context slices in the same launch "
         "(the last slice to finish merges, counted with atomics); false: a second kernel "
         "merges them.")
+
+    @field_validator("decode_tiles")
+    @classmethod
+    def _tiles(cls, tiles: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if tiles is not None and (tiles[0] < 16 or any(t < 1 or t & (t - 1) for t in tiles[:2])
+                                  or tiles[2] < 1):
+            raise ValueError("decode_tiles is (BLOCK_N, num_warps, num_stages): BLOCK_N and "
+                             f"num_warps powers of two, BLOCK_N >= 16, num_stages >= 1; got "
+                             f"{list(tiles)}")
+        return tiles
 
 
 class FlashInferAttentionOptions(BaseModel):

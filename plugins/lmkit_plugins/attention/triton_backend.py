@@ -151,7 +151,7 @@ class TritonAttention(AttentionBackend):
             paged_attention(q, kv_cache, plan.query_start_loc[: nd + 1], plan.seq_lens[:nd],
                             plan.block_tables[:nd], max_query_len=1, scale=self.scale,
                             out=out, num_splits=plan.num_splits,
-                            split_counters=self._counters)
+                            split_counters=self._counters, decode_tiles=self.options.decode_tiles)
         if nd < plan.num_reqs:
             paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],
                             plan.block_tables[nd:], max_query_len=plan.max_prefill_query_len,

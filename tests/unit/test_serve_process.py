@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from lmkit.config.schema import LMKitConfig, ServerConfig
-from lmkit.errors import ConfigError
+from lmkit.errors import ConfigError, EngineDeadError
 from lmkit.frontend.core_client import EngineStartupError, engine_command, engine_config_json
 from lmkit.serve.auth import load_api_key
 from lmkit.serve.supervisor import EngineSupervisor
@@ -293,3 +293,46 @@ def test_pip_for_model_fetches_does_not_import_from_the_working_directory(tmp_pa
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.startswith("pip "), run.stderr
     assert not marker.exists()
+
+
+def test_start_engine_freezes_the_api_process_heap_once_warm(monkeypatch):
+    """Once the engine is up and warm, the API process's startup objects leave the
+    collected generations (a full collection over them stalls every stream); a failed
+    warm-up freezes nothing; LMKIT_GC_FREEZE=0 leaves the collector alone."""
+    import gc
+
+    from lmkit.serve import supervisor
+
+    calls: list[str] = []
+
+    class Started:
+        async def shutdown(self) -> None:
+            calls.append("shutdown")
+
+    async def start(config, **kwargs):
+        return Started()
+
+    async def warm(llm):
+        calls.append("warm")
+
+    monkeypatch.setattr(supervisor.AsyncLLM, "start", start)
+    monkeypatch.setattr(supervisor, "warm_up", warm)
+    monkeypatch.delenv("LMKIT_GC_FREEZE", raising=False)
+    gc.unfreeze()
+    try:
+        asyncio.run(supervisor.start_engine(LMKitConfig()))
+        assert calls == ["warm"] and gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+
+    async def broken(llm):
+        raise EngineDeadError("died while warming up")
+
+    monkeypatch.setattr(supervisor, "warm_up", broken)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(supervisor.start_engine(LMKitConfig()))
+    assert gc.get_freeze_count() == 0 and calls[-1] == "shutdown"
+    monkeypatch.setattr(supervisor, "warm_up", warm)
+    monkeypatch.setenv("LMKIT_GC_FREEZE", "0")
+    asyncio.run(supervisor.start_engine(LMKitConfig()))
+    assert gc.get_freeze_count() == 0

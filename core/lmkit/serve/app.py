@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 
 from lmkit.config.schema import LMKitConfig
+from lmkit.engine.gc_heap import unfreeze_heap
 from lmkit.frontend.async_llm import AsyncLLM
 from lmkit.serve.errors import APIError, install_error_handlers
 from lmkit.serve.limits import AdmissionController
@@ -192,6 +193,7 @@ def build_app(config: LMKitConfig, *, llm: AsyncLLM | None = None,
             await asyncio.gather(*tasks, return_exceptions=True)
             if state.llm is not None:
                 await state.llm.shutdown()
+            unfreeze_heap()  # (frozen once the engine was up; a no-op otherwise)
 
     app = FastAPI(title="lmkit", version=_version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)

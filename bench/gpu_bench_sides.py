@@ -13,11 +13,10 @@ K/V of every cached token -- over the step's wall time gives the achieved bandwi
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-from collections.abc import Iterator
 from typing import Any
+
+from gpu_run_watch import gc_pauses, slowest_steps, watch_jit_compiles
 
 Workload = dict[str, Any]  # {"name", "prompts": [[ids]], "output_lens": [n]}
 
@@ -64,7 +63,7 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     recorder = _StepRecorder(engine)
-    compiles = _watch_jit_compiles()
+    compiles = watch_jit_compiles()
     for wl in workloads:
         # token ids shifted so that the timed run gets no prefix-cache hits from it
         top = max(max(p) for p in wl["prompts"]) + 1
@@ -73,7 +72,7 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
                 "output_lens": [min(n, 24) for n in wl["output_lens"][:8]]}
         _run_engine(engine, warm, recorder)
         compiles.clear()
-        with _gc_pauses() as pauses:
+        with gc_pauses() as pauses:
             result = _run_engine(engine, wl, recorder)
         result["jit_compiles_during_run"] = list(compiles)
         result["gc_pauses"] = pauses
@@ -104,61 +103,6 @@ def shifted(wl: Workload, by: int) -> Workload:
     prefix-cache hits from a run of ``wl``."""
     top = max(max(p) for p in wl["prompts"]) + 1
     return {**wl, "prompts": [[(t + by) % top for t in p] for p in wl["prompts"]]}
-
-
-def _watch_jit_compiles() -> list[str]:
-    """Triton kernels compiled from now on (name, launch options and the specialisation
-    key: argument types, alignments, constexprs), as a list that grows; empty if this
-    Triton has no compile hook. A compile in a timed run costs up to a second of it."""
-    events: list[str] = []
-    try:
-        from triton import knobs
-
-        def hook(*, repr: str, key: Any = None, **_: Any) -> bool:
-            events.append(f"{repr.split('](')[0]}] key={str(key)[:900]}")
-            return False  # compile as usual
-
-        knobs.runtime.jit_cache_hook = hook
-    except (ImportError, AttributeError):
-        pass
-    return events
-
-
-@contextlib.contextmanager
-def _gc_pauses() -> Iterator[dict[str, Any]]:
-    """Python's garbage-collector pauses while the block runs, by generation: count,
-    total and longest seconds (a full collection over a large heap stalls the step
-    loop, and with it the GPU)."""
-    stats: dict[str, Any] = {f"gen{g}": {"count": 0, "s": 0.0, "max_s": 0.0} for g in range(3)}
-    started: list[float] = []
-
-    def callback(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            dt = time.perf_counter() - started.pop()
-            slot = stats[f"gen{info['generation']}"]
-            slot["count"] += 1
-            slot["s"] += dt
-            slot["max_s"] = max(slot["max_s"], dt)
-
-    gc.callbacks.append(callback)
-    try:
-        yield stats
-    finally:
-        gc.callbacks.remove(callback)
-
-
-def slowest_steps(steps: list[tuple[float, Any]], top: int = 5) -> list[dict[str, Any]]:
-    """The ``top`` longest engine steps of a run: index, ms, scheduled tokens and
-    requests, and whether new requests were in it."""
-    rows = []
-    for i, (dt, so) in enumerate(steps):
-        tokens = sum(so.num_scheduled_tokens.values()) if so is not None else 0
-        rows.append({"step": i, "ms": round(1e3 * dt, 2), "tokens": tokens,
-                     "reqs": len(so.num_scheduled_tokens) if so is not None else 0,
-                     "new_reqs": len(so.scheduled_new_reqs) if so is not None else 0})
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 class _StepRecorder:

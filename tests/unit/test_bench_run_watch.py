@@ -1,5 +1,5 @@
-"""bench/gpu_bench_sides.py's run diagnostics on the CPU: the garbage collector's pauses
-during a block, and the slowest engine steps of a run."""
+"""bench/gpu_run_watch.py on the CPU: the garbage collector's pauses during a block,
+and the slowest engine steps of a run."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import gpu_bench_sides as sides  # noqa: E402
+import gpu_run_watch as watch  # noqa: E402
 
 
 def test_gc_pauses_count_collections_by_generation():
     before = len(gc.callbacks)
-    with sides._gc_pauses() as pauses:
+    with watch.gc_pauses() as pauses:
         gc.collect(0)
         gc.collect(2)
     assert len(gc.callbacks) == before  # the callback is removed again
@@ -31,6 +31,6 @@ def test_slowest_steps_are_ranked_with_what_ran():
 
     steps = [(0.040, so([512, 512], new=2)), (0.005, so([1, 1])), (0.250, so([1, 1])),
              (0.006, None)]
-    top = sides.slowest_steps(steps, top=2)
+    top = watch.slowest_steps(steps, top=2)
     assert top == [{"step": 2, "ms": 250.0, "tokens": 2, "reqs": 2, "new_reqs": 0},
                    {"step": 0, "ms": 40.0, "tokens": 1024, "reqs": 2, "new_reqs": 2}]

@@ -15,6 +15,7 @@ from lmkit_plugins.spec.eagle_eval import (
     draft_accuracy,
     expected_tokens_per_step,
     holdout_split,
+    served_walk,
 )
 from typer.testing import CliRunner
 
@@ -67,6 +68,41 @@ def test_accuracy_counts_the_argmax_of_every_unrolled_step(random_trainable_head
     assert draft_accuracy(head, [lambda: (embeds, taps, wrong)], 3)[0] == 0.0
     short = draft_accuracy(head, [lambda: (embeds[:2], taps[:2], target[:2])], 3)
     assert short[0] == 1.0 and short[2] != short[2]  # no position for step 2: nan
+
+
+class ScriptedHead:
+    """A head whose step-``j`` argmax at row ``s`` is ``picks[j][s]`` (one-hot logits over
+    a vocabulary of 8): drafting outcomes written out by hand."""
+
+    def __init__(self, picks):
+        self.picks = picks
+
+    def unrolled(self, embeds, taps, steps):
+        return [torch.nn.functional.one_hot(torch.tensor(p), 8).float()
+                for p in self.picks[:steps]]
+
+
+def test_served_walk_starts_each_chain_where_the_last_stopped():
+    """Truth is 0 everywhere (row s predicts the token after position s + 1): a draft is
+    right where its pick is 0. The walk starts after the prompt (row ``first``), takes
+    right drafts in a row, and starts the next chain after the target's added token --
+    counting as the engine does, where draft_accuracy counts every start."""
+    truth = torch.zeros(8, dtype=torch.int64)
+    # step 0 right at rows 1, 2, 5; step 1 (the chain after s) at rows 1, 4, 5; step 2
+    # nowhere: chains after 1 and 5 take two drafts, after 2 one, after 4 none
+    picks = [[1, 0, 0, 1, 1, 0, 1, 1], [1, 0, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1]]
+    head = ScriptedHead(picks)
+    example = lambda: (torch.zeros(8, 4), torch.zeros(8, 4), None, 1, truth)  # noqa: E731
+    walk = served_walk(head, [example], 3)
+    # s=1: drafts 0, 1 right, 2 wrong -> 3 tokens; s=4: wrong -> 1; s=5: 0, 1 right,
+    # step 2 has no row 5 (6 rows) -> 3 tokens; s=8: the end
+    assert walk["verifications"] == 3
+    assert walk["tokens_per_step"] == pytest.approx(7 / 3)
+    # three drafts in each verification (s=5 has 8 - 5 = 3 rows left); position 0 and 1
+    # accepted at s=1 and s=5, position 2 never
+    assert walk["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
+    # every start counted instead (rows 1-7): position 0 right at 1, 2, 5 of 7
+    assert draft_accuracy(head, [example], 3)[0] == pytest.approx(3 / 7)
 
 
 @pytest.mark.slow  # trains on the CPU (~10 s)

@@ -58,7 +58,7 @@ def train_eagle(
     from lmkit.api import ConfigError
 
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
-    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
+    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, served_line, train
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
@@ -92,7 +92,9 @@ def train_eagle(
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]
-    print(f"wrote {out} (step {result['step']}, loss {result['loss']:.4f}"
+    # a run resumed at --max-steps trains nothing: no loss to show
+    loss = f"loss {result['loss']:.4f}" if result["losses"] else "no step left to run"
+    print(f"wrote {out} (step {result['step']}, {loss}"
           + (f", resumed from step {resumed}" if resumed is not None else "")
           + f", feature cache: {result['feature_cache']})")
     ev = result["eval"] or {}
@@ -102,7 +104,8 @@ def train_eagle(
     for what, report in reports:
         print(f"{what} ({report['sequences']} sequences): "
               f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
-              f"{report['tokens_per_step']:.2f} tokens per speculative step")
+              f"{report['tokens_per_step']:.2f} tokens per speculative step; "
+              + served_line(report["served_walk"]))
 
 
 def _arg(help: str) -> Any:

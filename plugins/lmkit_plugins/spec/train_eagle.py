@@ -48,7 +48,12 @@ from typing import Any
 import torch
 
 from lmkit_plugins.models.llama import LlamaDims
-from lmkit_plugins.spec.eagle_eval import draft_accuracy, expected_tokens_per_step, holdout_split
+from lmkit_plugins.spec.eagle_eval import (
+    draft_accuracy,
+    expected_tokens_per_step,
+    holdout_split,
+    served_walk,
+)
 from lmkit_plugins.spec.eagle_features import (
     CACHE_MODES,
     FeatureCache,
@@ -343,14 +348,25 @@ def load_eval_prompts(source: str) -> list[str]:
 def _accuracy_report(head: Any, examples: list[Any], ttt_steps: int) -> dict[str, Any]:
     accuracy = draft_accuracy(head, examples, ttt_steps)
     return {"sequences": len(examples), "accuracy": accuracy,
-            "tokens_per_step": expected_tokens_per_step(accuracy)}
+            "tokens_per_step": expected_tokens_per_step(accuracy),
+            "served_walk": served_walk(head, examples, ttt_steps)}
 
 
 def _print_accuracy(progress: bool, what: str, report: dict[str, Any]) -> None:
     if progress:
+        walk = report["served_walk"]
         print(f"lmkit: {what} ({report['sequences']} sequences): "
               f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
-              f"{report['tokens_per_step']:.2f} tokens per step", file=sys.stderr)
+              f"{report['tokens_per_step']:.2f} tokens per step; {served_line(walk)}",
+              file=sys.stderr)
+
+
+def served_line(walk: dict[str, Any]) -> str:
+    """:func:`~lmkit_plugins.spec.eagle_eval.served_walk` in words."""
+    return (f"as served ({len(walk['acceptance_by_position'])} drafts a step, chains where "
+            f"the last stopped): "
+            f"{', '.join(f'{a:.3f}' for a in walk['acceptance_by_position'])} accepted by "
+            f"position, {walk['tokens_per_step']:.2f} tokens per step")
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:

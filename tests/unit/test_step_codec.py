@@ -54,6 +54,7 @@ def _full_scheduler_output() -> SchedulerOutput:
         grammar_bitmask=torch.tensor([[-1, 5]], dtype=torch.int32),
         kv_transfers=KVTransfers([b"h1"], [3], [LoadRequest(4, [b"h2", b"h3"], [6, 7], True)],
                                  [b"w"], [8], fence=True),
+        spec_drafting=False,  # not the default: the round trip must carry it
     )
 
 

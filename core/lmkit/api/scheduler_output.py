@@ -58,6 +58,8 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     # blocks to load from / store to an offload tier before / after the forward
     kv_transfers: Any = None
+    # false: the runner's draft head drafts nothing after this step (adaptive speculation)
+    spec_drafting: bool = True
 
     @property
     def is_empty(self) -> bool:

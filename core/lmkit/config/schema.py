@@ -145,6 +145,10 @@ class SpeculativeConfig(OptionalBackendSection):
         None, gt=0, description="Propose no drafts after a step that ran more than this many "
         "requests (large batches are compute-bound: verifying drafts may cost more than it "
         "saves); unset: always speculate.")
+    adaptive: bool = Field(
+        False, description="Measure decode throughput with and without drafts (8 decode "
+        "steps each, every 256) and speculate only while drafts are faster, so that "
+        "speculation never stays slower than plain decoding for long.")
 
 
 class StructuredOutputConfig(OptionalBackendSection):

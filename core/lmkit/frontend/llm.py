@@ -52,6 +52,7 @@ SHORT_OPTIONS = {
     "speculative": "speculative.backend",
     "num_speculative_tokens": "speculative.num_speculative_tokens",
     "speculative_model": "speculative.model",
+    "speculative_adaptive": "speculative.adaptive",
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
     "quantization": "quantization.backend",

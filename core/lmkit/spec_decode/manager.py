@@ -11,6 +11,9 @@ ones. Drafts are only ever a guess: verification keeps the output distribution t
 target model's. With ``speculative.disable_by_batch_size`` set, a step that ran more
 requests than that is followed by a plain decode step (nothing proposed): large
 batches are compute-bound, and there verifying drafts can cost more than it saves.
+With ``speculative.adaptive``, :class:`~lmkit.spec_decode.adaptive.AdaptiveSpeculation`
+decides from measured decode throughput whether steps are followed by drafts at all;
+each step's plan tells the runner (``SchedulerOutput.spec_drafting``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, Proposal, ProposerInput, SpecProposer
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import ConfigError, PluginError
+from lmkit.spec_decode.adaptive import AdaptiveSpeculation
 from lmkit.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -49,10 +53,13 @@ class ProposerManager(StepPhase):
         vocab_size: draft ids must lie in ``[0, vocab_size)``.
         disable_by_batch_size: propose nothing after a step that ran more requests than
             this (``speculative.disable_by_batch_size``); ``None``: always propose.
+        adaptive: the switch that turns drafting off where it measures slower
+            (``speculative.adaptive``); ``None``: never.
     """
 
     def __init__(self, proposer: SpecProposer | None, name: str, num_speculative_tokens: int,
-                 vocab_size: int, disable_by_batch_size: int | None = None) -> None:
+                 vocab_size: int, disable_by_batch_size: int | None = None,
+                 adaptive: AdaptiveSpeculation | None = None) -> None:
         self.proposer = proposer
         self.name = name
         self.k = num_speculative_tokens
@@ -64,6 +71,8 @@ class ProposerManager(StepPhase):
         self.draft_probs: dict[str, Any] = {}  # request id -> [num_drafts, vocab] tensor
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
         self.propose_time_s = 0.0
+        self.adaptive = adaptive
+        self._last_step_end: float | None = None
 
     @classmethod
     def from_stack(cls, config: LMKitConfig, stack: ResolvedStack,
@@ -87,9 +96,11 @@ class ProposerManager(StepPhase):
                              options=stack.options["speculative"], plugin=reg.origin)
         k = config.speculative.num_speculative_tokens
         off_above = config.speculative.disable_by_batch_size
-        logger.info("speculative decoding: proposer %s, %d draft tokens per step%s", reg.name,
-                    k, f", off above {off_above} running requests" if off_above else "")
-        return cls(proposer, reg.name, k, vocab_size, off_above)
+        adaptive = AdaptiveSpeculation() if config.speculative.adaptive else None
+        logger.info("speculative decoding: proposer %s, %d draft tokens per step%s%s",
+                    reg.name, k, f", off above {off_above} running requests" if off_above
+                    else "", ", adaptive" if adaptive else "")
+        return cls(proposer, reg.name, k, vocab_size, off_above, adaptive)
 
     # ------------------------------------------------------------------ requests
 
@@ -146,7 +157,10 @@ class ProposerManager(StepPhase):
         return self.get_stats()
 
     def before_execute(self, scheduler_output: SchedulerOutput) -> None:
-        """Hand the runner the draft distributions of this step's scheduled drafts."""
+        """Tell the runner whether to draft after this step (adaptive speculation) and
+        hand it the draft distributions of this step's scheduled drafts."""
+        if self.adaptive is not None:
+            scheduler_output.spec_drafting = self.adaptive.drafting()
         if not self.draft_probs:
             return
         for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -160,6 +174,8 @@ class ProposerManager(StepPhase):
         set new drafts on the requests that are still decoding."""
         self.spec_stats.record_step(runner_output.num_draft_tokens,
                                     runner_output.num_accepted_tokens)
+        if self.adaptive is not None:
+            self._record_adaptive(scheduler_output, outputs)
         # finished in the step, or outside it since the last one (aborts, refusals)
         finished = [o.request_id for o in outputs if o.finish_reason is not None]
         self.remove_requests([*finished, *scheduler_output.finished_req_ids])
@@ -174,7 +190,8 @@ class ProposerManager(StepPhase):
         if not batch:
             return
         limit = self.disable_by_batch_size
-        if limit is not None and len(scheduler_output.num_scheduled_tokens) > limit:
+        off = limit is not None and len(scheduler_output.num_scheduled_tokens) > limit
+        if off or not scheduler_output.spec_drafting:
             self.num_steps_off += 1  # the next step decodes plainly (the proposer
             return  # catches up on the skipped tokens at its next call: num_new_tokens)
         if self.proposer is None:
@@ -239,12 +256,28 @@ class ProposerManager(StepPhase):
                               f"outside the model's vocabulary [0, {self.vocab_size})")
         return out
 
+    def _record_adaptive(self, so: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """Give the adaptive switch this step if it was pure decode: its wall time since
+        the previous step ended, its tokens, and whether it verified drafts."""
+        assert self.adaptive is not None
+        now = time.perf_counter()
+        last, self._last_step_end = self._last_step_end, now
+        spec = so.scheduled_spec_decode_tokens
+        decode = not so.scheduled_new_reqs and all(
+            n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
+        if last is None or not decode or not so.num_scheduled_tokens:
+            return  # (a step with prompt tokens, or after an idle engine: not comparable)
+        self.adaptive.record(any(spec.values()), sum(len(o.new_token_ids) for o in outputs),
+                             now - last)
+
     def get_stats(self) -> dict[str, Any]:
         """Counters for ``EngineCore.stats()`` (see :class:`SpecDecodeStats`), plus the
-        time spent proposing."""
+        time spent proposing and the adaptive switch's state."""
         out = self.spec_stats.as_dict()
         out["spec_propose_time_s"] = self.propose_time_s
         out["spec_num_steps_off"] = self.num_steps_off
+        if self.adaptive is not None:
+            out.update(self.adaptive.stats())
         return out
 
 

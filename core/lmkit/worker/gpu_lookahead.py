@@ -13,10 +13,11 @@ still-unread sampled tokens on the device straight into the graph's inputs. Anyt
 else (a new or resumed request, draft tokens, a grammar bitmask, offload transfers,
 a request at another position) discards the prediction and the step runs normally.
 
-With a draft head (EAGLE) the lookahead runs only where speculation is off by batch
-size (``speculative.disable_by_batch_size``): after a step of more requests than that,
-whose head drafted nothing, the next step is a plain decode step and is launched ahead
-like any other; the launched forward keeps the features the head reads (the final
+With a draft head (EAGLE) the lookahead runs only where speculation is off -- by batch
+size (``speculative.disable_by_batch_size``), or while adaptive speculation holds it
+off (``speculative.adaptive``, the step's ``spec_drafting``): after a step whose head
+drafted nothing, the next step is a plain decode step and is launched ahead like any
+other; the launched forward keeps the features the head reads (the final
 hidden states, or the inputs of its target layers), and taking the step runs the
 head's catch-up over them (:meth:`~lmkit.worker.draft_runner.DraftRunner.propose`),
 so the head's KV cache has no holes when the batch shrinks and speculation resumes.
@@ -89,9 +90,11 @@ class DecodeLookahead:
         requests: the runner's per-request states by id (same objects, kept current).
         max_model_len: no step is launched past this position.
         drafter: the runner's draft head, if any: steps are then launched ahead only
-            for batches of more than ``min_batch`` requests (where speculation is off),
+            where the head drafts nothing -- batches of more than ``min_batch``
+            requests, or a step whose plan turns drafting off (``spec_drafting``) --
             and taking one runs the head's catch-up over its features.
-        min_batch: see ``drafter`` (``speculative.disable_by_batch_size``).
+        min_batch: see ``drafter`` (``speculative.disable_by_batch_size``, else
+            ``scheduler.max_num_seqs`` with ``speculative.adaptive``).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
@@ -114,14 +117,17 @@ class DecodeLookahead:
               ) -> DecodeLookahead | None:
         """A lookahead when decode graphs are replayed and
         :func:`decode_lookahead_slots` reserves its slot (no offload tier, not off);
-        with a draft head only when ``speculative.disable_by_batch_size`` is set."""
+        with a draft head only when speculation can be off (``speculative.
+        disable_by_batch_size`` set, or ``speculative.adaptive``)."""
         if graphs is None or not decode_lookahead_slots(config, stack):
             return None
         if drafter is None:
             return cls(graphs, model, input_batch, requests, max_model_len)
         limit = config.speculative.disable_by_batch_size
-        if limit is None:  # the head drafts after every step: nothing to predict
-            return None
+        if limit is None and not config.speculative.adaptive:
+            return None  # the head drafts after every step: nothing to predict
+        if limit is None:  # only the adaptive switch turns drafting off
+            limit = config.scheduler.max_num_seqs
         return cls(graphs, model, input_batch, requests, max_model_len, drafter, limit)
 
     # ------------------------------------------------------------------ launching
@@ -134,7 +140,7 @@ class DecodeLookahead:
         n = len(order)
         if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
             return
-        if drafted or n <= self.min_batch:
+        if drafted or (n <= self.min_batch and so.spec_drafting):
             return
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
@@ -165,7 +171,8 @@ class DecodeLookahead:
                                                                     non_blocking=True)]
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
-        if len(order) > self.min_batch and self._launchable(order, rows):
+        head_drafts = len(order) <= self.min_batch and so.spec_drafting
+        if not head_drafts and self._launchable(order, rows):
             self._launch(order, rows, tokens)  # queued before this step's tokens are read
         if pending.ready is not None:
             pending.ready.synchronize()  # this step's tokens only, not the one just queued
@@ -177,13 +184,14 @@ class DecodeLookahead:
             batch.append_tokens(row, [token])
         out = ModelRunnerOutput(req_ids=order, sampled_token_ids=[[t] for t in sampled])
         if self.drafter is not None:
-            out.draft_token_ids = self._catch_up(order, rows, pending, idx)
+            out.draft_token_ids = self._catch_up(order, rows, pending, idx, head_drafts)
         return out
 
     def _catch_up(self, order: list[str], rows: np.ndarray, pending: _Pending,
-                  idx: list[int]) -> dict[str, list[int]]:
+                  idx: list[int], head_drafts: bool) -> dict[str, list[int]]:
         """The draft head's pass over a taken step (one position per request, its
-        features kept at launch); drafts where the batch is small enough to speculate."""
+        features kept at launch); drafts where ``head_drafts`` (the batch is small enough
+        to speculate and the step's plan lets it)."""
         assert self.drafter is not None and pending.features is not None
         assert pending.slots is not None
         n = len(order)
@@ -192,8 +200,7 @@ class DecodeLookahead:
             features = features[torch.tensor(idx, dtype=torch.int64).to(features.device)]
         positions = pending.positions[idx]
         step = decode_step_inputs(rows, positions, pending.slots[idx], self.input_batch)
-        drafting = np.array([n <= self.min_batch
-                             and self.requests[r].sampling_params.use_spec_decode
+        drafting = np.array([head_drafts and self.requests[r].sampling_params.use_spec_decode
                              for r in order], dtype=bool)
         with torch.inference_mode():
             drafts = self.drafter.propose(features, step, np.ones(n, dtype=np.int64), drafting)

@@ -302,7 +302,7 @@ class ModelRunner:
                 features = hidden if aux is None else torch.cat(aux, dim=-1)
                 drafts = self.drafter.propose(features, step, *kept_positions(
                     order, step, plan, verified.num_accepted, self.requests,
-                    self.config.speculative.disable_by_batch_size))
+                    self.config.speculative.disable_by_batch_size, so.spec_drafting))
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
             if self.offload is not None:  # write-through stores: after the head's KV too
                 self.offload.after_forward(so.kv_transfers)

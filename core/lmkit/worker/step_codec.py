@@ -69,6 +69,7 @@ class SchedulerOutputWire(msgspec.Struct, array_like=True, frozen=True):
     structured_output_request_ids: dict[str, int]
     grammar_bitmask: TensorWire | None
     kv_transfers: KVTransfers | None
+    spec_drafting: bool = True
 
 
 def scheduler_output_to_wire(so: SchedulerOutput) -> SchedulerOutputWire:
@@ -89,6 +90,7 @@ def scheduler_output_to_wire(so: SchedulerOutput) -> SchedulerOutputWire:
         grammar_bitmask=(None if so.grammar_bitmask is None
                          else tensor_to_wire(so.grammar_bitmask)),
         kv_transfers=so.kv_transfers,
+        spec_drafting=so.spec_drafting,
     )
 
 
@@ -107,6 +109,7 @@ def scheduler_output_from_wire(w: SchedulerOutputWire) -> SchedulerOutput:
         structured_output_request_ids=w.structured_output_request_ids,
         grammar_bitmask=None if w.grammar_bitmask is None else tensor_from_wire(w.grammar_bitmask),
         kv_transfers=w.kv_transfers,
+        spec_drafting=w.spec_drafting,
     )
 
 

@@ -62,7 +62,8 @@ def commit_tokens(order: list[str], plan: SamplingPlan, verified: VerifiedTokens
 def kept_positions(order: Sequence[str], step: StepInputs,
                    plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
                    requests: Mapping[str, CachedRequestState],
-                   disable_by_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   disable_by_batch_size: int | None = None,
+                   drafting_on: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per step request (after the step's tokens are committed): how many of its
     scheduled positions the head catches up on, and whether it drafts.
 
@@ -70,7 +71,8 @@ def kept_positions(order: Sequence[str], step: StepInputs,
     token is known (a pooling request's last prompt position has none). Drafting: the
     request sampled this step and does not opt out of speculation, and the step ran at
     most ``disable_by_batch_size`` requests (the engine proposes nothing after larger
-    steps, so the draft passes are skipped; the head still catches up).
+    steps, so the draft passes are skipped; the head still catches up), and the step's
+    plan did not turn drafting off (``drafting_on``: adaptive speculation).
 
     Args:
         plan: the runner's sampling plan, ``(step index, first hidden row, drafts)``.
@@ -78,7 +80,8 @@ def kept_positions(order: Sequence[str], step: StepInputs,
     """
     kept = step.num_scheduled.copy()
     drafting = np.zeros(len(order), dtype=bool)
-    draft = disable_by_batch_size is None or len(order) <= disable_by_batch_size
+    draft = drafting_on and (disable_by_batch_size is None
+                             or len(order) <= disable_by_batch_size)
     for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
         kept[i] -= len(drafts) - accepted
         drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode

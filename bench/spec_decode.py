@@ -24,6 +24,7 @@ a time (``max_num_seqs=1``); batch B submits B requests at once::
     python bench/spec_decode.py --device cpu --dtype float32 --threads 1 --out spec.json
     python bench/spec_decode.py --device cuda --dtype bfloat16 --batches 1 32 256
     python bench/spec_decode.py --proposer eagle3 --speculative-model ./head --workloads chat
+    python bench/spec_decode.py --workloads chat --adaptive   # speculative.adaptive
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
         base_opts["max_model_len"] = args.max_model_len
     spec_opts = {**base_opts, "speculative": args.proposer,
                  "num_speculative_tokens": args.spec_tokens,
-                 "speculative.disable_by_batch_size": args.disable_by_batch_size}
+                 "speculative.disable_by_batch_size": args.disable_by_batch_size,
+                 "speculative.adaptive": args.adaptive}
     if args.proposer == "ngram":
         spec_opts["speculative.options"] = {"prompt_lookup_max": args.prompt_lookup_max,
                                             "prompt_lookup_min": args.prompt_lookup_min}
@@ -177,6 +179,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative.disable_by_batch_size: no drafts above this batch")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="speculative.adaptive: draft only while drafts measure faster")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs of each side, alternating (the median is reported)")
@@ -202,7 +206,8 @@ def main() -> None:
               "spec_tokens": args.spec_tokens, "stop_at_eos": args.stop_at_eos,
               "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,
-              "disable_by_batch_size": args.disable_by_batch_size, "rows": rows}
+              "disable_by_batch_size": args.disable_by_batch_size,
+              "adaptive": args.adaptive, "rows": rows}
     print("\n".join(format_row(r) for r in rows))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

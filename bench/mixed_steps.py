@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine, keep ``running`` requests decoding, time arrivals; the report."""
     import numpy as np
     import torch
-    from gpu_bench_sides import _StepRecorder, _watch_jit_compiles
+    from gpu_bench_sides import _StepRecorder
+    from gpu_run_watch import watch_jit_compiles
     from lmkit.api.request import Request
     from lmkit.api.sampling_params import SamplingParams
     from lmkit.engine.core import EngineCore
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.add_request(Request(f"warm-{i}", prompt(args.prompt_len), newcomer))
         for s in range(args.every):
             timer.step("mixed" if s == 0 else "decode", record=False)
-    compiles = _watch_jit_compiles()
+    compiles = watch_jit_compiles()
     for i in range(args.arrivals):
         engine.add_request(Request(f"new-{i}", prompt(args.prompt_len), newcomer))
         for s in range(args.every):

@@ -11,7 +11,9 @@
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
 # (triton) set the run; OFF_ABOVE (default 16) adds an eagle3 run with speculation off
 # above that batch size (`--disable-by-batch-size`: batch 32 then decodes plainly, run
-# ahead, the head catching up); OFF_ABOVE=none skips it; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# ahead, the head catching up); OFF_ABOVE=none skips it; ADAPTIVE=1 (the default) adds an
+# eagle3 run with `--adaptive` (speculative.adaptive: drafts only while they measure
+# faster), ADAPTIVE=0 skips it; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With no step
 # named both run (training ~5 minutes on an H100 at the defaults, the benchmark ~6).
 set -euo pipefail
@@ -35,11 +37,14 @@ for step in $steps; do
       off=${OFF_ABOVE:-16}
       runs=(eagle3 ngram)
       [[ $off != none ]] && runs+=(eagle3-off)
+      [[ ${ADAPTIVE:-1} == 1 ]] && runs+=(eagle3-adaptive)
       for run in "${runs[@]}"; do
         proposer=${run%-off}
+        proposer=${proposer%-adaptive}
         extra=()
         [[ $proposer == eagle3 ]] && extra=(--speculative-model "$head")
         [[ $run == *-off ]] && extra+=(--disable-by-batch-size "$off")
+        [[ $run == *-adaptive ]] && extra+=(--adaptive)
         python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
           --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \
           --workloads chat --batches 1 32 --batch1-prompts 8 --chat-output-len 128 --stop-at-eos \

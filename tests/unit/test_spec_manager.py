@@ -194,3 +194,19 @@ def test_prometheus_series():
             in text)
     assert ('lmkit_spec_decode_acceptance_rate_per_position{engine="0",position="1"} 0.0'
             in text)
+    assert "lmkit_spec_decode_adaptive" not in text  # only with speculative.adaptive
+
+
+def test_prometheus_series_of_adaptive_speculation():
+    pytest.importorskip("prometheus_client")
+    from lmkit.engine.messages import numeric_stats
+    from lmkit.serve.metrics import ServerMetrics
+    from lmkit.spec_decode.adaptive import AdaptiveSpeculation
+
+    switch = AdaptiveSpeculation(probe_steps=1, hold_steps=10)
+    switch.record(True, 1, 0.004)
+    switch.record(False, 1, 0.001)  # plain faster: held off
+    metrics = ServerMetrics(lambda: [numeric_stats(switch.stats())])
+    text = metrics.render()[0].decode()
+    assert 'lmkit_spec_decode_adaptive_drafting{engine="0"} 0.0' in text
+    assert 'lmkit_spec_decode_adaptive_probes_total{engine="0"} 1.0' in text

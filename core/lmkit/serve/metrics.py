@@ -40,6 +40,8 @@ _ENGINE_GAUGES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("spec_acceptance_rate",)),
     ("lmkit_spec_decode_mean_accepted_length", "Tokens emitted per draft verification "
      "(1 + accepted drafts), mean since start.", ("spec_mean_accepted_length",)),
+    ("lmkit_spec_decode_adaptive_drafting", "1 while adaptive speculation drafts, 0 while "
+     "it holds drafting off (speculative.adaptive).", ("spec_adaptive_drafting",)),
 )
 _ENGINE_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lmkit_num_preemptions", "Requests preempted (KV blocks ran out) since start.",
@@ -70,6 +72,8 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("spec_num_accepted_tokens",)),
     ("lmkit_spec_decode_num_drafts", "Verifications: (request, step) pairs with drafts.",
      ("spec_num_verifications",)),
+    ("lmkit_spec_decode_adaptive_probes", "Probes adaptive speculation finished (drafts "
+     "timed against plain decoding).", ("spec_adaptive_probes",)),
 )
 _SPEC_POSITION_PREFIX = "spec_acceptance_rate_pos_"
 

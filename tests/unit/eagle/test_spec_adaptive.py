@@ -80,3 +80,23 @@ def test_steps_are_launched_ahead_while_drafting_is_off(tiny, heads, monkeypatch
     wrong = [key for key, drafts in got.items()
              if drafts != reference.drafts(list(key[1]), len(drafts))]
     assert not wrong, f"{len(wrong)} of {len(got)} drafts differ"
+
+
+def test_an_engine_side_proposer_is_not_asked_while_off(tiny, monkeypatch):
+    """ngram proposes in the engine: while the switch holds drafting off it is not
+    asked, and the tokens equal plain decoding's."""
+    from eagle_engine import COMMON
+    from lmkit import LLM
+
+    prompts = ["abcabcabcabcabcabc", "0123401234012340123"]  # prompt lookup finds drafts
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with LLM(str(tiny), **COMMON) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    made = timed(monkeypatch, spec_s=3.0, plain_s=1.0)
+    with LLM(str(tiny), speculative="ngram", num_speculative_tokens=3,
+             speculative_adaptive=True, **COMMON) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    assert got == plain
+    assert made[0].num_probes >= 2 and not made[0].holding
+    assert stats["spec_num_steps_off"] > stats["spec_num_verifications"] > 0

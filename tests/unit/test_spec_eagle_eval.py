@@ -11,6 +11,7 @@ import torch
 from lmkit.cli.main import build_app
 from lmkit.testing.tiny_model import make_tiny_model
 from lmkit_plugins.spec.eagle_eval import (
+    accuracy_report,
     default_holdout,
     draft_accuracy,
     expected_tokens_per_step,
@@ -103,6 +104,13 @@ def test_served_walk_starts_each_chain_where_the_last_stopped():
     assert walk["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
     # every start counted instead (rows 1-7): position 0 right at 1, 2, 5 of 7
     assert draft_accuracy(head, [example], 3)[0] == pytest.approx(3 / 7)
+    # the report gives both from one pass of the head over each example
+    calls = []
+    counted = lambda: (calls.append(1), example())[1]  # noqa: E731
+    report = accuracy_report(head, [counted], 3)
+    assert len(calls) == 1 and report["sequences"] == 1
+    assert report["accuracy"] == pytest.approx(draft_accuracy(head, [example], 3), nan_ok=True)
+    assert report["served_walk"] == walk
 
 
 @pytest.mark.slow  # trains on the CPU (~10 s)

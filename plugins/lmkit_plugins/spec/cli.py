@@ -57,8 +57,9 @@ def train_eagle(
     import torch
     from lmkit.api import ConfigError
 
+    from lmkit_plugins.spec.eagle_eval import report_line
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
-    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, served_line, train
+    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
@@ -102,10 +103,7 @@ def train_eagle(
     if "eval_prompts" in ev:
         reports.append((f"draft accuracy on {ev['eval_prompts']['source']}", ev["eval_prompts"]))
     for what, report in reports:
-        print(f"{what} ({report['sequences']} sequences): "
-              f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
-              f"{report['tokens_per_step']:.2f} tokens per speculative step; "
-              + served_line(report["served_walk"]))
+        print(f"{what} ({report['sequences']} sequences): {report_line(report)}")
 
 
 def _arg(help: str) -> Any:

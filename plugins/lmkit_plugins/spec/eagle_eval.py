@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_holdout", "draft_accuracy", "expected_tokens_per_step", "holdout_split",
-           "served_walk"]
+__all__ = ["accuracy_report", "default_holdout", "draft_accuracy", "expected_tokens_per_step",
+           "holdout_split", "report_line", "served_walk"]
 
 #: sets of at least this many sequences hold some out by default
 HOLDOUT_MIN_SET = 100
@@ -88,17 +88,10 @@ def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
     never drafts) are not counted, and a fifth, ``truth [m]``: the draft id of the token
     each row must predict (``-1``: outside the draft vocabulary, never right), compared
     instead of the target logits' argmax over the draft vocabulary."""
-    accepted = [0] * ttt_steps  # chains (starts s < m - j) with drafts 0..j all right
-    reached = [0] * ttt_steps  # the same starts with drafts 0..j-1 all right
+    counts = _Counts(ttt_steps)
     for example in examples:
-        runs, first = _right_runs(head, example, ttt_steps)
-        rows = torch.arange(runs.shape[0], device=runs.device)
-        for j in range(ttt_steps):
-            # chains that start in the prompt never count: none of them is "reached"
-            starts = (rows >= first) & (rows < runs.shape[0] - j)
-            reached[j] += int((starts & (runs >= j)).sum())
-            accepted[j] += int((starts & (runs > j)).sum())
-    return [a / r if r else float("nan") for a, r in zip(accepted, reached, strict=True)]
+        counts.add_all_starts(*_right_runs(head, example, ttt_steps))
+    return counts.accuracy()
 
 
 @torch.no_grad()
@@ -117,25 +110,81 @@ def served_walk(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
     the tiny test model the all-positions rate at position 0 read 0.058 and the walk's
     closer to what the engine served). ``examples`` as for :func:`draft_accuracy`.
     """
-    drafted = [0] * num_drafts
-    accepted = [0] * num_drafts
-    verifications = tokens = 0
+    counts = _Counts(num_drafts)
     for example in examples:
-        runs, first = _right_runs(head, example, num_drafts)
+        counts.add_walk(*_right_runs(head, example, num_drafts))
+    return counts.walk()
+
+
+@torch.no_grad()
+def accuracy_report(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
+                    ttt_steps: int) -> dict[str, Any]:
+    """Both measures of ``examples`` from one pass of the head over each (an example
+    may run the target): the per-position accuracy of :func:`draft_accuracy`, the
+    tokens per step it implies, and :func:`served_walk` (under ``served_walk``)."""
+    counts = _Counts(ttt_steps)
+    for example in examples:
+        runs, first = _right_runs(head, example, ttt_steps)
+        counts.add_all_starts(runs, first)
+        counts.add_walk(runs, first)
+    accuracy = counts.accuracy()
+    return {"sequences": len(examples), "accuracy": accuracy,
+            "tokens_per_step": expected_tokens_per_step(accuracy),
+            "served_walk": counts.walk()}
+
+
+def report_line(report: dict[str, Any]) -> str:
+    """:func:`accuracy_report` in words (after "<what> (N sequences): ")."""
+    walk = report["served_walk"]
+    return (f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
+            f"{report['tokens_per_step']:.2f} tokens per speculative step; as served "
+            f"({len(walk['acceptance_by_position'])} drafts a step, chains where the last "
+            f"stopped): {', '.join(f'{a:.3f}' for a in walk['acceptance_by_position'])} "
+            f"accepted by position, {walk['tokens_per_step']:.2f} tokens per step")
+
+
+class _Counts:
+    """Chain tallies over sequences, for ``k`` draft positions: every start counted
+    (:func:`draft_accuracy`) and the served walk (:func:`served_walk`)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.reached = [0] * k  # chains (starts s < m - j) with drafts 0..j-1 all right
+        self.accepted = [0] * k  # the same with drafts 0..j all right
+        self.drafted = [0] * k  # walk: verifications with a draft at position j
+        self.walk_accepted = [0] * k  # walk: ... accepting it
+        self.verifications = 0
+        self.tokens = 0
+
+    def add_all_starts(self, runs: torch.Tensor, first: int) -> None:
+        rows = torch.arange(runs.shape[0], device=runs.device)
+        for j in range(self.k):
+            # chains that start in the prompt never count: none of them is "reached"
+            starts = (rows >= first) & (rows < runs.shape[0] - j)
+            self.reached[j] += int((starts & (runs >= j)).sum())
+            self.accepted[j] += int((starts & (runs > j)).sum())
+
+    def add_walk(self, runs: torch.Tensor, first: int) -> None:
         runs_list, m, s = runs.tolist(), runs.shape[0], first
         while s < m:
-            n_drafts = min(num_drafts, m - s)
+            n_drafts = min(self.k, m - s)
             took = min(runs_list[s], n_drafts)
             for j in range(n_drafts):
-                drafted[j] += 1
-                accepted[j] += int(took > j)
-            verifications += 1
-            tokens += took + 1
+                self.drafted[j] += 1
+                self.walk_accepted[j] += int(took > j)
+            self.verifications += 1
+            self.tokens += took + 1
             s += took + 1
-    return {"verifications": verifications,
-            "tokens_per_step": tokens / verifications if verifications else float("nan"),
-            "acceptance_by_position": [a / d if d else float("nan")
-                                       for a, d in zip(accepted, drafted, strict=True)]}
+
+    def accuracy(self) -> list[float]:
+        return [a / r if r else float("nan")
+                for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    def walk(self) -> dict[str, Any]:
+        v = self.verifications
+        return {"verifications": v, "tokens_per_step": self.tokens / v if v else float("nan"),
+                "acceptance_by_position": [a / d if d else float("nan") for a, d in
+                                           zip(self.walk_accepted, self.drafted, strict=True)]}
 
 
 def expected_tokens_per_step(accuracy: Sequence[float]) -> float:

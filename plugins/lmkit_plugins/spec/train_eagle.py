@@ -48,12 +48,7 @@ from typing import Any
 import torch
 
 from lmkit_plugins.models.llama import LlamaDims
-from lmkit_plugins.spec.eagle_eval import (
-    draft_accuracy,
-    expected_tokens_per_step,
-    holdout_split,
-    served_walk,
-)
+from lmkit_plugins.spec.eagle_eval import accuracy_report, holdout_split, report_line
 from lmkit_plugins.spec.eagle_features import (
     CACHE_MODES,
     FeatureCache,
@@ -295,11 +290,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         head.eval()
         last_eval = {"step": step}
         if held_ids:
-            last_eval.update(_accuracy_report(head, [lambda i=i: held_out(i) for i in held_ids],
+            last_eval.update(accuracy_report(head, [lambda i=i: held_out(i) for i in held_ids],
                                               ttt_steps))
             _print_accuracy(progress, f"held-out draft accuracy at step {step}", last_eval)
         if eval_set[0]:
-            report = _accuracy_report(head, [lambda s=s, f=f: eval_example(s, f)
+            report = accuracy_report(head, [lambda s=s, f=f: eval_example(s, f)
                                              for s, f in zip(*eval_set, strict=True)], ttt_steps)
             last_eval["eval_prompts"] = {"source": eval_source, **report}
             _print_accuracy(progress, f"draft accuracy on {eval_source} at step {step}", report)
@@ -345,28 +340,10 @@ def load_eval_prompts(source: str) -> list[str]:
     return load_prompts(path)
 
 
-def _accuracy_report(head: Any, examples: list[Any], ttt_steps: int) -> dict[str, Any]:
-    accuracy = draft_accuracy(head, examples, ttt_steps)
-    return {"sequences": len(examples), "accuracy": accuracy,
-            "tokens_per_step": expected_tokens_per_step(accuracy),
-            "served_walk": served_walk(head, examples, ttt_steps)}
-
-
 def _print_accuracy(progress: bool, what: str, report: dict[str, Any]) -> None:
     if progress:
-        walk = report["served_walk"]
-        print(f"lmkit: {what} ({report['sequences']} sequences): "
-              f"{', '.join(f'{a:.3f}' for a in report['accuracy'])} by draft position, "
-              f"{report['tokens_per_step']:.2f} tokens per step; {served_line(walk)}",
+        print(f"lmkit: {what} ({report['sequences']} sequences): {report_line(report)}",
               file=sys.stderr)
-
-
-def served_line(walk: dict[str, Any]) -> str:
-    """:func:`~lmkit_plugins.spec.eagle_eval.served_walk` in words."""
-    return (f"as served ({len(walk['acceptance_by_position'])} drafts a step, chains where "
-            f"the last stopped): "
-            f"{', '.join(f'{a:.3f}' for a in walk['acceptance_by_position'])} accepted by "
-            f"position, {walk['tokens_per_step']:.2f} tokens per step")
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:

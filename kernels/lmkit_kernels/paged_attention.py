@@ -36,7 +36,8 @@ from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
 from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled, switch_on
 
-__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MID_SPLITS_ENV", "choose_decode_splits",
+__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MID_SPLITS_ENV", "check_decode_tiles",
+           "choose_decode_splits",
            "choose_num_splits", "paged_attention",
            "prefill_config", "split_counters"]
 
@@ -143,6 +144,19 @@ def prefill_config(head_pad: int, dtype: torch.dtype, device: torch.device,
     return 64, 64, 4, 2
 
 
+def check_decode_tiles(tiles: tuple[int, ...]) -> None:
+    """Refuse decode tiles that are not ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N and
+    num_warps powers of two, BLOCK_N >= 16, num_stages >= 1.
+
+    :raises ValueError: naming what is wrong.
+    """
+    if (len(tiles) != 3 or tiles[0] < 16 or any(t < 1 or t & (t - 1) for t in tiles[:2])
+            or tiles[2] < 1):
+        raise ValueError("decode_tiles must be (BLOCK_N, num_warps, num_stages): BLOCK_N and "
+                         "num_warps powers of two, BLOCK_N >= 16, num_stages >= 1; got "
+                         f"{list(tiles)}")
+
+
 def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
     if dtype == torch.float32 or head_pad >= 256:
@@ -226,11 +240,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
             raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                              f"got {splits}")
-        if decode_tiles is not None and (
-                len(decode_tiles) != 3 or decode_tiles[0] < 16
-                or any(t < 1 or t & (t - 1) for t in decode_tiles[:2]) or decode_tiles[2] < 1):
-            raise ValueError("decode_tiles must be (BLOCK_N, num_warps, num_stages): powers "
-                             f"of two with BLOCK_N >= 16; got {decode_tiles}")
+        if decode_tiles is not None:
+            check_decode_tiles(decode_tiles)
         block_n, num_warps, num_stages = decode_tiles or _decode_config(head_pad, q.dtype)
         fused_merge = split_counters is not None and splits > 1
         if fused_merge:

@@ -148,7 +148,7 @@ def test_decode_tiles_option_is_checked():
     from pydantic import ValidationError
 
     assert TritonAttentionOptions(decode_tiles=[128, 4, 2]).decode_tiles == (128, 4, 2)
-    with pytest.raises(ValidationError, match="decode_tiles is"):
+    with pytest.raises(ValidationError, match="decode_tiles must be"):
         TritonAttentionOptions(decode_tiles=[100, 4, 2])
 
 

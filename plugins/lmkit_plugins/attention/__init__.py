@@ -60,11 +60,10 @@ class TritonAttentionOptions(BaseModel):
     @field_validator("decode_tiles")
     @classmethod
     def _tiles(cls, tiles: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-        if tiles is not None and (tiles[0] < 16 or any(t < 1 or t & (t - 1) for t in tiles[:2])
-                                  or tiles[2] < 1):
-            raise ValueError("decode_tiles is (BLOCK_N, num_warps, num_stages): BLOCK_N and "
-                             f"num_warps powers of two, BLOCK_N >= 16, num_stages >= 1; got "
-                             f"{list(tiles)}")
+        if tiles is not None:  # (the kernels' own check; imported only when tiles are set)
+            from lmkit_kernels.paged_attention import check_decode_tiles
+
+            check_decode_tiles(tiles)
         return tiles
 
 

@@ -88,10 +88,7 @@ def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
     never drafts) are not counted, and a fifth, ``truth [m]``: the draft id of the token
     each row must predict (``-1``: outside the draft vocabulary, never right), compared
     instead of the target logits' argmax over the draft vocabulary."""
-    counts = _Counts(ttt_steps)
-    for example in examples:
-        counts.add_all_starts(*_right_runs(head, example, ttt_steps))
-    return counts.accuracy()
+    return accuracy_report(head, examples, ttt_steps)["accuracy"]
 
 
 @torch.no_grad()
@@ -110,10 +107,7 @@ def served_walk(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
     the tiny test model the all-positions rate at position 0 read 0.058 and the walk's
     closer to what the engine served). ``examples`` as for :func:`draft_accuracy`.
     """
-    counts = _Counts(num_drafts)
-    for example in examples:
-        counts.add_walk(*_right_runs(head, example, num_drafts))
-    return counts.walk()
+    return accuracy_report(head, examples, num_drafts)["served_walk"]
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@
 # above that batch size (`--disable-by-batch-size`: batch 32 then decodes plainly, run
 # ahead, the head catching up); OFF_ABOVE=none skips it; ADAPTIVE=1 (the default) adds an
 # eagle3 run with `--adaptive` (speculative.adaptive: drafts only while they measure
-# faster), ADAPTIVE=0 skips it; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# faster), ADAPTIVE=0 skips it; RUNS (e.g. "eagle3-adaptive eagle3") names the bench runs
+# outright, from eagle3, ngram, eagle3-off and eagle3-adaptive; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With no step
 # named both run (training ~5 minutes on an H100 at the defaults, the benchmark ~6).
 set -euo pipefail
@@ -38,7 +39,11 @@ for step in $steps; do
       runs=(eagle3 ngram)
       [[ $off != none ]] && runs+=(eagle3-off)
       [[ ${ADAPTIVE:-1} == 1 ]] && runs+=(eagle3-adaptive)
+      [[ -n ${RUNS:-} ]] && read -r -a runs <<< "$RUNS"
       for run in "${runs[@]}"; do
+        case $run in eagle3|ngram|eagle3-off|eagle3-adaptive) ;;
+          *) echo "unknown run '$run'; choose from: eagle3 ngram eagle3-off eagle3-adaptive" >&2; exit 2 ;;
+        esac
         proposer=${run%-off}
         proposer=${proposer%-adaptive}
         extra=()

@@ -54,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 import gpu_workloads as wl  # noqa: E402
+from gpu_args import parse_env, parse_peers, parse_sets  # noqa: E402
 from gpu_report import combine, format_table  # noqa: E402
 from gpu_run_profile import format_profiles  # noqa: E402
 
-PEERS = ("vllm", "hf")
 ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
 QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
 
@@ -152,28 +152,6 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     result_file.write_text(json.dumps(result, indent=1, default=str))
 
 
-def parse_peers(text: str) -> list[str]:
-    """``"vllm,hf"`` -> ``["vllm", "hf"]``; ``"none"`` -> ``[]``."""
-    peers = [p.strip().lower() for p in text.split(",") if p.strip()]
-    if peers == ["none"]:
-        return []
-    unknown = sorted(set(peers) - set(PEERS))
-    if unknown:
-        raise SystemExit(f"unknown peer {', '.join(unknown)}; known: {', '.join(PEERS)}, none")
-    return peers
-
-
-def parse_env(text: str) -> dict[str, str]:
-    """``"LMKIT_GEMV_FOLD=0,X=1"`` -> ``{"LMKIT_GEMV_FOLD": "0", "X": "1"}``."""
-    env = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, eq, value = part.partition("=")
-        if not eq or not name.strip():
-            raise SystemExit(f"--ab-env: expected NAME=VALUE[,NAME=VALUE...], got {part!r}")
-        env[name.strip()] = value.strip()
-    return env
-
-
 def _tree_commit(tree: Path) -> str:
     """The commit checked out at ``tree``: git's answer, else a ``COMMIT`` file there (an
     exported tree), else the path."""
@@ -259,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run lmkit with these environment variables right after its "
                     "run on each model, e.g. LMKIT_GEMV_FOLD=0 (A/B of a kernel switch; "
                     "NAME=VALUE, comma-separated); reported as lmkit_ab")
+    ap.add_argument("--ab-set", default="",
+                    help="the same A/B run with these engine options changed, by dotted "
+                    "path, values as JSON; ';'-separated, e.g. "
+                    "'attention.options={\"decode_tiles\": [64, 8, 3]}' (with --ab-env: "
+                    "both, in one run)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
@@ -273,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     peers = parse_peers(args.peer)
     ab_env = parse_env(args.ab_env)
+    ab_set = parse_sets(args.ab_set)
     names = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
     unknown = [n for n in names if n not in wl.WORKLOAD_MODELS]
     if unknown:
@@ -344,10 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                    "profile_run": args.profile_run}
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
-                if ab_env:
-                    ab = run_side("lmkit", {**job, "tag": key + "-ab", "env": ab_env}, root,
-                                  args.side_timeout)
-                    report.setdefault("lmkit_ab", {})[key] = {"env": ab_env, **ab}
+                if ab_env or ab_set:
+                    ab_job = {**job, "tag": key + "-ab", "env": ab_env,
+                              "options": {**options, **ab_set}}
+                    ab = run_side("lmkit", ab_job, root, args.side_timeout)
+                    report.setdefault("lmkit_ab", {})[key] = {"env": ab_env, "set": ab_set,
+                                                              **ab}
             if args.baseline_tree or args.baseline_quantization:
                 base_q = args.baseline_quantization or args.quantization
                 base_job = {**job, "tag": key + "-base", "profile_steps": 0,

@@ -4,6 +4,7 @@ plain-text table."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -101,7 +102,9 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"HF on {model}: {res['mode']}")
     runs = [("without the decode lookahead", res)
             for res in report.get("lmkit_no_lookahead", {}).values()]
-    runs += [("with " + " ".join(f"{k}={v}" for k, v in res.get("env", {}).items()), res)
+    runs += [("with " + " ".join([*(f"{k}={v}" for k, v in res.get("env", {}).items()),
+                                  *(f"{k}={json.dumps(v)}" for k, v in res.get("set", {}).items())]),
+              res)
              for res in report.get("lmkit_ab", {}).values()]
     for label, res in runs:
         for r in res.get("results", []):

@@ -30,3 +30,21 @@ def test_report_names_the_switch():
     report["lmkit_ab"]["llama-3.1-8b"] = {"env": {"LMKIT_GEMV_FOLD": "0"},
                                           "error": "exit status 1"}
     assert "lmkit with LMKIT_GEMV_FOLD=0: ERROR exit status 1" in format_table(report)
+
+
+def test_parse_sets_reads_json_values():
+    sets = gpu_engine.parse_sets('attention.options={"decode_tiles": [64, 8, 3]}; '
+                                 'max_num_seqs=128;cache.prefix_caching=false;x=abc')
+    assert sets == {"attention.options": {"decode_tiles": [64, 8, 3]}, "max_num_seqs": 128,
+                    "cache.prefix_caching": False, "x": "abc"}
+    assert gpu_engine.parse_sets("") == {}
+    with pytest.raises(SystemExit, match="expected PATH=VALUE"):
+        gpu_engine.parse_sets("max_num_seqs")
+
+
+def test_report_names_the_changed_options():
+    report = {"workloads": [], "rows": [], "lmkit_ab": {"qwen3-0.6b": {
+        "env": {}, "set": {"attention.options": {"decode_tiles": [64, 8, 3]}},
+        "results": [{"workload": "W1", "output_tokens_per_s": 24000.4}]}}}
+    assert ('W1 with attention.options={"decode_tiles": [64, 8, 3]}: 24000 tok/s'
+            in format_table(report))

@@ -1,4 +1,5 @@
-"""Chained draft passes on and off (``LMKIT_DRAFT_CHAIN``), in one process, on a random
+"""Chained draft passes on and off (``LMKIT_DRAFT_CHAIN``; ``--switch`` names another
+of the engine's on/off switches, e.g. ``LMKIT_SPEC_LOOKAHEAD``), in one process, on a random
 SmolLM2-135M-shaped target with a random EAGLE-3 head (its drafts are almost never
 accepted, so every speculative step has the same shape: this measures what a step
 costs, not what it gains). Engines for plain decoding and for each ``k`` with the
@@ -6,6 +7,7 @@ costs, not what it gains). Engines for plain decoding and for each ``k`` with th
 same greedy requests in interleaved rounds; medians of ms per output token::
 
     python bench/draft_chain.py --ks 3 5 --batches 1 8 --rounds 3
+    python bench/draft_chain.py --switch LMKIT_SPEC_LOOKAHEAD --ks 3 --batches 1 8 32
 
 Needs CUDA and triton attention (the chain needs a backend that keeps a captured
 decode plan valid as positions move: ``supports_in_place_decode_metadata``).
@@ -28,6 +30,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--switch", default="LMKIT_DRAFT_CHAIN",
+                    help="the environment switch compared on (1) and off (0) for each k, "
+                    "read when each engine starts")
     args = ap.parse_args()
 
     import torch
@@ -46,14 +51,15 @@ def main() -> None:
                for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides: dict[str, dict] = {"plain": {}}
+    labels = (("chained", "per-pass") if args.switch == "LMKIT_DRAFT_CHAIN" else ("on", "off"))
     for k in args.ks:
-        for chain in ("1", "0"):
-            sides[f"k{k}-{'chained' if chain == '1' else 'per-pass'}"] = {"k": k, "chain": chain}
+        for value, label in zip(("1", "0"), labels, strict=True):
+            sides[f"k{k}-{label}"] = {"k": k, "value": value}
     engines = {}
     for name, side in sides.items():
         kw = {}
         if side:
-            os.environ["LMKIT_DRAFT_CHAIN"] = side["chain"]  # read when graphs are captured
+            os.environ[args.switch] = side["value"]  # read when the engine starts
             kw = dict(speculative="eagle3", speculative_model=str(head),
                       num_speculative_tokens=side["k"])
         engines[name] = LLM(str(target), device="cuda", attention=args.attention,

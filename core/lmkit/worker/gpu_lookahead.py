@@ -226,7 +226,7 @@ class DecodeLookahead:
             return False
         for rid in order:
             state = self.requests[rid]
-            if state.prompt_logprobs is not None or not _greedy_plain(
+            if state.prompt_logprobs is not None or not greedy_plain(
                     state.sampling_params, len(state.output_token_ids)):
                 return False
         batch = self.input_batch
@@ -310,7 +310,7 @@ def _plain(so: SchedulerOutput) -> bool:
             and so.grammar_bitmask is None and not so.kv_transfers)
 
 
-def _greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
+def greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
     """Greedy sampling that the argmax of the raw logits reproduces exactly (and no
     grammar, whose bitmask the lookahead does not apply)."""
     return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None

@@ -48,6 +48,7 @@ from lmkit.worker.model_build import (
 from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner, maybe_capture_piecewise
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
+from lmkit.worker.spec_lookahead import SpecLookahead, spec_lookahead_slots, take_ahead
 from lmkit.worker.step_plan import commit_tokens, kept_positions, sampling_plan
 from lmkit.worker.step_sampling import sample_step
 
@@ -112,9 +113,11 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
         self.piecewise: PiecewiseGraphRunner | None = None  # mixed steps' graphs (CUDA)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
+        self.spec_lookahead: SpecLookahead | None = None  # verifications launched ahead
         self.drafter: DraftRunner | None = None  # a runner-hosted proposer (EAGLE head)
         # KV slots per request the scheduler reserves so decode steps can launch ahead
-        self.num_lookahead_slots = decode_lookahead_slots(config, stack)
+        self.num_lookahead_slots = max(decode_lookahead_slots(config, stack),
+                                       spec_lookahead_slots(config, stack))
 
     # ------------------------------------------------------------------ setup
 
@@ -216,12 +219,12 @@ class ModelRunner:
                                         self.dtype)
         # a processor applied to every request may change the argmax: no launch ahead
         graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
-        # a pooling-only model never decodes; a draft head drafts after every forward
-        # unless speculation is off by batch size (then large batches run ahead)
+        # decode steps and verifications launched ahead (a pooling-only model never decodes)
         if self.facts.generates:
-            self.lookahead = DecodeLookahead.maybe(self.config, self.stack, graphs, self.model,
-                                                   self.input_batch, self.requests,
-                                                   self.max_model_len, self.drafter)
+            args = (self.config, self.stack, graphs, self.model, self.input_batch,
+                    self.requests, self.max_model_len, self.drafter)
+            self.lookahead, self.spec_lookahead = (DecodeLookahead.maybe(*args),
+                                                   SpecLookahead.maybe(*args))
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the
@@ -250,7 +253,7 @@ class ModelRunner:
         lookahead that replays them), the draft head, the offload worker, the KV caches
         and the model. The runner cannot step afterwards; the executor's shutdown calls
         it so that another engine in the same process gets the memory back."""
-        self.lookahead = None
+        self.lookahead = self.spec_lookahead = None
         self.cuda_graphs = None
         self.piecewise = None  # its graphs and buffers hold the KV caches and weights too
         self.drafter = None
@@ -272,11 +275,10 @@ class ModelRunner:
             self.offload.start(so.kv_transfers)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput(finished_kv_loads=self._finished_kv_loads(wait=True))
-        if self.lookahead is not None and not self.pooling:  # the decode step launched ahead
-            ahead = self.lookahead.take(so)
-            if ahead is not None:
-                ahead.finished_kv_loads = self._finished_kv_loads()
-                return ahead
+        ahead = None if self.pooling else take_ahead(self.lookahead, self.spec_lookahead, so)
+        if ahead is not None:  # the step launched ahead
+            ahead.finished_kv_loads = self._finished_kv_loads()
+            return ahead
         order, step = self._prepare_step(so)
         # a draft head that reads chosen target layers (EAGLE-3) gets their inputs here
         aux: list[torch.Tensor] | None = (
@@ -308,6 +310,8 @@ class ModelRunner:
                 self.offload.after_forward(so.kv_transfers)
         if self.lookahead is not None:
             self.lookahead.after_step(so, order, step, drafted=bool(out.draft_token_ids))
+        if self.spec_lookahead is not None:
+            self.spec_lookahead.after_step(so, order, out.draft_token_ids)
         out.finished_kv_loads = self._finished_kv_loads()
         return out
 

@@ -27,7 +27,8 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
     for each request at each length: ``{(prompt index, tokens so far): drafts}``, and
     the engine's stats. ``offload``: the config's ``offload`` section (none: off);
     ``parallel``: its ``parallel`` section (tensor parallel: the ranks in worker
-    processes, the drafts recorded here, in the engine)."""
+    processes, the drafts recorded here, in the engine); ``k`` (in ``settings``): draft
+    tokens per step (3)."""
     from lmkit.engine.core import EngineCore
 
     seen: dict[tuple[int, int], list[int]] = {}
@@ -44,7 +45,7 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         "model": {"model": str(tiny), "dtype": "float32", "max_model_len": 64},
         "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
-        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
+        "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": settings.pop("k", 3),
                         "disable_by_batch_size": settings.pop("disable_by_batch_size", None),
                         "adaptive": settings.pop("adaptive", False)},
         "scheduler": settings, **({"offload": offload} if offload else {}),

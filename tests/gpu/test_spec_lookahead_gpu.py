@@ -1,0 +1,50 @@
+"""Verifications launched ahead (:mod:`lmkit.worker.spec_lookahead`) on CUDA with
+captured graphs: on the tiny random Llama with random ``eagle`` / ``eagle3`` heads
+(float32, triton attention), greedy outputs equal plain decoding and every draft equals
+the run with ``LMKIT_SPEC_LOOKAHEAD=0``, with launched steps taken (whole and for a
+subset of their requests) and discarded (drafts cut at ``max_tokens``)."""
+
+from __future__ import annotations
+
+import pytest
+from gpu_only import require_cuda_and_triton
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+require_cuda_and_triton()
+
+from eagle_engine import PROMPTS  # noqa: E402
+from eagle_engine import run_engine as _run  # noqa: E402
+from lmkit import SamplingParams  # noqa: E402
+from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head  # noqa: E402
+from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
+
+MAX_TOKENS = [9, 14, 40, 17, 33]
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
+    import lmkit.worker.spec_lookahead as spec_lookahead
+
+    made: list = []
+    init = spec_lookahead.SpecLookahead.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(spec_lookahead.SpecLookahead, "__init__", record)
+    tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
+    head = (make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3) if proposer == "eagle"
+            else make_tiny_eagle3_head(tmp_path / "head", tiny))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    assert len(params) == len(PROMPTS)
+    plain, _, _ = _run(tiny, head, proposer, monkeypatch, speculative=False, params=params)
+    monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
+    off, off_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
+    assert made == [] and off == plain
+    monkeypatch.delenv("LMKIT_SPEC_LOOKAHEAD")
+    on, on_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
+    assert len(made) == 1 and made[0].stats.used > 10 and made[0].stats.discarded > 0
+    assert on == plain
+    assert len(on_drafts) > 20 and on_drafts == off_drafts

@@ -1,0 +1,132 @@
+"""Verification steps launched ahead (:mod:`lmkit.worker.spec_lookahead`), on the CPU
+through the graph runners' padded path: after a step whose requests all drafted, the
+runner launches the next verification before the scheduler asks for it and takes its
+result when the scheduled step is that one. Every token and every draft must equal the
+run without it (and the dense reference's drafts), whether the launched step is taken,
+taken for a subset of its requests (others finished), or discarded (the scheduler cut
+the drafts at ``max_tokens``)."""
+
+from __future__ import annotations
+
+import pytest
+from dense_eagle import DenseEagle
+from eagle_engine import PROMPTS, padded_replays, run_engine
+from lmkit import SamplingParams
+from lmkit.testing.eagle_head import make_tiny_eagle_head
+
+# requests finish at different steps (subsets taken) and some cut their drafts at
+# max_tokens (launched steps discarded)
+MAX_TOKENS = [9, 14, 40, 17, 33]
+
+
+def spec_lookahead_on_the_cpu(monkeypatch) -> list:
+    """Let the runner build its lookaheads on the CPU; returns the spec lookaheads built."""
+    import lmkit.worker.gpu_lookahead as gpu_lookahead
+    import lmkit.worker.model_runner as model_runner
+    import lmkit.worker.spec_lookahead as spec_lookahead
+
+    made: list = []
+    init = spec_lookahead.SpecLookahead.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    for module in (gpu_lookahead, model_runner, spec_lookahead):
+        monkeypatch.setattr(module, "decode_lookahead_slots", lambda config, stack: 1)
+    monkeypatch.setattr(spec_lookahead.SpecLookahead, "__init__", record)
+    return made
+
+
+@pytest.fixture(scope="module")
+def accepting(tiny, baseline, tmp_path_factory):
+    """A head that always drafts the token the target's greedy outputs hold most often:
+    its drafts are accepted often and rejected often."""
+    from collections import Counter
+
+    common = Counter(t for out in baseline for t in out).most_common(1)[0][0]
+    return make_tiny_eagle_head(tmp_path_factory.mktemp("accepting"), tiny,
+                                constant_draft=common)
+
+
+def greedy(max_tokens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+def assert_reference_drafts(tiny, head, got: dict) -> None:
+    reference = DenseEagle(tiny, head)
+    wrong = [key for key, drafts in got.items()
+             if drafts != reference.drafts(list(key[1]), len(drafts))]
+    assert len(got) > 20 and not wrong, f"{len(wrong)} of {len(got)} drafts differ"
+
+
+@pytest.mark.parametrize(("proposer", "k"), [("eagle", 3), ("eagle3", 3), ("accepting", 3),
+                                              ("accepting", 1)])
+def test_verifications_launched_ahead_change_nothing(tiny, heads, accepting, monkeypatch,
+                                                     proposer, k):
+    """``accepting`` with one draft per step: every draft is accepted at times, so the
+    next verification reaches ``k + 1`` positions past the scheduled ones."""
+    head = accepting if proposer == "accepting" else heads[proposer]
+    name = "eagle" if proposer == "accepting" else proposer
+    params = greedy(MAX_TOKENS)
+    padded_replays(monkeypatch)
+    without, plain_stats = run_engine(tiny, head, monkeypatch, PROMPTS, name, params,
+                                      max_num_seqs=8, k=k)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    got, stats = run_engine(tiny, head, monkeypatch, PROMPTS, name, params, max_num_seqs=8,
+                            k=k)
+    assert len(made) == 1
+    look = made[0].stats
+    assert look.used > 10 and look.discarded > 0  # taken, and cut at max_tokens
+    assert look.launched >= look.used + look.discarded
+    if proposer == "accepting":  # accepted drafts taken ahead too, several at once
+        assert stats["spec_num_accepted_tokens"] > 10
+        assert stats["spec_acceptance_rate"] < 0.9
+    for key in ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verifications"):
+        assert stats[key] == plain_stats[key], key
+    assert got == without  # same tokens (the keys) and the same drafts
+    assert_reference_drafts(tiny, head, got)
+
+
+def test_beside_decode_steps_launched_ahead(tiny, heads, monkeypatch):
+    """With speculation off above 2 requests, large batches run plain decode steps
+    launched ahead and, once the batch shrinks, verifications launched ahead."""
+    params = greedy([8, 12, 40, 16, 40])
+    settings = dict(max_num_seqs=8, disable_by_batch_size=2)
+    padded_replays(monkeypatch)
+    without, _ = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3", params,
+                            **settings)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    got, stats = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3", params,
+                            **settings)
+    assert made[0].stats.used > 5 and stats["spec_num_steps_off"] > 5
+    assert got == without
+    assert_reference_drafts(tiny, heads["eagle3"], got)
+
+
+def test_not_launched_for_sampled_requests(tiny, heads, monkeypatch):
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    padded_replays(monkeypatch)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS, "eagle", params, max_num_seqs=8)
+    assert made[0].stats.launched == 0
+
+
+def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
+    """``k + 1`` lookahead slots with a draft head where decode steps can launch ahead;
+    none with ``LMKIT_SPEC_LOOKAHEAD=0`` (and then no lookahead is built)."""
+    import lmkit.worker.spec_lookahead as spec_lookahead
+
+    padded_replays(monkeypatch)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
+    without, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle",
+                            max_num_seqs=8)
+    assert made == []
+    monkeypatch.delenv("LMKIT_SPEC_LOOKAHEAD")
+    got, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle",
+                        max_num_seqs=8)
+    assert len(made) == 1 and made[0].stats.used > 5
+    assert got == without
+    assert spec_lookahead.ENV == "LMKIT_SPEC_LOOKAHEAD"

@@ -2,9 +2,9 @@
 
     python bench/step_trace.py FILE [--json OUT]
 
-Step kinds: ``decode`` (every request scheduled one token), ``mixed`` (decodes and
-prefill/chunk/draft tokens), ``prefill`` (no single-token request), ``empty``. For each
-kind: the number of steps, their share of the traced wall time, and the median/p90 of
+Step kinds: ``decode`` (every request scheduled one token), ``verify`` (every other
+request verifies drafts), ``mixed`` (decodes and prefill/chunk tokens), ``prefill`` (no
+single-token request), ``empty``. For each kind: the number of steps, their share of the traced wall time, and the median/p90 of
 the schedule, execute and preceding gap times; plus the total time spent between steps
 (host gaps) against the time inside them, and the part of it when requests were running
 (the gaps after a step that did not finish every request it ran: idling excluded).
@@ -20,11 +20,14 @@ from typing import Any
 
 
 def step_kind(rec: dict[str, Any]) -> str:
-    """``decode``, ``mixed``, ``prefill`` or ``empty`` for one trace record."""
+    """``decode``, ``verify``, ``mixed``, ``prefill`` or ``empty`` for one trace record."""
     if rec["tokens"] == 0:
         return "empty"
     if rec["prefill_tokens"] == 0:
         return "decode"
+    verify = rec.get("verify_tokens", 0)  # (traces before it had no such field)
+    if verify and rec["tokens"] == rec["decode_reqs"] + verify:
+        return "verify"
     return "mixed" if rec["decode_reqs"] else "prefill"
 
 

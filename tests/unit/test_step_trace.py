@@ -67,6 +67,12 @@ def test_step_kinds():
     assert kind({"tokens": 4, "prefill_tokens": 0, "decode_reqs": 4}) == "decode"
     assert kind({"tokens": 9, "prefill_tokens": 6, "decode_reqs": 3}) == "mixed"
     assert kind({"tokens": 6, "prefill_tokens": 6, "decode_reqs": 0}) == "prefill"
+    # two requests verifying three drafts each, one decoding
+    assert kind({"tokens": 9, "prefill_tokens": 8, "decode_reqs": 1,
+                 "verify_tokens": 8}) == "verify"
+    # a prompt chunk beside a verification
+    assert kind({"tokens": 20, "prefill_tokens": 20, "decode_reqs": 0,
+                 "verify_tokens": 4}) == "prefill"
 
 
 def test_pid_in_the_path(tmp_path, monkeypatch):
@@ -76,5 +82,28 @@ def test_pid_in_the_path(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LMKIT_STEP_TRACE", str(tmp_path / "trace-{pid}.jsonl"))
     phase = StepTracePhase.from_env()
+    second = StepTracePhase.from_env()  # another engine of this process: its own file
     phase.shutdown()
+    second.shutdown()
     assert (tmp_path / f"trace-{os.getpid()}.jsonl").is_file()
+    assert (tmp_path / f"trace-{os.getpid()}.jsonl.2").is_file()
+
+
+def test_verification_steps_are_their_own_kind(tiny, tmp_path, monkeypatch):
+    """With speculation, steps verifying drafts record their tokens (``verify_tokens``)
+    and the summary counts them as ``verify``, apart from prompt steps."""
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LMKIT_STEP_TRACE", str(trace))
+    llm = LLM(str(tiny), device="cpu", dtype="float32", max_model_len=128, num_blocks=64,
+              block_size=4, speculative="ngram", num_speculative_tokens=2)
+    prompts = ["abcabcabcabc", "0123401234", "the cat sat on the mat; the cat"]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    drafted = llm.stats()["spec_num_draft_tokens"]
+    llm.shutdown()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    verify = [r for r in records if r["verify_tokens"]]
+    assert drafted > 0 and verify
+    assert sum(r["tokens"] - r["reqs"] for r in verify) == drafted  # one token each + drafts
+    summary = _bench_module().summarize(records)
+    assert summary["kinds"]["verify"]["steps"] == len(verify)
+    assert summary["kinds"]["prefill"]["steps"] == 1

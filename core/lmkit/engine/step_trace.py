@@ -1,6 +1,8 @@
 """A step timeline of the engine core, for profiling (``LMKIT_STEP_TRACE=FILE``).
 
-With the variable set (``{pid}`` in it becomes the process id), the engine core appends one JSON line per step to ``FILE``:
+With the variable set (``{pid}`` in it becomes the process id; a second engine of the
+same process writes to ``FILE.2``, a third to ``FILE.3``), the engine core appends one
+JSON line per step to ``FILE``:
 
 * ``t``: the step's start, seconds since the trace opened;
 * ``gap_ms``: from the end of the previous step's model output to this step's start
@@ -10,7 +12,8 @@ With the variable set (``{pid}`` in it becomes the process id), the engine core 
   this includes waiting for the device, except where a step runs ahead);
 * ``reqs``, ``tokens``: requests and tokens scheduled; ``prefill_tokens``: tokens of
   requests scheduled more than one token (prompts, chunks, drafts); ``decode_reqs``:
-  requests scheduled exactly one token; ``finished``: requests that finished in it.
+  requests scheduled exactly one token; ``verify_tokens``: tokens of requests that verify
+  drafts (each one plus its drafts); ``finished``: requests that finished in it.
 
 A gap after a step that left requests running (``reqs > finished``) is host time the
 engine spent between steps; after one that finished everything, it includes idling.
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 
 ENV = "LMKIT_STEP_TRACE"
 
+_traces_opened: dict[str, int] = {}  # path -> engines of this process tracing to it
+
 
 class StepTracePhase(StepPhase):
     """Writes each step's timing and shape as one JSON line to a file."""
@@ -47,10 +52,14 @@ class StepTracePhase(StepPhase):
     @classmethod
     def from_env(cls) -> StepTracePhase | None:
         """A trace phase writing to ``$LMKIT_STEP_TRACE`` (``{pid}`` in it replaced by
-        the engine process's id, so that several engines write apart), or ``None`` when
-        it is unset."""
+        the engine process's id, and ``.N`` appended for the ``N``-th engine of one
+        process, so that several engines write apart), or ``None`` when it is unset."""
         path = os.environ.get(ENV)
-        return cls(path.replace("{pid}", str(os.getpid()))) if path else None
+        if not path:
+            return None
+        path = path.replace("{pid}", str(os.getpid()))
+        n = _traces_opened[path] = _traces_opened.get(path, 0) + 1
+        return cls(path if n == 1 else f"{path}.{n}")
 
     def before_schedule(self) -> None:
         self._start = time.perf_counter()
@@ -66,6 +75,7 @@ class StepTracePhase(StepPhase):
             return
         counts = scheduler_output.num_scheduled_tokens.values()
         decode_reqs = sum(1 for n in counts if n == 1)
+        spec = scheduler_output.scheduled_spec_decode_tokens
         tokens = scheduler_output.total_num_scheduled_tokens
         record = {
             "t": round(self._start - self._opened, 6),
@@ -76,6 +86,7 @@ class StepTracePhase(StepPhase):
             "tokens": tokens,
             "prefill_tokens": tokens - decode_reqs,
             "decode_reqs": decode_reqs,
+            "verify_tokens": sum(1 + len(d) for d in spec.values() if d),
             "finished": sum(1 for o in outputs if o.finish_reason is not None),
         }
         self._file.write(json.dumps(record) + "\n")

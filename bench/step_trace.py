@@ -45,7 +45,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     wall = (records[-1]["t"] - records[0]["t"]) * 1e3 + records[-1]["schedule_ms"] \
         + records[-1]["execute_ms"]
     kinds: dict[str, Any] = {}
-    for kind in ("decode", "mixed", "prefill", "empty"):
+    for kind in ("decode", "verify", "mixed", "prefill", "empty"):
         recs = [r for r in records if step_kind(r) == kind]
         if not recs:
             continue

@@ -1,5 +1,6 @@
 """Chained draft passes on and off (``LMKIT_DRAFT_CHAIN``; ``--switch`` names another
-of the engine's on/off switches, e.g. ``LMKIT_SPEC_LOOKAHEAD``), in one process, on a random
+of the engine's on/off switches: an environment variable such as ``LMKIT_SPEC_LOOKAHEAD``,
+or a boolean setting such as ``speculative.catch_up_when_off``), in one process, on a random
 SmolLM2-135M-shaped target with a random EAGLE-3 head (its drafts are almost never
 accepted, so every speculative step has the same shape: this measures what a step
 costs, not what it gains). Engines for plain decoding and for each ``k`` with the
@@ -8,6 +9,8 @@ same greedy requests in interleaved rounds; medians of ms per output token::
 
     python bench/draft_chain.py --ks 3 5 --batches 1 8 --rounds 3
     python bench/draft_chain.py --switch LMKIT_SPEC_LOOKAHEAD --ks 3 --batches 1 8 32
+    python bench/draft_chain.py --switch speculative.catch_up_when_off \
+        --set speculative.disable_by_batch_size=16 --ks 3 --batches 1 8 32
 
 Needs CUDA and triton attention (the chain needs a backend that keeps a captured
 decode plan valid as positions move: ``supports_in_place_decode_metadata``).
@@ -16,6 +19,7 @@ decode plan valid as positions move: ``supports_in_place_decode_metadata``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -31,9 +35,20 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--switch", default="LMKIT_DRAFT_CHAIN",
-                    help="the environment switch compared on (1) and off (0) for each k, "
-                    "read when each engine starts")
+                    help="compared on and off for each k: an environment variable (1 / 0, "
+                    "read when each engine starts) or a boolean setting's dotted path")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                    help="a setting of every speculating engine (value read as JSON)")
     args = ap.parse_args()
+    settings = {}
+    for item in args.set:
+        path, eq, value = item.partition("=")
+        if not eq:
+            ap.error(f"--set expects PATH=VALUE, got {item!r}")
+        try:
+            settings[path] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[path] = value
 
     import torch
     from lmkit import LLM, SamplingParams
@@ -57,11 +72,14 @@ def main() -> None:
             sides[f"k{k}-{label}"] = {"k": k, "value": value}
     engines = {}
     for name, side in sides.items():
-        kw = {}
+        kw: dict = {}
         if side:
-            os.environ[args.switch] = side["value"]  # read when the engine starts
             kw = dict(speculative="eagle3", speculative_model=str(head),
-                      num_speculative_tokens=side["k"])
+                      num_speculative_tokens=side["k"], **settings)
+            if "." in args.switch:  # a setting
+                kw[args.switch] = side["value"] == "1"
+            else:
+                os.environ[args.switch] = side["value"]  # read when the engine starts
         engines[name] = LLM(str(target), device="cuda", attention=args.attention,
                             dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                             gpu_memory_utilization=0.8 / len(sides), **kw)

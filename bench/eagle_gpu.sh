@@ -9,14 +9,15 @@
 #
 # PROMPTS (default 4000), STEPS (default 6000), BATCH (16), LR (1e-3), VOCAB (8192),
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
-# (triton) set the run; OFF_ABOVE (default 16) adds an eagle3 run with speculation off
-# above that batch size (`--disable-by-batch-size`: batch 32 then decodes plainly, run
-# ahead, the head catching up); OFF_ABOVE=none skips it; ADAPTIVE=1 (the default) adds an
-# eagle3 run with `--adaptive` (speculative.adaptive: drafts only while they measure
-# faster), ADAPTIVE=0 skips it; RUNS (e.g. "eagle3-adaptive eagle3") names the bench runs
-# outright, from eagle3, ngram, eagle3-off and eagle3-adaptive; HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
-# DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With no step
-# named both run (training ~5 minutes on an H100 at the defaults, the benchmark ~6).
+# (triton) set the run. Bench runs, each beside plain decoding: eagle3, ngram, eagle3-off
+# (speculation off above OFF_ABOVE requests, default 16: batch 32 decodes plainly, run
+# ahead, the head catching up), eagle3-drop (the same with the head skipping requests that
+# ran above it: speculative.catch_up_when_off false) and eagle3-adaptive
+# (speculative.adaptive: drafts only while they measure faster). OFF_ABOVE=none skips the
+# off and drop runs, ADAPTIVE=0 the adaptive one; RUNS (e.g. "eagle3-adaptive eagle3")
+# names the runs outright. HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With
+# no step named both run (training ~5 minutes on an H200 at the defaults).
 set -euo pipefail
 out=${OUT:-eagle-gpu}
 gguf=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file}
@@ -37,18 +38,18 @@ for step in $steps; do
     bench)
       off=${OFF_ABOVE:-16}
       runs=(eagle3 ngram)
-      [[ $off != none ]] && runs+=(eagle3-off)
+      [[ $off != none ]] && runs+=(eagle3-off eagle3-drop)
       [[ ${ADAPTIVE:-1} == 1 ]] && runs+=(eagle3-adaptive)
       [[ -n ${RUNS:-} ]] && read -r -a runs <<< "$RUNS"
       for run in "${runs[@]}"; do
-        case $run in eagle3|ngram|eagle3-off|eagle3-adaptive) ;;
-          *) echo "unknown run '$run'; choose from: eagle3 ngram eagle3-off eagle3-adaptive" >&2; exit 2 ;;
+        case $run in eagle3|ngram|eagle3-off|eagle3-drop|eagle3-adaptive) ;;
+          *) echo "unknown run '$run'; choose from: eagle3 ngram eagle3-off eagle3-drop eagle3-adaptive" >&2; exit 2 ;;
         esac
-        proposer=${run%-off}
-        proposer=${proposer%-adaptive}
+        proposer=${run%%-*}
         extra=()
         [[ $proposer == eagle3 ]] && extra=(--speculative-model "$head")
-        [[ $run == *-off ]] && extra+=(--disable-by-batch-size "$off")
+        [[ $run == *-off || $run == *-drop ]] && extra+=(--disable-by-batch-size "$off")
+        [[ $run == *-drop ]] && extra+=(--no-catch-up)
         [[ $run == *-adaptive ]] && extra+=(--adaptive)
         python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
           --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \

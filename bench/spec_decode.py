@@ -124,7 +124,8 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
     spec_opts = {**base_opts, "speculative": args.proposer,
                  "num_speculative_tokens": args.spec_tokens,
                  "speculative.disable_by_batch_size": args.disable_by_batch_size,
-                 "speculative.adaptive": args.adaptive}
+                 "speculative.adaptive": args.adaptive,
+                 "speculative.catch_up_when_off": not args.no_catch_up}
     if args.proposer == "ngram":
         spec_opts["speculative.options"] = {"prompt_lookup_max": args.prompt_lookup_max,
                                             "prompt_lookup_min": args.prompt_lookup_min}
@@ -179,6 +180,9 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="speculative.disable_by_batch_size: no drafts above this batch")
+    ap.add_argument("--no-catch-up", action="store_true",
+                    help="speculative.catch_up_when_off false: with --disable-by-batch-size, "
+                    "requests that run above the limit stop drafting and the head skips them")
     ap.add_argument("--adaptive", action="store_true",
                     help="speculative.adaptive: draft only while drafts measure faster")
     ap.add_argument("--seed", type=int, default=0)

@@ -145,6 +145,13 @@ class SpeculativeConfig(OptionalBackendSection):
         None, gt=0, description="Propose no drafts after a step that ran more than this many "
         "requests (large batches are compute-bound: verifying drafts may cost more than it "
         "saves); unset: always speculate.")
+    catch_up_when_off: bool = Field(
+        True, description="With a draft head (eagle) and disable_by_batch_size: keep the "
+        "head's KV cache complete while the batch is above the limit (one head pass per "
+        "step), so that its requests draft again once the batch shrinks. false: a request "
+        "that runs in a step above the limit stops drafting for good and the head does no "
+        "work for it -- on a small target the head's pass costs a large share of a plain "
+        "step.")
     adaptive: bool = Field(
         False, description="Measure decode throughput with and without drafts (8 decode "
         "steps each, every 256) and speculate only while drafts are faster, so that "

@@ -75,13 +75,19 @@ class DraftRunner:
         device: where the head runs.
         requests: the runner's request states by id (sampling parameters, generators:
             read when the head samples drafts); ``vocab_size``: the target's.
+        skip_above: leave the head out of steps of more than this many requests
+            (``speculative.disable_by_batch_size`` with ``catch_up_when_off`` false):
+            their requests stop drafting for good (:attr:`stale`); ``None``: never.
     """
 
     def __init__(self, proposer: RunnerProposer, num_speculative_tokens: int,
                  input_batch: InputBatch, max_model_len: int, device: torch.device,
                  requests: Mapping[str, CachedRequestState] | None = None,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, skip_above: int | None = None) -> None:
         self.proposer = proposer
+        self.skip_above = skip_above
+        # requests whose head KV has holes (they ran in a skipped step): no more drafts
+        self.stale: set[str] = set()
         self.requests: Mapping[str, CachedRequestState] = (requests if requests is not None
                                                            else {})
         self.vocab_size = vocab_size
@@ -106,11 +112,11 @@ class DraftRunner:
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
              input_batch: InputBatch, max_model_len: int,
              requests: Mapping[str, CachedRequestState] | None = None,
-             vocab_size: int = 0) -> DraftRunner:
+             vocab_size: int = 0, skip_above: int | None = None) -> DraftRunner:
         """Load ``proposer``'s weights next to the loaded target; return its runner."""
         proposer.load(ctx)
         return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
-                   torch.device(ctx.build.device), requests, vocab_size)
+                   torch.device(ctx.build.device), requests, vocab_size, skip_above)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
@@ -189,6 +195,14 @@ class DraftRunner:
         Returns:
             step index -> up to ``k`` draft token ids, for the drafting requests.
         """
+        if self.skip_above is not None and len(step.rows) > self.skip_above:
+            self.stale.update(self.input_batch.req_ids[r] for r in step.rows)
+            return {}
+        if self.stale:  # stale requests: neither caught up nor drafted for
+            self.stale &= self.requests.keys()  # (finished ones forgotten)
+            live = np.fromiter((self.input_batch.req_ids[r] not in self.stale
+                                for r in step.rows), dtype=bool, count=len(step.rows))
+            num_kept, drafting = np.where(live, num_kept, 0), drafting & live
         sel = np.flatnonzero(num_kept > 0)
         if not len(sel):
             return {}

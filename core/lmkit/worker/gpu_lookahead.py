@@ -192,8 +192,10 @@ class DecodeLookahead:
         """The draft head's pass over a taken step (one position per request, its
         features kept at launch); drafts where ``head_drafts`` (the batch is small enough
         to speculate and the step's plan lets it)."""
-        assert self.drafter is not None and pending.features is not None
-        assert pending.slots is not None
+        assert self.drafter is not None and pending.slots is not None
+        if pending.features is None:  # launched as a step the head sits out
+            self.drafter.stale.update(order)
+            return {}
         n = len(order)
         features = pending.features
         if idx != list(range(len(pending.req_ids))):
@@ -244,14 +246,17 @@ class DecodeLookahead:
         slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
-        taps = self.drafter.proposer.target_layers if self.drafter is not None else ()
+        drafter = self.drafter
+        if drafter is not None and drafter.skip_above is not None and len(order) > drafter.skip_above:
+            drafter = None  # the head sits this step out: no features to keep
+        taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None
         with torch.inference_mode():
             hidden = self.graphs.run_decode(ids, positions, slots, seq_lens,
                                             batch.block_table[rows, :width], device_ids,
                                             aux=aux)
             features = None
-            if self.drafter is not None:  # what the head reads, kept past the next replay
+            if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             ready = None

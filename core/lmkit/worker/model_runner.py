@@ -160,10 +160,11 @@ class ModelRunner:
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
         if head is not None:
+            spec = self.config.speculative
             self.drafter = DraftRunner.load(
-                head, DraftHeadContext(model, hf_config, ctx),
-                self.config.speculative.num_speculative_tokens, self.input_batch,
-                self.max_model_len, self.requests, self.vocab_size)
+                head, DraftHeadContext(model, hf_config, ctx), spec.num_speculative_tokens,
+                self.input_batch, self.max_model_len, self.requests, self.vocab_size,
+                None if spec.catch_up_when_off else spec.disable_by_batch_size)
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")

@@ -47,6 +47,7 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
         "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": settings.pop("k", 3),
                         "disable_by_batch_size": settings.pop("disable_by_batch_size", None),
+                        "catch_up_when_off": settings.pop("catch_up_when_off", True),
                         "adaptive": settings.pop("adaptive", False)},
         "scheduler": settings, **({"offload": offload} if offload else {}),
         **({"parallel": parallel} if parallel else {})})

@@ -104,6 +104,8 @@ def main() -> None:
             rounds = ", ".join(f"{t:.3f}" for t in times[(name, b)])
             print(f"batch {b:3d}  {name:14s} {ms:7.3f} ms/token  x plain {plain / ms:5.2f}  "
                   f"(rounds {rounds})", flush=True)
+    for llm in engines.values():  # (closes their step traces, LMKIT_STEP_TRACE)
+        llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -107,3 +107,22 @@ def test_verification_steps_are_their_own_kind(tiny, tmp_path, monkeypatch):
     summary = _bench_module().summarize(records)
     assert summary["kinds"]["verify"]["steps"] == len(verify)
     assert summary["kinds"]["prefill"]["steps"] == 1
+
+
+def test_an_engine_never_shut_down_leaves_its_steps(tiny, tmp_path):
+    """A program that exits without shutting its engine down still finds every step in
+    the trace (the buffered file is closed at exit)."""
+    import os
+    import subprocess
+    import sys
+
+    trace = tmp_path / "steps.jsonl"
+    code = ("from lmkit import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny)!r}, device='cpu', dtype='float32', max_model_len=128, "
+            "num_blocks=64, block_size=4)\n"
+            "llm.generate([{'prompt_token_ids': [5, 6, 7]}], "
+            "SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))\n")
+    env = {**os.environ, "LMKIT_STEP_TRACE": str(trace)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(records) == 5 and records[-1]["finished"] == 1

@@ -24,6 +24,7 @@ two clock reads and one buffered write per step.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -46,6 +47,7 @@ class StepTracePhase(StepPhase):
 
     def __init__(self, path: str) -> None:
         self._file: IO[str] | None = open(path, "a", buffering=1 << 16)  # noqa: SIM115
+        atexit.register(self.shutdown)  # an engine never shut down still leaves its steps
         self._opened = time.perf_counter()
         self._start = self._scheduled = self._prev_end = 0.0
 
@@ -96,3 +98,4 @@ class StepTracePhase(StepPhase):
         if self._file is not None:
             self._file.close()
             self._file = None
+            atexit.unregister(self.shutdown)

@@ -259,20 +259,26 @@ class DecodeLookahead:
             if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-            ready = None
-            if tokens.is_cuda:  # read back asynchronously, ahead of any later launch
-                host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                host.copy_(tokens, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                host = tokens
+            host, ready = read_back(tokens)
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
                                 positions.copy(), tokens, host, ready, slots, features)
         self._count("launched")
 
     def _count(self, what: str) -> None:
         setattr(self.stats, what, getattr(self.stats, what) + 1)
+
+
+def read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``tokens``' copy to the host, queued (CUDA: into pinned memory, asynchronously,
+    ahead of any later launch) and the event to wait on before reading it (``None`` on
+    the CPU: the tensor itself, ready)."""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def decode_step_inputs(rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,

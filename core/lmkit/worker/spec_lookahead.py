@@ -37,7 +37,12 @@ from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.platform import switched_off
 from lmkit.sample.drafts import VerifiedTokens
-from lmkit.worker.gpu_lookahead import LookaheadStats, decode_lookahead_slots, greedy_plain
+from lmkit.worker.gpu_lookahead import (
+    LookaheadStats,
+    decode_lookahead_slots,
+    greedy_plain,
+    read_back,
+)
 from lmkit.worker.input_batch import StepInputs
 from lmkit.worker.step_plan import commit_tokens, kept_positions
 
@@ -159,14 +164,7 @@ class SpecLookahead:
             features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             # first maximal index, as verify_greedy takes it
             targets = self.model.compute_logits(hidden).max(dim=-1).indices
-            ready = None
-            if targets.is_cuda:
-                host = torch.empty(targets.shape, dtype=targets.dtype, pin_memory=True)
-                host.copy_(targets, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
-            else:
-                host = targets
+            host, ready = read_back(targets)
         self.pending = _PendingVerify(list(order), {r: i for i, r in enumerate(order)},
                                       start, inputs, slots, host, ready, features)
         self.stats.launched += 1

@@ -104,3 +104,24 @@ def padded_replays(monkeypatch):
     monkeypatch.setattr(DraftRunner, "capture_graphs", record_drafter)
     monkeypatch.setattr(model_runner, "maybe_capture", capture)
     return made, drafters
+
+
+def lookaheads_on_the_cpu(monkeypatch, cls) -> list:
+    """Let the runner build its lookaheads on the CPU (the decode lookahead's slot
+    reserved as on CUDA); returns the instances of ``cls`` (``DecodeLookahead`` or
+    ``SpecLookahead``) built."""
+    import lmkit.worker.gpu_lookahead as gpu_lookahead
+    import lmkit.worker.model_runner as model_runner
+    import lmkit.worker.spec_lookahead as spec_lookahead
+
+    made: list = []
+    init = cls.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    for module in (gpu_lookahead, model_runner, spec_lookahead):
+        monkeypatch.setattr(module, "decode_lookahead_slots", lambda config, stack: 1)
+    monkeypatch.setattr(cls, "__init__", record)
+    return made

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import PROMPTS, padded_replays, run_engine
+from eagle_engine import PROMPTS, lookaheads_on_the_cpu, padded_replays, run_engine
 from lmkit import SamplingParams
 
 # requests finish at different steps: 5 running (speculation off), then 2 (drafting)
@@ -19,20 +19,9 @@ MAX_TOKENS = [8, 12, 40, 16, 40]
 
 def lookahead_on_the_cpu(monkeypatch) -> list:
     """Let the runner build its lookahead on the CPU; returns the lookaheads built."""
-    import lmkit.worker.gpu_lookahead as gpu_lookahead
-    import lmkit.worker.model_runner as model_runner
+    from lmkit.worker.gpu_lookahead import DecodeLookahead
 
-    made: list = []
-    init = gpu_lookahead.DecodeLookahead.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(gpu_lookahead, "decode_lookahead_slots", lambda config, stack: 1)
-    monkeypatch.setattr(model_runner, "decode_lookahead_slots", lambda config, stack: 1)
-    monkeypatch.setattr(gpu_lookahead.DecodeLookahead, "__init__", record)
-    return made
+    return lookaheads_on_the_cpu(monkeypatch, DecodeLookahead)
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])

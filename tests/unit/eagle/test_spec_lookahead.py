@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import PROMPTS, padded_replays, run_engine
+from eagle_engine import PROMPTS, lookaheads_on_the_cpu, padded_replays, run_engine
 from lmkit import SamplingParams
 from lmkit.testing.eagle_head import make_tiny_eagle_head
 
@@ -21,21 +21,9 @@ MAX_TOKENS = [9, 14, 40, 17, 33]
 
 def spec_lookahead_on_the_cpu(monkeypatch) -> list:
     """Let the runner build its lookaheads on the CPU; returns the spec lookaheads built."""
-    import lmkit.worker.gpu_lookahead as gpu_lookahead
-    import lmkit.worker.model_runner as model_runner
-    import lmkit.worker.spec_lookahead as spec_lookahead
+    from lmkit.worker.spec_lookahead import SpecLookahead
 
-    made: list = []
-    init = spec_lookahead.SpecLookahead.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    for module in (gpu_lookahead, model_runner, spec_lookahead):
-        monkeypatch.setattr(module, "decode_lookahead_slots", lambda config, stack: 1)
-    monkeypatch.setattr(spec_lookahead.SpecLookahead, "__init__", record)
-    return made
+    return lookaheads_on_the_cpu(monkeypatch, SpecLookahead)
 
 
 @pytest.fixture(scope="module")

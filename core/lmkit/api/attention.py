@@ -102,8 +102,9 @@ class AttentionBackend(ABC):
     #: the positions a model reads) change in place, with the same number of requests:
     #: :meth:`run` reads them on the device at launch and the plan keeps nothing derived
     #: from their host copies. A draft head's chained passes rely on it (one CUDA graph
-    #: runs several passes, each one position further, planned once); ``False``: each
-    #: pass is replayed and planned on its own.
+    #: runs several passes, each one position further, planned once), and decode graphs
+    #: are then replayed without a plan (the one made for their capture holds);
+    #: ``False``: each pass is replayed and planned on its own, and every replay planned.
     supports_in_place_decode_metadata: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,

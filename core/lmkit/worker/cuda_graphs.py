@@ -14,6 +14,8 @@ step of ``n`` requests up to the next captured size ``bs``:
 * the attention backend's ``plan()`` runs on the host outside the graph, with the
   padded metadata (``cuda_graph=True``), before capture and before every
   replay; the kernels it planned read the metadata buffers at their fixed addresses.
+  A backend whose decode plan holds while those values change in place
+  (``supports_in_place_decode_metadata``: triton) is planned for the capture only.
 
 Per replay the host packs ``input_ids | positions | slot_mapping`` into one pinned
 buffer (one host-to-device copy), copies ``seq_lens`` and the used block-table
@@ -120,6 +122,10 @@ class CudaGraphRunner:
         # every KV cache group's backend is planned per replay (one for most models)
         self.kv_groups = model.kv_cache_groups(len(kv_caches))
         self.kv_caches = kv_caches
+        # backends whose captured decode kernels read all of a step's metadata on the
+        # device need no plan before a replay (only before capture and eager runs)
+        self._plan_replays = not all(type(g.attn).supports_in_place_decode_metadata
+                                     for g in self.kv_groups)
         self.device = device
         self.block_size = block_size
         self.max_query_len = max(1, max_query_len)
@@ -313,7 +319,8 @@ class CudaGraphRunner:
         self._upload(bs, n, width, ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
             self._packed[:n].copy_(device_input_ids)
-        self._plan(bs)
+        if self._plan_replays or not self.use_graphs:
+            self._plan(bs)
         if self.use_graphs:
             graph, hidden, taps = self._graphs[bs]
             graph.replay()

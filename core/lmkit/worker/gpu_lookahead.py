@@ -44,6 +44,7 @@ import torch
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.platform import switched_off
 from lmkit.spec_decode.rows import is_plain_greedy
+from lmkit.worker.graph_stream import record_event
 from lmkit.worker.input_batch import StepInputs
 
 if TYPE_CHECKING:
@@ -276,9 +277,7 @@ def read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | No
         return tokens, None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return host, record_event()
 
 
 def decode_step_inputs(rows: np.ndarray, positions: np.ndarray, slots: np.ndarray,

@@ -1,5 +1,5 @@
 """The side stream every CUDA graph of this process is captured on (decode, piecewise,
-draft passes), one per device.
+draft passes), one per device; and the current stream, looked up cheaply.
 
 torch keeps a cuBLAS workspace (32 MiB on Hopper) for every stream a matrix product ran
 on, for the life of the process: capturing on a new stream per engine left one
@@ -22,3 +22,30 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 @functools.cache
 def _capture_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(torch.device("cuda", index))
+
+
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream() -> torch.cuda.Stream:
+    """``torch.cuda.current_stream()`` of the current device, without its Python-level
+    device lookup (tens of microseconds a call; a step records several events): the
+    stream object is kept by its device and raw handle, read through torch's C API."""
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is None or get_raw is None:  # (a torch without these: the slow way)
+        return torch.cuda.current_stream()
+    index = get_device()
+    key = (index, get_raw(index))
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = torch.cuda.current_stream(index)
+    return stream
+
+
+def record_event(event: torch.cuda.Event | None = None) -> torch.cuda.Event:
+    """Record ``event`` (default: a new one) on the current stream; returns it."""
+    event = torch.cuda.Event() if event is None else event
+    event.record(current_stream())
+    return event
+

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lmkit.worker.graph_stream import record_event
+
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
@@ -32,9 +34,7 @@ class CopyFences:
     def mark(self) -> None:
         """The copies queued so far read the current slot: fence them."""
         if self.enabled:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self.slot] = event
+            self._events[self.slot] = record_event()
 
     def advance(self) -> int:
         """Move to the next slot once the copies that last read it are done; its index."""

@@ -1,0 +1,97 @@
+"""Where a speculative step's host time goes: ``cProfile`` of the engine loop, with a
+draft head and without, on a random SmolLM2-135M-shaped target and a random EAGLE-3
+head (the pair of ``bench/draft_chain.py``; drafts are never accepted, so every step has
+the same shape). Only the timed ``generate`` calls are profiled (one request at a time
+at ``--batch 1``, else ``--batch`` at once); each engine's table goes to
+``OUT/prof_<side>.txt`` (by own time, then by cumulative time) and a line per engine
+to stdout::
+
+    python bench/spec_host_profile.py --out prof --k 3 --batch 1
+
+Needs CUDA (a host profile of graph replays; on the CPU the model's compute dominates).
+``cProfile`` slows Python down, so the steps' times printed are inflated; compare the
+sides with each other, not with an unprofiled run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def profile_side(llm, prompts: list, params, batch: int, out: Path, name: str) -> str:
+    """Profile ``llm`` over ``prompts`` (warm); write its tables; return its line."""
+    llm.generate(prompts[:2], params)  # warm-up
+    steps0 = llm.stats().get("num_steps", 0)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    if batch == 1:
+        for prompt in prompts:
+            llm.generate([prompt], params)
+    else:
+        llm.generate(prompts, params)
+    prof.disable()
+    seconds = time.perf_counter() - start
+    steps = llm.stats().get("num_steps", 0) - steps0
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(50)
+    stats.sort_stats("cumulative").print_stats(80)
+    (out / f"prof_{name}.txt").write_text(text.getvalue())
+    tokens = len(prompts) * params.max_tokens
+    return (f"{name}: {steps} steps, {1e3 * seconds / max(steps, 1):.3f} ms per step and "
+            f"{1e3 * seconds / tokens:.3f} ms per token under cProfile")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=4, help="requests per side (batch 1)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--attention", default="triton")
+    args = ap.parse_args(argv)
+
+    import torch
+    if not torch.cuda.is_available():
+        print("spec_host_profile needs a CUDA device", file=sys.stderr)
+        return 2
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.eagle_head import make_tiny_eagle3_head
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="spec-profile-"))
+    target = make_tiny_model(root / "target", vocab_size=49152, num_layers=30, hidden_size=576,
+                             num_heads=9, num_kv_heads=3, max_position_embeddings=2048)
+    head = make_tiny_eagle3_head(root / "head", target, layer_ids=(2, 15, 27),
+                                 draft_vocab_size=8192, layer_std=0.02)
+    gen = torch.Generator().manual_seed(0)
+    n = args.requests if args.batch == 1 else args.batch
+    prompts = [{"prompt_token_ids": torch.randint(300, 40000, (40,), generator=gen).tolist()}
+               for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sides = {"spec": dict(speculative="eagle3", speculative_model=str(head),
+                          num_speculative_tokens=args.k), "plain": {}}
+    for name, spec in sides.items():
+        llm = LLM(str(target), device="cuda", attention=args.attention, dtype="bfloat16",
+                  max_num_seqs=max(args.batch, 2), max_model_len=2048,
+                  gpu_memory_utilization=0.3, **spec)
+        try:
+            print(profile_side(llm, prompts, params, args.batch, args.out, name), flush=True)
+        finally:
+            llm.shutdown()
+    print(f"tables in {args.out}/prof_spec.txt and prof_plain.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,20 +50,12 @@ def main() -> None:
         except json.JSONDecodeError:
             settings[path] = value
 
-    import torch
     from lmkit import LLM, SamplingParams
-    from lmkit.testing.eagle_head import make_tiny_eagle3_head
-    from lmkit.testing.tiny_model import make_tiny_model
+    from spec_pair import random_prompts, synthetic_pair
 
-    root = Path(tempfile.mkdtemp(prefix="draft-chain-"))
-    target = make_tiny_model(root / "target", vocab_size=49152, num_layers=30, hidden_size=576,
-                             num_heads=9, num_kv_heads=3, max_position_embeddings=2048)
-    head = make_tiny_eagle3_head(root / "head", target, layer_ids=(2, 15, 27),
-                                 draft_vocab_size=8192, layer_std=0.02)
-    gen = torch.Generator().manual_seed(0)
+    target, head = synthetic_pair(Path(tempfile.mkdtemp(prefix="draft-chain-")))
     batch = max(args.batches)
-    prompts = [{"prompt_token_ids": torch.randint(300, 40000, (40,), generator=gen).tolist()}
-               for _ in range(batch)]
+    prompts = random_prompts(batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides: dict[str, dict] = {"plain": {}}
     labels = (("chained", "per-pass") if args.switch == "LMKIT_DRAFT_CHAIN" else ("on", "off"))

@@ -65,19 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         print("spec_host_profile needs a CUDA device", file=sys.stderr)
         return 2
     from lmkit import LLM, SamplingParams
-    from lmkit.testing.eagle_head import make_tiny_eagle3_head
-    from lmkit.testing.tiny_model import make_tiny_model
+    from spec_pair import random_prompts, synthetic_pair
 
     args.out.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="spec-profile-"))
-    target = make_tiny_model(root / "target", vocab_size=49152, num_layers=30, hidden_size=576,
-                             num_heads=9, num_kv_heads=3, max_position_embeddings=2048)
-    head = make_tiny_eagle3_head(root / "head", target, layer_ids=(2, 15, 27),
-                                 draft_vocab_size=8192, layer_std=0.02)
-    gen = torch.Generator().manual_seed(0)
-    n = args.requests if args.batch == 1 else args.batch
-    prompts = [{"prompt_token_ids": torch.randint(300, 40000, (40,), generator=gen).tolist()}
-               for _ in range(n)]
+    target, head = synthetic_pair(Path(tempfile.mkdtemp(prefix="spec-profile-")))
+    prompts = random_prompts(args.requests if args.batch == 1 else args.batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides = {"spec": dict(speculative="eagle3", speculative_model=str(head),
                           num_speculative_tokens=args.k), "plain": {}}

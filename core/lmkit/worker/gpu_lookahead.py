@@ -80,7 +80,24 @@ class LookaheadStats:
     discarded: int = 0
 
 
-class DecodeLookahead:
+class LaunchAhead:
+    """What a lookahead holds of its model runner (shared by the decode steps' and the
+    verifications' lookaheads): its decode graphs, model, persistent batch, request
+    states, context limit and draft head (or ``None``), and the launch counters."""
+
+    def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
+                 requests: dict[str, CachedRequestState], max_model_len: int,
+                 drafter: DraftRunner | None) -> None:
+        self.graphs = graphs
+        self.model = model
+        self.input_batch = input_batch
+        self.requests = requests
+        self.max_model_len = max_model_len
+        self.drafter = drafter
+        self.stats = LookaheadStats()
+
+
+class DecodeLookahead(LaunchAhead):
     """Launches predicted decode steps for a model runner with CUDA graphs.
 
     Args:
@@ -101,15 +118,9 @@ class DecodeLookahead:
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
                  drafter: DraftRunner | None = None, min_batch: int = 0) -> None:
-        self.graphs = graphs
-        self.model = model
-        self.input_batch = input_batch
-        self.requests = requests
-        self.max_model_len = max_model_len
-        self.drafter = drafter
+        super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
         self.min_batch = min_batch if drafter is not None else 0
         self.pending: _Pending | None = None
-        self.stats = LookaheadStats()
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,

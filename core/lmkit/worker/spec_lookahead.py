@@ -38,7 +38,7 @@ from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.platform import switched_off
 from lmkit.sample.drafts import VerifiedTokens
 from lmkit.worker.gpu_lookahead import (
-    LookaheadStats,
+    LaunchAhead,
     decode_lookahead_slots,
     greedy_plain,
     read_back,
@@ -72,7 +72,7 @@ class _PendingVerify:
     features: torch.Tensor  # [n * (1 + k), width], what the draft head reads
 
 
-class SpecLookahead:
+class SpecLookahead(LaunchAhead):
     """Launches predicted verification steps for a model runner with a draft head.
 
     Args:
@@ -89,16 +89,11 @@ class SpecLookahead:
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
                  drafter: DraftRunner, disable_by_batch_size: int | None = None) -> None:
-        self.graphs = graphs
-        self.model = model
-        self.input_batch = input_batch
-        self.requests = requests
-        self.max_model_len = max_model_len
-        self.drafter = drafter
+        super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
+        self.drafter: DraftRunner = drafter
         self.k = drafter.k
         self.disable_by_batch_size = disable_by_batch_size
         self.pending: _PendingVerify | None = None
-        self.stats = LookaheadStats()
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,

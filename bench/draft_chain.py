@@ -19,7 +19,6 @@ decode plan valid as positions move: ``supports_in_place_decode_metadata``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -40,15 +39,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                     help="a setting of every speculating engine (value read as JSON)")
     args = ap.parse_args()
-    settings = {}
-    for item in args.set:
-        path, eq, value = item.partition("=")
-        if not eq:
-            ap.error(f"--set expects PATH=VALUE, got {item!r}")
-        try:
-            settings[path] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[path] = value
+    from gpu_args import parse_sets
+
+    settings = parse_sets(";".join(args.set), "--set")
 
     from lmkit import LLM, SamplingParams
     from spec_pair import random_prompts, synthetic_pair

@@ -31,15 +31,15 @@ def parse_env(text: str) -> dict[str, str]:
     return env
 
 
-def parse_sets(text: str) -> dict[str, Any]:
+def parse_sets(text: str, flag: str = "--ab-set") -> dict[str, Any]:
     """``'attention.options={"decode_tiles": [64, 8, 3]};max_num_seqs=128'`` -> engine
     option overrides by dotted path, each value read as JSON (else kept as text);
-    ``;``-separated, since JSON values hold commas."""
+    ``;``-separated, since JSON values hold commas. ``flag`` names the option in errors."""
     sets: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         path, eq, value = part.partition("=")
         if not eq or not path.strip():
-            raise SystemExit(f"--ab-set: expected PATH=VALUE[;PATH=VALUE...], got {part!r}")
+            raise SystemExit(f"{flag}: expected PATH=VALUE[;PATH=VALUE...], got {part!r}")
         try:
             sets[path.strip()] = json.loads(value)
         except json.JSONDecodeError:

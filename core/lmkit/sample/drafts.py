@@ -72,6 +72,13 @@ def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> Veri
     if len(targets) != len(drafts) + sum(map(len, drafts)):
         raise ValueError(f"verify_greedy got {len(targets)} logits rows for {len(drafts)} "
                          f"requests with {sum(map(len, drafts))} drafts")
+    return accept_greedy(targets, drafts)
+
+
+def accept_greedy(targets: list[int], drafts: Sequence[Sequence[int]]) -> VerifiedTokens:
+    """The accepted prefix of each request's drafts given the target's greedy token at
+    every row (``len(drafts[i]) + 1`` rows per request, in order), and the target token
+    after it (the correction at the first mismatch, else the bonus row's)."""
     token_ids, num_accepted = [], []
     start = 0
     for draft in drafts:

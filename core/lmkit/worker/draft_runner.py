@@ -118,6 +118,11 @@ class DraftRunner:
         return cls(proposer, num_speculative_tokens, input_batch, max_model_len,
                    torch.device(ctx.build.device), requests, vocab_size, skip_above)
 
+    def sits_out(self, num_reqs: int) -> bool:
+        """Whether the head is left out of a step of ``num_reqs`` requests
+        (``skip_above``): its requests then stop drafting for good."""
+        return self.skip_above is not None and num_reqs > self.skip_above
+
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
         return memory.kv_bytes_per_block(self._kv_groups())
@@ -195,7 +200,7 @@ class DraftRunner:
         Returns:
             step index -> up to ``k`` draft token ids, for the drafting requests.
         """
-        if self.skip_above is not None and len(step.rows) > self.skip_above:
+        if self.sits_out(len(step.rows)):
             self.stale.update(self.input_batch.req_ids[r] for r in step.rows)
             return {}
         if self.stale:  # stale requests: neither caught up nor drafted for

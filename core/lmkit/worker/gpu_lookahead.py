@@ -259,8 +259,8 @@ class DecodeLookahead(LaunchAhead):
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
         drafter = self.drafter
-        if drafter is not None and drafter.skip_above is not None and len(order) > drafter.skip_above:
-            drafter = None  # the head sits this step out: no features to keep
+        if drafter is not None and drafter.sits_out(len(order)):
+            drafter = None  # no features to keep
         taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None
         with torch.inference_mode():

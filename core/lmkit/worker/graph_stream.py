@@ -25,18 +25,20 @@ def _capture_stream(index: int) -> torch.cuda.Stream:
 
 
 _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+# torch's C API for the current device and its current stream's raw handle (absent from
+# builds without CUDA, where current_stream() is never called)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream() -> torch.cuda.Stream:
     """``torch.cuda.current_stream()`` of the current device, without its Python-level
     device lookup (tens of microseconds a call; a step records several events): the
     stream object is kept by its device and raw handle, read through torch's C API."""
-    get_device = getattr(torch._C, "_cuda_getDevice", None)
-    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_device is None or get_raw is None:  # (a torch without these: the slow way)
+    if _get_device is None or _get_raw_stream is None:  # (a torch without them: slowly)
         return torch.cuda.current_stream()
-    index = get_device()
-    key = (index, get_raw(index))
+    index = _get_device()
+    key = (index, _get_raw_stream(index))
     stream = _streams.get(key)
     if stream is None:
         stream = _streams[key] = torch.cuda.current_stream(index)
@@ -48,4 +50,3 @@ def record_event(event: torch.cuda.Event | None = None) -> torch.cuda.Event:
     event = torch.cuda.Event() if event is None else event
     event.record(current_stream())
     return event
-

@@ -12,8 +12,8 @@ flattened replay of the decode graphs and the greedy argmax of its ``1 + k`` row
 request, read back asynchronously), so the GPU runs it while the engine processes the
 step before. When the scheduler's next step is that step -- or a subset of it, after
 some requests finished -- the runner takes its result: each request's accepted drafts
-(the walk of :func:`lmkit.sample.drafts.verify_greedy`, on the same argmax), the
-head's catch-up and drafts, then the launch of the verification after it. Anything
+(:func:`lmkit.sample.drafts.accept_greedy`, verify_greedy's walk, on the same argmax),
+the head's catch-up and drafts, then the launch of the verification after it. Anything
 else (a new or resumed request, drafts the scheduler cut, a grammar bitmask, offload
 transfers, another position) discards the launched step, and the step runs normally.
 
@@ -36,7 +36,7 @@ import torch
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.platform import switched_off
-from lmkit.sample.drafts import VerifiedTokens
+from lmkit.sample.drafts import accept_greedy
 from lmkit.worker.gpu_lookahead import (
     LaunchAhead,
     decode_lookahead_slots,
@@ -157,7 +157,7 @@ class SpecLookahead(LaunchAhead):
                                        slots.reshape(-1), seq_lens, tables, aux=aux)
             # what the head reads, kept past the graph's next replay
             features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-            # first maximal index, as verify_greedy takes it
+            # first maximal index, as verify_greedy takes it (accepted in take())
             targets = self.model.compute_logits(hidden).max(dim=-1).indices
             host, ready = read_back(targets)
         self.pending = _PendingVerify(list(order), {r: i for i, r in enumerate(order)},
@@ -179,20 +179,15 @@ class SpecLookahead(LaunchAhead):
             self.stats.discarded += 1
             return None
         self.stats.used += 1
-        k, width = self.k, 1 + self.k
+        width = 1 + self.k
         idx = np.fromiter((pending.index[r] for r in order), dtype=np.int64, count=len(order))
         if pending.ready is not None:
             pending.ready.synchronize()
-        targets = pending.targets.numpy().reshape(-1, width)[idx]
-        drafts = pending.inputs[idx, 1:]
-        match = drafts == targets[:, :k]
-        accepted = np.where(match.all(axis=1), k, match.argmin(axis=1))
-        plan = [(i, i * width, drafts[i].tolist()) for i in range(len(order))]
-        verified = VerifiedTokens([targets[i, :a + 1].tolist() for i, a in enumerate(accepted)],
-                                  accepted.tolist())
+        drafts = pending.inputs[idx, 1:].tolist()
+        verified = accept_greedy(pending.targets.numpy().reshape(-1, width)[idx].ravel().tolist(),
+                                 drafts)
+        plan = [(i, i * width, d) for i, d in enumerate(drafts)]
         batch = self.input_batch
-        for (_, _, d), rid in zip(plan, order, strict=True):  # as the normal step places them
-            batch.write_draft_tokens(batch.row_of[rid], d)
         out = commit_tokens(order, plan, verified, {}, self.requests, batch)
         step = verify_step_inputs(batch, order, pending.start[idx], pending.inputs[idx],
                                   pending.slots[idx])

@@ -291,11 +291,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         last_eval = {"step": step}
         if held_ids:
             last_eval.update(accuracy_report(head, [lambda i=i: held_out(i) for i in held_ids],
-                                              ttt_steps))
+                                             ttt_steps))
             _print_accuracy(progress, f"held-out draft accuracy at step {step}", last_eval)
         if eval_set[0]:
             report = accuracy_report(head, [lambda s=s, f=f: eval_example(s, f)
-                                             for s, f in zip(*eval_set, strict=True)], ttt_steps)
+                                            for s, f in zip(*eval_set, strict=True)], ttt_steps)
             last_eval["eval_prompts"] = {"source": eval_source, **report}
             _print_accuracy(progress, f"draft accuracy on {eval_source} at step {step}", report)
         head.train()

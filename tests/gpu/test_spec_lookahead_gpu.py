@@ -1,8 +1,11 @@
 """Verifications launched ahead (:mod:`lmkit.worker.spec_lookahead`) on CUDA with
 captured graphs: on the tiny random Llama with random ``eagle`` / ``eagle3`` heads
-(float32, triton attention), greedy outputs equal plain decoding and every draft equals
-the run with ``LMKIT_SPEC_LOOKAHEAD=0``, with launched steps taken (whole and for a
-subset of their requests) and discarded (drafts cut at ``max_tokens``)."""
+and a head whose constant draft is often accepted (float32, triton attention), greedy
+outputs equal plain decoding and every draft equals the run with
+``LMKIT_SPEC_LOOKAHEAD=0``, with launched steps taken (whole and for a subset of their
+requests) and discarded (drafts cut at ``max_tokens``), most of them taken with the
+next drafts made by a device step (:mod:`lmkit.worker.spec_device_step`), and the same
+with device steps off."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
 MAX_TOKENS = [9, 14, 40, 17, 33]
 
 
-@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3", "accepting"])
 def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
     import lmkit.worker.spec_lookahead as spec_lookahead
 
@@ -35,16 +38,29 @@ def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
 
     monkeypatch.setattr(spec_lookahead.SpecLookahead, "__init__", record)
     tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
-    head = (make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3) if proposer == "eagle"
-            else make_tiny_eagle3_head(tmp_path / "head", tiny))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     assert len(params) == len(PROMPTS)
-    plain, _, _ = _run(tiny, head, proposer, monkeypatch, speculative=False, params=params)
+    plain, _, _ = _run(tiny, None, "eagle", monkeypatch, speculative=False, params=params)
+    if proposer == "accepting":  # drafts the token the outputs hold most often
+        from collections import Counter
+
+        common = Counter(t for out in plain for t in out).most_common(1)[0][0]
+        head = make_tiny_eagle_head(tmp_path / "head", tiny, constant_draft=common)
+        proposer = "eagle"
+    elif proposer == "eagle":
+        head = make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3)
+    else:
+        head = make_tiny_eagle3_head(tmp_path / "head", tiny)
     monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
     off, off_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
     assert made == [] and off == plain
     monkeypatch.delenv("LMKIT_SPEC_LOOKAHEAD")
     on, on_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
     assert len(made) == 1 and made[0].stats.used > 10 and made[0].stats.discarded > 0
+    assert made[0].stats.stepped > made[0].stats.used // 2
     assert on == plain
     assert len(on_drafts) > 20 and on_drafts == off_drafts
+    monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")
+    host, host_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
+    assert made[1].device_step is None and made[1].stats.used > 10
+    assert host == plain and host_drafts == off_drafts

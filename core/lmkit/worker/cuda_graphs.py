@@ -143,6 +143,9 @@ class CudaGraphRunner:
         links = self.chain - 1
         self._chain_rows = torch.zeros(links, 3, bs, dtype=torch.int64, device=device)
         self._chain_ids = torch.zeros(links, bs, dtype=torch.int64, device=device)
+        # what padding rows of chained passes hold: position 0, no slot, no context
+        self._chain_padding = torch.tensor([0, -1, 0], dtype=torch.int64, device=device)[
+            None, :, None].expand(links, 3, bs)
         # pinned host staging (``num_staging`` sets, used in turn: packed, seq_lens,
         # block tables, chained passes' rows); the host copies of query_start_loc never
         # change
@@ -232,6 +235,12 @@ class CudaGraphRunner:
             block_tables=self._block_tables[:bs], slot_mapping=self._packed[2 * bs:3 * bs],
             query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
             num_decodes=bs, cuda_graph=True)
+
+    @property
+    def plans_replays(self) -> bool:
+        """Whether a replay needs the attention plan run on the host first (a backend
+        whose captured decode plan does not hold as the metadata changes in place)."""
+        return self._plan_replays
 
     # ------------------------------------------------------------------ replay
 
@@ -326,6 +335,47 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, taps = self._run_model(bs)
+        if aux is not None:
+            aux.extend(t[:n] for t in taps)
+        return hidden[:n]
+
+    def run_decode_device(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, aux: list[torch.Tensor] | None = None,
+                          chain_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`run_decode` with every input already on the device (int64, the block
+        tables int32), e.g. computed there by the kernels before it: copied into the
+        graph's buffers in stream order, no host staging and no host synchronisation.
+
+        Without graphs, or for a backend planned before every replay, the plan needs the
+        values on the host: they are read back (a synchronisation on CUDA) and the replay
+        runs through :meth:`run_decode`.
+        """
+        if self._plan_replays or not self.use_graphs:
+            def host(t: torch.Tensor) -> np.ndarray:
+                return t.cpu().numpy()
+            return self.run_decode(host(input_ids), host(positions), host(slot_mapping),
+                                   host(seq_lens), host(block_tables), aux=aux,
+                                   chain_rows=None if chain_rows is None else host(chain_rows))
+        n, width = len(positions), block_tables.shape[1]
+        bs = self.padded_size(n)
+        rows = (self._packed[:bs], self._packed[bs:2 * bs], self._packed[2 * bs:3 * bs],
+                self._seq_lens[:bs])
+        for dst, src, pad in zip(rows, (input_ids, positions, slot_mapping, seq_lens),
+                                 (0, 0, -1, 0), strict=True):
+            dst[:n].copy_(src)
+            if n < bs:
+                dst[n:].fill_(pad)
+        self._block_tables[:n, :width].copy_(block_tables)
+        if self.chain > 1:
+            if chain_rows is None or tuple(chain_rows.shape) != (self.chain - 1, 3, n):
+                raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
+                                 f"of shape {(self.chain - 1, 3, n)}")
+            self._chain_rows[:, :, :n].copy_(chain_rows)
+            if n < bs:
+                self._chain_rows[:, :, n:bs].copy_(self._chain_padding[:, :, :bs - n])
+        graph, hidden, taps = self._graphs[bs]
+        graph.replay()
         if aux is not None:
             aux.extend(t[:n] for t in taps)
         return hidden[:n]

@@ -230,6 +230,20 @@ class DraftPassGraphs:
         return self.runner.run_decode(input_ids, *args, chain_rows=chain_rows)
 
 
+    def run_device(self, input_ids: torch.Tensor, features: torch.Tensor | None,
+                   positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                   chain_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`run` with the rows' ids, positions, slots, block tables (and
+        ``chain_rows``) as device tensors, e.g. computed there from the accepted counts
+        of a verification that has not been read back
+        (:meth:`~lmkit.worker.cuda_graphs.CudaGraphRunner.run_decode_device`)."""
+        n = len(positions)
+        if features is not None:
+            self.head.features[:n].copy_(features)
+        self.num_passes += self.chain
+        return self.runner.run_decode_device(input_ids, positions, slots, positions + 1,
+                                             block_tables, chain_rows=chain_rows)
+
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
                          max_rows: int, max_model_len: int, block_size: int,

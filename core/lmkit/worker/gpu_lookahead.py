@@ -78,6 +78,7 @@ class LookaheadStats:
     launched: int = 0
     used: int = 0
     discarded: int = 0
+    stepped: int = 0  # used verifications whose device step (accept, drafts) was queued
 
 
 class LaunchAhead:

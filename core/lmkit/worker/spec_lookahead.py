@@ -23,6 +23,12 @@ reserves ``k + 1`` slots past each request's scheduled tokens
 the step before was accepted. A discarded step's writes lie past each request's
 computed tokens and are rewritten before anything reads them (the same argument as
 :mod:`lmkit.worker.gpu_lookahead`'s). ``LMKIT_SPEC_LOOKAHEAD=0`` turns it off.
+
+Where the head's passes can run without the host (:class:`~lmkit.worker.
+spec_device_step.DeviceSpecStep`), the launched verification is followed on the device
+by the step after it -- accept, catch-up, drafts and the next verification -- so the
+host only reads each step's decisions; taking such a step queues the next device step
+(the scheduler then reserves ``2 (k + 1)`` slots).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ from lmkit.worker.gpu_lookahead import (
     read_back,
 )
 from lmkit.worker.input_batch import StepInputs
+from lmkit.worker.spec_device_step import ENV as DEVICE_STEP_ENV
+from lmkit.worker.spec_device_step import DeviceSpecStep, DeviceStepResult, DeviceVerify
+from lmkit.worker.staging import StepStaging
 from lmkit.worker.step_plan import commit_tokens, kept_positions
 
 if TYPE_CHECKING:
@@ -67,9 +76,11 @@ class _PendingVerify:
     start: np.ndarray  # int64 [n], each request's first verified position
     inputs: np.ndarray  # int64 [n, 1 + k]: its last token, then its drafts
     slots: np.ndarray  # int64 [n, 1 + k], where each position's KV went
-    targets: torch.Tensor  # int64 [n * (1 + k)], the (pinned) host copy of the argmax
+    # int64 [n * (1 + k)], the (pinned) host copy of the argmax (None: ``after`` has it)
+    targets: torch.Tensor | None
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: done)
     features: torch.Tensor  # [n * (1 + k), width], what the draft head reads
+    after: DeviceStepResult | None = None  # the device step queued behind it
 
 
 class SpecLookahead(LaunchAhead):
@@ -94,6 +105,9 @@ class SpecLookahead(LaunchAhead):
         self.k = drafter.k
         self.disable_by_batch_size = disable_by_batch_size
         self.pending: _PendingVerify | None = None
+        self.device_step = DeviceSpecStep.maybe(graphs, model, drafter)
+        self.staging = StepStaging(graphs.device)  # a device step's tables and inputs
+        self._continued = False  # take() queued the next verification itself
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,
@@ -113,6 +127,9 @@ class SpecLookahead(LaunchAhead):
         """After a step (run normally or taken): launch the verification of ``drafts``
         if it is predictable -- every request of the step got ``k`` drafts, samples
         greedily and has the slots of its ``1 + k`` positions."""
+        if self._continued:  # the taken step's device step queued it already
+            self._continued = False
+            return
         self.pending = None
         n, k = len(order), self.k
         if (not n or n * (1 + k) > self.graphs.max_bs or so.grammar_bitmask is not None
@@ -159,10 +176,44 @@ class SpecLookahead(LaunchAhead):
             features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             # first maximal index, as verify_greedy takes it (accepted in take())
             targets = self.model.compute_logits(hidden).max(dim=-1).indices
-            host, ready = read_back(targets)
+            step_tables = self._step_tables(order, rows, start)
+            after = None
+            if step_tables is not None:
+                assert self.device_step is not None
+                put = self.staging.put
+                after = self.device_step.step(
+                    DeviceVerify(put(inputs), put(positions), put(slots), features, targets),
+                    step_tables)
+        self._pend(order, start, inputs, slots, targets, features, after)
+
+    def _pend(self, order: list[str], start: np.ndarray, inputs: np.ndarray,
+              slots: np.ndarray, targets: torch.Tensor, features: torch.Tensor,
+              after: DeviceStepResult | None) -> None:
+        """Hold the verification just queued until the scheduler asks for it; its argmax
+        is read back with the device step queued behind it, if any, else on its own."""
+        host, ready = (None, None) if after is not None else read_back(targets)
         self.pending = _PendingVerify(list(order), {r: i for i, r in enumerate(order)},
-                                      start, inputs, slots, host, ready, features)
+                                      start, inputs, slots, host, ready, features, after)
         self.stats.launched += 1
+
+    def _step_tables(self, order: list[str], rows: np.ndarray,
+                     start: np.ndarray) -> torch.Tensor | None:
+        """The requests' block tables on the device (int32) when a device step can follow
+        their verification from ``start`` (:meth:`DeviceSpecStep.fits`, the head drafts
+        for every one of them), else ``None``. Starts the step's staging."""
+        step, drafter = self.device_step, self.drafter
+        n = len(order)
+        if (step is None or drafter.sits_out(n) or not drafter.stale.isdisjoint(order)
+                or (self.disable_by_batch_size is not None and n > self.disable_by_batch_size)):
+            return None
+        batch = self.input_batch
+        bs = batch.block_size
+        capacity = np.minimum(batch.num_blocks[rows] * bs, self.max_model_len)
+        blocks = min(batch.block_table.shape[1], -(-(int(start.max()) + 2 * self.k + 2) // bs))
+        if not step.fits(n, start, capacity, blocks):
+            return None
+        self.staging.begin()
+        return self.staging.put(batch.block_table[rows, :blocks], torch.int32)
 
     # ------------------------------------------------------------------ taking
 
@@ -181,6 +232,9 @@ class SpecLookahead(LaunchAhead):
         self.stats.used += 1
         width = 1 + self.k
         idx = np.fromiter((pending.index[r] for r in order), dtype=np.int64, count=len(order))
+        if pending.after is not None:
+            return self._take_device_step(so, order, idx, pending, pending.after)
+        assert pending.targets is not None
         if pending.ready is not None:
             pending.ready.synchronize()
         drafts = pending.inputs[idx, 1:].tolist()
@@ -201,6 +255,64 @@ class SpecLookahead(LaunchAhead):
             new = self.drafter.propose(features, step, kept, drafting)
         out.draft_token_ids = {order[i]: d for i, d in new.items()}
         return out
+
+    def _take_device_step(self, so: SchedulerOutput, order: list[str], idx: np.ndarray,
+                          pending: _PendingVerify, after: DeviceStepResult
+                          ) -> ModelRunnerOutput:
+        """:meth:`take` of a verification whose device step is queued: the head caught up
+        and drafted on the device; commit the accepted tokens, hand out the drafts, and
+        queue the device step after the next verification (already running) when the
+        same requests all draft again."""
+        width = 1 + self.k
+        self.stats.stepped += 1
+        if after.ready is not None:
+            after.ready.synchronize()
+        decided = after.host.numpy()[idx]  # [n, (1 + k) + 1 + k]
+        drafts = pending.inputs[idx, 1:].tolist()
+        verified = accept_greedy(decided[:, :width].ravel().tolist(), drafts)
+        if list(verified.num_accepted) != decided[:, width].tolist():
+            raise RuntimeError("the device step accepted other drafts than the host's walk: "
+                               f"{decided[:, width].tolist()} vs {verified.num_accepted}")
+        plan = [(i, i * width, d) for i, d in enumerate(drafts)]
+        batch = self.input_batch
+        out = commit_tokens(order, plan, verified, {}, self.requests, batch)
+        start = pending.start[idx]
+        step = verify_step_inputs(batch, order, start, pending.inputs[idx], pending.slots[idx])
+        _, drafting = kept_positions(order, step, plan, verified.num_accepted, self.requests,
+                                     self.disable_by_batch_size, so.spec_drafting)
+        new = decided[:, width + 1:]
+        got = np.flatnonzero(drafting)
+        out.draft_token_ids = {order[i]: new[i].tolist() for i in got}
+        self.drafter.sampled.keep(batch.row_of, [order[i] for i in got],
+                                  [new[i].tolist() for i in got], {})
+        if len(got) == len(order) and np.array_equal(idx, np.arange(len(pending.req_ids))):
+            accepted = np.asarray(verified.num_accepted, dtype=np.int64)
+            bonus = decided[np.arange(len(order)), accepted]  # the argmax after the last kept
+            self._continue(order, start + accepted + 1,
+                           np.concatenate([bonus[:, None], new], axis=1), after.verify)
+        return out
+
+    def _continue(self, order: list[str], start: np.ndarray, inputs: np.ndarray,
+                  verify: DeviceVerify) -> None:
+        """Hold ``verify`` (queued by the device step just taken: ``inputs`` from
+        ``start``) as the next launched verification, with the device step after it
+        when that fits."""
+        requests = self.requests
+        if any(requests[r].prompt_logprobs is not None or not greedy_plain(
+                requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order):
+            return  # not predictable any more (after_step finds so too)
+        batch = self.input_batch
+        bs = batch.block_size
+        rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
+        positions = start[:, None] + np.arange(1 + self.k)
+        slots = (np.take_along_axis(batch.block_table[rows], positions // bs, axis=1)
+                 .astype(np.int64) * bs + positions % bs)
+        tables = self._step_tables(order, rows, start)
+        with torch.inference_mode():
+            assert self.device_step is not None
+            after = self.device_step.step(verify, tables) if tables is not None else None
+        self._pend(order, start, inputs, slots, verify.targets, verify.features, after)
+        self._continued = True
 
     def _matches(self, so: SchedulerOutput, order: list[str], pending: _PendingVerify) -> bool:
         """``so`` verifies, for requests launched ahead, the same drafts at the same
@@ -262,10 +374,12 @@ def spec_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:
     """KV slots per request the scheduler must reserve past the scheduled tokens for
     the runner to launch verifications ahead: ``k + 1`` with a draft head where decode
     steps can be launched ahead (:func:`~lmkit.worker.gpu_lookahead.
-    decode_lookahead_slots`) and ``LMKIT_SPEC_LOOKAHEAD`` is not ``0``, else 0."""
+    decode_lookahead_slots`) and ``LMKIT_SPEC_LOOKAHEAD`` is not ``0`` -- ``2 (k + 1)``
+    unless ``LMKIT_SPEC_DEVICE_STEP`` is ``0`` (a device step writes up to ``2k + 1``
+    positions past the first it verifies) --, else 0."""
     reg = stack.get("speculative")
     k = config.speculative.num_speculative_tokens
     if (switched_off(ENV) or reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features
             or k < 1 or not decode_lookahead_slots(config, stack)):
         return 0
-    return k + 1
+    return k + 1 if switched_off(DEVICE_STEP_ENV) else 2 * (k + 1)

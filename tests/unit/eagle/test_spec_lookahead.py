@@ -67,6 +67,8 @@ def test_verifications_launched_ahead_change_nothing(tiny, heads, accepting, mon
     look = made[0].stats
     assert look.used > 10 and look.discarded > 0  # taken, and cut at max_tokens
     assert look.launched >= look.used + look.discarded
+    # most taken with the next drafts made on the device (accept, catch-up, drafts)
+    assert look.stepped > look.used // 2 and made[0].device_step.num_steps >= look.stepped
     if proposer == "accepting":  # accepted drafts taken ahead too, several at once
         assert stats["spec_num_accepted_tokens"] > 10
         assert stats["spec_acceptance_rate"] < 0.9
@@ -101,20 +103,50 @@ def test_not_launched_for_sampled_requests(tiny, heads, monkeypatch):
     assert made[0].stats.launched == 0
 
 
+@pytest.mark.parametrize("k", [3, 1])
+def test_device_steps_switched_off(tiny, accepting, monkeypatch, k):
+    """``LMKIT_SPEC_DEVICE_STEP=0``: verifications are still launched ahead, the head's
+    steps run from the host, and tokens and drafts equal the device steps' run."""
+    params = greedy(MAX_TOKENS)
+    padded_replays(monkeypatch)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    stepped, _ = run_engine(tiny, accepting, monkeypatch, PROMPTS, "eagle", params,
+                            max_num_seqs=8, k=k)
+    monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")
+    host, _ = run_engine(tiny, accepting, monkeypatch, PROMPTS, "eagle", params,
+                         max_num_seqs=8, k=k)
+    on, off = made
+    assert on.stats.stepped > 10 and on.device_step is not None
+    assert off.device_step is None and off.stats.stepped == 0 and off.stats.used > 10
+    assert stepped == host
+
+
 def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
-    """``k + 1`` lookahead slots with a draft head where decode steps can launch ahead;
-    none with ``LMKIT_SPEC_LOOKAHEAD=0`` (and then no lookahead is built)."""
+    """``2 (k + 1)`` lookahead slots with a draft head where decode steps can launch
+    ahead (``k + 1`` without device steps); none with ``LMKIT_SPEC_LOOKAHEAD=0`` (and then
+    no lookahead is built)."""
+    import lmkit.worker.model_runner as model_runner
     import lmkit.worker.spec_lookahead as spec_lookahead
 
     padded_replays(monkeypatch)
     made = spec_lookahead_on_the_cpu(monkeypatch)
+    slots: list[int] = []
+
+    def record_slots(config, stack):
+        slots.append(spec_lookahead.spec_lookahead_slots(config, stack))
+        return slots[-1]
+
+    monkeypatch.setattr(model_runner, "spec_lookahead_slots", record_slots)
     monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
     without, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle",
-                            max_num_seqs=8)
+                            max_num_seqs=8, k=3)
     assert made == []
     monkeypatch.delenv("LMKIT_SPEC_LOOKAHEAD")
     got, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle",
-                        max_num_seqs=8)
+                        max_num_seqs=8, k=3)
     assert len(made) == 1 and made[0].stats.used > 5
     assert got == without
+    monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")
+    run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:1], "eagle", max_num_seqs=8, k=3)
+    assert slots == [0, 8, 4]
     assert spec_lookahead.ENV == "LMKIT_SPEC_LOOKAHEAD"

@@ -1,0 +1,195 @@
+"""A speculative step queued on the device behind the verification it follows.
+
+With verifications launched ahead (:mod:`lmkit.worker.spec_lookahead`) the GPU still
+waits on the host once per step: the host reads the verification's argmax, walks the
+accepted drafts, and only then queues the head's catch-up and drafts and the next
+verification; on a small target that host work is as long as the target's own step.
+Everything that host work computes follows from the verification on the device, so
+:class:`DeviceSpecStep` queues it there, behind the verification, before anything is
+read back:
+
+1. **Accept**: per request, the drafts equal to the target's argmax before the first
+   that is not (``a``, the greedy walk of :func:`lmkit.sample.drafts.accept_greedy`),
+   and the bonus token (the argmax after the last accepted draft).
+2. **Catch up** over all ``1 + k`` verified positions of each request, each paired with
+   the target's argmax there: for the kept ones (``j <= a``) that is the next token;
+   the others write the head's KV at positions past the kept tokens, rewritten before
+   anything reads them (the argument of :mod:`lmkit.worker.draft_runner`).
+3. **Draft**: draft 1 from each request's row ``a``, drafts ``2..k`` from one replay of
+   the chained draft passes at positions ``start + a + 1 ..`` (cache slots looked up on
+   the device from the block tables).
+4. **Verify the next drafts**: the bonus token and the new drafts at positions from
+   ``start + a + 1``, through the flattened decode graphs, and their argmax.
+5. One copy to the host: the verification's argmax, ``a`` and the new drafts.
+
+The host reads (5) when the engine asks for the step, while the GPU already runs (4);
+taking that step queues the device step after (4) in turn, so in steady state the GPU
+runs verification after verification without waiting for the host. A device step
+writes KV at most ``2k + 1`` positions past the first one it verifies: the scheduler
+reserves ``2 (k + 1)`` lookahead slots (:func:`~lmkit.worker.spec_lookahead.
+spec_lookahead_slots`) and :meth:`DeviceSpecStep.fits` checks the blocks are there.
+``LMKIT_SPEC_DEVICE_STEP=0`` turns it off (verifications are still launched ahead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lmkit.platform import switched_off
+from lmkit.worker.gpu_lookahead import read_back
+
+if TYPE_CHECKING:
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    from lmkit.worker.draft_runner import DraftRunner
+
+ENV = "LMKIT_SPEC_DEVICE_STEP"
+
+
+@dataclass
+class DeviceVerify:
+    """A verification queued on the device: ``n`` requests of ``1 + k`` rows each.
+
+    Tensors on the device: ``inputs`` int64 ``[n, 1 + k]`` (each request's last token,
+    then its drafts), ``positions`` and ``slots`` int64 ``[n, 1 + k]``, ``features`` (what
+    the head reads, ``[n * (1 + k), width]``) and ``targets`` (the greedy argmax of every
+    row, int64 ``[n * (1 + k)]``).
+    """
+
+    inputs: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    features: torch.Tensor
+    targets: torch.Tensor
+
+
+@dataclass
+class DeviceStepResult:
+    """A device step queued behind a verification: the next verification, and the host
+    copy of what the step decided, ``[n, (1 + k) + 1 + k]`` per request: the verified
+    argmax, the number of accepted drafts, the new drafts (valid once ``ready``)."""
+
+    verify: DeviceVerify
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+class DeviceSpecStep:
+    """Queues speculative steps on the device for a runner with a draft head.
+
+    Args:
+        graphs: the target's decode graphs (verifications replay them flattened).
+        model: the target (its LM head gives the verifications' argmax).
+        drafter: the draft head's runner, with captured catch-up passes that take their
+            drafts and, for ``k > 1``, the greedy draft passes chained in one replay.
+    """
+
+    def __init__(self, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner) -> None:
+        self.graphs = graphs
+        self.model = model
+        self.drafter = drafter
+        self.k = drafter.k
+        self.block_size = drafter.block_size
+        device = graphs.device
+        width = 1 + self.k
+        rows = max(1, graphs.max_bs // width)
+        self._offsets = torch.arange(width, dtype=torch.int64, device=device)  # [1 + k]
+        self._row_base = self._offsets.new_tensor(np.arange(rows) * width)  # [max requests]
+        self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
+        self.num_steps = 0  # device steps queued
+
+    @classmethod
+    def maybe(cls, graphs: CudaGraphRunner, model: Any,
+              drafter: DraftRunner) -> DeviceSpecStep | None:
+        """A device step when the head's passes can be queued without the host: its
+        catch-up graphs take the drafts, ``k > 1`` drafts come from chained passes, no
+        backend is planned per replay (their plans read host values), and
+        ``LMKIT_SPEC_DEVICE_STEP`` is not ``0``."""
+        catch_up, passes = drafter.catch_up_graphs, drafter.graphs
+        if switched_off(ENV) or catch_up is None or not catch_up.drafts_in_graph:
+            return None
+        runners = [graphs, catch_up.runner]
+        if drafter.k > 1:
+            if passes is None or passes.chain != drafter.k - 1:
+                return None
+            runners.append(passes.runner)
+        if any(r.use_graphs and r.plans_replays for r in runners):
+            return None
+        return cls(graphs, model, drafter)
+
+    def fits(self, n: int, start: np.ndarray, capacity: np.ndarray, blocks: int) -> bool:
+        """Whether a step after verifying ``n`` requests from positions ``start`` stays
+        within each request's ``capacity`` (allocated slots, at most the context limit)
+        and the graphs' sizes: it writes up to ``start + 2k + 1`` and reads ``blocks``
+        block-table columns."""
+        catch_up, passes = self.drafter.catch_up_graphs, self.drafter.graphs
+        assert catch_up is not None
+        return (n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
+                and (passes is None or n <= passes.max_rows)
+                and blocks <= min(self.graphs.max_blocks, catch_up.max_blocks)
+                and bool(np.all(start + 2 * self.k + 1 < capacity)))
+
+    def verify(self, inputs: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor) -> DeviceVerify:
+        """Queue the verification of ``inputs`` ``[n, 1 + k]`` at ``positions`` into
+        ``slots`` over the requests' block ``tables`` (int32 ``[n, width]``)."""
+        width = inputs.shape[1]
+        taps = self.drafter.proposer.target_layers
+        aux: list[torch.Tensor] | None = [] if taps else None
+        graphs = self.graphs
+        graphs.num_replays += 1
+        graphs.num_flattened_replays += 1
+        hidden = graphs.run_decode_device(
+            inputs.reshape(-1), positions.reshape(-1), slots.reshape(-1),
+            positions.reshape(-1) + 1, tables.repeat_interleave(width, dim=0), aux=aux)
+        # what the head reads, kept past the graph's next replay
+        features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
+        # first maximal index, as verify_greedy takes it
+        targets = self.model.compute_logits(hidden).max(dim=-1).indices
+        return DeviceVerify(inputs, positions, slots, features, targets)
+
+    def step(self, v: DeviceVerify, tables: torch.Tensor) -> DeviceStepResult:
+        """Queue the step after verification ``v`` (see the module docstring) over the
+        requests' current block ``tables`` (int32 ``[n, width]``, covering ``2k + 2``
+        positions from the first verified one); returns the next verification and the
+        host copy of the step's decisions."""
+        n, width = v.inputs.shape
+        k = self.k
+        drafter = self.drafter
+        targets = v.targets.view(n, width)
+        accepted = (targets[:, :k] == v.inputs[:, 1:]).long().cumprod(dim=1).sum(dim=1)
+        catch_up = drafter.catch_up_graphs
+        assert catch_up is not None
+        catch_up.feature_rows(n * width).copy_(v.features)
+        out = catch_up.run_device(v.targets, None, v.positions.reshape(-1),
+                                  v.slots.reshape(-1), tables.repeat_interleave(width, dim=0))
+        drafter.num_flattened_catch_ups += 1
+        last_rows = self._row_base[:n] + accepted  # each request's last kept row
+        first = catch_up.drafts(n * width).index_select(0, last_rows)
+        last = v.positions[:, 0] + accepted  # its last kept position
+        if k > 1:
+            passes = drafter.graphs
+            assert passes is not None
+            pos = last[None, :] + self._passes  # [k - 1, n]: pass j writes last + j
+            placed = torch.stack([pos, self.slots(tables, pos.T).T, pos + 1], dim=1)
+            passes.run_device(first, out.index_select(0, last_rows), placed[0, 0],
+                              placed[0, 1], tables, chain_rows=placed[1:])
+            drafts = torch.cat([first[None], passes.chain_drafts(n)]).T  # [n, k]
+        else:
+            drafts = first[:, None]
+        bonus = targets.gather(1, accepted[:, None])
+        positions = (last + 1)[:, None] + self._offsets
+        nxt = self.verify(torch.cat([bonus, drafts], dim=1), positions,
+                          self.slots(tables, positions), tables)
+        host, ready = read_back(torch.cat([targets, accepted[:, None], drafts], dim=1))
+        self.num_steps += 1
+        return DeviceStepResult(nxt, host, ready)
+
+    def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The cache slot of each of ``positions`` (int64 ``[n, m]``) through each
+        request's row of ``tables``."""
+        bs = self.block_size
+        return tables.gather(1, positions // bs).long() * bs + positions % bs

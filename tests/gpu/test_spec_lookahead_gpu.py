@@ -44,7 +44,7 @@ def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
     if proposer == "accepting":  # drafts the token the outputs hold most often
         from collections import Counter
 
-        common = Counter(t for out in plain for t in out).most_common(1)[0][0]
+        common = Counter(t for out in plain.values() for t in out).most_common(1)[0][0]
         head = make_tiny_eagle_head(tmp_path / "head", tiny, constant_draft=common)
         proposer = "eagle"
     elif proposer == "eagle":
@@ -58,6 +58,7 @@ def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
     on, on_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
     assert len(made) == 1 and made[0].stats.used > 10 and made[0].stats.discarded > 0
     assert made[0].stats.stepped > made[0].stats.used // 2
+    assert made[0].device_step.captured_sizes  # replayed from the step's own graphs
     assert on == plain
     assert len(on_drafts) > 20 and on_drafts == off_drafts
     monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")

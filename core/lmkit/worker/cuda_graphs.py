@@ -342,16 +342,19 @@ class CudaGraphRunner:
     def run_decode_device(self, input_ids: torch.Tensor, positions: torch.Tensor,
                           slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
                           block_tables: torch.Tensor, aux: list[torch.Tensor] | None = None,
-                          chain_rows: torch.Tensor | None = None) -> torch.Tensor:
+                          chain_rows: torch.Tensor | None = None,
+                          inline: bool = False) -> torch.Tensor:
         """:meth:`run_decode` with every input already on the device (int64, the block
         tables int32), e.g. computed there by the kernels before it: copied into the
         graph's buffers in stream order, no host staging and no host synchronisation.
 
         Without graphs, or for a backend planned before every replay, the plan needs the
         values on the host: they are read back (a synchronisation on CUDA) and the replay
-        runs through :meth:`run_decode`.
+        runs through :meth:`run_decode`. ``inline``: run the forward itself instead of
+        replaying its graph (planned here, on the host): for a caller capturing a larger
+        graph that contains this pass (a backend whose plan holds in place only).
         """
-        if self._plan_replays or not self.use_graphs:
+        if not inline and (self._plan_replays or not self.use_graphs):
             def host(t: torch.Tensor) -> np.ndarray:
                 return t.cpu().numpy()
             return self.run_decode(host(input_ids), host(positions), host(slot_mapping),
@@ -374,8 +377,12 @@ class CudaGraphRunner:
             self._chain_rows[:, :, :n].copy_(chain_rows)
             if n < bs:
                 self._chain_rows[:, :, n:bs].copy_(self._chain_padding[:, :, :bs - n])
-        graph, hidden, taps = self._graphs[bs]
-        graph.replay()
+        if inline:
+            self._plan(bs)
+            hidden, taps = self._run_model(bs)
+        else:
+            graph, hidden, taps = self._graphs[bs]
+            graph.replay()
         if aux is not None:
             aux.extend(t[:n] for t in taps)
         return hidden[:n]

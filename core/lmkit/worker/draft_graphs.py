@@ -232,17 +232,20 @@ class DraftPassGraphs:
 
     def run_device(self, input_ids: torch.Tensor, features: torch.Tensor | None,
                    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                   chain_rows: torch.Tensor | None = None) -> torch.Tensor:
+                   chain_rows: torch.Tensor | None = None, inline: bool = False
+                   ) -> torch.Tensor:
         """:meth:`run` with the rows' ids, positions, slots, block tables (and
         ``chain_rows``) as device tensors, e.g. computed there from the accepted counts
         of a verification that has not been read back
-        (:meth:`~lmkit.worker.cuda_graphs.CudaGraphRunner.run_decode_device`)."""
+        (:meth:`~lmkit.worker.cuda_graphs.CudaGraphRunner.run_decode_device`; ``inline``:
+        the passes themselves, inside a caller's capture, not counted)."""
         n = len(positions)
         if features is not None:
             self.head.features[:n].copy_(features)
-        self.num_passes += self.chain
+        self.num_passes += 0 if inline else self.chain
         return self.runner.run_decode_device(input_ids, positions, slots, positions + 1,
-                                             block_tables, chain_rows=chain_rows)
+                                             block_tables, chain_rows=chain_rows,
+                                             inline=inline)
 
 def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor],
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,

@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 ENV = "LMKIT_SPEC_DEVICE_STEP"
 
+#: the most requests of a device step replayed from captured graphs (larger ones queue
+#: the same work pass by pass)
+MAX_GRAPH_REQUESTS = 8
+
 
 @dataclass
 class DeviceVerify:
@@ -99,6 +103,7 @@ class DeviceSpecStep:
         self._offsets = torch.arange(width, dtype=torch.int64, device=device)  # [1 + k]
         self._row_base = self._offsets.new_tensor(np.arange(rows) * width)  # [max requests]
         self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
+        self._captured: dict[int, _StepGraphs] = {}  # by request count
         self.num_steps = 0  # device steps queued
 
     @classmethod
@@ -120,6 +125,11 @@ class DeviceSpecStep:
             return None
         return cls(graphs, model, drafter)
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The request counts whose device steps replay captured graphs so far."""
+        return sorted(self._captured)
+
     def fits(self, n: int, start: np.ndarray, capacity: np.ndarray, blocks: int) -> bool:
         """Whether a step after verifying ``n`` requests from positions ``start`` stays
         within each request's ``capacity`` (allocated slots, at most the context limit)
@@ -133,18 +143,17 @@ class DeviceSpecStep:
                 and bool(np.all(start + 2 * self.k + 1 < capacity)))
 
     def verify(self, inputs: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               tables: torch.Tensor) -> DeviceVerify:
+               tables: torch.Tensor, inline: bool = False) -> DeviceVerify:
         """Queue the verification of ``inputs`` ``[n, 1 + k]`` at ``positions`` into
-        ``slots`` over the requests' block ``tables`` (int32 ``[n, width]``)."""
+        ``slots`` over the requests' block ``tables`` (int32 ``[n, width]``); ``inline``:
+        inside a capture (the target's forward itself, not its graph)."""
         width = inputs.shape[1]
         taps = self.drafter.proposer.target_layers
         aux: list[torch.Tensor] | None = [] if taps else None
-        graphs = self.graphs
-        graphs.num_replays += 1
-        graphs.num_flattened_replays += 1
-        hidden = graphs.run_decode_device(
+        hidden = self.graphs.run_decode_device(
             inputs.reshape(-1), positions.reshape(-1), slots.reshape(-1),
-            positions.reshape(-1) + 1, tables.repeat_interleave(width, dim=0), aux=aux)
+            positions.reshape(-1) + 1, tables.repeat_interleave(width, dim=0), aux=aux,
+            inline=inline)
         # what the head reads, kept past the graph's next replay
         features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
         # first maximal index, as verify_greedy takes it
@@ -155,7 +164,45 @@ class DeviceSpecStep:
         """Queue the step after verification ``v`` (see the module docstring) over the
         requests' current block ``tables`` (int32 ``[n, width]``, covering ``2k + 2``
         positions from the first verified one); returns the next verification and the
-        host copy of the step's decisions."""
+        host copy of the step's decisions. On CUDA with graphs, steps of up to
+        :data:`MAX_GRAPH_REQUESTS` requests replay two graphs captured per request count
+        (:class:`_StepGraphs`); others queue the same work pass by pass."""
+        n = v.inputs.shape[0]
+        self.num_steps += 1
+        captured = self.graphs.use_graphs and n <= MAX_GRAPH_REQUESTS
+        self._count(head_passes=captured)
+        if captured:
+            graphs = self._captured.get(n)
+            if graphs is None:
+                graphs = self._captured[n] = _StepGraphs.capture(self, v)
+            return graphs.run(v, tables)
+        decided, inputs, positions = self._draft(v, tables)
+        # read back before the next verification is queued: the host takes this step
+        # while the GPU verifies the next one
+        host, ready = read_back(decided)
+        nxt = self.verify(inputs, positions, self.slots(tables, positions), tables)
+        return DeviceStepResult(nxt, host, ready)
+
+    def _count(self, head_passes: bool) -> None:
+        """Count a step's passes where the runners count theirs: the verification and
+        the catch-up, and with ``head_passes`` (captured steps, whose passes run
+        ``inline``, uncounted) the head's passes."""
+        graphs, drafter = self.graphs, self.drafter
+        graphs.num_replays += 1
+        graphs.num_flattened_replays += 1
+        drafter.num_flattened_catch_ups += 1
+        if not head_passes:
+            return
+        if drafter.catch_up_graphs is not None:
+            drafter.catch_up_graphs.num_passes += 1
+        if self.k > 1 and drafter.graphs is not None:
+            drafter.graphs.num_passes += drafter.graphs.chain
+
+    def _draft(self, v: DeviceVerify, tables: torch.Tensor, inline: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept, catch up and draft after ``v``: the step's decisions ``[n, (1 + k) +
+        1 + k]`` (``v``'s argmax, accepted drafts, new drafts), and the next
+        verification's inputs and positions ``[n, 1 + k]``."""
         n, width = v.inputs.shape
         k = self.k
         drafter = self.drafter
@@ -165,8 +212,8 @@ class DeviceSpecStep:
         assert catch_up is not None
         catch_up.feature_rows(n * width).copy_(v.features)
         out = catch_up.run_device(v.targets, None, v.positions.reshape(-1),
-                                  v.slots.reshape(-1), tables.repeat_interleave(width, dim=0))
-        drafter.num_flattened_catch_ups += 1
+                                  v.slots.reshape(-1), tables.repeat_interleave(width, dim=0),
+                                  inline=inline)
         last_rows = self._row_base[:n] + accepted  # each request's last kept row
         first = catch_up.drafts(n * width).index_select(0, last_rows)
         last = v.positions[:, 0] + accepted  # its last kept position
@@ -176,20 +223,82 @@ class DeviceSpecStep:
             pos = last[None, :] + self._passes  # [k - 1, n]: pass j writes last + j
             placed = torch.stack([pos, self.slots(tables, pos.T).T, pos + 1], dim=1)
             passes.run_device(first, out.index_select(0, last_rows), placed[0, 0],
-                              placed[0, 1], tables, chain_rows=placed[1:])
+                              placed[0, 1], tables, chain_rows=placed[1:], inline=inline)
             drafts = torch.cat([first[None], passes.chain_drafts(n)]).T  # [n, k]
         else:
             drafts = first[:, None]
+        decided = torch.cat([targets, accepted[:, None], drafts], dim=1)
         bonus = targets.gather(1, accepted[:, None])
-        positions = (last + 1)[:, None] + self._offsets
-        nxt = self.verify(torch.cat([bonus, drafts], dim=1), positions,
-                          self.slots(tables, positions), tables)
-        host, ready = read_back(torch.cat([targets, accepted[:, None], drafts], dim=1))
-        self.num_steps += 1
-        return DeviceStepResult(nxt, host, ready)
+        return decided, torch.cat([bonus, drafts], dim=1), (last + 1)[:, None] + self._offsets
 
     def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The cache slot of each of ``positions`` (int64 ``[n, m]``) through each
         request's row of ``tables``."""
         bs = self.block_size
         return tables.gather(1, positions // bs).long() * bs + positions % bs
+
+
+class _StepGraphs:
+    """A device step of ``n`` requests as two CUDA graphs over fixed buffers: the draft
+    graph (accept, catch-up, drafts; it writes the step's decisions and the next
+    verification's inputs) and the verify graph (the next verification; it writes its
+    features and argmax). The buffers (:attr:`state`) hold the verification a step
+    follows: the one the verify graph computed last, or one copied in. The host reads
+    the decisions back between the two replays.
+
+    The graphs contain the forwards themselves (target, the head's catch-up and chained
+    passes, captured ``inline``), not replays of the runners' graphs, so one replay
+    launches a whole phase of the step.
+    """
+
+    def __init__(self, state: DeviceVerify, tables: torch.Tensor, decided: torch.Tensor,
+                 draft: torch.cuda.CUDAGraph, verify: torch.cuda.CUDAGraph) -> None:
+        self.state = state
+        self.tables = tables
+        self.decided = decided
+        self.draft = draft
+        self.verify = verify
+
+    @classmethod
+    def capture(cls, step: DeviceSpecStep, like: DeviceVerify) -> _StepGraphs:
+        """Capture both graphs for ``like``'s request count (its shapes and dtypes)."""
+        from lmkit.worker.graph_stream import capture_stream
+
+        n, width = like.inputs.shape
+        device = like.inputs.device
+        state = DeviceVerify(*(torch.zeros_like(t) for t in (
+            like.inputs, like.positions, like.slots, like.features, like.targets)))
+        tables = torch.zeros(n, step.graphs.max_blocks, dtype=torch.int32, device=device)
+        decided = torch.zeros(n, 2 * width, dtype=torch.int64, device=device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = capture_stream(device)
+        draft, verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.inference_mode():
+            with torch.cuda.graph(draft, pool=pool, stream=stream):
+                out, inputs, positions = step._draft(state, tables, inline=True)
+                decided.copy_(out)
+                state.inputs.copy_(inputs)
+                state.positions.copy_(positions)
+                state.slots.copy_(step.slots(tables, positions))
+            with torch.cuda.graph(verify, pool=pool, stream=stream):
+                nxt = step.verify(state.inputs, state.positions, state.slots, tables,
+                                  inline=True)
+                state.features.copy_(nxt.features)
+                state.targets.copy_(nxt.targets)
+        return cls(state, tables, decided, draft, verify)
+
+    def run(self, v: DeviceVerify, tables: torch.Tensor) -> DeviceStepResult:
+        """Replay the step after ``v`` (copied into :attr:`state` unless it is the
+        verification the verify graph made last) over ``tables``."""
+        state = self.state
+        if v is not state:
+            for dst, src in zip((state.inputs, state.positions, state.slots, state.features,
+                                 state.targets),
+                                (v.inputs, v.positions, v.slots, v.features, v.targets),
+                                strict=True):
+                dst.copy_(src)
+        self.tables[:, :tables.shape[1]].copy_(tables)
+        self.draft.replay()
+        host, ready = read_back(self.decided)  # before the verification: read meanwhile
+        self.verify.replay()
+        return DeviceStepResult(state, host, ready)

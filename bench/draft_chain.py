@@ -11,6 +11,9 @@ same greedy requests in interleaved rounds; medians of ms per output token::
     python bench/draft_chain.py --switch LMKIT_SPEC_LOOKAHEAD --ks 3 --batches 1 8 32
     python bench/draft_chain.py --switch speculative.catch_up_when_off \
         --set speculative.disable_by_batch_size=16 --ks 3 --batches 1 8 32
+    python bench/draft_chain.py --switch LMKIT_NORM_FOLD_MAX_ROWS=4/1 --ks 3 --batches 1
+
+(``NAME=ON/OFF``: an environment variable's two values; the plain engine gets neither.)
 
 Needs CUDA and triton attention (the chain needs a backend that keeps a captured
 decode plan valid as positions move: ``supports_in_place_decode_metadata``).
@@ -35,7 +38,8 @@ def main() -> None:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--switch", default="LMKIT_DRAFT_CHAIN",
                     help="compared on and off for each k: an environment variable (1 / 0, "
-                    "read when each engine starts) or a boolean setting's dotted path")
+                    "or NAME=ON/OFF for two other values; read when each engine starts) or "
+                    "a boolean setting's dotted path")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                     help="a setting of every speculating engine (value read as JSON)")
     args = ap.parse_args()
@@ -52,8 +56,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides: dict[str, dict] = {"plain": {}}
     labels = (("chained", "per-pass") if args.switch == "LMKIT_DRAFT_CHAIN" else ("on", "off"))
+    switch, _, values = args.switch.partition("=")
+    on_off = tuple(values.split("/", 1)) if values else ("1", "0")
+    if len(on_off) != 2 or not all(on_off):
+        raise SystemExit(f"--switch {args.switch!r}: expected NAME or NAME=ON/OFF")
     for k in args.ks:
-        for value, label in zip(("1", "0"), labels, strict=True):
+        for value, label in zip(on_off, labels, strict=True):
             sides[f"k{k}-{label}"] = {"k": k, "value": value}
     engines = {}
     for name, side in sides.items():
@@ -61,10 +69,10 @@ def main() -> None:
         if side:
             kw = dict(speculative="eagle3", speculative_model=str(head),
                       num_speculative_tokens=side["k"], **settings)
-            if "." in args.switch:  # a setting
-                kw[args.switch] = side["value"] == "1"
+            if "." in switch:  # a setting
+                kw[switch] = side["value"] == "1"
             else:
-                os.environ[args.switch] = side["value"]  # read when the engine starts
+                os.environ[switch] = side["value"]  # read when the engine starts
         engines[name] = LLM(str(target), device="cuda", attention=args.attention,
                             dtype="bfloat16", max_num_seqs=batch, max_model_len=2048,
                             gpu_memory_utilization=0.8 / len(sides), **kw)

@@ -187,27 +187,3 @@ def test_a_replaced_input_norm_is_never_folded(fused_on_cpu, monkeypatch):
     assert _folded(unfolded) == (False, False)
     unfolded.model.layers[0].replace_input_norm(Identity())
     torch.testing.assert_close(folded_out, _run(unfolded, 1), rtol=0, atol=0)
-
-
-def test_norm_fold_row_limit_from_the_environment(fused_on_cpu, monkeypatch):
-    """``LMKIT_NORM_FOLD_MAX_ROWS=4``: a 4-row input (a batch-1 verification of 3 drafts)
-    takes the norm fold, not the SiLU fold (still one row), with the unfolded result."""
-    monkeypatch.setenv("LMKIT_NORM_FOLD_MAX_ROWS", "4")
-    calls = _count_calls(monkeypatch)
-    folded = _run(_tiny_llama(), 4)
-    assert calls == {"norm_linear": 4, "silu_mul_linear": 0}
-    monkeypatch.setenv("LMKIT_GEMV_FOLD", "0")
-    assert torch.equal(folded, _run(_tiny_llama(), 4))
-    monkeypatch.setenv("LMKIT_GEMV_FOLD", "1")
-    calls["norm_linear"] = 0
-    _run(_tiny_llama(), 5)  # past the limit: separate kernels
-    assert calls["norm_linear"] == 0
-
-
-@pytest.mark.parametrize("value", ["0", "9", "four", "-1"])
-def test_norm_fold_row_limit_rejects_bad_values(monkeypatch, value):
-    monkeypatch.setenv("LMKIT_NORM_FOLD_MAX_ROWS", value)
-    with pytest.raises(ValueError, match="LMKIT_NORM_FOLD_MAX_ROWS"):
-        fused_ops.norm_fold_max_rows()
-    monkeypatch.delenv("LMKIT_NORM_FOLD_MAX_ROWS")
-    assert fused_ops.norm_fold_max_rows() == FOLD_MAX_ROWS

@@ -194,25 +194,6 @@ NORM_FOLD_STAGES = 3
 #: kernels are slower than the separate ones (Llama-8B down projection 171 vs 45 us,
 #: Qwen3-0.6B's 38 vs 8.6 us), so 2-8 rows keep the separate kernels
 FOLD_MAX_ROWS = 1
-#: ``LMKIT_NORM_FOLD_MAX_ROWS``: rows up to which the norm fold runs (default
-#: :data:`FOLD_MAX_ROWS`), e.g. ``4`` for the ``1 + k`` rows of a batch-1 speculative
-#: verification at ``k = 3``, where the separate norm kernels are a quarter of a small
-#: target's step (``bench/spec_timeline.py``)
-NORM_FOLD_ROWS_ENV = "LMKIT_NORM_FOLD_MAX_ROWS"
-
-
-def norm_fold_max_rows() -> int:
-    """The norm fold's row limit: ``LMKIT_NORM_FOLD_MAX_ROWS`` (1 to
-    :data:`SMALL_BATCH`), else :data:`FOLD_MAX_ROWS`.
-
-    :raises ValueError: on any other value."""
-    raw = os.environ.get(NORM_FOLD_ROWS_ENV, "").strip()
-    if not raw:
-        return FOLD_MAX_ROWS
-    if not raw.isdigit() or not 1 <= int(raw) <= SMALL_BATCH:
-        raise ValueError(f"{NORM_FOLD_ROWS_ENV}={raw!r}: expected a row count from 1 to "
-                         f"{SMALL_BATCH} (the weight-streaming kernel's rows)")
-    return int(raw)
 
 
 class GemvFold:
@@ -227,17 +208,11 @@ class GemvFold:
 
         self._norm_linear = norm_small_m_linear
         self._silu_mul_linear = silu_mul_small_m_linear
-        self.norm_max_rows = norm_fold_max_rows()  # read when the layer is built
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether the folded SiLU kernel runs for the input ``x`` (``[rows, in]``)."""
+        """Whether the folded kernel runs for the input ``x`` (``[rows, in]``)."""
         return x.dim() == 2 and x.shape[0] <= FOLD_MAX_ROWS
-
-    def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether the folded norm kernel runs for the input ``x`` (``[rows, in]``): at
-        most :attr:`norm_max_rows` rows (:func:`norm_fold_max_rows`)."""
-        return x.dim() == 2 and x.shape[0] <= self.norm_max_rows
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -137,7 +137,7 @@ class Linear(nn.Module):
         ``fold_max_rows`` rows too, where the norm is lmkit's kernel); so do one-row CUDA
         inputs with :attr:`gemv_fold` (the same bits up to the order of the norm's sum of
         squares)."""
-        if self.gemv_fold is not None and self.gemv_fold.takes_norm(x):
+        if self.gemv_fold is not None and self.gemv_fold.takes(x):
             return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                               self.bias)
         if (self._qnorm is not None and x.shape[0] <= self._qfold_rows and x.dim() == 2

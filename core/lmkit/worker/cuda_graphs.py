@@ -236,6 +236,12 @@ class CudaGraphRunner:
             query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
             num_decodes=bs, cuda_graph=True)
 
+    def hidden_like(self, n: int) -> torch.Tensor:
+        """Zeros shaped as ``n`` rows of the graphs' hidden output (its dtype and device),
+        e.g. to compile what runs on it before a capture."""
+        _, hidden, _ = self._graphs[self.max_bs]
+        return hidden.new_zeros(n, hidden.shape[-1])
+
     @property
     def plans_replays(self) -> bool:
         """Whether a replay needs the attention plan run on the host first (a backend

@@ -48,9 +48,14 @@ if TYPE_CHECKING:
 
 ENV = "LMKIT_SPEC_DEVICE_STEP"
 
-#: the most requests of a device step replayed from captured graphs (larger ones queue
-#: the same work pass by pass)
+#: the most requests of a device step. It catches the head up on all ``1 + k`` verified
+#: positions of every request, kept or not: work that costs nothing next to a small
+#: batch's launch-bound step, but not at large batches, whose steps are GPU-bound anyway
+#: (there the runner reads each verification and runs the head on the kept positions).
+#: On CUDA with graphs every such step replays captured graphs.
 MAX_GRAPH_REQUESTS = 8
+#: request counts whose step graphs are captured at engine start (1 to this)
+STARTUP_GRAPH_REQUESTS = 4
 
 
 @dataclass
@@ -123,7 +128,34 @@ class DeviceSpecStep:
             runners.append(passes.runner)
         if any(r.use_graphs and r.plans_replays for r in runners):
             return None
-        return cls(graphs, model, drafter)
+        step = cls(graphs, model, drafter)
+        step.capture(range(1, STARTUP_GRAPH_REQUESTS + 1))
+        return step
+
+    def capture(self, sizes: range) -> None:
+        """Capture the step graphs for these request counts now (at engine start, so
+        that the first requests do not wait for it; other counts up to
+        :data:`MAX_GRAPH_REQUESTS` are captured when first met). No-op without graphs."""
+        if not self.graphs.use_graphs:
+            return
+        catch_up = self.drafter.catch_up_graphs
+        assert catch_up is not None
+        features = catch_up.feature_rows(1)
+        width = 1 + self.k
+        for n in sizes:
+            if not self.fits_graphs(n):
+                break
+            ids = torch.zeros(n, width, dtype=torch.int64, device=features.device)
+            like = DeviceVerify(ids, ids, ids, features.new_zeros(n * width, features.shape[1]),
+                                ids.view(-1))
+            self._captured[n] = _StepGraphs.capture(self, like)
+
+    def fits_graphs(self, n: int) -> bool:
+        """Whether device steps of ``n`` requests replay captured graphs."""
+        catch_up = self.drafter.catch_up_graphs
+        assert catch_up is not None
+        return (self.graphs.use_graphs and n <= MAX_GRAPH_REQUESTS
+                and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows))
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -137,7 +169,8 @@ class DeviceSpecStep:
         block-table columns."""
         catch_up, passes = self.drafter.catch_up_graphs, self.drafter.graphs
         assert catch_up is not None
-        return (n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
+        return (n <= MAX_GRAPH_REQUESTS
+                and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
                 and (passes is None or n <= passes.max_rows)
                 and blocks <= min(self.graphs.max_blocks, catch_up.max_blocks)
                 and bool(np.all(start + 2 * self.k + 1 < capacity)))
@@ -164,12 +197,12 @@ class DeviceSpecStep:
         """Queue the step after verification ``v`` (see the module docstring) over the
         requests' current block ``tables`` (int32 ``[n, width]``, covering ``2k + 2``
         positions from the first verified one); returns the next verification and the
-        host copy of the step's decisions. On CUDA with graphs, steps of up to
-        :data:`MAX_GRAPH_REQUESTS` requests replay two graphs captured per request count
-        (:class:`_StepGraphs`); others queue the same work pass by pass."""
+        host copy of the step's decisions. On CUDA with graphs the step replays two
+        graphs captured per request count (:class:`_StepGraphs`); elsewhere it queues the
+        same work pass by pass."""
         n = v.inputs.shape[0]
         self.num_steps += 1
-        captured = self.graphs.use_graphs and n <= MAX_GRAPH_REQUESTS
+        captured = self.fits_graphs(n)
         self._count(head_passes=captured)
         if captured:
             graphs = self._captured.get(n)
@@ -268,6 +301,9 @@ class _StepGraphs:
         device = like.inputs.device
         state = DeviceVerify(*(torch.zeros_like(t) for t in (
             like.inputs, like.positions, like.slots, like.features, like.targets)))
+        with torch.inference_mode():  # the one kernel the runners' captures did not compile
+            step.model.compute_logits(step.graphs.hidden_like(n * width))
+            torch.cuda.synchronize(device)
         tables = torch.zeros(n, step.graphs.max_blocks, dtype=torch.int32, device=device)
         decided = torch.zeros(n, 2 * width, dtype=torch.int64, device=device)
         pool = torch.cuda.graph_pool_handle()

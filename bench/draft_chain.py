@@ -11,7 +11,7 @@ same greedy requests in interleaved rounds; medians of ms per output token::
     python bench/draft_chain.py --switch LMKIT_SPEC_LOOKAHEAD --ks 3 --batches 1 8 32
     python bench/draft_chain.py --switch speculative.catch_up_when_off \
         --set speculative.disable_by_batch_size=16 --ks 3 --batches 1 8 32
-    python bench/draft_chain.py --switch LMKIT_NORM_FOLD_MAX_ROWS=4/1 --ks 3 --batches 1
+    python bench/draft_chain.py --switch LMKIT_DECODE_MID_SPLITS=1/0 --ks 3 --batches 1
 
 (``NAME=ON/OFF``: an environment variable's two values; the plain engine gets neither.)
 

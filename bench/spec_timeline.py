@@ -52,6 +52,21 @@ def blocked(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {name: {"s": s, "calls": int(c)} for name, (s, c) in out.items()}
 
 
+def parse_side(side: str) -> tuple[str, dict[str, str]]:
+    """``PROPOSER[:NAME=VALUE,...]`` -> the proposer (``plain``: none) and the environment
+    switches set while its engine is built."""
+    proposer, _, env = side.partition(":")
+    switches: dict[str, str] = {}
+    for item in filter(None, env.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"side {side!r}: expected PROPOSER[:NAME=VALUE,...], got {item!r}")
+        switches[name] = value
+    if not proposer:
+        raise SystemExit(f"side {side!r}: name a proposer (or plain)")
+    return proposer, switches
+
+
 def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
              prompts: list | None) -> dict[str, Any]:
     """Build the side's engine, warm it, profile ``prompts`` one at a time (``None``:
@@ -60,8 +75,7 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
     from lmkit import LLM, SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
-    proposer, _, env = side.partition(":")
-    switches = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    proposer, switches = parse_side(side)
     saved = {k: os.environ.get(k) for k in switches}
     os.environ.update(switches)
     try:

@@ -45,7 +45,7 @@ import torch
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
 from lmkit.worker.graph_stream import capture_stream
-from lmkit.worker.staging import CopyFences
+from lmkit.worker.replay_buffers import ReplayBuffers
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
@@ -117,7 +117,6 @@ class CudaGraphRunner:
         self.chain = max(1, chain)
         self.aux_layers = tuple(aux_layers)
         self.use_graphs = use_graphs and torch.device(device).type == "cuda"
-        pin = torch.device(device).type == "cuda"
         self.attn = model.attn
         # every KV cache group's backend is planned per replay (one for most models)
         self.kv_groups = model.kv_cache_groups(len(kv_caches))
@@ -132,31 +131,9 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_num_seqs * self.max_query_len)
         self.max_bs = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size) + 1
-        bs, width = self.max_bs, self.max_blocks
-        # device buffers read by the graphs (fixed addresses)
-        self._packed = torch.zeros(3 * bs, dtype=torch.int64, device=device)
-        self._seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
-        self._block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
-        self._query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
-        # chained passes (``chain > 1``): passes 1.. positions | slots | seq_lens, and
-        # the input ids each of them read (the previous pass's drafts)
-        links = self.chain - 1
-        self._chain_rows = torch.zeros(links, 3, bs, dtype=torch.int64, device=device)
-        self._chain_ids = torch.zeros(links, bs, dtype=torch.int64, device=device)
-        # what padding rows of chained passes hold: position 0, no slot, no context
-        self._chain_padding = torch.tensor([0, -1, 0], dtype=torch.int64, device=device)[
-            None, :, None].expand(links, 3, bs)
-        # pinned host staging (``num_staging`` sets, used in turn: packed, seq_lens,
-        # block tables, chained passes' rows); the host copies of query_start_loc never
-        # change
-        self._host = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
-                       torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin))
-                      for _ in range(max(1, num_staging))]
-        self._fences = CopyFences(len(self._host), self.use_graphs)
-        self._h_packed, self._h_seq_lens, self._h_blocks, self._h_chain = self._host[0]
-        self._h_qsl = torch.arange(bs + 1, dtype=torch.int32)
+        # the graphs' input buffers and their host staging
+        self.buffers = ReplayBuffers(self.max_bs, self.max_blocks, self.chain - 1, device,
+                                     num_staging, self.use_graphs)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                       list[torch.Tensor]]] = {}
@@ -175,9 +152,9 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bs in reversed(self.sizes):
-                self._next_staging()
-                self._stage_padding_only(bs)
-                self._upload(bs, 0, 1)
+                self.buffers.next_set()
+                self.buffers.stage_padding(bs)
+                self.buffers.upload(bs, 0, 1)
                 self._plan(bs)
                 self._run_model(bs)  # warm-up: compiles kernels, creates library handles
                 torch.cuda.synchronize(self.device)
@@ -195,19 +172,20 @@ class CudaGraphRunner:
     def _run_model(self, bs: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The padded forward of size ``bs`` (``chain`` passes): hidden and the
         ``aux_layers`` inputs (of the last pass)."""
-        ids, positions = self._packed[:bs], self._packed[bs:2 * bs]
+        buf = self.buffers
+        ids, positions = buf.packed[:bs], buf.packed[bs:2 * bs]
         ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
         if self.chain == 1:
             return self.model(ids, positions, ctx), ctx.aux_hidden_states
-        live = (positions, self._packed[2 * bs:3 * bs], self._seq_lens[:bs])
+        live = (positions, buf.packed[2 * bs:3 * bs], buf.seq_lens[:bs])
         for j in range(self.chain):
             if j:  # pass j's positions, slots and seq_lens where the kernels read them
-                for dst, src in zip(live, self._chain_rows[j - 1, :, :bs], strict=True):
+                for dst, src in zip(live, buf.chain_rows[j - 1, :, :bs], strict=True):
                     dst.copy_(src)
                 if not self.use_graphs:  # eager: plan each pass (any backend)
-                    self._plan(bs, self._h_chain_rows(bs)[j - 1, 2])
+                    self._plan(bs, buf.host_chain_rows(bs)[j - 1, 2])
                 ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
-                self._chain_ids[j - 1, :bs].copy_(ids)
+                buf.chain_ids[j - 1, :bs].copy_(ids)
             hidden = self.model(ids, positions, ctx)
         return hidden, ctx.aux_hidden_states
 
@@ -216,7 +194,7 @@ class CudaGraphRunner:
         (a view, valid until the next replay): with a model that feeds its drafts as the
         next pass's ids, row ``j`` holds pass ``j``'s drafts (the last pass's are in
         :attr:`input_ids_buffer`)."""
-        return self._chain_ids[:, :n]
+        return self.buffers.chain_ids[:, :n]
 
     def _plan(self, bs: int, seq_lens: np.ndarray | None = None) -> None:
         md = self._metadata(bs, seq_lens)
@@ -226,14 +204,15 @@ class CudaGraphRunner:
     def _metadata(self, bs: int, seq_lens: np.ndarray | None = None) -> AttentionMetadata:
         """The padded decode metadata of a graph of size ``bs`` (device views fixed);
         ``seq_lens``: the host copy of a chained pass's (default: the staged ones)."""
-        h_seq_lens = self._h_seq_lens[:bs] if seq_lens is None else torch.from_numpy(
+        buf = self.buffers
+        h_seq_lens = buf.host_seq_lens[:bs] if seq_lens is None else torch.from_numpy(
             seq_lens.astype(np.int32))
         return AttentionMetadata(
             num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
             max_seq_len=max(1, int(h_seq_lens.numpy().max())),
-            query_start_loc=self._query_start_loc[:bs + 1], seq_lens=self._seq_lens[:bs],
-            block_tables=self._block_tables[:bs], slot_mapping=self._packed[2 * bs:3 * bs],
-            query_start_loc_cpu=self._h_qsl[:bs + 1], seq_lens_cpu=h_seq_lens,
+            query_start_loc=buf.query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
+            block_tables=buf.block_tables[:bs], slot_mapping=buf.packed[2 * bs:3 * bs],
+            query_start_loc_cpu=buf.host_query_start_loc[:bs + 1], seq_lens_cpu=h_seq_lens,
             num_decodes=bs, cuda_graph=True)
 
     def hidden_like(self, n: int) -> torch.Tensor:
@@ -290,7 +269,7 @@ class CudaGraphRunner:
         """The device buffer the graphs read their input ids from (row ``i`` of every
         size at index ``i``): what a captured model may write the next replay's ids to
         (then :meth:`run_decode` with ``ids_in_place``)."""
-        return self._packed[:self.max_bs]
+        return self.buffers.packed[:self.max_bs]
 
     def run_decode(self, input_ids: np.ndarray | None, positions: np.ndarray,
                    slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
@@ -316,24 +295,15 @@ class CudaGraphRunner:
         """
         n = len(positions)
         bs = self.padded_size(n)
-        self._next_staging()
-        packed = self._h_packed.numpy()
-        if input_ids is not None:
-            packed[:n] = input_ids
-        packed[bs:bs + n] = positions
-        packed[2 * bs:2 * bs + n] = slot_mapping
-        self._stage_padding_only(bs, n)
-        self._h_seq_lens.numpy()[:n] = seq_lens
-        width = block_tables.shape[1]
-        self._h_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
-        if self.chain > 1:
-            if chain_rows is None or chain_rows.shape != (self.chain - 1, 3, n):
-                raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
-                                 f"of shape {(self.chain - 1, 3, n)}")
-            self._h_chain_rows(bs)[:, :, :n] = chain_rows
-        self._upload(bs, n, width, ids_from=n if ids_in_place else 0)
+        if self.chain > 1 and (chain_rows is None or chain_rows.shape != (self.chain - 1, 3, n)):
+            raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
+                             f"of shape {(self.chain - 1, 3, n)}")
+        buf = self.buffers
+        buf.next_set()
+        buf.stage(bs, input_ids, positions, slot_mapping, seq_lens, block_tables, chain_rows)
+        buf.upload(bs, n, block_tables.shape[1], ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
-            self._packed[:n].copy_(device_input_ids)
+            buf.packed[:n].copy_(device_input_ids)
         if self._plan_replays or not self.use_graphs:
             self._plan(bs)
         if self.use_graphs:
@@ -366,23 +336,10 @@ class CudaGraphRunner:
             return self.run_decode(host(input_ids), host(positions), host(slot_mapping),
                                    host(seq_lens), host(block_tables), aux=aux,
                                    chain_rows=None if chain_rows is None else host(chain_rows))
-        n, width = len(positions), block_tables.shape[1]
+        n = len(positions)
         bs = self.padded_size(n)
-        rows = (self._packed[:bs], self._packed[bs:2 * bs], self._packed[2 * bs:3 * bs],
-                self._seq_lens[:bs])
-        for dst, src, pad in zip(rows, (input_ids, positions, slot_mapping, seq_lens),
-                                 (0, 0, -1, 0), strict=True):
-            dst[:n].copy_(src)
-            if n < bs:
-                dst[n:].fill_(pad)
-        self._block_tables[:n, :width].copy_(block_tables)
-        if self.chain > 1:
-            if chain_rows is None or tuple(chain_rows.shape) != (self.chain - 1, 3, n):
-                raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
-                                 f"of shape {(self.chain - 1, 3, n)}")
-            self._chain_rows[:, :, :n].copy_(chain_rows)
-            if n < bs:
-                self._chain_rows[:, :, n:bs].copy_(self._chain_padding[:, :, :bs - n])
+        self.buffers.load(bs, input_ids, positions, slot_mapping, seq_lens, block_tables,
+                          chain_rows)
         if inline:
             self._plan(bs)
             hidden, taps = self._run_model(bs)
@@ -392,41 +349,6 @@ class CudaGraphRunner:
         if aux is not None:
             aux.extend(t[:n] for t in taps)
         return hidden[:n]
-
-    def _stage_padding_only(self, bs: int, n: int = 0) -> None:
-        """Host staging of padding rows ``n..bs``: token 0 at position 0, no slot, no context."""
-        packed = self._h_packed.numpy()
-        packed[n:bs] = 0
-        packed[bs + n:2 * bs] = 0
-        packed[2 * bs + n:3 * bs] = -1
-        self._h_seq_lens.numpy()[n:bs] = 0
-        if self.chain > 1:
-            self._h_chain_rows(bs)[:, :, n:] = np.array([0, -1, 0])[:, None]
-
-    def _h_chain_rows(self, bs: int) -> np.ndarray:
-        """The host staging of chained passes' rows for size ``bs``: ``[chain - 1, 3, bs]``."""
-        return self._h_chain[:(self.chain - 1) * 3 * bs].numpy().reshape(-1, 3, bs)
-
-    def _upload(self, bs: int, n: int, width: int, ids_from: int = 0) -> None:
-        """Copy the staged rows to the device buffers (asynchronous, pinned), the input
-        ids from row ``ids_from`` on (the rows before it are on the device already)."""
-        self._packed[ids_from:3 * bs].copy_(self._h_packed[ids_from:3 * bs],
-                                            non_blocking=True)
-        self._seq_lens[:bs].copy_(self._h_seq_lens[:bs], non_blocking=True)
-        if n:
-            self._block_tables[:n, :width].copy_(
-                self._h_blocks[:n * width].view(n, width), non_blocking=True)
-        if self.chain > 1:
-            links = self.chain - 1
-            self._chain_rows[:, :, :bs].copy_(
-                self._h_chain[:links * 3 * bs].view(links, 3, bs), non_blocking=True)
-        self._fences.mark()
-
-    def _next_staging(self) -> None:
-        """Stage the next replay in the next host set; the upload that last read that
-        set must be done (``num_staging`` replays ago: usually long since)."""
-        (self._h_packed, self._h_seq_lens, self._h_blocks,
-         self._h_chain) = self._host[self._fences.advance()]
 
 
 def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,

@@ -150,3 +150,33 @@ def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
     run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:1], "eagle", max_num_seqs=8, k=3)
     assert slots == [0, 8, 4]
     assert spec_lookahead.ENV == "LMKIT_SPEC_LOOKAHEAD"
+
+
+def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch):
+    """Steps of more than ``MAX_GRAPH_REQUESTS`` requests verify launched ahead but take
+    the head's passes from the host; as the batch drains, device steps take over. Tokens
+    and drafts equal the run without any lookahead."""
+    from lmkit.worker.spec_device_step import MAX_GRAPH_REQUESTS, DeviceSpecStep
+
+    prompts = PROMPTS * 2
+    params = greedy([8 + 4 * i for i in range(len(prompts))])  # the batch drains
+    padded_replays(monkeypatch)
+    monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
+    without, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                            max_num_seqs=16, k=3)
+    monkeypatch.delenv("LMKIT_SPEC_LOOKAHEAD")
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    sizes: list[int] = []
+    step = DeviceSpecStep.step
+
+    def record(self, v, tables):
+        sizes.append(v.inputs.shape[0])
+        return step(self, v, tables)
+
+    monkeypatch.setattr(DeviceSpecStep, "step", record)
+    got, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                        max_num_seqs=16, k=3)
+    look = made[0].stats
+    assert sizes and max(sizes) <= MAX_GRAPH_REQUESTS < len(prompts)
+    assert look.stepped > 5 and look.used > look.stepped  # some taken without one
+    assert got == without

@@ -18,12 +18,12 @@ read back:
 3. **Draft**: draft 1 from each request's row ``a``, drafts ``2..k`` from one replay of
    the chained draft passes at positions ``start + a + 1 ..`` (cache slots looked up on
    the device from the block tables).
-4. **Verify the next drafts**: the bonus token and the new drafts at positions from
+4. One copy to the host: the verification's argmax, ``a`` and the new drafts.
+5. **Verify the next drafts**: the bonus token and the new drafts at positions from
    ``start + a + 1``, through the flattened decode graphs, and their argmax.
-5. One copy to the host: the verification's argmax, ``a`` and the new drafts.
 
-The host reads (5) when the engine asks for the step, while the GPU already runs (4);
-taking that step queues the device step after (4) in turn, so in steady state the GPU
+The host reads (4) when the engine asks for the step, while the GPU already runs (5);
+taking that step queues the device step after (5) in turn, so in steady state the GPU
 runs verification after verification without waiting for the host. A device step
 writes KV at most ``2k + 1`` positions past the first one it verifies: the scheduler
 reserves ``2 (k + 1)`` lookahead slots (:func:`~lmkit.worker.spec_lookahead.

@@ -74,6 +74,10 @@ class DeviceVerify:
     features: torch.Tensor
     targets: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Its tensors, in field order."""
+        return self.inputs, self.positions, self.slots, self.features, self.targets
+
 
 @dataclass
 class DeviceStepResult:
@@ -104,9 +108,9 @@ class DeviceSpecStep:
         self.block_size = drafter.block_size
         device = graphs.device
         width = 1 + self.k
-        rows = max(1, graphs.max_bs // width)
         self._offsets = torch.arange(width, dtype=torch.int64, device=device)  # [1 + k]
-        self._row_base = self._offsets.new_tensor(np.arange(rows) * width)  # [max requests]
+        # each request's first row in a verification's flattened rows
+        self._row_base = self._offsets.new_tensor(np.arange(MAX_GRAPH_REQUESTS) * width)
         self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
         self._captured: dict[int, _StepGraphs] = {}  # by request count
         self.num_steps = 0  # device steps queued
@@ -143,19 +147,21 @@ class DeviceSpecStep:
         features = catch_up.feature_rows(1)
         width = 1 + self.k
         for n in sizes:
-            if not self.fits_graphs(n):
+            if not self.fits_rows(n):
                 break
             ids = torch.zeros(n, width, dtype=torch.int64, device=features.device)
             like = DeviceVerify(ids, ids, ids, features.new_zeros(n * width, features.shape[1]),
                                 ids.view(-1))
             self._captured[n] = _StepGraphs.capture(self, like)
 
-    def fits_graphs(self, n: int) -> bool:
-        """Whether device steps of ``n`` requests replay captured graphs."""
-        catch_up = self.drafter.catch_up_graphs
+    def fits_rows(self, n: int) -> bool:
+        """Whether a step of ``n`` requests is small enough for a device step
+        (:data:`MAX_GRAPH_REQUESTS`) and for every pass's graphs."""
+        catch_up, passes = self.drafter.catch_up_graphs, self.drafter.graphs
         assert catch_up is not None
-        return (self.graphs.use_graphs and n <= MAX_GRAPH_REQUESTS
-                and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows))
+        return (n <= MAX_GRAPH_REQUESTS
+                and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
+                and (passes is None or n <= passes.max_rows))
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -167,11 +173,9 @@ class DeviceSpecStep:
         within each request's ``capacity`` (allocated slots, at most the context limit)
         and the graphs' sizes: it writes up to ``start + 2k + 1`` and reads ``blocks``
         block-table columns."""
-        catch_up, passes = self.drafter.catch_up_graphs, self.drafter.graphs
+        catch_up = self.drafter.catch_up_graphs
         assert catch_up is not None
-        return (n <= MAX_GRAPH_REQUESTS
-                and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
-                and (passes is None or n <= passes.max_rows)
+        return (self.fits_rows(n)
                 and blocks <= min(self.graphs.max_blocks, catch_up.max_blocks)
                 and bool(np.all(start + 2 * self.k + 1 < capacity)))
 
@@ -199,10 +203,10 @@ class DeviceSpecStep:
         positions from the first verified one); returns the next verification and the
         host copy of the step's decisions. On CUDA with graphs the step replays two
         graphs captured per request count (:class:`_StepGraphs`); elsewhere it queues the
-        same work pass by pass."""
+        same work pass by pass. ``v``'s request count must pass :meth:`fits`."""
         n = v.inputs.shape[0]
         self.num_steps += 1
-        captured = self.fits_graphs(n)
+        captured = self.graphs.use_graphs
         self._count(head_passes=captured)
         if captured:
             graphs = self._captured.get(n)
@@ -299,8 +303,7 @@ class _StepGraphs:
 
         n, width = like.inputs.shape
         device = like.inputs.device
-        state = DeviceVerify(*(torch.zeros_like(t) for t in (
-            like.inputs, like.positions, like.slots, like.features, like.targets)))
+        state = DeviceVerify(*(torch.zeros_like(t) for t in like.tensors()))
         with torch.inference_mode():  # the one kernel the runners' captures did not compile
             step.model.compute_logits(step.graphs.hidden_like(n * width))
             torch.cuda.synchronize(device)
@@ -328,10 +331,7 @@ class _StepGraphs:
         verification the verify graph made last) over ``tables``."""
         state = self.state
         if v is not state:
-            for dst, src in zip((state.inputs, state.positions, state.slots, state.features,
-                                 state.targets),
-                                (v.inputs, v.positions, v.slots, v.features, v.targets),
-                                strict=True):
+            for dst, src in zip(state.tensors(), v.tensors(), strict=True):
                 dst.copy_(src)
         self.tables[:, :tables.shape[1]].copy_(tables)
         self.draft.replay()

@@ -53,16 +53,18 @@ from lmkit.worker.input_batch import StepInputs
 from lmkit.worker.spec_device_step import ENV as DEVICE_STEP_ENV
 from lmkit.worker.spec_device_step import DeviceSpecStep, DeviceStepResult, DeviceVerify
 from lmkit.worker.staging import StepStaging
-from lmkit.worker.step_plan import commit_tokens, kept_positions
+from lmkit.worker.step_plan import commit_tokens, kept_positions, step_drafts
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.sample.sampler import VerifiedTokens
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.draft_runner import DraftRunner
     from lmkit.worker.gpu_lookahead import DecodeLookahead
     from lmkit.worker.input_batch import CachedRequestState, InputBatch
+    from lmkit.worker.step_plan import SamplingPlan
 
 ENV = "LMKIT_SPEC_LOOKAHEAD"
 
@@ -133,14 +135,9 @@ class SpecLookahead(LaunchAhead):
         self.pending = None
         n, k = len(order), self.k
         if (not n or n * (1 + k) > self.graphs.max_bs or so.grammar_bitmask is not None
-                or so.kv_transfers or any(len(drafts.get(r, ())) != k for r in order)):
+                or so.kv_transfers or any(len(drafts.get(r, ())) != k for r in order)
+                or not self._predictable(order)):
             return
-        requests = self.requests
-        for rid in order:
-            state = requests[rid]
-            if state.prompt_logprobs is not None or not greedy_plain(
-                    state.sampling_params, len(state.output_token_ids)):
-                return
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
         start = batch.num_tokens[rows] - 1  # every token but the last is computed
@@ -150,6 +147,23 @@ class SpecLookahead(LaunchAhead):
             return
         self._launch(order, rows, start, np.array([drafts[r] for r in order], dtype=np.int64))
 
+    def _predictable(self, order: list[str]) -> bool:
+        """Every request samples greedily as the launched argmax does (no logprobs,
+        penalties, pending ``min_tokens`` or grammar)."""
+        requests = self.requests
+        return all(requests[r].prompt_logprobs is None and greedy_plain(
+            requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order)
+
+    def _positions(self, rows: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ``1 + k`` positions from ``start`` of each of the batch ``rows`` and their
+        cache slots, ``[n, 1 + k]`` each."""
+        batch = self.input_batch
+        bs = batch.block_size
+        positions = start[:, None] + np.arange(1 + self.k)
+        slots = (np.take_along_axis(batch.block_table[rows], positions // bs, axis=1)
+                 .astype(np.int64) * bs + positions % bs)
+        return positions, slots
+
     def _launch(self, order: list[str], rows: np.ndarray, start: np.ndarray,
                 drafts: np.ndarray) -> None:
         """Replay the flattened verification of ``drafts`` for ``order`` and queue its
@@ -157,9 +171,7 @@ class SpecLookahead(LaunchAhead):
         batch = self.input_batch
         bs, width = batch.block_size, 1 + self.k
         inputs = np.concatenate([batch.token_ids[rows, start][:, None], drafts], axis=1)
-        positions = start[:, None] + np.arange(width)
-        slots = (np.take_along_axis(batch.block_table[rows], positions // bs, axis=1)
-                 .astype(np.int64) * bs + positions % bs)
+        positions, slots = self._positions(rows, start)
         seq_lens = (positions + 1).astype(np.int32).reshape(-1)
         blocks = -(-int(seq_lens.max()) // bs)
         if blocks > self.graphs.max_blocks:
@@ -204,7 +216,7 @@ class SpecLookahead(LaunchAhead):
         step, drafter = self.device_step, self.drafter
         n = len(order)
         if (step is None or drafter.sits_out(n) or not drafter.stale.isdisjoint(order)
-                or (self.disable_by_batch_size is not None and n > self.disable_by_batch_size)):
+                or not step_drafts(n, self.disable_by_batch_size, True)):
             return None
         batch = self.input_batch
         bs = batch.block_size
@@ -237,14 +249,10 @@ class SpecLookahead(LaunchAhead):
         assert pending.targets is not None
         if pending.ready is not None:
             pending.ready.synchronize()
-        drafts = pending.inputs[idx, 1:].tolist()
-        verified = accept_greedy(pending.targets.numpy().reshape(-1, width)[idx].ravel().tolist(),
-                                 drafts)
-        plan = [(i, i * width, d) for i, d in enumerate(drafts)]
-        batch = self.input_batch
-        out = commit_tokens(order, plan, verified, {}, self.requests, batch)
-        step = verify_step_inputs(batch, order, pending.start[idx], pending.inputs[idx],
-                                  pending.slots[idx])
+        targets = pending.targets.numpy().reshape(-1, width)[idx]
+        out, verified, plan = self._commit(order, pending.inputs[idx, 1:].tolist(), targets)
+        step = verify_step_inputs(self.input_batch, order, pending.start[idx],
+                                  pending.inputs[idx], pending.slots[idx])
         features = pending.features
         if not np.array_equal(idx, np.arange(len(pending.req_ids))):
             flat = (idx[:, None] * width + np.arange(width)).reshape(-1)
@@ -255,6 +263,17 @@ class SpecLookahead(LaunchAhead):
             new = self.drafter.propose(features, step, kept, drafting)
         out.draft_token_ids = {order[i]: d for i, d in new.items()}
         return out
+
+    def _commit(self, order: list[str], drafts: list[list[int]], targets: np.ndarray
+                ) -> tuple[ModelRunnerOutput, VerifiedTokens, SamplingPlan]:
+        """Accept each request's ``drafts`` against the verification's argmax
+        (``targets`` ``[n, 1 + k]``, verify_greedy's walk) and commit the tokens; the
+        step's output, the verified tokens and the sampling plan."""
+        width = 1 + self.k
+        verified = accept_greedy(targets.ravel().tolist(), drafts)
+        plan = [(i, i * width, d) for i, d in enumerate(drafts)]
+        out = commit_tokens(order, plan, verified, {}, self.requests, self.input_batch)
+        return out, verified, plan
 
     def _take_device_step(self, so: SchedulerOutput, order: list[str], idx: np.ndarray,
                           pending: _PendingVerify, after: DeviceStepResult
@@ -268,27 +287,24 @@ class SpecLookahead(LaunchAhead):
         if after.ready is not None:
             after.ready.synchronize()
         decided = after.host.numpy()[idx]  # [n, (1 + k) + 1 + k]
-        drafts = pending.inputs[idx, 1:].tolist()
-        verified = accept_greedy(decided[:, :width].ravel().tolist(), drafts)
+        out, verified, _ = self._commit(order, pending.inputs[idx, 1:].tolist(),
+                                        decided[:, :width])
         if list(verified.num_accepted) != decided[:, width].tolist():
             raise RuntimeError("the device step accepted other drafts than the host's walk: "
                                f"{decided[:, width].tolist()} vs {verified.num_accepted}")
-        plan = [(i, i * width, d) for i, d in enumerate(drafts)]
-        batch = self.input_batch
-        out = commit_tokens(order, plan, verified, {}, self.requests, batch)
-        start = pending.start[idx]
-        step = verify_step_inputs(batch, order, start, pending.inputs[idx], pending.slots[idx])
-        _, drafting = kept_positions(order, step, plan, verified.num_accepted, self.requests,
-                                     self.disable_by_batch_size, so.spec_drafting)
+        # every request sampled (a verification): each drafts unless the step may not
+        # or it opted out, as kept_positions decides after a normally run step
+        draft = step_drafts(len(order), self.disable_by_batch_size, so.spec_drafting)
+        got = [i for i, r in enumerate(order)
+               if draft and self.requests[r].sampling_params.use_spec_decode]
         new = decided[:, width + 1:]
-        got = np.flatnonzero(drafting)
         out.draft_token_ids = {order[i]: new[i].tolist() for i in got}
-        self.drafter.sampled.keep(batch.row_of, [order[i] for i in got],
+        self.drafter.sampled.keep(self.input_batch.row_of, [order[i] for i in got],
                                   [new[i].tolist() for i in got], {})
         if len(got) == len(order) and np.array_equal(idx, np.arange(len(pending.req_ids))):
             accepted = np.asarray(verified.num_accepted, dtype=np.int64)
             bonus = decided[np.arange(len(order)), accepted]  # the argmax after the last kept
-            self._continue(order, start + accepted + 1,
+            self._continue(order, pending.start + accepted + 1,
                            np.concatenate([bonus[:, None], new], axis=1), after.verify)
         return out
 
@@ -297,16 +313,11 @@ class SpecLookahead(LaunchAhead):
         """Hold ``verify`` (queued by the device step just taken: ``inputs`` from
         ``start``) as the next launched verification, with the device step after it
         when that fits."""
-        requests = self.requests
-        if any(requests[r].prompt_logprobs is not None or not greedy_plain(
-                requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order):
-            return  # not predictable any more (after_step finds so too)
+        if not self._predictable(order):
+            return  # (after_step finds so too)
         batch = self.input_batch
-        bs = batch.block_size
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
-        positions = start[:, None] + np.arange(1 + self.k)
-        slots = (np.take_along_axis(batch.block_table[rows], positions // bs, axis=1)
-                 .astype(np.int64) * bs + positions % bs)
+        _, slots = self._positions(rows, start)
         tables = self._step_tables(order, rows, start)
         with torch.inference_mode():
             assert self.device_step is not None

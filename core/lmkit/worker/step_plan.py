@@ -80,11 +80,18 @@ def kept_positions(order: Sequence[str], step: StepInputs,
     """
     kept = step.num_scheduled.copy()
     drafting = np.zeros(len(order), dtype=bool)
-    draft = drafting_on and (disable_by_batch_size is None
-                             or len(order) <= disable_by_batch_size)
+    draft = step_drafts(len(order), disable_by_batch_size, drafting_on)
     for (i, _, drafts), accepted in zip(plan, num_accepted, strict=True):
         kept[i] -= len(drafts) - accepted
         drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
     num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
                              count=len(order))
     return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting
+
+
+def step_drafts(num_reqs: int, disable_by_batch_size: int | None, drafting_on: bool) -> bool:
+    """Whether the head drafts after a step of ``num_reqs`` requests: the step's plan
+    lets it (``drafting_on``: adaptive speculation) and the step ran at most
+    ``disable_by_batch_size`` requests (each request may still opt out)."""
+    return drafting_on and (disable_by_batch_size is None
+                            or num_reqs <= disable_by_batch_size)

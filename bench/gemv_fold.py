@@ -14,6 +14,11 @@ may favour other tiles than ``small_m_linear``'s)::
 
     python bench/gemv_fold.py --rows 1,4,8 --out gemv_fold.json
     python bench/gemv_fold.py --rows 1 --sweep
+    python bench/gemv_fold.py --rows 2,4 --shapes smollm2,qwen0.6b --fold-env LMKIT_PDL=0
+
+(``--shapes``: only the shapes whose names start so; ``--fold-env NAME=VALUE``: the
+folded kernel also timed with each variable set, alternating with the others -- for a
+switch its launcher reads at each launch.)
 
 With ``--fp8`` (one row only) the weights are FP8 e4m3 with per-channel scales and the
 pair is ``rms_norm`` / ``silu_and_mul`` then the one-row FP8 kernel
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -51,14 +57,19 @@ SHAPES = {
     "llama8b.down": ("silu", 4096, 14336, 32),
     "qwen0.6b.qkv": ("norm", 4096, 1024, 28), "qwen0.6b.gate_up": ("norm", 6144, 1024, 28),
     "qwen0.6b.down": ("silu", 1024, 3072, 28),
+    "smollm2.qkv": ("norm", 960, 576, 30), "smollm2.gate_up": ("norm", 3072, 576, 30),
+    "smollm2.down": ("silu", 576, 1536, 30),
 }
 SWEEP = [  # (block_n, num_warps, num_stages); block_k stays 512 (it sets the sum order)
     (16, 4, 4), (32, 4, 4), (32, 4, 3), (32, 4, 2), (64, 4, 3), (32, 8, 3), (64, 8, 3),
 ]
 
 
-def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = False) -> dict:
-    """Seconds per call, unfused and folded, over ``rounds`` alternating rounds."""
+def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = False,
+                envs: tuple[str, ...] = ()) -> dict:
+    """Seconds per call, unfused and folded, over ``rounds`` alternating rounds; each
+    ``NAME=VALUE`` of ``envs`` also times the folded kernel with that variable set
+    (``folded[NAME=VALUE]``)."""
     copies = max(2, -(-L2_BYTES // (n * k * 2)) + 1)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     width = 2 * k if fold == "silu" else k
@@ -87,9 +98,12 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = Fa
         def fused():
             return folded.norm_linear(x, residual, norm_weight, 1e-5, nxt(), None)[0]
 
-    times: dict[str, list[float]] = {"unfused": [], "folded": []}
+    fns = {"unfused": unfused, "folded": fused}
+    for env in envs:
+        fns[f"folded[{env}]"] = _with_env(env, fused)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        for name, fn in (("unfused", unfused), ("folded", fused)):
+        for name, fn in fns.items():
             times[name].append(_time(fn, calls=copies * 4))
     result: dict = {name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
                     for name, t in times.items()}
@@ -109,6 +123,24 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = Fa
     ws.clear()
     torch.cuda.empty_cache()
     return result
+
+
+def _with_env(env: str, fn):
+    """``fn`` run with the environment variable ``env`` (``NAME=VALUE``) set (the
+    kernels' launchers read their switches at each launch)."""
+    name, _, value = env.partition("=")
+
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = old
+    return run
 
 
 def bench_fp8_shape(fold: str, n: int, k: int, rounds: int, tiles: tuple[int, ...],
@@ -173,7 +205,14 @@ def main() -> None:
     ap.add_argument("--fold-block-n", default="",
                     help="with --fp8: also time the folds at these rows per program "
                     "(comma-separated powers of two)")
+    ap.add_argument("--fold-env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="also time the folded kernel with each variable set")
+    ap.add_argument("--shapes", default="",
+                    help="comma-separated prefixes of the shapes to time (default: all)")
     args = ap.parse_args()
+    bad = [e for e in args.fold_env if "=" not in e]
+    if bad:
+        ap.error(f"--fold-env takes NAME=VALUE, got {bad}")
     if args.fp8 and (args.rows != "1" or args.sweep):
         ap.error(f"--fp8 times the one-row FP8 kernel: use --rows 1 without --sweep (got "
                  f"--rows {args.rows}{' --sweep' if args.sweep else ''})")
@@ -187,11 +226,13 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         saved: dict[str, float] = {}
         for name, (fold, n, k, layers) in SHAPES.items():
+            if args.shapes and not any(name.startswith(p) for p in args.shapes.split(",")):
+                continue
             if args.fp8:
                 r = bench_fp8_shape(fold, n, k, args.rounds, tiles, tuple(
                     int(v) for v in args.fold_block_n.split(",") if v))
             else:
-                r = bench_shape(fold, n, k, m, args.rounds, args.sweep)
+                r = bench_shape(fold, n, k, m, args.rounds, args.sweep, tuple(args.fold_env))
             r.update(name=name, M=m, N=n, K=k, fp8=args.fp8)
             rows.append(r)
             u, f = r["unfused"]["median_s"], r["folded"]["median_s"]
@@ -209,7 +250,7 @@ def main() -> None:
                       f"[{1e6 * up['min_s']:.1f}-{1e6 * up['max_s']:.1f}]  folded "
                       f"{1e6 * fp['median_s']:7.1f} us [{1e6 * fp['min_s']:.1f}-"
                       f"{1e6 * fp['max_s']:.1f}]", flush=True)
-            for key in (key for key in r if key.startswith("folded_bn")):
+            for key in (key for key in r if key.startswith(("folded_bn", "folded["))):
                 t = r[key]
                 print(f"     {key:17s} {1e6 * t['median_s']:7.1f} us [{1e6 * t['min_s']:.1f}-"
                       f"{1e6 * t['max_s']:.1f}]", flush=True)

@@ -15,7 +15,14 @@ switches set while its engine is built, e.g.::
 
 runs the built-in chat prompts (EOS ignored: every request runs ``--output-len``).
 Without ``--model`` it runs the random SmolLM2-shaped pair of ``bench/draft_chain.py``
-(a random head: its drafts are never accepted) on random prompts. Needs CUDA.
+(a random head: its drafts are never accepted) on random prompts. ``--batch N`` runs
+the requests N at a time instead of one by one, and ``--set PATH=VALUE`` sets a
+setting of every speculating engine (e.g. speculation off above a batch size)::
+
+    python bench/spec_timeline.py --batch 32 --requests 32 --sides plain eagle3 \
+        --set speculative.disable_by_batch_size=16 --set speculative.catch_up_when_off=false
+
+Needs CUDA.
 """
 
 from __future__ import annotations
@@ -69,8 +76,8 @@ def parse_side(side: str) -> tuple[str, dict[str, str]]:
 
 def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
              prompts: list | None) -> dict[str, Any]:
-    """Build the side's engine, warm it, profile ``prompts`` one at a time (``None``:
-    the built-in chat prompts through the model's chat template)."""
+    """Build the side's engine, warm it, profile ``prompts`` ``args.batch`` at a time
+    (``None``: the built-in chat prompts through the model's chat template)."""
     import torch
     from lmkit import LLM, SamplingParams
     from torch.profiler import ProfilerActivity, profile
@@ -81,11 +88,12 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
     try:
         kw: dict[str, Any] = {}
         if proposer != "plain":
-            kw = dict(speculative=proposer, num_speculative_tokens=args.k)
+            kw = dict(speculative=proposer, num_speculative_tokens=args.k, **args.settings)
             if proposer.startswith("eagle"):
                 kw["speculative_model"] = head
         llm = LLM(model, device="cuda", attention=args.attention, dtype="bfloat16",
-                  max_num_seqs=4, max_model_len=2048, gpu_memory_utilization=0.3, **kw)
+                  max_num_seqs=max(4, args.batch), max_model_len=2048,
+                  gpu_memory_utilization=0.3, **kw)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -98,14 +106,15 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
 
         wl = chat_workload(llm.tokenizer, args.requests, args.output_len)
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-    llm.generate(prompts[:1], params)  # warm-up
+    llm.generate(prompts[:args.batch], params)  # warm-up
     steps0 = llm.stats().get("num_steps", 0)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         tokens = 0
-        for p in prompts:
-            tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate([p], params))
+        for i in range(0, len(prompts), args.batch):
+            outs = llm.generate(prompts[i:i + args.batch], params)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     steps = llm.stats().get("num_steps", 0) - steps0
@@ -135,8 +144,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--batch", type=int, default=1, help="requests run at a time")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                    help="a setting of every speculating engine (value read as JSON)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch must be at least 1, got {args.batch}")
+    from gpu_args import parse_sets
+
+    args.settings = parse_sets(";".join(args.set), "--set")
     import torch
 
     if not torch.cuda.is_available():

@@ -153,7 +153,7 @@ class DecodeLookahead(LaunchAhead):
         n = len(order)
         if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
             return
-        if drafted or (n <= self.min_batch and so.spec_drafting):
+        if drafted or self._head_drafts(order, so):
             return
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=n)
@@ -184,7 +184,7 @@ class DecodeLookahead(LaunchAhead):
                                                                     non_blocking=True)]
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[r] for r in order), dtype=np.int64, count=len(order))
-        head_drafts = len(order) <= self.min_batch and so.spec_drafting
+        head_drafts = self._head_drafts(order, so)
         if not head_drafts and self._launchable(order, rows):
             self._launch(order, rows, tokens)  # queued before this step's tokens are read
         if pending.ready is not None:
@@ -220,6 +220,14 @@ class DecodeLookahead(LaunchAhead):
         with torch.inference_mode():
             drafts = self.drafter.propose(features, step, np.ones(n, dtype=np.int64), drafting)
         return {order[i]: d for i, d in drafts.items()}
+
+    def _head_drafts(self, order: list[str], so: SchedulerOutput) -> bool:
+        """Whether the draft head drafts after a step of ``order`` (then the next step
+        verifies, and is not launched ahead): the batch is small enough to speculate,
+        the step's plan lets it, and the head has not left all of ``order`` for good
+        (requests that ran above the limit with ``catch_up_when_off`` false)."""
+        return (self.drafter is not None and len(order) <= self.min_batch
+                and so.spec_drafting and not self.drafter.done_with(order))
 
     def _matches(self, so: SchedulerOutput, order: list[str], pending: _Pending) -> bool:
         if not order or so.scheduled_new_reqs or not _plain(so):
@@ -260,7 +268,7 @@ class DecodeLookahead(LaunchAhead):
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
         drafter = self.drafter
-        if drafter is not None and drafter.sits_out(len(order)):
+        if drafter is not None and (drafter.sits_out(len(order)) or drafter.done_with(order)):
             drafter = None  # no features to keep
         taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None

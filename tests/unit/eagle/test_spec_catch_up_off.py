@@ -32,8 +32,10 @@ def test_requests_above_the_limit_stop_drafting(tiny, heads, monkeypatch, launch
     # every request started in a step of 5: none drafts, even once the batch drains to 2
     assert seen == {} and stats["spec_num_draft_tokens"] == 0
     assert head_passes(drafters[-1]) == 0
-    if launched_ahead:
-        assert made[-1].stats.used > 5
+    if launched_ahead:  # every step after the prefill and the first decode step runs
+        # ahead, also once the batch drained to the limit (the head left all its requests;
+        # before, steps at the limit ran normally: 15 of 30 were taken)
+        assert made[-1].stats.used >= stats["num_steps"] - 2 > 20
     # the head catching up (the default): drafts once the batch is down to 2
     seen, stats = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3", PARAMS,
                              **settings)

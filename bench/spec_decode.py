@@ -101,11 +101,12 @@ def _graph_runner(llm: Any) -> Any:
     return getattr(runner, "cuda_graphs", None)
 
 
-def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int) -> Workload:
+def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int,
+         texts: list[str] | None = None) -> Workload:
     if kind == "copy":
         return copy_workload(tokenizer, n, seed)
     if kind == "chat":
-        return chat_workload(tokenizer, n, output_len, seed)
+        return chat_workload(tokenizer, n, output_len, seed, texts)
     if kind == "random":  # random-weight models without a chat template
         return random_workload(n, (128, 128), (output_len, output_len), len(tokenizer), seed)
     raise SystemExit(f"unknown workload {kind!r}; choose copy, chat or random")
@@ -114,7 +115,7 @@ def make(kind: str, tokenizer: Any, n: int, output_len: int, seed: int) -> Workl
 def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
             tokenizer: Any) -> dict[str, Any]:
     n = args.batch1_prompts if batch == 1 else batch * args.waves
-    wl = make(kind, tokenizer, n, args.chat_output_len, args.seed)
+    wl = make(kind, tokenizer, n, args.chat_output_len, args.seed, args.prompt_texts)
     base_opts: dict[str, Any] = {"device": args.device, "dtype": args.dtype,
                                  "max_num_seqs": batch, "attention": args.attention}
     if args.device == "cuda":  # two engines share the GPU
@@ -169,6 +170,10 @@ def main() -> None:
                     help="requests run one at a time in the batch-1 rows")
     ap.add_argument("--waves", type=int, default=1, help="requests per batch slot (batch > 1)")
     ap.add_argument("--chat-output-len", type=int, default=128)
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="the chat workload's prompts from this JSONL file (one "
+                    "{\"prompt\": ...} per line, e.g. held-out prompts of a draft head's "
+                    "training set) instead of lmkit's built-in chat prompts")
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="requests end at EOS (output lengths at most the workload's; both "
                          "sides stop alike, greedy); default: EOS ignored, fixed lengths")
@@ -192,6 +197,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.proposer != "ngram" and not args.speculative_model:
         ap.error(f"--proposer {args.proposer} needs --speculative-model DIR (its draft head)")
+    args.prompt_texts = None
+    if args.prompts is not None:
+        from lmkit_plugins.spec.train_eagle import load_prompts
+
+        try:
+            args.prompt_texts = load_prompts(args.prompts)
+        except (OSError, ValueError) as e:
+            ap.error(f"--prompts {args.prompts}: {e}")
+        if not args.prompt_texts:
+            ap.error(f"--prompts {args.prompts}: no prompts in the file")
 
     from lmkit.config import DEFAULT_MODEL
     from lmkit.loading.resolve import resolve_model

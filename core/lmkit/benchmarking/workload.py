@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,19 +51,28 @@ def random_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, i
     return Workload(f"random(in={input_len}, out={output_len}, seed={seed})", prompts, outs)
 
 
-def chat_workload(tokenizer: Any, n: int, output_len: int, seed: int = 0) -> Workload:
-    """``n`` of the built-in chat prompts (seeded order), rendered with the chat template."""
+def chat_workload(tokenizer: Any, n: int, output_len: int, seed: int = 0,
+                  texts: Sequence[str] | None = None) -> Workload:
+    """``n`` of the built-in chat prompts (or of ``texts``; seeded order, cycled when
+    ``n`` is larger), rendered with the chat template.
+
+    :raises ValueError: when ``texts`` is given but empty."""
     from lmkit.text.chat import render_chat
 
+    pool = CHAT_PROMPTS if texts is None else tuple(texts)
+    if not pool:
+        raise ValueError("chat_workload: no prompt texts given")
     rng = random.Random(seed)
-    texts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(n)]
+    texts = [pool[i % len(pool)] for i in range(n)]
     rng.shuffle(texts)
     prompts = [
         list(tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": t}]),
                               add_special_tokens=False))
         for t in texts
     ]
-    return Workload(f"chat(n={n}, out={output_len}, seed={seed})", prompts, [output_len] * n)
+    source = "" if pool is CHAT_PROMPTS else f", {len(pool)} given prompts"
+    return Workload(f"chat(n={n}, out={output_len}, seed={seed}{source})", prompts,
+                    [output_len] * n)
 
 
 # Modules whose docstrings (prose shipped with lmkit) are the passages of copy_workload.

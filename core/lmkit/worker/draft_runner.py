@@ -43,7 +43,7 @@ be a little worse for that request; verification keeps outputs exact either way.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,11 +122,6 @@ class DraftRunner:
         """Whether the head is left out of a step of ``num_reqs`` requests
         (``skip_above``): its requests then stop drafting for good."""
         return self.skip_above is not None and num_reqs > self.skip_above
-
-    def done_with(self, req_ids: Iterable[str]) -> bool:
-        """Whether the head has left every one of ``req_ids`` for good (:attr:`stale`):
-        it neither catches up nor drafts for them again."""
-        return self.stale.issuperset(req_ids)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""

@@ -227,7 +227,7 @@ class DecodeLookahead(LaunchAhead):
         the step's plan lets it, and the head has not left all of ``order`` for good
         (requests that ran above the limit with ``catch_up_when_off`` false)."""
         return (self.drafter is not None and len(order) <= self.min_batch
-                and so.spec_drafting and not self.drafter.done_with(order))
+                and so.spec_drafting and not self.drafter.stale.issuperset(order))
 
     def _matches(self, so: SchedulerOutput, order: list[str], pending: _Pending) -> bool:
         if not order or so.scheduled_new_reqs or not _plain(so):
@@ -268,7 +268,8 @@ class DecodeLookahead(LaunchAhead):
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
         drafter = self.drafter
-        if drafter is not None and (drafter.sits_out(len(order)) or drafter.done_with(order)):
+        if drafter is not None and (drafter.sits_out(len(order))
+                                    or drafter.stale.issuperset(order)):
             drafter = None  # no features to keep
         taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None

@@ -282,7 +282,7 @@ class ModelRunner:
             return ahead
         order, step = self._prepare_step(so)
         head = self.drafter
-        if head is not None and head.done_with(order):
+        if head is not None and head.stale.issuperset(order):
             head = None  # it left every request for good: no catch-up, no drafts
         # a draft head that reads chosen target layers (EAGLE-3) gets their inputs here
         aux: list[torch.Tensor] | None = (

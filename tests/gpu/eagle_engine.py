@@ -14,10 +14,12 @@ PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def run_engine(tiny, head, proposer, monkeypatch, speculative=True, params=None):
+def run_engine(tiny, head, proposer, monkeypatch, speculative=True, params=None,
+               settings=None):
     """Outputs and every draft (``{(request, tokens so far): drafts}``) of an in-process
     CUDA engine with graphs on over :data:`PROMPTS` (``params[i]`` for prompt ``i``;
-    default all :data:`GREEDY`), and its draft runner (``None`` without one)."""
+    default all :data:`GREEDY`), and its draft runner (``None`` without one);
+    ``settings``: more of the ``speculative`` section."""
     from lmkit.engine.core import EngineCore
     from lmkit.worker.draft_runner import DraftRunner
 
@@ -37,8 +39,8 @@ def run_engine(tiny, head, proposer, monkeypatch, speculative=True, params=None)
 
     monkeypatch.setattr(ProposerManager, "take_runner_drafts", record)
     monkeypatch.setattr(DraftRunner, "capture_graphs", record_drafter)
-    spec = ({"backend": proposer, "model": str(head), "num_speculative_tokens": 3}
-            if speculative else {})
+    spec = ({"backend": proposer, "model": str(head), "num_speculative_tokens": 3,
+             **(settings or {})} if speculative else {})
     config = LMKitConfig.model_validate({
         "model": {"model": str(tiny), "dtype": "float32", "max_model_len": 128},
         "attention": {"backend": "triton"}, "executor": {"device": "cuda"},

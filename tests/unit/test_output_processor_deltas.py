@@ -70,3 +70,47 @@ def test_stop_string_split_over_steps_is_held_and_cut():
         aborts += step.abort_ids
     assert "".join(texts) == "ab" and texts[1:3] == ["", ""]
     assert aborts == ["r"] and not proc.has_unfinished()
+
+
+def _final_only_run(final_only: bool):
+    """Two parents (one with n=2, one with a stop string) fed the same steps; every
+    RequestOutput each step returned, and the abort ids."""
+    tok = make_byte_tokenizer()
+    proc = OutputProcessor(tok)
+    pair = SamplingParams(max_tokens=10, n=2, logprobs=0)
+    for i in (0, 1):
+        proc.add_request(Request(f"p-{i}", [1], pair), None, parent_id="p", index=i, n=2)
+    proc.add_request(Request("s", [1], SamplingParams(max_tokens=10, stop=["END"])), "q")
+    steps = [[("p-0", "ab", None), ("p-1", "c", None), ("s", "xxE", None)],
+             [("p-0", "d", "length"), ("p-1", "e", None), ("s", "NDyy", None)],
+             [("p-1", "f", "stop")]]
+    seen, aborted = [], []
+    for step in steps:
+        outs = [EngineCoreOutput(rid, _ids(tok, text), finish_reason=reason,
+                                 new_logprobs=[_lp(i) for i in _ids(tok, text)])
+                for rid, text, reason in step]
+        got = proc.process_outputs(outs, final_only=final_only)
+        seen.append(got.request_outputs)
+        aborted += got.abort_ids
+    assert not proc.has_unfinished()
+    return seen, aborted
+
+
+def test_final_only_returns_just_the_finished_parents_whole():
+    every, every_aborts = _final_only_run(False)
+    final, final_aborts = _final_only_run(True)
+    # per step: only parents that finished in it (the stop string ends "s" in step 2;
+    # "p" only once both its completions are done, in step 3)
+    assert [[o.request_id for o in outs] for outs in final] == [[], ["s"], ["p"]]
+    assert final_aborts == every_aborts == ["s"]  # the stop string still aborts
+    last = {o.request_id: o for outs in every for o in outs if o.finished}
+    for outs in final:
+        for out in outs:
+            ref = last[out.request_id]
+            assert out.finished and out.prompt == ref.prompt
+            assert [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                    for c in out.outputs] == [(c.index, c.text, c.token_ids, c.finish_reason,
+                                               c.stop_reason) for c in ref.outputs]
+            assert [[lp.token_id for lp in c.logprobs or ()] for c in out.outputs] == [
+                [lp.token_id for lp in c.logprobs or ()] for c in ref.outputs]
+    assert last["s"].outputs[0].text == "xx" and last["p"].outputs[1].text == "cef"

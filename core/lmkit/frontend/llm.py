@@ -156,7 +156,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of ``prompts``.
+        """Complete every prompt; outputs come back in the order of ``prompts``, each
+        whole (text, token ids, logprobs; the ``delta_*`` fields are empty: for output
+        as it grows use :meth:`stream`).
 
         A prompt is text, a list of token ids, or vLLM's dict forms
         ``{"prompt": text}`` and ``{"prompt_token_ids": ids}``; ``prompts`` is one
@@ -240,7 +242,7 @@ class LLM:
                     raise RuntimeError("the engine finished without the pooling results of "
                                        "requests " + ", ".join(
                                            r for r in rids if r in self.pooling.pending))
-                self._step()
+                self._step(final_only=True)
         except BaseException:
             self.pooling.abort(rids)
             raise
@@ -285,11 +287,13 @@ class LLM:
             self.engine.add_request(req)
         return rid
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that changed (``final_only``:
+        of those that finished, see :meth:`OutputProcessor.process_outputs`)."""
         outputs = self.engine.step()
         if self.pooling.pending:
             self.pooling.take_pooled(outputs)
-        processed = self.output_processor.process_outputs(outputs)
+        processed = self.output_processor.process_outputs(outputs, final_only=final_only)
         for _, error in self.engine.take_rejected_requests():
             raise error  # e.g. a JSON schema that did not compile
         if processed.abort_ids:
@@ -317,7 +321,7 @@ class LLM:
             results: list[RequestOutput | None] = [None] * len(items)
             bar = _progress(len(items)) if use_tqdm else None
             while self.engine.has_unfinished_requests():
-                for out in self._step():
+                for out in self._step(final_only=True):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar is not None:

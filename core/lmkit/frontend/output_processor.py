@@ -19,7 +19,9 @@ class _Completion:
     detokenizer: Any
     stop: Any  # a StopStringMatcher, or None without stop strings
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    # the text so far, in pieces (joined when an output is built: appending to one
+    # string attribute copies it every step)
+    text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -37,6 +39,17 @@ class _Completion:
         self.delta_ids = self.delta_ids + ids
         if logprobs:
             self.delta_logprobs = [*(self.delta_logprobs or ()), *logprobs]
+
+    @property
+    def text(self) -> str:
+        """The completion's text so far."""
+        parts = self.text_parts
+        if len(parts) == 1:
+            return parts[0]
+        text = "".join(parts)
+        parts.clear()
+        parts.append(text)
+        return text
 
     def output(self) -> CompletionOutput:
         """The cumulative output with the step's delta (taken: the next starts empty)."""
@@ -125,8 +138,14 @@ class OutputProcessor:
         parent.engine_ids = []
         return ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Detokenize and check one engine step's outputs; see :class:`ProcessedOutputs`."""
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        final_only: bool = False) -> ProcessedOutputs:
+        """Detokenize and check one engine step's outputs; see :class:`ProcessedOutputs`.
+
+        ``final_only``: a :class:`RequestOutput` only for the parents that finished in
+        this step (their whole completions, no deltas), for callers that read nothing
+        else (``LLM.generate``): the per-step outputs of running requests, each copying
+        the request's tokens so far, are not built."""
         result = ProcessedOutputs()
         changed: dict[str, _Parent] = {}
         for out in outputs:
@@ -162,14 +181,20 @@ class OutputProcessor:
                     if stop is not None:
                         delta_text += stop.flush()
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
-            comp.text += delta_text
+            comp.text_parts.append(delta_text)
+            if final_only:
+                if comp.finish_reason is not None:
+                    changed[parent.request_id] = parent
+                continue
             comp.add_delta(delta_text, list(new_ids), out.new_logprobs)
             changed[parent.request_id] = parent
         for parent in changed.values():
+            finished = parent.finished
+            if final_only and not finished:
+                continue  # another completion of the parent is still running
             children = parent.children
             outs = [children[i].output() for i in sorted(children)] if len(children) > 1 \
                 else [c.output() for c in children.values()]
-            finished = parent.finished
             result.request_outputs.append(RequestOutput(
                 request_id=parent.request_id, prompt=parent.prompt,
                 prompt_token_ids=parent.prompt_token_ids, outputs=outs,

@@ -1,0 +1,88 @@
+"""The frontend's per-step output processing (``lmkit.frontend.output_processor``) of a
+git revision against the working tree's, on the CPU, in one process: ``--batch``
+requests each get one token per step for ``--steps`` steps (the last finishes them),
+through a byte tokenizer; each side processes them as ``LLM.generate`` does (the
+revision's with its own defaults, the working tree's with ``final_only``, or
+``--streaming`` for both sides' per-step outputs). Rounds alternate the sides; medians
+of microseconds per step::
+
+    python bench/output_processing.py --rev HEAD~1 --batch 32 --steps 512 --rounds 7
+
+(The host work it measures sits between engine steps: on a GPU whose step is shorter
+than the host's, it sets the step rate.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "core/lmkit/frontend/output_processor.py"
+
+
+def old_processor(rev: str) -> type:
+    """``OutputProcessor`` as of revision ``rev`` (its module's source, run apart)."""
+    text = subprocess.run(["git", "show", f"{rev}:{MODULE}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    module = types.ModuleType("output_processor_before")
+    sys.modules[module.__name__] = module  # (dataclasses look their module up)
+    exec(compile(text, f"{rev}:{MODULE}", "exec"), module.__dict__)
+    return module.OutputProcessor
+
+
+def run_side(cls: type, final_only: bool | None, batch: int, steps: int) -> float:
+    """Seconds per step of ``cls`` over one run (``final_only=None``: not passed)."""
+    from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.request import Request
+    from lmkit.api.sampling_params import SamplingParams
+    from lmkit.testing.tiny_model import make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    proc = cls(tok)
+    params = SamplingParams(max_tokens=steps)
+    for i in range(batch):
+        proc.add_request(Request(str(i), [1, 2, 3], params), None)
+    token = tok.encode("a", add_special_tokens=False)
+    kw = {} if final_only is None else {"final_only": final_only}
+    start = time.perf_counter()
+    for s in range(steps):
+        reason = "length" if s == steps - 1 else None
+        proc.process_outputs([EngineCoreOutput(str(i), token, finish_reason=reason)
+                              for i in range(batch)], **kw)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", default="HEAD", help="the 'before' git revision")
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--steps", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--streaming", action="store_true",
+                    help="both sides build every step's outputs (the serving path)")
+    args = ap.parse_args()
+    from lmkit.frontend.output_processor import OutputProcessor
+
+    sides = {"before": (old_processor(args.rev), None),
+             "after": (OutputProcessor, None if args.streaming else True)}
+    for batch in args.batch:
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 else list(reversed(list(sides)))):
+                cls, final_only = sides[name]
+                times[name].append(run_side(cls, final_only, batch, args.steps))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print(f"batch {batch:4d}, {args.steps} steps: before {1e6 * med['before']:8.1f} us/step"
+              f"  after {1e6 * med['after']:8.1f} us/step  ({med['before'] / med['after']:.2f}x)"
+              f"  rounds before {', '.join(f'{1e6 * t:.0f}' for t in times['before'])}; "
+              f"after {', '.join(f'{1e6 * t:.0f}' for t in times['after'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,19 @@ PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
+def instances(monkeypatch, cls) -> list:
+    """Every ``cls`` built from now on (its ``__init__`` patched to record them)."""
+    made: list = []
+    init = cls.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(cls, "__init__", record)
+    return made
+
+
 def run_engine(tiny, head, proposer, monkeypatch, speculative=True, params=None,
                settings=None):
     """Outputs and every draft (``{(request, tokens so far): drafts}``) of an in-process

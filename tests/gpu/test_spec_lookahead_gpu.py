@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 require_cuda_and_triton()
 
-from eagle_engine import PROMPTS  # noqa: E402
+from eagle_engine import PROMPTS, instances  # noqa: E402
 from eagle_engine import run_engine as _run  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head  # noqa: E402
@@ -27,16 +27,9 @@ MAX_TOKENS = [9, 14, 40, 17, 33]
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3", "accepting"])
 def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
-    import lmkit.worker.spec_lookahead as spec_lookahead
+    from lmkit.worker.spec_lookahead import SpecLookahead
 
-    made: list = []
-    init = spec_lookahead.SpecLookahead.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(spec_lookahead.SpecLookahead, "__init__", record)
+    made = instances(monkeypatch, SpecLookahead)
     tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     assert len(params) == len(PROMPTS)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 require_cuda_and_triton()
 
-from eagle_engine import PROMPTS  # noqa: E402
+from eagle_engine import PROMPTS, instances  # noqa: E402
 from eagle_engine import run_engine as _run  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head  # noqa: E402
@@ -28,16 +28,9 @@ OFF_ABOVE = {"disable_by_batch_size": 2}
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 def test_steps_off_by_batch_size_run_ahead_on_cuda(tmp_path, monkeypatch, proposer):
-    import lmkit.worker.gpu_lookahead as gpu_lookahead
+    from lmkit.worker.gpu_lookahead import DecodeLookahead
 
-    made: list = []
-    init = gpu_lookahead.DecodeLookahead.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(gpu_lookahead.DecodeLookahead, "__init__", record)
+    made = instances(monkeypatch, DecodeLookahead)
     tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     assert len(params) == len(PROMPTS)

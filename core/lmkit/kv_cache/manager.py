@@ -145,6 +145,20 @@ class KVCacheManager:
         already hits them (the attention backend writes a step's KV before any of the
         step's attention reads it).
         """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks and not new_computed_blocks and self.sliding_window is None:
+            # a running request (every decode step): the same as below with nothing to
+            # release and no hits, and no new block while its blocks hold the slots
+            num_computed = request.num_computed_tokens
+            num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+            if self.max_model_len is not None:
+                num_slots = min(num_slots, max(self.max_model_len,
+                                               num_computed + num_new_tokens))
+            if num_slots <= len(req_blocks) * self.block_size:
+                if self.enable_prefix_caching:
+                    self.cache_blocks(request, min(num_computed + num_new_tokens,
+                                                   request.num_tokens))
+                return []
         hits = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if req_blocks:  # running: first give back what fell behind the window

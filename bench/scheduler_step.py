@@ -1,0 +1,96 @@
+"""The scheduler's host work per decode step -- ``schedule()`` then
+``update_from_output()`` -- of a git revision against the working tree's, on the CPU:
+``--batch`` requests of 200 prompt tokens decode one token per step for ``--steps``
+steps (no model: the runner's output is made up). Each round runs both sides, each in
+its own process (the revision's ``lmkit`` from an archive of its ``core/``), in
+alternating order; medians of microseconds per step::
+
+    python bench/scheduler_step.py --rev HEAD~1 --batch 32 256 --rounds 5
+
+(This is host work between two engine steps; with the decode lookahead it overlaps the
+GPU's step, and sets the step rate where it is the longer of the two.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_steps(batch: int, steps: int) -> float:
+    """Seconds per step of the importable ``lmkit``'s paged scheduler."""
+    from lmkit.api import LMKitConfig
+    from lmkit.api.request import Request
+    from lmkit.api.runner_output import ModelRunnerOutput
+    from lmkit.api.sampling_params import SamplingParams
+    from lmkit.scheduler.paged import PagedScheduler
+
+    config = LMKitConfig.model_validate({
+        "model": {"model": "bench", "max_model_len": 4096}, "cache": {"block_size": 16},
+        "scheduler": {"max_num_seqs": batch, "max_num_batched_tokens": 65536}})
+    sched = PagedScheduler(config, num_blocks=batch * 300)
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        sched.add_request(Request(str(i), list(range(1, 201)), params))
+
+    def step() -> None:
+        so = sched.schedule()
+        ids = list(so.num_scheduled_tokens)
+        sched.update_from_output(so, ModelRunnerOutput(req_ids=ids,
+                                                       sampled_token_ids=[[7]] * len(ids)))
+
+    step()  # the prefill
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def _side(core: Path | None, batch: int, steps: int) -> float:
+    env = dict(os.environ)
+    if core is not None:  # the revision's lmkit first on the path
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(core), env.get("PYTHONPATH")]))
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import scheduler_step as s; print(s.time_steps({batch}, {steps}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", default="HEAD", help="the 'before' git revision")
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "core.tar"
+        subprocess.run(["git", "archive", "-o", str(archive), args.rev, "core"], cwd=ROOT,
+                       check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        sides = {"before": Path(tmp) / "core", "after": None}
+        for batch in args.batch:
+            times: dict[str, list[float]] = {name: [] for name in sides}
+            for r in range(args.rounds):
+                for name in (list(sides) if r % 2 else list(reversed(list(sides)))):
+                    times[name].append(_side(sides[name], batch, args.steps))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            print(f"batch {batch:4d}: before {1e6 * med['before']:8.1f} us/step  after "
+                  f"{1e6 * med['after']:8.1f} us/step  ({med['before'] / med['after']:.2f}x)  "
+                  f"rounds before {', '.join(f'{1e6 * t:.0f}' for t in times['before'])}; "
+                  f"after {', '.join(f'{1e6 * t:.0f}' for t in times['after'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,12 +15,14 @@ than the host's, it sets the step rate.)
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import time
 import types
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from before_after import before_after  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "core/lmkit/frontend/output_processor.py"
@@ -72,17 +74,9 @@ def main() -> None:
     sides = {"before": (old_processor(args.rev), None),
              "after": (OutputProcessor, None if args.streaming else True)}
     for batch in args.batch:
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        for r in range(args.rounds):
-            for name in (list(sides) if r % 2 else list(reversed(list(sides)))):
-                cls, final_only = sides[name]
-                times[name].append(run_side(cls, final_only, batch, args.steps))
-        med = {name: statistics.median(t) for name, t in times.items()}
-        print(f"batch {batch:4d}, {args.steps} steps: before {1e6 * med['before']:8.1f} us/step"
-              f"  after {1e6 * med['after']:8.1f} us/step  ({med['before'] / med['after']:.2f}x)"
-              f"  rounds before {', '.join(f'{1e6 * t:.0f}' for t in times['before'])}; "
-              f"after {', '.join(f'{1e6 * t:.0f}' for t in times['after'])}", flush=True)
-
+        before_after(f"batch {batch:4d}, {args.steps} steps",
+                     lambda name, batch=batch: run_side(*sides[name], batch, args.steps),
+                     args.rounds)
 
 if __name__ == "__main__":
     main()

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from before_after import before_after  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,16 +83,9 @@ def main() -> None:
             tar.extractall(tmp, filter="data")
         sides = {"before": Path(tmp) / "core", "after": None}
         for batch in args.batch:
-            times: dict[str, list[float]] = {name: [] for name in sides}
-            for r in range(args.rounds):
-                for name in (list(sides) if r % 2 else list(reversed(list(sides)))):
-                    times[name].append(_side(sides[name], batch, args.steps))
-            med = {name: statistics.median(t) for name, t in times.items()}
-            print(f"batch {batch:4d}: before {1e6 * med['before']:8.1f} us/step  after "
-                  f"{1e6 * med['after']:8.1f} us/step  ({med['before'] / med['after']:.2f}x)  "
-                  f"rounds before {', '.join(f'{1e6 * t:.0f}' for t in times['before'])}; "
-                  f"after {', '.join(f'{1e6 * t:.0f}' for t in times['after'])}", flush=True)
-
+            before_after(f"batch {batch:4d}",
+                         lambda name, batch=batch: _side(sides[name], batch, args.steps),
+                         args.rounds)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,24 @@
+"""Alternating before/after rounds for the CPU benchmarks that time a git revision
+against the working tree (``output_processing.py``, ``scheduler_step.py``)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+
+def before_after(label: str, run: Callable[[str], float], rounds: int) -> dict[str, list[float]]:
+    """Run ``run("before")`` and ``run("after")`` (seconds per step) ``rounds`` times each,
+    the order alternating round by round; print ``label``'s medians, their ratio and every
+    round (microseconds per step), and return the rounds by side."""
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for r in range(rounds):
+        for name in (("before", "after") if r % 2 else ("after", "before")):
+            times[name].append(run(name))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rounds_text = "; ".join(f"{name} {', '.join(f'{1e6 * t:.0f}' for t in ts)}"
+                            for name, ts in times.items())
+    print(f"{label}: before {1e6 * med['before']:8.1f} us/step  after "
+          f"{1e6 * med['after']:8.1f} us/step  ({med['before'] / med['after']:.2f}x)  "
+          f"rounds {rounds_text}", flush=True)
+    return times

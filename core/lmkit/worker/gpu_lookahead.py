@@ -97,6 +97,13 @@ class LaunchAhead:
         self.drafter = drafter
         self.stats = LookaheadStats()
 
+    def _predictable(self, order: list[str]) -> bool:
+        """Every request samples greedily as a launched argmax does (no logprobs,
+        penalties, pending ``min_tokens`` or grammar)."""
+        requests = self.requests
+        return all(requests[r].prompt_logprobs is None and greedy_plain(
+            requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order)
+
 
 class DecodeLookahead(LaunchAhead):
     """Launches predicted decode steps for a model runner with CUDA graphs.
@@ -227,7 +234,7 @@ class DecodeLookahead(LaunchAhead):
         the step's plan lets it, and the head has not left all of ``order`` for good
         (requests that ran above the limit with ``catch_up_when_off`` false)."""
         return (self.drafter is not None and len(order) <= self.min_batch
-                and so.spec_drafting and not self.drafter.stale.issuperset(order))
+                and so.spec_drafting and not _head_left(self.drafter, order))
 
     def _matches(self, so: SchedulerOutput, order: list[str], pending: _Pending) -> bool:
         if not order or so.scheduled_new_reqs or not _plain(so):
@@ -245,13 +252,8 @@ class DecodeLookahead(LaunchAhead):
 
     def _launchable(self, order: list[str], rows: np.ndarray) -> bool:
         """Greedy, plain requests whose next position has an allocated slot."""
-        if len(order) > self.graphs.max_bs:
+        if len(order) > self.graphs.max_bs or not self._predictable(order):
             return False
-        for rid in order:
-            state = self.requests[rid]
-            if state.prompt_logprobs is not None or not greedy_plain(
-                    state.sampling_params, len(state.output_token_ids)):
-                return False
         batch = self.input_batch
         nxt = batch.num_computed[rows] + 1
         return bool(np.all(nxt // batch.block_size < batch.num_blocks[rows])
@@ -268,8 +270,7 @@ class DecodeLookahead(LaunchAhead):
         seq_lens = (positions + 1).astype(np.int32)
         width = int(-(-int(seq_lens.max()) // bs))
         drafter = self.drafter
-        if drafter is not None and (drafter.sits_out(len(order))
-                                    or drafter.stale.issuperset(order)):
+        if drafter is not None and _head_left(drafter, order):
             drafter = None  # no features to keep
         taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None
@@ -288,6 +289,13 @@ class DecodeLookahead(LaunchAhead):
 
     def _count(self, what: str) -> None:
         setattr(self.stats, what, getattr(self.stats, what) + 1)
+
+
+def _head_left(drafter: DraftRunner, order: list[str]) -> bool:
+    """Whether the draft head does no work for a step of ``order``: it sits the step out
+    (:meth:`~lmkit.worker.draft_runner.DraftRunner.sits_out`) or has left every one of
+    its requests for good (:attr:`~lmkit.worker.draft_runner.DraftRunner.stale`)."""
+    return drafter.sits_out(len(order)) or drafter.stale.issuperset(order)
 
 
 def read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -281,15 +281,12 @@ class ModelRunner:
             ahead.finished_kv_loads = self._finished_kv_loads()
             return ahead
         order, step = self._prepare_step(so)
-        head = self.drafter
-        if head is not None and head.stale.issuperset(order):
-            head = None  # it left every request for good: no catch-up, no drafts
         # a draft head that reads chosen target layers (EAGLE-3) gets their inputs here
         aux: list[torch.Tensor] | None = (
-            [] if head is not None and head.proposer.target_layers else None)
+            [] if self.drafter is not None and self.drafter.proposer.target_layers else None)
         with torch.inference_mode():
             hidden = self._forward(step, self.kv_caches, aux)
-            if self.offload is not None and head is None:
+            if self.offload is not None and self.drafter is None:
                 self.offload.after_forward(so.kv_transfers)  # they read what it wrote
             plan = sampling_plan(order, step, so.scheduled_spec_decode_tokens, self.requests)
             pooled = None
@@ -303,10 +300,10 @@ class ModelRunner:
         out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
                             self.input_batch)
         out.pooled = pooled
-        if head is not None:  # the head drafts the next step's tokens, now
+        if self.drafter is not None:  # the head drafts the next step's tokens, now
             with torch.inference_mode():
                 features = hidden if aux is None else torch.cat(aux, dim=-1)
-                drafts = head.propose(features, step, *kept_positions(
+                drafts = self.drafter.propose(features, step, *kept_positions(
                     order, step, plan, verified.num_accepted, self.requests,
                     self.config.speculative.disable_by_batch_size, so.spec_drafting))
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}

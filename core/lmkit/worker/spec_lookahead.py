@@ -46,7 +46,6 @@ from lmkit.sample.drafts import accept_greedy
 from lmkit.worker.gpu_lookahead import (
     LaunchAhead,
     decode_lookahead_slots,
-    greedy_plain,
     read_back,
 )
 from lmkit.worker.input_batch import StepInputs
@@ -146,13 +145,6 @@ class SpecLookahead(LaunchAhead):
                 and np.all(last < self.max_model_len)):
             return
         self._launch(order, rows, start, np.array([drafts[r] for r in order], dtype=np.int64))
-
-    def _predictable(self, order: list[str]) -> bool:
-        """Every request samples greedily as the launched argmax does (no logprobs,
-        penalties, pending ``min_tokens`` or grammar)."""
-        requests = self.requests
-        return all(requests[r].prompt_logprobs is None and greedy_plain(
-            requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order)
 
     def _positions(self, rows: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ``1 + k`` positions from ``start`` of each of the batch ``rows`` and their

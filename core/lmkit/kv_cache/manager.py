@@ -150,10 +150,7 @@ class KVCacheManager:
             # a running request (every decode step): the same as below with nothing to
             # release and no hits, and no new block while its blocks hold the slots
             num_computed = request.num_computed_tokens
-            num_slots = num_computed + num_new_tokens + num_lookahead_tokens
-            if self.max_model_len is not None:
-                num_slots = min(num_slots, max(self.max_model_len,
-                                               num_computed + num_new_tokens))
+            num_slots = self._num_slots(num_computed, num_new_tokens, num_lookahead_tokens)
             if num_slots <= len(req_blocks) * self.block_size:
                 if self.enable_prefix_caching:
                     self.cache_blocks(request, min(num_computed + num_new_tokens,
@@ -165,9 +162,7 @@ class KVCacheManager:
             self._release_behind_window(request.request_id, req_blocks,
                                         request.num_computed_tokens)
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
-        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len is not None:
-            num_slots = min(num_slots, max(self.max_model_len, num_computed + num_new_tokens))
+        num_slots = self._num_slots(num_computed, num_new_tokens, num_lookahead_tokens)
         num_blocks_needed = max(0, cdiv(num_slots, self.block_size) - len(req_blocks) - len(hits))
         # hits sitting in the free queue stop being free once referenced
         num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)
@@ -185,6 +180,15 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def _num_slots(self, num_computed: int, num_new: int, num_lookahead: int) -> int:
+        """The slots a request needs to compute ``num_new`` tokens after
+        ``num_computed``, plus ``num_lookahead`` reserved past them (those clipped to
+        ``max_model_len``)."""
+        num_slots = num_computed + num_new + num_lookahead
+        if self.max_model_len is not None:
+            num_slots = min(num_slots, max(self.max_model_len, num_computed + num_new))
+        return num_slots
 
     def _release_behind_window(self, request_id: str, req_blocks: list[KVCacheBlock],
                                num_computed: int) -> None:

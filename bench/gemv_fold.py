@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bandwidth import L2_BYTES, _time, copy_bandwidth  # noqa: E402
+from gpu_args import parse_env  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear  # noqa: E402
 from lmkit_kernels.gemv_fold import norm_small_m_linear, silu_mul_small_m_linear  # noqa: E402
@@ -126,20 +127,21 @@ def bench_shape(fold: str, n: int, k: int, m: int, rounds: int, sweep: bool = Fa
 
 
 def _with_env(env: str, fn):
-    """``fn`` run with the environment variable ``env`` (``NAME=VALUE``) set (the
+    """``fn`` run with the environment variables of ``env`` (``NAME=VALUE[,...]``) set (the
     kernels' launchers read their switches at each launch)."""
-    name, _, value = env.partition("=")
+    values = parse_env(env, "--fold-env")
 
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
         try:
             return fn()
         finally:
-            if old is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = old
+            for name, old in saved.items():
+                if old is None:
+                    os.environ.pop(name)
+                else:
+                    os.environ[name] = old
     return run
 
 
@@ -205,14 +207,13 @@ def main() -> None:
     ap.add_argument("--fold-block-n", default="",
                     help="with --fp8: also time the folds at these rows per program "
                     "(comma-separated powers of two)")
-    ap.add_argument("--fold-env", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="also time the folded kernel with each variable set")
+    ap.add_argument("--fold-env", nargs="*", default=[], metavar="NAME=VALUE[,...]",
+                    help="also time the folded kernel with each of these environments")
     ap.add_argument("--shapes", default="",
                     help="comma-separated prefixes of the shapes to time (default: all)")
     args = ap.parse_args()
-    bad = [e for e in args.fold_env if "=" not in e]
-    if bad:
-        ap.error(f"--fold-env takes NAME=VALUE, got {bad}")
+    for env in args.fold_env:
+        parse_env(env, "--fold-env")  # refused here, with the reason, not mid-run
     if args.fp8 and (args.rows != "1" or args.sweep):
         ap.error(f"--fp8 times the one-row FP8 kernel: use --rows 1 without --sweep (got "
                  f"--rows {args.rows}{' --sweep' if args.sweep else ''})")

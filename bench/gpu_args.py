@@ -20,13 +20,14 @@ def parse_peers(text: str) -> list[str]:
     return peers
 
 
-def parse_env(text: str) -> dict[str, str]:
-    """``"LMKIT_GEMV_FOLD=0,X=1"`` -> ``{"LMKIT_GEMV_FOLD": "0", "X": "1"}``."""
+def parse_env(text: str, flag: str = "--ab-env") -> dict[str, str]:
+    """``"LMKIT_GEMV_FOLD=0,X=1"`` -> ``{"LMKIT_GEMV_FOLD": "0", "X": "1"}``; ``flag``
+    names the option in errors."""
     env = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
         if not eq or not name.strip():
-            raise SystemExit(f"--ab-env: expected NAME=VALUE[,NAME=VALUE...], got {part!r}")
+            raise SystemExit(f"{flag}: expected NAME=VALUE[,NAME=VALUE...], got {part!r}")
         env[name.strip()] = value.strip()
     return env
 

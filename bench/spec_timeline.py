@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_args import parse_env, parse_sets  # noqa: E402
 from gpu_run_profile import summarize_trace  # noqa: E402
 
 #: CUDA runtime calls in which the host waits for the device
@@ -63,12 +64,7 @@ def parse_side(side: str) -> tuple[str, dict[str, str]]:
     """``PROPOSER[:NAME=VALUE,...]`` -> the proposer (``plain``: none) and the environment
     switches set while its engine is built."""
     proposer, _, env = side.partition(":")
-    switches: dict[str, str] = {}
-    for item in filter(None, env.split(",")):
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            raise SystemExit(f"side {side!r}: expected PROPOSER[:NAME=VALUE,...], got {item!r}")
-        switches[name] = value
+    switches = parse_env(env, f"side {side!r}")
     if not proposer:
         raise SystemExit(f"side {side!r}: name a proposer (or plain)")
     return proposer, switches
@@ -151,8 +147,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch < 1:
         ap.error(f"--batch must be at least 1, got {args.batch}")
-    from gpu_args import parse_sets
-
     args.settings = parse_sets(";".join(args.set), "--set")
     import torch
 

@@ -20,7 +20,12 @@ runs decode, which leaves out the per-kernel launch cost that dominates small ba
 seed) instead of ``--context`` for all, as a batch of requests at different points of
 their generation has. ``--sweep-decode-tiles 64/4/3,128/4/2`` also times triton with
 each decode tile configuration (``BLOCK_N/num_warps/num_stages``; option
-``decode_tiles``).
+``decode_tiles``). ``--kv-cache-dtypes auto,fp8`` times every run over the model-dtype
+cache and over a float8 e4m3 one (backends claiming ``fp8_kv_cache``; its bytes counted
+at one per value)::
+
+    python bench/attention_decode.py --num-seqs 256 --num-heads 16 --context-range 200,2048 \
+        --backends triton --kv-cache-dtypes auto,fp8 --out w1_fp8.json
 
 The triton backend is timed twice: merging its context slices inside the decode kernel
 (the default) and with the merge as a second launch (``decode_merge_in_kernel=False``).
@@ -32,6 +37,7 @@ the FlashAttention generation that ran.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -65,47 +71,55 @@ def copy_bandwidth(num_bytes: int, *, warmup: int, iters: int) -> float:
 
 
 def bench_backend(name: str, batch, args, options: dict | None = None,
-                  block_size: int | None = None) -> dict:
+                  block_size: int | None = None, kv_dtype: str = "auto") -> dict:
     """Time one backend's decode ``run()`` on ``batch`` (built with ``block_size``, default
-    ``args.block_size``); returns a result row (or the skip reason)."""
+    ``args.block_size``; ``kv_dtype`` ``fp8``: over the batch's cache in float8 e4m3);
+    returns a result row (or the skip reason)."""
     block_size = block_size or args.block_size
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     spec = host.registry.get("attention", name).spec
     reasons = spec.unavailable_reasons()
+    if kv_dtype == "fp8" and "fp8_kv_cache" not in spec.caps.features:
+        reasons = [*reasons, "no fp8_kv_cache"]
     if reasons:
-        return {"backend": name, "skipped": "; ".join(reasons)}
+        return {"backend": name, "kv_cache_dtype": kv_dtype, "skipped": "; ".join(reasons)}
     cls = spec.load()
     dtype = DTYPES[args.dtype]
+    fp8 = kv_dtype == "fp8"
     backend = cls(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                   head_size=args.head_size, scale=args.head_size ** -0.5, dtype=dtype,
                   device=torch.device("cuda"), block_size=block_size,
-                  options=spec.validate_options(options or {}))
+                  options=spec.validate_options(options or {}),
+                  kv_cache_dtype=torch.float8_e4m3fn if fp8 else None)
+    cache = batch.kv_cache.clamp(-448, 448).to(torch.float8_e4m3fn) if fp8 else batch.kv_cache
     md = AttentionMetadata(**batch.metadata_kwargs(
         max_query_len=1, num_decodes=batch.num_reqs))
     backend.plan(md)
-    seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache),
+    seconds = time_cuda(lambda: backend.run(0, batch.q, batch.k, batch.v, cache),
                         warmup=args.warmup, iters=args.iters)
-    elem = batch.kv_cache.element_size()
-    kv_bytes = 2 * int(batch.seq_lens_cpu.sum()) * args.num_kv_heads * args.head_size * elem
-    qo_bytes = 2 * batch.q[: batch.num_tokens].numel() * elem
+    kv_bytes = (2 * int(batch.seq_lens_cpu.sum()) * args.num_kv_heads * args.head_size
+                * cache.element_size())
+    qo_bytes = 2 * batch.q[: batch.num_tokens].numel() * batch.q.element_size()
     total = kv_bytes + qo_bytes
-    row = {"backend": name, "options": options or {}, "block_size": block_size,
+    row = {"backend": name, "kv_cache_dtype": kv_dtype, "options": options or {},
+           "block_size": block_size,
            "bytes": total, "eager_us_per_call": seconds * 1e6,
            "eager_gb_per_s": total / seconds / 1e9}
     if hasattr(backend, "generation"):  # flash_attn: which FlashAttention ran
         row["generation"] = backend.generation
     if "cuda_graphs" in spec.caps.features and args.graph_layers > 0:
         md.cuda_graph = True
-        seconds = graph_seconds_per_call(backend, md, batch, args)
+        seconds = graph_seconds_per_call(backend, md, batch, cache, args)
         row.update(graph_us_per_call=seconds * 1e6, graph_gb_per_s=total / seconds / 1e9)
     return row
 
 
-def graph_seconds_per_call(backend, md, batch, args) -> float:
-    """Seconds per ``run()`` replayed from a CUDA graph of ``args.graph_layers`` calls
-    (as the engine runs decode: one graph per step, no per-kernel launch cost)."""
+def graph_seconds_per_call(backend, md, batch, cache, args) -> float:
+    """Seconds per ``run()`` over ``cache`` replayed from a CUDA graph of
+    ``args.graph_layers`` calls (as the engine runs decode: one graph per step, no
+    per-kernel launch cost)."""
     backend.plan(md)
-    call = lambda: backend.run(0, batch.q, batch.k, batch.v, batch.kv_cache)  # noqa: E731
+    call = lambda: backend.run(0, batch.q, batch.k, batch.v, cache)  # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -167,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-decode-tiles", default="",
                         help="also time triton with these decode tiles, BLOCK_N/warps/stages "
                         "comma-separated (e.g. 64/4/3,128/4/2)")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma-separated: auto (the model dtype) and/or fp8 (float8 "
+                        "e4m3 cache, backends claiming fp8_kv_cache), each timed in turn")
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     args = parser.parse_args(argv)
     contexts = context_lengths(args)
@@ -194,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
     runs += [("triton", {"decode_tiles": tiles}, args.block_size)
              for tiles in parse_tiles(args.sweep_decode_tiles)]
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    if set(kv_dtypes) - {"auto", "fp8"}:
+        parser.error(f"--kv-cache-dtypes takes auto and/or fp8, got {args.kv_cache_dtypes!r}")
     results = []
-    for name, options, block_size in runs:
+    for (name, options, block_size), kv_dtype in itertools.product(runs, kv_dtypes):
         if block_size not in batches:
             batches[block_size] = make_batch(block_size)
-        row = bench_backend(name, batches[block_size], args, options, block_size)
+        row = bench_backend(name, batches[block_size], args, options, block_size, kv_dtype)
         for mode in ("eager", "graph"):
             if f"{mode}_gb_per_s" in row:
                 row[f"{mode}_fraction_of_copy_bw"] = row[f"{mode}_gb_per_s"] * 1e9 / bandwidth
@@ -214,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'graph us':>9}{'GB/s':>6}{'of bw':>7}")
     for row in results:
         label = row["backend"] + "".join(f" {k}={v}" for k, v in (row.get("options") or {}).items())
+        if row.get("kv_cache_dtype", "auto") != "auto":
+            label += f" kv={row['kv_cache_dtype']}"
         if row.get("generation"):
             label += f" {row['generation']}"
         if row.get("block_size", args.block_size) != args.block_size:

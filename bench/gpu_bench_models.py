@@ -107,30 +107,33 @@ def read_bytes(name: str, shape: tuple[int, ...], quantization: str | None) -> i
     return math.prod(shape) * 2
 
 
-def model_facts(config: Any, quantization: str | None = None) -> dict[str, Any]:
+def model_facts(config: Any, quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """Sizes the bandwidth accounting needs: weight bytes one decode step reads (every
     matrix; the embedding table only when it is also the LM head; of a MoE model's
     routed experts none: ``moe`` gives their sizes, and the benchmark adds the experts a
     step's batch is expected to touch), as stored under ``quantization``
     (:func:`read_bytes`), and KV bytes per cached token (bf16; MLA models cache one
-    latent of ``kv_lora_rank + qk_rope_head_dim`` per layer). ``param_bytes``: the bf16
-    checkpoint's size."""
+    latent of ``kv_lora_rank + qk_rope_head_dim`` per layer; one byte per value with
+    ``kv_cache_dtype`` ``fp8``). ``param_bytes``: the bf16 checkpoint's size."""
     shapes = weight_shapes(config)
     total = sum(read_bytes(n, s, quantization) for n, s in shapes.items())
     embed = math.prod(shapes["model.embed_tokens.weight"]) * 2
     tied = bool(getattr(config, "tie_word_embeddings", False))
     layers = config.num_hidden_layers
+    kv_elem = 1 if kv_cache_dtype == "fp8" else 2
     if getattr(config, "kv_lora_rank", None):  # MLA: the latent cache
-        kv_per_token = layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+        kv_per_token = layers * (config.kv_lora_rank + config.qk_rope_head_dim) * kv_elem
     else:
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        kv_per_token = layers * 2 * config.num_key_value_heads * head_dim * 2
+        kv_per_token = layers * 2 * config.num_key_value_heads * head_dim * kv_elem
     decode = total if tied else total - embed
     num_params = sum(math.prod(s) for s in shapes.values())
     facts: dict[str, Any] = {"param_bytes": num_params * 2, "kv_bytes_per_token": kv_per_token,
                              "num_params": num_params, "num_hidden_layers": layers,
-                             "quantization": quantization or "none"}
+                             "quantization": quantization or "none",
+                             "kv_cache_dtype": kv_cache_dtype}
     expert_names = [n for n in shapes if ".mlp.experts." in n]
     if expert_names:
         experts_bytes = sum(read_bytes(n, shapes[n], quantization) for n in expert_names)

@@ -43,6 +43,9 @@ def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
                    max_model_len=options["max_model_len"],
                    # --quantization fp8: vLLM's own FP8 weights, quantized at load
                    **({"quantization": "fp8"} if options.get("quantization") == "fp8" else {}),
+                   # --kv-cache-dtype fp8: vLLM's FP8 KV cache (scales 1.0, as lmkit's)
+                   **({"kv_cache_dtype": "fp8"} if options.get("kv_cache_dtype") == "fp8"
+                      else {}),
                    **({"load_format": "dummy"} if options.get("load_format") == "dummy"
                       else {}))
     info: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "vllm": vllm.__version__,

@@ -33,7 +33,11 @@ With ``--quantization fp8`` lmkit quantizes the random bf16 weights to FP8 at lo
 the bandwidth accounting counts what it reads (1 byte per projection weight plus its
 per-row scale; embedding/LM head and norms bf16); ``--baseline-quantization`` runs
 lmkit once more with other weights as the baseline columns (a vLLM peer gets
-``quantization="fp8"`` too; transformers stays bf16).
+``quantization="fp8"`` too; transformers stays bf16). ``--kv-cache-dtype fp8`` runs
+lmkit and vLLM over a float8 e4m3 KV cache (per-tensor scales 1.0 on both sides) and
+counts its K/V reads at one byte per value::
+
+    python bench/gpu_engine.py --workloads W1 --peer vllm --kv-cache-dtype fp8 --out w1_fp8.json
 """
 
 from __future__ import annotations
@@ -233,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-quantization", choices=QUANTIZATIONS,
                     help="also run lmkit with these weights, reported as the baseline "
                     "(with --baseline-tree: that checkout's lmkit)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="lmkit's and vLLM's KV cache: auto (bf16) or fp8 (float8 e4m3, "
+                    "per-tensor scales 1.0 on both sides)")
     ap.add_argument("--ab-env", default="",
                     help="also run lmkit with these environment variables right after its "
                     "run on each model, e.g. LMKIT_GEMV_FOLD=0 (A/B of a kernel switch; "
@@ -275,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(), "torch": torch.__version__,
         "workload_sizes": {n: all_workloads[n]["output_lens"] for n in names},
         "lmkit": {}, "hf": {}, "vllm": {}, "lmkit_baseline": {}, "hf_workloads": {},
-        "quantization": args.quantization, "baseline_quantization": args.baseline_quantization}
+        "quantization": args.quantization, "baseline_quantization": args.baseline_quantization,
+        "kv_cache_dtype": args.kv_cache_dtype}
     if args.baseline_tree:
         report["baseline_tree"] = _tree_commit(args.baseline_tree)
     if torch.cuda.is_available():
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
     options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
-                   executor=args.executor,
+                   executor=args.executor, kv_cache_dtype=args.kv_cache_dtype,
                    **quantization_options(args.quantization, args.quantization_options))
     if args.load_format == "dummy":
         options["load_format"] = "dummy"
@@ -314,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             model_dir = models.write_model(model_name, root / model_name, num_layers=layers,
                                            weights=args.load_format != "dummy")
-            facts = models.model_facts(models.hf_config(model_name, layers), args.quantization)
+            facts = models.model_facts(models.hf_config(model_name, layers), args.quantization,
+                                       args.kv_cache_dtype)
             report.setdefault("models", {})[key] = {"name": model_name, **facts,
                                                     "write_s": time.perf_counter() - t0}
             if layers is not None:
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                                            if k != "quantization.options"},
                                         **quantization_options(base_q)},
                             "facts": models.model_facts(models.hf_config(model_name, layers),
-                                                        base_q)}
+                                                        base_q, args.kv_cache_dtype)}
                 report["lmkit_baseline"][key] = run_side("lmkit", base_job, root,
                                                          args.side_timeout, args.baseline_tree)
             if "vllm" in peers:

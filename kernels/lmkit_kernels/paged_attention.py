@@ -170,14 +170,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     num_splits: int | None = None,
                     split_counters: torch.Tensor | None = None,
                     prefill_tiles: tuple[int, int, int, int] | None = None,
-                    decode_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    decode_tiles: tuple[int, int, int] | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each request's new tokens over its paged context.
 
     :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
         rows may be strided, the last dimension must have unit stride). Rows past
         ``query_start_loc[-1]`` (CUDA-graph padding) are left untouched in ``out``.
-    :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, q's dtype;
-        ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+    :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, q's dtype
+        or ``torch.float8_e4m3fn`` (an FP8 cache, read as its values times ``k_scale`` /
+        ``v_scale``); ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
     :param query_start_loc: int32 ``[num_reqs + 1]``, cumulative query lengths.
     :param seq_lens: int32 ``[num_reqs]``, context length including this step's tokens
         (0 for a padding request: its rows get zeros).
@@ -199,14 +201,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     :param decode_tiles: decode only, for tuning: ``(BLOCK_N, num_warps, num_stages)``
         instead of the default (64, 4, 3 in half precision; powers of two, ``BLOCK_N >=
         16``).
+    :param k_scale: an FP8 cache's key scale (folded into the softmax scale).
+    :param v_scale: an FP8 cache's value scale (applied to the output).
     :return: ``out``, ``[num_tokens, num_heads, head_size]``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     device = q.device
     num_tokens, num_heads, head_size = q.shape
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype,), device=device,
-                 last_dim_contiguous=True)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=(q.dtype, torch.float8_e4m3fn),
+                 device=device, last_dim_contiguous=True)
     check_shape("kv_cache", kv_cache, (2, None, None, None, head_size))
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
@@ -225,14 +229,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
     if num_reqs <= 0 or max_query_len == 0 or num_tokens == 0:
         return out
-    scale_log2 = (head_size ** -0.5 if scale is None else scale) * _LOG2E
+    scale_log2 = (head_size ** -0.5 if scale is None else scale) * _LOG2E * k_scale
     group = num_heads // num_kv_heads
     head_pad = max(16, next_power_of_2(head_size))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     flags = dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, PAGE_SIZE=block_size,
-                 DOT_F32=dot_needs_f32(q.dtype), DOT_IEEE=q.dtype == torch.float32)
+                 DOT_F32=dot_needs_f32(q.dtype), DOT_IEEE=q.dtype == torch.float32,
+                 KV_FP8=kv_cache.dtype == torch.float8_e4m3fn)
 
     if max_query_len == 1:
         splits = choose_decode_splits(num_reqs, num_kv_heads, device) if num_splits is None \
@@ -260,7 +265,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         paged_decode_kernel[(num_reqs, num_kv_heads, splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             split_counters if fused_merge else seq_lens,
-            query_start_loc, seq_lens, block_tables, scale_log2,
+            query_start_loc, seq_lens, block_tables, scale_log2, v_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             ROWS=max(16, next_power_of_2(group)), NUM_SPLITS=splits, FUSED_MERGE=fused_merge,
@@ -290,7 +295,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     grid = (math.ceil(max_query_len / block_q), num_reqs, num_kv_heads)
     paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         **flags, num_warps=num_warps, num_stages=num_stages,
     )

@@ -44,7 +44,7 @@ def decode_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -54,6 +54,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
+    KV_FP8: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,11 +117,14 @@ def paged_decode_kernel(
             if DOT_F32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            elif KV_FP8:  # float8 K/V: k_scale is in scale_log2, v_scale on the output
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [ROWS, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, DOT_IEEE)
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         mask = g_ok[:, None] & d_ok[None, :]
         out_ptrs = out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         if active == 1:

@@ -51,9 +51,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
                  stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
                  scale_log2, offs_d, d_ok,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr):
+                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over keys ``start_n .. start_n + BLOCK_N``. Without
-    ``CAUSAL`` every key of the tile is visible to every row (no masks)."""
+    ``CAUSAL`` every key of the tile is visible to every row (no masks). ``KV_FP8``: the
+    cache holds float8 K/V, widened to ``q``'s dtype (their scales are applied by the
+    caller: ``k_scale`` inside ``scale_log2``, ``v_scale`` on the output)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if CAUSAL:
         n_ok = offs_n < kv_end
@@ -71,6 +73,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = attention_dot(q, tl.trans(k), DOT_IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
@@ -98,7 +103,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    scale_log2,  # softmax scale * log2(e) (* k_scale): scores go through exp2
+    v_scale,  # an FP8 cache's value scale (1.0 otherwise)
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
@@ -106,7 +112,7 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     req = tl.program_id(1)
@@ -145,15 +151,17 @@ def paged_prefill_kernel(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, seq_len, bt_row, k_base, v_base,
                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, False, DOT_F32, DOT_IEEE)
+                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, False, DOT_F32, DOT_IEEE,
+                KV_FP8)
         # the diagonal: the tile's last token sees keys up to its own position
         kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
         for start_n in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, True, DOT_F32, DOT_IEEE)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, True, DOT_F32, DOT_IEEE,
+                KV_FP8)
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])

@@ -21,7 +21,8 @@ _POINTER_TYPES = {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "val_ptr": "*fp32"
                   "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
                   "block_tables_ptr": "*i32", "slot_ptr": "*i64", "slot_mapping_ptr": "*i64",
                   "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*fp32"}
-_FLOATS = {"scale_log2", "eps", "inv_head_size", "inv_hidden_size", "inv_k"}
+_FLOATS = {"scale_log2", "v_scale", "inv_k_scale", "inv_v_scale", "eps", "inv_head_size",
+           "inv_hidden_size", "inv_k"}
 
 
 def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:

@@ -217,3 +217,38 @@ def test_in_place_decode_metadata_catches_a_plan_that_copies_its_buffers():
                 caps=reg.spec.caps)
     with pytest.raises(ConformanceFailure, match="in-place decode metadata"):
         check_attention_backend(spec, only=["in-place decode metadata"])
+
+
+FP8_CAPS = Caps({"prefix_caching", "chunked_prefill", "fp8_kv_cache"},
+                {"device": {"cpu"}, "dtype": {"float32", "bfloat16"}})
+
+
+class IgnoresValueScale(TorchAttention):
+    """Stores an FP8 cache but reads values back without their scale."""
+
+    def _attend(self, g, q, kv_cache):
+        scale, self.v_scale = self.v_scale, 1.0
+        try:
+            return super()._attend(g, q, kv_cache)
+        finally:
+            self.v_scale = scale
+
+
+class ClaimsFp8Only(TorchAttention):
+    supports_fp8_kv_cache = False
+
+
+def test_fp8_kv_cache_property_passes_the_reference_and_fails_a_lost_scale():
+    assert check_attention_backend(spec(TorchAttention, FP8_CAPS), only=["fp8 KV cache"]) == {
+        "fp8 KV cache": "passed"}
+    with pytest.raises(ConformanceFailure, match="(?s)fails property 'fp8 KV cache'.*"
+                                                 "float8_e4m3fn cache with scales"):
+        check_attention_backend(spec(IgnoresValueScale, FP8_CAPS), only=["fp8 KV cache"])
+    with pytest.raises(ConformanceFailure, match="does not declare supports_fp8_kv_cache"):
+        check_attention_backend(spec(ClaimsFp8Only, FP8_CAPS), only=["fp8 KV cache"])
+    # claimed nowhere: the class must refuse the dtype (the base constructor does)
+    caps = Caps({"sliding_window", "logits_soft_cap"}, {"device": {"cpu"}, "dtype": {"float32"}})
+    assert check_attention_backend(spec(ClaimsFp8Only, caps), only=[
+        "unclaimed features refused"]) == {"unclaimed features refused": "passed"}
+    with pytest.raises(ConformanceFailure, match="does not claim 'fp8_kv_cache', yet"):
+        check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])

@@ -10,6 +10,13 @@ if TYPE_CHECKING:
     import torch
 
 
+
+def is_fp8_kv_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is the float8 e4m3 dtype an FP8 KV cache is stored in
+    (``torch.float8_e4m3fn``; compared by name, so the contract imports no torch)."""
+    return str(dtype) == "torch.float8_e4m3fn"
+
+
 @dataclass
 class AttentionMetadata:
     """One step's batch layout, built once per step by the model runner.
@@ -52,7 +59,8 @@ class AttentionBackend(ABC):
     Constructor (the one signature models use; all keyword arguments)::
 
         cls(*, num_heads, num_kv_heads, head_size, scale, dtype, device, block_size,
-            sliding_window=None, options=None, causal=True, logits_soft_cap=None)
+            sliding_window=None, options=None, causal=True, logits_soft_cap=None,
+            kv_cache_dtype=None)
 
     ``causal=False`` asks for an encoder's bidirectional attention; models pass it only
     to backends whose spec declares the ``non_causal`` feature (selection refuses the
@@ -60,6 +68,14 @@ class AttentionBackend(ABC):
     ``logits_soft_cap=c`` caps the scaled attention scores ``s`` as ``c * tanh(s / c)``
     before the softmax (Gemma-2); models pass it only when their needs name the
     ``logits_soft_cap`` feature, so only backends declaring it get it.
+    ``kv_cache_dtype`` is the dtype the cache stores K/V in (models pass
+    :attr:`~lmkit.api.ModelBuildContext.kv_cache_dtype`); ``None`` means ``dtype``.
+    ``torch.float8_e4m3fn`` (``cache.kv_cache_dtype: fp8``) is taken only by backends
+    declaring :attr:`supports_fp8_kv_cache` (their spec claims the ``fp8_kv_cache``
+    feature, so selection refuses the others before weights load): they store
+    ``clamp(k / k_scale)`` and ``clamp(v / v_scale)`` in e4m3 (saturated at +-448) and
+    attend over the values times the scales (:attr:`k_scale`, :attr:`v_scale`, 1.0 by
+    default, as vLLM without calibrated scales).
     Subclasses that add state call ``super().__init__(**kwargs)``, which stores each
     argument as an attribute. The runner calls :meth:`plan` once per step on the host,
     then every attention layer calls :meth:`run`. ``run`` must do no host work and no
@@ -77,6 +93,7 @@ class AttentionBackend(ABC):
       :meth:`paged_decode_args`).
     * :attr:`supports_in_place_decode_metadata`: a decode-only plan made for CUDA graphs
       stays valid when the values in its metadata's device buffers change in place.
+    * :attr:`supports_fp8_kv_cache`: the backend stores K/V in float8 e4m3.
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -107,10 +124,16 @@ class AttentionBackend(ABC):
     #: ``False``: each pass is replayed and planned on its own, and every replay planned.
     supports_in_place_decode_metadata: ClassVar[bool] = False
 
+    #: Whether the backend takes ``kv_cache_dtype=torch.float8_e4m3fn``: it quantizes the
+    #: K/V it writes (``k / k_scale``, saturated to e4m3's +-448) and dequantizes what it
+    #: reads. A backend built with an FP8 cache never takes model-written K/V
+    #: (:meth:`lmkit.api.ModelBuildContext.model_may_write_kv`).
+    supports_fp8_kv_cache: ClassVar[bool] = False
+
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
                  options: Any = None, causal: bool = True,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, kv_cache_dtype: Any = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -127,6 +150,22 @@ class AttentionBackend(ABC):
                 f"logits_soft_cap={logits_soft_cap}); use a backend whose spec claims "
                 "the logits_soft_cap feature, e.g. 'torch'")
         self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+        if self.kv_cache_dtype != dtype and not (
+                is_fp8_kv_dtype(self.kv_cache_dtype) and self.supports_fp8_kv_cache):
+            raise ValueError(
+                f"{type(self).__name__} cannot store its KV cache in {self.kv_cache_dtype} "
+                f"(the model runs in {dtype}); use a backend whose spec claims the "
+                "fp8_kv_cache feature, e.g. 'triton' or 'torch', or cache.kv_cache_dtype: auto")
+        #: the per-tensor scales of an FP8 cache: stored ``k / k_scale``, read ``k8 * k_scale``
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Whether this backend's cache holds float8 e4m3 K/V (scaled by :attr:`k_scale`,
+        :attr:`v_scale`)."""
+        return is_fp8_kv_dtype(self.kv_cache_dtype)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

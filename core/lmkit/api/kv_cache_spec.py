@@ -144,8 +144,8 @@ class KVCacheGroup:
     @property
     def page_bytes(self) -> int:
         """Bytes of one KV block of one layer: the backend's ``kv_cache_shape(1)`` in its
-        dtype."""
-        return math.prod(self.attn.kv_cache_shape(1)) * self.attn.dtype.itemsize
+        KV cache dtype (``attn.kv_cache_dtype``: one byte per value in FP8)."""
+        return math.prod(self.attn.kv_cache_shape(1)) * self.attn.kv_cache_dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:

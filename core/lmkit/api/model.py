@@ -39,6 +39,19 @@ class ModelBuildContext:
     tp_group: Any = None  # torch.distributed.ProcessGroup when tp_size > 1
     # the chosen quantization method (a QuantizationMethod), or None for dense weights
     quantization: Any = None
+    #: the dtype the KV cache stores K/V in (``cache.kv_cache_dtype``): ``None`` for the
+    #: model's ``dtype``, ``torch.float8_e4m3fn`` for ``fp8``. Models pass it to every
+    #: attention backend they build (``kv_cache_dtype=ctx.kv_cache_dtype``); the runner
+    #: refuses a model whose backends store another dtype.
+    kv_cache_dtype: Any = None
+
+    def model_may_write_kv(self) -> bool:
+        """Whether the model may store K/V in its own kernels (fused with RoPE) and call
+        ``run(..., kv_written=True)``: the backend declares
+        :attr:`~lmkit.api.AttentionBackend.supports_model_kv_write` and the cache stores
+        the model's dtype (an FP8 cache is written by the backend, which quantizes)."""
+        return (self.attention_cls.supports_model_kv_write
+                and self.kv_cache_dtype in (None, self.dtype))
 
 
 @dataclass

@@ -99,6 +99,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_num_batched_tokens", ("--max-num-batched-tokens",), "scheduler.max_num_batched_tokens",
          int | None, "Token budget of one engine step."),
     Flag("block_size", ("--block-size",), "cache.block_size", int | None, "Tokens per KV-cache block."),
+    Flag("kv_cache_dtype", ("--kv-cache-dtype",), "cache.kv_cache_dtype", str | None,
+         "KV cache storage: 'auto' (the model's dtype) or 'fp8' (float8 e4m3, half of bf16)."),
     Flag("no_prefix_caching", ("--no-prefix-caching",), "cache.enable_prefix_caching", bool,
          "Turn prefix caching off.", sets=False),
     Flag("enforce_eager", ("--enforce-eager",), "executor.enforce_eager", bool,

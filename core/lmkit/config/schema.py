@@ -78,6 +78,11 @@ class CacheConfig(Section):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory lmkit may use (model + KV cache)."
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto", description="What the KV cache stores K/V in: 'auto' the model's dtype; 'fp8' "
+        "(= 'fp8_e4m3') float8 e4m3 with per-tensor scales 1.0, half the bytes of bf16 "
+        "(attention backends claiming fp8_kv_cache: triton, torch, cpu)."
+    )
 
     @field_validator("block_size")
     @classmethod

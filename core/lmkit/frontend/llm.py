@@ -39,6 +39,7 @@ SHORT_OPTIONS = {
     "num_blocks": "cache.num_blocks",
     "kv_cache_memory_gb": "cache.kv_cache_memory_gb",
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
+    "kv_cache_dtype": "cache.kv_cache_dtype",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill",

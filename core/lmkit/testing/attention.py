@@ -20,9 +20,14 @@ runner builds it. Properties:
 * ``model-written K/V``: when the backend declares ``supports_model_kv_write``, the
   suite stores each step's K/V itself at the slots ``kv_write_slots()`` returns, in
   the documented layout, and calls ``run(..., kv_written=True)``;
+* ``fp8 KV cache``: when the spec claims ``fp8_kv_cache``, the whole workload over a
+  ``torch.float8_e4m3fn`` cache with scales 0.5 (keys) and 2.0 (values), against the
+  oracle over the values the cache holds (``x * (1 / scale)`` in float32, saturated to
+  +-448, rounded to e4m3, times the scale); the class must declare
+  ``supports_fp8_kv_cache`` too;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
-  (``logits_soft_cap``) raises when constructed with one, instead of silently ignoring
-  it;
+  (``logits_soft_cap``, ``fp8_kv_cache``) raises when constructed with one, instead of
+  silently ignoring it;
 * ``cuda graphs``: when it claims ``cuda_graphs`` and CUDA is present, ``run`` captured
   in a graph and replayed after a new ``plan`` gives the eager result;
 * ``in-place decode metadata``: when it also declares
@@ -232,6 +237,15 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         case = replace(base_case(t), sliding_window=window, logits_soft_cap=1.0)
         _run(t, "logits soft cap", case, full_workload)
 
+    def fp8_kv_cache() -> None:
+        _require(t, "fp8_kv_cache")
+        case = replace(base_case(t), kv_cache_dtype=torch.float8_e4m3fn, kv_scales=(0.5, 2.0))
+        if not getattr(t.cls, "supports_fp8_kv_cache", False):
+            raise t.fail(SUITE, "fp8 KV cache", case.describe(),
+                         "the spec claims 'fp8_kv_cache' but the class does not declare "
+                         "supports_fp8_kv_cache = True")
+        _run(t, "fp8 KV cache", case, full_workload)
+
     def model_written_kv() -> None:
         _run(t, "model-written K/V", base_case(t), full_workload, model_writes_kv=True)
 
@@ -241,9 +255,11 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         unclaimed = {feature: case for feature, case in (
             ("sliding_window", replace(base_case(t), sliding_window=7)),
             ("logits_soft_cap", replace(base_case(t), logits_soft_cap=1.0)),
+            ("fp8_kv_cache", replace(base_case(t), kv_cache_dtype=torch.float8_e4m3fn)),
         ) if not t.has_feature(feature)}
         if not unclaimed:
-            raise NotApplicable(f"{t.name} claims sliding_window and logits_soft_cap")
+            raise NotApplicable(f"{t.name} claims sliding_window, logits_soft_cap and "
+                                "fp8_kv_cache")
         for feature, case in unclaimed.items():
             try:
                 case.build(t.cls, t.options)
@@ -274,6 +290,7 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
         "GQA and head sizes": heads_and_sizes,
         "block sizes": block_sizes,
         "dtypes": dtypes,
+        "fp8 KV cache": fp8_kv_cache,
         "model-written K/V": model_written_kv,
         "unclaimed features refused": unclaimed_refused,
         "cuda graphs": lambda: check_cuda_graphs(t),
@@ -361,6 +378,9 @@ class AttentionConformance:
 
     def test_dtypes(self, attention_backend: Any) -> None:
         self._check(attention_backend, "dtypes")
+
+    def test_fp8_kv_cache(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "fp8 KV cache")
 
     def test_model_written_kv(self, attention_backend: Any) -> None:
         self._check(attention_backend, "model-written K/V")

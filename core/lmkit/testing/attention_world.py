@@ -43,23 +43,42 @@ class AttentionCase:
     device: torch.device
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    #: an FP8 cache (``torch.float8_e4m3fn``) and the ``(k_scale, v_scale)`` set on the
+    #: built backend; ``None``: the cache stores ``dtype``
+    kv_cache_dtype: torch.dtype | None = None
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         window = f", sliding_window {self.sliding_window}" if self.sliding_window else ""
         cap = f", logits_soft_cap {self.logits_soft_cap}" if self.logits_soft_cap else ""
+        kv = (f", {str(self.kv_cache_dtype).removeprefix('torch.')} cache with scales "
+              f"{self.kv_scales}" if self.kv_cache_dtype is not None else "")
         return (f"heads {self.num_heads}/{self.num_kv_heads} (query/kv), head_size "
                 f"{self.head_size}, block_size {self.block_size}, {dtype} on "
-                f"{self.device.type}{window}{cap}")
+                f"{self.device.type}{window}{cap}{kv}")
 
     def kwargs(self, options: Any) -> dict[str, Any]:
         """The keyword arguments a model constructs the backend with for this case
-        (``logits_soft_cap`` only when set, as models pass it)."""
+        (``logits_soft_cap`` and ``kv_cache_dtype`` only when set, as models pass
+        them)."""
         cap = {} if self.logits_soft_cap is None else {"logits_soft_cap": self.logits_soft_cap}
+        if self.kv_cache_dtype is not None:
+            cap["kv_cache_dtype"] = self.kv_cache_dtype
         return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                     head_size=self.head_size, scale=self.head_size ** -0.5, dtype=self.dtype,
                     device=self.device, block_size=self.block_size,
                     sliding_window=self.sliding_window, options=options, **cap)
+
+    def stored(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """``x`` (float64 keys, ``which`` 0, or values, 1) as an FP8 cache gives them
+        back: ``x * (1 / scale)`` in float32, saturated to +-448, rounded to e4m3, times
+        the scale; ``x`` itself for a cache of the model's dtype."""
+        if self.kv_cache_dtype is None:
+            return x
+        scale = self.kv_scales[which]
+        q = (x.to(self.dtype).float() * (1.0 / scale)).clamp(-448.0, 448.0)
+        return q.to(self.kv_cache_dtype).to(torch.float64) * scale
 
     def build(self, cls: type, options: Any) -> AttentionBackend:
         """Construct the backend as the model does."""
@@ -129,7 +148,10 @@ class AttentionWorld:
         self.case = case
         self.gen = torch.Generator().manual_seed(seed)
         shape = tuple(backend.kv_cache_shape(num_blocks))
-        self.cache = torch.zeros(shape, dtype=case.dtype, device=case.device)
+        self.cache = torch.zeros(shape, dtype=case.kv_cache_dtype or case.dtype,
+                                 device=case.device)
+        if case.kv_cache_dtype is not None:  # the scales an FP8 cache is read with
+            backend.k_scale, backend.v_scale = case.kv_scales
         # block 0 is the runner's null block: never handed out
         order = torch.randperm(num_blocks - 1, generator=self.gen) + 1
         self.free: list[int] = order.tolist()
@@ -267,7 +289,8 @@ class AttentionWorld:
             v = self._rand(q_len, c.num_kv_heads, c.head_size)
             new_kv[rid] = (q, k, v)
             self._ensure_blocks(req, contexts[rid] + q_len)
-            req.keys, req.values = torch.cat([req.keys, k]), torch.cat([req.values, v])
+            req.keys = torch.cat([req.keys, c.stored(k, 0)])  # the oracle reads what the
+            req.values = torch.cat([req.values, c.stored(v, 1)])  # cache holds
         md = self.metadata(work, contexts, cuda_graph)
         qs = [new_kv[rid][0] for rid, _ in work]
         ks = [new_kv[rid][1] for rid, _ in work]

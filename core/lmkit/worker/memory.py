@@ -112,7 +112,7 @@ def kv_budget_bytes(gpu_memory_utilization: float, *, total: int, free: int, res
 def allocate_kv_caches(groups: Sequence[KVCacheGroup], num_blocks: int,
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed cache tensor per layer (indexed by layer), shaped by its group's
-    backend, ``attn.kv_cache_shape(num_blocks)``, in the backend's dtype.
+    backend, ``attn.kv_cache_shape(num_blocks)``, in the backend's KV cache dtype.
 
     Zeroed so that slots never written (padding a backend may read and mask) hold no
     NaN bit patterns.
@@ -121,7 +121,7 @@ def allocate_kv_caches(groups: Sequence[KVCacheGroup], num_blocks: int,
     for group in groups:
         shape = group.attn.kv_cache_shape(num_blocks)
         for layer in group.layers:
-            caches[layer] = torch.zeros(shape, dtype=group.attn.dtype, device=device)
+            caches[layer] = torch.zeros(shape, dtype=group.attn.kv_cache_dtype, device=device)
     return [caches[layer] for layer in range(len(caches))]
 
 

@@ -114,16 +114,30 @@ def check_tensor_parallel(model_cls: type[Model], registration: Registration, ar
             "or --quantization none to run the dense weights split.")
 
 
-def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_layers: int
-                    ) -> tuple[KVCacheGroup, ...]:
+def kv_cache_torch_dtype(config: LMKitConfig) -> torch.dtype | None:
+    """The dtype ``cache.kv_cache_dtype`` asks the KV cache to store: ``None`` for
+    ``auto`` (the model's dtype), ``torch.float8_e4m3fn`` for ``fp8`` / ``fp8_e4m3``."""
+    return None if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_layers: int,
+                    kv_cache_dtype: torch.dtype | None = None) -> tuple[KVCacheGroup, ...]:
     """The built model's KV cache groups, checked: they cover every layer once, each
-    backend serves its group's spec, and (for a model that declares
-    :meth:`~lmkit.api.Model.kv_cache_specs`) each layer has the spec it declared.
+    backend serves its group's spec, (for a model that declares
+    :meth:`~lmkit.api.Model.kv_cache_specs`) each layer has the spec it declared, and
+    each backend stores ``kv_cache_dtype`` when one is asked for.
 
     :raises ModelLoadError: naming the model class and what is inconsistent.
     """
     groups = model.kv_cache_groups(num_layers)
     name = type(model).__name__
+    for group in groups:
+        if kv_cache_dtype is not None and group.attn.kv_cache_dtype != kv_cache_dtype:
+            raise ModelLoadError(
+                f"cache.kv_cache_dtype asks for a {kv_cache_dtype} KV cache, but {name} "
+                f"built its attention backend with {group.attn.kv_cache_dtype}: the model "
+                "must pass kv_cache_dtype=ctx.kv_cache_dtype to the backends it builds; "
+                "set cache.kv_cache_dtype: auto for this model")
     try:
         check_kv_cache_groups(groups, num_layers)
     except ValueError as e:

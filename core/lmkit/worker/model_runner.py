@@ -42,6 +42,7 @@ from lmkit.worker.model_build import (
     check_load_format,
     check_tensor_parallel,
     kv_cache_groups,
+    kv_cache_torch_dtype,
     quantization_method,
     weight_source,
 )
@@ -135,17 +136,16 @@ class ModelRunner:
             dtype=self.dtype, device=self.device, block_size=self.block_size,
             attention_cls=attention.spec.load(), attention_options=self.stack.options["attention"],
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group,
-            quantization=quant)
+            quantization=quant, kv_cache_dtype=kv_cache_torch_dtype(self.config))
         model_cls = model_class(registration)
         check_tensor_parallel(model_cls, registration, self.architecture, self.tp_size, quant)
-        # a draft head is checked against the target before any weights load
         head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
-                                    hf_config)
+                                    hf_config)  # checked against the target before any load
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)
         model.load_weights(weight_source(self.config, self.model_dir, hf_config, quant,
                                          self.dtype, self.device))
         self.kv_groups = kv_cache_groups(model, model_cls.kv_cache_specs(hf_config),
-                                         self.num_layers)
+                                         self.num_layers, ctx.kv_cache_dtype)
         if isinstance(model, torch.nn.Module):
             model.eval()
         self.model = model

@@ -13,7 +13,9 @@ KV-cache layout, ``[2, num_blocks,
 block_size, num_kv_heads, head_size]``, and each is selectable by name (``--attention
 torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
 declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
-and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping).
+and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping);
+``triton``, ``torch`` and ``cpu`` declare ``fp8_kv_cache`` (``cache.kv_cache_dtype: fp8``,
+K/V stored in float8 e4m3).
 
 Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
 (multi-head/grouped-query attention over per-head K/V); ``mla_torch`` (10, CPU and
@@ -94,7 +96,7 @@ def register_attention_backends(register):
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal", "logits_soft_cap"},
+             "non_causal", "logits_soft_cap", "fp8_kv_cache"},
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
              "attention_kind": {MHA}},
         ),
@@ -104,7 +106,7 @@ def register_attention_backends(register):
         name="cpu", target="lmkit_plugins.attention.cpu_backend:CpuAttention", priority=20,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal"},
+             "non_causal", "fp8_kv_cache"},
             {"device": {"cpu"}, "dtype": {"float32", "bfloat16"}, "attention_kind": {MHA}},
         ),
         description="Reference paged attention with decode steps (float32) and encoder "
@@ -115,7 +117,8 @@ def register_attention_backends(register):
         priority=60, requires=("triton",), needs_cuda=True,
         options=TritonAttentionOptions,
         caps=Caps(
-            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs"},
+            {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs",
+             "fp8_kv_cache"},
             {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
              "head_size": {64, 80, 96, 128, 256}, "attention_kind": {MHA}},
         ),

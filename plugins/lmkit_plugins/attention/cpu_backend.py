@@ -47,7 +47,8 @@ class CpuAttention(TorchAttention):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         kernel = None
-        if torch.device(self.device).type == "cpu" and self.dtype == torch.float32:
+        if (torch.device(self.device).type == "cpu" and self.dtype == torch.float32
+                and not self.fp8_kv_cache):  # (an FP8 cache: decode steps as the reference)
             from lmkit_kernels.cpu.paged_decode import decode_attention_kernel
 
             kernel = decode_attention_kernel()

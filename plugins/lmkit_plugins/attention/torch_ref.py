@@ -36,6 +36,7 @@ from lmkit_plugins.attention.encoder_groups import (
     place_rows,
     plan_bidirectional,
 )
+from lmkit_plugins.attention.fp8_kv import dequantize_kv, store_kv
 
 
 @dataclass
@@ -66,11 +67,12 @@ class TorchAttention(AttentionBackend):
 
     Handles prefill, prefill over a cached prefix, chunked prefill, decode and
     multi-token decode queries (speculative decoding) in one mixed batch; GQA and an
-    optional sliding window and attention-score soft cap. It is the reference the fast
-    backends are tested against.
+    optional sliding window and attention-score soft cap; an FP8 (e4m3) cache. It is the
+    reference the fast backends are tested against.
     """
 
     supports_logits_soft_cap = True
+    supports_fp8_kv_cache = True  # stored quantized, gathered blocks dequantized
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -212,9 +214,11 @@ class TorchAttention(AttentionBackend):
             return self._attend_bidirectional(self._bidirectional, q[:n], k[:n], v[:n])
         if k.shape[0] != n:  # padded (CUDA graph) inputs: only the first n rows are tokens
             k, v = k[:n], v[:n]
-        # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d] at the slots
-        kv_cache.view(2, -1, self.num_kv_heads, self.head_size).index_copy_(
-            1, plan.slot_mapping, torch.stack((k, v)))
+        if self.fp8_kv_cache:
+            store_kv(kv_cache, plan.slot_mapping, k, v, self.k_scale, self.v_scale)
+        else:  # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d]
+            kv_cache.view(2, -1, self.num_kv_heads, self.head_size).index_copy_(
+                1, plan.slot_mapping, torch.stack((k, v)))
         if plan.covers_all and q.shape[0] == n:
             return self._attend(plan.groups[0], q, kv_cache).view(n, self.num_heads,
                                                                    self.head_size)
@@ -294,6 +298,8 @@ class TorchAttention(AttentionBackend):
         # kv: [2, R * num_kv_blocks, block_size * hkv * d], contiguous; key j of request i,
         # head h starts at i * per_req + j * hkv * d + h * d (values after all keys)
         kv = kv_cache.view(2, num_blocks, -1).index_select(1, g.block_ids)
+        if self.fp8_kv_cache:
+            kv = dequantize_kv(kv, q.dtype, self.k_scale, self.v_scale)
         per_req = g.num_kv_blocks * self.block_size * hkv * d
         size, stride = (r, hkv, g.kv_len, d), (per_req, d, hkv * d, 1)
         key = kv.as_strided(size, stride)  # [R, hkv, kv_len, d]

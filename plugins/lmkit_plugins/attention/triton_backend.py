@@ -54,10 +54,12 @@ class TritonAttention(AttentionBackend):
     """Paged attention on CUDA with the Triton kernels of :mod:`lmkit_kernels`.
 
     Supports float32/float16/bfloat16, head sizes up to 256, GQA, mixed
-    prefill/decode batches, cached prefixes and chunked prefill. No sliding window.
+    prefill/decode batches, cached prefixes and chunked prefill, and an FP8 (e4m3) cache.
+    No sliding window.
     """
 
     supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
+    supports_fp8_kv_cache = True  # the cache write quantizes, the kernels widen and scale
     # decode kernels read seq_lens / slots / block tables on the device; the plan keeps
     # only counts and the split choice
     supports_in_place_decode_metadata = True
@@ -141,8 +143,9 @@ class TritonAttention(AttentionBackend):
         plan = self._plan
         if plan is None:
             raise RuntimeError("TritonAttention.run() called before plan() for this step")
+        ks, vs = self.k_scale, self.v_scale
         if not kv_written:
-            reshape_and_cache(k, v, kv_cache, plan.slot_mapping)
+            reshape_and_cache(k, v, kv_cache, plan.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         if q.shape[0] > plan.num_tokens:
             out[plan.num_tokens:].zero_()
@@ -151,9 +154,10 @@ class TritonAttention(AttentionBackend):
             paged_attention(q, kv_cache, plan.query_start_loc[: nd + 1], plan.seq_lens[:nd],
                             plan.block_tables[:nd], max_query_len=1, scale=self.scale,
                             out=out, num_splits=plan.num_splits,
-                            split_counters=self._counters, decode_tiles=self.options.decode_tiles)
+                            split_counters=self._counters, decode_tiles=self.options.decode_tiles,
+                            k_scale=ks, v_scale=vs)
         if nd < plan.num_reqs:
             paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],
                             plan.block_tables[nd:], max_query_len=plan.max_prefill_query_len,
-                            scale=self.scale, out=out)
+                            scale=self.scale, out=out, k_scale=ks, v_scale=vs)
         return out

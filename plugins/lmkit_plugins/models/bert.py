@@ -150,7 +150,8 @@ class BertModel(nn.Module, PoolingModel):
         self.attn: AttentionBackend = ctx.attention_cls(
             num_heads=dims.num_heads, num_kv_heads=dims.num_heads, head_size=head_dim,
             scale=head_dim ** -0.5, dtype=dtype, device=device, block_size=ctx.block_size,
-            sliding_window=None, options=ctx.attention_options, causal=False)
+            sliding_window=None, options=ctx.attention_options, causal=False,
+            kv_cache_dtype=ctx.kv_cache_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

@@ -166,8 +166,7 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
             dims.hidden_size, {"weight": dims.vocab_size}, bias=False, dtype=dtype,
             device=device, quantization=quant)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
-        self._model_writes_kv = (fused_ops_enabled(device, dtype)
-                                 and ctx.attention_cls.supports_model_kv_write)
+        self._model_writes_kv = fused_ops_enabled(device, dtype) and ctx.model_may_write_kv()
         scale = float(getattr(hf_config, "query_pre_attn_scalar", dims.head_dim)) ** -0.5
         # only backends declaring logits_soft_cap take it (the needs say so when set)
         soft_cap = attn_soft_cap(hf_config)
@@ -178,7 +177,7 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
                 num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
                 head_size=dims.head_dim, scale=scale, dtype=dtype, device=device,
                 block_size=ctx.block_size, options=ctx.attention_options,
-                sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
+                kv_cache_dtype=ctx.kv_cache_dtype, sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
                 **cap_kw)
 
         specs = self.kv_cache_specs(hf_config)

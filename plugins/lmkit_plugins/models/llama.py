@@ -122,8 +122,7 @@ class LlamaStack(nn.Module, Model):
         self._fused_ops = fused_ops_enabled(device, dtype)
         local_vocab = dims.vocab_size if tp is None else tp.local(dims.vocab_size)
         # fused kernels write K/V in the RoPE kernel when the backend declares it may
-        self._model_writes_kv = (self._fused_ops
-                                 and ctx.attention_cls.supports_model_kv_write)
+        self._model_writes_kv = self._fused_ops and ctx.model_may_write_kv()
         self.lm_head = None if dims.tie_word_embeddings or not self.has_lm_head else Linear(
             dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device,
             quantization=quant)
@@ -133,7 +132,7 @@ class LlamaStack(nn.Module, Model):
                 num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
                 head_size=dims.head_dim, scale=dims.head_dim ** -0.5, dtype=dtype,
                 device=device, block_size=ctx.block_size, sliding_window=window,
-                options=ctx.attention_options)
+                options=ctx.attention_options, kv_cache_dtype=ctx.kv_cache_dtype)
 
         specs = self.kv_cache_specs(hf_config)
         # several KV cache groups (mixed layer_types): each layer runs its group's backend

@@ -82,6 +82,9 @@ class BlockCopier:
         axis = kv_block_axis(first.shape)
         self.num_blocks = int(first.shape[axis])
         self.parts = 2 if axis == 1 else 1  # K and V, or one latent entry
+        if first.element_size() == 1:  # an FP8 cache: copied as its bytes (torch has no
+            kv_caches = [c.view(torch.uint8) for c in kv_caches]  # CPU index_copy_ for float8)
+            first = kv_caches[0]
         # [parts, blocks, E]
         self.caches = [c.view(self.parts, self.num_blocks, -1) for c in kv_caches]
         self.block_elems = int(self.caches[0].shape[2])

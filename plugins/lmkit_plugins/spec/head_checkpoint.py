@@ -139,4 +139,5 @@ def build_attention(dims: LlamaDims, build: Any) -> Any:
     return build.attention_cls(
         num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads, head_size=dims.head_dim,
         scale=dims.head_dim ** -0.5, dtype=build.dtype, device=build.device,
-        block_size=build.block_size, sliding_window=None, options=build.attention_options)
+        block_size=build.block_size, sliding_window=None, options=build.attention_options,
+        kv_cache_dtype=build.kv_cache_dtype)

@@ -124,7 +124,9 @@ def paged_decode_kernel(
             s = tl.where(n_ok[None, :], s, float("-inf"))
             acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, DOT_IEEE)
 
-        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         mask = g_ok[:, None] & d_ok[None, :]
         out_ptrs = out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
         if active == 1:

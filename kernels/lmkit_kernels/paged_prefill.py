@@ -161,7 +161,9 @@ def paged_prefill_kernel(
                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
                 scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, True, DOT_F32, DOT_IEEE,
                 KV_FP8)
-        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])

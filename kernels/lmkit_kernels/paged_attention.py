@@ -157,10 +157,16 @@ def check_decode_tiles(tiles: tuple[int, ...]) -> None:
                          f"{list(tiles)}")
 
 
-def _decode_config(head_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+def _decode_config(head_pad: int, dtype: torch.dtype, kv_fp8: bool = False
+                   ) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel. An FP8 cache takes
+    twice the tokens per tile (the same bytes as half precision's 64): on an H200, 256
+    requests of 200-2,048 tokens (16/8 heads) read in 301.8 us with 128/4/2 against
+    357.8 with 64/4/3 (session 21, the float8 -> bfloat16 widening)."""
     if dtype == torch.float32 or head_pad >= 256:
         return 32, 4, 2
+    if kv_fp8:
+        return 128, 4, 2
     return 64, 4, 3
 
 
@@ -247,7 +253,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                              f"got {splits}")
         if decode_tiles is not None:
             check_decode_tiles(decode_tiles)
-        block_n, num_warps, num_stages = decode_tiles or _decode_config(head_pad, q.dtype)
+        block_n, num_warps, num_stages = decode_tiles or _decode_config(
+            head_pad, q.dtype, kv_cache.dtype == torch.float8_e4m3fn)
         fused_merge = split_counters is not None and splits > 1
         if fused_merge:
             check_tensor("split_counters", split_counters, ndim=1, dtypes=(torch.int32,),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lmkit_kernels.paged_prefill import attention_dot, online_softmax_update
+from lmkit_kernels.paged_prefill import attention_dot, fp16_query, online_softmax_update
 from lmkit_kernels.pdl import pdl_wait, prefetch_l2
 
 
@@ -96,6 +96,8 @@ def paged_decode_kernel(
                     + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
+        elif KV_FP8 and q.dtype != tl.float32:  # half precision: dots in float16, which
+            q = fp16_query(q)  # e4m3 widens to in one instruction
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)

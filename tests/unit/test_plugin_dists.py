@@ -132,9 +132,9 @@ def test_api_version_mismatch_names_plugin_and_both_versions(dists_on_path: Path
     host = PluginHost.load(env=NO_ENV)
     error = host.plugins["oldapi-test"].error or ""
     assert error.startswith("plugin oldapi-test (lmkit-testplugin-oldapi 0.9.0) supports lmkit "
-                            "plugin API <1.0, but this lmkit (0.1.0) provides plugin API 1.1.")
+                            "plugin API <1.0, but this lmkit (0.1.0) provides plugin API 1.2.")
     assert "old-test" not in host.registry.names("scheduler")
-    with pytest.raises(PluginAPIVersionError, match=r"oldapi-test .*<1\.0, .*provides plugin API 1\.1"):
+    with pytest.raises(PluginAPIVersionError, match=r"oldapi-test .*<1\.0, .*provides plugin API 1\.2"):
         PluginHost.load(plugins=["oldapi-test"], env=NO_ENV)
 
 

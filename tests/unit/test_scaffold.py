@@ -65,7 +65,7 @@ def test_layout_and_entry_point(generated: Path) -> None:
                      "new_attention/plugin.py", "pyproject.toml", "tests/test_new_attention.py"]
     pyproject = (root / "pyproject.toml").read_text()
     assert '[project.entry-points.lmkit]\nnew-attention = "new_attention.plugin"' in pyproject
-    assert 'LMKIT_PLUGIN_API = ">=1.1,<2"' in (root / "new_attention/plugin.py").read_text()
+    assert 'LMKIT_PLUGIN_API = ">=1.2,<2"' in (root / "new_attention/plugin.py").read_text()
 
 
 def test_every_kind_installs_and_passes_its_tests(generated: Path, installed: Path) -> None:

@@ -54,8 +54,11 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, V_PRESCALE: tl.constexpr = False,
 ):
+    # K_ROWS: keys loaded token-major ([BLOCK_N, HEAD_PAD]) and transposed in registers;
+    # V_PRESCALE: FP8 values widened and times v_scale where loaded (both for FP8 caches,
+    # see paged_attention._fp8_decode_layout)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,10 +111,16 @@ def paged_decode_kernel(
             n_ok = offs_n < kv_end
             block = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
             slot = offs_n % PAGE_SIZE
-            k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block
-                        + slot[None, :] * stride_kc_slot + kv_head * stride_kc_head
-                        + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
+            if K_ROWS:
+                k = tl.trans(tl.load(k_cache_ptr + block[:, None] * stride_kc_block
+                                     + slot[:, None] * stride_kc_slot + kv_head * stride_kc_head
+                                     + offs_d[None, :],
+                                     mask=n_ok[:, None] & d_ok[None, :], other=0.0))
+            else:
+                k = tl.load(k_cache_ptr + block[None, :] * stride_kc_block
+                            + slot[None, :] * stride_kc_slot + kv_head * stride_kc_head
+                            + offs_d[:, None],
+                            mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_PAD, BLOCK_N]
             v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block
                         + slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
                         + offs_d[None, :],
@@ -121,13 +130,16 @@ def paged_decode_kernel(
                 v = v.to(tl.float32)
             elif KV_FP8:  # float8 K/V: k_scale is in scale_log2, v_scale on the output
                 k = k.to(q.dtype)
-                v = v.to(q.dtype)
+                if V_PRESCALE:
+                    v = (v.to(q.dtype) * v_scale).to(q.dtype)
+                else:
+                    v = v.to(q.dtype)
             s = attention_dot(q, k, DOT_IEEE) * scale_log2  # [ROWS, BLOCK_N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, DOT_IEEE)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        if KV_FP8:
+        if KV_FP8 and not V_PRESCALE:
             out = out * v_scale
         mask = g_ok[:, None] & d_ok[None, :]
         out_ptrs = out_ptr + q_row * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]

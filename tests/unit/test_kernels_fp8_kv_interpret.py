@@ -1,9 +1,9 @@
 """An FP8 (e4m3) KV cache in lmkit_kernels' Triton kernels, in Triton's CPU interpreter:
 the cache write quantizes (scaled, saturated, rounded to nearest even, bit for bit as
-torch does), decode and prefill read the stored values times their scales (against the
-float32 reference over the dequantized cache), and the ``triton`` backend built with
-``kv_cache_dtype=torch.float8_e4m3fn`` matches the torch reference backend built the
-same way. The compiled kernels are covered by tests/gpu/test_fp8_kv_cache_gpu.py.
+torch does) and decode and prefill read the stored values times their scales (against
+the float32 reference over the dequantized cache). The ``triton`` backend over an FP8
+cache against the torch reference: ``test_kernels_interpret.py``; the compiled kernels:
+tests/gpu/test_fp8_kv_cache_gpu.py.
 """
 
 from __future__ import annotations
@@ -15,13 +15,10 @@ require_triton_interpreter("CUDA is available: compiled kernels are tested in te
                            "TRITON_INTERPRET=1 to run the interpreter tests here)")
 torch = pytest.importorskip("torch")
 
-from lmkit.api import AttentionMetadata  # noqa: E402
 from lmkit_kernels.cache_write import FP8_MAX, reshape_and_cache  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.reference import paged_attention_ref  # noqa: E402
-from lmkit_plugins.attention.torch_ref import TorchAttention  # noqa: E402
-from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -38,6 +35,21 @@ def _fp8_cache(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.
 def _dequantized(cache8: torch.Tensor, k_scale: float, v_scale: float,
                  dtype: torch.dtype) -> torch.Tensor:
     return torch.stack((cache8[0].float() * k_scale, cache8[1].float() * v_scale)).to(dtype)
+
+
+def _check_fp8(batch, dtype, k_scale, v_scale, **kwargs):
+    """The kernels over ``batch``'s cache in FP8 against the float32 reference over the
+    values that cache holds."""
+    cache8 = _fp8_cache(batch.kv_cache, k_scale, v_scale)
+    out = paged_attention(batch.q, cache8, batch.query_start_loc, batch.seq_lens,
+                          batch.block_tables, max_query_len=batch.max_query_len,
+                          k_scale=k_scale, v_scale=v_scale, **kwargs)
+    ref = paged_attention_ref(batch.q, _dequantized(cache8, k_scale, v_scale, dtype),
+                              batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                              batch.q.shape[-1] ** -0.5)
+    n = batch.num_tokens
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,17 +80,8 @@ def test_decode_reads_scaled_fp8(dtype, num_splits):
     k_scale, v_scale = 0.25, 1.7
     batch = make_paged_batch([(5, 1), (63, 1), (150, 1)], num_heads=8, num_kv_heads=2,
                              head_size=64, block_size=16, dtype=dtype, seed=3)
-    cache8 = _fp8_cache(batch.kv_cache, k_scale, v_scale)
-    out = paged_attention(batch.q, cache8, batch.query_start_loc, batch.seq_lens,
-                          batch.block_tables, max_query_len=1, num_splits=num_splits,
-                          split_counters=split_counters(3, 2, "cpu"), k_scale=k_scale,
-                          v_scale=v_scale)
-    ref = paged_attention_ref(batch.q, _dequantized(cache8, k_scale, v_scale, dtype),
-                              batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                              64 ** -0.5)
-    n = batch.num_tokens
-    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype],
-                               rtol=TOL[dtype])
+    _check_fp8(batch, dtype, k_scale, v_scale, num_splits=num_splits,
+               split_counters=split_counters(3, 2, "cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,16 +90,7 @@ def test_prefill_reads_scaled_fp8(dtype):
     # a fresh prompt, one over a cached prefix, a chunk and a decode row mixed in
     batch = make_paged_batch([(0, 9), (33, 20), (100, 3), (40, 1)], num_heads=4,
                              num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, seed=4)
-    cache8 = _fp8_cache(batch.kv_cache, k_scale, v_scale)
-    out = paged_attention(batch.q, cache8, batch.query_start_loc, batch.seq_lens,
-                          batch.block_tables, max_query_len=batch.max_query_len,
-                          k_scale=k_scale, v_scale=v_scale)
-    ref = paged_attention_ref(batch.q, _dequantized(cache8, k_scale, v_scale, dtype),
-                              batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                              64 ** -0.5)
-    n = batch.num_tokens
-    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=TOL[dtype],
-                               rtol=TOL[dtype])
+    _check_fp8(batch, dtype, k_scale, v_scale)
 
 
 def test_fp8_scales_change_the_result():
@@ -110,29 +104,6 @@ def test_fp8_scales_change_the_result():
     torch.testing.assert_close(halved, one * 0.5)
     sharper = paged_attention(*args, max_query_len=1, k_scale=3.0)
     assert not torch.allclose(sharper, one, atol=1e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_fp8_matches_torch_reference(dtype):
-    reqs = [(30, 1), (70, 1), (0, 9), (33, 20), (100, 3)]
-    kwargs = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
-    batch = make_paged_batch(reqs, dtype=dtype, extra_rows=3, table_width=12, seed=5, **kwargs)
-    md = AttentionMetadata(**batch.metadata_kwargs())
-    outputs, caches = [], []
-    for cls in (TorchAttention, TritonAttention):
-        backend = cls(scale=64 ** -0.5, dtype=dtype, device=torch.device("cpu"),
-                      kv_cache_dtype=FP8, **kwargs)
-        assert backend.fp8_kv_cache
-        backend.k_scale, backend.v_scale = 0.5, 2.0
-        cache = _fp8_cache(batch.kv_cache, 0.5, 2.0)
-        backend.plan(md)
-        outputs.append(backend.run(0, batch.q, batch.k, batch.v, cache))
-        caches.append(cache)
-    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
-    n = batch.num_tokens
-    torch.testing.assert_close(outputs[1][:n].float(), outputs[0][:n].float(),
-                               atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.all(outputs[1][n:] == 0)
 
 
 def test_launchers_refuse_mismatched_dtypes():

@@ -232,7 +232,8 @@ def test_reshape_and_cache_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_matches_torch_reference(dtype):
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_triton_backend_matches_torch_reference(dtype, fp8_cache):
     # decodes first, then a fresh prompt, a cached-prefix prompt and a chunk; padded rows
     reqs = [(30, 1), (70, 1), (0, 9), (33, 20), (100, 3)]
     kwargs = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
@@ -240,12 +241,17 @@ def test_triton_backend_matches_torch_reference(dtype):
     md = AttentionMetadata(**batch.metadata_kwargs())
     outputs, caches = [], []
     for cls in (TorchAttention, TritonAttention):
-        backend = cls(scale=64 ** -0.5, dtype=dtype, device=torch.device("cpu"), **kwargs)
+        backend = cls(scale=64 ** -0.5, dtype=dtype, device=torch.device("cpu"),
+                      kv_cache_dtype=torch.float8_e4m3fn if fp8_cache else None, **kwargs)
         assert backend.kv_cache_shape(7) == (2, 7, 16, 2, 64)
         cache = batch.kv_cache.clone()
+        if fp8_cache:  # an FP8 cache, read with scales 0.5 (keys) and 2 (values)
+            backend.k_scale, backend.v_scale = 0.5, 2.0
+            cache = torch.stack((cache[0] * 2, cache[1] / 2)).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
         backend.plan(md)
         outputs.append(backend.run(0, batch.q, batch.k, batch.v, cache))
-        caches.append(cache)
+        caches.append(cache.view(torch.uint8) if fp8_cache else cache)
     assert torch.equal(caches[0], caches[1])
     n = batch.num_tokens
     torch.testing.assert_close(outputs[1][:n].float(), outputs[0][:n].float(),

@@ -166,3 +166,53 @@ def test_a_model_that_does_not_pass_the_kv_cache_dtype_is_refused():
                                              "torch.float32.*kv_cache_dtype=ctx.kv_cache_dtype"):
         kv_cache_groups(Forgetful(), None, 2, FP8)
 
+
+
+# ---------------------------------------------------------------- checkpoint scales
+
+
+def _save_scales(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(directory / "kv_scales.safetensors"))
+
+
+def test_checkpoint_kv_scales_are_read_in_both_layouts(tmp_path):
+    from lmkit.loading.kv_scales import read_kv_scales
+
+    assert read_kv_scales(tmp_path) == {}  # no checkpoint: no scales
+    _save_scales(tmp_path, {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+        "model.layers.0.self_attn.v_scale": torch.tensor([0.25]),
+        # the older layout, one scale per KV head: the largest is used
+        "model.layers.3.self_attn.k_proj.output_scale": torch.tensor([0.1, 0.3]),
+        "model.layers.3.self_attn.v_proj.output_scale": torch.tensor([0.2, 0.05]),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(2, 2)})
+    got = read_kv_scales(tmp_path)
+    assert got.keys() == {0, 3} and got[0] == (0.5, 0.25)
+    assert got[3] == pytest.approx((0.3, 0.2))
+    _save_scales(tmp_path, {"model.layers.1.self_attn.k_scale": torch.tensor(0.5)})
+    with pytest.raises(ModelLoadError, match="layer 1 have a key or a value scale but not"):
+        read_kv_scales(tmp_path)
+    _save_scales(tmp_path, {"model.layers.1.self_attn.k_scale": torch.tensor(-1.0),
+                            "model.layers.1.self_attn.v_scale": torch.tensor(1.0)})
+    with pytest.raises(ModelLoadError, match="k_scale is -1.0; scales must be positive"):
+        read_kv_scales(tmp_path)
+
+
+def test_fp8_cache_uses_the_checkpoints_scales_per_layer(circuit_dir, tmp_path):
+    import shutil
+
+    model = Path(shutil.copytree(circuit_dir, tmp_path / "scaled"))
+    scales = {0: (0.5, 0.25), 1: (2.0, 1.0)}
+    _save_scales(model, {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(s)
+                         for i, pair in scales.items() for kv, s in zip("kv", pair)})
+    want = _greedy(circuit_dir, attention="torch", num_blocks=200)
+    with LLM(str(model), attention="torch", num_blocks=200, max_model_len=256,
+             kv_cache_dtype="fp8") as llm:
+        attn = llm.engine.executor.runner.model.attn
+        assert attn.layer_kv_scales == scales
+        assert attn.kv_scales(1) == (2.0, 1.0) and attn.kv_scales(5) == (1.0, 1.0)
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY)] == want
+    # a bf16/float32 cache loads the same checkpoint and leaves its scales alone
+    assert _greedy(model, attention="torch", num_blocks=200) == want

@@ -226,12 +226,8 @@ FP8_CAPS = Caps({"prefix_caching", "chunked_prefill", "fp8_kv_cache"},
 class IgnoresValueScale(TorchAttention):
     """Stores an FP8 cache but reads values back without their scale."""
 
-    def _attend(self, g, q, kv_cache):
-        scale, self.v_scale = self.v_scale, 1.0
-        try:
-            return super()._attend(g, q, kv_cache)
-        finally:
-            self.v_scale = scale
+    def _attend(self, g, q, kv_cache, scales=(1.0, 1.0)):
+        return super()._attend(g, q, kv_cache, (scales[0], 1.0))
 
 
 class ClaimsFp8Only(TorchAttention):

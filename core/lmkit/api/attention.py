@@ -74,8 +74,9 @@ class AttentionBackend(ABC):
     declaring :attr:`supports_fp8_kv_cache` (their spec claims the ``fp8_kv_cache``
     feature, so selection refuses the others before weights load): they store
     ``clamp(k / k_scale)`` and ``clamp(v / v_scale)`` in e4m3 (saturated at +-448) and
-    attend over the values times the scales (:attr:`k_scale`, :attr:`v_scale`, 1.0 by
-    default, as vLLM without calibrated scales).
+    attend over the values times the scales of the layer they run
+    (:meth:`kv_scales`: a checkpoint's per-layer scales, else :attr:`k_scale` and
+    :attr:`v_scale`, 1.0 by default, as vLLM without calibrated scales).
     Subclasses that add state call ``super().__init__(**kwargs)``, which stores each
     argument as an attribute. The runner calls :meth:`plan` once per step on the host,
     then every attention layer calls :meth:`run`. ``run`` must do no host work and no
@@ -160,6 +161,14 @@ class AttentionBackend(ABC):
         #: the per-tensor scales of an FP8 cache: stored ``k / k_scale``, read ``k8 * k_scale``
         self.k_scale = 1.0
         self.v_scale = 1.0
+        #: per-layer ``(k_scale, v_scale)`` overriding the two above (a checkpoint's
+        #: calibrated scales, set by the runner); read through :meth:`kv_scales`
+        self.layer_kv_scales: dict[int, tuple[float, float]] = {}
+
+    def kv_scales(self, layer: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of model layer ``layer``'s FP8 cache: its entry in
+        :attr:`layer_kv_scales`, else :attr:`k_scale` and :attr:`v_scale`."""
+        return self.layer_kv_scales.get(layer, (self.k_scale, self.v_scale))
 
     @property
     def fp8_kv_cache(self) -> bool:

@@ -145,7 +145,7 @@ class ModelRunner:
         model.load_weights(weight_source(self.config, self.model_dir, hf_config, quant,
                                          self.dtype, self.device))
         self.kv_groups = kv_cache_groups(model, model_cls.kv_cache_specs(hf_config),
-                                         self.num_layers, ctx.kv_cache_dtype)
+                                         self.num_layers, ctx.kv_cache_dtype, self.model_dir)
         if isinstance(model, torch.nn.Module):
             model.eval()
         self.model = model

@@ -214,17 +214,18 @@ class TorchAttention(AttentionBackend):
             return self._attend_bidirectional(self._bidirectional, q[:n], k[:n], v[:n])
         if k.shape[0] != n:  # padded (CUDA graph) inputs: only the first n rows are tokens
             k, v = k[:n], v[:n]
+        scales = self.kv_scales(layer)
         if self.fp8_kv_cache:
-            store_kv(kv_cache, plan.slot_mapping, k, v, self.k_scale, self.v_scale)
+            store_kv(kv_cache, plan.slot_mapping, k, v, *scales)
         else:  # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d]
             kv_cache.view(2, -1, self.num_kv_heads, self.head_size).index_copy_(
                 1, plan.slot_mapping, torch.stack((k, v)))
         if plan.covers_all and q.shape[0] == n:
-            return self._attend(plan.groups[0], q, kv_cache).view(n, self.num_heads,
-                                                                   self.head_size)
+            return self._attend(plan.groups[0], q, kv_cache, scales).view(
+                n, self.num_heads, self.head_size)
         out = q.new_zeros(q.shape[0], self.num_heads, self.head_size)
         for group in plan.groups:
-            o = self._attend(group, q, kv_cache)
+            o = self._attend(group, q, kv_cache, scales)
             if group.valid_rows is not None:
                 o = o.index_select(0, group.valid_rows)
             place_rows(out, group.out_rows, o)
@@ -290,8 +291,10 @@ class TorchAttention(AttentionBackend):
         return (o.view(r, hkv, gq, max_q, d).permute(0, 3, 1, 2, 4)
                 .reshape(r * max_q, self.num_heads, d))
 
-    def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """One group's attention; returns ``[R * max_q, num_heads, head_size]``."""
+    def _attend(self, g: _Group, q: torch.Tensor, kv_cache: torch.Tensor,
+                scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """One group's attention; returns ``[R * max_q, num_heads, head_size]``
+        (``scales``: an FP8 cache's ``(k_scale, v_scale)``)."""
         num_blocks = kv_cache.shape[1]
         r, max_q, hkv, gq, d = (g.num_reqs, g.max_query_len, self.num_kv_heads,
                                 self.heads_per_kv, self.head_size)
@@ -299,7 +302,7 @@ class TorchAttention(AttentionBackend):
         # head h starts at i * per_req + j * hkv * d + h * d (values after all keys)
         kv = kv_cache.view(2, num_blocks, -1).index_select(1, g.block_ids)
         if self.fp8_kv_cache:
-            kv = dequantize_kv(kv, q.dtype, self.k_scale, self.v_scale)
+            kv = dequantize_kv(kv, q.dtype, *scales)
         per_req = g.num_kv_blocks * self.block_size * hkv * d
         size, stride = (r, hkv, g.kv_len, d), (per_req, d, hkv * d, 1)
         key = kv.as_strided(size, stride)  # [R, hkv, kv_len, d]

@@ -48,8 +48,10 @@ from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEm
 
 logger = logging.getLogger(__name__)
 
-# checkpoint tensors that carry no weights of ours (older exports save RoPE buffers)
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# checkpoint tensors that carry no weights of ours (older exports save RoPE buffers; the
+# runner reads KV-cache scales itself, lmkit.loading.kv_scales)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale",
+                     "k_proj.output_scale", "v_proj.output_scale")
 
 
 class LlamaModel(nn.Module):

@@ -19,8 +19,9 @@ Per-tensor scales become per-channel ones exactly (the value repeated). Block-wi
 scales cannot be expressed per channel: such weights are dequantized (float32) and
 quantized again per channel, which rounds each value a second time (see
 docs/quantization.md for the error this adds). Static activation scales
-(``input_scale``) are ignored: activations are always quantized per token; so are
-KV-cache scales (``k_scale``, ``v_scale``): the cache stays in the model dtype.
+(``input_scale``) are ignored: activations are always quantized per token. KV-cache
+scales (``k_scale``, ``v_scale``) are not weights: the runner reads them for an FP8 KV
+cache (:mod:`lmkit.loading.kv_scales`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ QTYPE = "F8_E4M3"  # QuantizedTensor.qtype: e4m3 weights with float32 per-channe
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # dense tensors and scales
 #: the dense projections quantized at load: every Linear of the Llama-family blocks
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
-# static activation scales (per-token ones are used) and KV-cache scales (the cache
-# stays in the model dtype)
+# static activation scales (per-token ones are used) and KV-cache scales (read by the
+# runner for an FP8 cache, lmkit.loading.kv_scales)
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 

@@ -206,7 +206,7 @@ def test_fp8_cache_uses_the_checkpoints_scales_per_layer(circuit_dir, tmp_path):
     model = Path(shutil.copytree(circuit_dir, tmp_path / "scaled"))
     scales = {0: (0.5, 0.25), 1: (2.0, 1.0)}
     _save_scales(model, {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(s)
-                         for i, pair in scales.items() for kv, s in zip("kv", pair)})
+                         for i, pair in scales.items() for kv, s in zip("kv", pair, strict=True)})
     want = _greedy(circuit_dir, attention="torch", num_blocks=200)
     with LLM(str(model), attention="torch", num_blocks=200, max_model_len=256,
              kv_cache_dtype="fp8") as llm:

@@ -10,7 +10,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 def is_fp8_kv_dtype(dtype: Any) -> bool:
     """Whether ``dtype`` is the float8 e4m3 dtype an FP8 KV cache is stored in
     (``torch.float8_e4m3fn``; compared by name, so the contract imports no torch)."""

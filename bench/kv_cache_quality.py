@@ -8,6 +8,7 @@ caches, and the relative change. Defaults: the default model (SmolLM2-135M-Instr
 with its weights dequantized (``--quantization none``), on the CPU in float32::
 
     python bench/kv_cache_quality.py --out kv_quality.json
+    python bench/kv_cache_quality.py --kv-cache-scales none --out kv_quality_unit.json
     python bench/kv_cache_quality.py --device cuda --dtype bfloat16 --attention triton \\
         --text bench/data/held_text_long.txt --out kv_quality_gpu.json
 """
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--kv-cache-scales", default="auto", choices=("auto", "calibrate", "none"),
+                    help="the FP8 run's cache.kv_cache_scales (auto: the checkpoint's, else "
+                    "measured at load; none: 1.0)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--text", type=Path, default=None,
@@ -48,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = (PROMPT_STEMS * (args.prompts // len(PROMPT_STEMS) + 1))[:args.prompts]
     engine = dict(device=args.device, dtype=args.dtype, attention=args.attention,
                   **({"model": args.model} if args.model else {}))
-    runs = {kv: run(args.quantization, prompts, args.tokens, held, kv_cache_dtype=kv, **engine)
+    scales = {"cache.kv_cache_scales": args.kv_cache_scales}
+    runs = {kv: run(args.quantization, prompts, args.tokens, held, kv_cache_dtype=kv,
+                    **engine, **(scales if kv == "fp8" else {}))
             for kv in ("auto", "fp8")}
     base, fp8 = runs["auto"], runs["fp8"]
     report = {"model": args.model or "default", "quantization": args.quantization,
               "device": args.device, "dtype": args.dtype, "attention": args.attention,
+              "kv_cache_scales": args.kv_cache_scales,
               "prompts": args.prompts, "tokens": args.tokens,
               "text": str(args.text) if args.text else "built-in",
               "greedy": agreement(fp8["tokens"], base["tokens"]),

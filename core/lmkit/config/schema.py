@@ -83,6 +83,11 @@ class CacheConfig(Section):
         "(= 'fp8_e4m3') float8 e4m3 with per-tensor scales 1.0, half the bytes of bf16 "
         "(attention backends claiming fp8_kv_cache: triton, torch, cpu)."
     )
+    kv_cache_scales: Literal["auto", "calibrate", "none"] = Field(
+        "auto", description="An FP8 cache's per-layer scales: 'auto' the checkpoint's "
+        "calibrated k_scale/v_scale when it has them, else 1.0 (as vLLM); 'calibrate' "
+        "measured at load (one prefill of random tokens: no layer saturates); 'none' 1.0."
+    )
 
     @field_validator("block_size")
     @classmethod

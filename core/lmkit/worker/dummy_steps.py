@@ -77,18 +77,20 @@ def warm_up_step_shapes(runner: DummyStepModel) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def dummy_step(runner: DummyStepModel, q_lens: np.ndarray, contexts: np.ndarray) -> None:
+def dummy_step(runner: DummyStepModel, q_lens: np.ndarray, contexts: np.ndarray,
+               token_ids: list[int] | None = None) -> None:
     """One forward pass (and LM head) over made-up tokens on a scratch KV cache:
     request ``i`` runs ``q_lens[i]`` tokens after ``contexts[i]`` cached ones; the
-    leading one-token requests are the step's decodes."""
+    leading one-token requests are the step's decodes. The tokens are 0s, or
+    ``token_ids`` (one request's, as many as it runs)."""
     num_reqs, lens = len(q_lens), q_lens + contexts
     blocks_per_req = -(-int(lens.max()) // runner.block_size)
     caches = memory.allocate_kv_caches(runner.kv_groups, num_reqs * blocks_per_req,
                                        runner.device)
     batch = InputBatch(num_reqs, int(lens.max()), runner.block_size, int(q_lens.sum()))
     for i, (n, c) in enumerate(zip(lens, contexts, strict=True)):
-        state = CachedRequestState(f"dummy-{i}", [0] * int(n), [], SamplingParams(), None,
-                                   None, int(c))
+        ids = token_ids if token_ids is not None else [0] * int(n)
+        state = CachedRequestState(f"dummy-{i}", ids, [], SamplingParams(), None, None, int(c))
         batch.add_request(state, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)))
     not_decode = np.flatnonzero(q_lens != 1)
     num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs

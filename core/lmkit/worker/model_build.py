@@ -7,7 +7,6 @@ built, its KV cache groups, checked."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.registry import Registration
     from lmkit.plugin_host.resolve import ResolvedStack
-
-logger = logging.getLogger(__name__)
 
 
 def quantization_method(stack: ResolvedStack, facts: ModelFacts) -> QuantizationMethod | None:
@@ -124,17 +121,13 @@ def kv_cache_torch_dtype(config: LMKitConfig) -> torch.dtype | None:
 
 
 def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_layers: int,
-                    kv_cache_dtype: torch.dtype | None = None,
-                    model_dir: Path | None = None) -> tuple[KVCacheGroup, ...]:
+                    kv_cache_dtype: torch.dtype | None = None) -> tuple[KVCacheGroup, ...]:
     """The built model's KV cache groups, checked: they cover every layer once, each
     backend serves its group's spec, (for a model that declares
     :meth:`~lmkit.api.Model.kv_cache_specs`) each layer has the spec it declared, and
-    each backend stores ``kv_cache_dtype`` when one is asked for. With an FP8 cache, the
-    KV-cache scales ``model_dir``'s checkpoint holds (:func:`lmkit.loading.kv_scales.
-    read_kv_scales`) are set on the backends, per layer.
+    each backend stores ``kv_cache_dtype`` when one is asked for.
 
-    :raises ModelLoadError: naming the model class and what is inconsistent; a scale
-        the checkpoint holds that is not usable.
+    :raises ModelLoadError: naming the model class and what is inconsistent.
     """
     groups = model.kv_cache_groups(num_layers)
     name = type(model).__name__
@@ -158,25 +151,7 @@ def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_lay
                     f"{spec.describe()}, but its kv_cache_groups() put it in a "
                     f"{built[layer].describe()} group; build the groups from the declared "
                     "specs (lmkit.api.build_kv_cache_groups)")
-    if kv_cache_dtype is not None and model_dir is not None:
-        set_checkpoint_kv_scales(groups, model_dir)
     return groups
-
-
-def set_checkpoint_kv_scales(groups: tuple[KVCacheGroup, ...], model_dir: Path) -> None:
-    """Give each group's backend the per-layer KV-cache scales the checkpoint in
-    ``model_dir`` holds (none: the scales stay 1.0)."""
-    from lmkit.loading.kv_scales import read_kv_scales
-
-    scales = read_kv_scales(model_dir)
-    if not scales:
-        return
-    for group in groups:
-        group.attn.layer_kv_scales.update(
-            {layer: scales[layer] for layer in group.layers if layer in scales})
-    ks, vs = [k for k, _ in scales.values()], [v for _, v in scales.values()]
-    logger.info("FP8 KV cache: the checkpoint's scales for %d layers (keys %.3g-%.3g, "
-                "values %.3g-%.3g)", len(scales), min(ks), max(ks), min(vs), max(vs))
 
 
 def build_draft_proposer(config: LMKitConfig, stack: ResolvedStack, model_cls: type,

@@ -37,6 +37,7 @@ from lmkit.worker.draft_runner import DraftRunner
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
+from lmkit.worker.kv_scales import set_kv_cache_scales
 from lmkit.worker.model_build import (
     build_draft_proposer,
     check_load_format,
@@ -103,14 +104,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per layer, shaped by its group's backend
         self.kv_groups: tuple[KVCacheGroup, ...] = ()  # the model's KV cache groups
         self.requests: dict[str, CachedRequestState] = {}
-        # samples every step, verifying draft tokens; random draws by the chosen kernels
-        self.sampler = Sampler(build_sampling_kernels(stack, self.device))
+        self.sampler = Sampler(build_sampling_kernels(stack, self.device))  # (and verifies drafts)
         self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
-        # pooling requests' pooler states (the model is given to it by load_model)
-        self.pooling = PoolingRequests(host, facts.pooling)
+        self.pooling = PoolingRequests(host, facts.pooling)  # pooler states (model: load_model)
         self.offload: OffloadWorker | None = None  # the KV offload tier, when one is on
-        # structured output: the backend's bitmask kernel (torch on CPU)
-        self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))
+        self.apply_token_bitmask = bitmask_kernel(stack.get("structured_output"))  # (torch: CPU)
         self.cuda_graphs: CudaGraphRunner | None = None  # decode graphs (CUDA, after the KV cache)
         self.piecewise: PiecewiseGraphRunner | None = None  # mixed steps' graphs (CUDA)
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
@@ -145,7 +143,7 @@ class ModelRunner:
         model.load_weights(weight_source(self.config, self.model_dir, hf_config, quant,
                                          self.dtype, self.device))
         self.kv_groups = kv_cache_groups(model, model_cls.kv_cache_specs(hf_config),
-                                         self.num_layers, ctx.kv_cache_dtype, self.model_dir)
+                                         self.num_layers, ctx.kv_cache_dtype)
         if isinstance(model, torch.nn.Module):
             model.eval()
         self.model = model
@@ -159,6 +157,8 @@ class ModelRunner:
                                       sched.max_num_batched_tokens,
                                       pin_memory=self.device.type == "cuda")
         self._device_inputs = DeviceInputs(self.device) if self.device.type != "cpu" else None
+        set_kv_cache_scales(self.config.cache.kv_cache_scales, self.kv_groups, self.model_dir,
+                            self.dummy_step_model, self.vocab_size)  # an FP8 cache's scales
         if head is not None:
             spec = self.config.speculative
             self.drafter = DraftRunner.load(

@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     args = parser.parse_args(argv)
     contexts = context_lengths(args)
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    if not kv_dtypes or set(kv_dtypes) - {"auto", "fp8"}:
+        parser.error(f"--kv-cache-dtypes takes auto and/or fp8, got {args.kv_cache_dtypes!r}")
     if not torch.cuda.is_available():
         print("attention_decode needs a CUDA device", file=sys.stderr)
         return 2
@@ -211,9 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("triton", {"decode_num_splits": s}, args.block_size) for s in (1, 2, 4, 8, 16)]
     runs += [("triton", {"decode_tiles": tiles}, args.block_size)
              for tiles in parse_tiles(args.sweep_decode_tiles)]
-    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
-    if set(kv_dtypes) - {"auto", "fp8"}:
-        parser.error(f"--kv-cache-dtypes takes auto and/or fp8, got {args.kv_cache_dtypes!r}")
     results = []
     for (name, options, block_size), kv_dtype in itertools.product(runs, kv_dtypes):
         if block_size not in batches:

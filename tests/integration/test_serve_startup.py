@@ -1,6 +1,7 @@
 """``lmkit serve`` startup on a tiny random-weight Llama: the port opens only once the
-engine is warm, the banner says what the KV pool took, and the API key stays in the
-API process (not in the engine's command line, environment or handshake file)."""
+engine is warm, the banner says what the KV pool took (and that it is FP8 when asked),
+and the API key stays in the API process (not in the engine's command line, environment
+or handshake file)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,15 @@ def test_cli_reads_the_key_from_a_file(tiny_dir, tmp_path):
         resp = httpx.post(f"{cli.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"})
         assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.slow
+def test_cli_serves_over_an_fp8_kv_cache_and_says_so(tiny_dir):
+    with CliServer([str(tiny_dir), "--port", "0", "--served-model-name", "tiny",
+                    "--kv-cache-dtype", "fp8", "--max-num-seqs", "4",
+                    "--set", "model.max_model_len=512"]) as cli:
+        # the same 129 blocks as above, at a quarter of the float32 bytes
+        assert "GiB, float8 e4m3, 129 blocks of 16 tokens" in cli.output
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        resp = httpx.post(f"{cli.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2

@@ -8,7 +8,8 @@ Cache layout (shared by every lmkit attention backend, so they are interchangeab
 Token ``t`` goes to slot ``slot_mapping[t] = block_id * block_size + offset``, i.e.
 ``kv_cache[:, block_id, offset]``. A negative slot marks a padding token (a CUDA-graph
 batch padded to a captured size) and is skipped. An FP8 cache (``torch.float8_e4m3fn``)
-stores ``key / k_scale`` and ``value / v_scale``, saturated to +-:data:`FP8_MAX`.
+stores ``key / k_scale`` and ``value / v_scale``, saturated to
++-:data:`lmkit_kernels.fp8.E4M3_MAX` (448).
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 
-__all__ = ["FP8_MAX", "reshape_and_cache"]
-
-#: the largest finite float8 e4m3 value; an FP8 cache saturates larger magnitudes to it
-FP8_MAX = 448.0
+__all__ = ["reshape_and_cache"]
 
 
 @triton.jit

@@ -19,7 +19,8 @@ from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.errors import NoBackendError  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
-from lmkit_kernels.cache_write import FP8_MAX, reshape_and_cache  # noqa: E402
+from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
+from lmkit_kernels.fp8 import E4M3_MAX as FP8_MAX  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.reference import paged_attention_ref  # noqa: E402

@@ -15,7 +15,8 @@ require_triton_interpreter("CUDA is available: compiled kernels are tested in te
                            "TRITON_INTERPRET=1 to run the interpreter tests here)")
 torch = pytest.importorskip("torch")
 
-from lmkit_kernels.cache_write import FP8_MAX, reshape_and_cache  # noqa: E402
+from lmkit_kernels.cache_write import reshape_and_cache  # noqa: E402
+from lmkit_kernels.fp8 import E4M3_MAX as FP8_MAX  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
 from lmkit_kernels.random_batch import make_paged_batch  # noqa: E402
 from lmkit_kernels.reference import paged_attention_ref  # noqa: E402

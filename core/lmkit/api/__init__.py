@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lmkit.api.attention import AttentionBackend, AttentionMetadata
+from lmkit.api.attention import FP8_KV_MAX, KV_SCALE_SUFFIXES, AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo
 from lmkit.api.kv_cache_spec import (
@@ -133,7 +133,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "AddedRequest", "AttentionBackend", "MLAAttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "PLUGIN_API_VERSION", "FP8_KV_MAX", "KV_SCALE_SUFFIXES", "AddedRequest", "AttentionBackend", "MLAAttentionBackend", "AttentionMetadata", "BatchUpdate",
     "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
     "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
     "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",

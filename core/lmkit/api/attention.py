@@ -10,6 +10,18 @@ if TYPE_CHECKING:
     import torch
 
 
+#: the largest finite float8 e4m3 value: an FP8 KV cache saturates larger magnitudes
+#: (of ``k / k_scale``) to it
+FP8_KV_MAX = 448.0
+
+#: the names (suffixes, key then value, in pairs) under which checkpoints calibrated for
+#: an FP8 KV cache store a layer's key and value scales (llm-compressor / ModelOpt, and
+#: older exports); not weights: the runner reads them (``cache.kv_cache_scales``) and
+#: model loaders skip them
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_proj.output_scale",
+                     "self_attn.v_proj.output_scale")
+
+
 def is_fp8_kv_dtype(dtype: Any) -> bool:
     """Whether ``dtype`` is the float8 e4m3 dtype an FP8 KV cache is stored in
     (``torch.float8_e4m3fn``; compared by name, so the contract imports no torch)."""

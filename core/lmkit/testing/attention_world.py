@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lmkit.api.attention import AttentionBackend, AttentionMetadata
+from lmkit.api.attention import FP8_KV_MAX, AttentionBackend, AttentionMetadata
 from lmkit.testing.failure import NotApplicable
 
 # (atol, rtol) against the float64 oracle, per dtype of the backend's inputs
@@ -77,7 +77,7 @@ class AttentionCase:
         if self.kv_cache_dtype is None:
             return x
         scale = self.kv_scales[which]
-        q = (x.to(self.dtype).float() * (1.0 / scale)).clamp(-448.0, 448.0)
+        q = (x.to(self.dtype).float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX)
         return q.to(self.kv_cache_dtype).to(torch.float64) * scale
 
     def build(self, cls: type, options: Any) -> AttentionBackend:

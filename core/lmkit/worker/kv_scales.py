@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmkit.api.attention import FP8_KV_MAX
 from lmkit.api.kv_cache_spec import KVCacheGroup
 from lmkit.worker.dummy_steps import DummyStepModel, dummy_step
 
@@ -36,7 +37,6 @@ logger = logging.getLogger(__name__)
 
 #: the calibration prefill's length (capped by the step budget and max_model_len)
 CALIBRATION_TOKENS = 512
-FP8_MAX = 448.0
 
 
 def set_kv_cache_scales(mode: str, groups: tuple[KVCacheGroup, ...], model_dir: Path,
@@ -92,5 +92,5 @@ def measure_kv_scales(runner: DummyStepModel, vocab_size: int, seed: int = 0
     scales = {}
     for layer, values in sorted(amax.items()):
         k, v = torch.stack(values).amax(dim=0).tolist()
-        scales[layer] = (k / FP8_MAX if k > 0 else 1.0, v / FP8_MAX if v > 0 else 1.0)
+        scales[layer] = (k / FP8_KV_MAX if k > 0 else 1.0, v / FP8_KV_MAX if v > 0 else 1.0)
     return scales

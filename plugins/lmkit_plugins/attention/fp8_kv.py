@@ -9,16 +9,14 @@ the cache's byte view.
 from __future__ import annotations
 
 import torch
-
-#: the largest finite float8 e4m3 value; larger magnitudes are saturated to it
-FP8_MAX = 448.0
+from lmkit.api import FP8_KV_MAX
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``x * (1 / scale)`` in float32 (as the Triton cache write computes it), saturated
-    to +-:data:`FP8_MAX`, as ``torch.float8_e4m3fn``."""
+    to +-:data:`lmkit.api.FP8_KV_MAX`, as ``torch.float8_e4m3fn``."""
     y = x.float() if scale == 1.0 else x.float() * (1.0 / scale)
-    return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return y.clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn)
 
 
 def store_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

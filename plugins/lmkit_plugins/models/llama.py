@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 from lmkit.api import (
+    KV_SCALE_SUFFIXES,
     AttentionBackend,
     CausalLM,
     ForwardContext,
@@ -49,9 +50,8 @@ from lmkit_plugins.models.tensor_parallel import TensorParallel, VocabParallelEm
 logger = logging.getLogger(__name__)
 
 # checkpoint tensors that carry no weights of ours (older exports save RoPE buffers; the
-# runner reads KV-cache scales itself, lmkit.loading.kv_scales)
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale",
-                     "k_proj.output_scale", "v_proj.output_scale")
+# runner reads KV-cache scales itself)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES)
 
 
 class LlamaModel(nn.Module):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lmkit.api import ModelLoadError, QuantizedTensor
+from lmkit.api import KV_SCALE_SUFFIXES, ModelLoadError, QuantizedTensor
 
 QTYPE = "F8_E4M3"  # QuantizedTensor.qtype: e4m3 weights with float32 per-channel scales
 FLOAT_DTYPES = ("F32", "BF16", "F16")  # dense tensors and scales
@@ -43,7 +43,7 @@ FLOAT_DTYPES = ("F32", "BF16", "F16")  # dense tensors and scales
 PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 # static activation scales (per-token ones are used) and KV-cache scales (read by the
 # runner for an FP8 cache, lmkit.loading.kv_scales)
-IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", *KV_SCALE_SUFFIXES)
 
 
 @dataclass(frozen=True)

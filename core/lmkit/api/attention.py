@@ -163,8 +163,9 @@ class AttentionBackend(ABC):
                 "the logits_soft_cap feature, e.g. 'torch'")
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
-        if self.kv_cache_dtype != dtype and not (
-                is_fp8_kv_dtype(self.kv_cache_dtype) and self.supports_fp8_kv_cache):
+        #: whether the cache holds float8 e4m3 K/V (read every layer and step: set once)
+        self.fp8_kv_cache = is_fp8_kv_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != dtype and not (self.fp8_kv_cache and self.supports_fp8_kv_cache):
             raise ValueError(
                 f"{type(self).__name__} cannot store its KV cache in {self.kv_cache_dtype} "
                 f"(the model runs in {dtype}); use a backend whose spec claims the "
@@ -180,12 +181,6 @@ class AttentionBackend(ABC):
         """``(k_scale, v_scale)`` of model layer ``layer``'s FP8 cache: its entry in
         :attr:`layer_kv_scales`, else :attr:`k_scale` and :attr:`v_scale`."""
         return self.layer_kv_scales.get(layer, (self.k_scale, self.v_scale))
-
-    @property
-    def fp8_kv_cache(self) -> bool:
-        """Whether this backend's cache holds float8 e4m3 K/V (scaled by :attr:`k_scale`,
-        :attr:`v_scale`)."""
-        return is_fp8_kv_dtype(self.kv_cache_dtype)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

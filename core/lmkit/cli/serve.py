@@ -63,7 +63,7 @@ def _print_ready(llm: Any, url: str, api_key: bool) -> None:
         block_size = llm.config.cache.block_size
         each = f" per engine, {llm.num_engines} engines (data parallel)" \
             if llm.num_engines > 1 else ""
-        fp8 = ", float8 e4m3" if llm.config.cache.kv_cache_dtype != "auto" else ""
+        fp8 = ", float8 e4m3" if llm.config.cache.fp8_kv_cache else ""
         print_text(f"KV cache: {kv_bytes / 2**30:.2f} GiB{fp8}, {int(num_blocks)} blocks of "
                    f"{block_size} tokens ({int(num_blocks) * block_size} tokens){each}")
     print_text(f"OpenAI-compatible API at {url}/v1"

@@ -89,6 +89,12 @@ class CacheConfig(Section):
         "measured at load (one prefill of random tokens: no layer saturates); 'none' 1.0."
     )
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Whether the KV cache stores float8 e4m3 (``kv_cache_dtype`` ``fp8`` or
+        ``fp8_e4m3``)."""
+        return self.kv_cache_dtype != "auto"
+
     @field_validator("block_size")
     @classmethod
     def _pow2(cls, v: int) -> int:

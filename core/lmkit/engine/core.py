@@ -162,7 +162,7 @@ class EngineCore:
                 f"max_model_len={cfg.model.max_model_len} needs ({need} blocks). Give it more "
                 "memory (cache.kv_cache_memory_gb / cache.gpu_memory_utilization / "
                 "cache.num_blocks) or lower model.max_model_len.")
-        fp8 = ", float8 e4m3" if cfg.cache.kv_cache_dtype != "auto" else ""
+        fp8 = ", float8 e4m3" if cfg.cache.fp8_kv_cache else ""
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB%s)", num_blocks, block_size,
                     num_blocks * info.kv_bytes_per_block / 2**30, fp8)
         return int(num_blocks)

@@ -137,11 +137,11 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     device, dtype = resolve_device(config, encoder)
     check_parallel_settings(config, device)
     tensor_parallel = config.parallel.tensor_parallel_size > 1
-    fp8_kv = config.cache.kv_cache_dtype != "auto"  # the backend quantizes K/V it stores
     base = {
         "executor": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                           values={"device": device}),
-        "attention": Needs(features=frozenset({"fp8_kv_cache"} if fp8_kv else ()),
+        "attention": Needs(features=frozenset({"fp8_kv_cache"} if config.cache.fp8_kv_cache
+                                              else ()),
                            values={"device": device, "dtype": dtype}
                            ).merge(model_needs or Needs()),
         "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),

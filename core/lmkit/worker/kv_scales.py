@@ -52,13 +52,14 @@ def set_kv_cache_scales(mode: str, groups: tuple[KVCacheGroup, ...], model_dir: 
         from lmkit.loading.kv_scales import read_kv_scales
 
         scales, source = read_kv_scales(model_dir), "the checkpoint's"
+    if not scales:
+        return
     for group in groups:
         group.attn.layer_kv_scales.update(
             {layer: scales[layer] for layer in group.layers if layer in scales})
-    ks, vs = [k for k, _ in scales.values()], [v for _, v in scales.values()]
-    if scales:
-        logger.info("FP8 KV cache: %s scales for %d layers (keys %.3g-%.3g, values "
-                    "%.3g-%.3g)", source, len(scales), min(ks), max(ks), min(vs), max(vs))
+    ks, vs = zip(*scales.values(), strict=True)
+    logger.info("FP8 KV cache: %s scales for %d layers (keys %.3g-%.3g, values %.3g-%.3g)",
+                source, len(scales), min(ks), max(ks), min(vs), max(vs))
 
 
 def measure_kv_scales(runner: DummyStepModel, vocab_size: int, seed: int = 0

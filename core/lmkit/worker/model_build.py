@@ -117,7 +117,7 @@ def check_tensor_parallel(model_cls: type[Model], registration: Registration, ar
 def kv_cache_torch_dtype(config: LMKitConfig) -> torch.dtype | None:
     """The dtype ``cache.kv_cache_dtype`` asks the KV cache to store: ``None`` for
     ``auto`` (the model's dtype), ``torch.float8_e4m3fn`` for ``fp8`` / ``fp8_e4m3``."""
-    return None if config.cache.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    return torch.float8_e4m3fn if config.cache.fp8_kv_cache else None
 
 
 def kv_cache_groups(model: Model, specs: tuple[KVCacheSpec, ...] | None, num_layers: int,

@@ -214,7 +214,7 @@ class TorchAttention(AttentionBackend):
             return self._attend_bidirectional(self._bidirectional, q[:n], k[:n], v[:n])
         if k.shape[0] != n:  # padded (CUDA graph) inputs: only the first n rows are tokens
             k, v = k[:n], v[:n]
-        scales = self.kv_scales(layer)
+        scales = self.kv_scales(layer) if self.fp8_kv_cache else (1.0, 1.0)
         if self.fp8_kv_cache:
             store_kv(kv_cache, plan.slot_mapping, k, v, *scales)
         else:  # one write for keys and values: [2, num_slots, hkv, d] <- [2, n, hkv, d]

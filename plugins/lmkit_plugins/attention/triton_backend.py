@@ -143,7 +143,7 @@ class TritonAttention(AttentionBackend):
         plan = self._plan
         if plan is None:
             raise RuntimeError("TritonAttention.run() called before plan() for this step")
-        ks, vs = self.kv_scales(layer)
+        ks, vs = self.kv_scales(layer) if self.fp8_kv_cache else (1.0, 1.0)
         if not kv_written:
             reshape_and_cache(k, v, kv_cache, plan.slot_mapping, ks, vs)
         out = torch.empty_like(q)

@@ -127,6 +127,41 @@ class _StepRecorder:
         return outputs
 
 
+def lmkit_dp_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
+                  ) -> dict[str, Any]:
+    """lmkit through :class:`lmkit.LLM` with ``data_parallel_size`` > 1: one engine process
+    per replica (each on its own device), requests routed between them. Each workload is
+    timed whole after a short warm-up on shifted token ids; the steps run in the engine
+    processes, so there is no per-step breakdown."""
+    from lmkit import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, progress=False, **options)
+    info: dict[str, Any] = {"startup_s": time.perf_counter() - t0,
+                            "data_parallel_size": options["data_parallel_size"],
+                            "results": []}
+
+    def run(wl: Workload) -> tuple[float, int]:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in wl["output_lens"]]
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in wl["prompts"]], params)
+        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    try:
+        for wl in workloads:
+            top = max(max(p) for p in wl["prompts"]) + 1
+            run({"prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
+                             for p in wl["prompts"][:16]],
+                 "output_lens": [min(n, 24) for n in wl["output_lens"][:16]]})
+            elapsed, produced = run(wl)
+            info["results"].append(_summary(wl["name"], elapsed, produced,
+                                            sum(map(len, wl["prompts"]))))
+    finally:
+        llm.shutdown()
+    return info
+
+
 def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str, Any]:
     from lmkit.api.request import Request
     from lmkit.api.sampling_params import SamplingParams

@@ -139,7 +139,9 @@ def run_side(side: str, job: dict[str, Any], workdir: Path, timeout: float,
 
 def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     job = json.loads(job_file.read_text())
-    if side == "lmkit":
+    if side == "lmkit" and job["options"].get("data_parallel_size", 1) > 1:
+        result = sides.lmkit_dp_side(job["model_dir"], job["options"], job["workloads"])
+    elif side == "lmkit":
         result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
                                   job["facts"], job.get("profile_steps", 0),
                                   job.get("profile_run", False))
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="lmkit's tensor-parallel size (the mp executor over NCCL when > 1; "
                     "the peers run on one GPU)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="lmkit's data-parallel size: that many engine processes, each on its "
+                    "own device(s), behind one LLM (timed per workload, no step breakdown)")
     ap.add_argument("--model-root", help="where to write the random models (kept there, and "
                     "reused by a later run)")
     ap.add_argument("--skip-lmkit", action="store_true",
@@ -312,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         options["tensor_parallel_size"] = args.tp
         if options["executor"] == "uniproc":  # the default: one process cannot hold ranks
             options["executor"] = "mp"
+    if args.dp > 1:
+        options["data_parallel_size"] = args.dp
     if args.smoke:
         options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []

@@ -5,7 +5,7 @@
 #      CUDA graphs, ngram and structured output under TP=2);
 #   2. W6 and W7 on the Llama-3.1-70B shape at TP=2 with random weights drawn by the
 #      engine (--load-format dummy: 141 GB of weights, nothing written);
-#   3. W3 (Llama-3.1-8B shape) at TP=1 and TP=2;
+#   3. W3 (Llama-3.1-8B shape) at TP=1, TP=2 and DP=2 (bench/gpu_engine.py --dp 2);
 #   4. data parallel serving: bench/dp_serve.py --dp 1,2 (Qwen3-0.6B shape).
 # Results go to OUT (default ./multi_gpu_out), one log and JSON per step.
 #
@@ -33,13 +33,17 @@ tail -3 "$OUT/tests.log" 2>/dev/null
 step w67_tp2 150 python3 bench/gpu_engine.py --workloads W6,W7 --peer none --attention triton \
   --tp 2 --load-format dummy --model-root "$ROOT" --out "$OUT/w67_tp2.json"
 grep -A3 "lmkit tok/s" "$OUT/w67_tp2.log" 2>/dev/null
+# W3 at TP=1, TP=2 and DP=2 (two engine processes, one GPU each), one model written once
 for tp in 1 2; do
   step "w3_tp$tp" 90 python3 bench/gpu_engine.py --workloads W3 --peer none --attention triton \
     --tp $tp --model-root "$ROOT" --out "$OUT/w3_tp$tp.json"
   grep -A2 "lmkit tok/s" "$OUT/w3_tp$tp.log" 2>/dev/null
 done
-# the servers of dp_serve.py run at once, each on its own devices: 3 GPUs for --dp 1,2;
-# on 2, one size after the other (not interleaved)
+step w3_dp2 90 python3 bench/gpu_engine.py --workloads W3 --peer none --attention triton \
+  --dp 2 --model-root "$ROOT" --out "$OUT/w3_dp2.json"
+grep -A2 "lmkit tok/s" "$OUT/w3_dp2.log" 2>/dev/null
+# data parallel serving (Qwen3-0.6B shape): the servers of dp_serve.py run at once, each on
+# its own devices: 3 GPUs for --dp 1,2; on 2, one size after the other (not interleaved)
 if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
   step dp 120 python3 bench/dp_serve.py --dp 1,2 --rates 16,64 --rounds 1 --num-prompts 256 \
     --gpus 0,1,2 --out "$OUT/dp.json"

@@ -25,3 +25,25 @@ def smollm2(request, tmp_path_factory) -> Path:
     host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     return resolve_model(str(path), host, cache_dir=tmp_path_factory.mktemp("cache"),
                          progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_refs():
+    """Per model directory: (bf16 model, float32 model) of transformers, loaded once;
+    freed at the end (:func:`teacher_forcing.check_against_hf` takes them)."""
+    import torch
+    from teacher_forcing import DEVICE, hf_model  # this folder is on sys.path (prepend)
+
+    cache: dict[Path, tuple] = {}
+
+    def get(model_dir: Path):
+        if model_dir not in cache:
+            cache.clear()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            cache[model_dir] = (hf_model(model_dir, torch.bfloat16),
+                                hf_model(model_dir, torch.float32))
+        return cache[model_dir]
+
+    yield get
+    cache.clear()

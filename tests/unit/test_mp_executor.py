@@ -39,6 +39,43 @@ def test_mp_tokens_equal_uniproc(host, model_dir, tp):
     assert set(results.values()) == {"passed"}
 
 
+@pytest.fixture(scope="module")
+def uneven_model_dir(tmp_path_factory):
+    """6 query heads over 3 KV heads (SmolLM2's 3:1 grouping): 2 ranks hold 2 and 1
+    KV groups."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-uneven"), hidden_size=96,
+                           num_heads=6, num_kv_heads=3)
+
+
+def test_uneven_kv_heads_tp2_tokens_equal_uniproc(host, uneven_model_dir):
+    """KV heads that do not divide by the size: rank 0 holds 2 KV groups (4 query heads),
+    rank 1 one (2); every step's tokens equal uniproc's through chunked prefill, prefix
+    hits, preemption and seeded sampling."""
+    results = check_executor(host.registry.get("executor", "mp"), model_dir=uneven_model_dir,
+                             parallel={"tensor_parallel_size": 2})
+    assert set(results.values()) == {"passed"}
+
+
+def test_uneven_kv_heads_tp3_of_3_and_llm_greedy(uneven_model_dir):
+    """Through LLM: --tp 2 (uneven) and --tp 3 (one KV group each) give --tp 1's greedy
+    tokens; the KV pool holds the blocks of the rank with the most heads."""
+    from lmkit.frontend.llm import LLM
+
+    prompts = ["hello there", "an uneven split of heads over ranks", "x"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs, blocks = {}, {}
+    for tp in (1, 2, 3):
+        with LLM(str(uneven_model_dir), device="cpu", dtype="float32", attention="torch",
+                 tensor_parallel_size=tp, kv_cache_memory_gb=0.01, progress=False) as llm:
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            blocks[tp] = llm.engine.num_blocks
+    assert outs[2] == outs[1] and outs[3] == outs[1]
+    # the same memory budget per rank: rank 0 of tp=2 holds 2 of 3 KV heads per block,
+    # so 3/2 of tp=1's blocks fit; with tp=3 each rank holds one (3x)
+    assert blocks[2] == pytest.approx(1.5 * blocks[1], rel=0.02)
+    assert blocks[3] == pytest.approx(3 * blocks[1], rel=0.02)
+
+
 def test_llm_tp2_greedy_matches_tp1(model_dir):
     """End to end through LLM: greedy text of --tp 2 equals --tp 1 over 48 tokens."""
     from lmkit.frontend.llm import LLM

@@ -96,13 +96,60 @@ def _facts(heads=4, kv_heads=2, intermediate=128):
                            intermediate_size=intermediate)
 
 
-def test_head_counts_must_divide():
+def test_kv_heads_need_one_per_rank_and_the_mlp_must_divide():
     check_model_split(_config(tensor_parallel_size=2), _facts())
-    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 is not divisible.*"
+    # KV heads that do not divide are dealt out unevenly (SmolLM2: 9 / 3 heads at tp 2)
+    check_model_split(_config(tensor_parallel_size=2), _facts(9, 3, 1536))
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 is fewer than the ranks.*"
                                           r"split into: 1, 2\.?$"):
         check_model_split(_config(tensor_parallel_size=4), _facts())
-    with pytest.raises(ConfigError, match="num_attention_heads=6, num_key_value_heads=6"):
-        check_model_split(_config(tensor_parallel_size=4), _facts(6, 6, 120))
+    with pytest.raises(ConfigError, match=r"intermediate_size=100 is not divisible by it\. "
+                                          r"Sizes this model can be split into: 1, 2, 4, 5\."):
+        check_model_split(_config(tensor_parallel_size=3), _facts(8, 8, 100))
+    with pytest.raises(ConfigError, match="num_attention_heads=7 is not a multiple of "
+                                          "num_key_value_heads=2"):
+        check_model_split(_config(tensor_parallel_size=2), _facts(7, 2, 128))
+
+
+def test_kv_heads_of_rank_deals_whole_groups_first_ranks_first():
+    from lmkit.api import kv_heads_of_rank
+
+    assert [kv_heads_of_rank(3, r, 2) for r in range(2)] == [range(0, 2), range(2, 3)]
+    assert [kv_heads_of_rank(8, r, 2) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [len(kv_heads_of_rank(7, r, 3)) for r in range(3)] == [3, 2, 2]
+    for kv, size in ((3, 2), (7, 3), (8, 8), (5, 4)):  # every head once, in order
+        assert [h for r in range(size) for h in kv_heads_of_rank(kv, r, size)] == list(
+            range(kv))
+    with pytest.raises(ValueError, match="each rank needs at least one"):
+        kv_heads_of_rank(2, 0, 4)
+
+
+def test_across_ranks_budget_counts_blocks_of_each_ranks_size():
+    from lmkit.api import ModelInfo, across_ranks
+
+    def info(per_block, available):
+        return ModelInfo(kv_bytes_per_block=per_block, available_kv_bytes=available,
+                         device="cpu", dtype="float32")
+
+    # rank 0 has 2 KV heads (200 B blocks), rank 1 one (100 B) but less memory
+    combined = across_ranks([info(200, 10_000), info(100, 4_000)])
+    assert combined.kv_bytes_per_block == 200
+    assert combined.available_kv_bytes // 200 == 40  # rank 1 holds only 40 blocks
+    assert across_ranks([info(200, 10_000), info(100, 6_000)]).available_kv_bytes == 10_000
+
+
+def test_uneven_split_refused_for_a_model_that_does_not_declare_it():
+    from lmkit.api import CausalLM, ModelLoadError
+    from lmkit.worker.model_build import check_tensor_parallel
+
+    class EvenOnly(CausalLM):
+        supports_tensor_parallel = True
+
+    reg = SimpleNamespace(origin="third-party-models")
+    check_tensor_parallel(EvenOnly, reg, "EvenLM", 2, None, 4)  # divides: fine
+    with pytest.raises(ModelLoadError, match=r"3 key/value heads, which do not divide by 2 "
+                                             r"ranks.*supports_uneven_tensor_parallel"):
+        check_tensor_parallel(EvenOnly, reg, "EvenLM", 2, None, 3)
 
 
 def test_model_facts_carry_the_split_sizes(tmp_path):

@@ -9,6 +9,7 @@ the fixtures from here).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from lmkit.errors import (
 from lmkit.platform import cuda_device_count
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.report import availability
+from lmkit.version import PLUGIN_API_VERSION
 
 DISTS = Path(__file__).resolve().parents[1] / "fixtures" / "dists"
 ALL_TEST_PLUGINS = ("broken-test", "dup-test", "good-test", "oldapi-test", "typo-test")
@@ -132,9 +134,11 @@ def test_api_version_mismatch_names_plugin_and_both_versions(dists_on_path: Path
     host = PluginHost.load(env=NO_ENV)
     error = host.plugins["oldapi-test"].error or ""
     assert error.startswith("plugin oldapi-test (lmkit-testplugin-oldapi 0.9.0) supports lmkit "
-                            "plugin API <1.0, but this lmkit (0.1.0) provides plugin API 1.2.")
+                            "plugin API <1.0, but this lmkit (0.1.0) provides plugin API "
+                            f"{PLUGIN_API_VERSION}.")
     assert "old-test" not in host.registry.names("scheduler")
-    with pytest.raises(PluginAPIVersionError, match=r"oldapi-test .*<1\.0, .*provides plugin API 1\.2"):
+    with pytest.raises(PluginAPIVersionError, match=rf"oldapi-test .*<1\.0, .*provides "
+                                                    rf"plugin API {re.escape(PLUGIN_API_VERSION)}"):
         PluginHost.load(plugins=["oldapi-test"], env=NO_ENV)
 
 

@@ -46,6 +46,14 @@ def test_ray_tp2_tokens_equal_uniproc(host, model_dir):
     assert not ray.is_initialized()  # the local Ray it started is stopped
 
 
+def test_ray_tp2_uneven_kv_heads_equal_uniproc(host, tmp_path):
+    """3 KV heads over 2 actors (2 + 1 groups): the same tokens as uniproc."""
+    model = make_tiny_model(tmp_path / "uneven", hidden_size=96, num_heads=6, num_kv_heads=3)
+    results = check_executor(host.registry.get("executor", "ray"), model_dir=model,
+                             parallel=RAY)
+    assert set(results.values()) == {"passed"}
+
+
 def test_killed_actor_fails_execute_within_5s(host, model_dir):
     import ray
     from lmkit.api.contract import build

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from lmkit.cli.main import build_app
 from lmkit.scaffold.kinds import SCAFFOLD_KINDS
+from lmkit.version import PLUGIN_API_VERSION
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.slow  # generates, pip-installs and tests six packages (about 10 s)
@@ -65,7 +66,8 @@ def test_layout_and_entry_point(generated: Path) -> None:
                      "new_attention/plugin.py", "pyproject.toml", "tests/test_new_attention.py"]
     pyproject = (root / "pyproject.toml").read_text()
     assert '[project.entry-points.lmkit]\nnew-attention = "new_attention.plugin"' in pyproject
-    assert 'LMKIT_PLUGIN_API = ">=1.2,<2"' in (root / "new_attention/plugin.py").read_text()
+    assert f'LMKIT_PLUGIN_API = ">={PLUGIN_API_VERSION},<2"' in (
+        root / "new_attention/plugin.py").read_text()
 
 
 def test_every_kind_installs_and_passes_its_tests(generated: Path, installed: Path) -> None:

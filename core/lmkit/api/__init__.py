@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmkit.api.attention import FP8_KV_MAX, KV_SCALE_SUFFIXES, AttentionBackend, AttentionMetadata
 from lmkit.api.engine_view import EngineView
-from lmkit.api.executor import Executor, ModelInfo
+from lmkit.api.executor import Executor, ModelInfo, across_ranks
 from lmkit.api.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -28,7 +28,14 @@ from lmkit.api.logits_processor import (
     LogitsProcessorContext,
 )
 from lmkit.api.mla_attention import MLAAttentionBackend
-from lmkit.api.model import CausalLM, ForwardContext, Model, ModelBuildContext, PoolingModel
+from lmkit.api.model import (
+    CausalLM,
+    ForwardContext,
+    Model,
+    ModelBuildContext,
+    PoolingModel,
+    kv_heads_of_rank,
+)
 from lmkit.api.model_facts import ModelFacts
 from lmkit.api.offload import OffloadManager, TransferJob
 from lmkit.api.outputs import (
@@ -149,5 +156,5 @@ __all__ = [
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
     "FullAttentionSpec", "KVCacheGroup", "KVCacheSpec", "MLALatentSpec", "SlidingWindowSpec",
-    "build_kv_cache_groups",
+    "build_kv_cache_groups", "kv_heads_of_rank", "across_ranks",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ class ModelInfo:
     # how many of the latest keys any attention layer reads when every layer (a draft
     # head's too) slides over a window; None when a layer reads the whole context
     kv_window: int | None = None
+
+
+def across_ranks(infos: Sequence[ModelInfo]) -> ModelInfo:
+    """The first rank's :class:`ModelInfo` with the KV budget every rank can hold: each
+    rank allocates the same number of blocks, of its own size (a rank with fewer KV
+    heads has smaller blocks), so the budget is the smallest ``available / per block``
+    over the ranks, given in the first rank's block size."""
+    first = infos[0]
+    blocks = min(i.available_kv_bytes // i.kv_bytes_per_block for i in infos)
+    return dataclasses.replace(first, available_kv_bytes=blocks * first.kv_bytes_per_block)
 
 
 class Executor(ABC):

@@ -17,6 +17,25 @@ if TYPE_CHECKING:
     from lmkit.plugin_host.spec import Needs
 
 
+def kv_heads_of_rank(num_kv_heads: int, rank: int, size: int) -> range:
+    """The key/value heads rank ``rank`` of a ``size``-rank tensor-parallel group holds.
+
+    Heads are dealt out in whole KV groups (a KV head with the query heads that read it),
+    contiguously and as evenly as the count allows: when ``num_kv_heads`` is not a
+    multiple of ``size`` the first ``num_kv_heads % size`` ranks hold one group more
+    (SmolLM2's 3 KV heads over 2 ranks: heads 0-1 and 2). KV heads are not replicated,
+    so every rank needs at least one (``num_kv_heads >= size``).
+
+    :raises ValueError: fewer KV heads than ranks, or a rank outside the group.
+    """
+    if not 0 <= rank < size or num_kv_heads < size:
+        raise ValueError(f"cannot give rank {rank} of {size} a share of {num_kv_heads} "
+                         "key/value heads (each rank needs at least one)")
+    base, extra = divmod(num_kv_heads, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
 @dataclass
 class ModelBuildContext:
     """Given to a model's constructor: how to build its attention layers, and its share
@@ -27,6 +46,9 @@ class ModelBuildContext:
     and combines partial results over ``tp_group`` (a ``torch.distributed`` process
     group, initialised by the executor: gloo on the CPU, NCCL on CUDA). With
     ``tp_size == 1`` (the default) there is no group and the model runs no collective.
+    The engine checks the split before any weights load with the rule of
+    :meth:`kv_head_range` (whole KV groups per rank, the first ranks one more when the
+    KV heads do not divide by the size), so a model must shard its heads by it.
     """
 
     dtype: Any  # torch.dtype
@@ -44,6 +66,11 @@ class ModelBuildContext:
     #: attention backend they build (``kv_cache_dtype=ctx.kv_cache_dtype``); the runner
     #: refuses a model whose backends store another dtype.
     kv_cache_dtype: Any = None
+
+    def kv_head_range(self, num_kv_heads: int) -> range:
+        """This rank's key/value heads (:func:`kv_heads_of_rank`); its query heads are
+        those of the same KV groups. ``range(num_kv_heads)`` with one rank."""
+        return kv_heads_of_rank(num_kv_heads, self.tp_rank, self.tp_size)
 
     def model_may_write_kv(self) -> bool:
         """Whether the model may store K/V in its own kernels (fused with RoPE) and call
@@ -109,6 +136,9 @@ class Model(ABC):
     * :attr:`pooling`: how the model pools (its default pooler, whether its attention
       is causal, its classification head), a :class:`~lmkit.api.ModelPooling`.
     * :attr:`supports_tensor_parallel`: see above.
+    * :attr:`supports_uneven_tensor_parallel`: the model also splits key/value heads that
+      do not divide by the size (:meth:`ModelBuildContext.kv_head_range`); for any other
+      the runner refuses such a size.
     """
 
     attn: AttentionBackend
@@ -117,6 +147,9 @@ class Model(ABC):
     pooling: ClassVar[ModelPooling] = ModelPooling()
     #: the model builds rank ``ctx.tp_rank``'s shard when ``ctx.tp_size > 1``
     supports_tensor_parallel: ClassVar[bool] = False
+    #: the model shards its heads by :meth:`ModelBuildContext.kv_head_range` also when
+    #: the KV heads do not divide by ``ctx.tp_size`` (some ranks hold one group more)
+    supports_uneven_tensor_parallel: ClassVar[bool] = False
 
     @classmethod
     def attention_needs(cls, hf_config: Any) -> Needs:

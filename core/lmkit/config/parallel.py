@@ -83,32 +83,36 @@ def data_parallel_devices(config: LMKitConfig, device: str, *, visible: str | No
 
 
 def check_model_split(config: LMKitConfig, facts: ModelFacts) -> None:
-    """Refuse a tensor-parallel size the model's shapes do not divide by.
+    """Refuse a tensor-parallel size the model's shapes cannot be split into.
 
-    Attention heads, key/value heads and the MLP's intermediate size
-    (:class:`~lmkit.api.model_facts.ModelFacts`) are split evenly over the ranks
-    (key/value heads are not replicated, so there must be at least as many as ranks);
-    the vocabulary is padded to a multiple of the size, so any works.
+    Attention heads go to the ranks in whole key/value groups
+    (:func:`~lmkit.api.model.kv_heads_of_rank`: as evenly as the count allows, the first
+    ranks one group more when the KV heads do not divide by the size). KV heads are not
+    replicated, so there must be at least as many as ranks; the MLP's intermediate size
+    is split evenly (:class:`~lmkit.api.model_facts.ModelFacts`); the vocabulary is
+    padded to a multiple of the size, so any works.
 
-    :raises ConfigError: naming the count that does not divide and the sizes that would.
+    :raises ConfigError: naming the count that does not fit and the sizes that would.
     """
     tp = config.parallel.tensor_parallel_size
     if tp == 1:
         return
-    counts = {
-        "num_attention_heads": facts.num_attention_heads,
-        "num_key_value_heads": facts.num_key_value_heads,
-        "intermediate_size": facts.intermediate_size,
-    }
-    bad = {k: v for k, v in counts.items() if v and v % tp}
+    heads, kv, inter = (facts.num_attention_heads, facts.num_key_value_heads,
+                        facts.intermediate_size)
+    bad: list[str] = []
+    if kv and kv < tp:
+        bad.append(f"num_key_value_heads={kv} is fewer than the ranks (each rank must hold "
+                   "at least one key/value head; they are not replicated)")
+    if heads and kv and heads % kv:
+        bad.append(f"num_attention_heads={heads} is not a multiple of "
+                   f"num_key_value_heads={kv}")
+    if inter and inter % tp:
+        bad.append(f"intermediate_size={inter} is not divisible by it")
     if not bad:
         return
-    known = [v for v in counts.values() if v]
-    fits = [n for n in range(1, max(known) + 1) if all(v % n == 0 for v in known)]
-    described = ", ".join(f"{k}={v}" for k, v in bad.items())
+    fits = [n for n in range(1, (kv or heads or tp) + 1)
+            if not (inter and inter % n) and not (heads and kv and heads % kv)]
     raise ConfigError(
         f"parallel.tensor_parallel_size is {tp}{_where(config, 'parallel.tensor_parallel_size')}"
-        f", but the model's {described} {'is' if len(bad) == 1 else 'are'} not divisible by "
-        "it: each rank must hold a "
-        f"whole share of the heads (key/value heads are not replicated across ranks). "
-        f"Sizes this model can be split into: {', '.join(map(str, fits))}.")
+        f", but the model's {'; '.join(bad)}. Sizes this model can be split into: "
+        f"{', '.join(map(str, fits)) or 'none (run it unsplit)'}.")

@@ -7,7 +7,8 @@ seeded-sampling requests in a KV pool small enough to force preemption; every st
 :class:`~lmkit.api.SchedulerOutput` goes to both executors. Properties:
 
 * ``model info``: :meth:`start` reports what ``uniproc`` reports (bytes per KV block,
-  device, dtype; 1/N of the bytes per KV block on each of N tensor-parallel ranks);
+  device, dtype; the first of N tensor-parallel ranks reports its share of the bytes per
+  KV block: 1/N, or one KV group more when the KV heads do not divide by N);
 * ``tokens equal uniproc``: every step's request ids and sampled tokens are identical
   (through chunked prefill, prefix-cache hits, preemption and finished requests);
 * ``offload methods``: with no offload tier configured, ``offload_lookup`` answers
@@ -58,17 +59,21 @@ class _Pair:
 
     def __init__(self, t: Target, model_dir: Path, parallel: dict[str, Any] | None = None
                  ) -> None:
+        from lmkit.api.model import kv_heads_of_rank
         from lmkit.loading.model_facts import load_model_facts
         from lmkit.plugin_host.manager import PluginHost
         from lmkit.plugin_host.resolve import resolve_stack
 
         self.t = t
-        # each of N tensor-parallel ranks holds 1/N of the KV heads: 1/N of a block's bytes
         self.num_ranks = int((parallel or {}).get("tensor_parallel_size", 1))
         host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
         self.config = _config(model_dir, "uniproc")
         self.stack = resolve_stack(self.config, host)
         facts = load_model_facts(model_dir, host, self.config.model.max_model_len)
+        # the first of N tensor-parallel ranks holds its share of the KV heads (1/N when
+        # they divide, else one group more): that share of a block's bytes
+        kv = facts.num_key_value_heads or 1
+        self.first_rank_kv_share = (len(kv_heads_of_rank(kv, 0, self.num_ranks)), kv)
         uniproc = host.registry.get("executor", "uniproc").spec
         self.reference = uniproc.load()(self.config, self.stack,
                                         options=uniproc.validate_options({}), host=host,
@@ -114,8 +119,9 @@ def _model_info(pair: _Pair) -> None:
     info, ref_info = asdict(pair.info), asdict(pair.ref_info)
     for name in fields:
         got, want = info[name], ref_info[name]
-        if name == "kv_bytes_per_block":  # per rank
-            want //= pair.num_ranks
+        if name == "kv_bytes_per_block":  # the first rank's
+            held, kv = pair.first_rank_kv_share
+            want = want * held // kv
         if got != want:
             raise pair.t.fail(SUITE, "model info", WORKLOAD,
                               f"start() reported {name}={got!r}; uniproc reports {want!r}")

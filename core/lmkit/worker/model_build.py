@@ -94,9 +94,12 @@ def weight_source(config: LMKitConfig, model_dir: Path, hf_config: Any,
 
 
 def check_tensor_parallel(model_cls: type[Model], registration: Registration, architecture: str,
-                          tp_size: int, quant: QuantizationMethod | None) -> None:
+                          tp_size: int, quant: QuantizationMethod | None,
+                          num_kv_heads: int | None = None) -> None:
     """Refuse splitting over ``tp_size > 1`` ranks a model class that does not declare
-    ``supports_tensor_parallel``, or quantized weights (their layers are not sharded).
+    ``supports_tensor_parallel``, quantized weights (their layers are not sharded), or
+    ``num_kv_heads`` that do not divide by ``tp_size`` for a model that does not declare
+    ``supports_uneven_tensor_parallel``.
 
     :raises ModelLoadError: naming the plugin and what to use instead.
     """
@@ -107,6 +110,12 @@ def check_tensor_parallel(model_cls: type[Model], registration: Registration, ar
             f"architecture {architecture} (plugin {registration.origin}) does not "
             "declare supports_tensor_parallel, so it cannot be split over "
             f"{tp_size} ranks; use --tp 1, or a model plugin that shards it.")
+    if num_kv_heads and num_kv_heads % tp_size and not model_cls.supports_uneven_tensor_parallel:
+        raise ModelLoadError(
+            f"architecture {architecture} (plugin {registration.origin}) has {num_kv_heads} "
+            f"key/value heads, which do not divide by {tp_size} ranks, and the plugin does not "
+            "declare supports_uneven_tensor_parallel (some ranks holding one KV group more); "
+            f"use a size that divides {num_kv_heads}.")
     if quant is not None:
         raise ModelLoadError(
             f"quantized weights ({type(quant).__name__}) cannot be split over "

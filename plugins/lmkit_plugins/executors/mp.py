@@ -17,7 +17,6 @@ since they may be blocked in a collective with the dead one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -41,6 +40,7 @@ from lmkit.api import (
     PluginHost,
     ResolvedStack,
     SchedulerOutput,
+    across_ranks,
     load_model_facts,
     runner_output_from_wire,
     scheduler_output_to_wire,
@@ -152,9 +152,7 @@ class MultiprocExecutor(Executor):
             reply = self._recv(None)
             if isinstance(reply, Started):
                 started[reply.rank] = reply.info
-        info = started[0]
-        budget = min(i.available_kv_bytes for i in started.values())
-        return dataclasses.replace(info, available_kv_bytes=budget)
+        return across_ranks([started[r] for r in range(self.world_size)])
 
     def _worker_env(self, rank: int) -> dict[str, str]:
         env = dict(os.environ)

@@ -17,7 +17,6 @@ actor is killed.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from lmkit.api import (
     PluginHost,
     ResolvedStack,
     SchedulerOutput,
+    across_ranks,
     runner_output_from_wire,
     scheduler_output_to_wire,
 )
@@ -110,8 +110,7 @@ class RayExecutor(Executor):
                       for rank in range(self.world_size)]
         started: list[Started] = self._wait(
             [a.load.remote(h) for a, h in zip(self.actors, handshakes, strict=True)])
-        budget = min(s.info.available_kv_bytes for s in started)
-        return dataclasses.replace(started[0].info, available_kv_bytes=budget)
+        return across_ranks([s.info for s in started])
 
     # ------------------------------------------------------------------ calls
 

@@ -85,6 +85,7 @@ class LlamaStack(nn.Module, Model):
     """
 
     supports_tensor_parallel = True
+    supports_uneven_tensor_parallel = True
     #: whether the model has a language-model head (tied to the embedding or its own)
     has_lm_head: ClassVar[bool] = True
 
@@ -111,7 +112,6 @@ class LlamaStack(nn.Module, Model):
         dims = LlamaDims.from_hf(hf_config)
         self.dims = dims
         self.tp = tp = TensorParallel.from_context(ctx)
-        ranks = tp.size if tp is not None else 1
         dtype, device = ctx.dtype, torch.device(ctx.device)
         self.rotary = RotaryEmbedding(rope_config_from_hf(hf_config, dims.head_dim),
                                       dims.head_dim, device)
@@ -129,9 +129,11 @@ class LlamaStack(nn.Module, Model):
             dims.hidden_size, {"weight": local_vocab}, bias=False, dtype=dtype, device=device,
             quantization=quant)
 
+        attn0 = self.model.layers[0].self_attn
+
         def make_backend(window: int | None) -> AttentionBackend:
             return ctx.attention_cls(
-                num_heads=dims.num_heads // ranks, num_kv_heads=dims.num_kv_heads // ranks,
+                num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
                 head_size=dims.head_dim, scale=dims.head_dim ** -0.5, dtype=dtype,
                 device=device, block_size=ctx.block_size, sliding_window=window,
                 options=ctx.attention_options, kv_cache_dtype=ctx.kv_cache_dtype)
@@ -234,9 +236,12 @@ class LlamaStack(nn.Module, Model):
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
             attn = layer.self_attn
-            linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
-                                                           "v_proj": "v"})
-            linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
+            if tp is None:
+                linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
+                                                               "v_proj": "v"})
+                linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
+            else:  # cut at this rank's heads (whole KV groups, maybe uneven)
+                self._add_head_targets(targets, f"{p}.self_attn", attn)
             self._add_mlp_targets(targets, p, layer.mlp, linear_names)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
@@ -245,6 +250,28 @@ class LlamaStack(nn.Module, Model):
                 targets[f"{p}.self_attn.q_norm.weight"] = whole(attn.q_norm.weight, "q_norm")
                 targets[f"{p}.self_attn.k_norm.weight"] = whole(attn.k_norm.weight, "k_norm")
         return targets
+
+    def _add_head_targets(self, targets: dict[str, Callable[[torch.Tensor], None]],
+                          prefix: str, attn: Any) -> None:
+        """q/k/v rows and o_proj columns of this rank's heads (tensor parallel); the
+        o_proj bias is added once, on rank 0."""
+        tp, d = self.tp, self.dims.head_dim
+        assert tp is not None
+        qkv, o = attn.qkv_proj, attn.o_proj
+        for hf_name, part, heads in (("q_proj", "q", attn.q_heads), ("k_proj", "k", attn.kv_heads),
+                                     ("v_proj", "v", attn.kv_heads)):
+            targets[f"{prefix}.{hf_name}.weight"] = (
+                lambda t, part=part, heads=heads: qkv.load_shard(
+                    part, weight=tp.shard_heads(t, 0, heads, d)))
+            if qkv.bias is not None:
+                targets[f"{prefix}.{hf_name}.bias"] = (
+                    lambda t, part=part, heads=heads: qkv.load_shard(
+                        part, bias=tp.shard_heads(t, 0, heads, d)))
+        targets[f"{prefix}.o_proj.weight"] = lambda t: o.load_shard(
+            "weight", weight=tp.shard_heads(t, 1, attn.q_heads, d))
+        if o.bias is not None:
+            targets[f"{prefix}.o_proj.bias"] = lambda t: o.load_shard(
+                "weight", bias=t if tp.rank == 0 else None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -26,9 +26,10 @@ from lmkit_plugins.models.tensor_parallel import TensorParallel
 class LlamaAttention(nn.Module):
     """Fused QKV projection, optional q/k norm, RoPE, paged attention, output projection.
 
-    Under tensor parallelism (``tp``) this rank holds ``num_heads / N`` query heads and
-    ``num_kv_heads / N`` KV heads (column-parallel QKV) and a row-parallel o_proj whose
-    partial sums are all-reduced.
+    Under tensor parallelism (``tp``) this rank holds its KV groups' query and KV heads
+    (:meth:`TensorParallel.heads`: ``num_heads / N`` and ``num_kv_heads / N`` when they
+    divide; column-parallel QKV) and a row-parallel o_proj whose partial sums are
+    all-reduced.
     """
 
     def __init__(self, dims: LlamaDims, layer_idx: int, rotary: RotaryEmbedding,
@@ -37,9 +38,12 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
-        ranks = tp.size if tp is not None else 1
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            dims.num_heads // ranks, dims.num_kv_heads // ranks, dims.head_dim)
+        if tp is None:
+            self.num_heads, self.num_kv_heads = dims.num_heads, dims.num_kv_heads
+        else:
+            self.q_heads, self.kv_heads = tp.heads(dims.num_heads, dims.num_kv_heads)
+            self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
+        self.head_dim = dims.head_dim
         self.q_size = self.num_heads * dims.head_dim
         self.kv_size = self.num_kv_heads * dims.head_dim
         self.rotary = rotary

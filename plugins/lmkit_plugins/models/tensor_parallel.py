@@ -6,6 +6,10 @@ group, the slicing of checkpoint tensors, and the collectives (Megatron-style).
 * Row-parallel projections (o_proj, down_proj) hold the matching slice of the input
   columns and return partial sums; :meth:`TensorParallel.all_reduce` adds them up
   (the bias is loaded on rank 0 only, so it is added once).
+* Attention heads go to the ranks in whole key/value groups
+  (:func:`lmkit.api.kv_heads_of_rank`): when the KV heads do not divide by the size,
+  the first ranks hold one group more (SmolLM2's 9 query / 3 KV heads over 2 ranks:
+  6/2 and 3/1), and the fused QKV rows and o_proj columns are cut at those heads.
 * The embedding table is split by vocabulary rows (:class:`VocabParallelEmbedding`):
   a rank looks up the tokens in its range, zeros for the others, and an all-reduce
   completes every row; as the (tied) LM head it gives ``[n, vocab / N]`` logits that
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lmkit.api import kv_heads_of_rank
 
 from lmkit_plugins.models.layers import VocabEmbedding
 
@@ -45,6 +50,22 @@ class TensorParallel:
     def local(self, n: int) -> int:
         """This rank's share of ``n`` rows (rounded up: the last shard may be padded)."""
         return -(-n // self.size)
+
+    def kv_heads(self, num_kv_heads: int) -> range:
+        """This rank's key/value heads (whole groups; the first ranks one more when
+        ``num_kv_heads`` does not divide by the size)."""
+        return kv_heads_of_rank(num_kv_heads, self.rank, self.size)
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[range, range]:
+        """This rank's (query heads, key/value heads): the query heads of its KV groups."""
+        kv = self.kv_heads(num_kv_heads)
+        per_group = num_heads // num_kv_heads
+        return range(kv.start * per_group, kv.stop * per_group), kv
+
+    def shard_heads(self, t: torch.Tensor, dim: int, heads: range, head_dim: int
+                    ) -> torch.Tensor:
+        """The slice of ``t`` along ``dim`` that holds ``heads`` (``head_dim`` each)."""
+        return t.narrow(dim, heads.start * head_dim, len(heads) * head_dim)
 
     def shard(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of checkpoint tensor ``t`` along ``dim``, zero-padded when

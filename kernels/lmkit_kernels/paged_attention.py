@@ -171,16 +171,23 @@ def check_decode_tiles(tiles: tuple[int, ...]) -> None:
                          f"{list(tiles)}")
 
 
-def _decode_config(head_pad: int, dtype: torch.dtype, kv_fp8: bool = False
-                   ) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel. An FP8 cache takes
-    twice the tokens per tile (the same bytes as half precision's 64): on an H200, 256
-    requests of 200-2,048 tokens (16/8 heads) read in 251.6 us with 128/4/2 against
-    271.6 with 64/4/3 (session 21, graph replays; 128/4/3 251.4, 128/8/2 305.7)."""
+def _decode_config(head_pad: int, dtype: torch.dtype, kv_fp8: bool = False,
+                   num_reqs: int = 1, group: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel (``group``: query heads per
+    KV head). An FP8 cache takes twice the tokens per tile (the same bytes as half
+    precision's 64): on an H200, 256 requests of 200-2,048 tokens (16/8 heads) read in
+    251.6 us with 128/4/2 against 271.6 with 64/4/3 (session 21, graph replays; 128/4/3
+    251.4, 128/8/2 305.7). A half-precision cache read by many requests with small query
+    groups takes 128-token tiles over 8 warps: the same W1-like batch read in 291.4 us
+    against 302.8 (session 22; 297.3 vs 307.4 and 292.9 vs 303.1 in two calls of session
+    21), while 8 requests of 2,048 tokens (26.8 vs 31.1 us) and W3's 32/8 heads (173.9 vs
+    176.4) were slower with them."""
     if dtype == torch.float32 or head_pad >= 256:
         return 32, 4, 2
     if kv_fp8:
         return 128, 4, 2
+    if num_reqs >= 64 and group <= 2:
+        return 128, 8, 2
     return 64, 4, 3
 
 
@@ -268,7 +275,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if decode_tiles is not None:
             check_decode_tiles(decode_tiles)
         block_n, num_warps, num_stages = decode_tiles or _decode_config(
-            head_pad, q.dtype, kv_cache.dtype == torch.float8_e4m3fn)
+            head_pad, q.dtype, kv_cache.dtype == torch.float8_e4m3fn, num_reqs, group)
         fused_merge = split_counters is not None and splits > 1
         if fused_merge:
             check_tensor("split_counters", split_counters, ndim=1, dtypes=(torch.int32,),

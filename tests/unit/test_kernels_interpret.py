@@ -131,7 +131,23 @@ def test_decode_split_choice_by_batch_shape(monkeypatch):
         pa.choose_decode_splits(4, 8, cpu)
 
 
-@pytest.mark.parametrize("tiles", [(32, 4, 2), (128, 4, 2), (64, 8, 3)])
+def test_decode_tile_choice_by_batch_and_group():
+    """Half precision: 128-token tiles over 8 warps for 64+ requests with at most two
+    query heads per KV head (measured faster at W1's shape), else 64/4/3; an FP8 cache
+    128/4/2; float32 and 256-wide heads 32/4/2."""
+    from lmkit_kernels.paged_attention import _decode_config
+
+    bf16, f8 = torch.bfloat16, True
+    assert _decode_config(128, bf16, num_reqs=256, group=2) == (128, 8, 2)
+    assert _decode_config(128, bf16, num_reqs=64, group=1) == (128, 8, 2)
+    assert _decode_config(128, bf16, num_reqs=63, group=2) == (64, 4, 3)
+    assert _decode_config(128, bf16, num_reqs=256, group=4) == (64, 4, 3)  # W3's heads
+    assert _decode_config(128, bf16, f8, num_reqs=256, group=2) == (128, 4, 2)
+    assert _decode_config(128, torch.float32, num_reqs=256, group=2) == (32, 4, 2)
+    assert _decode_config(256, bf16, num_reqs=256, group=2) == (32, 4, 2)
+
+
+@pytest.mark.parametrize("tiles", [(32, 4, 2), (128, 4, 2), (64, 8, 3), (128, 8, 2)])
 def test_decode_tiles(tiles):
     """Other decode tile configurations (a tuning knob) give the same attention."""
     batch = make_paged_batch([(4, 1), (150, 1), (300, 1)], num_heads=8, num_kv_heads=2,

@@ -52,8 +52,9 @@ class TritonAttentionOptions(BaseModel):
         "up to 16); default: chosen from the batch shape and the number of SMs.")
     decode_tiles: tuple[int, int, int] | None = Field(
         None, description="For tuning: the decode kernel's (BLOCK_N, num_warps, "
-        "num_stages), powers of two with BLOCK_N >= 16; default: 64, 4, 3 in half "
-        "precision.")
+        "num_stages), powers of two with BLOCK_N >= 16; default in half precision: 128, 8, "
+        "2 for 64 or more requests with at most two query heads per KV head, else 64, 4, "
+        "3 (128, 4, 2 over an FP8 cache).")
     decode_merge_in_kernel: bool = Field(
         True, description="Merge the decode kernel's context slices in the same launch "
         "(the last slice to finish merges, counted with atomics); false: a second kernel "

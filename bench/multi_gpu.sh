@@ -2,7 +2,8 @@
 # Issue 21's measurements on one host with two or more GPUs, in one command, most
 # important first, each step bounded by what is left of LIMIT seconds (default 570):
 #   1. the multi-GPU tests (tests/gpu/test_parallel*_gpu.py: TP=2 over NCCL against TP=1,
-#      CUDA graphs, ngram and structured output under TP=2);
+#      CUDA graphs, ngram and structured output under TP=2; SmolLM2 and the Llama-8B shape
+#      at TP=2 through mp and ray: set LMKIT_TEST_SMOLLM2 to the GGUF, install Ray);
 #   2. W6 and W7 on the Llama-3.1-70B shape at TP=2 with random weights drawn by the
 #      engine (--load-format dummy: 141 GB of weights, nothing written);
 #   3. W3 (Llama-3.1-8B shape) at TP=1, TP=2 and DP=2 (bench/gpu_engine.py --dp 2);
@@ -28,7 +29,7 @@ step() {  # step NAME MIN_SECONDS COMMAND...: run it within what is left, log it
 }
 nvidia-smi -L
 step tests 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_parallel_gpu.py \
-  tests/gpu/test_parallel_features_gpu.py
+  tests/gpu/test_parallel_features_gpu.py tests/gpu/test_parallel_models_gpu.py
 tail -3 "$OUT/tests.log" 2>/dev/null
 step w67_tp2 150 python3 bench/gpu_engine.py --workloads W6,W7 --peer none --attention triton \
   --tp 2 --load-format dummy --model-root "$ROOT" --out "$OUT/w67_tp2.json"

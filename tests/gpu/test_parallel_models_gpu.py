@@ -29,15 +29,9 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA devices", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import teacher_forcing as tf  # noqa: E402
 from copy_circuit_model import llama_config, write_copy_circuit_model  # noqa: E402
 from lmkit import LLM, SamplingParams  # noqa: E402
-from teacher_forcing import (  # noqa: E402
-    TOP,
-    check_against_hf,
-    llama8b_shape_vocab,
-    random_prompts,
-    smollm2_prompts,
-)
 
 EXECUTORS = ["mp", pytest.param("ray", marks=pytest.mark.skipif(
     importlib.util.find_spec("ray") is None, reason="Ray is not installed"))]
@@ -55,7 +49,7 @@ def _llm(model_dir: Path, tp: int, executor: str, **settings) -> LLM:
 @pytest.fixture(scope="module")
 def smollm2_tp1(smollm2):
     """SmolLM2's greedy tokens (float32, 64 new tokens) on one GPU."""
-    prompts = smollm2_prompts(smollm2)
+    prompts = tf.smollm2_prompts(smollm2)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     with _llm(smollm2, 1, "mp", dtype="float32") as llm:
         return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -80,13 +74,13 @@ def llama8b_shape(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_llama8b_shape_tp2_teacher_forced_within_bf16_tolerance(llama8b_shape, hf_refs,
                                                                  executor):
-    prompts = random_prompts(llama8b_shape_vocab(llama8b_shape))
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=TOP,
-                            prompt_logprobs=TOP)
+    prompts = tf.random_prompts(tf.llama8b_shape_vocab(llama8b_shape))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=tf.TOP,
+                            prompt_logprobs=tf.TOP)
     with _llm(llama8b_shape, 2, executor, dtype="bfloat16", attention="triton") as llm:
         assert not llm.config.executor.enforce_eager  # decode replays CUDA graphs
         outs = llm.generate(prompts, params)
-    stats = check_against_hf(outs, *hf_refs(llama8b_shape))
+    stats = tf.check_against_hf(outs, *hf_refs(llama8b_shape))
     assert stats["positions"] >= 400
     for out in outs:  # the copy circuit end to end: each token repeats the one two back
         seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)

@@ -76,6 +76,43 @@ def test_uneven_kv_heads_tp3_of_3_and_llm_greedy(uneven_model_dir):
     assert blocks[3] == pytest.approx(3 * blocks[1], rel=0.02)
 
 
+def test_uneven_split_with_qkv_bias_matches_tp1(tmp_path):
+    """A Qwen2-style model (q/k/v biases, cut at the same heads as the weights) with 3 KV
+    heads: --tp 2's tokens equal --tp 1's and its prompt logprobs agree to 1e-4."""
+    import torch
+    from lmkit.frontend.llm import LLM
+    from lmkit.testing.tiny_model import make_byte_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=256, bos_token_id=257, initializer_range=0.3))
+    with torch.no_grad():  # HF initialises biases to zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    make_byte_tokenizer().save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=5)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(str(tmp_path), device="cpu", dtype="float32", attention="torch",
+                 tensor_parallel_size=tp, progress=False) as llm:
+            outs[tp] = llm.generate(["hello there friend", "a bias test of qkv"], params)
+    assert [o.outputs[0].token_ids for o in outs[2]] == [o.outputs[0].token_ids for o in outs[1]]
+    compared = 0
+    for one, two in zip(outs[1], outs[2], strict=True):
+        for a, b in zip(one.prompt_logprobs, two.prompt_logprobs, strict=True):
+            if a is None:
+                continue
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [lp for _, lp in b.top] == pytest.approx([lp for _, lp in a.top], abs=1e-4)
+            compared += 1
+    assert compared >= 30
+
+
 def test_llm_tp2_greedy_matches_tp1(model_dir):
     """End to end through LLM: greedy text of --tp 2 equals --tp 1 over 48 tokens."""
     from lmkit.frontend.llm import LLM

@@ -1,5 +1,6 @@
-"""Parsers of ``bench/gpu_engine.py``'s list-valued options: the peers, and the
-A/B run's environment (``--ab-env``) and engine option overrides (``--ab-set``)."""
+"""Parsers of ``bench/gpu_engine.py``'s options: the peers, the A/B run's environment
+(``--ab-env``) and engine option overrides (``--ab-set``), and the lmkit engine options
+its flags make (:func:`engine_options`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,37 @@ import json
 from typing import Any
 
 PEERS = ("vllm", "hf")
+ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
+QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
+
+
+def quantization_options(quantization: str, extra: dict[str, Any] | None = None
+                         ) -> dict[str, Any]:
+    """The engine options of ``--quantization`` (``fp8-lm-head``: the fp8 method with
+    ``quantize_lm_head``), with ``extra`` method options (``--quantization-options``)."""
+    if quantization == "fp8-lm-head":
+        quantization, extra = "fp8", {"quantize_lm_head": True, **(extra or {})}
+    if extra:
+        return {"quantization": quantization, "quantization.options": extra}
+    return {"quantization": quantization}
+
+
+def engine_options(args: Any) -> dict[str, Any]:
+    """lmkit's engine options (``LLM`` keywords) from ``gpu_engine.py``'s parsed flags."""
+    options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
+                   executor=args.executor, kv_cache_dtype=args.kv_cache_dtype,
+                   **quantization_options(args.quantization, args.quantization_options))
+    if args.load_format == "dummy":
+        options["load_format"] = "dummy"
+    if args.tp > 1:
+        options["tensor_parallel_size"] = args.tp
+        if options["executor"] == "uniproc":  # the default: one process cannot hold ranks
+            options["executor"] = "mp"
+    if args.dp > 1:
+        options["data_parallel_size"] = args.dp
+    if args.smoke:
+        options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    return options
 
 
 def parse_peers(text: str) -> list[str]:

@@ -65,12 +65,7 @@ def lmkit_side(model_dir: str, options: dict[str, Any], workloads: list[Workload
     recorder = _StepRecorder(engine)
     compiles = watch_jit_compiles()
     for wl in workloads:
-        # token ids shifted so that the timed run gets no prefix-cache hits from it
-        top = max(max(p) for p in wl["prompts"]) + 1
-        warm = {"name": "warmup", "prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
-                                              for p in wl["prompts"][:8]],
-                "output_lens": [min(n, 24) for n in wl["output_lens"][:8]]}
-        _run_engine(engine, warm, recorder)
+        _run_engine(engine, warmup(wl, 8), recorder)
         compiles.clear()
         with gc_pauses() as pauses:
             result = _run_engine(engine, wl, recorder)
@@ -127,6 +122,16 @@ class _StepRecorder:
         return outputs
 
 
+def warmup(wl: Workload, count: int) -> Workload:
+    """A short warm-up of ``wl``'s first ``count`` requests (half their prompts, at most
+    24 output tokens), on token ids shifted so that the timed run gets no prefix-cache
+    hits from it."""
+    top = max(max(p) for p in wl["prompts"]) + 1
+    return {"name": "warmup", "prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
+                                          for p in wl["prompts"][:count]],
+            "output_lens": [min(n, 24) for n in wl["output_lens"][:count]]}
+
+
 def lmkit_dp_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
                   ) -> dict[str, Any]:
     """lmkit through :class:`lmkit.LLM` with ``data_parallel_size`` > 1: one engine process
@@ -150,10 +155,7 @@ def lmkit_dp_side(model_dir: str, options: dict[str, Any], workloads: list[Workl
 
     try:
         for wl in workloads:
-            top = max(max(p) for p in wl["prompts"]) + 1
-            run({"prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
-                             for p in wl["prompts"][:16]],
-                 "output_lens": [min(n, 24) for n in wl["output_lens"][:16]]})
+            run(warmup(wl, 16))  # both engines' share of it
             elapsed, produced = run(wl)
             info["results"].append(_summary(wl["name"], elapsed, produced,
                                             sum(map(len, wl["prompts"]))))

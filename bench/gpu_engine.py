@@ -58,23 +58,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
 import gpu_bench_sides as sides  # noqa: E402
 import gpu_workloads as wl  # noqa: E402
-from gpu_args import parse_env, parse_peers, parse_sets  # noqa: E402
+from gpu_args import (  # noqa: E402
+    QUANTIZATIONS,
+    engine_options,
+    parse_env,
+    parse_peers,
+    parse_sets,
+    quantization_options,
+)
 from gpu_report import combine, format_table  # noqa: E402
 from gpu_run_profile import format_profiles  # noqa: E402
-
-ENGINE_OPTIONS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 4096}
-QUANTIZATIONS = ("none", "fp8", "fp8-lm-head")
-
-
-def quantization_options(quantization: str, extra: dict[str, Any] | None = None
-                         ) -> dict[str, Any]:
-    """The engine options of ``--quantization`` (``fp8-lm-head``: the fp8 method with
-    ``quantize_lm_head``), with ``extra`` method options (``--quantization-options``)."""
-    if quantization == "fp8-lm-head":
-        quantization, extra = "fp8", {"quantize_lm_head": True, **(extra or {})}
-    if extra:
-        return {"quantization": quantization, "quantization.options": extra}
-    return {"quantization": quantization}
 
 
 def copy_bandwidth(num_bytes: int = 2**30, iters: int = 20) -> float | None:
@@ -308,19 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     need = sum(models.model_facts(models.hf_config(m, layers))["param_bytes"]
                for _, m, layers, w in plan if w)
     root = model_root(args.model_root, need)
-    options = dict(ENGINE_OPTIONS, attention=args.attention, enforce_eager=args.enforce_eager,
-                   executor=args.executor, kv_cache_dtype=args.kv_cache_dtype,
-                   **quantization_options(args.quantization, args.quantization_options))
-    if args.load_format == "dummy":
-        options["load_format"] = "dummy"
-    if args.tp > 1:
-        options["tensor_parallel_size"] = args.tp
-        if options["executor"] == "uniproc":  # the default: one process cannot hold ranks
-            options["executor"] = "mp"
-    if args.dp > 1:
-        options["data_parallel_size"] = args.dp
-    if args.smoke:
-        options.update(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+    options = engine_options(args)
     ab_jobs: list[tuple[str, dict[str, Any]]] = []
     try:
         for key, model_name, layers, wl_names in plan:

@@ -19,7 +19,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
-from gpu_engine import ENGINE_OPTIONS, SMALL, make_workloads  # noqa: E402
+from gpu_args import ENGINE_OPTIONS  # noqa: E402
+from gpu_workloads import SMALL, make_workloads  # noqa: E402
 
 
 def run_pass(engine: Any, prompts: list[list[int]], tag: str) -> list[dict[str, Any]]:

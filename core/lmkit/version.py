@@ -8,4 +8,4 @@ __version__ = "0.1.0"
 # ``LMKIT_PLUGIN_API = ">=1.0,<2"``.
 PLUGIN_API_VERSION = "1.3"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_cache_dtype
 # (AttentionBackend.supports_fp8_kv_cache, ModelBuildContext.kv_cache_dtype); 1.3: KV heads
-# split unevenly over tensor-parallel ranks (kv_heads_of_rank, ModelBuildContext.kv_head_range)
+# split unevenly over tensor-parallel ranks (kv_heads_of_rank)

@@ -100,7 +100,9 @@ def test_refuses_tensor_parallel_draft_heads_and_quantized_weights():
     host = _host()
     reg = host.registry.get("model", "DeepseekV2ForCausalLM")
     with pytest.raises(ModelLoadError, match="supports_tensor_parallel"):
-        check_tensor_parallel(DeepseekV2ForCausalLM, reg, "DeepseekV2ForCausalLM", 2, None)
+        check_tensor_parallel(DeepseekV2ForCausalLM, reg, "DeepseekV2ForCausalLM",
+                              _ctx(tp_size=2), load_model_facts(Path("/nonexistent"), host,
+                                                                hf_config=_config(2)))
     config = LMKitConfig.model_validate({"executor": {"device": "cpu"},
                                          "speculative": {"backend": "eagle"}})
     stack = resolve_stack(config, host, _needs(_config(2)))

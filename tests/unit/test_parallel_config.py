@@ -146,10 +146,11 @@ def test_uneven_split_refused_for_a_model_that_does_not_declare_it():
         supports_tensor_parallel = True
 
     reg = SimpleNamespace(origin="third-party-models")
-    check_tensor_parallel(EvenOnly, reg, "EvenLM", 2, None, 4)  # divides: fine
+    ctx = SimpleNamespace(tp_size=2, quantization=None)
+    check_tensor_parallel(EvenOnly, reg, "EvenLM", ctx, _facts(kv_heads=4))  # divides: fine
     with pytest.raises(ModelLoadError, match=r"3 key/value heads, which do not divide by 2 "
                                              r"ranks.*supports_uneven_tensor_parallel"):
-        check_tensor_parallel(EvenOnly, reg, "EvenLM", 2, None, 3)
+        check_tensor_parallel(EvenOnly, reg, "EvenLM", ctx, _facts(kv_heads=3))
 
 
 def test_model_facts_carry_the_split_sizes(tmp_path):

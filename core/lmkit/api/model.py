@@ -47,8 +47,9 @@ class ModelBuildContext:
     group, initialised by the executor: gloo on the CPU, NCCL on CUDA). With
     ``tp_size == 1`` (the default) there is no group and the model runs no collective.
     The engine checks the split before any weights load with the rule of
-    :meth:`kv_head_range` (whole KV groups per rank, the first ranks one more when the
-    KV heads do not divide by the size), so a model must shard its heads by it.
+    :func:`kv_heads_of_rank` (``kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)``: whole
+    KV groups per rank, the first ranks one more when the KV heads do not divide by the
+    size), so a model must shard its heads by it.
     """
 
     dtype: Any  # torch.dtype
@@ -66,11 +67,6 @@ class ModelBuildContext:
     #: attention backend they build (``kv_cache_dtype=ctx.kv_cache_dtype``); the runner
     #: refuses a model whose backends store another dtype.
     kv_cache_dtype: Any = None
-
-    def kv_head_range(self, num_kv_heads: int) -> range:
-        """This rank's key/value heads (:func:`kv_heads_of_rank`); its query heads are
-        those of the same KV groups. ``range(num_kv_heads)`` with one rank."""
-        return kv_heads_of_rank(num_kv_heads, self.tp_rank, self.tp_size)
 
     def model_may_write_kv(self) -> bool:
         """Whether the model may store K/V in its own kernels (fused with RoPE) and call
@@ -137,7 +133,7 @@ class Model(ABC):
       is causal, its classification head), a :class:`~lmkit.api.ModelPooling`.
     * :attr:`supports_tensor_parallel`: see above.
     * :attr:`supports_uneven_tensor_parallel`: the model also splits key/value heads that
-      do not divide by the size (:meth:`ModelBuildContext.kv_head_range`); for any other
+      do not divide by the size (:func:`kv_heads_of_rank`); for any other
       the runner refuses such a size.
     """
 
@@ -147,7 +143,7 @@ class Model(ABC):
     pooling: ClassVar[ModelPooling] = ModelPooling()
     #: the model builds rank ``ctx.tp_rank``'s shard when ``ctx.tp_size > 1``
     supports_tensor_parallel: ClassVar[bool] = False
-    #: the model shards its heads by :meth:`ModelBuildContext.kv_head_range` also when
+    #: the model shards its heads by :func:`kv_heads_of_rank` also when
     #: the KV heads do not divide by ``ctx.tp_size`` (some ranks hold one group more)
     supports_uneven_tensor_parallel: ClassVar[bool] = False
 

@@ -99,20 +99,20 @@ def check_model_split(config: LMKitConfig, facts: ModelFacts) -> None:
         return
     heads, kv, inter = (facts.num_attention_heads, facts.num_key_value_heads,
                         facts.intermediate_size)
+    grouped = not (heads and kv and heads % kv)  # every query head reads one KV head
     bad: list[str] = []
     if kv and kv < tp:
         bad.append(f"num_key_value_heads={kv} is fewer than the ranks (each rank must hold "
                    "at least one key/value head; they are not replicated)")
-    if heads and kv and heads % kv:
+    if not grouped:
         bad.append(f"num_attention_heads={heads} is not a multiple of "
                    f"num_key_value_heads={kv}")
     if inter and inter % tp:
         bad.append(f"intermediate_size={inter} is not divisible by it")
     if not bad:
         return
-    fits = [n for n in range(1, (kv or heads or tp) + 1)
-            if not (inter and inter % n) and not (heads and kv and heads % kv)]
+    fits = [n for n in range(1, (kv or heads or tp) + 1) if not (inter and inter % n)]
     raise ConfigError(
         f"parallel.tensor_parallel_size is {tp}{_where(config, 'parallel.tensor_parallel_size')}"
         f", but the model's {'; '.join(bad)}. Sizes this model can be split into: "
-        f"{', '.join(map(str, fits)) or 'none (run it unsplit)'}.")
+        f"{', '.join(map(str, fits)) if grouped else 'none (run it unsplit)'}.")

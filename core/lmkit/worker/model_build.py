@@ -22,7 +22,7 @@ from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, RunnerProposer
 from lmkit.errors import ConfigError, ModelLoadError, PluginError
 
 if TYPE_CHECKING:
-    from lmkit.api.model import Model
+    from lmkit.api.model import Model, ModelBuildContext
     from lmkit.api.model_facts import ModelFacts
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.registry import Registration
@@ -94,15 +94,15 @@ def weight_source(config: LMKitConfig, model_dir: Path, hf_config: Any,
 
 
 def check_tensor_parallel(model_cls: type[Model], registration: Registration, architecture: str,
-                          tp_size: int, quant: QuantizationMethod | None,
-                          num_kv_heads: int | None = None) -> None:
-    """Refuse splitting over ``tp_size > 1`` ranks a model class that does not declare
-    ``supports_tensor_parallel``, quantized weights (their layers are not sharded), or
-    ``num_kv_heads`` that do not divide by ``tp_size`` for a model that does not declare
-    ``supports_uneven_tensor_parallel``.
+                          ctx: ModelBuildContext, facts: ModelFacts) -> None:
+    """Refuse splitting over ``ctx.tp_size > 1`` ranks a model class that does not declare
+    ``supports_tensor_parallel``, quantized weights (``ctx.quantization``: their layers are
+    not sharded), or key/value heads (``facts.num_key_value_heads``) that do not divide by
+    the size for a model that does not declare ``supports_uneven_tensor_parallel``.
 
     :raises ModelLoadError: naming the plugin and what to use instead.
     """
+    tp_size, quant, num_kv_heads = ctx.tp_size, ctx.quantization, facts.num_key_value_heads
     if tp_size <= 1:
         return
     if not model_cls.supports_tensor_parallel:

@@ -136,8 +136,7 @@ class ModelRunner:
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_group=self.tp_group,
             quantization=quant, kv_cache_dtype=kv_cache_torch_dtype(self.config))
         model_cls = model_class(registration)
-        check_tensor_parallel(model_cls, registration, self.architecture, self.tp_size, quant,
-                              self.facts.num_key_value_heads)
+        check_tensor_parallel(model_cls, registration, self.architecture, ctx, self.facts)
         head = build_draft_proposer(self.config, self.stack, model_cls, self.architecture,
                                     hf_config)  # checked against the target before any load
         model = build("model", model_cls, hf_config, ctx, plugin=registration.origin)

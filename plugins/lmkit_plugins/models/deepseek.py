@@ -143,7 +143,8 @@ class DeepseekV2ForCausalLM(nn.Module, CausalLM):
             num_heads=attn_dims.num_heads, num_kv_heads=1, head_size=attn_dims.latent_width,
             scale=softmax_scale(hf_config), dtype=dtype, device=device,
             block_size=ctx.block_size, options=ctx.attention_options,
-            kv_cache_dtype=ctx.kv_cache_dtype, kv_lora_rank=attn_dims.kv_lora_rank, qk_nope_head_dim=attn_dims.qk_nope_head_dim,
+            kv_cache_dtype=ctx.kv_cache_dtype, kv_lora_rank=attn_dims.kv_lora_rank,
+            qk_nope_head_dim=attn_dims.qk_nope_head_dim,
             qk_rope_head_dim=attn_dims.qk_rope_head_dim, v_head_dim=attn_dims.v_head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

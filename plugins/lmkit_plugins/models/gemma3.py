@@ -177,7 +177,8 @@ class Gemma3ForCausalLM(nn.Module, CausalLM):
                 num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
                 head_size=dims.head_dim, scale=scale, dtype=dtype, device=device,
                 block_size=ctx.block_size, options=ctx.attention_options,
-                kv_cache_dtype=ctx.kv_cache_dtype, sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
+                kv_cache_dtype=ctx.kv_cache_dtype,
+                sliding_window=spec.window if isinstance(spec, SlidingWindowSpec) else None,
                 **cap_kw)
 
         specs = self.kv_cache_specs(hf_config)

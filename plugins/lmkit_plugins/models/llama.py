@@ -205,14 +205,19 @@ class LlamaStack(nn.Module, Model):
 
         tp = self.tp
 
-        def shard(linear: Linear, part: str, kind: str, split: int | None = 0
-                  ) -> Callable[[torch.Tensor], None]:
+        def shard(linear: Linear, part: str, kind: str, split: int | None = 0,
+                  heads: range | None = None) -> Callable[[torch.Tensor], None]:
             # split: the axis of the weight divided over ranks (0: output rows, column-
-            # parallel; 1: input columns, row-parallel, whose bias only rank 0 adds)
+            # parallel; 1: input columns, row-parallel, whose bias only rank 0 adds);
+            # heads: cut at this rank's attention heads (whole KV groups, maybe uneven)
+            # instead of an even share
             if tp is None or split is None:
                 cut: Callable[[torch.Tensor], torch.Tensor | None] = lambda t: t  # noqa: E731
             elif kind == "bias" and split == 1:
                 cut = lambda t: t if tp.rank == 0 else None  # noqa: E731
+            elif heads is not None:
+                axis, head_dim = (split if kind == "weight" else 0), self.dims.head_dim
+                cut = lambda t: tp.shard_heads(t, axis, heads, head_dim)  # noqa: E731
             else:
                 cut = lambda t: tp.shard(t, split if kind == "weight" else 0)  # noqa: E731
             if kind == "weight":
@@ -220,11 +225,12 @@ class LlamaStack(nn.Module, Model):
             return lambda t: linear.load_shard(part, bias=cut(t))
 
         def linear_names(prefix: str, linear: Linear, parts: dict[str, str],
-                         split: int = 0) -> None:
+                         split: int = 0, heads: dict[str, range] | None = None) -> None:
             kinds = ("weight", "bias") if linear.bias is not None else ("weight",)
             for hf_name, part in parts.items():
                 for kind in kinds:
-                    targets[f"{prefix}.{hf_name}.{kind}"] = shard(linear, part, kind, split)
+                    targets[f"{prefix}.{hf_name}.{kind}"] = shard(
+                        linear, part, kind, split, heads[part] if heads else None)
 
         embed = self.model.embed_tokens
         embed_name = "model.embed_tokens.weight"
@@ -236,12 +242,12 @@ class LlamaStack(nn.Module, Model):
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}"
             attn = layer.self_attn
-            if tp is None:
-                linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
-                                                               "v_proj": "v"})
-                linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1)
-            else:  # cut at this rank's heads (whole KV groups, maybe uneven)
-                self._add_head_targets(targets, f"{p}.self_attn", attn)
+            q, kv = attn.q_heads, attn.kv_heads
+            linear_names(f"{p}.self_attn", attn.qkv_proj, {"q_proj": "q", "k_proj": "k",
+                                                           "v_proj": "v"},
+                         heads={"q": q, "k": kv, "v": kv})
+            linear_names(f"{p}.self_attn", attn.o_proj, {"o_proj": "weight"}, split=1,
+                         heads={"weight": q})
             self._add_mlp_targets(targets, p, layer.mlp, linear_names)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 targets[f"{p}.{norm}.weight"] = whole(getattr(layer, norm).weight,
@@ -250,28 +256,6 @@ class LlamaStack(nn.Module, Model):
                 targets[f"{p}.self_attn.q_norm.weight"] = whole(attn.q_norm.weight, "q_norm")
                 targets[f"{p}.self_attn.k_norm.weight"] = whole(attn.k_norm.weight, "k_norm")
         return targets
-
-    def _add_head_targets(self, targets: dict[str, Callable[[torch.Tensor], None]],
-                          prefix: str, attn: Any) -> None:
-        """q/k/v rows and o_proj columns of this rank's heads (tensor parallel); the
-        o_proj bias is added once, on rank 0."""
-        tp, d = self.tp, self.dims.head_dim
-        assert tp is not None
-        qkv, o = attn.qkv_proj, attn.o_proj
-        for hf_name, part, heads in (("q_proj", "q", attn.q_heads), ("k_proj", "k", attn.kv_heads),
-                                     ("v_proj", "v", attn.kv_heads)):
-            targets[f"{prefix}.{hf_name}.weight"] = (
-                lambda t, part=part, heads=heads: qkv.load_shard(
-                    part, weight=tp.shard_heads(t, 0, heads, d)))
-            if qkv.bias is not None:
-                targets[f"{prefix}.{hf_name}.bias"] = (
-                    lambda t, part=part, heads=heads: qkv.load_shard(
-                        part, bias=tp.shard_heads(t, 0, heads, d)))
-        targets[f"{prefix}.o_proj.weight"] = lambda t: o.load_shard(
-            "weight", weight=tp.shard_heads(t, 1, attn.q_heads, d))
-        if o.bias is not None:
-            targets[f"{prefix}.o_proj.bias"] = lambda t: o.load_shard(
-                "weight", bias=t if tp.rank == 0 else None)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

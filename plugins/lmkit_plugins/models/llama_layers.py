@@ -38,11 +38,11 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
-        if tp is None:
-            self.num_heads, self.num_kv_heads = dims.num_heads, dims.num_kv_heads
-        else:
-            self.q_heads, self.kv_heads = tp.heads(dims.num_heads, dims.num_kv_heads)
-            self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
+        #: this rank's query and key/value heads (all of them without tensor parallelism)
+        self.q_heads, self.kv_heads = ((range(dims.num_heads), range(dims.num_kv_heads))
+                                       if tp is None else tp.heads(dims.num_heads,
+                                                                   dims.num_kv_heads))
+        self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
         self.head_dim = dims.head_dim
         self.q_size = self.num_heads * dims.head_dim
         self.kv_size = self.num_kv_heads * dims.head_dim

@@ -51,14 +51,10 @@ class TensorParallel:
         """This rank's share of ``n`` rows (rounded up: the last shard may be padded)."""
         return -(-n // self.size)
 
-    def kv_heads(self, num_kv_heads: int) -> range:
-        """This rank's key/value heads (whole groups; the first ranks one more when
-        ``num_kv_heads`` does not divide by the size)."""
-        return kv_heads_of_rank(num_kv_heads, self.rank, self.size)
-
     def heads(self, num_heads: int, num_kv_heads: int) -> tuple[range, range]:
-        """This rank's (query heads, key/value heads): the query heads of its KV groups."""
-        kv = self.kv_heads(num_kv_heads)
+        """This rank's (query heads, key/value heads): whole KV groups, the first ranks
+        one more when ``num_kv_heads`` does not divide by the size, and their query heads."""
+        kv = kv_heads_of_rank(num_kv_heads, self.rank, self.size)
         per_group = num_heads // num_kv_heads
         return range(kv.start * per_group, kv.stop * per_group), kv
 

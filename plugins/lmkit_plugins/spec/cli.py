@@ -12,6 +12,7 @@ def register(app: Any) -> None:
 
     spec = typer.Typer(help="Speculative decoding: make draft heads.", no_args_is_help=True)
     spec.command("train-eagle")(train_eagle)
+    spec.command("write-prompts")(write_prompts)
     app.add_typer(spec, name="spec")
 
 
@@ -61,11 +62,7 @@ def train_eagle(
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
     from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device!r}: use cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    device = _device(device, torch)
     for name, value in (("--max-steps", max_steps), ("--batch-size", batch_size),
                         ("--save-every", save_every), ("--max-new-tokens", max_new_tokens),
                         ("--draft-vocab-size", draft_vocab_size),
@@ -104,6 +101,60 @@ def train_eagle(
         reports.append((f"draft accuracy on {ev['eval_prompts']['source']}", ev["eval_prompts"]))
     for what, report in reports:
         print(f"{what} ({report['sequences']} sequences): {report_line(report)}")
+
+
+def write_prompts(
+    model: Annotated[str, _arg("Chat model: alias, local directory or hub id.")],
+    out: Annotated[Path, _opt("--out", "JSONL file to write, one {\"prompt\": ...} per line.")],
+    count: Annotated[int, _opt("--count", "Prompts to write.")] = 1000,
+    device: Annotated[str, _opt("--device", "cpu or cuda (default: cuda when present).")] = "",
+    seed: Annotated[int, _opt("--seed", "Seed of the sampling (request i uses seed "
+                              "* 1000003 + i).")] = 0,
+    temperature: Annotated[float, _opt("--temperature", "Sampling temperature.")] = 1.0,
+    top_p: Annotated[float, _opt("--top-p", "Nucleus sampling mass.")] = 1.0,
+    max_tokens: Annotated[int, _opt("--max-tokens", "Longest prompt in tokens; longer "
+                                    "ones are dropped.")] = 128,
+    min_chars: Annotated[int, _opt("--min-chars", "Shortest prompt kept, in "
+                                   "characters.")] = 12,
+) -> None:
+    """Write a chat prompt set sampled from MODEL itself (for train-eagle --prompts): the
+    model continues its chat template's opening of a user turn; prompts it ended itself,
+    new and not among lmkit bench's chat prompts, are kept."""
+    import torch
+    from lmkit.api import ConfigError
+
+    from lmkit_plugins.spec.self_prompts import write_jsonl
+    from lmkit_plugins.spec.self_prompts import write_prompts as sample_prompts
+
+    device = _device(device, torch)
+    for name, value in (("--count", count), ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1 (got {value})")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"--top-p must be in (0, 1] (got {top_p})")
+    if temperature <= 0:
+        raise ConfigError(f"--temperature must be above 0 (got {temperature}): greedy "
+                          "sampling writes one prompt")
+    try:
+        prompts = sample_prompts(model, count, device=device, seed=seed,
+                                 temperature=temperature, top_p=top_p,
+                                 max_tokens=max_tokens, min_chars=min_chars)
+        write_jsonl(prompts, out)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"lmkit spec write-prompts: {e}") from e
+    print(f"wrote {out} ({len(prompts)} prompts)")
+
+
+def _device(device: str, torch: Any) -> str:
+    """``--device``: cpu or cuda, cuda by default when one is visible."""
+    from lmkit.api import ConfigError
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+    return device
 
 
 def _arg(help: str) -> Any:

@@ -1,0 +1,121 @@
+"""``lmkit spec write-prompts``: the model writes its own chat prompts after its template's
+opening of a user turn; only turns it closed itself, long enough, new and not among the
+benchmark's prompts are kept; the set is reproducible from its seed."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from lmkit.api import CHAT_PROMPTS
+from lmkit.cli.main import build_app
+from typer.testing import CliRunner
+
+from lmkit_plugins.spec.self_prompts import user_turn_opening, write_prompts
+
+ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def test_the_opening_is_the_chat_up_to_the_user_message(smollm2_tokenizer):
+    opening, closing = user_turn_opening(smollm2_tokenizer)
+    assert opening.endswith("<|im_start|>user\n")
+    assert opening.startswith("<|im_start|>system\n")  # the template's own system prompt
+    assert closing == smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(smollm2_tokenizer):
+    plain = SimpleNamespace(chat_template=None, encode=smollm2_tokenizer.encode)
+    with pytest.raises(ValueError, match="no usable chat template"):
+        user_turn_opening(plain)
+
+
+class _ScriptedLLM:
+    """Stands in for ``lmkit.LLM``: answers each round with the next scripted list of
+    ``(text, finish_reason)`` and records the prompts and seeds it was given."""
+
+    def __init__(self, tokenizer, rounds):
+        self.tokenizer, self.rounds, self.calls = tokenizer, list(rounds), []
+
+    def __call__(self, model, **options):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, [p.seed for p in params], params[0].stop_token_ids))
+        script = self.rounds.pop(0)
+        assert len(script) <= len(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=t, finish_reason=f)])
+                for t, f in script]
+
+
+def test_only_closed_long_new_prompts_are_kept(smollm2_tokenizer, monkeypatch, capsys):
+    import lmkit
+
+    fake = _ScriptedLLM(smollm2_tokenizer, [
+        [("How do tides work?", "stop"),
+         ("  how do   TIDES work? ", "stop"),         # the same, case and spaces aside
+         ("Write me a very long prompt that", "length"),  # cut by max_tokens
+         ("Hi there", "stop"),                       # shorter than min_chars
+         (CHAT_PROMPTS[0], "stop"),                  # a benchmark prompt
+         ("Name three rivers in Africa.", "stop")],
+        [("Name three rivers in Africa.", "stop"),   # already kept in round 1
+         ("What is a prime number?", "stop")],
+    ])
+    monkeypatch.setattr(lmkit, "LLM", fake)
+    kept = write_prompts("m", 3, device="cpu", seed=5, progress=True)
+    assert kept == ["How do tides work?", "Name three rivers in Africa.",
+                    "What is a prime number?"]
+    (ids, seeds, stops), (_, seeds2, _) = fake.calls
+    opening, closing = user_turn_opening(smollm2_tokenizer)
+    assert ids[0] == {"prompt_token_ids": smollm2_tokenizer.encode(
+        opening, add_special_tokens=False)}
+    assert stops == [closing]
+    # every request its own seed, none reused in the second round
+    assert seeds == [5 * 1_000_003 + i for i in range(len(seeds))]
+    assert seeds2[0] == seeds[-1] + 1
+    assert "3 of 3 kept" in capsys.readouterr().err
+
+
+def test_too_few_prompts_after_every_round_says_so(smollm2_tokenizer, monkeypatch, capsys):
+    import lmkit
+
+    monkeypatch.setattr(lmkit, "LLM", _ScriptedLLM(
+        smollm2_tokenizer, [[("Tell me a story about a fox.", "stop")], [("x", "stop")]]))
+    assert write_prompts("m", 4, device="cpu", max_rounds=2) == [
+        "Tell me a story about a fox."]
+    assert "wrote 1 usable prompts of the 4 asked in 2 rounds" in capsys.readouterr().err
+
+
+def test_the_default_model_writes_reproducible_prompts(smollm2_dir, tmp_path):
+    first = write_prompts(str(smollm2_dir), 6, device="cpu", seed=3, max_tokens=48,
+                          progress=False)
+    assert len(first) == 6 and len({p.lower() for p in first}) == 6
+    assert not set(first) & set(CHAT_PROMPTS)
+    assert all(len(p) >= 12 and "<|im_" not in p for p in first)
+    out = tmp_path / "p.jsonl"
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "write-prompts", str(smollm2_dir), "--out", str(out), "--count", "6",
+        "--seed", "3", "--max-tokens", "48", "--device", "cpu"], env=ENV)
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.stdout and "(6 prompts)" in result.stdout
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--count", "0"], "--count must be at least 1 (got 0)"),
+    (["--temperature", "0"], "--temperature must be above 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--device", "tpu"], "--device 'tpu': use cpu or cuda"),
+])
+def test_bad_options_are_refused(tmp_path, args, message):
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "write-prompts", "some-model", "--out", str(tmp_path / "p.jsonl"), *args],
+        env=ENV)
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert not (tmp_path / "p.jsonl").exists()

@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 from lmkit.api import CHAT_PROMPTS
 from lmkit.cli.main import build_app
-from typer.testing import CliRunner
-
 from lmkit_plugins.spec.self_prompts import user_turn_opening, write_prompts
+from typer.testing import CliRunner
 
 ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
 

@@ -3,7 +3,7 @@
 # the default model (SmolLM2-135M-Instruct, GGUF) with `lmkit spec train-eagle` on a
 # prompt set disjoint from the benchmark's (SOURCE=tasks: bench/eagle_train_prompts.py's everyday
 # tasks first, `--tasks`; self: SELF_PROMPTS prompts the model writes itself, `lmkit spec
-# write-prompts`; both: the two sets together), then time the chat workload at batch 1 and
+# write-prompts`; both, the default: the two sets together), then time the chat workload at batch 1 and
 # 32 with no speculation beside eagle3 (the new head) and beside ngram, each pair in one
 # process (bench/spec_decode.py), and print the head's held-out accuracy.
 #
@@ -11,7 +11,7 @@
 #
 # The prompt set is written once ($OUT/prompts.jsonl; delete it to write another).
 # FEATURES=disk FEATURE_GB=N set the feature cache (train-eagle's --feature-cache, -gb).
-# PROMPTS (default 4000), STEPS (default 6000), BATCH (16), LR (1e-3), VOCAB (8192),
+# PROMPTS (task prompts, default 4000), SELF_PROMPTS (16000), STEPS (default 4000), BATCH (32), LR (1e-3), VOCAB (8192),
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
 # (triton) set the run. Bench runs, each beside plain decoding: eagle3, ngram, eagle3-off
 # (speculation off above OFF_ABOVE requests, default 16: batch 32 decodes plainly, run
@@ -21,7 +21,8 @@
 # off and drop runs, ADAPTIVE=0 the adaptive one; RUNS (e.g. "eagle3-adaptive eagle3")
 # names the runs outright. HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With
-# no step named both run (training ~5 minutes on an H200 at the defaults).
+# no step named both run (training ~13 minutes on an H200 at the defaults: prompts ~3,
+# answers ~4, features ~1, 4000 steps ~5; SOURCE=tasks PROMPTS=4000 takes ~6).
 set -euo pipefail
 out=${OUT:-eagle-gpu}
 gguf=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file}
@@ -32,7 +33,7 @@ mkdir -p "$out"
 for step in $steps; do
   case $step in
     train)
-      src=${SOURCE:-tasks}
+      src=${SOURCE:-both}
       case $src in tasks|self|both) ;; *) echo "SOURCE=$src: use tasks, self or both" >&2; exit 2 ;; esac
       if [[ ! -s $out/prompts.jsonl ]]; then
         [[ $src != self ]] && python3 "$here/eagle_train_prompts.py" "$out/tasks.jsonl" --count "${PROMPTS:-4000}" --tasks
@@ -42,7 +43,7 @@ for step in $steps; do
           > "$out/prompts.jsonl"
       fi
       lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
-        --max-steps "${STEPS:-6000}" --batch-size "${BATCH:-16}" --lr "${LR:-1e-3}" \
+        --max-steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --lr "${LR:-1e-3}" \
         --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \
         --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 --eval-prompts bench \
         --feature-cache "${FEATURES:-memory}" --feature-cache-gb "${FEATURE_GB:-8}" \

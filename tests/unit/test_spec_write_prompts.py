@@ -118,3 +118,14 @@ def test_bad_options_are_refused(tmp_path, args, message):
         env=ENV)
     assert result.exit_code != 0 and message in result.output, result.output
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_bulk_generation_decodes_more_requests_at_once_on_cuda():
+    from lmkit.config.schema import SchedulerConfig
+
+    from lmkit_plugins.spec.self_prompts import BULK_MAX_NUM_SEQS, bulk_llm_options
+
+    assert bulk_llm_options("cpu") == {"device": "cpu", "dtype": "float32"}
+    cuda = bulk_llm_options("cuda")
+    assert cuda["dtype"] == "bfloat16"
+    assert cuda["max_num_seqs"] == BULK_MAX_NUM_SEQS > SchedulerConfig().max_num_seqs

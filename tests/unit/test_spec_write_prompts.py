@@ -122,7 +122,6 @@ def test_bad_options_are_refused(tmp_path, args, message):
 
 def test_bulk_generation_decodes_more_requests_at_once_on_cuda():
     from lmkit.config.schema import SchedulerConfig
-
     from lmkit_plugins.spec.self_prompts import BULK_MAX_NUM_SEQS, bulk_llm_options
 
     assert bulk_llm_options("cpu") == {"device": "cpu", "dtype": "float32"}

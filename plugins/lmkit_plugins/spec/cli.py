@@ -48,9 +48,6 @@ def train_eagle(
                                             "kept in memory.")] = 8.0,
     feature_batch: Annotated[int, _opt("--feature-batch", "Sequences per forward of the "
                                        "target when computing features.")] = 16,
-    precision: Annotated[str, _opt("--precision", "auto (bf16-mixed on cuda, float32 on "
-                                   "cpu), float32, or bf16-mixed: products in bfloat16 "
-                                   "under autocast, weights and loss in float32.")] = "auto",
     holdout: Annotated[int | None, _opt("--holdout", "Sequences kept out of training to "
                                         "measure the head's draft accuracy at each "
                                         "checkpoint (default: 5% of a set of 100 or more, "
@@ -63,7 +60,7 @@ def train_eagle(
 
     from lmkit_plugins.spec.eagle_eval import report_line
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
-    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, PRECISIONS, train
+    from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
 
     device = _device(device, torch)
     for name, value in (("--max-steps", max_steps), ("--batch-size", batch_size),
@@ -80,8 +77,6 @@ def train_eagle(
     if feature_cache not in CACHE_MODES:
         raise ConfigError(f"--feature-cache {feature_cache!r}: use one of "
                           f"{', '.join(CACHE_MODES)}")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if feature_cache_gb < 0:
         raise ConfigError(f"--feature-cache-gb must be 0 or more (got {feature_cache_gb})")
     try:
@@ -91,7 +86,7 @@ def train_eagle(
                        feature_cache=feature_cache, feature_cache_gb=feature_cache_gb,
                        feature_batch=feature_batch, holdout=holdout,
                        lr_schedule=lr_schedule, warmup_steps=warmup_steps,
-                       eval_prompts=eval_prompts, precision=precision)
+                       eval_prompts=eval_prompts)
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]
@@ -99,7 +94,7 @@ def train_eagle(
     loss = f"loss {result['loss']:.4f}" if result["losses"] else "no step left to run"
     print(f"wrote {out} (step {result['step']}, {loss}"
           + (f", resumed from step {resumed}" if resumed is not None else "")
-          + f", feature cache: {result['feature_cache']}, {result['precision']})")
+          + f", feature cache: {result['feature_cache']})")
     ev = result["eval"] or {}
     reports = [("held-out draft accuracy", ev)] if "accuracy" in ev else []
     if "eval_prompts" in ev:

@@ -22,10 +22,7 @@ self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
    does (EAGLE-3's training-time test, weighted ``0.8 ** step``; the tokens are the
    data's, not the drafts).
    AdamW at ``--lr``, constant or (``--lr-schedule cosine``) decayed to zero at
-   ``--max-steps``, after ``--warmup-steps`` of linear warm-up. On CUDA the steps run in
-   ``bf16-mixed`` precision by default (``--precision``: the head's products in bfloat16
-   under autocast, its weights, optimizer state, the target's distribution and the loss
-   in float32; :func:`step_precision`); on the CPU in float32.
+   ``--max-steps``, after ``--warmup-steps`` of linear warm-up.
 4. **Checkpoints**: every ``--save-every`` steps and at the end, ``DIR/config.json`` and
    ``DIR/model.safetensors`` (the head) and ``DIR/train_state.pt`` (optimizer, step,
    random state). Running the command again on the same ``DIR`` resumes from there.
@@ -129,19 +126,6 @@ def draft_vocabulary(sequences: list[list[int]], size: int, vocab_size: int) -> 
 
 
 LR_SCHEDULES = ("constant", "cosine")
-PRECISIONS = ("auto", "float32", "bf16-mixed")
-
-
-def step_precision(precision: str, device: str) -> str:
-    """The precision training steps run in: ``float32``, or ``bf16-mixed`` (the head's
-    weights, optimizer state and loss in float32, its forward and backward products in
-    bfloat16 under autocast); ``auto`` is ``bf16-mixed`` on CUDA, ``float32`` on the CPU.
-    Evaluation always runs in float32."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if precision == "auto":
-        return "bf16-mixed" if device == "cuda" else "float32"
-    return precision
 
 
 def learning_rate(lr: float, step: int, max_steps: int, schedule: str, warmup: int) -> float:
@@ -184,12 +168,12 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
           feature_cache: str = "memory", feature_cache_gb: float = 8.0,
           feature_batch: int = 16, holdout: int | None = None,
           lr_schedule: str = "constant", warmup_steps: int = 0,
-          eval_prompts: str | Path | None = None, precision: str = "auto") -> dict[str, Any]:
+          eval_prompts: str | Path | None = None) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
     ``{"step", "loss", "resumed_from", "losses", "feature_cache", "eval"}`` (``losses``:
     this run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``;
-    ``eval``: the last held-out evaluation, ``None`` without held-out sequences;
-    ``precision``: the one the steps ran in). See the module docstring."""
+    ``eval``: the last held-out evaluation, ``None`` without held-out sequences). See the
+    module docstring."""
     from lmkit.api import load_hf_config
     from safetensors.torch import save_file
 
@@ -198,7 +182,6 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     if lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"learning-rate schedule {lr_schedule!r}: use one of "
                          f"{', '.join(LR_SCHEDULES)}")
-    precision = step_precision(precision, device)
     out.mkdir(parents=True, exist_ok=True)
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
     eval_source = None if eval_prompts is None else str(eval_prompts)
@@ -328,9 +311,8 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(lr, step, max_steps, lr_schedule, warmup_steps)
         embeds, taps_in, logits = loss_inputs(picks)
-        with torch.autocast(device, torch.bfloat16, enabled=precision == "bf16-mixed"):
-            loss = distill_loss(head, embeds, taps_in, [torch.softmax(x, -1) for x in logits],
-                                ttt_steps, batch_size, [firsts[i] for i in picks])
+        loss = distill_loss(head, embeds, taps_in, [torch.softmax(x, -1) for x in logits],
+                            ttt_steps, batch_size, [firsts[i] for i in picks])
         loss.backward()
         optimizer.step()
         step += 1
@@ -344,7 +326,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         save()
         evaluate()
     return {"step": step, "loss": loss_value, "resumed_from": resumed_from, "losses": losses,
-            "feature_cache": feature_cache, "eval": last_eval, "precision": precision}
+            "feature_cache": feature_cache, "eval": last_eval}
 
 
 def load_eval_prompts(source: str) -> list[str]:

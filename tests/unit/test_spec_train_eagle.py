@@ -118,7 +118,7 @@ def test_progress_in_a_log_is_one_line_per_tenth(capsys):
 
     update = _progress(True, 50, 0)
     for step in range(1, 51):
-        update(step, 6.0 - step / 50)
+        update(step, lambda step=step: 6.0 - step / 50)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 10 and lines[0].startswith("lmkit: training EAGLE-3 head: step 5 of 50 (10%)")
     assert "step 50 of 50 (100%), loss 5.0000" in lines[-1]

@@ -159,13 +159,26 @@ def distill_loss(head: TrainableEagle3, embeds: list[torch.Tensor], taps: list[t
     ``first`` (per sequence, default 0): the first row whose prediction counts. Rows
     before it (the prompt, which serving never drafts) are read as context only: the
     head attends to them, but their predictions add nothing to the loss."""
+    pad = torch.nn.utils.rnn.pad_sequence
     lengths = torch.tensor([len(e) for e in embeds], device=embeds[0].device)
     starts = torch.tensor(first if first is not None else [0] * len(embeds),
                           device=lengths.device)
-    pad = torch.nn.utils.rnn.pad_sequence
-    steps = head.unrolled(pad(embeds, batch_first=True), pad(taps, batch_first=True),
-                          min(ttt_steps, int(lengths.max())))
-    target = pad(want, batch_first=True)
+    return padded_distill_loss(head, pad(embeds, batch_first=True), pad(taps, batch_first=True),
+                               pad(want, batch_first=True), lengths, starts, ttt_steps,
+                               batch_size)
+
+
+def padded_distill_loss(head: TrainableEagle3, embeds: torch.Tensor, taps: torch.Tensor,
+                        want: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                        ttt_steps: int, batch_size: int) -> torch.Tensor:
+    """:func:`distill_loss` of a batch already right-padded: ``embeds [batch, rows,
+    hidden]``, ``taps [batch, rows, width]``, ``want [batch, rows, draft vocab]``,
+    ``lengths [batch]`` (real rows per sequence; padding rows must hold finite values,
+    which the loss masks) and ``starts [batch]`` (each sequence's first row that counts,
+    ``first`` of :func:`distill_loss`), all on one device. Nothing in it waits for the
+    device."""
+    steps = head.unrolled(embeds, taps, min(ttt_steps, embeds.shape[1]))
+    target = want
     loss = target.new_zeros(())
     for j, got in enumerate(steps):
         rows = (j + torch.arange(got.shape[1], device=lengths.device))[None, :]
@@ -174,5 +187,5 @@ def distill_loss(head: TrainableEagle3, embeds: list[torch.Tensor], taps: list[t
         ce = -(target[:, j:] * torch.log_softmax(got.float(), -1)).sum(-1)
         count = real.sum(-1)
         per_sequence = (ce * real).sum(-1) / count.clamp(min=1)
-        loss = loss + 0.8 ** j * per_sequence[count > 0].sum()
+        loss = loss + 0.8 ** j * per_sequence.sum()  # 0 where a sequence has no row
     return loss / batch_size

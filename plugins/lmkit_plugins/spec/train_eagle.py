@@ -42,12 +42,14 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmkit_plugins.models.llama import LlamaDims
+from lmkit_plugins.spec.eagle_batches import StepBatch, StepBatcher
 from lmkit_plugins.spec.eagle_eval import accuracy_report, holdout_split, report_line
 from lmkit_plugins.spec.eagle_features import (
     CACHE_MODES,
@@ -55,7 +57,7 @@ from lmkit_plugins.spec.eagle_features import (
     TargetFeatures,
     cache_bytes,
 )
-from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, distill_loss
+from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, padded_distill_loss
 from lmkit_plugins.spec.self_prompts import bulk_llm_options
 
 __all__ = ["TrainableEagle3", "train"]
@@ -261,11 +263,12 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         return (target.embed(seq[1:-1]), taps_out[:-2].to(device).float(),
                 final[1:-1].to(device).float() @ draft_rows.T)
 
-    def loss_inputs(picks: list[int]) -> tuple[list[torch.Tensor], ...]:
+    batcher = StepBatcher(target, draft_rows, device)
+
+    def step_inputs(picks: list[int]) -> StepBatch:
         seqs = [sequences[i] for i in picks]
         features = [cache.get(i) for i in picks] if cache is not None else target(seqs)
-        per_seq = [rows(s, t, f) for s, (t, f) in zip(seqs, features, strict=True)]
-        return tuple(list(column) for column in zip(*per_seq, strict=True))
+        return batcher(seqs, features, [firsts[i] for i in picks])
 
     to_draft = torch.full((dims.vocab_size,), -1, dtype=torch.int64)
     to_draft[ids] = torch.arange(len(ids))
@@ -302,7 +305,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         head.train()
         (out / "eval.json").write_text(json.dumps(last_eval, indent=1))
 
-    loss_value, losses = float("nan"), []
+    pending: list[torch.Tensor] = []  # this run's step losses, read back in groups
     bar = _progress(progress, max_steps, step)
     while step < max_steps:
         picks = [train_ids[j] for j in
@@ -310,21 +313,22 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         optimizer.zero_grad()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(lr, step, max_steps, lr_schedule, warmup_steps)
-        embeds, taps_in, logits = loss_inputs(picks)
-        loss = distill_loss(head, embeds, taps_in, [torch.softmax(x, -1) for x in logits],
-                            ttt_steps, batch_size, [firsts[i] for i in picks])
+        b = step_inputs(picks)
+        loss = padded_distill_loss(head, b.embeds, b.taps, b.want, b.lengths, b.starts,
+                                   ttt_steps, batch_size)
         loss.backward()
         optimizer.step()
         step += 1
-        loss_value = loss.item()  # the one host synchronisation of the step
-        losses.append(loss_value)
-        bar(step, loss_value)
+        pending.append(loss.detach())  # not read here: the host runs ahead of the device
+        bar(step, lambda: float(pending[-1]))
         if step % save_every == 0 or step == max_steps:
             save()
             evaluate()
     if resumed_from == max_steps or (step == 0 and max_steps == 0):
         save()
         evaluate()
+    losses = torch.stack(pending).tolist() if pending else []
+    loss_value = losses[-1] if losses else float("nan")
     return {"step": step, "loss": loss_value, "resumed_from": resumed_from, "losses": losses,
             "feature_cache": feature_cache, "eval": last_eval}
 
@@ -348,9 +352,11 @@ def _print_accuracy(progress: bool, what: str, report: dict[str, Any]) -> None:
 
 
 def _progress(enabled: bool, total: int, start: int) -> Any:
-    """Training progress on stderr (``update(step, loss)``): a rich bar on a terminal,
-    else one line per tenth of the steps (``lmkit: training EAGLE-3 head: step 80 of
-    800 (10%), loss 5.8213, 14 s``), so logs show it too; a no-op when disabled."""
+    """Training progress on stderr (``update(step, loss)``, ``loss`` a callable read only
+    when shown, since reading it waits for the device): a rich bar on a terminal (the
+    loss refreshed every 20 steps), else one line per tenth of the steps (``lmkit:
+    training EAGLE-3 head: step 80 of 800 (10%), loss 5.8213, 14 s``), so logs show it
+    too; a no-op when disabled."""
     if not enabled:
         return lambda step, loss: None
     import sys
@@ -359,10 +365,10 @@ def _progress(enabled: bool, total: int, start: int) -> Any:
     if not sys.stderr.isatty():
         began, every = time.monotonic(), max(1, total // 10)
 
-        def line(step: int, loss: float) -> None:
+        def line(step: int, loss: Callable[[], float]) -> None:
             if step % every == 0 or step >= total:
                 print(f"lmkit: training EAGLE-3 head: step {step} of {total} "
-                      f"({100 * step // max(total, 1)}%), loss {loss:.4f}, "
+                      f"({100 * step // max(total, 1)}%), loss {loss():.4f}, "
                       f"{time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
         return line
     from rich.console import Console
@@ -374,8 +380,11 @@ def _progress(enabled: bool, total: int, start: int) -> Any:
     task = bar.add_task("train", total=total, completed=start, loss="-")
     bar.start()
 
-    def update(step: int, loss: float) -> None:
-        bar.update(task, completed=step, loss=f"{loss:.4f}")
+    def update(step: int, loss: Callable[[], float]) -> None:
+        if step % 20 == 0 or step >= total:
+            bar.update(task, completed=step, loss=f"{loss():.4f}")
+        else:
+            bar.update(task, completed=step)
         if step >= total:
             bar.stop()
     return update

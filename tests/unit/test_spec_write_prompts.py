@@ -17,10 +17,27 @@ ENV = {"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
 def test_the_opening_is_the_chat_up_to_the_user_message(smollm2_tokenizer):
-    opening, closing = user_turn_opening(smollm2_tokenizer)
+    opening, closing, text = user_turn_opening(smollm2_tokenizer)
     assert opening.endswith("<|im_start|>user\n")
     assert opening.startswith("<|im_start|>system\n")  # the template's own system prompt
     assert closing == smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert text.startswith("<|im_end|>")
+
+
+def test_a_turn_closed_by_plain_text_stops_at_that_text(smollm2_tokenizer, monkeypatch):
+    """An ``[INST] ... [/INST]`` template closes the user's turn with ordinary tokens:
+    no stop token, so sampling stops at the closing text instead."""
+    import lmkit
+
+    inst = SimpleNamespace(
+        chat_template="{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}",
+        encode=smollm2_tokenizer.encode, all_special_ids=smollm2_tokenizer.all_special_ids)
+    assert user_turn_opening(inst) == ("[INST] ", None, "[/INST]")
+    fake = _ScriptedLLM(inst, [[("What is a comet made of?", "stop")]])
+    monkeypatch.setattr(lmkit, "LLM", fake)
+    assert write_prompts("m", 1, device="cpu", progress=False) == ["What is a comet made of?"]
+    params = fake.calls[0][3]
+    assert params.stop == ["[/INST]"] and params.stop_token_ids == []
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused(smollm2_tokenizer):
@@ -46,7 +63,8 @@ class _ScriptedLLM:
         return False
 
     def generate(self, prompts, params):
-        self.calls.append((prompts, [p.seed for p in params], params[0].stop_token_ids))
+        self.calls.append((prompts, [p.seed for p in params], params[0].stop_token_ids,
+                           params[0]))
         script = self.rounds.pop(0)
         assert len(script) <= len(prompts)
         return [SimpleNamespace(outputs=[SimpleNamespace(text=t, finish_reason=f)])
@@ -70,8 +88,9 @@ def test_only_closed_long_new_prompts_are_kept(smollm2_tokenizer, monkeypatch, c
     kept = write_prompts("m", 3, device="cpu", seed=5, progress=True)
     assert kept == ["How do tides work?", "Name three rivers in Africa.",
                     "What is a prime number?"]
-    (ids, seeds, stops), (_, seeds2, _) = fake.calls
-    opening, closing = user_turn_opening(smollm2_tokenizer)
+    (ids, seeds, stops, first), (_, seeds2, _, _) = fake.calls
+    opening, closing, _ = user_turn_opening(smollm2_tokenizer)
+    assert first.stop == []  # the stop token closes the turn
     assert ids[0] == {"prompt_token_ids": smollm2_tokenizer.encode(
         opening, add_special_tokens=False)}
     assert stops == [closing]

@@ -9,7 +9,8 @@ distribution the model was tuned on. A draft head trained on the model's answers
 them is trained where it will serve.
 
 A sampled prompt is kept when the model closed the turn itself (stopped at the token
-that ends a user turn, not cut by ``max_tokens``), its text has at least ``min_chars``
+that ends a user turn, or at the template's closing text where ordinary tokens close it;
+not cut by ``max_tokens``), its text has at least ``min_chars``
 characters, and it is new: not already kept and not one of ``exclude`` (by default the
 chat prompts of ``lmkit bench``, so a head is measured on prompts it never saw), both
 compared case- and space-insensitively. Sampling goes on in rounds until ``count`` are
@@ -35,11 +36,13 @@ BULK_MAX_NUM_SEQS = 256
 _MARK = "\u2063LMKIT-PROMPT\u2063"  # text no template produces on its own
 
 
-def user_turn_opening(tokenizer: Any) -> tuple[str, int | None]:
+def user_turn_opening(tokenizer: Any) -> tuple[str, int | None, str]:
     """The text a chat of one user message starts with, up to where the message would
-    go (the template's own system prompt included, as serving renders it), and the id
-    of the token that closes the user's turn (``None`` when the closing text does not
-    start with a special token; the model's end-of-sequence token still ends it).
+    go (the template's own system prompt included, as serving renders it); the id of
+    the token that closes the user's turn (``None`` when the closing text does not start
+    with a special token); and that closing text, stripped (a stop string where no
+    special token closes the turn, as in ``[INST] ... [/INST]`` templates; the model's
+    end-of-sequence token ends a turn either way).
 
     :raises ValueError: the tokenizer has no chat template, or its template does not
         put the message text into the prompt as given.
@@ -59,7 +62,7 @@ def user_turn_opening(tokenizer: Any) -> tuple[str, int | None]:
     closing = text[cut + len(_MARK):]
     ids = list(tokenizer.encode(closing, add_special_tokens=False)) if closing else []
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    return text[:cut], (ids[0] if ids and ids[0] in special else None)
+    return text[:cut], (ids[0] if ids and ids[0] in special else None), closing.strip()
 
 
 def bulk_llm_options(device: str) -> dict[str, Any]:
@@ -93,9 +96,10 @@ def write_prompts(model: str, count: int, *, device: str, seed: int = 0,
     kept: list[str] = []
     drawn = 0
     with LLM(model, **bulk_llm_options(device)) as llm:
-        opening, closing_id = user_turn_opening(llm.tokenizer)
+        opening, closing_id, closing_text = user_turn_opening(llm.tokenizer)
         ids = list(llm.tokenizer.encode(opening, add_special_tokens=False))
         stops = [] if closing_id is None else [closing_id]
+        texts = [closing_text] if closing_id is None and closing_text else []
         for _ in range(max_rounds):
             need = count - len(kept)
             if need <= 0:
@@ -103,7 +107,7 @@ def write_prompts(model: str, count: int, *, device: str, seed: int = 0,
             n = max(8, math.ceil(need * 1.3))  # some are cut or repeated
             params = [SamplingParams(temperature=temperature, top_p=top_p,
                                      max_tokens=max_tokens, seed=seed * 1_000_003 + drawn + i,
-                                     stop_token_ids=stops) for i in range(n)]
+                                     stop_token_ids=stops, stop=texts) for i in range(n)]
             outs = llm.generate([{"prompt_token_ids": ids}] * n, params)
             drawn += n
             for out in outs:

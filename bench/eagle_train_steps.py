@@ -56,7 +56,6 @@ def prepare(work: Path, layers: int, device: str, prompts: int) -> str:
     """The target, ``prompts`` prompts and one step (data and feature cache) in
     ``work/before``, copied to ``work/after``; returns the target's directory."""
     from lmkit.testing.tiny_model import make_tiny_model
-
     from lmkit_plugins.spec.train_eagle import train
 
     model = make_tiny_model(work / "target", vocab_size=49152, num_layers=layers,

@@ -147,3 +147,50 @@ def test_bulk_generation_decodes_more_requests_at_once_on_cuda():
     cuda = bulk_llm_options("cuda")
     assert cuda["dtype"] == "bfloat16"
     assert cuda["max_num_seqs"] == BULK_MAX_NUM_SEQS > SchedulerConfig().max_num_seqs
+
+
+def test_own_prompts_are_written_once_and_read_back(tmp_path, monkeypatch):
+    from lmkit_plugins.spec import self_prompts
+
+    calls = []
+
+    def fake_write(model, count, **kw):
+        calls.append(count)
+        return [f"Prompt number {i} here?" for i in range(count)]
+
+    monkeypatch.setattr(self_prompts, "write_prompts", fake_write)
+    assert self_prompts.own_prompts("m", tmp_path, 0, "cpu", 0, False) == []
+    first = self_prompts.own_prompts("m", tmp_path, 3, "cpu", 0, False)
+    assert first == [f"Prompt number {i} here?" for i in range(3)] and calls == [3]
+    # a run started again reads the file; a larger count writes a new set
+    assert self_prompts.own_prompts("m", tmp_path, 2, "cpu", 0, False) == first[:2]
+    assert calls == [3]
+    assert len(self_prompts.own_prompts("m", tmp_path, 5, "cpu", 0, False)) == 5
+    assert calls == [3, 5]
+
+
+@pytest.mark.slow  # the default model writes 3 prompts, answers them, 2 steps (CPU)
+def test_train_eagle_trains_on_prompts_the_model_wrote(smollm2_dir, tmp_path):
+    import torch
+
+    out = tmp_path / "head"
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "train-eagle", str(smollm2_dir), "--out", str(out), "--self-prompts", "3",
+        "--max-new-tokens", "16", "--max-steps", "2", "--device", "cpu", "--holdout", "0",
+        "--draft-vocab-size", "512"], env=ENV)
+    assert result.exit_code == 0, result.output
+    written = [json.loads(line)["prompt"] for line in
+               (out / "self_prompts.jsonl").read_text().splitlines()]
+    assert len(written) == 3 and not set(written) & set(CHAT_PROMPTS)
+    data = torch.load(out / "train_data.pt")
+    assert len(data["sequences"]) == 3  # only those: no --prompts, so no benchmark prompts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    shown = [tok.decode(s[:n]) for s, n in zip(data["sequences"], data["prompt_lens"],
+                                                strict=True)]
+    assert all(p in text for p, text in zip(written, shown, strict=True))
+    result = CliRunner().invoke(build_app(env=ENV), [
+        "spec", "train-eagle", str(smollm2_dir), "--out", str(out), "--self-prompts", "-1",
+        "--device", "cpu"], env=ENV)
+    assert result.exit_code != 0 and "--self-prompts must be 0 or more" in result.output

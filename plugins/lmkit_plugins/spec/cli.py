@@ -25,6 +25,10 @@ def train_eagle(
     prompts: Annotated[Path | None, _opt("--prompts", "JSONL prompt set, one {\"prompt\": "
                                          "...} per line (default: lmkit bench's chat prompts).")
                        ] = None,
+    self_prompts: Annotated[int, _opt("--self-prompts", "Also train on N prompts the model "
+                                      "writes itself (see write-prompts; kept in "
+                                      "OUT/self_prompts.jsonl). Without --prompts, only "
+                                      "on those.")] = 0,
     max_new_tokens: Annotated[int, _opt("--max-new-tokens", "Answer length per prompt.")] = 128,
     draft_vocab_size: Annotated[int, _opt("--draft-vocab-size", "Draft vocabulary size.")] = 32000,
     batch_size: Annotated[int, _opt("--batch-size", "Sequences per step.")] = 4,
@@ -69,6 +73,8 @@ def train_eagle(
                         ("--feature-batch", feature_batch)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1 (got {value})")
+    if self_prompts < 0:
+        raise ConfigError(f"--self-prompts must be 0 or more (got {self_prompts})")
     if warmup_steps < 0:
         raise ConfigError(f"--warmup-steps must be 0 or more (got {warmup_steps})")
     if lr_schedule not in LR_SCHEDULES:
@@ -86,7 +92,7 @@ def train_eagle(
                        feature_cache=feature_cache, feature_cache_gb=feature_cache_gb,
                        feature_batch=feature_batch, holdout=holdout,
                        lr_schedule=lr_schedule, warmup_steps=warmup_steps,
-                       eval_prompts=eval_prompts)
+                       eval_prompts=eval_prompts, self_prompts=self_prompts)
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec train-eagle: {e}") from e
     resumed = result["resumed_from"]

@@ -26,7 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bulk_llm_options", "user_turn_opening", "write_prompts", "write_jsonl"]
+__all__ = ["bulk_llm_options", "own_prompts", "user_turn_opening", "write_prompts",
+           "write_jsonl"]
 
 #: requests decoded at once when generating training data on CUDA (the engine's default,
 #: ``scheduler.max_num_seqs`` 64, suits serving; a bulk job of thousands of prompts on a
@@ -132,3 +133,20 @@ def write_jsonl(prompts: list[str], path: Path) -> None:
     """Write ``prompts`` as ``--prompts`` reads them: one ``{"prompt": ...}`` per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+
+def own_prompts(model: str, out: Path, count: int, device: str, seed: int,
+                progress: bool) -> list[str]:
+    """``train-eagle --self-prompts``: ``count`` prompts the model writes itself, kept in
+    ``out/self_prompts.jsonl`` (a file already there with that many is read instead, so
+    a run started again writes nothing); none when ``count`` is 0."""
+    if count <= 0:
+        return []
+    path = out / "self_prompts.jsonl"
+    if path.is_file():
+        kept = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
+        if len(kept) >= count:
+            return kept[:count]
+    kept = write_prompts(model, count, device=device, seed=seed, progress=progress)
+    write_jsonl(kept, path)
+    return kept

@@ -2,7 +2,9 @@
 self-distillation, in the checkpoint layout ``--speculative eagle3`` loads.
 
 1. **Data**: the target generates greedy answers to a prompt set (the chat prompts of
-   ``lmkit bench``, built in, or a JSONL file of ``{"prompt": ...}`` lines) with lmkit
+   ``lmkit bench``, built in, or a JSONL file of ``{"prompt": ...}`` lines, and/or
+   ``--self-prompts N`` prompts the target writes itself, kept in
+   ``DIR/self_prompts.jsonl``: :mod:`lmkit_plugins.spec.self_prompts`) with lmkit
    itself; the token sequences are kept in ``DIR/train_data.pt``.
 2. **Features**: the target (transformers) runs over the training sequences, several
    per forward (``--feature-batch``), giving the inputs of the three tapped layers
@@ -58,7 +60,7 @@ from lmkit_plugins.spec.eagle_features import (
     cache_bytes,
 )
 from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, padded_distill_loss
-from lmkit_plugins.spec.self_prompts import bulk_llm_options
+from lmkit_plugins.spec.self_prompts import bulk_llm_options, own_prompts
 
 __all__ = ["TrainableEagle3", "train"]
 
@@ -170,7 +172,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
           feature_cache: str = "memory", feature_cache_gb: float = 8.0,
           feature_batch: int = 16, holdout: int | None = None,
           lr_schedule: str = "constant", warmup_steps: int = 0,
-          eval_prompts: str | Path | None = None) -> dict[str, Any]:
+          eval_prompts: str | Path | None = None, self_prompts: int = 0) -> dict[str, Any]:
     """Train (or resume training) an EAGLE-3 head for ``model`` into ``out``; returns
     ``{"step", "loss", "resumed_from", "losses", "feature_cache", "eval"}`` (``losses``:
     this run's per-step losses; ``feature_cache``: ``memory``, ``disk`` or ``off``;
@@ -194,7 +196,9 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     need_eval = eval_source is not None and (data is None or (data.get("eval") or {}).get(
         "source") != eval_source)
     if data is None or need_eval:  # the target answers the prompts (one engine for both)
-        train_prompts = load_prompts(prompts) if data is None else []
+        train_prompts = [] if data is not None else (
+            (load_prompts(prompts) if prompts is not None or not self_prompts else [])
+            + own_prompts(model, out, self_prompts, device, seed, progress))
         extra = load_eval_prompts(eval_source) if need_eval else []
         model_dir, generated, lens = generate_data(model, train_prompts + extra,
                                                    max_new_tokens, device)

@@ -21,10 +21,10 @@ def test_staged_batches_equal_cpu_batches():
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(300, 64)
     draft_rows = torch.randn(40, 64)
-    host = SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: embedding))
+    host = SimpleNamespace(embed=lambda ids: embedding(ids).detach().float())
     cuda_embedding = torch.nn.Embedding(300, 64).cuda()
     cuda_embedding.weight.data.copy_(embedding.weight.data)
-    device = SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: cuda_embedding))
+    device = SimpleNamespace(embed=lambda ids: cuda_embedding(ids).detach().float())
     on_cpu = StepBatcher(host, draft_rows, "cpu")
     on_gpu = StepBatcher(device, draft_rows.cuda(), "cuda")
     steps = []

@@ -14,7 +14,8 @@ from lmkit_plugins.spec.eagle_trainable import distill_loss, padded_distill_loss
 def _target(vocab=50, hidden=32):
     torch.manual_seed(1)
     embedding = torch.nn.Embedding(vocab, hidden)
-    return SimpleNamespace(model=SimpleNamespace(get_input_embeddings=lambda: embedding))
+    return SimpleNamespace(embed=lambda ids: embedding(ids).detach().float(),
+                           embedding=embedding)
 
 
 def _features(sequences, width=96, hidden=32):
@@ -30,7 +31,7 @@ def test_a_batch_holds_each_sequences_rows_and_finite_padding():
     b = StepBatcher(target, draft_rows, "cpu")(sequences, features, [1, 0, 2])
     assert b.embeds.shape == (3, 4, 32) and b.want.shape == (3, 4, 20)
     assert b.lengths.tolist() == [4, 1, 2] and b.starts.tolist() == [1, 0, 2]
-    embedding = target.model.get_input_embeddings()
+    embedding = target.embedding
     for row, (s, (taps, final)) in enumerate(zip(sequences, features, strict=True)):
         n = len(s) - 2
         # row p: token p + 1, features at p, the target's distribution at p + 1

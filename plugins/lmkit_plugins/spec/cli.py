@@ -59,14 +59,13 @@ def train_eagle(
 ) -> None:
     """Train an EAGLE-3 head for MODEL from its own generations (self-distillation);
     use it with --speculative eagle3 --speculative-model OUT."""
-    import torch
     from lmkit.api import ConfigError
 
     from lmkit_plugins.spec.eagle_eval import report_line
     from lmkit_plugins.spec.eagle_features import CACHE_MODES
     from lmkit_plugins.spec.train_eagle import LR_SCHEDULES, train
 
-    device = _device(device, torch)
+    device = _device(device)
     for name, value in (("--max-steps", max_steps), ("--batch-size", batch_size),
                         ("--save-every", save_every), ("--max-new-tokens", max_new_tokens),
                         ("--draft-vocab-size", draft_vocab_size),
@@ -126,13 +125,12 @@ def write_prompts(
     """Write a chat prompt set sampled from MODEL itself (for train-eagle --prompts): the
     model continues its chat template's opening of a user turn; prompts it ended itself,
     new and not among lmkit bench's chat prompts, are kept."""
-    import torch
     from lmkit.api import ConfigError
 
     from lmkit_plugins.spec.self_prompts import write_jsonl
     from lmkit_plugins.spec.self_prompts import write_prompts as sample_prompts
 
-    device = _device(device, torch)
+    device = _device(device)
     for name, value in (("--count", count), ("--max-tokens", max_tokens)):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1 (got {value})")
@@ -151,8 +149,9 @@ def write_prompts(
     print(f"wrote {out} ({len(prompts)} prompts)")
 
 
-def _device(device: str, torch: Any) -> str:
+def _device(device: str) -> str:
     """``--device``: cpu or cuda, cuda by default when one is visible."""
+    import torch
     from lmkit.api import ConfigError
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

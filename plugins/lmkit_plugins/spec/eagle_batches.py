@@ -65,10 +65,10 @@ class StepBatcher:
             taps = pad_sequence([t[:-2] for t, _ in features], batch_first=True)
             final = pad_sequence([f[1:-1] for _, f in features], batch_first=True)
         taps, final = taps.to(self.device), final.to(self.device)
-        embeds = self.target.model.get_input_embeddings()(self._moved(tokens))
+        embeds = self.target.embed(self._moved(tokens))
         with torch.no_grad():
             want = torch.softmax(final.float() @ self.draft_rows.T, -1)
-        return StepBatch(embeds.detach().float(), taps.float(), want,
+        return StepBatch(embeds, taps.float(), want,
                          self._moved(torch.tensor(lengths)), self._moved(torch.tensor(starts)))
 
     def _moved(self, host: torch.Tensor) -> torch.Tensor:

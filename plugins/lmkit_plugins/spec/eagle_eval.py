@@ -81,8 +81,9 @@ def draft_accuracy(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]],
                    ttt_steps: int) -> list[float]:
     """Per draft position ``j``, the acceptance rate of the ``j``-th draft among chains
     whose earlier drafts were all accepted (module docstring); ``nan`` where no chain
-    reaches it. ``examples`` give ``(embeds [m, hidden], taps [m, width], target_logits
-    [m, draft vocab])`` of one sequence each, laid out as the training loss takes them
+    reaches it. ``examples`` give ``(embeds [m, hidden], taps [m, width], target [m, draft
+    vocab])`` of one sequence each (the target's logits or distribution: only its argmax
+    is read), laid out as the training loss takes them
     (:func:`~lmkit_plugins.spec.eagle_trainable.distill_loss`), optionally with a fourth
     item ``first``: chains starting before row ``first`` (the prompt, which serving
     never drafts) are not counted, and a fifth, ``truth [m]``: the draft id of the token

@@ -71,9 +71,9 @@ class TargetFeatures:
         taps = torch.cat([self._seen[i] for i in self.taps], -1)
         return [(taps[row, :len(s)], final[row, :len(s)]) for row, s in enumerate(sequences)]
 
-    def embed(self, tokens: list[int]) -> torch.Tensor:
-        """float32 ``[n, hidden]`` input embeddings of ``tokens`` (on the device)."""
-        ids = torch.tensor(tokens, device=self.device)
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[..., hidden]`` input embeddings of the token ``ids`` (a tensor of any
+        shape, on the device)."""
         return self.model.get_input_embeddings()(ids).detach().float()
 
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:

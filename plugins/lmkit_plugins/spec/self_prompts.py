@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bulk_llm_options", "own_prompts", "user_turn_opening", "write_prompts",
-           "write_jsonl"]
+__all__ = ["bulk_llm_options", "own_prompts", "read_jsonl", "user_turn_opening",
+           "write_prompts", "write_jsonl"]
 
 #: requests decoded at once when generating training data on CUDA (the engine's default,
 #: ``scheduler.max_num_seqs`` 64, suits serving; a bulk job of thousands of prompts on a
@@ -129,6 +129,23 @@ def write_prompts(model: str, count: int, *, device: str, seed: int = 0,
     return kept
 
 
+def read_jsonl(path: Path) -> list[str]:
+    """A prompt set as ``--prompts`` takes it: one ``{"prompt": ...}`` (or a JSON string)
+    per line, blank lines skipped.
+
+    :raises ValueError: a line that is neither.
+    """
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            item = json.loads(line)
+            prompt = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(prompt, str):
+                raise ValueError(f"{path}:{n}: expected a string or {{\"prompt\": \"...\"}}")
+            prompts.append(prompt)
+    return prompts
+
+
 def write_jsonl(prompts: list[str], path: Path) -> None:
     """Write ``prompts`` as ``--prompts`` reads them: one ``{"prompt": ...}`` per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +161,7 @@ def own_prompts(model: str, out: Path, count: int, device: str, seed: int,
         return []
     path = out / "self_prompts.jsonl"
     if path.is_file():
-        kept = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
+        kept = read_jsonl(path)
         if len(kept) >= count:
             return kept[:count]
     kept = write_prompts(model, count, device=device, seed=seed, progress=progress)

@@ -60,7 +60,7 @@ from lmkit_plugins.spec.eagle_features import (
     cache_bytes,
 )
 from lmkit_plugins.spec.eagle_trainable import TrainableEagle3, padded_distill_loss
-from lmkit_plugins.spec.self_prompts import bulk_llm_options, own_prompts
+from lmkit_plugins.spec.self_prompts import bulk_llm_options, own_prompts, read_jsonl
 
 __all__ = ["TrainableEagle3", "train"]
 
@@ -82,15 +82,7 @@ def load_prompts(path: Path | None) -> list[str]:
         from lmkit.api import CHAT_PROMPTS
 
         return list(CHAT_PROMPTS)
-    prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            item = json.loads(line)
-            prompt = item.get("prompt") if isinstance(item, dict) else item
-            if not isinstance(prompt, str):
-                raise ValueError(f"{path}:{n}: expected a string or {{\"prompt\": \"...\"}}")
-            prompts.append(prompt)
-    return prompts
+    return read_jsonl(Path(path))
 
 
 def generate_data(model: str, prompts: list[str], max_new_tokens: int, device: str
@@ -196,9 +188,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     need_eval = eval_source is not None and (data is None or (data.get("eval") or {}).get(
         "source") != eval_source)
     if data is None or need_eval:  # the target answers the prompts (one engine for both)
-        train_prompts = [] if data is not None else (
-            (load_prompts(prompts) if prompts is not None or not self_prompts else [])
-            + own_prompts(model, out, self_prompts, device, seed, progress))
+        train_prompts: list[str] = []
+        if data is None:  # --self-prompts alone trains on those only
+            if prompts is not None or not self_prompts:
+                train_prompts = load_prompts(prompts)
+            train_prompts += own_prompts(model, out, self_prompts, device, seed, progress)
         extra = load_eval_prompts(eval_source) if need_eval else []
         model_dir, generated, lens = generate_data(model, train_prompts + extra,
                                                    max_new_tokens, device)
@@ -261,12 +255,6 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                     "step": step, "generator": generator.get_state(), "draft_ids": ids},
                    state_path)
 
-    def rows(seq: list[int], taps_out: torch.Tensor, final: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # position p: token p + 1 and features at p -> the target's logits at p + 1
-        return (target.embed(seq[1:-1]), taps_out[:-2].to(device).float(),
-                final[1:-1].to(device).float() @ draft_rows.T)
-
     batcher = StepBatcher(target, draft_rows, device)
 
     def step_inputs(picks: list[int]) -> StepBatch:
@@ -279,8 +267,11 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
 
     def example(seq: list[int], first: int, features: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[Any, ...]:
-        # truth: the sequence's own next-next tokens (the target's greedy answer), draft ids
-        return (*rows(seq, *features), first, to_draft[torch.tensor(seq[2:])].to(device))
+        # a batch of one; truth: the sequence's own next-next tokens (the target's greedy
+        # answer), as draft ids
+        b = batcher([seq], [features], [first])
+        return (b.embeds[0], b.taps[0], b.want[0], first,
+                to_draft[torch.tensor(seq[2:])].to(device))
 
     def held_out(i: int) -> tuple[Any, ...]:
         s = sequences[i]

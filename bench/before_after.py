@@ -3,8 +3,33 @@ against the working tree (``output_processing.py``, ``scheduler_step.py``)."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import tarfile
 from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def revision_tree(rev: str, folder: str, into: Path) -> Path:
+    """The checkout's ``folder`` (``core``, ``plugins``) as of git revision ``rev``,
+    extracted under ``into``; returns ``into / folder``."""
+    archive = into / f"{folder}.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), rev, folder], cwd=ROOT, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / folder
+
+
+def env_first_on_path(path: Path | None) -> dict[str, str]:
+    """This process's environment with ``path`` first on ``PYTHONPATH`` (a revision's
+    packages imported before the working tree's); unchanged for ``None``."""
+    env = dict(os.environ)
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    return env
 
 
 def before_after(label: str, run: Callable[[str], float], rounds: int) -> dict[str, list[float]]:

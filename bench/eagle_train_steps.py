@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import before_after  # noqa: E402
+from before_after import before_after, env_first_on_path, revision_tree  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(max_new_tokens=128, draft_vocab_size=8192, batch_size=32, lr=1e-3,
                save_every=10**6, holdout=0, feature_batch=64, feature_cache="disk")
 
@@ -85,17 +82,12 @@ def main() -> None:
     losses: dict[str, list[float]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        subprocess.run(["git", "archive", "-o", str(work / "plugins.tar"), args.rev,
-                        "plugins"], cwd=ROOT, check=True)
-        with tarfile.open(work / "plugins.tar") as tar:
-            tar.extractall(work / "rev", filter="data")
+        (work / "rev").mkdir()
+        plugins = revision_tree(args.rev, "plugins", work / "rev")
         model = prepare(work, args.layers, args.device, args.prompts)
 
         def run(name: str) -> float:
-            env = dict(os.environ)
-            if name == "before":  # the revision's plugins first on the path
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [
-                    str(work / "rev" / "plugins"), env.get("PYTHONPATH")]))
+            env = env_first_on_path(plugins if name == "before" else None)
             code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import eagle_train_steps as b; b.side({model!r}, "
                     f"{str(work / name)!r}, {args.device!r}, {args.steps})")

@@ -14,18 +14,14 @@ GPU's step, and sets the step rate where it is the longer of the two.)
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import before_after  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from before_after import before_after, env_first_on_path, revision_tree  # noqa: E402
 
 
 def time_steps(batch: int, steps: int) -> float:
@@ -58,9 +54,7 @@ def time_steps(batch: int, steps: int) -> float:
 
 
 def _side(core: Path | None, batch: int, steps: int) -> float:
-    env = dict(os.environ)
-    if core is not None:  # the revision's lmkit first on the path
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(core), env.get("PYTHONPATH")]))
+    env = env_first_on_path(core)  # the revision's lmkit first, for "before"
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             f"import scheduler_step as s; print(s.time_steps({batch}, {steps}))")
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
@@ -76,12 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "core.tar"
-        subprocess.run(["git", "archive", "-o", str(archive), args.rev, "core"], cwd=ROOT,
-                       check=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
-        sides = {"before": Path(tmp) / "core", "after": None}
+        sides = {"before": revision_tree(args.rev, "core", Path(tmp)), "after": None}
         for batch in args.batch:
             before_after(f"batch {batch:4d}",
                          lambda name, batch=batch: _side(sides[name], batch, args.steps),

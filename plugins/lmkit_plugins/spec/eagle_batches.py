@@ -61,10 +61,9 @@ class StepBatcher:
         tokens = pad_sequence([torch.tensor(s[1:-1]) for s in sequences], batch_first=True)
         if features[0][0].device.type == "cpu" and self.device != "cpu":
             taps, final = self._staged(features, lengths)
-        else:
+        else:  # already where training runs: the CPU, or the target's own output
             taps = pad_sequence([t[:-2] for t, _ in features], batch_first=True)
             final = pad_sequence([f[1:-1] for _, f in features], batch_first=True)
-        taps, final = taps.to(self.device), final.to(self.device)
         embeds = self.target.embed(self._moved(tokens))
         with torch.no_grad():
             want = torch.softmax(final.float() @ self.draft_rows.T, -1)

@@ -12,7 +12,9 @@ never saw). Per row: output tokens/s of both sides, the speedup (and each pair's
 the mean accepted length (tokens emitted per verification: 1 + accepted drafts), the
 draft acceptance rate, whether the greedy outputs were identical (they must be) and, on
 CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
-graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly).
+graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly), and the
+Triton compiles during each timed run, per side (``jit_compiles_per_run``; the kernels in
+``jit_compiled``: a compile in a timed run costs it up to a second).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
@@ -62,14 +64,17 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     tokens: dict[str, list[list[int]]] = {}
     for llm in engines.values():
         llm.generate([workload.prompts[0][:32]] * 2, warm)
+    compiles = _watch_jit_compiles()
+    compiled: dict[str, list[str]] = {"plain": [], "spec": []}
     graphs = _graph_runner(engines["spec"])
     replays_before = graphs.num_flattened_replays if graphs is not None else 0
     before = engines["spec"].stats()
     for r in range(repeats):
         for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
-            t0 = time.perf_counter()
+            seen, t0 = len(compiles), time.perf_counter()
             outs = engines[name].generate(workload.prompts, params)
             times[name].append(time.perf_counter() - t0)
+            compiled[name].append(compiles[seen:])
             tokens[name] = [o.outputs[0].token_ids for o in outs]
     after = engines["spec"].stats()
     graph_steps = graphs.num_flattened_replays - replays_before if graphs is not None else 0
@@ -91,8 +96,18 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
                 after[f"spec_acceptance_rate_pos_{j}"] for j in range(64)
                 if f"spec_acceptance_rate_pos_{j}" in after],
             "outputs_identical": tokens["plain"] == tokens["spec"],
+            "jit_compiles_per_run": {k: [len(c) for c in v] for k, v in compiled.items()},
+            "jit_compiled": {k: [e for c in v for e in c] for k, v in compiled.items()},
             "graph_verify_steps": graph_steps,
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
+
+
+def _watch_jit_compiles() -> list[str]:
+    """Triton compiles from now on (``bench/gpu_run_watch.py``; empty off CUDA)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_run_watch import watch_jit_compiles
+
+    return watch_jit_compiles()
 
 
 def _graph_runner(llm: Any) -> Any:
@@ -151,7 +166,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"  mean accepted length {r['mean_accepted_length']:4.2f}"
             f"  acceptance {r['acceptance_rate']:.2f}"
             f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
-            f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}")
+            f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}"
+            f"  JIT compiles per timed run {r.get('jit_compiles_per_run')}")
 
 
 def main() -> None:

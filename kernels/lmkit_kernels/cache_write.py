@@ -48,7 +48,11 @@ def round_to_e4m3(x):
     return tl.where(r == 0.0, x * 0.0, tl.where(x < 0, -r, r))  # (keeps the sign of zero)
 
 
-@triton.jit
+# The slot mapping may be a view at any 8-byte offset (the spec path's steps slice it);
+# specialising on its 16-byte alignment would compile a second variant, about a second
+# in the middle of serving (seen: the first EAGLE-3 request on an H200). One slot is
+# read per program, so the alignment buys nothing.
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, inv_k_scale, inv_v_scale,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,

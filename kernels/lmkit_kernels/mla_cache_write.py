@@ -20,7 +20,8 @@ from lmkit_kernels.checks import FLOAT_DTYPES, check_slot_mapping, check_tensor,
 __all__ = ["mla_cache_write"]
 
 
-@triton.jit
+# (slot mapping views at any offset: see lmkit_kernels.cache_write)
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _mla_cache_write_kernel(
     kv_c_ptr, k_pe_ptr, cache_ptr, slot_mapping_ptr,
     stride_c_tok, stride_p_tok, stride_cache_block, stride_cache_slot,

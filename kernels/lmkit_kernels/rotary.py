@@ -34,7 +34,8 @@ __all__ = ["rotary_qk_", "rotary_qk_ref"]
 _HEADS_PER_PROGRAM = 8
 
 
-@triton.jit
+# (slot mapping views at any offset: see lmkit_kernels.cache_write)
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _rotary_qk_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, slot_ptr,
     stride_tok, stride_cos, stride_sin, eps, inv_head_size, num_slots,

@@ -22,7 +22,8 @@ from lmkit_kernels.pdl import pdl_launch_args, pdl_wait
 __all__ = ["rotary_cos_sin", "rotary_cos_sin_ref"]
 
 
-@triton.jit
+# positions may be a view at any offset, like slot mappings (lmkit_kernels.cache_write)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr,
                     HALF_PAD: tl.constexpr, ACCURATE: tl.constexpr,
                     USE_PDL: tl.constexpr = False):

@@ -14,7 +14,9 @@ draft acceptance rate, whether the greedy outputs were identical (they must be) 
 CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
 graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly), and the
 Triton compiles during each timed run, per side (``jit_compiles_per_run``; the kernels in
-``jit_compiled``: a compile in a timed run costs it up to a second).
+``jit_compiled``: a compile in a timed run costs it up to a second), and with a draft
+head on CUDA the verifications launched ahead (``spec_lookahead``: launched, used,
+discarded, and used with the step after them queued on the device, ``stepped``).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
@@ -69,6 +71,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     graphs = _graph_runner(engines["spec"])
     replays_before = graphs.num_flattened_replays if graphs is not None else 0
     before = engines["spec"].stats()
+    ahead = _lookahead_stats(engines["spec"])
     for r in range(repeats):
         for name in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
             seen, t0 = len(compiles), time.perf_counter()
@@ -77,6 +80,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             compiled[name].append(compiles[seen:])
             tokens[name] = [o.outputs[0].token_ids for o in outs]
     after = engines["spec"].stats()
+    ahead = {k: v - ahead.get(k, 0) for k, v in _lookahead_stats(engines["spec"]).items()}
     graph_steps = graphs.num_flattened_replays - replays_before if graphs is not None else 0
     for llm in engines.values():
         llm.shutdown()
@@ -99,6 +103,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             "jit_compiles_per_run": {k: [len(c) for c in v] for k, v in compiled.items()},
             "jit_compiled": {k: [e for c in v for e in c] for k, v in compiled.items()},
             "graph_verify_steps": graph_steps,
+            "spec_lookahead": ahead,
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
 
 
@@ -108,6 +113,15 @@ def _watch_jit_compiles() -> list[str]:
     from gpu_run_watch import watch_jit_compiles
 
     return watch_jit_compiles()
+
+
+def _lookahead_stats(llm: Any) -> dict[str, int]:
+    """The speculative engine's launched-ahead verifications so far (CUDA graphs, a draft
+    head; ``lmkit.worker.spec_lookahead``): launched, used, discarded, and ``stepped``
+    (used with the step after them queued on the device); empty without them."""
+    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
+    ahead = getattr(runner, "spec_lookahead", None)
+    return dict(vars(ahead.stats)) if ahead is not None else {}
 
 
 def _graph_runner(llm: Any) -> Any:
@@ -167,7 +181,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"  acceptance {r['acceptance_rate']:.2f}"
             f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
             f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}"
-            f"  JIT compiles per timed run {r.get('jit_compiles_per_run')}")
+            f"  JIT compiles per timed run {r.get('jit_compiles_per_run')}"
+            f"  launched ahead {r.get('spec_lookahead')}")
 
 
 def main() -> None:

@@ -7,6 +7,10 @@ at ``--batch 1``, else ``--batch`` at once); each engine's table goes to
 to stdout::
 
     python bench/spec_host_profile.py --out prof --k 3 --batch 1
+    python bench/spec_host_profile.py --out prof --model smol.gguf --speculative-model HEAD
+
+(``--model`` with ``--speculative-model``: that target and head on the built-in chat
+prompts instead, answers ending at EOS, so drafts are accepted as in serving.)
 
 Needs CUDA (a host profile of graph replays; on the CPU the model's compute dominates).
 ``cProfile`` slows Python down, so the steps' times printed are inflated; compare the
@@ -33,10 +37,9 @@ def profile_side(llm, prompts: list, params, batch: int, out: Path, name: str) -
     start = time.perf_counter()
     prof.enable()
     if batch == 1:
-        for prompt in prompts:
-            llm.generate([prompt], params)
+        outs = [o for prompt in prompts for o in llm.generate([prompt], params)]
     else:
-        llm.generate(prompts, params)
+        outs = llm.generate(prompts, params)
     prof.disable()
     seconds = time.perf_counter() - start
     steps = llm.stats().get("num_steps", 0) - steps0
@@ -45,7 +48,7 @@ def profile_side(llm, prompts: list, params, batch: int, out: Path, name: str) -
     stats.sort_stats("tottime").print_stats(50)
     stats.sort_stats("cumulative").print_stats(80)
     (out / f"prof_{name}.txt").write_text(text.getvalue())
-    tokens = len(prompts) * params.max_tokens
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return (f"{name}: {steps} steps, {1e3 * seconds / max(steps, 1):.3f} ms per step and "
             f"{1e3 * seconds / tokens:.3f} ms per token under cProfile")
 
@@ -58,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per side (batch 1)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--model", help="target (default: a random SmolLM2-shaped model)")
+    ap.add_argument("--speculative-model", help="its EAGLE-3 head (with --model)")
     args = ap.parse_args(argv)
+    if bool(args.model) != bool(args.speculative_model):
+        ap.error("--model and --speculative-model go together")
 
     import torch
     if not torch.cuda.is_available():
@@ -68,9 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     from spec_pair import random_prompts, synthetic_pair
 
     args.out.mkdir(parents=True, exist_ok=True)
-    target, head = synthetic_pair(Path(tempfile.mkdtemp(prefix="spec-profile-")))
-    prompts = random_prompts(args.requests if args.batch == 1 else args.batch)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    n = args.requests if args.batch == 1 else args.batch
+    if args.model:
+        from lmkit.benchmarking.workload import chat_workload
+        from lmkit.loading.resolve import resolve_model
+        from lmkit.loading.tokenizer import load_tokenizer
+        from lmkit.plugin_host.manager import PluginHost
+
+        target = resolve_model(args.model, PluginHost.load())
+        head = Path(args.speculative_model)
+        tokenizer = load_tokenizer(Path(target))
+        prompts = [{"prompt_token_ids": p}
+                   for p in chat_workload(tokenizer, n, args.output_len).prompts]
+    else:
+        target, head = synthetic_pair(Path(tempfile.mkdtemp(prefix="spec-profile-")))
+        prompts = random_prompts(n)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                            ignore_eos=not args.model)
     sides = {"spec": dict(speculative="eagle3", speculative_model=str(head),
                           num_speculative_tokens=args.k), "plain": {}}
     for name, spec in sides.items():

@@ -129,6 +129,13 @@ class ExecutorConfig(BackendSection):
         "scheduler.max_num_batched_tokens) run through piecewise CUDA graphs: mixed "
         "prefill+decode steps and prefill chunks replay the forward captured between "
         "attention calls, attention running eagerly in between. 0 turns them off.")
+    flat_step_max_tokens: int = Field(
+        64, ge=0, le=512, description="Steps of at most this many tokens (short prompts, "
+        "small mixed steps) replay the decode CUDA graphs flattened, one decode row per "
+        "token, instead of the piecewise graphs (whose eager attention call per layer "
+        "costs more host time than such a step's GPU work), while their rows re-read at "
+        "most 1,024 cached positions per token. Decode graphs are captured up to this "
+        "size. 0 turns it off.")
 
 
 class ParallelConfig(Section):

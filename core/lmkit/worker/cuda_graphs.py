@@ -31,6 +31,8 @@ triton and flashinfer backends all do), so the row of token ``p`` sees the draft
 before it and nothing after. The rows come out in the step's token order. With
 speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (at most
 :data:`MAX_CAPTURE_SIZE`); a larger step runs eagerly.
+
+Any other short step replays flattened the same way (:mod:`lmkit.worker.flat_steps`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
+from lmkit.worker.flat_steps import fits_flat, flat_step_tokens
 from lmkit.worker.graph_stream import capture_stream
 from lmkit.worker.replay_buffers import ReplayBuffers
 
@@ -88,6 +91,9 @@ class CudaGraphRunner:
             1 for plain decode, ``1 + k`` with ``k`` speculative tokens (verification
             steps are replayed flattened, one row per token). The largest captured size
             is ``max_num_seqs * max_query_len`` (at most :data:`MAX_CAPTURE_SIZE`).
+        flat_tokens: steps of at most this many tokens replay flattened whatever their
+            query lengths (:func:`~lmkit.worker.flat_steps.fits_flat`); the captured
+            sizes reach it. 0: only ``max_query_len`` decides.
         aux_layers: the target layers whose inputs a draft head reads (EAGLE-3,
             :attr:`lmkit.api.ForwardContext.aux_hidden_layers`); the graphs capture them
             as extra outputs, so verification steps replay with them too.
@@ -112,7 +118,7 @@ class CudaGraphRunner:
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  use_graphs: bool = True, max_query_len: int = 1,
                  aux_layers: tuple[int, ...] = (), num_staging: int = 2,
-                 chain: int = 1) -> None:
+                 chain: int = 1, flat_tokens: int = 0) -> None:
         self.model = model
         self.chain = max(1, chain)
         self.aux_layers = tuple(aux_layers)
@@ -128,8 +134,9 @@ class CudaGraphRunner:
         self.device = device
         self.block_size = block_size
         self.max_query_len = max(1, max_query_len)
-        self.sizes = capture_sizes(max_num_seqs * self.max_query_len)
+        self.sizes = capture_sizes(max(max_num_seqs * self.max_query_len, flat_tokens))
         self.max_bs = self.sizes[-1]
+        self.flat_tokens = min(flat_tokens, self.max_bs)
         self.max_blocks = -(-max_model_len // block_size) + 1
         # the graphs' input buffers and their host staging
         self.buffers = ReplayBuffers(self.max_bs, self.max_blocks, self.chain - 1, device,
@@ -235,12 +242,14 @@ class CudaGraphRunner:
         return self.sizes[i]
 
     def can_replay(self, step: StepInputs) -> bool:
-        """Whether ``step`` can run through a graph: at most :attr:`max_query_len` query
-        tokens per request (1: pure decode; ``1 + k``: speculative verification) and at
-        most the largest captured size in all."""
+        """Whether ``step`` can run through a graph: at most the largest captured size
+        in all, and at most :attr:`max_query_len` query tokens per request (1: pure
+        decode; ``1 + k``: speculative verification) or a short step
+        (:func:`~lmkit.worker.flat_steps.fits_flat` with :attr:`flat_tokens`)."""
         n = step.num_tokens
-        return (0 < n <= self.max_bs and int(step.num_scheduled.max()) <= self.max_query_len
-                and step.block_tables.shape[1] <= self.max_blocks)
+        return (0 < n <= self.max_bs and step.block_tables.shape[1] <= self.max_blocks
+                and (int(step.num_scheduled.max()) <= self.max_query_len
+                     or fits_flat(self.flat_tokens, step.num_scheduled, step.num_computed)))
 
     def replay(self, step: StepInputs, aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden
@@ -360,7 +369,8 @@ def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
     They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
     backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly). With a
     speculative proposer in the stack, verification steps (``1 + k`` tokens per
-    request) are replayed too, flattened; ``aux_layers`` (an EAGLE-3 head's target
+    request) are replayed too, flattened, and so are short steps of a causal model
+    (``executor.flat_step_max_tokens``); ``aux_layers`` (an EAGLE-3 head's target
     layers) are captured as extra outputs.
     """
     if device.type != "cuda" or config.executor.enforce_eager:
@@ -373,8 +383,9 @@ def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
         return None
     spec_k = (config.speculative.num_speculative_tokens
               if stack.get("speculative") is not None else 0)
+    flat_tokens = flat_step_tokens(config.executor.flat_step_max_tokens, model, len(kv_caches))
     graphs = CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
                              max_model_len, config.cache.block_size, max_query_len=1 + spec_k,
-                             aux_layers=aux_layers)
+                             aux_layers=aux_layers, flat_tokens=flat_tokens)
     graphs.capture()
     return graphs

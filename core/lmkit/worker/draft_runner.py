@@ -28,16 +28,14 @@ the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) an
 ``max_model_len``.
 
 When the target's decode runs in CUDA graphs, so do the head's passes
-(:mod:`lmkit.worker.draft_graphs`): the draft passes (with their greedy drafts, fed
-to the next pass on the device, when the head declares ``supports_graph_drafts``), and
-the catch-up pass after a decode or verification step (at most ``1 + k`` kept
-positions per request), flattened.
+(:mod:`lmkit.worker.draft_graphs`): the draft passes (greedy drafts fed to the next
+pass on the device with ``supports_graph_drafts``), and the catch-up pass after a
+decode, verification or short step (:mod:`lmkit.worker.flat_steps`), flattened.
 
 Prefix caching: a request that starts on cached blocks reuses the head KV that the
-request which computed those blocks wrote there (the head runs for every computed
-position, so a cached block's head KV is that of the same tokens; only its last slot
-was paired with the next token of that request, which may differ). The drafts may then
-be a little worse for that request; verification keeps outputs exact either way.
+request which computed those blocks wrote there (that of the same tokens; only the last
+slot was paired with that request's next token, which may differ): its drafts may be a
+little worse, its outputs are exact either way.
 """
 
 from __future__ import annotations
@@ -57,6 +55,7 @@ from lmkit.errors import PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
+from lmkit.worker.flat_steps import fits_flat
 from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
@@ -102,6 +101,7 @@ class DraftRunner:
         # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
         self.sampled_graphs: DraftPassGraphs | None = None
         self.sampled_catch_up_graphs: DraftPassGraphs | None = None
+        self.flat_tokens = 0  # short steps the catch-up replays flattened (the target's)
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
@@ -125,19 +125,15 @@ class DraftRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block of the head's KV cache takes (all its layers)."""
-        return memory.kv_bytes_per_block(self._kv_groups())
+        return memory.kv_bytes_per_block(self.kv_groups())
 
     def kv_groups(self) -> tuple[KVCacheGroup]:
         """The head's KV cache group (its layers on its one backend)."""
-        return self._kv_groups()
+        return one_kv_cache_group(self.proposer.attn, self.proposer.num_kv_layers)
 
     def allocate(self, num_blocks: int) -> None:
         """Allocate the head's KV caches: ``num_blocks`` blocks, as many as the target's."""
-        self.kv_caches = memory.allocate_kv_caches(self._kv_groups(), num_blocks, self.device)
-
-    def _kv_groups(self) -> tuple[KVCacheGroup]:
-        """The head's layers, all on its one backend."""
-        return one_kv_cache_group(self.proposer.attn, self.proposer.num_kv_layers)
+        self.kv_caches = memory.allocate_kv_caches(self.kv_groups(), num_blocks, self.device)
 
     def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
                        dtype: torch.dtype) -> None:
@@ -145,12 +141,13 @@ class DraftRunner:
         graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly):
         the ``k - 1`` draft passes (one row per request, with ``hidden_size``) and, with
         ``target_feature_size``, decode-like catch-up passes (one row per kept position,
-        up to ``1 + k`` per request); with ``samples_drafts`` (and graph drafts) a
-        second, sampling set of both."""
+        up to ``1 + k`` per request, or a short step's: the target's ``flat_tokens``);
+        with ``samples_drafts`` (and graph drafts) a second, sampling set of both."""
         proposer = self.proposer
         if not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
         args = (self.max_model_len, self.block_size)
+        self.flat_tokens = target_graphs.flat_tokens if target_graphs is not None else 0
         drafts = proposer.supports_graph_drafts
         for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
             passes = catch_up = None
@@ -164,8 +161,8 @@ class DraftRunner:
             if proposer.target_feature_size > 0:
                 catch_up = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
-                    dtype, max_num_seqs * (1 + self.k), *args, drafts=drafts,
-                    sampling=sampling)
+                    dtype, max(max_num_seqs * (1 + self.k), self.flat_tokens), *args,
+                    drafts=drafts, sampling=sampling)
             if sampling:
                 self.sampled_graphs, self.sampled_catch_up_graphs = passes, catch_up
             else:
@@ -346,15 +343,17 @@ class DraftRunner:
         head's output per kept position and, when the replay took them, the drafts
         there and (sampled: ``sampler`` and the drafters' ``last_rows``) the rows'
         candidates and probabilities, else ``None``: take them from the output. After a
-        decode or verification step (at most ``1 + k`` kept per request) it replays
-        the catch-up graphs, flattened: one decode row per position, its request's
-        block table; else it runs eagerly."""
+        decode or verification step (at most ``1 + k`` kept per request) or a short
+        step (:func:`~lmkit.worker.flat_steps.fits_flat`) it replays the catch-up
+        graphs, flattened: one decode row per position, its request's block table; else
+        it runs eagerly."""
         graphs = self.catch_up_graphs
         if sampler is not None and self.sampled_catch_up_graphs is not None:
             graphs = self.sampled_catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
-                and int(kept.max()) <= 1 + self.k and tables.shape[1] <= graphs.max_blocks):
+                and tables.shape[1] <= graphs.max_blocks and (int(kept.max()) <= 1 + self.k
+                or fits_flat(self.flat_tokens, kept, seq_lens - kept))):
             if features.shape[1] != graphs.width:
                 raise PluginError(
                     f"speculative proposer {type(self.proposer).__qualname__} declares "

@@ -70,12 +70,13 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
 
 
 
-def padded_replays(monkeypatch):
+def padded_replays(monkeypatch, flat_tokens: int = 0):
     """Make the runner verify, and the head catch up and draft, through the graph
     runners' padded, fixed-buffer forwards on the CPU (``use_graphs=False``: the graph
     path without capture), the padding rows' cache writes (slot -1) sent to the null
-    block 0. Returns the target's graph runners and the draft runners (their
-    ``graphs`` and ``catch_up_graphs`` count the passes replayed)."""
+    block 0; steps of at most ``flat_tokens`` tokens replay flattened
+    (:mod:`lmkit.worker.flat_steps`). Returns the target's graph runners and the draft
+    runners (their ``graphs`` and ``catch_up_graphs`` count the passes replayed)."""
     import lmkit.worker.model_runner as model_runner
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.draft_runner import DraftRunner
@@ -97,7 +98,8 @@ def padded_replays(monkeypatch):
         made.append(CudaGraphRunner(
             model, kv_caches, device, config.scheduler.max_num_seqs, max_model_len,
             config.cache.block_size, use_graphs=False,
-            max_query_len=1 + config.speculative.num_speculative_tokens, aux_layers=aux_layers))
+            max_query_len=1 + config.speculative.num_speculative_tokens, aux_layers=aux_layers,
+            flat_tokens=flat_tokens))
         return made[-1]
 
     monkeypatch.setattr(TorchAttention, "plan", plan_scratch_padding)

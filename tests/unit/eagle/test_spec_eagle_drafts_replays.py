@@ -41,6 +41,22 @@ def test_drafts_equal_a_dense_reference_through_graph_replays(tiny, heads, monke
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_short_steps_replay_flattened_for_target_and_head(tiny, heads, monkeypatch, proposer):
+    """With short steps flattened (``executor.flat_step_max_tokens``), prompts run
+    through the decode graphs too and the head catches up on them through its catch-up
+    graphs: no eager catch-up at all, and the drafts still equal the dense reference."""
+    runners, drafters = padded_replays(monkeypatch, flat_tokens=64)
+    got, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, max_num_seqs=8)
+    steps_with_prompts = runners[0].num_flattened_replays
+    assert drafters[0].num_eager_catch_ups == 0 and drafters[0].num_flattened_catch_ups > 0
+    assert runners[0].max_bs >= 64 and steps_with_prompts > 5
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = [key for key, drafts in got.items()
+             if drafts != reference.drafts(list(key[1]), len(drafts))]
+    assert len(got) > 20 and not wrong, f"{len(wrong)} of {len(got)} drafts differ"
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 @pytest.mark.parametrize("mode", ["in-graph", "broken-feed", "eager-argmax"])
 def test_draft_passes_take_their_drafts_in_the_replay(tiny, heads, monkeypatch, proposer,
                                                       mode):

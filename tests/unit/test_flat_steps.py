@@ -58,6 +58,8 @@ def test_fits_flat_bounds_tokens_and_reads():
     long = FLAT_READS_PER_TOKEN * 2
     assert not fits_flat(64, np.array([8]), np.array([long]))
     assert fits_flat(64, np.array([8]), np.array([FLAT_READS_PER_TOKEN - 8]))
+    # decodes read their long contexts in any decode step: only the prompt's rows count
+    assert fits_flat(64, np.array([1] * 40 + [10]), np.array([5000] * 40 + [0]))
 
 
 def test_encoders_take_no_short_steps():

@@ -133,9 +133,9 @@ class ExecutorConfig(BackendSection):
         64, ge=0, le=512, description="Steps of at most this many tokens (short prompts, "
         "small mixed steps) replay the decode CUDA graphs flattened, one decode row per "
         "token, instead of the piecewise graphs (whose eager attention call per layer "
-        "costs more host time than such a step's GPU work), while their rows re-read at "
-        "most 1,024 cached positions per token. Decode graphs are captured up to this "
-        "size. 0 turns it off.")
+        "costs more host time than such a step's GPU work), while the rows of its "
+        "multi-token requests read at most 1,024 K/V positions per token. Decode graphs "
+        "are captured up to this size. 0 turns it off.")
 
 
 class ParallelConfig(Section):

@@ -15,8 +15,9 @@ decode graphs are captured up to that size whatever ``scheduler.max_num_seqs``.
 
 Each flattened row reads its request's whole prefix, where a prefill kernel reads it
 once per query tile: after a long cached prefix that costs more than it saves, so a
-step is flattened only while its rows read at most :data:`FLAT_READS_PER_TOKEN` K/V
-positions per token (:func:`flattened_reads`); longer ones run piecewise as before.
+step is flattened only while the rows of its multi-token requests read at most
+:data:`FLAT_READS_PER_TOKEN` K/V positions per token (:func:`flattened_reads`); others
+run piecewise as before.
 A draft head's catch-up over such a step replays its catch-up graphs flattened by the
 same rule (:mod:`lmkit.worker.draft_runner`). Bidirectional encoders never take it
 (:func:`flat_step_tokens`).
@@ -43,11 +44,14 @@ def flattened_reads(num_scheduled: np.ndarray, num_computed: np.ndarray) -> int:
 
 def fits_flat(flat_tokens: int, num_scheduled: np.ndarray, num_computed: np.ndarray) -> bool:
     """Whether a step of requests with ``num_scheduled`` tokens after ``num_computed``
-    computed ones is a short step to flatten: at most ``flat_tokens`` tokens, reading
-    at most :data:`FLAT_READS_PER_TOKEN` K/V positions per token."""
+    computed ones is a short step to flatten: at most ``flat_tokens`` tokens, the rows
+    of its requests with several tokens reading at most :data:`FLAT_READS_PER_TOKEN`
+    K/V positions per token (its decodes read their context in any decode step)."""
     n = int(num_scheduled.sum())
-    return 0 < n <= flat_tokens and flattened_reads(num_scheduled, num_computed) <= (
-        n * FLAT_READS_PER_TOKEN)
+    several = num_scheduled > 1
+    return 0 < n <= flat_tokens and flattened_reads(
+        num_scheduled[several], num_computed[several]) <= (
+        int(num_scheduled[several].sum()) * FLAT_READS_PER_TOKEN)
 
 
 def flat_step_tokens(limit: int, model: Any, num_layers: int) -> int:

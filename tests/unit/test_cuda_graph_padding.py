@@ -18,21 +18,12 @@ require_triton_interpreter("CUDA is available: the graph path is tested in tests
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
+from graph_models import BLOCK, random_caches, tiny_deepseek, tiny_model  # noqa: E402, F401
 from lmkit.api.attention import AttentionMetadata  # noqa: E402
 from lmkit.api.model import ForwardContext  # noqa: E402
-from lmkit.testing.tiny_model import (  # noqa: E402
-    load_tiny_model,
-    make_tiny_deepseek,
-    make_tiny_model,
-)
 from lmkit.worker.cuda_graphs import CudaGraphRunner, capture_sizes  # noqa: E402
 from lmkit.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
-from lmkit_plugins.attention.mla_triton import MLATritonAttention  # noqa: E402
-from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
-from lmkit_plugins.models.deepseek import DeepseekV3ForCausalLM  # noqa: E402
-from lmkit_plugins.models.llama import LlamaForCausalLM  # noqa: E402
 
-BLOCK = 16
 CPU = torch.device("cpu")
 
 
@@ -46,20 +37,6 @@ def test_capture_sizes():
     # from 32 requests on, padding adds at most a quarter
     steps = [(a, b) for a, b in zip(sizes, sizes[1:], strict=False) if a >= 32]
     assert steps and all(b / (a + 1) <= 1.25 for a, b in steps)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
-                           num_heads=4, num_kv_heads=2)
-    return load_tiny_model(path, LlamaForCausalLM, TritonAttention, block_size=BLOCK)
-
-
-@pytest.fixture(scope="module")
-def tiny_deepseek(tmp_path_factory):
-    pytest.importorskip("transformers")
-    path = make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), 3)
-    return load_tiny_model(path, DeepseekV3ForCausalLM, MLATritonAttention, block_size=BLOCK)
 
 
 def _decode_step(context_lens):
@@ -90,10 +67,7 @@ def _eager(model, step, caches):
 @pytest.mark.parametrize("context_lens", [[5], [40, 3, 17], [0, 33, 15, 64, 2]])
 def test_padded_decode_matches_eager(model_fixture, context_lens, request):
     model = request.getfixturevalue(model_fixture)
-    shape = model.attn.kv_cache_shape(64)
-    g = torch.Generator().manual_seed(1)
-    caches = [torch.randn(shape, generator=g) for _ in range(model.dims.num_layers)]
-    eager_caches = [c.clone() for c in caches]
+    caches, eager_caches = random_caches(model)
     step = _decode_step(context_lens)
     with torch.inference_mode():
         expected = _eager(model, step, eager_caches)
@@ -112,7 +86,7 @@ def test_padded_decode_matches_eager(model_fixture, context_lens, request):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_steps_are_not_replayed(tiny_model):
+def test_prefill_steps_are_not_replayed(tiny_model):  # noqa: F811 (the fixture)
     batch = InputBatch(4, 128, BLOCK, 64)
     state = CachedRequestState("p", list(range(10)), [], None, None, None, 0)
     batch.add_request(state, [1])

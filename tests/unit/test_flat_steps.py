@@ -20,12 +20,8 @@ require_triton_interpreter("CUDA is available: the graph path is tested in tests
 torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
+from graph_models import BLOCK, random_caches, tiny_deepseek, tiny_model  # noqa: E402, F401
 from lmkit.api.model import ForwardContext  # noqa: E402
-from lmkit.testing.tiny_model import (  # noqa: E402
-    load_tiny_model,
-    make_tiny_deepseek,
-    make_tiny_model,
-)
 from lmkit.worker.cuda_graphs import CudaGraphRunner  # noqa: E402
 from lmkit.worker.flat_steps import (  # noqa: E402
     FLAT_READS_PER_TOKEN,
@@ -34,12 +30,7 @@ from lmkit.worker.flat_steps import (  # noqa: E402
     flattened_reads,
 )
 from lmkit.worker.input_batch import CachedRequestState, InputBatch  # noqa: E402
-from lmkit_plugins.attention.mla_triton import MLATritonAttention  # noqa: E402
-from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
-from lmkit_plugins.models.deepseek import DeepseekV3ForCausalLM  # noqa: E402
-from lmkit_plugins.models.llama import LlamaForCausalLM  # noqa: E402
 
-BLOCK = 16
 CPU = torch.device("cpu")
 
 
@@ -73,20 +64,6 @@ def test_encoders_take_no_short_steps():
         SimpleNamespace(attn=object()),)), 2) == 64  # a backend without the attribute
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), num_layers=2, hidden_size=64,
-                           num_heads=4, num_kv_heads=2)
-    return load_tiny_model(path, LlamaForCausalLM, TritonAttention, block_size=BLOCK)
-
-
-@pytest.fixture(scope="module")
-def tiny_deepseek(tmp_path_factory):
-    pytest.importorskip("transformers")
-    path = make_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), 3)
-    return load_tiny_model(path, DeepseekV3ForCausalLM, MLATritonAttention, block_size=BLOCK)
-
-
 def _step(requests):
     """A step of ``(computed, scheduled)`` requests, decodes (1 scheduled) first."""
     batch = InputBatch(8, 256, BLOCK, 128)
@@ -109,10 +86,7 @@ def _step(requests):
 ])
 def test_short_step_replayed_flattened_matches_eager(model_fixture, requests, request):
     model = request.getfixturevalue(model_fixture)
-    shape = model.attn.kv_cache_shape(64)
-    g = torch.Generator().manual_seed(1)
-    caches = [torch.randn(shape, generator=g) for _ in range(model.dims.num_layers)]
-    eager_caches = [c.clone() for c in caches]
+    caches, eager_caches = random_caches(model)
     step = _step(requests)
     with torch.inference_mode():
         model.attn.plan(step.attention_metadata())
@@ -129,7 +103,7 @@ def test_short_step_replayed_flattened_matches_eager(model_fixture, requests, re
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_long_or_off_steps_are_not_flattened(tiny_model):
+def test_long_or_off_steps_are_not_flattened(tiny_model):  # noqa: F811 (the fixture)
     def runner(flat):
         return CudaGraphRunner(tiny_model, [], CPU, max_num_seqs=2, max_model_len=4096,
                                block_size=BLOCK, use_graphs=False, flat_tokens=flat)

@@ -44,9 +44,12 @@ def test_drafts_equal_a_dense_reference_through_graph_replays(tiny, heads, monke
 def test_short_steps_replay_flattened_for_target_and_head(tiny, heads, monkeypatch, proposer):
     """With short steps flattened (``executor.flat_step_max_tokens``), prompts run
     through the decode graphs too and the head catches up on them through its catch-up
-    graphs: no eager catch-up at all, and the drafts still equal the dense reference."""
+    graphs: no eager catch-up at all, the drafts still equal the dense reference, and the
+    greedy outputs (every token history the head drafted at) those of eager steps."""
+    eager, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, max_num_seqs=8)
     runners, drafters = padded_replays(monkeypatch, flat_tokens=64)
     got, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, max_num_seqs=8)
+    assert set(got) == set(eager)
     steps_with_prompts = runners[0].num_flattened_replays
     assert drafters[0].num_eager_catch_ups == 0 and drafters[0].num_flattened_catch_ups > 0
     assert runners[0].max_bs >= 64 and steps_with_prompts > 5

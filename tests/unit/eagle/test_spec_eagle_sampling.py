@@ -100,25 +100,38 @@ def test_greedy_requests_keep_argmax_drafts_beside_sampled_ones(tiny, heads, bas
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+@pytest.mark.parametrize("flat_tokens", [0, 64], ids=["prompts-eager", "prompts-flattened"])
 def test_sampled_drafts_in_padded_graph_passes_equal_eager_ones(tiny, heads, monkeypatch,
-                                                                proposer):
+                                                                proposer, flat_tokens):
     """The sampling draft passes and catch-up passes (the graphs' padded, fixed-buffer
     forwards, uncaptured on the CPU: parameters and uniforms in buffers, drafts and
     candidates taken inside the pass) draft what eager passes draft, for seeded
-    requests; a greedy request beside them replays the same passes."""
+    requests; a greedy request beside them replays the same passes. With short steps
+    flattened (``flat_tokens``) the catch-up over the prompts samples the first drafts
+    in the catch-up graphs too (no eager catch-up at all)."""
     params = [SamplingParams(temperature=1.5, top_p=0.95, top_k=60, seed=10 + i,
                              max_tokens=32, ignore_eos=True) for i in range(len(PROMPTS))]
     params[2] = GREEDY
     eager, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
                           params=params, max_num_seqs=8)
-    _, drafters = padded_replays(monkeypatch)
+    _, drafters = padded_replays(monkeypatch, flat_tokens=flat_tokens)
     padded, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
                            params=params, max_num_seqs=8)
+    assert (drafters[0].num_eager_catch_ups == 0) == (flat_tokens > 0)
     graphs, catch_up = drafters[0].sampled_graphs, drafters[0].sampled_catch_up_graphs
     assert graphs is not None and graphs.samples_in_graph and graphs.num_passes > 10
     assert catch_up is not None and catch_up.samples_in_graph and catch_up.num_passes > 10
     assert drafters[0].num_sampled_steps > 10
-    assert len(eager) > 20 and padded == eager
+    assert len(eager) > 20
+    if not flat_tokens:
+        assert padded == eager
+        return
+    # the prompts' K/V from decode rows round otherwise than the eager prefill's, so a
+    # seeded request's samples may part ways after a while: every context both runs
+    # reached must have the same drafts, and most contexts are reached by both
+    both = [key for key in eager if key in padded]
+    assert len(both) >= 0.8 * len(eager)
+    assert all(padded[key] == eager[key] for key in both)
 
 
 def test_seeded_sampled_requests_are_reproducible(tiny, heads):

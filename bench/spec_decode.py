@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from lmkit.benchmarking.measure import run_isolated
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_run_watch import watch_jit_compiles  # noqa: E402
 from lmkit.benchmarking.workload import Workload, chat_workload, copy_workload, random_workload
 
 
@@ -66,7 +69,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     tokens: dict[str, list[list[int]]] = {}
     for llm in engines.values():
         llm.generate([workload.prompts[0][:32]] * 2, warm)
-    compiles = _watch_jit_compiles()
+    compiles = watch_jit_compiles()  # (empty without Triton's compile hook)
     compiled: dict[str, list[str]] = {"plain": [], "spec": []}
     graphs = _graph_runner(engines["spec"])
     replays_before = graphs.num_flattened_replays if graphs is not None else 0
@@ -107,26 +110,22 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
 
 
-def _watch_jit_compiles() -> list[str]:
-    """Triton compiles from now on (``bench/gpu_run_watch.py``; empty off CUDA)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_run_watch import watch_jit_compiles
-
-    return watch_jit_compiles()
-
-
 def _lookahead_stats(llm: Any) -> dict[str, int]:
     """The speculative engine's launched-ahead verifications so far (CUDA graphs, a draft
     head; ``lmkit.worker.spec_lookahead``): launched, used, discarded, and ``stepped``
     (used with the step after them queued on the device); empty without them."""
-    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
-    ahead = getattr(runner, "spec_lookahead", None)
+    ahead = getattr(_model_runner(llm), "spec_lookahead", None)
     return dict(vars(ahead.stats)) if ahead is not None else {}
+
+
+def _model_runner(llm: Any) -> Any:
+    """The engine's model runner (in-process executor), else None."""
+    return getattr(getattr(llm.engine, "executor", None), "runner", None)
 
 
 def _graph_runner(llm: Any) -> Any:
     """The engine's CUDA-graph runner (in-process executor on CUDA), else None."""
-    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
+    runner = _model_runner(llm)
     return getattr(runner, "cuda_graphs", None)
 
 

@@ -24,7 +24,6 @@ import cProfile
 import io
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -72,32 +71,21 @@ def main(argv: list[str] | None = None) -> int:
         print("spec_host_profile needs a CUDA device", file=sys.stderr)
         return 2
     from lmkit import LLM, SamplingParams
-    from spec_pair import random_prompts, synthetic_pair
+    from spec_pair import chat_prompts, pair_and_prompts
 
     args.out.mkdir(parents=True, exist_ok=True)
     n = args.requests if args.batch == 1 else args.batch
-    if args.model:
-        from lmkit.benchmarking.workload import chat_workload
-        from lmkit.loading.resolve import resolve_model
-        from lmkit.loading.tokenizer import load_tokenizer
-        from lmkit.plugin_host.manager import PluginHost
-
-        target = resolve_model(args.model, PluginHost.load())
-        head = Path(args.speculative_model)
-        tokenizer = load_tokenizer(Path(target))
-        prompts = [{"prompt_token_ids": p}
-                   for p in chat_workload(tokenizer, n, args.output_len).prompts]
-    else:
-        target, head = synthetic_pair(Path(tempfile.mkdtemp(prefix="spec-profile-")))
-        prompts = random_prompts(n)
+    target, head, prompts = pair_and_prompts(args.model, args.speculative_model, n)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                             ignore_eos=not args.model)
-    sides = {"spec": dict(speculative="eagle3", speculative_model=str(head),
+    sides = {"spec": dict(speculative="eagle3", speculative_model=head,
                           num_speculative_tokens=args.k), "plain": {}}
     for name, spec in sides.items():
-        llm = LLM(str(target), device="cuda", attention=args.attention, dtype="bfloat16",
+        llm = LLM(target, device="cuda", attention=args.attention, dtype="bfloat16",
                   max_num_seqs=max(args.batch, 2), max_model_len=2048,
                   gpu_memory_utilization=0.3, **spec)
+        if prompts is None:
+            prompts = chat_prompts(llm.tokenizer, n, args.output_len)
         try:
             print(profile_side(llm, prompts, params, args.batch, args.out, name), flush=True)
         finally:

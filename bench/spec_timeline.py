@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_args import parse_env, parse_sets  # noqa: E402
 from gpu_run_profile import summarize_trace  # noqa: E402
+from spec_pair import chat_prompts, pair_and_prompts  # noqa: E402
 
 #: CUDA runtime calls in which the host waits for the device
 BLOCKING = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -98,10 +99,7 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
                 os.environ[k] = v
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     if prompts is None:
-        from lmkit.benchmarking.workload import chat_workload
-
-        wl = chat_workload(llm.tokenizer, args.requests, args.output_len)
-        prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+        prompts = chat_prompts(llm.tokenizer, args.requests, args.output_len)
     llm.generate(prompts[:args.batch], params)  # warm-up
     steps0 = llm.stats().get("num_steps", 0)
     torch.cuda.synchronize()
@@ -152,19 +150,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("spec_timeline needs CUDA")
-    model, head = args.model, args.speculative_model
-    prompts = None  # the model's chat prompts
-    if model is not None:  # a GGUF file converted once, not per engine
-        from lmkit.loading.resolve import resolve_model
-        from lmkit.plugin_host.manager import PluginHost
-
-        model = str(resolve_model(model, PluginHost.load()))
-    else:
-        from spec_pair import random_prompts, synthetic_pair
-
-        target, random_head = synthetic_pair(Path(tempfile.mkdtemp()))
-        model, head = str(target), head or str(random_head)
-        prompts = random_prompts(args.requests)
+    model, head, prompts = pair_and_prompts(args.model, args.speculative_model, args.requests)
     results = []
     for side in args.sides:
         r = run_side(args, side, model, head, prompts)

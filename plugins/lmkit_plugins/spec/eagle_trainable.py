@@ -178,13 +178,12 @@ def padded_distill_loss(head: TrainableEagle3, embeds: torch.Tensor, taps: torch
     ``first`` of :func:`distill_loss`), all on one device. Nothing in it waits for the
     device."""
     steps = head.unrolled(embeds, taps, min(ttt_steps, embeds.shape[1]))
-    target = want
-    loss = target.new_zeros(())
+    loss = want.new_zeros(())
     for j, got in enumerate(steps):
         rows = (j + torch.arange(got.shape[1], device=lengths.device))[None, :]
         # [batch, rows of step j]: not padding, and not a prompt row
         real = (rows < lengths[:, None]) & (rows >= starts[:, None])
-        ce = -(target[:, j:] * torch.log_softmax(got.float(), -1)).sum(-1)
+        ce = -(want[:, j:] * torch.log_softmax(got.float(), -1)).sum(-1)
         count = real.sum(-1)
         per_sequence = (ce * real).sum(-1) / count.clamp(min=1)
         loss = loss + 0.8 ** j * per_sequence.sum()  # 0 where a sequence has no row

@@ -243,13 +243,19 @@ class CudaGraphRunner:
 
     def can_replay(self, step: StepInputs) -> bool:
         """Whether ``step`` can run through a graph: at most the largest captured size
-        in all, and at most :attr:`max_query_len` query tokens per request (1: pure
-        decode; ``1 + k``: speculative verification) or a short step
-        (:func:`~lmkit.worker.flat_steps.fits_flat` with :attr:`flat_tokens`)."""
+        in all, and rows a replay takes (:meth:`fits_rows`)."""
         n = step.num_tokens
         return (0 < n <= self.max_bs and step.block_tables.shape[1] <= self.max_blocks
-                and (int(step.num_scheduled.max()) <= self.max_query_len
-                     or fits_flat(self.flat_tokens, step.num_scheduled, step.num_computed)))
+                and self.fits_rows(step.num_scheduled, step.num_computed))
+
+    def fits_rows(self, num_scheduled: np.ndarray, num_computed: np.ndarray) -> bool:
+        """Whether requests with ``num_scheduled`` query tokens after ``num_computed``
+        computed ones replay flattened: at most :attr:`max_query_len` each (1: pure
+        decode; ``1 + k``: speculative verification), or a short step
+        (:func:`~lmkit.worker.flat_steps.fits_flat` with :attr:`flat_tokens`). A draft
+        head's catch-up after the step takes its rows by the same rule."""
+        return (int(num_scheduled.max()) <= self.max_query_len
+                or fits_flat(self.flat_tokens, num_scheduled, num_computed))
 
     def replay(self, step: StepInputs, aux: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Run ``step`` (see :meth:`can_replay`) through its graph; returns hidden

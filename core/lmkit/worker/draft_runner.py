@@ -41,7 +41,7 @@ little worse, its outputs are exact either way.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,7 +55,6 @@ from lmkit.errors import PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
-from lmkit.worker.flat_steps import fits_flat
 from lmkit.worker.staging import StepStaging
 
 if TYPE_CHECKING:
@@ -101,7 +100,8 @@ class DraftRunner:
         # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
         self.sampled_graphs: DraftPassGraphs | None = None
         self.sampled_catch_up_graphs: DraftPassGraphs | None = None
-        self.flat_tokens = 0  # short steps the catch-up replays flattened (the target's)
+        # which kept rows the catch-up graphs take: the target graphs' rule (fits_rows)
+        self.fits_rows: Callable[[np.ndarray, np.ndarray], bool] | None = None
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
@@ -141,13 +141,15 @@ class DraftRunner:
         graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly):
         the ``k - 1`` draft passes (one row per request, with ``hidden_size``) and, with
         ``target_feature_size``, decode-like catch-up passes (one row per kept position,
-        up to ``1 + k`` per request, or a short step's: the target's ``flat_tokens``);
-        with ``samples_drafts`` (and graph drafts) a second, sampling set of both."""
+        as many rows as the target's graphs take, by their rule: ``1 + k`` per request,
+        or a short step's); with ``samples_drafts`` (and graph drafts) a second,
+        sampling set of both."""
         proposer = self.proposer
         if not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
         args = (self.max_model_len, self.block_size)
-        self.flat_tokens = target_graphs.flat_tokens if target_graphs is not None else 0
+        if target_graphs is not None:
+            self.fits_rows = target_graphs.fits_rows
         drafts = proposer.supports_graph_drafts
         for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
             passes = catch_up = None
@@ -161,7 +163,7 @@ class DraftRunner:
             if proposer.target_feature_size > 0:
                 catch_up = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
-                    dtype, max(max_num_seqs * (1 + self.k), self.flat_tokens), *args,
+                    dtype, target_graphs.max_bs if target_graphs is not None else 0, *args,
                     drafts=drafts, sampling=sampling)
             if sampling:
                 self.sampled_graphs, self.sampled_catch_up_graphs = passes, catch_up
@@ -343,17 +345,16 @@ class DraftRunner:
         head's output per kept position and, when the replay took them, the drafts
         there and (sampled: ``sampler`` and the drafters' ``last_rows``) the rows'
         candidates and probabilities, else ``None``: take them from the output. After a
-        decode or verification step (at most ``1 + k`` kept per request) or a short
-        step (:func:`~lmkit.worker.flat_steps.fits_flat`) it replays the catch-up
-        graphs, flattened: one decode row per position, its request's block table; else
-        it runs eagerly."""
+        decode, verification or short step (rows the target's graphs take,
+        :attr:`fits_rows`) it replays the catch-up graphs, flattened: one decode row per
+        position, its request's block table; else it runs eagerly."""
         graphs = self.catch_up_graphs
         if sampler is not None and self.sampled_catch_up_graphs is not None:
             graphs = self.sampled_catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
-                and tables.shape[1] <= graphs.max_blocks and (int(kept.max()) <= 1 + self.k
-                or fits_flat(self.flat_tokens, kept, seq_lens - kept))):
+                and tables.shape[1] <= graphs.max_blocks and self.fits_rows is not None
+                and self.fits_rows(kept, seq_lens - kept)):
             if features.shape[1] != graphs.width:
                 raise PluginError(
                     f"speculative proposer {type(self.proposer).__qualname__} declares "

@@ -100,8 +100,9 @@ class DraftRunner:
         # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
         self.sampled_graphs: DraftPassGraphs | None = None
         self.sampled_catch_up_graphs: DraftPassGraphs | None = None
-        # which kept rows the catch-up graphs take: the target graphs' rule (fits_rows)
-        self.fits_rows: Callable[[np.ndarray, np.ndarray], bool] | None = None
+        # kept rows the catch-up graphs take (the target graphs' fits_rows once captured)
+        self.fits_rows: Callable[[np.ndarray, np.ndarray], bool] = (
+            lambda kept, computed: int(kept.max()) <= 1 + self.k)
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
@@ -145,11 +146,10 @@ class DraftRunner:
         or a short step's); with ``samples_drafts`` (and graph drafts) a second,
         sampling set of both."""
         proposer = self.proposer
-        if not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
+        if target_graphs is None or not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
         args = (self.max_model_len, self.block_size)
-        if target_graphs is not None:
-            self.fits_rows = target_graphs.fits_rows
+        self.fits_rows = target_graphs.fits_rows
         drafts = proposer.supports_graph_drafts
         for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
             passes = catch_up = None
@@ -163,8 +163,7 @@ class DraftRunner:
             if proposer.target_feature_size > 0:
                 catch_up = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
-                    dtype, target_graphs.max_bs if target_graphs is not None else 0, *args,
-                    drafts=drafts, sampling=sampling)
+                    dtype, target_graphs.max_bs, *args, drafts=drafts, sampling=sampling)
             if sampling:
                 self.sampled_graphs, self.sampled_catch_up_graphs = passes, catch_up
             else:
@@ -353,7 +352,7 @@ class DraftRunner:
             graphs = self.sampled_catch_up_graphs
         index = self.staging.put(keep)
         if (graphs is not None and len(keep) <= graphs.max_rows
-                and tables.shape[1] <= graphs.max_blocks and self.fits_rows is not None
+                and tables.shape[1] <= graphs.max_blocks
                 and self.fits_rows(kept, seq_lens - kept)):
             if features.shape[1] != graphs.width:
                 raise PluginError(

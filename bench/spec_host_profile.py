@@ -8,9 +8,11 @@ to stdout::
 
     python bench/spec_host_profile.py --out prof --k 3 --batch 1
     python bench/spec_host_profile.py --out prof --model smol.gguf --speculative-model HEAD
+    python bench/spec_host_profile.py --out prof --model smol.gguf --proposer ngram --batch 32
 
 (``--model`` with ``--speculative-model``: that target and head on the built-in chat
-prompts instead, answers ending at EOS, so drafts are accepted as in serving.)
+prompts instead, answers ending at EOS, so drafts are accepted as in serving;
+``--proposer ngram``: prompt lookup instead of a head.)
 
 Needs CUDA (a host profile of graph replays; on the CPU the model's compute dominates).
 ``cProfile`` slows Python down, so the steps' times printed are inflated; compare the
@@ -62,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--model", help="target (default: a random SmolLM2-shaped model)")
     ap.add_argument("--speculative-model", help="its EAGLE-3 head (with --model)")
+    ap.add_argument("--proposer", choices=("eagle3", "ngram"), default="eagle3")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="with --model: every answer runs --output-len (a constant batch)")
     args = ap.parse_args(argv)
-    if bool(args.model) != bool(args.speculative_model):
+    if args.proposer == "eagle3" and bool(args.model) != bool(args.speculative_model):
         ap.error("--model and --speculative-model go together")
+    if args.proposer == "ngram" and args.speculative_model:
+        ap.error("--proposer ngram takes no --speculative-model")
 
     import torch
     if not torch.cuda.is_available():
@@ -77,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     n = args.requests if args.batch == 1 else args.batch
     target, head, prompts = pair_and_prompts(args.model, args.speculative_model, n)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
-                            ignore_eos=not args.model)
-    sides = {"spec": dict(speculative="eagle3", speculative_model=head,
-                          num_speculative_tokens=args.k), "plain": {}}
-    for name, spec in sides.items():
+                            ignore_eos=args.ignore_eos or not args.model)
+    spec = (dict(speculative="eagle3", speculative_model=head) if args.proposer == "eagle3"
+            else dict(speculative="ngram"))
+    sides = {"spec": {**spec, "num_speculative_tokens": args.k}, "plain": {}}
+    for name, options in sides.items():
         llm = LLM(target, device="cuda", attention=args.attention, dtype="bfloat16",
                   max_num_seqs=max(args.batch, 2), max_model_len=2048,
-                  gpu_memory_utilization=0.3, **spec)
+                  gpu_memory_utilization=0.3, **options)
         if prompts is None:
             prompts = chat_prompts(llm.tokenizer, n, args.output_len)
         try:

@@ -175,6 +175,12 @@ class SpeculativeConfig(OptionalBackendSection):
         "that runs in a step above the limit stops drafting for good and the head does no "
         "work for it -- on a small target the head's pass costs a large share of a plain "
         "step.")
+    device_step_max_requests: int = Field(
+        32, ge=0, le=256, description="With a draft head on CUDA graphs: steps of at most "
+        "this many requests run wholly on the device (accept, the head's catch-up and "
+        "drafts, the next verification), one graph pair per request count captured at "
+        "start; larger steps plan the head's passes on the host between steps. 0 turns "
+        "device steps off.")
     adaptive: bool = Field(
         False, description="Measure decode throughput with and without drafts (8 decode "
         "steps each, every 256) and speculate only while drafts are faster, so that "

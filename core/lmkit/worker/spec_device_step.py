@@ -48,14 +48,13 @@ if TYPE_CHECKING:
 
 ENV = "LMKIT_SPEC_DEVICE_STEP"
 
-#: the most requests of a device step. It catches the head up on all ``1 + k`` verified
-#: positions of every request, kept or not: work that costs nothing next to a small
-#: batch's launch-bound step, but not at large batches, whose steps are GPU-bound anyway
-#: (there the runner reads each verification and runs the head on the kept positions).
-#: On CUDA with graphs every such step replays captured graphs.
-MAX_GRAPH_REQUESTS = 8
-#: request counts whose step graphs are captured at engine start (1 to this)
-STARTUP_GRAPH_REQUESTS = 4
+#: the default of ``speculative.device_step_max_requests``: the most requests of a
+#: device step. It catches the head up on all ``1 + k`` verified positions of every
+#: request, kept or not, a few more head rows per step; above it the runner reads each
+#: verification and plans the head's passes on the host, which at 32 requests left the
+#: GPU idle 73% of a step (SmolLM2-135M, H200, session 25). On CUDA with graphs every
+#: device step replays graphs captured at engine start, one pair per request count.
+MAX_GRAPH_REQUESTS = 32
 
 
 @dataclass
@@ -98,32 +97,38 @@ class DeviceSpecStep:
         model: the target (its LM head gives the verifications' argmax).
         drafter: the draft head's runner, with captured catch-up passes that take their
             drafts and, for ``k > 1``, the greedy draft passes chained in one replay.
+        max_requests: the most requests of a device step
+            (``speculative.device_step_max_requests``).
     """
 
-    def __init__(self, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner) -> None:
+    def __init__(self, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
+                 max_requests: int = MAX_GRAPH_REQUESTS) -> None:
         self.graphs = graphs
         self.model = model
         self.drafter = drafter
+        self.max_requests = max_requests
         self.k = drafter.k
         self.block_size = drafter.block_size
         device = graphs.device
         width = 1 + self.k
         self._offsets = torch.arange(width, dtype=torch.int64, device=device)  # [1 + k]
         # each request's first row in a verification's flattened rows
-        self._row_base = self._offsets.new_tensor(np.arange(MAX_GRAPH_REQUESTS) * width)
+        self._row_base = self._offsets.new_tensor(np.arange(max_requests) * width)
         self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
         self._captured: dict[int, _StepGraphs] = {}  # by request count
+        self._pool: Any = None  # the graphs' memory pool, one for every request count
         self.num_steps = 0  # device steps queued
 
     @classmethod
-    def maybe(cls, graphs: CudaGraphRunner, model: Any,
-              drafter: DraftRunner) -> DeviceSpecStep | None:
+    def maybe(cls, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
+              max_requests: int = MAX_GRAPH_REQUESTS) -> DeviceSpecStep | None:
         """A device step when the head's passes can be queued without the host: its
         catch-up graphs take the drafts, ``k > 1`` drafts come from chained passes, no
         backend is planned per replay (their plans read host values), and
         ``LMKIT_SPEC_DEVICE_STEP`` is not ``0``."""
         catch_up, passes = drafter.catch_up_graphs, drafter.graphs
-        if switched_off(ENV) or catch_up is None or not catch_up.drafts_in_graph:
+        if (switched_off(ENV) or max_requests < 1 or catch_up is None
+                or not catch_up.drafts_in_graph):
             return None
         runners = [graphs, catch_up.runner]
         if drafter.k > 1:
@@ -132,23 +137,24 @@ class DeviceSpecStep:
             runners.append(passes.runner)
         if any(r.use_graphs and r.plans_replays for r in runners):
             return None
-        step = cls(graphs, model, drafter)
-        step.capture(range(1, STARTUP_GRAPH_REQUESTS + 1))
+        step = cls(graphs, model, drafter, max_requests)
+        step.capture(range(1, max_requests + 1))
         return step
 
     def capture(self, sizes: range) -> None:
-        """Capture the step graphs for these request counts now (at engine start, so
-        that the first requests do not wait for it; other counts up to
-        :data:`MAX_GRAPH_REQUESTS` are captured when first met). No-op without graphs."""
+        """Capture the step graphs for these request counts now, largest first, into one
+        memory pool (the graphs never run at once, and what a step leaves for the next
+        lives outside the pool): at engine start, every count up to :attr:`max_requests`
+        that fits, so that no request waits for a capture (~40 ms each on SmolLM2-135M,
+        H200: a batch draining through uncaptured counts stalls once per count). A
+        count not captured here is captured when first met. No-op without graphs."""
         if not self.graphs.use_graphs:
             return
         catch_up = self.drafter.catch_up_graphs
         assert catch_up is not None
         features = catch_up.feature_rows(1)
         width = 1 + self.k
-        for n in sizes:
-            if not self.fits_rows(n):
-                break
+        for n in sorted((n for n in sizes if self.fits_rows(n)), reverse=True):
             ids = torch.zeros(n, width, dtype=torch.int64, device=features.device)
             like = DeviceVerify(ids, ids, ids, features.new_zeros(n * width, features.shape[1]),
                                 ids.view(-1))
@@ -156,10 +162,10 @@ class DeviceSpecStep:
 
     def fits_rows(self, n: int) -> bool:
         """Whether a step of ``n`` requests is small enough for a device step
-        (:data:`MAX_GRAPH_REQUESTS`) and for every pass's graphs."""
+        (:attr:`max_requests`) and for every pass's graphs."""
         catch_up, passes = self.drafter.catch_up_graphs, self.drafter.graphs
         assert catch_up is not None
-        return (n <= MAX_GRAPH_REQUESTS
+        return (n <= self.max_requests
                 and n * (1 + self.k) <= min(self.graphs.max_bs, catch_up.max_rows)
                 and (passes is None or n <= passes.max_rows))
 
@@ -309,7 +315,9 @@ class _StepGraphs:
             torch.cuda.synchronize(device)
         tables = torch.zeros(n, step.graphs.max_blocks, dtype=torch.int32, device=device)
         decided = torch.zeros(n, 2 * width, dtype=torch.int64, device=device)
-        pool = torch.cuda.graph_pool_handle()
+        if step._pool is None:
+            step._pool = torch.cuda.graph_pool_handle()
+        pool = step._pool
         stream = capture_stream(device)
         draft, verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.inference_mode():

@@ -50,7 +50,12 @@ from lmkit.worker.gpu_lookahead import (
 )
 from lmkit.worker.input_batch import StepInputs
 from lmkit.worker.spec_device_step import ENV as DEVICE_STEP_ENV
-from lmkit.worker.spec_device_step import DeviceSpecStep, DeviceStepResult, DeviceVerify
+from lmkit.worker.spec_device_step import (
+    MAX_GRAPH_REQUESTS,
+    DeviceSpecStep,
+    DeviceStepResult,
+    DeviceVerify,
+)
 from lmkit.worker.staging import StepStaging
 from lmkit.worker.step_plan import commit_tokens, kept_positions, step_drafts
 
@@ -96,17 +101,21 @@ class SpecLookahead(LaunchAhead):
         drafter: the runner's draft head: it catches up and drafts after a taken step.
         disable_by_batch_size: ``speculative.disable_by_batch_size`` (drafting stops
             above it, as after a normally run step).
+        device_step_max_requests: ``speculative.device_step_max_requests`` (the most
+            requests of a step queued on the device, :mod:`lmkit.worker.spec_device_step`).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
-                 drafter: DraftRunner, disable_by_batch_size: int | None = None) -> None:
+                 drafter: DraftRunner, disable_by_batch_size: int | None = None,
+                 device_step_max_requests: int = MAX_GRAPH_REQUESTS) -> None:
         super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
         self.drafter: DraftRunner = drafter
         self.k = drafter.k
         self.disable_by_batch_size = disable_by_batch_size
         self.pending: _PendingVerify | None = None
-        self.device_step = DeviceSpecStep.maybe(graphs, model, drafter)
+        self.device_step = DeviceSpecStep.maybe(graphs, model, drafter,
+                                                device_step_max_requests)
         self.staging = StepStaging(graphs.device)  # a device step's tables and inputs
         self._continued = False  # take() queued the next verification itself
 
@@ -119,7 +128,8 @@ class SpecLookahead(LaunchAhead):
         if graphs is None or drafter is None or not spec_lookahead_slots(config, stack):
             return None
         return cls(graphs, model, input_batch, requests, max_model_len, drafter,
-                   config.speculative.disable_by_batch_size)
+                   config.speculative.disable_by_batch_size,
+                   config.speculative.device_step_max_requests)
 
     # ------------------------------------------------------------------ launching
 

@@ -48,7 +48,9 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": settings.pop("k", 3),
                         "disable_by_batch_size": settings.pop("disable_by_batch_size", None),
                         "catch_up_when_off": settings.pop("catch_up_when_off", True),
-                        "adaptive": settings.pop("adaptive", False)},
+                        "adaptive": settings.pop("adaptive", False),
+                        **({"device_step_max_requests": settings.pop("device_step_max_requests")}
+                           if "device_step_max_requests" in settings else {})},
         "scheduler": settings, **({"offload": offload} if offload else {}),
         **({"parallel": parallel} if parallel else {})})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),

@@ -103,18 +103,21 @@ def test_not_launched_for_sampled_requests(tiny, heads, monkeypatch):
     assert made[0].stats.launched == 0
 
 
-@pytest.mark.parametrize("k", [3, 1])
-def test_device_steps_switched_off(tiny, accepting, monkeypatch, k):
-    """``LMKIT_SPEC_DEVICE_STEP=0``: verifications are still launched ahead, the head's
-    steps run from the host, and tokens and drafts equal the device steps' run."""
+@pytest.mark.parametrize(("k", "switch"), [(3, "env"), (1, "env"), (3, "config")])
+def test_device_steps_switched_off(tiny, accepting, monkeypatch, k, switch):
+    """``LMKIT_SPEC_DEVICE_STEP=0`` or ``speculative.device_step_max_requests: 0``:
+    verifications are still launched ahead, the head's steps run from the host, and
+    tokens and drafts equal the device steps' run."""
     params = greedy(MAX_TOKENS)
     padded_replays(monkeypatch)
     made = spec_lookahead_on_the_cpu(monkeypatch)
     stepped, _ = run_engine(tiny, accepting, monkeypatch, PROMPTS, "eagle", params,
                             max_num_seqs=8, k=k)
-    monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")
+    off_settings = {"device_step_max_requests": 0} if switch == "config" else {}
+    if switch == "env":
+        monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")
     host, _ = run_engine(tiny, accepting, monkeypatch, PROMPTS, "eagle", params,
-                         max_num_seqs=8, k=k)
+                         max_num_seqs=8, k=k, **off_settings)
     on, off = made
     assert on.stats.stepped > 10 and on.device_step is not None
     assert off.device_step is None and off.stats.stepped == 0 and off.stats.used > 10
@@ -152,11 +155,12 @@ def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
     assert spec_lookahead.ENV == "LMKIT_SPEC_LOOKAHEAD"
 
 
-def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch):
-    """Steps of more than ``MAX_GRAPH_REQUESTS`` requests verify launched ahead but take
-    the head's passes from the host; as the batch drains, device steps take over. Tokens
-    and drafts equal the run without any lookahead."""
-    from lmkit.worker.spec_device_step import MAX_GRAPH_REQUESTS, DeviceSpecStep
+@pytest.mark.parametrize("limit", [4, 8])
+def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch, limit):
+    """Steps of more than ``speculative.device_step_max_requests`` requests verify
+    launched ahead but take the head's passes from the host; as the batch drains, device
+    steps take over. Tokens and drafts equal the run without any lookahead."""
+    from lmkit.worker.spec_device_step import DeviceSpecStep
 
     prompts = PROMPTS * 2
     params = greedy([8 + 4 * i for i in range(len(prompts))])  # the batch drains
@@ -175,8 +179,9 @@ def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch):
 
     monkeypatch.setattr(DeviceSpecStep, "step", record)
     got, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
-                        max_num_seqs=16, k=3)
+                        max_num_seqs=16, k=3, device_step_max_requests=limit)
     look = made[0].stats
-    assert sizes and max(sizes) <= MAX_GRAPH_REQUESTS < len(prompts)
+    assert made[0].device_step.max_requests == limit
+    assert sizes and max(sizes) <= limit < len(prompts)
     assert look.stepped > 5 and look.used > look.stepped  # some taken without one
     assert got == without

@@ -155,11 +155,12 @@ def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
     assert spec_lookahead.ENV == "LMKIT_SPEC_LOOKAHEAD"
 
 
-@pytest.mark.parametrize("limit", [4, 8])
+@pytest.mark.parametrize("limit", [4, 8, None])
 def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch, limit):
     """Steps of more than ``speculative.device_step_max_requests`` requests verify
     launched ahead but take the head's passes from the host; as the batch drains, device
-    steps take over. Tokens and drafts equal the run without any lookahead."""
+    steps take over. At the default limit (32) all ten requests step on the device.
+    Tokens and drafts equal the run without any lookahead."""
     from lmkit.worker.spec_device_step import DeviceSpecStep
 
     prompts = PROMPTS * 2
@@ -178,10 +179,15 @@ def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch, limit):
         return step(self, v, tables)
 
     monkeypatch.setattr(DeviceSpecStep, "step", record)
+    settings = {} if limit is None else {"device_step_max_requests": limit}
     got, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
-                        max_num_seqs=16, k=3, device_step_max_requests=limit)
+                        max_num_seqs=16, k=3, **settings)
     look = made[0].stats
-    assert made[0].device_step.max_requests == limit
-    assert sizes and max(sizes) <= limit < len(prompts)
-    assert look.stepped > 5 and look.used > look.stepped  # some taken without one
+    assert made[0].device_step.max_requests == (limit or 32)
+    if limit is None:  # every step of the ten requests may run on the device
+        assert sizes and max(sizes) > 8
+    else:
+        assert sizes and max(sizes) <= limit < len(prompts)
+        assert look.used > look.stepped  # some taken without one
+    assert look.stepped > 5
     assert got == without

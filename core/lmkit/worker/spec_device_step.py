@@ -124,8 +124,8 @@ class DeviceSpecStep:
               max_requests: int = MAX_GRAPH_REQUESTS) -> DeviceSpecStep | None:
         """A device step when the head's passes can be queued without the host: its
         catch-up graphs take the drafts, ``k > 1`` drafts come from chained passes, no
-        backend is planned per replay (their plans read host values), and
-        ``LMKIT_SPEC_DEVICE_STEP`` is not ``0``."""
+        backend is planned per replay (their plans read host values),
+        ``LMKIT_SPEC_DEVICE_STEP`` is not ``0`` and ``max_requests`` is at least 1."""
         catch_up, passes = drafter.catch_up_graphs, drafter.graphs
         if (switched_off(ENV) or max_requests < 1 or catch_up is None
                 or not catch_up.drafts_in_graph):

@@ -27,7 +27,6 @@ MAX_TOKENS = [9, 14, 40, 17, 33]
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3", "accepting"])
 def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
-    from lmkit.worker.spec_device_step import MAX_GRAPH_REQUESTS
     from lmkit.worker.spec_lookahead import SpecLookahead
 
     made = instances(monkeypatch, SpecLookahead)
@@ -52,11 +51,11 @@ def test_verifications_launched_ahead_on_cuda(tmp_path, monkeypatch, proposer):
     on, on_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params)
     assert len(made) == 1 and made[0].stats.used > 10 and made[0].stats.discarded > 0
     assert made[0].stats.stepped > made[0].stats.used // 2
-    # steps of every request count that fits the graphs captured at start (1, 2, ...)
+    # every request count up to the limit that fits the graphs: captured at start
     step = made[0].device_step
     sizes = step.captured_sizes
     assert len(sizes) >= 4 and sizes == list(range(1, len(sizes) + 1))
-    assert len(sizes) == MAX_GRAPH_REQUESTS or not step.fits_rows(len(sizes) + 1)
+    assert len(sizes) == step.max_requests or not step.fits_rows(len(sizes) + 1)
     assert on == plain
     assert len(on_drafts) > 20 and on_drafts == off_drafts
     monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")

@@ -54,7 +54,7 @@ ENV = "LMKIT_SPEC_DEVICE_STEP"
 #: verification and plans the head's passes on the host, which at 32 requests left the
 #: GPU idle 73% of a step (SmolLM2-135M, H200, session 25). On CUDA with graphs every
 #: device step replays graphs captured at engine start, one pair per request count.
-MAX_GRAPH_REQUESTS = 32
+DEFAULT_MAX_REQUESTS = 32
 
 
 @dataclass
@@ -102,7 +102,7 @@ class DeviceSpecStep:
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
-                 max_requests: int = MAX_GRAPH_REQUESTS) -> None:
+                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
         self.graphs = graphs
         self.model = model
         self.drafter = drafter
@@ -121,7 +121,7 @@ class DeviceSpecStep:
 
     @classmethod
     def maybe(cls, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
-              max_requests: int = MAX_GRAPH_REQUESTS) -> DeviceSpecStep | None:
+              max_requests: int = DEFAULT_MAX_REQUESTS) -> DeviceSpecStep | None:
         """A device step when the head's passes can be queued without the host: its
         catch-up graphs take the drafts, ``k > 1`` drafts come from chained passes, no
         backend is planned per replay (their plans read host values),

@@ -49,13 +49,13 @@ from lmkit.worker.gpu_lookahead import (
     read_back,
 )
 from lmkit.worker.input_batch import StepInputs
-from lmkit.worker.spec_device_step import ENV as DEVICE_STEP_ENV
 from lmkit.worker.spec_device_step import (
-    MAX_GRAPH_REQUESTS,
+    DEFAULT_MAX_REQUESTS,
     DeviceSpecStep,
     DeviceStepResult,
     DeviceVerify,
 )
+from lmkit.worker.spec_device_step import ENV as DEVICE_STEP_ENV
 from lmkit.worker.staging import StepStaging
 from lmkit.worker.step_plan import commit_tokens, kept_positions, step_drafts
 
@@ -108,7 +108,7 @@ class SpecLookahead(LaunchAhead):
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
                  drafter: DraftRunner, disable_by_batch_size: int | None = None,
-                 device_step_max_requests: int = MAX_GRAPH_REQUESTS) -> None:
+                 device_step_max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
         super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
         self.drafter: DraftRunner = drafter
         self.k = drafter.k

@@ -16,7 +16,9 @@ graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly), and 
 Triton compiles during each timed run, per side (``jit_compiles_per_run``; the kernels in
 ``jit_compiled``: a compile in a timed run costs it up to a second), and with a draft
 head on CUDA the verifications launched ahead (``spec_lookahead``: launched, used,
-discarded, and used with the step after them queued on the device, ``stepped``).
+discarded, and used with the step after them queued on the device, ``stepped``), and
+each engine's build time (``engine_build_s``: loading, memory profile, graph captures;
+the second engine reuses what the first converted or compiled).
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
@@ -61,7 +63,11 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
 
     if threads:
         torch.set_num_threads(threads)
-    engines = {"plain": LLM(model, **base_opts), "spec": LLM(model, **spec_opts)}
+    engines, build_s = {}, {}
+    for name, opts in (("plain", base_opts), ("spec", spec_opts)):
+        t0 = time.perf_counter()
+        engines[name] = LLM(model, **opts)  # loading, memory profile, graph captures
+        build_s[name] = time.perf_counter() - t0
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=not stop_at_eos)
               for n in workload.output_lens]
@@ -106,7 +112,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             "jit_compiles_per_run": {k: [len(c) for c in v] for k, v in compiled.items()},
             "jit_compiled": {k: [e for c in v for e in c] for k, v in compiled.items()},
             "graph_verify_steps": graph_steps,
-            "spec_lookahead": ahead,
+            "spec_lookahead": ahead, "engine_build_s": build_s,
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
 
 
@@ -181,7 +187,12 @@ def format_row(r: dict[str, Any]) -> str:
             f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
             f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}"
             f"  JIT compiles per timed run {r.get('jit_compiles_per_run')}"
-            f"  launched ahead {r.get('spec_lookahead')}")
+            f"  launched ahead {r.get('spec_lookahead')}"
+            f"  engine build s {_rounded(r.get('engine_build_s'))}")
+
+
+def _rounded(seconds: dict[str, float] | None) -> dict[str, float] | None:
+    return None if seconds is None else {k: round(v, 1) for k, v in seconds.items()}
 
 
 def main() -> None:

@@ -33,3 +33,14 @@ def test_profile_side_writes_its_tables(tmp_path):
 def test_needs_cuda(tmp_path, capsys):
     assert spec_host_profile.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--proposer", "ngram", "--speculative-model", "HEAD", "--model", "M"],
+     "--proposer ngram takes no --speculative-model"),
+    (["--model", "M"], "--model and --speculative-model go together"),
+])
+def test_refuses_mismatched_pair(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        spec_host_profile.main(["--out", str(tmp_path), *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

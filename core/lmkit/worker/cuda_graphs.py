@@ -134,6 +134,7 @@ class CudaGraphRunner:
         self.device = device
         self.block_size = block_size
         self.max_query_len = max(1, max_query_len)
+        self.max_num_seqs = max_num_seqs
         self.sizes = capture_sizes(max(max_num_seqs * self.max_query_len, flat_tokens))
         self.max_bs = self.sizes[-1]
         self.flat_tokens = min(flat_tokens, self.max_bs)

@@ -138,16 +138,17 @@ class DeviceSpecStep:
         if any(r.use_graphs and r.plans_replays for r in runners):
             return None
         step = cls(graphs, model, drafter, max_requests)
-        step.capture(range(1, max_requests + 1))
+        step.capture(range(1, min(max_requests, graphs.max_num_seqs) + 1))
         return step
 
     def capture(self, sizes: range) -> None:
         """Capture the step graphs for these request counts now, largest first, into one
         memory pool (the graphs never run at once, and what a step leaves for the next
         lives outside the pool): at engine start, every count up to :attr:`max_requests`
-        that fits, so that no request waits for a capture (~40 ms each on SmolLM2-135M,
-        H200: a batch draining through uncaptured counts stalls once per count). A
-        count not captured here is captured when first met. No-op without graphs."""
+        and ``scheduler.max_num_seqs`` that fits, so that no request waits for a capture
+        (~40 ms each on SmolLM2-135M, H200: a batch draining through uncaptured counts
+        stalls once per count). A count not captured here is captured when first met.
+        No-op without graphs."""
         if not self.graphs.use_graphs:
             return
         catch_up = self.drafter.catch_up_graphs

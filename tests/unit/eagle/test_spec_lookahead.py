@@ -108,11 +108,18 @@ def test_device_steps_switched_off(tiny, accepting, monkeypatch, k, switch):
     """``LMKIT_SPEC_DEVICE_STEP=0`` or ``speculative.device_step_max_requests: 0``:
     verifications are still launched ahead, the head's steps run from the host, and
     tokens and drafts equal the device steps' run."""
+    from lmkit.worker.spec_device_step import DeviceSpecStep
+
     params = greedy(MAX_TOKENS)
     padded_replays(monkeypatch)
     made = spec_lookahead_on_the_cpu(monkeypatch)
+    captured: list[range] = []
+    capture = DeviceSpecStep.capture
+    monkeypatch.setattr(DeviceSpecStep, "capture",
+                        lambda self, sizes: (captured.append(sizes), capture(self, sizes)))
     stepped, _ = run_engine(tiny, accepting, monkeypatch, PROMPTS, "eagle", params,
                             max_num_seqs=8, k=k)
+    assert captured == [range(1, 9)]  # the counts a step can have: max_num_seqs of 32
     off_settings = {"device_step_max_requests": 0} if switch == "config" else {}
     if switch == "env":
         monkeypatch.setenv("LMKIT_SPEC_DEVICE_STEP", "0")

@@ -14,9 +14,9 @@ draft acceptance rate, whether the greedy outputs were identical (they must be) 
 CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
 graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly), and the
 Triton compiles during each timed run, per side (``jit_compiles_per_run``; the kernels in
-``jit_compiled``: a compile in a timed run costs it up to a second), and with a draft
-head on CUDA the verifications launched ahead (``spec_lookahead``: launched, used,
-discarded, and used with the step after them queued on the device, ``stepped``), and
+``jit_compiled``: a compile in a timed run costs it up to a second); with a draft head
+on CUDA, the verifications launched ahead (``spec_lookahead``: launched, used,
+discarded, and used with the step after them queued on the device, ``stepped``); and
 each engine's build time (``engine_build_s``: loading, memory profile, graph captures;
 the second engine reuses what the first converted or compiled).
 
@@ -192,6 +192,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def _rounded(seconds: dict[str, float] | None) -> dict[str, float] | None:
+    """Each side's seconds to a tenth (reports from before the field: None)."""
     return None if seconds is None else {k: round(v, 1) for k, v in seconds.items()}
 
 

@@ -179,8 +179,8 @@ class SpeculativeConfig(OptionalBackendSection):
         32, ge=0, le=256, description="With a draft head on CUDA graphs: steps of at most "
         "this many requests run wholly on the device (accept, the head's catch-up and "
         "drafts, the next verification), one graph pair per request count (up to "
-        "scheduler.max_num_seqs) captured at start; larger steps plan the head's passes on the host between steps. 0 turns "
-        "device steps off.")
+        "scheduler.max_num_seqs) captured at start; larger steps plan the head's passes "
+        "on the host between steps. 0 turns device steps off.")
     adaptive: bool = Field(
         False, description="Measure decode throughput with and without drafts (8 decode "
         "steps each, every 256) and speculate only while drafts are faster, so that "

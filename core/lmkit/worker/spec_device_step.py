@@ -116,7 +116,6 @@ class DeviceSpecStep:
         self._row_base = self._offsets.new_tensor(np.arange(max_requests) * width)
         self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
         self._captured: dict[int, _StepGraphs] = {}  # by request count
-        self._pool: Any = None  # the graphs' memory pool, one for every request count
         self.num_steps = 0  # device steps queued
 
     @classmethod
@@ -142,24 +141,24 @@ class DeviceSpecStep:
         return step
 
     def capture(self, sizes: range) -> None:
-        """Capture the step graphs for these request counts now, largest first, into one
-        memory pool (the graphs never run at once, and what a step leaves for the next
-        lives outside the pool): at engine start, every count up to :attr:`max_requests`
-        and ``scheduler.max_num_seqs`` that fits, so that no request waits for a capture
-        (~40 ms each on SmolLM2-135M, H200: a batch draining through uncaptured counts
-        stalls once per count). A count not captured here is captured when first met.
-        No-op without graphs."""
+        """Capture the step graphs for those of these request counts that fit
+        (:meth:`fits_rows`), largest first, into one memory pool (the graphs never run at
+        once, and what a step leaves for the next lives outside the pool). Called at
+        engine start with every count a step can have (up to :attr:`max_requests` and
+        ``scheduler.max_num_seqs``), so that no request waits for a capture (~40 ms each
+        on SmolLM2-135M, H200). No-op without graphs."""
         if not self.graphs.use_graphs:
             return
         catch_up = self.drafter.catch_up_graphs
         assert catch_up is not None
         features = catch_up.feature_rows(1)
         width = 1 + self.k
+        pool = torch.cuda.graph_pool_handle()
         for n in sorted((n for n in sizes if self.fits_rows(n)), reverse=True):
             ids = torch.zeros(n, width, dtype=torch.int64, device=features.device)
             like = DeviceVerify(ids, ids, ids, features.new_zeros(n * width, features.shape[1]),
                                 ids.view(-1))
-            self._captured[n] = _StepGraphs.capture(self, like)
+            self._captured[n] = _StepGraphs.capture(self, like, pool)
 
     def fits_rows(self, n: int) -> bool:
         """Whether a step of ``n`` requests is small enough for a device step
@@ -215,11 +214,8 @@ class DeviceSpecStep:
         self.num_steps += 1
         captured = self.graphs.use_graphs
         self._count(head_passes=captured)
-        if captured:
-            graphs = self._captured.get(n)
-            if graphs is None:
-                graphs = self._captured[n] = _StepGraphs.capture(self, v)
-            return graphs.run(v, tables)
+        if captured:  # every count that passes fits() was captured at engine start
+            return self._captured[n].run(v, tables)
         decided, inputs, positions = self._draft(v, tables)
         # read back before the next verification is queued: the host takes this step
         # while the GPU verifies the next one
@@ -304,8 +300,9 @@ class _StepGraphs:
         self.verify = verify
 
     @classmethod
-    def capture(cls, step: DeviceSpecStep, like: DeviceVerify) -> _StepGraphs:
-        """Capture both graphs for ``like``'s request count (its shapes and dtypes)."""
+    def capture(cls, step: DeviceSpecStep, like: DeviceVerify, pool: Any) -> _StepGraphs:
+        """Capture both graphs for ``like``'s request count (its shapes and dtypes) into
+        the memory ``pool`` (``torch.cuda.graph_pool_handle()``)."""
         from lmkit.worker.graph_stream import capture_stream
 
         n, width = like.inputs.shape
@@ -316,9 +313,6 @@ class _StepGraphs:
             torch.cuda.synchronize(device)
         tables = torch.zeros(n, step.graphs.max_blocks, dtype=torch.int32, device=device)
         decided = torch.zeros(n, 2 * width, dtype=torch.int64, device=device)
-        if step._pool is None:
-            step._pool = torch.cuda.graph_pool_handle()
-        pool = step._pool
         stream = capture_stream(device)
         draft, verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.inference_mode():

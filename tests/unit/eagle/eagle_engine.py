@@ -14,6 +14,9 @@ COMMON = dict(device="cpu", dtype="float32", max_model_len=256, block_size=4)
 PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
            "abcabcabcabc"]  # the last one hits the prefix cache of the first
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+#: run_engine's keyword settings that go to the config's ``speculative`` section
+SPECULATIVE_KEYS = ("disable_by_batch_size", "catch_up_when_off", "adaptive",
+                    "device_step_max_requests")
 
 
 def tokens(outs):
@@ -28,7 +31,8 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
     the engine's stats. ``offload``: the config's ``offload`` section (none: off);
     ``parallel``: its ``parallel`` section (tensor parallel: the ranks in worker
     processes, the drafts recorded here, in the engine); ``k`` (in ``settings``): draft
-    tokens per step (3)."""
+    tokens per step (3); :data:`SPECULATIVE_KEYS` in ``settings`` go to the
+    ``speculative`` section (else its defaults), the rest to ``scheduler``."""
     from lmkit.engine.core import EngineCore
 
     seen: dict[tuple[int, int], list[int]] = {}
@@ -46,11 +50,7 @@ def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
         "attention": {"backend": "torch"}, "executor": {"device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": settings.pop("num_blocks", 96)},
         "speculative": {"backend": proposer, "model": str(head), "num_speculative_tokens": settings.pop("k", 3),
-                        "disable_by_batch_size": settings.pop("disable_by_batch_size", None),
-                        "catch_up_when_off": settings.pop("catch_up_when_off", True),
-                        "adaptive": settings.pop("adaptive", False),
-                        **({"device_step_max_requests": settings.pop("device_step_max_requests")}
-                           if "device_step_max_requests" in settings else {})},
+                        **{key: settings.pop(key) for key in SPECULATIVE_KEYS if key in settings}},
         "scheduler": settings, **({"offload": offload} if offload else {}),
         **({"parallel": parallel} if parallel else {})})
     core = EngineCore(config, PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"}),

@@ -3,7 +3,7 @@ the torch profiler (CUDA activity only: kernels, copies, and the CUDA runtime ca
 host made), one engine per side in one process:
 
 * the GPU's busy fraction and its idle gaps by size (``bench/gpu_run_profile.py``),
-* kernels per engine step, and
+* kernels per engine step, and the ``--top`` kernels by time (calls and us per step),
 * the time the host spent blocked in CUDA calls that wait for the device (event and
   stream synchronisation, synchronous copies), per step.
 
@@ -117,7 +117,10 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    summary = summarize_trace(events, wall, top=12)
+    summary = summarize_trace(events, wall, top=args.top)
+    for k in summary["top_kernels"]:  # per engine step, to compare sides
+        k["us_per_step"] = 1e6 * k["s"] / max(1, steps)
+        k["calls_per_step"] = k["calls"] / max(1, steps)
     waits = blocked(events)
     wait_s = sum(w["s"] for w in waits.values())
     return {"side": side, "wall_s": wall, "tokens": tokens, "steps": steps,
@@ -141,10 +144,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="requests run at a time")
     ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                     help="a setting of every speculating engine (value read as JSON)")
+    ap.add_argument("--top", type=int, default=12,
+                    help="kernels listed per side (by total time), each also per step")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.batch < 1:
         ap.error(f"--batch must be at least 1, got {args.batch}")
+    if args.top < 0:
+        ap.error(f"--top must be at least 0, got {args.top}")
     args.settings = parse_sets(";".join(args.set), "--set")
     import torch
 

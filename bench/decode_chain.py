@@ -15,7 +15,9 @@ the bf16 GEMVs' (and their folds') launch parameters for every projection instea
 :func:`lmkit_plugins.models.fused_ops.small_m_tiles`; for FP8, ``FP8_TILES=BN/BK/WARPS``
 and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
 ``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
-as the model switches); ``SPLITS=N``: decode attention cuts each context into ``N``
+as the model switches); ``LMKIT_GLU_EPILOGUE=0`` (bf16: SiLU-and-multiply not in the
+gate-up projection's epilogue, where the model runs it by default; then the SiLU fold
+or the separate kernel); ``SPLITS=N``: decode attention cuts each context into ``N``
 slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count. One CUDA graph is captured per setting, and
 the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
 setting's median step time, its spread, and the weight bytes per step over that time::
@@ -62,7 +64,8 @@ ATTENTION: dict[str, int] = {}
 
 #: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
 MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
-          "qwen0.6b": (1024, 16, 8, 128, 3072, 151936)}
+          "qwen0.6b": (1024, 16, 8, 128, 3072, 151936),
+          "smollm2": (576, 9, 3, 64, 1536, 49152)}
 
 
 def parse_setting(text: str) -> dict[str, str]:
@@ -157,6 +160,7 @@ class Chain:
         batch, x, residual = self.batch, self.x, None
         fold = os.environ.get("LMKIT_GEMV_FOLD", "1")  # 1, 0, or the one fold kept
         norm_fold, silu_fold = fold in ("1", "norm"), fold in ("1", "silu_mul")
+        glu = os.environ.get("LMKIT_GLU_EPILOGUE", "1") != "0"  # bf16 only
         for i, p in enumerate(self.layers):
             if self.fp8 and norm_fold:
                 qkv, residual = norm_fp8_row_linear(x, residual, p["ln1"], 1e-5, *p["qkv"],
@@ -191,6 +195,14 @@ class Chain:
                     gate_up = self._linear(h, p["gate_up"])
                 x = silu_mul_fp8_row_linear(gate_up, *p["down"], **FP8_LAUNCH) if silu_fold \
                     else self._linear(silu_and_mul(gate_up), p["down"])
+            elif glu:  # SwiGLU in the gate-up kernel's epilogue
+                if norm_fold:
+                    act, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
+                                                          p["gate_up"][0], None, glu_out=True)
+                else:
+                    h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                    act = fused_ops.glu_small_m_linear(h, p["gate_up"][0], None)
+                x = self._linear(act, p["down"])
             else:
                 if norm_fold:
                     gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,

@@ -43,7 +43,7 @@ from lmkit_kernels.checks import (
     is_interpreting,
     next_power_of_2,
 )
-from lmkit_kernels.gemv import MAX_ROWS, small_m_linear_ref
+from lmkit_kernels.gemv import MAX_ROWS, glu_store, glu_tile_rows, glu_width, small_m_linear_ref
 from lmkit_kernels.norm import rms_norm_ref
 from lmkit_kernels.pdl import pdl_launch_args, pdl_wait, prefetch_args, prefetch_weight_rows
 
@@ -131,17 +131,17 @@ def _fold_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_F32: tl.constexpr, IEEE_DOT: tl.constexpr,
     ACCURATE_EXP: tl.constexpr, USE_PDL: tl.constexpr = False, PF_LINE: tl.constexpr = 1,
-    PF_LINES: tl.constexpr = 0,
+    PF_LINES: tl.constexpr = 0, GLU_OUT: tl.constexpr = False,
 ):
     # program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] = transform(x) @ w[cols].T over
     # the whole K. The transform runs on BLOCK_M rows (M rounded up to a power of two):
-    # no work on the padding rows of the 16-row dot tile, which hold zeros.
+    # no work on the padding rows of the 16-row dot tile, which hold zeros. GLU_OUT: the
+    # tile of gemv.glu_tile_rows, stored as silu(gate) * up.
     pid = tl.program_id(0)
     rows = tl.arange(0, 16)
     arows = tl.arange(0, BLOCK_M)
     arow_ok = arows < M
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    cols, col_ok = glu_tile_rows(pid, N, BLOCK_N, GLU_OUT)
     ks = tl.arange(0, BLOCK_K)
     prefetch_weight_rows(w_ptr, cols, N, K, stride_wn, PF_LINE, PF_LINES)
     pdl_wait(USE_PDL)  # x and the residual are earlier kernels' outputs
@@ -173,8 +173,11 @@ def _fold_linear_kernel(
             acc += tl.dot(a, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
+    if GLU_OUT:
+        glu_store(acc, out_ptr, rows, rows < M, pid, N, stride_om, BLOCK_N, ACCURATE_EXP)
+    else:
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def launch_config(rows: int, silu_mul: bool, has_residual: bool, block_n: int, block_k: int,
@@ -245,8 +248,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             k: int, *, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, res_out: torch.Tensor | None = None,
             eps: float = 0.0, block_n: int, block_k: int, num_warps: int,
-            num_stages: int) -> None:
-    m, n = out.shape
+            num_stages: int, glu_out: bool = False) -> None:
+    m, n = out.shape[0], weight.shape[0]
     if not m:
         return
     res = residual if residual is not None else x
@@ -256,7 +259,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         m, silu_mul, residual is not None, block_n, block_k, num_stages, x.element_size(),
         None if is_interpreting() else _max_shared_mem(x.device))
     variant = (x.device, x.dtype, silu_mul, residual is not None, bias is not None, block_m,
-               block_n, block_k, num_warps)
+               block_n, block_k, num_warps, glu_out)
     stages = min(stages, _STAGES_THAT_FIT.get(variant, stages))
     while True:
         try:
@@ -271,7 +274,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
                 BLOCK_K=block_k, NORM_BLOCK=min(max(16, next_power_of_2(k)), _MAX_NORM_BLOCK),
                 DOT_F32=dot_needs_f32(x.dtype),
                 IEEE_DOT=x.dtype == torch.float32 and not is_interpreting(),
-                ACCURATE_EXP=not is_interpreting(), num_warps=num_warps, num_stages=stages,
+                ACCURATE_EXP=not is_interpreting(), GLU_OUT=glu_out,
+                num_warps=num_warps, num_stages=stages,
                 enable_fp_fusion=False,  # round where the separate kernels round (no FMA)
                 **prefetch_args(weight, block_k), **pdl_launch_args(x.device),
             )
@@ -307,12 +311,15 @@ def check_norm_inputs(x: torch.Tensor, residual: torch.Tensor | None,
 def norm_small_m_linear(x: torch.Tensor, residual: torch.Tensor | None,
                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                         bias: torch.Tensor | None = None, *, block_n: int = 16,
-                        block_k: int = 512, num_warps: int = 4, num_stages: int = 4
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
+                        glu_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(h) @ weight.T (+ bias), h)`` with ``h = x + residual`` (``x`` when
     ``residual`` is None) for at most :data:`~lmkit_kernels.gemv.MAX_ROWS` rows: the
     same result as :func:`lmkit_kernels.norm.rms_norm` then
     :func:`lmkit_kernels.gemv.small_m_linear` with the same ``block_k``, in one kernel.
+    With ``glu_out`` (``weight`` a ``[gate | up]`` projection) the first item is
+    ``silu(gate) * up`` of that product, as ``small_m_linear(..., glu_out=True)``
+    stores it.
 
     :param x: ``[M, K]``, float16, bfloat16 or float32, ``M <= 16``, unit last stride.
     :param residual: optional ``[M, K]`` in ``x``'s dtype, unit last stride.
@@ -322,18 +329,22 @@ def norm_small_m_linear(x: torch.Tensor, residual: torch.Tensor | None,
     :param bias: optional ``[N]``.
     :param block_n: output columns per program (a power of two >= 16).
     :param block_k: ``K`` slice per loop iteration (a power of two >= 16).
-    :return: a new ``[M, N]`` tensor and the residual sum (a new ``[M, K]`` tensor, or
-        ``x`` itself without ``residual``); inputs are not modified.
-    :raises ValueError: on a shape, dtype, device or stride mismatch, or ``M > 16``.
+    :param glu_out: store ``silu(y[:, :N/2]) * y[:, N/2:]`` of the product ``y`` (``N``
+        even).
+    :return: a new ``[M, N]`` tensor (``[M, N / 2]`` with ``glu_out``) and the residual
+        sum (a new ``[M, K]`` tensor, or ``x`` itself without ``residual``); inputs are
+        not modified.
+    :raises ValueError: on a shape, dtype, device or stride mismatch, ``M > 16``, or an
+        odd ``N`` with ``glu_out``.
     """
     _check_rows("x", x, "norm_small_m_linear")
     m, k = x.shape
     res_out = check_norm_inputs(x, residual, norm_weight)
     n = _check_weight(x, k, weight, bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, glu_width(n, glu_out)), dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, k, residual=residual, norm_weight=norm_weight,
             res_out=res_out, eps=eps, block_n=block_n, block_k=block_k,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages, glu_out=glu_out)
     return out, (res_out if res_out is not None else x)
 
 

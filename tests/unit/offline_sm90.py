@@ -46,7 +46,8 @@ def resource_usage(kernel) -> dict[str, str]:
     return dict(re.findall(r"(REG|STACK):(\d+)", usage))
 
 
-def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dict:
+def _compile(rows: int, fold: str, has_residual: bool, out_features: int,
+             glu_out: bool = False) -> dict:
     from lmkit_kernels.gemv_fold import _fold_linear_kernel, launch_config
     from lmkit_plugins.models.fused_ops import GemvFold
     from triton.backends.compiler import GPUTarget
@@ -64,7 +65,8 @@ def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dic
                  "BLOCK_M": block_m, "BLOCK_N": tiles["block_n"], "BLOCK_K": block_k,
                  "NORM_BLOCK": 4096, "DOT_F32": False, "IEEE_DOT": False, "ACCURATE_EXP": True,
                  # launched with PDL on an H100: the wait and the first slice's prefetch
-                 "USE_PDL": True, "PF_LINE": 64, "PF_LINES": block_k // 64}
+                 "USE_PDL": True, "PF_LINE": 64, "PF_LINES": block_k // 64,
+                 "GLU_OUT": glu_out}
     signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints},
                  "inv_k": "fp32", "eps": "fp32", **{c: "constexpr" for c in constants}}
     # what the launch specialises on: 16-byte aligned pointers, sizes divisible by 16
@@ -76,7 +78,7 @@ def _compile(rows: int, fold: str, has_residual: bool, out_features: int) -> dic
                             options={"num_warps": tiles["num_warps"], "num_stages": stages,
                                      "enable_fp_fusion": False})
     fields = resource_usage(kernel)
-    return {"rows": rows, "fold": fold, "has_residual": has_residual,
+    return {"rows": rows, "fold": fold, "has_residual": has_residual, "glu_out": glu_out,
             "out_features": out_features, "block_m": block_m, "block_k": block_k,
             "num_stages": stages, "shared": kernel.metadata.shared,
             "registers": int(fields["REG"]), "stack": int(fields["STACK"])}

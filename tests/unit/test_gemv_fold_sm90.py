@@ -23,10 +23,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="Triton's bundled ptxas/cuobjdump are not installed")]
 
 # rows, fold, residual, out_features: QKV / gate-up (norm; the first layer has no
-# residual) and down (SiLU), one row and several; 1024 outputs take 16-wide programs
+# residual) and down (SiLU), one row and several; 1024 outputs take 16-wide programs;
+# the gate-up projection with SwiGLU in its epilogue (glu_out, one row: Llama-8B's and
+# SmolLM2's)
 VARIANTS = [[rows, fold, res, n] for rows in (1, 2, 8, 16)
             for fold, res, n in (("norm", True, 6144), ("norm", False, 28672),
                                  ("silu_mul", False, 4096), ("silu_mul", False, 1024))]
+VARIANTS += [[1, "norm", True, 28672, True], [1, "norm", True, 3072, True]]
 
 
 def test_sm90_variants_fit_and_do_not_spill():

@@ -32,8 +32,11 @@ from lmkit_plugins.models.cpu_linear import (
     cpu_weight_row_length,
 )
 from lmkit_plugins.models.fused_ops import (
+    SMALL_BATCH,
     fused_ops_enabled,
     gemv_fold,
+    glu_epilogue,
+    glu_small_m_linear,
     linear_kernel,
     rms_norm_kernel,
 )
@@ -54,14 +57,22 @@ class Linear(nn.Module):
     arrives packed (:class:`lmkit.api.QuantizedTensor` shards) and the layer computes
     with the method's kernel once every shard is loaded; no float32 weight is allocated
     unless the shards cannot be fused (then they are dequantized).
+
+    ``glu=True`` marks a SwiGLU gate-up projection (two shards of one size, gate then
+    up): dense CUDA half-precision layers then also give ``silu(gate) * up`` straight
+    from the projection kernel (:meth:`forward_glu`, :func:`fused_ops.glu_epilogue`).
     """
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], *, bias: bool,
                  dtype: torch.dtype, device: torch.device, quantization: Any = None,
-                 fold: str | None = None) -> None:
+                 fold: str | None = None, glu: bool = False) -> None:
         # fold: the input transform a quantization method may fold into this layer's
         # kernel: "norm" (forward_add_rms_norm) or "silu_mul" (forward_silu_mul)
         super().__init__()
+        if glu and (len(shard_sizes) != 2 or len(set(shard_sizes.values())) != 1):
+            raise ValueError(f"a SwiGLU gate-up projection has two shards of one size, got "
+                             f"{shard_sizes}")
+
         self.in_features = in_features
         self.out_features = out = sum(shard_sizes.values())
         self.shard_offsets: dict[str, tuple[int, int]] = {}
@@ -70,6 +81,8 @@ class Linear(nn.Module):
             self.shard_offsets[name] = (start, size)
             start += size
         self.kernel = linear_kernel(device, dtype, cpu_linear_kernel(device, dtype))
+        #: silu(gate) * up from this projection's kernel (forward_glu) for decode sizes
+        self.glu = glu and quantization is None and glu_epilogue(device, dtype, out)
         #: dense CUDA half precision: the weight-streaming kernel with ``fold`` inside, for
         #: decode-sized inputs (fused_ops.GemvFold); None when the fold does not apply
         self.gemv_fold = (gemv_fold(device, dtype, fold) if fold and quantization is None
@@ -148,6 +161,31 @@ class Linear(nn.Module):
             return self.forward(norm.forward(x)), x  # type: ignore[arg-type]
         h, residual = norm.forward(x, residual)
         return self.forward(h), residual
+
+    def glu_takes(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward_glu` and :meth:`forward_add_rms_norm_glu` run for ``x``
+        (``[rows, in]``): a :attr:`glu` layer and at most ``SMALL_BATCH`` rows (the
+        inputs :func:`~lmkit_plugins.models.fused_ops.linear_kernel` streams)."""
+        return self.glu and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
+
+    def forward_glu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of :meth:`forward` (``[rows, out / 2]``), computed in the
+        projection kernel's epilogue (the same bits as the separate SiLU-and-multiply
+        kernel). Only where :meth:`glu_takes` ``x``."""
+        return glu_small_m_linear(x, self.weight, self.bias)
+
+    def forward_add_rms_norm_glu(self, x: torch.Tensor, residual: torch.Tensor | None,
+                                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_add_rms_norm` whose first item is ``silu(gate) * up`` of the
+        projection (:meth:`forward_glu`; one row: the norm fold's kernel stores it).
+        Only where :meth:`glu_takes` ``x``."""
+        if self.gemv_fold is not None and self.gemv_fold.takes(x):
+            return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                              self.bias, glu_out=True)
+        if residual is None:
+            return self.forward_glu(norm.forward(x)), x  # type: ignore[arg-type]
+        h, residual = norm.forward(x, residual)
+        return self.forward_glu(h), residual
 
     def forward_silu_mul(self, gate_up: torch.Tensor,
                          act: Callable[[torch.Tensor], torch.Tensor] | None = None

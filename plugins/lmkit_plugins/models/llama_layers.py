@@ -136,8 +136,11 @@ class LlamaMLP(nn.Module):
         kw = {"dtype": dtype, "device": device, "quantization": quant}
         self.tp = tp
         size = (intermediate_size or dims.intermediate_size) // (tp.size if tp is not None else 1)
+        # SiLU-and-multiply in the gate-up kernel's epilogue for decode sizes
+        # (Linear.forward_glu): lmkit's own activation, one device
         self.gate_up_proj = Linear(dims.hidden_size, {"gate": size, "up": size},
-                                   bias=dims.mlp_bias, fold="norm", **kw)
+                                   bias=dims.mlp_bias, fold="norm",
+                                   glu=act is None and tp is None, **kw)
         self.down_proj = Linear(size, {"weight": dims.hidden_size}, bias=dims.mlp_bias,
                                 fold="silu_mul", **kw)
         self.act = act if act is not None else (
@@ -151,6 +154,8 @@ class LlamaMLP(nn.Module):
                                  and self.down_proj.gemv_fold is not None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.glu_takes(x):
+            return self.down_proj.forward(self.gate_up_proj.forward_glu(x))
         return self.down_from_gate_up(self.gate_up_proj.forward(x))
 
     def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -202,6 +207,10 @@ class LlamaDecoderLayer(nn.Module):
                 hidden, residual, self.input_layernorm)
             hidden = attn_in.attend(qkv, cos, sin, attn, kv_cache, kv_slots)
             mlp = self.mlp
+            if mlp.gate_up_proj.glu_takes(hidden):
+                act, residual = mlp.gate_up_proj.forward_add_rms_norm_glu(
+                    hidden, residual, self.post_attention_layernorm)
+                return mlp.down_proj.forward(act), residual
             gate_up, residual = mlp.gate_up_proj.forward_add_rms_norm(
                 hidden, residual, self.post_attention_layernorm)
             return mlp.down_from_gate_up(gate_up), residual

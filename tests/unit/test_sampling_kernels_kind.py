@@ -134,9 +134,17 @@ class _AlwaysAccepts(TorchSamplingKernels):
         return tokens, torch.ones_like(accepted)
 
 
+class _OffByOne(TorchSamplingKernels):
+    def plan_device_step(self, targets, inputs, start, tables, block_size):
+        accepted, last, rows, chain = super().plan_device_step(targets, inputs, start, tables,
+                                                               block_size)
+        return accepted, last + 1, rows, chain
+
+
 @pytest.mark.parametrize("cls,prop", [(_IgnoresTopP, "sample distribution"),
                                       (_IgnoresSeeds, "seeded rows"),
-                                      (_AlwaysAccepts, "verify distribution")])
+                                      (_AlwaysAccepts, "verify distribution"),
+                                      (_OffByOne, "device step")])
 def test_conformance_suite_fails_broken_kernels(cls, prop):
     with pytest.raises(ConformanceFailure) as info:
         check_sampling_kernels(cls)

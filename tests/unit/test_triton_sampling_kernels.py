@@ -168,6 +168,28 @@ def test_conformance_suite_in_the_interpreter():
     assert set(check_sampling_kernels(TritonSamplingKernels).values()) == {"passed"}
 
 
+def test_device_step_kernels_and_their_switch(monkeypatch):
+    """On CUDA (here: the interpreter, the switch forced) the device step's bookkeeping
+    runs lmkit_kernels.spec_step and passes the conformance property against the torch
+    default; LMKIT_SPEC_STEP_KERNELS=0 and the CPU keep the torch ops."""
+    from lmkit.testing.sampling_kernels import check_sampling_kernels
+    from lmkit_plugins.sampling.policy import spec_step_kernels
+
+    assert spec_step_kernels("cuda") and not spec_step_kernels("cpu")
+    monkeypatch.setenv("LMKIT_SPEC_STEP_KERNELS", "0")
+    assert not spec_step_kernels("cuda")
+    calls = []
+    real_plan, real_finish = triton_kernels.plan_step, triton_kernels.finish_step
+    monkeypatch.setattr(triton_kernels, "spec_step_kernels", lambda device_type: True)
+    monkeypatch.setattr(triton_kernels, "plan_step",
+                        lambda *a: calls.append("plan") or real_plan(*a))
+    monkeypatch.setattr(triton_kernels, "finish_step",
+                        lambda *a: calls.append("finish") or real_finish(*a))
+    assert check_sampling_kernels(TritonSamplingKernels, only=["device step"]) == {
+        "device step": "passed"}
+    assert calls == ["plan", "finish"] * 3  # k = 1, 2, 4
+
+
 def test_greedy_argmax_routing(monkeypatch):
     from lmkit_plugins.sampling.policy import uses_argmax_kernel
 

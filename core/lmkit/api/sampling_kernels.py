@@ -11,7 +11,11 @@ object, chosen per engine by the ``sampling_kernels`` kind (``--sampling-kernels
 - :meth:`SamplingKernels.verify`: target distributions -> rejection sampling of the
   drafts (each draft's test, each row's recovered or bonus draw);
 - :meth:`SamplingKernels.argmax` (optional, plugin API 1.1): the adjusted logits' argmax
-  per row, ``torch.argmax`` unless a kernel set overrides it.
+  per row, ``torch.argmax`` unless a kernel set overrides it;
+- :meth:`SamplingKernels.plan_device_step` and :meth:`SamplingKernels.finish_device_step`
+  (optional, plugin API 1.4): the greedy acceptance of a speculative step queued on the
+  device (``lmkit.worker.spec_device_step``) and the positions, cache slots and inputs
+  that follow from it; torch ops unless a kernel set overrides them.
 
 The core's default is the torch implementation,
 :class:`lmkit.sample.kernels.TorchSamplingKernels` (``lmkit.api.TorchSamplingKernels``;
@@ -111,6 +115,71 @@ class SamplingKernels(ABC):
         """
         return logits.argmax(dim=-1)
 
+    def plan_device_step(self, targets: torch.Tensor, inputs: torch.Tensor,
+                         start: torch.Tensor, tables: torch.Tensor, block_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The greedy acceptance of a verification queued on the device, and where the
+        draft head's chained passes after it write. Called inside a captured CUDA graph:
+        no host synchronisation, no allocation that depends on values. Added in plugin
+        API 1.4; the default is torch ops.
+
+        Args:
+            targets: int64 ``[n, 1 + k]``, the verification's argmax per row.
+            inputs: int64 ``[n, 1 + k]``, each request's last token then its ``k`` drafts.
+            start: int64 ``[n]`` (any stride), each request's first verified position.
+            tables: int32 ``[n, blocks]``, the requests' block tables.
+            block_size: tokens per cache block.
+
+        Returns:
+            int64 ``(accepted [n], last [n], last_rows [n], chain [k - 1, 3, n])``: the
+            drafts equal to the argmax before the first that is not; ``start +
+            accepted``; ``i (1 + k) + accepted``; and for ``j = 1 .. k - 1`` the position
+            ``last + j``, its cache slot and ``last + j + 1``.
+        """
+        import torch
+
+        n, width = targets.shape
+        k = width - 1
+        accepted = (targets[:, :k] == inputs[:, 1:]).long().cumprod(dim=1).sum(dim=1)
+        last = start + accepted
+        rows = torch.arange(n, device=targets.device) * width + accepted
+        pos = last[None, :] + torch.arange(1, k, device=targets.device)[:, None]
+        chain = torch.stack([pos, _slots(tables, pos.T, block_size).T, pos + 1], dim=1)
+        return accepted, last, rows, chain
+
+    def finish_device_step(self, targets: torch.Tensor, accepted: torch.Tensor,
+                           last: torch.Tensor, first: torch.Tensor, rest: torch.Tensor | None,
+                           tables: torch.Tensor, block_size: int, decided: torch.Tensor,
+                           inputs: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor) -> None:
+        """Write a device step's decisions and the next verification's inputs, positions
+        and cache slots into the given buffers (inside a captured CUDA graph, as
+        :meth:`plan_device_step`). Added in plugin API 1.4; the default is torch ops.
+
+        Args:
+            targets: int64 ``[n, 1 + k]``; ``accepted``, ``last``: from
+                :meth:`plan_device_step`.
+            first: int64 ``[n]``, each request's first new draft; ``rest``: int64 ``[k -
+                1, n]``, the others (``None`` for ``k = 1``).
+            tables, block_size: as for :meth:`plan_device_step` (covering ``last + k +
+                1``).
+            decided: int64 ``[n, 2 (1 + k)]``, written: the argmax row, ``accepted``, the
+                new drafts.
+            inputs: int64 ``[n, 1 + k]``, written: ``targets[i, accepted[i]]`` then the
+                new drafts; ``positions``: ``last + 1 .. last + k + 1``; ``slots``: their
+                cache slots. They may be the buffers ``inputs`` and ``start`` were read
+                from.
+        """
+        import torch
+
+        width = targets.shape[1]
+        drafts = first[:, None] if rest is None else torch.cat([first[None], rest]).T
+        decided.copy_(torch.cat([targets, accepted[:, None], drafts], dim=1))
+        inputs.copy_(torch.cat([targets.gather(1, accepted[:, None]), drafts], dim=1))
+        nxt = (last + 1)[:, None] + torch.arange(width, device=targets.device)
+        positions.copy_(nxt)
+        slots.copy_(_slots(tables, nxt, block_size))
+
     @abstractmethod
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,
                draft_probs: Sequence[torch.Tensor | None] | None
@@ -132,3 +201,9 @@ class SamplingKernels(ABC):
             the request's output reaches that row (a valid id elsewhere), and bool
             ``[num_drafts_total]`` (only its leading run per request counts).
         """
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slot of each of ``positions`` (int64 ``[n, m]``) through each request's
+    row of ``tables``."""
+    return tables.gather(1, positions // block_size).long() * block_size + positions % block_size

@@ -12,7 +12,9 @@ Properties:
   kernels draw with the same seeds, whatever the other rows are;
 * ``verify distribution``: with one deterministic draft per request, the first token
   emitted (the accepted draft, or the row's recovered draw) follows the target;
-* ``verify seeded``: seeded requests verify exactly as with the torch kernels.
+* ``verify seeded``: seeded requests verify exactly as with the torch kernels;
+* ``device step``: ``plan_device_step`` and ``finish_device_step`` (plugin API 1.4) give
+  the torch defaults' integers exactly, for one to four drafts and every accepted count.
 
 Use :func:`check_sampling_kernels`, or subclass :class:`SamplingKernelsConformance` and
 define a ``sampling_kernels`` fixture returning the spec or class (set ``device`` on the
@@ -184,13 +186,50 @@ class _Suite:
                               f", the torch kernels {want[[1, 3]].tolist()} with the same seeds")
 
 
-PROPERTIES = ("sample distribution", "seeded rows", "verify distribution", "verify seeded")
+    def device_step(self) -> None:
+        from lmkit.sample.kernels import TorchSamplingKernels
+
+        torch = self.torch
+        base = TorchSamplingKernels(device=self.device)
+        for k in (1, 2, 4):
+            n, width, bs = 6, k + 1, 4
+            gen = torch.Generator().manual_seed(k)
+            inputs = torch.randint(0, VOCAB, (n, width), generator=gen)
+            targets = inputs.roll(-1, dims=1)
+            for i in range(n):  # request i's first wrong draft at i % (k + 1) (k: none)
+                if i % width < k:
+                    targets[i, i % width] = (targets[i, i % width] + 1) % VOCAB
+            positions = torch.randint(0, 9, (n, 1), generator=gen) + torch.arange(width)
+            tables = torch.randperm(n * 8, generator=gen).view(n, 8).to(torch.int32)
+            targets, inputs, positions, tables = (t.to(self.device) for t in
+                                                  (targets, inputs, positions, tables))
+            args = (targets, inputs, positions[:, 0], tables, bs)
+            got, want = self.kernels.plan_device_step(*args), base.plan_device_step(*args)
+            what = f"{n} requests, {k} drafts each, accepting 0..{k}"
+            if any(not torch.equal(g, w) for g, w in zip(got, want, strict=True)):
+                raise self.t.fail(SUITE, "device step", what, "plan_device_step differs from "
+                                  "the torch default")
+            first = torch.randint(0, VOCAB, (n,), generator=gen).to(self.device)
+            rest = (torch.randint(0, VOCAB, (k - 1, n), generator=gen).to(self.device)
+                    if k > 1 else None)
+            outs = [torch.full((n, w), -1, device=self.device) for w in (2 * width,) + (width,) * 3]
+            refs = [torch.full_like(o, -1) for o in outs]
+            self.kernels.finish_device_step(targets, want[0], want[1], first, rest, tables, bs,
+                                            *outs)
+            base.finish_device_step(targets, want[0], want[1], first, rest, tables, bs, *refs)
+            if any(not torch.equal(o, r) for o, r in zip(outs, refs, strict=True)):
+                raise self.t.fail(SUITE, "device step", what, "finish_device_step wrote other "
+                                  "values than the torch default")
+
+
+PROPERTIES = ("sample distribution", "seeded rows", "verify distribution", "verify seeded",
+              "device step")
 
 
 def _run(suite: _Suite, prop: str) -> None:
     {"sample distribution": suite.sample_distribution, "seeded rows": suite.seeded_rows,
      "verify distribution": suite.verify_distribution,
-     "verify seeded": suite.verify_seeded}[prop]()
+     "verify seeded": suite.verify_seeded, "device step": suite.device_step}[prop]()
 
 
 def check_sampling_kernels(kernels: Any, options: Any = None, *, device: str = "cpu",
@@ -229,3 +268,6 @@ class SamplingKernelsConformance:
 
     def test_verify_seeded(self, sampling_kernels: Any) -> None:
         self._check(sampling_kernels, "verify seeded")
+
+    def test_device_step(self, sampling_kernels: Any) -> None:
+        self._check(sampling_kernels, "device step")

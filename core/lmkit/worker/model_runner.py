@@ -224,8 +224,8 @@ class ModelRunner:
         if self.facts.generates:
             args = (self.config, self.stack, graphs, self.model, self.input_batch,
                     self.requests, self.max_model_len, self.drafter)
-            self.lookahead, self.spec_lookahead = (DecodeLookahead.maybe(*args),
-                                                   SpecLookahead.maybe(*args))
+            self.lookahead = DecodeLookahead.maybe(*args)
+            self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the

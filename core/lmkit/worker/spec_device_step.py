@@ -40,9 +40,11 @@ import numpy as np
 import torch
 
 from lmkit.platform import switched_off
+from lmkit.sample.kernels import TorchSamplingKernels
 from lmkit.worker.gpu_lookahead import read_back
 
 if TYPE_CHECKING:
+    from lmkit.api import SamplingKernels
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.draft_runner import DraftRunner
 
@@ -99,28 +101,31 @@ class DeviceSpecStep:
             drafts and, for ``k > 1``, the greedy draft passes chained in one replay.
         max_requests: the most requests of a device step
             (``speculative.device_step_max_requests``).
+        kernels: the engine's sampling kernels, whose
+            :meth:`~lmkit.api.SamplingKernels.plan_device_step` and
+            :meth:`~lmkit.api.SamplingKernels.finish_device_step` do each step's
+            bookkeeping (default: torch ops).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
-                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+                 max_requests: int = DEFAULT_MAX_REQUESTS,
+                 kernels: SamplingKernels | None = None) -> None:
         self.graphs = graphs
         self.model = model
         self.drafter = drafter
         self.max_requests = max_requests
+        #: plans each step's acceptance, positions and slots (plan_device_step,
+        #: finish_device_step): the engine's sampling kernels
+        self.kernels = kernels if kernels is not None else TorchSamplingKernels(device=None)
         self.k = drafter.k
         self.block_size = drafter.block_size
-        device = graphs.device
-        width = 1 + self.k
-        self._offsets = torch.arange(width, dtype=torch.int64, device=device)  # [1 + k]
-        # each request's first row in a verification's flattened rows
-        self._row_base = self._offsets.new_tensor(np.arange(max_requests) * width)
-        self._passes = torch.arange(1, self.k, dtype=torch.int64, device=device)[:, None]
         self._captured: dict[int, _StepGraphs] = {}  # by request count
         self.num_steps = 0  # device steps queued
 
     @classmethod
     def maybe(cls, graphs: CudaGraphRunner, model: Any, drafter: DraftRunner,
-              max_requests: int = DEFAULT_MAX_REQUESTS) -> DeviceSpecStep | None:
+              max_requests: int = DEFAULT_MAX_REQUESTS,
+              kernels: SamplingKernels | None = None) -> DeviceSpecStep | None:
         """A device step when the head's passes can be queued without the host: its
         catch-up graphs take the drafts, ``k > 1`` drafts come from chained passes, no
         backend is planned per replay (their plans read host values),
@@ -136,7 +141,7 @@ class DeviceSpecStep:
             runners.append(passes.runner)
         if any(r.use_graphs and r.plans_replays for r in runners):
             return None
-        step = cls(graphs, model, drafter, max_requests)
+        step = cls(graphs, model, drafter, max_requests, kernels)
         step.capture(range(1, min(max_requests, graphs.max_num_seqs) + 1))
         return step
 
@@ -216,11 +221,14 @@ class DeviceSpecStep:
         self._count(head_passes=captured)
         if captured:  # every count that passes fits() was captured at engine start
             return self._captured[n].run(v, tables)
-        decided, inputs, positions = self._draft(v, tables)
+        n, width = v.inputs.shape
+        decided = v.inputs.new_empty(n, 2 * width)
+        inputs, positions, slots = (torch.empty_like(v.inputs) for _ in range(3))
+        self._draft(v, tables, (decided, inputs, positions, slots))
         # read back before the next verification is queued: the host takes this step
         # while the GPU verifies the next one
         host, ready = read_back(decided)
-        nxt = self.verify(inputs, positions, self.slots(tables, positions), tables)
+        nxt = self.verify(inputs, positions, slots, tables)
         return DeviceStepResult(nxt, host, ready)
 
     def _count(self, head_passes: bool) -> None:
@@ -238,44 +246,34 @@ class DeviceSpecStep:
         if self.k > 1 and drafter.graphs is not None:
             drafter.graphs.num_passes += drafter.graphs.chain
 
-    def _draft(self, v: DeviceVerify, tables: torch.Tensor, inline: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Accept, catch up and draft after ``v``: the step's decisions ``[n, (1 + k) +
-        1 + k]`` (``v``'s argmax, accepted drafts, new drafts), and the next
-        verification's inputs and positions ``[n, 1 + k]``."""
+    def _draft(self, v: DeviceVerify, tables: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+               inline: bool = False) -> None:
+        """Accept, catch up and draft after ``v``, writing into ``out``: the step's
+        decisions ``[n, (1 + k) + 1 + k]`` (``v``'s argmax, accepted drafts, new drafts),
+        and the next verification's inputs, positions and slots ``[n, 1 + k]`` (they may
+        be ``v``'s own buffers: written last)."""
         n, width = v.inputs.shape
-        k = self.k
         drafter = self.drafter
         targets = v.targets.view(n, width)
-        accepted = (targets[:, :k] == v.inputs[:, 1:]).long().cumprod(dim=1).sum(dim=1)
+        accepted, last, last_rows, chain = self.kernels.plan_device_step(
+            targets, v.inputs, v.positions[:, 0], tables, self.block_size)
         catch_up = drafter.catch_up_graphs
         assert catch_up is not None
         catch_up.feature_rows(n * width).copy_(v.features)
-        out = catch_up.run_device(v.targets, None, v.positions.reshape(-1),
-                                  v.slots.reshape(-1), tables.repeat_interleave(width, dim=0),
-                                  inline=inline)
-        last_rows = self._row_base[:n] + accepted  # each request's last kept row
-        first = catch_up.drafts(n * width).index_select(0, last_rows)
-        last = v.positions[:, 0] + accepted  # its last kept position
-        if k > 1:
+        hidden = catch_up.run_device(v.targets, None, v.positions.reshape(-1),
+                                     v.slots.reshape(-1), tables.repeat_interleave(width, dim=0),
+                                     inline=inline)
+        first = catch_up.drafts(n * width).index_select(0, last_rows)  # at the last kept row
+        rest = None
+        if self.k > 1:  # pass j writes position last + j (chain[j - 1])
             passes = drafter.graphs
             assert passes is not None
-            pos = last[None, :] + self._passes  # [k - 1, n]: pass j writes last + j
-            placed = torch.stack([pos, self.slots(tables, pos.T).T, pos + 1], dim=1)
-            passes.run_device(first, out.index_select(0, last_rows), placed[0, 0],
-                              placed[0, 1], tables, chain_rows=placed[1:], inline=inline)
-            drafts = torch.cat([first[None], passes.chain_drafts(n)]).T  # [n, k]
-        else:
-            drafts = first[:, None]
-        decided = torch.cat([targets, accepted[:, None], drafts], dim=1)
-        bonus = targets.gather(1, accepted[:, None])
-        return decided, torch.cat([bonus, drafts], dim=1), (last + 1)[:, None] + self._offsets
-
-    def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The cache slot of each of ``positions`` (int64 ``[n, m]``) through each
-        request's row of ``tables``."""
-        bs = self.block_size
-        return tables.gather(1, positions // bs).long() * bs + positions % bs
+            passes.run_device(first, hidden.index_select(0, last_rows), chain[0, 0], chain[0, 1],
+                              tables, chain_rows=chain[1:], inline=inline)
+            rest = passes.chain_drafts(n)
+        self.kernels.finish_device_step(targets, accepted, last, first, rest, tables,
+                                        self.block_size, *out)
 
 
 class _StepGraphs:
@@ -317,11 +315,8 @@ class _StepGraphs:
         draft, verify = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.inference_mode():
             with torch.cuda.graph(draft, pool=pool, stream=stream):
-                out, inputs, positions = step._draft(state, tables, inline=True)
-                decided.copy_(out)
-                state.inputs.copy_(inputs)
-                state.positions.copy_(positions)
-                state.slots.copy_(step.slots(tables, positions))
+                step._draft(state, tables, (decided, state.inputs, state.positions,
+                                            state.slots), inline=True)
             with torch.cuda.graph(verify, pool=pool, stream=stream):
                 nxt = step.verify(state.inputs, state.positions, state.slots, tables,
                                   inline=True)

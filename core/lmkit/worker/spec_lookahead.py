@@ -26,9 +26,8 @@ computed tokens and are rewritten before anything reads them (the same argument 
 
 Where the head's passes can run without the host (:class:`~lmkit.worker.
 spec_device_step.DeviceSpecStep`), the launched verification is followed on the device
-by the step after it -- accept, catch-up, drafts and the next verification -- so the
-host only reads each step's decisions; taking such a step queues the next device step
-(the scheduler then reserves ``2 (k + 1)`` slots).
+by the step after it -- accept, catch-up, drafts and the next verification -- so the host
+only reads each step's decisions; taking one queues the next (``2 (k + 1)`` slots).
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ from lmkit.worker.staging import StepStaging
 from lmkit.worker.step_plan import commit_tokens, kept_positions, step_drafts
 
 if TYPE_CHECKING:
+    from lmkit.api import SamplingKernels
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -99,37 +99,39 @@ class SpecLookahead(LaunchAhead):
         requests: the runner's per-request states by id (same objects, kept current).
         max_model_len: no step is launched past this position.
         drafter: the runner's draft head: it catches up and drafts after a taken step.
-        disable_by_batch_size: ``speculative.disable_by_batch_size`` (drafting stops
-            above it, as after a normally run step).
+        disable_by_batch_size: ``speculative.disable_by_batch_size`` (no drafts above it).
         device_step_max_requests: ``speculative.device_step_max_requests`` (the most
             requests of a step queued on the device, :mod:`lmkit.worker.spec_device_step`).
+        kernels: the engine's sampling kernels (the device steps' bookkeeping).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
                  drafter: DraftRunner, disable_by_batch_size: int | None = None,
-                 device_step_max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+                 device_step_max_requests: int = DEFAULT_MAX_REQUESTS,
+                 kernels: SamplingKernels | None = None) -> None:
         super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
         self.drafter: DraftRunner = drafter
         self.k = drafter.k
         self.disable_by_batch_size = disable_by_batch_size
         self.pending: _PendingVerify | None = None
         self.device_step = DeviceSpecStep.maybe(graphs, model, drafter,
-                                                device_step_max_requests)
+                                                device_step_max_requests, kernels)
         self.staging = StepStaging(graphs.device)  # a device step's tables and inputs
         self._continued = False  # take() queued the next verification itself
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,
               model: Any, input_batch: InputBatch, requests: dict[str, CachedRequestState],
-              max_model_len: int, drafter: DraftRunner | None) -> SpecLookahead | None:
+              max_model_len: int, drafter: DraftRunner | None,
+              kernels: SamplingKernels | None = None) -> SpecLookahead | None:
         """A lookahead when a draft head runs beside replayed decode graphs and
-        :func:`spec_lookahead_slots` reserves its slots."""
+        :func:`spec_lookahead_slots` reserves its slots (``kernels``: as for the class)."""
         if graphs is None or drafter is None or not spec_lookahead_slots(config, stack):
             return None
         return cls(graphs, model, input_batch, requests, max_model_len, drafter,
                    config.speculative.disable_by_batch_size,
-                   config.speculative.device_step_max_requests)
+                   config.speculative.device_step_max_requests, kernels)
 
     # ------------------------------------------------------------------ launching
 

@@ -10,6 +10,10 @@ the kernels as greedy (temperature 0: a cheap argmax) and the sampler replaces t
 with :meth:`TritonSamplingKernels.argmax`: lmkit's chunked argmax kernel for a few rows
 of a large vocabulary (on CUDA), ``torch.argmax`` otherwise (the same result). The logits reach them already adjusted (bias, bans,
 penalties, logits processors, grammar bitmask) and logprobs stay the sampler's.
+
+A speculative device step's bookkeeping (``plan_device_step``, ``finish_device_step``)
+runs as two kernels of :mod:`lmkit_kernels.spec_step` on CUDA instead of some thirty
+torch ops (the same integers; ``LMKIT_SPEC_STEP_KERNELS=0`` keeps the torch ops).
 """
 
 from __future__ import annotations
@@ -22,8 +26,14 @@ from lmkit.api import DraftRows, RandomRows, TorchSamplingKernels
 from lmkit_kernels.argmax import argmax_rows
 from lmkit_kernels.rejection_sample import rejection_sample
 from lmkit_kernels.sampling import sample as triton_sample
+from lmkit_kernels.spec_step import finish_step, plan_step
 
-from lmkit_plugins.sampling.policy import modes, use_kernel, uses_argmax_kernel
+from lmkit_plugins.sampling.policy import (
+    modes,
+    spec_step_kernels,
+    use_kernel,
+    uses_argmax_kernel,
+)
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:
@@ -85,3 +95,24 @@ class TritonSamplingKernels(TorchSamplingKernels):
         row_tokens = out.flatten()[out_index].clamp_(min=0)
         accepted = drafts.pos < num_accepted[drafts.req]
         return row_tokens, accepted
+
+    def plan_device_step(self, targets: torch.Tensor, inputs: torch.Tensor,
+                         start: torch.Tensor, tables: torch.Tensor, block_size: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """See :meth:`lmkit.api.SamplingKernels.plan_device_step`: one kernel on CUDA."""
+        if not spec_step_kernels(targets.device.type):
+            return super().plan_device_step(targets, inputs, start, tables, block_size)
+        return plan_step(targets, inputs, start, tables, block_size)
+
+    def finish_device_step(self, targets: torch.Tensor, accepted: torch.Tensor,
+                           last: torch.Tensor, first: torch.Tensor, rest: torch.Tensor | None,
+                           tables: torch.Tensor, block_size: int, decided: torch.Tensor,
+                           inputs: torch.Tensor, positions: torch.Tensor,
+                           slots: torch.Tensor) -> None:
+        """See :meth:`lmkit.api.SamplingKernels.finish_device_step`: one kernel on CUDA."""
+        if not spec_step_kernels(targets.device.type):
+            super().finish_device_step(targets, accepted, last, first, rest, tables,
+                                       block_size, decided, inputs, positions, slots)
+            return
+        finish_step(targets, accepted, last, first, rest, tables, block_size, decided,
+                    inputs, positions, slots)

@@ -198,3 +198,43 @@ def test_device_steps_only_for_small_steps(tiny, accepting, monkeypatch, limit):
         assert look.used > look.stepped  # some taken without one
     assert look.stepped > 5
     assert got == without
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_device_steps_through_the_step_kernels(tiny, accepting, monkeypatch, k):
+    """A device step's bookkeeping through lmkit's two kernels (the ``triton`` sampling
+    kernels' :mod:`lmkit_kernels.spec_step`, here in Triton's interpreter) instead of the
+    torch ops: the same tokens and drafts, and both kernels ran every device step."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (the compiled kernels: tests/gpu)")
+    pytest.importorskip("triton")
+    from lmkit.api import SamplingKernels
+    from lmkit.worker.spec_device_step import DeviceSpecStep
+    from lmkit_kernels import spec_step
+
+    prompts, params = PROMPTS[:3], greedy([12, 20, 26])
+    padded_replays(monkeypatch)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    torch_ops, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                              max_num_seqs=8, k=k)
+    calls = {"plan": 0, "finish": 0}
+
+    def plan(self, *args):
+        calls["plan"] += 1
+        return spec_step.plan_step(*args)
+
+    def finish(self, *args):
+        calls["finish"] += 1
+        spec_step.finish_step(*args)
+
+    monkeypatch.setattr(SamplingKernels, "plan_device_step", plan)
+    monkeypatch.setattr(SamplingKernels, "finish_device_step", finish)
+    got, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                        max_num_seqs=8, k=k)
+    step = made[-1].device_step
+    assert isinstance(step, DeviceSpecStep)
+    assert made[-1].stats.stepped > 5  # device steps taken (some queued ones discarded)
+    assert calls == {"plan": step.num_steps, "finish": step.num_steps}
+    assert got == torch_ops

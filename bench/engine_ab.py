@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_args import parse_env, parse_sets  # noqa: E402
+from gpu_args import env_during, parse_env, parse_sets  # noqa: E402
 from spec_pair import chat_prompts  # noqa: E402
 
 
@@ -49,16 +48,8 @@ def build(args: argparse.Namespace, model: str, env: dict[str, str], sets: dict[
         kw.update(speculative=args.speculative, num_speculative_tokens=args.k)
         if args.speculative_model:
             kw["speculative_model"] = args.speculative_model
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with env_during(env):
         return LLM(model, **kw)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def workload(tokenizer: Any, n: int, output_len: int) -> list:

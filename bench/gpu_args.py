@@ -5,6 +5,9 @@ its flags make (:func:`engine_options`)."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 PEERS = ("vllm", "hf")
@@ -78,3 +81,19 @@ def parse_sets(text: str, flag: str = "--ab-set") -> dict[str, Any]:
         except json.JSONDecodeError:
             sets[path.strip()] = value.strip()
     return sets
+
+
+@contextmanager
+def env_during(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block (e.g. while an engine whose build
+    reads switches is built), then restore what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

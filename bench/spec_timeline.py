@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_args import parse_env, parse_sets  # noqa: E402
+from gpu_args import env_during, parse_env, parse_sets  # noqa: E402
 from gpu_run_profile import summarize_trace  # noqa: E402
 from spec_pair import chat_prompts, pair_and_prompts  # noqa: E402
 
@@ -80,23 +79,15 @@ def run_side(args: argparse.Namespace, side: str, model: str, head: str | None,
     from torch.profiler import ProfilerActivity, profile
 
     proposer, switches = parse_side(side)
-    saved = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
-    try:
-        kw: dict[str, Any] = {}
-        if proposer != "plain":
-            kw = dict(speculative=proposer, num_speculative_tokens=args.k, **args.settings)
-            if proposer.startswith("eagle"):
-                kw["speculative_model"] = head
+    kw: dict[str, Any] = {}
+    if proposer != "plain":
+        kw = dict(speculative=proposer, num_speculative_tokens=args.k, **args.settings)
+        if proposer.startswith("eagle"):
+            kw["speculative_model"] = head
+    with env_during(switches):
         llm = LLM(model, device="cuda", attention=args.attention, dtype="bfloat16",
                   max_num_seqs=max(4, args.batch), max_model_len=2048,
                   gpu_memory_utilization=0.3, **kw)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     if prompts is None:
         prompts = chat_prompts(llm.tokenizer, args.requests, args.output_len)

@@ -16,8 +16,9 @@ kernels on SmolLM2-135M. Here one program per request does each half:
   drafts]``, and the next verification's inputs ``[argmax[a], drafts]``, positions
   ``last + 1 ..`` and slots, into the caller's buffers.
 
-Both are exact integer arithmetic: the torch reference
-(:func:`plan_step_ref`, :func:`finish_step_ref`) gives the same values.
+Both are exact integer arithmetic, the same values as the torch ops they replace
+(``lmkit.api.SamplingKernels``' default ``plan_device_step`` and ``finish_device_step``,
+against which the tests check them).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from lmkit_kernels.checks import next_power_of_2
 
-__all__ = ["finish_step", "finish_step_ref", "plan_step", "plan_step_ref"]
+__all__ = ["finish_step", "plan_step"]
 
 
 @triton.jit
@@ -163,35 +164,3 @@ def finish_step(targets: torch.Tensor, accepted: torch.Tensor, last: torch.Tenso
                              rest.stride(0) if rest is not None else 0, tables.stride(0),
                              decided.stride(0), inputs.stride(0), positions.stride(0),
                              slots.stride(0), block_size, K=k, BLOCK=next_power_of_2(width))
-
-
-def _slots_ref(tables: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.Tensor:
-    return tables.gather(1, positions // bs).long() * bs + positions % bs
-
-
-def plan_step_ref(targets: torch.Tensor, inputs: torch.Tensor, start: torch.Tensor,
-                  tables: torch.Tensor, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference of :func:`plan_step`."""
-    n, width = targets.shape
-    k = width - 1
-    accepted = (targets[:, :k] == inputs[:, 1:]).long().cumprod(dim=1).sum(dim=1)
-    last = start + accepted
-    rows = torch.arange(n, device=targets.device) * width + accepted
-    pos = last[None, :] + torch.arange(1, k, device=targets.device)[:, None]  # [k - 1, n]
-    chain = torch.stack([pos, _slots_ref(tables, pos.T, block_size).T, pos + 1], dim=1)
-    return accepted, last, rows, chain
-
-
-def finish_step_ref(targets: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor,
-                    first: torch.Tensor, rest: torch.Tensor | None, tables: torch.Tensor,
-                    block_size: int, decided: torch.Tensor, inputs: torch.Tensor,
-                    positions: torch.Tensor, slots: torch.Tensor) -> None:
-    """The torch reference of :func:`finish_step`."""
-    width = targets.shape[1]
-    drafts = first[:, None] if rest is None else torch.cat([first[None], rest]).T
-    decided.copy_(torch.cat([targets, accepted[:, None], drafts], dim=1))
-    inputs.copy_(torch.cat([targets.gather(1, accepted[:, None]), drafts], dim=1))
-    nxt = (last + 1)[:, None] + torch.arange(width, device=targets.device)
-    positions.copy_(nxt)
-    slots.copy_(_slots_ref(tables, nxt, block_size))

@@ -1,5 +1,5 @@
 """A speculative device step's bookkeeping kernels (:mod:`lmkit_kernels.spec_step`)
-compiled on CUDA, against their torch references: k from 1 to 5, every accepted count,
+compiled on CUDA, against the torch ops they replace (the API's defaults): k from 1 to 5, every accepted count,
 1 to 32 requests, block tables of 16-token blocks, the start a strided column."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ require_cuda_and_triton()
 pytestmark = pytest.mark.gpu
 
 import torch  # noqa: E402
-from lmkit_kernels.spec_step import (  # noqa: E402
-    finish_step,
-    finish_step_ref,
-    plan_step,
-    plan_step_ref,
-)
+from lmkit.api import TorchSamplingKernels  # noqa: E402
+from lmkit_kernels.spec_step import finish_step, plan_step  # noqa: E402
+
+# the torch ops the kernels replace: the API's default bookkeeping
+plan_step_ref = TorchSamplingKernels(device=None).plan_device_step
+finish_step_ref = TorchSamplingKernels(device=None).finish_device_step
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])

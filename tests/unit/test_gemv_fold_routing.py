@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import pytest
 from interpret_mode import require_triton_interpreter
-from tiny_prefill import prefill_hidden
+from tiny_prefill import prefill_hidden, tiny_llama
 
 require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from lmkit.api import ModelBuildContext  # noqa: E402
 from lmkit_kernels.interpreter import bf16_round_to_nearest  # noqa: E402
-from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
 from lmkit_plugins.models.fused_ops import (  # noqa: E402
     FOLD_MAX_ROWS,
@@ -51,25 +49,8 @@ def fused_on_cpu(monkeypatch):
         monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
 
 
-def _config(**kw):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
-                          "num_hidden_layers": 2, "num_attention_heads": 4,
-                          "num_key_value_heads": 2, "head_dim": 32,
-                          "tie_word_embeddings": True, **kw})
-
-
 def _tiny_llama(seed=0):
-    ctx = ModelBuildContext(dtype=torch.bfloat16, device=CPU, block_size=4,
-                            attention_cls=TritonAttention)
-    model = llama.LlamaForCausalLM(_config(), ctx)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1
-                    else 0.2 * torch.randn(p.shape, generator=g))
-    return model
+    return tiny_llama(seed)
 
 
 def _run(model, num_tokens):

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import pytest
 from interpret_mode import require_triton_interpreter
-from tiny_prefill import prefill_hidden
+from tiny_prefill import prefill_hidden, tiny_llama
 
 require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from lmkit.api import ModelBuildContext  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.gemv import small_m_linear, small_m_linear_ref  # noqa: E402
 from lmkit_kernels.gemv_fold import norm_small_m_linear  # noqa: E402
 from lmkit_kernels.interpreter import bf16_round_to_nearest  # noqa: E402
-from lmkit_plugins.attention.triton_backend import TritonAttention  # noqa: E402
 from lmkit_plugins.models import fused_ops, layers, llama, llama_layers  # noqa: E402
 from lmkit_plugins.models.fused_ops import SMALL_BATCH, GemvFold  # noqa: E402
 from lmkit_plugins.models.layers import Linear  # noqa: E402
@@ -88,25 +86,8 @@ def fused_on_cpu(monkeypatch):
         monkeypatch.setattr(module, "fused_ops_enabled", lambda device, dtype: True)
 
 
-def _tiny_llama(seed=0):
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, tie_word_embeddings=True)
-    ctx = ModelBuildContext(dtype=torch.bfloat16, device=CPU, block_size=4,
-                            attention_cls=TritonAttention)
-    model = llama.LlamaForCausalLM(config, ctx)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1
-                    else 0.2 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def test_which_layers_take_the_epilogue(fused_on_cpu, monkeypatch):
-    model = _tiny_llama()
+    model = tiny_llama()
     assert all(layer.mlp.gate_up_proj.glu for layer in model.model.layers)
     assert not any(layer.mlp.down_proj.glu for layer in model.model.layers)
     dims = model.dims
@@ -118,7 +99,7 @@ def test_which_layers_take_the_epilogue(fused_on_cpu, monkeypatch):
     gate_up = model.model.layers[0].mlp.gate_up_proj
     assert gate_up.glu_takes(x) and not gate_up.glu_takes(torch.zeros(SMALL_BATCH + 1, 64))
     monkeypatch.setenv("LMKIT_GLU_EPILOGUE", "0")
-    assert not any(layer.mlp.gate_up_proj.glu for layer in _tiny_llama().model.layers)
+    assert not any(layer.mlp.gate_up_proj.glu for layer in tiny_llama().model.layers)
 
 
 def test_without_the_seam_cpu_layers_keep_the_separate_kernel(monkeypatch):
@@ -143,12 +124,12 @@ def test_decode_sizes_take_the_epilogue_and_match_it_off(fused_on_cpu, monkeypat
 
     monkeypatch.setattr(layers, "glu_small_m_linear", small)
     monkeypatch.setattr(GemvFold, "norm_linear", fold)
-    on = prefill_hidden(_tiny_llama(), num_tokens, 2)
+    on = prefill_hidden(tiny_llama(), num_tokens, 2)
     # two layers: one row through the norm fold's kernel, 2-8 rows through small_m_linear
     assert calls == {"small_m": 2 if 1 < num_tokens <= SMALL_BATCH else 0,
                      "fold": 2 if num_tokens == 1 else 0}
     monkeypatch.setenv("LMKIT_GLU_EPILOGUE", "0")
-    off = prefill_hidden(_tiny_llama(), num_tokens, 2)
+    off = prefill_hidden(tiny_llama(), num_tokens, 2)
     assert torch.equal(on, off)
 
 

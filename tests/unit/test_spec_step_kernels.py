@@ -1,5 +1,5 @@
 """The device step's bookkeeping kernels (:mod:`lmkit_kernels.spec_step`) in Triton's
-interpreter against their torch references: every accepted count from none to all k,
+interpreter against the torch ops they replace (the API's defaults): every accepted count from none to all k,
 k from 1 to 5, positions whose passes and next verification cross cache blocks, strided
 starts (a column of the positions), and the refusals of wrong shapes."""
 
@@ -11,12 +11,12 @@ from interpret_mode import require_triton_interpreter
 require_triton_interpreter("CUDA is available: compiled kernels are tested in tests/gpu")
 torch = pytest.importorskip("torch")
 
-from lmkit_kernels.spec_step import (  # noqa: E402
-    finish_step,
-    finish_step_ref,
-    plan_step,
-    plan_step_ref,
-)
+from lmkit.api import TorchSamplingKernels  # noqa: E402
+from lmkit_kernels.spec_step import finish_step, plan_step  # noqa: E402
+
+# the torch ops the kernels replace: the API's default bookkeeping
+plan_step_ref = TorchSamplingKernels(device=None).plan_device_step
+finish_step_ref = TorchSamplingKernels(device=None).finish_device_step
 
 
 def _case(n, k, seed, block_size=4):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -42,7 +41,7 @@ import torch
 #: vocabulary, or past the answer's end): above every rank a tree can hold
 MISS = 1 << 20
 
-Path_ = tuple[int, ...]
+RankPath = tuple[int, ...]
 
 
 def rank_paths(steps: Sequence[torch.Tensor], truth: torch.Tensor) -> torch.Tensor:
@@ -65,13 +64,13 @@ def rank_paths(steps: Sequence[torch.Tensor], truth: torch.Tensor) -> torch.Tens
     return out
 
 
-def prefix_counts(paths: Iterable[torch.Tensor], max_rank: int) -> Counter[Path_]:
+def prefix_counts(paths: Iterable[torch.Tensor], max_rank: int) -> Counter[RankPath]:
     """How often each rank prefix of ranks below ``max_rank`` is the start of a true
     rank path, over every row of ``paths`` (each ``[m, depth]``)."""
-    counts: Counter[Path_] = Counter()
+    counts: Counter[RankPath] = Counter()
     for rows in paths:
         for row in rows.tolist():
-            prefix: Path_ = ()
+            prefix: RankPath = ()
             for r in row:
                 if r >= max_rank:
                     break
@@ -80,7 +79,7 @@ def prefix_counts(paths: Iterable[torch.Tensor], max_rank: int) -> Counter[Path_
     return counts
 
 
-def best_tree(counts: Counter[Path_], n: int) -> set[Path_]:
+def best_tree(counts: Counter[RankPath], n: int) -> set[RankPath]:
     """The ``n`` most frequent prefixes (ties: shorter, then smaller ranks first). A
     prefix is at least as frequent as any path it starts, so the set is a tree (every
     node's parent is in it)."""
@@ -88,12 +87,12 @@ def best_tree(counts: Counter[Path_], n: int) -> set[Path_]:
     return {p for p, _ in ordered[:n]}
 
 
-def chain(k: int) -> set[Path_]:
+def chain(k: int) -> set[RankPath]:
     """The tree of a chain of ``k`` drafts."""
     return {(0,) * i for i in range(1, k + 1)}
 
 
-def served_tokens(paths: Iterable[torch.Tensor], tree: set[Path_]) -> dict[str, float]:
+def served_tokens(paths: Iterable[torch.Tensor], tree: set[RankPath]) -> dict[str, float]:
     """Tokens per verification when every step verifies ``tree``: a step at row ``s``
     accepts the longest prefix of row ``s``'s true rank path in the tree, plus the
     target's own token, and the next step starts after them."""
@@ -242,4 +241,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

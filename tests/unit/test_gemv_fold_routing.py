@@ -127,9 +127,9 @@ def _count_calls(monkeypatch):
     for name in calls:
         real = getattr(GemvFold, name)
 
-        def spy(self, *args, _real=real, _name=name):
+        def spy(self, *args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
-            return _real(self, *args)
+            return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(GemvFold, name, spy)
     return calls

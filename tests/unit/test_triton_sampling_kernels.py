@@ -173,7 +173,7 @@ def test_device_step_kernels_and_their_switch(monkeypatch):
     runs lmkit_kernels.spec_step and passes the conformance property against the torch
     default; LMKIT_SPEC_STEP_KERNELS=0 and the CPU keep the torch ops."""
     from lmkit.testing.sampling_kernels import check_sampling_kernels
-    from lmkit_plugins.sampling.policy import spec_step_kernels
+    from lmkit_plugins.sampling.triton_kernels import spec_step_kernels
 
     assert spec_step_kernels("cuda") and not spec_step_kernels("cpu")
     monkeypatch.setenv("LMKIT_SPEC_STEP_KERNELS", "0")

@@ -176,7 +176,7 @@ class DeviceSpecStep:
 
     @property
     def captured_sizes(self) -> list[int]:
-        """The request counts whose device steps replay captured graphs so far."""
+        """The request counts whose device steps replay captured graphs."""
         return sorted(self._captured)
 
     def fits(self, n: int, start: np.ndarray, capacity: np.ndarray, blocks: int) -> bool:

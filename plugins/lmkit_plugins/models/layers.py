@@ -72,7 +72,6 @@ class Linear(nn.Module):
         if glu and (len(shard_sizes) != 2 or len(set(shard_sizes.values())) != 1):
             raise ValueError(f"a SwiGLU gate-up projection has two shards of one size, got "
                              f"{shard_sizes}")
-
         self.in_features = in_features
         self.out_features = out = sum(shard_sizes.values())
         self.shard_offsets: dict[str, tuple[int, int]] = {}
@@ -141,7 +140,8 @@ class Linear(nn.Module):
         return self.kernel(x, self._padded_weight, self._padded_bias)[:, :self.out_features]
 
     def forward_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
-                             norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                             norm: RMSNorm, glu: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(forward(norm(x + residual)), x + residual)`` (``x`` alone, and returned as
         the residual, when ``residual`` is ``None``): a pre-norm layer's norm and first
         projection. With a quantization method that folds norms
@@ -149,23 +149,27 @@ class Linear(nn.Module):
         call, bit-identical to the two steps (a CUDA method's inputs of up to its
         ``fold_max_rows`` rows too, where the norm is lmkit's kernel); so do one-row CUDA
         inputs with :attr:`gemv_fold` (the same bits up to the order of the norm's sum of
-        squares)."""
+        squares). ``glu``: the first item is :meth:`forward_glu`'s ``silu(gate) * up``
+        instead (only where :meth:`glu_takes` ``x``; one row: the norm fold's kernel
+        stores it)."""
         if self.gemv_fold is not None and self.gemv_fold.takes(x):
             return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
-                                              self.bias)
-        if (self._qnorm is not None and x.shape[0] <= self._qfold_rows and x.dim() == 2
-                and x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+                                              self.bias, glu_out=glu)
+        if (not glu and self._qnorm is not None and x.shape[0] <= self._qfold_rows
+                and x.dim() == 2 and x.stride(1) == 1
+                and (residual is None or residual.stride(1) == 1)
                 and (norm.has_cpu_kernel or norm.has_fused_kernel)):
             return self._qnorm(x, residual, norm.weight, norm.eps, self.bias)
+        project = self.forward_glu if glu else self.forward
         if residual is None:
-            return self.forward(norm.forward(x)), x  # type: ignore[arg-type]
+            return project(norm.forward(x)), x  # type: ignore[arg-type]
         h, residual = norm.forward(x, residual)
-        return self.forward(h), residual
+        return project(h), residual
 
     def glu_takes(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward_glu` and :meth:`forward_add_rms_norm_glu` run for ``x``
-        (``[rows, in]``): a :attr:`glu` layer and at most ``SMALL_BATCH`` rows (the
-        inputs :func:`~lmkit_plugins.models.fused_ops.linear_kernel` streams)."""
+        """Whether :meth:`forward_glu` (and ``forward_add_rms_norm(..., glu=True)``) run
+        for ``x`` (``[rows, in]``): a :attr:`glu` layer and at most ``SMALL_BATCH`` rows
+        (the inputs :func:`~lmkit_plugins.models.fused_ops.linear_kernel` streams)."""
         return self.glu and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
 
     def forward_glu(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,19 +177,6 @@ class Linear(nn.Module):
         projection kernel's epilogue (the same bits as the separate SiLU-and-multiply
         kernel). Only where :meth:`glu_takes` ``x``."""
         return glu_small_m_linear(x, self.weight, self.bias)
-
-    def forward_add_rms_norm_glu(self, x: torch.Tensor, residual: torch.Tensor | None,
-                                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_add_rms_norm` whose first item is ``silu(gate) * up`` of the
-        projection (:meth:`forward_glu`; one row: the norm fold's kernel stores it).
-        Only where :meth:`glu_takes` ``x``."""
-        if self.gemv_fold is not None and self.gemv_fold.takes(x):
-            return self.gemv_fold.norm_linear(x, residual, norm.weight, norm.eps, self.weight,
-                                              self.bias, glu_out=True)
-        if residual is None:
-            return self.forward_glu(norm.forward(x)), x  # type: ignore[arg-type]
-        h, residual = norm.forward(x, residual)
-        return self.forward_glu(h), residual
 
     def forward_silu_mul(self, gate_up: torch.Tensor,
                          act: Callable[[torch.Tensor], torch.Tensor] | None = None

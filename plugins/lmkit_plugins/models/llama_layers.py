@@ -155,12 +155,17 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj.glu_takes(x):
-            return self.down_proj.forward(self.gate_up_proj.forward_glu(x))
+            return self.down_from_gate_up(self.gate_up_proj.forward_glu(x), activated=True)
         return self.down_from_gate_up(self.gate_up_proj.forward(x))
 
-    def down_from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` from the gate-up projection's output on."""
-        if self._silu_folded:
+    def down_from_gate_up(self, gate_up: torch.Tensor, activated: bool = False
+                          ) -> torch.Tensor:
+        """:meth:`forward` from the gate-up projection's output on; ``activated``: that
+        output is already ``silu(gate) * up`` (the projection's epilogue,
+        :meth:`Linear.forward_glu`)."""
+        if activated:
+            out = self.down_proj.forward(gate_up)
+        elif self._silu_folded:
             out = self.down_proj.forward_silu_mul(gate_up, self.act)
         else:
             out = self.down_proj.forward(self.act(gate_up))
@@ -207,13 +212,10 @@ class LlamaDecoderLayer(nn.Module):
                 hidden, residual, self.input_layernorm)
             hidden = attn_in.attend(qkv, cos, sin, attn, kv_cache, kv_slots)
             mlp = self.mlp
-            if mlp.gate_up_proj.glu_takes(hidden):
-                act, residual = mlp.gate_up_proj.forward_add_rms_norm_glu(
-                    hidden, residual, self.post_attention_layernorm)
-                return mlp.down_proj.forward(act), residual
+            glu = mlp.gate_up_proj.glu_takes(hidden)  # SiLU in the gate-up kernel
             gate_up, residual = mlp.gate_up_proj.forward_add_rms_norm(
-                hidden, residual, self.post_attention_layernorm)
-            return mlp.down_from_gate_up(gate_up), residual
+                hidden, residual, self.post_attention_layernorm, glu)
+            return mlp.down_from_gate_up(gate_up, activated=glu), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm.forward(hidden)

@@ -18,7 +18,6 @@ few long rows (:data:`ARGMAX_MAX_ROWS`, :data:`ARGMAX_MIN_VOCAB`), else ``torch.
 from __future__ import annotations
 
 import math
-import os
 
 # Below this measured speedup the kernel is within noise of torch: keep torch.
 MIN_SPEEDUP = 1.05
@@ -36,18 +35,6 @@ def uses_argmax_kernel(num_rows: int, vocab: int, device_type: str) -> bool:
     """Whether greedy rows' argmax takes lmkit's chunked kernel (see
     :data:`ARGMAX_MAX_ROWS`)."""
     return device_type == "cuda" and num_rows <= ARGMAX_MAX_ROWS and vocab >= ARGMAX_MIN_VOCAB
-
-#: ``0`` keeps the torch ops for a speculative device step's bookkeeping
-SPEC_STEP_KERNELS_ENV = "LMKIT_SPEC_STEP_KERNELS"
-
-
-def spec_step_kernels(device_type: str) -> bool:
-    """Whether a speculative device step's bookkeeping runs :mod:`lmkit_kernels.spec_step`'s
-    two kernels (CUDA, unless ``LMKIT_SPEC_STEP_KERNELS=0``) instead of torch ops."""
-    off = os.environ.get(SPEC_STEP_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no",
-                                                                          "off")
-    return device_type == "cuda" and not off
-
 
 BATCHES = (1, 32, 256)
 VOCABS = (49152, 151936)

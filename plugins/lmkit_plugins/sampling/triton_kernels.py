@@ -24,16 +24,21 @@ import numpy as np
 import torch
 from lmkit.api import DraftRows, RandomRows, TorchSamplingKernels
 from lmkit_kernels.argmax import argmax_rows
+from lmkit_kernels.pdl import switch_on
 from lmkit_kernels.rejection_sample import rejection_sample
 from lmkit_kernels.sampling import sample as triton_sample
 from lmkit_kernels.spec_step import finish_step, plan_step
 
-from lmkit_plugins.sampling.policy import (
-    modes,
-    spec_step_kernels,
-    use_kernel,
-    uses_argmax_kernel,
-)
+from lmkit_plugins.sampling.policy import modes, use_kernel, uses_argmax_kernel
+
+#: ``0`` keeps the torch ops for a speculative device step's bookkeeping
+SPEC_STEP_KERNELS_ENV = "LMKIT_SPEC_STEP_KERNELS"
+
+
+def spec_step_kernels(device_type: str) -> bool:
+    """Whether a speculative device step's bookkeeping runs :mod:`lmkit_kernels.spec_step`'s
+    two kernels (CUDA, unless ``LMKIT_SPEC_STEP_KERNELS=0``) instead of torch ops."""
+    return device_type == "cuda" and switch_on(SPEC_STEP_KERNELS_ENV)
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from lmkit_plugins.spec.eagle_eval import (
     draft_accuracy,
     expected_tokens_per_step,
     holdout_split,
+    report_line,
     served_walk,
 )
 from typer.testing import CliRunner
@@ -113,6 +114,25 @@ def test_served_walk_starts_each_chain_where_the_last_stopped():
     assert report["served_walk"] == walk
 
 
+def test_vocab_coverage_counts_the_tokens_to_draft_the_vocabulary_holds():
+    """Rows from ``first`` whose truth is a draft id (``-1``: outside the draft
+    vocabulary, never draftable), over all examples; the prompt's rows are not counted,
+    and examples without ``truth`` give no coverage."""
+    head = ScriptedHead([[0] * 8])
+    truth_a = torch.tensor([-1, -1, 3, -1, 0, 5, -1, 2])  # from row 2: 4 of 6 inside
+    truth_b = torch.tensor([-1, -1, 4, 4, 1, 1, 1, -1])  # from row 4: 3 of 4 inside
+    example_a = lambda: (torch.zeros(8, 4), torch.zeros(8, 4), None, 2, truth_a)  # noqa: E731
+    example_b = lambda: (torch.zeros(8, 4), torch.zeros(8, 4), None, 4, truth_b)  # noqa: E731
+    report = accuracy_report(head, [example_a, example_b], 1)
+    assert report["vocab_coverage"] == pytest.approx(7 / 10)
+    assert "the draft vocabulary holds 70.0% of the tokens to draft" in report_line(report)
+    target = torch.nn.functional.one_hot(torch.zeros(8, dtype=torch.int64), 8).float()
+    no_truth = accuracy_report(head, [lambda: (torch.zeros(8, 4), torch.zeros(8, 4), target)],
+                               1)
+    assert no_truth["vocab_coverage"] is None
+    assert "draft vocabulary" not in report_line(no_truth)
+
+
 @pytest.mark.slow  # trains on the CPU (~10 s)
 def test_training_holds_sequences_out_and_reports_their_accuracy(tmp_path):
     tiny = make_tiny_model(tmp_path / "tiny")
@@ -126,6 +146,9 @@ def test_training_holds_sequences_out_and_reports_their_accuracy(tmp_path):
     assert ev["step"] == 60 and ev["sequences"] == 6 and len(ev["accuracy"]) == 3
     assert all(0.0 <= a <= 1.0 for a in ev["accuracy"])
     assert ev["tokens_per_step"] == pytest.approx(expected_tokens_per_step(ev["accuracy"]))
+    # the tiny model's whole vocabulary fits the default draft vocabulary
+    assert ev["vocab_coverage"] == 1.0
+    assert "the draft vocabulary holds 100.0% of the tokens to draft" in result.stdout
     assert "held-out draft accuracy (6 sequences): " in result.stdout
     assert "held-out draft accuracy at step 30 (6 sequences)" in result.stderr
     result = CliRunner().invoke(build_app(env=ENV), [

@@ -57,9 +57,10 @@ def holdout_split(num_sequences: int, holdout: int | None, seed: int
 
 
 def _right_runs(head: Any, example: Callable[[], tuple[Any, ...]], ttt_steps: int
-                ) -> tuple[torch.Tensor, int]:
-    """``(runs [m], first)`` of one sequence: for each chain start ``s``, how many of its
-    drafts in a row are right from the first (at most the steps left after ``s``)."""
+                ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """``(runs [m], first, truth)`` of one sequence: for each chain start ``s``, how many
+    of its drafts in a row are right from the first (at most the steps left after
+    ``s``); ``truth``: the example's fifth item, if any."""
     embeds, taps, target, *rest = example()
     first = int(rest[0]) if rest else 0
     m = embeds.shape[0]
@@ -73,7 +74,7 @@ def _right_runs(head: Any, example: Callable[[], tuple[Any, ...]], ttt_steps: in
         now[:right.shape[0]] = alive[:right.shape[0]] & right
         runs += now
         alive = now
-    return runs, first
+    return runs, first, rest[1] if len(rest) > 1 else None
 
 
 @torch.no_grad()
@@ -116,16 +117,24 @@ def accuracy_report(head: Any, examples: Sequence[Callable[[], tuple[Any, ...]]]
                     ttt_steps: int) -> dict[str, Any]:
     """Both measures of ``examples`` from one pass of the head over each (an example
     may run the target): the per-position accuracy of :func:`draft_accuracy`, the
-    tokens per step it implies, and :func:`served_walk` (under ``served_walk``)."""
+    tokens per step it implies, :func:`served_walk` (under ``served_walk``) and, for
+    examples that give ``truth``, ``vocab_coverage``: the fraction of the tokens to
+    draft (rows from ``first``) that the draft vocabulary holds at all -- a ceiling on
+    every draft position's accuracy (``None`` without ``truth``)."""
     counts = _Counts(ttt_steps)
+    inside = rows = 0
     for example in examples:
-        runs, first = _right_runs(head, example, ttt_steps)
+        runs, first, truth = _right_runs(head, example, ttt_steps)
         counts.add_all_starts(runs, first)
         counts.add_walk(runs, first)
+        if truth is not None:
+            drafted = truth[first:runs.shape[0]]
+            inside += int((drafted >= 0).sum())
+            rows += drafted.shape[0]
     accuracy = counts.accuracy()
     return {"sequences": len(examples), "accuracy": accuracy,
             "tokens_per_step": expected_tokens_per_step(accuracy),
-            "served_walk": counts.walk()}
+            "served_walk": counts.walk(), "vocab_coverage": inside / rows if rows else None}
 
 
 def report_line(report: dict[str, Any]) -> str:
@@ -135,7 +144,10 @@ def report_line(report: dict[str, Any]) -> str:
             f"{report['tokens_per_step']:.2f} tokens per speculative step; as served "
             f"({len(walk['acceptance_by_position'])} drafts a step, chains where the last "
             f"stopped): {', '.join(f'{a:.3f}' for a in walk['acceptance_by_position'])} "
-            f"accepted by position, {walk['tokens_per_step']:.2f} tokens per step")
+            f"accepted by position, {walk['tokens_per_step']:.2f} tokens per step"
+            + ("" if report.get("vocab_coverage") is None else
+               f"; the draft vocabulary holds {report['vocab_coverage']:.1%} of the tokens "
+               "to draft"))
 
 
 class _Counts:

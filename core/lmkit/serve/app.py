@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.gc_heap import unfreeze_heap
 from lmkit.frontend.async_llm import AsyncLLM
-from lmkit.serve.errors import APIError, install_error_handlers
+from lmkit.serve.errors import APIError, install_error_handlers, shorten
 from lmkit.serve.limits import AdmissionController
 from lmkit.serve.logprobs import TokenTexts
 from lmkit.serve.metrics import ServerMetrics
@@ -76,8 +76,8 @@ class ServerState:
     def check_model(self, name: str) -> None:
         """404 unless ``name`` is the model this server serves."""
         if name not in self.accepted_model_names:
-            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
-                           f"{self.served_model_name!r} (see GET /v1/models)",
+            raise APIError(404, f"the model {shorten(repr(name))} does not exist on this "
+                           f"server; it serves {self.served_model_name!r} (see GET /v1/models)",
                            param="model", code="model_not_found")
 
     @property

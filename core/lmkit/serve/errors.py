@@ -16,11 +16,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 
 from lmkit.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
 _TYPES = {
     400: "invalid_request_error",
@@ -77,18 +80,42 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_tag(part: Any) -> bool:
+    """True for the loc entries pydantic adds for a union's member ("str",
+    "list[TextPart]", "constrained-str"): no field of the request is named so."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
     # loc is e.g. ("body", "messages", 0, "content"); OpenAI names "messages[0].content"
-    parts = [p for p in loc if p != "body"]
+    parts = [p for i, p in enumerate(loc) if p != "body" and not (i and _is_union_tag(p))]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or None
 
 
+def _relevant(errors: list[Any]) -> list[Any]:
+    """The errors worth reporting: where a union's members all failed, the "should be a
+    valid string" of the members the value was not meant for is left out when another
+    member says what is wrong inside the value (``content: [{"type": "text"}]`` is
+    missing ``text``, not "not a string")."""
+    def where(e: Any) -> str:
+        return _validation_param(tuple(e.get("loc", ()))) or ""
+
+    specific = [where(e) for e in errors if not str(e.get("type", "")).endswith("_type")]
+    kept = [e for e in errors if not str(e.get("type", "")).endswith("_type")
+            or not any(w == where(e) or w.startswith((where(e) + ".", where(e) + "["))
+                       for w in specific)]
+    return kept or errors
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """A pydantic validation failure of the request body as a 400 naming the field."""
-    errors = exc.errors()
+    errors = _relevant(list(exc.errors()))
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     param = _validation_param(tuple(first.get("loc", ())))
     kind = str(first.get("type", ""))
@@ -108,8 +135,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "invalid_unicode":
         where = str(first.get("ctx", {}).get("where") or param or "body")
         return APIError(400, str(first.get("msg")), param=where, code="invalid_unicode")
-    msg = "; ".join(
-        f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}"
+    msg = "; ".join(  # (pydantic's "Value error, " prefix says nothing to a client)
+        f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: "
+        f"{str(e.get('msg')).removeprefix('Value error, ')}"
         for e in errors[:5]
     )
     return APIError(400, msg, param=param, code="invalid_value")
@@ -155,8 +183,12 @@ def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
     message = str(exc.detail)
     code = _HTTP_CODES.get(exc.status_code)
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see /v1/models, " \
+        message = f"no route {request.method} {shorten(request.url.path)}; see /v1/models, " \
                   "/v1/completions, /v1/chat/completions"
+    elif exc.status_code == 405:
+        allowed = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        message = (f"method {request.method} is not allowed on {shorten(request.url.path)}"
+                   + (f"; use {allowed}" if allowed else ""))
     elif exc.status_code == 400 and exc.__cause__ is not None:
         # FastAPI's "There was an error parsing the body" (e.g. an integer of more than
         # 4300 digits, or bytes that are not UTF-8): say what failed
@@ -170,6 +202,11 @@ def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
 _HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
 
 
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (a client's 60 KB path is not echoed back)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class InternalErrorMiddleware:
     """ASGI middleware that answers any exception a route lets escape with an
     OpenAI-shaped 500 and keeps the connection open.
@@ -177,7 +214,8 @@ class InternalErrorMiddleware:
     Starlette's handler for ``Exception`` sends its response and then re-raises, and
     the server closes the connection: the client's next request on the same keep-alive
     connection would be reset. Here the exception ends with this request. If the
-    response had already started (a stream), it is ended cleanly instead.
+    response had already started (a stream), it is ended cleanly instead. A client that
+    leaves while sending its body is no server error: no traceback, no 500 counted.
     """
 
     def __init__(self, app: Any) -> None:
@@ -199,6 +237,11 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:  # left while sending the body: nobody to answer, no error
+            logger.info("client left %s %s before sending the whole request body",
+                        scope.get("method"), scope.get("path"))
+            if not started:
+                await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
         except Exception as exc:
             logger.exception("unhandled error in %s %s", scope.get("method"),
                              scope.get("path"))

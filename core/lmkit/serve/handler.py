@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from lmkit.api.outputs import RequestOutput
 from lmkit.errors import LMKitError
 from lmkit.serve.app import ServerState
-from lmkit.serve.errors import APIError
+from lmkit.serve.errors import CLIENT_CLOSED_REQUEST, APIError
 from lmkit.serve.streaming import (
     SSE_DONE,
     ClientDisconnected,
@@ -27,8 +27,6 @@ from lmkit.serve.streaming import (
     sse,
     until_disconnect,
 )
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
 
 class Formatter(Protocol):

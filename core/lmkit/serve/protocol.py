@@ -12,6 +12,7 @@ that the ``openai`` client sends through ``extra_body``. ``response_format`` (``
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -36,16 +37,37 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 def _prompt_form(value: Any) -> str:
     """Which form a completion prompt takes, from its first element, so that only that
-    form is validated (a plain union would validate a 190,000-prompt batch four times)."""
+    form is validated (a plain union would validate a 190,000-prompt batch four times).
+    The tags are type names, which error messages leave out of the field's name."""
     if isinstance(value, str):
-        return "text"
+        return "str"
     first = value[0] if isinstance(value, list) and value else None
-    return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "ids"
+    if isinstance(first, str):
+        return "list[str]"
+    return "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+def _fits_int64(value: Any) -> Any:
+    """``value`` (free-form JSON: a schema, ``extra_args``) unchanged, or a ValueError naming
+    where it holds an integer past 64 bits (the channel to the engine carries none)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # iterative: the value may nest deeper than Python's recursion limit
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), v) for key, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
+        elif isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+            digits = len(str(abs(item))) if item.bit_length() < 10_000 else "thousands of"
+            raise ValueError(f"{path or 'the value'} is an integer of {digits} digits, outside "
+                             f"the 64-bit range [{INT64_MIN}, {INT64_MAX}] this server takes")
+    return value
 
 
 Prompt = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")]
-    | Annotated[list[Int64], Tag("ids")] | Annotated[list[list[Int64]], Tag("batch")],
+    Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[Int64], Tag("list[int]")]
+    | Annotated[list[list[Int64]], Tag("list[list[int]]")],
     Discriminator(_prompt_form),
 ]
 
@@ -67,6 +89,8 @@ class JSONSchemaFormat(_Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    _fits = field_validator("schema_")(_fits_int64)
 
 
 class ResponseFormat(_Body):
@@ -97,6 +121,8 @@ class StructuredOutputs(_Body):
     choice: list[str] | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
+
+    _fits = field_validator("json_", "structural_tag")(_fits_int64)
 
     def constraint(self) -> dict[str, Any]:
         """The constraint as ``SamplingParams.structured_outputs``."""
@@ -134,6 +160,8 @@ class _SamplingFields(_Body):
     bad_words: str | list[str] | None = None
     logits_processors: list[str] | None = None
     extra_args: dict[str, Any] | None = None
+
+    _fits = field_validator("extra_args")(_fits_int64)
 
     @model_validator(mode="before")
     @classmethod
@@ -173,17 +201,22 @@ class _SamplingFields(_Body):
             return None
         out = {}
         for key, value in self.logit_bias.items():
-            try:
-                out[int(key)] = float(value)
-            except ValueError:
+            # plain ASCII digits: int() would also take " 1", "1_0" and "١" (Arabic one)
+            if re.fullmatch(r"-?[0-9]{1,100}", key) is None:
                 raise InvalidRequestError(
-                    f"logit_bias keys must be token ids (integers as strings), got {key!r}",
-                    param="logit_bias", code="invalid_value") from None
+                    f"logit_bias keys must be token ids (integers as strings, e.g. \"50256\"), "
+                    f"got {key[:40]!r}", param="logit_bias", code="invalid_value")
+            out[int(key)] = float(value)
         return out
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_stream_options()
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise InvalidRequestError(  # (else the engine names the last child's seed)
+                f"seed {self.seed} is too large for n={self.n}: completion i samples with "
+                f"seed + i, which must stay a 64-bit integer; use a seed of at most "
+                f"{INT64_MAX - self.n + 1}", param="seed", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -310,6 +343,11 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools:
             raise InvalidRequestError("tool calling is not supported by this server yet",
                                       param="tools", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):  # would be silently ignored
+            raise InvalidRequestError(
+                f"tool_choice {repr(self.tool_choice)[:100]} cannot be honored: this server does not "
+                "call tools yet; leave tool_choice unset (or 'none' / 'auto')",
+                param="tool_choice", code="unsupported_parameter")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true",

@@ -3,7 +3,7 @@ boundary like the generation ones (:mod:`lmkit.serve.protocol`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -13,8 +13,25 @@ from lmkit.errors import InvalidRequestError
 from lmkit.serve.protocol import Int64, Prompt, _Body
 from lmkit.serve.text_check import find_lone_surrogate
 
+# a text to pool: an empty one is refused here, naming its field (not "prompt")
+Text = Annotated[str, Field(min_length=1)]
 
-class EmbeddingRequest(_Body):
+
+class _PoolingBody(_Body):
+    """A pooling body: every text in it must be valid Unicode (as for generation)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not valid "
+                "Unicode text", {"where": where})
+        return data
+
+
+class EmbeddingRequest(_PoolingBody):
     """``POST /v1/embeddings`` (OpenAI): ``input`` is a string, a list of strings, a list
     of token ids or a list of token-id lists. lmkit extensions (``extra_body``):
     ``pooling_type`` (a pooler name; default: the model's), ``normalize`` (default
@@ -29,16 +46,6 @@ class EmbeddingRequest(_Body):
     normalize: bool = True
     priority: Int64 = 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = find_lone_surrogate(data)
-        if where is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not valid "
-                "Unicode text", {"where": where})
-        return data
-
     def inputs(self) -> list[str | list[int]]:
         """The batch as a list of inputs, each text or token ids."""
         return split_inputs(self.input)
@@ -49,7 +56,7 @@ class EmbeddingRequest(_Body):
                              dimensions=self.dimensions)
 
 
-class _PoolingFields(_Body):
+class _PoolingFields(_PoolingBody):
     model: str
     pooling_type: str | None = None
     normalize: bool = True
@@ -80,8 +87,8 @@ class ScoreRequest(_PoolingFields):
     lists pairwise; the score is the cosine of the embeddings (MaxSim over per-token
     vectors with ``pooling_type: all``)."""
 
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: Text | list[Text]
+    text_2: Text | list[Text]
 
 
 class RerankRequest(_PoolingFields):
@@ -89,7 +96,7 @@ class RerankRequest(_PoolingFields):
     ``query``; ``top_n`` keeps the best N, ``return_documents`` echoes their text."""
 
     query: str = Field(min_length=1)
-    documents: list[str] = Field(min_length=1)
+    documents: list[Text] = Field(min_length=1)
     top_n: Int64 | None = Field(None, ge=1)
     return_documents: bool = True
 

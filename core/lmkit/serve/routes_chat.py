@@ -15,6 +15,7 @@ from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
 from lmkit.serve.logprobs import TokenTexts, chat_logprobs
 from lmkit.serve.protocol import ChatCompletionRequest
+from lmkit.serve.request_body import read_json, validate
 from lmkit.serve.streaming import ChunkTemplate
 
 router = APIRouter()
@@ -112,9 +113,11 @@ class ChatFormatter:
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(request: Request) -> Response:
     """Answer the conversation; see OpenAI's ``POST /v1/chat/completions``."""
     state = get_state(request)
+    # read by hand, as the other routes: any Content-Type, the same 400s for bad bodies
+    body = validate(ChatCompletionRequest, await read_json(request))
     state.check_model(body.model)
     state.check_fan_out(1, body.n, param="n")
     params = body.to_sampling_params()  # 400s need no engine

@@ -138,6 +138,8 @@ async def create_completion(request: Request) -> Response:
     body = validate(CompletionRequest, data)
     state.check_model(body.model)
     prompts = body.prompts()
+    # again with the validated counts: "n": "64" or 64.0 count only once validated
+    state.check_fan_out(len(prompts), max(body.n, body.best_of or 1))
     params = body.to_sampling_params()  # 400s need no engine
     llm = state.require_llm()
     rid = f"cmpl-{uuid.uuid4().hex}"

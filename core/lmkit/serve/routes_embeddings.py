@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response
 from lmkit.api.outputs import PoolingOutput
 from lmkit.api.pooling import PoolingParams
 from lmkit.serve.app import ServerState, get_state
-from lmkit.serve.handler import CLIENT_CLOSED_REQUEST, created_now
+from lmkit.serve.errors import CLIENT_CLOSED_REQUEST
+from lmkit.serve.handler import created_now
 from lmkit.serve.protocol_pooling import EmbeddingRequest, count_inputs
 from lmkit.serve.request_body import read_json, validate
 from lmkit.serve.streaming import ClientDisconnected, until_disconnect

@@ -212,11 +212,6 @@ class _SamplingFields(_Body):
     def _params(self, max_tokens: int | None, logprobs: int | None,
                 prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_stream_options()
-        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
-            raise InvalidRequestError(  # (else the engine names the last child's seed)
-                f"seed {self.seed} is too large for n={self.n}: completion i samples with "
-                f"seed + i, which must stay a 64-bit integer; use a seed of at most "
-                f"{INT64_MAX - self.n + 1}", param="seed", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,

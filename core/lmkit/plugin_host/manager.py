@@ -79,6 +79,10 @@ def check_api_version(name: str, declared: Any, origin: str | None = None) -> No
             f"plugin {name} does not declare the plugin API versions it supports; "
             f'add {API_ATTR} = ">=1.0,<2" to the plugin module (lmkit\'s is {PLUGIN_API_VERSION}).'
         )
+    if not str(declared).strip():
+        raise PluginAPIVersionError(
+            f"plugin {name} declares an empty {API_ATTR}, which would claim every plugin API "
+            f'version; declare the versions it supports, e.g. {API_ATTR} = ">=1.0,<2".')
     try:
         spec = SpecifierSet(str(declared))
     except InvalidSpecifier as e:
@@ -164,13 +168,21 @@ class PluginHost:
         host.collect()
         return host
 
-    def _record(self, name: str, source: str, module: str, ep: Any = None, **kw: Any
-                ) -> PluginInfo:
+    def _record(self, name: str, source: str, module: str, ep: Any = None,
+                key: str | None = None, **kw: Any) -> PluginInfo:
         info = PluginInfo(name=name, source=source, module=module,
                           dist=_dist_name(ep) if ep else None,
                           version=_dist_version(ep) if ep else None, **kw)
-        self.plugins[name] = info
+        self.plugins[key or name] = info
         return info
+
+    def _register_checked(self, obj: object, name: str) -> None:
+        """``pm.register``, with a hook implementation whose parameters the hook does not
+        provide reported as such (pluggy's own message shows the whole plugin object)."""
+        try:
+            self.pm.register(obj, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin {name!r}: {hook_signature_problem(obj, e)}") from None
 
     def _load_entry_point(self, ep: md.EntryPoint, source: str, fatal: bool) -> None:
         if ep.name in self._blocked or ep.value in self._blocked:
@@ -178,7 +190,7 @@ class PluginHost:
             return
         try:
             obj = ep.load()
-        except Exception as e:  # a broken plugin must not take the process down
+        except (Exception, SystemExit) as e:  # a broken plugin must not take the process down
             reason = f"{type(e).__name__}: {e}"
             if fatal:
                 raise PluginLoadError(
@@ -201,7 +213,7 @@ class PluginHost:
                 f"nor an importable module ({e}). Installed plugins: {', '.join(known) or 'none'}."
                 + suggest(name, known)
             ) from e
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise PluginLoadError(
                 f"plugin {name!r} failed to import: {type(e).__name__}: {e}"
             ) from e
@@ -216,11 +228,18 @@ class PluginHost:
         """
         module = getattr(obj, "__name__", type(obj).__name__)
         declared = getattr(obj, API_ATTR, None)
+        taken = self.plugins.get(name) if self.pm.has_plugin(name) else None
+        key = name if taken is None else f"{name} [{_dist_name(ep) or module}]"
         info = self._record(name, source, ep.value if ep else module, ep,
-                            api=None if declared is None else str(declared))
+                            api=None if declared is None else str(declared), key=key)
         try:
+            if taken is not None:
+                raise PluginLoadError(
+                    f"plugin {info.origin} ({info.module}) cannot be registered: the plugin "
+                    f"name {name!r} is already taken by plugin {taken.origin} "
+                    f"({taken.module}); rename its entry point.")
             check_api_version(name, declared, info.origin if info.dist else None)
-            self.pm.register(obj, name=name)
+            self._register_checked(obj, name)
             unknown = [hc.name for hc in self.pm.get_hookcallers(obj) or [] if not hc.has_spec()]
             if unknown:
                 self.pm.unregister(obj)
@@ -263,25 +282,34 @@ class PluginHost:
 
                 return register
 
-            self.call_each(hook_name, lambda plugin: {"register": register_for(plugin)})
+            self.call_each(hook_name, lambda plugin: {"register": register_for(plugin)},
+                           returns_none=True)
 
     def add_commands(self, app: Any) -> None:
         """Let every plugin add CLI sub-commands to ``app`` (``register_commands``)."""
         self.call_each("register_commands", lambda plugin: {"app": app})
 
-    def call_each(self, hook_name: str, kwargs_for: Callable[[str], dict[str, Any]]) -> None:
+    def call_each(self, hook_name: str, kwargs_for: Callable[[str], dict[str, Any]],
+                  returns_none: bool = False) -> None:
         """Call each implementation of ``hook_name`` separately, in registration order, so
         that one failing plugin is attributed and handled (see :meth:`collect`) without
-        stopping the others. ``kwargs_for(plugin_name)`` gives the hook's arguments."""
+        stopping the others. ``kwargs_for(plugin_name)`` gives the hook's arguments;
+        ``returns_none``: an implementation that returns a value is a failure (a
+        ``register_*`` hook that returns its spec instead of calling ``register``)."""
         # get_hookimpls() is in registration order (pluggy *calls* them in reverse)
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             kwargs = kwargs_for(impl.plugin_name)
             try:
-                impl.function(*[kwargs[a] for a in impl.argnames])
-            except Exception as e:
+                result = impl.function(*[kwargs[a] for a in impl.argnames])
+                if returns_none and result is not None:
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r}: {hook_name} returned "
+                        f"{type(result).__name__}, which is ignored; call register(spec) once "
+                        "per implementation and return None.")
+            except (Exception, SystemExit) as e:
                 self._fail(impl.plugin_name, hook_name, e)
 
-    def _fail(self, plugin: str, hook_name: str, error: Exception) -> None:
+    def _fail(self, plugin: str, hook_name: str, error: BaseException) -> None:
         info = self.plugins.get(plugin)
         if isinstance(error, PluginError):
             msg = str(error)
@@ -304,12 +332,28 @@ class PluginHost:
         """Select an implementation of ``kind`` (see :meth:`Registry.select`); under
         ``auto`` the ``choose_implementation`` hook is consulted."""
 
-        def decide(k: str, candidates: Sequence[Registration], n: Needs) -> str | None:
-            answer = self.pm.hook.choose_implementation(kind=k, candidates=list(candidates),
-                                                        needs=n)
-            return None if answer is None else str(answer)
+        return self.registry.select(kind, choice, needs or Needs(), self._decide)
 
-        return self.registry.select(kind, choice, needs or Needs(), decide)
+    def _decide(self, kind: str, candidates: Sequence[Registration], needs: Needs) -> str | None:
+        """The first non-``None`` answer of the ``choose_implementation`` hooks (last
+        registered first, as pluggy calls them), each checked and its errors attributed."""
+        for impl in reversed(self.pm.hook.choose_implementation.get_hookimpls()):
+            args = {"kind": kind, "candidates": list(candidates), "needs": needs}
+            try:
+                answer = impl.function(*[args[a] for a in impl.argnames])
+            except Exception as e:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} failed in choose_implementation for "
+                    f"{kind}: {type(e).__name__}: {e}") from e
+            if answer is None:
+                continue
+            if not isinstance(answer, str):
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r}: choose_implementation returned "
+                    f"{type(answer).__name__} for {kind}; return the chosen candidate's "
+                    f"name (one of {', '.join(r.name for r in candidates)}) or None.")
+            return answer
+        return None
 
     @property
     def hook(self) -> Any:
@@ -330,3 +374,22 @@ def _dist_name(ep: Any) -> str | None:
 def _dist_version(ep: Any) -> str | None:
     dist = getattr(ep, "dist", None)
     return dist.version if dist is not None else None
+
+
+def hook_signature_problem(obj: object, error: Exception) -> str:
+    """What is wrong with a hook implementation pluggy refused (``error``), on one line:
+    the parameters the hook does not provide and the hook's own signature."""
+    import inspect
+    import re
+
+    found = re.search(r"for hook '(\w+)'", str(error))
+    hook = found.group(1) if found else ""
+    spec, impl = getattr(hookspecs, hook, None), getattr(obj, hook, None)
+    if not hook or spec is None or impl is None:
+        return " ".join(line.strip() for line in str(error).splitlines())
+    wanted = list(inspect.signature(spec).parameters)
+    got = list(inspect.signature(impl).parameters)
+    extra = [a for a in got if a not in wanted]
+    return (f"its {hook}({', '.join(got)}) takes {', '.join(map(repr, extra))}, which the "
+            f"hook does not provide; the hook is {hook}({', '.join(wanted)}) (an "
+            "implementation takes some or all of these, by name).")

@@ -59,9 +59,11 @@ class Registry:
     def add(self, kind: str, spec: Spec, plugin: str, dist: str | None = None,
             version: str | None = None) -> Registration:
         if not isinstance(spec, Spec):
+            hint = (" (call register once per spec)" if isinstance(spec, (list, tuple, set))
+                    else "")
             raise TypeError(
                 f"plugin {plugin!r} registered {type(spec).__name__} for {kind}; "
-                "expected lmkit.api.Spec"
+                f"expected lmkit.api.Spec{hint}"
             )
         table = self._by_kind.setdefault(kind, {})
         reg = Registration(kind, spec, plugin, dist, version)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from lmkit.platform import cuda_compute_capability, cuda_device_count
-from lmkit.plugin_host.kinds import canonical_kind
+from lmkit.plugin_host.kinds import KIND_ALIASES, KINDS, canonical_kind
 
 
 class NoOptions(BaseModel):
@@ -155,6 +155,70 @@ class Variant:
         return reasons
 
 
+def _names(spec_name: str, field_name: str, value: Any) -> None:
+    """A tuple field of names (``requires``, ``aliases``): a list or tuple of non-empty
+    strings; a bare string would be read as its characters."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)) or not all(
+            isinstance(v, str) and v for v in value):
+        raise TypeError(f"Spec {spec_name!r}: {field_name} must be a tuple of non-empty "
+                        f"strings, e.g. ({value!r},), got {value!r}")
+
+
+def _check_fields(spec: Spec) -> None:
+    """Raise TypeError naming the first field of ``spec`` of the wrong type."""
+    name = spec.name
+    if not isinstance(spec.priority, int) or isinstance(spec.priority, bool):
+        raise TypeError(f"Spec {name!r}: priority must be an int, got {spec.priority!r}")
+    if not isinstance(spec.caps, Caps):
+        raise TypeError(f"Spec {name!r}: caps must be lmkit.api.Caps(features, values), got "
+                        f"{type(spec.caps).__name__}")
+    if not isinstance(spec.needs_cuda, bool):
+        raise TypeError(f"Spec {name!r}: needs_cuda must be True or False, got "
+                        f"{spec.needs_cuda!r}")
+    if not isinstance(spec.description, str):
+        raise TypeError(f"Spec {name!r}: description must be a string, got "
+                        f"{type(spec.description).__name__}")
+    _names(name, "requires", spec.requires)
+    _names(name, "aliases", spec.aliases)
+    if isinstance(spec.variants, (str, bytes)) or not all(
+            isinstance(v, Variant) for v in spec.variants):
+        raise TypeError(f"Spec {name!r}: variants must be a tuple of lmkit.api.Variant, got "
+                        f"{spec.variants!r}")
+    if not isinstance(spec.stack_needs, Mapping):
+        raise TypeError(f"Spec {name!r}: stack_needs must map a kind to Needs, got "
+                        f"{type(spec.stack_needs).__name__}")
+    for kind, needs in spec.stack_needs.items():
+        if kind not in KINDS and kind not in KIND_ALIASES:
+            raise TypeError(f"Spec {name!r}: stack_needs names unknown kind {kind!r}; "
+                            f"kinds: {', '.join(KINDS)}")
+        if not isinstance(needs, Needs):
+            raise TypeError(f"Spec {name!r}: stack_needs[{kind!r}] must be lmkit.api.Needs, "
+                            f"got {type(needs).__name__}")
+
+
+def check_option_defaults(spec_name: str, options: type[BaseModel]) -> None:
+    """Raise TypeError if ``options`` rejects its own defaults (pydantic does not
+    validate defaults: a bad one would reach the implementation unchecked, or fail the
+    user's config under ``auto`` with no option set). Required fields (no default) are
+    allowed: the user must set them."""
+    defaults = {(f.alias or key): f.get_default(call_default_factory=True)
+                for key, f in options.model_fields.items() if not f.is_required()}
+    try:
+        options.model_validate(defaults)
+    except ValidationError as e:
+        wrong = [err for err in e.errors() if err["type"] != "missing"]
+        if wrong:
+            where = ".".join(map(str, wrong[0]["loc"])) or "(model)"
+            raise TypeError(
+                f"Spec {spec_name!r}: the options model {options.__name__} rejects its own "
+                f"defaults ({where}: {wrong[0]['msg']}); give every option a default that "
+                "validates") from None
+    except Exception as e:  # a validator that raises something else is the same mistake
+        raise TypeError(
+            f"Spec {spec_name!r}: the options model {options.__name__} fails on its own "
+            f"defaults: {type(e).__name__}: {e}") from None
+
+
 def choose_variant(variants: tuple[Variant, ...], capability: tuple[int, int] | None = None
                    ) -> tuple[Variant | None, dict[str, list[str]]]:
     """The first usable variant (``None`` if none is) and every variant's reasons."""
@@ -201,19 +265,23 @@ class Spec:
     variants: tuple[Variant, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"Spec.name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.target, str) and ":" not in self.target:
+        if not isinstance(self.name, str) or not self.name or self.name.split() != [self.name]:
+            raise TypeError(
+                f"Spec.name must be a non-empty string without spaces, got {self.name!r}")
+        if not (callable(self.target) or isinstance(self.target, str) and ":" in self.target):
             raise TypeError(
                 f"Spec {self.name!r}: target must be 'module:attr' or a callable, got {self.target!r}"
             )
         if not (isinstance(self.options, type) and issubclass(self.options, BaseModel)):
-            raise TypeError(f"Spec {self.name!r}: options must be a pydantic model class")
+            raise TypeError(f"Spec {self.name!r}: options must be a pydantic model class, got "
+                            f"{self.options!r}")
+        _check_fields(self)
         object.__setattr__(self, "requires", tuple(self.requires))
         object.__setattr__(self, "aliases", tuple(self.aliases))
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "stack_needs", _frozen_map(
             {canonical_kind(k): v for k, v in self.stack_needs.items()}))
+        check_option_defaults(self.name, self.options)
 
     def load(self) -> Any:
         """Import and return the implementation (the heavy import happens here)."""

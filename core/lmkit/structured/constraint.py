@@ -27,6 +27,10 @@ KIND_FEATURES = {
     "structural_tag": "structural_tag",
 }
 PARAM = "structured_outputs"
+# deepest nesting of objects and arrays in a json / structural_tag spec: deeper ones
+# overflow Python's recursion in the JSON encoder and the backends' schema walks (and
+# take xgrammar tens of seconds at ~900 levels)
+MAX_NESTING = 200
 
 
 @dataclass(frozen=True)
@@ -73,16 +77,46 @@ def parse_constraint(structured_outputs: Mapping[str, Any]) -> Constraint:
                    f"{', '.join(KIND_FEATURES)}), got {len(kinds)}: {kinds}")
     kind = kinds[0]
     spec = _check_spec(kind, structured_outputs[kind])
-    return Constraint(kind, spec, f"{kind}:{json.dumps(spec, separators=(',', ':'))}")
+    _check_nesting(kind, spec)
+    try:
+        text = json.dumps(spec, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        raise _bad(f"the {kind} constraint contains a number that is not finite (inf or nan, "
+                   "e.g. 1e400); JSON has no such numbers") from None
+    except TypeError as e:
+        raise _bad(f"the {kind} constraint is not JSON data: {e}") from None
+    return Constraint(kind, spec, f"{kind}:{text}")
+
+
+def _check_nesting(kind: str, spec: Any) -> None:
+    """Refuse a spec nested deeper than :data:`MAX_NESTING` (walked without recursion)."""
+    stack = [(spec, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = (node.values() if isinstance(node, dict)
+                    else node if isinstance(node, (list, tuple)) else ())
+        if depth > MAX_NESTING:
+            raise _bad(f"the {kind} constraint is nested more than {MAX_NESTING} levels deep "
+                       "(objects and arrays); flatten it")
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list, tuple)))
+
+
+def _loads(label: str, text: str) -> Any:
+    """``json.loads`` of a spec given as text, its errors as invalid requests."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(f"the {label} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _bad(f"the {label} is nested more than {MAX_NESTING} levels deep (objects "
+                   "and arrays); flatten it") from None
 
 
 def _check_spec(kind: str, spec: Any) -> Any:
     if kind == "json":
         if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise _bad(f"the json schema is not valid JSON: {e}") from None
+            spec = _loads("json schema", spec)
         if not isinstance(spec, (dict, bool)):
             raise _bad(f"a json constraint must be a JSON schema (an object), got "
                        f"{type(spec).__name__}")
@@ -103,10 +137,7 @@ def _check_spec(kind: str, spec: Any) -> Any:
         return list(spec)
     # structural_tag: the backend's own format
     if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise _bad(f"the structural_tag is not valid JSON: {e}") from None
+        spec = _loads("structural_tag", spec)
     if not isinstance(spec, dict):
         raise _bad(f"a structural_tag constraint must be an object, got {type(spec).__name__}")
     return spec

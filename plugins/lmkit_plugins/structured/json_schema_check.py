@@ -3,7 +3,8 @@
 xgrammar compiles most of JSON Schema into its grammar, but some keywords and
 combinations it does not enforce are dropped with at most a warning on stderr
 (measured on xgrammar 0.2.8): ``uniqueItems``, ``not``, ``if``/``then``/``else``,
-``dependentRequired``, ``allOf`` with several subschemas, ``minLength``/``maxLength``
+``dependentRequired``, ``allOf`` with several subschemas, a ``required`` name that the
+same subschema's ``properties`` do not declare, ``minLength``/``maxLength``
 next to ``pattern`` or ``format``, and ``multipleOf`` anywhere but on a plain
 ``integer`` without bounds. A request using them could get output that does not
 validate, so the backend refuses them up front, naming the keyword and where it is in
@@ -37,6 +38,22 @@ def unsupported_keywords(schema: Any) -> list[tuple[str, str, str]]:
     return list(_walk(schema, "#"))
 
 
+def _undeclared_required(schema: dict[str, Any], path: str) -> Iterator[tuple[str, str, str]]:
+    """``required`` names missing from the same subschema's ``properties``: xgrammar
+    enforces only declared properties (``{"type": "object", "required": ["b"]}`` would
+    accept ``{}`` and refuse ``{"b": 1}``)."""
+    required = schema.get("required")
+    if not isinstance(required, list):
+        return
+    props = schema.get("properties")
+    declared = props if isinstance(props, dict) else {}
+    missing = [name for name in required if isinstance(name, str) and name not in declared]
+    if missing:
+        yield "required", path, (f"required property {missing[0]!r} is not declared in "
+                                 "'properties' next to it, and only declared properties are "
+                                 "enforced; declare it there")
+
+
 def _walk(schema: Any, path: str) -> Iterator[tuple[str, str, str]]:
     if not isinstance(schema, dict):
         return
@@ -55,6 +72,7 @@ def _walk(schema: Any, path: str) -> Iterator[tuple[str, str, str]]:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         yield "allOf", path, "only a single allOf subschema is supported"
+    yield from _undeclared_required(schema, path)
     for name in _SCHEMA_MAPS:
         sub = schema.get(name)
         if isinstance(sub, dict):

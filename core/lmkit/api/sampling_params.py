@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,28 +65,25 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         self._validate()
 
     def _validate(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {msg}", param=param, code="invalid_value")
 
+        self._check_types(bad)
         for name in ("seed", "top_k", "max_tokens", "min_tokens"):
             v = getattr(self, name)
             if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:
                 raise bad(name, f"must be a 64-bit integer, in [{INT64_MIN}, {INT64_MAX}]; "
                           f"got {v}")
-        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+        if self.n < 1 or self.n > 128:
             raise bad("n", f"must be an integer in [1, 128], got {self.n!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -93,7 +93,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {v}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
@@ -103,46 +103,76 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
-        if any(not s for s in self.stop):
-            raise bad("stop", "must not contain empty strings")
-        if self.logit_bias:
-            for tok, b in self.logit_bias.items():
-                if not -100.0 <= float(b) <= 100.0:
-                    raise bad("logit_bias", f"values must be in [-100, 100], got {b} for token {tok}")
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate_stops(bad)
+        self.logit_bias = _logit_bias(self.logit_bias, bad)
         self._validate_token_constraints(bad)
+
+    def _check_types(self, bad: Any) -> None:
+        """Refuse values of the wrong type (``"0.5"``, ``1.5`` tokens, ``True`` as a count,
+        ``"no"`` as a flag) before they reach the sampler; normalize numpy scalars."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in _OPTIONAL:
+                continue
+            if not _is_int(v):
+                raise bad(name, f"must be an integer{' or None' if name in _OPTIONAL else ''}, "
+                          f"got {_shown(v)}")
+            setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = _real(getattr(self, name))
+            if v is None:
+                raise bad(name, f"must be a number, got {_shown(getattr(self, name))}")
+            setattr(self, name, v)
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise bad(name, f"must be true or false, got {_shown(v)}")
+
+    def _validate_stops(self, bad: Any) -> None:
+        """``stop``: a string or a list of non-empty strings; ``stop_token_ids``: ints."""
+        stop = _as_list(self.stop, "stop", "a string or a list of strings", bad, one=str)
+        if any(not isinstance(s, str) for s in stop):
+            raise bad("stop", f"must be a list of strings, got {stop!r}")
+        if any(not s for s in stop):
+            raise bad("stop", "must not contain empty strings")
+        self.stop = stop
+        ids = _as_list(self.stop_token_ids, "stop_token_ids", "a list of token ids", bad)
+        if any(not _is_int(t) for t in ids):
+            raise bad("stop_token_ids", f"must be a list of integer token ids, got {ids!r}")
+        self.stop_token_ids = [int(t) for t in ids]
 
     def _validate_token_constraints(self, bad: Any) -> None:
         """allowed_token_ids, bad_words, logits_processors, extra_args (vocabulary bounds
         are checked by the frontend, which knows the model)."""
         if self.allowed_token_ids is not None:
-            ids = list(self.allowed_token_ids)
+            ids = _as_list(self.allowed_token_ids, "allowed_token_ids",
+                           "a list of token ids", bad)
             if not ids:
                 raise bad("allowed_token_ids", "must not be empty (leave it unset to allow "
                           "every token)")
-            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            if any(not _is_int(t) or t < 0 for t in ids):
                 raise bad("allowed_token_ids", f"must be non-negative token ids, got {ids[:5]}")
-            self.allowed_token_ids = ids
+            self.allowed_token_ids = [int(t) for t in ids]
         if self.bad_words is not None:
-            if isinstance(self.bad_words, str):
-                self.bad_words = [self.bad_words]
-            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
-                raise bad("bad_words", f"must be non-empty strings, got {self.bad_words!r}")
-            self.bad_words = list(self.bad_words)
+            words = _as_list(self.bad_words, "bad_words", "a list of strings", bad, one=str)
+            if any(not isinstance(w, str) or not w.strip() for w in words):
+                raise bad("bad_words", f"must be non-empty strings, got {words!r}")
+            self.bad_words = words
         if self.bad_words_token_ids is not None:
-            words = [list(w) for w in self.bad_words_token_ids]
-            if any(not w or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-                                for t in w) for w in words):
+            outer = _as_list(self.bad_words_token_ids, "bad_words_token_ids",
+                             "a list of lists of token ids", bad)
+            if any(not isinstance(w, (list, tuple)) or not w
+                   or any(not _is_int(t) or t < 0 for t in w) for w in outer):
                 raise bad("bad_words_token_ids", "must be non-empty lists of non-negative "
                           f"token ids, got {self.bad_words_token_ids!r}")
-            self.bad_words_token_ids = words
+            self.bad_words_token_ids = [[int(t) for t in w] for w in outer]
         if self.logits_processors is not None:
-            if isinstance(self.logits_processors, str):
-                self.logits_processors = [self.logits_processors]
-            if any(not isinstance(n, str) or not n for n in self.logits_processors):
+            names = _as_list(self.logits_processors, "logits_processors",
+                             "a list of names", bad, one=str)
+            if any(not isinstance(n, str) or not n for n in names):
                 raise bad("logits_processors", "must be names of registered logits "
                           f"processors, got {self.logits_processors!r}")
-            self.logits_processors = list(dict.fromkeys(self.logits_processors))
+            self.logits_processors = list(dict.fromkeys(names))
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise bad("extra_args", f"must be a mapping, got {type(self.extra_args).__name__}")
 
@@ -154,3 +184,82 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                "use_spec_decode")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float (an int too large for one is infinite, so out of any range);
+    ``None`` if it is not a real number (a string, ``None``, a bool)."""
+    if not _is_real(value):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:60] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _as_list(value: Any, param: str, expected: str, bad: Any, one: type | None = None
+             ) -> list[Any]:
+    """``value`` as a list: ``None`` is empty, a single ``one`` (``str``) is a list of one;
+    anything but a list or tuple is refused (a string is not a list of token ids)."""
+    if value is None:
+        return []
+    if one is not None and isinstance(value, one):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise bad(param, f"must be {expected}, got {_shown(value)}")
+    return list(value)
+
+
+def _logit_bias(bias: Any, bad: Any) -> dict[int, float] | None:
+    """``{token id: bias}`` with ids as ints (or strings of ints, as OpenAI's JSON has them)
+    and biases finite numbers in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise bad("logit_bias", f"must be a mapping of token id to bias, got {_shown(bias)}")
+    out: dict[int, float] = {}
+    for tok, b in bias.items():
+        key = _token_key(tok)
+        if key is None:
+            raise bad("logit_bias", f"keys must be integer token ids, got {_shown(tok)}")
+        value = _real(b)
+        if value is None or not -100.0 <= value <= 100.0:
+            raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r} for "
+                      f"token {tok!r}")
+        out[key] = value
+    return out
+
+
+def _token_key(tok: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of one (``"50256"``)."""
+    if _is_int(tok):
+        return int(tok)
+    if isinstance(tok, str):
+        try:
+            return int(tok)
+        except ValueError:
+            return None
+    return None

@@ -14,6 +14,29 @@ bench_app = typer.Typer(help="Benchmarks, run side by side with a peer engine.",
 WORKLOAD = "Workload"
 
 
+WORKLOADS = ("chat", "copy", "random", "file")
+
+
+def _check_args(workload: str, num_prompts: int, dataset: Path | None, peer: str,
+                out: Path | None) -> None:
+    """Refuse bad workload flags before any model is fetched or run."""
+    from lmkit.benchmarking.offline import PEERS
+    from lmkit.errors import ConfigError
+
+    if workload not in WORKLOADS:
+        raise ConfigError(f"--workload {workload!r} is unknown; use one of: "
+                          f"{', '.join(WORKLOADS)}.")
+    if workload == "file" and dataset is None:
+        raise ConfigError("--workload file needs --dataset PATH (a JSON lines file).")
+    if num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be at least 1, got {num_prompts}.")
+    if peer not in PEERS:
+        raise ConfigError(f"--peer {peer!r} is unknown; use one of: {', '.join(PEERS)}.")
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise ConfigError(f"--out {out}: give a file path in an existing folder (the report "
+                          "is written there after the run).")
+
+
 def _setup(opts: ConfigOptions, threads: int | None):
     from lmkit.benchmarking.offline import BenchSetup
     from lmkit.cli.generate import status
@@ -47,13 +70,17 @@ def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: st
               dataset: Path | None):
     from lmkit.benchmarking.offline import make_workload
     from lmkit.benchmarking.workload import parse_length_range
+    from lmkit.errors import ConfigError
     from lmkit.loading.tokenizer import load_tokenizer
     from lmkit.loading.weights import load_hf_config
 
     tokenizer = load_tokenizer(Path(setup.model_dir))
     vocab = load_hf_config(Path(setup.model_dir)).vocab_size
-    return make_workload(kind, tokenizer, vocab, num_prompts, parse_length_range(input_len),
-                         parse_length_range(output_len), seed, dataset)
+    try:
+        return make_workload(kind, tokenizer, vocab, num_prompts, parse_length_range(input_len),
+                             parse_length_range(output_len), seed, dataset)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read workload file {dataset}: it is not UTF-8 text ({e})") from e
 
 
 def _finish(report, out: Path | None) -> None:
@@ -96,6 +123,7 @@ def throughput(opts: ConfigOptions, workload: Workload = "chat", num_prompts: Nu
     from lmkit.benchmarking import offline
     from lmkit.cli.generate import status
 
+    _check_args(workload, num_prompts, dataset, peer, out)
     setup, _ = _setup(opts, threads)
     wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
     status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))
@@ -112,6 +140,7 @@ def latency(opts: ConfigOptions, workload: Workload = "chat", num_prompts: NumPr
     from lmkit.benchmarking import offline
     from lmkit.cli.generate import status
 
+    _check_args(workload, num_prompts, dataset, peer, out)
     setup, _ = _setup(opts, threads)
     wl = _workload(setup, workload, num_prompts, input_len, output_len, seed, dataset)
     status(f"{wl.describe()}; running lmkit" + (f" then {peer}" if peer != "none" else ""))

@@ -23,9 +23,12 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: in
     structured = None
     if json_schema is not None:
         try:
-            structured = {"json": json.loads(Path(json_schema).read_text())}
-        except (OSError, json.JSONDecodeError) as e:
+            structured = {"json": json.loads(Path(json_schema).read_text(encoding="utf-8"))}
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8 text, or not JSON
             raise ConfigError(f"--json-schema {json_schema}: cannot read a JSON schema ({e})") from e
+        if not isinstance(structured["json"], (dict, bool)):
+            raise ConfigError(f"--json-schema {json_schema}: a JSON schema is an object "
+                              f"({{\"type\": ...}}), not a {type(structured['json']).__name__}")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=seed, stop=list(stop or []),
                           structured_outputs=structured)

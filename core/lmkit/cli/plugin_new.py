@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from lmkit.cli.render import print_deprecated, print_text
+from lmkit.errors import ConfigError
 from lmkit.scaffold.kinds import SCAFFOLD_ALIASES, SCAFFOLD_KINDS
 
 
@@ -37,7 +38,14 @@ def new(
     if kind in SCAFFOLD_ALIASES:
         print_deprecated(f"--kind {kind}", f"--kind {SCAFFOLD_ALIASES[kind]}")
         kind = SCAFFOLD_ALIASES[kind]
-    root = new_plugin(name, kind, directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--dir {directory} is not a directory; give the folder to create "
+                          "the package in.")
+    try:
+        root = new_plugin(name, kind, directory)
+    except OSError as e:  # a folder that cannot be created or written
+        raise ConfigError(f"cannot write the plugin package into --dir {directory}: "
+                          f"{e.strerror or e}") from e
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     print_text(f"created {kind} plugin {name!r} in {root}:")
     for f in files:

@@ -10,6 +10,7 @@ flight and stop the engine.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Annotated, Any
 
@@ -19,6 +20,46 @@ from lmkit.cli.options import ConfigOptions, build_config, build_host, config_op
 from lmkit.errors import ConfigError
 
 SERVER_PANEL = "Server"
+# uvicorn's log levels (uvicorn.config.LOG_LEVELS)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# server setting -> the flag of lmkit serve that sets it
+SERVER_FLAGS = {"host": "--host", "port": "--port", "api_key": "--api-key",
+                "api_key_file": "--api-key-file", "served_model_name": "--served-model-name",
+                "cors_origins": "--cors-origin", "max_queued_requests": "--max-queued-requests"}
+
+
+def _check_run_options(log_level: str, shutdown_timeout: float) -> str:
+    """The log level as uvicorn names it; refuse what uvicorn would fail on only after
+    the model has loaded."""
+    if log_level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {log_level!r} is not a log level; use one of: "
+                          f"{', '.join(LOG_LEVELS)}.")
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, "
+                          f"got {shutdown_timeout}.")
+    return log_level.lower()
+
+
+def _with_server_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+    """``config`` with the server flags applied; an invalid one names its flag."""
+    from pydantic import ValidationError
+
+    from lmkit.config.errors import format_validation_error
+    from lmkit.config.schema import LMKitConfig
+
+    data = config.model_dump()
+    data["server"].update(overrides)
+
+    def origin(path: str) -> str | None:
+        key = path.removeprefix("server.").split(".")[0]
+        return f"command-line option {SERVER_FLAGS[key]}" if key in SERVER_FLAGS \
+            and key in overrides else None
+
+    try:
+        return LMKitConfig.model_validate(data)
+    except ValidationError as e:
+        details = format_validation_error(e, model=LMKitConfig, origin=origin)
+        raise ConfigError("invalid server option:\n  " + details.replace("\n", "\n  ")) from None
 
 
 def _server_overrides(host: str | None, port: int | None, api_key: str | None,
@@ -112,6 +153,7 @@ def serve(
     from lmkit.serve.auth import load_api_key
     from lmkit.serve.server import run_server
 
+    log_level = _check_run_options(log_level, shutdown_timeout)
     if model_arg is not None:
         if opts.values.get("model") not in (None, model_arg):
             raise ConfigError(f"the model is given twice ({model_arg!r} and --model "
@@ -131,14 +173,7 @@ def serve(
             ) and os.environ.get("LMKIT_API_KEY"):
         overrides["api_key"] = os.environ["LMKIT_API_KEY"]
     if overrides:
-        from lmkit.config.schema import LMKitConfig
-
-        data = config.model_dump()
-        data["server"].update(overrides)
-        try:
-            config = LMKitConfig.model_validate(data)
-        except ValueError as e:
-            raise ConfigError(f"invalid server option: {e}") from e
+        config = _with_server_overrides(config, overrides)
     has_key = load_api_key(config.server) is not None  # a bad key file fails here too
     run_server(config, log_level=log_level, shutdown_timeout=shutdown_timeout,
                on_ready=lambda llm, url: _print_ready(llm, url, has_key))

@@ -30,6 +30,9 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         not parsable, or its top level is not a mapping.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give a .yaml, .yml or "
+                          ".toml file.")
     suffix = path.suffix.lower()
     if suffix not in YAML_SUFFIXES + TOML_SUFFIXES:
         raise ConfigError(
@@ -69,17 +72,26 @@ def _read_yaml(path: Path, text: str) -> tuple[Any, dict[str, int]]:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}.") from None
     lines: dict[str, int] = {}
     if node is not None:
-        _yaml_lines(node, "", lines)
+        _yaml_lines(path, node, "", lines)
     return data, lines
 
 
-def _yaml_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+def _yaml_lines(file: Path, node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+    """The line of each key path under ``node``; a key given twice in one mapping is an
+    error (YAML forbids it, and PyYAML would silently keep the last value)."""
     if not isinstance(node, yaml.MappingNode):
         return
+    seen: dict[str, int] = {}
     for key_node, value_node in node.value:
-        path = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-        out[path] = key_node.start_mark.line + 1
-        _yaml_lines(value_node, path, out)
+        key, line = str(key_node.value), key_node.start_mark.line + 1
+        if key in seen and key != "<<":
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"config file {str(file)!r} sets {where!r} twice (lines "
+                              f"{seen[key]} and {line}); keep one.")
+        seen[key] = line
+        path = f"{prefix}.{key}" if prefix else key
+        out[path] = line
+        _yaml_lines(file, value_node, path, out)
 
 
 _TOML_TABLE = re.compile(r"^\s*\[+\s*([^\]]+?)\s*\]+")

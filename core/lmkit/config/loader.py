@@ -29,6 +29,7 @@ def load_config(
     env: Mapping[str, str] | None = None,
     *,
     cli_flags: Mapping[str, str] | None = None,
+    base: Mapping[str, Any] | None = None,
 ) -> tuple[LMKitConfig, dict[str, str]]:
     """Load, merge and validate the configuration.
 
@@ -39,12 +40,14 @@ def load_config(
         variables are read, see :func:`lmkit.config.sources.env_layer`.
     :param cli_flags: the flag that supplied each ``cli`` path (``{"attention.backend":
         "--attention"}``), so that errors can name it.
+    :param base: values below every layer (a whole config's ``model_dump()``, as
+        ``LLM(config=LMKitConfig(...), max_num_seqs=8)`` gives), reported as defaults.
     :return: the validated config, and for every leaf setting (dotted path) the layer
         that set it: ``"default"``, ``"file"``, ``"env"`` or ``"cli"``.
     :raises ConfigError: a missing or unparsable file, or invalid values; each problem
         names the field, the bad value, what was expected and where the value came from.
     """
-    layers: list[Layer] = []
+    layers: list[Layer] = [Layer("base", dict(base))] if base is not None else []
     if config_file is not None:
         layers.append(file_layer(config_file))
     layers.append(env_layer(os.environ if env is None else env))

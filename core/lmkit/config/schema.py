@@ -6,9 +6,19 @@ which are validated against the chosen spec's options model when the stack is re
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lmkit.config.errors import origin_in
 
@@ -16,9 +26,26 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown fields are errors, assignments are validated."""
+    """Base of every config section: unknown fields are errors, assignments are validated,
+    numbers are finite and never booleans (``block_size: true`` is not 1)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _is_number_type(field.annotation):
+                raise ValueError("must be a number, not true/false")
+        return v
+
+
+def _is_number_type(annotation: Any) -> bool:
+    """Whether ``annotation`` is ``int``/``float``, optionally ``| None``."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (
+        typing.Union, types.UnionType) else (annotation,)
+    return any(a in (int, float) for a in members) and bool not in members
 
 
 class BackendSection(Section):
@@ -57,7 +84,8 @@ class ModelConfig(Section):
     max_model_len: int | None = Field(
         None, gt=0, description="Context length; defaults to the model's own."
     )
-    seed: int = Field(0, description="Seed for requests that give none.")
+    seed: int = Field(0, ge=-(2**63), le=2**63 - 1,
+                      description="Seed for requests that give none (a 64-bit integer).")
     cache_dir: str | None = Field(None, description="Where fetched and converted models live.")
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="Where the weights come from: 'auto', the checkpoint; 'dummy', "
@@ -313,6 +341,15 @@ class LMKitConfig(Section):
         description="Extra plugins to load (-p NAME), or block (no:NAME). Adds up across "
         "file, environment and CLI instead of being replaced.",
     )
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugin_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name.strip() or name.strip() == "no:":
+                raise ValueError(f"{name!r} is not a plugin name; give NAME to load a plugin "
+                                 "or no:NAME to block one")
+        return v
 
     # dotted path -> (layer, label) for every value set by a file, variable or flag;
     # filled by lmkit.config.load_config. Metadata only: not part of equality.

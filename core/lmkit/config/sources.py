@@ -198,5 +198,9 @@ def cli_layer(cli: Mapping[str, Any], flags: Mapping[str, str] | None = None) ->
         if isinstance(value, BaseModel):
             value = value.model_dump()
         flag = (flags or {}).get(path)
+        if not isinstance(path, str) or not all(path.split(".")):
+            raise ConfigError(
+                f"{flag + ': ' if flag else ''}{path!r} is not a setting name; use a dotted path "
+                "of non-empty names, e.g. scheduler.max_num_seqs.")
         layer.set(path, value, f"command-line option {flag}" if flag else f"explicit setting {path}")
     return layer

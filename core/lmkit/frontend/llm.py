@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from lmkit.frontend.prompts import (
     PromptInput,
     as_prompt,
     as_prompt_list,
+    params_per_prompt,
+    priorities_per_prompt,
 )
 from lmkit.plugin_host.manager import PluginHost
 
@@ -77,17 +80,23 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
                             f"(e.g. 'scheduler.max_num_seqs') or one of: {known}."
                             + _option_hint(key))
         cli[path] = value
-    if isinstance(config, LMKitConfig):
-        base = config.model_dump()
-        for path, value in cli.items():
-            node = base
-            *parents, leaf = path.split(".")
-            for p in parents:
-                node = node[p]
-            node[leaf] = value
-        return LMKitConfig.model_validate(base)
+    if isinstance(config, LMKitConfig):  # the keywords override the given config
+        cfg, _ = load_config(None, cli, env={}, base=config.model_dump())
+        return cfg
+    if config is not None and not isinstance(config, (str, PathLike)):
+        raise TypeError(f"LLM(config=...) takes an LMKitConfig or the path of a YAML/TOML "
+                        f"file, got {type(config).__name__}.")
     cfg, _ = load_config(config, cli, env={})
     return cfg
+
+
+def _plugin_names(plugins: Sequence[str] | str) -> list[str]:
+    """``LLM(plugins=...)`` as a list of names (one name given as a string is one plugin)."""
+    names = [plugins] if isinstance(plugins, str) else list(plugins)
+    bad = [p for p in names if not isinstance(p, str) or not p.strip()]
+    if bad:
+        raise TypeError(f"LLM(plugins=...) takes plugin names (strings), got {bad[0]!r}.")
+    return names
 
 
 def _option_hint(key: str) -> str:
@@ -127,7 +136,7 @@ class LLM:
 
         cfg = build_config(model, config, options)
         if plugins:
-            cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *plugins]})
+            cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *_plugin_names(plugins)]})
         self.host = PluginHost.load(cfg.plugins)
         self.engine: Any
         if cfg.parallel.data_parallel_size > 1:  # engine processes, one per replica
@@ -174,6 +183,10 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, **chat_kwargs: Any) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several."""
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise TypeError("LLM.chat() takes a conversation (a list of {'role': ..., "
+                            "'content': ...} dicts) or a list of conversations, got "
+                            f"{type(messages).__name__}.")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run([(None, c) for c in convs], sampling_params, use_tqdm, None,
                          chat_kwargs)
@@ -185,7 +198,7 @@ class LLM:
 
         ``prompt`` takes the forms :meth:`generate` takes for one prompt.
         """
-        params = sampling_params or SamplingParams()
+        (params,) = params_per_prompt(sampling_params, 1)
         rid = self._submit(None if prompt is None else as_prompt(prompt), messages, params)
         try:
             while self.engine.has_unfinished_requests():
@@ -305,18 +318,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, priority: Sequence[int] | None,
              chat_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(items)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(items):
-                raise ValueError(f"got {len(items)} prompts but {len(params_list)} sampling params")
+        params_list = params_per_prompt(sampling_params, len(items))
+        priorities = priorities_per_prompt(priority, len(items))
         order: dict[str, int] = {}
         submitted: list[str] = []
         try:
             for i, ((prompt, messages), params) in enumerate(zip(items, params_list, strict=True)):
-                rid = self._submit(prompt, messages, params,
-                                   priority[i] if priority is not None else 0, chat_kwargs)
+                rid = self._submit(prompt, messages, params, priorities[i], chat_kwargs)
                 order[rid] = i
                 submitted.append(rid)
             results: list[RequestOutput | None] = [None] * len(items)

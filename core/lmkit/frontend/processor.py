@@ -200,6 +200,7 @@ def _with(params: SamplingParams, **changes: Any) -> SamplingParams:
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sampling parameters of the ``index``-th of ``n`` completions: n=1, and a distinct
-    but reproducible seed when the parent has one."""
-    seed = None if params.seed is None else params.seed + index
+    but reproducible seed when the parent has one (wrapping around within 64 bits, so that
+    a seed near the top of the range stays valid for every child)."""
+    seed = None if params.seed is None else (params.seed + index - INT64_MIN) % 2**64 + INT64_MIN
     return _with(params, n=1, seed=seed)

@@ -80,3 +80,52 @@ def _is_token_list(value: Any) -> bool:
 def _preview(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def params_per_prompt(sampling_params: Any, count: int) -> list[Any]:
+    """The :class:`SamplingParams` of each of ``count`` prompts: one for all (``None``:
+    the defaults) or a list with one per prompt.
+
+    :raises TypeError: anything but a ``SamplingParams`` or a list of them.
+    :raises ValueError: a list whose length is not ``count``.
+    """
+    from lmkit.api.sampling_params import SamplingParams
+
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * count
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(
+            sampling_params, Sequence):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them (one per "
+                        f"prompt), got {type(sampling_params).__name__} "
+                        f"({_preview(sampling_params)}); build one with SamplingParams(...).")
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {count} prompts but {len(params)} sampling params; give one "
+                         "SamplingParams for all prompts or a list of one per prompt.")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] is a {type(p).__name__} "
+                            f"({_preview(p)}), not a SamplingParams.")
+    return params
+
+
+def priorities_per_prompt(priority: Any, count: int) -> list[int]:
+    """The priority of each of ``count`` prompts (``None``: all 0).
+
+    :raises TypeError: anything but a list of ints.
+    :raises ValueError: a list whose length is not ``count``.
+    """
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
+        raise TypeError(f"priority must be a list of ints, one per prompt, got "
+                        f"{type(priority).__name__} ({_preview(priority)}).")
+    values = list(priority)
+    if len(values) != count:
+        raise ValueError(f"got {count} prompts but {len(values)} priorities; give one "
+                         "priority per prompt.")
+    bad = [p for p in values if not _is_token_id(p)]
+    if bad:
+        raise TypeError(f"priority must be a list of ints, one per prompt; got {bad[0]!r} "
+                        f"({type(bad[0]).__name__}).")
+    return [int(p) for p in values]

@@ -108,6 +108,19 @@ def test_numbers_are_finite_and_never_booleans(tmp_path: Path):
         load_config(file, {}, {})
 
 
+def test_sizes_and_addresses_are_bounded():
+    """A max_num_seqs that would allocate per-request state for 10**12 requests (was a
+    bare MemoryError at start) and an empty bind address are refused by the config."""
+    with pytest.raises(ConfigError, match=r"scheduler.max_num_seqs: Input should be less "
+                                          r"than or equal to 65536 \(got 1000000000000\)"):
+        load_config(None, {"scheduler.max_num_seqs": 10**12}, {})
+    with pytest.raises(ConfigError, match=r"server.host: String should have at least 1 "
+                                          r"character"):
+        load_config(None, {"server.host": ""}, {})
+    assert load_config(None, {"scheduler.max_num_seqs": 65536}, {})[0].scheduler.max_num_seqs \
+        == 65536
+
+
 def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path: Path):
     file = tmp_path / "c.yaml"
     file.write_text("scheduler:\n  max_num_seqs: 4\nmodel:\n  model: a\n"

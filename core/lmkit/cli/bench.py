@@ -74,7 +74,7 @@ def _workload(setup, kind: str, num_prompts: int, input_len: str, output_len: st
     from lmkit.loading.tokenizer import load_tokenizer
     from lmkit.loading.weights import load_hf_config
 
-    tokenizer = load_tokenizer(Path(setup.model_dir))
+    tokenizer = load_tokenizer(Path(setup.model_dir), setup.options.get("model.tokenizer"))
     vocab = load_hf_config(Path(setup.model_dir)).vocab_size
     try:
         return make_workload(kind, tokenizer, vocab, num_prompts, parse_length_range(input_len),

@@ -19,7 +19,9 @@ from lmkit.errors import ConfigError
 PANEL = "Workload"
 
 
-def _server_model_dir(url: str, api_key: str | None) -> Path | None:
+def _server_dirs(url: str, api_key: str | None) -> tuple[Path, Path] | None:
+    """The served model's directory and its tokenizer's (``GET /v1/lmkit/stack``), when
+    this machine can read them."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -30,8 +32,11 @@ def _server_model_dir(url: str, api_key: str | None) -> Path | None:
                           "`lmkit serve` or pass --url") from e
     if resp.status_code != 200:
         return None
-    path = Path(resp.json().get("model_dir", ""))
-    return path if (path / "config.json").is_file() else None
+    body = resp.json()
+    path = Path(body.get("model_dir", ""))
+    if not (path / "config.json").is_file():
+        return None
+    return path, Path(body.get("tokenizer_dir") or path)
 
 
 def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_len: str,
@@ -39,13 +44,14 @@ def _workload(url: str, api_key: str | None, kind: str, num_prompts: int, input_
     from lmkit.benchmarking.offline import make_workload
     from lmkit.benchmarking.workload import parse_length_range
 
-    model_dir = _server_model_dir(url, api_key)
+    dirs = _server_dirs(url, api_key)
     tokenizer, vocab = None, 32000
-    if model_dir is not None:
+    if dirs is not None:
         from lmkit.loading.tokenizer import load_tokenizer
         from lmkit.loading.weights import load_hf_config
 
-        tokenizer = load_tokenizer(model_dir)
+        model_dir, tokenizer_dir = dirs
+        tokenizer = load_tokenizer(model_dir, tokenizer_dir)
         vocab = int(load_hf_config(model_dir).vocab_size)
     elif kind != "random":
         raise ConfigError(f"the {kind} workload needs the server's tokenizer, but its model "

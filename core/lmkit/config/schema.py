@@ -76,7 +76,9 @@ class ModelConfig(Section):
 
     model: str = Field(DEFAULT_MODEL, description="Model alias, local path, GGUF file or hub id.")
     source: str = Field("auto", description="Model source plugin, or 'auto' to detect.")
-    tokenizer: str | None = Field(None, description="Tokenizer path if different from the model.")
+    tokenizer: str | None = Field(None, description=(
+        "A local directory holding the tokenizer to use instead of the model's own (its "
+        "chat template and EOS token too); checked before the model loads."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; 'auto' is bfloat16 on CUDA, and on "
         "the CPU float32, except bfloat16 for encoder (embedding) models on CPUs with "
@@ -137,7 +139,9 @@ class SchedulerConfig(BackendSection):
     max_num_batched_tokens: int = Field(
         2048, gt=0, description="Token budget of one engine step (prefill chunks + decodes)."
     )
-    max_num_seqs: int = Field(64, gt=0, description="Most requests running at once.")
+    max_num_seqs: int = Field(64, gt=0, le=65536, description=(
+        "Most requests running at once (at most 65,536: the per-request state is "
+        "allocated for all of them at start)."))
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
 
 
@@ -286,7 +290,8 @@ class LogitsProcessorsConfig(Section):
 class ServerConfig(Section):
     """The OpenAI-compatible HTTP server (`lmkit serve`)."""
 
-    host: str = Field("127.0.0.1", description="Bind address; loopback unless told otherwise.")
+    host: str = Field("127.0.0.1", min_length=1, description=(
+        "Bind address; loopback unless told otherwise (0.0.0.0: every interface)."))
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="Bearer key required on every route but /health "
                                 "(prefer LMKIT_API_KEY or api_key_file: flags show in `ps`).")

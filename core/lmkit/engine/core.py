@@ -61,7 +61,8 @@ class EngineCore:
                                              source=config.model.source, progress=progress,
                                              weights=config.model.load_format != "dummy")
         # what every process knows of the model (context, EOS, architecture, needs): once
-        self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len)
+        self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len,
+                                      tokenizer=config.model.tokenizer)
         check_model_split(config, self.facts)
         self.stack: ResolvedStack = resolve_stack(config, self.host, self.facts.attention_needs,
                                                   weight_format=self.facts.weight_format,

@@ -100,11 +100,13 @@ class AsyncLLM:
         when the data-parallel engines need more devices than present, and
         :class:`~lmkit.frontend.core_client.EngineStartupError` naming the engine that
         failed."""
-        from lmkit.loading.tokenizer import load_tokenizer
+        from lmkit.loading.tokenizer import check_tokenizer_setting, load_tokenizer
 
+        check_tokenizer_setting(config.model.tokenizer)  # before any engine starts
         slots = await start_engines(engine_launches(config, env), startup_timeout)
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, slots[0].ready.model_dir)
+            tokenizer = await asyncio.to_thread(load_tokenizer, slots[0].ready.model_dir,
+                                                config.model.tokenizer)
         except BaseException:
             await asyncio.gather(*(s.client.close(kill=True) for s in slots))
             raise

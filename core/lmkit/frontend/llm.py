@@ -135,6 +135,9 @@ class LLM:
         from lmkit.frontend.processor import InputProcessor
 
         cfg = build_config(model, config, options)
+        from lmkit.loading.tokenizer import check_tokenizer_setting
+
+        check_tokenizer_setting(cfg.model.tokenizer)  # before the model loads
         if plugins:
             cfg = cfg.model_copy(update={"plugins": [*cfg.plugins, *_plugin_names(plugins)]})
         self.host = PluginHost.load(cfg.plugins)
@@ -148,7 +151,7 @@ class LLM:
         self.config = self.engine.config
         from lmkit.loading.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.tokenizer = load_tokenizer(self.engine.model_dir, self.config.model.tokenizer)
         facts = self.engine.facts
         self.input_processor = InputProcessor(
             self.tokenizer, facts.max_model_len, facts.vocab_size, facts.eos_token_ids,

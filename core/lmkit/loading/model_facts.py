@@ -34,7 +34,7 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 
 
 def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | None = None,
-                     hf_config: Any = None) -> ModelFacts:
+                     hf_config: Any = None, tokenizer: str | Path | None = None) -> ModelFacts:
     """The facts of the model in ``model_dir``, served by the architectures ``host`` knows.
 
     Args:
@@ -42,6 +42,8 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         host: the plugin host whose registry knows the model architectures.
         max_model_len: the configured ``model.max_model_len`` (``None``: the model's own).
         hf_config: the directory's loaded ``config.json``, when the caller has it.
+        tokenizer: the ``model.tokenizer`` setting: a directory whose tokenizer replaces
+            the model's (its EOS token is the primary one).
 
     Raises:
         ModelLoadError: no registered architecture serves the model.
@@ -73,7 +75,8 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         vocab_size=int(hf_config.vocab_size), num_layers=int(hf_config.num_hidden_layers),
         head_size=head_size,
         max_model_len=resolve_max_model_len(native, max_model_len, model_dir),
-        native_max_model_len=native, eos_token_ids=eos_token_ids_of(model_dir, hf_config),
+        native_max_model_len=native,
+        eos_token_ids=eos_token_ids_of(model_dir, hf_config, tokenizer),
         attention_needs=needs, generates=issubclass(model_cls, CausalLM),
         pooling=model_cls.pooling, weight_format=weight_format(model_dir),
         **split_sizes(hf_config))
@@ -179,18 +182,20 @@ def resolve_max_model_len(native: int | None, asked: int | None, model_dir: Path
     return int(asked or native or DEFAULT_MAX_MODEL_LEN)
 
 
-def eos_token_ids_of(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
+def eos_token_ids_of(model_dir: Path, hf_config: Any, tokenizer: str | Path | None = None
+                     ) -> tuple[int, ...]:
     """Every token id that ends generation, the primary first, without repeats:
 
     1. the tokenizer's EOS token (``eos_token`` of ``tokenizer_config.json``, its id
        from that file's ``added_tokens_decoder`` or ``tokenizer.json``), which chat
-       templates end a turn with;
+       templates end a turn with; the tokenizer in ``tokenizer`` (the ``model.tokenizer``
+       setting) when given, else the model's;
     2. ``eos_token_id`` of ``generation_config.json`` (an id or a list), or when that
        file does not give one, ``eos_token_id`` of ``config.json``.
     """
     model_dir = Path(model_dir)
     ids: list[int] = []
-    tokenizer_eos = _tokenizer_eos_id(model_dir)
+    tokenizer_eos = _tokenizer_eos_id(Path(tokenizer) if tokenizer is not None else model_dir)
     if tokenizer_eos is not None:
         ids.append(tokenizer_eos)
     generation = _read_json(model_dir / "generation_config.json").get("eos_token_id")

@@ -15,15 +15,42 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "tokenizer_config.json")
 
 
-def load_tokenizer(model_dir: Path) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer saved in ``model_dir``, via ``AutoTokenizer`` with local files only.
+def check_tokenizer_setting(tokenizer: str | Path | None) -> Path | None:
+    """The directory the ``model.tokenizer`` setting names (``None``: unset, the model's
+    own tokenizer), checked before anything loads.
+
+    Raises:
+        ModelLoadError: it is not a directory, or holds none of :data:`TOKENIZER_FILES`.
+    """
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model.tokenizer {str(tokenizer)!r} is not a directory; point it at a local "
+            f"directory holding the tokenizer's files ({', '.join(TOKENIZER_FILES)}), or "
+            "leave it unset to use the model's own tokenizer.")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"model.tokenizer {str(tokenizer)!r} holds no tokenizer: none of "
+            f"{', '.join(TOKENIZER_FILES)} is there (tokenizer.save_pretrained(DIR) writes "
+            "them).")
+    return path
+
+
+def load_tokenizer(model_dir: Path, tokenizer: str | Path | None = None
+                   ) -> transformers.PreTrainedTokenizerBase:
+    """The model's tokenizer, via ``AutoTokenizer`` with local files only: the one in
+    ``tokenizer`` (the ``model.tokenizer`` setting) when given, else the one saved in
+    ``model_dir``.
 
     Raises:
         ModelLoadError: the directory has no tokenizer files, or transformers cannot
             build a tokenizer from them; the message names the directory and the files
             it looked for.
     """
-    model_dir = Path(model_dir)
+    override = check_tokenizer_setting(tokenizer)
+    model_dir = override if override is not None else Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"tokenizer directory {model_dir} does not exist.")
     present = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]

@@ -61,8 +61,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/lmkit/stack")
 async def stack(request: Request) -> dict[str, Any]:
-    """The resolved plugin stack (with versions), the loaded plugins, and engine facts
-    (``stats``: the first engine's; ``engines``: each engine's pid, liveness, routed
+    """The resolved plugin stack (with versions), the loaded plugins, the model's and its
+    tokenizer's directories, and engine facts (``stats``: the first engine's; ``engines``: each engine's pid, liveness, routed
     requests and stats)."""
     state = get_state(request)
     llm = state.require_llm()
@@ -74,6 +74,7 @@ async def stack(request: Request) -> dict[str, Any]:
         "plugin_api_version": PLUGIN_API_VERSION,
         "model": state.served_model_name,
         "model_dir": ready.model_dir,
+        "tokenizer_dir": state.config.model.tokenizer or ready.model_dir,
         "max_model_len": ready.max_model_len,
         **ready.stack,
         "plugins": ready.plugins,

@@ -102,7 +102,8 @@ class StructuredOutputManager(StepPhase):
         def make_backend() -> StructuredOutputBackend:
             from lmkit.loading.tokenizer import load_tokenizer
 
-            return build("structured_output", reg.spec.load(), load_tokenizer(Path(model_dir)),
+            tokenizer = load_tokenizer(Path(model_dir), config.model.tokenizer)
+            return build("structured_output", reg.spec.load(), tokenizer,
                          vocab_size, options=options, plugin=reg.origin)
 
         return cls(scheduler, make_backend, reg.name, reg.spec.caps.features, vocab_size,

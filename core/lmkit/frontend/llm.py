@@ -9,6 +9,7 @@ the requests over them.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
@@ -159,6 +160,8 @@ class LLM:
             logits_processors=self.host.registry.names("logits_processor"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # the outputs of each open stream, kept for it while other calls step the engine
+        self._streams: dict[str, deque[RequestOutput]] = {}
         from lmkit.frontend.llm_pooling import PoolingFrontend
 
         self.pooling = PoolingFrontend(self.engine, self.input_processor)
@@ -203,14 +206,19 @@ class LLM:
         """
         (params,) = params_per_prompt(sampling_params, 1)
         rid = self._submit(None if prompt is None else as_prompt(prompt), messages, params)
+        queue = self._streams[rid] = deque()
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self._step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+            while True:
+                while queue:
+                    out = queue.popleft()
+                    yield out
+                    if out.finished:
+                        return
+                if not self.engine.has_unfinished_requests():
+                    return
+                self._step()
         finally:
+            del self._streams[rid]
             self.abort(rid)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
@@ -310,12 +318,23 @@ class LLM:
         outputs = self.engine.step()
         if self.pooling.pending:
             self.pooling.take_pooled(outputs)
-        processed = self.output_processor.process_outputs(outputs, final_only=final_only)
+        streams = self._streams
+        processed = self.output_processor.process_outputs(outputs, final_only=final_only,
+                                                          streamed=streams)
         for _, error in self.engine.take_rejected_requests():
             raise error  # e.g. a JSON schema that did not compile
         if processed.abort_ids:
             self.engine.abort_requests(processed.abort_ids)
-        return processed.request_outputs
+        if not streams:
+            return processed.request_outputs
+        rest = []
+        for out in processed.request_outputs:  # open streams' outputs wait for them
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.append(out)
+            elif out.finished or not final_only:
+                rest.append(out)
+        return rest
 
     def _run(self, items: list[tuple[Prompt | None, Messages | None]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -332,10 +351,12 @@ class LLM:
                 submitted.append(rid)
             results: list[RequestOutput | None] = [None] * len(items)
             bar = _progress(len(items)) if use_tqdm else None
-            while self.engine.has_unfinished_requests():
+            remaining = len(items)
+            while remaining and self.engine.has_unfinished_requests():
                 for out in self._step(final_only=True):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        remaining -= 1
                         if bar is not None:
                             bar.update(1)
             if bar is not None:

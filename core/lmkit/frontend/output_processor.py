@@ -3,6 +3,7 @@ detokenization, stop strings, logprobs, and folding ``n`` completions into one o
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,14 +139,15 @@ class OutputProcessor:
         parent.engine_ids = []
         return ids
 
-    def process_outputs(self, outputs: list[EngineCoreOutput],
-                        final_only: bool = False) -> ProcessedOutputs:
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False,
+                        streamed: Container[str] = ()) -> ProcessedOutputs:
         """Detokenize and check one engine step's outputs; see :class:`ProcessedOutputs`.
 
         ``final_only``: a :class:`RequestOutput` only for the parents that finished in
         this step (their whole completions, no deltas), for callers that read nothing
         else (``LLM.generate``): the per-step outputs of running requests, each copying
-        the request's tokens so far, are not built."""
+        the request's tokens so far, are not built. The parents in ``streamed`` (being
+        streamed meanwhile) still get every per-step output with its deltas."""
         result = ProcessedOutputs()
         changed: dict[str, _Parent] = {}
         for out in outputs:
@@ -158,14 +160,22 @@ class OutputProcessor:
             if out.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = out.num_cached_tokens
             new_ids = out.new_token_ids
-            delta_text = comp.detokenizer.push(new_ids) if new_ids else ""
+            new_logprobs = out.new_logprobs
             stop = comp.stop
             hit = None
-            if stop is not None:
-                delta_text, hit = stop.feed(delta_text)
+            if stop is not None and len(new_ids) > 1:
+                # several tokens in one step (speculative decoding): keep only those up to
+                # the one that completes a stop string, as one token per step would
+                delta_text, hit, new_ids = _feed_per_token(comp, new_ids)
+                if new_logprobs:
+                    new_logprobs = new_logprobs[:len(new_ids)]
+            else:
+                delta_text = comp.detokenizer.push(new_ids) if new_ids else ""
+                if stop is not None:
+                    delta_text, hit = stop.feed(delta_text)
             comp.token_ids.extend(new_ids)
-            if comp.logprobs is not None and out.new_logprobs:
-                comp.logprobs.extend(out.new_logprobs)
+            if comp.logprobs is not None and new_logprobs:
+                comp.logprobs.extend(new_logprobs)
             if hit is not None:
                 comp.finish_reason, comp.stop_reason = "stop", hit
                 result.abort_ids.append(out.request_id)
@@ -182,15 +192,15 @@ class OutputProcessor:
                         delta_text += stop.flush()
                     comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
             comp.text_parts.append(delta_text)
-            if final_only:
+            if final_only and parent.request_id not in streamed:
                 if comp.finish_reason is not None:
                     changed[parent.request_id] = parent
                 continue
-            comp.add_delta(delta_text, list(new_ids), out.new_logprobs)
+            comp.add_delta(delta_text, list(new_ids), new_logprobs)
             changed[parent.request_id] = parent
         for parent in changed.values():
             finished = parent.finished
-            if final_only and not finished:
+            if final_only and not finished and parent.request_id not in streamed:
                 continue  # another completion of the parent is still running
             children = parent.children
             outs = [children[i].output() for i in sorted(children)] if len(children) > 1 \
@@ -204,3 +214,15 @@ class OutputProcessor:
             if finished:
                 self._forget(parent)
         return result
+
+
+def _feed_per_token(comp: _Completion, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
+    """Detokenize ``new_ids`` one token at a time through the stop-string matcher:
+    ``(text to emit, matched stop string or None, the ids up to the matching one)``."""
+    pieces: list[str] = []
+    for i, token_id in enumerate(new_ids):
+        text, hit = comp.stop.feed(comp.detokenizer.push([token_id]))
+        pieces.append(text)
+        if hit is not None:
+            return "".join(pieces), hit, new_ids[:i + 1]
+    return "".join(pieces), None, new_ids

@@ -23,7 +23,7 @@ from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.sampler import make_generator
 
 if TYPE_CHECKING:
-    from lmkit.api.scheduler_output import NewRequestData
+    from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
 
 
 @dataclass
@@ -42,22 +42,41 @@ class CachedRequestState:
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device,
-                 default_eos_token_id: int | None) -> CachedRequestState:
+                 default_eos_token_id: int | None,
+                 paused: dict[str, torch.Generator] | None = None) -> CachedRequestState:
         """The runner's copy of a newly scheduled (or resumed) request: its own seeded
-        generator, the model's EOS unless the request names one, and room for prompt
-        logprobs from its first computed position (earlier ones are prefix hits)."""
+        generator (for a resumed request, the one it drew from before it was preempted,
+        taken from ``paused``), the model's EOS unless the request names one, and room
+        for prompt logprobs from its first computed position (earlier ones are prefix
+        hits)."""
         params = new.sampling_params
         resumed = bool(new.output_token_ids)
+        generator = paused.pop(new.req_id, None) if paused is not None else None
+        if generator is None and params.seed is not None:
+            generator = make_generator(params.seed, device)
         return cls(
             req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
             output_token_ids=list(new.output_token_ids), sampling_params=params,
-            generator=(make_generator(params.seed, device) if params.seed is not None
-                       else None),
+            generator=generator,
             eos_token_id=(default_eos_token_id if new.eos_token_id is None
                           else new.eos_token_id),
             num_computed_tokens=new.num_computed_tokens,
             prompt_logprobs=([None] * (new.num_computed_tokens + 1)
                              if params.prompt_logprobs is not None and not resumed else None))
+
+    @staticmethod
+    def pause_generators(so: SchedulerOutput, requests: dict[str, CachedRequestState],
+                         paused: dict[str, torch.Generator]) -> None:
+        """Before the runner drops the states of ``so``'s preempted requests (and of those
+        resent without a preemption notice), keep their seeded generators in ``paused``
+        (forgetting those of finished requests): a resumed request goes on drawing where
+        it stopped, so its samples are those of a run without the preemption."""
+        for rid in (*so.preempted_req_ids, *(new.req_id for new in so.scheduled_new_reqs)):
+            state = requests.get(rid)
+            if state is not None and state.generator is not None:
+                paused[rid] = state.generator
+        for rid in so.finished_req_ids:
+            paused.pop(rid, None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -104,6 +104,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # per layer, shaped by its group's backend
         self.kv_groups: tuple[KVCacheGroup, ...] = ()  # the model's KV cache groups
         self.requests: dict[str, CachedRequestState] = {}
+        self.paused_generators: dict[str, torch.Generator] = {}  # of preempted requests
         self.sampler = Sampler(build_sampling_kernels(stack, self.device))  # (and verifies drafts)
         self.logits_processors = LogitsProcessorSet()  # plugin processors, by load_model
         self.pooling = PoolingRequests(host, facts.pooling)  # pooler states (model: load_model)
@@ -231,7 +232,7 @@ class ModelRunner:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the
         dummy steps of a pooling-only model (no language-model head) end at its hidden
         states."""
-        head = self.model.compute_logits if self.facts.generates else _hidden_states
+        head = self.model.compute_logits if self.facts.generates else (lambda hidden: hidden)
         return DummyStepModel(self.config.scheduler, self.max_model_len, self.block_size,
                               self.device, self.kv_groups, self._forward, head)
 
@@ -319,11 +320,13 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drop finished and preempted requests, add new ones, extend block tables."""
         batch = self.input_batch
+        CachedRequestState.pause_generators(so, self.requests, self.paused_generators)
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self._drop(rid)
         for new in so.scheduled_new_reqs:
             self._drop(new.req_id)  # resent (resumed) without a preemption notice
-            state = CachedRequestState.from_new(new, self.device, self.default_eos_token_id)
+            state = CachedRequestState.from_new(new, self.device, self.default_eos_token_id,
+                                                self.paused_generators)
             self.requests[new.req_id] = state
             batch.add_request(state, list(new.block_ids))
             if new.pooling_params is not None:  # prefill only: pooled, never sampled
@@ -393,8 +396,3 @@ class ModelRunner:
         hidden = self.model(dev.input_ids, dev.positions, ctx)
         aux.extend(ctx.aux_hidden_states)
         return hidden
-
-
-def _hidden_states(hidden: torch.Tensor) -> torch.Tensor:
-    """The head of a model without a language-model head: its hidden states as they are."""
-    return hidden

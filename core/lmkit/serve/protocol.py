@@ -76,6 +76,21 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _TextBody(_Body):
+    """A body whose every text must be valid Unicode (generation and pooling alike)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{where} holds a lone UTF-16 surrogate (an unpaired "
+                "\\ud800-\\udfff escape), which is not valid Unicode text; send characters "
+                "outside the BMP as a surrogate pair or as UTF-8", {"where": where})
+        return data
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -129,7 +144,7 @@ class StructuredOutputs(_Body):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_TextBody):
     """Fields shared by both endpoints."""
 
     model: str
@@ -162,17 +177,6 @@ class _SamplingFields(_Body):
     extra_args: dict[str, Any] | None = None
 
     _fits = field_validator("extra_args")(_fits_int64)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = find_lone_surrogate(data)
-        if where is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} holds a lone UTF-16 surrogate (an unpaired "
-                "\\ud800-\\udfff escape), which is not valid Unicode text; send characters "
-                "outside the BMP as a surrogate pair or as UTF-8", {"where": where})
-        return data
 
     def _check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

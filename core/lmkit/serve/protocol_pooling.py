@@ -5,33 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field
 
 from lmkit.api.pooling import PoolingParams
 from lmkit.errors import InvalidRequestError
-from lmkit.serve.protocol import Int64, Prompt, _Body
-from lmkit.serve.text_check import find_lone_surrogate
+from lmkit.serve.protocol import Int64, Prompt, _TextBody
 
 # a text to pool: an empty one is refused here, naming its field (not "prompt")
 Text = Annotated[str, Field(min_length=1)]
 
 
-class _PoolingBody(_Body):
-    """A pooling body: every text in it must be valid Unicode (as for generation)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = find_lone_surrogate(data)
-        if where is not None:
-            raise PydanticCustomError(
-                "invalid_unicode", "{where} holds a lone UTF-16 surrogate, which is not valid "
-                "Unicode text", {"where": where})
-        return data
-
-
-class EmbeddingRequest(_PoolingBody):
+class EmbeddingRequest(_TextBody):
     """``POST /v1/embeddings`` (OpenAI): ``input`` is a string, a list of strings, a list
     of token ids or a list of token-id lists. lmkit extensions (``extra_body``):
     ``pooling_type`` (a pooler name; default: the model's), ``normalize`` (default
@@ -56,7 +40,7 @@ class EmbeddingRequest(_PoolingBody):
                              dimensions=self.dimensions)
 
 
-class _PoolingFields(_PoolingBody):
+class _PoolingFields(_TextBody):
     model: str
     pooling_type: str | None = None
     normalize: bool = True

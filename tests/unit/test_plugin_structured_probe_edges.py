@@ -179,6 +179,31 @@ def test_a_decision_hook_must_answer_with_a_name() -> None:
                               "None.")
 
 
+def test_a_wrapping_decision_hook_still_decides() -> None:
+    """A ``wrapper=True`` implementation drives the others through pluggy's call: it sees
+    their answer and may replace it."""
+    import types
+
+    import lmkit
+
+    seen = []
+
+    def chooser(kind: str, candidates: Any, needs: Any) -> str:
+        return "a"
+
+    def wrapping(kind: str, candidates: Any, needs: Any):
+        answer = yield
+        seen.append(answer)
+        return "b"
+
+    wrapper = types.SimpleNamespace(LMKIT_PLUGIN_API=">=1.0,<2")
+    wrapper.choose_implementation = lmkit.hookimpl(wrapper=True)(wrapping)
+    host = isolated_host(("p", plugin(register_schedulers=registering(*CANDIDATES))),
+                         ("chooser", plugin(choose_implementation=chooser)),
+                         ("wrapper", wrapper))
+    assert host.select("scheduler", "auto").name == "b" and seen == ["a"]
+
+
 def test_caps_still_accept_plain_sets() -> None:
     spec = Spec(name="c", target="a:b", caps=Caps({"x"}, {"device": {"cpu"}}),
                 requires=["torch"], aliases=("c2",))

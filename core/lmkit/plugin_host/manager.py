@@ -336,9 +336,14 @@ class PluginHost:
 
     def _decide(self, kind: str, candidates: Sequence[Registration], needs: Needs) -> str | None:
         """The first non-``None`` answer of the ``choose_implementation`` hooks (last
-        registered first, as pluggy calls them), each checked and its errors attributed."""
-        for impl in reversed(self.pm.hook.choose_implementation.get_hookimpls()):
-            args = {"kind": kind, "candidates": list(candidates), "needs": needs}
+        registered first, as pluggy calls them), each checked and its errors attributed.
+        With a wrapper among them, pluggy runs the call (a wrapper drives the others)."""
+        impls = self.pm.hook.choose_implementation.get_hookimpls()
+        args = {"kind": kind, "candidates": list(candidates), "needs": needs}
+        if any(impl.wrapper or impl.hookwrapper for impl in impls):
+            answer = self.pm.hook.choose_implementation(**args)
+            return None if answer is None else str(answer)
+        for impl in reversed(impls):
             try:
                 answer = impl.function(*[args[a] for a in impl.argnames])
             except Exception as e:

@@ -84,6 +84,7 @@ async def respond(request: Request, state: ServerState, num_seqs: int,
         except StopAsyncIteration:
             raise APIError(500, "the engine produced no output for this request",
                            code="internal_error") from None
+        _check_errors(first[1])  # failed before any token: still an HTTP status
         response = _EngineStreamResponse(_sse_body(first, merged, formatter), cleanup)
         handed_over = True
         return response

@@ -3,18 +3,33 @@
 Completions: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (parallel
 lists; ``top_logprobs`` maps token text to log-probability and includes the sampled
 token). Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
-Token text is each token decoded alone, cached per id.
+Token text is each token decoded alone, cached per id. A token holding part of a
+multi-byte character decodes alone to U+FFFD; its chat ``bytes`` are then its raw bytes
+(byte-level BPE or ``<0xNN>`` byte-fallback pieces), so that concatenated they rebuild the
+text, as OpenAI documents.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from lmkit.api.outputs import TokenLogprob
 
 _FLOOR = -9999.0  # JSON has no -inf; OpenAI clients expect a number
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a piece."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(extra)}}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
 
 
 def _finite(x: float) -> float:
@@ -27,6 +42,7 @@ class TokenTexts:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -34,6 +50,22 @@ class TokenTexts:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes: its raw bytes when its text alone is not whole."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            text = self(token_id)
+            raw = list(text.encode("utf-8"))
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                m = _BYTE_PIECE.fullmatch(piece) if isinstance(piece, str) else None
+                if m:
+                    raw = [int(m.group(1), 16)]
+                elif isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
+                    raw = [_BYTE_LEVEL[c] for c in piece]
+            self._bytes[token_id] = raw
+        return raw
 
 
 def completion_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob | None],
@@ -73,8 +105,9 @@ def merge_completion_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str,
                                          "text_offset")}
 
 
-def _entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": texts(token_id), "logprob": _finite(logprob),
+            "bytes": texts.token_bytes(token_id)}
 
 
 def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob], num_top: int
@@ -82,7 +115,7 @@ def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob], num_top: 
     """The chat-API ``logprobs`` object: one entry per generated token."""
     content = []
     for lp in logprobs:
-        entry = _entry(texts(lp.token_id), lp.logprob)
-        entry["top_logprobs"] = [_entry(texts(t), v) for t, v in lp.top[:num_top]]
+        entry = _entry(texts, lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [_entry(texts, t, v) for t, v in lp.top[:num_top]]
         content.append(entry)
     return {"content": content, "refusal": None}

@@ -82,8 +82,10 @@ def train_eagle(
     if feature_cache not in CACHE_MODES:
         raise ConfigError(f"--feature-cache {feature_cache!r}: use one of "
                           f"{', '.join(CACHE_MODES)}")
-    if feature_cache_gb < 0:
+    if not feature_cache_gb >= 0:  # nan too
         raise ConfigError(f"--feature-cache-gb must be 0 or more (got {feature_cache_gb})")
+    if not 0 < lr < float("inf"):
+        raise ConfigError(f"--lr must be a number above 0 (got {lr})")
     try:
         result = train(model, out, max_steps=max_steps, device=device, prompts=prompts,
                        max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
@@ -136,9 +138,9 @@ def write_prompts(
             raise ConfigError(f"{name} must be at least 1 (got {value})")
     if not 0.0 < top_p <= 1.0:
         raise ConfigError(f"--top-p must be in (0, 1] (got {top_p})")
-    if temperature <= 0:
-        raise ConfigError(f"--temperature must be above 0 (got {temperature}): greedy "
-                          "sampling writes one prompt")
+    if not 0 < temperature < float("inf"):  # nan too
+        raise ConfigError(f"--temperature must be above 0 and finite (got {temperature}): "
+                          "greedy sampling writes one prompt")
     try:
         prompts = sample_prompts(model, count, device=device, seed=seed,
                                  temperature=temperature, top_p=top_p,

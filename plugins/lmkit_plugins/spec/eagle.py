@@ -36,6 +36,7 @@ from lmkit_plugins.models.llama_layers import LlamaDecoderLayer, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.spec import EagleOptions
 from lmkit_plugins.spec.head_checkpoint import (
+    BLOCK_TENSORS,
     HeadCheckpoint,
     Loader,
     add_whole,
@@ -83,6 +84,10 @@ class EagleProposer(RunnerProposer):
             problems.append(f"{fc} (concat of embedding and target feature)")
         if "midlayer.self_attn.q_proj.weight" in ckpt.shapes:
             problems.append("it is an EAGLE-3 head (midlayer.*): use --speculative eagle3")
+        for i in range(self.dims.num_layers if not problems else 0):  # else: named above
+            norms = ("post_attention_layernorm",) + (("input_layernorm",) if i else ())
+            if (gone := ckpt.missing_problem(f"layers.{i}.", (*BLOCK_TENSORS, *norms))):
+                problems.append(gone)
         if self.dims.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.dims.vocab_size} != the target's "
                             f"{target.vocab_size}")

@@ -41,6 +41,7 @@ from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 from lmkit_plugins.models.rotary import RotaryEmbedding, rope_config_from_hf
 from lmkit_plugins.spec import EagleOptions
 from lmkit_plugins.spec.head_checkpoint import (
+    BLOCK_TENSORS,
     HeadCheckpoint,
     Loader,
     add_whole,
@@ -73,11 +74,23 @@ class Eagle3Proposer(RunnerProposer):
                 f"{self.dims.num_layers}; heads of more than one layer are not built yet")
         self.num_kv_layers = 1
         cfg = self.checkpoint.hf_config
-        self.draft_vocab_size = int(getattr(cfg, "draft_vocab_size", None)
-                                    or self.dims.vocab_size)
+        draft_vocab = getattr(cfg, "draft_vocab_size", None) or self.dims.vocab_size
         eagle_config = getattr(cfg, "eagle_config", None) or {}
-        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-        self.configured_layers = tuple(int(i) for i in ids) if ids else None
+        ids = (eagle_config.get("eagle_aux_hidden_state_layer_ids")
+               if isinstance(eagle_config, dict) else eagle_config)
+        bad = []
+        if not _whole(draft_vocab) or draft_vocab < 1:
+            bad.append(f"draft_vocab_size is {draft_vocab!r}; expected a positive whole number")
+        if not isinstance(eagle_config, dict):
+            bad.append(f"eagle_config is {eagle_config!r}; expected an object")
+        elif ids and not (isinstance(ids, list) and all(_whole(i) for i in ids)):
+            bad.append(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}; expected "
+                       "a list of target layer numbers")
+        if bad:
+            raise ConfigError(f"the EAGLE-3 head at {self.checkpoint.model_dir}: its "
+                              f"config.json's {'; '.join(bad)}")
+        self.draft_vocab_size = int(draft_vocab)
+        self.configured_layers = tuple(ids) if ids else None
         self.head: Eagle3Head | None = None
 
     def check_target(self, target_hf_config: Any) -> None:
@@ -112,6 +125,12 @@ class Eagle3Proposer(RunnerProposer):
                 name = name.replace("midlayer.", "layers.0.")
             if (bad := ckpt.shape_problem(name, shape)) is not None:
                 problems.append(bad)
+        block = "midlayer." if "midlayer.self_attn.q_proj.weight" in ckpt.shapes else "layers.0."
+        if (gone := ckpt.missing_problem(block, (*BLOCK_TENSORS, "input_layernorm",
+                                                 "hidden_norm", "post_attention_layernorm"))):
+            problems.append(gone)
+        if (gone := ckpt.missing_problem("", ("norm",))):
+            problems.append(gone)
         if self.dims.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.dims.vocab_size} != the target's "
                             f"{target.vocab_size}")
@@ -263,6 +282,10 @@ class Eagle3Head(nn.Module):
             if buffer in names:
                 add_whole(targets, buffer, getattr(self, buffer))
         return targets
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _normed(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ class FeatureCache:
                  "sequences_sha256": hashlib.sha256(json.dumps(sequences).encode()).hexdigest()}
         if directory is not None:
             found = directory / "index.json"
-            if found.is_file() and json.loads(found.read_text()) == {**index, "complete": True}:
+            if found.is_file() and _read_index(found) == {**index, "complete": True}:
                 return cls(*_mapped(directory, offsets[-1], width, target), offsets)
             directory.mkdir(parents=True, exist_ok=True)
             found.unlink(missing_ok=True)
@@ -140,6 +140,15 @@ class FeatureCache:
         if directory is not None:
             (directory / "index.json").write_text(json.dumps({**index, "complete": True}))
         return cls(taps, final, offsets)
+
+
+def _read_index(path: Path) -> Any:
+    """A cache's ``index.json``; ``None`` when it is not JSON (a cache written in part:
+    rebuilt)."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError):
+        return None
 
 
 def _mapped(directory: Path, rows: int, width: int,

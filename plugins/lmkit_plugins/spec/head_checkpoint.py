@@ -16,6 +16,10 @@ from lmkit_plugins.models.llama_layers import LlamaAttention, LlamaMLP
 
 Loader = Callable[[torch.Tensor], None]
 
+#: the tensors of one decoder block (``.weight`` left off)
+BLOCK_TENSORS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down"))
+
 
 class HeadCheckpoint:
     """A draft head directory: ``config.json`` (a Llama config) and the shapes of its
@@ -58,6 +62,16 @@ class HeadCheckpoint:
         if shape != expected:
             return f"{name} is {list(shape)}, expected {list(expected)}"
         return None
+
+    def missing_problem(self, prefix: str, names: Iterable[str]) -> str | None:
+        """Which of ``prefix`` + ``names`` (``.weight`` added) the checkpoint lacks, as a
+        reason to refuse it before any weights load (``None`` when it has them all)."""
+        missing = [f"{prefix}{n}.weight" for n in names
+                   if f"{prefix}{n}.weight" not in self.shapes]
+        if not missing:
+            return None
+        return (f"the checkpoint has no {', '.join(missing[:8])}"
+                + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
 
     def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The head's tensors (``model.`` prefixes dropped)."""

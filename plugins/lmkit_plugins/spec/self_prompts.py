@@ -133,15 +133,27 @@ def read_jsonl(path: Path) -> list[str]:
     """A prompt set as ``--prompts`` takes it: one ``{"prompt": ...}`` (or a JSON string)
     per line, blank lines skipped.
 
-    :raises ValueError: a line that is neither.
+    :raises ValueError: a file that is not UTF-8 text, or a line that is neither (or
+        whose prompt is empty), named by its line number.
     """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); expected "
+                         "JSONL, one {\"prompt\": \"...\"} per line") from e
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
-            item = json.loads(line)
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg}); expected a string or "
+                                 "{\"prompt\": \"...\"}") from e
             prompt = item.get("prompt") if isinstance(item, dict) else item
             if not isinstance(prompt, str):
                 raise ValueError(f"{path}:{n}: expected a string or {{\"prompt\": \"...\"}}")
+            if not prompt.strip():
+                raise ValueError(f"{path}:{n}: the prompt is empty")
             prompts.append(prompt)
     return prompts
 

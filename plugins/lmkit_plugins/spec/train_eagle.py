@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from lmkit_plugins.models.llama import LlamaDims
+from lmkit_plugins.spec import train_checks as checks
 from lmkit_plugins.spec.eagle_batches import StepBatch, StepBatcher
 from lmkit_plugins.spec.eagle_eval import accuracy_report, holdout_split, report_line
 from lmkit_plugins.spec.eagle_features import (
@@ -153,7 +154,9 @@ def answer_rows(data: dict[str, Any], progress: bool) -> tuple[list[list[int]], 
         pairs = [(s, n - 1) for s, n in zip(data["sequences"], lens, strict=True)
                  if len(s) >= max(n + 2, 3)]
     if not pairs:
-        raise ValueError("the prompt set gave no answer of 2 tokens or more")
+        raise ValueError("the prompt set gave no answer of 2 tokens or more (the target "
+                         "ended every answer at once; raise --max-new-tokens or use other "
+                         "prompts)")
     return [s for s, _ in pairs], [f for _, f in pairs]
 
 
@@ -178,40 +181,50 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     if lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"learning-rate schedule {lr_schedule!r}: use one of "
                          f"{', '.join(LR_SCHEDULES)}")
-    out.mkdir(parents=True, exist_ok=True)
+    checks.make_out(out)
     data_path, state_path = out / "train_data.pt", out / "train_state.pt"
     eval_source = None if eval_prompts is None else str(eval_prompts)
-    data = torch.load(data_path) if data_path.is_file() else None
-    if data is not None and data.get("model") != model:
-        raise ValueError(f"{out} holds a training run for model {data.get('model')!r}, "
-                         f"not {model!r}; use another --out directory")
+    data = checks.load_run_file(data_path, "delete it to generate the answers again")
+    source = checks.prompt_source(prompts, self_prompts)
+    if data is not None:
+        checks.check_data(data, out, model, source)
     need_eval = eval_source is not None and (data is None or (data.get("eval") or {}).get(
         "source") != eval_source)
     if data is None or need_eval:  # the target answers the prompts (one engine for both)
         train_prompts: list[str] = []
+        extra = (checks.nonempty(load_eval_prompts(eval_source), f"--eval-prompts {eval_source!r}")
+                 if need_eval else [])
         if data is None:  # --self-prompts alone trains on those only
             if prompts is not None or not self_prompts:
-                train_prompts = load_prompts(prompts)
+                train_prompts = checks.nonempty(load_prompts(prompts), f"--prompts {prompts}")
             train_prompts += own_prompts(model, out, self_prompts, device, seed, progress)
-        extra = load_eval_prompts(eval_source) if need_eval else []
+            checks.nonempty(train_prompts, "--self-prompts (the model wrote none it could keep)")
         model_dir, generated, lens = generate_data(model, train_prompts + extra,
                                                    max_new_tokens, device)
         n = len(train_prompts)
         if data is None:
             data = {"model": model, "model_dir": str(model_dir), "sequences": generated[:n],
-                    "prompt_lens": lens[:n]}
+                    "prompt_lens": lens[:n], "source": source}
         if need_eval:
             data["eval"] = {"source": eval_source, "sequences": generated[n:],
                             "prompt_lens": lens[n:]}
+    sequences, firsts = answer_rows(data, progress)  # checked before the data is kept
+    try:
+        eval_set = (answer_rows(data["eval"], False) if eval_source is not None
+                    else ([], []))
+    except ValueError as e:
+        raise ValueError(f"--eval-prompts {eval_source!r}: {e}") from e
+    if not data_path.is_file() or need_eval:
         torch.save(data, data_path)
     model_dir = Path(data["model_dir"])
-    sequences, firsts = answer_rows(data, progress)
-    eval_set = (answer_rows(data["eval"], False) if eval_source is not None
-                else ([], []))
     train_ids, held_ids = holdout_split(len(sequences), holdout, seed)
     hf_config = load_hf_config(model_dir)
     dims = LlamaDims.from_hf(hf_config)
     taps = taps or default_taps(dims.num_layers)
+    state = checks.load_run_file(state_path, "delete it to start training over")
+    if state is not None:
+        checks.check_state(state, out, max_steps=max_steps, taps=taps,
+                           draft_vocab_size=draft_vocab_size, vocab_size=dims.vocab_size)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     target = TargetFeatures(model_dir, taps, device, dtype)
     if feature_cache == "memory" and cache_bytes(sequences, len(taps), dims.hidden_size,
@@ -220,7 +233,6 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
     cache = None if feature_cache == "off" else FeatureCache.build(
         target, sequences, feature_batch, out / "features" if feature_cache == "disk" else None,
         {"model": model, "taps": taps}, progress)
-    state = torch.load(state_path) if state_path.is_file() else None
     ids = (state["draft_ids"] if state is not None else
            draft_vocabulary(sequences, min(draft_vocab_size, dims.vocab_size), dims.vocab_size))
     with torch.random.fork_rng(devices=[]):  # the head's initial weights: from the seed
@@ -252,7 +264,8 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         (out / "config.json").write_text(json.dumps(head_config(hf_config, taps, len(ids)),
                                                     indent=1))
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "step": step, "generator": generator.get_state(), "draft_ids": ids},
+                    "step": step, "generator": generator.get_state(), "draft_ids": ids,
+                    "taps": taps},
                    state_path)
 
     batcher = StepBatcher(target, draft_rows, device)

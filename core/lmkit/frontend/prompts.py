@@ -93,15 +93,11 @@ def params_per_prompt(sampling_params: Any, count: int) -> list[Any]:
 
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         return [sampling_params or SamplingParams()] * count
-    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(
-            sampling_params, Sequence):
-        raise TypeError("sampling_params must be a SamplingParams or a list of them (one per "
-                        f"prompt), got {type(sampling_params).__name__} "
-                        f"({_preview(sampling_params)}); build one with SamplingParams(...).")
-    params = list(sampling_params)
-    if len(params) != count:
-        raise ValueError(f"got {count} prompts but {len(params)} sampling params; give one "
-                         "SamplingParams for all prompts or a list of one per prompt.")
+    params = _one_per_prompt(
+        sampling_params, count, "sampling params",
+        "sampling_params must be a SamplingParams or a list of them (one per prompt)",
+        "give one SamplingParams for all prompts or a list of one per prompt.",
+        hint="; build one with SamplingParams(...).")
     for i, p in enumerate(params):
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling_params[{i}] is a {type(p).__name__} "
@@ -117,15 +113,26 @@ def priorities_per_prompt(priority: Any, count: int) -> list[int]:
     """
     if priority is None:
         return [0] * count
-    if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
-        raise TypeError(f"priority must be a list of ints, one per prompt, got "
-                        f"{type(priority).__name__} ({_preview(priority)}).")
-    values = list(priority)
-    if len(values) != count:
-        raise ValueError(f"got {count} prompts but {len(values)} priorities; give one "
-                         "priority per prompt.")
-    bad = [p for p in values if not _is_token_id(p)]
+    values = _one_per_prompt(priority, count, "priorities",
+                             "priority must be a list of ints, one per prompt",
+                             "give one priority per prompt.")
+    bad = [p for p in values if not _is_token_id(p)]  # (an integer, not a bool)
     if bad:
         raise TypeError(f"priority must be a list of ints, one per prompt; got {bad[0]!r} "
                         f"({type(bad[0]).__name__}).")
     return [int(p) for p in values]
+
+
+def _one_per_prompt(values: Any, count: int, noun: str, expected: str, remedy: str,
+                    hint: str = ".") -> list[Any]:
+    """``values`` as a list of ``count`` (one per prompt).
+
+    :raises TypeError: not a list or tuple (``expected`` says what is, ``hint`` ends it).
+    :raises ValueError: another number of them (``remedy`` says what to give).
+    """
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise TypeError(f"{expected}, got {type(values).__name__} ({_preview(values)}){hint}")
+    out = list(values)
+    if len(out) != count:
+        raise ValueError(f"got {count} prompts but {len(out)} {noun}; {remedy}")
+    return out

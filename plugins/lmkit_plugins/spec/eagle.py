@@ -84,10 +84,11 @@ class EagleProposer(RunnerProposer):
             problems.append(f"{fc} (concat of embedding and target feature)")
         if "midlayer.self_attn.q_proj.weight" in ckpt.shapes:
             problems.append("it is an EAGLE-3 head (midlayer.*): use --speculative eagle3")
-        for i in range(self.dims.num_layers if not problems else 0):  # else: named above
-            norms = ("post_attention_layernorm",) + (("input_layernorm",) if i else ())
-            if (gone := ckpt.missing_problem(f"layers.{i}.", (*BLOCK_TENSORS, *norms))):
-                problems.append(gone)
+        if not problems:  # (a head of another kind is named above)
+            for i in range(self.dims.num_layers):  # layer 0 has no input norm in EAGLE-1
+                norms = ("post_attention_layernorm", *(("input_layernorm",) if i else ()))
+                if (gone := ckpt.missing_problem(f"layers.{i}.", (*BLOCK_TENSORS, *norms))):
+                    problems.append(gone)
         if self.dims.vocab_size != target.vocab_size:
             problems.append(f"vocab_size {self.dims.vocab_size} != the target's "
                             f"{target.vocab_size}")

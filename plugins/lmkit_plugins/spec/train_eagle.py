@@ -190,7 +190,8 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
         checks.check_data(data, out, model, source)
     need_eval = eval_source is not None and (data is None or (data.get("eval") or {}).get(
         "source") != eval_source)
-    if data is None or need_eval:  # the target answers the prompts (one engine for both)
+    answered = data is None or need_eval
+    if answered:  # the target answers the prompts (one engine for both)
         train_prompts: list[str] = []
         extra = (checks.nonempty(load_eval_prompts(eval_source), f"--eval-prompts {eval_source!r}")
                  if need_eval else [])
@@ -214,7 +215,7 @@ def train(model: str, out: Path, *, max_steps: int, device: str, prompts: Path |
                     else ([], []))
     except ValueError as e:
         raise ValueError(f"--eval-prompts {eval_source!r}: {e}") from e
-    if not data_path.is_file() or need_eval:
+    if answered:
         torch.save(data, data_path)
     model_dir = Path(data["model_dir"])
     train_ids, held_ids = holdout_split(len(sequences), holdout, seed)

@@ -5,6 +5,12 @@ any suffix of the text seen so far that is the beginning of a stop string is hel
 until the next chunk shows whether it completes one. Nothing that could become part of
 a stop string is ever emitted, so streamed deltas never contain a stop string (unless
 ``include_stop_str_in_output``).
+
+``min_tokens`` (as vLLM does it): the text of a request's first ``min_tokens`` output
+tokens is fed with ``can_match=False``, so no stop string is matched inside it, neither
+then nor later (a match must always end in text fed after it). A stop string that
+starts inside that text and is completed by a later token does match, and the output is
+cut where it starts; such a starting piece is held back like any partial match.
 """
 
 from __future__ import annotations
@@ -31,8 +37,14 @@ class StopStringMatcher:
         self._held = ""
         self.matched: str | None = None
 
-    def feed(self, new_text: str) -> tuple[str, str | None]:
+    def feed(self, new_text: str, *, can_match: bool = True) -> tuple[str, str | None]:
         """Add the next chunk of output text.
+
+        Args:
+            new_text: the text the request's newest token(s) added.
+            can_match: False for text of the request's first ``min_tokens`` output
+                tokens: no stop string may end inside ``new_text`` (now or later); a
+                suffix that may begin one is still held back.
 
         Returns:
             ``(text safe to emit now, matched stop string or None)``. After a match the
@@ -42,7 +54,7 @@ class StopStringMatcher:
         if self.matched is not None:
             return "", None
         text = self._held + new_text
-        match = self._find_first_match(text, len(self._held))
+        match = self._find_first_match(text, len(self._held)) if can_match else None
         if match is not None:
             start, stop_str = match
             self.matched = stop_str
@@ -61,8 +73,8 @@ class StopStringMatcher:
     def _find_first_match(self, text: str, num_old: int) -> tuple[int, str] | None:
         """Earliest-ending occurrence of a stop string in ``text``.
 
-        ``text[:num_old]`` was held back already and holds no complete stop string, so
-        a match must end inside the new part.
+        ``text[:num_old]`` was held back already: it was searched before, or fed with
+        ``can_match=False``, so a match must end inside the new part.
         """
         best: tuple[int, int, str] | None = None  # (end, -length, stop string)
         for stop_str in self.stop:

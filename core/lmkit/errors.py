@@ -70,6 +70,21 @@ class InvalidRequestError(LMKitError, ValueError):
         self.code = code
 
 
+class RequestFaultError(InvalidRequestError):
+    """A request the engine accepted failed while running because of its own parameters,
+    not because of an engine fault: e.g. its constraints together leave no token to
+    sample (a regex against ``allowed_token_ids``, ``min_tokens`` longer than the
+    structured-output constraint allows). ``code`` says what happened
+    (:data:`NO_ALLOWED_TOKEN`) and ``param`` names the parameter to change.
+
+    The server answers it with 400 ``invalid_request_error``; ``LLM.generate`` returns
+    it as the completion's ``error`` (its ``finish_reason`` is ``"error"``).
+    """
+
+
+NO_ALLOWED_TOKEN = "no_allowed_token"  # RequestFaultError.code: nothing left to sample
+
+
 class EngineDeadError(LMKitError, RuntimeError):
     """The engine core stopped; requests in flight cannot complete."""
 

@@ -2,8 +2,9 @@
 with the byte tokenizer (one token per UTF-8 byte) and a small chat template:
 
 - a request the engine fails at its first output (constraints that contradict each
-  other: a regex and ``allowed_token_ids`` with nothing in common) gets the same HTTP
-  status streamed as not streamed, not a 200 followed by an error event;
+  other: a regex and ``allowed_token_ids`` with nothing in common, the request's own
+  fault) gets the same HTTP status, 400, streamed as not streamed, not a 200 followed
+  by an error event;
 - chat ``logprobs`` ``bytes`` are the tokens' raw bytes, so that concatenated they
   rebuild multi-byte text (each byte token decodes alone to U+FFFD).
 """
@@ -65,12 +66,12 @@ def sse_events(server, path, body):
 def test_failure_at_first_output_is_an_http_status_when_streaming(server, path, base):
     body = {**base, "max_tokens": 8, "temperature": 0, **CONFLICT}
     plain = post(server, path, body)
-    assert plain.status_code == 500
-    assert plain.json()["error"]["code"] == "engine_error"
-    assert 'regex "[0-9]+" constraint does not allow' in plain.json()["error"]["message"]
+    assert plain.status_code == 400
+    assert plain.json()["error"]["code"] == "no_allowed_token"
+    assert 'regex "[0-9]+" constraint have no token in common' in plain.json()["error"]["message"]
     status, events, _ = sse_events(server, path, body)
-    assert status == 500, events  # was 200, then an error event
-    assert events[0]["error"]["code"] == "engine_error"
+    assert status == 400, events  # was 200, then an error event
+    assert events[0]["error"]["code"] == "no_allowed_token"
     # the next request, also streamed, is served as usual
     status, events, done = sse_events(server, path, {**base, "max_tokens": 3,
                                                      "temperature": 0})

@@ -77,6 +77,7 @@ from lmkit.errors import (
     ModelLoadError,
     ModelNotFoundError,
     PluginError,
+    RequestFaultError,
 )
 from lmkit.plugin_host.hookspecs import hookimpl
 from lmkit.version import PLUGIN_API_VERSION
@@ -153,7 +154,7 @@ __all__ = [
     "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
     "QuantizedTensor",
     "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
-    "Registration", "Request", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
+    "Registration", "Request", "RequestFaultError", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,
     "FullAttentionSpec", "KVCacheGroup", "KVCacheSpec", "MLALatentSpec", "SlidingWindowSpec",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmkit.errors import RequestFaultError
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -28,10 +30,23 @@ class EngineCoreOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     pooled: list[Any] | None = None  # a pooling request's output (floats, or lists of them)
+    # with finish_reason "error" caused by the request's own parameters (not an engine
+    # fault): a RequestFaultError code (e.g. "no_allowed_token") and the parameter to
+    # change; stop_reason holds the message. None for an engine fault.
+    error_code: str | None = None
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def request_fault(self) -> RequestFaultError | None:
+        """The :class:`~lmkit.errors.RequestFaultError` this output finished with, or
+        ``None`` (not finished with an error, or an engine fault)."""
+        if self.finish_reason != "error" or self.error_code is None:
+            return None
+        return RequestFaultError(str(self.stop_reason), param=self.error_param,
+                                 code=self.error_code)
 
 
 @dataclass
@@ -63,6 +78,10 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprob] | None = None
+    # with finish_reason "error": set when the request's own parameters caused it (e.g.
+    # constraints that leave no token; stop_reason holds the same message); None for
+    # an engine fault
+    error: RequestFaultError | None = None
 
     @property
     def finished(self) -> bool:

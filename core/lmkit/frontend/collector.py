@@ -108,8 +108,9 @@ class OutputCollector:
         if output.finished and self.observer:
             reasons = [c.finish_reason for c in output.outputs]
             outcome = "length" if "length" in reasons else "stop"
-            if "error" in reasons:
-                outcome = "error"
+            errors = [c for c in output.outputs if c.finish_reason == "error"]
+            if errors:  # "invalid" when every failure was the request's own (a 400)
+                outcome = "invalid" if all(c.error is not None for c in errors) else "error"
             self.observer.on_finish(outcome, now - t.arrival, self.num_prompt_tokens,
                                     t.num_generated)
 

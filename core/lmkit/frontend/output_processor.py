@@ -19,6 +19,8 @@ class _Completion:
     parent: _Parent
     detokenizer: Any
     stop: Any  # a StopStringMatcher, or None without stop strings
+    # no stop string may end in the text of the first min_tokens tokens (as in vLLM)
+    min_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     # the text so far, in pieces (joined when an output is built: appending to one
     # string attribute copies it every step)
@@ -26,6 +28,7 @@ class _Completion:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: Any = None  # a RequestFaultError the engine ended it with (its own fault)
     # what the step being processed added (None: nothing yet)
     delta_ids: list[int] | None = None
     delta_text: str = ""
@@ -58,6 +61,7 @@ class _Completion:
         return CompletionOutput(
             index=self.index, text=self.text, token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            error=self.error if self.finish_reason == "error" else None,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             delta_text=self.delta_text if ids is not None else "",
             delta_token_ids=ids if ids is not None else [],
@@ -117,6 +121,7 @@ class OutputProcessor:
                                          skip_special_tokens=params.skip_special_tokens),
             stop=StopStringMatcher(params.stop, params.include_stop_str_in_output)
             if params.stop else None,
+            min_tokens=params.min_tokens,
             logprobs=[] if params.logprobs is not None else None,
         )
         parent.children[index] = comp
@@ -159,6 +164,8 @@ class OutputProcessor:
                 parent.prompt_logprobs = out.prompt_logprobs
             if out.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = out.num_cached_tokens
+            if out.error_code is not None:  # failed by its own parameters, not the engine
+                comp.error = out.request_fault()
             new_ids = out.new_token_ids
             new_logprobs = out.new_logprobs
             stop = comp.stop
@@ -171,8 +178,9 @@ class OutputProcessor:
                     new_logprobs = new_logprobs[:len(new_ids)]
             else:
                 delta_text = comp.detokenizer.push(new_ids) if new_ids else ""
-                if stop is not None:
-                    delta_text, hit = stop.feed(delta_text)
+                if stop is not None:  # at most one new token here
+                    delta_text, hit = stop.feed(delta_text, can_match=len(
+                        comp.token_ids) + len(new_ids) > comp.min_tokens)
             comp.token_ids.extend(new_ids)
             if comp.logprobs is not None and new_logprobs:
                 comp.logprobs.extend(new_logprobs)
@@ -183,7 +191,7 @@ class OutputProcessor:
                 # text held back for an incomplete character, then for a partial stop string
                 tail = comp.detokenizer.flush()
                 if stop is not None:
-                    tail, hit = stop.feed(tail)
+                    tail, hit = stop.feed(tail, can_match=len(comp.token_ids) > comp.min_tokens)
                 delta_text += tail
                 if hit is not None:
                     comp.finish_reason, comp.stop_reason = "stop", hit
@@ -218,10 +226,13 @@ class OutputProcessor:
 
 def _feed_per_token(comp: _Completion, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
     """Detokenize ``new_ids`` one token at a time through the stop-string matcher:
-    ``(text to emit, matched stop string or None, the ids up to the matching one)``."""
+    ``(text to emit, matched stop string or None, the ids up to the matching one)``.
+    The text of the request's first ``min_tokens`` tokens cannot end a match."""
     pieces: list[str] = []
+    num_before = len(comp.token_ids)
     for i, token_id in enumerate(new_ids):
-        text, hit = comp.stop.feed(comp.detokenizer.push([token_id]))
+        text, hit = comp.stop.feed(comp.detokenizer.push([token_id]),
+                                   can_match=num_before + i + 1 > comp.min_tokens)
         pieces.append(text)
         if hit is not None:
             return "".join(pieces), hit, new_ids[:i + 1]

@@ -180,15 +180,7 @@ class SamplingMetadata:
         rows: list[int] = []
         token_ids: list[int] = []
         for i, (p, eos) in enumerate(zip(params, eos_token_ids, strict=True)):
-            output = output_token_ids[i]
-            banned = set()
-            if len(output) < p.min_tokens:
-                banned.update(p.stop_token_ids)
-                if eos is not None and not p.ignore_eos:
-                    banned.add(eos)
-            if p.bad_words_token_ids:
-                banned.update(bad_words_banned(p.bad_words_token_ids, output))
-            for tok in sorted(banned):
+            for tok in sorted(banned_next_tokens(p, output_token_ids[i], eos)):
                 if 0 <= tok < self.vocab_size:  # ids beyond the logits can't be sampled
                     rows.append(i)
                     token_ids.append(tok)
@@ -214,6 +206,21 @@ class SamplingMetadata:
         mask[mask_rows, mask_cols] = True
         self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
         self.allowed_mask = mask.to(device)
+
+
+def banned_next_tokens(params: SamplingParams, output: Sequence[int], eos: int | None
+                       ) -> set[int]:
+    """The tokens a request's own parameters forbid after ``output``: EOS (unless
+    ``ignore_eos``) and ``stop_token_ids`` while below ``min_tokens``, and what
+    :func:`bad_words_banned` bans."""
+    banned: set[int] = set()
+    if len(output) < params.min_tokens:
+        banned.update(params.stop_token_ids)
+        if eos is not None and not params.ignore_eos:
+            banned.add(eos)
+    if params.bad_words_token_ids:
+        banned.update(bad_words_banned(params.bad_words_token_ids, output))
+    return banned
 
 
 def bad_words_banned(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:

@@ -52,6 +52,8 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error" if status >= 500
                                        else "invalid_request_error")
         self.headers = headers
+        # already in lmkit_requests_total (it reached the engine, which counted its end)
+        self.counted = False
 
     def body(self) -> dict[str, Any]:
         """The JSON body OpenAI returns for an error."""
@@ -116,7 +118,8 @@ def _relevant(errors: list[Any]) -> list[Any]:
 def validation_error(exc: RequestValidationError) -> APIError:
     """A pydantic validation failure of the request body as a 400 naming the field."""
     errors = _relevant(list(exc.errors()))
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = (errors[0] if errors
+                             else {"loc": (), "msg": "invalid request", "type": ""})
     param = _validation_param(tuple(first.get("loc", ())))
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
@@ -146,7 +149,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def _answer(request: Request, error: APIError) -> JSONResponse:
     # requests that never reached the engine still count in lmkit_requests_total
     state = getattr(request.app.state, "lmkit", None)
-    if state is not None and request.method == "POST":
+    if state is not None and request.method == "POST" and not error.counted:
         outcome = ("refused" if error.status == 429 else "error" if error.status >= 500
                    else "invalid")
         state.metrics.count(outcome)

@@ -55,10 +55,18 @@ def created_now() -> int:
 
 
 def _check_errors(output: RequestOutput) -> None:
+    """Raise the error a completion finished with: 400 when the request's own parameters
+    caused it (a :class:`~lmkit.errors.RequestFaultError`, e.g. ``no_allowed_token``),
+    else 500 ``engine_error``. The request was already counted in the metrics."""
     for c in output.outputs:
         if c.finish_reason == "error":
-            raise APIError(500, f"the engine failed on this request: {c.stop_reason or 'error'}",
-                           code="engine_error")
+            if c.error is not None:
+                error = APIError.from_exception(c.error)
+            else:
+                error = APIError(500, "the engine failed on this request: "
+                                 f"{c.stop_reason or 'error'}", code="engine_error")
+            error.counted = True
+            raise error
 
 
 async def respond(request: Request, state: ServerState, num_seqs: int,

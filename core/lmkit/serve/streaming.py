@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -88,7 +88,8 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
     return task.result()
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: Sequence[AsyncIterator[T]]
+                        ) -> AsyncGenerator[tuple[int, T], None]:
     """Yield ``(stream index, item)`` from every stream as items arrive.
 
     An exception in any stream is raised here and closes the others; closing this
@@ -133,9 +134,9 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
                 await t
 
 
-async def last_item(stream: AsyncIterator[T]) -> list[T]:
+async def last_item(stream: AsyncIterator[tuple[int, T]]) -> list[T]:
     """Drain a stream of ``(index, item)`` pairs keeping the last item per index."""
     last: dict[int, T] = {}
-    async for i, item in stream:  # type: ignore[misc]
+    async for i, item in stream:
         last[i] = item
     return [last[i] for i in sorted(last)]

@@ -25,6 +25,7 @@ from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
+from lmkit.structured.fault import explain_refused_tokens
 from lmkit.structured.rows import fill_rows
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class StructuredOutputManager(StepPhase):
         self.compiler = GrammarCompiler(make_backend, backend_name, num_compile_threads,
                                         cache_size, cache_bytes, vocab_size=vocab_size)
         self._pending: dict[str, Request] = {}  # waiting for their grammar, arrival order
-        self._active: dict[str, RequestGrammar] = {}  # grammar ready
+        self._active: dict[str, Request] = {}  # grammar ready (request.structured_output)
         self._drafting: dict[str, Request] = {}  # ready requests that may get drafts
         self._idle = False  # the last step scheduled nothing
         self._rejected: list[tuple[str, InvalidRequestError]] = []
@@ -182,7 +183,7 @@ class StructuredOutputManager(StepPhase):
                         param=PARAM, code="constraint_compile_failed"))
                     continue
                 request.status = RequestStatus.WAITING
-                self._active[rid] = state
+                self._active[rid] = request
                 if request.sampling_params.use_spec_decode:
                     self._drafting[rid] = request
                 admitted.append(request)
@@ -249,8 +250,8 @@ class StructuredOutputManager(StepPhase):
         its first ``j`` draft tokens; see :func:`lmkit.structured.rows.fill_rows`)."""
         from lmkit.sample.bitmask import allocate_bitmask
 
-        scheduled = [(rid, self._active[rid]) for rid in scheduler_output.num_scheduled_tokens
-                     if rid in self._active]
+        scheduled = [(rid, self._active[rid].structured_output)
+                     for rid in scheduler_output.num_scheduled_tokens if rid in self._active]
         if not scheduled:
             return
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -275,23 +276,28 @@ class StructuredOutputManager(StepPhase):
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
         """Advance grammars over the tokens each output appended; a request whose
-        grammar terminated without the scheduler stopping it ends now (``stop``)."""
+        grammar terminated without the scheduler stopping it ends now (``stop``). One
+        whose grammar refuses its tokens ends with an error (even when the scheduler
+        just stopped it: its last token is not valid output), marked as the request's
+        own fault when its parameters left no token to sample
+        (:func:`~lmkit.structured.fault.explain_refused_tokens`)."""
         for out in outputs:
-            state = self._active.get(out.request_id)
-            if state is None:
+            request = self._active.get(out.request_id)
+            if request is None:
                 continue
+            state: RequestGrammar = request.structured_output
             grammar = state.grammar
             assert grammar is not None
             if out.new_token_ids and not grammar.accept_tokens(list(out.new_token_ids)):
-                message = (f"the model produced tokens {out.new_token_ids} that the "
-                           f"{state.constraint.describe()} constraint does not allow (was the "
-                           "bitmask applied? min_tokens may have banned the only allowed "
-                           "token)")
-                logger.error("request %s: %s", out.request_id, message)
-                if out.finish_reason is None:
-                    self.scheduler.finish_requests(out.request_id,
-                                                   RequestStatus.FINISHED_ERROR)
-                    out.finish_reason, out.stop_reason = "error", message
+                refusal = explain_refused_tokens(grammar, request, list(out.new_token_ids),
+                                                 state.constraint.describe(), self.vocab_size)
+                if refusal.code is None:
+                    logger.error("request %s: %s", out.request_id, refusal.message)
+                else:  # the request's own doing: no engine error to log loudly
+                    logger.info("request %s: %s", out.request_id, refusal.message)
+                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ERROR)
+                out.finish_reason, out.stop_reason = "error", refusal.message
+                out.error_code, out.error_param = refusal.code, refusal.param
             elif out.finish_reason is None and grammar.is_terminated():
                 self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
                 out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
@@ -304,10 +310,11 @@ class StructuredOutputManager(StepPhase):
         for an unconstrained request); the grammar is left as it was. A proposer's
         drafts can be cut to this before they are scheduled, so that no verification
         slot is spent on a token the grammar forbids."""
-        state = self._active.get(request_id)
-        if state is None or state.grammar is None:
+        request = self._active.get(request_id)
+        grammar = None if request is None else request.structured_output.grammar
+        if grammar is None:
             return len(draft_token_ids)
-        grammar, n = state.grammar, 0
+        n = 0
         for token in draft_token_ids:
             if grammar.is_terminated() or not grammar.accept_tokens([token]):
                 break

@@ -30,6 +30,7 @@ from lmkit.loading.cache import (
     is_complete,
     temp_dir,
 )
+from lmkit.loading.gguf_check import check_gguf_file
 from lmkit.loading.progress import announce, library_progress, step
 
 CONVERTED = "converted"
@@ -92,8 +93,9 @@ def convert_gguf_to_safetensors(gguf_path: Path, cache_dir: Path | None = None,
 
     Raises:
         ModelNotFoundError: the file does not exist.
-        ModelLoadError: it is not a GGUF file, or transformers cannot convert it
-            (e.g. an architecture its GGUF support does not cover).
+        ModelLoadError: it is not a GGUF file, it is truncated or corrupt
+            (:func:`lmkit.loading.gguf_check.check_gguf_file`), or transformers cannot
+            convert it (e.g. an architecture its GGUF support does not cover).
     """
     gguf_path = Path(gguf_path).expanduser().resolve()
     cache_dir = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
@@ -111,6 +113,7 @@ def convert_gguf_to_safetensors(gguf_path: Path, cache_dir: Path | None = None,
         if not (entry / GGUF_NAME).is_file():  # converted by an older lmkit
             _keep_gguf(gguf_path, entry / GGUF_NAME)
         return entry
+    check_gguf_file(gguf_path)  # a corrupt file fails here, before transformers reads it
 
     announce(f"converting {gguf_path.name} to safetensors in {entry} (once; later loads "
              "reuse it)", progress)

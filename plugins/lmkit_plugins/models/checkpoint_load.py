@@ -20,8 +20,9 @@ def load_named_weights(targets: dict[str, Loader],
 
     :param key_of: the target key of a checkpoint name (e.g. a prefix dropped).
     :param ignored: keys without a target that are skipped rather than unexpected.
-    :raises ModelLoadError: a loader refused a tensor (shape), or tensors are missing or
-        unexpected (:func:`describe_mismatch`).
+    :raises ModelLoadError: a dense tensor is not floating point (an integer, boolean
+        or complex tensor where the model keeps weights), a loader refused a tensor
+        (shape), or tensors are missing or unexpected (:func:`describe_mismatch`).
     """
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -32,6 +33,12 @@ def load_named_weights(targets: dict[str, Loader],
             if not ignored(key):
                 unexpected.append(name)
             continue
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            raise ModelLoadError(
+                f"weight {name}: the checkpoint stores it as {tensor.dtype}, but model "
+                "weights are floating point (float32, bfloat16, float16, float8); the file "
+                "is corrupt, or holds quantized weights that config.json does not declare "
+                "(quantization_config).")
         try:
             load(tensor)
         except ValueError as e:

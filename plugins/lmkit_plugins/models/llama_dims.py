@@ -32,6 +32,12 @@ class LlamaDims:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> LlamaDims:
+        """The dims of an HF config.
+
+        Raises:
+            ModelLoadError: ``rms_norm_eps`` is negative, or the attention windows are
+                invalid (:func:`layer_windows`).
+        """
         model_type = getattr(cfg, "model_type", "llama")
         num_heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
@@ -42,6 +48,10 @@ class LlamaDims:
         if model_type == "mistral":
             qkv_bias = o_bias = False
         windows = layer_windows(cfg)
+        eps = float(cfg.rms_norm_eps)
+        if not eps >= 0:  # a negative epsilon makes the RMSNorm of a small row NaN
+            raise ModelLoadError(f"config.json's rms_norm_eps={cfg.rms_norm_eps!r} must be a "
+                                 "non-negative number (typically 1e-5 or 1e-6).")
         return cls(
             vocab_size=int(cfg.vocab_size),
             hidden_size=int(cfg.hidden_size),
@@ -50,7 +60,7 @@ class LlamaDims:
             num_heads=num_heads,
             num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.rms_norm_eps),
+            rms_norm_eps=eps,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -69,12 +79,18 @@ def layer_windows(cfg: Any) -> tuple[int | None, ...]:
     every layer slides (Mistral).
 
     Raises:
-        ModelLoadError: ``layer_types`` does not list one known kind per layer.
+        ModelLoadError: ``sliding_window`` is not a positive integer, or ``layer_types``
+            does not list one known kind per layer.
     """
     num_layers = int(cfg.num_hidden_layers)
     window = getattr(cfg, "sliding_window", None)
     if getattr(cfg, "use_sliding_window", None) is False or not window:
         return (None,) * num_layers
+    whole = isinstance(window, int) or (isinstance(window, float) and window.is_integer())
+    if isinstance(window, bool) or not whole or window < 1:
+        raise ModelLoadError(
+            f"config.json's sliding_window={window!r} must be a positive number of tokens; "
+            "set it to null (or use_sliding_window: false) for full attention.")
     layer_types = getattr(cfg, "layer_types", None)
     if not layer_types:
         return (int(window),) * num_layers  # Mistral: every layer slides

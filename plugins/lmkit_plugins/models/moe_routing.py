@@ -90,12 +90,14 @@ class MoERouting:
             ModelLoadError: another model type, or a routing method lmkit lacks.
         """
         model_type = getattr(cfg, "model_type", None)
+        if model_type not in ("mixtral", "deepseek_v2", "deepseek_v3"):
+            raise ModelLoadError(f"no MoE routing is known for model type {model_type!r}; "
+                                 "lmkit routes mixtral, deepseek_v2 and deepseek_v3 (do "
+                                 "config.json's architectures and model_type name the same "
+                                 "model?)")
         top_k = int(cfg.num_experts_per_tok)
         if model_type == "mixtral":
             return cls(num_experts=int(cfg.num_local_experts), top_k=top_k)
-        if model_type not in ("deepseek_v2", "deepseek_v3"):
-            raise ModelLoadError(f"no MoE routing is known for model type {model_type!r}; "
-                                 "lmkit routes mixtral, deepseek_v2 and deepseek_v3")
         common: dict[str, Any] = dict(
             num_experts=int(cfg.n_routed_experts), top_k=top_k,
             renormalize=bool(getattr(cfg, "norm_topk_prob", False)),

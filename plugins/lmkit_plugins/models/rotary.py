@@ -42,7 +42,8 @@ def rope_config_from_hf(hf_config: Any, head_dim: int, layer_type: str | None = 
     layers); without it such a config must have one kind only.
 
     Raises:
-        ModelLoadError: the checkpoint uses a RoPE type lmkit does not implement.
+        ModelLoadError: the checkpoint uses a RoPE type lmkit does not implement, or its
+            ``rope_theta`` / ``partial_rotary_factor`` is not a positive number (at most 1).
     """
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
@@ -63,10 +64,25 @@ def rope_config_from_hf(hf_config: Any, head_dim: int, layer_type: str | None = 
             f"unsupported RoPE scaling type {rope_type!r} in the model's config "
             f"(rope_parameters/rope_scaling); lmkit supports: {', '.join(SUPPORTED_ROPE_TYPES)}. "
             "Use a checkpoint with one of those, or add a model plugin that implements it.")
-    partial = float(params.get("partial_rotary_factor")
-                    or getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+    partial = _positive("partial_rotary_factor", params.get("partial_rotary_factor")
+                        or getattr(hf_config, "partial_rotary_factor", None) or 1.0)
+    if partial > 1:
+        raise ModelLoadError(f"config.json's partial_rotary_factor={partial!r} must be at "
+                             "most 1 (the fraction of each head that rotates).")
     rotary_dim = int(head_dim * partial)
-    return RopeConfig(float(theta), rope_type, params, rotary_dim)
+    return RopeConfig(_positive("rope_theta", theta), rope_type, params, rotary_dim)
+
+
+def _positive(name: str, value: Any) -> float:
+    """``value`` as a finite positive float, or a :class:`ModelLoadError` naming ``name``."""
+    try:
+        number = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ModelLoadError(f"config.json's RoPE setting {name}={value!r} must be a "
+                             "positive number.")
+    return number
 
 
 def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:

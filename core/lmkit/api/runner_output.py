@@ -32,3 +32,10 @@ class ModelRunnerOutput:
     # pooling requests whose prompt finished this step -> pooled output (a list of
     # floats, or one list per token); None when the step had no pooling request
     pooled: dict[str, Any] | None = None
+    # requests with a sampled token drawn from a row whose logits were all -inf after
+    # every mask (grammar bitmask, allowed_token_ids, min_tokens and bad_words bans,
+    # logits processors: nothing was allowed) -> that token's index in their
+    # sampled_token_ids. The tokens before it are valid; it and any after are garbage. A
+    # scheduler keeps the valid ones and ends the request with finish_reason "error"
+    # (error_code "no_allowed_token"); see docs/plugin-guide.md
+    no_allowed_token: dict[str, int] = field(default_factory=dict)

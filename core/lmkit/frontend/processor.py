@@ -8,7 +8,7 @@ from typing import Any
 from lmkit.api.pooling import PoolingParams
 from lmkit.api.request import Request
 from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from lmkit.errors import InvalidRequestError
+from lmkit.errors import NO_ALLOWED_TOKEN, InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
 
 
@@ -114,6 +114,7 @@ class InputProcessor:
             extra = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
             if extra:
                 params = _with(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        self._check_some_token_allowed(params)
         return Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id,
                        priority=priority, cache_salt=cache_salt, max_tokens=max_tokens)
 
@@ -159,10 +160,45 @@ class InputProcessor:
                 "the plugin that registers it, or remove it from logits_processors.",
                 param="logits_processors", code="invalid_value")
         if params.bad_words:
-            words = [*(params.bad_words_token_ids or []), *tokenize_bad_words(
+            word_ids = [*(params.bad_words_token_ids or []), *tokenize_bad_words(
                 self.tokenizer, params.bad_words)]
-            params = _with(params, bad_words_token_ids=words)
+            params = _with(params, bad_words_token_ids=word_ids)
         return params
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """Refuse a request whose own token rules leave nothing to sample at its first
+        output token: each of its ``allowed_token_ids`` ends the output (EOS unless
+        ``ignore_eos``, or a stop token id) while ``min_tokens`` forbids that, or is a
+        one-token bad word. (Rules that leave nothing only later, e.g. a longer bad
+        word, end the request when it gets there: ``no_allowed_token``.)"""
+        allowed = sorted(set(params.allowed_token_ids or ()))
+        if not allowed:
+            return
+        eos = None if params.ignore_eos else self.eos_token_id
+        ending = set(params.stop_token_ids) if params.min_tokens > 0 else set()
+        if params.min_tokens > 0 and eos is not None:
+            ending.add(eos)
+        bad = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        if any(t not in ending and t not in bad for t in allowed):
+            return
+        ids, m = _shown(allowed), params.min_tokens
+        enders = "stop_token_ids" if eos is None else f"EOS {eos} or stop_token_ids"
+        ends = f"ends the output ({enders}), which min_tokens = {m} forbids before {m} tokens"
+        if not bad.intersection(allowed):
+            message = (f"every one of allowed_token_ids {ids} {ends}: nothing is left to "
+                       "sample at the first output token; allow other tokens or lower "
+                       "min_tokens to 0")
+        elif ending.intersection(allowed):
+            message = (f"every one of allowed_token_ids {ids} either {ends}, or is a "
+                       "one-token bad word: nothing is left to sample at the first output "
+                       "token; allow other tokens, lower min_tokens to 0 or remove the "
+                       "bad word")
+        else:
+            raise InvalidRequestError(
+                f"bad_words forbid every one of allowed_token_ids {ids} (each is a "
+                "one-token bad word): nothing is left to sample; remove the bad word or "
+                "allow other tokens", param="bad_words", code=NO_ALLOWED_TOKEN)
+        raise InvalidRequestError(message, param="min_tokens", code=NO_ALLOWED_TOKEN)
 
     def _check_ids(self, param: str, ids: Sequence[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -190,6 +226,13 @@ def tokenize_bad_words(tokenizer: Any, bad_words: Sequence[str]) -> list[list[in
 
 # what a pooling request carries as sampling parameters: it never samples
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _shown(token_ids: Sequence[int], limit: int = 8) -> str:
+    """``[1, 2, 3]``, or the first ``limit`` ids and how many more."""
+    if len(token_ids) <= limit:
+        return str(list(token_ids))
+    return f"[{', '.join(map(str, token_ids[:limit]))}, ... ({len(token_ids) - limit} more)]"
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

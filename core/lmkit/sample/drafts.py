@@ -9,9 +9,10 @@ else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import chain
+from bisect import bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -25,11 +26,18 @@ from lmkit.sample.draws import sample_from_probs
 @dataclass
 class VerifiedTokens:
     """Per request, the tokens to append (``num_accepted[i] + 1`` of them) and, for
-    requests asking, their logprobs."""
+    requests asking, their logprobs.
+
+    ``no_allowed_token`` maps a request (its index) whose tokens include one drawn from
+    a row whose logits were all ``-inf`` after every mask (nothing was allowed) to that
+    token's index in ``token_ids[i]``: the tokens before it are valid, it and those
+    after are not. Only rows the sampler checked (masks applied) are reported.
+    """
 
     token_ids: list[list[int]]
     num_accepted: list[int]
     logprobs: list[list[TokenLogprob]] | None = None
+    no_allowed_token: dict[int, int] = field(default_factory=dict)
 
 
 class DraftLayout(DraftRows):
@@ -53,7 +61,8 @@ class DraftLayout(DraftRows):
                    dev(req), dev(pos))
 
 
-def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> VerifiedTokens:
+def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]],
+                  check_no_token: bool = False) -> VerifiedTokens:
     """Verify a step whose rows are all greedy on these logits (already adjusted, or
     needing no adjustment) and ask no logprobs: one argmax on the device, one
     device-to-host copy of the ``[num_rows]`` targets, then the accepted prefixes on the
@@ -62,17 +71,52 @@ def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]]) -> Veri
     Args:
         logits: ``[num_rows, vocab]``, ``len(drafts[i]) + 1`` rows per request.
         drafts: per request its draft token ids (empty: a plain decode).
+        check_no_token: also report rows whose logits are all ``-inf`` (masks were
+            applied that may leave nothing), in the same copy
+            (:attr:`VerifiedTokens.no_allowed_token`).
 
     Returns:
         per request the accepted drafts then the target token after them.
     """
     # max(dim).indices: the first maximal index, as argmax gives, but torch's CPU argmax
     # is ~5x slower (108 vs 22 us over a 49,152-entry row at one thread)
-    targets = logits.max(dim=-1).indices.tolist()  # the one device-to-host copy
+    best = logits.max(dim=-1)
+    targets, no_token_rows = read_rows(best.indices, best.values == float("-inf")
+                                       if check_no_token else None)  # the one copy
     if len(targets) != len(drafts) + sum(map(len, drafts)):
         raise ValueError(f"verify_greedy got {len(targets)} logits rows for {len(drafts)} "
                          f"requests with {sum(map(len, drafts))} drafts")
-    return accept_greedy(targets, drafts)
+    verified = accept_greedy(targets, drafts)
+    if no_token_rows:
+        starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))[:-1]
+        verified.no_allowed_token = first_no_token(no_token_rows, starts,
+                                                   verified.num_accepted)
+    return verified
+
+
+def read_rows(values: torch.Tensor, flags: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """``values.tolist()`` (int, 1-D) and the indices where ``flags`` (bool, 1-D, or
+    ``None``: none) is set, in one device-to-host copy."""
+    if flags is None:
+        return values.tolist(), []
+    n = values.shape[0]
+    host = torch.cat([values, flags.to(values.dtype)]).tolist()
+    return host[:n], [row for row, flag in enumerate(host[n:]) if flag]
+
+
+def first_no_token(rows: Iterable[int], row_starts: Sequence[int],
+                   num_accepted: Sequence[int]) -> dict[int, int]:
+    """Per request (index) whose emitted tokens include one drawn at a row of ``rows``
+    (ascending; rows where nothing was allowed), the position of the first such token:
+    request ``i`` emits its rows ``row_starts[i]`` to ``row_starts[i] + num_accepted[i]``;
+    its later rows (after a rejected draft) are not output and do not count."""
+    at: dict[int, int] = {}
+    for row in rows:
+        i = bisect_right(row_starts, row) - 1
+        position = row - row_starts[i]
+        if i not in at and position <= num_accepted[i]:
+            at[i] = position
+    return at
 
 
 def accept_greedy(targets: list[int], drafts: Sequence[Sequence[int]]) -> VerifiedTokens:

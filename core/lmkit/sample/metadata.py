@@ -77,6 +77,16 @@ class SamplingMetadata:
                 or self.allowed_rows is not None or self.penalties is not None
                 or self.processor_slots is not None)
 
+    @property
+    def may_allow_no_token(self) -> bool:
+        """Whether a row's adjusted logits may be all ``-inf`` (nothing left to sample):
+        some row has allowed token ids, token bans or a logits processor. Logit bias
+        (within [-100, 100]) and penalties keep logits finite; a grammar bitmask alone
+        that allows nothing is the structured-output manager's to diagnose (any token
+        drawn breaks the grammar), one together with these masks is caught here."""
+        return (self.allowed_rows is not None or self.banned_rows is not None
+                or self.processor_slots is not None)
+
     @classmethod
     def build(
         cls,

@@ -10,7 +10,11 @@ All batched:
 2. :func:`~lmkit.sample.draws.adjust_logits` on a float32 copy: logit bias, token bans
    (min_tokens, bad_words), allowed token ids, penalties, plugin logits processors;
 3. greedy rows: argmax; random rows: one draw per row (temperature, min-p, top-k,
-   top-p) by the engine's :class:`~lmkit.api.SamplingKernels` (``sample``);
+   top-p) by the engine's :class:`~lmkit.api.SamplingKernels` (``sample``); where the
+   masks of step 2 may leave nothing (:attr:`~lmkit.sample.metadata.SamplingMetadata.
+   may_allow_no_token`), which rows have every logit ``-inf``: their draw is garbage,
+   reported with the tokens in the same device-to-host copy
+   (:attr:`VerifiedTokens.no_allowed_token`);
 4. only with drafts: the acceptance rule (greedy: the draft equals the argmax; random:
    :func:`~lmkit.sample.draws.compute_probs` then rejection sampling by the sampling
    kernels (``verify``): draws at draft rows come from the recovery distribution, see
@@ -37,7 +41,14 @@ import torch
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.sampling_kernels import SamplingKernels
 from lmkit.sample import rejection
-from lmkit.sample.drafts import DraftLayout, VerifiedTokens, logprobs_per_request, verify_greedy
+from lmkit.sample.drafts import (
+    DraftLayout,
+    VerifiedTokens,
+    first_no_token,
+    logprobs_per_request,
+    read_rows,
+    verify_greedy,
+)
 from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sample_from_probs
 from lmkit.sample.kernels import TorchSamplingKernels, random_rows
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
@@ -51,10 +62,13 @@ __all__ = [
 
 @dataclass
 class SamplerOutput:
-    """The sampled token per row and, for rows that asked, its logprobs."""
+    """The sampled token per row and, for rows that asked, its logprobs; where the
+    step's masks may leave nothing, which rows had every logit ``-inf`` (their token is
+    garbage)."""
 
     sampled_token_ids: torch.Tensor  # int64 [num_rows]
     logprobs: list[TokenLogprob | None] | None  # per row; None when no row asks
+    no_allowed_token: torch.Tensor | None = None  # bool [num_rows]; None: not checked
 
 
 class Sampler:
@@ -74,8 +88,8 @@ class Sampler:
         ties). Logprobs, for rows asking, are from the raw logits.
         """
         _check_rows(logits, md, md.num_rows, "one row per request")
-        tokens, _, raw_logprobs = self._sample_rows(logits, md, None, None)
-        return SamplerOutput(tokens, _row_logprobs(tokens, raw_logprobs, md))
+        tokens, _, raw_logprobs, no_token = self._sample_rows(logits, md, None, None)
+        return SamplerOutput(tokens, _row_logprobs(tokens, raw_logprobs, md), no_token)
 
     def sample_requests(self, logits: torch.Tensor, md: SamplingMetadata,
                         drafts: Sequence[Sequence[int]],
@@ -93,44 +107,53 @@ class Sampler:
                 ``None`` (deterministic drafts, one-hot).
 
         Returns:
-            per request the accepted drafts then one sampled token.
+            per request the accepted drafts then one sampled token, and which of them
+            came from a row where nothing was allowed (``no_allowed_token``).
         """
         if not any(drafts):
             out = self(logits, md)
-            tokens = out.sampled_token_ids.tolist()
+            tokens, no_token_rows = read_rows(out.sampled_token_ids, out.no_allowed_token)
             lps = None if out.logprobs is None else [[lp] if lp else [] for lp in out.logprobs]
-            return VerifiedTokens([[t] for t in tokens], [0] * len(tokens), lps)
+            return VerifiedTokens([[t] for t in tokens], [0] * len(tokens), lps,
+                                  dict.fromkeys(no_token_rows, 0))
         _check_rows(logits, md, len(drafts) + sum(map(len, drafts)),
                     "one row per draft plus one per request")
         if md.all_greedy and md.logprob_rows is None:
             if md.needs_logit_adjustment:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), md)
-            return verify_greedy(logits, drafts)
+            return verify_greedy(logits, drafts, md.may_allow_no_token)
         layout = DraftLayout.build(drafts, logits.device)
-        out_tokens, accepted, raw_logprobs = self._sample_rows(logits, md, layout, draft_probs)
+        out_tokens, accepted, raw_logprobs, no_token = self._sample_rows(logits, md, layout,
+                                                                         draft_probs)
         assert accepted is not None
         num_accepted = rejection.count_accepted(accepted, layout.req, layout.pos, len(drafts),
                                                 max(layout.num_drafts))
-        host = torch.cat([out_tokens, num_accepted]).tolist()  # the one device-to-host copy
+        # the one device-to-host copy
+        host, no_token_rows = read_rows(torch.cat([out_tokens, num_accepted]), no_token)
         rows_out, accepted_l = host[:md.num_rows], host[md.num_rows:]
         token_ids = [rows_out[s:s + n + 1] for s, n in zip(layout.row_starts, accepted_l,
                                                              strict=True)]
         row_lps = _row_logprobs(out_tokens, raw_logprobs, md)
         logprobs = None if row_lps is None else logprobs_per_request(row_lps, layout,
                                                                       accepted_l)
-        return VerifiedTokens(token_ids, accepted_l, logprobs)
+        return VerifiedTokens(token_ids, accepted_l, logprobs,
+                              first_no_token(no_token_rows, layout.row_starts, accepted_l))
 
     def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata,
                      layout: DraftLayout | None, draft_probs: Sequence[torch.Tensor | None] | None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                torch.Tensor | None]:
         """Steps 1-4 on the device: (each row's output token if the request reaches
         it, accepted per draft or ``None`` without drafts, raw logprobs of the rows
-        asking or ``None``)."""
+        asking or ``None``, which rows had nothing allowed or ``None`` when no mask
+        could leave nothing)."""
         raw_logprobs = None
         if md.logprob_rows is not None:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
         if md.needs_logit_adjustment or not md.all_greedy:
             logits = adjust_logits(logits.to(torch.float32, copy=True), md)
+        # before the draws, which may filter the logits in place
+        no_token = logits.amax(dim=-1) == float("-inf") if md.may_allow_no_token else None
         greedy_ids = None if md.all_random else self.kernels.argmax(logits)
         accepted = None
         if md.all_greedy:
@@ -151,7 +174,7 @@ class Sampler:
         if layout is not None and accepted is not None:
             row_tokens = rejection.select_output_tokens(row_tokens, layout.rows,
                                                         layout.token_ids, accepted)
-        return row_tokens, accepted, raw_logprobs
+        return row_tokens, accepted, raw_logprobs, no_token
 
 
 def _check_rows(logits: torch.Tensor, md: SamplingMetadata, num_rows: int, what: str) -> None:

@@ -4,16 +4,19 @@ stop checks, rejected drafts rolled back, finished and pooled requests freed
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from lmkit.api.outputs import EngineCoreOutput
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.scheduler_output import SchedulerOutput
-from lmkit.scheduler.stop import append_and_check_stop
+from lmkit.scheduler.stop import append_and_check_stop, end_without_allowed_token
 
 if TYPE_CHECKING:
     from lmkit.offload.coordinator import OffloadCoordinator
+
+logger = logging.getLogger(__name__)
 
 
 class StepOutputs:
@@ -36,7 +39,10 @@ class StepOutputs:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens with stop checks, roll back rejected drafts, free
         finished requests; one output per request that got tokens, finished, or got
-        prompt logprobs (a partial prefill chunk otherwise produces none)."""
+        prompt logprobs (a partial prefill chunk otherwise produces none). A request
+        with nothing left to sample (``runner_output.no_allowed_token``) keeps the
+        tokens before that position and ends with an error
+        (:func:`~lmkit.scheduler.stop.end_without_allowed_token`)."""
         if self.offload is not None:
             for loaded, num_valid in self.offload.on_loads_finished(
                     runner_output.finished_kv_loads):
@@ -51,13 +57,24 @@ class StepOutputs:
                 continue  # finished (aborted) since it was scheduled
             row = row_of.get(rid)
             sampled = runner_output.sampled_token_ids[row] if row is not None else []
+            no_token_at = runner_output.no_allowed_token.get(rid)
+            if no_token_at is not None:  # drawn where nothing was allowed: garbage
+                sampled = sampled[:no_token_at]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
-            if drafts and sampled:
+            if drafts and (sampled or no_token_at is not None):
                 # sampled = accepted drafts + 1; KV of the rejected ones is garbage
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
             new_token_ids = (
                 append_and_check_stop(request, sampled, self.max_model_len) if sampled else []
             )
+            fault = None
+            if no_token_at is not None and not request.is_finished:
+                fault = end_without_allowed_token(request, new_token_ids,
+                                                  scheduler_output.grammar_bitmask)
+                if fault.code is None:  # not the request's doing
+                    logger.error("request %s: %s", rid, fault.message)
+                else:
+                    logger.info("request %s: %s", rid, fault.message)
             prompt_logprobs = runner_output.prompt_logprobs.get(rid)
             if not new_token_ids and not request.is_finished and prompt_logprobs is None:
                 continue
@@ -70,6 +87,8 @@ class StepOutputs:
                 new_logprobs=row_logprobs[:len(new_token_ids)] if row_logprobs else None,
                 prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                error_code=fault.code if fault else None,
+                error_param=fault.param if fault else None,
             ))
             if request.is_finished:
                 self._free_request(request)

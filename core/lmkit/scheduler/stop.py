@@ -1,10 +1,19 @@
-"""Stop checks applied as sampled tokens are appended to a request."""
+"""Stop checks applied as sampled tokens are appended to a request, and ending one
+that had nothing left to sample (:func:`end_without_allowed_token`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lmkit.api.request import Request, RequestStatus
+from lmkit.errors import NO_ALLOWED_TOKEN
+
+if TYPE_CHECKING:
+    from lmkit.structured.fault import Refusal
+
+logger = logging.getLogger(__name__)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -44,3 +53,92 @@ def append_and_check_stop(
         if check_stop(request, max_model_len):
             return list(token_ids[:n])
     return list(token_ids)
+
+
+def end_without_allowed_token(request: Request, new_token_ids: Sequence[int],
+                              grammar_bitmask: Any = None) -> Refusal:
+    """End ``request`` with an error: the sampler found every logit ``-inf`` at its next
+    position (after ``new_token_ids``, the step's valid tokens, already appended), so
+    nothing was left to sample (:attr:`~lmkit.api.ModelRunnerOutput.no_allowed_token`).
+    Sets ``FINISHED_ERROR`` and ``stop_reason`` (the message); returns why
+    (:func:`explain_no_allowed_token`)."""
+    refusal = explain_no_allowed_token(request, new_token_ids, grammar_bitmask)
+    request.status = RequestStatus.FINISHED_ERROR
+    request.stop_reason = refusal.message
+    return refusal
+
+
+def explain_no_allowed_token(request: Request, new_token_ids: Sequence[int],
+                             grammar_bitmask: Any = None) -> Refusal:
+    """Why nothing was left to sample for ``request`` after its output so far: its own
+    token rules (``allowed_token_ids`` all forbidden by ``min_tokens`` or ``bad_words``),
+    its structured-output constraint against them
+    (:func:`~lmkit.structured.fault.explain_refused_tokens`, given the step's
+    ``grammar_bitmask`` for its width), or its logits processors: a
+    :data:`~lmkit.errors.NO_ALLOWED_TOKEN` fault naming the parameter. Anything else is
+    an engine fault (``code`` ``None``)."""
+    from lmkit.structured.fault import Refusal, explain_refused_tokens
+
+    state = request.structured_output
+    output = request.output_token_ids
+    where = ("at the first output token" if not output
+             else f"after {len(output)} output token{'s' if len(output) > 1 else ''}")
+    refusal: Refusal | None = None
+    if state is not None and state.grammar is not None and grammar_bitmask is not None:
+        try:
+            refusal = explain_refused_tokens(state.grammar, request, list(new_token_ids),
+                                             state.constraint.describe(),
+                                             grammar_bitmask.shape[-1] * 32)
+        except Exception:  # a plugin's grammar failed: its manager reports that
+            logger.exception("request %s: explaining with its grammar failed",
+                             request.request_id)
+    if refusal is None or refusal.code is None:
+        refusal = _own_rules_refusal(request, where)
+    if refusal is not None:
+        return refusal
+    processors = request.sampling_params.logits_processors
+    if processors:
+        return Refusal(
+            f"no token was left to sample {where}: the logits processors {processors} "
+            "forbade every token the request's other parameters allow; check their "
+            "arguments (extra_args) or drop them", NO_ALLOWED_TOKEN, "logits_processors")
+    return Refusal(
+        f"every logit was -inf {where}, although the request's own parameters left tokens "
+        "allowed (a logits processor the engine applies to every request, or -inf logits "
+        "from the model?)")
+
+
+def _own_rules_refusal(request: Request, where: str) -> Refusal | None:
+    """The request's fault when ``min_tokens`` and ``bad_words`` forbid every one of its
+    ``allowed_token_ids`` after its output so far; ``None`` when some is left."""
+    from lmkit.sample.metadata import bad_words_banned, banned_next_tokens
+    from lmkit.structured.fault import Refusal
+    from lmkit.structured.fault import _shown as shown  # (fault.py's wording)
+
+    p = request.sampling_params
+    output = request.output_token_ids
+    if not p.allowed_token_ids:
+        return None
+    banned = banned_next_tokens(p, output, request.eos_token_id)
+    if any(t not in banned for t in p.allowed_token_ids):
+        return None
+    allowed = sorted(set(p.allowed_token_ids))
+    bad = set(bad_words_banned(p.bad_words_token_ids or (), output))
+    by_min = [t for t in allowed if t not in bad]  # banned only while below min_tokens
+    subject = f"allowed_token_ids {shown(allowed)}"
+    if by_min and len(by_min) < len(allowed):
+        return Refusal(
+            f"min_tokens = {p.min_tokens} and bad_words together forbid every token "
+            f"{subject} allow {where} (ending the output, which min_tokens forbids before "
+            f"{p.min_tokens} tokens: token ids {shown(by_min)}; completing a bad word: "
+            f"{shown([t for t in allowed if t in bad])}); lower min_tokens, remove the bad "
+            "word or allow other tokens", NO_ALLOWED_TOKEN, "min_tokens")
+    if by_min:
+        return Refusal(
+            f"min_tokens = {p.min_tokens} is more than {subject} allow: {where} they only "
+            f"end the output, which min_tokens forbids before {p.min_tokens} tokens; lower "
+            f"min_tokens (to {len(output)}{' or less' if output else ''} for this output) "
+            "or allow other tokens",
+            NO_ALLOWED_TOKEN, "min_tokens")
+    return Refusal(f"bad_words forbid every token {subject} allow {where}; remove the bad "
+                   "word or allow other tokens", NO_ALLOWED_TOKEN, "bad_words")

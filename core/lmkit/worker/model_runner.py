@@ -300,6 +300,7 @@ class ModelRunner:
                                                    hidden, order, step)
         out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
                             self.input_batch)
+        out.no_allowed_token = {order[plan[n][0]]: j for n, j in verified.no_allowed_token.items()}
         out.pooled = pooled
         if self.drafter is not None:  # the head drafts the next step's tokens, now
             with torch.inference_mode():

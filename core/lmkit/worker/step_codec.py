@@ -125,6 +125,7 @@ class RunnerOutputWire(msgspec.Struct, array_like=True, frozen=True):
     finished_kv_loads: dict[int, bool]
     pooled: dict[str, Any] | None = None
     draft_token_ids: dict[str, list[int]] = {}
+    no_allowed_token: dict[str, int] = {}
 
 
 def runner_output_to_wire(out: ModelRunnerOutput) -> RunnerOutputWire:
@@ -132,7 +133,7 @@ def runner_output_to_wire(out: ModelRunnerOutput) -> RunnerOutputWire:
     return RunnerOutputWire(list(out.req_ids), [list(t) for t in out.sampled_token_ids],
                             out.logprobs, out.prompt_logprobs, out.num_draft_tokens,
                             out.num_accepted_tokens, out.finished_kv_loads, out.pooled,
-                            out.draft_token_ids)
+                            out.draft_token_ids, out.no_allowed_token)
 
 
 def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
@@ -141,4 +142,4 @@ def runner_output_from_wire(w: RunnerOutputWire) -> ModelRunnerOutput:
         req_ids=w.req_ids, sampled_token_ids=w.sampled_token_ids, logprobs=w.logprobs,
         prompt_logprobs=w.prompt_logprobs, num_draft_tokens=w.num_draft_tokens,
         num_accepted_tokens=w.num_accepted_tokens, finished_kv_loads=w.finished_kv_loads,
-        pooled=w.pooled, draft_token_ids=w.draft_token_ids)
+        pooled=w.pooled, draft_token_ids=w.draft_token_ids, no_allowed_token=w.no_allowed_token)

@@ -7,6 +7,14 @@ them before scheduling, after scheduling and after the model's output.
 It owns the scheduler and the executor; it knows nothing about text. Frontends
 (``LLM`` in-process, the API server over ZMQ) feed it validated :class:`Request` objects
 and turn its :class:`EngineCoreOutput` s into text.
+
+Plugin faults at run time: a feature's plugin (proposer, grammar) that fails some
+requests has them ended with an error naming it, and the engine goes on
+(:meth:`StepPhase.take_failed <lmkit.engine.phases.StepPhase.take_failed>`); a
+scheduler plugin that raises or plans a step the runner cannot run
+(:class:`~lmkit.engine.plan_check.PlanCheck`) leaves state nobody can trust, so the
+engine stops: this call and every later one raise :class:`~lmkit.errors.EngineDeadError`
+naming the scheduler and what it did.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from lmkit.api.contract import build
 from lmkit.api.engine_view import EngineView
@@ -26,15 +34,18 @@ from lmkit.config.parallel import check_model_split
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.gc_heap import freeze_startup_heap, unfreeze_heap
 from lmkit.engine.phases import StepPhase, StepPhases
+from lmkit.engine.plan_check import PlanCheck
 from lmkit.engine.pooling_phase import PoolingPhase, sentence_transformers_pooler
 from lmkit.engine.step_trace import StepTracePhase
-from lmkit.errors import ConfigError, InvalidRequestError
+from lmkit.errors import ConfigError, EngineDeadError, InvalidRequestError, LMKitError
 from lmkit.offload.attach import OffloadPhase, prefix_tier
+from lmkit.plugin_host.faults import raised_in, registration_label
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.plugin_host.resolve import ResolvedStack, resolve_stack
 from lmkit.sample.processors import check_request
 from lmkit.spec_decode.manager import ProposerManager, check_runner_hosted
 from lmkit.structured.manager import StructuredOutputManager
+from lmkit.structured.rows import TrimDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +80,7 @@ class EngineCore:
                                                   encoder=not self.facts.pooling.causal)
         check_runner_hosted(config, self.stack)
         self.config = self._runtime_config(config)
+        self.dead_reason: str | None = None  # set when a scheduler fault stopped the engine
 
         executor_reg = self.stack.get("executor")
         assert executor_reg is not None
@@ -112,6 +124,10 @@ class EngineCore:
         self.scheduler = build("scheduler", scheduler_cls, self.config,
                                num_blocks=self.num_blocks, options=self.stack.options["scheduler"],
                                context=context, plugin=sched_reg.origin)
+        self.plan_check = PlanCheck(registration_label(sched_reg),
+                                    self.config.scheduler.max_num_batched_tokens,
+                                    self.config.scheduler.max_num_seqs,
+                                    self.facts.max_model_len)
         structured = StructuredOutputManager.from_stack(
             self.config, self.stack, self.model_dir, self.facts.vocab_size, self.scheduler)
         pooling = PoolingPhase(self.host, self.facts, sentence_transformers_pooler(self.model_dir))
@@ -122,7 +138,7 @@ class EngineCore:
         if proposer is not None:
             phases.append(proposer)
             if isinstance(structured, StructuredOutputManager):
-                phases.append(structured.draft_trim_phase())
+                phases.append(TrimDrafts(structured))  # after the proposer's
         if tier is not None:
             phases.append(OffloadPhase(self.executor))
         return StepPhases(phases)
@@ -178,10 +194,18 @@ class EngineCore:
         Raises:
             InvalidRequestError: the scheduler or a feature refuses it (duplicate id,
                 too long for the KV cache, a constraint this engine cannot serve).
+            EngineDeadError: the engine stopped (:meth:`step`).
         """
+        self._check_alive()
         check_request(self.host.registry, request.sampling_params,
                       self.config.logits_processors.enable, self.facts.vocab_size)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except LMKitError:
+            raise
+        except Exception as e:
+            self._die(raised_in(self.plan_check.label, e,
+                                f"queueing request {request.request_id!r}"), e)
         try:
             self.phases.add_request(request)
         except BaseException:
@@ -189,15 +213,22 @@ class EngineCore:
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests; unknown or finished ids are ignored."""
+        """Abort requests; unknown or finished ids are ignored (all of them once the
+        engine stopped)."""
         ids = list(request_ids)
-        if ids:
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        if ids and self.dead_reason is None:
+            self._finish(ids, RequestStatus.FINISHED_ABORTED)
             self.phases.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting (for its grammar too), running or preempted."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is waiting (for its grammar too), running or preempted;
+        ``False`` once the engine stopped (nothing can finish)."""
+        if self.dead_reason is not None:
+            return False
+        try:
+            return self.scheduler.has_unfinished_requests()
+        except Exception as e:
+            self._die(raised_in(self.plan_check.label, e, "asked for unfinished requests"), e)
 
     def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of requests refused after :meth:`add_request` took them
@@ -207,21 +238,80 @@ class EngineCore:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one engine step; returns outputs of requests that advanced or finished."""
+        """Run one engine step; returns outputs of requests that advanced or finished.
+
+        Raises:
+            EngineDeadError: the scheduler plugin raised or planned a step that breaks
+                its contract (this step), or did so before (the engine stopped).
+        """
+        self._check_alive()
         if self._step_hooked:
             return self.host.hook.engine_step.call_extra([self._step], {"engine": self.view})
         return self._step(self.view)
 
     def _step(self, engine: EngineView) -> list[EngineCoreOutput]:
         self.phases.before_schedule()
-        scheduler_output = self.scheduler.schedule()
+        label = self.plan_check.label
+        try:
+            scheduler_output = self.scheduler.schedule()
+        except Exception as e:
+            self._die(raised_in(label, e, "planning a step"), e)
+        problem = self.plan_check.check(scheduler_output)
+        if problem is not None:
+            self._die(f"{label} {problem}")
         self.phases.after_schedule(scheduler_output)
         runner_output = self.executor.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as e:
+            self._die(raised_in(label, e, "taking the step's tokens (update_from_output)"), e)
+        if not isinstance(outputs, list):
+            self._die(f"{label} update_from_output returned {type(outputs).__name__}, not "
+                      "a list of EngineCoreOutput")
         self.phases.after_model_output(scheduler_output, runner_output, outputs)
+        failed = self.phases.take_failed()
+        if failed:
+            self._fail_requests(failed, outputs)
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         return outputs
+
+    def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
+        """End the requests a feature's plugin failed (request id -> why) with
+        ``finish_reason="error"``: out of the scheduler and every phase, this step's
+        tokens withheld (they may not be valid output)."""
+        ids = list(failed)
+        self._finish(ids, RequestStatus.FINISHED_ERROR)
+        self.phases.abort_requests(ids)
+        by_id = {o.request_id: o for o in outputs if o.request_id in failed}
+        for rid, message in failed.items():
+            out = by_id.get(rid)
+            if out is None:
+                out = EngineCoreOutput(rid, [])
+                outputs.append(out)
+            out.new_token_ids, out.new_logprobs = [], None
+            out.finish_reason, out.stop_reason = "error", message
+            out.error_code = out.error_param = None  # the engine's fault, not the request's
+
+    def _finish(self, ids: list[str], status: RequestStatus) -> None:
+        try:
+            self.scheduler.finish_requests(ids, status)
+        except Exception as e:
+            self._die(raised_in(self.plan_check.label, e, f"finishing {len(ids)} requests"), e)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _die(self, message: str, cause: BaseException | None = None) -> NoReturn:
+        """Stop the engine over a scheduler fault (``message`` names the plugin and what
+        it did): raises :class:`EngineDeadError`, as every later call will."""
+        self.dead_reason = (
+            f"{message}. The engine stopped: its scheduler's state can no longer be trusted, "
+            "so no request can go on; fix the scheduler plugin or choose another "
+            "(scheduler.backend), and start a new engine")
+        logger.error("%s", self.dead_reason, exc_info=cause)
+        raise EngineDeadError(self.dead_reason) from cause
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache counters, each feature's, plus engine-level facts."""

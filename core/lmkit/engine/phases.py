@@ -15,6 +15,11 @@ Phases run in list order at every point. Requests enter through :meth:`add_reque
 (after the scheduler queued them) and leave early through :meth:`abort_requests`;
 finished requests are visible in ``outputs`` and, for those finished outside the
 step, in ``scheduler_output.finished_req_ids`` of the next step.
+
+A phase whose plugin (a proposer, a grammar) fails for some requests does not raise out
+of the step: it stops serving them and hands them over through :meth:`StepPhase.
+take_failed`; at the end of the step the engine core ends them with an error that names
+the plugin, and aborts them in every phase.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ class StepPhase:
         :meth:`add_request` accepted them (they produce no output)."""
         return []
 
+    def take_failed(self) -> dict[str, str]:
+        """Requests this feature's plugin failed since the last call (it raised, or
+        broke its contract), each with a message naming the plugin and what it did. The
+        engine calls it at the end of every step and ends those requests with
+        ``finish_reason="error"``; the phase must already have stopped serving them."""
+        return {}
+
     def stats(self) -> dict[str, Any]:
         """Counters this feature adds to ``EngineCore.stats()``."""
         return {}
@@ -83,6 +95,7 @@ class StepPhases:
         self._before = self._overriding("before_schedule")
         self._after_schedule = self._overriding("after_schedule")
         self._after_output = self._overriding("after_model_output")
+        self._failing = self._overriding("take_failed")
 
     def _overriding(self, point: str) -> tuple[StepPhase, ...]:
         base = getattr(StepPhase, point)
@@ -118,6 +131,15 @@ class StepPhases:
     def take_rejected(self) -> list[tuple[str, InvalidRequestError]]:
         """Every phase's refusals since the last call."""
         return [rejected for phase in self.phases for rejected in phase.take_rejected()]
+
+    def take_failed(self) -> dict[str, str]:
+        """Every phase's failed requests since the last call (the first reason given
+        for a request wins)."""
+        failed: dict[str, str] = {}
+        for phase in self._failing:
+            for rid, message in phase.take_failed().items():
+                failed.setdefault(rid, message)
+        return failed
 
     def stats(self) -> dict[str, Any]:
         """Every phase's counters, merged."""

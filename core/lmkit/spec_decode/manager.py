@@ -14,6 +14,11 @@ batches are compute-bound, and there verifying drafts can cost more than it save
 With ``speculative.adaptive``, :class:`~lmkit.spec_decode.adaptive.AdaptiveSpeculation`
 decides from measured decode throughput whether steps are followed by drafts at all;
 each step's plan tells the runner (``SchedulerOutput.spec_drafting``).
+
+A proposer that raises or returns malformed drafts fails the requests concerned (all of
+the call's for a raise or a malformed answer, one for a bad draft of its own): as a
+phase, :meth:`ProposerManager.take_failed` hands them to the engine, which ends them
+with an error naming the proposer and goes on (:mod:`lmkit.spec_decode.validate`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from lmkit.api.contract import build
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES, Proposal, ProposerInput, SpecProposer
 from lmkit.engine.phases import StepPhase
-from lmkit.errors import ConfigError, PluginError
+from lmkit.errors import ConfigError
+from lmkit.plugin_host.faults import plugin_label, raised_in
 from lmkit.spec_decode.adaptive import AdaptiveSpeculation
 from lmkit.spec_decode.stats import SpecDecodeStats
+from lmkit.spec_decode.validate import CheckedProposal, ProposalError, check_proposal
 
 if TYPE_CHECKING:
     from lmkit.api.outputs import EngineCoreOutput
@@ -55,13 +62,18 @@ class ProposerManager(StepPhase):
             this (``speculative.disable_by_batch_size``); ``None``: always propose.
         adaptive: the switch that turns drafting off where it measures slower
             (``speculative.adaptive``); ``None``: never.
+        plugin: the plugin that registered it (for error messages).
     """
 
     def __init__(self, proposer: SpecProposer | None, name: str, num_speculative_tokens: int,
                  vocab_size: int, disable_by_batch_size: int | None = None,
-                 adaptive: AdaptiveSpeculation | None = None) -> None:
+                 adaptive: AdaptiveSpeculation | None = None,
+                 plugin: str | None = None) -> None:
         self.proposer = proposer
         self.name = name
+        self.label = plugin_label("speculative", name, plugin)
+        self._failed: dict[str, str] = {}  # request id -> why the proposer failed it
+        self._warned_long = False
         self.k = num_speculative_tokens
         self.vocab_size = vocab_size
         self.disable_by_batch_size = disable_by_batch_size
@@ -100,7 +112,7 @@ class ProposerManager(StepPhase):
         logger.info("speculative decoding: proposer %s, %d draft tokens per step%s%s",
                     reg.name, k, f", off above {off_above} running requests" if off_above
                     else "", ", adaptive" if adaptive else "")
-        return cls(proposer, reg.name, k, vocab_size, off_above, adaptive)
+        return cls(proposer, reg.name, k, vocab_size, off_above, adaptive, reg.origin)
 
     # ------------------------------------------------------------------ requests
 
@@ -116,8 +128,18 @@ class ProposerManager(StepPhase):
         for rid in ids:
             del self.requests[rid]
             self._reset(rid)
-        if self.proposer is not None:
+        self._forget(ids)
+
+    def _forget(self, ids: set[str]) -> None:
+        """The proposer's ``remove_requests``; its failure is logged (the requests are
+        gone either way, and drafts are only ever a guess)."""
+        if self.proposer is None:
+            return
+        try:
             self.proposer.remove_requests(ids)
+        except Exception as e:
+            logger.error("%s", raised_in(self.label, e, f"forgetting {len(ids)} requests"),
+                         exc_info=e)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Forget aborted requests (:meth:`remove_requests`)."""
@@ -149,8 +171,23 @@ class ProposerManager(StepPhase):
     def after_model_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput,
                            outputs: list[EngineCoreOutput]) -> None:
-        """After the scheduler's update: :meth:`after_step`."""
-        self.after_step(scheduler_output, runner_output, outputs)
+        """After the scheduler's update: :meth:`after_step`; requests a proposer's
+        fault failed go to :meth:`take_failed` (they get no drafts)."""
+        try:
+            self.after_step(scheduler_output, runner_output, outputs)
+        except ProposalError as e:
+            logger.error("%s", e, exc_info=e.__cause__)
+            for rid, message in e.failed.items():
+                request = self.requests.get(rid)
+                if request is not None:
+                    request.spec_token_ids = []
+                    self._reset(rid)
+                    self._failed.setdefault(rid, message)
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests a proposer's fault failed since the last call, each with why."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def stats(self) -> dict[str, Any]:
         """:meth:`get_stats`."""
@@ -183,8 +220,7 @@ class ProposerManager(StepPhase):
         if preempted:  # their KV is gone: a proposer's per-request state must go too
             for rid in preempted:
                 self._reset(rid)
-            if self.proposer is not None:
-                self.proposer.remove_requests(set(preempted))
+            self._forget(set(preempted))
         batch = [r for o in outputs if o.new_token_ids
                  and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r)]
         if not batch:
@@ -204,57 +240,65 @@ class ProposerManager(StepPhase):
         """Set the drafts a runner-hosted proposer made this step on ``requests``.
 
         Raises:
-            PluginError: the proposer drafted ids outside the vocabulary.
+            ProposalError: the proposer drafted ids outside the vocabulary (the other
+                requests keep their drafts).
         """
         ids = [r.request_id for r in requests]
         proposal = Proposal([drafts.get(rid, []) for rid in ids])
+        checked = self._validate(proposal, ids)
         num_proposed = 0
-        for request, draft in zip(requests, self._validate(proposal, ids), strict=True):
+        for request, draft in zip(requests, checked.drafts, strict=True):
             request.spec_token_ids = draft
             num_proposed += len(draft)
         self.spec_stats.record_proposals(num_proposed)
+        self._raise_bad(checked.bad)
 
     def propose(self, requests: list[Request]) -> None:
         """Ask the proposer for drafts for ``requests`` and set their ``spec_token_ids``.
 
         Raises:
-            PluginError: the proposer returned malformed drafts.
+            ProposalError: the proposer raised or returned malformed drafts, naming the
+                requests that fail (the others keep their drafts).
         """
         assert self.proposer is not None, "a runner-hosted proposer drafts in the runner"
         ids = [r.request_id for r in requests]
         tokens = [r.all_token_ids for r in requests]
         num_new = [len(t) - self.num_seen.get(rid, 0) for rid, t in zip(ids, tokens, strict=True)]
         started = time.perf_counter()
-        proposal = self.proposer.propose(ProposerInput(ids, tokens, self.k, num_new))
-        self.propose_time_s += time.perf_counter() - started
-        drafts = self._validate(proposal, ids)
-        probs = proposal.draft_probs
+        try:
+            proposal = self.proposer.propose(ProposerInput(ids, tokens, self.k, num_new))
+        except Exception as e:
+            message = raised_in(self.label, e, f"drafting for {len(ids)} requests")
+            raise ProposalError(message, dict.fromkeys(ids, message)) from e
+        finally:
+            self.propose_time_s += time.perf_counter() - started
+        checked = self._validate(proposal, ids)
         num_proposed = 0
-        for i, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+        for i, (request, draft) in enumerate(zip(requests, checked.drafts, strict=True)):
             request.spec_token_ids = draft
             num_proposed += len(draft)
             self.num_seen[request.request_id] = len(tokens[i])
-            if probs is not None and probs[i] is not None and draft:
-                self.draft_probs[request.request_id] = probs[i]
+            if checked.probs[i] is not None and draft:
+                self.draft_probs[request.request_id] = checked.probs[i]
             else:
                 self.draft_probs.pop(request.request_id, None)
         self.spec_stats.record_proposals(num_proposed)
+        self._raise_bad(checked.bad)
 
-    def _validate(self, proposal: Proposal, ids: list[str]) -> list[list[int]]:
-        drafts = proposal.draft_token_ids
-        probs = proposal.draft_probs
-        if len(drafts) != len(ids) or (probs is not None and len(probs) != len(ids)):
-            raise PluginError(
-                f"speculative proposer {self.name!r} returned {len(drafts)} draft lists"
-                + (f" and {len(probs)} draft_probs entries" if probs is not None else "")
-                + f" for {len(ids)} requests; it must return one per request (empty for none)")
-        out = [list(d[:self.k]) for d in drafts]
-        flat = [t for d in out for t in d]
-        if flat and (min(flat) < 0 or max(flat) >= self.vocab_size):
-            bad = next(t for t in flat if not 0 <= t < self.vocab_size)
-            raise PluginError(f"speculative proposer {self.name!r} drafted token id {bad}, "
-                              f"outside the model's vocabulary [0, {self.vocab_size})")
-        return out
+    def _validate(self, proposal: Proposal, ids: list[str]) -> CheckedProposal:
+        checked = check_proposal(proposal, ids, self.k, self.vocab_size, self.label)
+        if checked.longest > self.k and not self._warned_long:
+            self._warned_long = True
+            logger.warning("%s drafted %d tokens for a request, more than "
+                           "num_speculative_tokens = %d; the ones past %d are dropped",
+                           self.label, checked.longest, self.k, self.k)
+        return checked
+
+    def _raise_bad(self, bad: dict[str, str]) -> None:
+        if bad:
+            first = next(iter(bad.values()))
+            more = f" (and {len(bad) - 1} more requests)" if len(bad) > 1 else ""
+            raise ProposalError(first + more, bad)
 
     def _record_adaptive(self, so: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
         """Give the adaptive switch this step if it was pure decode: its wall time since

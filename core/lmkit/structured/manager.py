@@ -6,7 +6,8 @@ status ``WAITING_FOR_GRAMMAR`` (skipped, keeping its place) until its grammar is
 compiled, so the step loop never waits for a compiler; each step the manager fills
 the bitmask rows of the scheduled constrained requests; after the step it advances
 their grammars with the tokens the scheduler accepted and ends those whose grammar
-terminated.
+terminated. A grammar that raises or breaks its contract fails its own request
+(:meth:`StructuredOutputManager.take_failed`); the others go on.
 """
 
 from __future__ import annotations
@@ -23,10 +24,18 @@ from lmkit.api.request import Request, RequestStatus
 from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError
+from lmkit.plugin_host.faults import plugin_label, raised_in
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
 from lmkit.structured.fault import explain_refused_tokens
-from lmkit.structured.rows import fill_rows
+from lmkit.structured.off import StructuredOutputOff
+from lmkit.structured.rows import (
+    PlainRows,
+    check_accepted,
+    checked_grammar,
+    count_valid_drafts,
+    fill_rows,
+)
 
 if TYPE_CHECKING:
     from lmkit.api.outputs import EngineCoreOutput
@@ -58,6 +67,7 @@ class StructuredOutputManager(StepPhase):
         cache_size, cache_bytes: bounds of the LRU of compiled grammars.
         queue_timeout_s: how long a request may wait for a free compile thread (default:
             ten compile timeouts, at least a minute).
+        plugin: the plugin that registered the backend (for messages).
 
     Step phases: :meth:`add_request`, :meth:`before_schedule` (:meth:`admit`),
     :meth:`after_schedule` (:meth:`fill_bitmask`), :meth:`after_model_output`
@@ -69,8 +79,12 @@ class StructuredOutputManager(StepPhase):
                  make_backend: Callable[[], StructuredOutputBackend], backend_name: str,
                  features: Iterable[str], vocab_size: int, compile_timeout_s: float = 30.0,
                  num_compile_threads: int = 2, cache_size: int = 256,
-                 cache_bytes: int = 0, queue_timeout_s: float | None = None) -> None:
+                 cache_bytes: int = 0, queue_timeout_s: float | None = None,
+                 plugin: str | None = None) -> None:
         self.backend_name = backend_name
+        self.label = plugin_label("structured-output backend", backend_name, plugin)
+        self.plain_rows = PlainRows(self.label)
+        self._failed: dict[str, str] = {}  # request id -> how its grammar failed
         self.features = frozenset(features)
         self.vocab_size = vocab_size
         self.scheduler = scheduler
@@ -111,7 +125,7 @@ class StructuredOutputManager(StepPhase):
                    compile_timeout_s=section.compile_timeout_s,
                    num_compile_threads=section.num_compile_threads,
                    cache_size=section.grammar_cache_size,
-                   cache_bytes=int(section.grammar_cache_mb * 2**20))
+                   cache_bytes=int(section.grammar_cache_mb * 2**20), plugin=reg.origin)
 
     # -- requests in ------------------------------------------------------------------
 
@@ -171,7 +185,8 @@ class StructuredOutputManager(StepPhase):
             if future.done():
                 del self._pending[rid]
                 try:
-                    state.grammar = future.result()
+                    state.grammar = checked_grammar(future.result(), self.label,
+                                                    state.constraint.describe())
                 except InvalidRequestError as e:
                     self._reject(request, e)
                     continue
@@ -260,18 +275,25 @@ class StructuredOutputManager(StepPhase):
         row = 0
         plain: list[Grammar] = []  # requests without drafts: filled in one backend call
         plain_rows: list[int] = []
+        plain_ids: list[str] = []
         for rid, state in scheduled:
             drafts = spec.get(rid) or []
             scheduler_output.structured_output_request_ids[rid] = row
             assert state.grammar is not None, "an admitted request has its grammar"
             if drafts:
-                fill_rows(state.grammar, bitmask, row, drafts)
+                try:
+                    fill_rows(state.grammar, bitmask, row, drafts)
+                except Exception as e:
+                    self._fault(rid, e, f"filling the bitmask rows of {len(drafts)} drafts")
             else:
                 plain.append(state.grammar)
                 plain_rows.append(row)
+                plain_ids.append(rid)
             row += 1 + len(drafts)
         if plain:
-            self.compiler.backend().fill_bitmasks(plain, bitmask, plain_rows)
+            errors = self.plain_rows.fill(self.compiler.backend(), plain, bitmask, plain_rows)
+            for i, error in errors.items():
+                self._fault(plain_ids[i], error, "filling its bitmask row")
         scheduler_output.grammar_bitmask = bitmask
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
@@ -285,25 +307,33 @@ class StructuredOutputManager(StepPhase):
             request = self._active.get(out.request_id)
             if request is None:
                 continue
-            state: RequestGrammar = request.structured_output
-            grammar = state.grammar
-            assert grammar is not None
-            if out.new_token_ids and not grammar.accept_tokens(list(out.new_token_ids)):
-                refusal = explain_refused_tokens(grammar, request, list(out.new_token_ids),
-                                                 state.constraint.describe(), self.vocab_size)
-                if refusal.code is None:
-                    logger.error("request %s: %s", out.request_id, refusal.message)
-                else:  # the request's own doing: no engine error to log loudly
-                    logger.info("request %s: %s", out.request_id, refusal.message)
-                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ERROR)
-                out.finish_reason, out.stop_reason = "error", refusal.message
-                out.error_code, out.error_param = refusal.code, refusal.param
-            elif out.finish_reason is None and grammar.is_terminated():
-                self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
-                out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+            try:
+                self._advance_one(out, request)
+            except Exception as e:
+                self._fault(out.request_id, e, "advancing over the step's tokens")
+                continue
             if out.finish_reason is not None:
                 del self._active[out.request_id]
                 self._drafting.pop(out.request_id, None)
+
+    def _advance_one(self, out: EngineCoreOutput, request: Request) -> None:
+        state: RequestGrammar = request.structured_output
+        grammar = state.grammar
+        assert grammar is not None
+        new = list(out.new_token_ids)
+        if new and not check_accepted(grammar.accept_tokens(new), grammar):
+            refusal = explain_refused_tokens(grammar, request, list(out.new_token_ids),
+                                             state.constraint.describe(), self.vocab_size)
+            if refusal.code is None:
+                logger.error("request %s: %s", out.request_id, refusal.message)
+            else:  # the request's own doing: no engine error to log loudly
+                logger.info("request %s: %s", out.request_id, refusal.message)
+            self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_ERROR)
+            out.finish_reason, out.stop_reason = "error", refusal.message
+            out.error_code, out.error_param = refusal.code, refusal.param
+        elif out.finish_reason is None and grammar.is_terminated():
+            self.scheduler.finish_requests(out.request_id, RequestStatus.FINISHED_STOPPED)
+            out.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
 
     def num_valid_draft_tokens(self, request_id: str, draft_token_ids: list[int]) -> int:
         """How many leading ``draft_token_ids`` the request's grammar allows (all of them
@@ -314,20 +344,18 @@ class StructuredOutputManager(StepPhase):
         grammar = None if request is None else request.structured_output.grammar
         if grammar is None:
             return len(draft_token_ids)
-        n = 0
-        for token in draft_token_ids:
-            if grammar.is_terminated() or not grammar.accept_tokens([token]):
-                break
-            n += 1
-        grammar.rollback(n)
-        return n
+        try:
+            return count_valid_drafts(grammar, draft_token_ids)
+        except Exception as e:
+            self._fault(request_id, e, f"checking {len(draft_token_ids)} draft tokens")
+            return 0
 
     def trim_draft_tokens(self) -> int:
         """Cut every constrained request's draft tokens (``spec_token_ids``, set by a
         proposer) to what its grammar allows, so that no verification slot is spent on
         a forbidden token; returns how many drafts were dropped."""
         dropped = 0
-        for rid, request in self._drafting.items():
+        for rid, request in list(self._drafting.items()):
             drafts = request.spec_token_ids
             if drafts:
                 keep = self.num_valid_draft_tokens(rid, drafts)
@@ -353,48 +381,19 @@ class StructuredOutputManager(StepPhase):
         """Stop the compile threads (a running compilation finishes in the background)."""
         self.compiler.shutdown()
 
-    def draft_trim_phase(self) -> StepPhase:
-        """The phase that cuts proposed drafts to what the grammars allow; it runs
-        after the proposer's (:meth:`trim_draft_tokens`)."""
-        return _TrimDrafts(self)
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose grammar raised or broke its contract since the last call."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _fault(self, rid: str, error: Exception, doing: str) -> None:
+        """Stop serving a request whose grammar failed (the engine ends it)."""
+        message = raised_in(self.label, error, doing)
+        logger.error("request %s: %s", rid, message, exc_info=error)
+        self._active.pop(rid, None)
+        self._drafting.pop(rid, None)
+        self._failed.setdefault(rid, message)
 
     def _reject(self, request: Request, error: InvalidRequestError) -> None:
         self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
         self._rejected.append((request.request_id, error))
-
-
-class _TrimDrafts(StepPhase):
-    """After the proposer set drafts: keep only what each request's grammar allows."""
-
-    def __init__(self, manager: StructuredOutputManager) -> None:
-        self.manager = manager
-
-    def after_model_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput,
-                           outputs: list[EngineCoreOutput]) -> None:
-        """:meth:`StructuredOutputManager.trim_draft_tokens`."""
-        self.manager.trim_draft_tokens()
-
-
-class StructuredOutputOff(StepPhase):
-    """The structured-output phase of an engine without a backend: refuses
-    constrained requests with an error that says how to turn it on."""
-
-    def __init__(self, config: LMKitConfig) -> None:
-        self.config = config
-
-    def add_request(self, request: Request) -> None:
-        """Raises :class:`InvalidRequestError` for a constrained request."""
-        if request.sampling_params.structured_outputs is not None:
-            raise structured_output_off_error(self.config)
-
-
-def structured_output_off_error(config: LMKitConfig) -> InvalidRequestError:
-    """The error for a constrained request to an engine with structured output off."""
-    backend = config.structured_output.backend
-    why = ("structured_output.backend is 'none'" if backend == "none" else
-           "no structured-output backend is installed (pip install 'lmkit[xgrammar]')")
-    return InvalidRequestError(
-        f"this engine cannot constrain output: {why}; start it with a structured-output "
-        "backend, or send the request without structured_outputs / response_format",
-        param=PARAM, code="structured_output_unavailable")

@@ -7,6 +7,8 @@ what else is in the batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lmkit.sample.filters import logits_to_probs
@@ -40,8 +42,30 @@ def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         apply_penalties(logits, md.penalties)
     if md.processor_slots is not None:
         for processor in md.logits_processors:
-            logits = processor.apply(logits, md.processor_slots)
+            logits = _applied(processor, logits, md.processor_slots)
     return logits
+
+
+def _applied(processor: Any, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``processor.apply(logits, slots)``, checked: an exception, or an answer that is
+    not a tensor of the logits' shape (narrowed logits would be sampled as if they were
+    the whole vocabulary), raises :class:`~lmkit.errors.PluginError` naming the
+    processor (O(1): shapes only)."""
+    from lmkit.errors import PluginError
+    from lmkit.plugin_host.faults import raised_in
+
+    label = f"logits processor {type(processor).__qualname__} ({type(processor).__module__})"
+    try:
+        out = processor.apply(logits, slots)
+    except Exception as e:
+        raise PluginError(raised_in(label, e, "adjusting the logits")) from e
+    if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+        what = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                else type(out).__name__)
+        raise PluginError(f"{label} broke its contract: apply() returned {what}; it must "
+                          f"return the logits' shape {tuple(logits.shape)} (the rows as "
+                          "given, every token of the vocabulary)")
+    return out
 
 
 def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -158,7 +158,11 @@ class FakeLLM:
     """What the completions route needs of an ``AsyncLLM``: yields ``outputs``."""
 
     can_serve = True
+    is_healthy = True
     num_engines = 1
+
+    def engine_stats(self):
+        return {}
 
     def __init__(self, outputs: list[RequestOutput]) -> None:
         self.outputs = outputs
@@ -195,10 +199,9 @@ def test_a_request_fault_is_a_400_streamed_or_not():
     assert err["type"] == "invalid_request_error" and err["message"] == str(FAULT)
     status, events = stream_events(client)  # failed at its first output: still a status
     assert status == 400 and events[0]["error"]["code"] == "no_allowed_token"
-    # counted once each, when the engine ended them (the HTTP layer adds no second
-    # count), as invalid: the request's own fault, not an engine error
-    metrics = client.get("/metrics").text
-    assert 'outcome="invalid"} 2.0' in metrics and 'outcome="error"} 1.0' not in metrics
+    # the engine's side counts a request when it ends (here a scripted engine, which
+    # counts nothing): the HTTP layer adds no count of its own
+    assert 'outcome="invalid"} 1.0' not in client.get("/metrics").text
 
 
 def test_a_request_fault_after_streamed_tokens_is_an_error_event():
@@ -218,3 +221,31 @@ def test_an_engine_fault_stays_a_500():
     assert err["type"] == "server_error" and "tokens [122]" in err["message"]
     status, events = stream_events(client)
     assert status == 500 and events[0]["error"]["code"] == "engine_error"
+
+
+@pytest.mark.parametrize("errors,outcome", [
+    ([FAULT], "invalid"),  # the request's own fault: counted as a 400 is
+    ([None], "error"),  # an engine fault
+    ([FAULT, None], "error"),  # n = 2, one of each: the engine's fault wins
+])
+def test_the_metrics_outcome_says_whose_fault_it_was(errors, outcome):
+    from lmkit.frontend.collector import OutputCollector
+
+    seen = []
+
+    class Observer:
+        def on_first_token(self, ttft_s):
+            pass
+
+        def on_tokens(self, num_tokens, inter_token_s):
+            pass
+
+        def on_finish(self, outcome, e2e_s, num_prompt_tokens, num_generated_tokens):
+            seen.append(outcome)
+
+    completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error",
+                                    stop_reason="no token", error=e)
+                   for i, e in enumerate(errors)]
+    OutputCollector(1, Observer()).put(RequestOutput("r", "N", [78], completions,
+                                                     finished=True))
+    assert seen == [outcome]

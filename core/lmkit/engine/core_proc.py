@@ -10,7 +10,10 @@ running, steps the engine, and hands the encoded outputs to an output thread
 next step; it blocks on the socket only when the engine is idle. Stats go out periodically so the frontend's metrics stay fresh.
 
 The process exits when told to (:class:`Shutdown` or SIGTERM), when its parent dies, or
-with status 1 after sending :class:`EngineFailed` when the engine raises.
+with status 1 after sending :class:`EngineFailed` when the engine raises. A watchdog
+thread notices a dead parent even while a step is stuck: the loop stops after the step,
+and a process not done :data:`ORPHAN_EXIT_S` seconds later ends itself, so a hung engine
+never outlives its API process.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -47,6 +51,9 @@ from lmkit.errors import InvalidRequestError, LMKitError
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
 STATS_INTERVAL_S = 0.5
 PARENT_CHECK_INTERVAL_S = 1.0
+# once the API process is gone, how long the engine may take to finish its step and shut
+# down (the executor stops its workers) before the watchdog ends the process
+ORPHAN_EXIT_S = 15.0
 
 
 class StepEngine(Protocol):
@@ -92,7 +99,10 @@ class EngineCoreProc:
         self.parent_gone = False
         self._last_stats_at = 0.0
         self._last_stats: dict[str, float] | None = None
-        self._last_parent_check = time.monotonic()
+        self._closed = threading.Event()
+        if parent_pid is not None:
+            threading.Thread(target=self._watch_parent, name="lmkit-engine-watchdog",
+                             daemon=True).start()
 
     def send(self, message: Any) -> None:
         """Encode one message and queue it for the frontend (the output thread sends)."""
@@ -117,14 +127,16 @@ class EngineCoreProc:
             # going idle: report at once, so gauges (running, KV usage) settle to idle
             self._maybe_send_stats(force=was_busy and not busy)
             was_busy = busy
-            self._check_parent()
 
     def close(self) -> None:
         """Send what is queued, then close both sockets (pending outputs get LINGER time
-        to leave)."""
+        to leave; none when the API process is gone: nobody reads them)."""
         self.sender.close()
         self.input.close()
+        if self.parent_gone:
+            self.output.setsockopt(zmq.LINGER, 0)
         self.output.close()
+        self._closed.set()
 
     # ----------------------------------------------------------------- input
 
@@ -172,16 +184,20 @@ class EngineCoreProc:
             self._last_stats = key
             self.send(EngineStats(stats=stats))
 
-    def _check_parent(self) -> None:
-        if self.parent_pid is None:
-            return
-        now = time.monotonic()
-        if now - self._last_parent_check < PARENT_CHECK_INTERVAL_S:
-            return
-        self._last_parent_check = now
-        if os.getppid() != self.parent_pid:
-            # The API process is gone; nobody can read our outputs.
+    def _watch_parent(self) -> None:
+        """The watchdog thread: once the API process is gone (nobody can read our
+        outputs), stop the loop; end the process if it is not closed in time (a step
+        that never returns)."""
+        while not self._closed.wait(PARENT_CHECK_INTERVAL_S):
+            if os.getppid() == self.parent_pid:
+                continue
             self.parent_gone = self.should_stop = True
+            if self._closed.wait(ORPHAN_EXIT_S):
+                return
+            print(f"lmkit engine core: the API process (pid {self.parent_pid}) is gone and "
+                  f"the engine did not stop within {ORPHAN_EXIT_S:g}s (a step is stuck); "
+                  "exiting", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 def _plugin_rows(host: Any) -> list[dict[str, Any]]:

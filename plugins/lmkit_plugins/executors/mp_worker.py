@@ -7,14 +7,21 @@ Started by :class:`~lmkit_plugins.executors.mp.MultiprocExecutor` as
 directory is not on ``sys.path``). The handshake (JSON) holds the configuration, the
 resolved stack's names, the engine's model facts, the rank, the world size, the group's rendezvous address and
 the two ZMQ addresses (commands in, replies out). A worker whose engine process is gone
-exits on its own; one that fails sends :class:`Failed` and exits with status 1.
+exits on its own, even when it is stuck in a step or a collective (a watchdog thread,
+:func:`watch_parent`); one that fails sends :class:`Failed` and exits with status 1. On
+``SIGUSR1`` a worker prints every thread's stack to its stderr (the executor asks for
+it before it kills a hung rank).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +48,10 @@ from lmkit_plugins.executors.mp_messages import (
 )
 
 PARENT_POLL_MS = 1000  # how often an idle worker checks that its engine is still there
+# once the engine is gone, how long the worker may take to exit on its own (the step it
+# runs, then its loop's check) before the watchdog ends the process (a step or a
+# collective stuck waiting on a peer that will never come)
+ORPHAN_EXIT_S = 3.0
 # a rank waiting in a collective for a peer that died gives up after this long (the
 # executor has noticed the death and killed the group long before)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -189,6 +200,24 @@ class Worker(RankWorker):
         self.ctx.term()
 
 
+def watch_parent(parent_pid: int, rank: int, interval_s: float = PARENT_POLL_MS / 1000,
+                 grace_s: float = ORPHAN_EXIT_S) -> threading.Thread:
+    """Start a daemon thread that ends this process ``grace_s`` seconds after the engine
+    process ``parent_pid`` is gone, if the worker has not exited by then."""
+
+    def watch() -> None:
+        while _alive(parent_pid):
+            time.sleep(interval_s)
+        time.sleep(grace_s)  # a worker that is not stuck exits meanwhile, cleanly
+        print(f"lmkit mp worker rank {rank}: the engine process {parent_pid} is gone and "
+              f"this rank is stuck; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="lmkit-worker-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -203,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one rank from the handshake file named in ``argv``; the exit status."""
     args = sys.argv[1:] if argv is None else argv
     handshake = json.loads(Path(args[0]).read_text())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks of a hung rank
     worker = Worker(handshake)
+    watch_parent(worker.parent_pid, worker.rank)
     status = 0
     try:
         worker.send(worker.load())

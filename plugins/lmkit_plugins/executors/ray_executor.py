@@ -12,12 +12,14 @@ Each command is encoded once with msgspec (the messages of
 actors answer with encoded replies. Health: the executor waits on the actor calls
 :data:`POLL_S` at a time; an actor that died (its call raises ``RayActorError``) or
 that reports a failure makes the call raise :class:`WorkerFailedError`, and every
-actor is killed.
+actor is killed; so does a step with no answer within ``execute_timeout_s``
+(:class:`~lmkit_plugins.executors.failure.WorkerOptions`: a hung actor).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +38,8 @@ from lmkit.api import (
     scheduler_output_to_wire,
 )
 
-from lmkit_plugins.executors.mp import WorkerFailedError, worker_facts
+from lmkit_plugins.executors.failure import WorkerFailedError, execute_timeout
+from lmkit_plugins.executors.mp import worker_facts
 from lmkit_plugins.executors.mp_messages import (
     CloseOffload,
     Execute,
@@ -58,8 +61,10 @@ STOP_TIMEOUT_S = 5.0
 class RayExecutor(Executor):
     """``parallel.tensor_parallel_size`` Ray actors, one per rank.
 
-    Args: as every executor (see :class:`~lmkit.api.Executor`); like the ``mp``
-    executor's workers, each actor uses ``facts`` and resolves the stack by name.
+    Args: as every executor (see :class:`~lmkit.api.Executor`); ``options``: a
+    :class:`~lmkit_plugins.executors.failure.WorkerOptions` (``None``: the defaults).
+    Like the ``mp`` executor's workers, each actor uses ``facts`` and resolves the stack
+    by name.
     """
 
     def __init__(self, config: LMKitConfig, stack: ResolvedStack, *, options: Any = None,
@@ -77,6 +82,7 @@ class RayExecutor(Executor):
         self._decoder = executor_decoder()
         self._seq = 0
         self._failed: str | None = None
+        self.execute_timeout_s = execute_timeout(options)
 
     def start(self) -> ModelInfo:
         """Join or start Ray, place one actor per rank, load every shard; rank 0's facts
@@ -114,26 +120,36 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------------ calls
 
-    def _call(self, make: Any) -> list[Any]:
-        """Send ``make(seq)`` to every actor; their replies in rank order."""
+    def _call(self, make: Any, timeout_s: float | None = None) -> list[Any]:
+        """Send ``make(seq)`` to every actor; their replies in rank order (all within
+        ``timeout_s`` seconds)."""
         if self._failed is not None:
             raise WorkerFailedError(self._failed)
         if not self.actors:
             raise RuntimeError("RayExecutor.start() must be called first")
         self._seq += 1
         frame = self._encoder.encode(make(self._seq))
-        return self._wait([a.call.remote(frame) for a in self.actors])
+        return self._wait([a.call.remote(frame) for a in self.actors], timeout_s=timeout_s)
 
-    def _wait(self, refs: list[Any], decode: bool = True) -> list[Any]:
+    def _wait(self, refs: list[Any], decode: bool = True,
+              timeout_s: float | None = None) -> list[Any]:
         """The results of ``refs`` (one per rank, in order), raising as soon as one
-        actor died or reported a failure."""
+        actor died or reported a failure, or when they are not all in after
+        ``timeout_s`` seconds."""
         import ray
         from ray.exceptions import RayError
 
         results: dict[int, Any] = {}
         index = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
+            if deadline is not None and time.monotonic() >= deadline:
+                hung = ", ".join(str(index[ref]) for ref in pending)
+                self._fail(f"worker rank(s) {hung} (Ray actors) did not answer within "
+                           f"{timeout_s:g}s (executor.options.execute_timeout_s): hung (a "
+                           "stuck device or collective, a deadlock); raise the timeout if "
+                           "steps legitimately take longer")
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             for ref in ready:
                 rank = index[ref]
@@ -181,20 +197,20 @@ class RayExecutor(Executor):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's output."""
         wire = scheduler_output_to_wire(scheduler_output)
-        reply = self._call(lambda s: Execute(s, wire))[0]
+        reply = self._call(lambda s: Execute(s, wire), self.execute_timeout_s)[0]
         assert isinstance(reply, Executed), reply
         return runner_output_from_wire(reply.output)
 
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """The smallest ``(held, resident)`` over ranks."""
         hashes = list(block_hashes)
-        answers = self._call(lambda s: OffloadLookup(s, hashes))
+        answers = self._call(lambda s: OffloadLookup(s, hashes), self.execute_timeout_s)
         return min(a.held for a in answers), min(a.resident for a in answers)
 
     def offload_stats(self) -> dict[str, int]:
         """Every rank's offload counters, summed."""
         total: dict[str, int] = {}
-        for answer in self._call(OffloadStats):
+        for answer in self._call(OffloadStats, self.execute_timeout_s):
             for k, v in answer.stats.items():
                 total[k] = total.get(k, 0) + v
         return total

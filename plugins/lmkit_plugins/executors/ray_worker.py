@@ -40,7 +40,9 @@ class RayRank:
         """Join the group and load the shard; the encoded :class:`Started` (or
         :class:`Failed`)."""
         self.worker = RankWorker(handshake)
-        return self._answer(self.worker.load)
+        reply = self._answer(self.worker.load)
+        assert reply is not None  # Started or Failed
+        return reply
 
     def call(self, frame: bytes) -> bytes | None:
         """Run one encoded command; the encoded reply (``None`` for no reply)."""

@@ -1,4 +1,10 @@
-"""The ``uniproc`` executor: one model runner in the engine-core process."""
+"""The ``uniproc`` executor: one model runner in the engine-core process.
+
+A step that raises is fatal, as with the other executors
+(:mod:`lmkit_plugins.executors.failure`): the runner's state is undefined after it, so
+the call raises :class:`~lmkit_plugins.executors.failure.WorkerFailedError` (the
+original error chained) and so does every later step.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from lmkit.api import (
     ResolvedStack,
     SchedulerOutput,
 )
+
+from lmkit_plugins.executors.failure import WorkerFailedError
 
 
 class UniProcExecutor(Executor):
@@ -40,6 +48,7 @@ class UniProcExecutor(Executor):
         self.host = host if host is not None else PluginHost.load(config.plugins)
         self.facts = facts
         self.runner: Any = None
+        self._failed: str | None = None
 
     def start(self) -> ModelInfo:
         """Load the model and measure memory; return what the engine needs to know."""
@@ -70,8 +79,20 @@ class UniProcExecutor(Executor):
         self._require_runner().initialize_kv_cache(num_blocks)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step's forward and sampling."""
-        return self._require_runner().execute_model(scheduler_output)
+        """Run one step's forward and sampling.
+
+        :raises WorkerFailedError: the model runner raised (in this step or before).
+        """
+        if self._failed is not None:
+            raise WorkerFailedError(self._failed)
+        runner = self._require_runner()
+        try:
+            return runner.execute_model(scheduler_output)
+        except Exception as e:
+            self._failed = (f"the model runner failed in a step: {type(e).__name__}: {e}; "
+                            "its state is undefined, so this engine cannot go on (start a "
+                            "new one; lmkit serve does so on its own)")
+            raise WorkerFailedError(self._failed) from e
 
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """The runner's answer (one worker: nothing to combine)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmkit.api.outputs import EngineCoreOutput, PoolingOutput
 from lmkit.api.pooling import PoolingParams
+from lmkit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from lmkit.engine.core import EngineCore
@@ -26,6 +27,7 @@ class PoolingFrontend:
         self.input_processor = input_processor
         self.pending: dict[str, list[int]] = {}  # request id -> prompt token ids
         self.results: dict[str, PoolingOutput] = {}
+        self.dimensions: dict[str, int] = {}  # request id -> dimensions it asked for
 
     def submit(self, request_id: str, prompt: str | Sequence[int],
                params: PoolingParams, priority: int = 0,
@@ -36,6 +38,8 @@ class PoolingFrontend:
         request = self.input_processor.make_pooling_request(request_id, ids, params, priority)
         self.engine.add_request(request)
         self.pending[request_id] = ids
+        if params.dimensions is not None:
+            self.dimensions[request_id] = params.dimensions
         return request_id
 
     def take_pooled(self, outputs: list[EngineCoreOutput]) -> None:
@@ -48,14 +52,23 @@ class PoolingFrontend:
                 self.results[out.request_id] = PoolingOutput(out.request_id, ids, out.pooled)
 
     def collect(self, request_ids: list[str]) -> list[PoolingOutput]:
-        """The results of ``request_ids`` (all finished), in that order."""
-        return [self.results.pop(rid) for rid in request_ids]
+        """The results of ``request_ids`` (all finished), in that order.
+
+        :raises InvalidRequestError: a request asked for more ``dimensions`` than the
+            model's vectors have (the engine keeps the first ``dimensions`` values).
+        """
+        outputs = [self.results.pop(rid) for rid in request_ids]
+        asked = [self.dimensions.pop(rid, None) for rid in request_ids]
+        for out, dimensions in zip(outputs, asked, strict=True):
+            check_dimensions(out.data, dimensions)
+        return outputs
 
     def abort(self, request_ids: list[str]) -> None:
         """Forget and abort pooling requests (unknown or finished ids are ignored)."""
         for rid in request_ids:
             self.pending.pop(rid, None)
             self.results.pop(rid, None)
+            self.dimensions.pop(rid, None)
         self.engine.abort_requests(request_ids)
 
 
@@ -66,3 +79,19 @@ def pooling_params(params: PoolingParams | None, **overrides: Any) -> PoolingPar
     base = params or PoolingParams()
     changes = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(base, **changes) if changes else base
+
+
+def check_dimensions(data: Any, dimensions: int | None) -> None:
+    """Refuse a pooled output shorter than the ``dimensions`` its request asked for: the
+    engine keeps the first ``dimensions`` values, so the model's vectors have fewer.
+
+    :raises InvalidRequestError: naming ``dimensions`` and the model's size.
+    """
+    if dimensions is None:
+        return
+    width = len(data[0]) if data and isinstance(data[0], list) else len(data)
+    if width < dimensions:
+        raise InvalidRequestError(
+            f"dimensions is {dimensions}, but this model's embeddings have {width} values; "
+            f"ask for at most {width} (or leave dimensions out)", param="dimensions",
+            code="invalid_value")

@@ -20,9 +20,10 @@ def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]
     """
     left = [text_1] if isinstance(text_1, str) else list(text_1)
     right = [text_2] if isinstance(text_2, str) else list(text_2)
-    if not left or not right:
-        raise InvalidRequestError("text_1 and text_2 must not be empty", param="text_1",
-                                  code="invalid_value")
+    for name, texts in (("text_1", left), ("text_2", right)):
+        if not texts:
+            raise InvalidRequestError(f"{name} must not be empty: give a text, or a list of "
+                                      "at least one", param=name, code="invalid_value")
     if len(left) == 1:
         left = left * len(right)
     if len(left) != len(right):

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from lmkit.frontend.scoring import pair_texts, score
 from lmkit.serve.app import get_state
@@ -28,7 +28,7 @@ from lmkit.serve.protocol_pooling import (
     count_texts,
 )
 from lmkit.serve.request_body import read_json, validate
-from lmkit.serve.routes_embeddings import pool_all
+from lmkit.serve.routes_embeddings import json_response, pool_all
 
 router = APIRouter()
 
@@ -44,48 +44,53 @@ async def create_score(request: Request) -> Response:
     state.check_model(body.model)
     pairs = pair_texts(body.text_1, body.text_2)
     unique = list(dict.fromkeys(t for pair in pairs for t in pair))
+    where = body.labels()
+    labels = [where[t] for t in unique]
     outputs = await pool_all(request, state, unique, body.to_pooling_params(), body.priority,
-                             "score")
+                             "score", labels=labels, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
     by_text = {t: o for t, o in zip(unique, outputs, strict=True)}
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return JSONResponse({
+    return json_response({
         "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": created_now(),
         "model": body.model,
         "data": [{"index": i, "object": "score", "score": score(by_text[a].data, by_text[b].data)}
                  for i, (a, b) in enumerate(pairs)],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    })
+    }, outputs, labels)
 
 
 @router.post("/rerank")
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def create_rerank(request: Request) -> Response:
-    """Rank ``documents`` by relevance to ``query``, best first."""
+    """Rank ``documents`` by relevance to ``query``, best first; ``top_n`` keeps the best
+    N (0 or absent: every document, as vLLM; more than there are: all of them)."""
     state = get_state(request)
     data = await read_json(request)
     state.check_fan_out(count_texts(data, "query", "documents"), 1, param="documents")
     body = validate(RerankRequest, data)
     state.check_model(body.model)
     texts = [body.query, *body.documents]
+    labels = body.labels()
     outputs = await pool_all(request, state, texts, body.to_pooling_params(), body.priority,
-                             "rerank")
+                             "rerank", labels=labels, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
     query, docs = outputs[0], outputs[1:]
     results: list[dict[str, Any]] = [
         {"index": i, "relevance_score": score(query.data, d.data)} for i, d in enumerate(docs)]
     results.sort(key=lambda r: -r["relevance_score"])
-    if body.top_n is not None:
+    if body.top_n:  # None or 0: all
         results = results[:body.top_n]
     if body.return_documents:
         for r in results:
             r["document"] = {"text": body.documents[r["index"]]}
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
-                         "results": results, "usage": {"total_tokens": num_tokens}})
+    return json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
+                          "results": results, "usage": {"total_tokens": num_tokens}},
+                         outputs, labels)
 
 
 @router.post("/classify")
@@ -97,9 +102,9 @@ async def create_classification(request: Request) -> Response:
     state.check_fan_out(count_inputs(data), 1, param="input")
     body = validate(ClassifyRequest, data)
     state.check_model(body.model)
-    inputs = body.inputs()
+    inputs, where = body.inputs(), body.labels()
     outputs = await pool_all(request, state, inputs, body.to_pooling_params(), body.priority,
-                             "classify")
+                             "classify", labels=where, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
     labels = _labels(state.require_llm().ready.model_dir)
@@ -110,9 +115,10 @@ async def create_classification(request: Request) -> Response:
         data_out.append({"index": i, "object": "classification",
                          "label": labels.get(best, f"LABEL_{best}"), "probs": o.data,
                          "num_classes": len(o.data)})
-    return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
-                         "created": created_now(), "model": body.model, "data": data_out,
-                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+    return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                          "created": created_now(), "model": body.model, "data": data_out,
+                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}},
+                         outputs, where)
 
 
 @functools.cache

@@ -209,6 +209,8 @@ def _plugin_rows(host: Any) -> list[dict[str, Any]]:
 
 
 def _ready_message(engine: Any, host: Any) -> EngineReady:
+    from lmkit.engine.pooling_phase import sentence_transformers_pooler
+
     facts = engine.facts
     return EngineReady(
         model_dir=str(engine.model_dir),
@@ -216,6 +218,9 @@ def _ready_message(engine: Any, host: Any) -> EngineReady:
         vocab_size=facts.vocab_size,
         eos_token_ids=list(facts.eos_token_ids),
         generates=facts.generates,
+        # as the engine's PoolingPhase: a sentence-transformers export's mode, else the class's
+        default_pooler=(sentence_transformers_pooler(engine.model_dir)
+                        or facts.pooling.default_pooler),
         stack=engine.stack.as_dict(),
         plugins=_plugin_rows(host),
         stats=numeric_stats(engine.stats()),

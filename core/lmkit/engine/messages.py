@@ -87,6 +87,9 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
     ``max_model_len``, ``vocab_size``, ``eos_token_ids`` (primary first) and
     ``generates`` (``False``: a pooling-only model) are the engine's
     :class:`~lmkit.api.ModelFacts`, so the frontend validates with the same ones.
+    ``default_pooler``: the pooler of a request that names none (a sentence-transformers
+    export's mode, else the model's ``ModelPooling.default_pooler``; ``"classify"``: a
+    sequence classifier).
     """
 
     model_dir: str
@@ -98,6 +101,7 @@ class EngineReady(msgspec.Struct, tag="ready", frozen=True):
     logits_processors: list[str] = []  # names requests may select
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     generates: bool = True
+    default_pooler: str = "last"
 
 
 class EngineFailed(msgspec.Struct, tag="failed", frozen=True):

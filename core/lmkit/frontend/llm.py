@@ -244,9 +244,17 @@ class LLM:
               pooling_params: PoolingParams | None = None) -> list[float]:
         """Similarity of text pairs: ``text_1`` against each of ``text_2`` (or two lists
         pairwise), as the cosine of their embeddings; with ``pooling_type='all'``,
-        late-interaction MaxSim over per-token vectors (ColBERT-style)."""
-        from lmkit.frontend.scoring import pair_texts, score
+        late-interaction MaxSim over per-token vectors (ColBERT-style).
 
+        :raises InvalidRequestError: the model is a sequence classifier (cross-encoder),
+            or ``pooling_type`` is ``classify``: texts are pooled separately, not jointly.
+        """
+        from lmkit.engine.pooling_phase import sentence_transformers_pooler
+        from lmkit.frontend.scoring import check_scorable, pair_texts, score
+
+        default = (sentence_transformers_pooler(self.engine.model_dir)
+                   or self.engine.facts.pooling.default_pooler)  # as the engine's
+        check_scorable(default, pooling_params.pooling_type if pooling_params else None)
         pairs = pair_texts(text_1, text_2)
         unique = list(dict.fromkeys(t for pair in pairs for t in pair))
         outputs = self.embed(unique, pooling_params)

@@ -1,6 +1,10 @@
 """Scores between texts from their pooled outputs: cosine similarity of embeddings
 (bi-encoders), or late-interaction MaxSim for per-token (``all``) outputs, as ColBERT
-scores a query against a document."""
+scores a query against a document.
+
+Each text is pooled on its own, so a sequence classifier (a cross-encoder reranker,
+which must read the query and the document together) is refused by
+:func:`check_scorable`: lmkit does not encode pairs jointly."""
 
 from __future__ import annotations
 
@@ -10,6 +14,29 @@ from typing import Any
 import numpy as np
 
 from lmkit.errors import InvalidRequestError
+
+
+def check_scorable(default_pooler: str, pooling_type: str | None = None) -> None:
+    """Refuse to score with a classification pooler: the model's default one (a
+    sequence classifier, e.g. a cross-encoder reranker) or a request's ``classify``.
+
+    :param default_pooler: the model's ``ModelPooling.default_pooler``.
+    :param pooling_type: the request's ``pooling_type`` (``None``: the default).
+    :raises InvalidRequestError: naming the model's kind and what to use instead.
+    """
+    if default_pooler == "classify":
+        raise InvalidRequestError(
+            "this model is a sequence classifier (cross-encoder); lmkit scores with "
+            "embedding models only (cosine, or MaxSim with pooling_type 'all', of separately "
+            "pooled texts) and does not encode text pairs jointly; use /classify "
+            "(LLM.classify) for this model's class probabilities", param="model",
+            code="invalid_value")
+    if pooling_type == "classify":
+        raise InvalidRequestError(
+            "pooling_type 'classify' gives class probabilities, not embeddings to score; "
+            "lmkit scores with embedding models only (cosine, or MaxSim with pooling_type "
+            "'all'); leave pooling_type out or use /classify", param="pooling_type",
+            code="invalid_value")
 
 
 def pair_texts(text_1: str | Sequence[str], text_2: str | Sequence[str]

@@ -3,7 +3,9 @@
 
 Both pool every distinct text once (one pooling request each, beside generation) and
 score pairs with :func:`lmkit.frontend.scoring.score`: the cosine of the embeddings, or
-late-interaction MaxSim over per-token vectors with ``pooling_type: all``. ``/score``
+late-interaction MaxSim over per-token vectors with ``pooling_type: all``. A sequence
+classifier (cross-encoder) is refused with a 400: texts are pooled separately, never as a
+pair (:func:`~lmkit.frontend.scoring.check_scorable`). ``/score``
 follows vLLM's shape, ``/rerank`` Jina's and Cohere's (also at ``/v1/rerank`` and
 ``/v2/rerank``). Limits and errors are the other endpoints'.
 """
@@ -17,8 +19,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from lmkit.frontend.scoring import pair_texts, score
-from lmkit.serve.app import get_state
+from lmkit.api.pooling import PoolingParams
+from lmkit.frontend.scoring import check_scorable, pair_texts, score
+from lmkit.serve.app import ServerState, get_state
 from lmkit.serve.handler import created_now
 from lmkit.serve.protocol_pooling import (
     ClassifyRequest,
@@ -42,11 +45,13 @@ async def create_score(request: Request) -> Response:
     state.check_fan_out(count_texts(data, "text_1", "text_2"), 1, param="text_2")
     body = validate(ScoreRequest, data)
     state.check_model(body.model)
+    params = body.to_pooling_params()
+    _check_scorable(state, params)
     pairs = pair_texts(body.text_1, body.text_2)
     unique = list(dict.fromkeys(t for pair in pairs for t in pair))
     where = body.labels()
     labels = [where[t] for t in unique]
-    outputs = await pool_all(request, state, unique, body.to_pooling_params(), body.priority,
+    outputs = await pool_all(request, state, unique, params, body.priority,
                              "score", labels=labels, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
@@ -72,9 +77,11 @@ async def create_rerank(request: Request) -> Response:
     state.check_fan_out(count_texts(data, "query", "documents"), 1, param="documents")
     body = validate(RerankRequest, data)
     state.check_model(body.model)
+    params = body.to_pooling_params()
+    _check_scorable(state, params)
     texts = [body.query, *body.documents]
     labels = body.labels()
-    outputs = await pool_all(request, state, texts, body.to_pooling_params(), body.priority,
+    outputs = await pool_all(request, state, texts, params, body.priority,
                              "rerank", labels=labels, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
@@ -119,6 +126,14 @@ async def create_classification(request: Request) -> Response:
                           "created": created_now(), "model": body.model, "data": data_out,
                           "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}},
                          outputs, where)
+
+
+def _check_scorable(state: ServerState, params: PoolingParams) -> None:
+    """Refuse (400) a sequence classifier, whose default pooler is ``classify``, or a
+    request for ``classify``: scores come from separately pooled texts."""
+    ready = state.require_llm().ready
+    # a stand-in for AsyncLLM may carry no default_pooler: it pools like a bi-encoder
+    check_scorable(getattr(ready, "default_pooler", "last"), params.pooling_type)
 
 
 @functools.cache

@@ -68,9 +68,11 @@ class AllPooler(Pooler):
 
 class ClassifyPooler(Pooler):
     """Class probabilities: the model's classification pooler (its declared
-    ``ModelPooling.classifier_pooler``), then its ``classify`` head, then softmax."""
+    ``ModelPooling.classifier_pooler``), then its ``classify`` head, then transformers'
+    text-classification default: softmax over two or more labels, sigmoid of a single
+    label's logit (a cross-encoder's relevance score; softmax of one value is always 1)."""
 
-    _BASE = {"last": LastPooler, "mean": MeanPooler, "cls": CLSPooler}
+    _BASE: dict[str, type[Pooler]] = {"last": LastPooler, "mean": MeanPooler, "cls": CLSPooler}
 
     def __init__(self, model: Model | None = None) -> None:
         super().__init__(model)
@@ -93,5 +95,7 @@ class ClassifyPooler(Pooler):
         return self._probs(self.base.pool(hidden))
 
     def _probs(self, pooled: torch.Tensor) -> torch.Tensor:
-        logits = self.head.classify(pooled[None])[0]  # [num_labels]
-        return torch.softmax(logits.float(), dim=-1)
+        logits = self.head.classify(pooled[None])[0].float()  # [num_labels]
+        if logits.shape[-1] == 1:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)

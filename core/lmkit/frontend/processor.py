@@ -10,6 +10,7 @@ from lmkit.api.request import Request
 from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from lmkit.errors import NO_ALLOWED_TOKEN, InvalidRequestError
 from lmkit.structured.constraint import validate_structured_outputs
+from lmkit.structured.fault import shown_ids
 
 
 class InputProcessor:
@@ -181,7 +182,7 @@ class InputProcessor:
         bad = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
         if any(t not in ending and t not in bad for t in allowed):
             return
-        ids, m = _shown(allowed), params.min_tokens
+        ids, m = shown_ids(allowed), params.min_tokens
         enders = "stop_token_ids" if eos is None else f"EOS {eos} or stop_token_ids"
         ends = f"ends the output ({enders}), which min_tokens = {m} forbids before {m} tokens"
         if not bad.intersection(allowed):
@@ -226,13 +227,6 @@ def tokenize_bad_words(tokenizer: Any, bad_words: Sequence[str]) -> list[list[in
 
 # what a pooling request carries as sampling parameters: it never samples
 POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
-
-
-def _shown(token_ids: Sequence[int], limit: int = 8) -> str:
-    """``[1, 2, 3]``, or the first ``limit`` ids and how many more."""
-    if len(token_ids) <= limit:
-        return str(list(token_ids))
-    return f"[{', '.join(map(str, token_ids[:limit]))}, ... ({len(token_ids) - limit} more)]"
 
 
 def _with(params: SamplingParams, **changes: Any) -> SamplingParams:

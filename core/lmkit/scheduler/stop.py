@@ -113,7 +113,7 @@ def _own_rules_refusal(request: Request, where: str) -> Refusal | None:
     ``allowed_token_ids`` after its output so far; ``None`` when some is left."""
     from lmkit.sample.metadata import bad_words_banned, banned_next_tokens
     from lmkit.structured.fault import Refusal
-    from lmkit.structured.fault import _shown as shown  # (fault.py's wording)
+    from lmkit.structured.fault import shown_ids as shown
 
     p = request.sampling_params
     output = request.output_token_ids

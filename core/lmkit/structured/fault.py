@@ -94,9 +94,9 @@ def _own_rules_refusal(request: Request, before: list[int], grammar_ids: list[in
         candidates = [t for t in grammar_ids if t in allowed_ids]
         if not candidates:
             return Refusal(
-                f"allowed_token_ids {_shown(p.allowed_token_ids)} and {subject} have no "
+                f"allowed_token_ids {shown_ids(p.allowed_token_ids)} and {subject} have no "
                 f"token in common {where}: the constraint allows only token ids "
-                f"{_shown(grammar_ids)} there; allow some of them, or drop one of the two",
+                f"{shown_ids(grammar_ids)} there; allow some of them, or drop one of the two",
                 NO_ALLOWED_TOKEN, "allowed_token_ids")
         subject = f"both allowed_token_ids and {subject}"
     banned = banned_next_tokens(p, before, request.eos_token_id)
@@ -109,22 +109,22 @@ def _own_rules_refusal(request: Request, before: list[int], grammar_ids: list[in
     if by_min and by_bad:
         return Refusal(
             f"min_tokens = {p.min_tokens} and bad_words together forbid every token {allows} "
-            f"(token ids {_shown(candidates)}: ending the output, which min_tokens forbids "
+            f"(token ids {shown_ids(candidates)}: ending the output, which min_tokens forbids "
             f"before {p.min_tokens} tokens, or completing a bad word); lower min_tokens, "
             "remove the bad word or loosen the constraint", NO_ALLOWED_TOKEN, "min_tokens")
     if by_min:
         return Refusal(
             f"min_tokens = {p.min_tokens} is more than {subject} allow"
             f"{'' if subject.startswith('both') else 's'}: {where} the only tokens left "
-            f"(token ids {_shown(candidates)}) end the output, which min_tokens forbids "
+            f"(token ids {shown_ids(candidates)}) end the output, which min_tokens forbids "
             f"before {p.min_tokens} tokens; lower min_tokens (to {len(before)} or less for "
             "this output) or loosen the constraint", NO_ALLOWED_TOKEN, "min_tokens")
     return Refusal(
-        f"bad_words forbid every token {allows} (token ids {_shown(candidates)}); remove "
+        f"bad_words forbid every token {allows} (token ids {shown_ids(candidates)}); remove "
         "the bad word or loosen the constraint", NO_ALLOWED_TOKEN, "bad_words")
 
 
-def _shown(token_ids: Sequence[int], limit: int = 8) -> str:
+def shown_ids(token_ids: Sequence[int], limit: int = 8) -> str:
     """``[1, 2, 3]``, or the first ``limit`` ids and how many more."""
     ids = list(token_ids)
     if len(ids) <= limit:

@@ -64,6 +64,9 @@ def test_one_label_is_a_sigmoid_and_scoring_a_classifier_is_refused(cross_encode
         assert len(llm.embed(TEXTS[0], PoolingParams())[0].data) == 1
         default = llm.embed(TEXTS, PoolingParams(normalize=False))
         assert torch.allclose(torch.tensor([o.data for o in default]), ref, atol=1e-5)
+        # probabilities are never L2-normalized (one label would always be [1.0])
+        normalized = llm.embed(TEXTS, PoolingParams(normalize=True))
+        assert torch.allclose(torch.tensor([o.data for o in normalized]), ref, atol=1e-5)
         with pytest.raises(InvalidRequestError, match=r"sequence classifier \(cross-encoder\)"
                            ) as info:
             llm.score(TEXTS[0], TEXTS[1:])  # before: [1.0, 1.0]

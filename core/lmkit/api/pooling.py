@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmkit.errors import InvalidRequestError
 
@@ -80,6 +80,10 @@ class Pooler(ABC):
     Registered through the ``register_poolers`` hook; constructed once per engine as
     ``cls(model)`` (the loaded :class:`~lmkit.api.Model`).
     """
+
+    #: True when the output is a distribution (class probabilities), not an embedding:
+    #: the runner then never L2-normalizes it, whatever ``PoolingParams.normalize`` says
+    outputs_probabilities: ClassVar[bool] = False
 
     def __init__(self, model: Model | None = None) -> None:
         self.model = model

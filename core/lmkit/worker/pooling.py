@@ -7,7 +7,7 @@ a step without one pays nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,11 +94,14 @@ class PoolingRequests:
                     continue
                 out = entry.pooler.finish(entry.state, entry.num_prompt_tokens)
             del self.states[rid]
+            params = entry.params
+            if params.normalize and entry.pooler.outputs_probabilities:
+                params = replace(params, normalize=False)  # a distribution
             if out.dim() != 1:  # per-token outputs ([n, dim]): one at a time
-                done[rid] = finalize(out, entry.params).tolist()
+                done[rid] = finalize(out, params).tolist()
                 continue
-            key = (out.shape[0], out.dtype, entry.params.dimensions, entry.params.normalize)
-            batch = batches.setdefault(key, (entry.params, [], []))
+            key = (out.shape[0], out.dtype, params.dimensions, params.normalize)
+            batch = batches.setdefault(key, (params, [], []))
             batch[1].append(rid)
             batch[2].append(out)
         if not batches:

@@ -73,6 +73,7 @@ class ClassifyPooler(Pooler):
     label's logit (a cross-encoder's relevance score; softmax of one value is always 1)."""
 
     _BASE: dict[str, type[Pooler]] = {"last": LastPooler, "mean": MeanPooler, "cls": CLSPooler}
+    outputs_probabilities = True  # never L2-normalized (one label would always be 1.0)
 
     def __init__(self, model: Model | None = None) -> None:
         super().__init__(model)

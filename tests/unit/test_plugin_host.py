@@ -95,9 +95,9 @@ def test_registering_the_same_spec_again_is_idempotent() -> None:
 
 @pytest.mark.parametrize(("declared", "expected"), [
     (None, "plugin 'p' does not declare the plugin API versions it supports; add "
-           "LMKIT_PLUGIN_API = \">=1.0,<2\" to the plugin module (lmkit's is 1.4)."),
+           "LMKIT_PLUGIN_API = \">=1.0,<2\" to the plugin module (lmkit's is 1.5)."),
     ("one", "plugin 'p' declares LMKIT_PLUGIN_API = 'one', which is not a version specifier"),
-    (">=2", "plugin 'p' supports lmkit plugin API >=2, but this lmkit (0.1.0) provides plugin API 1.4."),
+    (">=2", "plugin 'p' supports lmkit plugin API >=2, but this lmkit (0.1.0) provides plugin API 1.5."),
 ])
 def test_plugin_api_version_is_checked(declared: str | None, expected: str) -> None:
     with pytest.raises(PluginAPIVersionError) as exc:

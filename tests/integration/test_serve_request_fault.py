@@ -7,20 +7,15 @@ the completion with a ``RequestFaultError``. The engine goes on serving.
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 from lmkit.config.schema import LMKitConfig
 from serve_live import LiveServer
+from test_serve_real_engine_edges import MODEL, TEMPLATE, post, sse_events
 
 pytestmark = pytest.mark.slow  # a live server (a few seconds to start)
 
 pytest.importorskip("xgrammar")
 
-MODEL = "tiny"
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 # digits only, yet only "a" allowed: the first step masks every token
 IDS_CONFLICT = {"structured_outputs": {"regex": "[0-9]+"}, "allowed_token_ids": [ord("a")]}
 SCHEMA_CONFLICT = {"response_format": {"type": "json_schema", "json_schema": {
@@ -50,21 +45,6 @@ def server(model_dir):
     })
     with LiveServer(config) as live:
         yield live
-
-
-def post(server, path, body):
-    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
-
-
-def sse_events(server, path, body):
-    """(status, parsed events without [DONE], saw [DONE]) of one streaming request."""
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, **body,
-                      "stream": True}, timeout=60) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            return resp.status_code, [resp.json()], False
-        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-    return 200, [json.loads(d) for d in lines if d != "[DONE]"], lines[-1:] == ["[DONE]"]
 
 
 def assert_no_allowed_token(error, param):

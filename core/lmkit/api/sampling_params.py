@@ -13,6 +13,16 @@ from lmkit.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 # integers cross to the engine process as msgpack int64 and into int64 tensors
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# What one request's per-token work may cost the others. Stop strings are matched in
+# the API process on every output token (one automaton: the bound is on building it);
+# the token lists below are turned into tensors for every engine step of every row the
+# request owns, and bad words are checked at every step (about 0.3 us per entry per
+# row and step on a CPU host: 131,072 logit_bias entries cost 40 ms per row and step).
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 8192  # all of a request's stop strings together
+MAX_TOKEN_IDS = 2048  # entries of allowed_token_ids, stop_token_ids and logit_bias each
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 8192  # all of a request's bad words together
 
 
 @dataclass
@@ -131,12 +141,15 @@ class SamplingParams:
     def _validate_stops(self, bad: Any) -> None:
         """``stop``: a string or a list of non-empty strings; ``stop_token_ids``: ints."""
         stop = _as_list(self.stop, "stop", "a string or a list of strings", bad, one=str)
+        _check_count(stop, MAX_STOP_STRINGS, "stop", "stop strings", bad)
         if any(not isinstance(s, str) for s in stop):
-            raise bad("stop", f"must be a list of strings, got {stop!r}")
+            raise bad("stop", f"must be a list of strings, got {_shown(stop)}")
         if any(not s for s in stop):
             raise bad("stop", "must not contain empty strings")
+        _check_chars(stop, MAX_STOP_CHARS, "stop", "stop strings", bad)
         self.stop = stop
         ids = _as_list(self.stop_token_ids, "stop_token_ids", "a list of token ids", bad)
+        _check_count(ids, MAX_TOKEN_IDS, "stop_token_ids", "token ids", bad)
         if any(not _is_int(t) for t in ids):
             raise bad("stop_token_ids", f"must be a list of integer token ids, got {ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
@@ -147,6 +160,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             ids = _as_list(self.allowed_token_ids, "allowed_token_ids",
                            "a list of token ids", bad)
+            _check_count(ids, MAX_TOKEN_IDS, "allowed_token_ids", "token ids", bad)
             if not ids:
                 raise bad("allowed_token_ids", "must not be empty (leave it unset to allow "
                           "every token)")
@@ -155,8 +169,10 @@ class SamplingParams:
             self.allowed_token_ids = [int(t) for t in ids]
         if self.bad_words is not None:
             words = _as_list(self.bad_words, "bad_words", "a list of strings", bad, one=str)
+            _check_count(words, MAX_BAD_WORDS, "bad_words", "words", bad)
             if any(not isinstance(w, str) or not w.strip() for w in words):
-                raise bad("bad_words", f"must be non-empty strings, got {words!r}")
+                raise bad("bad_words", f"must be non-empty strings, got {_shown(words)}")
+            _check_chars(words, MAX_BAD_WORDS_CHARS, "bad_words", "bad words", bad)
             self.bad_words = words
         if self.bad_words_token_ids is not None:
             outer = _as_list(self.bad_words_token_ids, "bad_words_token_ids",
@@ -233,6 +249,23 @@ def _as_list(value: Any, param: str, expected: str, bad: Any, one: type | None =
     return list(value)
 
 
+def _check_count(items: Any, limit: int, param: str, what: str, bad: Any) -> None:
+    """Refuse more than ``limit`` items (checked before the items are looked at)."""
+    if len(items) > limit:
+        raise bad(param, f"has {len(items)} {what}; at most {limit} are allowed per "
+                  f"request (each costs work on every generated token, shared with the "
+                  f"other requests); send fewer")
+
+
+def _check_chars(texts: list[str], limit: int, param: str, what: str, bad: Any) -> None:
+    """Refuse texts longer than ``limit`` characters in all."""
+    total = sum(len(t) for t in texts)
+    if total > limit:
+        raise bad(param, f"holds {total} characters in all; at most {limit} are allowed per "
+                  f"request (each generated token is checked against them); send fewer or "
+                  f"shorter {what}")
+
+
 def _logit_bias(bias: Any, bad: Any) -> dict[int, float] | None:
     """``{token id: bias}`` with ids as ints (or strings of ints, as OpenAI's JSON has them)
     and biases finite numbers in [-100, 100]."""
@@ -240,6 +273,7 @@ def _logit_bias(bias: Any, bad: Any) -> dict[int, float] | None:
         return None
     if not isinstance(bias, Mapping):
         raise bad("logit_bias", f"must be a mapping of token id to bias, got {_shown(bias)}")
+    _check_count(bias, MAX_TOKEN_IDS, "logit_bias", "entries", bad)
     out: dict[int, float] = {}
     for tok, b in bias.items():
         key = _token_key(tok)

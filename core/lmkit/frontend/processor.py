@@ -35,6 +35,8 @@ class InputProcessor:
         self.extra_eos_token_ids = [t for t in eos_token_ids[1:] if t != self.eos_token_id]
         self.max_constraint_chars = max_constraint_chars
         self._last_constraint: Any = None  # the last constraint object validated
+        # the last bad_words tokenized, and their token ids
+        self._last_bad_words: tuple[tuple[str, ...], list[list[int]]] = ((), [])
         self.logits_processors = frozenset(logits_processors)
 
     def tokenize(self, prompt: str | Sequence[int] | None,
@@ -161,10 +163,20 @@ class InputProcessor:
                 "the plugin that registers it, or remove it from logits_processors.",
                 param="logits_processors", code="invalid_value")
         if params.bad_words:
-            word_ids = [*(params.bad_words_token_ids or []), *tokenize_bad_words(
-                self.tokenizer, params.bad_words)]
+            word_ids = [*(params.bad_words_token_ids or []),
+                        *self._bad_words_token_ids(params.bad_words)]
             params = _with(params, bad_words_token_ids=word_ids)
         return params
+
+    def _bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """:func:`tokenize_bad_words` of ``bad_words``, reused while they repeat (the
+        ``n`` completions of a request carry equal lists: tokenized once, not n times)."""
+        key = tuple(bad_words)
+        last_key, last_ids = self._last_bad_words
+        if key != last_key:
+            last_ids = tokenize_bad_words(self.tokenizer, key)
+            self._last_bad_words = (key, last_ids)
+        return [list(ids) for ids in last_ids]
 
     def _check_some_token_allowed(self, params: SamplingParams) -> None:
         """Refuse a request whose own token rules leave nothing to sample at its first
@@ -217,10 +229,12 @@ def tokenize_bad_words(tokenizer: Any, bad_words: Sequence[str]) -> list[list[in
     differently (``"world"`` vs ``" world"``), and either may be generated.
     """
     out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()  # (a list membership test made this quadratic)
     for word in bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in out:
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
                 out.append(ids)
     return out
 

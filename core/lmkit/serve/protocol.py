@@ -26,7 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from lmkit.api.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from lmkit.api.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_TOKEN_IDS,
+    SamplingParams,
+)
 from lmkit.errors import InvalidRequestError
 from lmkit.serve.text_check import find_lone_surrogate
 from lmkit.structured.constraint import validate_structured_outputs
@@ -140,8 +146,11 @@ class StructuredOutputs(_Body):
     _fits = field_validator("json_", "structural_tag")(_fits_int64)
 
     def constraint(self) -> dict[str, Any]:
-        """The constraint as ``SamplingParams.structured_outputs``."""
-        return self.model_dump(by_alias=True, exclude_none=True)
+        """The constraint as ``SamplingParams.structured_outputs`` (the spec itself, not
+        a copy: ``model_dump`` would copy a schema of megabytes on the event loop)."""
+        specs = ((field.alias or name, getattr(self, name))
+                 for name, field in type(self).model_fields.items())
+        return {kind: spec for kind, spec in specs if spec is not None}
 
 
 class _SamplingFields(_TextBody):
@@ -183,8 +192,9 @@ class _SamplingFields(_TextBody):
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options", code="invalid_value")
 
-    def _structured_outputs(self) -> dict[str, Any] | None:
-        """The request's constraint, from ``response_format`` or ``structured_outputs``."""
+    def _structured_outputs(self, max_chars: int | None) -> dict[str, Any] | None:
+        """The request's constraint, from ``response_format`` or ``structured_outputs``,
+        checked (its size against ``max_chars`` first, before any costlier check)."""
         from_format = self.response_format.constraint() if self.response_format else None
         if self.structured_outputs is None:
             constraint, param = from_format, "response_format"
@@ -195,7 +205,7 @@ class _SamplingFields(_TextBody):
         else:
             constraint, param = self.structured_outputs.constraint(), "structured_outputs"
         try:
-            validate_structured_outputs(constraint)
+            validate_structured_outputs(constraint, max_chars)
         except InvalidRequestError as e:
             raise InvalidRequestError(str(e), param=param, code=e.code) from None
         return constraint
@@ -203,6 +213,11 @@ class _SamplingFields(_TextBody):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
+        if len(self.logit_bias) > MAX_TOKEN_IDS:  # before looking at each key
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_TOKEN_IDS} are "
+                "allowed per request (each costs work on every generated token, shared with "
+                "the other requests); send fewer", param="logit_bias", code="invalid_value")
         out = {}
         for key, value in self.logit_bias.items():
             # plain ASCII digits: int() would also take " 1", "1_0" and "١" (Arabic one)
@@ -214,7 +229,8 @@ class _SamplingFields(_TextBody):
         return out
 
     def _params(self, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+                prompt_logprobs: int | None = None,
+                max_constraint_chars: int | None = None) -> SamplingParams:
         self._check_stream_options()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -237,7 +253,7 @@ class _SamplingFields(_TextBody):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self._structured_outputs(),
+            structured_outputs=self._structured_outputs(max_constraint_chars),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=[self.bad_words] if isinstance(self.bad_words, str) else self.bad_words,
             logits_processors=self.logits_processors,
@@ -267,8 +283,10 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Sampling parameters; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+    def to_sampling_params(self, max_constraint_chars: int | None = None) -> SamplingParams:
+        """Sampling parameters; ``echo`` with ``logprobs`` also asks for prompt logprobs.
+        ``max_constraint_chars`` (``structured_output.max_constraint_chars``) refuses a
+        longer constraint before its costlier checks run on the event loop."""
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by this server", param="suffix",
                                       code="unsupported_parameter")
@@ -280,7 +298,8 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
                                       f"{self.logprobs}", param="logprobs", code="invalid_value")
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs,
+                            max_constraint_chars)
 
 
 class TextPart(_Body):
@@ -337,8 +356,9 @@ class ChatCompletionRequest(_SamplingFields):
         """The messages as plain dicts for the chat template."""
         return [m.as_template_dict() for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Sampling parameters; no ``max_tokens`` means "until the context is full"."""
+    def to_sampling_params(self, max_constraint_chars: int | None = None) -> SamplingParams:
+        """Sampling parameters; no ``max_tokens`` means "until the context is full";
+        ``max_constraint_chars`` as for completions."""
         if self.tools:
             raise InvalidRequestError("tool calling is not supported by this server yet",
                                       param="tools", code="unsupported_parameter")
@@ -359,4 +379,4 @@ class ChatCompletionRequest(_SamplingFields):
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, max_constraint_chars=max_constraint_chars)

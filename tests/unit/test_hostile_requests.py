@@ -265,6 +265,31 @@ def test_constraint_size_is_checked_before_the_costlier_checks(monkeypatch):
     assert params.structured_outputs == {"json": big} and len(walked) == 2
 
 
+@pytest.mark.parametrize("path,base", [
+    ("/v1/completions", {"prompt": "x"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+])
+def test_the_routes_check_a_constraints_size_before_walking_it(monkeypatch, path, base):
+    """Both generation routes pass structured_output.max_constraint_chars to
+    to_sampling_params, so a huge constraint is refused before anything walks it."""
+    import lmkit.structured.constraint as constraint
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.serve.app import build_app
+    from starlette.testclient import TestClient
+    from test_serve_http import assert_openai_error
+
+    walked = []
+    monkeypatch.setattr(constraint, "_check_nesting", lambda kind, spec: walked.append(spec))
+    config = LMKitConfig.model_validate({"model": {"model": "tiny"},
+                                         "structured_output": {"max_constraint_chars": 1000}})
+    client = TestClient(build_app(config))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    body = {"model": "tiny", **base,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": big}}}
+    assert_openai_error(client.post(path, json=body), 400, code="constraint_too_large")
+    assert walked == []
+
+
 def test_the_constraint_is_not_copied():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x",

@@ -120,7 +120,8 @@ async def create_chat_completion(request: Request) -> Response:
     body = validate(ChatCompletionRequest, await read_json(request))
     state.check_model(body.model)
     state.check_fan_out(1, body.n, param="n")
-    params = body.to_sampling_params()  # 400s need no engine
+    # 400s need no engine; an over-long constraint is refused before it is walked
+    params = body.to_sampling_params(state.config.structured_output.max_constraint_chars)
     llm = state.require_llm()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     chat_kwargs = None if body.add_generation_prompt else {"add_generation_prompt": False}

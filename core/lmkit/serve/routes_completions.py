@@ -140,7 +140,8 @@ async def create_completion(request: Request) -> Response:
     prompts = body.prompts()
     # again with the validated counts: "n": "64" or 64.0 count only once validated
     state.check_fan_out(len(prompts), max(body.n, body.best_of or 1))
-    params = body.to_sampling_params()  # 400s need no engine
+    # 400s need no engine; an over-long constraint is refused before it is walked
+    params = body.to_sampling_params(state.config.structured_output.max_constraint_chars)
     llm = state.require_llm()
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [

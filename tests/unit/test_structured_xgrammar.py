@@ -168,6 +168,21 @@ def test_kernel_matches_the_torch_reference():
     assert torch.equal(logits, expected)
 
 
+def test_short_string_rewrites_stop_at_a_budget():
+    """Each pattern costs compile time (0.4 s for maxLength 64 with a 49k vocabulary):
+    past the budget of summed bounds the strings keep their keywords."""
+    from lmkit_plugins.structured.json_schema_rewrite import REWRITE_BUDGET, SHORT_STRING_MAX
+
+    short = {"type": "string", "maxLength": SHORT_STRING_MAX}
+    n = 3 * REWRITE_BUDGET // SHORT_STRING_MAX
+    schema = {"type": "object", "properties": {f"p{i}": short for i in range(n)}}
+    props = rewrite_short_strings(schema)["properties"]
+    rewritten = [k for k, v in props.items() if "pattern" in v]
+    assert rewritten == [f"p{i}" for i in range(REWRITE_BUDGET // SHORT_STRING_MAX)]
+    assert all(props[f"p{i}"] == short for i in range(len(rewritten), n))
+    assert rewrite_short_strings(schema, budget=10 ** 6)["properties"]["p0"] == props["p0"]
+
+
 def test_short_string_bounds_compile_as_an_equivalent_pattern(backend):
     bounded = {"type": "string", "minLength": 2, "maxLength": 4}
     schema = {"type": "object", "properties": {"s": bounded, "t": {"anyOf": [bounded]}},

@@ -149,3 +149,18 @@ def engine_pid_gone(pid: int, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def record_engine_messages(server: LiveServer, monkeypatch: Any) -> list[object]:
+    """Every message the API process sends its engine from now on (the list fills as
+    they go), for tests that check a request was refused before the engine saw it."""
+    client = server.state.llm.client
+    sent: list[object] = []
+    real_send = client.send
+
+    async def recording_send(message: object) -> None:
+        sent.append(message)
+        await real_send(message)
+
+    monkeypatch.setattr(client, "send", recording_send)
+    return sent

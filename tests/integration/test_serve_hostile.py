@@ -18,7 +18,7 @@ from lmkit.api.sampling_params import (
     MAX_TOKEN_IDS,
 )
 from lmkit.config.schema import LMKitConfig
-from serve_live import LiveServer
+from serve_live import LiveServer, record_engine_messages
 from test_serve_lifecycle import read_stream
 
 pytestmark = pytest.mark.slow  # a live server (a few seconds to start)
@@ -60,15 +60,7 @@ HOSTILE = [
 
 
 def test_requests_past_a_bound_are_refused_before_the_engine(server, monkeypatch):
-    client = server.state.llm.client
-    sent: list[object] = []
-    real_send = client.send
-
-    async def recording_send(message):
-        sent.append(message)
-        await real_send(message)
-
-    monkeypatch.setattr(client, "send", recording_send)
+    sent = record_engine_messages(server, monkeypatch)
     with httpx.Client(timeout=60) as http:
         for hostile, param, code in HOSTILE:
             resp = http.post(f"{server.url}/v1/completions", json=hostile)

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from lmkit.config.schema import LMKitConfig
-from serve_live import LiveServer
+from serve_live import LiveServer, record_engine_messages
 from test_serve_lifecycle import read_stream
 
 # alone: refusals are timed (under a second) while the server streams another request
@@ -121,15 +121,7 @@ def test_costly_or_endless_requests_are_refused_before_the_engine(server, monkey
         ("/v1/chat/completions", {**chat, "max_tokens": None, "min_tokens": 10**9},
          "invalid_value"),
     ]
-    client = server.state.llm.client
-    sent: list[object] = []
-    real_send = client.send
-
-    async def recording_send(message):
-        sent.append(message)
-        await real_send(message)
-
-    monkeypatch.setattr(client, "send", recording_send)
+    sent = record_engine_messages(server, monkeypatch)
     with httpx.Client(timeout=60) as http:
         for path, body, code in cases:
             resp, seconds = post(http, server, body, path)

@@ -53,17 +53,19 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Requests in, tokens out.
 
-    Construction resolves the model files and the plugin stack (cross-checked before any
-    weights load), starts the executor, sizes the KV pool from the memory the executor
+    Construction resolves the model files (with ``require_tokenizer``, as the frontends
+    that load one pass, a model without tokenizer files is refused there) and the plugin
+    stack (cross-checked before any weights load), starts the executor, sizes the KV pool from the memory the executor
     reports, builds the scheduler (with its :class:`~lmkit.api.SchedulerContext`) and
     the feature phases, then freezes the startup heap out of the garbage collector's
     full collections (:mod:`lmkit.engine.gc_heap`).
     """
 
     def __init__(self, config: LMKitConfig, host: PluginHost | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, require_tokenizer: bool = False) -> None:
         from lmkit.loading.model_facts import load_model_facts
         from lmkit.loading.resolve import resolve_model
+        from lmkit.loading.tokenizer import tokenizer_files
 
         self.host = host or PluginHost.load(config.plugins)
         self.host.hook.configure(config=config)
@@ -71,6 +73,8 @@ class EngineCore:
         self.model_dir: Path = resolve_model(config.model.model, self.host, cache_dir,
                                              source=config.model.source, progress=progress,
                                              weights=config.model.load_format != "dummy")
+        if require_tokenizer:  # a frontend that will load it: refused before any weight
+            tokenizer_files(self.model_dir, config.model.tokenizer)
         # what every process knows of the model (context, EOS, architecture, needs): once
         self.facts = load_model_facts(self.model_dir, self.host, config.model.max_model_len,
                                       tokenizer=config.model.tokenizer)

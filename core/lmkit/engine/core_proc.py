@@ -243,7 +243,7 @@ def serve_engine_core(handshake_file: Path) -> int:
     encoder = make_encoder()
     try:
         host = PluginHost.load(config.plugins)
-        engine = EngineCore(config, host)
+        engine = EngineCore(config, host, require_tokenizer=True)
     except BaseException as e:  # report every startup failure, then exit
         early.send(encoder.encode(EngineFailed(error=_describe(e), error_type=type(e).__name__,
                                                exit_code=getattr(e, "exit_code", 1))))

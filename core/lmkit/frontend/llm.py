@@ -148,7 +148,7 @@ class LLM:
 
             self.engine = DataParallelEngine(cfg)
         else:
-            self.engine = EngineCore(cfg, self.host, progress=progress)
+            self.engine = EngineCore(cfg, self.host, progress=progress, require_tokenizer=True)
         self.config = self.engine.config
         from lmkit.loading.tokenizer import load_tokenizer
 

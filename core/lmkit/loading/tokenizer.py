@@ -38,16 +38,15 @@ def check_tokenizer_setting(tokenizer: str | Path | None) -> Path | None:
     return path
 
 
-def load_tokenizer(model_dir: Path, tokenizer: str | Path | None = None
-                   ) -> transformers.PreTrainedTokenizerBase:
-    """The model's tokenizer, via ``AutoTokenizer`` with local files only: the one in
-    ``tokenizer`` (the ``model.tokenizer`` setting) when given, else the one saved in
-    ``model_dir``.
+def tokenizer_files(model_dir: Path, tokenizer: str | Path | None = None
+                    ) -> tuple[Path, list[str]]:
+    """The directory the tokenizer loads from (``tokenizer``, the ``model.tokenizer``
+    setting, else ``model_dir``) and which of :data:`TOKENIZER_FILES` it holds: a check
+    that reads no file, so that a model without a tokenizer is refused before its
+    weights load.
 
     Raises:
-        ModelLoadError: the directory has no tokenizer files, or transformers cannot
-            build a tokenizer from them; the message names the directory and the files
-            it looked for.
+        ModelLoadError: the directory does not exist or holds none of the files.
     """
     override = check_tokenizer_setting(tokenizer)
     model_dir = override if override is not None else Path(model_dir)
@@ -60,6 +59,21 @@ def load_tokenizer(model_dir: Path, tokenizer: str | Path | None = None
             "Save the tokenizer next to the model (tokenizer.save_pretrained(DIR)) or point "
             "the model's `tokenizer` setting at a directory that has one."
         )
+    return model_dir, present
+
+
+def load_tokenizer(model_dir: Path, tokenizer: str | Path | None = None
+                   ) -> transformers.PreTrainedTokenizerBase:
+    """The model's tokenizer, via ``AutoTokenizer`` with local files only: the one in
+    ``tokenizer`` (the ``model.tokenizer`` setting) when given, else the one saved in
+    ``model_dir``.
+
+    Raises:
+        ModelLoadError: the directory has no tokenizer files, or transformers cannot
+            build a tokenizer from them; the message names the directory and the files
+            it looked for.
+    """
+    model_dir, present = tokenizer_files(model_dir, tokenizer)
 
     from transformers import AutoTokenizer
 

@@ -12,4 +12,4 @@ PLUGIN_API_VERSION = "1.5"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_ca
 # SamplingKernels.plan_device_step / finish_device_step (optional); 1.5: request faults
 # (RequestFaultError; EngineCoreOutput.error_code / error_param; CompletionOutput.error;
 # ModelRunnerOutput.no_allowed_token, which schedulers honour) and
-# Pooler.outputs_probabilities
+# Pooler.outputs_probabilities; Executor.check_health (optional)

@@ -82,6 +82,12 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop workers and release their memory. Safe to call twice."""
 
+    def check_health(self) -> None:  # noqa: B027 - optional
+        """Raise if the executor can no longer run steps (a worker process died while
+        nothing ran), without waiting on the workers. The engine-core process calls it
+        about once a second while idle, so that a dead worker is reported before the
+        next request arrives. Default: nothing to check (plugin API 1.5)."""
+
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
         """``(held, resident)``: how many leading blocks of ``block_hashes`` the KV
         offload tier holds, and how many of those it can load in the step that reads

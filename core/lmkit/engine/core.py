@@ -224,6 +224,12 @@ class EngineCore:
             self._finish(ids, RequestStatus.FINISHED_ABORTED)
             self.phases.abort_requests(ids)
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step: it stopped (:class:`EngineDeadError`),
+        or its executor reports a dead worker (``Executor.check_health``)."""
+        self._check_alive()
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting (for its grammar too), running or preempted;
         ``False`` once the engine stopped (nothing can finish)."""

@@ -51,6 +51,7 @@ from lmkit.errors import InvalidRequestError, LMKitError
 IDLE_POLL_MS = 100  # how long an idle loop waits on the socket before housekeeping
 STATS_INTERVAL_S = 0.5
 PARENT_CHECK_INTERVAL_S = 1.0
+HEALTH_CHECK_INTERVAL_S = 1.0  # while idle, how often the executor's workers are checked
 # once the API process is gone, how long the engine may take to finish its step and shut
 # down (the executor stops its workers) before the watchdog ends the process
 ORPHAN_EXIT_S = 15.0
@@ -64,6 +65,8 @@ class StepEngine(Protocol):
     def step(self) -> list[Any]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, float | int]: ...
+    # optional: ``check_health()``, called about once a second while idle; it raises
+    # when the engine can no longer step (EngineCore: a dead executor worker)
     def take_rejected_requests(self) -> list[tuple[str, InvalidRequestError]]:
         """``(request id, error)`` of requests refused after ``add_request`` took them
         (a grammar that did not compile); an engine that decides at ``add_request``
@@ -100,6 +103,7 @@ class EngineCoreProc:
         self._last_stats_at = 0.0
         self._last_stats: dict[str, float] | None = None
         self._closed = threading.Event()
+        self._next_health_check = 0.0
         if parent_pid is not None:
             threading.Thread(target=self._watch_parent, name="lmkit-engine-watchdog",
                              daemon=True).start()
@@ -124,6 +128,11 @@ class EngineCoreProc:
                 for rid, error in self.engine.take_rejected_requests():
                     self.send(RequestRejected(request_id=rid, message=str(error),
                                               param=error.param, code=error.code))
+            elif time.monotonic() >= self._next_health_check:  # idle: a worker may die
+                self._next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
+                check = getattr(self.engine, "check_health", None)  # optional
+                if check is not None:
+                    check()  # raises: reported as EngineFailed, as a failed step
             # going idle: report at once, so gauges (running, KV usage) settle to idle
             self._maybe_send_stats(force=was_busy and not busy)
             was_busy = busy

@@ -270,6 +270,15 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ Executor
 
+    def check_health(self) -> None:
+        """Raise :class:`WorkerFailedError` when a rank exited or was killed since the
+        last step (the other ranks are stopped), or the executor failed before."""
+        if self._failed is not None:
+            raise WorkerFailedError(self._failed)
+        gone = self._exited()
+        if gone is not None:
+            self._fail(f"{gone} while the engine was idle")
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks on every rank (each of its own KV heads)."""
         self._gather(self._broadcast(lambda s: InitKVCache(s, num_blocks)), Done)

@@ -111,34 +111,11 @@ def explain_no_allowed_token(request: Request, new_token_ids: Sequence[int],
 def _own_rules_refusal(request: Request, where: str) -> Refusal | None:
     """The request's fault when ``min_tokens`` and ``bad_words`` forbid every one of its
     ``allowed_token_ids`` after its output so far; ``None`` when some is left."""
-    from lmkit.sample.metadata import bad_words_banned, banned_next_tokens
-    from lmkit.structured.fault import Refusal
-    from lmkit.structured.fault import shown_ids as shown
+    from lmkit.structured.fault import bans_refusal, shown_ids
 
-    p = request.sampling_params
-    output = request.output_token_ids
-    if not p.allowed_token_ids:
+    allowed = sorted(set(request.sampling_params.allowed_token_ids or ()))
+    if not allowed:
         return None
-    banned = banned_next_tokens(p, output, request.eos_token_id)
-    if any(t not in banned for t in p.allowed_token_ids):
-        return None
-    allowed = sorted(set(p.allowed_token_ids))
-    bad = set(bad_words_banned(p.bad_words_token_ids or (), output))
-    by_min = [t for t in allowed if t not in bad]  # banned only while below min_tokens
-    subject = f"allowed_token_ids {shown(allowed)}"
-    if by_min and len(by_min) < len(allowed):
-        return Refusal(
-            f"min_tokens = {p.min_tokens} and bad_words together forbid every token "
-            f"{subject} allow {where} (ending the output, which min_tokens forbids before "
-            f"{p.min_tokens} tokens: token ids {shown(by_min)}; completing a bad word: "
-            f"{shown([t for t in allowed if t in bad])}); lower min_tokens, remove the bad "
-            "word or allow other tokens", NO_ALLOWED_TOKEN, "min_tokens")
-    if by_min:
-        return Refusal(
-            f"min_tokens = {p.min_tokens} is more than {subject} allow: {where} they only "
-            f"end the output, which min_tokens forbids before {p.min_tokens} tokens; lower "
-            f"min_tokens (to {len(output)}{' or less' if output else ''} for this output) "
-            "or allow other tokens",
-            NO_ALLOWED_TOKEN, "min_tokens")
-    return Refusal(f"bad_words forbid every token {subject} allow {where}; remove the bad "
-                   "word or allow other tokens", NO_ALLOWED_TOKEN, "bad_words")
+    return bans_refusal(request, request.output_token_ids, allowed,
+                        f"allowed_token_ids {shown_ids(allowed)} allow", where,
+                        "allow other tokens")

@@ -84,8 +84,6 @@ def _own_rules_refusal(request: Request, before: list[int], grammar_ids: list[in
                        constraint: str, where: str) -> Refusal | None:
     """The request's fault when its own token rules (as the sampler applies them after
     ``before``) forbid all of ``grammar_ids``; ``None`` when some token is left."""
-    from lmkit.sample.metadata import bad_words_banned, banned_next_tokens
-
     p = request.sampling_params
     candidates = grammar_ids
     subject = f"the {constraint} constraint"
@@ -98,30 +96,44 @@ def _own_rules_refusal(request: Request, before: list[int], grammar_ids: list[in
                 f"token in common {where}: the constraint allows only token ids "
                 f"{shown_ids(grammar_ids)} there; allow some of them, or drop one of the two",
                 NO_ALLOWED_TOKEN, "allowed_token_ids")
-        subject = f"both allowed_token_ids and {subject}"
+        return bans_refusal(request, before, candidates, f"both allowed_token_ids and "
+                            f"{subject} allow", where, "loosen the constraint")
+    return bans_refusal(request, before, candidates, f"{subject} allows", where,
+                        "loosen the constraint")
+
+
+def bans_refusal(request: Request, before: Sequence[int], candidates: Sequence[int],
+                 allows: str, where: str, remedy: str) -> Refusal | None:
+    """The request's fault when its own bans after ``before`` (EOS and stop tokens below
+    ``min_tokens``, bad words; :func:`~lmkit.sample.metadata.banned_next_tokens`) forbid
+    every one of ``candidates``, the tokens its other rules leave (``allows`` says whose:
+    ``"allowed_token_ids [1, 2] allow"``; ``remedy`` the other way out); ``None`` when
+    some token is left. The ``param`` is ``min_tokens`` or ``bad_words``."""
+    from lmkit.sample.metadata import bad_words_banned, banned_next_tokens
+
+    p = request.sampling_params
     banned = banned_next_tokens(p, before, request.eos_token_id)
     if len(candidates) > len(banned) or any(t not in banned for t in candidates):
         return None
     bad = set(bad_words_banned(p.bad_words_token_ids or (), before))
     by_min = [t for t in candidates if t not in bad]  # banned only while below min_tokens
     by_bad = [t for t in candidates if t in bad]
-    allows = f"{subject} allow{'' if subject.startswith('both') else 's'} {where}"
     if by_min and by_bad:
         return Refusal(
             f"min_tokens = {p.min_tokens} and bad_words together forbid every token {allows} "
-            f"(token ids {shown_ids(candidates)}: ending the output, which min_tokens forbids "
-            f"before {p.min_tokens} tokens, or completing a bad word); lower min_tokens, "
-            "remove the bad word or loosen the constraint", NO_ALLOWED_TOKEN, "min_tokens")
+            f"{where} (token ids {shown_ids(candidates)}: ending the output, which "
+            f"min_tokens forbids before {p.min_tokens} tokens, or completing a bad word); "
+            f"lower min_tokens, remove the bad word or {remedy}", NO_ALLOWED_TOKEN,
+            "min_tokens")
     if by_min:
         return Refusal(
-            f"min_tokens = {p.min_tokens} is more than {subject} allow"
-            f"{'' if subject.startswith('both') else 's'}: {where} the only tokens left "
+            f"min_tokens = {p.min_tokens} is more than {allows}: {where} the only tokens left "
             f"(token ids {shown_ids(candidates)}) end the output, which min_tokens forbids "
             f"before {p.min_tokens} tokens; lower min_tokens (to {len(before)} or less for "
-            "this output) or loosen the constraint", NO_ALLOWED_TOKEN, "min_tokens")
+            f"this output) or {remedy}", NO_ALLOWED_TOKEN, "min_tokens")
     return Refusal(
-        f"bad_words forbid every token {allows} (token ids {shown_ids(candidates)}); remove "
-        "the bad word or loosen the constraint", NO_ALLOWED_TOKEN, "bad_words")
+        f"bad_words forbid every token {allows} {where} (token ids {shown_ids(candidates)}); "
+        f"remove the bad word or {remedy}", NO_ALLOWED_TOKEN, "bad_words")
 
 
 def shown_ids(token_ids: Sequence[int], limit: int = 8) -> str:

@@ -149,9 +149,9 @@ class InputProcessor:
 
     def _token_constraints(self, params: SamplingParams) -> SamplingParams:
         """Check allowed_token_ids and logits_processors; tokenize bad_words."""
-        self._check_ids("allowed_token_ids", params.allowed_token_ids or [])
+        self.check_ids("allowed_token_ids", params.allowed_token_ids or [])
         for words in params.bad_words_token_ids or []:
-            self._check_ids("bad_words_token_ids", words)
+            self.check_ids("bad_words_token_ids", words)
         unknown = [n for n in params.logits_processors or [] if n not in self.logits_processors]
         if unknown:
             from lmkit.plugin_host.registry import suggest
@@ -213,7 +213,8 @@ class InputProcessor:
                 "allow other tokens", param="bad_words", code=NO_ALLOWED_TOKEN)
         raise InvalidRequestError(message, param="min_tokens", code=NO_ALLOWED_TOKEN)
 
-    def _check_ids(self, param: str, ids: Sequence[int]) -> None:
+    def check_ids(self, param: str, ids: Sequence[int]) -> None:
+        """Refuse token ids outside the vocabulary, naming ``param`` (400)."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(

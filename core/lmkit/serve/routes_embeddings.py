@@ -135,8 +135,11 @@ async def prompt_ids(state: ServerState, inputs: Sequence[str | list[int]],
     left = getattr(processor.tokenizer, "truncation_side", "right") == "left"
     ids_of: list[list[int]] = []
     for item, label in zip(inputs, labels, strict=True):
-        ids = next(encoded) if isinstance(item, str) else _checked(item, label,
-                                                                    processor.vocab_size)
+        if isinstance(item, str):
+            ids = next(encoded)
+        else:
+            processor.check_ids(label, item)
+            ids = item
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:] if left else ids[:keep]
         if len(ids) > max_len:
@@ -146,15 +149,6 @@ async def prompt_ids(state: ServerState, inputs: Sequence[str | list[int]],
                 "input to the context)", param=label, code="context_length_exceeded")
         ids_of.append(ids)
     return ids_of
-
-
-def _checked(ids: list[int], label: str, vocab_size: int) -> list[int]:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(f"{label} holds token id {bad}, outside this model's "
-                                  f"vocabulary [0, {vocab_size})", param=label,
-                                  code="invalid_value")
-    return ids
 
 
 async def _tokenize(tokenizer: Any, texts: list[str], keep: int | None) -> list[list[int]]:

@@ -129,7 +129,8 @@ def warmup(wl: Workload, count: int) -> Workload:
     top = max(max(p) for p in wl["prompts"]) + 1
     return {"name": "warmup", "prompts": [[(t + 7) % top for t in p[: max(16, len(p) // 2)]]
                                           for p in wl["prompts"][:count]],
-            "output_lens": [min(n, 24) for n in wl["output_lens"][:count]]}
+            "output_lens": [min(n, 24) for n in wl["output_lens"][:count]],
+            "sampling": wl.get("sampling", {})}
 
 
 def lmkit_dp_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
@@ -147,8 +148,8 @@ def lmkit_dp_side(model_dir: str, options: dict[str, Any], workloads: list[Workl
                             "results": []}
 
     def run(wl: Workload) -> tuple[float, int]:
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for n in wl["output_lens"]]
+        params = [SamplingParams(**{"temperature": 0.0, **wl.get("sampling", {})},
+                                 max_tokens=n, ignore_eos=True) for n in wl["output_lens"]]
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in wl["prompts"]], params)
         return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
@@ -172,7 +173,8 @@ def _run_engine(engine: Any, wl: Workload, recorder: _StepRecorder) -> dict[str,
     start = time.perf_counter()
     first_token: dict[str, float] = {}
     for i, (prompt, n) in enumerate(zip(wl["prompts"], wl["output_lens"], strict=True)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = SamplingParams(**{"temperature": 0.0, **wl.get("sampling", {})},
+                                max_tokens=n, ignore_eos=True)
         engine.add_request(Request(f"{wl['name']}-{i}", list(prompt), params))
     submit_s = time.perf_counter() - start
     produced = 0

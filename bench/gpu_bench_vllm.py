@@ -73,10 +73,11 @@ def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
     return info
 
 
-def _params(n: int) -> Any:
+def _params(n: int, sampling: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    return SamplingParams(**{"temperature": 0.0, **(sampling or {})}, max_tokens=n,
+                          ignore_eos=True, detokenize=False)
 
 
 def _prompts(wl: Workload) -> list[dict[str, list[int]]]:
@@ -85,7 +86,7 @@ def _prompts(wl: Workload) -> list[dict[str, list[int]]]:
 
 def _generate(llm: Any, wl: Workload) -> dict[str, Any]:
     """All of ``wl`` through ``LLM.generate`` (vLLM schedules them as it likes)."""
-    params = [_params(n) for n in wl["output_lens"]]
+    params = [_params(n, wl.get("sampling")) for n in wl["output_lens"]]
     start = time.perf_counter()
     outs = llm.generate(_prompts(wl), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -98,7 +99,7 @@ def _step_one(llm: Any, wl: Workload) -> dict[str, Any]:
     engine = llm.llm_engine
     (prompt,), (n,) = _prompts(wl), wl["output_lens"]
     start = time.perf_counter()
-    engine.add_request(f"{wl['name']}-0", prompt, _params(n))
+    engine.add_request(f"{wl['name']}-0", prompt, _params(n, wl.get("sampling")))
     t_first, produced = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():

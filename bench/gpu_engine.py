@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                     "path, values as JSON; ';'-separated, e.g. "
                     "'attention.options={\"decode_tiles\": [64, 8, 3]}' (with --ab-env: "
                     "both, in one run)")
+    ap.add_argument("--sampling", type=json.loads, default=None,
+                    help='sampling parameters for every request of both sides, as JSON, e.g. '
+                    '\'{"temperature": 0.7, "repetition_penalty": 1.1}\' (default: greedy; '
+                    'max_tokens and ignore_eos stay the workload\'s)')
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
@@ -274,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("W1", "W3", "W4"):
             keep = max(1, int(len(all_workloads[name]["prompts"]) * args.scale))
             all_workloads[name] = wl.subset(all_workloads[name], keep)
+    if args.sampling is not None:
+        if not isinstance(args.sampling, dict) or {"max_tokens", "ignore_eos"} & set(args.sampling):
+            ap.error("--sampling takes a JSON object of sampling parameters other than "
+                     "max_tokens and ignore_eos")
+        for workload in all_workloads.values():
+            workload["sampling"] = args.sampling
     subsets = wl.parse_subsets(args.hf_subset)
     report: dict[str, Any] = {
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload_sizes": {n: all_workloads[n]["output_lens"] for n in names},
         "lmkit": {}, "hf": {}, "vllm": {}, "lmkit_baseline": {}, "hf_workloads": {},
         "quantization": args.quantization, "baseline_quantization": args.baseline_quantization,
-        "kv_cache_dtype": args.kv_cache_dtype}
+        "kv_cache_dtype": args.kv_cache_dtype, "sampling": args.sampling}
     if args.baseline_tree:
         report["baseline_tree"] = _tree_commit(args.baseline_tree)
     if torch.cuda.is_available():

@@ -141,10 +141,13 @@ def test_penalties_change_the_greedy_choice_and_skip_unpenalised_rows():
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
               SamplingParams(temperature=0.0)]
     md = build(params, 3, prompts=[[0], [0]])
-    assert md.penalties.seen_rows.tolist() == [0]  # the other row's prompt isn't scanned
+    assert md.penalties.table.rows.tolist() == [0]  # the other row is not read
+    assert md.penalties.table.seen.tolist() == [[True, False, False]]
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1, 0]
-    md = build([SamplingParams(temperature=0.0, presence_penalty=1.0)], 3, outputs=[[0]])
-    assert md.penalties.seen_rows is None  # no repetition penalty: prompt not scanned
+    md = build([SamplingParams(temperature=0.0, presence_penalty=1.0)], 3, prompts=[[2]],
+               outputs=[[0]])
+    # no repetition penalty: the prompt is not scanned
+    assert md.penalties.table.seen.tolist() == [[True, False, False]]
     assert Sampler()(logits[:1], md).sampled_token_ids.tolist() == [1]
 
 

@@ -1,7 +1,9 @@
 """Per-step sampling metadata: every request's sampling parameters as batch tensors.
 
-Built once per step by the model runner (O(batch) Python work, plus O(tokens) for the
-rows that use penalties), then consumed by :class:`lmkit.sample.sampler.Sampler`
+Built once per step by the model runner (O(batch) Python work; what a request's logit
+bias, allowed ids and penalties need is kept across steps by the runner's
+:class:`~lmkit.sample.row_cache.SamplingCache`, which adds only each step's new tokens),
+then consumed by :class:`lmkit.sample.sampler.Sampler`
 without any per-row Python. Fields a step does not need are ``None`` so the sampler
 skips that work entirely.
 
@@ -13,16 +15,15 @@ drafts before that position), then :func:`lmkit.sample.sampler.adjust_logits` an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.errors import InvalidRequestError
 from lmkit.sample.penalties import PenaltyTensors, build_penalty_tensors
+from lmkit.sample.row_cache import SamplingCache
 
 if TYPE_CHECKING:
     from lmkit.api.logits_processor import LogitsProcessor
@@ -97,6 +98,8 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int | None],
         vocab_size: int,
         device: torch.device,
+        cache: SamplingCache | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> SamplingMetadata:
         """Gather the batch's sampling parameters into tensors on ``device``.
 
@@ -111,6 +114,10 @@ class SamplingMetadata:
                 the request sets ``ignore_eos``.
             vocab_size: the logits' width.
             device: where the logits live.
+            cache: the runner's per-request tensors (:class:`~lmkit.sample.row_cache.
+                SamplingCache`: logit bias, allowed ids and penalty counts carried over
+                between steps); without one they are built for this call alone.
+            keys: each row's request id, for ``cache`` (a request's rows share it).
 
         Raises:
             InvalidRequestError: a logit_bias or allowed token id is outside
@@ -133,11 +140,13 @@ class SamplingMetadata:
         )
         if not md.all_greedy:
             md._set_random_sampling(params, greedy, generators, device)
-        md._set_logit_bias(params, device)
+        if cache is None or keys is None:
+            cache, keys = SamplingCache(vocab_size, device), range(num_rows)
+        md._set_logit_bias(params, cache, keys, device)
         md._set_banned_tokens(params, output_token_ids, eos_token_ids, device)
-        md._set_allowed_tokens(params, device)
+        md._set_allowed_tokens(params, cache, keys, device)
         md.penalties = build_penalty_tensors(params, prompt_token_ids, output_token_ids,
-                                             vocab_size, device)
+                                             vocab_size, device, cache, keys)
         md.num_logprobs = [p.logprobs for p in params]
         asking = [i for i, n in enumerate(md.num_logprobs) if n is not None]
         if asking:
@@ -165,26 +174,15 @@ class SamplingMetadata:
         self.generators = {i: gen for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                            if gen is not None and not g}
 
-    def _set_logit_bias(self, params, device) -> None:
-        rows: list[int] = []
-        token_ids: list[int] = []
-        values: list[float] = []
-        for i, p in enumerate(params):
-            if not p.logit_bias:
-                continue
-            for tok, bias in p.logit_bias.items():
-                if not 0 <= tok < self.vocab_size:
-                    raise InvalidRequestError(
-                        f"logit_bias names token id {tok}, but the model's vocabulary has "
-                        f"ids 0..{self.vocab_size - 1}; remove it or use a valid id",
-                        param="logit_bias", code="invalid_value")
-                rows.append(i)
-                token_ids.append(tok)
-                values.append(bias)
+    def _set_logit_bias(self, params, cache, keys, device) -> None:
+        rows = [i for i, p in enumerate(params) if p.logit_bias]
         if rows:
-            self.bias_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-            self.bias_token_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
-            self.bias_values = torch.tensor(values, dtype=torch.float32).to(device)
+            pairs = [cache.bias(keys[i], params[i]) for i in rows]
+            lengths = torch.tensor([len(t) for t, _ in pairs], dtype=torch.int64)
+            self.bias_rows = torch.repeat_interleave(
+                torch.tensor(rows, dtype=torch.int64), lengths).to(device)
+            self.bias_token_ids = torch.cat([t for t, _ in pairs])
+            self.bias_values = torch.cat([v for _, v in pairs])
 
     def _set_banned_tokens(self, params, output_token_ids, eos_token_ids, device) -> None:
         rows: list[int] = []
@@ -198,24 +196,13 @@ class SamplingMetadata:
             self.banned_rows = torch.tensor(rows, dtype=torch.int64).to(device)
             self.banned_token_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
 
-    def _set_allowed_tokens(self, params, device) -> None:
+    def _set_allowed_tokens(self, params, cache, keys, device) -> None:
         rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
-        if not rows:
-            return
-        ids = [params[i].allowed_token_ids for i in rows]
-        bad = [t for t in chain.from_iterable(ids) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"allowed_token_ids names token id {bad[0]}, but the model's vocabulary has "
-                f"ids 0..{self.vocab_size - 1}; remove it or use a valid id",
-                param="allowed_token_ids", code="invalid_value")
-        lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
-        mask_rows = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-        mask_cols = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.int64)
-        mask = torch.zeros(len(rows), self.vocab_size, dtype=torch.bool)
-        mask[mask_rows, mask_cols] = True
-        self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-        self.allowed_mask = mask.to(device)
+        if rows:
+            slots = [cache.allowed_slot(keys[i], params[i]) for i in rows]
+            self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+            self.allowed_mask = cache.allowed_table().index_select(
+                0, torch.tensor(slots, dtype=torch.int64).to(device))
 
 
 def banned_next_tokens(params: SamplingParams, output: Sequence[int], eos: int | None

@@ -11,48 +11,25 @@ touched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
+from lmkit.sample.row_cache import PenaltyRows, SamplingCache
 
 
 @dataclass
 class PenaltyTensors:
-    """Per-row penalty parameters and, sparsely, the tokens they act on.
-
-    Penalties only touch tokens a request has seen, so they are stored as (row, token)
-    pairs rather than ``[num_rows, vocab]`` tables: applying them costs O(tokens seen),
-    not O(rows x vocab). Rows without penalties contribute no pairs.
-    """
+    """Per-row penalty parameters and, for the rows with penalties, the tokens they act
+    on: tables kept across steps by :class:`lmkit.sample.row_cache.SamplingCache`
+    (:class:`~lmkit.sample.row_cache.PenaltyRows`)."""
 
     repetition: torch.Tensor  # float32 [num_rows], 1.0 = off
     frequency: torch.Tensor  # float32 [num_rows], 0.0 = off
     presence: torch.Tensor  # float32 [num_rows], 0.0 = off
-    # Distinct generated tokens and how often each was generated.
-    output_rows: torch.Tensor  # int64 [num_pairs]
-    output_token_ids: torch.Tensor  # int64 [num_pairs]
-    output_counts: torch.Tensor  # float32 [num_pairs]
-    # Distinct tokens in prompt or output, for rows with a repetition penalty (else None).
-    seen_rows: torch.Tensor | None = None  # int64 [num_seen]
-    seen_token_ids: torch.Tensor | None = None  # int64 [num_seen]
-
-
-def _distinct_pairs(
-    token_ids: Sequence[Sequence[int]], rows: Sequence[int], vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct (row, token id) pairs of the token lists of ``rows``, as flat indices
-    ``row * vocab_size + token`` (int64) and the number of times each occurs."""
-    lengths = torch.tensor([len(token_ids[r]) for r in rows], dtype=torch.int64)
-    row_idx = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64), lengths)
-    tok_idx = torch.tensor(list(chain.from_iterable(token_ids[r] for r in rows)), dtype=torch.int64)
-    # Token ids outside the logits' width cannot be penalised (they can't be sampled).
-    keep = (tok_idx >= 0) & (tok_idx < vocab_size)
-    flat = row_idx[keep] * vocab_size + tok_idx[keep]
-    return torch.unique(flat, return_counts=True)
+    table: PenaltyRows
 
 
 def build_penalty_tensors(
@@ -61,36 +38,31 @@ def build_penalty_tensors(
     output_token_ids: Sequence[Sequence[int]],
     vocab_size: int,
     device: torch.device,
+    cache: SamplingCache | None = None,
+    keys: Sequence[Hashable] | None = None,
 ) -> PenaltyTensors | None:
     """Build the penalty tensors for one step, or ``None`` when no row uses penalties.
 
-    Only rows with penalties are scanned, so a batch where one request asks for a
-    penalty pays for that request's tokens only; the prompt is scanned only for a
+    With a ``cache`` (and each row's request ``keys``) a request's counts carry over
+    from its last step and only its new tokens are added; without one every row counts
+    its tokens afresh. Only rows with penalties are read; the prompt only for a
     repetition penalty.
     """
     rows = [i for i, p in enumerate(params) if p.needs_penalties]
     if not rows:
         return None
-    out_flat, out_counts = _distinct_pairs(output_token_ids, rows, vocab_size)
-    pen = PenaltyTensors(
+    if cache is None:
+        cache, keys = SamplingCache(vocab_size, device), None
+    table = cache.penalty_rows(keys if keys is not None else range(len(params)), params,
+                               prompt_token_ids, output_token_ids, rows)
+    return PenaltyTensors(
         repetition=torch.tensor([p.repetition_penalty for p in params],
                                 dtype=torch.float32).to(device),
         frequency=torch.tensor([p.frequency_penalty for p in params],
                                dtype=torch.float32).to(device),
         presence=torch.tensor([p.presence_penalty for p in params],
                               dtype=torch.float32).to(device),
-        output_rows=(out_flat // vocab_size).to(device),
-        output_token_ids=(out_flat % vocab_size).to(device),
-        output_counts=out_counts.to(torch.float32).to(device),
-    )
-    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if rep_rows:
-        prompt_flat, _ = _distinct_pairs(prompt_token_ids, rep_rows, vocab_size)
-        rep_out = out_flat[torch.isin(out_flat // vocab_size, torch.tensor(rep_rows))]
-        seen = torch.unique(torch.cat([prompt_flat, rep_out]))
-        pen.seen_rows = (seen // vocab_size).to(device)
-        pen.seen_token_ids = (seen % vocab_size).to(device)
-    return pen
+        table=table)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
@@ -99,7 +71,8 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     Repetition (CTRL, Keskar et al. 2019) acts on every token seen in the prompt or the
     output: positive logits are divided by the penalty, negative ones multiplied.
     Frequency and presence (OpenAI) act on output tokens only:
-    ``logit -= frequency * count + presence * (count > 0)``.
+    ``logit -= frequency * count + presence * (count > 0)``. Tokens a row has not seen
+    keep their logits bit for bit.
 
     Args:
         logits: float32 ``[num_rows, vocab]``, modified in place.
@@ -108,17 +81,45 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     Returns:
         ``logits``.
     """
-    if penalties.seen_rows is not None:
-        rows, token_ids = penalties.seen_rows, penalties.seen_token_ids
-        values = logits[rows, token_ids]  # [num_seen]
-        scale = penalties.repetition[rows]
-        logits[rows, token_ids] = torch.where(values > 0, values / scale, values * scale)
-    rows, token_ids = penalties.output_rows, penalties.output_token_ids
-    if rows.numel():
-        # Pairs are distinct, so a plain indexed write is exact.
-        logits[rows, token_ids] -= (penalties.frequency[rows] * penalties.output_counts
-                                    + penalties.presence[rows])
+    # on the CPU, the few tokens each row has seen, found in one scan, cost less than
+    # passes over whole rows; on CUDA those passes need no host sync, a scan would
+    if logits.device.type == "cpu":
+        return _apply_scanned(logits, penalties)
+    return _apply_dense(logits, penalties)
+
+
+def _apply_scanned(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    t = penalties.table
+    at, tokens = t.seen.nonzero(as_tuple=True)
+    counts = t.counts[t.slots[at], tokens]
+    if t.draft_counts is not None:
+        counts = counts + t.draft_counts[at, tokens]
+    rows = t.rows[at]
+    logits[rows, tokens] = _penalized(logits[rows, tokens], counts, penalties.repetition[rows],
+                                      penalties.frequency[rows], penalties.presence[rows])
     return logits
+
+
+def _apply_dense(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
+    t = penalties.table
+    counts = t.counts.index_select(0, t.slots)
+    if t.draft_counts is not None:
+        counts = counts + t.draft_counts
+    before = logits.index_select(0, t.rows)
+    after = _penalized(before, counts, *(v[t.rows][:, None] for v in (
+        penalties.repetition, penalties.frequency, penalties.presence)))
+    logits[t.rows] = torch.where(t.seen, after, before)
+    return logits
+
+
+def _penalized(values: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
+               frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    # apply_penalties' arithmetic on the values of seen tokens (the parameters broadcast
+    # against them): repetition on all of them (1.0 leaves a value as it is), frequency
+    # and presence on the generated ones
+    counts = counts.to(torch.float32)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    return torch.where(counts > 0, values - (frequency * counts + presence), values)
 
 
 def apply_logit_bias(

@@ -53,6 +53,7 @@ from lmkit.sample.draws import adjust_logits, compute_probs, make_generator, sam
 from lmkit.sample.kernels import TorchSamplingKernels, random_rows
 from lmkit.sample.logprobs import compute_prompt_logprobs, to_token_logprobs
 from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.row_cache import SamplingCache
 
 __all__ = [
     "Sampler", "SamplerOutput", "VerifiedTokens", "adjust_logits", "compute_probs",
@@ -79,6 +80,20 @@ class Sampler:
 
     def __init__(self, kernels: SamplingKernels | None = None) -> None:
         self.kernels = kernels if kernels is not None else TorchSamplingKernels(device=None)
+        self._requests: SamplingCache | None = None
+
+    def request_cache(self, vocab_size: int, device: torch.device) -> SamplingCache:
+        """The per-request tensors kept across steps (logit bias, allowed ids, penalty
+        counts) for logits of ``vocab_size`` on ``device``; made on first use."""
+        cache = self._requests
+        if cache is None or cache.vocab_size != vocab_size or cache.device != device:
+            cache = self._requests = SamplingCache(vocab_size, device)
+        return cache
+
+    def forget(self, req_id: str) -> None:
+        """Drop what :meth:`request_cache` keeps for ``req_id`` (finished, preempted)."""
+        if self._requests is not None:
+            self._requests.forget(req_id)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` (float32 ``[num_rows, vocab]``, left

@@ -350,6 +350,7 @@ class ModelRunner:
         if self.requests.pop(rid, None) is not None:
             self.input_batch.remove_request(rid)
             self.logits_processors.remove(rid)
+            self.sampler.forget(rid)
             if self.pooling:
                 self.pooling.remove(rid)
 

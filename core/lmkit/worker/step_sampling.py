@@ -46,7 +46,9 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
     # one row per sampled position; outputs extended by drafts are views, not copies
     r = sampling_rows(by_state)
     md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
-                                r.eos_token_ids, runner.vocab_size, hidden.device)
+                                r.eos_token_ids, runner.vocab_size, hidden.device,
+                                runner.sampler.request_cache(runner.vocab_size, hidden.device),
+                                [order[i] for i, _, d in plan for _ in range(len(d) + 1)])
     if runner.logits_processors.in_use:  # plugin processors: the slot of every row
         md.logits_processors, md.processor_slots = runner.logits_processors.for_step(
             [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)

@@ -1,0 +1,247 @@
+"""What a request's own sampling parameters make of its logits, kept across steps.
+
+Logit bias, allowed token ids and the repetition / frequency / presence penalties
+depend on a request's parameters (fixed for its life) and, for the penalties, on its
+tokens (which only grow). Built from scratch every step, they cost O(tokens) of host
+work per step: at 256 requests of 1,024 tokens each with a repetition penalty, ~80 ms
+of Python and ``torch.unique`` per step, an order of magnitude more than the GPU's
+decode step; 256 requests with 2,048 ``allowed_token_ids`` each, ~160 ms (a
+``[rows, vocab]`` mask filled on the host and copied over every step).
+
+:class:`SamplingCache` keeps them per request instead, on the logits' device:
+
+* the logit bias as two small tensors (token ids, values), checked once;
+* the allowed token ids as a row of a ``bool [slots, vocab]`` table, written once;
+* the penalties as a row of an ``int32 [slots, vocab]`` table of output-token counts
+  and a row of a ``bool [slots, vocab]`` table of the tokens the request has seen (its
+  output's, and its prompt's for a repetition penalty), to which each step adds only
+  the tokens generated since the last (one upload).
+
+A step gathers its rows' table rows on the device. Tables grow by doubling and are
+allocated only when a request asks for what they hold (``slots x vocab`` x 5 bytes
+for the penalties, x 1 for allowed ids). Entries belong to a request id; the runner
+drops those of requests it no longer holds (:meth:`SamplingCache.retain`). An entry
+is rebuilt when its request's parameters or output list are not the objects it was
+built from (a request re-added after preemption), or the output got shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmkit.api.sampling_params import SamplingParams
+from lmkit.errors import InvalidRequestError
+
+
+class SlotTable:
+    """Rows of ``width`` values of ``dtype`` on ``device``, handed out as slots; the
+    tensor (:attr:`data`) doubles when full, so a slot's row moves but keeps its index."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.width, self.dtype, self.device = width, dtype, device
+        self.data = torch.zeros(0, width, dtype=dtype, device=device)
+        self._free: list[int] = []
+
+    def take(self) -> int:
+        """A free slot, its row zeroed."""
+        if not self._free:
+            old = self.data.shape[0]
+            grown = torch.zeros(max(4, 2 * old), self.width, dtype=self.dtype, device=self.device)
+            grown[:old] = self.data
+            self.data = grown
+            self._free = list(range(grown.shape[0] - 1, old - 1, -1))
+        slot = self._free.pop()
+        self.data[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Give ``slot`` back."""
+        self._free.append(slot)
+
+
+@dataclass
+class _Entry:
+    params: SamplingParams
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # token ids, values
+    allowed: int | None = None  # slot in the allowed table
+    penalty: int | None = None  # slot in the counts and seen tables
+    output: Sequence[int] | None = None  # the output list counted so far
+    counted: int = 0  # its tokens already in the counts
+
+
+@dataclass
+class PenaltyRows:
+    """What the penalties of a step's rows need on the device: ``rows`` int64 ``[P]``,
+    the rows with penalties; ``slots`` int64 ``[P]``, their rows of ``counts`` (int32
+    ``[slots, vocab]``, how often each token was generated: the cache's table, not a
+    copy); ``seen`` bool ``[P, vocab]``, the tokens each row has seen (a copy, with the
+    drafts before the row); ``draft_counts`` int32 ``[P, vocab]``, those drafts'
+    counts, ``None`` when no row has drafts."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+    seen: torch.Tensor
+    draft_counts: torch.Tensor | None = None
+
+
+class SamplingCache:
+    """Per-request sampling tensors kept across steps (see the module docstring).
+
+    Args:
+        vocab_size: the logits' width.
+        device: where the logits live.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._entries: dict[Hashable, _Entry] = {}
+        self._allowed = SlotTable(vocab_size, torch.bool, device)
+        self._counts = SlotTable(vocab_size, torch.int32, device)
+        self._seen = SlotTable(vocab_size, torch.bool, device)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def forget(self, key: Hashable) -> None:
+        """Drop the entry of request ``key``, if any."""
+        if key in self._entries:
+            self._drop(key)
+
+    def retain(self, live: Container[Hashable]) -> None:
+        """Drop the entries of requests not in ``live`` (O(entries))."""
+        for key in [k for k in self._entries if k not in live]:
+            self._drop(key)
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key)
+        if entry.allowed is not None:
+            self._allowed.free(entry.allowed)
+        if entry.penalty is not None:
+            self._counts.free(entry.penalty)
+            self._seen.free(entry.penalty)
+
+    def _entry(self, key: Hashable, params: SamplingParams) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is not None and entry.params is not params:
+            self._drop(key)
+            entry = None
+        if entry is None:
+            entry = self._entries[key] = _Entry(params)
+        return entry
+
+    def bias(self, key: Hashable, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """``params.logit_bias`` as (token ids int64, values float32) on the device.
+
+        Raises:
+            InvalidRequestError: a token id outside the vocabulary.
+        """
+        entry = self._entry(key, params)
+        if entry.bias is None:
+            bias = params.logit_bias or {}
+            self._check_ids(bias, "logit_bias")
+            entry.bias = (torch.tensor(list(bias), dtype=torch.int64).to(self.device),
+                          torch.tensor(list(bias.values()), dtype=torch.float32).to(self.device))
+        return entry.bias
+
+    def allowed_slot(self, key: Hashable, params: SamplingParams) -> int:
+        """The row of :meth:`allowed_table` that holds ``params.allowed_token_ids``.
+
+        Raises:
+            InvalidRequestError: a token id outside the vocabulary.
+        """
+        entry = self._entry(key, params)
+        if entry.allowed is None:
+            ids = params.allowed_token_ids or []
+            self._check_ids(ids, "allowed_token_ids")
+            slot = self._allowed.take()
+            self._allowed.data[slot, torch.tensor(ids, dtype=torch.int64).to(self.device)] = True
+            entry.allowed = slot
+        return entry.allowed
+
+    def allowed_table(self) -> torch.Tensor:
+        """bool ``[slots, vocab]``: allowed token ids by slot."""
+        return self._allowed.data
+
+    def penalty_rows(self, keys: Sequence[Hashable], params: Sequence[SamplingParams],
+                     prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                     rows: Sequence[int]) -> PenaltyRows:
+        """The penalty tables' rows for ``rows`` (each with its request ``keys[row]``,
+        ``params[row]``, ``prompts[row]`` and ``outputs[row]``): the request's output
+        itself, or that output extended by drafts (``DraftExtendedTokens``; those
+        tokens count for the row alone, not for the request)."""
+        from lmkit.spec_decode.rows import DraftExtendedTokens
+
+        slots: list[int] = []
+        new_slots: list[int] = []
+        new_tokens: list[int] = []
+        draft_rows: list[int] = []
+        draft_tokens: list[int] = []
+        for i, row in enumerate(rows):
+            p, out = params[row], outputs[row]
+            base: Sequence[int] = out
+            drafts: Sequence[int] = ()
+            if isinstance(out, DraftExtendedTokens):
+                base, drafts = out.base, out.drafts[:out.num_drafts]
+            entry = self._entry(keys[row], p)
+            if entry.penalty is None or entry.output is not base or len(base) < entry.counted:
+                self._start_counts(entry, p, prompts[row], base)
+            if len(base) > entry.counted:
+                fresh = base[entry.counted:]
+                new_slots.extend([entry.penalty] * len(fresh))  # type: ignore[list-item]
+                new_tokens.extend(fresh)
+                entry.counted = len(base)
+            slots.append(entry.penalty)  # type: ignore[arg-type]
+            draft_rows.extend([i] * len(drafts))
+            draft_tokens.extend(drafts)
+        counts, seen = self._counts.data, self._seen.data
+        if new_tokens:
+            at = self._pairs(new_slots, new_tokens)
+            counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype), accumulate=True)
+            seen[at] = True
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        table = PenaltyRows(torch.tensor(list(rows), dtype=torch.int64).to(self.device), index,
+                            counts, seen.index_select(0, index))
+        if draft_tokens:
+            at = self._pairs(draft_rows, draft_tokens)
+            table.draft_counts = torch.zeros(len(rows), self.vocab_size, dtype=counts.dtype,
+                                             device=self.device)
+            table.draft_counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype),
+                                          accumulate=True)
+            table.seen[at] = True
+        return table
+
+    def _start_counts(self, entry: _Entry, params: SamplingParams, prompt: Sequence[int],
+                      output: Sequence[int]) -> None:
+        if entry.penalty is None:
+            entry.penalty = self._counts.take()
+            taken = self._seen.take()
+            assert taken == entry.penalty, "the counts and seen tables hand out slots together"
+        else:
+            self._counts.data[entry.penalty].zero_()
+            self._seen.data[entry.penalty].zero_()
+        if params.repetition_penalty != 1.0:
+            ids = torch.tensor(list(prompt), dtype=torch.int64)
+            ids = ids[(ids >= 0) & (ids < self.vocab_size)].to(self.device)
+            self._seen.data[entry.penalty, ids] = True
+        entry.output, entry.counted = output, 0
+
+    def _pairs(self, rows: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # (row, token) index tensors on the device; tokens outside the logits' width
+        # cannot be sampled, so nothing penalises them
+        r = torch.tensor(rows, dtype=torch.int64)
+        t = torch.tensor(tokens, dtype=torch.int64)
+        keep = (t >= 0) & (t < self.vocab_size)
+        return r[keep].to(self.device), t[keep].to(self.device)
+
+    def _check_ids(self, ids: Sequence[int] | dict[int, float], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{param} names token id {bad}, but the model's vocabulary has ids "
+                f"0..{self.vocab_size - 1}; remove it or use a valid id",
+                param=param, code="invalid_value")

@@ -1,0 +1,22 @@
+"""bench/sampling_state.py: each parameter mix runs through the runner's sampling path
+(with its per-request cache) on tiny shapes; an unknown mix is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import sampling_state  # noqa: E402
+
+
+@pytest.mark.parametrize("mix", sampling_state.MIXES)
+def test_each_mix_times_a_step(mix):
+    assert sampling_state.time_steps(mix, 3, 2, 2200, 6, 4, "cpu") > 0
+
+
+def test_an_unknown_mix_is_refused():
+    with pytest.raises(SystemExit, match="choose from penalties"):
+        sampling_state.mix_params("greedy", 0)

@@ -13,7 +13,10 @@ actors answer with encoded replies. Health: the executor waits on the actor call
 :data:`POLL_S` at a time; an actor that died (its call raises ``RayActorError``) or
 that reports a failure makes the call raise :class:`WorkerFailedError`, and every
 actor is killed; so does a step with no answer within ``execute_timeout_s``
-(:class:`~lmkit_plugins.executors.failure.WorkerOptions`: a hung actor).
+(:class:`~lmkit_plugins.executors.failure.WorkerOptions`: a hung actor). While the
+engine is idle, :meth:`RayExecutor.check_health` polls a cheap liveness call per actor
+without waiting, so an actor that dies between requests is reported within a check or
+two (the engine checks about once a second).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class RayExecutor(Executor):
         self._decoder = executor_decoder()
         self._seq = 0
         self._failed: str | None = None
+        self._pings: dict[int, Any] = {}  # rank -> its liveness call in flight (check_health)
         self.execute_timeout_s = execute_timeout(options)
 
     def start(self) -> ModelInfo:
@@ -190,6 +194,42 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------------ Executor
 
+    def check_health(self) -> None:
+        """Raise :class:`WorkerFailedError` when an actor died since the last step (the
+        other actors are killed), or the executor failed before; nothing before
+        :meth:`start` or after :meth:`shutdown`.
+
+        Never waits: each actor has at most one cheap call (``pid``) in flight, polled
+        with ``ray.wait(timeout=0)``; a call that came back is replaced by a fresh one,
+        and the first that fails (Ray fails the calls of a dead actor) names its rank.
+        A call sent before the actor died still succeeds, so a death shows within two
+        checks of Ray noticing it (a killed actor: about a second)."""
+        if self._failed is not None:
+            raise WorkerFailedError(self._failed)
+        if not self.actors:
+            return
+        import ray
+        from ray.exceptions import RayError
+
+        pings = self._pings
+        if pings:
+            ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+            done = set(ready)
+            for rank in sorted(pings):
+                ref = pings[rank]
+                if ref not in done:
+                    continue  # still in flight (a busy or slow actor): not asked twice
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    self._fail(f"worker rank {rank} (Ray actor) died while the engine was "
+                               f"idle: {type(e).__name__}: {first}")
+                del pings[rank]
+        for rank, actor in enumerate(self.actors):
+            if rank not in pings:
+                pings[rank] = actor.pid.remote()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks on every rank."""
         self._call(lambda s: InitKVCache(s, num_blocks))
@@ -234,6 +274,7 @@ class RayExecutor(Executor):
         self._kill_all()
 
     def _kill_all(self) -> None:
+        self._pings = {}
         if not (self.actors or self._placement is not None):
             return
         import ray

@@ -25,6 +25,11 @@ from lmkit.sample.sampler import make_generator
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import NewRequestData, SchedulerOutput
 
+# tokens a row holds before it first grows: rows start this wide, not max_model_len wide
+# (at 131072 tokens x 256 rows, int64 token ids alone would take 256 MiB up front, for
+# rows that mostly hold short requests); a longer request doubles them, up to the limit
+INITIAL_ROW_TOKENS = 4096
+
 
 @dataclass
 class CachedRequestState:
@@ -134,7 +139,9 @@ class InputBatch:
 
     Args:
         max_num_reqs: rows to preallocate (grows if more requests arrive).
-        max_model_len: token capacity per row (grows if a row needs more).
+        max_model_len: the context limit; rows start with room for
+            ``min(max_model_len, INITIAL_ROW_TOKENS)`` tokens and double (up to
+            ``max_model_len``) when a request needs more.
         block_size: tokens per KV block.
         max_num_tokens: step buffer capacity in tokens (grows if a step needs more).
         pin_memory: page-lock the step buffers (CUDA: asynchronous host-to-device copies).
@@ -153,8 +160,12 @@ class InputBatch:
         self.pin_memory = pin_memory
         self.req_ids: list[str] = []  # row -> request id (dense)
         self.row_of: dict[str, int] = {}
-        self._resize_rows(max(max_num_reqs, 1), max_model_len + 1,
-                          -(-max_model_len // block_size) + 1)
+        # row widths: tokens (+1: a slot past the last known one) and block-table columns
+        self.max_token_width = max_model_len + 1
+        self.max_block_width = -(-max_model_len // block_size) + 1
+        row_tokens = min(max_model_len, INITIAL_ROW_TOKENS)
+        self._resize_rows(max(max_num_reqs, 1), row_tokens + 1,
+                          -(-row_tokens // block_size) + 1)
         self._alloc_step(max(max_num_tokens, 1), max(max_num_reqs, 1))
 
     # ------------------------------------------------------------------ storage
@@ -180,6 +191,15 @@ class InputBatch:
             num_blocks[:n] = self.num_blocks[:n]
         self.token_ids, self.num_tokens, self.num_computed = token_ids, num_tokens, num_computed
         self.block_table, self.num_blocks = block_table, num_blocks
+
+    def _token_width(self, need: int) -> int:
+        """The token width for a row needing ``need`` slots: the current one doubled until
+        it fits, at most :attr:`max_token_width` (never less than ``need``)."""
+        return _doubled(self.token_ids.shape[1], need, self.max_token_width)
+
+    def _block_width(self, need: int) -> int:
+        """The block-table width for a row needing ``need`` columns (as :meth:`_token_width`)."""
+        return _doubled(self.block_table.shape[1], need, self.max_block_width)
 
     def _alloc_step(self, max_num_tokens: int, max_num_reqs: int) -> None:
         # torch tensors sharing memory with numpy views: filled in numpy, handed on as torch
@@ -207,7 +227,8 @@ class InputBatch:
         need_blocks = len(block_ids)
         if (row >= self.token_ids.shape[0] or need_tokens > self.token_ids.shape[1]
                 or need_blocks > self.block_table.shape[1]):
-            self._resize_rows(2 * row + 1, need_tokens, need_blocks)
+            self._resize_rows(2 * row + 1, self._token_width(need_tokens),
+                              self._block_width(need_blocks))
         self.req_ids.append(state.req_id)
         self.row_of[state.req_id] = row
         n_prompt = state.num_prompt_tokens
@@ -245,7 +266,7 @@ class InputBatch:
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
         if end > self.block_table.shape[1]:
-            self._resize_rows(0, 0, 2 * end)
+            self._resize_rows(0, 0, self._block_width(end))
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
@@ -254,7 +275,7 @@ class InputBatch:
         start = int(self.num_tokens[row])
         end = start + len(token_ids)
         if end > self.token_ids.shape[1]:
-            self._resize_rows(0, 2 * end, 0)
+            self._resize_rows(0, self._token_width(end), 0)
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end
 
@@ -263,7 +284,7 @@ class InputBatch:
         start = int(self.num_tokens[row])
         end = start + len(token_ids)
         if end > self.token_ids.shape[1]:
-            self._resize_rows(0, 2 * end, 0)
+            self._resize_rows(0, self._token_width(end), 0)
         self.token_ids[row, start:end] = token_ids
 
     # ------------------------------------------------------------------ one step
@@ -311,6 +332,15 @@ class InputBatch:
             slot_mapping=self._slot_mapping[:total],
             query_start_loc=self._query_start_loc[:num_reqs + 1],
             seq_lens=self._seq_lens[:num_reqs], block_tables=tables, num_decodes=num_decodes)
+
+
+def _doubled(width: int, need: int, cap: int) -> int:
+    """``width`` doubled until it holds ``need``, capped at ``cap`` but at least ``need``
+    (a row's drafts may reach past the context limit)."""
+    width = max(width, 1)
+    while width < need:
+        width *= 2
+    return max(need, min(width, cap))
 
 
 class DeviceInputs:

@@ -45,7 +45,7 @@ from lmkit.api.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from lmkit.api.pooling import ModelPooling, Pooler, PoolingParams
+from lmkit.api.pooling import ClassifierHead, ModelPooling, Pooler, PoolingParams
 from lmkit.api.quantization import (
     QuantizationMethod,
     QuantizedLinear,
@@ -150,7 +150,7 @@ __all__ = [
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
     "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
-    "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
+    "ClassifierHead", "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
     "QuantizedTensor",
     "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmkit.api.pooling import ModelPooling
+from lmkit.api.pooling import ClassifierHead, ModelPooling
 
 if TYPE_CHECKING:
     import torch
@@ -220,7 +220,12 @@ class PoolingModel(Model):
     """A :class:`Model` without a language-model head: it serves pooling requests only
     (embeddings, scores, classes); the engine refuses generation requests to it when
     they arrive. A model with a classification head declares
-    ``pooling = ModelPooling(classifier_pooler=...)`` and implements :meth:`classify`."""
+    ``pooling = ModelPooling(classifier_pooler=...)``, implements :meth:`classify` and
+    sets :attr:`classifier_head` from its config (``ClassifierHead.from_hf``)."""
+
+    #: what the head's logits mean (labels, ``problem_type``: the activation the
+    #: ``classify`` pooler applies); ``None``: inferred from the number of labels
+    classifier_head: ClassifierHead | None = None
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` (the classifier pooler's output) -> logits ``[n, num_labels]``;

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from lmkit.errors import InvalidRequestError
+from lmkit.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from lmkit.api.model import Model
 
 BUILTIN_POOLERS = ("last", "mean", "cls", "all")
+REGRESSION = "regression"
+SINGLE_LABEL = "single_label_classification"
+MULTI_LABEL = "multi_label_classification"
+#: the values of transformers' ``PretrainedConfig.problem_type`` (besides ``None``)
+PROBLEM_TYPES = (REGRESSION, SINGLE_LABEL, MULTI_LABEL)
 
 
 @dataclass
@@ -71,6 +76,68 @@ class ModelPooling:
     classifier_pooler: str | None = None
 
 
+@dataclass(frozen=True)
+class ClassifierHead:
+    """What a classification head's logits mean, from its HF config: ``num_labels``
+    of them, trained for ``problem_type``, which picks the activation the ``classify``
+    pooler applies, as transformers' text-classification pipeline does:
+
+    * ``regression``: none (the raw values);
+    * ``multi_label_classification``, or a single label (``None`` or
+      ``single_label_classification``): a sigmoid of each logit (independent labels; a
+      one-label cross-encoder's relevance score);
+    * ``single_label_classification``, or ``None``, over two or more labels: a softmax.
+
+    A model with a classification head sets it as its ``classifier_head`` attribute
+    when it is built (:meth:`from_hf`), so a bad ``problem_type`` fails the load.
+
+    Raises:
+        ModelLoadError: ``problem_type`` is not one of :data:`PROBLEM_TYPES` or ``None``,
+            or ``num_labels`` is not a positive integer.
+    """
+
+    num_labels: int
+    problem_type: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
+            raise ModelLoadError(
+                f"config.json problem_type {self.problem_type!r} is not supported; allowed: "
+                f"{', '.join(repr(p) for p in PROBLEM_TYPES)}, or null (inferred: "
+                "a sigmoid for one label, a softmax over two or more)")
+        if (not isinstance(self.num_labels, int) or isinstance(self.num_labels, bool)
+                or self.num_labels < 1):
+            raise ModelLoadError(f"a classification head needs num_labels >= 1 "
+                                 f"(config.json num_labels / id2label); got {self.num_labels!r}")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ClassifierHead:
+        """The head a transformers config describes (``num_labels``, else the length of
+        ``id2label``; ``problem_type``)."""
+        num_labels = getattr(hf_config, "num_labels", None) or len(hf_config.id2label or {})
+        return cls(int(num_labels), getattr(hf_config, "problem_type", None))
+
+    @property
+    def activation(self) -> Literal["none", "sigmoid", "softmax"]:
+        """The function applied to the logits (see the class docstring)."""
+        if self.problem_type == REGRESSION:
+            return "none"
+        if self.problem_type == MULTI_LABEL or self.num_labels == 1:
+            return "sigmoid"
+        return "softmax"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., num_labels]`` -> float32 scores of the same shape."""
+        import torch
+
+        logits = logits.float()
+        if self.activation == "sigmoid":
+            return torch.sigmoid(logits)
+        if self.activation == "softmax":
+            return torch.softmax(logits, dim=-1)
+        return logits
+
+
 class Pooler(ABC):
     """Reduces one request's prompt hidden states to its pooled output, chunk by chunk.
 
@@ -81,8 +148,9 @@ class Pooler(ABC):
     ``cls(model)`` (the loaded :class:`~lmkit.api.Model`).
     """
 
-    #: True when the output is a distribution (class probabilities), not an embedding:
-    #: the runner then never L2-normalizes it, whatever ``PoolingParams.normalize`` says
+    #: True when the output is class scores (probabilities, or a regression head's raw
+    #: values: :class:`ClassifierHead`), not an embedding: the runner then never
+    #: L2-normalizes it, whatever ``PoolingParams.normalize`` says
     outputs_probabilities: ClassVar[bool] = False
 
     def __init__(self, model: Model | None = None) -> None:

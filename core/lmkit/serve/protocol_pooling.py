@@ -74,8 +74,8 @@ class _PoolingFields(_Truncation):
 
 
 class ClassifyRequest(_PoolingFields):
-    """``POST /classify`` (vLLM's shape): class probabilities of each input from the
-    model's classification head."""
+    """``POST /classify`` (vLLM's shape): class scores of each input from the model's
+    classification head (probabilities, or raw values for a ``regression`` head)."""
 
     input: Prompt
 
@@ -88,7 +88,7 @@ class ClassifyRequest(_PoolingFields):
         return input_labels(self.input)
 
     def to_pooling_params(self) -> PoolingParams:
-        """``classify`` (probabilities, not normalized vectors)."""
+        """``classify`` (class scores, not normalized vectors)."""
         return PoolingParams(pooling_type="classify", normalize=False)
 
 

@@ -1,5 +1,5 @@
 """``POST /score`` and ``POST /rerank``: similarity of texts from their embeddings;
-``POST /classify``: class probabilities from a classification head.
+``POST /classify``: class scores from a classification head.
 
 Both pool every distinct text once (one pooling request each, beside generation) and
 score pairs with :func:`lmkit.frontend.scoring.score`: the cosine of the embeddings, or
@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from lmkit.api.pooling import PoolingParams
+from lmkit.api.pooling import MULTI_LABEL, PoolingParams
 from lmkit.frontend.scoring import check_scorable, pair_texts, score
 from lmkit.serve.app import ServerState, get_state
 from lmkit.serve.handler import created_now
@@ -103,7 +103,10 @@ async def create_rerank(request: Request) -> Response:
 @router.post("/classify")
 @router.post("/v1/classify")
 async def create_classification(request: Request) -> Response:
-    """Class probabilities of each input (a model with a classification head)."""
+    """Class scores of each input (a model with a classification head): ``probs`` (as
+    :class:`~lmkit.api.pooling.ClassifierHead` says: probabilities, or a regression
+    head's raw values), ``label`` (the highest-scoring label) and, for a multi-label
+    model, ``labels`` (every label scoring above 0.5, in label order)."""
     state = get_state(request)
     data = await read_json(request)
     state.check_fan_out(count_inputs(data), 1, param="input")
@@ -114,14 +117,17 @@ async def create_classification(request: Request) -> Response:
                              "classify", labels=where, truncate=body.truncation())
     if isinstance(outputs, Response):
         return outputs
-    labels = _labels(state.require_llm().ready.model_dir)
+    labels, problem_type = _head_config(state.require_llm().ready.model_dir)
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     data_out = []
     for i, o in enumerate(outputs):
+        names = [labels.get(k, f"LABEL_{k}") for k in range(len(o.data))]
         best = max(range(len(o.data)), key=o.data.__getitem__)
-        data_out.append({"index": i, "object": "classification",
-                         "label": labels.get(best, f"LABEL_{best}"), "probs": o.data,
-                         "num_classes": len(o.data)})
+        item = {"index": i, "object": "classification", "label": names[best],
+                "probs": o.data, "num_classes": len(o.data)}
+        if problem_type == MULTI_LABEL:  # independent labels: each one that applies
+            item["labels"] = [n for n, p in zip(names, o.data, strict=True) if p > 0.5]
+        data_out.append(item)
     return json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
                           "created": created_now(), "model": body.model, "data": data_out,
                           "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}},
@@ -137,13 +143,18 @@ def _check_scorable(state: ServerState, params: PoolingParams) -> None:
 
 
 @functools.cache
-def _labels(model_dir: str) -> dict[int, str]:
-    """The model's ``id2label`` (config.json), read once."""
+def _head_config(model_dir: str) -> tuple[dict[int, str], str | None]:
+    """The model's ``id2label`` and ``problem_type`` (config.json), read once; the
+    engine refused a ``problem_type`` transformers does not define when it loaded."""
     import json
     from pathlib import Path
 
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text("utf-8"))
     except (OSError, ValueError):
-        return {}
-    return {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+        return {}, None
+    if not isinstance(cfg, dict):
+        return {}, None
+    labels = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    problem_type = cfg.get("problem_type")
+    return labels, problem_type if isinstance(problem_type, str) else None

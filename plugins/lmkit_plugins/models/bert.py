@@ -8,7 +8,8 @@ backend with the ``non_causal`` feature and runs each prompt whole in one step (
 chunking, no prefix cache). Tokens are packed along
 one axis (no batch axis, no padding); every token has token type 0 (one segment).
 ``BertForSequenceClassification`` adds the classification head (``[CLS]``, the pooler's
-dense + tanh, the classifier): its default pooler is ``classify``.
+dense + tanh, the classifier): its default pooler is ``classify``, whose activation the
+config's ``problem_type`` picks (:class:`~lmkit.api.pooling.ClassifierHead`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from lmkit.api import (
     AttentionBackend,
+    ClassifierHead,
     ForwardContext,
     ModelBuildContext,
     ModelLoadError,
@@ -212,18 +214,26 @@ class BertModel(nn.Module, PoolingModel):
 
 class BertForSequenceClassification(BertModel):
     """A BERT encoder with its sequence-classification head: ``[CLS]`` -> dense + tanh
-    (HF's ``bert.pooler``) -> ``classifier`` -> one logit per label."""
+    (HF's ``bert.pooler``) -> ``classifier`` -> one logit per label.
+
+    ``classifier_head`` (read by the ``classify`` pooler) holds ``num_labels`` and the
+    config's ``problem_type``.
+
+    Raises:
+        ModelLoadError: the config's ``problem_type`` is not one transformers defines.
+    """
 
     pooling = ModelPooling(default_pooler="classify", causal=False, classifier_pooler="cls")
     has_head = True
 
     def __init__(self, hf_config: Any, ctx: ModelBuildContext) -> None:
+        head = ClassifierHead.from_hf(hf_config)  # checked before any tensor is allocated
         super().__init__(hf_config, ctx)
+        self.classifier_head = head
         h = self.dims.hidden_size
-        num_labels = int(getattr(hf_config, "num_labels", 0) or len(hf_config.id2label))
         kw = {"dtype": ctx.dtype, "device": torch.device(ctx.device)}
         self.pooler_dense = Linear(h, {"weight": h}, bias=True, **kw)
-        self.classifier = Linear(h, {"weight": num_labels}, bias=True, **kw)
+        self.classifier = Linear(h, {"weight": head.num_labels}, bias=True, **kw)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` ([CLS] states) -> logits ``[n, num_labels]``."""

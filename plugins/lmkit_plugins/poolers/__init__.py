@@ -19,6 +19,7 @@ def pooler_specs() -> list[Spec]:
         Spec(name="all", target=f"{BUILTIN}:AllPooler",
              description="Every prompt token's hidden state (per-token / multi-vector)."),
         Spec(name="classify", target=f"{BUILTIN}:ClassifyPooler",
-             description="Class probabilities from the model's classification head "
-                         "(models that declare ModelPooling.classifier_pooler)."),
+             description="Class scores from the model's classification head (models "
+                         "that declare ModelPooling.classifier_pooler): softmax, sigmoid "
+                         "per label or raw values, by the config's problem_type."),
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lmkit.api import InvalidRequestError, Model, Pooler, PoolingModel
+from lmkit.api import ClassifierHead, InvalidRequestError, Model, Pooler, PoolingModel
 
 
 class LastPooler(Pooler):
@@ -67,10 +67,16 @@ class AllPooler(Pooler):
 
 
 class ClassifyPooler(Pooler):
-    """Class probabilities: the model's classification pooler (its declared
-    ``ModelPooling.classifier_pooler``), then its ``classify`` head, then transformers'
-    text-classification default: softmax over two or more labels, sigmoid of a single
-    label's logit (a cross-encoder's relevance score; softmax of one value is always 1)."""
+    """Class scores: the model's classification pooler (its declared
+    ``ModelPooling.classifier_pooler``), then its ``classify`` head, then the activation
+    its config's ``problem_type`` calls for (:class:`~lmkit.api.pooling.ClassifierHead`,
+    as transformers' text-classification pipeline): a softmax for single-label
+    classification, a sigmoid per label for multi-label classification and for a single
+    label (a cross-encoder's relevance score), none for regression (raw values).
+
+    A model declares its head's problem type as its ``classifier_head`` attribute; a
+    model without one is treated as ``problem_type`` ``None`` (inferred from the
+    number of labels)."""
 
     _BASE: dict[str, type[Pooler]] = {"last": LastPooler, "mean": MeanPooler, "cls": CLSPooler}
     outputs_probabilities = True  # never L2-normalized (one label would always be 1.0)
@@ -85,18 +91,18 @@ class ClassifyPooler(Pooler):
                 param="pooling_type", code="invalid_value")
         self.head: PoolingModel = model
         self.base: Pooler = self._BASE[base](model)
+        self.classifier: ClassifierHead | None = model.classifier_head
 
     def accumulate(self, state: Any, hidden: torch.Tensor, first_position: int) -> Any:
         return self.base.accumulate(state, hidden, first_position)
 
     def finish(self, state: Any, num_prompt_tokens: int) -> torch.Tensor:
-        return self._probs(self.base.finish(state, num_prompt_tokens))
+        return self._scores(self.base.finish(state, num_prompt_tokens))
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._probs(self.base.pool(hidden))
+        return self._scores(self.base.pool(hidden))
 
-    def _probs(self, pooled: torch.Tensor) -> torch.Tensor:
-        logits = self.head.classify(pooled[None])[0].float()  # [num_labels]
-        if logits.shape[-1] == 1:
-            return torch.sigmoid(logits)
-        return torch.softmax(logits, dim=-1)
+    def _scores(self, pooled: torch.Tensor) -> torch.Tensor:
+        logits = self.head.classify(pooled[None])[0]  # [num_labels]
+        head = self.classifier or ClassifierHead(int(logits.shape[-1]))
+        return head.apply(logits)

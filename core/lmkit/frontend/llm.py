@@ -235,8 +235,9 @@ class LLM:
         return self._pool(as_prompt_list(prompts), params)
 
     def classify(self, prompts: PromptInput | Sequence[PromptInput]) -> list[PoolingOutput]:
-        """Class probabilities of every prompt from the model's classification head
-        (``.data``: one probability per label); refused for a model without one."""
+        """Class scores of every prompt from the model's classification head
+        (``.data``: one score per label: probabilities, or raw values for a regression
+        head, by the config's ``problem_type``); refused for a model without one."""
         return self._pool(as_prompt_list(prompts),
                           PoolingParams(pooling_type="classify", normalize=False))
 

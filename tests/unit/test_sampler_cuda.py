@@ -76,3 +76,36 @@ def test_cuda_sampled_frequencies_match_softmax():
     ids = Sampler()(logits.expand(num, 5).contiguous(), md).sampled_token_ids
     freq = torch.bincount(ids, minlength=5).float() / num
     assert torch.allclose(freq, (logits / 0.7).softmax(-1), atol=0.008)
+
+
+def test_kept_tensors_on_cuda_adjust_as_the_cpu_does_step_after_step():
+    """The runner's per-request tensors (lmkit.sample.row_cache) on CUDA: penalties,
+    bias and allowed ids, with draft rows, equal the CPU's adjusted logits bit for bit
+    at every step (dense passes there, a scan of the seen tokens on the CPU)."""
+    from lmkit.sample.draws import adjust_logits
+    from lmkit.sample.row_cache import SamplingCache
+    from lmkit.spec_decode.rows import DraftExtendedTokens
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4),
+              SamplingParams(presence_penalty=-0.6, logit_bias={3: 2.0, 9: -1.0}),
+              SamplingParams(allowed_token_ids=[1, 5, 9, 700], repetition_penalty=0.8),
+              SamplingParams(temperature=0.7)]
+    outs = [[4, 4, 5], [6], [9, 9], [1]]
+    caches = {d: SamplingCache(VOCAB, d) for d in (cpu, cuda)}
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        drafts = [2, 8] if step % 2 else []
+        rows = [(i, out if j == 0 else DraftExtendedTokens(out, drafts, j))
+                for i, out in enumerate(outs) for j in range(1 + (len(drafts) if i == 0 else 0))]
+        logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+        got = {}
+        for d, cache in caches.items():
+            md = SamplingMetadata.build([params[i] for i, _ in rows], [[1, 2, 3]] * len(rows),
+                                        [o for _, o in rows], [None] * len(rows),
+                                        [0] * len(rows), VOCAB, d, cache,
+                                        [str(i) for i, _ in rows])
+            got[d] = adjust_logits(logits.to(d), md).cpu()
+        assert torch.equal(got[cuda], got[cpu]), f"step {step}"
+        for out in outs:
+            out.append(int(torch.randint(0, VOCAB, (1,), generator=g)))

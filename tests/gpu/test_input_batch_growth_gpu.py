@@ -22,7 +22,7 @@ from lmkit.worker import input_batch  # noqa: E402
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])
 def test_rows_growing_on_cuda_keep_the_tokens(tmp_path, monkeypatch, speculative):
-    model = str(make_tiny_model(tmp_path / "tiny"))
+    model = str(make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2))
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 200 for j in range(n)]}
                for i, n in enumerate((3, 40, 7, 90))]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

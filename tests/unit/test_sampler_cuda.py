@@ -105,7 +105,7 @@ def test_kept_tensors_on_cuda_adjust_as_the_cpu_does_step_after_step():
                                         [o for _, o in rows], [None] * len(rows),
                                         [0] * len(rows), VOCAB, d, cache,
                                         [str(i) for i, _ in rows])
-            got[d] = adjust_logits(logits.to(d), md).cpu()
+            got[d] = adjust_logits(logits.clone().to(d), md).cpu()
         assert torch.equal(got[cuda], got[cpu]), f"step {step}"
         for out in outs:
             out.append(int(torch.randint(0, VOCAB, (1,), generator=g)))

@@ -110,7 +110,8 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
     want_chunks = max(1, _num_programs_target(device) // num_rows)
     chunk = block_v * triton.cdiv(triton.cdiv(vocab, block_v), want_chunks)
     num_chunks = triton.cdiv(vocab, chunk)
-    chunks_pad = triton.next_power_of_2(num_chunks)
+    chunks_pad = triton.next_power_of_2(triton.cdiv(vocab, block_v))  # the most chunks: one
+    # compiled variant for every batch size
     f32 = dict(dtype=torch.float32, device=device)
     part_max = torch.empty((num_rows, num_chunks), **f32)
     part_min = torch.empty((num_rows, num_chunks), **f32)
@@ -123,7 +124,7 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
     has_temp = temperature is not None
     chunk_stats_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), temp, part_max, part_arg, part_min, vocab, num_chunks,
-        CHUNK=chunk, BLOCK_V=block_v, HAS_TEMPERATURE=has_temp, num_warps=4)
+        chunk, BLOCK_V=block_v, HAS_TEMPERATURE=has_temp, num_warps=4)
     threshold_kernel[(num_rows,)](
         logits, logits.stride(0), temp, dummy if top_k is None else top_k,
         dummy if top_p is None else top_p, part_max, part_arg, part_min, row_max, lo_key, out,
@@ -133,7 +134,7 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
     race_kernel[(num_rows, num_chunks)](
         logits, logits.stride(0), temp, dummy if noise is None else noise,
         0 if noise is None else noise.stride(0), dummy if seeds is None else seeds,
-        row_max, lo_key, part_best, part_idx, vocab, num_chunks, CHUNK=chunk, BLOCK_V=block_v,
+        row_max, lo_key, part_best, part_idx, vocab, num_chunks, chunk, BLOCK_V=block_v,
         HAS_TEMPERATURE=has_temp, NOISE_TENSOR=noise is not None, num_warps=4)
     pick_kernel[(num_rows,)](temp, part_best, part_idx, out, num_chunks,
                              CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp, num_warps=1)

@@ -12,7 +12,10 @@
 
 Stages 1, 3 and 4 spread a row over many programs, so plain temperature sampling runs
 at memory speed at any batch size; only the top-k/top-p searches read a row in one
-program.
+program. The chunk count and size follow the batch size, so they are runtime arguments
+that Triton does not specialise on (one compiled variant per vocabulary and filter set,
+whatever the batch: as constants they compiled a variant for each new batch size, 54
+compiles in the middle of a W1 run with top-p, session 29).
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def _row_temperature(temperature_ptr, row, HAS_TEMPERATURE: tl.constexpr):
     return tl.where(t <= 0.0, 1.0, t), t <= 0.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, part_max_ptr, part_arg_ptr,
-                       part_min_ptr, vocab, num_chunks, CHUNK: tl.constexpr,
+                       part_min_ptr, vocab, num_chunks, chunk_size,
                        BLOCK_V: tl.constexpr, HAS_TEMPERATURE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -58,9 +61,9 @@ def chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, part_max_ptr, pa
     cols = tl.arange(0, BLOCK_V)
     # per-lane running max (first index on ties) and min; reduced once after the loop
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_arg = tl.zeros([BLOCK_V], tl.int64) + chunk * CHUNK
+    lane_arg = tl.zeros([BLOCK_V], tl.int64) + chunk * chunk_size
     lane_min = tl.full([BLOCK_V], float("inf"), tl.float32)
-    for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, vocab), BLOCK_V):
+    for start in range(chunk * chunk_size, tl.minimum((chunk + 1) * chunk_size, vocab), BLOCK_V):
         offs = start + cols
         ok = offs < vocab
         x = _load_x(row_ptr, offs, ok, temperature)
@@ -77,7 +80,7 @@ def chunk_stats_kernel(logits_ptr, stride_row, temperature_ptr, part_max_ptr, pa
     tl.store(part_min_ptr + part, x_min)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def threshold_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr,
                      part_max_ptr, part_arg_ptr, part_min_ptr, row_max_ptr, lo_key_ptr,
                      out_ptr, vocab, num_chunks, CHUNKS_PAD: tl.constexpr,
@@ -158,10 +161,10 @@ def threshold_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_p
         tl.store(lo_key_ptr + row, lo)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def race_kernel(logits_ptr, stride_row, temperature_ptr, noise_ptr, stride_noise, seeds_ptr,
                 row_max_ptr, lo_key_ptr, part_best_ptr, part_idx_ptr, vocab, num_chunks,
-                CHUNK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
+                chunk_size, BLOCK_V: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
                 NOISE_TENSOR: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -172,8 +175,9 @@ def race_kernel(logits_ptr, stride_row, temperature_ptr, noise_ptr, stride_noise
         lo = tl.load(lo_key_ptr + row)
         cols = tl.arange(0, BLOCK_V)
         lane_best = tl.full([BLOCK_V], -1.0, tl.float32)  # reduced after the loop
-        lane_idx = tl.zeros([BLOCK_V], tl.int64) + chunk * CHUNK
-        for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, vocab), BLOCK_V):
+        lane_idx = tl.zeros([BLOCK_V], tl.int64) + chunk * chunk_size
+        for start in range(chunk * chunk_size, tl.minimum((chunk + 1) * chunk_size, vocab),
+                           BLOCK_V):
             offs = start + cols
             ok = offs < vocab
             x = _load_x(row_ptr, offs, ok, temperature)
@@ -193,7 +197,7 @@ def race_kernel(logits_ptr, stride_row, temperature_ptr, noise_ptr, stride_noise
         tl.store(part_idx_ptr + row * num_chunks + chunk, choice)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def pick_kernel(temperature_ptr, part_best_ptr, part_idx_ptr, out_ptr, num_chunks,
                 CHUNKS_PAD: tl.constexpr, HAS_TEMPERATURE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

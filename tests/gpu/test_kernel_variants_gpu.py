@@ -108,3 +108,29 @@ def test_cos_sin_takes_a_position_view_without_a_new_variant(compiles):
     ref_cos, ref_sin = rotary_cos_sin_ref(positions.clone(), inv_freq, torch.bfloat16)
     torch.testing.assert_close(cos.float(), ref_cos.float(), rtol=0, atol=1e-2)
     torch.testing.assert_close(sin.float(), ref_sin.float(), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 40, "top_p": 0.95}])
+def test_sampling_compiles_once_for_every_batch_size(compiles, filters):
+    """The sampling kernels' chunking follows the batch size (as arguments, not constants):
+    a batch that drains from 256 rows to 1 compiles no variant after the first call
+    (before session 29: one per new batch size, 54 in the middle of a W1 run)."""
+    from lmkit_kernels.sampling import sample
+
+    torch.manual_seed(0)
+    vocab = 151936
+
+    def draw(rows: int) -> torch.Tensor:
+        logits = torch.randn(rows, vocab, device=CUDA)
+        args = {name: torch.full((rows,), value, device=CUDA) for name, value in filters.items()}
+        if "top_k" in args:
+            args["top_k"] = args["top_k"].to(torch.int64)
+        out = sample(logits, temperature=torch.full((rows,), 0.8, device=CUDA), **args)
+        assert out.shape == (rows,) and bool(((out >= 0) & (out < vocab)).all())
+        return out
+
+    draw(256)
+    compiles.clear()
+    for rows in (255, 200, 128, 97, 64, 33, 17, 16, 9, 5, 2, 1):
+        draw(rows)
+    assert compiles == []

@@ -105,17 +105,32 @@ def merge_completion_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str,
                                          "text_offset")}
 
 
+def logprobs_cost(logprobs: Sequence[TokenLogprob | None] | None, num_top: int) -> int:
+    """About how much work the JSON of ``logprobs`` is: one per token and alternative."""
+    return len(logprobs or ()) * (1 + num_top)
+
+
+def text_cost(text: str) -> int:
+    """About how much work ``text`` in a JSON body is, on the scale of
+    :func:`logprobs_cost`: one per 64 characters."""
+    return len(text) // 64
+
+
 def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
     return {"token": texts(token_id), "logprob": _finite(logprob),
             "bytes": texts.token_bytes(token_id)}
 
 
-def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob], num_top: int
-                  ) -> dict[str, Any]:
-    """The chat-API ``logprobs`` object: one entry per generated token."""
-    content = []
-    for lp in logprobs:
-        entry = _entry(texts, lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [_entry(texts, t, v) for t, v in lp.top[:num_top]]
-        content.append(entry)
-    return {"content": content, "refusal": None}
+def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob], num_top: int,
+                  lazy: bool = False) -> dict[str, Any]:
+    """The chat-API ``logprobs`` object: one entry per generated token. ``lazy``: its
+    ``content`` is an iterator building the entries as they are consumed (for
+    :func:`~lmkit.serve.streaming.encode_in_pieces`)."""
+    content = (_chat_entry(texts, lp, num_top) for lp in logprobs)
+    return {"content": content if lazy else list(content), "refusal": None}
+
+
+def _chat_entry(texts: TokenTexts, lp: TokenLogprob, num_top: int) -> dict[str, Any]:
+    entry = _entry(texts, lp.token_id, lp.logprob)
+    entry["top_logprobs"] = [_entry(texts, t, v) for t, v in lp.top[:num_top]]
+    return entry

@@ -5,6 +5,7 @@ as one ``chat.completion``."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,7 +14,7 @@ from starlette.responses import Response
 from lmkit.api.outputs import RequestOutput
 from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
-from lmkit.serve.logprobs import TokenTexts, chat_logprobs
+from lmkit.serve.logprobs import TokenTexts, chat_logprobs, logprobs_cost, text_cost
 from lmkit.serve.protocol import ChatCompletionRequest
 from lmkit.serve.request_body import read_json, validate
 from lmkit.serve.streaming import ChunkTemplate
@@ -53,63 +54,80 @@ class ChatFormatter:
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
         usage = self._chunk_usage(output)
-        return [self._template.as_dict(c, usage) for c in self._choices(output)]
+        return [self._template.as_dict(c, usage) for c in self._choices(output, lazy=False)]
 
-    def events(self, index: int, output: RequestOutput) -> bytes:
+    def events(self, index: int, output: RequestOutput, in_pieces: bool = False) -> bytes:
         usage = self._chunk_usage(output)
-        return b"".join([self._template.event(c, usage) for c in self._choices(output)])
+        return b"".join([self._template.event(c, usage, in_pieces)
+                         for c in self._choices(output, lazy=in_pieces)])
+
+    def cost(self, index: int, output: RequestOutput, delta: bool) -> int:
+        """About how much work the JSON for ``output`` is (see ``Formatter.cost``)."""
+        total = 0
+        for c in output.outputs:
+            total += text_cost(c.delta_text if delta else c.text)
+            if self.num_top is not None:
+                # each entry also carries its bytes: about twice a completions entry
+                lps = c.delta_logprobs if delta else c.logprobs
+                total += 2 * logprobs_cost(lps, self.num_top)
+        return total
 
     def _chunk_usage(self, output: RequestOutput) -> dict[str, int] | None:
         self._track(output)
         return self._usage() if self.include_usage and self.continuous_usage else None
 
-    def _choices(self, output: RequestOutput) -> list[list[dict[str, Any]]]:
-        """Each chunk's choices for a new output."""
-        chunks = []
+    def _choices(self, output: RequestOutput, lazy: bool
+                 ) -> Iterator[list[dict[str, Any]]]:
+        """Each chunk's choices for a new output, built as they are consumed (``lazy``:
+        their logprobs too, see :func:`chat_logprobs`)."""
         if not self._started:
             self._started = True
             for i in range(self.body.n):
-                chunks.append([{
-                    "index": i, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}])
+                yield [{"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]
         for c in output.outputs:
             if c.index in self._finished:
                 continue
             if c.delta_text or (self.num_top is not None and c.delta_logprobs):
                 logprobs = None
                 if self.num_top is not None:
-                    logprobs = chat_logprobs(self.texts, c.delta_logprobs or [], self.num_top)
-                chunks.append([{
-                    "index": c.index, "delta": {"content": c.delta_text},
-                    "logprobs": logprobs, "finish_reason": None}])
+                    logprobs = chat_logprobs(self.texts, c.delta_logprobs or [], self.num_top,
+                                             lazy)
+                yield [{"index": c.index, "delta": {"content": c.delta_text},
+                        "logprobs": logprobs, "finish_reason": None}]
             if c.finish_reason is not None:
                 self._finished.add(c.index)
-                chunks.append([{
-                    "index": c.index, "delta": {}, "logprobs": None,
-                    "finish_reason": c.finish_reason}])
-        return chunks
+                yield [{"index": c.index, "delta": {}, "logprobs": None,
+                        "finish_reason": c.finish_reason}]
 
     def final_chunks(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
         return [self._template.as_dict([], self._usage())]
 
-    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+    def response(self, outputs: list[RequestOutput], iterate_choices: bool = False
+                 ) -> dict[str, Any]:
+        """The response; with ``iterate_choices`` its ``choices`` is an iterator building
+        each choice when it is consumed (see ``Formatter.response``)."""
         (output,) = outputs
         self._track(output)
-        choices = []
+        choices = self._response_choices(output, lazy=iterate_choices)
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": None,
+                "choices": choices if iterate_choices else list(choices),
+                "usage": self._usage()}
+
+    def _response_choices(self, output: RequestOutput, lazy: bool
+                          ) -> Iterator[dict[str, Any]]:
         for c in output.outputs:
             logprobs = None
             if self.num_top is not None:
-                logprobs = chat_logprobs(self.texts, c.logprobs or [], self.num_top)
-            choices.append({
+                logprobs = chat_logprobs(self.texts, c.logprobs or [], self.num_top, lazy)
+            yield {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": logprobs, "finish_reason": c.finish_reason,
-            })
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "system_fingerprint": None, "choices": choices,
-                "usage": self._usage()}
+            }
 
 
 @router.post("/v1/chat/completions")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,7 +13,13 @@ from starlette.responses import Response
 from lmkit.api.outputs import RequestOutput
 from lmkit.serve.app import get_state
 from lmkit.serve.handler import created_now, respond
-from lmkit.serve.logprobs import TokenTexts, completion_logprobs, merge_completion_logprobs
+from lmkit.serve.logprobs import (
+    TokenTexts,
+    completion_logprobs,
+    logprobs_cost,
+    merge_completion_logprobs,
+    text_cost,
+)
 from lmkit.serve.protocol import CompletionRequest
 from lmkit.serve.request_body import count_sequences, read_json, validate
 from lmkit.serve.streaming import ChunkTemplate
@@ -66,15 +73,33 @@ class CompletionFormatter:
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
         return [self._template.as_dict(c, u) for c, u in self._parts(index, output)]
 
-    def events(self, index: int, output: RequestOutput) -> bytes:
-        return b"".join([self._template.event(c, u) for c, u in self._parts(index, output)])
+    def events(self, index: int, output: RequestOutput, in_pieces: bool = False) -> bytes:
+        return b"".join([self._template.event(c, u, in_pieces)
+                         for c, u in self._parts(index, output)])
+
+    def cost(self, index: int, output: RequestOutput, delta: bool) -> int:
+        """About how much work the JSON for ``output`` is (see ``Formatter.cost``)."""
+        num_top = self.body.logprobs
+        echo = (text_cost(output.prompt) if output.prompt is not None
+                else len(output.prompt_token_ids) // 16)  # ~4 characters a token
+        if num_top is not None:
+            echo += logprobs_cost(output.prompt_logprobs, num_top)
+        total = 0
+        for c in output.outputs:
+            total += text_cost(c.delta_text if delta else c.text)
+            if num_top is not None:
+                total += logprobs_cost(c.delta_logprobs if delta else c.logprobs, num_top)
+            if self.body.echo and not (delta and index * self.n + c.index in self._echoed):
+                total += echo
+        return total
 
     def _parts(self, index: int, output: RequestOutput
-               ) -> list[tuple[list[dict[str, Any]], dict[str, int] | None]]:
-        """Each chunk's choices and usage for a new output of prompt ``index``."""
+               ) -> Iterator[tuple[list[dict[str, Any]], dict[str, int] | None]]:
+        """Each chunk's choices and usage for a new output of prompt ``index``, built as
+        they are consumed (an echoed prompt can make each one large)."""
         self._track(index, output)
         usage = self._usage() if self.include_usage and self.continuous_usage else None
-        chunks = []
+        echo_lp: dict[str, Any] | None = None  # shared by this prompt's n choices
         for c in output.outputs:
             choice = index * self.n + c.index
             if choice in self._finished:
@@ -89,7 +114,8 @@ class CompletionFormatter:
                 self._echoed.add(choice)
                 prompt = self._prompt_text(output)
                 if logprobs is not None:
-                    echo_lp = self._prompt_logprobs(output)
+                    if echo_lp is None:
+                        echo_lp = self._prompt_logprobs(output)
                     shift = len(prompt)
                     logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
                     logprobs = merge_completion_logprobs(echo_lp, logprobs)
@@ -101,32 +127,39 @@ class CompletionFormatter:
                 continue
             if c.finish_reason is not None:
                 self._finished.add(choice)
-            chunks.append(([{"index": choice, "text": text, "logprobs": logprobs,
-                             "finish_reason": c.finish_reason}], usage))
-        return chunks
+            yield ([{"index": choice, "text": text, "logprobs": logprobs,
+                     "finish_reason": c.finish_reason}], usage)
 
     def final_chunks(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
         return [self._template.as_dict([], self._usage())]
 
-    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = []
+    def response(self, outputs: list[RequestOutput], iterate_choices: bool = False
+                 ) -> dict[str, Any]:
+        """The response; with ``iterate_choices`` its ``choices`` is an iterator building
+        each choice when it is consumed (see ``Formatter.response``)."""
         for index, output in enumerate(outputs):
             self._track(index, output)
+        choices = self._response_choices(outputs)
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices if iterate_choices else list(choices),
+                "usage": self._usage()}
+
+    def _response_choices(self, outputs: list[RequestOutput]) -> Iterator[dict[str, Any]]:
+        for index, output in enumerate(outputs):
             prompt = self._prompt_text(output) if self.body.echo else ""
+            echo_lp = (self._prompt_logprobs(output)  # shared by this prompt's n choices
+                       if self.body.echo and self.body.logprobs is not None else None)
             for c in output.outputs:
                 logprobs = None
                 if self.body.logprobs is not None:
                     logprobs = completion_logprobs(self.texts, c.logprobs or [], c.token_ids,
                                                    self.body.logprobs, len(prompt))
-                    if self.body.echo:
-                        logprobs = merge_completion_logprobs(self._prompt_logprobs(output),
-                                                             logprobs)
-                choices.append({"index": index * self.n + c.index, "text": prompt + c.text,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self._usage()}
+                    if echo_lp is not None:
+                        logprobs = merge_completion_logprobs(echo_lp, logprobs)
+                yield {"index": index * self.n + c.index, "text": prompt + c.text,
+                       "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 @router.post("/v1/completions")

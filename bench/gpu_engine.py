@@ -284,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                      "max_tokens and ignore_eos")
         for workload in all_workloads.values():
             workload["sampling"] = args.sampling
+        sides_file = (args.baseline_tree / "bench" / "gpu_bench_sides.py"
+                      if args.baseline_tree else None)
+        if sides_file is not None and '"sampling"' not in sides_file.read_text():
+            ap.error(f"--baseline-tree {args.baseline_tree}: that checkout's bench runs its "
+                     "own lmkit side and has no --sampling (it would decode greedily); "
+                     "compare sampled runs with --ab-env / --ab-set, or drop --sampling")
     subsets = wl.parse_subsets(args.hf_subset)
     report: dict[str, Any] = {
         "bench": "gpu_engine", "smoke": args.smoke, "workloads": names,

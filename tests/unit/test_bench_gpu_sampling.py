@@ -40,3 +40,16 @@ def test_sampling_that_would_change_the_workload_is_refused(monkeypatch, capsys,
     with pytest.raises(SystemExit):
         gpu_engine.main()
     assert "--sampling takes a JSON object" in capsys.readouterr().err
+
+
+def test_a_baseline_checkout_without_sampling_is_refused(monkeypatch, capsys, tmp_path):
+    """An older checkout's bench runs its own lmkit side: without --sampling support it
+    would decode greedily and its row would compare greedy against sampled decoding."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "gpu_bench_sides.py").write_text("params = greedy\n")
+    monkeypatch.setattr(sys, "argv", ["gpu_engine.py", "--smoke", "--workloads", "W1",
+                                      "--baseline-tree", str(tmp_path),
+                                      "--sampling", '{"temperature": 0.7}'])
+    with pytest.raises(SystemExit):
+        gpu_engine.main()
+    assert "has no --sampling" in capsys.readouterr().err

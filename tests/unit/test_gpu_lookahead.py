@@ -38,7 +38,21 @@ def model_dir(tmp_path_factory):
                            num_heads=4, num_kv_heads=2)
 
 
-def _run(model_dir, lookahead: bool, slots: int = 0):
+# random sampling the launched step draws with the runner's sampler, filtered down to
+# the argmax (top-k 1, a tiny top-p): the same tokens as greedy decoding
+SAMPLED = {"0": dict(temperature=0.8, top_k=1), "2": dict(temperature=1.3, top_p=1e-6)}
+
+
+def _params(rid: str, sampling: str, max_tokens: int) -> SamplingParams:
+    kw: dict = dict(temperature=0.0)
+    if sampling == "seeded":
+        kw = dict(temperature=0.8, top_k=1, seed=int(rid))
+    elif sampling == "sampled":
+        kw = SAMPLED.get(rid, kw)
+    return SamplingParams(**kw, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run(model_dir, lookahead: bool, slots: int = 0, sampling: str = "greedy"):
     config = LMKitConfig.model_validate({
         "model": {"model": str(model_dir), "dtype": "float32", "max_model_len": 256},
         "cache": {"block_size": BLOCK, "num_blocks": NUM_BLOCKS},
@@ -56,14 +70,15 @@ def _run(model_dir, lookahead: bool, slots: int = 0):
     runner.cuda_graphs = CudaGraphRunner(runner.model, runner.kv_caches, runner.device,
                                          8, runner.max_model_len, BLOCK, use_graphs=False)
     runner.lookahead = DecodeLookahead(runner.cuda_graphs, runner.model, runner.input_batch,
-                                       runner.requests, runner.max_model_len) if lookahead else None
+                                       runner.requests, runner.max_model_len,
+                                       sampler=runner.sampler) if lookahead else None
     scheduler = host.registry.get("scheduler", "fcfs").spec.load()(  # as the engine on CUDA
         config, num_blocks=NUM_BLOCKS, options=None,
         context=SchedulerContext(num_lookahead_slots=slots))
 
     def request(rid, prompt_len, max_tokens):
         prompt = [(7 * int(rid) + 3 * i) % 256 for i in range(prompt_len)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = _params(rid, sampling, max_tokens)
         return Request(rid, prompt, params)
 
     for rid, n, m in (("0", 5, 24), ("1", 14, 7), ("2", 30, 16)):
@@ -100,3 +115,19 @@ def test_lookahead_gives_the_same_tokens(model_dir, expected, slots):
     # with a reserved slot the next block is always there: more steps come from the
     # prediction than when each block boundary interrupts it
     assert stats.used >= (15 if slots else 8)
+
+
+def test_unseeded_random_requests_are_launched_ahead_with_the_sampler(model_dir, expected):
+    """Requests sampling at random (filtered to the argmax here, so the tokens are
+    known) beside greedy ones: their steps are launched ahead, the launched step drawing
+    with the runner's sampler, and every request gets its tokens."""
+    actual, lookahead = _run(model_dir, lookahead=True, slots=1, sampling="sampled")
+    assert actual == expected
+    assert lookahead.stats.used >= 15
+
+
+def test_seeded_requests_run_normally(model_dir, expected):
+    """A seeded request's generator must not draw for a step that may be discarded."""
+    actual, lookahead = _run(model_dir, lookahead=True, slots=1, sampling="seeded")
+    assert actual == expected
+    assert lookahead.stats.launched == 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -135,7 +135,7 @@ class SamplingMetadata:
         md = cls(
             num_rows=num_rows, vocab_size=vocab_size,
             all_greedy=all(greedy), all_random=not any(greedy),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            is_greedy=upload(greedy, torch.bool, device),
             temperature=None, top_k=None, max_top_k=0, top_p=None, min_p=None,
         )
         if not md.all_greedy:
@@ -151,7 +151,7 @@ class SamplingMetadata:
         asking = [i for i, n in enumerate(md.num_logprobs) if n is not None]
         if asking:
             md.max_num_logprobs = max(md.num_logprobs[i] or 0 for i in asking)
-            md.logprob_rows = torch.tensor(asking, dtype=torch.int64).to(device)
+            md.logprob_rows = upload(asking, torch.int64, device)
         return md
 
     def _set_random_sampling(self, params, greedy, generators, device) -> None:
@@ -162,15 +162,15 @@ class SamplingMetadata:
             ks.append(vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size))
             ps.append(1.0 if g else p.top_p)
             min_ps.append(0.0 if g else p.min_p)
-        self.temperature = torch.tensor(temps, dtype=torch.float32).to(device)
+        self.temperature = upload(temps, torch.float32, device)
         active_ks = [k for k in ks if k < vocab_size]
         if active_ks:
-            self.top_k = torch.tensor(ks, dtype=torch.int64).to(device)
+            self.top_k = upload(ks, torch.int64, device)
             self.max_top_k = max(active_ks)
         if any(p < 1.0 for p in ps):
-            self.top_p = torch.tensor(ps, dtype=torch.float32).to(device)
+            self.top_p = upload(ps, torch.float32, device)
         if any(m > 0.0 for m in min_ps):
-            self.min_p = torch.tensor(min_ps, dtype=torch.float32).to(device)
+            self.min_p = upload(min_ps, torch.float32, device)
         self.generators = {i: gen for i, (gen, g) in enumerate(zip(generators, greedy, strict=True))
                            if gen is not None and not g}
 
@@ -203,6 +203,14 @@ class SamplingMetadata:
             self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
             self.allowed_mask = cache.allowed_table().index_select(
                 0, torch.tensor(slots, dtype=torch.int64).to(device))
+
+
+def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` on ``device``; to CUDA through pinned memory,
+    asynchronously, so the host does not wait for the device's queued work (a decode step
+    launched ahead builds its sampling metadata behind its own forward)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def banned_next_tokens(params: SamplingParams, output: Sequence[int], eos: int | None

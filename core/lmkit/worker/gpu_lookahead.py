@@ -25,7 +25,12 @@ so the head's KV cache has no holes when the batch shrinks and speculation resum
 A request is predicted only when its next cache slot is already allocated (its
 block table covers the next position) and it samples greedily without logprobs,
 penalties, logit bias, a pending ``min_tokens`` or structured output, so that the
-speculative step computes exactly what the normal path would. Its KV write lands in
+speculative step computes exactly what the normal path would -- or, with the runner's
+sampler given (:class:`DecodeLookahead`), samples at random with nothing but
+temperature, top-k, top-p and min-p and no seed (:func:`random_plain`): the launched
+step draws its token with the same sampler, and a discarded prediction only wastes a
+draw (a seeded request's generator must not advance for a step that may be
+discarded, so it runs normally). Its KV write lands in
 the request's own, not yet full block: if the request finished meanwhile the slot is
 rewritten by whoever gets the block before it is read. The engine has the scheduler
 reserve one slot past each request's scheduled tokens (:func:`decode_lookahead_slots`),
@@ -43,6 +48,7 @@ import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.platform import switched_off
+from lmkit.sample.metadata import SamplingMetadata
 from lmkit.spec_decode.rows import is_plain_greedy
 from lmkit.worker.graph_stream import record_event
 from lmkit.worker.input_batch import StepInputs
@@ -52,6 +58,7 @@ if TYPE_CHECKING:
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.sample.sampler import Sampler
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.draft_runner import DraftRunner
     from lmkit.worker.input_batch import CachedRequestState, InputBatch
@@ -88,21 +95,38 @@ class LaunchAhead:
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
-                 drafter: DraftRunner | None) -> None:
+                 drafter: DraftRunner | None, sampler: Sampler | None = None) -> None:
         self.graphs = graphs
         self.model = model
         self.input_batch = input_batch
         self.requests = requests
         self.max_model_len = max_model_len
         self.drafter = drafter
+        self.sampler = sampler  # None: greedy requests only
         self.stats = LookaheadStats()
 
     def _predictable(self, order: list[str]) -> bool:
         """Every request samples greedily as a launched argmax does (no logprobs,
-        penalties, pending ``min_tokens`` or grammar)."""
-        requests = self.requests
-        return all(requests[r].prompt_logprobs is None and greedy_plain(
-            requests[r].sampling_params, len(requests[r].output_token_ids)) for r in order)
+        penalties, pending ``min_tokens`` or grammar), or, with a sampler, at random with
+        nothing but temperature and the top-k / top-p / min-p filters and no seed."""
+        requests, sampler = self.requests, self.sampler
+        return all(s.prompt_logprobs is None and (
+            greedy_plain(s.sampling_params, len(s.output_token_ids))
+            or (sampler is not None and random_plain(s.sampling_params,
+                                                     len(s.output_token_ids), s.generator)))
+            for s in (requests[r] for r in order))
+
+    def _draw(self, order: list[str], logits: torch.Tensor) -> torch.Tensor:
+        """The launched step's tokens: the argmax where every request is greedy, else
+        the sampler's draw (no host sync on the way: the metadata goes up asynchronously)."""
+        states = [self.requests[r] for r in order]
+        if self.sampler is None or all(s.sampling_params.temperature == 0.0 for s in states):
+            return logits.argmax(dim=-1)
+        md = SamplingMetadata.build(
+            [s.sampling_params for s in states], [()] * len(states),
+            [s.output_token_ids for s in states], [None] * len(states),
+            [s.eos_token_id for s in states], logits.shape[-1], logits.device)
+        return self.sampler(logits, md).sampled_token_ids
 
 
 class DecodeLookahead(LaunchAhead):
@@ -125,16 +149,17 @@ class DecodeLookahead(LaunchAhead):
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
                  requests: dict[str, CachedRequestState], max_model_len: int,
-                 drafter: DraftRunner | None = None, min_batch: int = 0) -> None:
-        super().__init__(graphs, model, input_batch, requests, max_model_len, drafter)
+                 drafter: DraftRunner | None = None, min_batch: int = 0,
+                 sampler: Sampler | None = None) -> None:
+        super().__init__(graphs, model, input_batch, requests, max_model_len, drafter, sampler)
         self.min_batch = min_batch if drafter is not None else 0
         self.pending: _Pending | None = None
 
     @classmethod
     def maybe(cls, config: LMKitConfig, stack: ResolvedStack, graphs: CudaGraphRunner | None,
               model: Any, input_batch: InputBatch, requests: dict[str, CachedRequestState],
-              max_model_len: int, drafter: DraftRunner | None = None
-              ) -> DecodeLookahead | None:
+              max_model_len: int, drafter: DraftRunner | None = None,
+              sampler: Sampler | None = None) -> DecodeLookahead | None:
         """A lookahead when decode graphs are replayed and
         :func:`decode_lookahead_slots` reserves its slot (no offload tier, not off);
         with a draft head only when speculation can be off (``speculative.
@@ -142,13 +167,13 @@ class DecodeLookahead(LaunchAhead):
         if graphs is None or not decode_lookahead_slots(config, stack):
             return None
         if drafter is None:
-            return cls(graphs, model, input_batch, requests, max_model_len)
+            return cls(graphs, model, input_batch, requests, max_model_len, sampler=sampler)
         limit = config.speculative.disable_by_batch_size
         if limit is None and not config.speculative.adaptive:
             return None  # the head drafts after every step: nothing to predict
         if limit is None:  # only the adaptive switch turns drafting off
             limit = config.scheduler.max_num_seqs
-        return cls(graphs, model, input_batch, requests, max_model_len, drafter, limit)
+        return cls(graphs, model, input_batch, requests, max_model_len, drafter, limit, sampler)
 
     # ------------------------------------------------------------------ launching
 
@@ -281,7 +306,7 @@ class DecodeLookahead(LaunchAhead):
             features = None
             if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens = self._draw(order, self.model.compute_logits(hidden))
             host, ready = read_back(tokens)
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
                                 positions.copy(), tokens, host, ready, slots, features)
@@ -347,6 +372,17 @@ def _plain(so: SchedulerOutput) -> bool:
     """No drafts, grammar bitmask or offload transfers in ``so``."""
     return (not any(so.scheduled_spec_decode_tokens.values())
             and so.grammar_bitmask is None and not so.kv_transfers)
+
+
+def random_plain(p: SamplingParams, num_output_tokens: int, generator: Any) -> bool:
+    """Random sampling shaped by temperature, top-k, top-p and min-p alone, without a
+    seed (``generator`` None), logprobs, penalties, logit bias, bans, allowed ids,
+    logits processors, a pending ``min_tokens`` or a grammar: what a launched step
+    draws with the runner's sampler from nothing but the logits."""
+    return (p.temperature > 0.0 and generator is None and p.logprobs is None
+            and not p.logit_bias and not p.needs_penalties and not p.allowed_token_ids
+            and not p.bad_words_token_ids and not p.logits_processors
+            and num_output_tokens >= p.min_tokens and p.structured_outputs is None)
 
 
 def greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:

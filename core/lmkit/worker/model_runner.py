@@ -225,7 +225,7 @@ class ModelRunner:
         if self.facts.generates:
             args = (self.config, self.stack, graphs, self.model, self.input_batch,
                     self.requests, self.max_model_len, self.drafter)
-            self.lookahead = DecodeLookahead.maybe(*args)
+            self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
             self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
 
     def dummy_step_model(self) -> DummyStepModel:

@@ -41,6 +41,12 @@ def model_dir(tmp_path_factory):
 # random sampling the launched step draws with the runner's sampler, filtered down to
 # the argmax (top-k 1, a tiny top-p): the same tokens as greedy decoding
 SAMPLED = {"0": dict(temperature=0.8, top_k=1), "2": dict(temperature=1.3, top_p=1e-6)}
+# requests whose kept tensors (penalty counts, bias, allowed ids) shape the launched draw
+ADJUSTED = {"0": dict(temperature=0.0, repetition_penalty=1.6, presence_penalty=0.8),
+            "1": dict(temperature=0.8, top_k=1, frequency_penalty=1.5),
+            "2": dict(temperature=0.0, logit_bias={40: 3.0, 41: 2.5}),
+            "3": dict(temperature=0.0, allowed_token_ids=list(range(30, 90)),
+                      repetition_penalty=0.7)}
 
 
 def _params(rid: str, sampling: str, max_tokens: int) -> SamplingParams:
@@ -49,6 +55,8 @@ def _params(rid: str, sampling: str, max_tokens: int) -> SamplingParams:
         kw = dict(temperature=0.8, top_k=1, seed=int(rid))
     elif sampling == "sampled":
         kw = SAMPLED.get(rid, kw)
+    elif sampling == "adjusted":
+        kw = ADJUSTED.get(rid, kw)
     return SamplingParams(**kw, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -131,3 +139,13 @@ def test_seeded_requests_run_normally(model_dir, expected):
     actual, lookahead = _run(model_dir, lookahead=True, slots=1, sampling="seeded")
     assert actual == expected
     assert lookahead.stats.launched == 0
+
+
+def test_penalties_bias_and_allowed_ids_are_launched_ahead(model_dir):
+    """Penalties, logit bias and allowed ids in steps launched ahead: the launched draw
+    counts the token the step before drew (still on the device) with the request's
+    kept counts, so every request gets the tokens of the run without the lookahead."""
+    expected, _ = _run(model_dir, lookahead=False, sampling="adjusted")
+    actual, lookahead = _run(model_dir, lookahead=True, slots=1, sampling="adjusted")
+    assert actual == expected
+    assert lookahead.stats.used >= 15

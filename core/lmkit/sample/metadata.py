@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.sample.penalties import PenaltyTensors, build_penalty_tensors
-from lmkit.sample.row_cache import SamplingCache
+from lmkit.sample.row_cache import SamplingCache, upload
 
 if TYPE_CHECKING:
     from lmkit.api.logits_processor import LogitsProcessor
@@ -179,8 +179,8 @@ class SamplingMetadata:
         if rows:
             pairs = [cache.bias(keys[i], params[i]) for i in rows]
             lengths = torch.tensor([len(t) for t, _ in pairs], dtype=torch.int64)
-            self.bias_rows = torch.repeat_interleave(
-                torch.tensor(rows, dtype=torch.int64), lengths).to(device)
+            self.bias_rows = upload(torch.repeat_interleave(
+                torch.tensor(rows, dtype=torch.int64), lengths), torch.int64, device)
             self.bias_token_ids = torch.cat([t for t, _ in pairs])
             self.bias_values = torch.cat([v for _, v in pairs])
 
@@ -193,24 +193,16 @@ class SamplingMetadata:
                     rows.append(i)
                     token_ids.append(tok)
         if rows:
-            self.banned_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-            self.banned_token_ids = torch.tensor(token_ids, dtype=torch.int64).to(device)
+            self.banned_rows = upload(rows, torch.int64, device)
+            self.banned_token_ids = upload(token_ids, torch.int64, device)
 
     def _set_allowed_tokens(self, params, cache, keys, device) -> None:
         rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
         if rows:
             slots = [cache.allowed_slot(keys[i], params[i]) for i in rows]
-            self.allowed_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+            self.allowed_rows = upload(rows, torch.int64, device)
             self.allowed_mask = cache.allowed_table().index_select(
-                0, torch.tensor(slots, dtype=torch.int64).to(device))
-
-
-def upload(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor of ``dtype`` on ``device``; to CUDA through pinned memory,
-    asynchronously, so the host does not wait for the device's queued work (a decode step
-    launched ahead builds its sampling metadata behind its own forward)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+                0, upload(slots, torch.int64, device))
 
 
 def banned_next_tokens(params: SamplingParams, output: Sequence[int], eos: int | None

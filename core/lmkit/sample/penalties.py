@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.sample.row_cache import PenaltyRows, SamplingCache
+from lmkit.sample.row_cache import PenaltyRows, SamplingCache, upload
 
 
 @dataclass
@@ -56,12 +56,9 @@ def build_penalty_tensors(
     table = cache.penalty_rows(keys if keys is not None else range(len(params)), params,
                                prompt_token_ids, output_token_ids, rows)
     return PenaltyTensors(
-        repetition=torch.tensor([p.repetition_penalty for p in params],
-                                dtype=torch.float32).to(device),
-        frequency=torch.tensor([p.frequency_penalty for p in params],
-                               dtype=torch.float32).to(device),
-        presence=torch.tensor([p.presence_penalty for p in params],
-                              dtype=torch.float32).to(device),
+        repetition=upload([p.repetition_penalty for p in params], torch.float32, device),
+        frequency=upload([p.frequency_penalty for p in params], torch.float32, device),
+        presence=upload([p.presence_penalty for p in params], torch.float32, device),
         table=table)
 
 

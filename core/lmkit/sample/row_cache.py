@@ -29,11 +29,27 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
+
+
+def upload(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device
+           ) -> torch.Tensor:
+    """``values`` (a sequence, or a host tensor) as a tensor of ``dtype`` on ``device``; to
+    CUDA through pinned memory, asynchronously, so the host does not wait for the device's
+    queued work (a decode step launched ahead builds its sampling tensors behind its own
+    forward)."""
+    cuda = device.type == "cuda"
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype)
+        host = host.pin_memory() if cuda else host
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=cuda)
+    return host.to(device, non_blocking=True)
 
 
 class SlotTable:
@@ -144,8 +160,8 @@ class SamplingCache:
         if entry.bias is None:
             bias = params.logit_bias or {}
             self._check_ids(bias, "logit_bias")
-            entry.bias = (torch.tensor(list(bias), dtype=torch.int64).to(self.device),
-                          torch.tensor(list(bias.values()), dtype=torch.float32).to(self.device))
+            entry.bias = (upload(list(bias), torch.int64, self.device),
+                          upload(list(bias.values()), torch.float32, self.device))
         return entry.bias
 
     def allowed_slot(self, key: Hashable, params: SamplingParams) -> int:
@@ -159,7 +175,7 @@ class SamplingCache:
             ids = params.allowed_token_ids or []
             self._check_ids(ids, "allowed_token_ids")
             slot = self._allowed.take()
-            self._allowed.data[slot, torch.tensor(ids, dtype=torch.int64).to(self.device)] = True
+            self._allowed.data[slot, upload(ids, torch.int64, self.device)] = True
             entry.allowed = slot
         return entry.allowed
 
@@ -203,8 +219,8 @@ class SamplingCache:
             at = self._pairs(new_slots, new_tokens)
             counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype), accumulate=True)
             seen[at] = True
-        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
-        table = PenaltyRows(torch.tensor(list(rows), dtype=torch.int64).to(self.device), index,
+        index = upload(slots, torch.int64, self.device)
+        table = PenaltyRows(upload(list(rows), torch.int64, self.device), index,
                             counts, seen.index_select(0, index))
         if draft_tokens:
             at = self._pairs(draft_rows, draft_tokens)
@@ -225,18 +241,18 @@ class SamplingCache:
             self._counts.data[entry.penalty].zero_()
             self._seen.data[entry.penalty].zero_()
         if params.repetition_penalty != 1.0:
-            ids = torch.tensor(list(prompt), dtype=torch.int64)
-            ids = ids[(ids >= 0) & (ids < self.vocab_size)].to(self.device)
+            ids = upload([t for t in prompt if 0 <= t < self.vocab_size], torch.int64,
+                         self.device)
             self._seen.data[entry.penalty, ids] = True
         entry.output, entry.counted = output, 0
 
     def _pairs(self, rows: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         # (row, token) index tensors on the device; tokens outside the logits' width
         # cannot be sampled, so nothing penalises them
-        r = torch.tensor(rows, dtype=torch.int64)
-        t = torch.tensor(tokens, dtype=torch.int64)
-        keep = (t >= 0) & (t < self.vocab_size)
-        return r[keep].to(self.device), t[keep].to(self.device)
+        vocab = self.vocab_size
+        kept = [(r, t) for r, t in zip(rows, tokens, strict=True) if 0 <= t < vocab]
+        return (upload([r for r, _ in kept], torch.int64, self.device),
+                upload([t for _, t in kept], torch.int64, self.device))
 
     def _check_ids(self, ids: Sequence[int] | dict[int, float], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

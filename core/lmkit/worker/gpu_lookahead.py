@@ -26,11 +26,14 @@ A request is predicted only when its next cache slot is already allocated (its
 block table covers the next position) and it samples greedily without logprobs,
 penalties, logit bias, a pending ``min_tokens`` or structured output, so that the
 speculative step computes exactly what the normal path would -- or, with the runner's
-sampler given (:class:`DecodeLookahead`), samples at random with nothing but
-temperature, top-k, top-p and min-p and no seed (:func:`random_plain`): the launched
-step draws its token with the same sampler, and a discarded prediction only wastes a
-draw (a seeded request's generator must not advance for a step that may be
-discarded, so it runs normally). Its KV write lands in
+sampler given (:class:`DecodeLookahead`), samples as :func:`samples_ahead` allows:
+greedily or at random without a seed, with temperature, top-k, top-p, min-p,
+penalties, logit bias and allowed ids, but no logprobs, bad words, logits processors,
+pending ``min_tokens`` or grammar. The launched step draws its token with the same
+sampler and the request's kept tensors (:mod:`lmkit.sample.row_cache`), its penalty
+counts plus the token the step before drew, still unread on the device; a discarded
+prediction only wastes a draw (a seeded request's generator must not advance for a
+step that may be discarded, so it runs normally). Its KV write lands in
 the request's own, not yet full block: if the request finished meanwhile the slot is
 rewritten by whoever gets the block before it is read. The engine has the scheduler
 reserve one slot past each request's scheduled tokens (:func:`decode_lookahead_slots`),
@@ -48,13 +51,11 @@ import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.platform import switched_off
-from lmkit.sample.metadata import SamplingMetadata
-from lmkit.spec_decode.rows import is_plain_greedy
 from lmkit.worker.graph_stream import record_event
 from lmkit.worker.input_batch import StepInputs
+from lmkit.worker.lookahead_sampling import draw_ahead, greedy_plain, samples_ahead
 
 if TYPE_CHECKING:
-    from lmkit.api.sampling_params import SamplingParams
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
@@ -112,21 +113,9 @@ class LaunchAhead:
         requests, sampler = self.requests, self.sampler
         return all(s.prompt_logprobs is None and (
             greedy_plain(s.sampling_params, len(s.output_token_ids))
-            or (sampler is not None and random_plain(s.sampling_params,
-                                                     len(s.output_token_ids), s.generator)))
+            or (sampler is not None and samples_ahead(s.sampling_params,
+                                                      len(s.output_token_ids), s.generator)))
             for s in (requests[r] for r in order))
-
-    def _draw(self, order: list[str], logits: torch.Tensor) -> torch.Tensor:
-        """The launched step's tokens: the argmax where every request is greedy, else
-        the sampler's draw (no host sync on the way: the metadata goes up asynchronously)."""
-        states = [self.requests[r] for r in order]
-        if self.sampler is None or all(s.sampling_params.temperature == 0.0 for s in states):
-            return logits.argmax(dim=-1)
-        md = SamplingMetadata.build(
-            [s.sampling_params for s in states], [()] * len(states),
-            [s.output_token_ids for s in states], [None] * len(states),
-            [s.eos_token_id for s in states], logits.shape[-1], logits.device)
-        return self.sampler(logits, md).sampled_token_ids
 
 
 class DecodeLookahead(LaunchAhead):
@@ -306,7 +295,8 @@ class DecodeLookahead(LaunchAhead):
             features = None
             if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-            tokens = self._draw(order, self.model.compute_logits(hidden))
+            tokens = draw_ahead(self.sampler, [self.requests[r] for r in order], order,
+                                self.model.compute_logits(hidden), device_ids)
             host, ready = read_back(tokens)
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
                                 positions.copy(), tokens, host, ready, slots, features)
@@ -372,20 +362,3 @@ def _plain(so: SchedulerOutput) -> bool:
     """No drafts, grammar bitmask or offload transfers in ``so``."""
     return (not any(so.scheduled_spec_decode_tokens.values())
             and so.grammar_bitmask is None and not so.kv_transfers)
-
-
-def random_plain(p: SamplingParams, num_output_tokens: int, generator: Any) -> bool:
-    """Random sampling shaped by temperature, top-k, top-p and min-p alone, without a
-    seed (``generator`` None), logprobs, penalties, logit bias, bans, allowed ids,
-    logits processors, a pending ``min_tokens`` or a grammar: what a launched step
-    draws with the runner's sampler from nothing but the logits."""
-    return (p.temperature > 0.0 and generator is None and p.logprobs is None
-            and not p.logit_bias and not p.needs_penalties and not p.allowed_token_ids
-            and not p.bad_words_token_ids and not p.logits_processors
-            and num_output_tokens >= p.min_tokens and p.structured_outputs is None)
-
-
-def greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
-    """Greedy sampling that the argmax of the raw logits reproduces exactly (and no
-    grammar, whose bitmask the lookahead does not apply)."""
-    return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None

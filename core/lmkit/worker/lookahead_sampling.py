@@ -1,0 +1,67 @@
+"""How a decode step launched ahead (:mod:`lmkit.worker.gpu_lookahead`) draws its tokens:
+which requests it may sample for, and the draw itself (no host sync on the way)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmkit.sample.metadata import SamplingMetadata
+from lmkit.spec_decode.rows import is_plain_greedy
+
+if TYPE_CHECKING:
+    from lmkit.api.sampling_params import SamplingParams
+    from lmkit.sample.row_cache import PenaltyRows
+    from lmkit.sample.sampler import Sampler
+    from lmkit.worker.input_batch import CachedRequestState
+
+
+def greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
+    """Greedy sampling that the argmax of the raw logits reproduces exactly (and no
+    grammar, whose bitmask the lookahead does not apply)."""
+    return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None
+
+
+def samples_ahead(p: SamplingParams, num_output_tokens: int, generator: Any) -> bool:
+    """Whether a launched step draws what the normal step would, with the runner's
+    sampler: greedy, or random without a seed (``generator`` None); temperature, the
+    top-k / top-p / min-p filters, penalties, logit bias and allowed ids, whose tensors
+    are kept per request; no logprobs, bad words (they follow the unread token), logits
+    processors, pending ``min_tokens`` or grammar."""
+    return ((p.temperature == 0.0 or generator is None) and p.logprobs is None
+            and not p.bad_words_token_ids and not p.logits_processors
+            and num_output_tokens >= p.min_tokens and p.structured_outputs is None)
+
+
+def count_unread(table: PenaltyRows, unread: torch.Tensor) -> None:
+    """Add to ``table``'s rows (this step's copies) the token each row's request drew in
+    the step before, still on the device (``unread``, one per request in step order)."""
+    tokens = unread.index_select(0, table.rows)
+    at = (torch.arange(tokens.numel(), device=tokens.device), tokens)
+    if table.draft_counts is None:
+        table.draft_counts = torch.zeros_like(table.seen, dtype=torch.int32)
+    table.draft_counts.index_put_(at, torch.ones_like(tokens, dtype=torch.int32),
+                                  accumulate=True)
+    table.seen[at] = True
+
+
+def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order: list[str],
+               logits: torch.Tensor, unread: torch.Tensor | None) -> torch.Tensor:
+    """A launched step's tokens for the requests ``states`` (ids ``order``): the argmax
+    where every one is plain greedy (or there is no ``sampler``), else the sampler's draw
+    with the requests' kept tensors, their penalty counts plus ``unread`` (the tokens the
+    step before drew, not yet in the output lists; ``None``: they are). Uploads are
+    asynchronous: the host does not wait for the device."""
+    if sampler is None or all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
+                              for s in states):
+        return logits.argmax(dim=-1)
+    vocab, device = logits.shape[-1], logits.device
+    md = SamplingMetadata.build(
+        [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+        [s.output_token_ids for s in states], [None] * len(states),
+        [s.eos_token_id for s in states], vocab, device,
+        sampler.request_cache(vocab, device), order)
+    if md.penalties is not None and unread is not None:
+        count_unread(md.penalties.table, unread)
+    return sampler(logits, md).sampled_token_ids

@@ -173,6 +173,7 @@ class FakeLLM:
     can_serve = True
     is_healthy = True
     num_engines = 1
+    max_model_len = 2048  # the response cap reads the context length
     engine_stats: list = []
     dead_reason = None
 

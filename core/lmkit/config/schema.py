@@ -305,6 +305,13 @@ class ServerConfig(Section):
         256, gt=0, description="Most sequences one request may ask for (prompts x n); past "
         "it the request is refused at once with 400 before any tokenization. Capped at what "
         "the server admits at once (scheduler.max_num_seqs + max_queued_requests).")
+    max_response_logprobs: int | None = Field(
+        4_000_000, gt=0, description="Most log-probability entries one response may carry "
+        "(sequences x tokens x (1 + alternatives), generated and echoed prompt tokens, the "
+        "worst case allowed by max_tokens or the context); a request that could exceed it "
+        "is refused at once with 400. 4,000,000 (~120 MB of completions JSON, ~310 MB of "
+        "chat JSON, ~0.5 GB of engine output in the API process) covers a whole 128k-token "
+        "context with 20 alternatives, or 256 echoed 4k-token prompts with 1; null: no limit.")
     engine_restart_attempts: int = Field(
         3, ge=0, description="Times in a row the server restarts a dead engine process "
         "(waiting engine_restart_backoff_s, doubled after each failed try) before it exits "

@@ -15,16 +15,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 
+from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
 from lmkit.engine.gc_heap import unfreeze_heap
 from lmkit.frontend.async_llm import AsyncLLM
 from lmkit.serve.errors import APIError, install_error_handlers, shorten
-from lmkit.serve.limits import AdmissionController
+from lmkit.serve.limits import AdmissionController, LogprobsParams, check_response_logprobs
 from lmkit.serve.logprobs import TokenTexts
 from lmkit.serve.metrics import ServerMetrics
 from lmkit.serve.supervisor import EngineSupervisor, start_engine
@@ -97,6 +98,22 @@ class ServerState:
                 "max_sequences_per_request, capped by scheduler.max_num_seqs + "
                 "server.max_queued_requests); split it into smaller requests",
                 param=param, code="too_many_sequences")
+
+    def check_response_logprobs(self, params: SamplingParams,
+                                prompts: Sequence[str | list[int] | None],
+                                names: LogprobsParams) -> None:
+        """400 at once when the response to ``params`` over ``prompts`` (``None``: chat
+        messages) could carry more log-probabilities than ``server.max_response_logprobs``
+        (checked before any tokenization; see :func:`check_response_logprobs`). It needs
+        the context length: the engine's, or ``model.max_model_len`` before the engine is
+        up (without either the request meets the 503 of a loading model anyway)."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return  # never limited (and needs no context length)
+        context_len = (self.llm.max_model_len if self.llm is not None
+                       else self.config.model.max_model_len)
+        if context_len is not None:
+            check_response_logprobs(params, prompts, context_len,
+                                    self.config.server.max_response_logprobs, names)
 
     def token_texts(self, llm: AsyncLLM) -> TokenTexts:
         """Per-token text of ``llm``'s tokenizer (cached across requests)."""

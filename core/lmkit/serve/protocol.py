@@ -34,6 +34,7 @@ from lmkit.api.sampling_params import (
     SamplingParams,
 )
 from lmkit.errors import InvalidRequestError
+from lmkit.serve.limits import LogprobsParams
 from lmkit.serve.text_check import find_lone_surrogate
 from lmkit.structured.constraint import validate_structured_outputs
 
@@ -301,6 +302,10 @@ class CompletionRequest(_SamplingFields):
         return self._params(self.max_tokens, self.logprobs, prompt_logprobs,
                             max_constraint_chars)
 
+    def logprobs_params(self) -> LogprobsParams:
+        """The fields a response too large in log-probabilities is blamed on."""
+        return LogprobsParams()
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -380,3 +385,11 @@ class ChatCompletionRequest(_SamplingFields):
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs, max_constraint_chars=max_constraint_chars)
+
+    def logprobs_params(self) -> LogprobsParams:
+        """As for completions; the token bound is named as sent (OpenAI's current
+        ``max_completion_tokens`` when neither is)."""
+        sent_max_tokens = self.max_tokens is not None and self.max_completion_tokens is None
+        return LogprobsParams(logprobs="top_logprobs", prompt_logprobs="prompt_logprobs",
+                              max_tokens="max_tokens" if sent_max_tokens
+                              else "max_completion_tokens")

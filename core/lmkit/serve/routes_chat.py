@@ -140,6 +140,7 @@ async def create_chat_completion(request: Request) -> Response:
     state.check_fan_out(1, body.n, param="n")
     # 400s need no engine; an over-long constraint is refused before it is walked
     params = body.to_sampling_params(state.config.structured_output.max_constraint_chars)
+    state.check_response_logprobs(params, [None], body.logprobs_params())
     llm = state.require_llm()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     chat_kwargs = None if body.add_generation_prompt else {"add_generation_prompt": False}

@@ -175,6 +175,7 @@ async def create_completion(request: Request) -> Response:
     state.check_fan_out(len(prompts), max(body.n, body.best_of or 1))
     # 400s need no engine; an over-long constraint is refused before it is walked
     params = body.to_sampling_params(state.config.structured_output.max_constraint_chars)
+    state.check_response_logprobs(params, prompts, body.logprobs_params())
     llm = state.require_llm()
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [

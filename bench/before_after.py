@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,17 @@ def env_first_on_path(path: Path | None) -> dict[str, str]:
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
     return env
+
+
+def time_side(core: Path | None, module: str, call: str) -> float:
+    """The float a bench function prints, run in a fresh process with ``core``'s lmkit
+    first on the path (``None``: the working tree's): ``call`` is an expression over the
+    bench module ``module`` of this folder, e.g. ``time_steps(32, 256)``."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import {module} as s; print(s.{call})")
+    out = subprocess.run([sys.executable, "-c", code], env=env_first_on_path(core), check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 
 def before_after(label: str, run: Callable[[str], float], rounds: int) -> dict[str, list[float]]:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import before_after, env_first_on_path, revision_tree  # noqa: E402
+from before_after import before_after, revision_tree, time_side  # noqa: E402
 
 MIXES = ("penalties", "allowed", "allowed2048", "bias", "plain")
 
@@ -93,14 +92,8 @@ def time_steps(mix: str, batch: int, steps: int, vocab: int, prompt_len: int,
 
 
 def _side(core: Path | None, args: argparse.Namespace, mix: str, batch: int) -> float:
-    env = env_first_on_path(core)  # the revision's lmkit first, for "before"
-    call = (f"s.time_steps({mix!r}, {batch}, {args.steps}, {args.vocab}, {args.prompt_len}, "
-            f"{args.output_len}, {args.device!r})")
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import sampling_state as s; print({call})")
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return float(out.split()[-1])
+    return time_side(core, "sampling_state", f"time_steps({mix!r}, {batch}, {args.steps}, "
+                     f"{args.vocab}, {args.prompt_len}, {args.output_len}, {args.device!r})")
 
 
 def main() -> None:

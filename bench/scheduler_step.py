@@ -14,14 +14,13 @@ GPU's step, and sets the step rate where it is the longer of the two.)
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from before_after import before_after, env_first_on_path, revision_tree  # noqa: E402
+from before_after import before_after, revision_tree, time_side  # noqa: E402
 
 
 def time_steps(batch: int, steps: int) -> float:
@@ -53,15 +52,6 @@ def time_steps(batch: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _side(core: Path | None, batch: int, steps: int) -> float:
-    env = env_first_on_path(core)  # the revision's lmkit first, for "before"
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import scheduler_step as s; print(s.time_steps({batch}, {steps}))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return float(out.split()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", default="HEAD", help="the 'before' git revision")
@@ -73,7 +63,8 @@ def main() -> None:
         sides = {"before": revision_tree(args.rev, "core", Path(tmp)), "after": None}
         for batch in args.batch:
             before_after(f"batch {batch:4d}",
-                         lambda name, batch=batch: _side(sides[name], batch, args.steps),
+                         lambda name, batch=batch: time_side(
+                             sides[name], "scheduler_step", f"time_steps({batch}, {args.steps})"),
                          args.rounds)
 
 if __name__ == "__main__":

@@ -167,11 +167,20 @@ def load_head(path: Path, hf_config: Any) -> tuple[Any, torch.Tensor]:
     return head.eval(), ids
 
 
-@torch.no_grad()
 def answer_paths(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int,
                  depth: int, device: str) -> list[torch.Tensor]:
     """The true rank paths of the target's greedy answers to ``prompts`` (rows from each
     answer's first drafted position)."""
+    return answer_data(model, head_dir, prompts, max_new_tokens, depth, device)[0]
+
+
+@torch.no_grad()
+def answer_data(model: str, head_dir: Path, prompts: list[str], max_new_tokens: int,
+                depth: int, device: str
+                ) -> tuple[list[torch.Tensor], list[list[int]], list[int]]:
+    """:func:`answer_paths`, with each answer's whole sequence (prompt and answer token
+    ids) and its first drafted row: row ``s`` of a path drafts the tokens from
+    ``sequence[first + s + 2]`` on, knowing ``sequence[:first + s + 2]``."""
     from lmkit.api import load_hf_config
     from lmkit_plugins.spec.eagle_batches import StepBatcher
     from lmkit_plugins.spec.eagle_features import TargetFeatures
@@ -195,7 +204,7 @@ def answer_paths(model: str, head_dir: Path, prompts: list[str], max_new_tokens:
         truth = to_draft[torch.tensor(seq[2:])].to(device)
         steps = head.unrolled(b.embeds[0], b.taps[0], min(depth, b.embeds.shape[1]))
         paths.append(rank_paths(steps, truth)[first:].cpu())
-    return paths
+    return paths, seqs, firsts
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 import lmkit
 import pytest
 import typer
+from lmkit import PLUGIN_API_VERSION
 from lmkit.api import Caps, Needs, Spec
 from lmkit.errors import (
     DuplicateSpecError,
@@ -93,11 +94,15 @@ def test_registering_the_same_spec_again_is_idempotent() -> None:
     assert host.registry.names("scheduler") == ["same"]
 
 
+API = PLUGIN_API_VERSION  # the messages name the running lmkit's
+
+
 @pytest.mark.parametrize(("declared", "expected"), [
     (None, "plugin 'p' does not declare the plugin API versions it supports; add "
-           "LMKIT_PLUGIN_API = \">=1.0,<2\" to the plugin module (lmkit's is 1.5)."),
+           f"LMKIT_PLUGIN_API = \">=1.0,<2\" to the plugin module (lmkit's is {API})."),
     ("one", "plugin 'p' declares LMKIT_PLUGIN_API = 'one', which is not a version specifier"),
-    (">=2", "plugin 'p' supports lmkit plugin API >=2, but this lmkit (0.1.0) provides plugin API 1.5."),
+    (">=2", "plugin 'p' supports lmkit plugin API >=2, but this lmkit (0.1.0) provides "
+            f"plugin API {API}."),
 ])
 def test_plugin_api_version_is_checked(declared: str | None, expected: str) -> None:
     with pytest.raises(PluginAPIVersionError) as exc:

@@ -3,7 +3,8 @@
 Values come from the raw distribution, ``log_softmax`` of the model's logits before any
 bias, penalty, temperature or filter (vLLM's default ``raw_logprobs``). The work is one
 batched ``gather`` / ``topk`` / compare plus a single device-to-host copy; building the
-:class:`TokenLogprob` objects is O(rows x num_top) Python, as the output needs them.
+:class:`TokenLogprob` objects is O(rows) Python (the alternatives are sliced out of two
+packed byte strings).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def gather_logprobs(
     return token_logprobs.squeeze(1), ranks, top_ids, top_logprobs
 
 
+def _packed(t: torch.Tensor, dtype: torch.dtype, layout: str) -> bytes:
+    """``t``'s values as host bytes in ``layout`` (a numpy dtype: little-endian, 8 bytes)."""
+    return t.detach().to("cpu", dtype).numpy().astype(layout, copy=False).tobytes()
+
+
 def to_token_logprobs(
     token_ids: torch.Tensor, logprobs: torch.Tensor, num_tops: Sequence[int]
 ) -> list[TokenLogprob]:
@@ -53,14 +59,19 @@ def to_token_logprobs(
     """
     max_top = max(num_tops, default=0)
     token_lp, ranks, top_ids, top_lp = gather_logprobs(logprobs, token_ids, max_top)
-    # One host copy for everything.
+    # Host copies once per call, never per row: the alternatives come over as two byte
+    # strings in TokenLogprob's packed layout, and each row takes a slice of them.
     ids_l, lp_l, rank_l = token_ids.tolist(), token_lp.tolist(), ranks.tolist()
-    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
-    return [
-        TokenLogprob(token_id=ids_l[i], logprob=lp_l[i], rank=rank_l[i],
-                     top=list(zip(top_ids_l[i][:n], top_lp_l[i][:n], strict=True)))
-        for i, n in enumerate(num_tops)
-    ]
+    k = top_ids.shape[1]
+    raw_ids, raw_lps = _packed(top_ids, torch.int64, "<i8"), _packed(top_lp, torch.float64, "<f8")
+    make = TokenLogprob.from_packed
+    entries = []
+    for i, n in enumerate(num_tops):
+        start = 8 * i * k
+        end = start + 8 * min(n, k)
+        entries.append(make(ids_l[i], lp_l[i], rank_l[i], raw_ids[start:end],
+                            raw_lps[start:end]))
+    return entries
 
 
 def compute_prompt_logprobs(

@@ -92,7 +92,7 @@ def completion_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob | Non
             top_logprobs.append(None)
             continue
         token_logprobs.append(_finite(lp.logprob))
-        top = {texts(t): _finite(v) for t, v in lp.top[:num_top]}
+        top = {texts(t): _finite(v) for t, v in lp.iter_top(num_top)}
         top.setdefault(text, _finite(lp.logprob))
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs,
@@ -132,5 +132,5 @@ def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob], num_top: 
 
 def _chat_entry(texts: TokenTexts, lp: TokenLogprob, num_top: int) -> dict[str, Any]:
     entry = _entry(texts, lp.token_id, lp.logprob)
-    entry["top_logprobs"] = [_entry(texts, t, v) for t, v in lp.top[:num_top]]
+    entry["top_logprobs"] = [_entry(texts, t, v) for t, v in lp.iter_top(num_top)]
     return entry

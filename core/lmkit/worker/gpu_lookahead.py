@@ -27,13 +27,14 @@ block table covers the next position) and it samples greedily without logprobs,
 penalties, logit bias, a pending ``min_tokens`` or structured output, so that the
 speculative step computes exactly what the normal path would -- or, with the runner's
 sampler given (:class:`DecodeLookahead`), samples as :func:`samples_ahead` allows:
-greedily or at random without a seed, with temperature, top-k, top-p, min-p,
-penalties, logit bias and allowed ids, but no logprobs, bad words, logits processors,
-pending ``min_tokens`` or grammar. The launched step draws its token with the same
-sampler and the request's kept tensors (:mod:`lmkit.sample.row_cache`), its penalty
-counts plus the token the step before drew, still unread on the device; a discarded
-prediction only wastes a draw (a seeded request's generator must not advance for a
-step that may be discarded, so it runs normally). Its KV write lands in
+greedily or at random, with temperature, top-k, top-p, min-p, a seed, penalties,
+logit bias and allowed ids, but no logprobs, bad words, logits processors, pending
+``min_tokens`` or grammar. The launched step draws its token with the same sampler and
+the request's kept tensors (:mod:`lmkit.sample.row_cache`), its penalty counts plus the
+token the step before drew, still unread on the device; a launched step that is not
+taken only wastes a draw, and a seeded request's generator is rewound to its state
+before that draw (:meth:`_Pending.rewind`), so the step it runs instead draws what it
+would have without the lookahead. Its KV write lands in
 the request's own, not yet full block: if the request finished meanwhile the slot is
 rewritten by whoever gets the block before it is read. The engine has the scheduler
 reserve one slot past each request's scheduled tokens (:func:`decode_lookahead_slots`),
@@ -43,7 +44,8 @@ so that the next slot is there even when the next token starts a new block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +79,16 @@ class _Pending:
     ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU: done)
     slots: np.ndarray | None = None  # int64 [n], the cache slot each request wrote (drafter)
     features: torch.Tensor | None = None  # [n, width], what the draft head reads (drafter)
+    # seeded requests' generators and their states before the launched draw: rewound
+    # for the requests whose launched step is not taken
+    rng_states: dict[str, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+
+    def rewind(self, keep: Collection[str] = ()) -> None:
+        """Put back the generators of the requests not in ``keep`` as they were before
+        the launched draw, so that the step they run instead draws what it would have."""
+        for rid, (generator, state) in self.rng_states.items():
+            if rid not in keep:
+                generator.set_state(state)
 
 
 @dataclass
@@ -108,13 +120,13 @@ class LaunchAhead:
 
     def _predictable(self, order: list[str]) -> bool:
         """Every request samples greedily as a launched argmax does (no logprobs,
-        penalties, pending ``min_tokens`` or grammar), or, with a sampler, at random with
-        nothing but temperature and the top-k / top-p / min-p filters and no seed."""
+        penalties, pending ``min_tokens`` or grammar), or, with a sampler, as
+        :func:`~lmkit.worker.lookahead_sampling.samples_ahead` allows."""
         requests, sampler = self.requests, self.sampler
         return all(s.prompt_logprobs is None and (
             greedy_plain(s.sampling_params, len(s.output_token_ids))
             or (sampler is not None and samples_ahead(s.sampling_params,
-                                                      len(s.output_token_ids), s.generator)))
+                                                      len(s.output_token_ids))))
             for s in (requests[r] for r in order))
 
 
@@ -170,6 +182,8 @@ class DecodeLookahead(LaunchAhead):
                    drafted: bool = False) -> None:
         """After a normally run step: launch the next decode step if it is predictable
         (not after a step whose draft head ``drafted``: the next one verifies)."""
+        if self.pending is not None:  # (take() hands every launched step on or rewinds it)
+            self.pending.rewind()
         self.pending = None
         n = len(order)
         if not (n and step.num_decodes == n and step.num_tokens == n and _plain(so)):
@@ -195,9 +209,11 @@ class DecodeLookahead(LaunchAhead):
             return None
         order = list(so.num_scheduled_tokens)
         if not self._matches(so, order, pending):
+            pending.rewind()
             self._count("discarded")
             return None
         self._count("used")
+        pending.rewind(keep=set(order))  # requests that left (finished, preempted) rewind
         idx = [pending.index[r] for r in order]
         tokens = pending.tokens
         if idx != list(range(len(pending.req_ids))):
@@ -295,11 +311,16 @@ class DecodeLookahead(LaunchAhead):
             features = None
             if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-            tokens = draw_ahead(self.sampler, [self.requests[r] for r in order], order,
-                                self.model.compute_logits(hidden), device_ids)
+            states = [self.requests[r] for r in order]
+            rng_states = {r: (s.generator, s.generator.get_state())
+                          for r, s in zip(order, states, strict=True)
+                          if s.generator is not None and s.sampling_params.temperature > 0}
+            tokens = draw_ahead(self.sampler, states, order, self.model.compute_logits(hidden),
+                                device_ids)
             host, ready = read_back(tokens)
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
-                                positions.copy(), tokens, host, ready, slots, features)
+                                positions.copy(), tokens, host, ready, slots, features,
+                                rng_states)
         self._count("launched")
 
     def _count(self, what: str) -> None:

@@ -3,7 +3,7 @@ which requests it may sample for, and the draw itself (no host sync on the way).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,14 +23,14 @@ def greedy_plain(p: SamplingParams, num_output_tokens: int) -> bool:
     return is_plain_greedy(p, num_output_tokens) and p.structured_outputs is None
 
 
-def samples_ahead(p: SamplingParams, num_output_tokens: int, generator: Any) -> bool:
+def samples_ahead(p: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a launched step draws what the normal step would, with the runner's
-    sampler: greedy, or random without a seed (``generator`` None); temperature, the
-    top-k / top-p / min-p filters, penalties, logit bias and allowed ids, whose tensors
-    are kept per request; no logprobs, bad words (they follow the unread token), logits
-    processors, pending ``min_tokens`` or grammar."""
-    return ((p.temperature == 0.0 or generator is None) and p.logprobs is None
-            and not p.bad_words_token_ids and not p.logits_processors
+    sampler: greedy or random (a seeded request's generator is rewound when its launched
+    step is not taken); temperature, the top-k / top-p / min-p filters, penalties, logit
+    bias and allowed ids, whose tensors are kept per request; no logprobs, bad words
+    (they follow the unread token), logits processors, pending ``min_tokens`` or
+    grammar."""
+    return (p.logprobs is None and not p.bad_words_token_ids and not p.logits_processors
             and num_output_tokens >= p.min_tokens and p.structured_outputs is None)
 
 
@@ -59,7 +59,7 @@ def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order:
     vocab, device = logits.shape[-1], logits.device
     md = SamplingMetadata.build(
         [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-        [s.output_token_ids for s in states], [None] * len(states),
+        [s.output_token_ids for s in states], [s.generator for s in states],
         [s.eos_token_id for s in states], vocab, device,
         sampler.request_cache(vocab, device), order)
     if md.penalties is not None and unread is not None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lmkit import LLM, SamplingParams
 from lmkit.api import PoolingParams
-from lmkit.testing.tiny_model import make_byte_tokenizer
+from lmkit.testing.tiny_model import make_byte_tokenizer, make_tiny_qwen3
 
 TEXTS = ["hello world", "embeddings from a decoder model, last token pooled",
          "a third, rather longer text that needs several chunks of sixteen tokens " * 2, "x"]
@@ -16,19 +16,8 @@ TEXTS = ["hello world", "embeddings from a decoder model, last token pooled",
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     directory = tmp_path_factory.mktemp("qwen3-embed")
-    config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=512, initializer_range=0.1,
-                         tie_word_embeddings=True, eos_token_id=256, bos_token_id=None,
-                         pad_token_id=256)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(directory)
-    make_byte_tokenizer().save_pretrained(directory)
-    return directory, model
+    return directory, make_tiny_qwen3(directory)
 
 
 def hf_hidden(model, tokenizer, text):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from lmkit.config.schema import LMKitConfig
+from lmkit.testing.tiny_model import make_tiny_qwen3
 from serve_live import LiveServer
 
 pytestmark = pytest.mark.slow  # a live server (a few seconds to start)
@@ -36,20 +37,8 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    from lmkit.testing.tiny_model import make_byte_tokenizer
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     directory = tmp_path_factory.mktemp("qwen3-pool-edges")
-    config = Qwen3Config(vocab_size=320, hidden_size=HIDDEN, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=512, initializer_range=0.1,
-                         tie_word_embeddings=True, eos_token_id=256, bos_token_id=None,
-                         pad_token_id=256)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(directory)
-    make_byte_tokenizer().save_pretrained(directory)
-    return directory, model
+    return directory, make_tiny_qwen3(directory)
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,26 @@ def make_tiny_model(directory: str | Path, *, vocab_size: int = 320, num_layers:
     return directory
 
 
+def make_tiny_qwen3(directory: str | Path, seed: int = 0) -> Any:
+    """Write a random-weight two-layer ``Qwen3ForCausalLM`` (hidden 64, q/k norms, head
+    dim 32, tied embeddings) and the byte tokenizer to ``directory``; return the model
+    (transformers', in eval mode: the reference the tests compare with)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=512, initializer_range=0.1,
+                         tie_word_embeddings=True, eos_token_id=NUM_BYTE_TOKENS,
+                         bos_token_id=None, pad_token_id=NUM_BYTE_TOKENS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    make_byte_tokenizer().save_pretrained(directory)
+    return model
+
+
 def make_tiny_deepseek(directory: str | Path, version: int = 3, *, q_lora_rank: int | None = 32,
                        vocab_size: int = 320, seed: int = 0, **overrides: object) -> Path:
     """Write a random-weight ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``

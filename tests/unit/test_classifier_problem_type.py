@@ -19,7 +19,7 @@ from lmkit import LLM
 from lmkit.api import PoolingParams
 from lmkit.api.pooling import ClassifierHead
 from lmkit.errors import ModelLoadError
-from lmkit.testing.tiny_model import make_byte_tokenizer
+from lmkit.testing.tiny_model import make_byte_tokenizer, make_tiny_bert_classifier
 from test_pooling_probe_edges import PoolingLLM, client_with, post
 
 TEXTS = ["hello there", "a somewhat longer sentence to classify", "x"]
@@ -29,19 +29,9 @@ ROUTE_TEXTS = ["hello there", "short text", "x", "another one"]  # the stand-in:
 
 def _save_classifier(directory, num_labels: int, problem_type: str | None, seed: int = 0):
     """A tiny random ``BertForSequenceClassification``, saved with a byte tokenizer."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=64, initializer_range=0.5,
-                        id2label=dict(enumerate(NAMES[:num_labels])),
-                        label2id={n: i for i, n in enumerate(NAMES[:num_labels])},
-                        problem_type=problem_type)
-    assert config.num_labels == num_labels
-    torch.manual_seed(seed)
-    model = BertForSequenceClassification(config).eval()
-    model.save_pretrained(directory)
-    make_byte_tokenizer().save_pretrained(directory)
+    model = make_tiny_bert_classifier(directory, num_labels, seed=seed, initializer_range=0.5,
+                                      label_names=NAMES[:num_labels], problem_type=problem_type)
+    assert model.config.num_labels == num_labels
     return model
 
 

@@ -16,7 +16,7 @@ from lmkit import LLM
 from lmkit.api import PoolingParams
 from lmkit.engine.core_proc import _ready_message
 from lmkit.errors import InvalidRequestError
-from lmkit.testing.tiny_model import make_byte_tokenizer
+from lmkit.testing.tiny_model import make_byte_tokenizer, make_tiny_bert_classifier
 from test_pooling_probe_edges import PoolingLLM, client_with, post
 from test_serve_http import assert_openai_error
 
@@ -39,17 +39,8 @@ def _reference_scores(model, texts: list[str], num_labels: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     """A tiny random ``BertForSequenceClassification`` with one label, saved."""
-    from transformers import BertConfig, BertForSequenceClassification
-
     directory = tmp_path_factory.mktemp("cross-encoder")
-    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=64, num_labels=1, initializer_range=0.2)
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
-    model.save_pretrained(directory)
-    make_byte_tokenizer().save_pretrained(directory)
-    return directory, model
+    return directory, make_tiny_bert_classifier(directory, 1)
 
 
 def test_one_label_is_a_sigmoid_and_scoring_a_classifier_is_refused(cross_encoder):
@@ -92,15 +83,7 @@ def test_a_sentence_transformers_mode_overrides_the_classifier_default(cross_enc
 
 
 def test_two_labels_stay_a_softmax(tmp_path):
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64,
-                        max_position_embeddings=64, num_labels=2, initializer_range=0.2)
-    torch.manual_seed(1)
-    model = BertForSequenceClassification(config).eval()
-    model.save_pretrained(tmp_path)
-    make_byte_tokenizer().save_pretrained(tmp_path)
+    model = make_tiny_bert_classifier(tmp_path, 2, seed=1)
     ref = _reference_scores(model, TEXTS, 2)
     with LLM(str(tmp_path), progress=False, dtype="float32") as llm:
         probs = torch.tensor([o.data for o in llm.classify(TEXTS)])

@@ -101,6 +101,32 @@ def make_tiny_qwen3(directory: str | Path, seed: int = 0) -> Any:
     return model
 
 
+def make_tiny_bert_classifier(directory: str | Path, num_labels: int, *, seed: int = 0,
+                              initializer_range: float = 0.2,
+                              label_names: list[str] | None = None,
+                              problem_type: str | None = None) -> Any:
+    """Write a random-weight two-layer ``BertForSequenceClassification`` (hidden 32) with
+    ``num_labels`` labels (named ``label_names``, else transformers' ``LABEL_i``) and the
+    byte tokenizer to ``directory``; return the model (transformers', in eval mode).
+    The weights come from ``torch.manual_seed(seed)``."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    labels: dict[str, Any] = {"num_labels": num_labels}
+    if label_names is not None:
+        labels = {"id2label": dict(enumerate(label_names)),
+                  "label2id": {n: i for i, n in enumerate(label_names)}}
+    config = BertConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64,
+                        max_position_embeddings=64, initializer_range=initializer_range,
+                        problem_type=problem_type, **labels)
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(directory)
+    make_byte_tokenizer().save_pretrained(directory)
+    return model
+
+
 def make_tiny_deepseek(directory: str | Path, version: int = 3, *, q_lora_rank: int | None = 32,
                        vocab_size: int = 320, seed: int = 0, **overrides: object) -> Path:
     """Write a random-weight ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``

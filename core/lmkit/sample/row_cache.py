@@ -20,14 +20,14 @@ decode step; 256 requests with 2,048 ``allowed_token_ids`` each, ~160 ms (a
 A step gathers its rows' table rows on the device. Tables grow by doubling and are
 allocated only when a request asks for what they hold (``slots x vocab`` x 5 bytes
 for the penalties, x 1 for allowed ids). Entries belong to a request id; the runner
-drops those of requests it no longer holds (:meth:`SamplingCache.retain`). An entry
+drops those of requests it no longer holds (:meth:`SamplingCache.forget`). An entry
 is rebuilt when its request's parameters or output list are not the objects it was
 built from (a request re-added after preemption), or the output got shorter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,11 +126,6 @@ class SamplingCache:
     def forget(self, key: Hashable) -> None:
         """Drop the entry of request ``key``, if any."""
         if key in self._entries:
-            self._drop(key)
-
-    def retain(self, live: Container[Hashable]) -> None:
-        """Drop the entries of requests not in ``live`` (O(entries))."""
-        for key in [k for k in self._entries if k not in live]:
             self._drop(key)
 
     def _drop(self, key: Hashable) -> None:

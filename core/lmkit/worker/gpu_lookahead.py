@@ -312,9 +312,10 @@ class DecodeLookahead(LaunchAhead):
             if drafter is not None:  # what the head reads, kept past the next replay
                 features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             states = [self.requests[r] for r in order]
-            rng_states = {r: (s.generator, s.generator.get_state())
-                          for r, s in zip(order, states, strict=True)
-                          if s.generator is not None and s.sampling_params.temperature > 0}
+            rng_states = {} if self.sampler is None else {  # (greedy only without one)
+                r: (s.generator, s.generator.get_state())
+                for r, s in zip(order, states, strict=True)
+                if s.generator is not None and s.sampling_params.temperature > 0}
             tokens = draw_ahead(self.sampler, states, order, self.model.compute_logits(hidden),
                                 device_ids)
             host, ready = read_back(tokens)

@@ -1,10 +1,11 @@
 """The frontend's per-step output processing (``lmkit.frontend.output_processor``) of a
 git revision against the working tree's, on the CPU, in one process: ``--batch``
 requests each get one token per step for ``--steps`` steps (the last finishes them),
-through a byte tokenizer; each side processes them as ``LLM.generate`` does (the
-revision's with its own defaults, the working tree's with ``final_only``, or
-``--streaming`` for both sides' per-step outputs). Rounds alternate the sides; medians
-of microseconds per step::
+through a byte tokenizer. The revision's side runs its defaults; the working tree's asks
+for ``--kind`` outputs (``final``, as ``LLM.generate`` and the server's non-streamed
+requests; ``--streaming``: ``delta``, as the server's streams; ``cumulative``: as
+``AsyncLLM.generate``'s default). Rounds alternate the sides; medians of microseconds
+per step::
 
     python bench/output_processing.py --rev HEAD~1 --batch 32 --steps 512 --rounds 7
 
@@ -38,8 +39,8 @@ def old_processor(rev: str) -> type:
     return module.OutputProcessor
 
 
-def run_side(cls: type, final_only: bool | None, batch: int, steps: int) -> float:
-    """Seconds per step of ``cls`` over one run (``final_only=None``: not passed)."""
+def run_side(cls: type, kind: str | None, batch: int, steps: int) -> float:
+    """Seconds per step of ``cls`` over one run (``kind=None``: the class's default)."""
     from lmkit.api.outputs import EngineCoreOutput
     from lmkit.api.request import Request
     from lmkit.api.sampling_params import SamplingParams
@@ -48,15 +49,15 @@ def run_side(cls: type, final_only: bool | None, batch: int, steps: int) -> floa
     tok = make_byte_tokenizer()
     proc = cls(tok)
     params = SamplingParams(max_tokens=steps)
+    kw = {} if kind is None else {"kind": kind}
     for i in range(batch):
-        proc.add_request(Request(str(i), [1, 2, 3], params), None)
+        proc.add_request(Request(str(i), [1, 2, 3], params), None, **kw)
     token = tok.encode("a", add_special_tokens=False)
-    kw = {} if final_only is None else {"final_only": final_only}
     start = time.perf_counter()
     for s in range(steps):
         reason = "length" if s == steps - 1 else None
         proc.process_outputs([EngineCoreOutput(str(i), token, finish_reason=reason)
-                              for i in range(batch)], **kw)
+                              for i in range(batch)])
     return (time.perf_counter() - start) / steps
 
 
@@ -66,13 +67,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--steps", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--streaming", action="store_true",
-                    help="both sides build every step's outputs (the serving path)")
+    ap.add_argument("--kind", choices=["cumulative", "delta", "final"], default="final",
+                    help="the working tree's output kind")
+    ap.add_argument("--streaming", action="store_true", help="the same as --kind delta")
     args = ap.parse_args()
     from lmkit.frontend.output_processor import OutputProcessor
 
     sides = {"before": (old_processor(args.rev), None),
-             "after": (OutputProcessor, None if args.streaming else True)}
+             "after": (OutputProcessor, "delta" if args.streaming else args.kind)}
     for batch in args.batch:
         before_after(f"batch {batch:4d}, {args.steps} steps",
                      lambda name, batch=batch: run_side(*sides[name], batch, args.steps),

@@ -75,7 +75,7 @@ def harness(smollm2_tokenizer):
     engine = ScriptedEngine(smollm2_tokenizer.encode(SCRIPT))
     state = {}
 
-    async def make() -> AsyncLLM:
+    async def make(observer=None) -> AsyncLLM:
         client = EngineCoreClient(LMKitConfig().model_dump(mode="json"))
         proc = EngineCoreProc(engine, client.input_addr, client.output_addr)
         thread = threading.Thread(target=proc.run, daemon=True)
@@ -84,7 +84,7 @@ def harness(smollm2_tokenizer):
         ready = EngineReady(model_dir="/nonexistent", max_model_len=64, vocab_size=49152,
                             stack={}, plugins=[],
                             stats={})
-        llm = AsyncLLM(client, ready, LMKitConfig(), smollm2_tokenizer)
+        llm = AsyncLLM(client, ready, LMKitConfig(), smollm2_tokenizer, observer=observer)
         llm._start_output_loops()
         return llm
 
@@ -121,6 +121,74 @@ def test_stream_deltas_concatenate_and_n_fans_out(harness):
         assert c.text == " one two three four five" and c.finish_reason == "length"
         assert "".join(o.outputs[c.index].delta_text for o in outs) == c.text
     assert engine.num_added == 3
+
+
+class Timings:
+    """A RequestObserver that records what it is told."""
+
+    def __init__(self) -> None:
+        self.first, self.tokens, self.finished = 0, 0, []
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.first += 1
+
+    def on_tokens(self, num_tokens: int, inter_token_s: float) -> None:
+        self.tokens += num_tokens
+
+    def on_finish(self, outcome, e2e_s, num_prompt_tokens, num_generated_tokens) -> None:
+        self.finished.append((outcome, num_generated_tokens))
+
+
+def test_delta_outputs_of_a_slow_consumer_concatenate_to_the_text(harness):
+    make, _ = harness
+    timings = Timings()
+
+    async def main():
+        llm = await make(timings)
+        outs = []
+        async for out in llm.generate("Hi", SamplingParams(n=2, max_tokens=7),
+                                      output_kind="delta"):
+            outs.append(out)
+            await asyncio.sleep(0.012)  # slower than the engine: outputs fold meanwhile
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and len(outs) < 7  # some outputs were folded together
+    for index in (0, 1):
+        parts = [o.outputs[index] for o in outs]
+        assert [(c.text, c.token_ids) for c in parts] == [
+            (c.delta_text, c.delta_token_ids) for c in parts]
+        assert "".join(c.text for c in parts) == " one two three four five six seven"
+        assert sum(len(c.token_ids) for c in parts) == 7
+    # every token reached the metrics, folded or not
+    assert timings.first == 1 and timings.finished == [("length", 14)]
+    assert timings.tokens == 14 - 2  # (the first step's two tokens: the first token)
+
+
+def test_final_output_is_one_whole_output_and_the_metrics_see_each_step(harness):
+    make, _ = harness
+    timings = Timings()
+
+    async def main():
+        llm = await make(timings)
+        outs = await collect(llm.generate("Hi", SamplingParams(max_tokens=5),
+                                          output_kind="final"))
+        with pytest.raises(ValueError, match="unknown output kind 'full'; known: "
+                                             "cumulative, delta, final"):
+            await collect(llm.generate("Hi", SamplingParams(max_tokens=5),
+                                       output_kind="full"))
+        in_flight = llm.num_in_flight
+        await llm.shutdown()
+        return outs, in_flight
+
+    outs, in_flight = run(main())
+    (out,) = outs
+    assert out.finished and in_flight == 0
+    assert out.outputs[0].text == " one two three four five"
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].delta_token_ids == []
+    assert timings.first == 1 and timings.tokens == 4  # steps 2-5, one token each
+    assert timings.finished == [("length", 5)]
 
 
 def test_stop_string_truncates_and_aborts_in_engine(harness):

@@ -6,7 +6,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -165,6 +165,29 @@ class PoolingOutput:
     def embedding(self) -> list[Any]:
         """``data`` under the name embedding APIs use."""
         return self.data
+
+
+OutputKind = Literal["cumulative", "delta", "final"]
+"""What a generation request's outputs carry, chosen per request by the frontend's caller
+(``AsyncLLM.generate(output_kind=...)``; the server picks ``"delta"`` for streams and
+``"final"`` for the rest, ``LLM.generate`` ``"final"``, ``LLM.stream`` ``"cumulative"``):
+
+- ``"cumulative"``: an output at every step that changed the request, each completion's
+  ``text``, ``token_ids`` and ``logprobs`` so far, plus the step's ``delta_`` fields;
+- ``"delta"``: an output at every such step, each completion's ``text``, ``token_ids``
+  and ``logprobs`` holding only what the output adds (the same as its ``delta_`` fields).
+  Costs O(new tokens) per step where ``"cumulative"`` copies the whole completion;
+- ``"final"``: one output, when the request finishes, with the whole completions and
+  empty ``delta_`` fields.
+"""
+
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("cumulative", "delta", "final")
+
+
+def check_output_kind(kind: str) -> None:
+    """Raise ``ValueError`` naming the known kinds when ``kind`` is not one of them."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"unknown output kind {kind!r}; known: {', '.join(OUTPUT_KINDS)}")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lmkit.api.outputs import EngineCoreOutput, PoolingOutput, RequestOutput
+from lmkit.api.outputs import EngineCoreOutput, OutputKind, PoolingOutput, RequestOutput
 from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
@@ -201,8 +201,13 @@ class AsyncLLM:
                        messages: list[dict[str, Any]] | None = None,
                        request_id: str | None = None, priority: int = 0,
                        chat_kwargs: dict[str, Any] | None = None, observe: bool = True,
-                       engine: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output (with per-step deltas) until it finishes.
+                       engine: int | None = None, output_kind: OutputKind = "cumulative"
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes: by default its cumulative output
+        (with per-step deltas) at each step; ``output_kind`` ``"delta"`` gives only each
+        step's new part, ``"final"`` one output at the end (both cost less than the
+        default, whose copies grow; see :data:`~lmkit.api.outputs.OutputKind`). An
+        unknown kind raises ``ValueError``.
 
         ``observe=False`` keeps the request out of the metrics (warm-up); ``engine`` pins
         the request to one engine instead of routing it (warm-up, tests).
@@ -227,8 +232,9 @@ class AsyncLLM:
                 f"{rid}-{i}", ids, child_params(params, i), priority), i)
                 for i in range(params.n)]
         chosen = self.engines.route(rid, ids, len(ids) * params.n, engine)
-        collector = OutputCollector(len(ids), self.observer if observe else None)
-        self.in_flight.add(rid, collector, requests, text, params.n)
+        collector = OutputCollector(len(ids), self.observer if observe else None,
+                                    kind=output_kind)
+        self.in_flight.add(rid, collector, requests, text, params.n, output_kind)
         finished = False
         try:
             client = self.engines.slots[chosen].client

@@ -2,9 +2,12 @@
 
 The output loop ``put``s every :class:`RequestOutput` as it arrives; the consumer
 ``get``s. A consumer slower than the engine never builds a backlog: pending outputs are
-folded into one whose cumulative fields are the newest and whose per-completion deltas
-(``delta_text``, ``delta_token_ids``, ``delta_logprobs``) are everything it has not
-seen, so streamed deltas always concatenate to the final text.
+folded into one whose cumulative fields are the newest (``"delta"`` kind: the
+concatenation of what it has not seen) and whose per-completion deltas (``delta_text``,
+``delta_token_ids``, ``delta_logprobs``) are everything it has not seen, so streamed
+deltas always concatenate to the final text. A ``"final"`` request gets one output; the
+tokens it got meanwhile come through :meth:`OutputCollector.observe_tokens`, for the
+metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from lmkit.api.outputs import CompletionOutput, RequestOutput
+from lmkit.api.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
 class RequestObserver(Protocol):
@@ -36,8 +39,10 @@ class RequestTimer:
     num_generated: int = 0
 
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """``newer`` with the deltas of ``older`` prepended, completion by completion."""
+def merge_outputs(older: RequestOutput, newer: RequestOutput, delta: bool = False
+                  ) -> RequestOutput:
+    """``newer`` with the deltas of ``older`` prepended, completion by completion
+    (``delta``: outputs of the ``"delta"`` kind, whose cumulative fields are deltas too)."""
     by_index = {c.index: c for c in older.outputs}
     merged: list[CompletionOutput] = []
     for c in newer.outputs:
@@ -48,9 +53,15 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         logprobs = c.delta_logprobs
         if o.delta_logprobs:
             logprobs = [*o.delta_logprobs, *(logprobs or [])]
-        merged.append(replace(c, delta_text=o.delta_text + c.delta_text,
-                              delta_token_ids=[*o.delta_token_ids, *c.delta_token_ids],
-                              delta_logprobs=logprobs))
+        text = o.delta_text + c.delta_text
+        ids = [*o.delta_token_ids, *c.delta_token_ids]
+        if delta:
+            merged.append(replace(c, text=text, token_ids=ids, delta_text=text,
+                                  delta_token_ids=ids, delta_logprobs=logprobs,
+                                  logprobs=logprobs if c.logprobs is not None else None))
+        else:
+            merged.append(replace(c, delta_text=text, delta_token_ids=ids,
+                                  delta_logprobs=logprobs))
     return replace(newer, outputs=merged)
 
 
@@ -58,8 +69,9 @@ class OutputCollector:
     """The mailbox of one parent request (all its ``n`` completions)."""
 
     def __init__(self, num_prompt_tokens: int, observer: RequestObserver | None = None,
-                 arrival: float | None = None) -> None:
+                 arrival: float | None = None, kind: OutputKind = "cumulative") -> None:
         self._pending: RequestOutput | None = None
+        self._delta = kind == "delta"
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.num_prompt_tokens = num_prompt_tokens
@@ -70,7 +82,9 @@ class OutputCollector:
     def put(self, output: RequestOutput) -> None:
         """Deliver an output (called by the output loop)."""
         self._observe(output)
-        self._pending = output if self._pending is None else merge_outputs(self._pending, output)
+        pending = self._pending
+        self._pending = output if pending is None else merge_outputs(pending, output,
+                                                                     self._delta)
         if output.finished:
             self.finished = True
         self._ready.set()
@@ -92,10 +106,10 @@ class OutputCollector:
         assert self._error is not None
         raise self._error
 
-    def _observe(self, output: RequestOutput) -> None:
+    def observe_tokens(self, num_new: int) -> None:
+        """Count ``num_new`` tokens the request got now (first token, inter-token time)."""
         now = time.monotonic()
         t = self.timer
-        num_new = sum(len(c.delta_token_ids) for c in output.outputs)
         if num_new:
             if t.first_token is None:
                 t.first_token = now
@@ -105,14 +119,18 @@ class OutputCollector:
                 self.observer.on_tokens(num_new, (now - t.last_token) / num_new)
             t.last_token = now
             t.num_generated += num_new
+
+    def _observe(self, output: RequestOutput) -> None:
+        self.observe_tokens(sum(len(c.delta_token_ids) for c in output.outputs))
+        t = self.timer
         if output.finished and self.observer:
             reasons = [c.finish_reason for c in output.outputs]
             outcome = "length" if "length" in reasons else "stop"
             errors = [c for c in output.outputs if c.finish_reason == "error"]
             if errors:  # "invalid" when every failure was the request's own (a 400)
                 outcome = "invalid" if all(c.error is not None for c in errors) else "error"
-            self.observer.on_finish(outcome, now - t.arrival, self.num_prompt_tokens,
-                                    t.num_generated)
+            self.observer.on_finish(outcome, time.monotonic() - t.arrival,
+                                    self.num_prompt_tokens, t.num_generated)
 
     def observe_end(self, outcome: str) -> None:
         """Report a request that ended without finishing (abort, error)."""

@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from lmkit.api.outputs import check_output_kind
 from lmkit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from lmkit.api.outputs import EngineCoreOutput
+    from lmkit.api.outputs import EngineCoreOutput, OutputKind
     from lmkit.engine.messages import EngineOutputs, RequestRejected
     from lmkit.frontend.collector import OutputCollector
     from lmkit.frontend.output_processor import OutputProcessor
@@ -42,13 +43,16 @@ class InFlight:
         return rid in self.collectors or rid in self.pooling
 
     def add(self, rid: str, collector: OutputCollector, requests: list[tuple[Any, int]],
-            text: str | None, n: int) -> None:
+            text: str | None, n: int, kind: OutputKind = "cumulative") -> None:
         """Register parent ``rid`` and the engine requests it fans out to (``(request,
-        index)`` pairs), so their outputs reach ``collector``."""
+        index)`` pairs), so their outputs, of ``kind``, reach ``collector``. Raises
+        ``ValueError`` for an unknown ``kind``, having registered nothing."""
+        check_output_kind(kind)
         self.collectors[rid] = collector
         self.children[rid] = [req.request_id for req, _ in requests]
         for req, index in requests:
-            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=n)
+            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=n,
+                                              kind=kind)
             self.parent_of[req.request_id] = rid
 
     def forget(self, rid: str) -> list[str]:
@@ -70,6 +74,11 @@ class InFlight:
                 if result is not None and out.finished and not result.done():
                     result.set_result(out)
         processed = self.output_processor.process_outputs(message.outputs)
+        collectors = self.collectors
+        for rid, num_new in processed.progress.items():  # ("final" requests still running)
+            collector = collectors.get(rid)
+            if collector is not None:
+                collector.observe_tokens(num_new)
         for output in processed.request_outputs:
             collector = self.collectors.get(output.request_id)
             if collector is not None:

@@ -15,7 +15,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from lmkit.api.outputs import PoolingOutput, RequestOutput
+from lmkit.api.outputs import OutputKind, PoolingOutput, RequestOutput
 from lmkit.api.pooling import PoolingParams
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.config.schema import LMKitConfig
@@ -205,7 +205,8 @@ class LLM:
         ``prompt`` takes the forms :meth:`generate` takes for one prompt.
         """
         (params,) = params_per_prompt(sampling_params, 1)
-        rid = self._submit(None if prompt is None else as_prompt(prompt), messages, params)
+        rid = self._submit(None if prompt is None else as_prompt(prompt), messages, params,
+                           kind="cumulative")
         queue = self._streams[rid] = deque()
         try:
             while True:
@@ -276,7 +277,7 @@ class LLM:
                     raise RuntimeError("the engine finished without the pooling results of "
                                        "requests " + ", ".join(
                                            r for r in rids if r in self.pooling.pending))
-                self._step(final_only=True)
+                self._step()
         except BaseException:
             self.pooling.abort(rids)
             raise
@@ -302,7 +303,7 @@ class LLM:
 
     def _submit(self, prompt: Prompt | None, messages: Messages | None,
                 params: SamplingParams, priority: int = 0,
-                chat_kwargs: dict[str, Any] | None = None) -> str:
+                chat_kwargs: dict[str, Any] | None = None, kind: OutputKind = "final") -> str:
         from lmkit.frontend.processor import child_params
 
         rid = str(next(self._ids))
@@ -316,20 +317,20 @@ class LLM:
                 for i in range(params.n)
             ]
         for req, index in requests:
-            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=params.n)
+            self.output_processor.add_request(req, text, parent_id=rid, index=index, n=params.n,
+                                              kind=kind)
         for req, _ in requests:
             self.engine.add_request(req)
         return rid
 
-    def _step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One engine step; the outputs of the requests that changed (``final_only``:
-        of those that finished, see :meth:`OutputProcessor.process_outputs`)."""
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; the outputs it made that no open :meth:`stream` takes (those
+        of :meth:`generate`'s requests: their final outputs)."""
         outputs = self.engine.step()
         if self.pooling.pending:
             self.pooling.take_pooled(outputs)
         streams = self._streams
-        processed = self.output_processor.process_outputs(outputs, final_only=final_only,
-                                                          streamed=streams)
+        processed = self.output_processor.process_outputs(outputs)
         for _, error in self.engine.take_rejected_requests():
             raise error  # e.g. a JSON schema that did not compile
         if processed.abort_ids:
@@ -341,7 +342,7 @@ class LLM:
             queue = streams.get(out.request_id)
             if queue is not None:
                 queue.append(out)
-            elif out.finished or not final_only:
+            else:
                 rest.append(out)
         return rest
 
@@ -362,7 +363,7 @@ class LLM:
             bar = _progress(len(items)) if use_tqdm else None
             remaining = len(items)
             while remaining and self.engine.has_unfinished_requests():
-                for out in self._step(final_only=True):
+                for out in self._step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         remaining -= 1

@@ -49,8 +49,14 @@ class ChatFormatter:
                 "total_tokens": prompt + completion}
 
     def _track(self, output: RequestOutput) -> None:
+        """Usage from a final output (whole completions)."""
         self._usage_counts = (len(output.prompt_token_ids),
                               sum(len(c.token_ids) for c in output.outputs))
+
+    def _track_delta(self, output: RequestOutput) -> None:
+        """Usage from a streamed output: only the tokens it adds (``"delta"`` kind)."""
+        self._usage_counts = (len(output.prompt_token_ids), self._usage_counts[1]
+                              + sum(len(c.delta_token_ids) for c in output.outputs))
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
         usage = self._chunk_usage(output)
@@ -73,7 +79,7 @@ class ChatFormatter:
         return total
 
     def _chunk_usage(self, output: RequestOutput) -> dict[str, int] | None:
-        self._track(output)
+        self._track_delta(output)
         return self._usage() if self.include_usage and self.continuous_usage else None
 
     def _choices(self, output: RequestOutput, lazy: bool
@@ -145,6 +151,7 @@ async def create_chat_completion(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     chat_kwargs = None if body.add_generation_prompt else {"add_generation_prompt": False}
     stream = llm.generate(None, params, messages=body.template_messages(), request_id=rid,
-                          priority=body.priority, chat_kwargs=chat_kwargs)
+                          priority=body.priority, chat_kwargs=chat_kwargs,
+                          output_kind="delta" if body.stream else "final")
     formatter = ChatFormatter(body, rid, body.model, state.token_texts(llm))
     return await respond(request, state, params.n, [stream], formatter, body.stream)

@@ -66,9 +66,15 @@ class CompletionFormatter:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _track(self, index: int, output: RequestOutput) -> None:
+    def _track(self, index: int, output: RequestOutput, delta: bool = False) -> None:
+        """Usage from prompt ``index``'s output: a final one (whole completions) or, with
+        ``delta``, a streamed one (only the tokens it adds: ``"delta"`` kind)."""
         self._prompt_tokens[index] = len(output.prompt_token_ids)
-        self._completion_tokens[index] = sum(len(c.token_ids) for c in output.outputs)
+        completion = sum(len(c.delta_token_ids if delta else c.token_ids)
+                         for c in output.outputs)
+        if delta:
+            completion += self._completion_tokens.get(index, 0)
+        self._completion_tokens[index] = completion
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
         return [self._template.as_dict(c, u) for c, u in self._parts(index, output)]
@@ -97,7 +103,7 @@ class CompletionFormatter:
                ) -> Iterator[tuple[list[dict[str, Any]], dict[str, int] | None]]:
         """Each chunk's choices and usage for a new output of prompt ``index``, built as
         they are consumed (an echoed prompt can make each one large)."""
-        self._track(index, output)
+        self._track(index, output, delta=True)
         usage = self._usage() if self.include_usage and self.continuous_usage else None
         echo_lp: dict[str, Any] | None = None  # shared by this prompt's n choices
         for c in output.outputs:
@@ -180,7 +186,7 @@ async def create_completion(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = [
         llm.generate(p, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                     priority=body.priority)
+                     priority=body.priority, output_kind="delta" if body.stream else "final")
         for i, p in enumerate(prompts)
     ]
     formatter = CompletionFormatter(body, rid, body.model, state.token_texts(llm))

@@ -53,7 +53,8 @@ async def warm_up(llm: AsyncLLM, max_tokens: int = 4, engine: int | None = None)
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None
     messages = [{"role": "user", "content": "Hello!"}] if has_template else None
     async for _ in llm.generate(None if has_template else "Hello!", params, messages=messages,
-                                request_id=rid, observe=False, engine=engine):
+                                request_id=rid, observe=False, engine=engine,
+                                output_kind="final"):
         pass
 
 

@@ -16,6 +16,15 @@ archive of its ``core/``), in alternating order; medians of microseconds per ste
     python bench/sampling_state.py --rev HEAD~1 --batch 32 256 --mix penalties allowed
     python bench/sampling_state.py --device cuda --vocab 151936   # on a GPU
 
+The penalties go through the sampling kernels a side's core has
+(``SamplingKernels.apply_penalties``, plugin API 1.7; older cores: their torch path):
+``--sampling-kernels`` for the working tree, ``--before-sampling-kernels`` for the
+revision (``torch``: the core's; ``triton``: ``lmkit_plugins``' Triton ones, CUDA). The
+Triton penalty kernel against the torch path, at one revision::
+
+    python bench/sampling_state.py --device cuda --mix penalties --batch 32 256 \
+        --before-sampling-kernels torch --sampling-kernels triton
+
 The working tree keeps a request's logit bias, allowed ids and penalty counts across
 steps (``lmkit.sample.row_cache``); a revision without that builds them every step.
 """
@@ -29,11 +38,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from before_after import before_after, revision_tree, time_side  # noqa: E402
 
 MIXES = ("penalties", "allowed", "allowed2048", "bias", "plain")
+KERNELS = ("torch", "triton")
 
 
 def mix_params(mix: str, i: int) -> dict:
@@ -51,10 +62,22 @@ def mix_params(mix: str, i: int) -> dict:
     raise SystemExit(f"--mix {mix!r}: choose from {', '.join(MIXES)}")
 
 
+def make_kernels(name: str, device):
+    """The sampling kernels ``name`` (one of :data:`KERNELS`) for ``device``."""
+    if name == "triton":
+        from lmkit_plugins.sampling.triton_kernels import TritonSamplingKernels
+
+        return TritonSamplingKernels(device=device)
+    from lmkit.sample.kernels import TorchSamplingKernels
+
+    return TorchSamplingKernels(device=device)
+
+
 def time_steps(mix: str, batch: int, steps: int, vocab: int, prompt_len: int,
-               output_len: int, device: str) -> float:
+               output_len: int, device: str, kernels: str = "torch") -> float:
     """Seconds per step of the importable ``lmkit``'s sampling metadata and logit
-    adjustments, as the runner builds them (with its cache when it has one)."""
+    adjustments, as the runner builds them (with its cache when it has one), the
+    penalties by the sampling kernels ``kernels`` where its core takes them."""
     import torch
     from lmkit.api.sampling_params import SamplingParams
     from lmkit.sample.draws import adjust_logits
@@ -67,15 +90,18 @@ def time_steps(mix: str, batch: int, steps: int, vocab: int, prompt_len: int,
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
     outputs = [[rng.randrange(vocab) for _ in range(output_len)] for _ in range(batch)]
     keys = [str(i) for i in range(batch)]
-    extra = {}
+    extra: dict[str, Any] = {}
     if "cache" in inspect.signature(SamplingMetadata.build).parameters:
         extra = {"cache": Sampler().request_cache(vocab, dev), "keys": keys}
     logits = torch.randn(batch, vocab, device=dev)
+    adjust: dict[str, Any] = {}
+    if "kernels" in inspect.signature(adjust_logits).parameters:
+        adjust = {"kernels": make_kernels(kernels, dev)}
 
     def step() -> None:
         md = SamplingMetadata.build(params, prompts, outputs, [None] * batch, [None] * batch,
                                     vocab, dev, **extra)
-        adjust_logits(logits.clone(), md)
+        adjust_logits(logits.clone(), md, **adjust)
         for out in outputs:
             out.append(rng.randrange(vocab))
 
@@ -92,8 +118,10 @@ def time_steps(mix: str, batch: int, steps: int, vocab: int, prompt_len: int,
 
 
 def _side(core: Path | None, args: argparse.Namespace, mix: str, batch: int) -> float:
+    kernels = args.before_sampling_kernels if core is not None else args.sampling_kernels
     return time_side(core, "sampling_state", f"time_steps({mix!r}, {batch}, {args.steps}, "
-                     f"{args.vocab}, {args.prompt_len}, {args.output_len}, {args.device!r})")
+                     f"{args.vocab}, {args.prompt_len}, {args.output_len}, {args.device!r}, "
+                     f"{kernels!r})")
 
 
 def main() -> None:
@@ -107,6 +135,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sampling-kernels", default="torch", choices=KERNELS,
+                    help="the working tree's penalties: the core's torch path or Triton")
+    ap.add_argument("--before-sampling-kernels", default="torch", choices=KERNELS,
+                    help="the revision's, where its core takes them (plugin API 1.7)")
     args = ap.parse_args()
     for name in ("steps", "rounds", "vocab"):
         if getattr(args, name) < 1:

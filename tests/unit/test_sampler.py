@@ -141,13 +141,13 @@ def test_penalties_change_the_greedy_choice_and_skip_unpenalised_rows():
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
               SamplingParams(temperature=0.0)]
     md = build(params, 3, prompts=[[0], [0]])
-    assert md.penalties.table.rows.tolist() == [0]  # the other row is not read
-    assert md.penalties.table.seen.tolist() == [[True, False, False]]
+    assert md.penalties.rows.tolist() == [0]  # the other row is not read
+    assert md.penalties.row_seen().tolist() == [[True, False, False]]
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1, 0]
     md = build([SamplingParams(temperature=0.0, presence_penalty=1.0)], 3, prompts=[[2]],
                outputs=[[0]])
     # no repetition penalty: the prompt is not scanned
-    assert md.penalties.table.seen.tolist() == [[True, False, False]]
+    assert md.penalties.row_seen().tolist() == [[True, False, False]]
     assert Sampler()(logits[:1], md).sampled_token_ids.tolist() == [1]
 
 
@@ -210,3 +210,24 @@ def test_top_p_candidate_path_matches_full_sort():
     num_kept = (~torch.isinf(got)).sum(-1).tolist()
     assert num_kept[3] == num_kept[6] == vocab  # top_p = 1: off
     assert num_kept[4] > 256 and 1 <= num_kept[0] < 256
+
+
+def test_penalties_go_through_the_samplers_kernels():
+    from lmkit.api import TorchSamplingKernels
+
+    class Recording(TorchSamplingKernels):
+        def apply_penalties(self, logits, penalties):
+            calls.append(penalties)
+            return super().apply_penalties(logits, penalties)
+
+    calls: list = []
+    sampler = Sampler(Recording(device=CPU))
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5)] * 2
+    md = build(params, 3, prompts=[[0], [0]])
+    logits = torch.tensor([[3.0, 2.5, 0.0]] * 2)
+    assert sampler(logits, md).sampled_token_ids.tolist() == [1, 1]
+    assert len(calls) == 1 and calls[0] is md.penalties
+    # the all-greedy verification path too
+    rows = build(params + params[:1], 3, prompts=[[0]] * 3)
+    drafted = sampler.sample_requests(torch.cat([logits, logits[:1]]), rows, [[1], []])
+    assert len(calls) == 2 and calls[1] is rows.penalties and drafted.token_ids == [[1, 1], [1]]

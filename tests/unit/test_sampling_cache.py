@@ -5,6 +5,7 @@ requests grow, draft, leave and come back; bad ids are refused as before."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,10 +77,7 @@ def _counts(cache, out, prompt=(1,), params=None):
     # one row's penalty counts (drafts included) and seen tokens
     params = params or SamplingParams(frequency_penalty=1.0)
     t = cache.penalty_rows(["a"], [params], [list(prompt)], [out], [0])
-    counts = t.counts.index_select(0, t.slots)
-    if t.draft_counts is not None:
-        counts = counts + t.draft_counts
-    return counts[0], t.seen[0]
+    return t.row_counts()[0], t.row_seen()[0]
 
 
 def test_penalty_counts_take_only_the_new_tokens():
@@ -195,3 +193,31 @@ def test_engine_outputs_with_kept_tensors_do_not_depend_on_batching_preemption_o
         assert spec.stats()["spec_num_draft_tokens"] > 0
     greedy = [i for i, sp in enumerate(params) if sp.temperature == 0.0]
     assert [drafted[i] for i in greedy] == [alone[i] for i in greedy]
+
+
+def test_a_step_passes_the_kept_penalty_tables_not_copies():
+    from lmkit.sample.row_cache import with_row_tokens
+
+    cache = SamplingCache(VOCAB, CPU)
+    params = [SamplingParams(frequency_penalty=0.5), SamplingParams(temperature=0.2),
+              SamplingParams(repetition_penalty=1.3)]
+    keys, prompts, outputs = ["a", "b", "c"], [[1], [2], [3]], [[4, 4], [5], [6]]
+    for _ in range(2):
+        md = SamplingMetadata.build(params, prompts, outputs, [None] * 3, [None] * 3, VOCAB,
+                                    CPU, cache, keys)
+        p = md.penalties
+        # no [rows, vocab] copy of the seen table per step: the cache's own tables
+        assert p.seen.data_ptr() == cache._seen.data.data_ptr()
+        assert p.counts.data_ptr() == cache._counts.data.data_ptr()
+        assert p.rows.tolist() == [0, 2] and p.repetition.tolist() == pytest.approx([1, 1, 1.3])
+    # a token drawn but not yet read (a step launched ahead) counts for that step alone
+    seen, counts = p.seen.clone(), p.counts.clone()
+    ahead = with_row_tokens(p, torch.tensor([7, 8]))
+    assert torch.equal(p.seen, seen) and torch.equal(p.counts, counts) and p.draft_counts is None
+    read = SamplingMetadata.build(params, prompts, [[4, 4, 7], [5], [6, 8]], [None] * 3,
+                                  [None] * 3, VOCAB, CPU).penalties
+    assert torch.equal(ahead.row_seen(), read.row_seen())
+    assert torch.equal(ahead.row_counts(), read.row_counts())
+    logits = torch.randn(3, VOCAB)
+    assert torch.equal(adjust_logits(logits.clone(), replace(md, penalties=ahead)),
+                       adjust_logits(logits.clone(), replace(md, penalties=read)))

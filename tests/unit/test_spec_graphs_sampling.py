@@ -81,7 +81,8 @@ def test_metadata_from_rows_equals_metadata_from_copies():
                                   VOCAB, CPU)
     logits = torch.randn(4, VOCAB)
     assert torch.equal(adjust_logits(logits.clone(), got), adjust_logits(logits.clone(), want))
-    assert torch.equal(got.penalties.table.seen, want.penalties.table.seen)
+    assert torch.equal(got.penalties.row_seen(), want.penalties.row_seen())
+    assert torch.equal(got.penalties.row_counts(), want.penalties.row_counts())
     assert torch.equal(got.banned_rows, want.banned_rows)  # min_tokens 4: 3 tokens at row 0
     assert got.banned_rows.tolist() == [0]
 

@@ -55,7 +55,7 @@ from lmkit.api.quantization import (
 )
 from lmkit.api.request import Request, RequestStatus
 from lmkit.api.runner_output import ModelRunnerOutput
-from lmkit.api.sampling_kernels import DraftRows, RandomRows, SamplingKernels
+from lmkit.api.sampling_kernels import DraftRows, PenaltyRows, RandomRows, SamplingKernels
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.api.scheduler import PrefixTier, Scheduler, SchedulerContext
 from lmkit.api.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -153,7 +153,7 @@ __all__ = [
     "ClassifierHead", "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
     "QuantizedTensor",
-    "DraftRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
+    "DraftRows", "PenaltyRows", "RandomRows", "SamplingKernels", "TorchSamplingKernels",
     "Registration", "Request", "RequestFaultError", "RequestOutput", "RequestStatus", "ResolvedStack", "SamplingParams", "Scheduler",
     "SchedulerContext", "SchedulerOutput", "Spec", "SpecProposer", "StructuredOutputBackend",
     "TokenLogprob", "TransferJob", "Variant", "choose_variant", "hookimpl", *_LAZY,

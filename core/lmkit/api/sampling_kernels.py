@@ -3,8 +3,9 @@
 The sampler (:mod:`lmkit.sample`) owns the pipeline: raw logprobs, logit adjustments
 (bias, bans, allowed ids, penalties, plugin logits processors; the grammar bitmask
 before it), greedy argmax, the greedy acceptance of drafts and the host copy. Two steps
-of random sampling, and the greedy rows' argmax, go through a :class:`SamplingKernels`
-object, chosen per engine by the ``sampling_kernels`` kind (``--sampling-kernels``):
+of random sampling, the greedy rows' argmax and the penalties go through a
+:class:`SamplingKernels` object, chosen per engine by the ``sampling_kernels`` kind
+(``--sampling-kernels``):
 
 - :meth:`SamplingKernels.sample`: adjusted logits -> one draw per row (temperature,
   min-p, top-k, top-p, then the draw), a step without drafts;
@@ -15,7 +16,10 @@ object, chosen per engine by the ``sampling_kernels`` kind (``--sampling-kernels
 - :meth:`SamplingKernels.plan_device_step` and :meth:`SamplingKernels.finish_device_step`
   (optional, plugin API 1.4): the greedy acceptance of a speculative step queued on the
   device (``lmkit.worker.spec_device_step``) and the positions, cache slots and inputs
-  that follow from it; torch ops unless a kernel set overrides them.
+  that follow from it; torch ops unless a kernel set overrides them;
+- :meth:`SamplingKernels.apply_penalties` (optional, plugin API 1.7): the repetition,
+  frequency and presence penalties of a step's rows (:class:`PenaltyRows`), in place;
+  :func:`lmkit.sample.penalties.apply_penalties` (torch) unless a kernel set overrides it.
 
 The core's default is the torch implementation,
 :class:`lmkit.sample.kernels.TorchSamplingKernels` (``lmkit.api.TorchSamplingKernels``;
@@ -70,6 +74,49 @@ class DraftRows:
     token_ids: torch.Tensor  # int64 [num_drafts_total]
     req: torch.Tensor  # int64 [num_drafts_total], the request of each draft
     pos: torch.Tensor  # int64 [num_drafts_total], its position among the request's drafts
+
+
+@dataclass(frozen=True)
+class PenaltyRows:
+    """The repetition / frequency / presence penalties of a step's rows: which logits
+    rows have them, the tokens they act on, and every row's parameters.
+
+    The token tables are kept across steps by the sampler
+    (:class:`lmkit.sample.row_cache.SamplingCache`), one row (slot) per request, and
+    are read, never written, by :meth:`SamplingKernels.apply_penalties`. A request's
+    ``k + 1`` rows of a speculative step share its slot; the drafts before a row count
+    as generated for that row alone (``draft_counts``). A token generated is always
+    seen: ``counts[s, t] > 0`` implies ``seen[s, t]``, and ``draft_counts[i, t] > 0``
+    makes ``t`` seen for row ``i``.
+    """
+
+    rows: torch.Tensor  # int64 [P], the logits rows with penalties (distinct)
+    slots: torch.Tensor  # int64 [P], each one's row of counts and seen
+    counts: torch.Tensor  # int32 [num_slots, vocab], tokens generated (the kept table)
+    # bool [num_slots, vocab], tokens seen: generated, or in the prompt where a
+    # repetition penalty asks (the kept table, not a copy per step)
+    seen: torch.Tensor
+    repetition: torch.Tensor  # float32 [num_rows] (every logits row), 1.0 = off
+    frequency: torch.Tensor  # float32 [num_rows], 0.0 = off
+    presence: torch.Tensor  # float32 [num_rows], 0.0 = off
+    # int32 [P, vocab], the tokens of the drafts before each row; None: no row has any
+    draft_counts: torch.Tensor | None = None
+
+    def row_counts(self) -> torch.Tensor:
+        """int32 ``[P, vocab]``: each row's generated-token counts, drafts included (a
+        new tensor)."""
+        counts = self.counts.index_select(0, self.slots)
+        if self.draft_counts is not None:
+            counts += self.draft_counts
+        return counts
+
+    def row_seen(self) -> torch.Tensor:
+        """bool ``[P, vocab]``: the tokens each row has seen, drafts included (a new
+        tensor)."""
+        seen = self.seen.index_select(0, self.slots)
+        if self.draft_counts is not None:
+            seen |= self.draft_counts > 0
+        return seen
 
 
 class SamplingKernels(ABC):
@@ -179,6 +226,39 @@ class SamplingKernels(ABC):
         nxt = (last + 1)[:, None] + torch.arange(width, device=targets.device)
         positions.copy_(nxt)
         slots.copy_(_slots(tables, nxt, block_size))
+
+    def apply_penalties(self, logits: torch.Tensor, penalties: PenaltyRows) -> torch.Tensor:
+        """Apply the repetition, then the frequency and presence penalties of
+        ``penalties.rows``, in place. Added in plugin API 1.7; the default is
+        :func:`lmkit.sample.penalties.apply_penalties` (torch: a scan of the seen tokens
+        on the CPU, whole-row passes on other devices).
+
+        The result must equal the default's bit for bit. For each row ``r =
+        rows[i]`` and token ``t`` seen by it (``seen[slots[i], t]``, or
+        ``draft_counts[i, t] > 0``), with ``c = counts[slots[i], t] + draft_counts[i,
+        t]`` (int32, then float32):
+
+        1. repetition (CTRL): ``x = logits[r, t]`` becomes ``x / repetition[r]`` if
+           ``x > 0``, else ``x * repetition[r]`` (IEEE float32, correctly rounded: no
+           approximate division);
+        2. frequency and presence (OpenAI), where ``c > 0``: ``x - (frequency[r] * c +
+           presence[r])``, each operation rounded on its own (no fused multiply-add).
+
+        Every other logit (rows not in ``rows``, tokens not seen) keeps its value bit
+        for bit; NaN and infinities follow the same arithmetic. ``seen``, ``counts`` and
+        ``draft_counts`` are not modified.
+
+        Args:
+            logits: float32 ``[num_rows, vocab]``, the logits after the bias, bans and
+                allowed ids; modified in place.
+            penalties: the step's :class:`PenaltyRows` (on the logits' device).
+
+        Returns:
+            ``logits``.
+        """
+        from lmkit.sample.penalties import apply_penalties
+
+        return apply_penalties(logits, penalties)
 
     @abstractmethod
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,

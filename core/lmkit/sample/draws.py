@@ -7,7 +7,7 @@ what else is in the batch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from lmkit.sample.penalties import (
     apply_token_mask,
 )
 
+if TYPE_CHECKING:
+    from lmkit.api.sampling_kernels import SamplingKernels
+
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A generator for one request's sampling noise, seeded with the request's ``seed``."""
@@ -28,10 +31,13 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, md: SamplingMetadata,
+                  kernels: SamplingKernels | None = None) -> torch.Tensor:
     """Apply the argmax-changing steps in place (greedy rows too): logit bias, token
-    bans (min_tokens, bad_words), allowed token ids, penalties, then the plugin logits
-    processors in use. They come before greedy selection."""
+    bans (min_tokens, bad_words), allowed token ids, penalties (by ``kernels``'
+    :meth:`~lmkit.api.SamplingKernels.apply_penalties`; ``None``: the core's torch
+    path), then the plugin logits processors in use. They come before greedy
+    selection."""
     if md.bias_rows is not None and md.bias_token_ids is not None and md.bias_values is not None:
         apply_logit_bias(logits, md.bias_rows, md.bias_token_ids, md.bias_values)
     if md.banned_rows is not None and md.banned_token_ids is not None:
@@ -39,7 +45,10 @@ def adjust_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.allowed_rows is not None and md.allowed_mask is not None:
         apply_allowed_tokens(logits, md.allowed_rows, md.allowed_mask)
     if md.penalties is not None:
-        apply_penalties(logits, md.penalties)
+        if kernels is None:
+            apply_penalties(logits, md.penalties)
+        else:
+            kernels.apply_penalties(logits, md.penalties)
     if md.processor_slots is not None:
         for processor in md.logits_processors:
             logits = _applied(processor, logits, md.processor_slots)

@@ -33,7 +33,9 @@ def random_rows(md: SamplingMetadata) -> RandomRows:
 
 class TorchSamplingKernels(SamplingKernels):
     """Batched torch on any device: the filters then an inverse-CDF draw per row; the
-    rejection sampling of :func:`lmkit.sample.drafts.sample_and_accept`."""
+    rejection sampling of :func:`lmkit.sample.drafts.sample_and_accept`; the contract's
+    defaults for the optional methods (``apply_penalties``:
+    :func:`lmkit.sample.penalties.apply_penalties`)."""
 
     def sample(self, logits: torch.Tensor, rows: RandomRows) -> torch.Tensor:
         """See :meth:`lmkit.api.SamplingKernels.sample`."""

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmkit.api.sampling_kernels import PenaltyRows
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.sample.penalties import PenaltyTensors, build_penalty_tensors
+from lmkit.sample.penalties import build_penalty_tensors
 from lmkit.sample.row_cache import SamplingCache, upload
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ class SamplingMetadata:
     # allowed_token_ids: the rows that have it and, per such row, the tokens allowed.
     allowed_rows: torch.Tensor | None = None  # int64 [num_allowed_rows]
     allowed_mask: torch.Tensor | None = None  # bool [num_allowed_rows, vocab]
-    penalties: PenaltyTensors | None = None
+    # repetition / frequency / presence penalties (the kept tables, each row's slot)
+    penalties: PenaltyRows | None = None
     # Plugin logits processors in use this step, and each row's request slot.
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     processor_slots: torch.Tensor | None = None  # int64 [num_rows]

@@ -12,24 +12,12 @@ touched.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from lmkit.api.sampling_kernels import PenaltyRows
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.sample.row_cache import PenaltyRows, SamplingCache, upload
-
-
-@dataclass
-class PenaltyTensors:
-    """Per-row penalty parameters and, for the rows with penalties, the tokens they act
-    on: tables kept across steps by :class:`lmkit.sample.row_cache.SamplingCache`
-    (:class:`~lmkit.sample.row_cache.PenaltyRows`)."""
-
-    repetition: torch.Tensor  # float32 [num_rows], 1.0 = off
-    frequency: torch.Tensor  # float32 [num_rows], 0.0 = off
-    presence: torch.Tensor  # float32 [num_rows], 0.0 = off
-    table: PenaltyRows
+from lmkit.sample.row_cache import SamplingCache
 
 
 def build_penalty_tensors(
@@ -40,8 +28,9 @@ def build_penalty_tensors(
     device: torch.device,
     cache: SamplingCache | None = None,
     keys: Sequence[Hashable] | None = None,
-) -> PenaltyTensors | None:
-    """Build the penalty tensors for one step, or ``None`` when no row uses penalties.
+) -> PenaltyRows | None:
+    """The step's :class:`~lmkit.api.sampling_kernels.PenaltyRows`, or ``None`` when no
+    row uses penalties.
 
     With a ``cache`` (and each row's request ``keys``) a request's counts carry over
     from its last step and only its new tokens are added; without one every row counts
@@ -53,17 +42,14 @@ def build_penalty_tensors(
         return None
     if cache is None:
         cache, keys = SamplingCache(vocab_size, device), None
-    table = cache.penalty_rows(keys if keys is not None else range(len(params)), params,
-                               prompt_token_ids, output_token_ids, rows)
-    return PenaltyTensors(
-        repetition=upload([p.repetition_penalty for p in params], torch.float32, device),
-        frequency=upload([p.frequency_penalty for p in params], torch.float32, device),
-        presence=upload([p.presence_penalty for p in params], torch.float32, device),
-        table=table)
+    return cache.penalty_rows(keys if keys is not None else range(len(params)), params,
+                              prompt_token_ids, output_token_ids, rows)
 
 
-def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    """Apply repetition, then frequency and presence penalties, in place.
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyRows) -> torch.Tensor:
+    """Apply repetition, then frequency and presence penalties, in place: the torch
+    implementation of :meth:`lmkit.api.SamplingKernels.apply_penalties` (which states
+    the arithmetic exactly).
 
     Repetition (CTRL, Keskar et al. 2019) acts on every token seen in the prompt or the
     output: positive logits are divided by the penalty, negative ones multiplied.
@@ -73,7 +59,7 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
 
     Args:
         logits: float32 ``[num_rows, vocab]``, modified in place.
-        penalties: this step's :class:`PenaltyTensors`.
+        penalties: this step's :class:`~lmkit.api.sampling_kernels.PenaltyRows`.
 
     Returns:
         ``logits``.
@@ -85,27 +71,24 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Te
     return _apply_dense(logits, penalties)
 
 
-def _apply_scanned(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    t = penalties.table
-    at, tokens = t.seen.nonzero(as_tuple=True)
+def _apply_scanned(logits: torch.Tensor, penalties: PenaltyRows) -> torch.Tensor:
+    t = penalties
+    at, tokens = t.row_seen().nonzero(as_tuple=True)
     counts = t.counts[t.slots[at], tokens]
     if t.draft_counts is not None:
         counts = counts + t.draft_counts[at, tokens]
     rows = t.rows[at]
-    logits[rows, tokens] = _penalized(logits[rows, tokens], counts, penalties.repetition[rows],
-                                      penalties.frequency[rows], penalties.presence[rows])
+    logits[rows, tokens] = _penalized(logits[rows, tokens], counts, t.repetition[rows],
+                                      t.frequency[rows], t.presence[rows])
     return logits
 
 
-def _apply_dense(logits: torch.Tensor, penalties: PenaltyTensors) -> torch.Tensor:
-    t = penalties.table
-    counts = t.counts.index_select(0, t.slots)
-    if t.draft_counts is not None:
-        counts = counts + t.draft_counts
+def _apply_dense(logits: torch.Tensor, penalties: PenaltyRows) -> torch.Tensor:
+    t = penalties
     before = logits.index_select(0, t.rows)
-    after = _penalized(before, counts, *(v[t.rows][:, None] for v in (
-        penalties.repetition, penalties.frequency, penalties.presence)))
-    logits[t.rows] = torch.where(t.seen, after, before)
+    after = _penalized(before, t.row_counts(), *(v[t.rows][:, None] for v in (
+        t.repetition, t.frequency, t.presence)))
+    logits[t.rows] = torch.where(t.row_seen(), after, before)
     return logits
 
 

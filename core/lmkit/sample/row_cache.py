@@ -17,7 +17,9 @@ decode step; 256 requests with 2,048 ``allowed_token_ids`` each, ~160 ms (a
   output's, and its prompt's for a repetition penalty), to which each step adds only
   the tokens generated since the last (one upload).
 
-A step gathers its rows' table rows on the device. Tables grow by doubling and are
+A step gathers its rows' allowed-ids rows on the device; the penalties go to the
+sampling kernels as the tables themselves and each row's slot
+(:class:`~lmkit.api.sampling_kernels.PenaltyRows`), no copy per step. Tables grow by doubling and are
 allocated only when a request asks for what they hold (``slots x vocab`` x 5 bytes
 for the penalties, x 1 for allowed ids). Entries belong to a request id; the runner
 drops those of requests it no longer holds (:meth:`SamplingCache.forget`). An entry
@@ -28,11 +30,12 @@ built from (a request re-added after preemption), or the output got shorter.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from lmkit.api.sampling_kernels import PenaltyRows
 from lmkit.api.sampling_params import SamplingParams
 from lmkit.errors import InvalidRequestError
 
@@ -86,22 +89,6 @@ class _Entry:
     penalty: int | None = None  # slot in the counts and seen tables
     output: Sequence[int] | None = None  # the output list counted so far
     counted: int = 0  # its tokens already in the counts
-
-
-@dataclass
-class PenaltyRows:
-    """What the penalties of a step's rows need on the device: ``rows`` int64 ``[P]``,
-    the rows with penalties; ``slots`` int64 ``[P]``, their rows of ``counts`` (int32
-    ``[slots, vocab]``, how often each token was generated: the cache's table, not a
-    copy); ``seen`` bool ``[P, vocab]``, the tokens each row has seen (a copy, with the
-    drafts before the row); ``draft_counts`` int32 ``[P, vocab]``, those drafts'
-    counts, ``None`` when no row has drafts."""
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    counts: torch.Tensor
-    seen: torch.Tensor
-    draft_counts: torch.Tensor | None = None
 
 
 class SamplingCache:
@@ -181,10 +168,11 @@ class SamplingCache:
     def penalty_rows(self, keys: Sequence[Hashable], params: Sequence[SamplingParams],
                      prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                      rows: Sequence[int]) -> PenaltyRows:
-        """The penalty tables' rows for ``rows`` (each with its request ``keys[row]``,
-        ``params[row]``, ``prompts[row]`` and ``outputs[row]``): the request's output
+        """The penalties of ``rows`` (each with its request ``keys[row]``,
+        ``params[row]``, ``prompts[row]`` and ``outputs[row]``: the request's output
         itself, or that output extended by drafts (``DraftExtendedTokens``; those
-        tokens count for the row alone, not for the request)."""
+        tokens count for the row alone, not for the request)), with every row's
+        parameters (``params``: one per logits row)."""
         from lmkit.spec_decode.rows import DraftExtendedTokens
 
         slots: list[int] = []
@@ -214,16 +202,19 @@ class SamplingCache:
             at = self._pairs(new_slots, new_tokens)
             counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype), accumulate=True)
             seen[at] = True
-        index = upload(slots, torch.int64, self.device)
-        table = PenaltyRows(upload(list(rows), torch.int64, self.device), index,
-                            counts, seen.index_select(0, index))
+        # one upload for the three parameters: rows of a [3, num_rows] tensor
+        values = upload([[p.repetition_penalty for p in params],
+                         [p.frequency_penalty for p in params],
+                         [p.presence_penalty for p in params]], torch.float32, self.device)
+        table = PenaltyRows(upload(list(rows), torch.int64, self.device),
+                            upload(slots, torch.int64, self.device), counts, seen, *values)
         if draft_tokens:
+            draft_counts = torch.zeros(len(rows), self.vocab_size, dtype=counts.dtype,
+                                       device=self.device)
             at = self._pairs(draft_rows, draft_tokens)
-            table.draft_counts = torch.zeros(len(rows), self.vocab_size, dtype=counts.dtype,
-                                             device=self.device)
-            table.draft_counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype),
-                                          accumulate=True)
-            table.seen[at] = True
+            draft_counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype),
+                                    accumulate=True)
+            table = replace(table, draft_counts=draft_counts)
         return table
 
     def _start_counts(self, entry: _Entry, params: SamplingParams, prompt: Sequence[int],
@@ -256,3 +247,22 @@ class SamplingCache:
                 f"{param} names token id {bad}, but the model's vocabulary has ids "
                 f"0..{self.vocab_size - 1}; remove it or use a valid id",
                 param=param, code="invalid_value")
+
+
+def with_row_tokens(penalties: PenaltyRows, tokens: torch.Tensor) -> PenaltyRows:
+    """``penalties`` with one more generated token per row, counted for that row alone
+    (in ``draft_counts``, made when ``None``; the kept tables are not touched): the
+    token a request drew in a step whose output the host has not read yet.
+
+    Args:
+        penalties: a step's penalties (its ``draft_counts`` may be updated in place:
+            they belong to the step).
+        tokens: int64 ``[P]`` on the device, one per penalty row, in the vocabulary.
+    """
+    draft_counts = penalties.draft_counts
+    if draft_counts is None:
+        draft_counts = torch.zeros(tokens.numel(), penalties.counts.shape[1],
+                                   dtype=torch.int32, device=tokens.device)
+    at = (torch.arange(tokens.numel(), device=tokens.device), tokens)
+    draft_counts.index_put_(at, torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+    return replace(penalties, draft_counts=draft_counts)

@@ -8,7 +8,8 @@ All batched:
 
 1. raw logprobs (rows asking), from the model's logits;
 2. :func:`~lmkit.sample.draws.adjust_logits` on a float32 copy: logit bias, token bans
-   (min_tokens, bad_words), allowed token ids, penalties, plugin logits processors;
+   (min_tokens, bad_words), allowed token ids, penalties (by the engine's
+   :class:`~lmkit.api.SamplingKernels`, ``apply_penalties``), plugin logits processors;
 3. greedy rows: argmax; random rows: one draw per row (temperature, min-p, top-k,
    top-p) by the engine's :class:`~lmkit.api.SamplingKernels` (``sample``); where the
    masks of step 2 may leave nothing (:attr:`~lmkit.sample.metadata.SamplingMetadata.
@@ -135,7 +136,7 @@ class Sampler:
                     "one row per draft plus one per request")
         if md.all_greedy and md.logprob_rows is None:
             if md.needs_logit_adjustment:
-                logits = adjust_logits(logits.to(torch.float32, copy=True), md)
+                logits = adjust_logits(logits.to(torch.float32, copy=True), md, self.kernels)
             return verify_greedy(logits, drafts, md.may_allow_no_token)
         layout = DraftLayout.build(drafts, logits.device)
         out_tokens, accepted, raw_logprobs, no_token = self._sample_rows(logits, md, layout,
@@ -166,7 +167,7 @@ class Sampler:
         if md.logprob_rows is not None:
             raw_logprobs = logits[md.logprob_rows].float().log_softmax(dim=-1)
         if md.needs_logit_adjustment or not md.all_greedy:
-            logits = adjust_logits(logits.to(torch.float32, copy=True), md)
+            logits = adjust_logits(logits.to(torch.float32, copy=True), md, self.kernels)
         # before the draws, which may filter the logits in place
         no_token = logits.amax(dim=-1) == float("-inf") if md.may_allow_no_token else None
         greedy_ids = None if md.all_random else self.kernels.argmax(logits)

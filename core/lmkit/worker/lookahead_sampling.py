@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.row_cache import with_row_tokens
 from lmkit.spec_decode.rows import is_plain_greedy
 
 if TYPE_CHECKING:
+    from lmkit.api.sampling_kernels import PenaltyRows
     from lmkit.api.sampling_params import SamplingParams
-    from lmkit.sample.row_cache import PenaltyRows
     from lmkit.sample.sampler import Sampler
     from lmkit.worker.input_batch import CachedRequestState
 
@@ -34,16 +35,10 @@ def samples_ahead(p: SamplingParams, num_output_tokens: int) -> bool:
             and num_output_tokens >= p.min_tokens and p.structured_outputs is None)
 
 
-def count_unread(table: PenaltyRows, unread: torch.Tensor) -> None:
-    """Add to ``table``'s rows (this step's copies) the token each row's request drew in
-    the step before, still on the device (``unread``, one per request in step order)."""
-    tokens = unread.index_select(0, table.rows)
-    at = (torch.arange(tokens.numel(), device=tokens.device), tokens)
-    if table.draft_counts is None:
-        table.draft_counts = torch.zeros_like(table.seen, dtype=torch.int32)
-    table.draft_counts.index_put_(at, torch.ones_like(tokens, dtype=torch.int32),
-                                  accumulate=True)
-    table.seen[at] = True
+def count_unread(penalties: PenaltyRows, unread: torch.Tensor) -> PenaltyRows:
+    """``penalties`` with the token each row's request drew in the step before, still on
+    the device (``unread``, one per request in step order), counted for this step only."""
+    return with_row_tokens(penalties, unread.index_select(0, penalties.rows))
 
 
 def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order: list[str],
@@ -63,5 +58,5 @@ def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order:
         [s.eos_token_id for s in states], vocab, device,
         sampler.request_cache(vocab, device), order)
     if md.penalties is not None and unread is not None:
-        count_unread(md.penalties.table, unread)
+        md.penalties = count_unread(md.penalties, unread)
     return sampler(logits, md).sampled_token_ids

@@ -14,6 +14,11 @@ penalties, logits processors, grammar bitmask) and logprobs stay the sampler's.
 A speculative device step's bookkeeping (``plan_device_step``, ``finish_device_step``)
 runs as two kernels of :mod:`lmkit_kernels.spec_step` on CUDA instead of some thirty
 torch ops (the same integers; ``LMKIT_SPEC_STEP_KERNELS=0`` keeps the torch ops).
+
+The penalties (``apply_penalties``) run as one pass of :mod:`lmkit_kernels.penalties`
+on CUDA (and in Triton's CPU interpreter, for the tests) instead of the torch path's
+dozen passes over the penalised rows (the same logits bit for bit;
+``LMKIT_PENALTY_KERNEL=0`` keeps the torch path).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from lmkit.api import DraftRows, RandomRows, TorchSamplingKernels
+from lmkit.api import DraftRows, PenaltyRows, RandomRows, TorchSamplingKernels
 from lmkit_kernels.argmax import argmax_rows
+from lmkit_kernels.checks import is_interpreting
 from lmkit_kernels.pdl import switch_on
+from lmkit_kernels.penalties import apply_penalties as triton_penalties
 from lmkit_kernels.rejection_sample import rejection_sample
 from lmkit_kernels.sampling import sample as triton_sample
 from lmkit_kernels.spec_step import finish_step, plan_step
@@ -39,6 +46,16 @@ def spec_step_kernels(device_type: str) -> bool:
     """Whether a speculative device step's bookkeeping runs :mod:`lmkit_kernels.spec_step`'s
     two kernels (CUDA, unless ``LMKIT_SPEC_STEP_KERNELS=0``) instead of torch ops."""
     return device_type == "cuda" and switch_on(SPEC_STEP_KERNELS_ENV)
+
+
+#: ``0`` keeps the torch path for the penalties
+PENALTY_KERNEL_ENV = "LMKIT_PENALTY_KERNEL"
+
+
+def penalty_kernel(device_type: str) -> bool:
+    """Whether the penalties run :mod:`lmkit_kernels.penalties`' kernel: on CUDA, or on
+    the CPU in Triton's interpreter (tests), unless ``LMKIT_PENALTY_KERNEL=0``."""
+    return (device_type == "cuda" or is_interpreting()) and switch_on(PENALTY_KERNEL_ENV)
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:
@@ -69,6 +86,15 @@ class TritonSamplingKernels(TorchSamplingKernels):
                 and uses_argmax_kernel(logits.shape[0], logits.shape[1], logits.device.type)):
             return argmax_rows(logits)
         return super().argmax(logits)
+
+    def apply_penalties(self, logits: torch.Tensor, penalties: PenaltyRows) -> torch.Tensor:
+        """See :meth:`lmkit.api.SamplingKernels.apply_penalties`: one kernel where
+        :func:`penalty_kernel` says so."""
+        if not penalty_kernel(logits.device.type):
+            return super().apply_penalties(logits, penalties)
+        p = penalties
+        return triton_penalties(logits, p.rows, p.slots, p.counts, p.seen, p.repetition,
+                                p.frequency, p.presence, p.draft_counts)
 
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,
                draft_probs: Sequence[torch.Tensor | None] | None

@@ -141,10 +141,27 @@ class _OffByOne(TorchSamplingKernels):
         return accepted, last + 1, rows, chain
 
 
+class _PresenceOnce(TorchSamplingKernels):  # presence taken as frequency (per count)
+    def apply_penalties(self, logits, penalties):
+        from dataclasses import replace
+        return super().apply_penalties(logits, replace(
+            penalties, frequency=penalties.frequency + penalties.presence,
+            presence=torch.zeros_like(penalties.presence)))
+
+
+class _WritesSeen(TorchSamplingKernels):
+    def apply_penalties(self, logits, penalties):
+        out = super().apply_penalties(logits, penalties)
+        penalties.seen[0, 0] = ~penalties.seen[0, 0]
+        return out
+
+
 @pytest.mark.parametrize("cls,prop", [(_IgnoresTopP, "sample distribution"),
                                       (_IgnoresSeeds, "seeded rows"),
                                       (_AlwaysAccepts, "verify distribution"),
-                                      (_OffByOne, "device step")])
+                                      (_OffByOne, "device step"),
+                                      (_PresenceOnce, "penalties"),
+                                      (_WritesSeen, "penalties")])
 def test_conformance_suite_fails_broken_kernels(cls, prop):
     with pytest.raises(ConformanceFailure) as info:
         check_sampling_kernels(cls)

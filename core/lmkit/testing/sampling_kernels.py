@@ -14,7 +14,11 @@ Properties:
   emitted (the accepted draft, or the row's recovered draw) follows the target;
 * ``verify seeded``: seeded requests verify exactly as with the torch kernels;
 * ``device step``: ``plan_device_step`` and ``finish_device_step`` (plugin API 1.4) give
-  the torch defaults' integers exactly, for one to four drafts and every accepted count.
+  the torch defaults' integers exactly, for one to four drafts and every accepted count;
+* ``penalties``: ``apply_penalties`` (plugin API 1.7) gives the torch default's logits
+  bit for bit: repetition, frequency and presence on rows out of slot order, a row
+  without penalties, drafts counted for one row alone, positive, negative and zero
+  logits; the kept tables are not written.
 
 Use :func:`check_sampling_kernels`, or subclass :class:`SamplingKernelsConformance` and
 define a ``sampling_kernels`` fixture returning the spec or class (set ``device`` on the
@@ -222,14 +226,54 @@ class _Suite:
                                   "values than the torch default")
 
 
+    def penalties(self) -> None:
+        from lmkit.api.sampling_kernels import PenaltyRows
+        from lmkit.sample.kernels import TorchSamplingKernels
+
+        torch = self.torch
+        gen = torch.Generator().manual_seed(3)
+        num_rows, num_slots = 5, 4
+        counts = torch.randint(0, 3, (num_slots, VOCAB), generator=gen, dtype=torch.int32)
+        seen = (counts > 0) | (torch.rand(num_slots, VOCAB, generator=gen) < 0.2)
+        logits = torch.randn(num_rows, VOCAB, generator=gen) * 3
+        logits[:, :3] = torch.tensor([0.0, -0.0, 1e-30])  # signs and a tiny value
+        for drafts in (False, True):
+            draft_counts = None
+            if drafts:  # (the row with drafts sees tokens its slot has not)
+                draft_counts = torch.zeros(4, VOCAB, dtype=torch.int32)
+                draft_counts[2, torch.randint(0, VOCAB, (3,), generator=gen)] += 1
+            rows = PenaltyRows(
+                rows=torch.tensor([4, 0, 1, 3]), slots=torch.tensor([2, 3, 0, 1]),
+                counts=counts, seen=seen,
+                repetition=torch.tensor([1.3, 0.8, 1.0, 1.1, 1.5]),
+                frequency=torch.tensor([0.0, 0.5, -0.3, 0.2, 0.1]),
+                presence=torch.tensor([0.4, 0.0, 0.6, -0.2, 0.3]), draft_counts=draft_counts)
+            moved = PenaltyRows(**{f: (v.to(self.device) if isinstance(v, torch.Tensor)
+                                       else v) for f, v in vars(rows).items()})
+            tables = (moved.counts.clone(), moved.seen.clone())
+            # (copies: both act in place, and .to() of the CPU returns the same tensor)
+            got = self.kernels.apply_penalties(logits.to(self.device, copy=True), moved)
+            want = TorchSamplingKernels(device=self.device).apply_penalties(
+                logits.to(self.device, copy=True), moved)
+            what = f"{num_rows} rows (row 2 without penalties), drafts: {drafts}"
+            if not torch.equal(got, want):
+                bad = (got != want).nonzero()[:4].tolist()
+                raise self.t.fail(SUITE, "penalties", what, "the penalised logits differ "
+                                  f"from the torch default's, e.g. at (row, token) {bad}")
+            if not (torch.equal(tables[0], moved.counts) and torch.equal(tables[1], moved.seen)):
+                raise self.t.fail(SUITE, "penalties", what, "apply_penalties wrote into the "
+                                  "kept counts or seen tables")
+
+
 PROPERTIES = ("sample distribution", "seeded rows", "verify distribution", "verify seeded",
-              "device step")
+              "device step", "penalties")
 
 
 def _run(suite: _Suite, prop: str) -> None:
     {"sample distribution": suite.sample_distribution, "seeded rows": suite.seeded_rows,
      "verify distribution": suite.verify_distribution,
-     "verify seeded": suite.verify_seeded, "device step": suite.device_step}[prop]()
+     "verify seeded": suite.verify_seeded, "device step": suite.device_step,
+     "penalties": suite.penalties}[prop]()
 
 
 def check_sampling_kernels(kernels: Any, options: Any = None, *, device: str = "cpu",
@@ -271,3 +315,6 @@ class SamplingKernelsConformance:
 
     def test_device_step(self, sampling_kernels: Any) -> None:
         self._check(sampling_kernels, "device step")
+
+    def test_penalties(self, sampling_kernels: Any) -> None:
+        self._check(sampling_kernels, "penalties")

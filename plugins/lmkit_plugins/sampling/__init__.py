@@ -23,7 +23,8 @@ TRITON = Spec(
     priority=50, requires=("triton",), needs_cuda=True,
     caps=Caps(values={"device": {"cuda"}}),
     description="Triton top-k/top-p/temperature sampling and rejection sampling where they "
-                "measured faster on the GPU (docs/gpu.md); torch elsewhere.",
+                "measured faster on the GPU (docs/gpu.md), repetition/frequency/presence "
+                "penalties in one pass; torch elsewhere.",
 )
 
 

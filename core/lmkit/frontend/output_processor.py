@@ -57,6 +57,11 @@ class _Completion:
         if logprobs:
             self.delta_logprobs = [*(self.delta_logprobs or ()), *logprobs]
 
+    def finish(self, reason: str, stop_reason: int | str | None) -> None:
+        """End this completion (once: its parent counts it)."""
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.parent.num_finished += 1
+
     @property
     def text(self) -> str:
         """The completion's text so far."""
@@ -109,11 +114,11 @@ class _Parent:
     engine_ids: list[str] = field(default_factory=list)  # one per child, to forget them
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
+    num_finished: int = 0  # children whose finish_reason is set (O(1) per output)
 
     @property
     def finished(self) -> bool:
-        return len(self.children) == self.n and all(
-            c.finish_reason is not None for c in self.children.values())
+        return self.num_finished == self.n
 
 
 @dataclass
@@ -218,7 +223,7 @@ class OutputProcessor:
             if keeps and comp.logprobs is not None and new_logprobs:
                 comp.logprobs.extend(new_logprobs)
             if hit is not None:
-                comp.finish_reason, comp.stop_reason = "stop", hit
+                comp.finish("stop", hit)
                 result.abort_ids.append(out.request_id)
             elif out.finish_reason is not None:
                 # text held back for an incomplete character, then for a partial stop string
@@ -227,11 +232,11 @@ class OutputProcessor:
                     tail, hit = stop.feed(tail, can_match=len(comp.token_ids) > comp.min_tokens)
                 delta_text += tail
                 if hit is not None:
-                    comp.finish_reason, comp.stop_reason = "stop", hit
+                    comp.finish("stop", hit)
                 else:
                     if stop is not None:
                         delta_text += stop.flush()
-                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                    comp.finish(out.finish_reason, out.stop_reason)
             if keeps:
                 comp.text_parts.append(delta_text)
             if parent.kind == "final":

@@ -18,13 +18,20 @@ else delete them. This times, per shape, on the same logits:
 them faster (their policy) and torch elsewhere: what the engine does on CUDA by default
 (greedy verification takes the runner's argmax walk on both, so it has no ``wired``).
 Both sides end with the device-to-host copy of the tokens the runner needs. Modes:
-``greedy`` (temperature 0), ``temp`` (temperature 0.8), ``top-k`` (0.8, k=50) and
-``top-p`` (0.8, p=0.9). Times are medians of ``--iters`` calls after ``--warmup``, in
-microseconds (CUDA events on CUDA)::
+``greedy`` (temperature 0), ``temp`` (temperature 0.8), ``top-k`` (0.8, k=50),
+``top-p`` (0.8, p=0.9) and ``top-k+p`` (0.8, k=50, p=0.9). Times are medians of
+``--iters`` calls after ``--warmup``, in microseconds (CUDA events on CUDA)::
 
     python bench/sampling.py                                   # CUDA: the full table
     python bench/sampling.py --device cuda --batches 1 32 256 --vocabs 49152 151936
     TRITON_INTERPRET=1 python bench/sampling.py --device cpu --smoke   # CPU smoke test
+
+``--rev REV`` also times ``sample`` of git revision REV's ``kernels/`` (column
+``rev_us``; run in a subprocess with that folder first on ``PYTHONPATH``), a before /
+after of a kernel change in one run; ``--kernel-only`` times ``sample`` alone::
+
+    python bench/sampling.py --rev HEAD --batches 1 32 256 --vocabs 151936 --k 0 \
+        --modes temp top-k top-p top-k+p
 
 ``--device cpu`` runs the kernels in Triton's interpreter (set here when not set), so
 its Triton numbers mean nothing: it only checks that the script runs. ``--no-triton``
@@ -34,6 +41,7 @@ times the torch side alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -47,6 +55,7 @@ MODES = {  # name -> (temperature, top_k, top_p)
     "temp": (0.8, 0, 1.0),
     "top-k": (0.8, 50, 1.0),
     "top-p": (0.8, 0, 0.9),
+    "top-k+p": (0.8, 50, 0.9),
 }
 
 
@@ -55,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     p.add_argument("--vocabs", type=int, nargs="+", default=[49152, 151936])
-    p.add_argument("--modes", nargs="+", default=["greedy", "top-p", "top-k", "temp"],
+    p.add_argument("--modes", nargs="+", default=["greedy", "top-p", "top-k", "top-k+p", "temp"],
                    choices=list(MODES))
     p.add_argument("--k", type=int, default=4, help="drafts per request in 'verify' (0: off)")
     p.add_argument("--iters", type=int, default=50)
@@ -63,8 +72,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes and few iterations (a CPU check that the script runs)")
     p.add_argument("--no-triton", action="store_true", help="time the torch side only")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="time the Triton sample alone (no torch, wired or verify rows)")
+    p.add_argument("--rev", help="also time the Triton sample of this git revision's kernels")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
+    if args.kernel_only and args.no_triton:
+        p.error("--kernel-only times the Triton kernel: it cannot go with --no-triton")
+    if args.rev and args.no_triton:
+        p.error("--rev times the revision's Triton kernel: it cannot go with --no-triton")
+    if args.kernel_only:
+        args.k = 0
     if args.smoke:
         args.batches, args.vocabs, args.iters, args.warmup = [1, 3], [64], 2, 1
     return args
@@ -136,8 +154,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from lmkit.sample.sampler import Sampler
 
     device = torch.device(args.device)
-    kernels = None
-    if not args.no_triton:
+    kernels: tuple[Callable, Callable | None, Any] | None = None
+    if args.kernel_only:  # the kernel alone: another revision's plugins may not match it
+        from lmkit_kernels.sampling import sample
+        kernels = (sample, None, None)
+    elif not args.no_triton:
         try:
             from lmkit_kernels.rejection_sample import rejection_sample
             from lmkit_kernels.sampling import sample
@@ -153,14 +174,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             for mode in args.modes:
                 c = case(mode, batch, vocab, 0, device)
                 row: dict[str, Any] = dict(op="sample", mode=mode, batch=batch, vocab=vocab)
-                row["torch_us"] = time_us(
-                    lambda c=c: sampler(c["logits"], c["md"]).sampled_token_ids.tolist())
+                if not args.kernel_only:
+                    row["torch_us"] = time_us(functools.partial(draw, sampler, c))
                 if kernels is not None:
-                    row["triton_us"] = time_us(lambda c=c, sample=kernels[0]: sample(
-                        c["logits"], temperature=c["temperature"], top_k=c["top_k"],
-                        top_p=c["top_p"]).tolist())
-                    row["wired_us"] = time_us(lambda c=c, wired=kernels[2]: wired(
-                        c["logits"], c["md"]).sampled_token_ids.tolist())
+                    row["triton_us"] = time_us(functools.partial(kernel_draw, kernels[0], c))
+                if kernels is not None and kernels[2] is not None:
+                    row["wired_us"] = time_us(functools.partial(draw, kernels[2], c))
                 rows.append(row)
                 if args.k > 0:
                     rows.append(verify_row(c, mode, batch, vocab, args.k, device, sampler,
@@ -169,6 +188,49 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if args.k > 0:
                     print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def draw(sampler: Any, c: dict[str, Any]) -> list[int]:
+    """One step of ``sampler`` on case ``c``, to the host."""
+    return sampler(c["logits"], c["md"]).sampled_token_ids.tolist()
+
+
+def kernel_draw(sample: Callable, c: dict[str, Any]) -> list[int]:
+    """``lmkit_kernels.sampling.sample`` on case ``c``, to the host."""
+    return sample(c["logits"], temperature=c["temperature"], top_k=c["top_k"],
+                  top_p=c["top_p"]).tolist()
+
+
+def revision_rows(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
+    """The ``--kernel-only`` rows of this bench run with ``args.rev``'s ``kernels/``
+    first on the path (a fresh process: the two ``lmkit_kernels`` cannot share one)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from before_after import env_first_on_path, revision_tree
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = revision_tree(args.rev, "kernels", Path(tmp))
+        out = Path(tmp) / "rev.json"
+        cmd = [sys.executable, __file__, *strip_rev(argv), "--kernel-only", "--json", str(out)]
+        subprocess.run(cmd, env=env_first_on_path(kernels), check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rows"]
+
+
+def strip_rev(argv: list[str]) -> list[str]:
+    """``argv`` without ``--rev REV`` and ``--json PATH`` (either spelling)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--rev", "--json"):
+            skip = True
+        elif not arg.startswith(("--rev=", "--json=")):
+            kept.append(arg)
+    return kept
 
 
 def verify_row(c: dict[str, Any], mode: str, batch: int, vocab: int, k: int, device: Any,
@@ -205,16 +267,20 @@ def verify_row(c: dict[str, Any], mode: str, batch: int, vocab: int, k: int, dev
 
 
 def format_row(row: dict[str, Any]) -> str:
-    triton = row.get("triton_us")
-    speedup = f"{row['torch_us'] / triton:6.2f}x" if triton else "      -"
-    triton_s = f"{triton:10.1f}" if triton else "         -"
-    wired = row.get("wired_us")
-    wired_s = f"{wired:10.1f}" if wired else "         -"
-    return (f"{row['op']:<11} {row['mode']:<7} {row['batch']:>5} {row['vocab']:>7} "
-            f"{row['torch_us']:10.1f} {triton_s} {speedup} {wired_s}")
+    def us(key: str) -> str:
+        return f"{row[key]:10.1f}" if row.get(key) else "         -"
+
+    torch_us, triton = row.get("torch_us"), row.get("triton_us")
+    speedup = f"{torch_us / triton:6.2f}x" if torch_us and triton else "      -"
+    line = (f"{row['op']:<11} {row['mode']:<7} {row['batch']:>5} {row['vocab']:>7} "
+            f"{us('torch_us')} {us('triton_us')} {speedup} {us('wired_us')}")
+    if "rev_us" in row:
+        line += f" {us('rev_us')}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -226,9 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreted)"
     print(f"# {name}, torch {torch.__version__}; median us of {args.iters} calls; "
           "speedup = torch / triton; wired = the sampler with the triton sampling kernels")
-    print(f"{'op':<11} {'mode':<7} {'batch':>5} {'vocab':>7} {'torch_us':>10} "
-          f"{'triton_us':>10} {'speedup':>7} {'wired_us':>10}")
+    header = (f"{'op':<11} {'mode':<7} {'batch':>5} {'vocab':>7} {'torch_us':>10} "
+              f"{'triton_us':>10} {'speedup':>7} {'wired_us':>10}")
+    print(header)
     rows = measure(args)
+    if args.rev:
+        before = {(r["op"], r["mode"], r["batch"], r["vocab"]): r["triton_us"]
+                  for r in revision_rows(args, argv)}
+        print(f"# rev_us: the Triton sample of {args.rev}'s kernels")
+        print(f"{header} {'rev_us':>10}")
+        for row in rows:
+            row["rev_us"] = before.get((row["op"], row["mode"], row["batch"], row["vocab"]))
+            print(format_row(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "rows": rows}, f, indent=1)

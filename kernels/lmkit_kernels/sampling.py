@@ -4,18 +4,18 @@ Token ``i`` of a row wins with probability ``probs[i]``, the softmax of
 ``logits / temperature`` restricted to the tokens top-k and then top-p keep, by the
 exponential race ``argmax(probs / E)``, ``E ~ Exp(1)``. Thresholds are exact (found by
 searching the float32 values' order-preserving integer keys); a row with temperature
-<= 0 is greedy (``argmax`` of its logits, first index on ties). The race and the row
-statistics spread each row over many programs; the top-k/top-p searches read a row in
-one program, 8 passes each (see :mod:`lmkit_kernels.sampling_kernels`). Semantics match
-:func:`sample_ref`, the torch reference at the end of this module.
+<= 0 is greedy (``argmax`` of its logits, first index on ties). Every stage spreads a
+row over many programs: the row statistics, each of the 8 passes of the top-k and of
+the top-p search, and the race (see :mod:`lmkit_kernels.sampling_kernels`). Semantics
+match :func:`sample_ref`, the torch reference at the end of this module.
 
 Measured on an H200 (vocab 151936, GPU time from a CUDA graph; the torch reference in
-parentheses): temperature only, 10 / 72 / 280 us for 1 / 64 / 256 rows (266 / 286 /
-824); top-k 50, 1.1 / 1.2 / 3.1 ms (0.36 / 1.1 / 3.9); top-p 0.9, 1.2 / 1.2 / 3.3 ms
-(0.41 / 1.7 / 5.2). The one-program searches are latency bound: use the kernel for
-temperature sampling at any batch size and for top-k/top-p at large batches. Against
-the core's whole sampler (not the torch reference) the H100 figures differ; where the
-engine runs it is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md, "Sampling kernels").
+parentheses) with the previous one-program-per-row search (re-measure with
+``bench/sampling.py``): temperature only, 10 / 72 / 280 us for 1 / 64 / 256 rows (266 /
+286 / 824); top-k 50, 1.1 / 1.2 / 3.1 ms (0.36 / 1.1 / 3.9); top-p 0.9, 1.2 / 1.2 /
+3.3 ms (0.41 / 1.7 / 5.2). Against the core's whole sampler (not the torch reference)
+the H100 figures differ; where the engine runs it is :mod:`lmkit_plugins.sampling.policy`
+(docs/gpu.md, "Sampling kernels").
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from lmkit_kernels.sampling_kernels import (
     chunk_stats_kernel,
     pick_kernel,
     race_kernel,
-    threshold_kernel,
+    top_k_pass_kernel,
+    top_p_pass_kernel,
 )
 
 __all__ = ["sample", "sample_ref", "top_k_top_p_mask_ref"]
@@ -43,6 +44,15 @@ def _num_programs_target(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _chunking(num_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(block size, chunk size, chunk count): chunks of whole blocks, enough of them to
+    give every SM a few programs."""
+    block_v = min(triton.next_power_of_2(vocab), 256 if is_interpreting() else 1024)
+    want_chunks = max(1, _num_programs_target(device) // num_rows)
+    chunk = block_v * triton.cdiv(triton.cdiv(vocab, block_v), want_chunks)
+    return block_v, chunk, triton.cdiv(vocab, chunk)
 
 
 def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
@@ -57,7 +67,8 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
         1.0 for every row.
     :param top_k: int32/int64 ``[num_rows]``; ``<= 0`` or ``>= vocab`` is off for that
         row. Ties with the k-th largest value are kept.
-    :param top_p: float32 ``[num_rows]``; ``>= 1`` is off. Applied after top-k.
+    :param top_p: float32 ``[num_rows]``; ``>= 1`` is off, ``<= 0`` keeps the most
+        likely value (with its ties). Applied after top-k.
     :param noise: float32 ``[num_rows, vocab]`` of Exp(1) draws (reproduces a torch
         reference exactly), or
     :param seeds: int64 ``[num_rows]`` Philox seeds for in-kernel noise (change them
@@ -103,42 +114,71 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
         check_shape("out", out, (num_rows,))
     if num_rows == 0:
         return out
+    _launch(logits, temperature, top_k, top_p, noise, seeds, out)
+    return out
+
+
+def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
+            top_p: torch.Tensor | None, noise: torch.Tensor | None, seeds: torch.Tensor | None,
+            out: torch.Tensor) -> torch.Tensor:
+    """Run the kernels on checked arguments (``seeds`` drawn unless ``noise``) into
+    ``out``; returns ``lo_key`` (int64 ``[num_rows]``): each non-greedy row's smallest
+    kept order key (a token is kept when its key is >= it; greedy rows: unset)."""
+    device = logits.device
+    num_rows, vocab = logits.shape
     dummy = out  # stands in for absent optional pointers (never read)
-    interpreting = is_interpreting()
-    block_v = min(triton.next_power_of_2(vocab), 256 if interpreting else 1024)
-    # chunks of whole blocks, enough of them to give every SM a few programs
-    want_chunks = max(1, _num_programs_target(device) // num_rows)
-    chunk = block_v * triton.cdiv(triton.cdiv(vocab, block_v), want_chunks)
-    num_chunks = triton.cdiv(vocab, chunk)
+    block_v, chunk, num_chunks = _chunking(num_rows, vocab, device)
     chunks_pad = triton.next_power_of_2(triton.cdiv(vocab, block_v))  # the most chunks: one
     # compiled variant for every batch size
-    f32 = dict(dtype=torch.float32, device=device)
-    part_max = torch.empty((num_rows, num_chunks), **f32)
-    part_min = torch.empty((num_rows, num_chunks), **f32)
-    part_best = torch.empty((num_rows, num_chunks), **f32)
-    part_arg = torch.empty((num_rows, num_chunks), dtype=torch.int64, device=device)
-    part_idx = torch.empty((num_rows, num_chunks), dtype=torch.int64, device=device)
-    row_max = torch.empty(num_rows, **f32)
-    lo_key = torch.empty(num_rows, dtype=torch.int64, device=device)
+
+    def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    part_max, part_min, part_best = (empty(num_rows, num_chunks) for _ in range(3))
+    part_arg, part_idx = (empty(num_rows, num_chunks, dtype=torch.int64) for _ in range(2))
+    lo_key = empty(num_rows, dtype=torch.int64)
     temp = dummy if temperature is None else temperature
     has_temp = temperature is not None
-    chunk_stats_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temp, part_max, part_arg, part_min, vocab, num_chunks,
-        chunk, BLOCK_V=block_v, HAS_TEMPERATURE=has_temp, num_warps=4)
-    threshold_kernel[(num_rows,)](
-        logits, logits.stride(0), temp, dummy if top_k is None else top_k,
-        dummy if top_p is None else top_p, part_max, part_arg, part_min, row_max, lo_key, out,
-        vocab, num_chunks, CHUNKS_PAD=chunks_pad, BLOCK_V=block_v, NT=NUM_THRESHOLDS,
-        PASSES=SEARCH_PASSES, HAS_TEMPERATURE=has_temp, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, num_warps=8)
-    race_kernel[(num_rows, num_chunks)](
-        logits, logits.stride(0), temp, dummy if noise is None else noise,
-        0 if noise is None else noise.stride(0), dummy if seeds is None else seeds,
-        row_max, lo_key, part_best, part_idx, vocab, num_chunks, chunk, BLOCK_V=block_v,
-        HAS_TEMPERATURE=has_temp, NOISE_TENSOR=noise is not None, num_warps=4)
-    pick_kernel[(num_rows,)](temp, part_best, part_idx, out, num_chunks,
+    grid = (num_rows, num_chunks)
+    args = (logits, logits.stride(0), temp)
+    sizes = (vocab, num_chunks, chunk)
+    tiles = dict(CHUNKS_PAD=chunks_pad, BLOCK_V=block_v, HAS_TEMPERATURE=has_temp)
+    search = dict(tiles, NT=NUM_THRESHOLDS, num_warps=8)
+    chunk_stats_kernel[grid](*args, part_max, part_arg, part_min, *sizes, BLOCK_V=block_v,
+                             HAS_TEMPERATURE=has_temp, num_warps=4)
+    # The passes of a search alternate between two (state, partials) buffers, reading
+    # the previous pass's while writing their own; state: [rows, 2] int64, the range
+    # searched; partials: [rows, chunks, NT] counts (top-k) or masses (top-p).
+    last = (SEARCH_PASSES - 1) % 2
+    k_last = p_last = (dummy, dummy)  # the last pass's (state, partials)
+    total_part = dummy
+    if top_k is not None:
+        k_state = empty(2, num_rows, 2, dtype=torch.int64)
+        k_part = empty(2, num_rows, num_chunks, NUM_THRESHOLDS, dtype=torch.int32)
+        for i in range(SEARCH_PASSES):
+            top_k_pass_kernel[grid](
+                *args, top_k, part_max, part_min, k_state[(i - 1) % 2], k_state[i % 2],
+                k_part[(i - 1) % 2], k_part[i % 2], *sizes, FIRST=i == 0, **search)
+        k_last = (k_state[last], k_part[last])
+    if top_p is not None:
+        p_state = empty(2, num_rows, 2, dtype=torch.int64)
+        p_part = empty(2, num_rows, num_chunks, NUM_THRESHOLDS)
+        total_part = empty(num_rows, num_chunks)  # kept mass, from the first pass
+        for i in range(SEARCH_PASSES):
+            top_p_pass_kernel[grid](
+                *args, dummy if top_k is None else top_k, top_p, part_max, part_min, *k_last,
+                p_state[(i - 1) % 2], p_state[i % 2], p_part[(i - 1) % 2], p_part[i % 2],
+                total_part, *sizes, FIRST=i == 0, HAS_TOP_K=top_k is not None, **search)
+        p_last = (p_state[last], p_part[last])
+    race_kernel[grid](
+        *args, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
+        dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
+        dummy if seeds is None else seeds, part_max, part_min, *k_last, *p_last, total_part,
+        lo_key, part_best, part_idx, *sizes, NT=NUM_THRESHOLDS, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, NOISE_TENSOR=noise is not None, num_warps=4, **tiles)
+    pick_kernel[(num_rows,)](temp, part_max, part_arg, part_best, part_idx, out, num_chunks,
                              CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp, num_warps=1)
-    return out
+    return lo_key
 
 
 def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -287,11 +287,10 @@ def race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, n
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
     if not greedy:
         x_max, key_min, _ = _row_range(part_max_ptr, part_min_ptr, row, num_chunks, CHUNKS_PAD)
-        top_p_on = False
+        p = tl.full([], 1.0, tl.float32)  # (defined in every compiled variant)
         if HAS_TOP_P:
             p = tl.load(top_p_ptr + row).to(tl.float32)
-            top_p_on = p < 1.0
-        if top_p_on:  # finish the last top-p pass
+        if p < 1.0:  # finish the last top-p pass
             lo, _ = _narrow_top_p(
                 tl.load(p_state_ptr + 2 * row), tl.load(p_state_ptr + 2 * row + 1),
                 _sum_chunks(p_part_ptr, row, num_chunks, CHUNKS_PAD, NT),

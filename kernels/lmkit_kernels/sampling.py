@@ -9,13 +9,12 @@ row over many programs: the row statistics, each of the 8 passes of the top-k an
 the top-p search, and the race (see :mod:`lmkit_kernels.sampling_kernels`). Semantics
 match :func:`sample_ref`, the torch reference at the end of this module.
 
-Measured on an H200 (vocab 151936, GPU time from a CUDA graph; the torch reference in
-parentheses) with the previous one-program-per-row search (re-measure with
-``bench/sampling.py``): temperature only, 10 / 72 / 280 us for 1 / 64 / 256 rows (266 /
-286 / 824); top-k 50, 1.1 / 1.2 / 3.1 ms (0.36 / 1.1 / 3.9); top-p 0.9, 1.2 / 1.2 /
-3.3 ms (0.41 / 1.7 / 5.2). Against the core's whole sampler (not the torch reference)
-the H100 figures differ; where the engine runs it is :mod:`lmkit_plugins.sampling.policy`
-(docs/gpu.md, "Sampling kernels").
+Measured on an H200 (vocab 151,936, ``bench/sampling.py --kernel-only``, each call
+ending with the host copy; session 30): top-p 0.9 at 1 / 32 / 256 rows 0.44 / 0.44 /
+2.55 ms, against 1.33 / 1.37 / 3.63 with the previous one-program-per-row search; top-k
+50 0.39 / 0.43 / 2.40 ms (1.27 / 1.31 / 3.45). Where the engine runs the kernel instead
+of the core's torch sampler is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md,
+"Sampling kernels").
 """
 
 from __future__ import annotations
@@ -37,6 +36,15 @@ from lmkit_kernels.sampling_kernels import (
 )
 
 __all__ = ["sample", "sample_ref", "top_k_top_p_mask_ref"]
+
+
+# tokens per block of a top-k/top-p search pass (a power of two) and warps per program:
+# each pass accumulates a [block, NT] tile in registers, which spilled at 1,024 x 8
+# warps. H200, vocab 151,936, kernel alone (``bench/sampling.py --kernel-only``), top-p
+# at 1 / 32 / 256 rows: 1,024 x 8: 444 / 797 / 5,095 us; 512 x 4: 421 / 642 / 4,785;
+# 256 x 4: 437 / 436 / 2,551; 128 x 4: 721 / 674 / 3,229 (top-k: 256 x 4 best too)
+SEARCH_BLOCK_V = 256
+SEARCH_WARPS = 4
 
 
 @functools.cache
@@ -143,7 +151,10 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
     args = (logits, logits.stride(0), temp)
     sizes = (vocab, num_chunks, chunk)
     tiles = dict(CHUNKS_PAD=chunks_pad, BLOCK_V=block_v, HAS_TEMPERATURE=has_temp)
-    search = dict(tiles, NT=NUM_THRESHOLDS, num_warps=8)
+    # the searches' [block, NT] tiles: smaller blocks than the other stages', as their
+    # accumulators live in registers
+    search = dict(tiles, BLOCK_V=min(block_v, SEARCH_BLOCK_V), NT=NUM_THRESHOLDS,
+                  num_warps=SEARCH_WARPS)
     chunk_stats_kernel[grid](*args, part_max, part_arg, part_min, *sizes, BLOCK_V=block_v,
                              HAS_TEMPERATURE=has_temp, num_warps=4)
     # The passes of a search alternate between two (state, partials) buffers, reading

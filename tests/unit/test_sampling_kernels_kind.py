@@ -93,10 +93,14 @@ def test_policy_uses_the_kernel_exactly_where_the_table_says(op, mode):
 
 
 def test_policy_picks_the_nearest_measured_shape():
-    # top-p: faster from batch 1 at vocab 49k (1.61x), not at 152k batch 1 (0.88x)
+    # top-p: faster from batch 1 at vocab 49k (1.61x) and at 152k (2.82x)
     assert policy.use_kernel("sample", ("top-p",), 1, 32000)
-    assert not policy.use_kernel("sample", ("top-p",), 1, 128256)  # nearest: 151936
-    assert policy.use_kernel("sample", ("top-p",), 8, 128256)  # nearest batch: 32
+    assert policy.use_kernel("sample", ("top-p",), 1, 128256)  # nearest: 151936
+    # top-k at 152k: only around batch 32 (1.28x; 0.92x at 1, 0.65x at 256)
+    assert not policy.use_kernel("sample", ("top-k",), 1, 128256)
+    assert policy.use_kernel("sample", ("top-k",), 8, 128256)  # nearest batch: 32
+    assert policy.use_kernel("sample", ("top-k", "top-p"), 32, 151936)
+    assert not policy.use_kernel("sample", ("top-k", "top-p"), 256, 151936)
     # temperature only: batch 256 at 49k (1.07x); batch >= 6 at 152k (1.10x, 1.65x)
     assert not policy.use_kernel("sample", ("temp",), 64, 49152)
     assert policy.use_kernel("sample", ("temp",), 100, 49152)

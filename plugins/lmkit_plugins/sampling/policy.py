@@ -2,7 +2,10 @@
 
 The figures are the table of docs/gpu.md ("Sampling kernels"), measured with
 ``python bench/sampling.py`` on an NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130; median of
-50 calls; speedup = torch time / Triton time, both ending with the host copy the runner
+50 calls), except top-p and top-k sampling over 151,936 logits, re-measured on an H200
+for the multi-program threshold search of session 30 (no H100 was lent; the 49,152
+columns are the H100's, of the previous search, which was slower); each figure is a
+median of 50 calls; speedup = torch time / Triton time, both ending with the host copy the runner
 needs). ``sample`` is one draw per row (no drafts); ``verify`` is rejection sampling of
 4 drafts per request (the torch target distributions, then the kernel), by requests.
 
@@ -41,15 +44,17 @@ VOCABS = (49152, 151936)
 
 # (op, mode) -> (batch, vocab) -> (torch us, Triton us): docs/gpu.md "Sampling kernels".
 MEASURED: dict[tuple[str, str], dict[tuple[int, int], tuple[float, float]]] = {
+    # the 151,936 columns of top-p and top-k: H200, session 30, the multi-program search
+    # (the torch sampler from one run, the kernel alone from the block-size sweep)
     ("sample", "top-p"): {
         (1, 49152): (1117.3, 692.5), (32, 49152): (1407.4, 668.2),
-        (256, 49152): (2667.2, 1054.1), (1, 151936): (1178.8, 1345.0),
-        (32, 151936): (2210.7, 1593.6), (256, 151936): (7277.1, 3580.0),
+        (256, 49152): (2667.2, 1054.1), (1, 151936): (1231.0, 436.5),
+        (32, 151936): (1740.5, 436.4), (256, 151936): (6342.4, 2551.2),
     },
     ("sample", "top-k"): {
         (1, 49152): (557.8, 589.4), (32, 49152): (737.4, 586.5), (256, 49152): (765.5, 1029.6),
-        (1, 151936): (421.3, 1254.6), (32, 151936): (801.8, 1508.7),
-        (256, 151936): (1773.0, 3383.7),
+        (1, 151936): (355.2, 388.0), (32, 151936): (556.6, 433.7),
+        (256, 151936): (1559.6, 2403.2),
     },
     ("sample", "temp"): {
         (1, 49152): (260.4, 332.3), (32, 49152): (242.8, 327.6), (256, 49152): (390.5, 364.5),

@@ -210,24 +210,17 @@ def top_k_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, part_m
             tl.store(state_out_ptr + 2 * row + 1, top, mask=chunk == 0)
             thr, _ = _top_k_thresholds(lo, top, NT)
             thr = thr.to(tl.int32)
-            first, last = tl.min(thr, axis=0), tl.max(thr, axis=0)
             row_ptr = logits_ptr + row * stride_row
             cols = tl.arange(0, BLOCK_V)
             hits = tl.zeros([BLOCK_V, NT], tl.int32)  # reduced after the loop
-            every = tl.zeros([BLOCK_V], tl.int32)  # keys >= every threshold
             for start in range(chunk * chunk_size,
                                tl.minimum((chunk + 1) * chunk_size, vocab), BLOCK_V):
                 offs = start + cols
                 ok = offs < vocab
                 key = order_key(_load_x(row_ptr, offs, ok, temperature))
-                every += ((key >= last) & ok).to(tl.int32)
-                # keys between the first and the last threshold, the only ones the
-                # [block, NT] compare is for: after a pass or two most blocks have none
-                between = (key >= first) & (key < last) & ok
-                if tl.max(between.to(tl.int32), axis=0) > 0:
-                    hits += ((key[:, None] >= thr[None, :]) & between[:, None]).to(tl.int32)
+                hits += ((key[:, None] >= thr[None, :]) & ok[:, None]).to(tl.int32)
             tl.store(part_out_ptr + (row * num_chunks + chunk) * NT + tl.arange(0, NT),
-                     tl.sum(hits, axis=0) + tl.sum(every, axis=0))
+                     tl.sum(hits, axis=0))
 
 
 @triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
@@ -261,12 +254,10 @@ def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_
             # thresholds >= lo >= the top-k threshold: only kept tokens are above them
             thr, _ = _top_p_thresholds(lo, hi, NT)
             thr = thr.to(tl.int32)
-            first, last = tl.min(thr, axis=0), tl.max(thr, axis=0)
             kept_from = lo.to(tl.int32)
             row_ptr = logits_ptr + row * stride_row
             cols = tl.arange(0, BLOCK_V)
             above = tl.zeros([BLOCK_V, NT], tl.float32)  # reduced after the loop
-            every = tl.zeros([BLOCK_V], tl.float32)  # mass above every threshold
             lane_total = tl.zeros([BLOCK_V], tl.float32)
             for start in range(chunk * chunk_size,
                                tl.minimum((chunk + 1) * chunk_size, vocab), BLOCK_V):
@@ -277,15 +268,9 @@ def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_
                 e = tl.where(ok, tl.exp(x - x_max), 0.0)
                 if FIRST:
                     lane_total += tl.where(key >= kept_from, e, 0.0)
-                every += tl.where(key > last, e, 0.0)
-                # keys above the first threshold and not above the last, the only ones
-                # the [block, NT] compare is for: after a pass or two most blocks have none
-                between = (key > first) & (key <= last)
-                if tl.max(between.to(tl.int32), axis=0) > 0:
-                    above += tl.where((key[:, None] > thr[None, :]) & between[:, None],
-                                      e[:, None], 0.0)
+                above += tl.where(key[:, None] > thr[None, :], e[:, None], 0.0)
             tl.store(part_out_ptr + (row * num_chunks + chunk) * NT + tl.arange(0, NT),
-                     tl.sum(above, axis=0) + tl.sum(every, axis=0))
+                     tl.sum(above, axis=0))
             if FIRST:
                 tl.store(total_part_ptr + row * num_chunks + chunk, tl.sum(lane_total, axis=0))
 

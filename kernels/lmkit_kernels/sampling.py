@@ -20,18 +20,11 @@ of the core's torch sampler is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 import triton
 
 from lmkit_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, is_interpreting
-from lmkit_kernels.sampling_band import (
-    BAND_AFTER,
-    BAND_CAP,
-    band_compact_kernel,
-    band_search_kernel,
-)
 from lmkit_kernels.sampling_kernels import (
     NUM_THRESHOLDS,
     SEARCH_PASSES,
@@ -169,7 +162,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
     # searched; partials: [rows, chunks, NT] counts (top-k) or masses (top-p).
     last = (SEARCH_PASSES - 1) % 2
     k_last = p_last = (dummy, dummy)  # the last pass's (state, partials)
-    total_part = done = done_lo = dummy
+    total_part = dummy
     if top_k is not None:
         k_state = empty(2, num_rows, 2, dtype=torch.int64)
         k_part = empty(2, num_rows, num_chunks, NUM_THRESHOLDS, dtype=torch.int32)
@@ -183,50 +176,20 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
         p_part = empty(2, num_rows, num_chunks, NUM_THRESHOLDS)
         total_part = empty(num_rows, num_chunks)  # kept mass, from the first pass
         for i in range(SEARCH_PASSES):
-            if i == BAND_AFTER and BAND_CAP > 0:  # the rest over each row's band
-                done, done_lo = _band_search(args, top_p, part_max, part_min, p_state[
-                    (i - 1) % 2], p_part[(i - 1) % 2], total_part, sizes, search, num_rows)
             top_p_pass_kernel[grid](
                 *args, dummy if top_k is None else top_k, top_p, part_max, part_min, *k_last,
                 p_state[(i - 1) % 2], p_state[i % 2], p_part[(i - 1) % 2], p_part[i % 2],
-                total_part, done, *sizes, FIRST=i == 0, HAS_TOP_K=top_k is not None,
-                CHECK_DONE=done is not dummy, **search)
+                total_part, *sizes, FIRST=i == 0, HAS_TOP_K=top_k is not None, **search)
         p_last = (p_state[last], p_part[last])
     race_kernel[grid](
         *args, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
         dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
         dummy if seeds is None else seeds, part_max, part_min, *k_last, *p_last, total_part,
-        done, done_lo, lo_key, part_best, part_idx, *sizes, NT=NUM_THRESHOLDS,
-        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        NOISE_TENSOR=noise is not None, CHECK_DONE=done is not dummy, num_warps=4, **tiles)
+        lo_key, part_best, part_idx, *sizes, NT=NUM_THRESHOLDS, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, NOISE_TENSOR=noise is not None, num_warps=4, **tiles)
     pick_kernel[(num_rows,)](temp, part_max, part_arg, part_best, part_idx, out, num_chunks,
                              CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp, num_warps=1)
     return lo_key
-
-
-def _band_search(args: tuple, top_p: torch.Tensor, part_max: torch.Tensor,
-                 part_min: torch.Tensor, state: torch.Tensor, part: torch.Tensor,
-                 total_part: torch.Tensor, sizes: tuple[int, int, int],
-                 search: dict[str, Any], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compact each row's band after :data:`BAND_AFTER` passes and finish its search there
-    (:mod:`lmkit_kernels.sampling_band`); returns ``(done, done_lo)``."""
-    logits, _, temp = args
-    vocab, num_chunks, _ = sizes
-    device = logits.device
-    band = torch.empty((num_rows, num_chunks, BAND_CAP), dtype=torch.float32, device=device)
-    count = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=device)
-    base = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=device)
-    done = torch.empty(num_rows, dtype=torch.int32, device=device)
-    done_lo = torch.empty(num_rows, dtype=torch.int64, device=device)
-    band_compact_kernel[(num_rows, num_chunks)](
-        *args, top_p, part_max, part_min, state, part, total_part, band, count, base,
-        *sizes, BAND_CAP, **search)
-    tiles = {k: v for k, v in search.items() if k != "num_warps"}
-    band_search_kernel[(num_rows,)](
-        temp, top_p, part_max, part_min, state, part, total_part, band, count, base, done,
-        done_lo, num_chunks, BAND_CAP, PASSES_LEFT=SEARCH_PASSES - BAND_AFTER, num_warps=4,
-        **tiles)
-    return done, done_lo
 
 
 def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor | None,

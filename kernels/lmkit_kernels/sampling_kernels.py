@@ -226,18 +226,15 @@ def top_k_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, part_m
 @triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr,
                       part_max_ptr, part_min_ptr, k_state_ptr, k_part_ptr, state_in_ptr,
-                      state_out_ptr, part_in_ptr, part_out_ptr, total_part_ptr, done_ptr, vocab,
+                      state_out_ptr, part_in_ptr, part_out_ptr, total_part_ptr, vocab,
                       num_chunks, chunk_size, CHUNKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                       NT: tl.constexpr, FIRST: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
-                      HAS_TOP_K: tl.constexpr, CHECK_DONE: tl.constexpr):
+                      HAS_TOP_K: tl.constexpr):
     # state: [rows, 2] int64 (lo, hi); partials: [rows, chunks, NT] float32 masses;
-    # total_part: [rows, chunks] kept mass, written by the first pass; done: [rows] int32,
-    # rows the band search finished (CHECK_DONE: lmkit_kernels.sampling_band)
+    # total_part: [rows, chunks] kept mass, written by the first pass
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
-    if CHECK_DONE:
-        greedy = greedy | (tl.load(done_ptr + row) != 0)  # (nothing left to do either)
     if not greedy:
         p = tl.load(top_p_ptr + row).to(tl.float32)
         if p < 1.0:
@@ -281,11 +278,10 @@ def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_
 @triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, noise_ptr,
                 stride_noise, seeds_ptr, part_max_ptr, part_min_ptr, k_state_ptr, k_part_ptr,
-                p_state_ptr, p_part_ptr, total_part_ptr, done_ptr, done_lo_ptr, lo_key_ptr,
-                part_best_ptr, part_idx_ptr, vocab, num_chunks, chunk_size,
-                CHUNKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NT: tl.constexpr,
-                HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                NOISE_TENSOR: tl.constexpr, CHECK_DONE: tl.constexpr):
+                p_state_ptr, p_part_ptr, total_part_ptr, lo_key_ptr, part_best_ptr,
+                part_idx_ptr, vocab, num_chunks, chunk_size, CHUNKS_PAD: tl.constexpr,
+                BLOCK_V: tl.constexpr, NT: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, NOISE_TENSOR: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
@@ -294,12 +290,7 @@ def race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, n
         p = tl.full([], 1.0, tl.float32)  # (defined in every compiled variant)
         if HAS_TOP_P:
             p = tl.load(top_p_ptr + row).to(tl.float32)
-        done = tl.zeros([], tl.int32)
-        if CHECK_DONE:
-            done = tl.load(done_ptr + row)
-        if (p < 1.0) & (done != 0):  # the band search found it
-            lo = tl.load(done_lo_ptr + row)
-        elif p < 1.0:  # finish the last top-p pass
+        if p < 1.0:  # finish the last top-p pass
             lo, _ = _narrow_top_p(
                 tl.load(p_state_ptr + 2 * row), tl.load(p_state_ptr + 2 * row + 1),
                 _sum_chunks(p_part_ptr, row, num_chunks, CHUNKS_PAD, NT),

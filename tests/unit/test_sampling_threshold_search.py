@@ -216,27 +216,3 @@ def test_thresholds_on_consecutive_keys():
     # each token's mass is ~1: p = (m - 0.5) / vocab keeps the m largest
     lo = _check_exact(logits, None, None, (top_k.float() - 0.5) / vocab, draw=False)
     assert torch.equal((_keys(logits) >= lo[:, None]).sum(-1), top_k)
-
-
-@pytest.mark.parametrize("cap", [0, 3, 2048], ids=["band-off", "band-overflows", "band"])
-def test_top_p_band_search_and_its_fallback(monkeypatch, cap):
-    """After BAND_AFTER passes the top-p search goes on over each row's band (the tokens
-    left in its range) in one program per row; a band larger than a chunk's ``cap``
-    slots leaves the row to the full passes, and ``cap = 0`` turns the band off: the
-    same exact keys every way, with a near-Gaussian row (most of the vocabulary kept,
-    W1's case), a peaked one, a mixed-in greedy row and top-k before top-p."""
-    from lmkit_kernels import sampling_band
-
-    monkeypatch.setattr(sampling, "BAND_CAP", cap)
-    monkeypatch.setattr(sampling, "_num_programs_target", lambda device: 8)
-    gen = torch.Generator().manual_seed(18)
-    logits = torch.randn(4, 1500, generator=gen) * torch.tensor([[0.6], [4.0], [1.0], [2.0]])
-    temperature = torch.tensor([0.7, 1.0, 0.0, 1.0])
-    x = _scaled(logits, temperature)
-    everything = torch.ones(1500, dtype=torch.bool)
-    top_p = torch.tensor([_p_keeping(x[0], everything, 1100), _p_keeping(x[1], everything, 7),
-                          0.5, 0.9])
-    top_k = torch.tensor([0, 0, 0, 200])
-    top_p[3] = _p_keeping(x[3], top_k_top_p_mask_ref(x, top_k, None)[3], 40)
-    assert sampling_band.BAND_AFTER < sampling.SEARCH_PASSES
-    _check_exact(logits, temperature, top_k, top_p)

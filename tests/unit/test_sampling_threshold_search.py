@@ -87,13 +87,20 @@ def _rows(num_rows: int, vocab: int, seed: int, dtype=torch.float32, ties=False)
 SHAPES = [(1, 4, 1000), (2, 4, 1000), (8, 4, 300), (1, 64, 3000), (3, 64, 1300)]
 
 
-@pytest.fixture(params=[pytest.param(s, id=f"{s[0]}x{s[2]}-target{s[1]}",
-                                     marks=[pytest.mark.slow] if s[1] == 64 else [])
-                        for s in SHAPES])
-def shape(request, monkeypatch):
-    num_rows, target, vocab = request.param
+# every shape in float32; bfloat16 (only the load differs) on the quick shapes
+CASES = [(s, dtype) for s in SHAPES for dtype in (torch.float32, torch.bfloat16)
+         if dtype is torch.float32 or s[1] != 64]
+
+
+@pytest.fixture(params=[pytest.param(c, id=f"{c[0][0]}x{c[0][2]}-target{c[0][1]}-"
+                                     f"{str(c[1]).removeprefix('torch.')}",
+                                     marks=[pytest.mark.slow] if c[0][1] == 64 else [])
+                        for c in CASES])
+def case(request, monkeypatch):
+    """(rows, vocab, dtype), with the per-SM program target that gives the chunk count."""
+    (num_rows, target, vocab), dtype = request.param
     monkeypatch.setattr(sampling, "_num_programs_target", lambda device: target)
-    return num_rows, vocab
+    return num_rows, vocab, dtype
 
 
 def test_shapes_cover_several_chunk_counts(monkeypatch):
@@ -106,9 +113,8 @@ def test_shapes_cover_several_chunk_counts(monkeypatch):
     assert counts == {1, 2, 4, 6, 12}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_k_is_exact(shape, dtype):
-    num_rows, vocab = shape
+def test_top_k_is_exact(case):
+    num_rows, vocab, dtype = case
     logits, gen = _rows(num_rows, vocab, 10, dtype, ties=True)  # ties at the k-th value
     top_k = torch.randint(1, vocab, (num_rows,), generator=gen)
     ranked = logits[0].float().sort(descending=True).values
@@ -121,9 +127,8 @@ def test_top_k_is_exact(shape, dtype):
     assert kept[0] > top_k[0]  # the ties are kept
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_p_is_exact(shape, dtype):
-    num_rows, vocab = shape
+def test_top_p_is_exact(case):
+    num_rows, vocab, dtype = case
     logits, gen = _rows(num_rows, vocab, 11, dtype)
     temperature = torch.rand(num_rows, generator=gen) + 0.5
     x = _scaled(logits, temperature)
@@ -133,9 +138,8 @@ def test_top_p_is_exact(shape, dtype):
     _check_exact(logits, temperature, None, top_p)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_top_k_then_top_p_is_exact(shape, dtype):
-    num_rows, vocab = shape
+def test_top_k_then_top_p_is_exact(case):
+    num_rows, vocab, dtype = case
     logits, gen = _rows(num_rows, vocab, 12, dtype)
     x = logits.float()
     top_k = torch.randint(20, 120, (num_rows,), generator=gen)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from lmkit.api.outputs import check_output_kind
 from lmkit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -46,14 +45,14 @@ class InFlight:
             text: str | None, n: int, kind: OutputKind = "cumulative") -> None:
         """Register parent ``rid`` and the engine requests it fans out to (``(request,
         index)`` pairs), so their outputs, of ``kind``, reach ``collector``. Raises
-        ``ValueError`` for an unknown ``kind``, having registered nothing."""
-        check_output_kind(kind)
-        self.collectors[rid] = collector
-        self.children[rid] = [req.request_id for req, _ in requests]
+        ``ValueError`` for an unknown ``kind``, having registered nothing (the output
+        processor checks it before it tracks the first request)."""
         for req, index in requests:
             self.output_processor.add_request(req, text, parent_id=rid, index=index, n=n,
                                               kind=kind)
             self.parent_of[req.request_id] = rid
+        self.collectors[rid] = collector
+        self.children[rid] = [req.request_id for req, _ in requests]
 
     def forget(self, rid: str) -> list[str]:
         """Drop parent ``rid``; returns the engine request ids still unfinished (to abort

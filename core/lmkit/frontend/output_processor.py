@@ -74,33 +74,26 @@ class _Completion:
         return text
 
     def output(self) -> CompletionOutput:
-        """The cumulative output with the step's delta (taken: the next starts empty)."""
+        """The step's output (its delta taken: the next starts empty): cumulative fields
+        so far, or for the ``"delta"`` kind the step's part in them too."""
         ids, self.delta_ids = self.delta_ids, None
+        delta_text = self.delta_text if ids is not None else ""
+        delta_ids = [] if ids is None else ids
+        delta_logprobs = self.delta_logprobs if ids is not None else None
         if self.parent.kind == "delta":
-            return self._delta_output(ids)
+            delta_logprobs = None if self.logprobs is None else (
+                (delta_logprobs if delta_ids else None) or [])
+            text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
+        else:
+            text, token_ids = self.text, list(self.token_ids)
+            logprobs = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(
-            index=self.index, text=self.text, token_ids=list(self.token_ids),
+            index=self.index, text=text, token_ids=token_ids,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             error=self.error if self.finish_reason == "error" else None,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            delta_text=self.delta_text if ids is not None else "",
-            delta_token_ids=ids if ids is not None else [],
-            delta_logprobs=self.delta_logprobs if ids is not None else None,
+            logprobs=logprobs, delta_text=delta_text, delta_token_ids=delta_ids,
+            delta_logprobs=delta_logprobs,
         )
-
-    def _delta_output(self, ids: list[int] | None) -> CompletionOutput:
-        """The step's new part only, in the cumulative fields too (``"delta"`` kind)."""
-        text = self.delta_text if ids is not None else ""
-        ids = [] if ids is None else ids
-        logprobs = None  # (not asked for)
-        if self.logprobs is not None:
-            logprobs = (self.delta_logprobs if ids else None) or []
-        return CompletionOutput(
-            index=self.index, text=text, token_ids=ids,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
-            error=self.error if self.finish_reason == "error" else None,
-            logprobs=logprobs, delta_text=text, delta_token_ids=ids,
-            delta_logprobs=logprobs)
 
 
 @dataclass

@@ -53,15 +53,13 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput, delta: bool = Fals
         logprobs = c.delta_logprobs
         if o.delta_logprobs:
             logprobs = [*o.delta_logprobs, *(logprobs or [])]
-        text = o.delta_text + c.delta_text
-        ids = [*o.delta_token_ids, *c.delta_token_ids]
-        if delta:
-            merged.append(replace(c, text=text, token_ids=ids, delta_text=text,
-                                  delta_token_ids=ids, delta_logprobs=logprobs,
-                                  logprobs=logprobs if c.logprobs is not None else None))
-        else:
-            merged.append(replace(c, delta_text=text, delta_token_ids=ids,
-                                  delta_logprobs=logprobs))
+        fields = dict(delta_text=o.delta_text + c.delta_text,
+                      delta_token_ids=[*o.delta_token_ids, *c.delta_token_ids],
+                      delta_logprobs=logprobs)
+        if delta:  # the cumulative fields hold the same
+            fields.update(text=fields["delta_text"], token_ids=fields["delta_token_ids"],
+                          logprobs=logprobs if c.logprobs is not None else None)
+        merged.append(replace(c, **fields))
     return replace(newer, outputs=merged)
 
 

@@ -48,15 +48,14 @@ class ChatFormatter:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _track(self, output: RequestOutput) -> None:
-        """Usage from a final output (whole completions)."""
-        self._usage_counts = (len(output.prompt_token_ids),
-                              sum(len(c.token_ids) for c in output.outputs))
-
-    def _track_delta(self, output: RequestOutput) -> None:
-        """Usage from a streamed output: only the tokens it adds (``"delta"`` kind)."""
-        self._usage_counts = (len(output.prompt_token_ids), self._usage_counts[1]
-                              + sum(len(c.delta_token_ids) for c in output.outputs))
+    def _track(self, output: RequestOutput, delta: bool = False) -> None:
+        """Usage from a final output (whole completions) or, with ``delta``, a streamed
+        one (only the tokens it adds: ``"delta"`` kind)."""
+        completion = sum(len(c.delta_token_ids if delta else c.token_ids)
+                         for c in output.outputs)
+        if delta:
+            completion += self._usage_counts[1]
+        self._usage_counts = (len(output.prompt_token_ids), completion)
 
     def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
         usage = self._chunk_usage(output)
@@ -79,7 +78,7 @@ class ChatFormatter:
         return total
 
     def _chunk_usage(self, output: RequestOutput) -> dict[str, int] | None:
-        self._track_delta(output)
+        self._track(output, delta=True)
         return self._usage() if self.include_usage and self.continuous_usage else None
 
     def _choices(self, output: RequestOutput, lazy: bool

@@ -17,23 +17,14 @@ is approximate on the GPU) and no fused multiply-add (the launch turns fp fusion
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from lmkit_kernels.checks import check_shape, check_tensor, is_interpreting
+from lmkit_kernels.checks import check_shape, check_tensor
+from lmkit_kernels.sampling import row_chunks
 
 __all__ = ["apply_penalties", "apply_penalties_ref"]
-
-
-@functools.cache
-def _num_programs_target(device: torch.device) -> int:
-    # a few programs per SM
-    if device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit(do_not_specialize=["chunk"])
@@ -115,13 +106,11 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
         check_shape("draft_counts", draft_counts, (num_pen, vocab))
     if num_pen == 0 or vocab == 0:
         return logits
-    block = min(triton.next_power_of_2(vocab), 256 if is_interpreting() else 1024)
-    # chunks of whole blocks, enough of them to give every SM a few programs (the chunk
-    # size is a runtime argument: one compiled variant for every batch size)
-    want_chunks = max(1, _num_programs_target(device) // num_pen)
-    chunk = block * triton.cdiv(triton.cdiv(vocab, block), want_chunks)
+    # the sampling kernels' chunks (the chunk size is a runtime argument: one compiled
+    # variant for every batch size)
+    block, chunk, num_chunks = row_chunks(num_pen, vocab, device)
     drafts = counts if draft_counts is None else draft_counts  # never read when None
-    _penalties_kernel[(num_pen, triton.cdiv(vocab, chunk))](
+    _penalties_kernel[(num_pen, num_chunks)](
         logits, rows, slots, counts, seen.view(torch.uint8), drafts, repetition, frequency,
         presence, vocab, chunk, logits.stride(0), counts.stride(0), seen.stride(0),
         drafts.stride(0), HAS_DRAFTS=draft_counts is not None, BLOCK=block, num_warps=4,

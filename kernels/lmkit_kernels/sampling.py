@@ -54,9 +54,10 @@ def _num_programs_target(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _chunking(num_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
-    """(block size, chunk size, chunk count): chunks of whole blocks, enough of them to
-    give every SM a few programs."""
+def row_chunks(num_rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
+    """(block size, chunk size, chunk count) for kernels that spread each of
+    ``num_rows`` rows over ``[rows, chunks]`` programs: chunks of whole blocks, enough of
+    them to give every SM a few programs (also :mod:`lmkit_kernels.penalties`')."""
     block_v = min(triton.next_power_of_2(vocab), 256 if is_interpreting() else 1024)
     want_chunks = max(1, _num_programs_target(device) // num_rows)
     chunk = block_v * triton.cdiv(triton.cdiv(vocab, block_v), want_chunks)
@@ -135,7 +136,7 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
     device = logits.device
     num_rows, vocab = logits.shape
     dummy = out  # stands in for absent optional pointers (never read)
-    block_v, chunk, num_chunks = _chunking(num_rows, vocab, device)
+    block_v, chunk, num_chunks = row_chunks(num_rows, vocab, device)
     chunks_pad = triton.next_power_of_2(triton.cdiv(vocab, block_v))  # the most chunks: one
     # compiled variant for every batch size
 

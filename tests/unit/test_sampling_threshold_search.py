@@ -107,7 +107,7 @@ def test_shapes_cover_several_chunk_counts(monkeypatch):
     counts = set()
     for num_rows, target, vocab in SHAPES:
         monkeypatch.setattr(sampling, "_num_programs_target", lambda device, t=target: t)
-        block, chunk, num_chunks = sampling._chunking(num_rows, vocab, CPU)
+        block, chunk, num_chunks = sampling.row_chunks(num_rows, vocab, CPU)
         assert block == 256 and chunk % block == 0 and (num_chunks - 1) * chunk < vocab
         counts.add(num_chunks)
     assert counts == {1, 2, 4, 6, 12}

@@ -33,6 +33,10 @@ after of a kernel change in one run; ``--kernel-only`` times ``sample`` alone::
     python bench/sampling.py --rev HEAD --batches 1 32 256 --vocabs 151936 --k 0 \
         --modes temp top-k top-p top-k+p
 
+``--race-rounds 0`` times the top-p threshold search alone for every row (the
+default draws top-p rows by checking the race's winner, :mod:`lmkit_kernels.
+sampling_race`).
+
 ``--device cpu`` runs the kernels in Triton's interpreter (set here when not set), so
 its Triton numbers mean nothing: it only checks that the script runs. ``--no-triton``
 times the torch side alone.
@@ -76,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time the Triton sample alone (no torch, wired or verify rows)")
     p.add_argument("--rev", help="also time the Triton sample of this git revision's kernels")
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--race-rounds", type=int,
+                   help="the Triton sample's race_rounds (0: the top-p threshold search for "
+                        "every row; default: the kernel's own)")
     args = p.parse_args(argv)
     if args.kernel_only and args.no_triton:
         p.error("--kernel-only times the Triton kernel: it cannot go with --no-triton")
@@ -157,13 +164,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     kernels: tuple[Callable, Callable | None, Any] | None = None
     if args.kernel_only:  # the kernel alone: another revision's plugins may not match it
         from lmkit_kernels.sampling import sample
-        kernels = (sample, None, None)
+        kernels = (_with_rounds(sample, args.race_rounds), None, None)
     elif not args.no_triton:
         try:
             from lmkit_kernels.rejection_sample import rejection_sample
             from lmkit_kernels.sampling import sample
             from lmkit_plugins.sampling.triton_kernels import TritonSamplingKernels
-            kernels = (sample, rejection_sample, Sampler(TritonSamplingKernels(device=device)))
+            kernels = (_with_rounds(sample, args.race_rounds), rejection_sample,
+                       Sampler(TritonSamplingKernels(device=device)))
         except ImportError as exc:
             print(f"triton kernels unavailable ({exc}): timing torch only", file=sys.stderr)
     time_us = timer(device, args.iters, args.warmup)
@@ -193,6 +201,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def draw(sampler: Any, c: dict[str, Any]) -> list[int]:
     """One step of ``sampler`` on case ``c``, to the host."""
     return sampler(c["logits"], c["md"]).sampled_token_ids.tolist()
+
+
+def _with_rounds(sample: Callable, rounds: int | None) -> Callable:
+    """``sample`` with ``race_rounds=rounds`` when given (this tree's kernels)."""
+    return sample if rounds is None else functools.partial(sample, race_rounds=rounds)
 
 
 def kernel_draw(sample: Callable, c: dict[str, Any]) -> list[int]:

@@ -34,8 +34,14 @@ from lmkit_kernels.sampling_kernels import (
     top_k_pass_kernel,
     top_p_pass_kernel,
 )
+from lmkit_kernels.sampling_race import (
+    RACE_ROUNDS,
+    STATE_WIDTH,
+    race_finish_kernel,
+    top_p_race_kernel,
+)
 
-__all__ = ["sample", "sample_ref", "top_k_top_p_mask_ref"]
+__all__ = ["RACE_ROUNDS", "sample", "sample_ref", "top_k_top_p_mask_ref"]
 
 
 # tokens per block of a top-k/top-p search pass (a power of two) and warps per program:
@@ -67,7 +73,7 @@ def row_chunks(num_rows: int, vocab: int, device: torch.device) -> tuple[int, in
 def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
            top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
            noise: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, race_rounds: int | None = None) -> torch.Tensor:
     """Draw one token id per row of ``logits``.
 
     :param logits: ``[num_rows, vocab]`` float32/float16/bfloat16, unit stride in the
@@ -84,6 +90,11 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
         every step; rows must not share a seed). With neither, seeds are drawn from
         torch's generator on the logits' device.
     :param out: optional int64 ``[num_rows]`` result.
+    :param race_rounds: top-p rows are drawn by checking the race's winner against the
+        nucleus (:mod:`lmkit_kernels.sampling_race`) in up to this many rounds, and the
+        threshold search draws the rows still open; ``None``: :data:`RACE_ROUNDS`; ``0``:
+        the search for every row. The token is the same either way (up to a boundary
+        within float rounding of ``p`` times the mass, as against the reference).
     :return: int64 ``[num_rows]`` token ids.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -123,16 +134,27 @@ def sample(logits: torch.Tensor, *, temperature: torch.Tensor | None = None,
         check_shape("out", out, (num_rows,))
     if num_rows == 0:
         return out
-    _launch(logits, temperature, top_k, top_p, noise, seeds, out)
+    if race_rounds is not None and race_rounds < 0:
+        raise ValueError(f"race_rounds must be >= 0, got {race_rounds}")
+    _launch(logits, temperature, top_k, top_p, noise, seeds, out,
+            race_rounds=RACE_ROUNDS if race_rounds is None else race_rounds)
     return out
 
 
 def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
             top_p: torch.Tensor | None, noise: torch.Tensor | None, seeds: torch.Tensor | None,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, race_rounds: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the kernels on checked arguments (``seeds`` drawn unless ``noise``) into
-    ``out``; returns ``lo_key`` (int64 ``[num_rows]``): each non-greedy row's smallest
-    kept order key (a token is kept when its key is >= it; greedy rows: unset)."""
+    ``out``; returns ``(lo_key, done)``. ``lo_key`` (int64 ``[num_rows]``): each
+    non-greedy row's smallest kept order key (a token is kept when its key is >= it;
+    greedy rows: unset).
+
+    ``race_rounds > 0`` draws top-p rows by checking the race's winner
+    (:mod:`lmkit_kernels.sampling_race`) with that many check-and-race launches; the
+    threshold search then runs only for the rows still open, and ``lo_key`` is set only
+    for those. ``done`` is then the int32 ``[num_rows]`` flags of the rows the race
+    settled (and greedy rows); ``None`` otherwise."""
     device = logits.device
     num_rows, vocab = logits.shape
     dummy = out  # stands in for absent optional pointers (never read)
@@ -172,6 +194,12 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
                 *args, top_k, part_max, part_min, k_state[(i - 1) % 2], k_state[i % 2],
                 k_part[(i - 1) % 2], k_part[i % 2], *sizes, FIRST=i == 0, **search)
         k_last = (k_state[last], k_part[last])
+    done = dummy  # [rows] int32: 1 where the race settled the row (race_rounds > 0)
+    if top_p is not None and race_rounds > 0:
+        total_part = empty(num_rows, num_chunks)
+        done = _race_top_p(args, sizes, tiles, grid, top_k, top_p, noise, seeds, part_max,
+                           part_min, part_arg, k_last, total_part, out, race_rounds)
+    has_done = done is not dummy
     if top_p is not None:
         p_state = empty(2, num_rows, 2, dtype=torch.int64)
         p_part = empty(2, num_rows, num_chunks, NUM_THRESHOLDS)
@@ -180,17 +208,57 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
             top_p_pass_kernel[grid](
                 *args, dummy if top_k is None else top_k, top_p, part_max, part_min, *k_last,
                 p_state[(i - 1) % 2], p_state[i % 2], p_part[(i - 1) % 2], p_part[i % 2],
-                total_part, *sizes, FIRST=i == 0, HAS_TOP_K=top_k is not None, **search)
+                total_part, done, *sizes, FIRST=i == 0, HAS_TOP_K=top_k is not None,
+                HAS_DONE=has_done, **search)
         p_last = (p_state[last], p_part[last])
     race_kernel[grid](
         *args, dummy if top_k is None else top_k, dummy if top_p is None else top_p,
         dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
         dummy if seeds is None else seeds, part_max, part_min, *k_last, *p_last, total_part,
-        lo_key, part_best, part_idx, *sizes, NT=NUM_THRESHOLDS, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, NOISE_TENSOR=noise is not None, num_warps=4, **tiles)
-    pick_kernel[(num_rows,)](temp, part_max, part_arg, part_best, part_idx, out, num_chunks,
-                             CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp, num_warps=1)
-    return lo_key
+        lo_key, part_best, part_idx, done, *sizes, NT=NUM_THRESHOLDS,
+        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, NOISE_TENSOR=noise is not None,
+        HAS_DONE=has_done, num_warps=4, **tiles)
+    pick_kernel[(num_rows,)](temp, part_max, part_arg, part_best, part_idx, out, done,
+                             num_chunks, CHUNKS_PAD=chunks_pad, HAS_TEMPERATURE=has_temp,
+                             HAS_DONE=has_done, num_warps=1)
+    return lo_key, (done if has_done else None)
+
+
+def _race_top_p(args: tuple, sizes: tuple, tiles: dict, grid: tuple[int, int],
+                top_k: torch.Tensor | None, top_p: torch.Tensor, noise: torch.Tensor | None,
+                seeds: torch.Tensor | None, part_max: torch.Tensor, part_min: torch.Tensor,
+                part_arg: torch.Tensor, k_last: tuple[torch.Tensor, torch.Tensor],
+                total_part: torch.Tensor, out: torch.Tensor, rounds: int) -> torch.Tensor:
+    """Top-p rows drawn by checking the race's winner (``1 + rounds`` grid launches and a
+    finishing one); writes the settled rows' tokens (and greedy rows') into ``out`` and
+    returns their int32 ``[rows]`` done flags (1 settled, 0 for the threshold search)."""
+    num_rows, num_chunks = grid
+    device = out.device
+    dummy = out
+    state = torch.empty(2, num_rows, STATE_WIDTH, dtype=torch.int64, device=device)
+    best = torch.empty(2, num_rows, num_chunks, device=device)
+    idx = torch.empty(2, num_rows, num_chunks, dtype=torch.int64, device=device)
+    mass = torch.empty(2, num_rows, num_chunks, device=device)
+    done = torch.empty(num_rows, dtype=torch.int32, device=device)
+    race = (*args, dummy if top_k is None else top_k, top_p, dummy if noise is None else noise,
+            0 if noise is None else noise.stride(0), dummy if seeds is None else seeds,
+            part_max, part_min, *k_last, total_part)
+    flags = dict(NT=NUM_THRESHOLDS, HAS_TOP_K=top_k is not None, NOISE_TENSOR=noise is not None,
+                 num_warps=4, **tiles)
+    # the first race writes its masses as the total; each later launch reads the
+    # previous one's (state, best, index, mass) and writes its own
+    top_p_race_kernel[grid](*race, dummy, state[0], dummy, dummy, dummy, best[0], idx[0],
+                            total_part, *sizes, FIRST=True, **flags)
+    for r in range(1, rounds + 1):
+        i, o = (r - 1) % 2, r % 2
+        top_p_race_kernel[grid](*race, state[i], state[o], best[i], idx[i], mass[i], best[o],
+                                idx[o], mass[o], *sizes, FIRST=False, **flags)
+    last = rounds % 2
+    race_finish_kernel[(num_rows,)](
+        args[2], top_p, part_max, part_min, part_arg, total_part, state[last], mass[last], out,
+        done, num_chunks, CHUNKS_PAD=tiles["CHUNKS_PAD"],
+        HAS_TEMPERATURE=tiles["HAS_TEMPERATURE"], num_warps=1)
+    return done
 
 
 def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -79,6 +79,16 @@ def _row_temperature(temperature_ptr, row, HAS_TEMPERATURE: tl.constexpr):
 
 
 @triton.jit
+def _row_skipped(greedy, done_ptr, row, HAS_DONE: tl.constexpr):
+    """Whether a search or race program of the row has nothing to do: a greedy row, or
+    (``HAS_DONE``) one whose ``done_ptr`` flag is set (:mod:`lmkit_kernels.sampling_race`
+    settled it)."""
+    if HAS_DONE:
+        greedy = greedy | (tl.load(done_ptr + row) != 0)
+    return greedy
+
+
+@triton.jit
 def _row_range(part_max_ptr, part_min_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
     """(row max of x, int64 keys of the row min and max) from the chunk statistics."""
     chunks = tl.arange(0, CHUNKS_PAD)
@@ -226,16 +236,17 @@ def top_k_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, part_m
 @triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr,
                       part_max_ptr, part_min_ptr, k_state_ptr, k_part_ptr, state_in_ptr,
-                      state_out_ptr, part_in_ptr, part_out_ptr, total_part_ptr, vocab,
-                      num_chunks, chunk_size, CHUNKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
-                      NT: tl.constexpr, FIRST: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
-                      HAS_TOP_K: tl.constexpr):
+                      state_out_ptr, part_in_ptr, part_out_ptr, total_part_ptr, done_ptr,
+                      vocab, num_chunks, chunk_size, CHUNKS_PAD: tl.constexpr,
+                      BLOCK_V: tl.constexpr, NT: tl.constexpr, FIRST: tl.constexpr,
+                      HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                      HAS_DONE: tl.constexpr):
     # state: [rows, 2] int64 (lo, hi); partials: [rows, chunks, NT] float32 masses;
     # total_part: [rows, chunks] kept mass, written by the first pass
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
-    if not greedy:
+    if not _row_skipped(greedy, done_ptr, row, HAS_DONE):
         p = tl.load(top_p_ptr + row).to(tl.float32)
         if p < 1.0:
             x_max, key_min, key_max = _row_range(part_max_ptr, part_min_ptr, row, num_chunks,
@@ -279,13 +290,14 @@ def top_p_pass_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_
 def race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, noise_ptr,
                 stride_noise, seeds_ptr, part_max_ptr, part_min_ptr, k_state_ptr, k_part_ptr,
                 p_state_ptr, p_part_ptr, total_part_ptr, lo_key_ptr, part_best_ptr,
-                part_idx_ptr, vocab, num_chunks, chunk_size, CHUNKS_PAD: tl.constexpr,
-                BLOCK_V: tl.constexpr, NT: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
-                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, NOISE_TENSOR: tl.constexpr):
+                part_idx_ptr, done_ptr, vocab, num_chunks, chunk_size,
+                CHUNKS_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NT: tl.constexpr,
+                HAS_TEMPERATURE: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                HAS_TOP_P: tl.constexpr, NOISE_TENSOR: tl.constexpr, HAS_DONE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
-    if not greedy:
+    if not _row_skipped(greedy, done_ptr, row, HAS_DONE):
         x_max, key_min, _ = _row_range(part_max_ptr, part_min_ptr, row, num_chunks, CHUNKS_PAD)
         p = tl.full([], 1.0, tl.float32)  # (defined in every compiled variant)
         if HAS_TOP_P:
@@ -327,18 +339,25 @@ def race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, n
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def pick_kernel(temperature_ptr, part_max_ptr, part_arg_ptr, part_best_ptr, part_idx_ptr,
-                out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr, HAS_TEMPERATURE: tl.constexpr):
+                out_ptr, done_ptr, num_chunks, CHUNKS_PAD: tl.constexpr,
+                HAS_TEMPERATURE: tl.constexpr, HAS_DONE: tl.constexpr):
+    # with HAS_DONE, rows flagged done already hold their token (sampling_race)
     row = tl.program_id(0).to(tl.int64)
     _, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
     chunks = tl.arange(0, CHUNKS_PAD)
     ok = chunks < num_chunks
-    if greedy:  # the chunks' argmax (first index on ties)
-        maxes = tl.load(part_max_ptr + row * num_chunks + chunks, mask=ok, other=float("-inf"))
-        _, winner = tl.max(maxes, axis=0, return_indices=True,
-                           return_indices_tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_chunks + winner))
-    else:
-        best = tl.load(part_best_ptr + row * num_chunks + chunks, mask=ok, other=-2.0)
-        _, winner = tl.max(best, axis=0, return_indices=True,
-                           return_indices_tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_chunks + winner))
+    keep = tl.full([], 1, tl.int1)
+    if HAS_DONE:
+        keep = tl.load(done_ptr + row) == 0
+    if keep:
+        if greedy:  # the chunks' argmax (first index on ties)
+            maxes = tl.load(part_max_ptr + row * num_chunks + chunks, mask=ok,
+                            other=float("-inf"))
+            _, winner = tl.max(maxes, axis=0, return_indices=True,
+                               return_indices_tie_break_left=True)
+            tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_chunks + winner))
+        else:
+            best = tl.load(part_best_ptr + row * num_chunks + chunks, mask=ok, other=-2.0)
+            _, winner = tl.max(best, axis=0, return_indices=True,
+                               return_indices_tie_break_left=True)
+            tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_chunks + winner))

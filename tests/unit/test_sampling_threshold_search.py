@@ -37,7 +37,7 @@ def _lo_keys(logits, temperature=None, top_k=None, top_p=None):
     """The kernels' smallest kept key per row (greedy rows: unset)."""
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     noise = torch.ones(logits.shape, dtype=torch.float32)
-    return sampling._launch(logits, temperature, top_k, top_p, noise, None, out)
+    return sampling._launch(logits, temperature, top_k, top_p, noise, None, out)[0]
 
 
 def _p_keeping(x_row: torch.Tensor, kept: torch.Tensor, groups: int) -> float:

@@ -23,7 +23,8 @@ import pytest
 FLAG_PREFIXES = ("HAS_", "FIRST", "NOISE")
 INT64_POINTERS = ("arg", "idx", "state", "k_part", "lo_key", "seeds", "out", "top_k", "rows",
                   "slots")
-TYPED_POINTERS = {"seen_ptr": "*u8", "counts_ptr": "*i32", "draft_ptr": "*i32"}
+TYPED_POINTERS = {"seen_ptr": "*u8", "counts_ptr": "*i32", "draft_ptr": "*i32",
+                  "done_ptr": "*i32"}
 CONSTANTS = {"CHUNKS_PAD": 256, "BLOCK_V": 1024, "BLOCK": 1024, "NT": 16}
 
 
@@ -82,6 +83,7 @@ def check(module_name: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module_name", ["lmkit_kernels.sampling_kernels",
+                                         "lmkit_kernels.sampling_race",
                                          "lmkit_kernels.penalties"])
 def test_every_variant_compiles_its_front_end(module_name):
     pytest.importorskip("triton")

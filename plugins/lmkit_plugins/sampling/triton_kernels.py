@@ -19,6 +19,10 @@ The penalties (``apply_penalties``) run as one pass of :mod:`lmkit_kernels.penal
 on CUDA (and in Triton's CPU interpreter, for the tests) instead of the torch path's
 dozen passes over the penalised rows (the same logits bit for bit;
 ``LMKIT_PENALTY_KERNEL=0`` keeps the torch path).
+
+Top-p rows are drawn by checking the race's winner against the nucleus
+(:mod:`lmkit_kernels.sampling_race`; the same tokens as the threshold search, in about a
+third of its passes); ``LMKIT_TOP_P_RACE=0`` runs the search for every row.
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ def penalty_kernel(device_type: str) -> bool:
     return (device_type == "cuda" or is_interpreting()) and switch_on(PENALTY_KERNEL_ENV)
 
 
+#: ``0`` draws top-p rows with the threshold search alone, not the race's checked winner
+TOP_P_RACE_ENV = "LMKIT_TOP_P_RACE"
+
+
+def top_p_race_rounds() -> int | None:
+    """The sampling kernel's ``race_rounds``: its default (``None``), or ``0`` (the
+    search for every top-p row) when ``LMKIT_TOP_P_RACE=0``."""
+    return None if switch_on(TOP_P_RACE_ENV) else 0
+
+
 def _modes(rows: RandomRows) -> tuple[str, ...]:
     return modes(rows.top_k is not None, rows.top_p is not None)
 
@@ -77,7 +91,7 @@ class TritonSamplingKernels(TorchSamplingKernels):
         if not rows.all_random:  # greedy rows: the kernel's cheap argmax (replaced later)
             temperature = temperature.masked_fill(rows.is_greedy, 0.0)
         return triton_sample(logits, temperature=temperature, top_k=rows.top_k,
-                             top_p=rows.top_p)
+                             top_p=rows.top_p, race_rounds=top_p_race_rounds())
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """See :meth:`lmkit.api.SamplingKernels.argmax`: the chunked kernel where

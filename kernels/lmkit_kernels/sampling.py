@@ -235,10 +235,14 @@ def _race_top_p(args: tuple, sizes: tuple, tiles: dict, grid: tuple[int, int],
     num_rows, num_chunks = grid
     device = out.device
     dummy = out
-    state = torch.empty(2, num_rows, STATE_WIDTH, dtype=torch.int64, device=device)
-    best = torch.empty(2, num_rows, num_chunks, device=device)
-    idx = torch.empty(2, num_rows, num_chunks, dtype=torch.int64, device=device)
-    mass = torch.empty(2, num_rows, num_chunks, device=device)
+    # two of each (read, written), each its own allocation: a slice at an odd row count
+    # would not be 16-byte aligned, and Triton compiles a variant per pointer alignment
+    state = [torch.empty(num_rows, STATE_WIDTH, dtype=torch.int64, device=device)
+             for _ in range(2)]
+    best, mass = ([torch.empty(num_rows, num_chunks, device=device) for _ in range(2)]
+                  for _ in range(2))
+    idx = [torch.empty(num_rows, num_chunks, dtype=torch.int64, device=device)
+           for _ in range(2)]
     done = torch.empty(num_rows, dtype=torch.int32, device=device)
     race = (*args, dummy if top_k is None else top_k, top_p, dummy if noise is None else noise,
             0 if noise is None else noise.stride(0), dummy if seeds is None else seeds,

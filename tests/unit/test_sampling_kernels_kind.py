@@ -92,6 +92,18 @@ def test_policy_uses_the_kernel_exactly_where_the_table_says(op, mode):
         assert policy.use_kernel(op, (mode,), batch, vocab) == faster
 
 
+def test_top_p_race_only_where_it_measured_faster(monkeypatch):
+    from lmkit_plugins.sampling.triton_kernels import top_p_race_rounds
+
+    for (batch, vocab), (search_us, race_us) in policy.RACE_MEASURED.items():
+        assert policy.uses_top_p_race(batch, vocab) == (race_us < search_us)
+    assert top_p_race_rounds(256, 151936) is None  # the kernel's default rounds
+    assert top_p_race_rounds(200, 128256) is None  # nearest: 256 x 151,936
+    assert top_p_race_rounds(8, 151936) == 0  # small batches: the search alone
+    monkeypatch.setenv("LMKIT_TOP_P_RACE", "0")
+    assert top_p_race_rounds(256, 151936) == 0
+
+
 def test_policy_picks_the_nearest_measured_shape():
     # top-p: faster from batch 1 at vocab 49k (1.61x) and at 152k (2.82x)
     assert policy.use_kernel("sample", ("top-p",), 1, 32000)

@@ -45,11 +45,12 @@ VOCABS = (49152, 151936)
 # (op, mode) -> (batch, vocab) -> (torch us, Triton us): docs/gpu.md "Sampling kernels".
 MEASURED: dict[tuple[str, str], dict[tuple[int, int], tuple[float, float]]] = {
     # the 151,936 columns of top-p and top-k: H200, session 30, the multi-program search
-    # (the torch sampler from one run, the kernel alone from the block-size sweep)
+    # (the torch sampler from one run, the kernel alone from the block-size sweep); top-p
+    # at 256 rows: the kernel with the race (RACE_MEASURED), session 31
     ("sample", "top-p"): {
         (1, 49152): (1117.3, 692.5), (32, 49152): (1407.4, 668.2),
-        (256, 49152): (2667.2, 1054.1), (1, 151936): (1231.0, 436.5),
-        (32, 151936): (1740.5, 436.4), (256, 151936): (6342.4, 2551.2),
+        (256, 49152): (2667.2, 752.8), (1, 151936): (1231.0, 436.5),
+        (32, 151936): (1740.5, 436.4), (256, 151936): (6342.4, 1445.3),
     },
     ("sample", "top-k"): {
         (1, 49152): (557.8, 589.4), (32, 49152): (737.4, 586.5), (256, 49152): (765.5, 1029.6),
@@ -77,6 +78,24 @@ MEASURED: dict[tuple[str, str], dict[tuple[int, int], tuple[float, float]]] = {
         (256, 151936): (4468.1, 3408.1),
     },
 }
+
+
+#: top-p rows drawn by the race's checked winner (lmkit_kernels.sampling_race) against
+#: the threshold search alone: (batch, vocab) -> (search us, race us), the kernel alone
+#: (``bench/sampling.py --kernel-only --modes top-p``, then with ``--race-rounds 0``),
+#: H200, session 31. The race takes 5 launches more (16 against 11), which the host pays
+#: at small batches; from 256 rows its fewer passes over the logits win.
+RACE_MEASURED: dict[tuple[int, int], tuple[float, float]] = {
+    (1, 49152): (713.8, 1159.6), (32, 49152): (771.8, 1150.1), (256, 49152): (1102.4, 752.8),
+    (1, 151936): (471.2, 740.9), (32, 151936): (526.7, 748.1), (256, 151936): (2830.3, 1445.3),
+}
+
+
+def uses_top_p_race(num_rows: int, vocab: int) -> bool:
+    """Whether the sampling kernel draws top-p rows by checking the race's winner: where
+    it measured faster than the search alone at the nearest measured shape."""
+    search_us, race_us = RACE_MEASURED[(_nearest(num_rows, BATCHES), _nearest(vocab, VOCABS))]
+    return race_us < search_us
 
 
 def _nearest(value: int, measured: tuple[int, ...]) -> int:

@@ -22,7 +22,9 @@ dozen passes over the penalised rows (the same logits bit for bit;
 
 Top-p rows are drawn by checking the race's winner against the nucleus
 (:mod:`lmkit_kernels.sampling_race`; the same tokens as the threshold search, in about a
-third of its passes); ``LMKIT_TOP_P_RACE=0`` runs the search for every row.
+third of its passes) where that measured faster (large batches,
+:func:`~lmkit_plugins.sampling.policy.uses_top_p_race`); ``LMKIT_TOP_P_RACE=0`` runs the
+search for every row.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ from lmkit_kernels.rejection_sample import rejection_sample
 from lmkit_kernels.sampling import sample as triton_sample
 from lmkit_kernels.spec_step import finish_step, plan_step
 
-from lmkit_plugins.sampling.policy import modes, use_kernel, uses_argmax_kernel
+from lmkit_plugins.sampling.policy import (
+    modes,
+    use_kernel,
+    uses_argmax_kernel,
+    uses_top_p_race,
+)
 
 #: ``0`` keeps the torch ops for a speculative device step's bookkeeping
 SPEC_STEP_KERNELS_ENV = "LMKIT_SPEC_STEP_KERNELS"
@@ -66,10 +73,11 @@ def penalty_kernel(device_type: str) -> bool:
 TOP_P_RACE_ENV = "LMKIT_TOP_P_RACE"
 
 
-def top_p_race_rounds() -> int | None:
-    """The sampling kernel's ``race_rounds``: its default (``None``), or ``0`` (the
-    search for every top-p row) when ``LMKIT_TOP_P_RACE=0``."""
-    return None if switch_on(TOP_P_RACE_ENV) else 0
+def top_p_race_rounds(num_rows: int, vocab: int) -> int | None:
+    """The sampling kernel's ``race_rounds``: its default (``None``) where the race
+    measured faster (:func:`~lmkit_plugins.sampling.policy.uses_top_p_race`), else ``0``
+    (the search for every top-p row), and always ``0`` with ``LMKIT_TOP_P_RACE=0``."""
+    return None if switch_on(TOP_P_RACE_ENV) and uses_top_p_race(num_rows, vocab) else 0
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:
@@ -91,7 +99,7 @@ class TritonSamplingKernels(TorchSamplingKernels):
         if not rows.all_random:  # greedy rows: the kernel's cheap argmax (replaced later)
             temperature = temperature.masked_fill(rows.is_greedy, 0.0)
         return triton_sample(logits, temperature=temperature, top_k=rows.top_k,
-                             top_p=rows.top_p, race_rounds=top_p_race_rounds())
+                             top_p=rows.top_p, race_rounds=top_p_race_rounds(num_rows, vocab))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """See :meth:`lmkit.api.SamplingKernels.argmax`: the chunked kernel where

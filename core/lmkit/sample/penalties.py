@@ -17,7 +17,7 @@ import torch
 
 from lmkit.api.sampling_kernels import PenaltyRows
 from lmkit.api.sampling_params import SamplingParams
-from lmkit.sample.row_cache import SamplingCache
+from lmkit.sample.row_cache import SamplingCache, put_scalar
 
 
 def build_penalty_tensors(
@@ -121,7 +121,7 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     Used for min_tokens (EOS and the stop token ids are forbidden until a request has
     generated ``min_tokens`` tokens) and for bad_words.
     """
-    logits[rows, token_ids] = float("-inf")
+    put_scalar(logits, (rows, token_ids), float("-inf"))
     return logits
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from lmkit.sample.row_cache import put_scalar
+
 
 def recovery_weights(probs: torch.Tensor, draft_rows: torch.Tensor,
                      draft_token_ids: torch.Tensor, q_rows: torch.Tensor | None = None,
@@ -39,7 +41,7 @@ def recovery_weights(probs: torch.Tensor, draft_rows: torch.Tensor,
         float32 ``[num_rows, vocab]`` non-negative weights.
     """
     weights = probs.clone()
-    weights[draft_rows, draft_token_ids] = 0.0
+    put_scalar(weights, (draft_rows, draft_token_ids), 0.0)
     if q_rows is not None and q is not None and q_rows.numel():
         weights[q_rows] = (probs[q_rows] - q).clamp_(min=0.0)
     return weights

@@ -55,6 +55,16 @@ def upload(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: tor
     return host.to(device, non_blocking=True)
 
 
+def put_scalar(target: torch.Tensor, index: tuple[torch.Tensor, ...], value: float) -> None:
+    """``target[index] = value`` for index tensors, without waiting for the device.
+
+    Indexing assignment of a Python number copies the number to the device from
+    pageable host memory, which waits for all the work queued on the stream: on CUDA,
+    behind a decode step launched ahead, ``seen[rows, tokens] = True`` held every
+    penalised step's host ~10 ms (session 31). The number is made on the device here."""
+    target.index_put_(index, torch.full((), value, dtype=target.dtype, device=target.device))
+
+
 class SlotTable:
     """Rows of ``width`` values of ``dtype`` on ``device``, handed out as slots; the
     tensor (:attr:`data`) doubles when full, so a slot's row moves but keeps its index."""
@@ -157,7 +167,8 @@ class SamplingCache:
             ids = params.allowed_token_ids or []
             self._check_ids(ids, "allowed_token_ids")
             slot = self._allowed.take()
-            self._allowed.data[slot, upload(ids, torch.int64, self.device)] = True
+            ids_at = upload(ids, torch.int64, self.device)
+            put_scalar(self._allowed.data, (torch.full_like(ids_at, slot), ids_at), True)
             entry.allowed = slot
         return entry.allowed
 
@@ -201,7 +212,7 @@ class SamplingCache:
         if new_tokens:
             at = self._pairs(new_slots, new_tokens)
             counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype), accumulate=True)
-            seen[at] = True
+            put_scalar(seen, at, True)
         # one upload for the three parameters: rows of a [3, num_rows] tensor
         values = upload([[p.repetition_penalty for p in params],
                          [p.frequency_penalty for p in params],
@@ -229,7 +240,7 @@ class SamplingCache:
         if params.repetition_penalty != 1.0:
             ids = upload([t for t in prompt if 0 <= t < self.vocab_size], torch.int64,
                          self.device)
-            self._seen.data[entry.penalty, ids] = True
+            put_scalar(self._seen.data, (torch.full_like(ids, entry.penalty), ids), True)
         entry.output, entry.counted = output, 0
 
     def _pairs(self, rows: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -208,3 +208,35 @@ def test_greedy_argmax_routing(monkeypatch):
     out = Sampler(kernels)(logits, md)
     assert out.sampled_token_ids.tolist() == logits.argmax(dim=-1).tolist()
     assert len(taken) == 2
+
+
+def test_warm_up_runs_each_variant_serving_meets(monkeypatch):
+    """``warm_up`` draws with every filter set the policy gives the kernel, at one row
+    and at the fewest rows that take the top-p race (race on), and runs the penalties
+    with and without drafts; then a real (interpreted) warm-up of a small batch runs."""
+    seen = []
+
+    def sample(logits, *, temperature, top_k, top_p, race_rounds):
+        seen.append(("sample", logits.shape[0], top_k is not None, top_p is not None,
+                     race_rounds))
+        return torch.zeros(logits.shape[0], dtype=torch.int64)
+
+    def penalties(logits, rows, slots, counts, seen_table, rep, freq, pres, drafts):
+        assert rep.is_contiguous() and rows.shape == slots.shape == rep.shape
+        seen.append(("penalties", drafts is not None))
+        return logits
+
+    with monkeypatch.context() as m:
+        m.setattr(triton_kernels, "triton_sample", sample)
+        m.setattr(triton_kernels, "triton_penalties", penalties)
+        TritonSamplingKernels(device=CPU).warm_up(151936, 256)
+    race_rows = triton_kernels._race_rows(151936, 256)[0]
+    assert race_rows > 1 and triton_kernels.top_p_race_rounds(race_rows, 151936) is None
+    draws = {s[1:] for s in seen if s[0] == "sample"}
+    # top-p (the search at one row, the race at race_rows) and temperature at the race's
+    # rows: the policy's kernel shapes; top-k alone stays torch at both
+    assert (1, False, True, 0) in draws and (race_rows, False, True, None) in draws
+    assert all(n in (1, race_rows) for n, *_ in draws)
+    assert [s for s in seen if s[0] == "penalties"] == [("penalties", False),
+                                                      ("penalties", True)]
+    TritonSamplingKernels(device=CPU).warm_up(VOCAB, 4)  # the kernels themselves

@@ -19,7 +19,9 @@ of random sampling, the greedy rows' argmax and the penalties go through a
   that follow from it; torch ops unless a kernel set overrides them;
 - :meth:`SamplingKernels.apply_penalties` (optional, plugin API 1.7): the repetition,
   frequency and presence penalties of a step's rows (:class:`PenaltyRows`), in place;
-  :func:`lmkit.sample.penalties.apply_penalties` (torch) unless a kernel set overrides it.
+  :func:`lmkit.sample.penalties.apply_penalties` (torch) unless a kernel set overrides it;
+- :meth:`SamplingKernels.warm_up` (optional, plugin API 1.8): run the kernel variants
+  serving will meet at startup, so that JIT compiles happen there; nothing by default.
 
 The core's default is the torch implementation,
 :class:`lmkit.sample.kernels.TorchSamplingKernels` (``lmkit.api.TorchSamplingKernels``;
@@ -259,6 +261,24 @@ class SamplingKernels(ABC):
         from lmkit.sample.penalties import apply_penalties
 
         return apply_penalties(logits, penalties)
+
+    def warm_up(self, vocab_size: int, max_rows: int) -> None:
+        """Run the kernel variants serving will meet, so that a just-in-time compiler
+        (Triton) compiles them here, at startup, and not inside a busy step (each
+        compile stalls the engine for a fraction of a second). Added in plugin API 1.8;
+        the default does nothing (torch's kernels need no compiling).
+
+        The model runner calls it once on CUDA, after the decode graphs are captured and
+        the KV cache is allocated, with the logits' width and the most rows a step
+        samples (``scheduler.max_num_seqs``). It must leave no state a later call
+        depends on and keep its scratch memory small (a few rows of logits, or as few
+        as take each variant).
+
+        Args:
+            vocab_size: the logits' width.
+            max_rows: the most rows a step's logits have.
+        """
+        return None
 
     @abstractmethod
     def verify(self, probs: torch.Tensor, rows: RandomRows, drafts: DraftRows,

@@ -213,10 +213,15 @@ class SamplingCache:
             at = self._pairs(new_slots, new_tokens)
             counts.index_put_(at, torch.ones_like(at[1], dtype=counts.dtype), accumulate=True)
             put_scalar(seen, at, True)
-        # one upload for the three parameters: rows of a [3, num_rows] tensor
-        values = upload([[p.repetition_penalty for p in params],
-                         [p.frequency_penalty for p in params],
-                         [p.presence_penalty for p in params]], torch.float32, self.device)
+        # one upload for the three parameters: rows of a [3, width] tensor whose width
+        # is a multiple of 4, so that each row starts 16-byte aligned (a kernel compiled
+        # for aligned pointers is not recompiled at another batch size)
+        n = len(params)
+        pad = [0.0] * (-n % 4)
+        values = upload([[p.repetition_penalty for p in params] + pad,
+                         [p.frequency_penalty for p in params] + pad,
+                         [p.presence_penalty for p in params] + pad], torch.float32,
+                        self.device)[:, :n]
         table = PenaltyRows(upload(list(rows), torch.int64, self.device),
                             upload(slots, torch.int64, self.device), counts, seen, *values)
         if draft_tokens:

@@ -227,6 +227,9 @@ class ModelRunner:
                     self.requests, self.max_model_len, self.drafter)
             self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
             self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
+            if self.device.type == "cuda":  # the sampling kernels' JIT variants, now
+                self.sampler.kernels.warm_up(self.vocab_size,
+                                             self.config.scheduler.max_num_seqs)
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the

@@ -80,6 +80,12 @@ def top_p_race_rounds(num_rows: int, vocab: int) -> int | None:
     return None if switch_on(TOP_P_RACE_ENV) and uses_top_p_race(num_rows, vocab) else 0
 
 
+def _race_rows(vocab_size: int, max_rows: int) -> list[int]:
+    """The fewest rows (up to ``max_rows``) for which the sampling kernel takes the top-p
+    race, as a one-item list; empty when no batch size does."""
+    return next(([n] for n in range(1, max_rows + 1) if uses_top_p_race(n, vocab_size)), [])
+
+
 def _modes(rows: RandomRows) -> tuple[str, ...]:
     return modes(rows.top_k is not None, rows.top_p is not None)
 
@@ -100,6 +106,38 @@ class TritonSamplingKernels(TorchSamplingKernels):
             temperature = temperature.masked_fill(rows.is_greedy, 0.0)
         return triton_sample(logits, temperature=temperature, top_k=rows.top_k,
                              top_p=rows.top_p, race_rounds=top_p_race_rounds(num_rows, vocab))
+
+    def warm_up(self, vocab_size: int, max_rows: int) -> None:
+        """See :meth:`lmkit.api.SamplingKernels.warm_up`: every filter set (temperature
+        alone, top-k, top-p, both) the policy sends to the sampling kernel, at one row
+        and at the fewest rows that take the top-p race (its launches and the search's
+        variants that skip the rows it settled); the penalties with and without drafts;
+        the argmax kernel. Without it a W1 run with sampling compiled 11 variants in
+        its first steps (0.2 s stalls, session 31). On CUDA, or in Triton's interpreter
+        (tests)."""
+        device = torch.device(self.device)
+        if device.type != "cuda" and not is_interpreting():
+            return
+        for n in sorted({1, *_race_rows(vocab_size, max_rows)}):
+            logits = torch.zeros(n, vocab_size, device=device)
+            temperature = torch.ones(n, device=device)
+            top_k = torch.full((n,), 50, dtype=torch.int64, device=device)
+            top_p = torch.full((n,), 0.9, device=device)
+            for k, p in ((None, None), (top_k, None), (None, top_p), (top_k, top_p)):
+                if use_kernel("sample", modes(k is not None, p is not None), n, vocab_size):
+                    triton_sample(logits, temperature=temperature, top_k=k, top_p=p,
+                                  race_rounds=top_p_race_rounds(n, vocab_size))
+        if penalty_kernel(device.type):
+            n = 4
+            rows = torch.arange(n, device=device)
+            counts = torch.zeros(n, vocab_size, dtype=torch.int32, device=device)
+            seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+            params = [torch.full((n,), v, device=device) for v in (1.1, 0.1, 0.1)]
+            for drafts in (None, counts.clone()):
+                triton_penalties(torch.zeros(n, vocab_size, device=device), rows, rows,
+                                 counts, seen, *params, drafts)
+        if uses_argmax_kernel(1, vocab_size, device.type):
+            argmax_rows(torch.zeros(1, vocab_size, device=device))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """See :meth:`lmkit.api.SamplingKernels.argmax`: the chunked kernel where

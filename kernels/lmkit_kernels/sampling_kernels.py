@@ -24,7 +24,10 @@ flags.
 5. :func:`pick_kernel` ``[rows]``: the winner among the chunks (first index on ties);
    greedy rows take the chunks' argmax.
 
-Launches per call: 3 with temperature only, 11 with top-k or top-p, 19 with both. The
+Launches per call: 3 with temperature only, 11 with top-k or top-p, 19 with both (with
+the top-p race of :mod:`lmkit_kernels.sampling_race` 5 more: its 4 grid launches and
+the finish; the search's passes, the race and the pick then skip the rows it settled,
+``HAS_DONE``). The
 search used to run one program per row (8-9 serial reads of the row: latency bound,
 ~3.6 ms for top-p at 256 x 151,936 on an H200); on the shared grid each pass reads the
 row once across all programs. Options weighed: 256 buckets per pass (4 passes) halves

@@ -5,10 +5,10 @@ The draw is the exponential race ``argmax(e_i / E_i)`` over the kept tokens, wit
 noise ``E`` fixed per (row, token) (a tensor, or Philox from the row's seed). Top-p keeps
 every token whose key is at least a threshold ``L``. So if the race's winner over a
 *larger* set that contains the kept one is itself kept, it is also the winner over the
-kept set: the same token the threshold search then the race would draw, bit for bit.
-And a token ``c`` is kept exactly when the mass strictly above it is below ``p *
-total`` (or ``c`` is the row's maximum): the mass above ``L``'s candidates only falls as
-the key rises.
+kept set: the token the threshold search then the race would draw (the same one, up to
+a boundary within float rounding, as the sums run in another order). And a token ``c``
+is kept exactly when the mass strictly above it is below ``p * total`` (or ``c`` is the
+row's most likely token): that mass only falls as the key rises.
 
 Hence, instead of the 8 passes of the threshold search:
 
@@ -19,13 +19,14 @@ Hence, instead of the 8 passes of the threshold search:
    check of the previous candidate did not already settle the row, runs the race again
    over the tokens strictly above ``c`` while summing their mass, which is ``c``'s
    check: kept when that mass is below ``p * total``. A rejected ``c`` and every token
-   below it are outside the kept set, so the next race's set still contains it.
+   below it are outside the kept set, so the next race's set still contains the kept set.
 3. :func:`race_finish_kernel` ``[rows]``: checks the last candidate; writes the token of
    every settled row (greedy rows: the argmax) and flags the rest, which the threshold
    search then draws (its kernels skip the flagged-done rows).
 
-Each race keeps about ``p`` of the mass it runs over outside the kept set's complement,
-so with ``p = 0.95`` a row settles on the first check 95% of the time or more; a small
+The first race's winner is kept with probability about ``p`` (its draw follows the
+whole distribution), so with ``p = 0.95`` a row settles on the first check about 95% of
+the time, and each rejection leaves less of the unkept mass in the next race; a small
 ``p`` over a flat distribution may need the search. The launches are fixed in number (a
 CUDA graph can hold them); settled rows' programs return after reading their state.
 The masses are summed in a fixed order (per lane over the chunk's blocks, lanes, then

@@ -16,8 +16,8 @@ Measured on an H200 (vocab 151,936, ``bench/sampling.py --kernel-only``, each ca
 ending with the host copy; session 30): top-p 0.9 at 1 / 32 / 256 rows 0.44 / 0.44 /
 2.55 ms, against 1.33 / 1.37 / 3.63 with the previous one-program-per-row search; top-k
 50 0.39 / 0.43 / 2.40 ms (1.27 / 1.31 / 3.45). With the race (session 31), top-p at 256
-rows 1.45 ms against 2.83 for the search in the same call. Where the engine runs the kernel instead
-of the core's torch sampler is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md,
+rows 1.45 ms against 2.83 for the search in the same call. Where the engine runs the
+kernel instead of the core's torch sampler is :mod:`lmkit_plugins.sampling.policy` (docs/gpu.md,
 "Sampling kernels").
 """
 
@@ -200,9 +200,8 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch
         k_last = (k_state[last], k_part[last])
     done = dummy  # [rows] int32: 1 where the race settled the row (race_rounds > 0)
     if top_p is not None and race_rounds > 0:
-        total_part = empty(num_rows, num_chunks)
         done = _race_top_p(args, sizes, tiles, grid, top_k, top_p, noise, seeds, part_max,
-                           part_min, part_arg, k_last, total_part, out, race_rounds)
+                           part_min, part_arg, k_last, out, race_rounds)
     has_done = done is not dummy
     if top_p is not None:
         p_state = empty(2, num_rows, 2, dtype=torch.int64)
@@ -232,7 +231,7 @@ def _race_top_p(args: tuple, sizes: tuple, tiles: dict, grid: tuple[int, int],
                 top_k: torch.Tensor | None, top_p: torch.Tensor, noise: torch.Tensor | None,
                 seeds: torch.Tensor | None, part_max: torch.Tensor, part_min: torch.Tensor,
                 part_arg: torch.Tensor, k_last: tuple[torch.Tensor, torch.Tensor],
-                total_part: torch.Tensor, out: torch.Tensor, rounds: int) -> torch.Tensor:
+                out: torch.Tensor, rounds: int) -> torch.Tensor:
     """Top-p rows drawn by checking the race's winner (``1 + rounds`` grid launches and a
     finishing one); writes the settled rows' tokens (and greedy rows') into ``out`` and
     returns their int32 ``[rows]`` done flags (1 settled, 0 for the threshold search)."""
@@ -245,6 +244,7 @@ def _race_top_p(args: tuple, sizes: tuple, tiles: dict, grid: tuple[int, int],
              for _ in range(2)]
     best, mass = ([torch.empty(num_rows, num_chunks, device=device) for _ in range(2)]
                   for _ in range(2))
+    total_part = torch.empty(num_rows, num_chunks, device=device)  # the first race's masses
     idx = [torch.empty(num_rows, num_chunks, dtype=torch.int64, device=device)
            for _ in range(2)]
     done = torch.empty(num_rows, dtype=torch.int32, device=device)

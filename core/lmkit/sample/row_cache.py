@@ -191,23 +191,30 @@ class SamplingCache:
         new_tokens: list[int] = []
         draft_rows: list[int] = []
         draft_tokens: list[int] = []
+        entries = self._entries
         for i, row in enumerate(rows):
             p, out = params[row], outputs[row]
             base: Sequence[int] = out
-            drafts: Sequence[int] = ()
-            if isinstance(out, DraftExtendedTokens):
+            if type(out) is not list and isinstance(out, DraftExtendedTokens):
                 base, drafts = out.base, out.drafts[:out.num_drafts]
-            entry = self._entry(keys[row], p)
-            if entry.penalty is None or entry.output is not base or len(base) < entry.counted:
+                draft_rows.extend([i] * len(drafts))
+                draft_tokens.extend(drafts)
+            entry = entries.get(keys[row])
+            if entry is None or entry.params is not p:
+                entry = self._entry(keys[row], p)
+            size = len(base)
+            if entry.penalty is None or entry.output is not base or size < entry.counted:
                 self._start_counts(entry, p, prompts[row], base)
-            if len(base) > entry.counted:
-                fresh = base[entry.counted:]
-                new_slots.extend([entry.penalty] * len(fresh))  # type: ignore[list-item]
-                new_tokens.extend(fresh)
-                entry.counted = len(base)
-            slots.append(entry.penalty)  # type: ignore[arg-type]
-            draft_rows.extend([i] * len(drafts))
-            draft_tokens.extend(drafts)
+            slot, counted = entry.penalty, entry.counted
+            if size == counted + 1:  # the usual decode step: one new token
+                new_slots.append(slot)  # type: ignore[arg-type]
+                new_tokens.append(base[counted])
+                entry.counted = size
+            elif size > counted:
+                new_slots.extend([slot] * (size - counted))  # type: ignore[list-item]
+                new_tokens.extend(base[counted:])
+                entry.counted = size
+            slots.append(slot)  # type: ignore[arg-type]
         counts, seen = self._counts.data, self._seen.data
         if new_tokens:
             at = self._pairs(new_slots, new_tokens)

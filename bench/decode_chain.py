@@ -33,7 +33,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bandwidth import copy_bandwidth  # noqa: E402
+from graph_timing import capture, time_replays  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.fp8 import quantize_per_channel  # noqa: E402
 from lmkit_kernels.fp8_gemv import ROW_TILES, fp8_row_linear  # noqa: E402
@@ -216,18 +217,6 @@ class Chain:
         return self._linear(h, self.lm_head).argmax(dim=-1)
 
 
-def capture(step: Callable[[], torch.Tensor]) -> torch.cuda.CUDAGraph:
-    """``step`` run twice eagerly (compiles), then captured."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    torch.cuda.synchronize()
-    return graph
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama8b")
@@ -248,19 +237,8 @@ def main() -> None:
     graphs = {}
     for name, env in settings:
         with environment(env):
-            graphs[name] = capture(chain.step)
-    times: dict[str, list[float]] = {name: [] for name, _ in settings}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(args.rounds):
-        for name, _ in settings:
-            graph = graphs[name]
-            graph.replay()
-            start.record()
-            for _ in range(args.replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / args.replays)
+            graphs[name], _ = capture(chain.step)
+    times = time_replays(graphs, args.rounds, args.replays)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"{args.model} x {args.layers} layers, {args.weights} weights "

@@ -32,7 +32,6 @@ import json
 import random
 import statistics
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_bandwidth import copy_bandwidth  # noqa: E402
+from graph_timing import capture, time_replays  # noqa: E402
 from lmkit_kernels.activation import silu_and_mul  # noqa: E402
 from lmkit_kernels.norm import rms_norm  # noqa: E402
 from lmkit_kernels.paged_attention import paged_attention, split_counters  # noqa: E402
@@ -168,18 +168,6 @@ class Stack:
         return x
 
 
-def capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """``step`` run twice eagerly (compiles, warms cuBLAS), then captured."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen0.6b")
@@ -208,17 +196,8 @@ def main() -> None:
         graphs["overlap"][0].replay()
         torch.cuda.synchronize()
         err = ((ref - got).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-        times: dict[str, list[float]] = {name: [] for name in graphs}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(args.rounds):
-            for name, (graph, _) in graphs.items():
-                graph.replay()
-                start.record()
-                for _ in range(args.replays):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / args.replays)
+        times = time_replays({name: g for name, (g, _) in graphs.items()}, args.rounds,
+                             args.replays)
         row = {"num_seqs": n, "kv_gb": stack.kv_bytes / 1e9, "overlap_rel_err": err,
                "ms": {k: statistics.median(v) for k, v in times.items()},
                "spread_ms": {k: [min(v), max(v)] for k, v in times.items()}}

@@ -99,3 +99,15 @@ def test_sample_takes_the_race(monkeypatch):
     got = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
     assert torch.equal(got, sample_ref(logits, temperature, top_k, top_p, noise))
     assert rounds == [sampling.RACE_ROUNDS] and sampling.RACE_ROUNDS >= 1
+
+
+def test_race_on_bfloat16_logits_and_a_lone_row():
+    """bfloat16 logits (read as float32 after the load, as the search reads them) and a
+    batch of one row forced through the race."""
+    logits, temperature, top_k, top_p, noise = _batch(12, 333, 5, 3.0)
+    logits = logits.bfloat16()
+    want, _ = _draw(logits, temperature, top_k, top_p, noise)
+    got, _ = _draw(logits, temperature, top_k, top_p, noise, rounds=2)
+    assert torch.equal(got, want)
+    one = (logits[:1], torch.ones(1), None, torch.full((1,), 0.8), noise[:1])
+    assert torch.equal(_draw(*one, rounds=1)[0], _draw(*one)[0])

@@ -230,8 +230,9 @@ def test_warm_up_runs_each_variant_serving_meets(monkeypatch):
         m.setattr(triton_kernels, "triton_sample", sample)
         m.setattr(triton_kernels, "triton_penalties", penalties)
         TritonSamplingKernels(device=CPU).warm_up(151936, 256)
-    race_rows = triton_kernels._race_rows(151936, 256)[0]
-    assert race_rows > 1 and triton_kernels.top_p_race_rounds(race_rows, 151936) is None
+    race_rows = triton_kernels._race_rows(151936, 256)
+    assert race_rows is not None and race_rows > 1
+    assert triton_kernels._race_rows(151936, 64) is None and triton_kernels.top_p_race_rounds(race_rows, 151936) is None
     draws = {s[1:] for s in seen if s[0] == "sample"}
     # top-p (the search at one row, the race at race_rows) and temperature at the race's
     # rows: the policy's kernel shapes; top-k alone stays torch at both

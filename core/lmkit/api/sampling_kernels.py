@@ -268,11 +268,12 @@ class SamplingKernels(ABC):
         compile stalls the engine for a fraction of a second). Added in plugin API 1.8;
         the default does nothing (torch's kernels need no compiling).
 
-        The model runner calls it once on CUDA, after the decode graphs are captured and
-        the KV cache is allocated, with the logits' width and the most rows a step
-        samples (``scheduler.max_num_seqs``). It must leave no state a later call
-        depends on and keep its scratch memory small (a few rows of logits, or as few
-        as take each variant).
+        The model runner calls it once, after the KV cache is allocated and the decode
+        graphs are captured, with the logits' width and the most rows a step samples
+        (``scheduler.max_num_seqs``), on any device: a kernel set with nothing to
+        compile there returns. It must leave no state a later call depends on and keep
+        its scratch memory small (a few rows of logits, or as few as take each
+        variant).
 
         Args:
             vocab_size: the logits' width.

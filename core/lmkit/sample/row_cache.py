@@ -191,17 +191,14 @@ class SamplingCache:
         new_tokens: list[int] = []
         draft_rows: list[int] = []
         draft_tokens: list[int] = []
-        entries = self._entries
         for i, row in enumerate(rows):
             p, out = params[row], outputs[row]
             base: Sequence[int] = out
-            if type(out) is not list and isinstance(out, DraftExtendedTokens):
+            if isinstance(out, DraftExtendedTokens):
                 base, drafts = out.base, out.drafts[:out.num_drafts]
                 draft_rows.extend([i] * len(drafts))
                 draft_tokens.extend(drafts)
-            entry = entries.get(keys[row])
-            if entry is None or entry.params is not p:
-                entry = self._entry(keys[row], p)
+            entry = self._entry(keys[row], p)
             size = len(base)
             if entry.penalty is None or entry.output is not base or size < entry.counted:
                 self._start_counts(entry, p, prompts[row], base)

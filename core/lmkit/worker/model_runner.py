@@ -123,8 +123,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         """Build the model for the config's architecture and load its weights."""
-        hf_config = load_hf_config(self.model_dir)
-        self.hf_config = hf_config
+        self.hf_config = hf_config = load_hf_config(self.model_dir)
         registration = self.host.registry.get("model", self.architecture)
         attention = self.stack.get("attention")
         if attention is None:
@@ -210,12 +209,12 @@ class ModelRunner:
         self.offload = build_offload_worker(self.config, self.stack, caches, groups)
         if self.device.type == "cuda":
             warm_up_step_shapes(self.dummy_step_model())
-        aux_layers = self.drafter.proposer.target_layers if self.drafter is not None else ()
+        aux_layers = tuple(self.drafter.proposer.target_layers if self.drafter is not None else ())
         self.cuda_graphs = maybe_capture(self.config, self.stack, self.model, self.kv_caches,
-                                         self.device, self.max_model_len, tuple(aux_layers))
+                                         self.device, self.max_model_len, aux_layers)
         self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
-                                                 self.device, len(self.kv_groups),
-                                                 tuple(aux_layers), self.tp_size)
+                                                 self.device, len(self.kv_groups), aux_layers,
+                                                 self.tp_size)
         if self.drafter is not None:
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
@@ -227,9 +226,7 @@ class ModelRunner:
                     self.requests, self.max_model_len, self.drafter)
             self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
             self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
-            if self.device.type == "cuda":  # the sampling kernels' JIT variants, now
-                self.sampler.kernels.warm_up(self.vocab_size,
-                                             self.config.scheduler.max_num_seqs)
+            self.sampler.kernels.warm_up(self.vocab_size, self.config.scheduler.max_num_seqs)
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the

@@ -80,10 +80,10 @@ def top_p_race_rounds(num_rows: int, vocab: int) -> int | None:
     return None if switch_on(TOP_P_RACE_ENV) and uses_top_p_race(num_rows, vocab) else 0
 
 
-def _race_rows(vocab_size: int, max_rows: int) -> list[int]:
+def _race_rows(vocab_size: int, max_rows: int) -> int | None:
     """The fewest rows (up to ``max_rows``) for which the sampling kernel takes the top-p
-    race, as a one-item list; empty when no batch size does."""
-    return next(([n] for n in range(1, max_rows + 1) if uses_top_p_race(n, vocab_size)), [])
+    race; ``None`` when no batch size does."""
+    return next((n for n in range(1, max_rows + 1) if uses_top_p_race(n, vocab_size)), None)
 
 
 def _modes(rows: RandomRows) -> tuple[str, ...]:
@@ -118,7 +118,8 @@ class TritonSamplingKernels(TorchSamplingKernels):
         device = torch.device(self.device)
         if device.type != "cuda" and not is_interpreting():
             return
-        for n in sorted({1, *_race_rows(vocab_size, max_rows)}):
+        race_rows = _race_rows(vocab_size, max_rows)
+        for n in (1,) if race_rows in (None, 1) else (1, race_rows):
             logits = torch.zeros(n, vocab_size, device=device)
             temperature = torch.ones(n, device=device)
             top_k = torch.full((n,), 50, dtype=torch.int64, device=device)

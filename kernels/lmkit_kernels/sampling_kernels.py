@@ -92,6 +92,18 @@ def _row_skipped(greedy, done_ptr, row, HAS_DONE: tl.constexpr):
 
 
 @triton.jit
+def chunk_winner(value_ptr, index_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
+    """The index held by the row's largest per-chunk value (the leftmost chunk on ties):
+    ``[rows, chunks]`` partials of an argmax (chunk maxima and their indices) or of the
+    race (best scores and their tokens)."""
+    chunks = tl.arange(0, CHUNKS_PAD)
+    values = tl.load(value_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
+                     other=float("-inf"))
+    _, winner = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    return tl.load(index_ptr + row * num_chunks + winner)
+
+
+@triton.jit
 def _row_range(part_max_ptr, part_min_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
     """(row max of x, int64 keys of the row min and max) from the chunk statistics."""
     chunks = tl.arange(0, CHUNKS_PAD)
@@ -347,20 +359,9 @@ def pick_kernel(temperature_ptr, part_max_ptr, part_arg_ptr, part_best_ptr, part
     # with HAS_DONE, rows flagged done already hold their token (sampling_race)
     row = tl.program_id(0).to(tl.int64)
     _, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
-    chunks = tl.arange(0, CHUNKS_PAD)
-    ok = chunks < num_chunks
-    keep = tl.full([], 1, tl.int1)
-    if HAS_DONE:
-        keep = tl.load(done_ptr + row) == 0
-    if keep:
+    if not _row_skipped(False, done_ptr, row, HAS_DONE):
         if greedy:  # the chunks' argmax (first index on ties)
-            maxes = tl.load(part_max_ptr + row * num_chunks + chunks, mask=ok,
-                            other=float("-inf"))
-            _, winner = tl.max(maxes, axis=0, return_indices=True,
-                               return_indices_tie_break_left=True)
-            tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_chunks + winner))
+            token = chunk_winner(part_max_ptr, part_arg_ptr, row, num_chunks, CHUNKS_PAD)
         else:
-            best = tl.load(part_best_ptr + row * num_chunks + chunks, mask=ok, other=-2.0)
-            _, winner = tl.max(best, axis=0, return_indices=True,
-                               return_indices_tie_break_left=True)
-            tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_chunks + winner))
+            token = chunk_winner(part_best_ptr, part_idx_ptr, row, num_chunks, CHUNKS_PAD)
+        tl.store(out_ptr + row, token)

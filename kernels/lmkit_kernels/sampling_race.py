@@ -46,21 +46,13 @@ from lmkit_kernels.sampling_kernels import (
     _row_temperature,
     _top_k_lo,
     _total,
+    chunk_winner,
     order_key,
 )
 
 #: check-and-race launches after the first race; rows still open then take the search
 RACE_ROUNDS = 3
 STATE_WIDTH = 3  # int64 per row: status (0 open, 1 settled), candidate token, its key
-
-
-@triton.jit
-def _winner(best_ptr, idx_ptr, row, num_chunks, CHUNKS_PAD: tl.constexpr):
-    """The race's winner over the row's chunk partials (first index on ties)."""
-    chunks = tl.arange(0, CHUNKS_PAD)
-    best = tl.load(best_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=-2.0)
-    _, winner = tl.max(best, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    return tl.load(idx_ptr + row * num_chunks + winner)
 
 
 @triton.jit
@@ -107,7 +99,7 @@ def top_p_race_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_
                          CHUNKS_PAD):
                     status = tl.full([], 1, tl.int64)
             if status == 0:  # the previous race's winner is the next candidate
-                cand = _winner(best_in_ptr, idx_in_ptr, row, num_chunks, CHUNKS_PAD)
+                cand = chunk_winner(best_in_ptr, idx_in_ptr, row, num_chunks, CHUNKS_PAD)
                 cand_key = order_key(_load_x(row_ptr, cand, cand >= 0, temperature)).to(
                     tl.int64)
                 if p >= 1.0:  # top-p off: the race over the top-k set is the draw
@@ -154,13 +146,9 @@ def race_finish_kernel(temperature_ptr, top_p_ptr, part_max_ptr, part_min_ptr, p
     # [rows]: settle the last candidate; write settled rows' tokens, flag the others (0)
     row = tl.program_id(0).to(tl.int64)
     temperature, greedy = _row_temperature(temperature_ptr, row, HAS_TEMPERATURE)
-    chunks = tl.arange(0, CHUNKS_PAD)
     if greedy:  # the chunks' argmax (first index on ties)
-        maxes = tl.load(part_max_ptr + row * num_chunks + chunks, mask=chunks < num_chunks,
-                        other=float("-inf"))
-        _, winner = tl.max(maxes, axis=0, return_indices=True,
-                           return_indices_tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(part_arg_ptr + row * num_chunks + winner))
+        tl.store(out_ptr + row, chunk_winner(part_max_ptr, part_arg_ptr, row, num_chunks,
+                                             CHUNKS_PAD))
         tl.store(done_ptr + row, 1)
     else:
         status = tl.load(state_ptr + 3 * row)

@@ -163,7 +163,10 @@ def test_delta_outputs_of_a_slow_consumer_concatenate_to_the_text(harness):
         assert sum(len(c.token_ids) for c in parts) == 7
     # every token reached the metrics, folded or not
     assert timings.first == 1 and timings.finished == [("length", 14)]
-    assert timings.tokens == 14 - 2  # (the first step's two tokens: the first token)
+    # The first token is the first engine output's: both children's tokens when the
+    # engine took them in one step, one child's when it stepped between their arrivals
+    # (a loaded machine). Every other token is counted once.
+    assert timings.tokens in (14 - 2, 14 - 1)
 
 
 def test_final_output_is_one_whole_output_and_the_metrics_see_each_step(harness):

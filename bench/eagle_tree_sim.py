@@ -138,7 +138,9 @@ def simulate(paths: Sequence[torch.Tensor], nodes: Sequence[int], depth: int, ma
                      "depth": max((len(p) for p in tree), default=0),
                      "held": served_tokens(held, tree)["tokens_per_step"],
                      "fit": served_tokens(fit, tree)["tokens_per_step"],
-                     "top_nodes": [list(p) for p in sorted(tree, key=lambda p: -counts[p])][:12]})
+                     "top_nodes": [list(p) for p in sorted(tree, key=lambda p: -counts[p])][:12],
+                     # the whole tree, for speculative.tree (--spec-tree) when it fits
+                     "tree": [list(p) for p in sorted(tree, key=lambda p: (len(p), p))]})
     return {"answers": len(paths), "held_rows": sum(p.shape[0] for p in held),
             "first_draft": coverage(held, (1, 2, 3, 5)), "rows": rows}
 

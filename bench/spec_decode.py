@@ -166,6 +166,9 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
                                             "prompt_lookup_min": args.prompt_lookup_min}
     else:  # a draft head
         spec_opts["speculative.model"] = args.speculative_model
+    if args.spec_tree:  # a draft tree: k is its node count
+        spec_opts["speculative.tree"] = args.spec_tree
+        del spec_opts["num_speculative_tokens"]
     print(f"[{kind} batch {batch}] {wl.describe()}", file=sys.stderr, flush=True)
     r = run_isolated(paired_side, model_dir, base_opts, spec_opts, wl, args.threads,
                      args.repeats, args.stop_at_eos)
@@ -223,6 +226,9 @@ def main() -> None:
     ap.add_argument("--speculative-model", default=None,
                     help="the draft head directory (eagle, eagle3)")
     ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--spec-tree", default=None,
+                    help="a draft head's token tree as JSON rank paths (speculative.tree), "
+                         "e.g. '[[0],[1],[0,0]]'; --spec-tokens is then its node count")
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=3)
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -239,6 +245,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.proposer != "ngram" and not args.speculative_model:
         ap.error(f"--proposer {args.proposer} needs --speculative-model DIR (its draft head)")
+    if args.spec_tree:
+        from lmkit.errors import ConfigError
+        from lmkit.spec_decode.tree import DraftTree
+
+        if args.proposer == "ngram":
+            ap.error("--spec-tree needs a draft head (--proposer eagle or eagle3)")
+        try:
+            args.spec_tokens = DraftTree.parse(args.spec_tree).num_nodes
+        except ConfigError as e:
+            ap.error(f"--spec-tree: {e}")
     args.prompt_texts = None
     if args.prompts is not None:
         from lmkit_plugins.spec.train_eagle import load_prompts
@@ -264,7 +280,8 @@ def main() -> None:
                           "dtype": args.dtype, "threads": args.threads,
                           "attention": args.attention},
               "proposer": args.proposer, "speculative_model": args.speculative_model,
-              "spec_tokens": args.spec_tokens, "stop_at_eos": args.stop_at_eos,
+              "spec_tokens": args.spec_tokens, "spec_tree": args.spec_tree,
+              "stop_at_eos": args.stop_at_eos,
               "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min,
               "disable_by_batch_size": args.disable_by_batch_size,

@@ -105,6 +105,36 @@ class DenseEagle:
                 .argmax())
         return d + int(w["d2t"][d]) if "d2t" in w else d
 
+    def ranked(self, h, width):
+        """The target ids of the head's ``width`` best drafts from its output ``h``."""
+        if not self.eagle3:
+            return (h @ self.emb.T).topk(width).indices.tolist()
+        w = self.w
+        logits = rms(h, w["norm.weight"], self.cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
+        return [d + int(w["d2t"][d]) if "d2t" in w else d
+                for d in logits.topk(width).indices.tolist()]
+
+    def tree_drafts(self, tokens, tree, num):
+        """The first ``num`` nodes of a draft tree (``lmkit.spec_decode.tree.DraftTree``)
+        after ``tokens``: each node's children are the head's best drafts after the
+        path to it, ranked as the tree names them."""
+        base_feats, drafts = self.features(tokens[:-1]), {}
+        with torch.no_grad():
+            for node in range(num + 1):
+                kids = tree.child_ranks(node, num)
+                if not kids:
+                    continue
+                feats, next_tokens = base_feats, list(tokens[1:])
+                h = self.head(next_tokens, feats)
+                for c in tree.path_to(node):  # the path's drafts fed back, one at a time
+                    next_tokens.append(drafts[c])
+                    feats = torch.cat((feats, h[-1:]), 0)
+                    h = self.head(next_tokens, feats)
+                top = self.ranked(h[-1], 1 + max(rank for rank, _ in kids))
+                for rank, c in kids:
+                    drafts[c] = top[rank]
+        return [drafts[c] for c in range(1, num + 1)]
+
     def drafts(self, tokens, num):
         """``num`` greedy drafts after ``tokens`` (the last one was just sampled)."""
         feats = self.features(tokens[:-1])  # positions 0 .. L-1, each with its next token

@@ -14,7 +14,7 @@ When every request has one new token (``max_query_len == 1``) the split-K decode
 kernel runs (:mod:`lmkit_kernels.paged_decode`), merging its context slices in the same
 launch when given a zeroed counter buffer (:func:`split_counters`); otherwise the
 causal prefill kernel (:mod:`lmkit_kernels.paged_prefill`), which also handles decode
-rows mixed in.
+rows mixed in, and every launch with a draft tree (``tree_region`` / ``tree_mask``).
 """
 
 from __future__ import annotations
@@ -198,8 +198,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     split_counters: torch.Tensor | None = None,
                     prefill_tiles: tuple[int, int, int, int] | None = None,
                     decode_tiles: tuple[int, int, int] | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its paged context.
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    tree_region: torch.Tensor | None = None,
+                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its paged context, or draft-tree
+    attention for requests with a tree region.
 
     :param q: ``[num_tokens, num_heads, head_size]`` (float32, float16 or bfloat16;
         rows may be strided, the last dimension must have unit stride). Rows past
@@ -211,7 +214,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     :param seq_lens: int32 ``[num_reqs]``, context length including this step's tokens
         (0 for a padding request: its rows get zeros).
     :param block_tables: int32 ``[num_reqs, max_blocks]``.
-    :param max_query_len: host-side maximum of the query lengths; 1 selects decode.
+    :param max_query_len: host-side maximum of the query lengths; 1 selects decode (but
+        for a draft tree).
     :param scale: softmax scale, default ``head_size ** -0.5``.
     :param out: optional output, shaped and typed like ``q``.
     :param num_splits: decode only: context slices per request (a power of two up to
@@ -230,6 +234,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         16``).
     :param k_scale: an FP8 cache's key scale (folded into the softmax scale).
     :param v_scale: an FP8 cache's value scale (applied to the output).
+    :param tree_region: with ``tree_mask``, a draft-tree step (always the prefill kernel):
+        int32 ``[num_reqs]`` (contiguous), each request's tree region ``R``: its last
+        ``R`` keys (at most 64, its query tokens among them); 0 leaves it causal.
+    :param tree_mask: int64 ``[>= query_start_loc[-1]]`` (contiguous), indexed by token
+        row like ``q``: bit ``j`` set when the token sees key ``seq_len - R + j`` of its
+        request (every key before the region is seen).
     :return: ``out``, ``[num_tokens, num_heads, head_size]``.
     :raises ValueError: on a shape, dtype, device or stride mismatch.
     """
@@ -254,6 +264,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         check_shape("out", out, tuple(q.shape))
     if not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if (tree_region is None) != (tree_mask is None):
+        raise ValueError("tree_region and tree_mask come together (a draft-tree step)")
+    if tree_region is not None and tree_mask is not None:
+        check_tensor("tree_region", tree_region, ndim=1, dtypes=(torch.int32,), device=device,
+                     contiguous=True)
+        check_shape("tree_region", tree_region, (num_reqs,))
+        check_tensor("tree_mask", tree_mask, ndim=1, dtypes=(torch.int64,), device=device,
+                     contiguous=True)
     if num_reqs <= 0 or max_query_len == 0 or num_tokens == 0:
         return out
     scale_log2 = (head_size ** -0.5 if scale is None else scale) * _LOG2E * k_scale
@@ -266,7 +284,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                  DOT_F32=dot_needs_f32(q.dtype), DOT_IEEE=q.dtype == torch.float32,
                  KV_FP8=kv_cache.dtype == torch.float8_e4m3fn)
 
-    if max_query_len == 1:
+    if max_query_len == 1 and tree_mask is None:
         splits = choose_decode_splits(num_reqs, num_kv_heads, device) if num_splits is None \
             else num_splits
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
@@ -324,11 +342,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     block_m = block_q * group_pad
     assert block_m >= 16, "tl.dot needs at least 16 rows"
     grid = (math.ceil(max_query_len / block_q), num_reqs, num_kv_heads)
+    has_tree = tree_mask is not None
     paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale_log2,
-        v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        tree_region if has_tree else seq_lens, tree_mask if has_tree else seq_lens,
+        scale_log2, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        **flags, num_warps=num_warps, num_stages=num_stages,
+        **flags, HAS_TREE=has_tree, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -14,6 +14,13 @@ the keys before its first token, visible to every row, in whole tiles with no ma
 (most of a long prompt's work), then the few tiles along the diagonal with the causal
 mask. Programs are launched heaviest first (the last query tiles of each request see
 the most keys), so the short ones fill in at the end of the wave.
+
+Draft trees (``HAS_TREE``, speculative decoding with a token tree): a request whose tree
+region ``R = tree_region[req]`` is positive lets each query token see the keys before
+``seq_len - R`` (the unmasked loop) and, of the region's keys ``seq_len - R + j``, those
+whose bit ``j`` is set in the token's int64 ``tree_mask`` entry (the masked loop, which
+then runs to ``seq_len``); a request with ``R = 0`` stays causal. Launches without a tree
+compile the variant they always did (``HAS_TREE`` false, the two tree pointers unused).
 """
 
 from __future__ import annotations
@@ -56,16 +63,30 @@ def online_softmax_update(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
 
 
 @triton.jit
+def tree_visible(offs_n, tree_lo, tree_bits):
+    """``[BLOCK_M, BLOCK_N]``: whether each row's token sees keys ``offs_n`` in a draft
+    tree whose region starts at key ``tree_lo``: every key before it, and the region's
+    key ``tree_lo + j`` when bit ``j`` of the row's int64 mask ``tree_bits`` is set (an
+    arithmetic shift, so bit 63, the sign bit, reads as any other)."""
+    j = offs_n - tree_lo
+    shift = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
+    bit = (tree_bits[:, None] >> shift[None, :]) & 1
+    return (j[None, :] < 0) | (bit != 0)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
                  stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                 scale_log2, offs_d, d_ok,
+                 scale_log2, offs_d, d_ok, is_tree, tree_lo, tree_bits,
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, KV_FP8: tl.constexpr):
+                 DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                 HAS_TREE: tl.constexpr):
     """One online-softmax step over keys ``start_n .. start_n + BLOCK_N``. Without
     ``CAUSAL`` every key of the tile is visible to every row (no masks). ``KV_FP8``: the
     cache holds float8 K/V, widened to float16 like ``q`` (:func:`fp16_query`; their
     scales are applied by the caller: ``k_scale`` inside ``scale_log2``, ``v_scale`` on
-    the output)."""
+    the output). ``HAS_TREE`` and ``is_tree``: the masked tile shows each row the keys
+    :func:`tree_visible` names instead of those up to its position."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if CAUSAL:
         n_ok = offs_n < kv_end
@@ -88,7 +109,10 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
         v = v.to(q.dtype)
     s = attention_dot(q, tl.trans(k), DOT_IEEE) * scale_log2  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        visible = offs_n[None, :] <= q_pos[:, None]
+        if HAS_TREE:
+            visible = tl.where(is_tree, tree_visible(offs_n, tree_lo, tree_bits), visible)
+        s = tl.where(visible & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # rows that have seen no visible key yet keep m = -inf; shift them by 0
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -107,12 +131,16 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_bas
 # 16-byte alignment would compile a second kernel (about a second, in the middle of
 # serving) the first time a step has a number of decodes not divisible by 4. Likewise
 # the block table's row stride, which changes as the runner's eager buffer grows.
+# The tree pointers (dummies without a tree) are not specialised either.
 @triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr",
-                                            "block_tables_ptr"],
+                                            "block_tables_ptr", "tree_region_ptr",
+                                            "tree_mask_ptr"],
             do_not_specialize=["stride_bt_req"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    tree_region_ptr,  # int32 [num_reqs]: each request's draft-tree region (HAS_TREE)
+    tree_mask_ptr,  # int64 [num_tokens]: each query token's region bits (HAS_TREE)
     scale_log2,  # softmax scale * log2(e) (* k_scale): scores go through exp2
     v_scale,  # an FP8 cache's value scale (1.0 otherwise)
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -123,6 +151,7 @@ def paged_prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
+    HAS_TREE: tl.constexpr = False,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last) tiles first
     req = tl.program_id(1)
@@ -149,6 +178,15 @@ def paged_prefill_kernel(
         elif KV_FP8 and q.dtype != tl.float32:
             q = fp16_query(q)
         q_pos = ctx_len + tok  # [BLOCK_M] absolute position of each row's token
+        if HAS_TREE:
+            region = tl.load(tree_region_ptr + req)
+            is_tree = region > 0
+            tree_lo = seq_len - region  # the region's first key
+            tree_bits = tl.load(tree_mask_ptr + q_rows, mask=row_ok, other=0)
+        else:
+            is_tree = False
+            tree_lo = seq_len
+            tree_bits = q_rows  # unused
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -158,21 +196,26 @@ def paged_prefill_kernel(
         v_base = v_cache_ptr + kv_head * stride_vc_head
         # keys before the tile's first token: visible to all rows, whole tiles, no mask
         first_pos = ctx_len + q_tile * BLOCK_Q
+        if HAS_TREE:  # a tree's rows see the keys before its region (below first_pos)
+            first_pos = tl.where(is_tree, tree_lo, first_pos)
         full_end = first_pos // BLOCK_N * BLOCK_N
         for start_n in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, seq_len, bt_row, k_base, v_base,
                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, False, DOT_F32, DOT_IEEE,
-                KV_FP8)
-        # the diagonal: the tile's last token sees keys up to its own position
+                scale_log2, offs_d, d_ok, is_tree, tree_lo, tree_bits, BLOCK_N, PAGE_SIZE,
+                False, DOT_F32, DOT_IEEE, KV_FP8, HAS_TREE)
+        # the diagonal: the tile's last token sees keys up to its own position (a tree's
+        # rows: the whole region)
         kv_end = ctx_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        if HAS_TREE:
+            kv_end = tl.where(is_tree, seq_len, kv_end)
         for start_n in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base,
                 stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                scale_log2, offs_d, d_ok, BLOCK_N, PAGE_SIZE, True, DOT_F32, DOT_IEEE,
-                KV_FP8)
+                scale_log2, offs_d, d_ok, is_tree, tree_lo, tree_bits, BLOCK_N, PAGE_SIZE,
+                True, DOT_F32, DOT_IEEE, KV_FP8, HAS_TREE)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         if KV_FP8:
             out = out * v_scale

@@ -3,6 +3,8 @@ base class; deliberately broken backends fail it with the property and input nam
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,9 +167,11 @@ def test_gpu_backends_pass_including_cuda_graph_replay(name):
     assert results["prefill over a cached prefix"] == "passed"
     if name == "flashinfer":
         assert results["logits soft cap"] == "passed"
-    if name == "flash_attn":  # claims every feature the suite checks but the soft cap
+    if name == "flash_attn":  # claims every feature the suite checks but these two
         assert [p for p, r in results.items() if r != "passed"] == [
-            "logits soft cap"], results
+            "logits soft cap", "tree mask"], results
+    if name == "triton":
+        assert results["tree mask"] == "passed"
 
 
 def test_model_written_kv_is_checked_for_backends_that_opt_in():
@@ -248,3 +252,115 @@ def test_fp8_kv_cache_property_passes_the_reference_and_fails_a_lost_scale():
         "unclaimed features refused"]) == {"unclaimed features refused": "passed"}
     with pytest.raises(ConformanceFailure, match="does not claim 'fp8_kv_cache', yet"):
         check_attention_backend(spec(TorchAttention, caps), only=["unclaimed features refused"])
+
+
+TREE_CAPS = Caps({"multi_token_query", "tree_mask"}, {"device": {"cpu"}, "dtype": {"float32"}})
+
+
+class IgnoresTreeMask(TorchAttention):
+    """Declares trees but plans every step causally (drops the tree metadata)."""
+
+    def plan(self, metadata):
+        super().plan(replace(metadata, tree_region=None, tree_region_cpu=None, tree_mask=None))
+
+
+class ClaimsTreesOnly(TorchAttention):
+    supports_tree_mask = False
+
+
+class ReadsOnlyTheStepsTree(TorchAttention):
+    """Builds tree masks as if the region held only the step's own tokens."""
+
+    def plan(self, metadata):
+        md = metadata
+        if md.tree_region_cpu is not None:
+            q_lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
+            shrunk = torch.minimum(md.tree_region_cpu, q_lens.to(torch.int32))
+            md = replace(md, tree_region=shrunk, tree_region_cpu=shrunk)
+        super().plan(md)
+
+
+def test_tree_mask_property_runs_for_torch_and_cpu():
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    for name in ("torch", "cpu"):  # (cpu: tree steps of single-token queries too)
+        reg = host.registry.get("attention", name)
+        assert "tree_mask" in reg.spec.caps.features
+        assert check_attention_backend(reg, only=["tree mask"]) == {"tree mask": "passed"}
+    unclaimed = check_attention_backend(spec(TorchAttention), only=["tree mask"])
+    assert unclaimed == {"tree mask": "not applicable: torchattention does not claim "
+                                      "'tree_mask'"}
+
+
+def test_a_backend_that_ignores_the_tree_fails_the_tree_mask_property():
+    with pytest.raises(ConformanceFailure, match="(?s)fails property 'tree mask'.*"
+                                                 r"step 2 \(verify trees\).*region 64"):
+        check_attention_backend(spec(IgnoresTreeMask, TREE_CAPS), only=["tree mask"])
+    with pytest.raises(ConformanceFailure, match="(?s)fails property 'tree mask'.*"
+                                                 r"step 3 \(draft the next level\)"):
+        check_attention_backend(spec(ReadsOnlyTheStepsTree, TREE_CAPS), only=["tree mask"])
+    with pytest.raises(ConformanceFailure, match="does not declare supports_tree_mask"):
+        check_attention_backend(spec(ClaimsTreesOnly, TREE_CAPS), only=["tree mask"])
+
+
+def _tree_metadata(device="cpu"):
+    """A one-request step of two tree nodes over a context of three keys."""
+    from lmkit.api import AttentionMetadata
+
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        num_reqs=1, num_actual_tokens=2, max_query_len=2, max_seq_len=5,
+        query_start_loc=torch.tensor([0, 2], **i32), seq_lens=torch.tensor([5], **i32),
+        block_tables=torch.tensor([[1]], **i32),
+        slot_mapping=torch.tensor([19, 20], dtype=torch.int64, device=device),
+        query_start_loc_cpu=torch.tensor([0, 2], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([5], dtype=torch.int32),
+        tree_region=torch.tensor([2], **i32), tree_region_cpu=torch.tensor([2], dtype=torch.int32),
+        tree_mask=torch.tensor([1, 3], dtype=torch.int64, device=device))
+
+
+def test_backends_without_tree_support_refuse_a_tree_step():
+    """A backend that does not declare ``supports_tree_mask`` raises when planned with
+    tree metadata instead of attending causally: the reference's subclasses (mla_torch
+    among them) through its plan, the CUDA backends first thing in theirs."""
+    import importlib
+
+    host = PluginHost.load(env={"LMKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    md = _tree_metadata()
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_size=16, scale=0.25, dtype=torch.float32,
+                  device=torch.device("cpu"), block_size=16)
+    with pytest.raises(ValueError, match="ClaimsTreesOnly cannot attend draft trees"):
+        ClaimsTreesOnly(**kwargs).plan(md)
+    mla = host.registry.get("attention", "mla_torch").spec.load()
+    assert "tree_mask" not in host.registry.get("attention", "mla_torch").spec.caps.features
+    backend = mla(num_heads=4, num_kv_heads=1, head_size=80, scale=0.1, dtype=torch.float32,
+                  device=torch.device("cpu"), block_size=16, kv_lora_rank=64,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    with pytest.raises(ValueError, match="MLATorchAttention cannot attend draft trees"):
+        backend.plan(md)
+    for name, target in (("flashinfer", "flashinfer_backend:FlashInferAttention"),
+                         ("flash_attn", "flash_attn_backend:FlashAttnAttention"),
+                         ("mla_triton", "mla_triton:MLATritonAttention"),
+                         ("mla_flashinfer", "mla_flashinfer:MLAFlashInferAttention")):
+        assert "tree_mask" not in host.registry.get("attention", name).spec.caps.features
+        module, cls_name = target.split(":")
+        try:
+            cls = getattr(importlib.import_module(f"lmkit_plugins.attention.{module}"),
+                          cls_name)
+        except ImportError:
+            continue  # (its library is missing here: it is never built either)
+        assert not cls.supports_tree_mask
+        with pytest.raises(ValueError, match="cannot attend draft trees"):
+            cls.plan(object.__new__(cls), md)  # refused before any state is read
+    TorchAttention(**kwargs).plan(md)  # the reference takes it
+
+
+def test_tree_metadata_that_breaks_the_contract_is_refused():
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_size=16, scale=0.25, dtype=torch.float32,
+                  device=torch.device("cpu"), block_size=16)
+    md = _tree_metadata()
+    for region in (1, 65, 6):  # shorter than the query, above MAX_TREE_REGION, the context
+        r = torch.tensor([region], dtype=torch.int32)
+        with pytest.raises(ValueError, match=f"request 0: tree region {region} does not fit"):
+            TorchAttention(**kwargs).plan(replace(md, tree_region=r, tree_region_cpu=r))
+    with pytest.raises(ValueError, match="not tree_region and tree_region_cpu"):
+        TorchAttention(**kwargs).plan(replace(md, tree_region_cpu=None))

@@ -200,7 +200,8 @@ def test_flash_attn_wiring_passes_the_conformance_suite(stand_ins, generation, b
                      "block_size": {block_size}}))
     results = check_attention_backend(spec, {"generation": generation})
     assert [p for p, r in results.items() if r != "passed"] == [
-        "logits soft cap", "fp8 KV cache", "cuda graphs", "in-place decode metadata"], results
+        "logits soft cap", "tree mask", "fp8 KV cache", "cuda graphs",
+        "in-place decode metadata"], results
     calls = stand_ins["fa_stand_in_maths"].CALLS
     assert {g for g, _ in calls} == {generation}
     assert {left for _, left in calls} == {None, 6}  # whole context; sliding window 7

@@ -1,5 +1,6 @@
-"""Every compiled variant of the sampling and penalty kernels gets through Triton's
-front end (Python AST -> Triton IR for an sm_90 target) on the CPU.
+"""Every compiled variant of the sampling and penalty kernels, and of the paged prefill
+attention kernel (its draft-tree variant included), gets through Triton's front end
+(Python AST -> Triton IR for an sm_90 target) on the CPU.
 
 The interpreter (``TRITON_INTERPRET=1``) runs kernels as Python, so it misses what only
 the compiler refuses -- a name bound in one constexpr branch and read outside it, a
@@ -20,19 +21,34 @@ import sys
 
 import pytest
 
-FLAG_PREFIXES = ("HAS_", "FIRST", "NOISE")
+FLAG_PREFIXES = ("HAS_", "FIRST", "NOISE", "DOT_", "KV_FP8")
 INT64_POINTERS = ("arg", "idx", "state", "k_part", "lo_key", "seeds", "out", "top_k", "rows",
                   "slots")
 TYPED_POINTERS = {"seen_ptr": "*u8", "counts_ptr": "*i32", "draft_ptr": "*i32",
                   "done_ptr": "*i32"}
 CONSTANTS = {"CHUNKS_PAD": 256, "BLOCK_V": 1024, "BLOCK": 1024, "NT": 16}
+#: per module: argument types the names do not tell, and its other constexprs' values
+MODULE_TYPES = {
+    "lmkit_kernels.paged_prefill": {
+        "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+        "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+        "tree_region_ptr": "*i32", "tree_mask_ptr": "*i64", "scale_log2": "fp32",
+        "v_scale": "fp32"},
+}
+MODULE_CONSTANTS = {
+    "lmkit_kernels.paged_prefill": {
+        "GROUP": 4, "GROUP_PAD": 4, "BLOCK_Q": 16, "BLOCK_M": 64, "BLOCK_N": 64,
+        "HEAD_SIZE": 128, "HEAD_PAD": 128, "PAGE_SIZE": 16},
+}
 
 
-def _signature(fn, constexprs: dict) -> dict[str, str]:
+def _signature(fn, constexprs: dict, types: dict[str, str]) -> dict[str, str]:
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
         elif name.endswith("_ptr"):
             sig[name] = TYPED_POINTERS.get(
                 name, "*i64" if any(t in name for t in INT64_POINTERS) else "*fp32")
@@ -67,10 +83,11 @@ def check(module_name: str) -> list[str]:
         if not (isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("kernel")):
             continue
         flags = [a for a in fn.arg_names if a.startswith(FLAG_PREFIXES)]
+        constants = {**CONSTANTS, **MODULE_CONSTANTS.get(module_name, {})}
         for values in itertools.product([False, True], repeat=len(flags)):
-            consts = {k: v for k, v in {**CONSTANTS, **dict(zip(flags, values, strict=True))}.items()
+            consts = {k: v for k, v in {**constants, **dict(zip(flags, values, strict=True))}.items()
                       if k in fn.arg_names}
-            src = ASTSource(fn, _signature(fn, consts),
+            src = ASTSource(fn, _signature(fn, consts, MODULE_TYPES.get(module_name, {})),
                             constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
             try:
                 src.make_ir(target, options, codegen, module_map, context)
@@ -84,7 +101,8 @@ def check(module_name: str) -> list[str]:
 
 @pytest.mark.parametrize("module_name", ["lmkit_kernels.sampling_kernels",
                                          "lmkit_kernels.sampling_race",
-                                         "lmkit_kernels.penalties"])
+                                         "lmkit_kernels.penalties",
+                                         "lmkit_kernels.paged_prefill"])
 def test_every_variant_compiles_its_front_end(module_name):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

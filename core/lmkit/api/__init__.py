@@ -10,7 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lmkit.api.attention import FP8_KV_MAX, KV_SCALE_SUFFIXES, AttentionBackend, AttentionMetadata
+from lmkit.api.attention import (
+    FP8_KV_MAX,
+    KV_SCALE_SUFFIXES,
+    MAX_TREE_REGION,
+    AttentionBackend,
+    AttentionMetadata,
+)
 from lmkit.api.engine_view import EngineView
 from lmkit.api.executor import Executor, ModelInfo, across_ranks
 from lmkit.api.kv_cache_spec import (
@@ -142,7 +148,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "PLUGIN_API_VERSION", "FP8_KV_MAX", "KV_SCALE_SUFFIXES", "AddedRequest", "AttentionBackend", "MLAAttentionBackend", "AttentionMetadata", "BatchUpdate",
+    "PLUGIN_API_VERSION", "FP8_KV_MAX", "KV_SCALE_SUFFIXES", "MAX_TREE_REGION", "AddedRequest", "AttentionBackend", "MLAAttentionBackend", "AttentionMetadata", "BatchUpdate",
     "CachedRequestData", "Caps", "CausalLM", "CompletionOutput", "ConfigError", "EngineCoreOutput",
     "EngineView", "Executor", "ForwardContext", "Grammar", "InvalidRequestError", "LMKitConfig",
     "LMKitError", "LogitsProcessor", "LogitsProcessorContext", "ModelBuildContext", "ModelFacts",

@@ -62,6 +62,21 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0  # requests with query length 1 (when the runner orders decodes first)
     cuda_graph: bool = False
+    #: draft-tree attention (speculative decoding with a token tree), only given to
+    #: backends declaring :attr:`AttentionBackend.supports_tree_mask`; ``None``: causal.
+    #: int32 ``[num_reqs]``: each request's tree region ``R`` (0 to
+    #: :data:`MAX_TREE_REGION`), its last ``R`` keys; 0: the request is causal as usual.
+    tree_region: torch.Tensor | None = None
+    tree_region_cpu: torch.Tensor | None = None
+    #: int64 ``[num_tokens]``, per query token: bit ``j`` set when the token may see
+    #: key ``L - R + j`` of its request (``L`` its ``seq_lens`` entry). Keys before the
+    #: region are seen by every query token of the request; its query tokens are all in
+    #: the region (query length at most ``R``). Ignored for requests with ``R = 0``.
+    tree_mask: torch.Tensor | None = None
+
+
+#: the largest tree region a request may have in a step (one int64 of mask bits per token)
+MAX_TREE_REGION = 64
 
 
 class AttentionBackend(ABC):
@@ -106,6 +121,8 @@ class AttentionBackend(ABC):
     * :attr:`supports_in_place_decode_metadata`: a decode-only plan made for CUDA graphs
       stays valid when the values in its metadata's device buffers change in place.
     * :attr:`supports_fp8_kv_cache`: the backend stores K/V in float8 e4m3.
+    * :attr:`supports_tree_mask`: the backend attends draft trees (``tree_region``,
+      ``tree_mask`` in the metadata).
     """
 
     #: Whether a model may write a step's new K/V into the cache itself, fused into the
@@ -141,6 +158,13 @@ class AttentionBackend(ABC):
     #: reads. A backend built with an FP8 cache never takes model-written K/V
     #: (:meth:`lmkit.api.ModelBuildContext.model_may_write_kv`).
     supports_fp8_kv_cache: ClassVar[bool] = False
+
+    #: Whether :meth:`plan` and :meth:`run` honour the metadata's ``tree_region`` and
+    #: ``tree_mask`` (draft trees: each token sees the keys before its request's region
+    #: and, within it, the keys its mask bits name, e.g. its ancestors in the tree);
+    #: the spec then claims the ``tree_mask`` feature. ``False``: the runner never
+    #: plans a tree step on the backend (tree drafting is refused at start).
+    supports_tree_mask: ClassVar[bool] = False
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  dtype: Any, device: Any, block_size: int, sliding_window: int | None = None,
@@ -188,7 +212,27 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Prepare for one step (host work, scratch buffers). Called once per step."""
+        """Prepare for one step (host work, scratch buffers). Called once per step.
+
+        A backend that does not declare :attr:`supports_tree_mask` calls
+        :meth:`refuse_tree_metadata` first, so that a draft tree handed to it fails
+        loudly instead of being attended causally.
+        """
+
+    def refuse_tree_metadata(self, metadata: AttentionMetadata) -> None:
+        """Raise when ``metadata`` describes a draft-tree step (``tree_mask`` set) and
+        the backend does not declare :attr:`supports_tree_mask`; otherwise do nothing.
+
+        The runner plans tree steps only on backends that declare the ability; this
+        guards the others (one attribute test per step, no device work).
+
+        :raises ValueError: naming the backend and the feature it lacks.
+        """
+        if metadata.tree_mask is not None and not self.supports_tree_mask:
+            raise ValueError(
+                f"{type(self).__name__} cannot attend draft trees (the step's metadata "
+                "carries tree_mask); use a backend whose spec claims the tree_mask "
+                "feature, e.g. 'torch', 'cpu' or 'triton'")
 
     @abstractmethod
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -208,6 +252,21 @@ class AttentionBackend(ABC):
         :return: ``[num_tokens, num_heads, head_size]``, causal within each request
             (every query sees all of its request's keys when built with ``causal=False``).
         """
+
+    def copy_kv_slots(self, kv_cache: torch.Tensor, src: torch.Tensor,
+                      dst: torch.Tensor) -> None:
+        """Copy the K/V stored at cache slots ``src`` to slots ``dst`` (int64 tensors of
+        equal length on the cache's device; every source read before any write), in one
+        layer's ``kv_cache``. After a draft tree is verified, the runner moves the
+        accepted nodes' K/V to the positions they take in the sequence with it.
+
+        The default serves caches laid out ``[2, num_blocks, block_size, ...]`` (token
+        ``t`` of slot ``s`` at ``[:, s // block_size, s % block_size]``); a backend with
+        another layout that declares :attr:`supports_tree_mask` overrides it. No host
+        synchronisation.
+        """
+        flat = kv_cache.view(kv_cache.shape[0], -1, *kv_cache.shape[3:])
+        flat[:, dst] = flat[:, src]
 
     def paged_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(slot_mapping, block_tables, seq_lens)`` of the planned step when every

@@ -217,6 +217,26 @@ class SpeculativeConfig(OptionalBackendSection):
         False, description="Measure decode throughput with and without drafts (8 decode "
         "steps each, every 256) and speculate only while drafts are faster, so that "
         "speculation never stays slower than plain decoding for long.")
+    tree: list[list[int]] | None = Field(
+        None, description="With a draft head (eagle, eagle3): draft a token tree per step, "
+        "its nodes' rank paths ([[0], [1], [0, 0]]: the head's top two drafts, then its top "
+        "one after the first; JSON text too), verified in one pass; num_speculative_tokens "
+        "becomes the node count. Needs the tree_mask attention feature (cpu, torch, triton).")
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _tree_paths(cls, v: Any) -> Any:  # JSON text too; kept breadth-first
+        from lmkit.spec_decode.tree import tree_paths
+        return None if v is None else tree_paths(v)
+
+    @model_validator(mode="after")
+    def _tree_sets_k(self) -> SpeculativeConfig:
+        if self.tree is not None:
+            k, n = self.num_speculative_tokens, len(self.tree)
+            if "num_speculative_tokens" in self.model_fields_set and k != n:
+                raise ValueError(f"num_speculative_tokens is {k} but the tree has {n} nodes")
+            self.__dict__["num_speculative_tokens"] = n
+        return self
 
 
 class StructuredOutputConfig(OptionalBackendSection):

@@ -58,6 +58,7 @@ SHORT_OPTIONS = {
     "num_speculative_tokens": "speculative.num_speculative_tokens",
     "speculative_model": "speculative.model",
     "speculative_adaptive": "speculative.adaptive",
+    "speculative_tree": "speculative.tree",
     "structured_output": "structured_output.backend",
     "offload": "offload.backend",
     "quantization": "quantization.backend",

@@ -140,8 +140,9 @@ def resolve_stack(config: LMKitConfig, host: PluginHost, model_needs: Needs | No
     base = {
         "executor": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),
                           values={"device": device}),
-        "attention": Needs(features=frozenset({"fp8_kv_cache"} if config.cache.fp8_kv_cache
-                                              else ()),
+        "attention": Needs(features=frozenset(
+                               ({"fp8_kv_cache"} if config.cache.fp8_kv_cache else set())
+                               | ({"tree_mask"} if config.speculative.tree else set())),
                            values={"device": device, "dtype": dtype}
                            ).merge(model_needs or Needs()),
         "offload": Needs(features=frozenset({"tensor_parallel"} if tensor_parallel else ()),

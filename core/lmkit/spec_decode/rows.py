@@ -18,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
+
+if TYPE_CHECKING:
+    from lmkit.spec_decode.tree import DraftTree
 
 
 class DraftExtendedTokens(Sequence[int]):
@@ -92,13 +95,16 @@ def hidden_rows(plan: Sequence[tuple[Any, int, Sequence[int]]]) -> slice | list[
     return rows
 
 
-def sampling_rows(plan: Sequence[tuple[Any, int, Sequence[int]]]) -> SamplingRows:
+def sampling_rows(plan: Sequence[tuple[Any, int, Sequence[int]]],
+                  tree: DraftTree | None = None) -> SamplingRows:
     """The sampling rows of a step.
 
     Args:
         plan: per sampling request ``(state, first hidden row, drafts)``, where ``state``
             has ``sampling_params``, ``prompt_token_ids``, ``output_token_ids``,
             ``generator`` and ``eos_token_id`` (the runner's ``CachedRequestState``).
+        tree: the drafts are the first nodes of this draft tree: a node's row comes
+            after the drafts on the path to it, not after every earlier draft.
 
     Returns:
         ``len(drafts) + 1`` rows per request, in plan order.
@@ -112,7 +118,12 @@ def sampling_rows(plan: Sequence[tuple[Any, int, Sequence[int]]]) -> SamplingRow
         if (params.needs_penalties or len(output) < params.min_tokens
                 or params.bad_words_token_ids):
             out.outputs.append(output)
-            out.outputs.extend(DraftExtendedTokens(output, drafts, j) for j in range(1, n))
+            if tree is None:
+                out.outputs.extend(DraftExtendedTokens(output, drafts, j) for j in range(1, n))
+            else:
+                for j in range(1, n):
+                    path = [drafts[c - 1] for c in tree.path_to(j)]
+                    out.outputs.append(DraftExtendedTokens(output, path, len(path)))
         else:  # only read for its length, and that is past min_tokens at every row
             out.outputs.extend([output] * n)
         out.generators.extend([state.generator] * n)

@@ -13,7 +13,8 @@ runner builds it. Properties:
 * ``multi-token decode queries`` (speculative decoding), when it claims
   ``multi_token_query``; ``sliding window`` when it claims ``sliding_window``;
   ``logits soft cap`` (scores capped at 1, with a window when claimed) when it claims
-  ``logits_soft_cap``;
+  ``logits_soft_cap``; ``tree mask`` (draft trees verified and drafted level by level,
+  :mod:`lmkit.testing.attention_tree`) when it claims ``tree_mask``;
 * ``GQA and head sizes``, ``block sizes``, ``dtypes``: the whole workload over every
   head layout, head size (the claimed ``head_size`` values, else 64, 80, 128), block
   size (claimed ``block_size`` values, else 16 and 32) and claimed dtype;
@@ -23,8 +24,7 @@ runner builds it. Properties:
 * ``fp8 KV cache``: when the spec claims ``fp8_kv_cache``, the whole workload over a
   ``torch.float8_e4m3fn`` cache with scales 0.5 (keys) and 2.0 (values), against the
   oracle over the values the cache holds (``x * (1 / scale)`` in float32, saturated to
-  +-448, rounded to e4m3, times the scale); the class must declare
-  ``supports_fp8_kv_cache`` too;
+  +-448, rounded to e4m3, times the scale); the class must declare ``supports_fp8_kv_cache``;
 * ``unclaimed features refused``: a backend that does not claim ``sliding_window``
   (``logits_soft_cap``, ``fp8_kv_cache``) raises when constructed with one, instead of
   silently ignoring it;
@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lmkit.testing.attention_graphs import replay_decode_steps
+from lmkit.testing.attention_tree import check_tree_mask
 from lmkit.testing.attention_world import AttentionCase, AttentionWorld
 from lmkit.testing.failure import (
     CONSTRUCTOR_PROPERTY,
@@ -287,6 +288,7 @@ def _checks(t: Target) -> dict[str, Callable[[], None]]:
                                               multi_query_workload, "multi_token_query"),
         "sliding window": sliding_window,
         "logits soft cap": logits_soft_cap,
+        "tree mask": lambda: check_tree_mask(t, base_case(t), NUM_BLOCKS),
         "GQA and head sizes": heads_and_sizes,
         "block sizes": block_sizes,
         "dtypes": dtypes,
@@ -369,6 +371,9 @@ class AttentionConformance:
 
     def test_logits_soft_cap(self, attention_backend: Any) -> None:
         self._check(attention_backend, "logits soft cap")
+
+    def test_tree_mask(self, attention_backend: Any) -> None:
+        self._check(attention_backend, "tree mask")
 
     def test_gqa_and_head_sizes(self, attention_backend: Any) -> None:
         self._check(attention_backend, "GQA and head sizes")

@@ -25,17 +25,17 @@ counts were read with the sampled tokens), so the passes add no host round trip:
 index arrays go to the device through pinned staging (:mod:`lmkit.worker.staging`),
 and the one synchronisation is the final copy of the drafts. Draft positions stop at
 the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) and at
-``max_model_len``.
+``max_model_len``. With ``speculative.tree`` the head drafts a tree of ``k`` nodes
+instead (:mod:`lmkit.worker.tree_drafts`, eagerly).
 
-When the target's decode runs in CUDA graphs, so do the head's passes
+When the target's decode runs in CUDA graphs, so do the head's chain passes
 (:mod:`lmkit.worker.draft_graphs`): the draft passes (greedy drafts fed to the next
 pass on the device with ``supports_graph_drafts``), and the catch-up pass after a
 decode, verification or short step (:mod:`lmkit.worker.flat_steps`), flattened.
 
-Prefix caching: a request that starts on cached blocks reuses the head KV that the
-request which computed those blocks wrote there (that of the same tokens; only the last
-slot was paired with that request's next token, which may differ): its drafts may be a
-little worse, its outputs are exact either way.
+Prefix caching: a request starting on cached blocks reuses the head KV written there
+by the request that computed them (the same tokens; only the last slot was paired
+with that request's next token): its drafts may be a little worse, its outputs exact.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
 from lmkit.worker.staging import StepStaging
+from lmkit.worker.tree_drafts import draft_tree
 
 if TYPE_CHECKING:
+    from lmkit.spec_decode.tree import DraftTree
     from lmkit.worker.cuda_graphs import CudaGraphRunner
     from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
@@ -84,12 +86,12 @@ class DraftRunner:
                  vocab_size: int = 0, skip_above: int | None = None) -> None:
         self.proposer = proposer
         self.skip_above = skip_above
-        # requests whose head KV has holes (they ran in a skipped step): no more drafts
-        self.stale: set[str] = set()
+        self.stale: set[str] = set()  # head KV with holes (ran in a skipped step): no drafts
         self.requests: Mapping[str, CachedRequestState] = (requests if requests is not None
                                                            else {})
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
+        self.tree: DraftTree | None = None  # set: draft trees of k nodes (tree_drafts.py)
         self.input_batch = input_batch
         self.block_size = input_batch.block_size
         self.max_model_len = max_model_len
@@ -106,8 +108,8 @@ class DraftRunner:
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
-        self.num_eager_catch_ups = 0  # catch-up passes run eagerly (prefill, large steps)
-        self.num_flattened_catch_ups = 0  # replayed ones with several rows of one request
+        # catch-up passes run eagerly (prefill, large steps); replayed with several rows
+        self.num_eager_catch_ups = self.num_flattened_catch_ups = 0
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
@@ -120,8 +122,7 @@ class DraftRunner:
                    torch.device(ctx.build.device), requests, vocab_size, skip_above)
 
     def sits_out(self, num_reqs: int) -> bool:
-        """Whether the head is left out of a step of ``num_reqs`` requests
-        (``skip_above``): its requests then stop drafting for good."""
+        """Whether the head sits out a step of ``num_reqs`` requests (``skip_above``)."""
         return self.skip_above is not None and num_reqs > self.skip_above
 
     def kv_bytes_per_block(self) -> int:
@@ -139,12 +140,10 @@ class DraftRunner:
     def capture_graphs(self, target_graphs: CudaGraphRunner | None, max_num_seqs: int,
                        dtype: torch.dtype) -> None:
         """Capture the head's passes in CUDA graphs when the target's decode runs in
-        graphs and the head declares ``supports_cuda_graphs`` (else they run eagerly):
-        the ``k - 1`` draft passes (one row per request, with ``hidden_size``) and, with
-        ``target_feature_size``, decode-like catch-up passes (one row per kept position,
-        as many rows as the target's graphs take, by their rule: ``1 + k`` per request,
-        or a short step's); with ``samples_drafts`` (and graph drafts) a second,
-        sampling set of both."""
+        graphs and the head has ``supports_cuda_graphs`` (else they run eagerly): the
+        ``k - 1`` draft passes (a row per request; ``hidden_size``), with
+        ``target_feature_size`` decode-like catch-up passes (a row per kept position, as
+        many as the target's graphs take), with ``samples_drafts`` a sampling set too."""
         proposer = self.proposer
         if target_graphs is None or not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
@@ -184,8 +183,7 @@ class DraftRunner:
 
     def propose(self, features: torch.Tensor, step: StepInputs, num_kept: np.ndarray,
                 drafting: np.ndarray) -> dict[int, list[int]]:
-        """Catch the head up on this step's kept positions and draft for the requests
-        that sampled.
+        """Catch the head up on this step's kept positions, draft for those that sampled.
 
         Args:
             features: the step's target features, ``[>= num_tokens, width]``: its final
@@ -230,7 +228,7 @@ class DraftRunner:
         req_ids = [self.input_batch.req_ids[r] for r in rows[drafter]]
         sampler = (StepDraftSampler.maybe(self.proposer, [self.requests[r] for r in req_ids],
                                           self.k, self.staging, self.vocab_size, self.device)
-                   if self.requests else None)  # none given: argmax drafts (tests)
+                   if self.requests and self.tree is None else None)  # (tests: argmax)
         self.num_sampled_steps += sampler is not None
         out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
                                       seq_lens, tables, sampler, cu_kept[drafter] - 1)
@@ -242,6 +240,9 @@ class DraftRunner:
         num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
         index = self.staging.put(cu_kept[drafter] - 1)  # each one's last kept row
         feat = out.index_select(0, index)
+        if self.tree is not None:  # a tree of drafts, level by level (no graphs)
+            return draft_tree(self, self.tree, feat, last, num_drafts, rows[drafter],
+                              tables[drafter], [int(sel[d]) for d in drafter], req_ids)
         act = np.arange(len(drafter))
         if drafted is not None and (sampler is None) == (drafted[1] is None):
             ids = drafted[0].index_select(0, index)  # taken in the catch-up replay

@@ -12,7 +12,7 @@ backend consume (vLLM v1's ``InputBatch`` / ``_prepare_inputs`` in spirit).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -110,6 +110,10 @@ class StepInputs:
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_tables: torch.Tensor  # int32 [num_reqs, num_blocks_this_step]
     num_decodes: int
+    # a draft-tree verification (lmkit.worker.tree_step): per request its tree region
+    # (int32, 0: causal) and per token its mask bits (int64), host; None: all causal
+    tree_region: np.ndarray | None = None
+    tree_mask: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -131,7 +135,19 @@ class StepInputs:
             query_start_loc=dev.query_start_loc, seq_lens=dev.seq_lens,
             block_tables=dev.block_tables, slot_mapping=dev.slot_mapping,
             query_start_loc_cpu=self.query_start_loc, seq_lens_cpu=self.seq_lens,
-            num_decodes=self.num_decodes)
+            num_decodes=self.num_decodes, **tree_metadata(self.tree_region, self.tree_mask,
+                                                          dev.slot_mapping.device))
+
+
+def tree_metadata(region: np.ndarray | None, mask: np.ndarray | None,
+                  device: torch.device) -> dict[str, Any]:
+    """The tree fields of :class:`~lmkit.api.AttentionMetadata` for a step's tree
+    regions and mask bits (host arrays), none when the step has no tree."""
+    if region is None or mask is None:
+        return {}
+    region_cpu = torch.from_numpy(region.astype(np.int32))
+    return {"tree_region_cpu": region_cpu, "tree_region": region_cpu.to(device),
+            "tree_mask": torch.from_numpy(mask.astype(np.int64)).to(device)}
 
 
 class InputBatch:

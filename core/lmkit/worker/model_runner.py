@@ -53,6 +53,7 @@ from lmkit.worker.prompt_logprobs import step_prompt_logprobs
 from lmkit.worker.spec_lookahead import SpecLookahead, spec_lookahead_slots, take_ahead
 from lmkit.worker.step_plan import commit_tokens, kept_positions, sampling_plan
 from lmkit.worker.step_sampling import sample_step
+from lmkit.worker.tree_step import mark_tree_rows, tree_of
 
 if TYPE_CHECKING:
     from lmkit.api.model_facts import ModelFacts
@@ -115,6 +116,7 @@ class ModelRunner:
         self.lookahead: DecodeLookahead | None = None  # decode steps launched ahead (CUDA)
         self.spec_lookahead: SpecLookahead | None = None  # verifications launched ahead
         self.drafter: DraftRunner | None = None  # a runner-hosted proposer (EAGLE head)
+        self.tree = tree_of(config, stack)  # speculative.tree: draft trees (None: chains)
         # KV slots per request the scheduler reserves so decode steps can launch ahead
         self.num_lookahead_slots = max(decode_lookahead_slots(config, stack),
                                        spec_lookahead_slots(config, stack))
@@ -165,20 +167,19 @@ class ModelRunner:
                 head, DraftHeadContext(model, hf_config, ctx), spec.num_speculative_tokens,
                 self.input_batch, self.max_model_len, self.requests, self.vocab_size,
                 None if spec.catch_up_when_off else spec.disable_by_batch_size)
+            self.drafter.tree = self.tree
         logger.info("loaded %s (%s) on %s in %s%s", self.model_dir, self.architecture,
                     self.device, self.stack.dtype,
                     f", rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across all layers of every KV cache group (and the draft
-        head's, if any)."""
+        """Bytes of one KV block over every layer of every group (the draft head's too)."""
         head = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return memory.kv_bytes_per_block(self.kv_groups) + head
 
     def kv_window(self) -> int | None:
-        """How many of the latest keys any layer (the draft head's included) reads, when
-        every layer slides; ``None`` when one reads the whole context
-        (:attr:`lmkit.api.ModelInfo.kv_window`)."""
+        """How many of the latest keys any layer (the draft head's too) reads when every
+        layer slides, else ``None`` (:attr:`lmkit.api.ModelInfo.kv_window`)."""
         head = self.drafter.kv_groups() if self.drafter is not None else ()
         return kv_window((*self.kv_groups, *head))
 
@@ -204,8 +205,7 @@ class ModelRunner:
         if self.drafter is not None and self.config.offload.backend != "none":
             # the tier carries the head's KV blocks too (same block ids as the target's)
             memory.check_head_blocks_offloadable(self.kv_caches, self.drafter.kv_caches)
-            caches = caches + self.drafter.kv_caches
-            groups = groups + self.drafter.kv_groups()
+            caches, groups = caches + self.drafter.kv_caches, groups + self.drafter.kv_groups()
         self.offload = build_offload_worker(self.config, self.stack, caches, groups)
         if self.device.type == "cuda":
             warm_up_step_shapes(self.dummy_step_model())
@@ -215,12 +215,12 @@ class ModelRunner:
         self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
                                                  self.device, len(self.kv_groups), aux_layers,
                                                  self.tp_size)
-        if self.drafter is not None:
+        if self.drafter is not None and self.tree is None:  # (tree passes run eagerly)
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
-        # a processor applied to every request may change the argmax: no launch ahead
-        graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
-        # decode steps and verifications launched ahead (a pooling-only model never decodes)
+        # decode steps, verifications launched ahead: not when a processor applied to every
+        # request may change the argmax, nor with draft trees; a pooling model never decodes
+        graphs = None if self.logits_processors.affects_greedy or self.tree else self.cuda_graphs
         if self.facts.generates:
             args = (self.config, self.stack, graphs, self.model, self.input_batch,
                     self.requests, self.max_model_len, self.drafter)
@@ -251,10 +251,9 @@ class ModelRunner:
             self.offload.close()
 
     def release(self) -> None:
-        """Drop everything that holds device memory: the graphs (decode, piecewise, the
-        lookahead that replays them), the draft head, the offload worker, the KV caches
-        and the model. The runner cannot step afterwards; the executor's shutdown calls
-        it so that another engine in the same process gets the memory back."""
+        """Drop everything holding device memory (graphs, lookaheads, the draft head, the
+        offload worker, KV caches, the model): the runner cannot step afterwards. The
+        executor's shutdown calls it so another engine in the process gets the memory."""
         self.lookahead = self.spec_lookahead = None
         self.cuda_graphs = None
         self.piecewise = None  # its graphs and buffers hold the KV caches and weights too
@@ -295,7 +294,7 @@ class ModelRunner:
                 pooling = self.pooling.states
                 plan = [p for p in plan if order[p[0]] not in pooling]
                 pooled = self.pooling.pool_step(hidden, order, step)
-            verified = sample_step(self, hidden, order, plan, so)
+            verified = sample_step(self, hidden, order, plan, so, step, aux)
             prompt_logprobs = step_prompt_logprobs(self.model, self.requests,
                                                    hidden, order, step)
         out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
@@ -372,7 +371,8 @@ class ModelRunner:
                 batch.write_draft_tokens(row_of[rid], drafts)
         if self._device_inputs is not None:
             self._device_inputs.wait_for_copies()  # the host buffers are about to change
-        return order, batch.prepare(rows, num_scheduled, len(decodes))
+        return order, mark_tree_rows(batch.prepare(rows, num_scheduled, len(decodes)), order,
+                                     spec, self.tree)
 
     def _forward(self, step: StepInputs, kv_caches: list[torch.Tensor],
                  aux: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -381,7 +381,7 @@ class ModelRunner:
         (captured graphs return them too)."""
         graphs = self.cuda_graphs
         own = kv_caches is self.kv_caches  # the target's forward (graphs hold its caches)
-        if graphs is not None and own and graphs.can_replay(step):
+        if graphs is not None and own and step.tree_mask is None and graphs.can_replay(step):
             return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         md = step.attention_metadata(dev)

@@ -3,6 +3,7 @@ verification for every request the step samples (:func:`sample_step`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,18 +12,26 @@ from lmkit.sample.bitmask import apply_grammar_bitmask
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import VerifiedTokens
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
+from lmkit.worker.tree_step import compact_accepted, sample_tree_step
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import SchedulerOutput
+    from lmkit.spec_decode.tree import DraftTree
+    from lmkit.worker.input_batch import StepInputs
     from lmkit.worker.model_runner import ModelRunner
     from lmkit.worker.step_plan import SamplingPlan
 
 
 def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
-                plan: SamplingPlan, so: SchedulerOutput | None = None) -> VerifiedTokens:
+                plan: SamplingPlan, so: SchedulerOutput | None = None,
+                step: StepInputs | None = None, aux: list[torch.Tensor] | None = None
+                ) -> VerifiedTokens:
     """Sample (and verify drafts) for every planned request of ``runner``'s step in one
     call: logits only at the planned rows of ``hidden``, the grammar bitmask, then one
-    greedy argmax when every row may take it, else the full sampler."""
+    greedy argmax when every row may take it, else the full sampler. Draft trees
+    (``runner.tree``) are walked instead, and the accepted nodes moved to a chain's rows
+    and slots (in the KV caches, ``hidden`` and the head's features ``aux``; needs the
+    ``step``)."""
     if not plan:
         return VerifiedTokens([], [])
     by_state = [(runner.requests[order[i]], first_row, drafts)
@@ -39,21 +48,35 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
         apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                               [order[i] for i, _, _ in plan],
                               [len(d) + 1 for d in drafts], runner.apply_token_bitmask)
+    if runner.tree is not None and any(drafts):  # draft trees: walk each request's
+        assert step is not None
+        verified = sample_tree_step(runner, logits, order, plan, runner.tree)
+        compact_accepted(runner.kv_groups, runner.kv_caches, step, plan, verified.paths or [],
+                         [hidden, *(aux or [])])
+        return verified
     if not runner.logits_processors.affects_greedy and all(
             is_plain_greedy(s.sampling_params, len(s.output_token_ids))
             for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
         return runner.sampler.verify_greedy(logits, drafts)
-    # one row per sampled position; outputs extended by drafts are views, not copies
-    r = sampling_rows(by_state)
-    md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
-                                r.eos_token_ids, runner.vocab_size, hidden.device,
-                                runner.sampler.request_cache(runner.vocab_size, hidden.device),
-                                [order[i] for i, _, d in plan for _ in range(len(d) + 1)])
-    if runner.logits_processors.in_use:  # plugin processors: the slot of every row
-        md.logits_processors, md.processor_slots = runner.logits_processors.for_step(
-            [order[i] for i, _, d in plan for _ in range(len(d) + 1)], hidden.device)
+    md = step_metadata(runner, order, plan, hidden.device)
     draft_probs = so.spec_draft_probs if so is not None else None
     probs = [draft_probs.get(order[i]) for i, _, _ in plan] if draft_probs else None
     if runner.drafter is not None:  # the head's sampled drafts' distributions
         probs = runner.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
     return runner.sampler.sample_requests(logits, md, drafts, probs)
+
+
+def step_metadata(runner: ModelRunner, order: Sequence[str], plan: SamplingPlan,
+                  device: torch.device, tree: DraftTree | None = None) -> SamplingMetadata:
+    """The sampling metadata of the plan's rows: one row per sampled position, outputs
+    extended by the drafts before it (views, not copies; with ``tree``, by the drafts on
+    the path to the node), plugin processors' slots when any is in use."""
+    r = sampling_rows([(runner.requests[order[i]], row, d) for i, row, d in plan], tree)
+    keys = [order[i] for i, _, d in plan for _ in range(len(d) + 1)]
+    md = SamplingMetadata.build(r.params, r.prompts, r.outputs, r.generators,
+                                r.eos_token_ids, runner.vocab_size, device,
+                                runner.sampler.request_cache(runner.vocab_size, device), keys)
+    if runner.logits_processors.in_use:  # plugin processors: the slot of every row
+        md.logits_processors, md.processor_slots = runner.logits_processors.for_step(
+            keys, device)
+    return md

@@ -15,7 +15,8 @@ torch|cpu|triton|flashinfer|flash_attn``). Only ``torch`` and ``cpu``
 declare ``non_causal`` (bidirectional attention, for encoders such as BERT); ``torch``
 and ``flashinfer`` declare ``logits_soft_cap`` (Gemma-2's attention-score soft-capping);
 ``triton``, ``torch`` and ``cpu`` declare ``fp8_kv_cache`` (``cache.kv_cache_dtype: fp8``,
-K/V stored in float8 e4m3).
+K/V stored in float8 e4m3) and ``tree_mask`` (draft-tree attention, for speculative
+decoding with a token tree; the others refuse a tree step when planned with one).
 
 Each backend declares the ``attention_kind`` it serves: the five above ``"mha"``
 (multi-head/grouped-query attention over per-head K/V); ``mla_torch`` (10, CPU and
@@ -97,7 +98,7 @@ def register_attention_backends(register):
         name="torch", target="lmkit_plugins.attention.torch_ref:TorchAttention", priority=10,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal", "logits_soft_cap", "fp8_kv_cache"},
+             "non_causal", "logits_soft_cap", "fp8_kv_cache", "tree_mask"},
             {"device": {"cpu", "cuda"}, "dtype": {"float32", "bfloat16", "float16"},
              "attention_kind": {MHA}},
         ),
@@ -107,7 +108,7 @@ def register_attention_backends(register):
         name="cpu", target="lmkit_plugins.attention.cpu_backend:CpuAttention", priority=20,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "sliding_window",
-             "non_causal", "fp8_kv_cache"},
+             "non_causal", "fp8_kv_cache", "tree_mask"},
             {"device": {"cpu"}, "dtype": {"float32", "bfloat16"}, "attention_kind": {MHA}},
         ),
         description="Reference paged attention with decode steps (float32) and encoder "
@@ -119,7 +120,7 @@ def register_attention_backends(register):
         options=TritonAttentionOptions,
         caps=Caps(
             {"multi_token_query", "prefix_caching", "chunked_prefill", "cuda_graphs",
-             "fp8_kv_cache"},
+             "fp8_kv_cache", "tree_mask"},
             {"device": {"cuda"}, "dtype": {"float32", "bfloat16", "float16"},
              "head_size": {64, 80, 96, 128, 256}, "attention_kind": {MHA}},
         ),

@@ -7,7 +7,8 @@ blocks. In float32 and bfloat16, an encoder's step (non-causal, every key one of
 step's tokens; head size a multiple of 16) goes through
 :mod:`lmkit_kernels.cpu.encoder_attention`, which attends each request's packed rows in
 place (no padding, no gathers). Any other step (prefill, chunked prefill, prefill over a cached prefix, mixed steps,
-multi-token queries) is planned and run exactly as :class:`TorchAttention` does, so
+multi-token queries, and every step with a draft tree, even one of single-token
+queries) is planned and run exactly as :class:`TorchAttention` does, so
 every property of the reference holds; the kernels differ from it only in the order
 of float32 sums (and, in bfloat16, in rounding the float32 output once). When the kernel cannot be built on this machine the backend
 logs why once and runs every step as the reference.
@@ -43,6 +44,7 @@ class CpuAttention(TorchAttention):
 
     supports_logits_soft_cap = False  # the C decode kernel does not soft-cap
     supports_paged_decode_args = True  # decode-only steps: the C kernel's arguments
+    supports_tree_mask = True  # tree steps: always the reference's plan and run
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -65,12 +67,13 @@ class CpuAttention(TorchAttention):
         self._metadata: AttentionMetadata | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Decode-only and encoder steps: the kernel's arguments; other steps: the
-        reference plan."""
+        """Decode-only and encoder steps: the kernel's arguments; other steps (draft-tree
+        steps included): the reference plan."""
         md = metadata
         n = md.num_actual_tokens
         self._encoder = None
-        if (self._encoder_kernel is not None and n > 0 and not md.cuda_graph
+        no_tree = md.tree_mask is None  # the C kernels attend no draft tree: the reference does
+        if (no_tree and self._encoder_kernel is not None and n > 0 and not md.cuda_graph
                 and int(md.seq_lens_cpu[:md.num_reqs].sum()) == n):
             # every key is one of this step's tokens: request r's rows are
             # query_start_loc[r] .. query_start_loc[r + 1] - 1
@@ -79,7 +82,8 @@ class CpuAttention(TorchAttention):
             self._decode, self._plan = None, None
             self._metadata = md
             return
-        if self._decode_kernel is not None and n == md.num_reqs > 0 and not md.cuda_graph:
+        if (no_tree and self._decode_kernel is not None and n == md.num_reqs > 0
+                and not md.cuda_graph):
             tables = md.block_tables[:n]
             self._decode = _DecodePlan(
                 n, md.slot_mapping[:n].contiguous(),

@@ -130,6 +130,7 @@ class FlashAttnAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Build this step's FlashAttention arguments (see :func:`build_plan`)."""
+        self.refuse_tree_metadata(metadata)
         buffer = None
         if self.generation == "fa2":
             need = metadata.num_reqs + 1

@@ -91,6 +91,7 @@ class FlashInferAttention(AttentionBackend):
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Build FlashInfer's page lists for this step and plan both wrappers."""
+        self.refuse_tree_metadata(metadata)
         md = metadata
         num_reqs, bs = md.num_reqs, self.block_size
         qsl = md.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)

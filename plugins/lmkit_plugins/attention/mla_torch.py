@@ -33,8 +33,13 @@ class MLATorchAttention(MLAAttentionBackend, TorchAttention):
 
     Handles prefill, prefill over a cached prefix, chunked prefill, decode and
     multi-token queries in one mixed batch; the reference the MLA kernels are tested
-    against (:mod:`lmkit.testing.mla_attention`). Causal only, no sliding window.
+    against (:mod:`lmkit.testing.mla_attention`). Causal only, no sliding window, no
+    draft trees.
     """
+
+    #: the reference's planning would build tree masks, but the MLA path is not checked
+    #: with them (the spec does not claim tree_mask): its plan refuses tree steps
+    supports_tree_mask = False
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

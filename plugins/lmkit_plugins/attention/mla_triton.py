@@ -92,6 +92,7 @@ class MLATritonAttention(MLAAttentionBackend):
     def plan(self, metadata: AttentionMetadata) -> None:
         """Split the step into absorbed and decompressed requests; host work only, plus
         the device gather of the decompressed requests' context slots."""
+        self.refuse_tree_metadata(metadata)
         md = metadata
         num_reqs = md.num_reqs
         qsl = md.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)

@@ -12,7 +12,11 @@ that share a KV head are folded into the query axis, so K/V are never repeated.
 Query token ``i`` of a request whose context before this step is ``c`` sits at position
 ``c + i`` and sees the keys at positions ``<= c + i`` (and ``> c + i - window`` with a
 sliding window); built with ``causal=False`` (an encoder), every query sees all of its
-request's keys (an encoder step is planned in :mod:`lmkit_plugins.attention.encoder_groups`). The backend reads only blocks listed in ``block_tables``; stale slots in
+request's keys (an encoder step is planned in :mod:`lmkit_plugins.attention.encoder_groups`).
+A draft-tree step (metadata ``tree_mask``, see :mod:`lmkit_plugins.attention.tree_mask`)
+is planned like any other with the tree's visibility in each tree request's mask (a
+sliding window still applies on top, by the key index of each query token's slot).
+The backend reads only blocks listed in ``block_tables``; stale slots in
 a request's last block are masked out. KV caches must be allocated zeroed (the model
 runner does), so that masked-out padding never holds NaN bit patterns.
 """
@@ -37,6 +41,10 @@ from lmkit_plugins.attention.encoder_groups import (
     plan_bidirectional,
 )
 from lmkit_plugins.attention.fp8_kv import dequantize_kv, store_kv
+from lmkit_plugins.attention.tree_mask import apply_tree, tree_regions
+
+#: a group's draft trees: each request's region (host) and its query rows' mask bits
+_Tree = tuple[np.ndarray, torch.Tensor]
 
 
 @dataclass
@@ -67,12 +75,13 @@ class TorchAttention(AttentionBackend):
 
     Handles prefill, prefill over a cached prefix, chunked prefill, decode and
     multi-token decode queries (speculative decoding) in one mixed batch; GQA and an
-    optional sliding window and attention-score soft cap; an FP8 (e4m3) cache. It is the
-    reference the fast backends are tested against.
+    optional sliding window and attention-score soft cap; an FP8 (e4m3) cache; draft
+    trees. It is the reference the fast backends are tested against.
     """
 
     supports_logits_soft_cap = True
     supports_fp8_kv_cache = True  # stored quantized, gathered blocks dequantized
+    supports_tree_mask = True  # tree requests' masks built from their mask bits
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -94,15 +103,18 @@ class TorchAttention(AttentionBackend):
     def plan(self, metadata: AttentionMetadata) -> None:
         """Group the step's requests and build their gather indices and masks."""
         md = metadata
+        self.refuse_tree_metadata(md)  # (subclasses that do not declare trees)
+        regions = tree_regions(md)
         num_tokens = md.num_actual_tokens
         seq_lens = md.seq_lens_cpu[: md.num_reqs].numpy().astype(np.int64)
         self._bidirectional = None
-        if not self.causal and int(seq_lens.sum()) == num_tokens > 0:
+        if regions is None and not self.causal and int(seq_lens.sum()) == num_tokens > 0:
             # an encoder's step: every key is this step's, so attend straight from k/v
             self._bidirectional = self._plan_bidirectional(md, seq_lens)
             self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], [], False)
             return
-        if num_tokens == md.num_reqs > 0:  # decodes only (one token each): one group, in order
+        if regions is None and num_tokens == md.num_reqs > 0:
+            # decodes only (one token each; no tree): one group, in order
             self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens],
                                [self._plan_decodes(md, seq_lens)], covers_all=True)
             return
@@ -112,7 +124,7 @@ class TorchAttention(AttentionBackend):
         groups = []
         for reqs in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
             if len(reqs):
-                groups.append(self._plan_group(md, reqs, qsl, query_lens, seq_lens))
+                groups.append(self._plan_group(md, reqs, qsl, query_lens, seq_lens, regions))
         covers_all = (len(groups) == 1 and groups[0].valid_rows is None
                       and groups[0].query_rows == slice(0, num_tokens))
         self._plan = _Plan(num_tokens, md.slot_mapping[:num_tokens], groups, covers_all)
@@ -136,7 +148,8 @@ class TorchAttention(AttentionBackend):
         return _Group(num_reqs, 1, kv_len, num_kv_blocks, block_ids, rows, rows, None, mask)
 
     def _plan_group(self, md: AttentionMetadata, reqs: np.ndarray, qsl: np.ndarray,
-                    query_lens: np.ndarray, seq_lens: np.ndarray) -> _Group:
+                    query_lens: np.ndarray, seq_lens: np.ndarray,
+                    regions: np.ndarray | None = None) -> _Group:
         device = md.block_tables.device
         num_reqs = len(reqs)
         q_lens, s_lens = query_lens[reqs], seq_lens[reqs]
@@ -165,17 +178,26 @@ class TorchAttention(AttentionBackend):
             dest = padded.reshape(-1)[valid]
             out_rows = contiguous_rows(dest) or torch.from_numpy(dest).to(device)
 
+        tree: _Tree | None = None
+        if md.tree_mask is not None and regions is not None and bool(regions[reqs].any()):
+            # each padded query row's mask entry (padding repeats its request's last token)
+            token_rows = starts[:, None] + np.minimum(np.arange(max_q)[None, :],
+                                                      q_lens[:, None] - 1)
+            rows_t = torch.from_numpy(token_rows.reshape(-1)).to(md.tree_mask.device)
+            bits = md.tree_mask.index_select(0, rows_t).view(num_reqs, max_q)
+            tree = (regions[reqs], bits.to(device))
         mask = None
-        needs_mask = ((max_q > 1 and (self.causal or num_reqs > 1))
+        needs_mask = ((max_q > 1 and (self.causal or num_reqs > 1)) or tree is not None
                       or self.sliding_window is not None or bool((s_lens != kv_len).any()))
         if needs_mask:
-            mask = self._build_mask(q_lens, s_lens, max_q, kv_len, device)
+            mask = self._build_mask(q_lens, s_lens, max_q, kv_len, device, tree)
         return _Group(num_reqs, max_q, kv_len, num_kv_blocks, block_ids, query_rows,
                       out_rows, valid_rows, mask)
 
     def _build_mask(self, q_lens: np.ndarray, s_lens: np.ndarray, max_q: int, kv_len: int,
-                    device: torch.device) -> torch.Tensor:
-        """bool ``[R, 1, heads_per_kv * max_q, kv_len]``: query i of request r sees key j."""
+                    device: torch.device, tree: _Tree | None = None) -> torch.Tensor:
+        """bool ``[R, 1, heads_per_kv * max_q, kv_len]``: query i of request r sees key j
+        (``tree``: the requests' tree regions and their query rows' mask bits)."""
         q_lens_t = torch.from_numpy(q_lens).to(device)
         ctx = torch.from_numpy(s_lens - q_lens).to(device)
         offsets = torch.arange(max_q, device=device)
@@ -186,6 +208,8 @@ class TorchAttention(AttentionBackend):
         else:  # bidirectional: every key of the request
             s_lens_t = torch.from_numpy(s_lens).to(device)
             allowed = (keys[None, None, :] < s_lens_t[:, None, None]).expand(-1, max_q, -1)
+        if tree is not None:
+            allowed = apply_tree(allowed, keys, s_lens, *tree)
         if self.sliding_window is not None:
             allowed &= keys[None, None, :] > (q_pos - self.sliding_window)[:, :, None]
         # padded query rows attend to key 0 only, so that no row is empty (NaN)

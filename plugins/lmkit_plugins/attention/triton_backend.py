@@ -15,6 +15,13 @@ the runner keeps the metadata tensors at fixed addresses and calls ``plan`` befo
 capture and before every replay. The decode split count depends on the batch shape
 only (:func:`~lmkit_kernels.paged_attention.choose_decode_splits`), so a graph captured
 with short contexts stays fast with long ones.
+
+A draft-tree step (metadata ``tree_mask`` set; speculative decoding with a token tree)
+runs every request through the prefill kernel with its tree variant, which reads each
+request's region and each token's mask bits on the device: decodes included (the
+decode kernel attends causally only), requests with region 0 causal as usual. Whether
+a step has a tree is fixed by the metadata's structure, not by values, so a tree step's
+plan stays valid when the values in its buffers change in place.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from lmkit_kernels.paged_attention import (
 )
 
 from lmkit_plugins.attention import TritonAttentionOptions
+from lmkit_plugins.attention.tree_mask import tree_regions
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,14 +56,16 @@ class _TritonPlan:
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
+    tree_region: torch.Tensor | None = None  # int32 [num_reqs]: a draft-tree step
+    tree_mask: torch.Tensor | None = None  # int64 [num_tokens]
 
 
 class TritonAttention(AttentionBackend):
     """Paged attention on CUDA with the Triton kernels of :mod:`lmkit_kernels`.
 
     Supports float32/float16/bfloat16, head sizes up to 256, GQA, mixed
-    prefill/decode batches, cached prefixes and chunked prefill, and an FP8 (e4m3) cache.
-    No sliding window.
+    prefill/decode batches, cached prefixes and chunked prefill, an FP8 (e4m3) cache
+    and draft trees. No sliding window.
     """
 
     supports_model_kv_write = True  # kv_write_slots(), run(..., kv_written=True)
@@ -63,6 +73,7 @@ class TritonAttention(AttentionBackend):
     # decode kernels read seq_lens / slots / block tables on the device; the plan keeps
     # only counts and the split choice
     supports_in_place_decode_metadata = True
+    supports_tree_mask = True  # tree steps: the prefill kernel's tree variant
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -90,13 +101,18 @@ class TritonAttention(AttentionBackend):
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        """Count the leading decode requests and fix the decode split count (host only)."""
+        """Count the leading decode requests and fix the decode split count (host only);
+        a draft-tree step has no decodes (all its requests go to the prefill kernel)."""
         md = metadata
         num_reqs = md.num_reqs
         qsl = md.query_start_loc_cpu[: num_reqs + 1].numpy()
         query_lens = np.diff(qsl)
         not_decode = np.flatnonzero(query_lens != 1)
         num_decodes = int(not_decode[0]) if len(not_decode) else num_reqs
+        tree_region, tree_mask = None, None
+        if tree_regions(md) is not None:  # a draft-tree step (its host metadata checked)
+            num_decodes = 0
+            tree_region, tree_mask = md.tree_region, md.tree_mask
         max_prefill = int(query_lens[num_decodes:].max()) if num_decodes < num_reqs else 0
         splits = self.options.decode_num_splits or choose_decode_splits(
             max(num_decodes, 1), self.num_kv_heads, md.block_tables.device)
@@ -108,6 +124,8 @@ class TritonAttention(AttentionBackend):
             query_start_loc=md.query_start_loc[: num_reqs + 1],
             seq_lens=md.seq_lens[:num_reqs], block_tables=md.block_tables[:num_reqs],
             slot_mapping=md.slot_mapping[: md.num_actual_tokens],
+            tree_region=None if tree_region is None else tree_region[:num_reqs],
+            tree_mask=None if tree_mask is None else tree_mask[: md.num_actual_tokens],
         )
 
     def _grow_counters(self, num_reqs: int, device: torch.device) -> None:
@@ -129,7 +147,7 @@ class TritonAttention(AttentionBackend):
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kv_cache: torch.Tensor, *, kv_written: bool = False) -> torch.Tensor:
         """Write ``k``/``v`` at ``slot_mapping`` (unless ``kv_written``), then attend
-        every request causally.
+        every request causally (a draft tree's requests as their mask bits say).
 
         :param q: ``[num_tokens, num_heads, head_size]`` (rows past the step's tokens,
             CUDA-graph padding, come back as zeros)
@@ -159,5 +177,6 @@ class TritonAttention(AttentionBackend):
         if nd < plan.num_reqs:
             paged_attention(q, kv_cache, plan.query_start_loc[nd:], plan.seq_lens[nd:],
                             plan.block_tables[nd:], max_query_len=plan.max_prefill_query_len,
-                            scale=self.scale, out=out, k_scale=ks, v_scale=vs)
+                            scale=self.scale, out=out, k_scale=ks, v_scale=vs,
+                            tree_region=plan.tree_region, tree_mask=plan.tree_mask)
         return out

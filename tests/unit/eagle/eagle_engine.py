@@ -16,7 +16,7 @@ PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 #: run_engine's keyword settings that go to the config's ``speculative`` section
 SPECULATIVE_KEYS = ("disable_by_batch_size", "catch_up_when_off", "adaptive",
-                    "device_step_max_requests")
+                    "device_step_max_requests", "tree")
 
 
 def tokens(outs):

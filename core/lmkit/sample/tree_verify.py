@@ -1,0 +1,151 @@
+"""Verifying a draft tree (:class:`~lmkit.spec_decode.tree.DraftTree`): which path of
+drafts a request accepts, and the token after it.
+
+Each request has ``n + 1`` consecutive logits rows: the root (its last known token)
+and its first ``n`` draft nodes in breadth-first order, each row computed with the
+node's ancestors as the preceding tokens (tree attention) and sampled with its own
+"output so far" (the request's output plus the drafts on the path to it, so penalties
+and bans act as they would one token at a time).
+
+The walk starts at the root. At a node whose row samples greedily the child whose
+draft equals the argmax is accepted. At a random row the children are tried in rank
+order, as deterministic drafts: child ``c`` is accepted with probability
+``p(c) / (1 - mass of the siblings rejected before it)``, where ``p`` is the row's
+target distribution (after every filter); the token after the accepted path is drawn
+from ``p`` with all the node's children removed. So each emitted token has exactly the
+target distribution, whatever the drafts (the argument is that of sampling without
+replacement: ``c`` is emitted with probability ``(1 - rejected) * p(c) / (1 -
+rejected) = p(c)``, and any other token with ``p`` times the chance that all children
+were rejected, normalised). Seeded requests draw from their own generator only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lmkit.api.sampling_kernels import SamplingKernels
+from lmkit.sample.drafts import VerifiedTokens
+from lmkit.sample.draws import adjust_logits, compute_probs, sample_from_probs
+from lmkit.sample.metadata import SamplingMetadata
+from lmkit.spec_decode.tree import DraftTree
+
+
+@dataclass
+class TreeVerified(VerifiedTokens):
+    """:class:`~lmkit.sample.drafts.VerifiedTokens` plus, per request, the accepted
+    draft nodes in path order (indices into its drafts, 1-based; empty: none)."""
+
+    paths: list[list[int]] | None = None
+
+
+def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
+                drafts: Sequence[Sequence[int]], kernels: SamplingKernels
+                ) -> TreeVerified:
+    """Walk each request's draft tree (see the module docstring).
+
+    Args:
+        logits: ``[rows, vocab]``, ``len(drafts[i]) + 1`` consecutive rows per request
+            (root, then its drafts); not modified.
+        md: one row per logits row (no logprobs: tree requests do not ask for them).
+        tree: the tree; request ``i``'s drafts are its first ``len(drafts[i])`` nodes.
+        drafts: per request its draft token ids, in node order.
+        kernels: the engine's sampling kernels (penalties, argmax).
+
+    Returns:
+        per request the accepted drafts' tokens then one more, the accepted count, the
+        accepted nodes, and ``no_allowed_token`` for a final row with nothing allowed.
+    """
+    counts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
+    starts = np.cumsum(counts + 1) - (counts + 1)
+    if logits.shape[0] != md.num_rows or md.num_rows != int(counts.sum()) + len(drafts):
+        raise ValueError(f"verify_tree expects one logits row per draft plus one per "
+                         f"request ({int(counts.sum()) + len(drafts)}); got logits "
+                         f"{tuple(logits.shape)}, metadata {md.num_rows} rows")
+    device = logits.device
+    logits = logits.to(torch.float32, copy=True)
+    if md.needs_logit_adjustment:
+        logits = adjust_logits(logits, md, kernels)
+    no_token = logits.amax(dim=-1) == float("-inf") if md.may_allow_no_token else None
+    parts = [kernels.argmax(logits).double()]
+    # every draft node: the row of its parent, and its token
+    node_req = np.repeat(np.arange(len(drafts)), counts)
+    node = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    parent_rows = starts[node_req] + tree.parents[node]
+    tokens = np.fromiter((t for d in drafts for t in d), dtype=np.int64, count=len(node))
+    if not md.all_greedy:
+        probs = compute_probs(logits, md)
+        rows_t = torch.from_numpy(parent_rows).to(device)
+        tokens_t = torch.from_numpy(tokens).to(device)
+        p_child = probs[rows_t, tokens_t]
+        residual = probs.clone()
+        residual[rows_t, tokens_t] = 0.0  # the token after a node is never one of its drafts
+        parts += [sample_from_probs(residual, md.generators).double(),
+                  residual.sum(dim=-1).double(), p_child.double(),
+                  _uniforms(len(node), starts, counts, md.generators, device).double()]
+    if no_token is not None:
+        parts.append(no_token.double())
+    host = torch.cat(parts).cpu().numpy()  # the one device-to-host copy
+    rows = md.num_rows
+    greedy = host[:rows].astype(np.int64)
+    random = None
+    if not md.all_greedy:
+        nn = len(node)
+        random = (host[rows:2 * rows].astype(np.int64), host[2 * rows:3 * rows],
+                  host[3 * rows:3 * rows + nn], host[3 * rows + nn:3 * rows + 2 * nn])
+    is_greedy = md.is_greedy.cpu().numpy() if not (md.all_greedy or md.all_random) else None
+    empty = host[-rows:] > 0.5 if no_token is not None else None
+    node_first = np.cumsum(counts) - counts  # each request's first node among all nodes
+    out = TreeVerified([], [], paths=[])
+    assert out.paths is not None
+    for i, (start, n) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
+        greedy_row = md.all_greedy or (is_greedy is not None and bool(is_greedy[start]))
+        path, cur, bonus = [], 0, -1
+        while True:
+            kids = [(c, int(drafts[i][c - 1])) for _, c in tree.child_ranks(cur, n)]
+            if greedy_row:
+                target = int(greedy[start + cur])
+                nxt = next((c for c, t in kids if t == target), None)
+                bonus = target
+            else:
+                assert random is not None
+                res, res_mass, p, u = random
+                nxt, rejected, seen = None, 0.0, set()
+                for c, t in kids:
+                    j = node_first[i] + c - 1
+                    pc = 0.0 if t in seen else float(p[j])
+                    if u[j] * (1.0 - rejected) < pc:
+                        nxt = c
+                        break
+                    rejected += pc
+                    seen.add(t)
+                # nothing left after the children (rounding): the last one tried
+                bonus = int(res[start + cur]) if res_mass[start + cur] > 0 or not kids else (
+                    kids[-1][1])
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        out.token_ids.append([int(drafts[i][c - 1]) for c in path] + [bonus])
+        out.num_accepted.append(len(path))
+        out.paths.append(path)
+        if empty is not None and empty[start + cur]:
+            out.no_allowed_token[i] = len(path)
+    return out
+
+
+def _uniforms(num_nodes: int, starts: np.ndarray, counts: np.ndarray,
+              generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """One acceptance uniform per draft node; a seeded request's (its generators are
+    keyed by row) from its own generator."""
+    uniform = torch.rand(num_nodes, device=device)
+    first = 0
+    for start, n in zip(starts.tolist(), counts.tolist(), strict=True):
+        gen = generators.get(start)
+        if gen is not None and n:
+            uniform[first:first + n] = torch.rand(n, generator=gen, device=gen.device).to(device)
+        first += n
+    return uniform

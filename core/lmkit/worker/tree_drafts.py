@@ -1,0 +1,124 @@
+"""A draft head's tree drafts (``speculative.tree``), level by level.
+
+After the catch-up pass the head's output at a request's last kept position drafts the
+root's children: the head's top-ranked tokens there (:meth:`~lmkit.api.RunnerProposer.
+draft_logits`, ranks as the tree's rank paths name them). Each further level is one
+head pass over the nodes that have children, all requests together: node ``c`` of
+depth ``d`` reads its own token and its parent's output, sits at position ``last + d``
+and writes its K/V at sequence index ``last + c`` (the slot a chain's draft ``c`` would
+take), and attends to the context and to its ancestors only (the tree region of the
+attention metadata, :mod:`lmkit.worker.tree_step`). Its output drafts its children.
+
+Drafts are the head's argmax-ranked tokens, deterministic drafts for verification
+(:mod:`lmkit.sample.tree_verify`). Requests that ask for logprobs or structured
+output do not draft (their verification takes no tree). The passes run eagerly, with
+one device-to-host copy of the ranked tokens per level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lmkit.api.attention import AttentionMetadata
+from lmkit.api.model import ForwardContext
+from lmkit.worker.input_batch import tree_metadata
+
+if TYPE_CHECKING:
+    from lmkit.spec_decode.tree import DraftTree
+    from lmkit.worker.draft_runner import DraftRunner
+
+
+def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: np.ndarray,
+               num_drafts: np.ndarray, req_rows: np.ndarray, tables: np.ndarray,
+               step_index: Sequence[int], req_ids: Sequence[str]) -> dict[int, list[int]]:
+    """The draft trees of the drafting requests.
+
+    Args:
+        drafter: the draft runner (its head, KV caches, staging, request states).
+        tree: the tree; a request drafts its first ``num_drafts`` nodes.
+        feat: ``[n, hidden]``, the head's output at each request's last kept position.
+        last: each request's last kept position (the root's).
+        num_drafts: nodes each request has room for (its blocks, the context limit).
+        req_rows: the requests' batch rows; ``tables`` their block tables.
+        step_index: the requests' indices in the step; ``req_ids`` their ids.
+
+    Returns:
+        step index -> the drafts' tokens in node order.
+    """
+    n = np.where([_may_draft(drafter, r) for r in req_ids], num_drafts, 0).astype(np.int64)
+    tokens = np.zeros((len(n), tree.num_nodes + 1), dtype=np.int64)
+    cur_req = np.flatnonzero(n > 0)
+    cur_node = np.zeros(len(cur_req), dtype=np.int64)
+    cur_feat = feat.index_select(0, drafter.staging.put(cur_req)) if len(cur_req) else feat
+    while len(cur_req):
+        kids = [tree.child_ranks(int(c), int(n[r])) for r, c in zip(cur_req, cur_node,
+                                                                       strict=True)]
+        top = _ranked(drafter, cur_feat, 1 + max(rank for k in kids for rank, _ in k))
+        nxt_req, nxt_node, parent = [], [], []
+        for m, (r, children) in enumerate(zip(cur_req, kids, strict=True)):
+            for rank, c in children:
+                tokens[r, c] = top[m, rank]
+                if tree.child_ranks(c, int(n[r])):  # it drafts children of its own
+                    nxt_req.append(r)
+                    nxt_node.append(c)
+                    parent.append(m)
+        if not nxt_req:
+            break
+        cur_req, cur_node = np.asarray(nxt_req), np.asarray(nxt_node)
+        parent_feat = cur_feat.index_select(0, drafter.staging.put(np.asarray(parent)))
+        cur_feat = _level_pass(drafter, tree, parent_feat, tokens[cur_req, cur_node], cur_req,
+                               cur_node, last, req_rows, tables)
+    return {int(step_index[int(r)]): tokens[r, 1:n[r] + 1].tolist() for r in np.flatnonzero(n)}
+
+
+def _may_draft(drafter: DraftRunner, req_id: str) -> bool:
+    """Whether a request drafts a tree: not when it asks for logprobs or carries a
+    structured-output constraint (their rows are verified without trees)."""
+    state = drafter.requests.get(req_id)
+    if state is None:
+        return True
+    params = state.sampling_params
+    return params.logprobs is None and not params.structured_outputs
+
+
+def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> np.ndarray:
+    """``[n, width]`` target ids: the head's top ``width`` drafts after each row of
+    ``feat`` (its output features), best first."""
+    logits, target_ids = drafter.proposer.draft_logits(feat)
+    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
+    if target_ids is not None:
+        top = target_ids[top]
+    return top.cpu().numpy()
+
+
+def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: np.ndarray,
+                req: np.ndarray, node: np.ndarray, last: np.ndarray, req_rows: np.ndarray,
+                tables: np.ndarray) -> torch.Tensor:
+    """One head pass over the nodes ``node`` of requests ``req`` (grouped by request,
+    in order), fed ``ids`` and their parents' outputs ``feat``; returns their outputs."""
+    bs = drafter.block_size
+    index = last[req] + node  # the sequence index each node's K/V is written at
+    blocks = tables[req, index // bs].astype(np.int64)
+    slots = blocks * bs + index % bs
+    positions = last[req] + tree.depths[node]
+    reqs, counts = np.unique(req, return_counts=True)  # (grouped: unique keeps the order)
+    widest = np.maximum.reduceat(node, np.cumsum(counts) - counts)  # the region's end
+    seq_lens = (last[reqs] + 1 + widest).astype(np.int32)
+    qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(counts)
+    put = drafter.staging.put
+    md = AttentionMetadata(
+        num_reqs=len(reqs), num_actual_tokens=len(req), max_query_len=int(counts.max()),
+        max_seq_len=int(seq_lens.max()), query_start_loc=put(qsl, torch.int32),
+        seq_lens=put(seq_lens, torch.int32), block_tables=put(tables[reqs], torch.int32),
+        slot_mapping=put(slots), query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
+        num_decodes=0, **tree_metadata(widest, tree.masks[node] >> 1, feat.device))
+    proposer = drafter.proposer
+    proposer.attn.plan(md)
+    return proposer.forward(put(ids), put(positions), feat,
+                            ForwardContext(proposer.attn, drafter.kv_caches))

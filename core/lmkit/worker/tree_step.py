@@ -1,0 +1,148 @@
+"""A verification step of draft trees (``speculative.tree``) in the model runner.
+
+A request with ``n`` drafts of a :class:`~lmkit.spec_decode.tree.DraftTree` runs
+``n + 1`` query rows: its last known token (the root) and the drafts in node order,
+stored in consecutive cache slots as a chain would be, but each at position ``root +
+depth`` and seeing only the context and its ancestors (:func:`mark_tree_rows`: the
+attention metadata's tree region and mask bits). After verification
+(:func:`sample_tree_step`, :func:`lmkit.sample.tree_verify.verify_tree`)
+:func:`compact_accepted` moves the accepted nodes' K/V, hidden states and the draft
+head's features to the rows and slots of a chain, so everything after (committing the
+tokens, the head's catch-up, prefix caching) sees the accepted tokens as if they had
+been drafted in a chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from lmkit.api.kv_cache_spec import KVCacheGroup
+from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
+from lmkit.errors import ConfigError
+from lmkit.sample.drafts import VerifiedTokens
+from lmkit.sample.tree_verify import TreeVerified, verify_tree
+from lmkit.spec_decode.tree import DraftTree
+
+if TYPE_CHECKING:
+    from lmkit.config.schema import LMKitConfig
+    from lmkit.plugin_host.resolve import ResolvedStack
+    from lmkit.worker.input_batch import StepInputs
+    from lmkit.worker.model_runner import ModelRunner
+    from lmkit.worker.step_plan import SamplingPlan
+
+
+def tree_of(config: LMKitConfig, stack: ResolvedStack) -> DraftTree | None:
+    """The configured draft tree (``speculative.tree``), ``None`` for chains.
+
+    Raises:
+        ConfigError: a tree without a draft head (speculation off, or a proposer that
+            drafts from token ids), or under tensor parallelism (not built yet).
+    """
+    if not config.speculative.tree:
+        return None
+    reg = stack.get("speculative")
+    if reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features:
+        raise ConfigError(
+            "speculative.tree: draft trees are drafted by a draft head, but "
+            + (f"proposer {reg.name!r} drafts from token ids" if reg else
+               "speculation is off") + "; use --speculative eagle or eagle3 (with "
+            "--speculative-model), or drop --spec-tree")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("speculative.tree: draft trees do not run under tensor "
+                          "parallelism yet; drop --spec-tree or use --tp 1")
+    return DraftTree.from_paths(config.speculative.tree)
+
+
+def mark_tree_rows(step: StepInputs, order: Sequence[str], spec: Mapping[str, list[int]],
+                   tree: DraftTree | None) -> StepInputs:
+    """Give the step's draft rows their tree positions and attention masks (in place:
+    ``step.positions``, ``step.tree_region``, ``step.tree_mask``) and return the step;
+    a step without drafts (or ``tree`` ``None``) is left causal."""
+    if tree is None or not any(spec.get(r) for r in order):
+        return step
+    region = np.zeros(len(order), dtype=np.int32)
+    mask = np.full(step.num_tokens, -1, dtype=np.int64)
+    positions = step.positions.numpy()
+    for i, rid in enumerate(order):
+        n = len(spec.get(rid) or ())
+        if not n:
+            continue
+        end = int(step.cu_num_tokens[i])  # the drafts are the request's last n rows
+        first = end - n - 1
+        region[i] = n + 1
+        mask[first:end] = tree.masks[:n + 1]
+        positions[first:end] = positions[first] + tree.depths[:n + 1]
+    step.tree_region, step.tree_mask = region, mask
+    return step
+
+
+def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[str],
+                     plan: SamplingPlan, tree: DraftTree) -> TreeVerified:
+    """Verify a step's draft trees: the requests with drafts through
+    :func:`~lmkit.sample.tree_verify.verify_tree`, the others (no drafts: prefill ends,
+    requests asking for logprobs or structured output) through the sampler as usual;
+    ``logits`` has ``len(drafts) + 1`` rows per plan entry. Returns the results in
+    plan order, with the accepted nodes (:class:`~lmkit.sample.tree_verify.TreeVerified`)."""
+    from lmkit.worker.step_sampling import step_metadata  # (which imports this module)
+
+    sizes = np.fromiter((len(d) + 1 for _, _, d in plan), dtype=np.int64, count=len(plan))
+    starts = np.cumsum(sizes) - sizes
+    treed = [n for n, (_, _, d) in enumerate(plan) if d]
+    plain = [n for n, (_, _, d) in enumerate(plan) if not d]
+    out = TreeVerified([[] for _ in plan], [0] * len(plan), paths=[[] for _ in plan])
+    assert out.paths is not None
+    for entries, with_tree in ((treed, True), (plain, False)):
+        if not entries:
+            continue
+        rows = np.concatenate([np.arange(starts[n], starts[n] + sizes[n]) for n in entries])
+        sub = logits.index_select(0, torch.from_numpy(rows).to(logits.device))
+        part = [plan[n] for n in entries]
+        md = step_metadata(runner, order, part, logits.device, tree if with_tree else None)
+        if with_tree:
+            got: VerifiedTokens = verify_tree(sub, md, tree, [d for _, _, d in part],
+                                              runner.sampler.kernels)
+        else:
+            got = runner.sampler.sample_requests(sub, md, [[] for _ in part])
+            if got.logprobs is not None:
+                out.logprobs = out.logprobs or [[] for _ in plan]
+        for j, n in enumerate(entries):
+            out.token_ids[n], out.num_accepted[n] = got.token_ids[j], got.num_accepted[j]
+            if isinstance(got, TreeVerified) and got.paths is not None:
+                out.paths[n] = got.paths[j]
+            if got.logprobs is not None and out.logprobs is not None:
+                out.logprobs[n] = got.logprobs[j]
+            if j in got.no_allowed_token:
+                out.no_allowed_token[n] = got.no_allowed_token[j]
+    return out
+
+
+def compact_accepted(groups: Sequence[KVCacheGroup], kv_caches: Sequence[torch.Tensor],
+                     step: StepInputs, plan: SamplingPlan, paths: Sequence[Sequence[int]],
+                     features: Sequence[torch.Tensor]) -> None:
+    """Move each request's accepted draft nodes to the rows and cache slots of a chain:
+    the ``j``-th accepted node's K/V (every layer) to the slot of draft ``j``, its rows
+    of ``features`` (the hidden states, the draft head's target-layer inputs) to that
+    draft's row. Requests whose path is already a chain move nothing."""
+    src_rows, dst_rows = [], []
+    for (_, first_row, _), path in zip(plan, paths, strict=True):
+        for j, node in enumerate(path, start=1):
+            if node != j:
+                src_rows.append(first_row + node)
+                dst_rows.append(first_row + j)
+    if not src_rows:
+        return
+    src, dst = np.asarray(src_rows), np.asarray(dst_rows)
+    slots = step.slot_mapping.numpy()
+    device = kv_caches[0].device
+    src_slots = torch.from_numpy(slots[src].copy()).to(device)
+    dst_slots = torch.from_numpy(slots[dst].copy()).to(device)
+    for group in groups:
+        for layer in group.layers:
+            group.attn.copy_kv_slots(kv_caches[layer], src_slots, dst_slots)
+    for rows in features:
+        index_src = torch.from_numpy(src).to(rows.device)
+        rows[torch.from_numpy(dst).to(rows.device)] = rows[index_src]

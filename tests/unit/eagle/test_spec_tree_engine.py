@@ -1,0 +1,124 @@
+"""``speculative.tree``: EAGLE / EAGLE-3 heads drafting token trees, verified in one
+target pass with tree attention. Greedy outputs identical to plain decoding across
+batching, prefix caching, chunked prefill and preemption; the drafted trees equal a
+dense reference of the head; an oracle tree whose right answer sits off the first
+branch (so accepted nodes move to a chain's slots) still decodes exactly, and accepts
+several tokens per step; sampled, logprob and penalised requests beside trees; and the
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+from dense_eagle import DenseEagle
+from eagle_engine import COMMON, GREEDY, PROMPTS, run_engine, tokens
+from lmkit import LLM, SamplingParams
+from lmkit.errors import ConfigError
+from lmkit.spec_decode.tree import DraftTree
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]
+
+
+def tree_llm(tiny, head, proposer="eagle", tree=TREE, **settings):
+    return LLM(str(tiny), speculative=proposer, speculative_model=str(head),
+               speculative_tree=tree, **{**COMMON, "max_model_len": 64, **settings})
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+@pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), [
+    (1, 96, 512),  # one request at a time
+    (8, 96, 512),  # the whole batch, prefix-cache hits
+    (8, 20, 16),  # a small KV pool (preemptions) and chunked prefill
+])
+def test_greedy_outputs_identical_with_a_tree(tiny, heads, baseline, proposer, max_num_seqs,
+                                              num_blocks, chunk):
+    with tree_llm(tiny, heads[proposer], proposer, num_blocks=num_blocks,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
+        stats = llm.stats()
+    if num_blocks < 96:
+        assert stats["num_preemptions"] > 0
+    assert stats["spec_num_verifications"] > 0
+    assert stats["spec_num_draft_tokens"] > len(TREE) * 10  # whole trees were verified
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer):
+    """Every tree the paged head drafted (level passes with tree attention over its own
+    KV cache) equals the head run densely along each node's path."""
+    got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
+                            max_num_seqs=8, max_num_batched_tokens=16, num_blocks=20,
+                            tree=TREE, k=len(TREE))
+    assert stats["num_preemptions"] > 0 and len(got) > 20
+    tree = DraftTree.from_paths(TREE)
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = {key: (drafts, reference.tree_drafts(list(key[1]), tree, len(drafts)))
+             for key, drafts in got.items()}
+    wrong = {key: pair for key, pair in wrong.items() if pair[0] != pair[1]}
+    assert not wrong, f"{len(wrong)} of {len(got)} trees differ, e.g. {next(iter(wrong.values()))}"
+
+
+def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baseline,
+                                                             monkeypatch):
+    """The true continuation planted on the path of ranks (1,), (1, 0), (1, 0, 0): every
+    step accepts nodes 2, 6, 8 of the tree, whose K/V and hidden rows move to a chain's
+    slots before the head catches up; outputs stay those of plain decoding."""
+    import lmkit.worker.draft_runner as draft_runner
+    import lmkit.worker.tree_step as tree_step
+
+    tree = DraftTree.from_paths(TREE)
+    planted = [tree.paths.index(p) + 1 for p in [(1,), (1, 0), (1, 0, 0)]]
+    truth = [list(p.encode()) + out for p, out in zip(PROMPTS, baseline, strict=True)]
+    real_draft, real_compact = draft_runner.draft_tree, tree_step.compact_accepted
+    moved = []
+
+    def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index, req_ids):
+        out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables,
+                         step_index, req_ids)
+        for i, rid in zip(step_index, req_ids, strict=True):
+            state, drafts = drafter.requests[rid], out.get(i)
+            known = len(state.prompt_token_ids) + len(state.output_token_ids)
+            # the prompt index: the request whose known tokens the truth continues
+            full = next(t for t in truth if t[:known] == [*state.prompt_token_ids,
+                                                         *state.output_token_ids])
+            for depth, node in enumerate(planted, start=1):
+                if drafts is not None and node <= len(drafts) and known + depth <= len(full):
+                    drafts[node - 1] = full[known + depth - 1]
+        return out
+
+    def spy(groups, kv_caches, step, plan, paths, features):
+        moved.append(sum(node != j for p in paths for j, node in enumerate(p, start=1)))
+        return real_compact(groups, kv_caches, step, plan, paths, features)
+
+    monkeypatch.setattr(draft_runner, "draft_tree", oracle)
+    monkeypatch.setattr(tree_step, "compact_accepted", spy)
+    import lmkit.worker.step_sampling as step_sampling
+    monkeypatch.setattr(step_sampling, "compact_accepted", spy)
+    with tree_llm(tiny, head, num_blocks=96, max_num_seqs=8) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
+        stats = llm.stats()
+    assert sum(moved) > 50  # accepted nodes off the first branch were moved
+    assert stats["spec_mean_accepted_length"] > 3.0  # up to 3 drafts + 1 per step
+
+
+def test_sampled_logprob_and_penalised_requests_beside_trees(tiny, head):
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3,
+                             presence_penalty=0.5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, n=3, max_tokens=12, ignore_eos=True)]
+    with tree_llm(tiny, head, num_blocks=96, max_num_seqs=8) as llm:
+        outs = llm.generate(PROMPTS[:4], params)
+        again = llm.generate(PROMPTS[:1], params[:1])
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [12] * 6
+    assert len(outs[1].outputs[0].logprobs) == 12  # no drafts for it: one row per step
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # seeded
+
+
+def test_trees_are_refused_without_a_draft_head_or_under_tensor_parallelism(tiny, head):
+    with pytest.raises(ConfigError, match="proposer 'ngram' drafts from token ids"):
+        LLM(str(tiny), speculative="ngram", speculative_tree=TREE, num_blocks=96, **COMMON)
+    with pytest.raises(ConfigError, match="speculation is off"):
+        LLM(str(tiny), speculative_tree=TREE, num_blocks=96, **COMMON)
+    with pytest.raises(ConfigError, match="num_speculative_tokens is 3 but the tree has 8"):
+        LLM(str(tiny), speculative="eagle", speculative_model=str(head),
+            speculative_tree=TREE, num_speculative_tokens=3, num_blocks=96, **COMMON)

@@ -19,7 +19,8 @@
 # ran above it: speculative.catch_up_when_off false) and eagle3-adaptive
 # (speculative.adaptive: drafts only while they measure faster). OFF_ABOVE=none skips the
 # off and drop runs, ADAPTIVE=0 the adaptive one; RUNS (e.g. "eagle3-adaptive eagle3")
-# names the runs outright. HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# names the runs outright; eagle3-tree (only when named) drafts the tree TREE (JSON rank
+# paths, speculative.tree; bench/eagle_tree_sim.py's report gives the best ones). HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With
 # no step named both run (training ~13 minutes on an H200 at the defaults: prompts ~3,
 # answers ~4, features ~1, 4000 steps ~5; SOURCE=tasks PROMPTS=4000 takes ~6).
@@ -56,8 +57,8 @@ for step in $steps; do
       [[ ${ADAPTIVE:-1} == 1 ]] && runs+=(eagle3-adaptive)
       [[ -n ${RUNS:-} ]] && read -r -a runs <<< "$RUNS"
       for run in "${runs[@]}"; do
-        case $run in eagle3|ngram|eagle3-off|eagle3-drop|eagle3-adaptive) ;;
-          *) echo "unknown run '$run'; choose from: eagle3 ngram eagle3-off eagle3-drop eagle3-adaptive" >&2; exit 2 ;;
+        case $run in eagle3|ngram|eagle3-off|eagle3-drop|eagle3-adaptive|eagle3-tree) ;;
+          *) echo "unknown run '$run'; choose from: eagle3 ngram eagle3-off eagle3-drop eagle3-adaptive eagle3-tree" >&2; exit 2 ;;
         esac
         proposer=${run%%-*}
         extra=()
@@ -65,6 +66,7 @@ for step in $steps; do
         [[ $run == *-off || $run == *-drop ]] && extra+=(--disable-by-batch-size "$off")
         [[ $run == *-drop ]] && extra+=(--no-catch-up)
         [[ $run == *-adaptive ]] && extra+=(--adaptive)
+        [[ $run == *-tree ]] && extra+=(--spec-tree "${TREE:?set TREE to the draft tree (JSON rank paths) for eagle3-tree}")
         python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
           --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \
           --workloads chat --batches 1 32 --batch1-prompts 8 --chat-output-len 128 --stop-at-eos \

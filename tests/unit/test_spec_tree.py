@@ -194,3 +194,57 @@ def test_the_stack_needs_tree_attention_and_a_draft_head_without_tensor_parallel
     assert tree_of(config(speculative={"backend": "eagle"}), eagle) is None
     with pytest.raises(ConfigError, match="tensor parallelism"):
         tree_of(config(speculative=tree, parallel={"tensor_parallel_size": 2}), eagle)
+
+
+def test_acceptance_by_position_counts_depths_under_a_tree():
+    from lmkit.spec_decode.stats import SpecDecodeStats
+
+    stats = SpecDecodeStats(6, TREE.depths.tolist())
+    stats.record_step({"a": 6, "b": 2}, {"a": 2, "b": 1})  # b: nodes 1-2, depth 1 only
+    assert (stats.drafted_at, stats.accepted_at) == ([2, 1, 1], [2, 1, 0])
+    assert set(stats.as_dict()) >= {"spec_acceptance_rate_pos_2"}
+    assert "spec_acceptance_rate_pos_3" not in stats.as_dict()
+
+
+def test_tree_rows_get_depth_positions_and_masks_and_rows_before_them_stay_causal():
+    from types import SimpleNamespace
+
+    from lmkit.errors import PluginError
+    from lmkit.worker.tree_step import mark_tree_rows
+
+    # a plain decode (1 row at position 9); then 2 rows a scheduler put before a root
+    # and its 3 drafts (positions 20..25 before marking)
+    step = SimpleNamespace(positions=torch.tensor([9, 20, 21, 22, 23, 24, 25]),
+                           cu_num_tokens=np.array([1, 7]), num_scheduled=np.array([1, 6]),
+                           num_tokens=7)
+    mark_tree_rows(step, ["a", "b"], {"b": [5, 6, 7]}, TREE)
+    assert step.positions.tolist() == [9, 20, 21, 22, 23, 23, 24]  # root 22, depths 0,1,1,2
+    assert step.tree_region.tolist() == [0, 6]
+    bits = [[j for j in range(6) if m >> j & 1] for m in step.tree_mask[1:].tolist()]
+    assert bits == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 3, 5]]
+    untouched = SimpleNamespace(positions=torch.tensor([3]), cu_num_tokens=np.array([1]),
+                                num_scheduled=np.array([1]), num_tokens=1, tree_mask=None)
+    assert mark_tree_rows(untouched, ["a"], {}, TREE).tree_mask is None
+    too_long = SimpleNamespace(positions=torch.arange(70), cu_num_tokens=np.array([70]),
+                               num_scheduled=np.array([70]), num_tokens=70)
+    with pytest.raises(PluginError, match="70 tokens scheduled with 3 tree drafts"):
+        mark_tree_rows(too_long, ["b"], {"b": [1, 2, 3]}, TREE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_copy_kv_slots_moves_accepted_nodes_reading_every_source_first(dtype):
+    from lmkit_plugins.attention.torch_ref import TorchAttention
+
+    attn = TorchAttention(num_heads=2, num_kv_heads=2, head_size=4, scale=1.0,
+                          dtype=torch.float32, device="cpu", block_size=4)
+    cache = torch.randn(attn.kv_cache_shape(3)).to(dtype)
+    before = cache.clone()
+    # path [2, 5] of a root at slot 3: node 2 (slot 5) -> slot 4, node 5 (slot 8) -> slot 5
+    attn.copy_kv_slots(cache, torch.tensor([5, 8]), torch.tensor([4, 5]))
+
+    def at(t, slot):
+        return t[:, slot // 4, slot % 4].float()
+
+    assert torch.equal(at(cache, 4), at(before, 5)) and torch.equal(at(cache, 5), at(before, 8))
+    untouched = [s for s in range(12) if s not in (4, 5)]
+    assert all(torch.equal(at(cache, s), at(before, s)) for s in untouched)

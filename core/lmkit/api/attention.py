@@ -265,6 +265,10 @@ class AttentionBackend(ABC):
         another layout that declares :attr:`supports_tree_mask` overrides it. No host
         synchronisation.
         """
+        import torch
+
+        if kv_cache.element_size() == 1:  # FP8: copied as bytes (indexing need not know e4m3)
+            kv_cache = kv_cache.view(torch.uint8)
         flat = kv_cache.view(kv_cache.shape[0], -1, *kv_cache.shape[3:])
         flat[:, dst] = flat[:, src]
 

@@ -13,18 +13,27 @@ class SpecDecodeStats:
     its ``d`` drafts the first ``a`` were accepted, and ``a + 1`` tokens were emitted
     (the accepted drafts and one token from the target).
 
+    With a draft tree the drafts are its first ``d`` nodes, the accepted ones a path, and
+    a *position* is a depth: position ``j`` counts verifications whose nodes reach depth
+    ``j + 1`` and those accepting a draft there.
+
     Args:
         num_speculative_tokens: ``k``; per-position counters cover positions ``0..k-1``.
+        tree_depths: with a draft tree, ``depths[n]`` is the depth of its first ``n``
+            nodes (:attr:`lmkit.spec_decode.tree.DraftTree.depths`); the counters then
+            cover its depths.
     """
 
-    def __init__(self, num_speculative_tokens: int) -> None:
-        self.k = num_speculative_tokens
+    def __init__(self, num_speculative_tokens: int,
+                 tree_depths: list[int] | None = None) -> None:
+        self.tree_depths = tree_depths
+        self.k = max(tree_depths) if tree_depths else num_speculative_tokens
         self.num_proposed_tokens = 0  # drafted by the proposer (some never scheduled)
         self.num_verifications = 0
         self.num_draft_tokens = 0  # scheduled and verified
         self.num_accepted_tokens = 0
-        self.drafted_at = [0] * num_speculative_tokens  # verifications with a draft at j
-        self.accepted_at = [0] * num_speculative_tokens  # ... whose draft j was accepted
+        self.drafted_at = [0] * self.k  # verifications with a draft at j
+        self.accepted_at = [0] * self.k  # ... whose draft j was accepted
 
     def record_proposals(self, num_tokens: int) -> None:
         """Count draft tokens the proposer produced this step."""
@@ -40,7 +49,9 @@ class SpecDecodeStats:
             self.num_verifications += 1
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
-            for j in range(min(drafted, self.k)):
+            depths = self.tree_depths
+            reach = drafted if depths is None else depths[min(drafted, len(depths) - 1)]
+            for j in range(min(reach, self.k)):
                 self.drafted_at[j] += 1
                 if j < accepted:
                     self.accepted_at[j] += 1

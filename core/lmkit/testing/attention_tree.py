@@ -25,7 +25,6 @@ token's slot index), and with a claimed ``logits_soft_cap`` again capped at 1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -36,6 +35,7 @@ from lmkit.testing.attention_world import (
     AttentionCase,
     AttentionWorld,
     dense_attention,
+    masked_attention,
     tolerance_error,
 )
 from lmkit.testing.failure import NotApplicable, Target
@@ -70,14 +70,7 @@ def tree_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, re
             allowed[i, p] = p < lo or bool((m >> (p - lo)) & 1)
             if window is not None and p <= total - q_len + i - window:
                 allowed[i, p] = False
-    group = q.shape[1] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1)
-    v = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if soft_cap is not None:
-        scores = torch.tanh(scores / soft_cap) * soft_cap
-    scores = scores.masked_fill(~allowed[None], -math.inf)
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return masked_attention(q, keys, values, allowed, scale, soft_cap)
 
 
 class TreeDriver:

@@ -124,18 +124,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: 
     """Causal attention of ``q`` ``[q_len, H, D]`` at positions ``context + i`` over
     ``k``/``v`` ``[context + q_len, Hkv, D]`` (float64), scores soft-capped
     (``c * tanh(s / c)``) when ``soft_cap`` is given; returns ``[q_len, H, D]``."""
+    q_pos = torch.arange(q.shape[0])[:, None] + context
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return masked_attention(q, k, v, allowed, scale, soft_cap)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     allowed: torch.Tensor, scale: float, soft_cap: float | None = None
+                     ) -> torch.Tensor:
+    """Attention of ``q`` ``[q_len, H, D]`` over ``k``/``v`` ``[keys, Hkv, D]`` where
+    ``allowed`` (bool ``[q_len, keys]``) says which key each query sees; scores
+    soft-capped (``c * tanh(s / c)``) when ``soft_cap`` is given."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
-    q_pos = torch.arange(q.shape[0])[:, None] + context
-    k_pos = torch.arange(k.shape[0])[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    scores = scores.masked_fill(~allowed, -math.inf)
+    scores = scores.masked_fill(~allowed[None], -math.inf)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 

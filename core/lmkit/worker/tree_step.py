@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lmkit.api.attention import MAX_TREE_REGION
 from lmkit.api.kv_cache_spec import KVCacheGroup
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
-from lmkit.errors import ConfigError
+from lmkit.errors import ConfigError, PluginError
 from lmkit.sample.drafts import VerifiedTokens
 from lmkit.sample.tree_verify import TreeVerified, verify_tree
 from lmkit.spec_decode.tree import DraftTree
@@ -61,7 +62,15 @@ def mark_tree_rows(step: StepInputs, order: Sequence[str], spec: Mapping[str, li
                    tree: DraftTree | None) -> StepInputs:
     """Give the step's draft rows their tree positions and attention masks (in place:
     ``step.positions``, ``step.tree_region``, ``step.tree_mask``) and return the step;
-    a step without drafts (or ``tree`` ``None``) is left causal."""
+    a step without drafts (or ``tree`` ``None``) is left causal.
+
+    A request's region is its whole query: the drafts' ``n + 1`` rows (root and nodes)
+    and any rows a scheduler put before them (causal among themselves, seen by all).
+
+    Raises:
+        PluginError: a request's query with drafts is longer than
+            :data:`~lmkit.api.MAX_TREE_REGION` rows (one int64 of mask bits per row).
+    """
     if tree is None or not any(spec.get(r) for r in order):
         return step
     region = np.zeros(len(order), dtype=np.int32)
@@ -71,11 +80,15 @@ def mark_tree_rows(step: StepInputs, order: Sequence[str], spec: Mapping[str, li
         n = len(spec.get(rid) or ())
         if not n:
             continue
-        end = int(step.cu_num_tokens[i])  # the drafts are the request's last n rows
-        first = end - n - 1
-        region[i] = n + 1
-        mask[first:end] = tree.masks[:n + 1]
-        positions[first:end] = positions[first] + tree.depths[:n + 1]
+        end, q = int(step.cu_num_tokens[i]), int(step.num_scheduled[i])
+        if q > MAX_TREE_REGION:
+            raise PluginError(f"request {rid}: {q} tokens scheduled with {n} tree drafts; "
+                              f"a tree step takes at most {MAX_TREE_REGION} per request")
+        pre, root = q - n - 1, end - n - 1  # the drafts are the request's last n rows
+        region[i] = q
+        mask[end - q:root] = (np.int64(2) << np.arange(pre, dtype=np.int64)) - 1  # causal
+        mask[root:end] = (tree.masks[:n + 1] << pre) | ((np.int64(1) << pre) - 1)
+        positions[root:end] = positions[root] + tree.depths[:n + 1]
     step.tree_region, step.tree_mask = region, mask
     return step
 

@@ -33,6 +33,12 @@ speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (a
 :data:`MAX_CAPTURE_SIZE`); a larger step runs eagerly.
 
 Any other short step replays flattened the same way (:mod:`lmkit.worker.flat_steps`).
+
+With draft trees (``tree``; ``speculative.tree`` and ``LMKIT_TREE_GRAPHS=1``) the graphs
+are captured with the metadata's tree buffers, and a tree verification replays
+flattened too: a node's row has ``seq_len`` one past its own slot's index (not its
+position, which is the root's plus its depth), a region reaching back to its request's
+first query row and the node's mask bits, so it sees the context and its ancestors.
 """
 
 from __future__ import annotations
@@ -46,13 +52,12 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
-from lmkit.worker.flat_steps import fits_flat, flat_step_tokens
+from lmkit.worker.flat_steps import fits_flat
 from lmkit.worker.graph_stream import capture_stream
 from lmkit.worker.replay_buffers import ReplayBuffers
+from lmkit.worker.tree_step import flattened_tree_rows
 
 if TYPE_CHECKING:
-    from lmkit.config.schema import LMKitConfig
-    from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -118,7 +123,7 @@ class CudaGraphRunner:
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  use_graphs: bool = True, max_query_len: int = 1,
                  aux_layers: tuple[int, ...] = (), num_staging: int = 2,
-                 chain: int = 1, flat_tokens: int = 0) -> None:
+                 chain: int = 1, flat_tokens: int = 0, tree: bool = False) -> None:
         self.model = model
         self.chain = max(1, chain)
         self.aux_layers = tuple(aux_layers)
@@ -140,8 +145,9 @@ class CudaGraphRunner:
         self.flat_tokens = min(flat_tokens, self.max_bs)
         self.max_blocks = -(-max_model_len // block_size) + 1
         # the graphs' input buffers and their host staging
+        self.tree = tree  # draft-tree steps replay too (the module docstring)
         self.buffers = ReplayBuffers(self.max_bs, self.max_blocks, self.chain - 1, device,
-                                     num_staging, self.use_graphs)
+                                     num_staging, self.use_graphs, tree)
         # per size: the graph, its hidden output, its aux outputs (``aux_layers``)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
                                       list[torch.Tensor]]] = {}
@@ -221,7 +227,9 @@ class CudaGraphRunner:
             query_start_loc=buf.query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
             block_tables=buf.block_tables[:bs], slot_mapping=buf.packed[2 * bs:3 * bs],
             query_start_loc_cpu=buf.host_query_start_loc[:bs + 1], seq_lens_cpu=h_seq_lens,
-            num_decodes=bs, cuda_graph=True)
+            num_decodes=bs, cuda_graph=True,
+            **({"tree_region": buf.tree_region[:bs], "tree_mask": buf.tree_mask[:bs],
+                "tree_region_cpu": buf.host_tree_region[:bs]} if self.tree else {}))
 
     def hidden_like(self, n: int) -> torch.Tensor:
         """Zeros shaped as ``n`` rows of the graphs' hidden output (its dtype and device),
@@ -247,6 +255,7 @@ class CudaGraphRunner:
         in all, and rows a replay takes (:meth:`fits_rows`)."""
         n = step.num_tokens
         return (0 < n <= self.max_bs and step.block_tables.shape[1] <= self.max_blocks
+                and (step.tree_mask is None or self.tree)
                 and self.fits_rows(step.num_scheduled, step.num_computed))
 
     def fits_rows(self, num_scheduled: np.ndarray, num_computed: np.ndarray) -> bool:
@@ -271,14 +280,17 @@ class CudaGraphRunner:
         positions = step.positions.numpy()
         tables = step.block_tables.numpy()
         self.num_replays += 1
+        tree = None
         if step.num_tokens == step.num_reqs:  # pure decode: one row per request
             seq_lens = step.seq_lens.numpy()
         else:  # flattened: one row per token, its request's block table repeated
             self.num_flattened_replays += 1
             seq_lens = (positions + 1).astype(np.int32)
             tables = np.repeat(tables, step.num_scheduled, axis=0)
+            if step.tree_mask is not None and step.tree_region is not None:
+                seq_lens, tree = flattened_tree_rows(step)
         return self.run_decode(step.input_ids.numpy(), positions, step.slot_mapping.numpy(),
-                               seq_lens, tables, aux=aux)
+                               seq_lens, tables, aux=aux, tree=tree)
 
     @property
     def input_ids_buffer(self) -> torch.Tensor:
@@ -292,7 +304,8 @@ class CudaGraphRunner:
                    device_input_ids: torch.Tensor | None = None,
                    aux: list[torch.Tensor] | None = None,
                    ids_in_place: bool = False,
-                   chain_rows: np.ndarray | None = None) -> torch.Tensor:
+                   chain_rows: np.ndarray | None = None,
+                   tree: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
         """Replay the graph for a decode step of ``n = len(positions)`` requests.
 
         :param input_ids: int64 ``[n]`` host token ids, or ``None`` with
@@ -306,6 +319,8 @@ class CudaGraphRunner:
         :param chain_rows: with ``chain = c > 1`` (required then): int64 ``[c - 1, 3, n]``,
             the positions, cache slots and ``seq_lens`` of passes ``1..c-1`` (a row that
             must not write: slot ``-1``).
+        :param tree: with :attr:`tree`, the rows' tree regions (int32 ``[n]``, 0: causal)
+            and mask bits (int64 ``[n]``); ``None``: every row causal.
         :return: hidden ``[n, hidden]`` (of the last pass), a view of the graph's output
             buffer.
         """
@@ -316,7 +331,8 @@ class CudaGraphRunner:
                              f"of shape {(self.chain - 1, 3, n)}")
         buf = self.buffers
         buf.next_set()
-        buf.stage(bs, input_ids, positions, slot_mapping, seq_lens, block_tables, chain_rows)
+        buf.stage(bs, input_ids, positions, slot_mapping, seq_lens, block_tables, chain_rows,
+                  tree)
         buf.upload(bs, n, block_tables.shape[1], ids_from=n if ids_in_place else 0)
         if device_input_ids is not None:
             buf.packed[:n].copy_(device_input_ids)
@@ -365,34 +381,3 @@ class CudaGraphRunner:
         if aux is not None:
             aux.extend(t[:n] for t in taps)
         return hidden[:n]
-
-
-def maybe_capture(config: LMKitConfig, stack: ResolvedStack, model: Any,
-                  kv_caches: list[torch.Tensor], device: torch.device,
-                  max_model_len: int,
-                  aux_layers: tuple[int, ...] = ()) -> CudaGraphRunner | None:
-    """Capture decode graphs of ``model`` over ``kv_caches`` when they apply, else ``None``.
-
-    They apply on CUDA, unless ``executor.enforce_eager`` is set or the attention
-    backend's spec does not declare ``cuda_graphs`` (then decode runs eagerly). With a
-    speculative proposer in the stack, verification steps (``1 + k`` tokens per
-    request) are replayed too, flattened, and so are short steps of a causal model
-    (``executor.flat_step_max_tokens``); ``aux_layers`` (an EAGLE-3 head's target
-    layers) are captured as extra outputs.
-    """
-    if device.type != "cuda" or config.executor.enforce_eager:
-        return None
-    attention = stack.get("attention")
-    if attention is None or "cuda_graphs" not in attention.spec.caps.features:
-        name = attention.name if attention is not None else "none"
-        logger.info("attention backend %s cannot be captured in CUDA graphs: decode runs "
-                    "eagerly", name)
-        return None
-    spec_k = (config.speculative.num_speculative_tokens
-              if stack.get("speculative") is not None else 0)
-    flat_tokens = flat_step_tokens(config.executor.flat_step_max_tokens, model, len(kv_caches))
-    graphs = CudaGraphRunner(model, kv_caches, device, config.scheduler.max_num_seqs,
-                             max_model_len, config.cache.block_size, max_query_len=1 + spec_k,
-                             aux_layers=aux_layers, flat_tokens=flat_tokens)
-    graphs.capture()
-    return graphs

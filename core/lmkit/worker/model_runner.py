@@ -32,10 +32,11 @@ from lmkit.sample.kernels import build_sampling_kernels
 from lmkit.sample.processors import LogitsProcessorSet
 from lmkit.sample.sampler import Sampler
 from lmkit.worker import memory
-from lmkit.worker.cuda_graphs import CudaGraphRunner, maybe_capture
+from lmkit.worker.cuda_graphs import CudaGraphRunner
 from lmkit.worker.draft_runner import DraftRunner
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
+from lmkit.worker.graph_capture import maybe_capture
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.kv_scales import set_kv_cache_scales
 from lmkit.worker.model_build import (
@@ -237,8 +238,7 @@ class ModelRunner:
                               self.device, self.kv_groups, self._forward, head)
 
     def offload_lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, int]:
-        """``(held, resident)`` leading blocks of ``block_hashes`` in the KV offload tier;
-        ``(0, 0)`` without offload."""
+        """``(held, resident)`` leading blocks of ``block_hashes`` in the offload tier."""
         return self.offload.lookup(block_hashes) if self.offload is not None else (0, 0)
 
     def offload_stats(self) -> dict[str, int]:
@@ -381,7 +381,7 @@ class ModelRunner:
         (captured graphs return them too)."""
         graphs = self.cuda_graphs
         own = kv_caches is self.kv_caches  # the target's forward (graphs hold its caches)
-        if graphs is not None and own and step.tree_mask is None and graphs.can_replay(step):
+        if graphs is not None and own and graphs.can_replay(step):
             return graphs.replay(step, aux)  # decode or verification: a captured CUDA graph
         dev = self._device_inputs.copy(step) if self._device_inputs is not None else step
         md = step.attention_metadata(dev)

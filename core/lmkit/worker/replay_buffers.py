@@ -26,9 +26,13 @@ class ReplayBuffers:
     staging (``num_staging`` sets; ``fenced``: copies are asynchronous, CUDA)."""
 
     def __init__(self, max_bs: int, max_blocks: int, links: int, device: torch.device,
-                 num_staging: int, fenced: bool) -> None:
+                 num_staging: int, fenced: bool, tree: bool = False) -> None:
         bs, width = max_bs, max_blocks
         self.links = links
+        self.tree = tree
+        # draft trees: each row's region (int32) and mask bits (int64); empty without
+        self.tree_region = torch.zeros(bs if tree else 0, dtype=torch.int32, device=device)
+        self.tree_mask = torch.zeros(bs if tree else 0, dtype=torch.int64, device=device)
         self.packed = torch.zeros(3 * bs, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
@@ -40,13 +44,17 @@ class ReplayBuffers:
         self._chain_padding = torch.tensor([0, -1, 0], dtype=torch.int64, device=device)[
             None, :, None].expand(links, 3, bs)
         pin = torch.device(device).type == "cuda"
+        tree_rows = bs if tree else 0
         self._sets = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin))
+                       torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(tree_rows, dtype=torch.int32, pin_memory=pin),
+                       torch.zeros(tree_rows, dtype=torch.int64, pin_memory=pin))
                       for _ in range(max(1, num_staging))]
         self._fences = CopyFences(len(self._sets), fenced)
-        self.host_packed, self.host_seq_lens, self._host_blocks, self._host_chain = self._sets[0]
+        (self.host_packed, self.host_seq_lens, self._host_blocks, self._host_chain,
+         self.host_tree_region, self._host_tree_mask) = self._sets[0]
         self.host_query_start_loc = torch.arange(bs + 1, dtype=torch.int32)
 
     # ------------------------------------------------------------------ from the host
@@ -54,14 +62,16 @@ class ReplayBuffers:
     def next_set(self) -> None:
         """Stage the next replay in the next host set; the upload that last read that
         set must be done (``num_staging`` replays ago: usually long since)."""
-        (self.host_packed, self.host_seq_lens, self._host_blocks,
-         self._host_chain) = self._sets[self._fences.advance()]
+        (self.host_packed, self.host_seq_lens, self._host_blocks, self._host_chain,
+         self.host_tree_region, self._host_tree_mask) = self._sets[self._fences.advance()]
 
     def stage(self, bs: int, input_ids: np.ndarray | None, positions: np.ndarray,
               slot_mapping: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-              chain_rows: np.ndarray | None) -> None:
+              chain_rows: np.ndarray | None,
+              tree: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Stage ``n = len(positions)`` rows of a replay of size ``bs`` in the current
-        host set (``input_ids`` ``None``: left as they are), padding the rest."""
+        host set (``input_ids`` ``None``: left as they are), padding the rest; ``tree``:
+        the rows' tree regions and mask bits (``None``: causal rows)."""
         n = len(positions)
         packed = self.host_packed.numpy()
         if input_ids is not None:
@@ -74,6 +84,10 @@ class ReplayBuffers:
         self._host_blocks[:n * width].numpy().reshape(n, width)[:] = block_tables
         if chain_rows is not None and self.links:
             self.host_chain_rows(bs)[:, :, :n] = chain_rows
+        if self.tree:
+            self.host_tree_region.numpy()[:n] = 0 if tree is None else tree[0]
+            if tree is not None:
+                self._host_tree_mask.numpy()[:n] = tree[1]
 
     def stage_padding(self, bs: int, n: int = 0) -> None:
         """Host staging of padding rows ``n..bs``."""
@@ -82,6 +96,8 @@ class ReplayBuffers:
         packed[bs + n:2 * bs] = 0
         packed[2 * bs + n:3 * bs] = -1
         self.host_seq_lens.numpy()[n:bs] = 0
+        if self.tree:
+            self.host_tree_region.numpy()[n:bs] = 0
         if self.links:
             self.host_chain_rows(bs)[:, :, n:] = np.array([0, -1, 0])[:, None]
 
@@ -102,6 +118,9 @@ class ReplayBuffers:
             self.chain_rows[:, :, :bs].copy_(
                 self._host_chain[:self.links * 3 * bs].view(self.links, 3, bs),
                 non_blocking=True)
+        if self.tree:
+            self.tree_region[:bs].copy_(self.host_tree_region[:bs], non_blocking=True)
+            self.tree_mask[:bs].copy_(self._host_tree_mask[:bs], non_blocking=True)
         self._fences.mark()
 
     # ------------------------------------------------------------------ from the device
@@ -120,6 +139,8 @@ class ReplayBuffers:
             if n < bs:
                 dst[n:].fill_(pad)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
+        if self.tree:  # rows from the device are causal
+            self.tree_region[:bs].zero_()
         if self.links:
             if chain_rows is None or tuple(chain_rows.shape) != (self.links, 3, n):
                 raise ValueError(f"a replay of {self.links + 1} chained passes needs "

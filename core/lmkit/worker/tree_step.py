@@ -14,6 +14,7 @@ been drafted in a chain.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -159,3 +160,22 @@ def compact_accepted(groups: Sequence[KVCacheGroup], kv_caches: Sequence[torch.T
     for rows in features:
         index_src = torch.from_numpy(src).to(rows.device)
         rows[torch.from_numpy(dst).to(rows.device)] = rows[index_src]
+
+
+def flattened_tree_rows(step: StepInputs) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The ``seq_lens`` of a draft-tree step's flattened rows (one past each token's slot
+    index in its sequence) and their tree regions (a tree request's row ``o``: ``o + 1``,
+    back to its first query row; other requests' rows 0) with the step's mask bits."""
+    assert step.tree_region is not None and step.tree_mask is not None
+    offsets = np.arange(step.num_tokens) - np.repeat(step.cu_num_tokens - step.num_scheduled,
+                                                      step.num_scheduled)
+    seq_lens = (np.repeat(step.num_computed, step.num_scheduled) + offsets + 1).astype(np.int32)
+    treed = np.repeat(step.tree_region, step.num_scheduled) > 0
+    return seq_lens, (np.where(treed, offsets + 1, 0).astype(np.int32), step.tree_mask)
+
+
+def tree_graphs(config: LMKitConfig) -> bool:
+    """Whether draft-tree verifications replay the decode CUDA graphs (flattened, with
+    tree buffers): a tree and ``LMKIT_TREE_GRAPHS=1`` (not yet measured on a GPU, so
+    off by default: tree steps then run eagerly)."""
+    return bool(config.speculative.tree) and os.environ.get("LMKIT_TREE_GRAPHS") == "1"

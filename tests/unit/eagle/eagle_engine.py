@@ -101,7 +101,7 @@ def padded_replays(monkeypatch, flat_tokens: int = 0):
             model, kv_caches, device, config.scheduler.max_num_seqs, max_model_len,
             config.cache.block_size, use_graphs=False,
             max_query_len=1 + config.speculative.num_speculative_tokens, aux_layers=aux_layers,
-            flat_tokens=flat_tokens))
+            flat_tokens=flat_tokens, tree=bool(config.speculative.tree)))
         return made[-1]
 
     monkeypatch.setattr(TorchAttention, "plan", plan_scratch_padding)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import COMMON, GREEDY, PROMPTS, run_engine, tokens
+from eagle_engine import COMMON, GREEDY, PROMPTS, padded_replays, run_engine, tokens
 from lmkit import LLM, SamplingParams
 from lmkit.errors import ConfigError
 from lmkit.spec_decode.tree import DraftTree
@@ -57,32 +57,30 @@ def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer)
     assert not wrong, f"{len(wrong)} of {len(got)} trees differ, e.g. {next(iter(wrong.values()))}"
 
 
-def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baseline,
-                                                             monkeypatch):
-    """The true continuation planted on the path of ranks (1,), (1, 0), (1, 0, 0): every
-    step accepts nodes 2, 6, 8 of the tree, whose K/V and hidden rows move to a chain's
-    slots before the head catches up; outputs stay those of plain decoding."""
+def plant_truth(monkeypatch, baseline) -> list[int]:
+    """Make the head's trees carry the true continuation (the plain outputs) on the path
+    of ranks (1,), (1, 0), (1, 0, 0), off the first branch; returns, per verified
+    step, how many accepted nodes moved to a chain's slots."""
     import lmkit.worker.draft_runner as draft_runner
+    import lmkit.worker.step_sampling as step_sampling
     import lmkit.worker.tree_step as tree_step
 
     tree = DraftTree.from_paths(TREE)
     planted = [tree.paths.index(p) + 1 for p in [(1,), (1, 0), (1, 0, 0)]]
     truth = [list(p.encode()) + out for p, out in zip(PROMPTS, baseline, strict=True)]
     real_draft, real_compact = draft_runner.draft_tree, tree_step.compact_accepted
-    moved = []
+    moved: list[int] = []
 
     def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index, req_ids):
         out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables,
                          step_index, req_ids)
         for i, rid in zip(step_index, req_ids, strict=True):
             state, drafts = drafter.requests[rid], out.get(i)
-            known = len(state.prompt_token_ids) + len(state.output_token_ids)
-            # the prompt index: the request whose known tokens the truth continues
-            full = next(t for t in truth if t[:known] == [*state.prompt_token_ids,
-                                                         *state.output_token_ids])
-            for depth, node in enumerate(planted, start=1):
-                if drafts is not None and node <= len(drafts) and known + depth <= len(full):
-                    drafts[node - 1] = full[known + depth - 1]
+            known = [*state.prompt_token_ids, *state.output_token_ids]
+            full = next((t for t in truth if t[:len(known)] == known), None)
+            for depth, node in enumerate(planted if full is not None else (), start=1):
+                if drafts is not None and node <= len(drafts) and len(known) + depth <= len(full):
+                    drafts[node - 1] = full[len(known) + depth - 1]
         return out
 
     def spy(groups, kv_caches, step, plan, paths, features):
@@ -90,9 +88,16 @@ def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baselin
         return real_compact(groups, kv_caches, step, plan, paths, features)
 
     monkeypatch.setattr(draft_runner, "draft_tree", oracle)
-    monkeypatch.setattr(tree_step, "compact_accepted", spy)
-    import lmkit.worker.step_sampling as step_sampling
     monkeypatch.setattr(step_sampling, "compact_accepted", spy)
+    return moved
+
+
+def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baseline,
+                                                             monkeypatch):
+    """Every step accepts nodes 2, 6, 8 of the tree (the planted truth), whose K/V and
+    hidden rows move to a chain's slots before the head catches up; outputs stay those
+    of plain decoding."""
+    moved = plant_truth(monkeypatch, baseline)
     with tree_llm(tiny, head, num_blocks=96, max_num_seqs=8) as llm:
         assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
         stats = llm.stats()
@@ -122,3 +127,17 @@ def test_trees_are_refused_without_a_draft_head_or_under_tensor_parallelism(tiny
     with pytest.raises(ConfigError, match="num_speculative_tokens is 3 but the tree has 8"):
         LLM(str(tiny), speculative="eagle", speculative_model=str(head),
             speculative_tree=TREE, num_speculative_tokens=3, num_blocks=96, **COMMON)
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, baseline,
+                                                               monkeypatch, proposer):
+    """Through the graph runner's padded, fixed-buffer forward on the CPU (the path of
+    ``LMKIT_TREE_GRAPHS=1``): each node a decode row seeing its ancestors by its tree
+    region and mask bits, its ``seq_len`` one past its slot's index."""
+    made, _ = padded_replays(monkeypatch)
+    moved = plant_truth(monkeypatch, baseline)  # deep paths: every node's row matters
+    with tree_llm(tiny, heads[proposer], proposer, num_blocks=96, max_num_seqs=8) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
+        assert llm.stats()["spec_mean_accepted_length"] > 3.0
+    assert made[0].tree and made[0].num_flattened_replays >= 5 and sum(moved) > 20

@@ -147,12 +147,12 @@ class DraftRunner:
         proposer = self.proposer
         if target_graphs is None or not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
-        args = (self.max_model_len, self.block_size)
-        self.fits_rows = target_graphs.fits_rows
+        args, self.fits_rows = (self.max_model_len, self.block_size), target_graphs.fits_rows
         drafts = proposer.supports_graph_drafts
-        for sampling in (False, True) if drafts and proposer.samples_drafts else (False,):
+        sampled = drafts and proposer.samples_drafts and self.tree is None  # (trees: argmax)
+        for sampling in (False, True) if sampled else (False,):
             passes = catch_up = None
-            if self.k >= 2:
+            if self.k >= 2 and self.tree is None:  # (a tree's level passes run eagerly)
                 chain = self.k - 1 if drafts and not sampling and self._can_chain(
                     target_graphs) else 1
                 passes = maybe_capture_passes(

@@ -216,7 +216,7 @@ class ModelRunner:
         self.piecewise = maybe_capture_piecewise(self.config, self.model, self.kv_caches,
                                                  self.device, len(self.kv_groups), aux_layers,
                                                  self.tp_size)
-        if self.drafter is not None and self.tree is None:  # (tree passes run eagerly)
+        if self.drafter is not None:  # (with a tree: the catch-up graphs only)
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
         # decode steps, verifications launched ahead: not when a processor applied to every

@@ -132,12 +132,18 @@ def test_trees_are_refused_without_a_draft_head_or_under_tensor_parallelism(tiny
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, baseline,
                                                                monkeypatch, proposer):
-    """Through the graph runner's padded, fixed-buffer forward on the CPU (the path of
+    """Through the graph runners' padded, fixed-buffer forwards on the CPU (the path of
     ``LMKIT_TREE_GRAPHS=1``): each node a decode row seeing its ancestors by its tree
-    region and mask bits, its ``seq_len`` one past its slot's index."""
-    made, _ = padded_replays(monkeypatch)
+    region and mask bits, its ``seq_len`` one past its slot's index; the head catches
+    up through its catch-up graphs."""
+    made, drafters = padded_replays(monkeypatch)
     moved = plant_truth(monkeypatch, baseline)  # deep paths: every node's row matters
     with tree_llm(tiny, heads[proposer], proposer, num_blocks=96, max_num_seqs=8) as llm:
         assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
         assert llm.stats()["spec_mean_accepted_length"] > 3.0
     assert made[0].tree and made[0].num_flattened_replays >= 5 and sum(moved) > 20
+    # the head's catch-up after a (compacted) tree step replays its graphs; its level
+    # passes run eagerly
+    drafter = drafters[0]
+    assert drafter.graphs is None and drafter.catch_up_graphs is not None
+    assert drafter.num_flattened_catch_ups > 0

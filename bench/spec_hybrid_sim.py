@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eagle_tree_sim import answer_data  # noqa: E402
+from lmkit_plugins.spec.tree_fit import answer_data
 
 POLICIES = ("eagle", "ngram", "hybrid", "oracle")
 

@@ -15,6 +15,7 @@ from lmkit_plugins.spec.eagle_eval import served_walk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import eagle_tree_sim as sim  # noqa: E402
+from lmkit_plugins.spec import tree_fit  # noqa: E402
 
 
 def test_rank_is_the_true_tokens_place_among_the_logits():
@@ -23,37 +24,37 @@ def test_rank_is_the_true_tokens_place_among_the_logits():
                            [0.0, 0.0, 0.0, 1.0]])  # truth -1: never draftable
     step1 = torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])  # rows 1..2
     truth = torch.tensor([3, 0, -1])
-    got = sim.rank_paths([logits, step1], truth)
+    got = tree_fit.rank_paths([logits, step1], truth)
     # step 0: row 0's 0.9 ties with id 1's, which argmax takes first -> rank 1; row 1
     # -> 0; row 2 -> MISS
-    assert got[:, 0].tolist() == [1, 0, sim.MISS]
+    assert got[:, 0].tolist() == [1, 0, tree_fit.MISS]
     # step 1 row s is the chain after s, predicting truth[s + 1]: row 0 wants 0 (logits
     # of its row: id 1 is above) -> 1; row 1 wants -1 -> MISS; row 2 has no step-1 row
-    assert got[:, 1].tolist() == [1, sim.MISS, sim.MISS]
+    assert got[:, 1].tolist() == [1, tree_fit.MISS, tree_fit.MISS]
 
 
 def test_best_tree_is_the_most_frequent_prefixes_and_closed_under_parents():
     paths = [torch.tensor([[0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 0], [0, 9, 0]])]
-    counts = sim.prefix_counts(paths, max_rank=4)
+    counts = tree_fit.prefix_counts(paths, max_rank=4)
     assert counts[(0,)] == 4 and counts[(0, 0)] == 2 and counts[(1,)] == 1
     assert (0, 9) not in counts  # rank 9 is past max_rank: the path stops there
     for n in range(1, len(counts) + 1):
-        tree = sim.best_tree(counts, n)
+        tree = tree_fit.best_tree(counts, n)
         assert len(tree) == n
         assert all(p[:-1] in tree for p in tree if len(p) > 1)
-    assert sim.best_tree(counts, 2) == {(0,), (0, 0)}
+    assert tree_fit.best_tree(counts, 2) == {(0,), (0, 0)}
 
 
 def test_walk_accepts_the_longest_prefix_in_the_tree():
     # row 0's path (0, 1, 5): a chain takes one draft, a tree with (0, 1) two
     paths = [torch.tensor([[0, 1, 5], [2, 0, 0], [0, 0, 0], [7, 7, 7]])]
-    got = sim.served_tokens(paths, sim.chain(3))
+    got = tree_fit.served_tokens(paths, tree_fit.chain(3))
     # s=0: 1 accepted -> 2 tokens, s=2: 3 accepted... (0,0,0) -> 4 tokens, s=6: end
     assert got == {"tokens_per_step": 3.0, "steps": 2}
-    tree = sim.chain(3) | {(0, 1)}
+    tree = tree_fit.chain(3) | {(0, 1)}
     # s=0: (0, 1) in, (0, 1, 5) not -> 3 tokens; s=3: (7,) not -> 1 token
-    assert sim.served_tokens(paths, tree) == {"tokens_per_step": 2.0, "steps": 2}
-    assert sim.served_tokens([], tree)["steps"] == 0
+    assert tree_fit.served_tokens(paths, tree) == {"tokens_per_step": 2.0, "steps": 2}
+    assert tree_fit.served_tokens([], tree)["steps"] == 0
 
 
 def test_a_chain_walks_as_eagle_evals_served_walk(random_trainable_head):
@@ -67,9 +68,9 @@ def test_a_chain_walks_as_eagle_evals_served_walk(random_trainable_head):
     truth[[3, 7]] = (truth[[3, 7]] + 1) % 50
     truth[9] = -1
     first = 2
-    paths = [sim.rank_paths(steps, truth)[first:]]
+    paths = [tree_fit.rank_paths(steps, truth)[first:]]
     want = served_walk(head, [lambda: (embeds, taps, None, first, truth)], 3)
-    got = sim.served_tokens(paths, sim.chain(3))
+    got = tree_fit.served_tokens(paths, tree_fit.chain(3))
     assert got["steps"] == want["verifications"]
     assert got["tokens_per_step"] == pytest.approx(want["tokens_per_step"])
 

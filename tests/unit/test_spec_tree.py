@@ -61,7 +61,7 @@ def test_the_config_takes_json_sets_k_and_refuses_a_contradicting_k():
     assert SpeculativeConfig(tree=[[0], [0, 0]], num_speculative_tokens=2).tree == [[0], [0, 0]]
     with pytest.raises(ValidationError, match="num_speculative_tokens is 3 but the tree has 2"):
         SpeculativeConfig(tree=[[0], [1]], num_speculative_tokens=3)
-    with pytest.raises(ValidationError, match="is not JSON"):
+    with pytest.raises(ValidationError, match="is neither JSON"):
         SpeculativeConfig(tree="[[0], [1]")
 
 

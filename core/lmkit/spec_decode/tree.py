@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -103,17 +104,25 @@ class DraftTree:
 
     @classmethod
     def parse(cls, value: str | Sequence[Sequence[int]]) -> DraftTree:
-        """A tree from its rank paths or their JSON text (``"[[0], [1], [0, 0]]"``).
+        """A tree from its rank paths, their JSON text (``"[[0], [1], [0, 0]]"``) or the
+        path of a file holding that text (as ``lmkit spec fit-tree --out`` writes it).
 
         Raises:
-            ConfigError: the text is not JSON, or the paths do not make a tree.
+            ConfigError: the text is neither JSON nor a readable file, or the paths do
+                not make a tree.
         """
         if isinstance(value, str):
+            text = value
+            if not value.lstrip().startswith("[") and Path(value).is_file():
+                try:
+                    text = Path(value).read_text()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ConfigError(f"speculative.tree: cannot read {value} ({e})") from None
             try:
-                value = json.loads(value)
+                value = json.loads(text)
             except ValueError as e:
-                raise ConfigError(f"speculative.tree: {value!r} is not JSON ({e}); give "
-                                  "rank paths such as [[0], [1], [0, 0]]") from None
+                raise ConfigError(f"speculative.tree: {value!r} is neither JSON ({e}) nor a "
+                                  "file; give rank paths such as [[0], [1], [0, 0]]") from None
             if not isinstance(value, list):
                 raise ConfigError("speculative.tree: expected a JSON list of rank paths, "
                                   f"got {type(value).__name__}")

@@ -1,4 +1,5 @@
-"""``lmkit spec``: commands about speculative decoding (``train-eagle``)."""
+"""``lmkit spec``: commands about speculative decoding (``train-eagle``, ``write-prompts``,
+``fit-tree``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def register(app: Any) -> None:
     spec = typer.Typer(help="Speculative decoding: make draft heads.", no_args_is_help=True)
     spec.command("train-eagle")(train_eagle)
     spec.command("write-prompts")(write_prompts)
+    spec.command("fit-tree")(fit_tree)
     app.add_typer(spec, name="spec")
 
 
@@ -149,6 +151,62 @@ def write_prompts(
     except (ValueError, OSError) as e:
         raise ConfigError(f"lmkit spec write-prompts: {e}") from e
     print(f"wrote {out} ({len(prompts)} prompts)")
+
+
+def fit_tree(
+    model: Annotated[str, _arg("Target model: alias, local directory or hub id.")],
+    speculative_model: Annotated[Path, _opt("--speculative-model", "The EAGLE-3 head's "
+                                            "directory (as train-eagle writes it).")],
+    nodes: Annotated[int, _opt("--nodes", "Draft tokens in the tree (1 to 63).")] = 16,
+    prompts: Annotated[str, _opt("--prompts", "JSONL prompt set like the traffic to serve, "
+                                 "or 'bench' (lmkit bench's chat prompts).")] = "bench",
+    count: Annotated[int, _opt("--count", "Prompts answered (at most).")] = 80,
+    max_new_tokens: Annotated[int, _opt("--max-new-tokens", "Answer length per prompt.")] = 128,
+    max_rank: Annotated[int, _opt("--max-rank", "Drafts a node may rank among its "
+                                  "parent's children.")] = 8,
+    depth: Annotated[int, _opt("--depth", "Deepest draft considered.")] = 6,
+    device: Annotated[str, _opt("--device", "cpu or cuda (default: cuda when present).")] = "",
+    seed: Annotated[int, _opt("--seed", "Seed of the halves the score is measured on.")] = 0,
+    out: Annotated[Path | None, _opt("--out", "Also write the tree (JSON) to this file "
+                                     "(--spec-tree takes the file).")] = None,
+) -> None:
+    """Fit a draft tree (speculative.tree) to an EAGLE-3 head: the NODES rank paths that
+    accept the most of MODEL's own greedy answers to the prompts. Prints the tree as
+    JSON for --spec-tree, and on stderr the tokens per step it accepts on half of the
+    answers when fit on the other half, beside a chain as deep."""
+    import json
+    import sys
+
+    from lmkit.api import ConfigError
+
+    from lmkit_plugins.spec.train_eagle import load_prompts
+    from lmkit_plugins.spec.tree_fit import check_head_dir
+    from lmkit_plugins.spec.tree_fit import fit_tree as fit
+
+    device = _device(device)
+    for name, value, low, high in (("--nodes", nodes, 1, 63), ("--count", count, 1, None),
+                                   ("--max-new-tokens", max_new_tokens, 1, None),
+                                   ("--max-rank", max_rank, 1, None), ("--depth", depth, 1, 63)):
+        if value < low or (high is not None and value > high):
+            raise ConfigError(f"{name} must be in [{low}, {high or 'any'}] (got {value})")
+    try:
+        check_head_dir(speculative_model)
+        texts = load_prompts(None if prompts == "bench" else Path(prompts))[:count]
+        if not texts:
+            raise ValueError(f"--prompts {prompts}: no prompts")
+        result = fit(model, speculative_model, texts, nodes, max_new_tokens=max_new_tokens,
+                     depth=depth, max_rank=max_rank, device=device, seed=seed)
+        if not result["tree"]:
+            raise ValueError("no answer position the head could draft; give more --prompts")
+        if out is not None:
+            out.write_text(json.dumps(result["tree"]) + "\n")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"lmkit spec fit-tree: {e}") from e
+    print(json.dumps(result["tree"]))
+    print(f"tree of {len(result['tree'])} nodes (depth {result['depth']}): "
+          f"{result['held_tokens_per_step']:.3f} tokens per step on held-out answers, a "
+          f"chain of {result['depth']} {result['chain']:.3f} ({result['answers']} answers, "
+          f"{result['rows']} positions)", file=sys.stderr)
 
 
 def _device(device: str) -> str:

@@ -144,6 +144,13 @@ class DraftTree:
         n = self.num_nodes if num_nodes is None else num_nodes
         return int(np.searchsorted(self.depths[:n + 1], depth, side="right"))
 
+    @property
+    def widest_parent_level(self) -> int:
+        """The most nodes with children at one depth (the rows per request of a draft
+        head's widest level pass)."""
+        parents = self.parents[1:]
+        return int(np.bincount(self.depths[np.unique(parents)]).max())
+
     def child_ranks(self, node: int, num_nodes: int | None = None) -> list[tuple[int, int]]:
         """``(rank, child)`` of ``node``'s children among the first ``num_nodes``
         drafts, by rank."""

@@ -136,13 +136,17 @@ class DraftPassGraphs:
             ``feed_features``, not ``sampling``): one replay runs ``chain`` draft passes,
             each one position further (:class:`~lmkit.worker.cuda_graphs.CudaGraphRunner`'s
             ``chain``), instead of one replay per pass; :meth:`chain_drafts` reads them.
+        tree: captured with tree buffers: :meth:`run` takes each row's ``seq_lens`` and
+            tree region and mask bits (a draft tree's level passes,
+            :mod:`lmkit.worker.tree_drafts`).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int,
                  max_model_len: int, block_size: int, use_graphs: bool = True,
                  drafts: bool = False, passes_per_step: int = 1,
-                 feed_features: bool = False, sampling: bool = False, chain: int = 1) -> None:
+                 feed_features: bool = False, sampling: bool = False, chain: int = 1,
+                 tree: bool = False) -> None:
         if chain > 1 and not (drafts and feed_features and not sampling):
             raise ValueError("chained draft passes need greedy drafts fed forward")
         self.width = width
@@ -156,7 +160,7 @@ class DraftPassGraphs:
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs,
                                       num_staging=-(-passes_per_step // self.chain) + 1,
-                                      chain=self.chain)
+                                      chain=self.chain, tree=tree)
         self.head.feed_ids = self.runner.input_ids_buffer
         self.num_passes = 0  # passes run through :meth:`run` (``chain`` per call)
 
@@ -205,7 +209,8 @@ class DraftPassGraphs:
 
     def run(self, input_ids: torch.Tensor | np.ndarray | None, features: torch.Tensor | None,
             positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
-            chain_rows: np.ndarray | None = None) -> torch.Tensor:
+            chain_rows: np.ndarray | None = None, seq_lens: np.ndarray | None = None,
+            tree: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
         """One pass of ``n`` decode rows (``n <= max_rows``): token ``input_ids[i]``
         (int64, on the device, e.g. the previous pass's drafts, or on the host; ``None``:
         already in the input-id buffer, where the last pass fed its drafts) at
@@ -214,20 +219,24 @@ class DraftPassGraphs:
         ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
         With ``chain > 1``, ``chain_rows`` (int64 ``[chain - 1, 3, n]``: positions, slots,
         ``seq_lens``) places the passes after the first, which run in the same replay.
+        ``seq_lens`` (default ``positions + 1``) and, captured with ``tree``, ``tree`` (each
+        row's region and mask bits) place rows whose keys are not their positions'.
         Returns the head's output ``[n, hidden]`` (of the last pass), a view valid until
         the next pass."""
         n = len(positions)
         if features is not None:
             self.head.features[:n].copy_(features)
         self.num_passes += self.chain
-        seq_lens = (positions + 1).astype(np.int32)
+        if seq_lens is None:
+            seq_lens = (positions + 1).astype(np.int32)
         args = (positions, slots, seq_lens, block_tables)
         if input_ids is None:
-            return self.runner.run_decode(None, *args, ids_in_place=True, chain_rows=chain_rows)
+            return self.runner.run_decode(None, *args, ids_in_place=True,
+                                          chain_rows=chain_rows, tree=tree)
         if isinstance(input_ids, torch.Tensor):
             return self.runner.run_decode(None, *args, device_input_ids=input_ids,
-                                          chain_rows=chain_rows)
-        return self.runner.run_decode(input_ids, *args, chain_rows=chain_rows)
+                                          chain_rows=chain_rows, tree=tree)
+        return self.runner.run_decode(input_ids, *args, chain_rows=chain_rows, tree=tree)
 
 
     def run_device(self, input_ids: torch.Tensor, features: torch.Tensor | None,
@@ -251,19 +260,19 @@ def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor]
                          target_graphs: CudaGraphRunner | None, width: int, dtype: torch.dtype,
                          max_rows: int, max_model_len: int, block_size: int,
                          drafts: bool = False, passes_per_step: int = 1,
-                         feed_features: bool = False, sampling: bool = False, chain: int = 1
-                         ) -> DraftPassGraphs | None:
+                         feed_features: bool = False, sampling: bool = False, chain: int = 1,
+                         tree: bool = False) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
     eagerly). ``drafts``, ``passes_per_step``, ``feed_features``, ``sampling``,
-    ``chain``: see :class:`DraftPassGraphs`."""
+    ``chain``, ``tree``: see :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs, drafts=drafts,
                              passes_per_step=passes_per_step, feed_features=feed_features,
-                             sampling=sampling, chain=chain)
+                             sampling=sampling, chain=chain, tree=tree)
     graphs.capture()
     return graphs

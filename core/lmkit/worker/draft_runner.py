@@ -56,7 +56,7 @@ from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
 from lmkit.worker.staging import StepStaging
-from lmkit.worker.tree_drafts import draft_tree
+from lmkit.worker.tree_drafts import draft_tree, level_pass_graphs
 
 if TYPE_CHECKING:
     from lmkit.spec_decode.tree import DraftTree
@@ -141,9 +141,10 @@ class DraftRunner:
                        dtype: torch.dtype) -> None:
         """Capture the head's passes in CUDA graphs when the target's decode runs in
         graphs and the head has ``supports_cuda_graphs`` (else they run eagerly): the
-        ``k - 1`` draft passes (a row per request; ``hidden_size``), with
-        ``target_feature_size`` decode-like catch-up passes (a row per kept position, as
-        many as the target's graphs take), with ``samples_drafts`` a sampling set too."""
+        ``k - 1`` draft passes (a row per request; ``hidden_size``) or a tree's level
+        passes, with ``target_feature_size`` decode-like catch-up passes (a row per kept
+        position, as many as the target's graphs take), with ``samples_drafts`` a
+        sampling set too."""
         proposer = self.proposer
         if target_graphs is None or not proposer.supports_cuda_graphs or proposer.hidden_size <= 0:
             return
@@ -152,13 +153,15 @@ class DraftRunner:
         sampled = drafts and proposer.samples_drafts and self.tree is None  # (trees: argmax)
         for sampling in (False, True) if sampled else (False,):
             passes = catch_up = None
-            if self.k >= 2 and self.tree is None:  # (a tree's level passes run eagerly)
+            if self.k >= 2 and self.tree is None:
                 chain = self.k - 1 if drafts and not sampling and self._can_chain(
                     target_graphs) else 1
                 passes = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.hidden_size, dtype,
                     max_num_seqs, *args, drafts=drafts, passes_per_step=self.k - 1,
                     feed_features=True, sampling=sampling, chain=chain)
+            elif self.tree is not None:  # a tree's level passes (target graphs with trees)
+                passes = level_pass_graphs(self, self.tree, target_graphs, max_num_seqs, dtype)
             if proposer.target_feature_size > 0:
                 catch_up = maybe_capture_passes(
                     proposer, self.kv_caches, target_graphs, proposer.target_feature_size,
@@ -169,11 +172,9 @@ class DraftRunner:
                 self.graphs, self.catch_up_graphs = passes, catch_up
 
     def _can_chain(self, target_graphs: CudaGraphRunner | None) -> bool:
-        """Whether the ``k - 1`` greedy draft passes can replay as one chained graph:
-        the head's attention backend keeps a captured decode plan valid as the positions
-        move (:attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata`;
-        without graphs every pass is re-planned anyway), and ``LMKIT_DRAFT_CHAIN`` is
-        not ``0``."""
+        """Whether the ``k - 1`` greedy draft passes can replay as one chained graph: the
+        head's backend keeps a captured decode plan valid as the positions move (or no
+        graphs: every pass re-planned), and ``LMKIT_DRAFT_CHAIN`` is not ``0``."""
         if os.environ.get("LMKIT_DRAFT_CHAIN", "1") == "0" or target_graphs is None:
             return False
         return (not target_graphs.use_graphs
@@ -331,8 +332,7 @@ class DraftRunner:
 
     def take_probs(self, req_ids: Sequence[str], drafts: Sequence[Sequence[int]]
                    ) -> list[torch.Tensor | None] | None:
-        """Per request of a verification step, the distributions its scheduled drafts
-        were sampled from (:meth:`SampledDrafts.take`); ``None`` when none has any."""
+        """Per request, the distributions its drafts were drawn from; ``None``: none was."""
         return self.sampled.take(req_ids, drafts)
 
     def _catch_up(self, features: torch.Tensor, keep: np.ndarray, input_ids: np.ndarray,

@@ -11,8 +11,11 @@ attention metadata, :mod:`lmkit.worker.tree_step`). Its output drafts its childr
 
 Drafts are the head's argmax-ranked tokens, deterministic drafts for verification
 (:mod:`lmkit.sample.tree_verify`). Requests that ask for logprobs or structured
-output do not draft (their verification takes no tree). The passes run eagerly, with
-one device-to-host copy of the ranked tokens per level.
+output do not draft (their verification takes no tree). One device-to-host copy of the
+ranked tokens per level. The passes run eagerly, or, when the target's decode graphs
+take trees (``LMKIT_TREE_GRAPHS=1``), replay the head's level-pass graphs
+(:func:`level_pass_graphs`) flattened: node ``c`` a decode row with ``seq_len = last +
+c + 1``, a region of its ``c`` drafts before it and its ancestors' mask bits.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import torch
 
 from lmkit.api.attention import AttentionMetadata
 from lmkit.api.model import ForwardContext
+from lmkit.worker.draft_graphs import maybe_capture_passes
 from lmkit.worker.input_batch import tree_metadata
 
 if TYPE_CHECKING:
     from lmkit.spec_decode.tree import DraftTree
+    from lmkit.worker.cuda_graphs import CudaGraphRunner
+    from lmkit.worker.draft_graphs import DraftPassGraphs
     from lmkit.worker.draft_runner import DraftRunner
 
 
@@ -95,6 +101,20 @@ def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> np.ndarray:
     return top.cpu().numpy()
 
 
+def level_pass_graphs(drafter: DraftRunner, tree: DraftTree,
+                      target_graphs: CudaGraphRunner | None, max_num_seqs: int,
+                      dtype: torch.dtype) -> DraftPassGraphs | None:
+    """Captured level passes of ``tree`` for ``drafter``'s head (up to ``max_num_seqs``
+    requests at its widest level), when the target's decode graphs take trees; else
+    ``None``: the passes run eagerly."""
+    if target_graphs is None or not target_graphs.tree:
+        return None
+    return maybe_capture_passes(
+        drafter.proposer, drafter.kv_caches, target_graphs, drafter.proposer.hidden_size,
+        dtype, max_num_seqs * tree.widest_parent_level, drafter.max_model_len,
+        drafter.block_size, tree=True)
+
+
 def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: np.ndarray,
                 req: np.ndarray, node: np.ndarray, last: np.ndarray, req_rows: np.ndarray,
                 tables: np.ndarray) -> torch.Tensor:
@@ -105,6 +125,12 @@ def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: 
     blocks = tables[req, index // bs].astype(np.int64)
     slots = blocks * bs + index % bs
     positions = last[req] + tree.depths[node]
+    graphs = drafter.graphs
+    if (graphs is not None and graphs.runner.tree and len(req) <= graphs.max_rows
+            and tables.shape[1] <= graphs.max_blocks):  # flattened: a decode row per node
+        return graphs.run(ids, feat, positions, slots, tables[req],
+                          seq_lens=(index + 1).astype(np.int32),
+                          tree=(node.astype(np.int32), tree.masks[node] >> 1))
     reqs, counts = np.unique(req, return_counts=True)  # (grouped: unique keeps the order)
     widest = np.maximum.reduceat(node, np.cumsum(counts) - counts)  # the region's end
     seq_lens = (last[reqs] + 1 + widest).astype(np.int32)

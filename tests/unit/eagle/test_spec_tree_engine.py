@@ -41,10 +41,14 @@ def test_greedy_outputs_identical_with_a_tree(tiny, heads, baseline, proposer, m
     assert stats["spec_num_draft_tokens"] > len(TREE) * 10  # whole trees were verified
 
 
+@pytest.mark.parametrize("replays", [False, True], ids=["eager", "padded-replays"])
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
-def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer):
+def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer, replays):
     """Every tree the paged head drafted (level passes with tree attention over its own
-    KV cache) equals the head run densely along each node's path."""
+    KV cache; eagerly, or through the graph runners' padded replays: a decode row per
+    node) equals the head run densely along each node's path."""
+    if replays:
+        padded_replays(monkeypatch)
     got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
                             max_num_seqs=8, max_num_batched_tokens=16, num_blocks=20,
                             tree=TREE, k=len(TREE))
@@ -142,8 +146,9 @@ def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, base
         assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
         assert llm.stats()["spec_mean_accepted_length"] > 3.0
     assert made[0].tree and made[0].num_flattened_replays >= 5 and sum(moved) > 20
-    # the head's catch-up after a (compacted) tree step replays its graphs; its level
-    # passes run eagerly
+    # the head's catch-up after a (compacted) tree step replays its graphs, and so do
+    # its level passes (flattened, with tree buffers)
     drafter = drafters[0]
-    assert drafter.graphs is None and drafter.catch_up_graphs is not None
-    assert drafter.num_flattened_catch_ups > 0
+    assert drafter.catch_up_graphs is not None and drafter.num_flattened_catch_ups > 0
+    assert drafter.graphs is not None and drafter.graphs.runner.tree
+    assert drafter.graphs.num_passes > 10

@@ -1,8 +1,9 @@
 """Draft trees (``speculative.tree``) on CUDA with the triton backend: tree verification
 and the head's level passes run eagerly beside the decode graphs (which plain decode
-steps still replay), the tree steps through the prefill kernel's tree variant. On the
-tiny random Llama with random ``eagle`` / ``eagle3`` heads (float32): greedy outputs
-equal plain decoding, and whole trees were verified."""
+steps still replay), the tree steps through the prefill kernel's tree variant; with
+``LMKIT_TREE_GRAPHS=1`` both replay CUDA graphs captured with tree buffers. On the tiny
+random Llama with random ``eagle`` / ``eagle3`` heads (float32): greedy outputs equal
+plain decoding, and whole trees were verified."""
 
 from __future__ import annotations
 
@@ -20,13 +21,20 @@ from lmkit.testing.tiny_model import make_tiny_model  # noqa: E402
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-trees", "tree-graphs"])
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
-def test_tree_outputs_equal_plain_decoding_on_cuda(tmp_path, monkeypatch, proposer):
+def test_tree_outputs_equal_plain_decoding_on_cuda(tmp_path, monkeypatch, proposer, graphs):
     tiny = make_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2)
     head = (make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3) if proposer == "eagle"
             else make_tiny_eagle3_head(tmp_path / "head", tiny))
     plain, _, _ = run_engine(tiny, head, proposer, monkeypatch, speculative=False)
-    treed, drafts, _ = run_engine(tiny, head, proposer, monkeypatch,
-                                  settings={"tree": TREE, "num_speculative_tokens": len(TREE)})
+    if graphs:
+        monkeypatch.setenv("LMKIT_TREE_GRAPHS", "1")
+    treed, drafts, drafter = run_engine(
+        tiny, head, proposer, monkeypatch,
+        settings={"tree": TREE, "num_speculative_tokens": len(TREE)})
     assert treed == plain
+    level_graphs = drafter.graphs if drafter is not None else None
+    assert (level_graphs is not None and level_graphs.runner.use_graphs
+            and level_graphs.num_passes > 10) == graphs
     assert len(drafts) > 20 and all(len(d) == len(TREE) for d in list(drafts.values())[:5])

@@ -248,3 +248,19 @@ def test_copy_kv_slots_moves_accepted_nodes_reading_every_source_first(dtype):
     assert torch.equal(at(cache, 4), at(before, 5)) and torch.equal(at(cache, 5), at(before, 8))
     untouched = [s for s in range(12) if s not in (4, 5)]
     assert all(torch.equal(at(cache, s), at(before, s)) for s in untouched)
+
+
+def test_logprobs_are_those_of_each_emitted_tokens_row():
+    asking = SamplingParams(temperature=0.0, logprobs=2)
+    drafts = [[1, 2, 3, 4, 5, 6], [6, 5, 3]]
+    argmax = [2, 0, 5, 0, 0, 7, 0] + [6, 4, 0, 0]  # request 0 walks 2 -> 5, emits 7
+    logits = peaked(argmax) + torch.randn(11, 8, generator=torch.Generator().manual_seed(0))
+    md = rows_metadata([asking, SamplingParams(temperature=0.0)], drafts)
+    out = tree_verify.verify_tree(logits, md, TREE, drafts, KERNELS)
+    assert out.token_ids[0] == [2, 5, 7] and out.logprobs is not None
+    raw = logits.log_softmax(-1)
+    # token j from the root's row, then from node 2's row, then node 5's
+    for lp, row, token in zip(out.logprobs[0], [0, 2, 5], [2, 5, 7], strict=True):
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(raw[row, token]), abs=1e-6)
+    assert out.logprobs[1] == []  # not asking

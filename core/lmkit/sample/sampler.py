@@ -57,7 +57,7 @@ from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.row_cache import SamplingCache
 
 __all__ = [
-    "Sampler", "SamplerOutput", "VerifiedTokens", "adjust_logits", "compute_probs",
+    "Sampler", "SamplerOutput", "VerifiedTokens", "adjust_logits", "compute_probs", "row_logprobs",
     "compute_prompt_logprobs", "make_generator", "sample_from_probs", "verify_greedy",
 ]
 
@@ -105,7 +105,7 @@ class Sampler:
         """
         _check_rows(logits, md, md.num_rows, "one row per request")
         tokens, _, raw_logprobs, no_token = self._sample_rows(logits, md, None, None)
-        return SamplerOutput(tokens, _row_logprobs(tokens, raw_logprobs, md), no_token)
+        return SamplerOutput(tokens, row_logprobs(tokens, raw_logprobs, md), no_token)
 
     def sample_requests(self, logits: torch.Tensor, md: SamplingMetadata,
                         drafts: Sequence[Sequence[int]],
@@ -149,7 +149,7 @@ class Sampler:
         rows_out, accepted_l = host[:md.num_rows], host[md.num_rows:]
         token_ids = [rows_out[s:s + n + 1] for s, n in zip(layout.row_starts, accepted_l,
                                                              strict=True)]
-        row_lps = _row_logprobs(out_tokens, raw_logprobs, md)
+        row_lps = row_logprobs(out_tokens, raw_logprobs, md)
         logprobs = None if row_lps is None else logprobs_per_request(row_lps, layout,
                                                                       accepted_l)
         return VerifiedTokens(token_ids, accepted_l, logprobs,
@@ -200,7 +200,7 @@ def _check_rows(logits: torch.Tensor, md: SamplingMetadata, num_rows: int, what:
                          f"{md.num_rows} rows")
 
 
-def _row_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+def row_logprobs(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
                   md: SamplingMetadata) -> list[TokenLogprob | None] | None:
     """Per row its token's logprobs (rows asking) or ``None``; ``None`` if no row asks."""
     if raw_logprobs is None or md.logprob_rows is None:

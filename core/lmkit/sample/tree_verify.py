@@ -27,10 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmkit.api.outputs import TokenLogprob
 from lmkit.api.sampling_kernels import SamplingKernels
 from lmkit.sample.drafts import VerifiedTokens
 from lmkit.sample.draws import adjust_logits, compute_probs, sample_from_probs
 from lmkit.sample.metadata import SamplingMetadata
+from lmkit.sample.sampler import row_logprobs
 from lmkit.spec_decode.tree import DraftTree
 
 
@@ -50,14 +52,16 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
     Args:
         logits: ``[rows, vocab]``, ``len(drafts[i]) + 1`` consecutive rows per request
             (root, then its drafts); not modified.
-        md: one row per logits row (no logprobs: tree requests do not ask for them).
+        md: one row per logits row.
         tree: the tree; request ``i``'s drafts are its first ``len(drafts[i])`` nodes.
         drafts: per request its draft token ids, in node order.
         kernels: the engine's sampling kernels (penalties, argmax).
 
     Returns:
         per request the accepted drafts' tokens then one more, the accepted count, the
-        accepted nodes, and ``no_allowed_token`` for a final row with nothing allowed.
+        accepted nodes, ``no_allowed_token`` for a final row with nothing allowed and,
+        for requests asking, each emitted token's logprobs (from the raw logits of the
+        row that emitted it: the root's, then each accepted node's).
     """
     counts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
     starts = np.cumsum(counts + 1) - (counts + 1)
@@ -66,6 +70,8 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
                          f"request ({int(counts.sum()) + len(drafts)}); got logits "
                          f"{tuple(logits.shape)}, metadata {md.num_rows} rows")
     device = logits.device
+    raw_logprobs = (logits[md.logprob_rows].float().log_softmax(dim=-1)
+                    if md.logprob_rows is not None else None)
     logits = logits.to(torch.float32, copy=True)
     if md.needs_logit_adjustment:
         logits = adjust_logits(logits, md, kernels)
@@ -134,7 +140,25 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
         out.paths.append(path)
         if empty is not None and empty[start + cur]:
             out.no_allowed_token[i] = len(path)
+    if raw_logprobs is not None:
+        out.logprobs = _emitted_logprobs(out, starts, raw_logprobs, md)
     return out
+
+
+def _emitted_logprobs(out: TreeVerified, starts: np.ndarray, raw_logprobs: torch.Tensor,
+                      md: SamplingMetadata) -> list[list[TokenLogprob]]:
+    """Each request's emitted tokens' logprobs (empty for requests not asking): token
+    ``j`` was emitted at the root's row (``j = 0``) or at accepted node ``j``'s."""
+    assert out.paths is not None
+    emitted = np.zeros(md.num_rows, dtype=np.int64)
+    rows_of = []
+    for start, tokens, path in zip(starts.tolist(), out.token_ids, out.paths, strict=True):
+        rows = [start, *(start + c for c in path)]
+        emitted[rows] = tokens
+        rows_of.append(rows)
+    per_row = row_logprobs(torch.from_numpy(emitted).to(raw_logprobs.device), raw_logprobs, md)
+    assert per_row is not None
+    return [[lp for r in rows if (lp := per_row[r]) is not None] for rows in rows_of]
 
 
 def _uniforms(num_nodes: int, starts: np.ndarray, counts: np.ndarray,

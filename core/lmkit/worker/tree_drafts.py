@@ -10,8 +10,8 @@ take), and attends to the context and to its ancestors only (the tree region of 
 attention metadata, :mod:`lmkit.worker.tree_step`). Its output drafts its children.
 
 Drafts are the head's argmax-ranked tokens, deterministic drafts for verification
-(:mod:`lmkit.sample.tree_verify`). Requests that ask for logprobs or structured
-output do not draft (their verification takes no tree). One device-to-host copy of the
+(:mod:`lmkit.sample.tree_verify`). Requests with a structured-output constraint do not
+draft (their grammar's masks are made along chains). One device-to-host copy of the
 ranked tokens per level. The passes run eagerly, or, when the target's decode graphs
 take trees (``LMKIT_TREE_GRAPHS=1``), replay the head's level-pass graphs
 (:func:`level_pass_graphs`) flattened: node ``c`` a decode row with ``seq_len = last +
@@ -82,13 +82,10 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
 
 
 def _may_draft(drafter: DraftRunner, req_id: str) -> bool:
-    """Whether a request drafts a tree: not when it asks for logprobs or carries a
-    structured-output constraint (their rows are verified without trees)."""
+    """Whether a request drafts a tree: not when it carries a structured-output
+    constraint (its grammar's masks are made along chains of drafts)."""
     state = drafter.requests.get(req_id)
-    if state is None:
-        return True
-    params = state.sampling_params
-    return params.logprobs is None and not params.structured_outputs
+    return state is None or not state.sampling_params.structured_outputs
 
 
 def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> np.ndarray:

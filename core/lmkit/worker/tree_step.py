@@ -98,7 +98,7 @@ def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[
                      plan: SamplingPlan, tree: DraftTree) -> TreeVerified:
     """Verify a step's draft trees: the requests with drafts through
     :func:`~lmkit.sample.tree_verify.verify_tree`, the others (no drafts: prefill ends,
-    requests asking for logprobs or structured output) through the sampler as usual;
+    requests with a structured-output constraint) through the sampler as usual;
     ``logits`` has ``len(drafts) + 1`` rows per plan entry. Returns the results in
     plan order, with the accepted nodes (:class:`~lmkit.sample.tree_verify.TreeVerified`)."""
     from lmkit.worker.step_sampling import step_metadata  # (which imports this module)
@@ -121,8 +121,8 @@ def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[
                                               runner.sampler.kernels)
         else:
             got = runner.sampler.sample_requests(sub, md, [[] for _ in part])
-            if got.logprobs is not None:
-                out.logprobs = out.logprobs or [[] for _ in plan]
+        if got.logprobs is not None:
+            out.logprobs = out.logprobs or [[] for _ in plan]
         for j, n in enumerate(entries):
             out.token_ids[n], out.num_accepted[n] = got.token_ids[j], got.num_accepted[j]
             if isinstance(got, TreeVerified) and got.paths is not None:

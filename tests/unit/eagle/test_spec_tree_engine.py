@@ -3,7 +3,8 @@ target pass with tree attention. Greedy outputs identical to plain decoding acro
 batching, prefix caching, chunked prefill and preemption; the drafted trees equal a
 dense reference of the head; an oracle tree whose right answer sits off the first
 branch (so accepted nodes move to a chain's slots) still decodes exactly, and accepts
-several tokens per step; sampled, logprob and penalised requests beside trees; and the
+several tokens per step; logprobs through accepted trees as plain decoding gives them;
+sampled and penalised requests beside trees; the graph runners' padded replays; and the
 refusals."""
 
 from __future__ import annotations
@@ -109,6 +110,26 @@ def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baselin
     assert stats["spec_mean_accepted_length"] > 3.0  # up to 3 drafts + 1 per step
 
 
+def test_logprobs_through_accepted_trees_match_plain_decoding(tiny, head, baseline,
+                                                              monkeypatch):
+    """A greedy request asking for logprobs drafts trees too: each emitted token's
+    logprobs (and top alternatives) come from the row that emitted it, the root's or an
+    accepted node's, as plain decoding gives them."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3)
+    with LLM(str(tiny), num_blocks=96, **{**COMMON, "max_model_len": 64}) as llm:
+        plain = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    plant_truth(monkeypatch, baseline)  # deep accepted paths off the first branch
+    with tree_llm(tiny, head, num_blocks=96, max_num_seqs=8) as llm:
+        treed = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+        assert llm.stats()["spec_mean_accepted_length"] > 3.0
+    for a, b in zip(plain, treed, strict=True):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert (x.token_id, x.rank) == (y.token_id, y.rank)
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
 def test_sampled_logprob_and_penalised_requests_beside_trees(tiny, head):
     params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
@@ -119,7 +140,7 @@ def test_sampled_logprob_and_penalised_requests_beside_trees(tiny, head):
         outs = llm.generate(PROMPTS[:4], params)
         again = llm.generate(PROMPTS[:1], params[:1])
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [12] * 6
-    assert len(outs[1].outputs[0].logprobs) == 12  # no drafts for it: one row per step
+    assert len(outs[1].outputs[0].logprobs) == 12
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # seeded
 
 

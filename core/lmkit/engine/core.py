@@ -141,8 +141,8 @@ class EngineCore:
                                               self.facts.vocab_size)
         if proposer is not None:
             phases.append(proposer)
-            if isinstance(structured, StructuredOutputManager):
-                phases.append(TrimDrafts(structured))  # after the proposer's
+            if isinstance(structured, StructuredOutputManager) and not self.config.speculative.tree:
+                phases.append(TrimDrafts(structured))  # after the proposer's (chains)
         if tier is not None:
             phases.append(OffloadPhase(self.executor))
         return StepPhases(phases)

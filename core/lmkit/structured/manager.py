@@ -25,6 +25,7 @@ from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError
 from lmkit.plugin_host.faults import plugin_label, raised_in
+from lmkit.spec_decode.tree import DraftTree
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
 from lmkit.structured.fault import explain_refused_tokens
@@ -34,7 +35,7 @@ from lmkit.structured.rows import (
     check_accepted,
     checked_grammar,
     count_valid_drafts,
-    fill_rows,
+    fill_draft_rows,
 )
 
 if TYPE_CHECKING:
@@ -56,18 +57,17 @@ class StructuredOutputManager(StepPhase):
     Args:
         scheduler: the engine's scheduler (constrained requests wait in it; the
             manager finishes those refused or whose grammar ends).
-        make_backend: builds the backend (``cls(tokenizer, vocab_size, options=...)``);
-            called once, in a compile thread, when the first constraint arrives.
-        backend_name: the backend's registered name (for messages).
-        features: the constraint features its spec declares (``Caps.features``).
-        vocab_size: the width of the model's logits (the bitmask's).
-        compile_timeout_s: how long a grammar may take to compile, from the moment a
-            compile thread starts on it.
-        num_compile_threads: compilations at once.
-        cache_size, cache_bytes: bounds of the LRU of compiled grammars.
-        queue_timeout_s: how long a request may wait for a free compile thread (default:
-            ten compile timeouts, at least a minute).
-        plugin: the plugin that registered the backend (for messages).
+        make_backend: builds the backend, once, in a compile thread, for the first
+            constraint (``cls(tokenizer, vocab_size, options=...)``).
+        backend_name: the backend's registered name (for messages); ``features``: the
+            constraint features its spec declares; ``vocab_size``: the logits' width.
+        compile_timeout_s: how long a grammar may compile (once a thread starts on it).
+        num_compile_threads: compilations at once; ``cache_size``, ``cache_bytes``:
+            bounds of the LRU of compiled grammars.
+        queue_timeout_s: how long a request may wait for a compile thread (default: ten
+            compile timeouts, at least a minute).
+        plugin: the plugin that registered the backend (for messages); ``tree``: the
+            draft tree (``speculative.tree``) whose first nodes a request's drafts are.
 
     Step phases: :meth:`add_request`, :meth:`before_schedule` (:meth:`admit`),
     :meth:`after_schedule` (:meth:`fill_bitmask`), :meth:`after_model_output`
@@ -80,8 +80,8 @@ class StructuredOutputManager(StepPhase):
                  features: Iterable[str], vocab_size: int, compile_timeout_s: float = 30.0,
                  num_compile_threads: int = 2, cache_size: int = 256,
                  cache_bytes: int = 0, queue_timeout_s: float | None = None,
-                 plugin: str | None = None) -> None:
-        self.backend_name = backend_name
+                 plugin: str | None = None, tree: DraftTree | None = None) -> None:
+        self.tree, self.backend_name = tree, backend_name
         self.label = plugin_label("structured-output backend", backend_name, plugin)
         self.plain_rows = PlainRows(self.label)
         self._failed: dict[str, str] = {}  # request id -> how its grammar failed
@@ -105,9 +105,8 @@ class StructuredOutputManager(StepPhase):
     @classmethod
     def from_stack(cls, config: LMKitConfig, stack: ResolvedStack, model_dir: Path,
                    vocab_size: int, scheduler: Scheduler) -> StepPhase:
-        """The manager for the stack's structured-output backend, or (when off) a
-        :class:`StructuredOutputOff` phase that refuses constrained requests. The
-        backend itself (and the tokenizer in ``model_dir``) is loaded on first use."""
+        """The manager for the stack's structured-output backend, or (off) a phase that
+        refuses constrained requests; the backend and tokenizer load on first use."""
         reg = stack.get("structured_output")
         if reg is None:
             return StructuredOutputOff(config)
@@ -125,14 +124,15 @@ class StructuredOutputManager(StepPhase):
                    compile_timeout_s=section.compile_timeout_s,
                    num_compile_threads=section.num_compile_threads,
                    cache_size=section.grammar_cache_size,
-                   cache_bytes=int(section.grammar_cache_mb * 2**20), plugin=reg.origin)
+                   cache_bytes=int(section.grammar_cache_mb * 2**20), plugin=reg.origin,
+                   tree=DraftTree.from_paths(t) if (t := config.speculative.tree) else None)
 
     # -- requests in ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """For a constrained request (just queued in the scheduler): validate its
-        constraint, start compiling it and set it ``WAITING_FOR_GRAMMAR``;
-        :meth:`admit` sets it ``WAITING`` once its grammar is ready. Others pass.
+        constraint, start compiling it and set it ``WAITING_FOR_GRAMMAR`` (``WAITING``
+        by :meth:`admit` once its grammar is ready). Others pass.
 
         Raises:
             InvalidRequestError: a malformed constraint, a kind this backend does not
@@ -260,9 +260,10 @@ class StructuredOutputManager(StepPhase):
 
     def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Fill ``grammar_bitmask`` and ``structured_output_request_ids`` of a planned
-        step: each scheduled constrained request gets ``1 + len(drafts)`` consecutive
-        rows from ``structured_output_request_ids[req_id]`` (row ``j``: the mask after
-        its first ``j`` draft tokens; see :func:`lmkit.structured.rows.fill_rows`)."""
+        step: each scheduled constrained request gets ``1 + len(drafts)`` rows from
+        ``structured_output_request_ids[req_id]`` (row ``j``: the mask after its first
+        ``j`` drafts, or with a tree after the path to node ``j``; see
+        :mod:`lmkit.structured.rows`)."""
         from lmkit.sample.bitmask import allocate_bitmask
 
         scheduled = [(rid, self._active[rid].structured_output)
@@ -282,7 +283,7 @@ class StructuredOutputManager(StepPhase):
             assert state.grammar is not None, "an admitted request has its grammar"
             if drafts:
                 try:
-                    fill_rows(state.grammar, bitmask, row, drafts)
+                    fill_draft_rows(state.grammar, bitmask, row, drafts, self.tree)
                 except Exception as e:
                     self._fault(rid, e, f"filling the bitmask rows of {len(drafts)} drafts")
             else:

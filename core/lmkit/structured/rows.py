@@ -12,7 +12,9 @@ to roll back when drafts are rejected.
 :class:`PlainRows` fills the rows of requests without drafts in one backend call; when
 that call raises it falls back to each grammar alone, so that one faulty grammar fails
 its own request, not the step. :class:`TrimDrafts` is the phase that cuts a
-proposer's drafts to what the grammars allow.
+proposer's drafts to what the grammars allow. A draft tree's rows follow each node's
+path (:func:`fill_tree_rows`); its drafts are not cut (only a prefix of the nodes could
+go, and a refused node is never accepted anyway: its parent's row forbids it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from lmkit.api.runner_output import ModelRunnerOutput
     from lmkit.api.scheduler_output import SchedulerOutput
     from lmkit.api.structured_output import StructuredOutputBackend
+    from lmkit.spec_decode.tree import DraftTree
     from lmkit.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,39 @@ def fill_rows(grammar: Grammar, bitmask: torch.Tensor, first_row: int,
     if num_valid:
         grammar.rollback(num_valid)
     return num_valid
+
+
+def fill_tree_rows(grammar: Grammar, bitmask: torch.Tensor, first_row: int,
+                   draft_token_ids: list[int], tree: DraftTree) -> None:
+    """The rows of a request whose drafts are the first nodes of a draft tree
+    (``speculative.tree``): ``bitmask[first_row + j]`` gets the mask after the drafts on
+    the path to node ``j`` (row 0: the root's, after the accepted tokens only).
+
+    A node whose path the grammar refuses keeps its row as it is: it cannot be reached,
+    since the row of the parent of the first refused node forbids that draft, so
+    verification never accepts it. The grammar ends in the state it started in.
+    """
+    grammar.fill_bitmask(bitmask, first_row)
+    for node in range(1, len(draft_token_ids) + 1):
+        path = [draft_token_ids[c - 1] for c in tree.path_to(node)]
+        taken = 0
+        for token in path:
+            if grammar.is_terminated() or not grammar.accept_tokens([token]):
+                break
+            taken += 1
+        if taken == len(path):
+            grammar.fill_bitmask(bitmask, first_row + node)
+        if taken:
+            grammar.rollback(taken)
+
+
+def fill_draft_rows(grammar: Grammar, bitmask: torch.Tensor, first_row: int,
+                    draft_token_ids: list[int], tree: DraftTree | None) -> None:
+    """:func:`fill_rows` for chains of drafts, :func:`fill_tree_rows` for a tree's."""
+    if tree is None:
+        fill_rows(grammar, bitmask, first_row, draft_token_ids)
+    else:
+        fill_tree_rows(grammar, bitmask, first_row, draft_token_ids, tree)
 
 
 def count_valid_drafts(grammar: Grammar, draft_token_ids: list[int]) -> int:

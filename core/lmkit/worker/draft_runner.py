@@ -243,7 +243,7 @@ class DraftRunner:
         feat = out.index_select(0, index)
         if self.tree is not None:  # a tree of drafts, level by level (no graphs)
             return draft_tree(self, self.tree, feat, last, num_drafts, rows[drafter],
-                              tables[drafter], [int(sel[d]) for d in drafter], req_ids)
+                              tables[drafter], [int(sel[d]) for d in drafter])
         act = np.arange(len(drafter))
         if drafted is not None and (sampler is None) == (drafted[1] is None):
             ids = drafted[0].index_select(0, index)  # taken in the catch-up replay

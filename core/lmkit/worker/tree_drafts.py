@@ -10,8 +10,8 @@ take), and attends to the context and to its ancestors only (the tree region of 
 attention metadata, :mod:`lmkit.worker.tree_step`). Its output drafts its children.
 
 Drafts are the head's argmax-ranked tokens, deterministic drafts for verification
-(:mod:`lmkit.sample.tree_verify`). Requests with a structured-output constraint do not
-draft (their grammar's masks are made along chains). One device-to-host copy of the
+(:mod:`lmkit.sample.tree_verify`); a grammar's mask rows follow each node's path
+(:func:`lmkit.structured.rows.fill_tree_rows`). One device-to-host copy of the
 ranked tokens per level. The passes run eagerly, or, when the target's decode graphs
 take trees (``LMKIT_TREE_GRAPHS=1``), replay the head's level-pass graphs
 (:func:`level_pass_graphs`) flattened: node ``c`` a decode row with ``seq_len = last +
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: np.ndarray,
                num_drafts: np.ndarray, req_rows: np.ndarray, tables: np.ndarray,
-               step_index: Sequence[int], req_ids: Sequence[str]) -> dict[int, list[int]]:
+               step_index: Sequence[int]) -> dict[int, list[int]]:
     """The draft trees of the drafting requests.
 
     Args:
@@ -50,12 +50,12 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
         last: each request's last kept position (the root's).
         num_drafts: nodes each request has room for (its blocks, the context limit).
         req_rows: the requests' batch rows; ``tables`` their block tables.
-        step_index: the requests' indices in the step; ``req_ids`` their ids.
+        step_index: the requests' indices in the step.
 
     Returns:
         step index -> the drafts' tokens in node order.
     """
-    n = np.where([_may_draft(drafter, r) for r in req_ids], num_drafts, 0).astype(np.int64)
+    n = num_drafts.astype(np.int64)
     tokens = np.zeros((len(n), tree.num_nodes + 1), dtype=np.int64)
     cur_req = np.flatnonzero(n > 0)
     cur_node = np.zeros(len(cur_req), dtype=np.int64)
@@ -79,13 +79,6 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
         cur_feat = _level_pass(drafter, tree, parent_feat, tokens[cur_req, cur_node], cur_req,
                                cur_node, last, req_rows, tables)
     return {int(step_index[int(r)]): tokens[r, 1:n[r] + 1].tolist() for r in np.flatnonzero(n)}
-
-
-def _may_draft(drafter: DraftRunner, req_id: str) -> bool:
-    """Whether a request drafts a tree: not when it carries a structured-output
-    constraint (its grammar's masks are made along chains of drafts)."""
-    state = drafter.requests.get(req_id)
-    return state is None or not state.sampling_params.structured_outputs
 
 
 def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> np.ndarray:

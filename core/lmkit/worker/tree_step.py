@@ -98,7 +98,7 @@ def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[
                      plan: SamplingPlan, tree: DraftTree) -> TreeVerified:
     """Verify a step's draft trees: the requests with drafts through
     :func:`~lmkit.sample.tree_verify.verify_tree`, the others (no drafts: prefill ends,
-    requests with a structured-output constraint) through the sampler as usual;
+    requests that opted out) through the sampler as usual;
     ``logits`` has ``len(drafts) + 1`` rows per plan entry. Returns the results in
     plan order, with the accepted nodes (:class:`~lmkit.sample.tree_verify.TreeVerified`)."""
     from lmkit.worker.step_sampling import step_metadata  # (which imports this module)

@@ -62,24 +62,24 @@ def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer,
     assert not wrong, f"{len(wrong)} of {len(got)} trees differ, e.g. {next(iter(wrong.values()))}"
 
 
-def plant_truth(monkeypatch, baseline) -> list[int]:
-    """Make the head's trees carry the true continuation (the plain outputs) on the path
-    of ranks (1,), (1, 0), (1, 0, 0), off the first branch; returns, per verified
-    step, how many accepted nodes moved to a chain's slots."""
+def plant_truth(monkeypatch, baseline, prompts=PROMPTS) -> list[int]:
+    """Make the head's trees carry the true continuation (``baseline``: the plain outputs
+    of ``prompts``) on the path of ranks (1,), (1, 0), (1, 0, 0), off the first branch;
+    returns, per verified step, how many accepted nodes moved to a chain's slots."""
     import lmkit.worker.draft_runner as draft_runner
     import lmkit.worker.step_sampling as step_sampling
     import lmkit.worker.tree_step as tree_step
 
     tree = DraftTree.from_paths(TREE)
     planted = [tree.paths.index(p) + 1 for p in [(1,), (1, 0), (1, 0, 0)]]
-    truth = [list(p.encode()) + out for p, out in zip(PROMPTS, baseline, strict=True)]
+    truth = [list(p.encode()) + out for p, out in zip(prompts, baseline, strict=True)]
     real_draft, real_compact = draft_runner.draft_tree, tree_step.compact_accepted
     moved: list[int] = []
 
-    def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index, req_ids):
-        out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables,
-                         step_index, req_ids)
-        for i, rid in zip(step_index, req_ids, strict=True):
+    def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index):
+        out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index)
+        for i, row in zip(step_index, req_rows, strict=True):
+            rid = drafter.input_batch.req_ids[row]
             state, drafts = drafter.requests[rid], out.get(i)
             known = [*state.prompt_token_ids, *state.output_token_ids]
             full = next((t for t in truth if t[:len(known)] == known), None)
@@ -128,6 +128,28 @@ def test_logprobs_through_accepted_trees_match_plain_decoding(tiny, head, baseli
             assert (x.token_id, x.rank) == (y.token_id, y.rank)
             assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["head", "planted-truth"])
+def test_constrained_requests_draft_trees_masked_along_each_path(tiny, head, monkeypatch,
+                                                                 planted):
+    """A grammar's mask rows follow each node's path (a node off the grammar is never
+    accepted: its parent's row forbids it); nothing is trimmed; constrained outputs stay
+    those decoded without speculation, through deep accepted trees too."""
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(temperature=0.0, max_tokens=24,
+                            structured_outputs={"regex": "[ab]{4,20}c"})
+    prompts = ["abab", "the cat", "x"]
+    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
+        base = tokens(llm.generate(prompts, params))
+    if planted:
+        plant_truth(monkeypatch, base, prompts)
+    with tree_llm(tiny, head, structured_output="auto", num_blocks=96) as llm:
+        assert tokens(llm.generate(prompts, params)) == base
+        stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["grammar_drafts_trimmed"] == 0
+    if planted:
+        assert stats["spec_mean_accepted_length"] > 2.5
 
 
 def test_sampled_logprob_and_penalised_requests_beside_trees(tiny, head):

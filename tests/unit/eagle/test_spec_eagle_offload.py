@@ -93,6 +93,21 @@ def test_the_tier_carries_the_heads_kv(tiny, heads, monkeypatch, proposer):
     assert counts["same"] < counts["loaded"], counts
 
 
+def test_draft_trees_beside_the_tier(tiny, heads, monkeypatch):
+    """With a draft tree (accepted nodes moved to a chain's slots before the write-through
+    stores): loads bring back the head's KV as stored, outputs and trees stay those made
+    where the prefix never left the device."""
+    tree = {"tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]], "k": 5}
+    head = heads["eagle3"]
+    on_device, _ = _run(tiny, head, monkeypatch, "eagle3", num_blocks=96, **tree)
+    counts = _watch_head_blocks(monkeypatch, carry_head=True)
+    offloaded, stats = _run(tiny, head, monkeypatch, "eagle3", num_blocks=17, offload=TIER,
+                            **tree)
+    assert stats["offload_loaded_blocks"] >= 5 and stats["offload_failed_loads"] == 0, stats
+    assert counts["loaded"] == stats["offload_loaded_blocks"] == counts["same"], counts
+    assert stats["spec_num_draft_tokens"] > 0 and offloaded == on_device
+
+
 def test_a_head_laid_out_unlike_the_target_is_refused_with_offload():
     from lmkit.errors import ConfigError
     from lmkit.worker.memory import check_head_blocks_offloadable

@@ -45,6 +45,7 @@ class DraftTree:
             after its parent (the root 0).
         masks: int64 ``[num_nodes + 1]``, bit ``j`` of ``masks[i]`` set when node ``j``
             is node ``i`` or one of its ancestors.
+        children: per node, its ``(rank, child)`` pairs by rank.
     """
 
     paths: tuple[tuple[int, ...], ...]
@@ -52,6 +53,7 @@ class DraftTree:
     depths: np.ndarray = field(repr=False)
     ranks: np.ndarray = field(repr=False)
     masks: np.ndarray = field(repr=False)
+    children: tuple[tuple[tuple[int, int], ...], ...] = field(repr=False, default=())
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> DraftTree:
@@ -91,11 +93,14 @@ class DraftTree:
         ranks = np.zeros(n, dtype=np.int64)
         masks = np.zeros(n, dtype=np.int64)
         masks[0] = 1
+        kids: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         for p, i in index.items():
             parents[i] = index.get(p[:-1], 0)
             depths[i], ranks[i] = len(p), p[-1]
             masks[i] = masks[parents[i]] | _bit(i)
-        return cls(ordered, parents, depths, ranks, masks)
+            kids[parents[i]].append((p[-1], i))
+        return cls(ordered, parents, depths, ranks, masks,
+                   tuple(tuple(sorted(k)) for k in kids))
 
     @classmethod
     def chain(cls, k: int) -> DraftTree:
@@ -155,8 +160,7 @@ class DraftTree:
         """``(rank, child)`` of ``node``'s children among the first ``num_nodes``
         drafts, by rank."""
         n = self.num_nodes if num_nodes is None else num_nodes
-        kids = np.flatnonzero(self.parents[1:n + 1] == node) + 1
-        return sorted((int(self.ranks[c]), int(c)) for c in kids)
+        return [(r, c) for r, c in self.children[node] if c <= n]
 
     def path_to(self, node: int) -> list[int]:
         """The drafts from the root's first child to ``node`` (empty for the root)."""

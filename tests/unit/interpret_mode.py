@@ -47,3 +47,21 @@ def interpreted_spec(spec, **values):
                 {**spec.caps.values, "device": {"cpu"}, **values})
     return dataclasses.replace(spec, name=f"{spec.name}_interpreted", needs_cuda=False,
                                caps=caps)
+
+
+def assert_ulps_apart(got, want, max_ulps: int = 1) -> None:
+    """``got`` equals ``want`` (same shape and half-precision dtype) up to ``max_ulps``
+    units in the last place per element: the interpreter's ``exp`` is numpy's, whose
+    SIMD body and scalar tail may round an element one ulp apart on some CPUs (seen on
+    an AVX-512 AMD EPYC), so two kernels that tile a tensor differently can differ there
+    by one ulp where the compiled kernels (tests/gpu) agree bit for bit."""
+    import torch
+
+    assert got.shape == want.shape and got.dtype == want.dtype
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    # the half's bits as a monotonic integer line (negatives mirrored below zero)
+    a, b = (torch.where(t < 0, -(t & 0x7FFF), t) for t in (a, b))
+    ulps = (a - b).abs()
+    assert int(ulps.max()) <= max_ulps, (
+        f"{int((ulps > max_ulps).sum())} elements more than {max_ulps} ulp apart "
+        f"(at most {int(ulps.max())})")

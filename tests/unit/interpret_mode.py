@@ -51,10 +51,12 @@ def interpreted_spec(spec, **values):
 
 def assert_ulps_apart(got, want, max_ulps: int = 1) -> None:
     """``got`` equals ``want`` (same shape and half-precision dtype) up to ``max_ulps``
-    units in the last place per element: the interpreter's ``exp`` is numpy's, whose
-    SIMD body and scalar tail may round an element one ulp apart on some CPUs (seen on
-    an AVX-512 AMD EPYC), so two kernels that tile a tensor differently can differ there
-    by one ulp where the compiled kernels (tests/gpu) agree bit for bit."""
+    units in the last place per element: the interpreter's ``tl.dot`` is numpy's matmul,
+    whose OpenBLAS kernels sum in an order that depends on the operands' shapes on some
+    CPUs (seen on an AVX-512 AMD EPYC: the same columns of ``x @ w`` differ in the last
+    bit between ``w`` and a slice of it), so two kernels that tile a product differently
+    can round an element one ulp apart where the compiled kernels (tests/gpu) agree bit
+    for bit."""
     import torch
 
     assert got.shape == want.shape and got.dtype == want.dtype

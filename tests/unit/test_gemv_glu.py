@@ -2,8 +2,8 @@
 :func:`lmkit_kernels.gemv.small_m_linear` and of the norm fold; the layers'
 :meth:`~lmkit_plugins.models.layers.Linear.forward_glu`), on the CPU in Triton's
 interpreter: the same bits as the gate-up projection followed by the separate
-SiLU-and-multiply kernel (up to one ulp in the interpreter, whose numpy ``exp`` may round
-a SIMD tail apart; see ``interpret_mode.assert_ulps_apart``), which layers take it (dense half precision, no tensor
+SiLU-and-multiply kernel (up to one ulp in the interpreter, whose dot products go through
+numpy's shape-dependent OpenBLAS kernels; see ``interpret_mode.assert_ulps_apart``), which layers take it (dense half precision, no tensor
 parallelism, SiLU; not with ``LMKIT_GLU_EPILOGUE=0``), and that a tiny Llama's hidden
 states are bit-identical with it on and off, at decode sizes and above them."""
 

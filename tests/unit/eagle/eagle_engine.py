@@ -14,6 +14,12 @@ COMMON = dict(device="cpu", dtype="float32", max_model_len=256, block_size=4)
 PROMPTS = ["abcabcabcabc", "the cat sat on the mat; the cat", "x", "0123401234",
            "abcabcabcabc"]  # the last one hits the prefix cache of the first
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+#: (max_num_seqs, num_blocks, max_num_batched_tokens) the lossless tests run under
+BATCHINGS = [
+    (1, 96, 512),  # one request at a time
+    (8, 96, 512),  # the whole batch, prefix-cache hits
+    (8, 20, 16),  # a small KV pool (preemptions) and chunked prefill
+]
 #: run_engine's keyword settings that go to the config's ``speculative`` section
 SPECULATIVE_KEYS = ("disable_by_batch_size", "catch_up_when_off", "adaptive",
                     "device_step_max_requests", "tree")

@@ -7,18 +7,14 @@ weights load. Drafts against a dense reference: ``test_spec_eagle_drafts.py``.""
 from __future__ import annotations
 
 import pytest
-from eagle_engine import COMMON, GREEDY, PROMPTS, tokens
+from eagle_engine import BATCHINGS, COMMON, GREEDY, PROMPTS, tokens
 from lmkit import LLM, SamplingParams
 from lmkit.errors import ConfigError
 from lmkit.testing.eagle_head import make_tiny_eagle3_head, make_tiny_eagle_head
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
-@pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), [
-    (1, 96, 512),  # one request at a time
-    (8, 96, 512),  # the whole batch, prefix-cache hits
-    (8, 20, 16),  # a small KV pool (preemptions) and chunked prefill
-])
+@pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), BATCHINGS)
 def test_greedy_outputs_identical_with_eagle(tiny, heads, baseline, max_num_seqs, num_blocks,
                                              chunk, proposer):
     with LLM(str(tiny), speculative=proposer, speculative_model=str(heads[proposer]),

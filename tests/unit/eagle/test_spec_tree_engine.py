@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import COMMON, GREEDY, PROMPTS, padded_replays, run_engine, tokens
+from eagle_engine import (
+    BATCHINGS,
+    COMMON,
+    GREEDY,
+    PROMPTS,
+    padded_replays,
+    run_engine,
+    tokens,
+)
 from lmkit import LLM, SamplingParams
 from lmkit.errors import ConfigError
 from lmkit.spec_decode.tree import DraftTree
@@ -25,11 +33,7 @@ def tree_llm(tiny, head, proposer="eagle", tree=TREE, **settings):
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
-@pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), [
-    (1, 96, 512),  # one request at a time
-    (8, 96, 512),  # the whole batch, prefix-cache hits
-    (8, 20, 16),  # a small KV pool (preemptions) and chunked prefill
-])
+@pytest.mark.parametrize(("max_num_seqs", "num_blocks", "chunk"), BATCHINGS)
 def test_greedy_outputs_identical_with_a_tree(tiny, heads, baseline, proposer, max_num_seqs,
                                               num_blocks, chunk):
     with tree_llm(tiny, heads[proposer], proposer, num_blocks=num_blocks,

@@ -66,16 +66,18 @@ def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer,
     assert not wrong, f"{len(wrong)} of {len(got)} trees differ, e.g. {next(iter(wrong.values()))}"
 
 
-def plant_truth(monkeypatch, baseline, prompts=PROMPTS) -> list[int]:
-    """Make the head's trees carry the true continuation (``baseline``: the plain outputs
-    of ``prompts``) on the path of ranks (1,), (1, 0), (1, 0, 0), off the first branch;
-    returns, per verified step, how many accepted nodes moved to a chain's slots."""
+def plant_truth(monkeypatch, baseline, prompts=PROMPTS, tree_paths=TREE,
+                path=(1, 0, 0)) -> list[int]:
+    """Make the head's trees (``tree_paths``) carry the true continuation (``baseline``:
+    the plain outputs of ``prompts``) on the nodes of rank path ``path`` and its
+    prefixes, by default (1,), (1, 0), (1, 0, 0), off the first branch; returns, per
+    verified step, how many accepted nodes moved to a chain's slots."""
     import lmkit.worker.draft_runner as draft_runner
     import lmkit.worker.step_sampling as step_sampling
     import lmkit.worker.tree_step as tree_step
 
-    tree = DraftTree.from_paths(TREE)
-    planted = [tree.paths.index(p) + 1 for p in [(1,), (1, 0), (1, 0, 0)]]
+    tree = DraftTree.from_paths(tree_paths)
+    planted = [tree.paths.index(tuple(path[:d])) + 1 for d in range(1, len(path) + 1)]
     truth = [list(p.encode()) + out for p, out in zip(prompts, baseline, strict=True)]
     real_draft, real_compact = draft_runner.draft_tree, tree_step.compact_accepted
     moved: list[int] = []
@@ -199,3 +201,36 @@ def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, base
     assert drafter.catch_up_graphs is not None and drafter.num_flattened_catch_ups > 0
     assert drafter.graphs is not None and drafter.graphs.runner.tree
     assert drafter.graphs.num_passes > 10
+
+
+def random_tree(seed: int, nodes: int, max_rank: int = 4) -> list[list[int]]:
+    """A random prefix-closed tree of ``nodes`` rank paths (children of a node take ranks
+    0, 1, ... in order, at most ``max_rank``)."""
+    import random
+
+    rng = random.Random(seed)
+    paths: list[tuple[int, ...]] = [()]
+    kids: dict[tuple[int, ...], int] = {}
+    while len(paths) < nodes + 1:
+        parent = rng.choice(paths)
+        if kids.get(parent, 0) < max_rank:
+            paths.append((*parent, kids.get(parent, 0)))
+            kids[parent] = kids.get(parent, 0) + 1
+    return [list(p) for p in paths[1:]]
+
+
+@pytest.mark.parametrize(("seed", "nodes"), [(0, 5), (1, 20), (2, 40)])
+def test_random_trees_with_planted_truth_decode_exactly(tiny, head, baseline, monkeypatch,
+                                                        seed, nodes):
+    """Trees of other shapes (wider, deeper, up to 40 nodes: mask bits past 32), the
+    truth planted on the path to their deepest, highest-ranked node: outputs stay those
+    of plain decoding, and nodes off the first branch are accepted. (Near max_tokens the
+    scheduler cuts a tree to the tokens left, in node order, so the deepest nodes of a
+    large tree are not always drafted: the accepted length is checked loosely.)"""
+    paths = random_tree(seed, nodes)
+    deepest = max(paths, key=lambda p: (len(p), sum(p)))
+    moved = plant_truth(monkeypatch, baseline, tree_paths=paths, path=tuple(deepest))
+    with tree_llm(tiny, head, tree=paths, num_blocks=96, max_num_seqs=8) as llm:
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
+        stats = llm.stats()
+    assert stats["spec_mean_accepted_length"] > 2.0 and sum(moved) > 0

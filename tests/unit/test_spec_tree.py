@@ -264,3 +264,18 @@ def test_logprobs_are_those_of_each_emitted_tokens_row():
         assert lp.token_id == token
         assert lp.logprob == pytest.approx(float(raw[row, token]), abs=1e-6)
     assert out.logprobs[1] == []  # not asking
+
+
+def test_the_plain_greedy_walk_equals_the_general_one():
+    greedy = SamplingParams(temperature=0.0)
+    g = torch.Generator().manual_seed(3)
+    drafts = [[int(t) for t in torch.randint(0, 4, (n,), generator=g)] for n in (6, 3, 0, 6)]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), 8, generator=g)
+    logits[:, :4] += 3.0  # argmaxes among the drafts' ids
+    for row, node in ((0, 1), (1, 3), (3, 6)):  # request 0 walks nodes 1, 3, 6
+        logits[row, drafts[0][node - 1]] += 10.0
+    general = tree_verify.verify_tree(logits, rows_metadata([greedy] * 4, drafts), TREE,
+                                      drafts, KERNELS)
+    fast = tree_verify.verify_tree_greedy(logits, TREE, drafts, KERNELS)
+    assert fast.token_ids == general.token_ids and fast.paths == general.paths
+    assert fast.num_accepted == general.num_accepted and fast.paths[0] == [1, 3, 6]

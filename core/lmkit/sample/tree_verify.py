@@ -108,17 +108,15 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
     out = TreeVerified([], [], paths=[])
     assert out.paths is not None
     for i, (start, n) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True)):
-        greedy_row = md.all_greedy or (is_greedy is not None and bool(is_greedy[start]))
-        path, cur, bonus = [], 0, -1
-        while True:
-            kids = [(c, int(drafts[i][c - 1])) for _, c in tree.child_ranks(cur, n)]
-            if greedy_row:
-                target = int(greedy[start + cur])
-                nxt = next((c for c, t in kids if t == target), None)
-                bonus = target
-            else:
-                assert random is not None
-                res, res_mass, p, u = random
+        if md.all_greedy or (is_greedy is not None and bool(is_greedy[start])):
+            path, bonus = _greedy_walk(greedy, start, n, drafts[i], tree)
+            cur = path[-1] if path else 0
+        else:
+            assert random is not None
+            res, res_mass, p, u = random
+            path, cur, bonus = [], 0, -1
+            while True:
+                kids = [(c, int(drafts[i][c - 1])) for _, c in tree.child_ranks(cur, n)]
                 nxt, rejected, seen = None, 0.0, set()
                 for c, t in kids:
                     j = node_first[i] + c - 1
@@ -131,10 +129,10 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
                 # nothing left after the children (rounding): the last one tried
                 bonus = int(res[start + cur]) if res_mass[start + cur] > 0 or not kids else (
                     kids[-1][1])
-            if nxt is None:
-                break
-            path.append(nxt)
-            cur = nxt
+                if nxt is None:
+                    break
+                path.append(nxt)
+                cur = nxt
         out.token_ids.append([int(drafts[i][c - 1]) for c in path] + [bonus])
         out.num_accepted.append(len(path))
         out.paths.append(path)
@@ -143,6 +141,40 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
     if raw_logprobs is not None:
         out.logprobs = _emitted_logprobs(out, starts, raw_logprobs, md)
     return out
+
+
+def verify_tree_greedy(logits: torch.Tensor, tree: DraftTree, drafts: Sequence[Sequence[int]],
+                       kernels: SamplingKernels) -> TreeVerified:
+    """:func:`verify_tree` for requests whose every row takes the argmax of its logits as
+    they are (plain greedy: no penalties, bans, bias, allowed ids, processors or
+    logprobs, ``min_tokens`` reached; a grammar's mask already applied): one argmax and
+    one device-to-host copy, no sampling metadata."""
+    counts = [len(d) for d in drafts]
+    starts = np.cumsum([c + 1 for c in counts]) - [c + 1 for c in counts]
+    greedy = kernels.argmax(logits).cpu().numpy()
+    out = TreeVerified([], [], paths=[])
+    assert out.paths is not None
+    for start, n, d in zip(starts.tolist(), counts, drafts, strict=True):
+        path, bonus = _greedy_walk(greedy, start, n, d, tree)
+        out.token_ids.append([int(d[c - 1]) for c in path] + [bonus])
+        out.num_accepted.append(len(path))
+        out.paths.append(path)
+    return out
+
+
+def _greedy_walk(greedy: np.ndarray, start: int, n: int, drafts: Sequence[int],
+                 tree: DraftTree) -> tuple[list[int], int]:
+    """The accepted nodes of a request whose rows (from ``start``) have argmax
+    ``greedy``: at each node the child drafting its argmax; and the token after them."""
+    path: list[int] = []
+    cur = 0
+    while True:
+        target = int(greedy[start + cur])
+        nxt = next((c for _, c in tree.child_ranks(cur, n) if drafts[c - 1] == target), None)
+        if nxt is None:
+            return path, target
+        path.append(nxt)
+        cur = nxt
 
 
 def _emitted_logprobs(out: TreeVerified, starts: np.ndarray, raw_logprobs: torch.Tensor,

@@ -26,7 +26,8 @@ from lmkit.api.kv_cache_spec import KVCacheGroup
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.errors import ConfigError, PluginError
 from lmkit.sample.drafts import VerifiedTokens
-from lmkit.sample.tree_verify import TreeVerified, verify_tree
+from lmkit.sample.tree_verify import TreeVerified, verify_tree, verify_tree_greedy
+from lmkit.spec_decode.rows import is_plain_greedy
 from lmkit.spec_decode.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -115,12 +116,18 @@ def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[
         rows = np.concatenate([np.arange(starts[n], starts[n] + sizes[n]) for n in entries])
         sub = logits.index_select(0, torch.from_numpy(rows).to(logits.device))
         part = [plan[n] for n in entries]
-        md = step_metadata(runner, order, part, logits.device, tree if with_tree else None)
-        if with_tree:
-            got: VerifiedTokens = verify_tree(sub, md, tree, [d for _, _, d in part],
-                                              runner.sampler.kernels)
+        states = [runner.requests[order[i]] for i, _, _ in part]
+        plain_greedy = not runner.logits_processors.affects_greedy and all(
+            is_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in states)
+        if with_tree and plain_greedy:  # one argmax: no sampling metadata
+            got: VerifiedTokens = verify_tree_greedy(sub, tree, [d for _, _, d in part],
+                                                     runner.sampler.kernels)
+        elif with_tree:
+            got = verify_tree(sub, step_metadata(runner, order, part, logits.device, tree),
+                              tree, [d for _, _, d in part], runner.sampler.kernels)
         else:
-            got = runner.sampler.sample_requests(sub, md, [[] for _ in part])
+            got = runner.sampler.sample_requests(
+                sub, step_metadata(runner, order, part, logits.device), [[] for _ in part])
         if got.logprobs is not None:
             out.logprobs = out.logprobs or [[] for _ in plan]
         for j, n in enumerate(entries):

@@ -39,10 +39,10 @@ def test_the_tree_is_breadth_first_with_parents_depths_and_ancestor_masks():
                                                    [1, 3, 6]]
     for i in range(7):  # bit j: j is i or one of its ancestors
         assert [j for j in range(7) if TREE.masks[i] >> j & 1] == sorted([0, *TREE.path_to(i)])
-    assert (TREE.num_nodes, TREE.max_depth, TREE.level_end(1), TREE.level_end(2)) == (6, 3, 3, 6)
+    assert (TREE.num_nodes, TREE.widest_parent_level) == (6, 2)  # depth 1: nodes 1, 2
     assert TREE.child_ranks(1) == [(0, 3), (1, 4)] and TREE.child_ranks(1, num_nodes=3) == [(0, 3)]
-    assert not TREE.is_chain() and DraftTree.chain(4).is_chain()
-    assert DraftTree.chain(63).masks[63] == -1  # all 64 bits, the sign bit too
+    chain = DraftTree.from_paths([(0,) * d for d in range(1, 64)])
+    assert chain.masks[63] == -1  # all 64 bits, the sign bit too
 
 
 @pytest.mark.parametrize(("paths", "message"), [
@@ -279,3 +279,18 @@ def test_the_plain_greedy_walk_equals_the_general_one():
     fast = tree_verify.verify_tree_greedy(logits, TREE, drafts, KERNELS)
     assert fast.token_ids == general.token_ids and fast.paths == general.paths
     assert fast.num_accepted == general.num_accepted and fast.paths[0] == [1, 3, 6]
+
+
+def test_a_greedy_request_beside_a_sampled_one_walks_its_argmax():
+    drafts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    argmax = [2, 0, 5, 0, 0, 7, 0]  # the greedy request walks nodes 2, 5, then emits 7
+    near_flat = torch.zeros(7, 8)  # argmax by 0.5 only: a draw would often miss it
+    near_flat[torch.arange(7), torch.tensor(argmax)] = 0.5
+    logits = torch.cat([near_flat, torch.zeros(7, 8)])  # the sampled one: uniform
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)]
+    out = tree_verify.verify_tree(logits, rows_metadata(params, drafts,
+                                                        generators=[None, make_generator(1, CPU)]),
+                                  TREE, drafts, KERNELS)
+    assert out.token_ids[0] == [2, 5, 7] and out.paths[0] == [2, 5]
+    assert all(0 <= t < 8 for t in out.token_ids[1])

@@ -10,7 +10,7 @@ else is in the batch.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
@@ -157,7 +157,7 @@ def sample_and_accept(probs: torch.Tensor, generators: dict[int, torch.Generator
     weights = rejection.recovery_weights(probs, layout.rows, layout.token_ids, q_rows, q)
     row_tokens = sample_from_probs(weights, generators)
     uniform = torch.rand(len(layout.rows), device=device)
-    _seeded_uniforms(uniform, generators, layout)
+    seeded_uniforms(uniform, generators, layout.row_starts, layout.num_drafts)
     accepted = rejection.accept_probabilistic(probs, layout.rows, layout.token_ids,
                                               q_at_draft, uniform)
     return row_tokens, accepted
@@ -188,13 +188,15 @@ def _gather_draft_probs(draft_probs: Sequence[torch.Tensor | None], layout: Draf
     return torch.cat(rows).to(device), torch.cat(blocks)
 
 
-def _seeded_uniforms(uniform: torch.Tensor, generators: dict[int, torch.Generator],
-                     layout: DraftRows) -> None:
-    """Redraw the acceptance uniforms of seeded requests from their own generators."""
+def seeded_uniforms(uniform: torch.Tensor, generators: Mapping[int, torch.Generator],
+                    row_starts: Sequence[int], num_drafts: Sequence[int]) -> None:
+    """Redraw the acceptance uniforms (one per draft, request after request) of seeded
+    requests from their own generators (``generators`` keyed by a request's first row,
+    ``row_starts``)."""
     if not generators:
         return
     first = 0
-    for start, n in zip(layout.row_starts, layout.num_drafts, strict=True):
+    for start, n in zip(row_starts, num_drafts, strict=True):
         gen = generators.get(start)
         if gen is not None and n:
             uniform[first:first + n] = torch.rand(n, generator=gen, device=gen.device).to(

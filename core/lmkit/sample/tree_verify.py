@@ -29,7 +29,7 @@ import torch
 
 from lmkit.api.outputs import TokenLogprob
 from lmkit.api.sampling_kernels import SamplingKernels
-from lmkit.sample.drafts import VerifiedTokens
+from lmkit.sample.drafts import VerifiedTokens, seeded_uniforms
 from lmkit.sample.draws import adjust_logits, compute_probs, sample_from_probs
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import row_logprobs
@@ -89,9 +89,14 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
         p_child = probs[rows_t, tokens_t]
         residual = probs.clone()
         residual[rows_t, tokens_t] = 0.0  # the token after a node is never one of its drafts
-        parts += [sample_from_probs(residual, md.generators).double(),
-                  residual.sum(dim=-1).double(), p_child.double(),
-                  _uniforms(len(node), starts, counts, md.generators, device).double()]
+        after = sample_from_probs(residual, md.generators)  # (drawn before the uniforms)
+        uniform = torch.rand(len(node), device=device)  # one per node; seeded: its own
+        seeded_uniforms(uniform, md.generators, starts.tolist(), counts.tolist())
+        parts += [after.double(), residual.sum(dim=-1).double(), p_child.double(),
+                  uniform.double()]
+    mixed = not (md.all_greedy or md.all_random)  # which rows are greedy: read back too
+    if mixed:
+        parts.append(md.is_greedy.double())
     if no_token is not None:
         parts.append(no_token.double())
     host = torch.cat(parts).cpu().numpy()  # the one device-to-host copy
@@ -102,8 +107,9 @@ def verify_tree(logits: torch.Tensor, md: SamplingMetadata, tree: DraftTree,
         nn = len(node)
         random = (host[rows:2 * rows].astype(np.int64), host[2 * rows:3 * rows],
                   host[3 * rows:3 * rows + nn], host[3 * rows + nn:3 * rows + 2 * nn])
-    is_greedy = md.is_greedy.cpu().numpy() if not (md.all_greedy or md.all_random) else None
     empty = host[-rows:] > 0.5 if no_token is not None else None
+    tail = rows if no_token is not None else 0
+    is_greedy = host[len(host) - tail - rows:len(host) - tail] > 0.5 if mixed else None
     node_first = np.cumsum(counts) - counts  # each request's first node among all nodes
     out = TreeVerified([], [], paths=[])
     assert out.paths is not None
@@ -191,17 +197,3 @@ def _emitted_logprobs(out: TreeVerified, starts: np.ndarray, raw_logprobs: torch
     per_row = row_logprobs(torch.from_numpy(emitted).to(raw_logprobs.device), raw_logprobs, md)
     assert per_row is not None
     return [[lp for r in rows if (lp := per_row[r]) is not None] for rows in rows_of]
-
-
-def _uniforms(num_nodes: int, starts: np.ndarray, counts: np.ndarray,
-              generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
-    """One acceptance uniform per draft node; a seeded request's (its generators are
-    keyed by row) from its own generator."""
-    uniform = torch.rand(num_nodes, device=device)
-    first = 0
-    for start, n in zip(starts.tolist(), counts.tolist(), strict=True):
-        gen = generators.get(start)
-        if gen is not None and n:
-            uniform[first:first + n] = torch.rand(n, generator=gen, device=gen.device).to(device)
-        first += n
-    return uniform

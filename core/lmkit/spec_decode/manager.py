@@ -36,7 +36,7 @@ from lmkit.errors import ConfigError
 from lmkit.plugin_host.faults import plugin_label, raised_in
 from lmkit.spec_decode.adaptive import AdaptiveSpeculation
 from lmkit.spec_decode.stats import SpecDecodeStats
-from lmkit.spec_decode.tree import DraftTree
+from lmkit.spec_decode.tree import configured_tree
 from lmkit.spec_decode.validate import CheckedProposal, ProposalError, check_proposal
 
 if TYPE_CHECKING:
@@ -114,9 +114,8 @@ class ProposerManager(StepPhase):
                     reg.name, k, f", off above {off_above} running requests" if off_above
                     else "", ", adaptive" if adaptive else "")
         manager = cls(proposer, reg.name, k, vocab_size, off_above, adaptive, reg.origin)
-        if config.speculative.tree:  # per-position counters by depth
-            manager.spec_stats = SpecDecodeStats(
-                k, DraftTree.from_paths(config.speculative.tree).depths.tolist())
+        if (tree := configured_tree(config.speculative)) is not None:  # positions: depths
+            manager.spec_stats = SpecDecodeStats(k, tree.depths.tolist())
         return manager
 
     # ------------------------------------------------------------------ requests

@@ -103,11 +103,6 @@ class DraftTree:
                    tuple(tuple(sorted(k)) for k in kids))
 
     @classmethod
-    def chain(cls, k: int) -> DraftTree:
-        """``k`` drafts in a chain: each the head's top draft after the previous one."""
-        return cls.from_paths([(0,) * d for d in range(1, k + 1)])
-
-    @classmethod
     def parse(cls, value: str | Sequence[Sequence[int]]) -> DraftTree:
         """A tree from its rank paths, their JSON text (``"[[0], [1], [0, 0]]"``) or the
         path of a file holding that text (as ``lmkit spec fit-tree --out`` writes it).
@@ -139,17 +134,6 @@ class DraftTree:
         return len(self.paths)
 
     @property
-    def max_depth(self) -> int:
-        """The longest path: the most drafts one step may accept."""
-        return int(self.depths.max())
-
-    def level_end(self, depth: int, num_nodes: int | None = None) -> int:
-        """One past the last node of depth ``depth`` among the first ``num_nodes``
-        drafts (all by default): nodes of a depth are consecutive."""
-        n = self.num_nodes if num_nodes is None else num_nodes
-        return int(np.searchsorted(self.depths[:n + 1], depth, side="right"))
-
-    @property
     def widest_parent_level(self) -> int:
         """The most nodes with children at one depth (the rows per request of a draft
         head's widest level pass)."""
@@ -170,9 +154,11 @@ class DraftTree:
             node = int(self.parents[node])
         return out[::-1]
 
-    def is_chain(self) -> bool:
-        """Whether every draft is the top draft after the previous one."""
-        return all(set(p) == {0} for p in self.paths)
+
+def configured_tree(speculative: Any) -> DraftTree | None:
+    """The draft tree of a config's ``speculative`` section (its validated ``tree``),
+    ``None`` when it drafts chains."""
+    return DraftTree.from_paths(speculative.tree) if speculative.tree else None
 
 
 def tree_paths(value: Any) -> list[list[int]]:

@@ -25,7 +25,7 @@ from lmkit.api.structured_output import Grammar, StructuredOutputBackend
 from lmkit.engine.phases import StepPhase
 from lmkit.errors import InvalidRequestError
 from lmkit.plugin_host.faults import plugin_label, raised_in
-from lmkit.spec_decode.tree import DraftTree
+from lmkit.spec_decode.tree import DraftTree, configured_tree
 from lmkit.structured.compiler import GrammarCompiler, RequestGrammar
 from lmkit.structured.constraint import PARAM, parse_constraint
 from lmkit.structured.fault import explain_refused_tokens
@@ -125,7 +125,7 @@ class StructuredOutputManager(StepPhase):
                    num_compile_threads=section.num_compile_threads,
                    cache_size=section.grammar_cache_size,
                    cache_bytes=int(section.grammar_cache_mb * 2**20), plugin=reg.origin,
-                   tree=DraftTree.from_paths(t) if (t := config.speculative.tree) else None)
+                   tree=configured_tree(config.speculative))
 
     # -- requests in ------------------------------------------------------------------
 

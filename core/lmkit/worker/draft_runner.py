@@ -26,7 +26,7 @@ index arrays go to the device through pinned staging (:mod:`lmkit.worker.staging
 and the one synchronisation is the final copy of the drafts. Draft positions stop at
 the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) and at
 ``max_model_len``. With ``speculative.tree`` the head drafts a tree of ``k`` nodes
-instead (:mod:`lmkit.worker.tree_drafts`, eagerly).
+instead (:mod:`lmkit.worker.tree_drafts`).
 
 When the target's decode runs in CUDA graphs, so do the head's chain passes
 (:mod:`lmkit.worker.draft_graphs`): the draft passes (greedy drafts fed to the next
@@ -55,13 +55,13 @@ from lmkit.errors import PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
+from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs, tree_metadata
 from lmkit.worker.staging import StepStaging
 from lmkit.worker.tree_drafts import draft_tree, level_pass_graphs
 
 if TYPE_CHECKING:
     from lmkit.spec_decode.tree import DraftTree
     from lmkit.worker.cuda_graphs import CudaGraphRunner
-    from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 
 class DraftRunner:
@@ -97,13 +97,12 @@ class DraftRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: DraftPassGraphs | None = None  # the k - 1 draft passes, captured
+        self.graphs: DraftPassGraphs | None = None  # k - 1 draft passes (a tree's levels)
         self.catch_up_graphs: DraftPassGraphs | None = None  # decode-like catch-up passes
         # the same two, sampling the drafts (samples_drafts), for steps with sampled requests
         self.sampled_graphs: DraftPassGraphs | None = None
         self.sampled_catch_up_graphs: DraftPassGraphs | None = None
-        # kept rows the catch-up graphs take (the target graphs' fits_rows once captured)
-        self.fits_rows: Callable[[np.ndarray, np.ndarray], bool] = (
+        self.fits_rows: Callable[[np.ndarray, np.ndarray], bool] = (  # catch-up graphs' rows
             lambda kept, computed: int(kept.max()) <= 1 + self.k)
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
@@ -286,8 +285,8 @@ class DraftRunner:
                         sampler.record(j, act, *graphs.candidates(len(act)))
                     continue
             else:
-                feat = self._run(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
-                                 pos + 1, tables[drafter[act]])
+                feat = self.run_pass(ids, pos, slots_j, feat, np.arange(1, len(act) + 1),
+                                     pos + 1, tables[drafter[act]])
             ids = (sampler.sample(feat, act, j) if sampler is not None
                    else self.proposer.draft_argmax(feat))
             fed = False
@@ -373,14 +372,15 @@ class DraftRunner:
             return out, (graphs.drafts(len(keep)),
                          graphs.candidates(len(keep)) if sampling else None)
         self.num_eager_catch_ups += 1
-        return self._run(input_ids, positions, slots, features.index_select(0, index),
-                         np.cumsum(kept), seq_lens, tables), None
+        return self.run_pass(input_ids, positions, slots, features.index_select(0, index),
+                             np.cumsum(kept), seq_lens, tables), None
 
-    def _run(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
-             slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,
-             seq_lens: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        """Plan the head's attention for one pass and run it eagerly; returns its
-        features."""
+    def run_pass(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,
+                 slots: np.ndarray, features: torch.Tensor, cu_query: np.ndarray,
+                 seq_lens: np.ndarray, tables: np.ndarray,
+                 tree: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+        """Plan the head's attention for one pass (``tree``: each request's tree region
+        and each token's mask bits) and run it eagerly; returns its features."""
         put = self.staging.put
         qsl = np.zeros(len(cu_query) + 1, dtype=np.int32)
         qsl[1:] = cu_query
@@ -393,7 +393,7 @@ class DraftRunner:
             block_tables=put(tables, torch.int32), slot_mapping=put(slots),
             query_start_loc_cpu=torch.from_numpy(qsl), seq_lens_cpu=torch.from_numpy(seq_lens),
             num_decodes=int(np.argmax(query_lens != 1)) if (query_lens != 1).any()
-            else len(query_lens))
+            else len(query_lens), **(tree_metadata(*tree, features.device) if tree else {}))
         self.proposer.attn.plan(md)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else put(input_ids)
         return self.proposer.forward(ids, put(positions), features,

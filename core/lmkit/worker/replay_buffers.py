@@ -30,9 +30,10 @@ class ReplayBuffers:
         bs, width = max_bs, max_blocks
         self.links = links
         self.tree = tree
+        tree_rows = bs if tree else 0
         # draft trees: each row's region (int32) and mask bits (int64); empty without
-        self.tree_region = torch.zeros(bs if tree else 0, dtype=torch.int32, device=device)
-        self.tree_mask = torch.zeros(bs if tree else 0, dtype=torch.int64, device=device)
+        self.tree_region = torch.zeros(tree_rows, dtype=torch.int32, device=device)
+        self.tree_mask = torch.zeros(tree_rows, dtype=torch.int64, device=device)
         self.packed = torch.zeros(3 * bs, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(bs, width, dtype=torch.int32, device=device)
@@ -44,7 +45,6 @@ class ReplayBuffers:
         self._chain_padding = torch.tensor([0, -1, 0], dtype=torch.int64, device=device)[
             None, :, None].expand(links, 3, bs)
         pin = torch.device(device).type == "cuda"
-        tree_rows = bs if tree else 0
         self._sets = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin),

@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from lmkit.sample.bitmask import apply_grammar_bitmask
 from lmkit.sample.metadata import SamplingMetadata
 from lmkit.sample.sampler import VerifiedTokens
+from lmkit.sample.tree_verify import TreeVerified, verify_tree, verify_tree_greedy
 from lmkit.spec_decode.rows import hidden_rows, is_plain_greedy, sampling_rows
-from lmkit.worker.tree_step import compact_accepted, sample_tree_step
+from lmkit.worker.tree_step import compact_accepted
 
 if TYPE_CHECKING:
     from lmkit.api.scheduler_output import SchedulerOutput
@@ -54,9 +56,7 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
         compact_accepted(runner.kv_groups, runner.kv_caches, step, plan, verified.paths or [],
                          [hidden, *(aux or [])])
         return verified
-    if not runner.logits_processors.affects_greedy and all(
-            is_plain_greedy(s.sampling_params, len(s.output_token_ids))
-            for s, _, _ in by_state):  # one argmax, one read: no sampling metadata
+    if all_plain_greedy(runner, order, plan):  # one argmax, one read: no sampling metadata
         return runner.sampler.verify_greedy(logits, drafts)
     md = step_metadata(runner, order, plan, hidden.device)
     draft_probs = so.spec_draft_probs if so is not None else None
@@ -64,6 +64,57 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
     if runner.drafter is not None:  # the head's sampled drafts' distributions
         probs = runner.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
     return runner.sampler.sample_requests(logits, md, drafts, probs)
+
+
+def all_plain_greedy(runner: ModelRunner, order: Sequence[str], plan: SamplingPlan) -> bool:
+    """Whether every planned row takes the argmax of its logits as they are (no plugin
+    processor that may change it, every request :func:`is_plain_greedy`)."""
+    return not runner.logits_processors.affects_greedy and all(
+        is_plain_greedy((s := runner.requests[order[i]]).sampling_params,
+                        len(s.output_token_ids)) for i, _, _ in plan)
+
+
+def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[str],
+                     plan: SamplingPlan, tree: DraftTree) -> TreeVerified:
+    """Verify a step's draft trees: the requests with drafts through
+    :func:`~lmkit.sample.tree_verify.verify_tree`, the others (no drafts: prefill ends,
+    requests that opted out) through the sampler as usual;
+    ``logits`` has ``len(drafts) + 1`` rows per plan entry. Returns the results in
+    plan order, with the accepted nodes (:class:`~lmkit.sample.tree_verify.TreeVerified`)."""
+    sizes = np.fromiter((len(d) + 1 for _, _, d in plan), dtype=np.int64, count=len(plan))
+    starts = np.cumsum(sizes) - sizes
+    treed = [n for n, (_, _, d) in enumerate(plan) if d]
+    plain = [n for n, (_, _, d) in enumerate(plan) if not d]
+    out = TreeVerified([[] for _ in plan], [0] * len(plan), paths=[[] for _ in plan])
+    assert out.paths is not None
+    for entries, with_tree in ((treed, True), (plain, False)):
+        if not entries:
+            continue
+        part = [plan[n] for n in entries]
+        sub = logits  # (all the step's rows: every request drafted, the usual case)
+        if len(entries) < len(plan):
+            rows = np.concatenate([np.arange(starts[n], starts[n] + sizes[n]) for n in entries])
+            sub = logits.index_select(0, torch.from_numpy(rows).to(logits.device))
+        if with_tree and all_plain_greedy(runner, order, part):  # one argmax: no metadata
+            got: VerifiedTokens = verify_tree_greedy(sub, tree, [d for _, _, d in part],
+                                                     runner.sampler.kernels)
+        elif with_tree:
+            got = verify_tree(sub, step_metadata(runner, order, part, logits.device, tree),
+                              tree, [d for _, _, d in part], runner.sampler.kernels)
+        else:
+            got = runner.sampler.sample_requests(
+                sub, step_metadata(runner, order, part, logits.device), [[] for _ in part])
+        if got.logprobs is not None:
+            out.logprobs = out.logprobs or [[] for _ in plan]
+        for j, n in enumerate(entries):
+            out.token_ids[n], out.num_accepted[n] = got.token_ids[j], got.num_accepted[j]
+            if isinstance(got, TreeVerified) and got.paths is not None:
+                out.paths[n] = got.paths[j]
+            if got.logprobs is not None and out.logprobs is not None:
+                out.logprobs[n] = got.logprobs[j]
+            if j in got.no_allowed_token:
+                out.no_allowed_token[n] = got.no_allowed_token[j]
+    return out
 
 
 def step_metadata(runner: ModelRunner, order: Sequence[str], plan: SamplingPlan,

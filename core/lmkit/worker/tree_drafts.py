@@ -26,10 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmkit.api.attention import AttentionMetadata
-from lmkit.api.model import ForwardContext
 from lmkit.worker.draft_graphs import maybe_capture_passes
-from lmkit.worker.input_batch import tree_metadata
 
 if TYPE_CHECKING:
     from lmkit.spec_decode.tree import DraftTree
@@ -123,18 +120,6 @@ def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: 
                           tree=(node.astype(np.int32), tree.masks[node] >> 1))
     reqs, counts = np.unique(req, return_counts=True)  # (grouped: unique keeps the order)
     widest = np.maximum.reduceat(node, np.cumsum(counts) - counts)  # the region's end
-    seq_lens = (last[reqs] + 1 + widest).astype(np.int32)
-    qsl = np.zeros(len(reqs) + 1, dtype=np.int32)
-    qsl[1:] = np.cumsum(counts)
-    put = drafter.staging.put
-    md = AttentionMetadata(
-        num_reqs=len(reqs), num_actual_tokens=len(req), max_query_len=int(counts.max()),
-        max_seq_len=int(seq_lens.max()), query_start_loc=put(qsl, torch.int32),
-        seq_lens=put(seq_lens, torch.int32), block_tables=put(tables[reqs], torch.int32),
-        slot_mapping=put(slots), query_start_loc_cpu=torch.from_numpy(qsl),
-        seq_lens_cpu=torch.from_numpy(seq_lens),
-        num_decodes=0, **tree_metadata(widest, tree.masks[node] >> 1, feat.device))
-    proposer = drafter.proposer
-    proposer.attn.plan(md)
-    return proposer.forward(put(ids), put(positions), feat,
-                            ForwardContext(proposer.attn, drafter.kv_caches))
+    return drafter.run_pass(ids, positions, slots, feat, np.cumsum(counts),
+                            last[reqs] + 1 + widest, tables[reqs],
+                            tree=(widest, tree.masks[node] >> 1))

@@ -5,7 +5,8 @@ A request with ``n`` drafts of a :class:`~lmkit.spec_decode.tree.DraftTree` runs
 stored in consecutive cache slots as a chain would be, but each at position ``root +
 depth`` and seeing only the context and its ancestors (:func:`mark_tree_rows`: the
 attention metadata's tree region and mask bits). After verification
-(:func:`sample_tree_step`, :func:`lmkit.sample.tree_verify.verify_tree`)
+(:func:`lmkit.worker.step_sampling.sample_tree_step`,
+:func:`lmkit.sample.tree_verify.verify_tree`)
 :func:`compact_accepted` moves the accepted nodes' K/V, hidden states and the draft
 head's features to the rows and slots of a chain, so everything after (committing the
 tokens, the head's catch-up, prefix caching) sees the accepted tokens as if they had
@@ -25,16 +26,12 @@ from lmkit.api.attention import MAX_TREE_REGION
 from lmkit.api.kv_cache_spec import KVCacheGroup
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.errors import ConfigError, PluginError
-from lmkit.sample.drafts import VerifiedTokens
-from lmkit.sample.tree_verify import TreeVerified, verify_tree, verify_tree_greedy
-from lmkit.spec_decode.rows import is_plain_greedy
-from lmkit.spec_decode.tree import DraftTree
+from lmkit.spec_decode.tree import DraftTree, configured_tree
 
 if TYPE_CHECKING:
     from lmkit.config.schema import LMKitConfig
     from lmkit.plugin_host.resolve import ResolvedStack
     from lmkit.worker.input_batch import StepInputs
-    from lmkit.worker.model_runner import ModelRunner
     from lmkit.worker.step_plan import SamplingPlan
 
 
@@ -57,7 +54,7 @@ def tree_of(config: LMKitConfig, stack: ResolvedStack) -> DraftTree | None:
     if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("speculative.tree: draft trees do not run under tensor "
                           "parallelism yet; drop --spec-tree or use --tp 1")
-    return DraftTree.from_paths(config.speculative.tree)
+    return configured_tree(config.speculative)
 
 
 def mark_tree_rows(step: StepInputs, order: Sequence[str], spec: Mapping[str, list[int]],
@@ -95,52 +92,6 @@ def mark_tree_rows(step: StepInputs, order: Sequence[str], spec: Mapping[str, li
     return step
 
 
-def sample_tree_step(runner: ModelRunner, logits: torch.Tensor, order: Sequence[str],
-                     plan: SamplingPlan, tree: DraftTree) -> TreeVerified:
-    """Verify a step's draft trees: the requests with drafts through
-    :func:`~lmkit.sample.tree_verify.verify_tree`, the others (no drafts: prefill ends,
-    requests that opted out) through the sampler as usual;
-    ``logits`` has ``len(drafts) + 1`` rows per plan entry. Returns the results in
-    plan order, with the accepted nodes (:class:`~lmkit.sample.tree_verify.TreeVerified`)."""
-    from lmkit.worker.step_sampling import step_metadata  # (which imports this module)
-
-    sizes = np.fromiter((len(d) + 1 for _, _, d in plan), dtype=np.int64, count=len(plan))
-    starts = np.cumsum(sizes) - sizes
-    treed = [n for n, (_, _, d) in enumerate(plan) if d]
-    plain = [n for n, (_, _, d) in enumerate(plan) if not d]
-    out = TreeVerified([[] for _ in plan], [0] * len(plan), paths=[[] for _ in plan])
-    assert out.paths is not None
-    for entries, with_tree in ((treed, True), (plain, False)):
-        if not entries:
-            continue
-        rows = np.concatenate([np.arange(starts[n], starts[n] + sizes[n]) for n in entries])
-        sub = logits.index_select(0, torch.from_numpy(rows).to(logits.device))
-        part = [plan[n] for n in entries]
-        states = [runner.requests[order[i]] for i, _, _ in part]
-        plain_greedy = not runner.logits_processors.affects_greedy and all(
-            is_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in states)
-        if with_tree and plain_greedy:  # one argmax: no sampling metadata
-            got: VerifiedTokens = verify_tree_greedy(sub, tree, [d for _, _, d in part],
-                                                     runner.sampler.kernels)
-        elif with_tree:
-            got = verify_tree(sub, step_metadata(runner, order, part, logits.device, tree),
-                              tree, [d for _, _, d in part], runner.sampler.kernels)
-        else:
-            got = runner.sampler.sample_requests(
-                sub, step_metadata(runner, order, part, logits.device), [[] for _ in part])
-        if got.logprobs is not None:
-            out.logprobs = out.logprobs or [[] for _ in plan]
-        for j, n in enumerate(entries):
-            out.token_ids[n], out.num_accepted[n] = got.token_ids[j], got.num_accepted[j]
-            if isinstance(got, TreeVerified) and got.paths is not None:
-                out.paths[n] = got.paths[j]
-            if got.logprobs is not None and out.logprobs is not None:
-                out.logprobs[n] = got.logprobs[j]
-            if j in got.no_allowed_token:
-                out.no_allowed_token[n] = got.no_allowed_token[j]
-    return out
-
-
 def compact_accepted(groups: Sequence[KVCacheGroup], kv_caches: Sequence[torch.Tensor],
                      step: StepInputs, plan: SamplingPlan, paths: Sequence[Sequence[int]],
                      features: Sequence[torch.Tensor]) -> None:
@@ -159,14 +110,13 @@ def compact_accepted(groups: Sequence[KVCacheGroup], kv_caches: Sequence[torch.T
     src, dst = np.asarray(src_rows), np.asarray(dst_rows)
     slots = step.slot_mapping.numpy()
     device = kv_caches[0].device
-    src_slots = torch.from_numpy(slots[src].copy()).to(device)
-    dst_slots = torch.from_numpy(slots[dst].copy()).to(device)
+    src_slots, dst_slots = (torch.from_numpy(slots[r]).to(device) for r in (src, dst))
     for group in groups:
         for layer in group.layers:
             group.attn.copy_kv_slots(kv_caches[layer], src_slots, dst_slots)
-    for rows in features:
-        index_src = torch.from_numpy(src).to(rows.device)
-        rows[torch.from_numpy(dst).to(rows.device)] = rows[index_src]
+    src_rows_t, dst_rows_t = (torch.from_numpy(r).to(device) for r in (src, dst))
+    for rows in features:  # (on the model's device, as the caches)
+        rows[dst_rows_t] = rows[src_rows_t]
 
 
 def flattened_tree_rows(step: StepInputs) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:

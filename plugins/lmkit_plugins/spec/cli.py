@@ -188,7 +188,8 @@ def fit_tree(
                                    ("--max-new-tokens", max_new_tokens, 1, None),
                                    ("--max-rank", max_rank, 1, None), ("--depth", depth, 1, 63)):
         if value < low or (high is not None and value > high):
-            raise ConfigError(f"{name} must be in [{low}, {high or 'any'}] (got {value})")
+            bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+            raise ConfigError(f"{name} must be {bound} (got {value})")
     try:
         check_head_dir(speculative_model)
         texts = load_prompts(None if prompts == "bench" else Path(prompts))[:count]

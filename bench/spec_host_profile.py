@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 import time
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the tables")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    ap.add_argument("--tree", help="a draft tree as JSON rank paths (speculative.tree, "
+                    "e.g. '[[0],[1],[0,0]]'; eagle3 only): --k is then its node count")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--requests", type=int, default=4, help="requests per side (batch 1)")
     ap.add_argument("--output-len", type=int, default=128)
@@ -72,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--model and --speculative-model go together")
     if args.proposer == "ngram" and args.speculative_model:
         ap.error("--proposer ngram takes no --speculative-model")
+    tree = None
+    if args.tree:
+        if args.proposer != "eagle3":
+            ap.error("--tree needs --proposer eagle3 (trees are drafted by a head)")
+        try:
+            tree = json.loads(args.tree)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--tree is not JSON rank paths: {exc}")
 
     import torch
     if not torch.cuda.is_available():
@@ -87,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                             ignore_eos=args.ignore_eos or not args.model)
     spec = (dict(speculative="eagle3", speculative_model=head) if args.proposer == "eagle3"
             else dict(speculative="ngram"))
-    sides = {"spec": {**spec, "num_speculative_tokens": args.k}, "plain": {}}
+    drafts = {"num_speculative_tokens": args.k} if tree is None else {
+        "num_speculative_tokens": len(tree), "speculative_tree": tree}
+    sides = {"spec": {**spec, **drafts}, "plain": {}}
     for name, options in sides.items():
         llm = LLM(target, device="cuda", attention=args.attention, dtype="bfloat16",
                   max_num_seqs=max(args.batch, 2), max_model_len=2048,

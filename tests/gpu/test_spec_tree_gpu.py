@@ -1,9 +1,9 @@
 """Draft trees (``speculative.tree``) on CUDA with the triton backend: tree verification
-and the head's level passes run eagerly beside the decode graphs (which plain decode
-steps still replay), the tree steps through the prefill kernel's tree variant; with
-``LMKIT_TREE_GRAPHS=1`` both replay CUDA graphs captured with tree buffers. On the tiny
-random Llama with random ``eagle`` / ``eagle3`` heads (float32): greedy outputs equal
-plain decoding, and whole trees were verified."""
+and the head's level passes (all of a step's in one replay) replay CUDA graphs captured
+with tree buffers; with ``LMKIT_TREE_GRAPHS=0`` both run eagerly beside the decode
+graphs (which plain decode steps still replay), the tree steps through the prefill
+kernel's tree variant. On the tiny random Llama with random ``eagle`` / ``eagle3`` heads
+(float32): greedy outputs equal plain decoding, and whole trees were verified."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_tree_outputs_equal_plain_decoding_on_cuda(tmp_path, monkeypatch, propos
     head = (make_tiny_eagle_head(tmp_path / "head", tiny, layer_std=0.3) if proposer == "eagle"
             else make_tiny_eagle3_head(tmp_path / "head", tiny))
     plain, _, _ = run_engine(tiny, head, proposer, monkeypatch, speculative=False)
-    if graphs:
-        monkeypatch.setenv("LMKIT_TREE_GRAPHS", "1")
+    if not graphs:  # (graphs: the default with a tree)
+        monkeypatch.setenv("LMKIT_TREE_GRAPHS", "0")
     treed, drafts, drafter = run_engine(
         tiny, head, proposer, monkeypatch,
         settings={"tree": TREE, "num_speculative_tokens": len(TREE)})
@@ -37,4 +37,7 @@ def test_tree_outputs_equal_plain_decoding_on_cuda(tmp_path, monkeypatch, propos
     level_graphs = drafter.graphs if drafter is not None else None
     assert (level_graphs is not None and level_graphs.runner.use_graphs
             and level_graphs.num_passes > 10) == graphs
-    assert len(drafts) > 20 and all(len(d) == len(TREE) for d in list(drafts.values())[:5])
+    # whole trees once a request has the blocks for them (its first drafts may have less
+    # room: a prefix of the tree)
+    assert sum(len(d) == len(TREE) for d in drafts.values()) > 20
+    assert all(0 < len(d) <= len(TREE) for d in drafts.values())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,34 @@ class DraftTree:
         head's widest level pass)."""
         parents = self.parents[1:]
         return int(np.bincount(self.depths[np.unique(parents)]).max())
+
+    @cached_property
+    def rank_width(self) -> int:
+        """Drafts a head ranks after each node it expands: one more than the highest rank
+        of any node."""
+        return 1 + int(self.ranks[1:].max())
+
+    @cached_property
+    def first_child(self) -> np.ndarray:
+        """int64 ``[num_nodes + 1]``: each node's first child in node order
+        (``num_nodes + 1`` for a leaf): a request with room for ``n`` drafts expands the
+        nodes whose first child is at most ``n``."""
+        first = np.full(self.num_nodes + 1, self.num_nodes + 1, dtype=np.int64)
+        np.minimum.at(first, self.parents[1:], np.arange(1, self.num_nodes + 1))
+        return first
+
+    @cached_property
+    def parent_levels(self) -> tuple[np.ndarray, ...]:
+        """Per depth ``d`` from 0, the nodes of depth ``d`` with children, ascending (the
+        root alone at depth 0): a head expands level ``d`` in one pass."""
+        parents = np.unique(self.parents[1:])
+        return tuple(parents[self.depths[parents] == d]
+                     for d in range(int(self.depths[parents].max()) + 1))
+
+    @property
+    def num_levels(self) -> int:
+        """Head passes that draft a whole tree after the root's ranks (its depth - 1)."""
+        return len(self.parent_levels) - 1
 
     def child_ranks(self, node: int, num_nodes: int | None = None) -> list[tuple[int, int]]:
         """``(rank, child)`` of ``node``'s children among the first ``num_nodes``

@@ -34,7 +34,7 @@ speculation on, the captured sizes go up to ``max_num_seqs * (1 + k)`` tokens (a
 
 Any other short step replays flattened the same way (:mod:`lmkit.worker.flat_steps`).
 
-With draft trees (``tree``; ``speculative.tree`` and ``LMKIT_TREE_GRAPHS=1``) the graphs
+With draft trees (``tree``; ``speculative.tree``, unless ``LMKIT_TREE_GRAPHS=0``) the graphs
 are captured with the metadata's tree buffers, and a tree verification replays
 flattened too: a node's row has ``seq_len`` one past its own slot's index (not its
 position, which is the root's plus its depth), a region reaching back to its request's
@@ -116,7 +116,10 @@ class CudaGraphRunner:
             when those values change in place
             (:attr:`~lmkit.api.AttentionBackend.supports_in_place_decode_metadata`);
             without graphs the passes are re-planned one by one. The input ids of
-            passes 1.. are kept (:meth:`chain_input_ids`).
+            passes 1.. are kept (:meth:`chain_input_ids`). With ``tree`` each pass also
+            has its rows' tree regions and mask bits, and two gather indices the model
+            reads (its ``before_pass(j, bs)``, called before each pass ``j``: a draft
+            tree's level passes, :mod:`lmkit.worker.tree_drafts`).
     """
 
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], device: torch.device,
@@ -189,16 +192,24 @@ class CudaGraphRunner:
         buf = self.buffers
         ids, positions = buf.packed[:bs], buf.packed[bs:2 * bs]
         ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
+        before_pass = getattr(self.model, "before_pass", None)
         if self.chain == 1:
+            if before_pass is not None:
+                before_pass(0, bs)
             return self.model(ids, positions, ctx), ctx.aux_hidden_states
-        live = (positions, buf.packed[2 * bs:3 * bs], buf.seq_lens[:bs])
+        live = [positions, buf.packed[2 * bs:3 * bs], buf.seq_lens[:bs]]
+        if self.tree:  # and each row's tree region and mask bits
+            live += [buf.tree_region[:bs], buf.tree_mask[:bs]]
         for j in range(self.chain):
-            if j:  # pass j's positions, slots and seq_lens where the kernels read them
-                for dst, src in zip(live, buf.chain_rows[j - 1, :, :bs], strict=True):
+            if j:  # pass j's rows where the kernels read them
+                for dst, src in zip(live, buf.chain_rows[j - 1, :len(live), :bs], strict=True):
                     dst.copy_(src)
                 if not self.use_graphs:  # eager: plan each pass (any backend)
-                    self._plan(bs, buf.host_chain_rows(bs)[j - 1, 2])
+                    self._plan(bs, buf.host_chain_rows(bs)[j - 1])
                 ctx = ForwardContext(self.attn, self.kv_caches, self.aux_layers)
+            if before_pass is not None:  # (a model feeding its own ids and features)
+                before_pass(j, bs)
+            if j:
                 buf.chain_ids[j - 1, :bs].copy_(ids)
             hidden = self.model(ids, positions, ctx)
         return hidden, ctx.aux_hidden_states
@@ -210,17 +221,21 @@ class CudaGraphRunner:
         :attr:`input_ids_buffer`)."""
         return self.buffers.chain_ids[:, :n]
 
-    def _plan(self, bs: int, seq_lens: np.ndarray | None = None) -> None:
-        md = self._metadata(bs, seq_lens)
+    def _plan(self, bs: int, chained: np.ndarray | None = None) -> None:
+        md = self._metadata(bs, chained)
         for group in self.kv_groups:
             group.attn.plan(md)
 
-    def _metadata(self, bs: int, seq_lens: np.ndarray | None = None) -> AttentionMetadata:
+    def _metadata(self, bs: int, chained: np.ndarray | None = None) -> AttentionMetadata:
         """The padded decode metadata of a graph of size ``bs`` (device views fixed);
-        ``seq_lens``: the host copy of a chained pass's (default: the staged ones)."""
+        ``chained``: the host rows of a chained pass (its ``seq_lens`` and tree regions;
+        default: the staged ones of the first pass)."""
         buf = self.buffers
-        h_seq_lens = buf.host_seq_lens[:bs] if seq_lens is None else torch.from_numpy(
-            seq_lens.astype(np.int32))
+        h_seq_lens, h_region = buf.host_seq_lens[:bs], buf.host_tree_region[:bs]
+        if chained is not None:
+            h_seq_lens = torch.from_numpy(chained[2].astype(np.int32))
+            if self.tree:
+                h_region = torch.from_numpy(chained[3].astype(np.int32))
         return AttentionMetadata(
             num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
             max_seq_len=max(1, int(h_seq_lens.numpy().max())),
@@ -229,7 +244,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=buf.host_query_start_loc[:bs + 1], seq_lens_cpu=h_seq_lens,
             num_decodes=bs, cuda_graph=True,
             **({"tree_region": buf.tree_region[:bs], "tree_mask": buf.tree_mask[:bs],
-                "tree_region_cpu": buf.host_tree_region[:bs]} if self.tree else {}))
+                "tree_region_cpu": h_region} if self.tree else {}))
 
     def hidden_like(self, n: int) -> torch.Tensor:
         """Zeros shaped as ``n`` rows of the graphs' hidden output (its dtype and device),
@@ -316,9 +331,10 @@ class CudaGraphRunner:
         :param positions: int64 ``[n]``; ``slot_mapping`` int64 ``[n]``; ``seq_lens``
             int32 ``[n]``; ``block_tables`` int32 ``[n, width]`` (the used columns).
         :param aux: a list that receives the :attr:`aux_layers` inputs ``[n, hidden]``.
-        :param chain_rows: with ``chain = c > 1`` (required then): int64 ``[c - 1, 3, n]``,
+        :param chain_rows: with ``chain = c > 1`` (required then): int64 ``[c - 1, f, n]``,
             the positions, cache slots and ``seq_lens`` of passes ``1..c-1`` (a row that
-            must not write: slot ``-1``).
+            must not write: slot ``-1``), with ``tree`` (``f = 7``) then their tree
+            regions, mask bits and the model's two gather indices (``f = 3`` without).
         :param tree: with :attr:`tree`, the rows' tree regions (int32 ``[n]``, 0: causal)
             and mask bits (int64 ``[n]``); ``None``: every row causal.
         :return: hidden ``[n, hidden]`` (of the last pass), a view of the graph's output
@@ -326,9 +342,10 @@ class CudaGraphRunner:
         """
         n = len(positions)
         bs = self.padded_size(n)
-        if self.chain > 1 and (chain_rows is None or chain_rows.shape != (self.chain - 1, 3, n)):
+        shape = (self.chain - 1, self.buffers.fields, n)
+        if self.chain > 1 and (chain_rows is None or chain_rows.shape != shape):
             raise ValueError(f"a replay of {self.chain} chained passes needs chain_rows "
-                             f"of shape {(self.chain - 1, 3, n)}")
+                             f"of shape {shape}")
         buf = self.buffers
         buf.next_set()
         buf.stage(bs, input_ids, positions, slot_mapping, seq_lens, block_tables, chain_rows,

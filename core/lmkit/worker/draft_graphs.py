@@ -65,11 +65,18 @@ class HeadPass:
             :func:`~lmkit.sample.draft_sampling.sample_draft_tokens` with the row
             parameters in :attr:`params` (greedy rows: the argmax of the same logits),
             keeping each row's candidates and their probabilities (:attr:`candidates`).
+        ranks: a draft tree's level passes (:mod:`lmkit.worker.tree_drafts`): each pass
+            ``j`` of ``levels`` keeps its rows' top ``ranks`` drafts (target ids, best
+            first) in ``tops[j]``, and before pass ``j > 0`` (:meth:`before_pass`) its
+            rows gather their ids from pass ``j - 1``'s ranks and their features from its
+            output, by the two gather indices of the runner's chained rows
+            (:attr:`chain_rows`).
     """
 
     def __init__(self, proposer: RunnerProposer, max_rows: int, width: int,
                  dtype: torch.dtype, device: torch.device, drafts: bool = False,
-                 feed_features: bool = False, sampling: bool = False) -> None:
+                 feed_features: bool = False, sampling: bool = False, ranks: int = 0,
+                 levels: int = 1) -> None:
         self.proposer = proposer
         self.attn = proposer.attn
         self.features = torch.zeros(max_rows, width, dtype=dtype, device=device)
@@ -80,15 +87,38 @@ class HeadPass:
         # the candidates' are made by the first, uncaptured, warm-up call)
         self.params = DraftRowParams.greedy(max_rows, device) if sampling else None
         self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+        # tree levels: each pass's ranked drafts; the runner's chained rows (set by it)
+        self.tops = (torch.zeros(levels, max_rows, ranks, dtype=torch.int64, device=device)
+                     if ranks else None)
+        self.chain_rows: torch.Tensor | None = None
+        self._level = 0
+        self._hidden: torch.Tensor | None = None  # the last pass's output
 
     def kv_cache_groups(self, num_layers: int) -> tuple[KVCacheGroup, ...]:
         """One group: the head's layers on its own backend."""
         return one_kv_cache_group(self.attn, num_layers)
 
+    def before_pass(self, j: int, bs: int) -> None:
+        """Called by the graph runner before pass ``j`` of ``bs`` rows (in its capture
+        too): with ``ranks``, rows ``j > 0`` take their ids from pass ``j - 1``'s ranks
+        and their features from its output."""
+        self._level = j
+        if j and self.tops is not None:
+            assert self.chain_rows is not None and self.feed_ids is not None
+            src, parent = self.chain_rows[j - 1, 5, :bs], self.chain_rows[j - 1, 6, :bs]
+            self.feed_ids[:bs].copy_(self.tops[j - 1, :bs].reshape(-1).index_select(0, src))
+            assert self._hidden is not None
+            self.features[:bs].copy_(self._hidden.index_select(0, parent))
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  ctx: ForwardContext) -> torch.Tensor:
         n = len(input_ids)
         hidden = self.proposer.forward(input_ids, positions, self.features[:n], ctx)
+        if self.tops is not None:  # a tree level: its rows' ranked drafts
+            logits, target_ids = self.proposer.draft_logits(hidden)
+            top = logits.topk(self.tops.shape[-1], dim=-1).indices
+            self.tops[self._level, :n].copy_(top if target_ids is None else target_ids[top])
+            self._hidden = hidden
         if self.drafts and self.params is not None:  # sampled drafts (and candidates)
             assert self.feed_ids is not None
             logits, target_ids = self.proposer.draft_logits(hidden)
@@ -139,6 +169,9 @@ class DraftPassGraphs:
         tree: captured with tree buffers: :meth:`run` takes each row's ``seq_lens`` and
             tree region and mask bits (a draft tree's level passes,
             :mod:`lmkit.worker.tree_drafts`).
+        ranks: with ``tree``, the passes rank the top ``ranks`` drafts of every row, and
+            ``chain`` passes (a tree's levels) feed each other (see :class:`HeadPass`;
+            :meth:`ranked` reads them).
     """
 
     def __init__(self, proposer: RunnerProposer, kv_caches: list[torch.Tensor], width: int,
@@ -146,9 +179,11 @@ class DraftPassGraphs:
                  max_model_len: int, block_size: int, use_graphs: bool = True,
                  drafts: bool = False, passes_per_step: int = 1,
                  feed_features: bool = False, sampling: bool = False, chain: int = 1,
-                 tree: bool = False) -> None:
-        if chain > 1 and not (drafts and feed_features and not sampling):
+                 tree: bool = False, ranks: int = 0) -> None:
+        if chain > 1 and not (drafts and feed_features and not sampling) and not ranks:
             raise ValueError("chained draft passes need greedy drafts fed forward")
+        if ranks and not tree:
+            raise ValueError("ranked passes are a draft tree's levels: capture with tree")
         self.width = width
         self.chain = max(1, chain)
         self.drafts_in_graph = drafts
@@ -156,12 +191,14 @@ class DraftPassGraphs:
         # rows for the largest captured size (the features of passes past it: eager)
         self.head = HeadPass(proposer, min(max_rows, MAX_CAPTURE_SIZE), width, dtype, device,
                              drafts=drafts, feed_features=drafts and feed_features,
-                             sampling=self.samples_in_graph)
+                             sampling=self.samples_in_graph, ranks=ranks,
+                             levels=max(1, chain))
         self.runner = CudaGraphRunner(self.head, kv_caches, device, max_rows, max_model_len,
                                       block_size, use_graphs=use_graphs,
                                       num_staging=-(-passes_per_step // self.chain) + 1,
                                       chain=self.chain, tree=tree)
         self.head.feed_ids = self.runner.input_ids_buffer
+        self.head.chain_rows = self.runner.buffers.chain_rows
         self.num_passes = 0  # passes run through :meth:`run` (``chain`` per call)
 
     @property
@@ -193,6 +230,12 @@ class DraftPassGraphs:
         tensor): row ``j`` is pass ``j``'s."""
         return torch.cat([self.runner.chain_input_ids(n), self.drafts(n)[None]])
 
+    def ranked(self, n: int) -> torch.Tensor:
+        """The last replay's ranked drafts (with ``ranks``): ``[chain, n, ranks]`` target
+        ids, pass ``j``'s rows best first (a view, valid until the next replay)."""
+        assert self.head.tops is not None, "passes captured without ranks"
+        return self.head.tops[:, :n]
+
     def set_params(self, params: DraftRowParams) -> None:
         """The next pass's row parameters (``samples_in_graph``), copied in stream order
         into the graphs' buffers (rows past them keep what they held: padding, unread)."""
@@ -217,7 +260,7 @@ class DraftPassGraphs:
         ``positions[i]`` with ``features[i]`` (``None``: already in
         :meth:`feature_rows`), its K/V written to ``slots[i]``, attending over
         ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
-        With ``chain > 1``, ``chain_rows`` (int64 ``[chain - 1, 3, n]``: positions, slots,
+        With ``chain > 1``, ``chain_rows`` (int64 ``[chain - 1, f, n]``: positions, slots,
         ``seq_lens``) places the passes after the first, which run in the same replay.
         ``seq_lens`` (default ``positions + 1``) and, captured with ``tree``, ``tree`` (each
         row's region and mask bits) place rows whose keys are not their positions'.
@@ -261,18 +304,18 @@ def maybe_capture_passes(proposer: RunnerProposer, kv_caches: list[torch.Tensor]
                          max_rows: int, max_model_len: int, block_size: int,
                          drafts: bool = False, passes_per_step: int = 1,
                          feed_features: bool = False, sampling: bool = False, chain: int = 1,
-                         tree: bool = False) -> DraftPassGraphs | None:
+                         tree: bool = False, ranks: int = 0) -> DraftPassGraphs | None:
     """Graphs for passes of the head over ``width``-wide features, up to ``max_rows``
     rows, when the target's decode runs in graphs (the same conditions: CUDA, a backend
     that can be captured, not ``enforce_eager``); else ``None`` (the passes run
     eagerly). ``drafts``, ``passes_per_step``, ``feed_features``, ``sampling``,
-    ``chain``, ``tree``: see :class:`DraftPassGraphs`."""
+    ``chain``, ``tree``, ``ranks``: see :class:`DraftPassGraphs`."""
     if target_graphs is None:
         return None
     graphs = DraftPassGraphs(proposer, kv_caches, width, dtype, target_graphs.device,
                              max_rows, max_model_len, block_size,
                              use_graphs=target_graphs.use_graphs, drafts=drafts,
                              passes_per_step=passes_per_step, feed_features=feed_features,
-                             sampling=sampling, chain=chain, tree=tree)
+                             sampling=sampling, chain=chain, tree=tree, ranks=ranks)
     graphs.capture()
     return graphs

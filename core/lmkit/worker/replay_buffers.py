@@ -30,6 +30,9 @@ class ReplayBuffers:
         bs, width = max_bs, max_blocks
         self.links = links
         self.tree = tree
+        # a chained pass's rows: positions | slots | seq_lens, and with trees its tree
+        # regions | mask bits | two gather indices its model reads (its ids, its features)
+        self.fields = 7 if tree else 3
         tree_rows = bs if tree else 0
         # draft trees: each row's region (int32) and mask bits (int64); empty without
         self.tree_region = torch.zeros(tree_rows, dtype=torch.int32, device=device)
@@ -40,15 +43,18 @@ class ReplayBuffers:
         self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
         # chained passes: passes 1.. positions | slots | seq_lens, and the input ids each
         # of them read (the previous pass's drafts)
-        self.chain_rows = torch.zeros(links, 3, bs, dtype=torch.int64, device=device)
+        self.chain_rows = torch.zeros(links, self.fields, bs, dtype=torch.int64, device=device)
         self.chain_ids = torch.zeros(links, bs, dtype=torch.int64, device=device)
-        self._chain_padding = torch.tensor([0, -1, 0], dtype=torch.int64, device=device)[
-            None, :, None].expand(links, 3, bs)
+        self._padding_row = np.zeros(self.fields, dtype=np.int64)
+        self._padding_row[1] = -1  # no cache slot
+        self._chain_padding = torch.from_numpy(self._padding_row).to(device)[
+            None, :, None].expand(links, self.fields, bs)
         pin = torch.device(device).type == "cuda"
         self._sets = [(torch.zeros(3 * bs, dtype=torch.int64, pin_memory=pin),
                        torch.zeros(bs, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(bs * width, dtype=torch.int32, pin_memory=pin),
-                       torch.zeros(links * 3 * bs, dtype=torch.int64, pin_memory=pin),
+                       torch.zeros(links * self.fields * bs, dtype=torch.int64,
+                                   pin_memory=pin),
                        torch.zeros(tree_rows, dtype=torch.int32, pin_memory=pin),
                        torch.zeros(tree_rows, dtype=torch.int64, pin_memory=pin))
                       for _ in range(max(1, num_staging))]
@@ -99,11 +105,13 @@ class ReplayBuffers:
         if self.tree:
             self.host_tree_region.numpy()[n:bs] = 0
         if self.links:
-            self.host_chain_rows(bs)[:, :, n:] = np.array([0, -1, 0])[:, None]
+            self.host_chain_rows(bs)[:, :, n:] = self._padding_row[:, None]
 
     def host_chain_rows(self, bs: int) -> np.ndarray:
-        """The host staging of chained passes' rows for size ``bs``: ``[links, 3, bs]``."""
-        return self._host_chain[:self.links * 3 * bs].numpy().reshape(-1, 3, bs)
+        """The host staging of chained passes' rows for size ``bs``: ``[links, fields,
+        bs]`` (:attr:`fields`: 3, or 7 with trees)."""
+        f = self.fields
+        return self._host_chain[:self.links * f * bs].numpy().reshape(-1, f, bs)
 
     def upload(self, bs: int, n: int, width: int, ids_from: int = 0) -> None:
         """Copy the staged rows to the device buffers (asynchronous, pinned), the input
@@ -115,8 +123,9 @@ class ReplayBuffers:
             self.block_tables[:n, :width].copy_(
                 self._host_blocks[:n * width].view(n, width), non_blocking=True)
         if self.links:
+            f = self.fields
             self.chain_rows[:, :, :bs].copy_(
-                self._host_chain[:self.links * 3 * bs].view(self.links, 3, bs),
+                self._host_chain[:self.links * f * bs].view(self.links, f, bs),
                 non_blocking=True)
         if self.tree:
             self.tree_region[:bs].copy_(self.host_tree_region[:bs], non_blocking=True)
@@ -142,9 +151,10 @@ class ReplayBuffers:
         if self.tree:  # rows from the device are causal
             self.tree_region[:bs].zero_()
         if self.links:
-            if chain_rows is None or tuple(chain_rows.shape) != (self.links, 3, n):
+            shape = (self.links, self.fields, n)
+            if chain_rows is None or tuple(chain_rows.shape) != shape:
                 raise ValueError(f"a replay of {self.links + 1} chained passes needs "
-                                 f"chain_rows of shape {(self.links, 3, n)}")
+                                 f"chain_rows of shape {shape}")
             self.chain_rows[:, :, :n].copy_(chain_rows)
             if n < bs:
                 self.chain_rows[:, :, n:bs].copy_(self._chain_padding[:, :, :bs - n])

@@ -11,11 +11,15 @@ attention metadata, :mod:`lmkit.worker.tree_step`). Its output drafts its childr
 
 Drafts are the head's argmax-ranked tokens, deterministic drafts for verification
 (:mod:`lmkit.sample.tree_verify`); a grammar's mask rows follow each node's path
-(:func:`lmkit.structured.rows.fill_tree_rows`). One device-to-host copy of the
-ranked tokens per level. The passes run eagerly, or, when the target's decode graphs
-take trees (``LMKIT_TREE_GRAPHS=1``), replay the head's level-pass graphs
-(:func:`level_pass_graphs`) flattened: node ``c`` a decode row with ``seq_len = last +
-c + 1``, a region of its ``c`` drafts before it and its ancestors' mask bits.
+(:func:`lmkit.structured.rows.fill_tree_rows`). Which rows a level runs and where each
+row's token and features come from is known before any draft
+(:func:`lmkit.spec_decode.tree_plan.plan_tree`), so the levels run one after the other
+on the device, each gathering from the one before, and the host reads the drafts back
+once, at the end. When the target's decode graphs take trees (the default with a tree;
+``LMKIT_TREE_GRAPHS=0`` turns them off) all of a step's level passes replay as one
+chained graph (:func:`level_pass_graphs`), flattened: node ``c`` a decode row with
+``seq_len = last + c + 1``, a region of its ``c`` drafts before it and its ancestors'
+mask bits; otherwise each level is one eager pass.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lmkit.spec_decode.tree_plan import LevelRows, TreePlan, plan_tree
 from lmkit.worker.draft_graphs import maybe_capture_passes
 
 if TYPE_CHECKING:
@@ -52,74 +57,120 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
     Returns:
         step index -> the drafts' tokens in node order.
     """
-    n = num_drafts.astype(np.int64)
-    tokens = np.zeros((len(n), tree.num_nodes + 1), dtype=np.int64)
-    cur_req = np.flatnonzero(n > 0)
-    cur_node = np.zeros(len(cur_req), dtype=np.int64)
-    cur_feat = feat.index_select(0, drafter.staging.put(cur_req)) if len(cur_req) else feat
-    while len(cur_req):
-        kids = [tree.child_ranks(int(c), int(n[r])) for r, c in zip(cur_req, cur_node,
-                                                                       strict=True)]
-        top = _ranked(drafter, cur_feat, 1 + max(rank for k in kids for rank, _ in k))
-        nxt_req, nxt_node, parent = [], [], []
-        for m, (r, children) in enumerate(zip(cur_req, kids, strict=True)):
-            for rank, c in children:
-                tokens[r, c] = top[m, rank]
-                if tree.child_ranks(c, int(n[r])):  # it drafts children of its own
-                    nxt_req.append(r)
-                    nxt_node.append(c)
-                    parent.append(m)
-        if not nxt_req:
-            break
-        cur_req, cur_node = np.asarray(nxt_req), np.asarray(nxt_node)
-        parent_feat = cur_feat.index_select(0, drafter.staging.put(np.asarray(parent)))
-        cur_feat = _level_pass(drafter, tree, parent_feat, tokens[cur_req, cur_node], cur_req,
-                               cur_node, last, req_rows, tables)
-    return {int(step_index[int(r)]): tokens[r, 1:n[r] + 1].tolist() for r in np.flatnonzero(n)}
+    plan = plan_tree(tree, num_drafts)
+    roots = plan.roots
+    if not len(roots):
+        return {}
+    if len(roots) < len(feat):
+        feat = feat.index_select(0, drafter.staging.put(roots))
+    last, tables = last[roots], tables[roots]
+    ranks = [_ranked(drafter, feat, plan.width)]  # level 0: the roots' ranked drafts
+    draft_row = plan.draft_row
+    graphs = drafter.graphs
+    if (plan.levels and graphs is not None and graphs.runner.tree
+            and graphs.chain == tree.num_levels
+            and len(roots) * tree.widest_parent_level <= graphs.max_rows
+            and tables.shape[1] <= graphs.max_blocks):
+        ranked, placed = _replayed_levels(drafter, graphs, tree, plan, feat, ranks[0], last,
+                                          tables)
+        ranks.extend(ranked)
+        draft_row = draft_row.copy()  # a level's rows where the replay placed them
+        for j, at in enumerate(placed, start=1):
+            sel = plan.draft_level == j
+            draft_row[sel] = at[draft_row[sel]]
+    elif plan.levels:
+        gathers = drafter.staging.put(np.concatenate(
+            [np.stack([level.src, level.parent]) for level in plan.levels], axis=1))
+        out, done = feat, 0
+        for level in plan.levels:
+            m = len(level.node)
+            ids = ranks[-1].reshape(-1).index_select(0, gathers[0, done:done + m])
+            parent_feat = out.index_select(0, gathers[1, done:done + m])
+            done += m
+            out = _level_pass(drafter, tree, parent_feat, ids, level, last, tables)
+            ranks.append(_ranked(drafter, out, plan.width))
+    # each draft's place in the levels' ranks laid out flat: one gather, one copy back
+    base = np.cumsum([0] + [len(r) * plan.width for r in ranks[:-1]])
+    index = base[plan.draft_level] + draft_row * plan.width + plan.draft_rank
+    flat = torch.cat([r.reshape(-1) for r in ranks])
+    tokens = flat.index_select(0, drafter.staging.put(index)).cpu().numpy()
+    ends = np.cumsum(plan.counts)
+    return {int(step_index[int(r)]): tokens[end - count:end].tolist()
+            for r, count, end in zip(roots, plan.counts, ends, strict=True)}
 
 
-def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> np.ndarray:
-    """``[n, width]`` target ids: the head's top ``width`` drafts after each row of
-    ``feat`` (its output features), best first."""
+def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> torch.Tensor:
+    """``[n, width]`` target ids on the device: the head's top ``width`` drafts after each
+    row of ``feat`` (its output features), best first."""
     logits, target_ids = drafter.proposer.draft_logits(feat)
     top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
-    if target_ids is not None:
-        top = target_ids[top]
-    return top.cpu().numpy()
+    return top if target_ids is None else target_ids[top]
 
 
 def level_pass_graphs(drafter: DraftRunner, tree: DraftTree,
                       target_graphs: CudaGraphRunner | None, max_num_seqs: int,
                       dtype: torch.dtype) -> DraftPassGraphs | None:
-    """Captured level passes of ``tree`` for ``drafter``'s head (up to ``max_num_seqs``
-    requests at its widest level), when the target's decode graphs take trees; else
-    ``None``: the passes run eagerly."""
-    if target_graphs is None or not target_graphs.tree:
+    """The captured level passes of ``tree`` for ``drafter``'s head, all of a step's in
+    one replay (up to ``max_num_seqs`` requests, each with the rows of the tree's widest
+    level), when the target's decode graphs take trees; else ``None``: the passes run
+    eagerly, one by one."""
+    if target_graphs is None or not target_graphs.tree or not tree.num_levels:
         return None
     return maybe_capture_passes(
         drafter.proposer, drafter.kv_caches, target_graphs, drafter.proposer.hidden_size,
         dtype, max_num_seqs * tree.widest_parent_level, drafter.max_model_len,
-        drafter.block_size, tree=True)
+        drafter.block_size, chain=tree.num_levels, tree=True, ranks=tree.rank_width)
 
 
-def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: np.ndarray,
-                req: np.ndarray, node: np.ndarray, last: np.ndarray, req_rows: np.ndarray,
-                tables: np.ndarray) -> torch.Tensor:
-    """One head pass over the nodes ``node`` of requests ``req`` (grouped by request,
-    in order), fed ``ids`` and their parents' outputs ``feat``; returns their outputs."""
-    bs = drafter.block_size
+def _replayed_levels(drafter: DraftRunner, graphs: DraftPassGraphs, tree: DraftTree,
+                     plan: TreePlan, feat: torch.Tensor, root_ranks: torch.Tensor,
+                     last: np.ndarray, tables: np.ndarray
+                     ) -> tuple[torch.Tensor, list[np.ndarray]]:
+    """Every level pass of ``plan`` in one replay of the chained level graphs. Request
+    ``r``'s rows of every level sit at ``r * w ..`` (``w``: the tree's widest level), so a
+    graph row keeps one block-table row through the levels; the other rows pad. The
+    first level's ids and features are gathered here, the later levels' in the graph
+    (:meth:`~lmkit.worker.draft_graphs.HeadPass.before_pass`). Returns the levels'
+    ranks, ``[levels, rows, width]``, and per level of ``plan`` the graph row of each of
+    its rows."""
+    w, width, bs = tree.widest_parent_level, plan.width, drafter.block_size
+    n = len(plan.roots) * w
+    # [levels, field, n]: position, slot, seq_len, region, mask bits, id and feature gathers
+    rows = np.zeros((tree.num_levels, 7, n), dtype=np.int64)
+    rows[:, 1] = -1  # padding: no cache slot (and no context: seq_len 0)
+    placed: list[np.ndarray] = []
+    before = np.arange(len(plan.roots))  # the rows of the level before (the roots')
+    for j, level in enumerate(plan.levels):
+        at = level.req * w + np.arange(len(level.req)) - np.searchsorted(level.req, level.req)
+        index = last[level.req] + level.node  # the sequence index its K/V is written at
+        blocks = tables[level.req, index // bs].astype(np.int64)
+        parent = before[level.parent]
+        rows[j][:, at] = (last[level.req] + tree.depths[level.node], blocks * bs + index % bs,
+                          index + 1, level.node, tree.masks[level.node] >> 1,
+                          parent * width + tree.ranks[level.node], parent)
+        placed.append(at)
+        before = at
+    put = drafter.staging.put
+    first_ids = root_ranks.reshape(-1).index_select(0, put(rows[0, 5]))
+    graphs.run(first_ids, feat.index_select(0, put(rows[0, 6])), rows[0, 0], rows[0, 1],
+               np.repeat(tables, w, axis=0),
+               chain_rows=rows[1:] if tree.num_levels > 1 else None,
+               seq_lens=rows[0, 2].astype(np.int32),
+               tree=(rows[0, 3].astype(np.int32), rows[0, 4]))
+    return graphs.ranked(n), placed
+
+
+def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: torch.Tensor,
+                level: LevelRows, last: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+    """One eager head pass over a level's rows (grouped by request), fed ``ids`` and their
+    parents' outputs ``feat``: a query of the request's nodes per request, each seeing
+    the context and its ancestors; returns their outputs."""
+    req, node = level.req, level.node
     index = last[req] + node  # the sequence index each node's K/V is written at
-    blocks = tables[req, index // bs].astype(np.int64)
-    slots = blocks * bs + index % bs
-    positions = last[req] + tree.depths[node]
-    graphs = drafter.graphs
-    if (graphs is not None and graphs.runner.tree and len(req) <= graphs.max_rows
-            and tables.shape[1] <= graphs.max_blocks):  # flattened: a decode row per node
-        return graphs.run(ids, feat, positions, slots, tables[req],
-                          seq_lens=(index + 1).astype(np.int32),
-                          tree=(node.astype(np.int32), tree.masks[node] >> 1))
+    blocks = tables[req, index // drafter.block_size].astype(np.int64)
+    slots = blocks * drafter.block_size + index % drafter.block_size
     reqs, counts = np.unique(req, return_counts=True)  # (grouped: unique keeps the order)
     widest = np.maximum.reduceat(node, np.cumsum(counts) - counts)  # the region's end
-    return drafter.run_pass(ids, positions, slots, feat, np.cumsum(counts),
+    return drafter.run_pass(ids, last[req] + tree.depths[node], slots, feat, np.cumsum(counts),
                             last[reqs] + 1 + widest, tables[reqs],
                             tree=(widest, tree.masks[node] >> 1))

@@ -133,6 +133,6 @@ def flattened_tree_rows(step: StepInputs) -> tuple[np.ndarray, tuple[np.ndarray,
 
 def tree_graphs(config: LMKitConfig) -> bool:
     """Whether draft-tree verifications replay the decode CUDA graphs (flattened, with
-    tree buffers): a tree and ``LMKIT_TREE_GRAPHS=1`` (not yet measured on a GPU, so
-    off by default: tree steps then run eagerly)."""
-    return bool(config.speculative.tree) and os.environ.get("LMKIT_TREE_GRAPHS") == "1"
+    tree buffers): with a tree, unless ``LMKIT_TREE_GRAPHS=0`` (tree steps and the
+    head's level passes then run eagerly: on an H200, 3.2 times slower)."""
+    return bool(config.speculative.tree) and os.environ.get("LMKIT_TREE_GRAPHS", "1") != "0"

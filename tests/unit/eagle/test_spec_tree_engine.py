@@ -185,8 +185,8 @@ def test_trees_are_refused_without_a_draft_head_or_under_tensor_parallelism(tiny
 @pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
 def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, baseline,
                                                                monkeypatch, proposer):
-    """Through the graph runners' padded, fixed-buffer forwards on the CPU (the path of
-    ``LMKIT_TREE_GRAPHS=1``): each node a decode row seeing its ancestors by its tree
+    """Through the graph runners' padded, fixed-buffer forwards on the CPU (a tree's path
+    on CUDA unless ``LMKIT_TREE_GRAPHS=0``): each node a decode row seeing its ancestors by its tree
     region and mask bits, its ``seq_len`` one past its slot's index; the head catches
     up through its catch-up graphs."""
     made, drafters = padded_replays(monkeypatch)
@@ -196,7 +196,7 @@ def test_tree_verifications_replay_the_decode_graphs_flattened(tiny, heads, base
         assert llm.stats()["spec_mean_accepted_length"] > 3.0
     assert made[0].tree and made[0].num_flattened_replays >= 5 and sum(moved) > 20
     # the head's catch-up after a (compacted) tree step replays its graphs, and so do
-    # its level passes (flattened, with tree buffers)
+    # its level passes (flattened, with tree buffers, every level of a step in one replay)
     drafter = drafters[0]
     assert drafter.catch_up_graphs is not None and drafter.num_flattened_catch_ups > 0
     assert drafter.graphs is not None and drafter.graphs.runner.tree

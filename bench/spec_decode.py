@@ -10,7 +10,8 @@ by the workload (``--stop-at-eos``: requests end at EOS instead, as a chat clien
 do; a chat model's short answers otherwise go on past EOS into text its draft head
 never saw). Per row: output tokens/s of both sides, the speedup (and each pair's),
 the mean accepted length (tokens emitted per verification: 1 + accepted drafts), the
-draft acceptance rate, whether the greedy outputs were identical (they must be) and, on
+draft acceptance rate, whether the greedy outputs were identical (they must be; where not,
+the first difference of each request with the plain side's margin there) and, on
 CUDA, how many of the timed steps with drafts were replayed through the decode CUDA
 graphs (``graph_verify_steps``, of ``engine_steps``; the rest ran eagerly), and the
 Triton compiles during each timed run, per side (``jit_compiles_per_run``; the kernels in
@@ -91,6 +92,7 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
     after = engines["spec"].stats()
     ahead = {k: v - ahead.get(k, 0) for k, v in _lookahead_stats(engines["spec"]).items()}
     graph_steps = graphs.num_flattened_replays - replays_before if graphs is not None else 0
+    diverged = divergences(engines["plain"], workload.prompts, tokens["plain"], tokens["spec"])
     for llm in engines.values():
         llm.shutdown()
     spec = {k: after[k] - before.get(k, 0) for k in after
@@ -108,12 +110,50 @@ def paired_side(model: str, base_opts: dict[str, Any], spec_opts: dict[str, Any]
             "acceptance_rate_per_position": [
                 after[f"spec_acceptance_rate_pos_{j}"] for j in range(64)
                 if f"spec_acceptance_rate_pos_{j}" in after],
-            "outputs_identical": tokens["plain"] == tokens["spec"],
+            "outputs_identical": tokens["plain"] == tokens["spec"], "divergences": diverged,
             "jit_compiles_per_run": {k: [len(c) for c in v] for k, v in compiled.items()},
             "jit_compiled": {k: [e for c in v for e in c] for k, v in compiled.items()},
             "graph_verify_steps": graph_steps,
             "spec_lookahead": ahead, "engine_build_s": build_s,
             "engine_steps": after.get("num_steps", 0) - before.get("num_steps", 0)}
+
+
+def divergences(plain: Any, prompts: list[list[int]], base: list[list[int]],
+                spec: list[list[int]]) -> list[dict[str, Any]]:
+    """Where the greedy outputs differ: per differing request, the first position that
+    differs, and there the plain engine's own top two (one more untimed step with
+    logprobs): its margin (top-1 minus top-2 logprob) and whether the speculative side
+    took the runner-up. Small margins and runner-ups point to numerical near-ties
+    (other kernels rounding the other way), a large margin to a wrong token."""
+    from lmkit import SamplingParams
+
+    found = []
+    for i, (a, b) in enumerate(zip(base, spec, strict=True)):
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if at is None:  # one stopped early (EOS): a prefix of the other
+            found.append({"request": i, "at": min(len(a), len(b)), "margin": None,
+                          "spec_took_runner_up": None})
+            continue
+        out = plain.generate([{"prompt_token_ids": prompts[i] + list(a[:at])}],
+                             SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+        top = out[0].outputs[0].logprobs[0].top
+        found.append({"request": i, "at": at, "margin": top[0][1] - top[1][1],
+                      "spec_took_runner_up": b[at] == top[1][0]})
+    return found
+
+
+def _divergence_note(found: list[dict[str, Any]] | None) -> str:
+    """``identical=NO``'s detail: how many requests differ, the largest margin at their
+    first difference and how many there took the plain side's runner-up."""
+    if not found:
+        return ""
+    margins = [d["margin"] for d in found if d["margin"] is not None]
+    runner = sum(bool(d["spec_took_runner_up"]) for d in found)
+    widest = f"{max(margins):.3f}" if margins else "n/a"
+    return (f" ({len(found)} differ; at the first difference the plain side's top-2 margin "
+            f"is at most {widest} nats, the runner-up taken in {runner} of {len(margins)})")
 
 
 def _lookahead_stats(llm: Any) -> dict[str, int]:
@@ -188,6 +228,7 @@ def format_row(r: dict[str, Any]) -> str:
             f"  mean accepted length {r['mean_accepted_length']:4.2f}"
             f"  acceptance {r['acceptance_rate']:.2f}"
             f"  identical={'yes' if r['outputs_identical'] else 'NO'}"
+            f"{_divergence_note(r.get('divergences'))}"
             f"  graph verify steps {r['graph_verify_steps']}/{r['engine_steps']}"
             f"  JIT compiles per timed run {r.get('jit_compiles_per_run')}"
             f"  launched ahead {r.get('spec_lookahead')}"

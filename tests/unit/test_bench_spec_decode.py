@@ -30,3 +30,30 @@ def test_paired_side_reports_both_engines(tmp_path):
     assert "engine build s" in spec_decode.format_row(
         {**row, "workload": "copy", "batch": 1, "proposer": "ngram",
          "base_tokens_per_s": 1.0, "spec_tokens_per_s": 1.0, "speedup": 1.0})
+
+
+def test_divergences_name_the_first_difference_and_the_plain_margin(tmp_path):
+    """Outputs that differ are reported at their first differing token with the plain
+    engine's own top-2 margin there and whether the other side took its runner-up; a
+    request whose output is a prefix of the other's has no margin."""
+    from lmkit import LLM, SamplingParams
+    from lmkit.testing.tiny_model import make_tiny_model
+
+    tiny = make_tiny_model(tmp_path / "tiny")
+    prompts = [[40, 41, 42, 43], [7, 8, 9], [5, 6]]
+    with LLM(str(tiny), device="cpu", dtype="float32", max_model_len=64,
+             num_blocks=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                           logprobs=2))
+        base = [list(o.outputs[0].token_ids) for o in outs]
+        top = outs[0].outputs[0].logprobs[3].top  # request 0, token 3: its top two
+        runner_up, margin = top[1][0], top[0][1] - top[1][1]
+        spec = [base[0][:3] + [runner_up, 1, 1], base[1], base[2][:4]]
+        found = spec_decode.divergences(llm, prompts, base, spec)
+    assert [(d["request"], d["at"]) for d in found] == [(0, 3), (2, 4)]
+    assert found[0]["spec_took_runner_up"] and abs(found[0]["margin"] - margin) < 1e-6
+    assert found[1]["margin"] is None
+    note = spec_decode._divergence_note(found)
+    assert "2 differ" in note and f"{margin:.3f}" in note and "runner-up taken in 1 of 1" in note
+    assert spec_decode._divergence_note([]) == ""

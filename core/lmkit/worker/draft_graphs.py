@@ -261,7 +261,9 @@ class DraftPassGraphs:
         :meth:`feature_rows`), its K/V written to ``slots[i]``, attending over
         ``block_tables[i]`` (int32 ``[n, <= max_blocks]``) up to and including itself.
         With ``chain > 1``, ``chain_rows`` (int64 ``[chain - 1, f, n]``: positions, slots,
-        ``seq_lens``) places the passes after the first, which run in the same replay.
+        ``seq_lens``; captured with ``tree`` (``f = 7``) also each row's tree region, mask
+        bits and its id and feature gathers, see :class:`HeadPass`) places the passes
+        after the first, which run in the same replay.
         ``seq_lens`` (default ``positions + 1``) and, captured with ``tree``, ``tree`` (each
         row's region and mask bits) place rows whose keys are not their positions'.
         Returns the head's output ``[n, hidden]`` (of the last pass), a view valid until

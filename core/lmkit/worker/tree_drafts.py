@@ -51,7 +51,8 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
         feat: ``[n, hidden]``, the head's output at each request's last kept position.
         last: each request's last kept position (the root's).
         num_drafts: nodes each request has room for (its blocks, the context limit).
-        req_rows: the requests' batch rows; ``tables`` their block tables.
+        req_rows: the requests' batch rows (not needed here: for a caller wrapping this
+            function to tell the requests apart); ``tables``: their block tables.
         step_index: the requests' indices in the step.
 
     Returns:

@@ -134,5 +134,5 @@ def flattened_tree_rows(step: StepInputs) -> tuple[np.ndarray, tuple[np.ndarray,
 def tree_graphs(config: LMKitConfig) -> bool:
     """Whether draft-tree verifications replay the decode CUDA graphs (flattened, with
     tree buffers): with a tree, unless ``LMKIT_TREE_GRAPHS=0`` (tree steps and the
-    head's level passes then run eagerly: on an H200, 3.2 times slower)."""
+    head's level passes then run eagerly: on an H200 at batch 1, 131 tok/s against 372)."""
     return bool(config.speculative.tree) and os.environ.get("LMKIT_TREE_GRAPHS", "1") != "0"

@@ -2,8 +2,8 @@
 float32 so that greedy tokens compare exactly (triton attention, which CUDA graphs
 capture): decode CUDA graphs (replayed with their all-reduces inside) give the eager
 tokens; ngram speculation gives plain decoding's tokens and drafts; an EAGLE-3 head
-hosted on every rank gives TP=1's tokens and acceptance; a regex constraint holds and
-gives TP=1's tokens."""
+hosted on every rank gives TP=1's tokens and acceptance, drafting chains or a tree; a
+regex constraint holds and gives TP=1's tokens."""
 
 from __future__ import annotations
 
@@ -70,11 +70,15 @@ def test_tp2_structured_output_holds_and_equals_tp1(model_dir):
         assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), c.text
 
 
-def test_tp2_eagle3_head_on_every_rank_equals_tp1(model_dir, tmp_path):
+@pytest.mark.parametrize("tree", [None, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]],
+                         ids=["chain", "tree"])
+def test_tp2_eagle3_head_on_every_rank_equals_tp1(model_dir, tmp_path, tree):
     from lmkit.testing.eagle_head import make_tiny_eagle3_head
 
     head = make_tiny_eagle3_head(tmp_path / "head", model_dir)
-    spec = dict(speculative="eagle3", speculative_model=str(head), num_speculative_tokens=3)
+    spec = dict(speculative="eagle3", speculative_model=str(head),  # a tree: drafted and
+                **({"num_speculative_tokens": 3} if tree is None  # walked alike on every rank
+                   else {"speculative_tree": tree}))
     stats_one, one = run(model_dir, GREEDY, tensor_parallel_size=1, **spec)
     stats_two, two = run(model_dir, GREEDY, tensor_parallel_size=2, **spec)
     assert [c.token_ids for c in two] == [c.token_ids for c in one]

@@ -40,7 +40,7 @@ def tree_of(config: LMKitConfig, stack: ResolvedStack) -> DraftTree | None:
 
     Raises:
         ConfigError: a tree without a draft head (speculation off, or a proposer that
-            drafts from token ids), or under tensor parallelism (not built yet).
+            drafts from token ids).
     """
     if not config.speculative.tree:
         return None
@@ -51,9 +51,6 @@ def tree_of(config: LMKitConfig, stack: ResolvedStack) -> DraftTree | None:
             + (f"proposer {reg.name!r} drafts from token ids" if reg else
                "speculation is off") + "; use --speculative eagle or eagle3 (with "
             "--speculative-model), or drop --spec-tree")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("speculative.tree: draft trees do not run under tensor "
-                          "parallelism yet; drop --spec-tree or use --tp 1")
     return configured_tree(config.speculative)
 
 

@@ -10,6 +10,7 @@ refusals."""
 from __future__ import annotations
 
 import pytest
+import tree_oracle
 from dense_eagle import DenseEagle
 from eagle_engine import (
     BATCHINGS,
@@ -72,35 +73,8 @@ def plant_truth(monkeypatch, baseline, prompts=PROMPTS, tree_paths=TREE,
     the plain outputs of ``prompts``) on the nodes of rank path ``path`` and its
     prefixes, by default (1,), (1, 0), (1, 0, 0), off the first branch; returns, per
     verified step, how many accepted nodes moved to a chain's slots."""
-    import lmkit.worker.draft_runner as draft_runner
-    import lmkit.worker.step_sampling as step_sampling
-    import lmkit.worker.tree_step as tree_step
-
-    tree = DraftTree.from_paths(tree_paths)
-    planted = [tree.paths.index(tuple(path[:d])) + 1 for d in range(1, len(path) + 1)]
     truth = [list(p.encode()) + out for p, out in zip(prompts, baseline, strict=True)]
-    real_draft, real_compact = draft_runner.draft_tree, tree_step.compact_accepted
-    moved: list[int] = []
-
-    def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index):
-        out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index)
-        for i, row in zip(step_index, req_rows, strict=True):
-            rid = drafter.input_batch.req_ids[row]
-            state, drafts = drafter.requests[rid], out.get(i)
-            known = [*state.prompt_token_ids, *state.output_token_ids]
-            full = next((t for t in truth if t[:len(known)] == known), None)
-            for depth, node in enumerate(planted if full is not None else (), start=1):
-                if drafts is not None and node <= len(drafts) and len(known) + depth <= len(full):
-                    drafts[node - 1] = full[len(known) + depth - 1]
-        return out
-
-    def spy(groups, kv_caches, step, plan, paths, features):
-        moved.append(sum(node != j for p in paths for j, node in enumerate(p, start=1)))
-        return real_compact(groups, kv_caches, step, plan, paths, features)
-
-    monkeypatch.setattr(draft_runner, "draft_tree", oracle)
-    monkeypatch.setattr(step_sampling, "compact_accepted", spy)
-    return moved
+    return tree_oracle.plant(truth, tree_paths, path, monkeypatch.setattr)
 
 
 def test_an_oracle_tree_off_the_first_branch_decodes_exactly(tiny, head, baseline,

@@ -33,24 +33,49 @@ def test_trees_at_tp2_equal_one_rank(tiny, heads, monkeypatch, proposer):
     assert stats_one["spec_num_draft_tokens"] > len(TREE) * 10
 
 
-def test_accepted_nodes_move_on_every_rank(tiny, head, baseline, monkeypatch, tmp_path):
-    """The truth planted on nodes (1,), (1, 0), (1, 0, 0) in every rank's runner (the
-    workers load ``tp_site/sitecustomize.py``): each step accepts nodes off the first
-    branch, every rank moves their K/V within its share of the cache, and the outputs
-    stay plain decoding's."""
-    truth = [list(p.encode()) + out for p, out in zip(PROMPTS, baseline, strict=True)]
+def plant_in_workers(monkeypatch, tmp_path, prompts, outputs) -> None:
+    """Plant the truth (``prompts`` and their plain ``outputs``) on nodes (1,), (1, 0),
+    (1, 0, 0) in every worker's runner: the workers load ``tp_site/sitecustomize.py``."""
+    truth = [list(p.encode()) + out for p, out in zip(prompts, outputs, strict=True)]
     spec = tmp_path / "oracle.json"
     spec.write_text(json.dumps({"truth": truth, "tree": TREE, "path": [1, 0, 0],
                                 "tests": str(HERE)}))
     monkeypatch.setenv("LMKIT_TEST_TREE_ORACLE", str(spec))
     monkeypatch.setenv("PYTHONPATH", str(HERE / "tp_site"))
-    with LLM(str(tiny), speculative="eagle", speculative_model=str(head),
-             speculative_tree=TREE, tensor_parallel_size=2, num_blocks=96, max_num_seqs=8,
-             progress=False, **{**COMMON, "max_model_len": 64}) as llm:
+
+
+def tp2_tree_llm(tiny, head, **settings):
+    return LLM(str(tiny), speculative="eagle", speculative_model=str(head),
+               speculative_tree=TREE, tensor_parallel_size=2, num_blocks=96, max_num_seqs=8,
+               progress=False, **{**COMMON, "max_model_len": 64, **settings})
+
+
+def test_accepted_nodes_move_on_every_rank(tiny, head, baseline, monkeypatch, tmp_path):
+    """With the truth planted off the first branch every step accepts such nodes, every
+    rank moves their K/V within its share of the cache, and the outputs stay plain
+    decoding's."""
+    plant_in_workers(monkeypatch, tmp_path, PROMPTS, baseline)
+    with tp2_tree_llm(tiny, head) as llm:
         assert llm.engine.stack.get("executor").name == "mp"
         assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
         stats = llm.stats()
     assert stats["spec_mean_accepted_length"] > 3.0  # nodes off the first branch, taken
+
+
+def test_constrained_trees_at_tp2(tiny, head, monkeypatch, tmp_path):
+    """A regex constraint over trees at TP=2: every rank gets each node's grammar row
+    with the step, and the outputs are those decoded at TP=1 without speculation."""
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(temperature=0.0, max_tokens=24,
+                            structured_outputs={"regex": "[ab]{4,20}c"})
+    prompts = ["abab", "the cat", "x"]
+    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
+        base = tokens(llm.generate(prompts, params))
+    plant_in_workers(monkeypatch, tmp_path, prompts, base)
+    with tp2_tree_llm(tiny, head, structured_output="auto") as llm:
+        assert tokens(llm.generate(prompts, params)) == base
+        stats = llm.stats()
+    assert stats["grammar_drafts_trimmed"] == 0 and stats["spec_mean_accepted_length"] > 2.5
 
 
 def test_sampled_trees_at_tp2_equal_one_rank(tiny, heads, monkeypatch):

@@ -7,6 +7,7 @@ own share of the cache, so outputs and drafts equal one rank's."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ def plant_in_workers(monkeypatch, tmp_path, prompts, outputs) -> None:
     spec.write_text(json.dumps({"truth": truth, "tree": TREE, "path": [1, 0, 0],
                                 "tests": str(HERE)}))
     monkeypatch.setenv("LMKIT_TEST_TREE_ORACLE", str(spec))
-    monkeypatch.setenv("PYTHONPATH", str(HERE / "tp_site"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(HERE / "tp_site"), os.environ.get("PYTHONPATH")) if p))
 
 
 def tp2_tree_llm(tiny, head, **settings):

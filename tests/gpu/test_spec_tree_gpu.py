@@ -37,7 +37,6 @@ def test_tree_outputs_equal_plain_decoding_on_cuda(tmp_path, monkeypatch, propos
     level_graphs = drafter.graphs if drafter is not None else None
     assert (level_graphs is not None and level_graphs.runner.use_graphs
             and level_graphs.num_passes > 10) == graphs
-    # whole trees once a request has the blocks for them (its first drafts may have less
-    # room: a prefix of the tree)
+    # whole trees (near max_tokens a request drafts a prefix of the tree)
     assert sum(len(d) == len(TREE) for d in drafts.values()) > 20
     assert all(0 < len(d) <= len(TREE) for d in drafts.values())

@@ -107,3 +107,33 @@ def test_speculative_outputs_match_plain_decoding(num_blocks):
     if num_blocks == 24:
         assert sched.num_preemptions > 0
     assert sched.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(("budget", "lookahead"), [(64, True), (4, False)],
+                         ids=["whole-prompt", "chunked"])
+def test_a_prompt_that_completes_gets_its_draft_slots(budget, lookahead):
+    """A request whose whole prompt runs in its admission step drafts right after it, so
+    its K lookahead slots come with the prompt's; a first chunk that leaves the prompt
+    unfinished takes none (the step that finishes it does)."""
+    cfg = make_config(block_size=4, spec_backend="ngram", num_spec=K,
+                      max_num_batched_tokens=budget)
+    sched = PagedScheduler(cfg, num_blocks=32)
+    sched.add_request(make_request("a", list(range(6)), max_tokens=20))
+    req = sched.requests["a"]
+    so = sched.schedule()
+    computed = so.num_scheduled_tokens["a"]
+    slots = computed + (K if lookahead else 0)  # 6 + 3 = 9 slots: 3 blocks of 4
+    assert len(sched.kv_cache_manager.get_block_ids(req)) == -(-slots // 4)
+    assert computed == (6 if lookahead else 4)
+
+
+def test_pooling_requests_take_no_draft_slots():
+    from lmkit.api.pooling import PoolingParams
+
+    cfg = make_config(block_size=4, spec_backend="ngram", num_spec=K)
+    sched = PagedScheduler(cfg, num_blocks=32)
+    request = make_request("e", list(range(8)), max_tokens=1)
+    request.pooling_params = PoolingParams()
+    sched.add_request(request)
+    sched.schedule()
+    assert len(sched.kv_cache_manager.get_block_ids(request)) == 2  # its 8 slots only

@@ -278,7 +278,11 @@ class PagedScheduler(StepOutputs, Scheduler):
                             self.offload.keep_waiting(request)
                         return  # waits (and holds back later arrivals) until the budget frees
                     num_new = plan.token_budget
-                new_block_ids = manager.allocate_slots(request, num_new, 0, hits + loaded)
+                # a prompt that completes this step drafts right after: its draft slots too
+                lookahead = (self.num_lookahead_tokens if request.pooling_params is None
+                             and num_hit_tokens + num_new >= request.num_tokens else 0)
+                new_block_ids = manager.allocate_slots(request, num_new, lookahead,
+                                                       hits + loaded)
                 if new_block_ids is not None:
                     break
                 if self.offload is not None and loaded:  # no room beside its loaded

@@ -208,3 +208,16 @@ def test_random_trees_with_planted_truth_decode_exactly(tiny, head, baseline, mo
         assert tokens(llm.generate(PROMPTS, GREEDY)) == baseline
         stats = llm.stats()
     assert stats["spec_mean_accepted_length"] > 2.0 and sum(moved) > 0
+
+
+def test_first_drafts_after_the_prompt_are_whole_trees(tiny, heads, monkeypatch):
+    """A prompt admitted whole gets its draft slots with it, so the tree drafted right
+    after it is whole, whatever room the prompt's last block had."""
+    got, _ = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3",
+                        max_num_seqs=8, tree=TREE, k=len(TREE))
+    first = {}
+    for (request, seen), drafts in got.items():
+        if request not in first or len(seen) < first[request][0]:
+            first[request] = (len(seen), drafts)
+    assert len(first) == len(PROMPTS)
+    assert all(len(drafts) == len(TREE) for _, drafts in first.values())

@@ -30,6 +30,18 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def regex_case(tiny):
+    """The constrained tests' case: its prompts, a greedy request held to a regular
+    expression, and the outputs ``tiny`` decodes for them without speculation."""
+    from lmkit import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=24,
+                            structured_outputs={"regex": "[ab]{4,20}c"})
+    prompts = ["abab", "the cat", "x"]
+    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
+        return prompts, params, tokens(llm.generate(prompts, params))
+
+
 def run_engine(tiny, head, monkeypatch, prompts, proposer="eagle", params=None,
                offload=None, parallel=None, **settings):
     """Run ``prompts`` greedily in an in-process engine; return what the head drafted

@@ -18,6 +18,7 @@ from eagle_engine import (
     GREEDY,
     PROMPTS,
     padded_replays,
+    regex_case,
     run_engine,
     tokens,
 )
@@ -117,11 +118,7 @@ def test_constrained_requests_draft_trees_masked_along_each_path(tiny, head, mon
     accepted: its parent's row forbids it); nothing is trimmed; constrained outputs stay
     those decoded without speculation, through deep accepted trees too."""
     pytest.importorskip("xgrammar")
-    params = SamplingParams(temperature=0.0, max_tokens=24,
-                            structured_outputs={"regex": "[ab]{4,20}c"})
-    prompts = ["abab", "the cat", "x"]
-    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
-        base = tokens(llm.generate(prompts, params))
+    prompts, params, base = regex_case(tiny)
     if planted:
         plant_truth(monkeypatch, base, prompts)
     with tree_llm(tiny, head, structured_output="auto", num_blocks=96) as llm:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from eagle_engine import COMMON, GREEDY, PROMPTS, run_engine, tokens
+from eagle_engine import COMMON, GREEDY, PROMPTS, regex_case, run_engine, tokens
 from lmkit import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # worker processes
@@ -68,11 +68,7 @@ def test_constrained_trees_at_tp2(tiny, head, monkeypatch, tmp_path):
     """A regex constraint over trees at TP=2: every rank gets each node's grammar row
     with the step, and the outputs are those decoded at TP=1 without speculation."""
     pytest.importorskip("xgrammar")
-    params = SamplingParams(temperature=0.0, max_tokens=24,
-                            structured_outputs={"regex": "[ab]{4,20}c"})
-    prompts = ["abab", "the cat", "x"]
-    with LLM(str(tiny), structured_output="auto", num_blocks=96, **COMMON) as llm:
-        base = tokens(llm.generate(prompts, params))
+    prompts, params, base = regex_case(tiny)
     plant_in_workers(monkeypatch, tmp_path, prompts, base)
     with tp2_tree_llm(tiny, head, structured_output="auto") as llm:
         assert tokens(llm.generate(prompts, params)) == base

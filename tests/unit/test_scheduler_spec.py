@@ -137,3 +137,17 @@ def test_pooling_requests_take_no_draft_slots():
     sched.add_request(request)
     sched.schedule()
     assert len(sched.kv_cache_manager.get_block_ids(request)) == 2  # its 8 slots only
+
+
+def test_decode_lookahead_slots_are_not_taken_at_admission():
+    """Without speculation the runner's decode lookahead (steps launched ahead of
+    scheduling, only after a decode step) reserves its slots once the request decodes,
+    not with the prompt."""
+    from lmkit.api.scheduler import SchedulerContext
+
+    sched = PagedScheduler(make_config(block_size=4), num_blocks=32,
+                           context=SchedulerContext(num_lookahead_slots=2))
+    assert sched.num_lookahead_tokens == 2 and sched.num_draft_slots == 0
+    sched.add_request(make_request("a", list(range(8)), max_tokens=20))
+    sched.schedule()
+    assert len(sched.kv_cache_manager.get_block_ids(sched.requests["a"])) == 2  # 8 slots

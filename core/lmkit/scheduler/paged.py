@@ -81,9 +81,8 @@ class PagedScheduler(StepOutputs, Scheduler):
         spec = config.speculative
         # KV slots past the scheduled tokens: draft tokens, or decode steps the runner
         # launches ahead of scheduling (lmkit.worker.gpu_lookahead)
-        self.num_lookahead_tokens = max(
-            spec.num_speculative_tokens if spec.backend != "none" else 0,
-            context.num_lookahead_slots)
+        self.num_draft_slots = spec.num_speculative_tokens if spec.backend != "none" else 0
+        self.num_lookahead_tokens = max(self.num_draft_slots, context.num_lookahead_slots)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, config.cache.enable_prefix_caching, max_model_len,
             sliding_window=context.kv_window,
@@ -278,8 +277,9 @@ class PagedScheduler(StepOutputs, Scheduler):
                             self.offload.keep_waiting(request)
                         return  # waits (and holds back later arrivals) until the budget frees
                     num_new = plan.token_budget
-                # a prompt that completes this step drafts right after: its draft slots too
-                lookahead = (self.num_lookahead_tokens if request.pooling_params is None
+                # a prompt that completes this step drafts right after: its draft slots
+                # too (decode steps are launched ahead only after a decode step)
+                lookahead = (self.num_draft_slots if request.pooling_params is None
                              and num_hit_tokens + num_new >= request.num_tokens else 0)
                 new_block_ids = manager.allocate_slots(request, num_new, lookahead,
                                                        hits + loaded)

@@ -7,7 +7,7 @@
 # 32 with no speculation beside eagle3 (the new head) and beside ngram, each pair in one
 # process (bench/spec_decode.py), and print the head's held-out accuracy.
 #
-#   GGUF=path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results bash bench/eagle_gpu.sh [train] [bench]
+#   GGUF=path/SmolLM2-135M-Instruct.Q4_1.gguf OUT=results bash bench/eagle_gpu.sh [train] [fit] [bench]
 #
 # The prompt set is written once ($OUT/prompts.jsonl; delete it to write another).
 # FEATURES=disk FEATURE_GB=N set the feature cache (train-eagle's --feature-cache, -gb).
@@ -20,7 +20,10 @@
 # (speculative.adaptive: drafts only while they measure faster). OFF_ABOVE=none skips the
 # off and drop runs, ADAPTIVE=0 the adaptive one; RUNS (e.g. "eagle3-adaptive eagle3")
 # names the runs outright; eagle3-tree (only when named) drafts the tree TREE (JSON rank
-# paths, speculative.tree; bench/eagle_tree_sim.py's report gives the best ones). HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
+# paths, speculative.tree), by default the first one the fit step wrote. The fit step
+# fits draft trees to the head (`lmkit spec fit-tree`) on the FIT_PROMPTS (80) task
+# prompts after the first PROMPTS (held out from training): one tree of each size in
+# TREE_NODES (default "8 16"), at most TREE_DEPTH (3) deep, in $OUT/tree<N>.json. HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With
 # no step named both run (training ~13 minutes on an H200 at the defaults: prompts ~3,
 # answers ~4, features ~1, 4000 steps ~5; SOURCE=tasks PROMPTS=4000 takes ~6).
@@ -50,6 +53,16 @@ for step in $steps; do
         --feature-cache "${FEATURES:-memory}" --feature-cache-gb "${FEATURE_GB:-8}" \
         2>&1 | tee "$out/train.log"
       cp "$head/eval.json" "$out/eval.json" ;;
+    fit)
+      n_fit=${FIT_PROMPTS:-80}
+      python3 "$here/eagle_train_prompts.py" "$out/fit_all.jsonl" --tasks \
+        --count $(( ${PROMPTS:-4000} + n_fit ))
+      tail -n "$n_fit" "$out/fit_all.jsonl" > "$out/fit.jsonl"
+      for nodes in ${TREE_NODES:-8 16}; do
+        lmkit spec fit-tree "$gguf" --speculative-model "$head" --nodes "$nodes" \
+          --depth "${TREE_DEPTH:-3}" --prompts "$out/fit.jsonl" --count "$n_fit" \
+          --device "${DEVICE:-cuda}" --out "$out/tree$nodes.json" 2>&1 | tee "$out/fit$nodes.log"
+      done ;;
     bench)
       off=${OFF_ABOVE:-16}
       runs=(eagle3 ngram)
@@ -66,14 +79,19 @@ for step in $steps; do
         [[ $run == *-off || $run == *-drop ]] && extra+=(--disable-by-batch-size "$off")
         [[ $run == *-drop ]] && extra+=(--no-catch-up)
         [[ $run == *-adaptive ]] && extra+=(--adaptive)
-        [[ $run == *-tree ]] && extra+=(--spec-tree "${TREE:?set TREE to the draft tree (JSON rank paths) for eagle3-tree}")
+        if [[ $run == *-tree ]]; then
+          tree=${TREE:-}
+          first=$out/tree$(set -- ${TREE_NODES:-8 16}; echo "$1").json
+          [[ -z $tree && -s $first ]] && tree=$(cat "$first")
+          extra+=(--spec-tree "${tree:?set TREE (JSON rank paths) or run the fit step first}")
+        fi
         python3 "$here/spec_decode.py" --model "$gguf" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" \
           --attention "${ATTN:-triton}" --proposer "$proposer" "${extra[@]}" \
           --workloads chat --batches 1 32 --batch1-prompts 8 --chat-output-len 128 --stop-at-eos \
           --spec-tokens "${K:-3}" --repeats 2 --out "$out/spec_$run.json" \
           | tee "$out/spec_$run.log"
       done ;;
-    *) echo "unknown step '$step'; choose from: train bench" >&2; exit 2 ;;
+    *) echo "unknown step '$step'; choose from: train fit bench" >&2; exit 2 ;;
   esac
 done
 echo "results in $out/"

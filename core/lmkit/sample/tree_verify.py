@@ -155,12 +155,12 @@ def verify_tree_greedy(logits: torch.Tensor, tree: DraftTree, drafts: Sequence[S
     they are (plain greedy: no penalties, bans, bias, allowed ids, processors or
     logprobs, ``min_tokens`` reached; a grammar's mask already applied): one argmax and
     one device-to-host copy, no sampling metadata."""
-    counts = [len(d) for d in drafts]
-    starts = np.cumsum([c + 1 for c in counts]) - [c + 1 for c in counts]
+    sizes = np.fromiter((len(d) + 1 for d in drafts), dtype=np.int64, count=len(drafts))
+    starts = np.cumsum(sizes) - sizes
     greedy = kernels.argmax(logits).cpu().numpy()
     out = TreeVerified([], [], paths=[])
     assert out.paths is not None
-    for start, n, d in zip(starts.tolist(), counts, drafts, strict=True):
+    for start, n, d in zip(starts.tolist(), (sizes - 1).tolist(), drafts, strict=True):
         path, bonus = _greedy_walk(greedy, start, n, d, tree)
         out.token_ids.append([int(d[c - 1]) for c in path] + [bonus])
         out.num_accepted.append(len(path))

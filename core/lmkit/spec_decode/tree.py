@@ -134,12 +134,11 @@ class DraftTree:
         """Draft tokens per step (the root not counted)."""
         return len(self.paths)
 
-    @property
+    @cached_property
     def widest_parent_level(self) -> int:
         """The most nodes with children at one depth (the rows per request of a draft
         head's widest level pass)."""
-        parents = self.parents[1:]
-        return int(np.bincount(self.depths[np.unique(parents)]).max())
+        return max(map(len, self.parent_levels))
 
     @cached_property
     def rank_width(self) -> int:

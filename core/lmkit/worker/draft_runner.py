@@ -240,7 +240,7 @@ class DraftRunner:
         num_drafts = np.clip(capacity - last, 0, self.k)  # draft j writes position last + j
         index = self.staging.put(cu_kept[drafter] - 1)  # each one's last kept row
         feat = out.index_select(0, index)
-        if self.tree is not None:  # a tree of drafts, level by level (no graphs)
+        if self.tree is not None:  # a tree of drafts, level by level
             return draft_tree(self, self.tree, feat, last, num_drafts, rows[drafter],
                               tables[drafter], [int(sel[d]) for d in drafter])
         act = np.arange(len(drafter))

@@ -134,7 +134,7 @@ def _replayed_levels(drafter: DraftRunner, graphs: DraftPassGraphs, tree: DraftT
     (:meth:`~lmkit.worker.draft_graphs.HeadPass.before_pass`). Returns the levels'
     ranks, ``[levels, rows, width]``, and per level of ``plan`` the graph row of each of
     its rows."""
-    w, width, bs = tree.widest_parent_level, plan.width, drafter.block_size
+    w, width = tree.widest_parent_level, plan.width
     n = len(plan.roots) * w
     # [levels, field, n]: position, slot, seq_len, region, mask bits, id and feature gathers
     rows = np.zeros((tree.num_levels, 7, n), dtype=np.int64)
@@ -143,11 +143,9 @@ def _replayed_levels(drafter: DraftRunner, graphs: DraftPassGraphs, tree: DraftT
     before = np.arange(len(plan.roots))  # the rows of the level before (the roots')
     for j, level in enumerate(plan.levels):
         at = level.req * w + np.arange(len(level.req)) - np.searchsorted(level.req, level.req)
-        index = last[level.req] + level.node  # the sequence index its K/V is written at
-        blocks = tables[level.req, index // bs].astype(np.int64)
+        positions, index, slots = _placed(drafter, tree, level, last, tables)
         parent = before[level.parent]
-        rows[j][:, at] = (last[level.req] + tree.depths[level.node], blocks * bs + index % bs,
-                          index + 1, level.node, tree.masks[level.node] >> 1,
+        rows[j][:, at] = (positions, slots, index + 1, level.node, tree.masks[level.node] >> 1,
                           parent * width + tree.ranks[level.node], parent)
         placed.append(at)
         before = at
@@ -166,12 +164,20 @@ def _level_pass(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, ids: 
     """One eager head pass over a level's rows (grouped by request), fed ``ids`` and their
     parents' outputs ``feat``: a query of the request's nodes per request, each seeing
     the context and its ancestors; returns their outputs."""
-    req, node = level.req, level.node
-    index = last[req] + node  # the sequence index each node's K/V is written at
-    blocks = tables[req, index // drafter.block_size].astype(np.int64)
-    slots = blocks * drafter.block_size + index % drafter.block_size
-    reqs, counts = np.unique(req, return_counts=True)  # (grouped: unique keeps the order)
-    widest = np.maximum.reduceat(node, np.cumsum(counts) - counts)  # the region's end
-    return drafter.run_pass(ids, last[req] + tree.depths[node], slots, feat, np.cumsum(counts),
+    positions, _, slots = _placed(drafter, tree, level, last, tables)
+    reqs, counts = np.unique(level.req, return_counts=True)  # (grouped: keeps the order)
+    widest = np.maximum.reduceat(level.node, np.cumsum(counts) - counts)  # region's end
+    return drafter.run_pass(ids, positions, slots, feat, np.cumsum(counts),
                             last[reqs] + 1 + widest, tables[reqs],
-                            tree=(widest, tree.masks[node] >> 1))
+                            tree=(widest, tree.masks[level.node] >> 1))
+
+
+def _placed(drafter: DraftRunner, tree: DraftTree, level: LevelRows, last: np.ndarray,
+            tables: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A level's rows' positions (the root's plus the node's depth), the sequence index
+    each node's K/V is written at (the root's plus the node: a chain's slot for draft
+    ``node``) and that index's cache slot."""
+    bs = drafter.block_size
+    index = last[level.req] + level.node
+    slots = tables[level.req, index // bs].astype(np.int64) * bs + index % bs
+    return last[level.req] + tree.depths[level.node], index, slots

@@ -152,3 +152,23 @@ def test_penalties_bias_and_allowed_ids_are_launched_ahead(model_dir):
     actual, lookahead = _run(model_dir, lookahead=True, slots=1, sampling="adjusted")
     assert actual == expected
     assert lookahead.stats.used >= 15
+
+
+def test_launched_steps_take_the_sampling_kernels_argmax(model_dir, expected, monkeypatch):
+    """Greedy steps launched ahead take the argmax of the runner's sampling kernels
+    (:meth:`lmkit.api.SamplingKernels.argmax`, which a plugin may replace; on CUDA the
+    ``triton`` kernels' chunked argmax), once per launched step, with the tokens of the
+    run without the lookahead."""
+    from lmkit.api import SamplingKernels
+
+    calls = []
+    original = SamplingKernels.argmax
+
+    def argmax(self, logits):
+        calls.append(logits.shape[0])
+        return original(self, logits)
+
+    monkeypatch.setattr(SamplingKernels, "argmax", argmax)
+    actual, lookahead = _run(model_dir, lookahead=True, slots=1)
+    assert actual == expected
+    assert lookahead.stats.launched > 15 and len(calls) == lookahead.stats.launched

@@ -52,6 +52,25 @@ def test_verify_greedy_takes_the_first_index_on_ties():
     assert verify_greedy(wide, [[]]).token_ids == [[7]]
 
 
+def test_verify_greedy_takes_the_given_argmax():
+    """With ``argmax`` (the engine's sampling kernels' on CUDA) the targets are its
+    indices; asked to report rows with nothing allowed it keeps ``max`` (it needs the
+    maxima)."""
+    from lmkit.sample.drafts import verify_greedy
+
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 1.0, 0.0]])
+    seen = []
+
+    def last_index(x):  # a stand-in that disagrees with torch, to see which one ran
+        seen.append(tuple(x.shape))
+        return torch.full((x.shape[0],), x.shape[1] - 1, dtype=torch.int64)
+
+    assert verify_greedy(logits, [[], []], argmax=last_index).token_ids == [[2], [2]]
+    assert seen == [(2, 3)]
+    out = verify_greedy(logits, [[], []], check_no_token=True, argmax=last_index)
+    assert out.token_ids == [[1], [0]] and seen == [(2, 3)]
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax_and_input_is_untouched():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)

@@ -44,13 +44,14 @@ def count_unread(penalties: PenaltyRows, unread: torch.Tensor) -> PenaltyRows:
 def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order: list[str],
                logits: torch.Tensor, unread: torch.Tensor | None) -> torch.Tensor:
     """A launched step's tokens for the requests ``states`` (ids ``order``): the argmax
-    where every one is plain greedy (or there is no ``sampler``), else the sampler's draw
+    (the sampler kernels', :meth:`~lmkit.api.SamplingKernels.argmax`) where every one is
+    plain greedy (or there is no ``sampler``: ``torch.argmax``), else the sampler's draw
     with the requests' kept tensors, their penalty counts plus ``unread`` (the tokens the
     step before drew, not yet in the output lists; ``None``: they are). Uploads are
     asynchronous: the host does not wait for the device."""
     if sampler is None or all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
                               for s in states):
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1) if sampler is None else sampler.kernels.argmax(logits)
     vocab, device = logits.shape[-1], logits.device
     md = SamplingMetadata.build(
         [s.sampling_params for s in states], [s.prompt_token_ids for s in states],

@@ -204,8 +204,8 @@ class DeviceSpecStep:
             inline=inline)
         # what the head reads, kept past the graph's next replay
         features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-        # first maximal index, as verify_greedy takes it
-        targets = self.model.compute_logits(hidden).max(dim=-1).indices
+        # the first maximal index, as verify_greedy takes it (the engine's kernels')
+        targets = self.kernels.argmax(self.model.compute_logits(hidden))
         return DeviceVerify(inputs, positions, slots, features, targets)
 
     def step(self, v: DeviceVerify, tables: torch.Tensor) -> DeviceStepResult:

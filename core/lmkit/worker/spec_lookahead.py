@@ -42,11 +42,8 @@ from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.platform import switched_off
 from lmkit.sample.drafts import accept_greedy
-from lmkit.worker.gpu_lookahead import (
-    LaunchAhead,
-    decode_lookahead_slots,
-    read_back,
-)
+from lmkit.sample.kernels import TorchSamplingKernels
+from lmkit.worker.gpu_lookahead import LaunchAhead, decode_lookahead_slots, read_back
 from lmkit.worker.input_batch import StepInputs
 from lmkit.worker.spec_device_step import (
     DEFAULT_MAX_REQUESTS,
@@ -102,7 +99,8 @@ class SpecLookahead(LaunchAhead):
         disable_by_batch_size: ``speculative.disable_by_batch_size`` (no drafts above it).
         device_step_max_requests: ``speculative.device_step_max_requests`` (the most
             requests of a step queued on the device, :mod:`lmkit.worker.spec_device_step`).
-        kernels: the engine's sampling kernels (the device steps' bookkeeping).
+        kernels: the engine's sampling kernels (the verifications' argmax, the device
+            steps' bookkeeping).
     """
 
     def __init__(self, graphs: CudaGraphRunner, model: Any, input_batch: InputBatch,
@@ -115,8 +113,9 @@ class SpecLookahead(LaunchAhead):
         self.k = drafter.k
         self.disable_by_batch_size = disable_by_batch_size
         self.pending: _PendingVerify | None = None
+        self.kernels = kernels if kernels is not None else TorchSamplingKernels(device=None)
         self.device_step = DeviceSpecStep.maybe(graphs, model, drafter,
-                                                device_step_max_requests, kernels)
+                                                device_step_max_requests, self.kernels)
         self.staging = StepStaging(graphs.device)  # a device step's tables and inputs
         self._continued = False  # take() queued the next verification itself
 
@@ -190,8 +189,8 @@ class SpecLookahead(LaunchAhead):
                                        slots.reshape(-1), seq_lens, tables, aux=aux)
             # what the head reads, kept past the graph's next replay
             features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
-            # first maximal index, as verify_greedy takes it (accepted in take())
-            targets = self.model.compute_logits(hidden).max(dim=-1).indices
+            # the first maximal index, as verify_greedy takes it (accepted in take())
+            targets = self.kernels.argmax(self.model.compute_logits(hidden))
             step_tables = self._step_tables(order, rows, start)
             after = None
             if step_tables is not None:

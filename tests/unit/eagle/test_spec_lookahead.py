@@ -238,3 +238,37 @@ def test_device_steps_through_the_step_kernels(tiny, accepting, monkeypatch, k):
     assert made[-1].stats.stepped > 5  # device steps taken (some queued ones discarded)
     assert calls == {"plan": step.num_steps, "finish": step.num_steps}
     assert got == torch_ops
+
+
+def test_launched_verifications_take_the_sampling_kernels_argmax(tiny, accepting, monkeypatch):
+    """A launched verification's greedy targets (and a device step's next ones) are the
+    engine's sampling kernels' argmax (:meth:`lmkit.api.SamplingKernels.argmax`, which
+    a plugin may replace), not a private torch reduction: one call per launch and per
+    device step, and the same tokens and drafts as the run without the lookahead."""
+    import sys
+    from collections import Counter
+
+    from lmkit.api import SamplingKernels
+
+    prompts, params = PROMPTS[:3], greedy([12, 20, 26])
+    padded_replays(monkeypatch)
+    without, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                            max_num_seqs=8, k=3)
+    made = spec_lookahead_on_the_cpu(monkeypatch)
+    calls = []
+    original = SamplingKernels.argmax
+
+    def argmax(self, logits):
+        calls.append((sys._getframe(1).f_code.co_name, logits.shape[0]))
+        return original(self, logits)
+
+    monkeypatch.setattr(SamplingKernels, "argmax", argmax)
+    got, _ = run_engine(tiny, accepting, monkeypatch, prompts, "eagle", params,
+                        max_num_seqs=8, k=3)
+    look = made[-1]
+    sites = Counter(site for site, _ in calls)
+    # launched from the host, and queued by each device step (its next verification)
+    assert sites["_launch"] > 5 and sites["verify"] == look.device_step.num_steps > 5
+    assert set(sites) == {"_launch", "verify"}
+    assert all(rows % 4 == 0 for _, rows in calls)  # 1 + k rows per request
+    assert got == without

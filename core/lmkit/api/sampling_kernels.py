@@ -153,7 +153,10 @@ class SamplingKernels(ABC):
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax, exactly as ``torch.argmax(logits, dim=-1)``: the first index
         of the largest value, a NaN counting as larger than everything. The sampler's
-        greedy rows take it. Added in plugin API 1.1; the default is ``torch.argmax``.
+        greedy rows take it, and so do the greedy steps the runner launches ahead on
+        CUDA (decode steps, speculative verifications), one of them inside a captured
+        CUDA graph (a device step's next verification): no host synchronisation. Added
+        in plugin API 1.1; the default is ``torch.argmax``.
 
         Args:
             logits: ``[num_rows, vocab]`` (float32, or the model's dtype when nothing

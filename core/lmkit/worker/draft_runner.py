@@ -21,21 +21,18 @@ target's forward and verification (:meth:`DraftRunner.propose`):
    the next step verifies those drafts (:meth:`DraftRunner.take_probs`).
 
 Everything planned here is known on the host before the passes run (the accepted
-counts were read with the sampled tokens), so the passes add no host round trip: the
-index arrays go to the device through pinned staging (:mod:`lmkit.worker.staging`),
+counts were read with the sampled tokens; after a step without drafts the tokens may
+still be on the device, :mod:`lmkit.worker.early_drafts`), so the passes add no host
+round trip: index arrays go up through pinned staging (:mod:`lmkit.worker.staging`),
 and the one synchronisation is the final copy of the drafts. Draft positions stop at
 the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) and at
 ``max_model_len``. With ``speculative.tree`` the head drafts a tree of ``k`` nodes
-instead (:mod:`lmkit.worker.tree_drafts`).
-
-When the target's decode runs in CUDA graphs, so do the head's chain passes
-(:mod:`lmkit.worker.draft_graphs`): the draft passes (greedy drafts fed to the next
-pass on the device with ``supports_graph_drafts``), and the catch-up pass after a
+(:mod:`lmkit.worker.tree_drafts`). Under CUDA graphs the head's passes replay too
+(:mod:`lmkit.worker.draft_graphs`): the draft passes, and the catch-up pass after a
 decode, verification or short step (:mod:`lmkit.worker.flat_steps`), flattened.
-
-Prefix caching: a request starting on cached blocks reuses the head KV written there
-by the request that computed them (the same tokens; only the last slot was paired
-with that request's next token): its drafts may be a little worse, its outputs exact.
+A request starting on cached blocks reuses the head KV written there by the request
+that computed them (only the last slot was paired with that request's next token): its
+drafts may be a little worse, its outputs exact.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ from lmkit.errors import PluginError
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
+from lmkit.worker.early_drafts import sampled_patch
 from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs, tree_metadata
 from lmkit.worker.staging import StepStaging
 from lmkit.worker.tree_drafts import draft_tree, level_pass_graphs
@@ -182,7 +180,8 @@ class DraftRunner:
     # ------------------------------------------------------------------ one step
 
     def propose(self, features: torch.Tensor, step: StepInputs, num_kept: np.ndarray,
-                drafting: np.ndarray) -> dict[int, list[int]]:
+                drafting: np.ndarray, sampled: tuple[np.ndarray, torch.Tensor] | None = None
+                ) -> dict[int, list[int]]:
         """Catch the head up on this step's kept positions, draft for those that sampled.
 
         Args:
@@ -192,6 +191,8 @@ class DraftRunner:
             num_kept: per request, how many of its scheduled positions were kept (the
                 leading ones: rejected drafts are the tail); 0 skips the request.
             drafting: per request, whether to draft for it (it sampled and may speculate).
+            sampled: the step indices of requests whose sampled token is not in the batch
+                yet, and those tokens on the device (:mod:`lmkit.worker.early_drafts`).
 
         Returns:
             step index -> up to ``k`` draft token ids, for the drafting requests.
@@ -208,17 +209,14 @@ class DraftRunner:
         if not len(sel):
             return {}
         self.staging.begin()
-        kept = num_kept[sel]
-        rows = step.rows[sel]
-        num_computed = step.num_computed[sel]
+        kept, rows, num_computed = num_kept[sel], step.rows[sel], step.num_computed[sel]
         starts = (step.cu_num_tokens - step.num_scheduled)[sel]
         cu_kept = np.cumsum(kept)
         # hidden rows kept: [start, start + kept) of each selected request
         offsets = np.arange(int(cu_kept[-1]), dtype=np.int64) - np.repeat(cu_kept - kept, kept)
         keep = np.repeat(starts, kept) + offsets
         positions = np.repeat(num_computed, kept) + offsets
-        token_rows = np.repeat(rows, kept)
-        input_ids = self.input_batch.token_ids[token_rows, positions + 1]  # the token after
+        input_ids = self.input_batch.token_ids[np.repeat(rows, kept), positions + 1]  # next
         slots = step.slot_mapping.numpy()[keep]
         seq_lens = num_computed + kept
         table = self.input_batch.block_table
@@ -231,7 +229,8 @@ class DraftRunner:
                    if self.requests and self.tree is None else None)  # (tests: argmax)
         self.num_sampled_steps += sampler is not None
         out, drafted = self._catch_up(features, keep, input_ids, positions, slots, kept,
-                                      seq_lens, tables, sampler, cu_kept[drafter] - 1)
+                                      seq_lens, tables, sampler, cu_kept[drafter] - 1,
+                                      sampled_patch(sampled, sel, cu_kept, self.staging))
         if not len(drafter):
             return {}
         last = seq_lens[drafter] - 1  # each drafting request's last kept position
@@ -252,9 +251,8 @@ class DraftRunner:
             ids = (sampler.sample(feat, act, 0) if sampler is not None
                    else self.proposer.draft_argmax(feat))
         columns = [ids]  # draft j of the requests still drafting, act_j
-        graphs = self.graphs
-        if sampler is not None and self.sampled_graphs is not None:
-            graphs = self.sampled_graphs
+        graphs = (self.sampled_graphs if sampler is not None and self.sampled_graphs
+                  is not None else self.graphs)
         if (graphs is not None and graphs.chain > 1 and sampler is None
                 and len(act) <= graphs.max_rows and int(num_drafts.max()) > 1):
             return self._chained_drafts(graphs, ids, feat, last, num_drafts, tables[drafter],
@@ -309,12 +307,10 @@ class DraftRunner:
                         last: np.ndarray, num_drafts: np.ndarray, tables: np.ndarray,
                         step_index: list[int], req_ids: list[str]) -> dict[int, list[int]]:
         """Greedy drafts ``2..k`` of every drafting request from one replay of the chained
-        draft passes (``graphs.chain == k - 1``), given draft 1 (``ids``) and the
-        head's output at each request's last kept position (``feat``).
-
-        Pass ``j`` (``1..k-1``) writes position ``last + j``; a request with fewer
-        drafts (its blocks or the context limit end first) stays on its last kept
-        position with no cache slot in its later passes, whose drafts are dropped."""
+        draft passes (``graphs.chain == k - 1``), given draft 1 (``ids``) and the head's
+        output at each request's last kept position (``feat``). Pass ``j`` writes position
+        ``last + j``; a request with fewer drafts (its blocks or the context end first)
+        stays on its last kept position with no cache slot, its later drafts dropped."""
         passes = np.arange(1, self.k)[:, None]  # [k - 1, 1]
         writes = num_drafts[None, :] > passes  # [k - 1, n]: pass j has a draft j
         pos = np.where(writes, last[None, :] + passes, last[None, :])
@@ -338,19 +334,23 @@ class DraftRunner:
                   positions: np.ndarray, slots: np.ndarray, kept: np.ndarray,
                   seq_lens: np.ndarray, tables: np.ndarray,
                   sampler: StepDraftSampler | None = None,
-                  last_rows: np.ndarray | None = None
+                  last_rows: np.ndarray | None = None,
+                  patch: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, Any] | None]:
         """The catch-up pass over the kept rows ``keep`` of ``features``; returns the
         head's output per kept position and, when the replay took them, the drafts
         there and (sampled: ``sampler`` and the drafters' ``last_rows``) the rows'
-        candidates and probabilities, else ``None``: take them from the output. After a
+        candidates and probabilities, else ``None``: take them from the output; ``patch``
+        (rows, tokens on the device) replaces those rows' input ids there. After a
         decode, verification or short step (rows the target's graphs take,
         :attr:`fits_rows`) it replays the catch-up graphs, flattened: one decode row per
         position, its request's block table; else it runs eagerly."""
-        graphs = self.catch_up_graphs
-        if sampler is not None and self.sampled_catch_up_graphs is not None:
-            graphs = self.sampled_catch_up_graphs
+        graphs = (self.sampled_catch_up_graphs if sampler is not None
+                  and self.sampled_catch_up_graphs is not None else self.catch_up_graphs)
         index = self.staging.put(keep)
+        ids: np.ndarray | torch.Tensor = input_ids
+        if patch is not None:  # tokens sampled on the device, not read back yet
+            ids = self.staging.put(input_ids).index_copy_(0, *patch)
         if (graphs is not None and len(keep) <= graphs.max_rows
                 and tables.shape[1] <= graphs.max_blocks
                 and self.fits_rows(kept, seq_lens - kept)):
@@ -366,13 +366,13 @@ class DraftRunner:
             if sampling:
                 assert sampler is not None and last_rows is not None
                 graphs.set_params(sampler.catch_up_rows(last_rows, len(keep)))
-            out = graphs.run(input_ids, None, positions, slots, np.repeat(tables, kept, axis=0))
+            out = graphs.run(ids, None, positions, slots, np.repeat(tables, kept, axis=0))
             if not graphs.drafts_in_graph:
                 return out, None
             return out, (graphs.drafts(len(keep)),
                          graphs.candidates(len(keep)) if sampling else None)
         self.num_eager_catch_ups += 1
-        return self.run_pass(input_ids, positions, slots, features.index_select(0, index),
+        return self.run_pass(ids, positions, slots, features.index_select(0, index),
                              np.cumsum(kept), seq_lens, tables), None
 
     def run_pass(self, input_ids: np.ndarray | torch.Tensor, positions: np.ndarray,

@@ -35,6 +35,7 @@ from lmkit.worker import memory
 from lmkit.worker.cuda_graphs import CudaGraphRunner
 from lmkit.worker.draft_runner import DraftRunner
 from lmkit.worker.dummy_steps import DummyStepModel, profile_run, warm_up_step_shapes
+from lmkit.worker.early_drafts import early_greedy_targets, head_drafts, read_greedy
 from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.graph_capture import maybe_capture
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
@@ -52,7 +53,7 @@ from lmkit.worker.piecewise_graphs import PiecewiseGraphRunner, maybe_capture_pi
 from lmkit.worker.pooling import PoolingRequests
 from lmkit.worker.prompt_logprobs import step_prompt_logprobs
 from lmkit.worker.spec_lookahead import SpecLookahead, spec_lookahead_slots, take_ahead
-from lmkit.worker.step_plan import commit_tokens, kept_positions, sampling_plan
+from lmkit.worker.step_plan import commit_tokens, sampling_plan
 from lmkit.worker.step_sampling import sample_step
 from lmkit.worker.tree_step import mark_tree_rows, tree_of
 
@@ -254,13 +255,9 @@ class ModelRunner:
         """Drop everything holding device memory (graphs, lookaheads, the draft head, the
         offload worker, KV caches, the model): the runner cannot step afterwards. The
         executor's shutdown calls it so another engine in the process gets the memory."""
-        self.lookahead = self.spec_lookahead = None
-        self.cuda_graphs = None
-        self.piecewise = None  # its graphs and buffers hold the KV caches and weights too
-        self.drafter = None
-        self.offload = None
-        self.kv_caches = []
-        self.model = None
+        self.lookahead = self.spec_lookahead = self.drafter = self.offload = None
+        # the piecewise graphs' buffers hold the KV caches and weights too
+        self.cuda_graphs, self.piecewise, self.kv_caches, self.model = None, None, [], None
         self.requests.clear()
 
     def _finished_kv_loads(self, wait: bool = False) -> dict[int, bool]:
@@ -294,7 +291,12 @@ class ModelRunner:
                 pooling = self.pooling.states
                 plan = [p for p in plan if order[p[0]] not in pooling]
                 pooled = self.pooling.pool_step(hidden, order, step)
-            verified = sample_step(self, hidden, order, plan, so, step, aux)
+            drafts, targets = None, early_greedy_targets(self, hidden, order, plan, so)
+            if targets is not None:  # the head's passes queued before the tokens are read
+                drafts = head_drafts(self, hidden, aux, step, order, plan, [0] * len(plan),
+                                     so, sampled=targets)
+            verified = (sample_step(self, hidden, order, plan, so, step, aux)
+                        if targets is None else read_greedy(targets))
             prompt_logprobs = step_prompt_logprobs(self.model, self.requests,
                                                    hidden, order, step)
         out = commit_tokens(order, plan, verified, prompt_logprobs, self.requests,
@@ -302,11 +304,9 @@ class ModelRunner:
         out.no_allowed_token = {order[plan[n][0]]: j for n, j in verified.no_allowed_token.items()}
         out.pooled = pooled
         if self.drafter is not None:  # the head drafts the next step's tokens, now
-            with torch.inference_mode():
-                features = hidden if aux is None else torch.cat(aux, dim=-1)
-                drafts = self.drafter.propose(features, step, *kept_positions(
-                    order, step, plan, verified.num_accepted, self.requests,
-                    self.config.speculative.disable_by_batch_size, so.spec_drafting))
+            if drafts is None:
+                drafts = head_drafts(self, hidden, aux, step, order, plan,
+                                     verified.num_accepted, so)
             out.draft_token_ids = {order[i]: d for i, d in drafts.items()}
             if self.offload is not None:  # write-through stores: after the head's KV too
                 self.offload.after_forward(so.kv_transfers)

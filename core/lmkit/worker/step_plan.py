@@ -63,9 +63,11 @@ def kept_positions(order: Sequence[str], step: StepInputs,
                    plan: Sequence[tuple[int, int, Sequence[int]]], num_accepted: Sequence[int],
                    requests: Mapping[str, CachedRequestState],
                    disable_by_batch_size: int | None = None,
-                   drafting_on: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Per step request (after the step's tokens are committed): how many of its
-    scheduled positions the head catches up on, and whether it drafts.
+                   drafting_on: bool = True, pending: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per step request (after the step's tokens are committed, or with ``pending``
+    before: each planned request then holds one token fewer than it will): how many of
+    its scheduled positions the head catches up on, and whether it drafts.
 
     Kept: the scheduled positions minus the rejected drafts, and only those whose next
     token is known (a pooling request's last prompt position has none). Drafting: the
@@ -86,6 +88,8 @@ def kept_positions(order: Sequence[str], step: StepInputs,
         drafting[i] = draft and requests[order[i]].sampling_params.use_spec_decode
     num_tokens = np.fromiter((requests[r].num_tokens for r in order), dtype=np.int64,
                              count=len(order))
+    if pending:  # the tokens this step samples, not committed yet
+        num_tokens[[i for i, _, _ in plan]] += 1
     return np.minimum(kept, num_tokens - 1 - step.num_computed), drafting
 
 

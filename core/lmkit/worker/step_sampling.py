@@ -36,16 +36,8 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
     ``step``)."""
     if not plan:
         return VerifiedTokens([], [])
-    by_state = [(runner.requests[order[i]], first_row, drafts)
-                for i, first_row, drafts in plan]
     drafts = [d for _, _, d in plan]
-    rows = hidden_rows(by_state)  # a slice when contiguous: no gather
-    if isinstance(rows, slice):
-        selected = hidden[rows]
-    else:
-        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        selected = hidden.index_select(0, index)
-    logits = runner.model.compute_logits(selected)
+    logits = plan_logits(runner, hidden, order, plan)
     if so is not None and so.grammar_bitmask is not None:  # structured output
         apply_grammar_bitmask(logits, so.grammar_bitmask, so.structured_output_request_ids,
                               [order[i] for i, _, _ in plan],
@@ -64,6 +56,21 @@ def sample_step(runner: ModelRunner, hidden: torch.Tensor, order: list[str],
     if runner.drafter is not None:  # the head's sampled drafts' distributions
         probs = runner.drafter.take_probs([order[i] for i, _, _ in plan], drafts)
     return runner.sampler.sample_requests(logits, md, drafts, probs)
+
+
+def plan_logits(runner: ModelRunner, hidden: torch.Tensor, order: Sequence[str],
+                plan: SamplingPlan) -> torch.Tensor:
+    """The logits at the rows of ``hidden`` the step samples or verifies at, in plan
+    order (each request's draft rows then its last one)."""
+    by_state = [(runner.requests[order[i]], first_row, drafts)
+                for i, first_row, drafts in plan]
+    rows = hidden_rows(by_state)  # a slice when contiguous: no gather
+    if isinstance(rows, slice):
+        selected = hidden[rows]
+    else:
+        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        selected = hidden.index_select(0, index)
+    return runner.model.compute_logits(selected)
 
 
 def all_plain_greedy(runner: ModelRunner, order: Sequence[str], plan: SamplingPlan) -> bool:

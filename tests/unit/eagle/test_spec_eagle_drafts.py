@@ -42,9 +42,9 @@ def test_no_draft_passes_after_large_steps(tiny, head, baseline, monkeypatch):
     drafted = []
     propose = DraftRunner.propose
 
-    def record(self, features, step, num_kept, drafting):
+    def record(self, features, step, num_kept, drafting, **kwargs):
         drafted.append((step.num_reqs, bool(drafting.any())))
-        return propose(self, features, step, num_kept, drafting)
+        return propose(self, features, step, num_kept, drafting, **kwargs)
 
     monkeypatch.setattr(DraftRunner, "propose", record)
     params = [SamplingParams(temperature=0.0, max_tokens=6 * (i + 1), ignore_eos=True)

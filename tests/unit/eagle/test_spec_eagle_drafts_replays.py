@@ -93,8 +93,8 @@ def test_draft_passes_take_their_drafts_in_the_replay(tiny, heads, monkeypatch, 
                 self.feed_ids[:len(input_ids)].add_(1).remainder_(256)
         return hidden
 
-    def counted_propose(self, *args):
-        out = propose(self, *args)
+    def counted_propose(self, *args, **kwargs):
+        out = propose(self, *args, **kwargs)
         calls["drafting_steps"] += bool(out)
         return out
 

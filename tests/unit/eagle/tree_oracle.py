@@ -28,14 +28,17 @@ def plant(truth: Sequence[Sequence[int]], tree_paths: Sequence[Sequence[int]],
 
     def oracle(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index):
         out = real_draft(drafter, tree, feat, last, num_drafts, req_rows, tables, step_index)
-        for i, row in zip(step_index, req_rows, strict=True):
+        for n, (i, row) in enumerate(zip(step_index, req_rows, strict=True)):
             rid = drafter.input_batch.req_ids[row]
             state, drafts = drafter.requests[rid], out.get(i)
-            known = [*state.prompt_token_ids, *state.output_token_ids]
-            full = next((t for t in truth if list(t[:len(known)]) == known), None)
+            committed = [*state.prompt_token_ids, *state.output_token_ids]
+            full = next((t for t in truth if list(t[:len(committed)]) == committed), None)
+            # the drafts follow the token after the last kept position (the one the step
+            # sampled, committed or not yet: lmkit.worker.early_drafts)
+            known = int(last[n]) + 2
             for depth, node in enumerate(planted if full is not None else (), start=1):
-                if drafts is not None and node <= len(drafts) and len(known) + depth <= len(full):
-                    drafts[node - 1] = full[len(known) + depth - 1]
+                if drafts is not None and node <= len(drafts) and known + depth <= len(full):
+                    drafts[node - 1] = full[known + depth - 1]
         return out
 
     def spy(groups, kv_caches, step, plan, paths, features):

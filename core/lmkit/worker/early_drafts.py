@@ -47,10 +47,7 @@ def early_greedy_targets(runner: ModelRunner, hidden: torch.Tensor, order: Seque
             or so.grammar_bitmask is not None or any(drafts for _, _, drafts in plan)
             or switched_off(ENV) or not all_plain_greedy(runner, order, plan)):
         return None
-    logits = plan_logits(runner, hidden, order, plan)
-    if logits.device.type != "cuda":  # (the CPU's max is faster than its argmax)
-        return logits.max(dim=-1).indices
-    return runner.sampler.kernels.argmax(logits)
+    return runner.sampler.greedy_ids(plan_logits(runner, hidden, order, plan))
 
 
 def read_greedy(targets: torch.Tensor) -> VerifiedTokens:

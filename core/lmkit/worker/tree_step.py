@@ -15,7 +15,6 @@ been drafted in a chain.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from lmkit.api.attention import MAX_TREE_REGION
 from lmkit.api.kv_cache_spec import KVCacheGroup
 from lmkit.api.spec_decode import RUNNER_HOSTED_FEATURES
 from lmkit.errors import ConfigError, PluginError
+from lmkit.platform import switched_off
 from lmkit.spec_decode.tree import DraftTree, configured_tree
 
 if TYPE_CHECKING:
@@ -130,6 +130,6 @@ def flattened_tree_rows(step: StepInputs) -> tuple[np.ndarray, tuple[np.ndarray,
 
 def tree_graphs(config: LMKitConfig) -> bool:
     """Whether draft-tree verifications replay the decode CUDA graphs (flattened, with
-    tree buffers): with a tree, unless ``LMKIT_TREE_GRAPHS=0`` (tree steps and the
+    tree buffers): with a tree, unless ``LMKIT_TREE_GRAPHS=0`` (or ``off``; tree steps and the
     head's level passes then run eagerly: on an H200 at batch 1, 131 tok/s against 372)."""
-    return bool(config.speculative.tree) and os.environ.get("LMKIT_TREE_GRAPHS", "1") != "0"
+    return bool(config.speculative.tree) and not switched_off("LMKIT_TREE_GRAPHS")

@@ -115,9 +115,8 @@ class HeadPass:
         n = len(input_ids)
         hidden = self.proposer.forward(input_ids, positions, self.features[:n], ctx)
         if self.tops is not None:  # a tree level: its rows' ranked drafts
-            logits, target_ids = self.proposer.draft_logits(hidden)
-            top = logits.topk(self.tops.shape[-1], dim=-1).indices
-            self.tops[self._level, :n].copy_(top if target_ids is None else target_ids[top])
+            self.tops[self._level, :n].copy_(ranked_drafts(self.proposer, hidden,
+                                                           self.tops.shape[-1]))
             self._hidden = hidden
         if self.drafts and self.params is not None:  # sampled drafts (and candidates)
             assert self.feed_ids is not None
@@ -136,6 +135,14 @@ class HeadPass:
         if self.feed_features:  # ... and its features
             self.features[:n].copy_(hidden)
         return hidden
+
+
+def ranked_drafts(proposer: RunnerProposer, hidden: torch.Tensor, width: int) -> torch.Tensor:
+    """``[n, width]`` target ids: the head's top ``width`` drafts after each row of its
+    output ``hidden``, best first (over its draft vocabulary, mapped to the target's)."""
+    logits, target_ids = proposer.draft_logits(hidden)
+    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
+    return top if target_ids is None else target_ids[top]
 
 
 class DraftPassGraphs:

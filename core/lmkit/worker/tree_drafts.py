@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lmkit.spec_decode.tree_plan import LevelRows, TreePlan, plan_tree
-from lmkit.worker.draft_graphs import maybe_capture_passes
+from lmkit.worker.draft_graphs import maybe_capture_passes, ranked_drafts
 
 if TYPE_CHECKING:
     from lmkit.spec_decode.tree import DraftTree
@@ -65,7 +65,7 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
     if len(roots) < len(feat):
         feat = feat.index_select(0, drafter.staging.put(roots))
     last, tables = last[roots], tables[roots]
-    ranks = [_ranked(drafter, feat, plan.width)]  # level 0: the roots' ranked drafts
+    ranks = [ranked_drafts(drafter.proposer, feat, plan.width)]  # level 0: the roots' ranked drafts
     draft_row = plan.draft_row
     graphs = drafter.graphs
     if (plan.levels and graphs is not None and graphs.runner.tree
@@ -89,7 +89,7 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
             parent_feat = out.index_select(0, gathers[1, done:done + m])
             done += m
             out = _level_pass(drafter, tree, parent_feat, ids, level, last, tables)
-            ranks.append(_ranked(drafter, out, plan.width))
+            ranks.append(ranked_drafts(drafter.proposer, out, plan.width))
     # each draft's place in the levels' ranks laid out flat: one gather, one copy back
     base = np.cumsum([0] + [len(r) * plan.width for r in ranks[:-1]])
     index = base[plan.draft_level] + draft_row * plan.width + plan.draft_rank
@@ -98,14 +98,6 @@ def draft_tree(drafter: DraftRunner, tree: DraftTree, feat: torch.Tensor, last: 
     ends = np.cumsum(plan.counts)
     return {int(step_index[int(r)]): tokens[end - count:end].tolist()
             for r, count, end in zip(roots, plan.counts, ends, strict=True)}
-
-
-def _ranked(drafter: DraftRunner, feat: torch.Tensor, width: int) -> torch.Tensor:
-    """``[n, width]`` target ids on the device: the head's top ``width`` drafts after each
-    row of ``feat`` (its output features), best first."""
-    logits, target_ids = drafter.proposer.draft_logits(feat)
-    top = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
-    return top if target_ids is None else target_ids[top]
 
 
 def level_pass_graphs(drafter: DraftRunner, tree: DraftTree,

@@ -10,6 +10,10 @@ engines are warm and interleaved, and their greedy outputs are compared::
     python bench/engine_ab.py --model smol.gguf --b-env LMKIT_GLU_EPILOGUE=0
     python bench/engine_ab.py --model smol.gguf --speculative eagle3 \\
         --speculative-model HEAD --batch 32 --b-set speculative.device_step_max_requests=8
+    python bench/engine_ab.py --model smol.gguf --speculative eagle3 --speculative-model HEAD \
+        --batch 32 --set speculative.disable_by_batch_size=16 --b-env LMKIT_LAUNCH_CATCH_UP=0
+
+``--set`` applies to both engines.
 
 The workload is the built-in chat prompts through the model's chat template (as text
 for a model without one),
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--b-env", default="", help="NAME=VALUE[,...] set while B is built")
     ap.add_argument("--b-set", action="append", default=[], metavar="PATH=VALUE",
                     help="a setting of B (value read as JSON)")
+    ap.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                    help="a setting of both engines (value read as JSON); B's own win")
     ap.add_argument("--speculative", help="a proposer for both engines (default: none)")
     ap.add_argument("--speculative-model")
     ap.add_argument("--k", type=int, default=3)
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     env_b = parse_env(args.b_env, "--b-env")
     sets_b = parse_sets(";".join(args.b_set), "--b-set")
+    sets = parse_sets(";".join(args.set), "--set")
     if not env_b and not sets_b:
         ap.error("give B something A lacks: --b-env NAME=VALUE or --b-set PATH=VALUE")
     from lmkit import SamplingParams
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lmkit.plugin_host.manager import PluginHost
 
     model = str(resolve_model(args.model, PluginHost.load()))  # a GGUF converted once
-    engines = {"A": build(args, model, {}, {}), "B": build(args, model, env_b, sets_b)}
+    engines = {"A": build(args, model, {}, sets), "B": build(args, model, env_b, sets | sets_b)}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                             ignore_eos=args.ignore_eos)
     prompts = workload(engines["A"].tokenizer, args.requests, args.output_len)
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for llm in engines.values():
         llm.shutdown()
     med = {side: statistics.median(v) for side, v in rates.items()}
-    report = {"model": args.model, "b_env": env_b, "b_set": sets_b, "batch": args.batch,
+    report = {"model": args.model, "b_env": env_b, "b_set": sets_b, "set": sets,
+              "batch": args.batch,
               "requests": args.requests, "speculative": args.speculative,
               "tok_per_s": rates, "median": med, "b_over_a": med["B"] / med["A"],
               "identical": outputs["A"] == outputs["B"]}

@@ -1,9 +1,9 @@
 """Speculation off by batch size (``speculative.disable_by_batch_size``) on CUDA with
 captured graphs: the decode steps of batches above the limit run ahead
-(:mod:`lmkit.worker.gpu_lookahead`), the draft head catching up over each as it is
-taken; once the batch shrinks to the limit the head drafts, and every draft equals the
-run without the lookahead (``LMKIT_DECODE_LOOKAHEAD=0``) while the outputs equal plain
-decoding. With ``catch_up_when_off: false`` the head drafts nothing and the steps still
+(:mod:`lmkit.worker.gpu_lookahead`), the draft head's catch-up over each queued at its
+launch (:mod:`lmkit.worker.launch_catch_up`); once the batch shrinks to the limit the
+head drafts, and every draft equals the run without the lookahead
+(``LMKIT_DECODE_LOOKAHEAD=0``) while the outputs equal plain decoding. With ``catch_up_when_off: false`` the head drafts nothing and the steps still
 run ahead once the batch is at the limit."""
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def test_steps_off_by_batch_size_run_ahead_on_cuda(tmp_path, monkeypatch, propos
     on, on_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params, settings=OFF_ABOVE)
     stats = made[0].stats
     assert len(made) == 1 and stats.used > 5
+    # each launched step's catch-up queued behind it (lmkit.worker.launch_catch_up)
+    assert made[0].drafter.num_launch_catch_ups >= stats.used
     assert on == plain
     assert len(on_drafts) > 10 and on_drafts == off_drafts
     dropped, dropped_drafts, _ = _run(tiny, head, proposer, monkeypatch, params=params,

@@ -1,5 +1,5 @@
 """bench/engine_ab.py on the CPU: two engines of a tiny model, B built with a switch,
-timed in alternating rounds; the report's rounds, ratio and output check, and the
+both with a shared setting, timed in alternating rounds; the report's rounds, ratio and output check, and the
 refusals of an A/B with nothing to compare or a bad count."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def test_an_ab_run_reports_both_sides_in_alternating_rounds(tmp_path, monkeypatc
     out = tmp_path / "ab.json"
     report = engine_ab.main(["--model", str(tiny), "--device", "cpu", "--dtype", "float32",
                              "--b-env", "LMKIT_GLU_EPILOGUE=0", "--b-set",
-                             "executor.flat_step_max_tokens=0", "--requests", "3",
+                             "executor.flat_step_max_tokens=0", "--set",
+                             "scheduler.max_num_batched_tokens=96", "--requests", "3",
                              "--output-len", "6", "--rounds", "3", "--batch", "2",
                              "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -41,6 +42,10 @@ def test_an_ab_run_reports_both_sides_in_alternating_rounds(tmp_path, monkeypatc
     assert report["b_over_a"] == pytest.approx(report["median"]["B"] / report["median"]["A"])
     a, b = seen[0], seen[1]  # the warm-ups, then rounds A B, B A, A B
     assert a is not b and seen[2:] == [a, b, b, a, a, b]
+    # --set reaches both engines, --b-set only B
+    assert report["set"] == {"scheduler.max_num_batched_tokens": 96}
+    assert a.config.scheduler.max_num_batched_tokens == b.config.scheduler.max_num_batched_tokens == 96
+    assert b.config.executor.flat_step_max_tokens == 0 != a.config.executor.flat_step_max_tokens
 
 
 def test_nothing_to_compare_and_bad_counts_are_refused(capsys):

@@ -29,7 +29,8 @@ the request's allocated blocks (the scheduler reserves ``k`` lookahead slots) an
 ``max_model_len``. With ``speculative.tree`` the head drafts a tree of ``k`` nodes
 (:mod:`lmkit.worker.tree_drafts`). Under CUDA graphs the head's passes replay too
 (:mod:`lmkit.worker.draft_graphs`): the draft passes, and the catch-up pass after a
-decode, verification or short step (:mod:`lmkit.worker.flat_steps`), flattened.
+decode, verification or short step (:mod:`lmkit.worker.flat_steps`), flattened (after
+a decode step launched ahead: queued at the launch, :mod:`lmkit.worker.launch_catch_up`).
 A request starting on cached blocks reuses the head KV written there by the request
 that computed them (only the last slot was paired with that request's next token): its
 drafts may be a little worse, its outputs exact.
@@ -37,7 +38,6 @@ drafts may be a little worse, its outputs exact.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ from lmkit.api.kv_cache_spec import KVCacheGroup, one_kv_cache_group
 from lmkit.api.model import ForwardContext
 from lmkit.api.spec_decode import DraftHeadContext, RunnerProposer
 from lmkit.errors import PluginError
+from lmkit.platform import switched_off
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
@@ -85,8 +86,7 @@ class DraftRunner:
         self.proposer = proposer
         self.skip_above = skip_above
         self.stale: set[str] = set()  # head KV with holes (ran in a skipped step): no drafts
-        self.requests: Mapping[str, CachedRequestState] = (requests if requests is not None
-                                                           else {})
+        self.requests: Mapping[str, CachedRequestState] = {} if requests is None else requests
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.tree: DraftTree | None = None  # set: draft trees of k nodes (tree_drafts.py)
@@ -105,8 +105,8 @@ class DraftRunner:
         self.sampled = SampledDrafts()  # sampled drafts' distributions, until verified
         self.num_sampled_steps = 0  # steps whose drafts were (partly) sampled
         self.staging = StepStaging(device)  # each step's index arrays, to the device
-        # catch-up passes run eagerly (prefill, large steps); replayed with several rows
-        self.num_eager_catch_ups = self.num_flattened_catch_ups = 0
+        # catch-up passes run eagerly (prefill, large steps), replayed flattened, at launch
+        self.num_eager_catch_ups = self.num_flattened_catch_ups = self.num_launch_catch_ups = 0
 
     @classmethod
     def load(cls, proposer: RunnerProposer, ctx: DraftHeadContext, num_speculative_tokens: int,
@@ -172,7 +172,7 @@ class DraftRunner:
         """Whether the ``k - 1`` greedy draft passes can replay as one chained graph: the
         head's backend keeps a captured decode plan valid as the positions move (or no
         graphs: every pass re-planned), and ``LMKIT_DRAFT_CHAIN`` is not ``0``."""
-        if os.environ.get("LMKIT_DRAFT_CHAIN", "1") == "0" or target_graphs is None:
+        if switched_off("LMKIT_DRAFT_CHAIN") or target_graphs is None:
             return False
         return (not target_graphs.use_graphs
                 or type(self.proposer.attn).supports_in_place_decode_metadata)

@@ -53,8 +53,10 @@ import torch
 
 from lmkit.api.runner_output import ModelRunnerOutput
 from lmkit.platform import switched_off
+from lmkit.worker import launch_catch_up
 from lmkit.worker.graph_stream import record_event
 from lmkit.worker.input_batch import StepInputs
+from lmkit.worker.launch_catch_up import catch_up_at_launch
 from lmkit.worker.lookahead_sampling import draw_ahead, greedy_plain, samples_ahead
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ class _Pending:
     # seeded requests' generators and their states before the launched draw: rewound
     # for the requests whose launched step is not taken
     rng_states: dict[str, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+    caught_up: bool = False  # the head's catch-up over it was queued at the launch
 
     def rewind(self, keep: Collection[str] = ()) -> None:
         """Put back the generators of the requests not in ``keep`` as they were before
@@ -154,6 +157,7 @@ class DecodeLookahead(LaunchAhead):
                  sampler: Sampler | None = None) -> None:
         super().__init__(graphs, model, input_batch, requests, max_model_len, drafter, sampler)
         self.min_batch = min_batch if drafter is not None else 0
+        self.launch_catch_ups = launch_catch_up.enabled()  # the head's, at the launch
         self.pending: _Pending | None = None
 
     @classmethod
@@ -246,6 +250,8 @@ class DecodeLookahead(LaunchAhead):
         if pending.features is None:  # launched as a step the head sits out
             self.drafter.stale.update(order)
             return {}
+        if pending.caught_up and not head_drafts:  # nothing left to do for the head
+            return {}
         n = len(order)
         features = pending.features
         if idx != list(range(len(pending.req_ids))):
@@ -298,15 +304,14 @@ class DecodeLookahead(LaunchAhead):
         ids = None if device_ids is not None else batch.token_ids[rows, positions]
         slots = batch.block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions + 1).astype(np.int32)
-        width = int(-(-int(seq_lens.max()) // bs))
+        tables = batch.block_table[rows, :int(-(-int(seq_lens.max()) // bs))]
         drafter = self.drafter
         if drafter is not None and _head_left(drafter, order):
             drafter = None  # no features to keep
         taps = drafter.proposer.target_layers if drafter is not None else ()
         aux: list[torch.Tensor] | None = [] if taps else None
         with torch.inference_mode():
-            hidden = self.graphs.run_decode(ids, positions, slots, seq_lens,
-                                            batch.block_table[rows, :width], device_ids,
+            hidden = self.graphs.run_decode(ids, positions, slots, seq_lens, tables, device_ids,
                                             aux=aux)
             features = None
             if drafter is not None:  # what the head reads, kept past the next replay
@@ -319,9 +324,13 @@ class DecodeLookahead(LaunchAhead):
             tokens = draw_ahead(self.sampler, states, order, self.model.compute_logits(hidden),
                                 device_ids)
             host, ready = read_back(tokens)
+            caught_up = (drafter is not None and features is not None  # (queued after
+                         and self.launch_catch_ups  # the read)
+                         and catch_up_at_launch(drafter, order, features, tokens, positions,
+                                                slots, tables))
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
                                 positions.copy(), tokens, host, ready, slots, features,
-                                rng_states)
+                                rng_states, caught_up)
         self._count("launched")
 
     def _count(self, what: str) -> None:

@@ -51,3 +51,68 @@ def test_no_lookahead_beside_a_head_that_always_drafts(tiny, heads, monkeypatch)
     made = lookahead_on_the_cpu(monkeypatch)
     run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle", max_num_seqs=8)
     assert made == []
+
+
+def _taken_catch_ups(monkeypatch) -> list[bool]:
+    """Record, for each catch-up run when a launched step is taken (DecodeLookahead's
+    ``_catch_up`` calling ``DraftRunner.propose``), whether it drafted."""
+    import sys
+
+    from lmkit.worker.draft_runner import DraftRunner
+
+    calls: list[bool] = []
+    propose = DraftRunner.propose
+
+    def record(self, features, step, num_kept, drafting, *args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "_catch_up" and caller.co_filename.endswith("gpu_lookahead.py"):
+            calls.append(bool(drafting.any()))
+        return propose(self, features, step, num_kept, drafting, *args, **kwargs)
+
+    monkeypatch.setattr(DraftRunner, "propose", record)
+    return calls
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_the_catch_up_is_queued_at_the_launch(tiny, heads, monkeypatch, proposer):
+    """Steps launched ahead above the limit queue the head's catch-up at the launch
+    (:mod:`lmkit.worker.launch_catch_up`): taking one runs no catch-up of its own unless
+    its requests draft after it (the batch drained to the limit); tokens and drafts equal
+    those with ``LMKIT_LAUNCH_CATCH_UP=0`` (every catch-up at the taking) and the dense
+    reference."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in MAX_TOKENS]
+    settings = dict(max_num_seqs=8, disable_by_batch_size=2)
+    _, drafters = padded_replays(monkeypatch)
+    made = lookahead_on_the_cpu(monkeypatch)
+    taken = _taken_catch_ups(monkeypatch)
+    monkeypatch.setenv("LMKIT_LAUNCH_CATCH_UP", "0")
+    before, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                           **settings)
+    assert drafters[-1].num_launch_catch_ups == 0 and taken.count(False) > 5
+    taken.clear()
+    monkeypatch.delenv("LMKIT_LAUNCH_CATCH_UP")
+    got, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                        **settings)
+    assert drafters[-1].num_launch_catch_ups >= made[-1].stats.used > 5
+    assert taken.count(False) == 0 and taken.count(True) >= 1  # the drain: drafts resume
+    assert got == before
+    reference = DenseEagle(tiny, heads[proposer])
+    assert all(d == reference.drafts(list(key[1]), len(d)) for key, d in got.items())
+
+
+def test_a_catch_up_missing_at_the_launch_shows(tiny, heads, monkeypatch):
+    """The check above can fail: with the launch's catch-up claimed but not run, the
+    head's KV cache has holes and its drafts after the drain differ from the dense
+    reference."""
+    import lmkit.worker.gpu_lookahead as gpu_lookahead
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in MAX_TOKENS]
+    padded_replays(monkeypatch)
+    lookahead_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(gpu_lookahead, "catch_up_at_launch", lambda *args: True)
+    got, _ = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3", params,
+                        max_num_seqs=8, disable_by_batch_size=2)
+    reference = DenseEagle(tiny, heads["eagle3"])
+    assert any(d != reference.drafts(list(key[1]), len(d)) for key, d in got.items())

@@ -194,7 +194,11 @@ NORM_FOLD_STAGES = 3
 #: rows up to which the folds run. Measured on the H100 (``bench/gemv_fold.py``, session
 #: 11): at 1 row the folds save 0.07 ms per Llama-8B decode step; at 8 rows the folded
 #: kernels are slower than the separate ones (Llama-8B down projection 171 vs 45 us,
-#: Qwen3-0.6B's 38 vs 8.6 us), so 2-8 rows keep the separate kernels
+#: Qwen3-0.6B's 38 vs 8.6 us), so 2-8 rows keep the separate kernels. Session 35 tried the
+#: norm fold at up to 4 rows with a prologue computing every row's 1/rms in one pass (a
+#: batch-1 verification of 3 drafts is 4 rows): SmolLM2 with an EAGLE-3 head at batch 1 ran
+#: 11% slower end to end on an H200 (1,768 against 1,972 tok/s, bench/engine_ab.py), so
+#: it was not kept
 FOLD_MAX_ROWS = 1
 
 

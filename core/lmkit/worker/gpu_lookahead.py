@@ -56,7 +56,6 @@ from lmkit.platform import switched_off
 from lmkit.worker import launch_catch_up
 from lmkit.worker.graph_stream import record_event
 from lmkit.worker.input_batch import StepInputs
-from lmkit.worker.launch_catch_up import catch_up_at_launch
 from lmkit.worker.lookahead_sampling import draw_ahead, greedy_plain, samples_ahead
 
 if TYPE_CHECKING:
@@ -324,10 +323,10 @@ class DecodeLookahead(LaunchAhead):
             tokens = draw_ahead(self.sampler, states, order, self.model.compute_logits(hidden),
                                 device_ids)
             host, ready = read_back(tokens)
-            caught_up = (drafter is not None and features is not None  # (queued after
-                         and self.launch_catch_ups  # the read)
-                         and catch_up_at_launch(drafter, order, features, tokens, positions,
-                                                slots, tables))
+            # the head's catch-up behind the step (after the read: the tokens need not wait)
+            caught_up = (drafter is not None and features is not None and self.launch_catch_ups
+                         and launch_catch_up.catch_up_at_launch(drafter, order, features, tokens,
+                                                                positions, slots, tables))
         self.pending = _Pending(list(order), {r: i for i, r in enumerate(order)},
                                 positions.copy(), tokens, host, ready, slots, features,
                                 rng_states, caught_up)

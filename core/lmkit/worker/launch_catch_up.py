@@ -50,7 +50,8 @@ def catch_up_at_launch(drafter: DraftRunner, order: list[str], features: torch.T
 
     Args:
         drafter: the runner's draft head.
-        order: the step's requests; none may be one the head left for good (``stale``).
+        order: the step's requests (if the head left one of them for good, ``stale``,
+            nothing is queued).
         features: ``[n, width]``, what the head reads of the step's ``n`` rows.
         ids: ``[n]`` int64 on the device, the tokens the step drew (not read back yet).
         positions, slots: ``[n]`` int64, each row's position and KV cache slot.

@@ -105,13 +105,13 @@ def test_a_catch_up_missing_at_the_launch_shows(tiny, heads, monkeypatch):
     """The check above can fail: with the launch's catch-up claimed but not run, the
     head's KV cache has holes and its drafts after the drain differ from the dense
     reference."""
-    import lmkit.worker.gpu_lookahead as gpu_lookahead
+    import lmkit.worker.launch_catch_up as launch_catch_up
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
               for m in MAX_TOKENS]
     padded_replays(monkeypatch)
     lookahead_on_the_cpu(monkeypatch)
-    monkeypatch.setattr(gpu_lookahead, "catch_up_at_launch", lambda *args: True)
+    monkeypatch.setattr(launch_catch_up, "catch_up_at_launch", lambda *args: True)
     got, _ = run_engine(tiny, heads["eagle3"], monkeypatch, PROMPTS, "eagle3", params,
                         max_num_seqs=8, disable_by_batch_size=2)
     reference = DenseEagle(tiny, heads["eagle3"])

@@ -17,10 +17,11 @@ With a draft head (EAGLE) the lookahead runs only where speculation is off -- by
 size (``speculative.disable_by_batch_size``), or while adaptive speculation holds it
 off (``speculative.adaptive``, the step's ``spec_drafting``): after a step whose head
 drafted nothing, the next step is a plain decode step and is launched ahead like any
-other; the launched forward keeps the features the head reads (the final
-hidden states, or the inputs of its target layers), and taking the step runs the
-head's catch-up over them (:meth:`~lmkit.worker.draft_runner.DraftRunner.propose`),
-so the head's KV cache has no holes when the batch shrinks and speculation resumes.
+other; the head's catch-up over the features it reads (the final hidden states, or the
+inputs of its target layers) is queued right behind the launched step
+(:mod:`lmkit.worker.launch_catch_up`; else taking the step runs it,
+:meth:`~lmkit.worker.draft_runner.DraftRunner.propose`), so the head's KV cache has no
+holes when the batch shrinks and speculation resumes.
 
 A request is predicted only when its next cache slot is already allocated (its
 block table covers the next position) and it samples greedily without logprobs,
@@ -145,7 +146,8 @@ class DecodeLookahead(LaunchAhead):
         drafter: the runner's draft head, if any: steps are then launched ahead only
             where the head drafts nothing -- batches of more than ``min_batch``
             requests, or a step whose plan turns drafting off (``spec_drafting``) --
-            and taking one runs the head's catch-up over its features.
+            and the head's catch-up over each is queued at its launch (or run when it
+            is taken).
         min_batch: see ``drafter`` (``speculative.disable_by_batch_size``, else
             ``scheduler.max_num_seqs`` with ``speculative.adaptive``).
     """

@@ -53,7 +53,7 @@ from lmkit.platform import switched_off
 from lmkit.worker import memory
 from lmkit.worker.draft_graphs import DraftPassGraphs, maybe_capture_passes
 from lmkit.worker.draft_sampler import SampledDrafts, StepDraftSampler
-from lmkit.worker.early_drafts import sampled_patch
+from lmkit.worker.early_drafts import early_drafts_on, sampled_patch
 from lmkit.worker.input_batch import CachedRequestState, InputBatch, StepInputs, tree_metadata
 from lmkit.worker.staging import StepStaging
 from lmkit.worker.tree_drafts import draft_tree, level_pass_graphs
@@ -90,8 +90,8 @@ class DraftRunner:
         self.vocab_size = vocab_size
         self.k = num_speculative_tokens
         self.tree: DraftTree | None = None  # set: draft trees of k nodes (tree_drafts.py)
-        self.input_batch = input_batch
-        self.block_size = input_batch.block_size
+        self.input_batch, self.block_size = input_batch, input_batch.block_size
+        self.early_drafts = early_drafts_on()  # (read once: lmkit.worker.early_drafts)
         self.max_model_len = max_model_len
         self.device = device
         self.kv_caches: list[torch.Tensor] = []

@@ -13,7 +13,8 @@ sampled rows are patched on the device (:func:`sampled_patch`), the head's passe
 behind the target's, and the drafts' read-back also waits for the tokens, which are
 then read without waiting. The tokens and the drafts are the same as in the usual
 order. Steps that verify drafts are not taken (launched-ahead verifications and device
-steps do their own drafting). ``LMKIT_EARLY_DRAFTS=0`` turns it off.
+steps do their own drafting). ``LMKIT_EARLY_DRAFTS=0`` turns it off (read once, when the
+head's :class:`~lmkit.worker.draft_runner.DraftRunner` is built: :func:`early_drafts_on`).
 """
 
 from __future__ import annotations
@@ -39,13 +40,19 @@ if TYPE_CHECKING:
 ENV = "LMKIT_EARLY_DRAFTS"
 
 
+def early_drafts_on() -> bool:
+    """Whether a draft head queues its passes before a step's tokens are read
+    (``LMKIT_EARLY_DRAFTS`` not ``0``); read when the head's runner is built."""
+    return not switched_off(ENV)
+
+
 def early_greedy_targets(runner: ModelRunner, hidden: torch.Tensor, order: Sequence[str],
                          plan: SamplingPlan, so: SchedulerOutput) -> torch.Tensor | None:
     """The step's greedy tokens, one per planned request, left on the device (int64,
     plan order) when the head may draft before they are read; ``None``: sample as usual."""
-    if (runner.drafter is None or runner.pooling or runner.offload is not None or not plan
-            or so.grammar_bitmask is not None or any(drafts for _, _, drafts in plan)
-            or switched_off(ENV) or not all_plain_greedy(runner, order, plan)):
+    if (runner.drafter is None or not runner.drafter.early_drafts or runner.pooling
+            or runner.offload is not None or not plan or so.grammar_bitmask is not None
+            or any(drafts for _, _, drafts in plan) or not all_plain_greedy(runner, order, plan)):
         return None
     return runner.sampler.greedy_ids(plan_logits(runner, hidden, order, plan))
 

@@ -59,3 +59,21 @@ def test_without_the_patch_the_drafts_differ(tiny, heads, monkeypatch):
     monkeypatch.setattr("lmkit.worker.draft_runner.sampled_patch", lambda *args: None)
     got, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS, "eagle", max_num_seqs=1)
     assert got != usual
+
+
+def test_the_switch_is_read_when_the_head_is_built(tiny, heads, monkeypatch):
+    """``LMKIT_EARLY_DRAFTS`` counts as it was when the head's runner was built, not as it
+    is at each step (``bench/engine_ab.py`` sets B's switches only while B is built)."""
+    from lmkit.worker.draft_runner import DraftRunner
+
+    init = DraftRunner.__init__
+
+    def built_then_unset(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        monkeypatch.delenv(early_drafts.ENV)  # gone before the first step
+
+    monkeypatch.setattr(DraftRunner, "__init__", built_then_unset)
+    monkeypatch.setenv(early_drafts.ENV, "0")
+    taken = count_early(monkeypatch)
+    run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle", max_num_seqs=1)
+    assert taken == []

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench_models as models  # noqa: E402
-from serve_peers import LIMITS, _stop, server_command, wait_ready  # noqa: E402
+from serve_peers import LIMITS, server_command, stop_server, wait_ready  # noqa: E402
 
 
 def device_slices(sizes: list[int], tp: int, gpus: list[str]) -> list[str | None]:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.out.write_text(json.dumps(report, indent=1, default=str))
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_server(proc)
         for dp in sizes:
             log = root / f"dp{dp}.log"
             if log.exists():

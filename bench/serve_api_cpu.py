@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_peers import _stop, summarize_py_spy, wait_ready  # noqa: E402
+from serve_peers import stop_server, summarize_py_spy, wait_ready  # noqa: E402
 
 SMOLLM2_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
                            "special_tokens_map.json")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for name, (proc, url) in servers.items()}
     finally:
         for proc, _ in servers.values():
-            _stop(proc)
+            stop_server(proc)
     result["load_after"] = os.getloadavg()
     summary = {}
     for name in trees:

@@ -101,7 +101,7 @@ def run_side(side: str, model_dir: Path, workload: Any, rates: list[float], port
     except Exception as e:  # noqa: BLE001 - one side failing still reports the other
         info["error"] = f"{type(e).__name__}: {e}"
     finally:
-        _stop(proc)
+        stop_server(proc)
         log.close()
     return info
 
@@ -137,7 +137,7 @@ def summarize_py_spy(path: Path, top: int = 25) -> dict[str, Any]:
             for owner, c in procs.items()}
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the server's process group, SIGKILL it if it lingers; gone already is fine."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)

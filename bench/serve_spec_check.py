@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_peers import _stop, wait_ready  # noqa: E402
+from serve_peers import stop_server, wait_ready  # noqa: E402
 
 #: the speculative metrics the check requires (``/metrics`` names, docs/speculative-decoding.md)
 REQUIRED = ("lmkit_spec_decode_num_draft_tokens_total",
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t0
         metrics = spec_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
     finally:
-        _stop(proc)
+        stop_server(proc)
     bad = failures(answers, metrics, args.spec_tokens)
     report = {"command": cmd, "startup_s": started, "requests_s": elapsed, "model": model,
               "answers": answers, "metrics": metrics, "failures": bad}

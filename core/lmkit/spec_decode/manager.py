@@ -225,15 +225,20 @@ class ProposerManager(StepPhase):
             for rid in preempted:
                 self._reset(rid)
             self._forget(set(preempted))
-        batch = [r for o in outputs if o.new_token_ids
-                 and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r)]
-        if not batch:
-            return
+        eligible = (r for o in outputs if o.new_token_ids
+                    and (r := self.requests.get(o.request_id)) is not None and self.is_eligible(r))
         limit = self.disable_by_batch_size
         off = limit is not None and len(scheduler_output.num_scheduled_tokens) > limit
         if off or not scheduler_output.spec_drafting:
-            self.num_steps_off += 1  # the next step decodes plainly (the proposer
-            return  # catches up on the skipped tokens at its next call: num_new_tokens)
+            # the next step decodes plainly (the proposer catches up on the skipped
+            # tokens at its next call: num_new_tokens); the first eligible request
+            # counts the step, so a batch above the limit is not walked every step
+            if next(eligible, None) is not None:
+                self.num_steps_off += 1
+            return
+        batch = list(eligible)
+        if not batch:
+            return
         if self.proposer is None:
             self.take_runner_drafts(batch, runner_output.draft_token_ids)
         else:

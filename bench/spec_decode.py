@@ -19,7 +19,9 @@ Triton compiles during each timed run, per side (``jit_compiles_per_run``; the k
 on CUDA, the verifications launched ahead (``spec_lookahead``: launched, used,
 discarded, and used with the step after them queued on the device, ``stepped``); and
 each engine's build time (``engine_build_s``: loading, memory profile, graph captures;
-the second engine reuses what the first converted or compiled).
+the second engine reuses what the first converted or compiled). ``--quantization``
+(e.g. ``gguf``: a GGUF model's blocks kept packed on the CPU) applies to both targets;
+a draft head stays dense.
 
 Workloads: ``copy`` (repeat a passage of lmkit's own documentation exactly: prompt
 lookup's best case) and ``chat`` (open-ended questions: little to look up, so this
@@ -194,6 +196,8 @@ def run_row(args: argparse.Namespace, model_dir: str, kind: str, batch: int,
                                  "max_num_seqs": batch, "attention": args.attention}
     if args.device == "cuda":  # two engines share the GPU
         base_opts["gpu_memory_utilization"] = 0.4
+    if args.quantization != "none":  # both engines (the head stays dense)
+        base_opts["quantization"] = args.quantization
     if args.max_model_len:
         base_opts["max_model_len"] = args.max_model_len
     spec_opts = {**base_opts, "speculative": args.proposer,
@@ -246,6 +250,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention", default="auto", help="attention backend of both engines")
+    ap.add_argument("--quantization", default="none",
+                    help="quantization method of both targets, e.g. gguf (GGUF blocks on the CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="cap the context length of both engines (long-context configs on a "
@@ -319,7 +325,7 @@ def main() -> None:
     report = {"bench": "spec_decode", "model": args.model or DEFAULT_MODEL,
               "machine": {"platform": platform.platform(), "device": args.device,
                           "dtype": args.dtype, "threads": args.threads,
-                          "attention": args.attention},
+                          "attention": args.attention, "quantization": args.quantization},
               "proposer": args.proposer, "speculative_model": args.speculative_model,
               "spec_tokens": args.spec_tokens, "spec_tree": args.spec_tree,
               "stop_at_eos": args.stop_at_eos,

@@ -57,3 +57,33 @@ def test_divergences_name_the_first_difference_and_the_plain_margin(tmp_path):
     note = spec_decode._divergence_note(found)
     assert "2 differ" in note and f"{margin:.3f}" in note and "runner-up taken in 1 of 1" in note
     assert spec_decode._divergence_note([]) == ""
+
+
+def test_quantization_reaches_both_engines(monkeypatch):
+    """``--quantization gguf`` is set on the plain and the speculative engine alike;
+    ``none`` (the default) sets nothing, so each engine keeps its configured method."""
+    import argparse
+
+    from lmkit.benchmarking.workload import Workload
+
+    seen = []
+
+    def fake_run(side, model_dir, base_opts, spec_opts, wl, threads, repeats, stop_at_eos):
+        seen.append((base_opts, spec_opts))
+        return {"output_tokens": 4, "plain_s": 1.0, "spec_s": 1.0, "pair_speedups": [1.0],
+                "mean_accepted_length": 1.0, "acceptance_rate": 0.0,
+                "outputs_identical": True, "graph_verify_steps": 0, "engine_steps": 4}
+
+    monkeypatch.setattr(spec_decode, "run_isolated", fake_run)
+    monkeypatch.setattr(spec_decode, "make", lambda *a: Workload("chat", [[1, 2]], [4]))
+    for quantization in ("gguf", "none"):
+        args = argparse.Namespace(
+            batch1_prompts=1, waves=1, chat_output_len=4, seed=0, prompt_texts=None,
+            device="cpu", dtype="float32", attention="auto", quantization=quantization,
+            max_model_len=None, proposer="ngram", spec_tokens=3, disable_by_batch_size=None,
+            adaptive=False, no_catch_up=False, prompt_lookup_max=4, prompt_lookup_min=3,
+            speculative_model=None, spec_tree=None, threads=1, repeats=1, stop_at_eos=False)
+        spec_decode.run_row(args, "model", "chat", 1, None)
+    (gguf_base, gguf_spec), (none_base, none_spec) = seen
+    assert gguf_base["quantization"] == gguf_spec["quantization"] == "gguf"
+    assert "quantization" not in none_base and "quantization" not in none_spec

@@ -1,5 +1,6 @@
-"""The ``cpu`` attention backend: decode-only steps through lmkit's C kernel, every
-other step exactly as the torch reference.
+"""The ``cpu`` attention backend: decode-only steps, and causal steps of short queries
+a row per token, through lmkit's C kernel, every other step exactly as the torch
+reference.
 
 Two backends, ``cpu`` and ``torch``, run the same steps on copies of one float32 cache:
 decode steps must agree within float32 rounding (and store the same K/V bit for bit),
@@ -139,8 +140,34 @@ def test_mixed_and_prefill_steps_are_the_reference_bit_for_bit(kernel):
     cpu, ref = _pair(4, 2, 64, 16)
     world = TwinCaches(cpu, ref)
     world.step([(0, 9), (1, 17)])
-    out, expect, _, _ = world.step([(0, 1), (1, 5), (2, 12)])  # decodes mixed with prefills
+    # decodes mixed with prefills, one longer than the flattened queries (16 tokens)
+    out, expect, _, _ = world.step([(0, 1), (1, 5), (2, 17)])
     assert cpu._decode is None and torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_short_multi_token_queries_run_a_decode_row_per_token(kernel, window):
+    """A causal step of at most 16 query tokens per request (a speculative verification,
+    a short prompt, mixed with decodes) runs through the decode kernel, a row per token:
+    within float32 rounding of the reference, the same K/V stored, and each row exactly
+    what a decode step at that token's position computes."""
+    cpu, ref = _pair(4, 2, 64, 16, window)
+    world = TwinCaches(cpu, ref)
+    world.step([(0, 9), (1, 17)])
+    before, table = world.cache.clone(), list(world.tables[0])
+    out, expect, _, (q, k, v) = world.step([(0, 4), (1, 1), (2, 16)])
+    assert cpu._decode is not None and cpu._decode.multi_token
+    torch.testing.assert_close(out, expect, rtol=2e-5, atol=2e-5)
+    assert torch.equal(world.cache, world.ref_cache)
+    assert cpu.paged_decode_args() is None  # callers opt in to rows per token
+    slots, tables, lens = cpu.paged_decode_args(multi_token=True)
+    assert lens.tolist() == [10, 11, 12, 13, 18] + list(range(1, 17))
+    assert tables.shape[0] == slots.shape[0] == 21
+    alone, _ = _pair(4, 2, 64, 16, window)
+    for j in range(4):  # request 0's tokens as decode steps, one at a time
+        alone.plan(make_metadata([(9 + j, 1)], 16, [table]))
+        row = alone.run(0, q[j:j + 1], k[j:j + 1], v[j:j + 1], before)
+        assert torch.equal(row[0], out[j])
 
 
 def test_head_views_the_kernel_cannot_read_take_the_reference(kernel):
@@ -182,3 +209,19 @@ def test_checked_entry_refuses_what_it_does_not_take(kernel):
     with pytest.raises(ValueError, match="seq_len >= 1"):
         paged_decode_attention(q, k, k, cache, slots, tables,
                                torch.tensor([0], dtype=torch.int32), scale=1.0)
+
+
+def test_the_switch_keeps_multi_token_queries_on_the_reference(kernel, monkeypatch):
+    """``LMKIT_CPU_FLAT_QUERIES=0`` (read when the backend is built) runs short multi-token
+    steps as the reference, bit for bit; decode-only steps keep the kernel."""
+    from lmkit_plugins.attention.cpu_backend import FLAT_QUERIES_ENV
+
+    monkeypatch.setenv(FLAT_QUERIES_ENV, "0")
+    cpu, ref = _pair(4, 2, 64, 16)
+    monkeypatch.delenv(FLAT_QUERIES_ENV)
+    world = TwinCaches(cpu, ref)
+    world.step([(0, 9), (1, 17)])
+    out, expect, _, _ = world.step([(0, 4), (1, 1)])
+    assert cpu._decode is None and torch.equal(out, expect)
+    world.step([(0, 1), (1, 1)])
+    assert cpu._decode is not None

@@ -2,8 +2,9 @@
 :mod:`lmkit_plugins.models.cpu_decode_stack`): a tiny random Llama with GGUF-quantized
 weights gives the same bits (hidden states, logits, greedy tokens) with the executor as
 with the Python-sequenced layers, at batch 1 and for small batches; steps it does not
-take (prefill, draft-head taps) and models it does not take fall back to the Python
-layers; the switch and an unbuildable library turn it off."""
+take (prompts longer than the backend's flattened queries) and models it does not take
+fall back to the Python layers; a draft head's taps come out of it with the same bits;
+the switch and an unbuildable library turn it off."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def test_executor_is_bit_identical_to_the_python_layers(monkeypatch, batch):
     runs = _counting(on)
     a, b = _Driver(on), _Driver(off)
     prompts = [[5 + r, 17, 3 * r + 1, 40][: 2 + r] for r in range(batch)]
-    ha, la, _ = a.step(prompts)  # prefill: the Python layers in both
+    ha, la, _ = a.step(prompts)  # short prompts: a row per token, on the executor too
     hb, lb, _ = b.step(prompts)
     assert torch.equal(ha, hb) and torch.equal(la, lb)
     for _ in range(20):  # greedy decoding past a block boundary (16 slots)
@@ -183,7 +184,7 @@ def test_executor_is_bit_identical_to_the_python_layers(monkeypatch, batch):
         ha, la, _ = a.step([[t] for t in next_a])
         hb, lb, _ = b.step([[t] for t in next_a])
         assert torch.equal(ha, hb) and torch.equal(la, lb)
-    assert runs == [False] + [True] * 20
+    assert runs == [True] * 21
     for ca, cb in zip(a.caches, b.caches, strict=True):
         assert torch.equal(ca, cb)
 
@@ -207,7 +208,7 @@ def test_the_default_model_gives_the_same_bits(monkeypatch, smollm2_dir):
             ha, la, _ = a.step([[t] for t in tokens])
             hb, lb, _ = b.step([[t] for t in tokens])
             assert torch.equal(ha, hb) and torch.equal(la, lb)
-    assert runs == ([False] + [True] * 12) * 2
+    assert runs == [True] * 26
     assert all(torch.equal(x, y) for x, y in zip(a.caches, b.caches, strict=True))
 
 
@@ -229,17 +230,44 @@ def test_a_sliding_window_and_qkv_bias_are_followed(monkeypatch):
 
 
 @needs_executor
-def test_draft_head_taps_take_the_python_layers(monkeypatch):
+def test_draft_head_taps_are_copied_out_in_the_call(monkeypatch):
+    """An EAGLE-3 head's taps (the stream entering layers 0 and 2, one twice) come out
+    of the executor with the Python layers' bits, for a decode step and for a
+    verification-like step of four tokens per request."""
     on, off = _pair(monkeypatch)
     runs = _counting(on)
     a, b = _Driver(on), _Driver(off)
-    a.step([[1, 2, 3]])
-    b.step([[1, 2, 3]])
-    ha, _, aux_a = a.step([[4]], aux=(0, 2))
-    hb, _, aux_b = b.step([[4]], aux=(0, 2))
-    assert runs == [False, False]
-    assert torch.equal(ha, hb) and len(aux_a) == 2
-    assert all(torch.equal(x, y) for x, y in zip(aux_a, aux_b, strict=True))
+    a.step([[1, 2, 3], [9, 8]])
+    b.step([[1, 2, 3], [9, 8]])
+    for step in ([[4], [5]], [[6, 7, 8, 9], [10, 11, 12, 13]]):
+        ha, la, aux_a = a.step(step, aux=(0, 2, 2))
+        hb, lb, aux_b = b.step(step, aux=(0, 2, 2))
+        assert torch.equal(ha, hb) and torch.equal(la, lb) and len(aux_a) == 3
+        assert all(torch.equal(x, y) for x, y in zip(aux_a, aux_b, strict=True))
+        assert not torch.equal(aux_a[0], aux_a[1])  # layer 0's input is not layer 2's
+    assert runs == [True, True, True]
+
+
+@needs_executor
+def test_a_long_prompt_takes_the_python_layers(monkeypatch):
+    """A prompt longer than the backend's flattened queries (MAX_FLAT_QUERY tokens) is a
+    prefill the Python layers run; the decode steps after it take the executor, with the
+    same bits."""
+    from lmkit_plugins.attention.cpu_backend import MAX_FLAT_QUERY
+
+    on, off = _pair(monkeypatch)
+    runs = _counting(on)
+    a, b = _Driver(on), _Driver(off)
+    prompt = [[(7 * i) % 90 + 1 for i in range(MAX_FLAT_QUERY + 1)]]
+    ha, la, _ = a.step(prompt)
+    hb, lb, _ = b.step(prompt)
+    assert torch.equal(ha, hb) and torch.equal(la, lb)
+    for _ in range(3):
+        tokens = [[t] for t in la.argmax(-1).tolist()]
+        ha, la, _ = a.step(tokens)
+        hb, lb, _ = b.step(tokens)
+        assert torch.equal(ha, hb) and torch.equal(la, lb)
+    assert runs == [False, True, True, True]
 
 
 @needs_executor

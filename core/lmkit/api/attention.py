@@ -116,8 +116,8 @@ class AttentionBackend(ABC):
     * :attr:`supports_logits_soft_cap`: the backend honours ``logits_soft_cap``; built
       with one otherwise, it raises (its spec must then not claim ``logits_soft_cap``).
     * :attr:`supports_paged_decode_args`: the backend runs float32 decode-only steps
-      with lmkit's C paged decode kernel and hands them to a model (see
-      :meth:`paged_decode_args`).
+      (and maybe short multi-token ones, a row per token) with lmkit's C paged decode
+      kernel and hands them to a model (see :meth:`paged_decode_args`).
     * :attr:`supports_in_place_decode_metadata`: a decode-only plan made for CUDA graphs
       stays valid when the values in its metadata's device buffers change in place.
     * :attr:`supports_fp8_kv_cache`: the backend stores K/V in float8 e4m3.
@@ -272,14 +272,21 @@ class AttentionBackend(ABC):
         flat = kv_cache.view(kv_cache.shape[0], -1, *kv_cache.shape[3:])
         flat[:, dst] = flat[:, src]
 
-    def paged_decode_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def paged_decode_args(self, multi_token: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(slot_mapping, block_tables, seq_lens)`` of the planned step when every
         layer's :meth:`run` would store K/V and attend through lmkit's C paged decode
-        kernel (a float32 decode-only step: one token per request; the cache laid out
-        ``[2, num_blocks, block_size, num_kv_heads, head_size]`` and contiguous), else
-        ``None``: int64 ``[n]``, int32 ``[n, max_blocks]`` (unit stride along blocks)
-        and int32 ``[n]`` (contiguous), as that kernel takes them. Called after
-        :meth:`plan`; only for backends declaring :attr:`supports_paged_decode_args`.
+        kernel (float32; the cache laid out ``[2, num_blocks, block_size, num_kv_heads,
+        head_size]`` and contiguous), else ``None``: int64 ``[n]``, int32 ``[n,
+        max_blocks]`` (unit stride along blocks) and int32 ``[n]`` (contiguous), as that
+        kernel takes them, one row per token of the step: its cache slot, its request's
+        block table, and how many of its request's keys it attends. In a decode-only
+        step (one token per request) the rows are the requests. With ``multi_token``
+        (plugin API 1.10) the caller also takes a causal step of multi-token queries
+        that the backend runs this way, token ``j`` of a request's ``q`` attending its
+        first ``seq_len - (q - 1 - j)`` keys; without it such a step gives ``None``.
+        Called after :meth:`plan`; only for backends declaring
+        :attr:`supports_paged_decode_args`.
         """
         raise NotImplementedError(
             f"{type(self).__name__}.paged_decode_args() called, but the backend does not "

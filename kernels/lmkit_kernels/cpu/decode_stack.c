@@ -18,6 +18,8 @@
  *   x = (silu(gate) * up) @ Wdown.T (+ b)              lmkit_qgemv_silu
  * Layer 0 has no residual: its first norm reads x alone and the residual is x. After the
  * last layer: out = rms_norm(x + res) * w_final (lmkit_add_rms_norm).
+ * Taps (a draft head's features): the stream entering each tapped layer (x + res, the
+ * residual the first fold writes; layer 0: x) is copied out, as the Python layers give it.
  *
  * Built at run time by lmkit_kernels/cpu/build.py; nothing here starts threads (the
  * kernels it calls use their own pools, as when Python calls them).
@@ -25,7 +27,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-int lmkit_decode_stack_abi(void) { return 2; }
+int lmkit_decode_stack_abi(void) { return 3; }
 
 typedef int (*qgemv_fn)(int type, const float* x, long ldx, const uint8_t* w, const float* b,
                         float* y, long ldy, long m, long n, long k, int threads);
@@ -85,7 +87,20 @@ typedef struct {
     float* out;                            /* [m, hidden]: the final norm's output */
     float* work;                           /* lmkit_decode_stack_work_floats(plan, m) */
     int threads;
+    long num_taps;                         /* taps: the stream entering layer */
+    const long* tap_layers;                /*   tap_layers[t] copied to */
+    float* const* tap_out;                 /*   tap_out[t], [m, hidden] contiguous */
 } ds_step;
+
+/* Copy rows [m, H] of src (rows ld apart) to each tap of layer i. */
+static void copy_taps(const ds_step* s, long i, const float* src, long ld, long H) {
+    for (long t = 0; t < s->num_taps; t++) {
+        if (s->tap_layers[t] != i) continue;
+        float* dst = s->tap_out[t];
+        for (long r = 0; r < s->m; r++)
+            for (long c = 0; c < H; c++) dst[r * H + c] = src[r * ld + c];
+    }
+}
 
 /* Floats of scratch a step of m rows needs (ds_step.work). */
 long lmkit_decode_stack_work_floats(const ds_plan* p, long m) {
@@ -126,6 +141,7 @@ int lmkit_decode_stack(const ds_plan* p, const ds_step* s) {
             return 1;
         const float* res_attn = res ? r1 : in;
         long ld_res_attn = res ? H : ld_in;
+        if (s->num_taps) copy_taps(s, i, res_attn, ld_res_attn, H);
         p->rope(qkv, nqkv, s->cos, s->sin, m, p->num_heads + p->num_kv_heads, hd);
         p->store_kv(qkv + q_size, nqkv, qkv + q_size + kv_width, nqkv, s->slot_mapping, m,
                     cache, s->num_slots, kv_width);

@@ -39,7 +39,7 @@ __all__ = ["DISABLE_ENV", "MAX_ROWS", "DecodeStack", "LayerWeights", "QLinear",
 
 MAX_ROWS = 32  # the folded kernels' and RoPE's decode-batch limit (qgemv.MAX_ROWS)
 SOURCE = Path(__file__).with_name("decode_stack.c")
-ABI = 2
+ABI = 3
 DISABLE_ENV = "LMKIT_CPU_DECODE_STACK"
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 
@@ -67,7 +67,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("m", _L), ("x", _P), ("ldx", _L), ("cos", _P), ("sin", _P),
                 ("slot_mapping", _P), ("block_tables", _P), ("ldbt", _L), ("seq_lens", _P),
                 ("kv_caches", ctypes.POINTER(_P)), ("num_slots", _L), ("out", _P),
-                ("work", _P), ("threads", _I)]
+                ("work", _P), ("threads", _I), ("num_taps", _L),
+                ("tap_layers", ctypes.POINTER(_L)), ("tap_out", ctypes.POINTER(_P))]
 
 
 @dataclass(frozen=True)
@@ -220,14 +221,18 @@ class DecodeStack:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            kv_caches: list[torch.Tensor]) -> torch.Tensor:
+            kv_caches: list[torch.Tensor], taps: Sequence[int] = (),
+            tapped: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The final (normed) hidden states ``[m, hidden]`` of a decode step.
 
         ``x``: float32 embeddings ``[m <= MAX_ROWS, hidden]`` (unit stride along the
         row); ``cos``/``sin``: contiguous ``[m, 1, head_dim]``; ``slot_mapping`` int64
         ``[m]``, ``block_tables`` int32 ``[m, max_blocks]`` (unit stride along blocks),
-        ``seq_lens`` int32 ``[m]`` (contiguous): the paged decode kernel's arguments.
-        Unchecked (the model's hot path; the caller guarantees these).
+        ``seq_lens`` int32 ``[m]`` (contiguous): the paged decode kernel's arguments, a
+        row per token. ``taps``: layer indices (below the layer count) whose incoming
+        stream (the residual before the layer, ``x + res``; layer 0: ``x``) is appended
+        to ``tapped`` in that order, ``[m, hidden]`` each, as the Python layers' draft-head
+        taps. Unchecked (the model's hot path; the caller guarantees these).
         """
         if kv_caches is not self._caches:
             self.set_kv_caches(kv_caches)
@@ -238,9 +243,17 @@ class DecodeStack:
         s.slot_mapping, s.block_tables = slot_mapping.data_ptr(), block_tables.data_ptr()
         s.ldbt, s.seq_lens = block_tables.stride(0), seq_lens.data_ptr()
         s.out, s.threads = out.data_ptr(), torch.get_num_threads()
+        outs = [torch.empty(m, self.hidden, dtype=torch.float32) for _ in taps]
+        s.num_taps = len(outs)
+        if outs:  # (arrays kept alive by the locals until the call returns)
+            layers = (_L * len(outs))(*taps)
+            addresses = (_P * len(outs))(*[t.data_ptr() for t in outs])
+            s.tap_layers, s.tap_out = layers, addresses
         if self._run(self._plan_ref, self._step_ref):
             raise MemoryError("the CPU decode-stack executor: a kernel could not allocate "
                               "its scratch memory")
+        if tapped is not None:
+            tapped.extend(outs)
         return out
 
 

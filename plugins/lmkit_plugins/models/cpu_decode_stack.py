@@ -19,11 +19,13 @@ For the model (decided once, when its weights are loaded: :func:`build_cpu_decod
   AVX-512 VNNI build), RoPE over whole heads by the C kernel, C RMSNorm kernels.
 
 For each step (:meth:`CpuDecodeStack.run`, which returns ``None`` to send the step
-through the Python layers): no draft-head taps (``aux_hidden_layers``), at most
-:data:`~lmkit_kernels.cpu.decode_stack.MAX_ROWS` rows, the backend's planned step is a
-decode-only step its C kernel runs (:meth:`~lmkit.api.AttentionBackend.paged_decode_args`),
-the context's backend is the model's own, and the KV caches are float32, contiguous and
-laid out as the kernel reads them.
+through the Python layers): at most :data:`~lmkit_kernels.cpu.decode_stack.MAX_ROWS`
+tokens, the backend runs the step through its C decode kernel a row per token
+(:meth:`~lmkit.api.AttentionBackend.paged_decode_args` with ``multi_token``: decode-only
+steps, and causal steps of short queries such as a speculative verification or a short
+prompt), the context's backend is the model's own, and the KV caches are float32,
+contiguous and laid out as the kernel reads them. A draft head's taps
+(``aux_hidden_layers``) are copied out inside the call.
 """
 
 from __future__ import annotations
@@ -72,17 +74,18 @@ class CpuDecodeStack:
             ctx: ForwardContext) -> torch.Tensor | None:
         """The step's final hidden states ``[n, hidden]`` from the embeddings ``hidden``,
         or ``None`` when the executor does not apply to this step."""
-        if (ctx.aux_hidden_layers or hidden.shape[0] > self._max_rows
-                or ctx.attn is not self._attn or hidden.stride(1) != 1):
+        if (hidden.shape[0] > self._max_rows or ctx.attn is not self._attn
+                or hidden.stride(1) != 1):
             return None
-        args = ctx.attn.paged_decode_args()
+        args = ctx.attn.paged_decode_args(multi_token=True)  # a row per token
         if args is None or args[0].shape[0] != hidden.shape[0]:
             return None
         if not self._caches_fit(ctx.kv_caches):
             return None
         slot_mapping, block_tables, seq_lens = args
+        taps = ctx.aux_hidden_layers  # a draft head's features: copied out in C
         return self._stack.run(hidden, cos, sin, slot_mapping, block_tables, seq_lens,
-                               ctx.kv_caches)
+                               ctx.kv_caches, taps, ctx.aux_hidden_states if taps else None)
 
 
 def _qlinear(method: Any, linear: Linear, kernel: Any, segments: int = 1

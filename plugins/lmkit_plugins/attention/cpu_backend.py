@@ -52,8 +52,8 @@ class _EncoderPlan:
 
 
 class CpuAttention(TorchAttention):
-    """:class:`TorchAttention` with decode-only steps (float32) and encoder steps
-    (float32, bfloat16) in C kernels."""
+    """:class:`TorchAttention` with decode-only steps and short multi-token causal steps
+    (float32, a kernel row per token) and encoder steps (float32, bfloat16) in C kernels."""
 
     supports_logits_soft_cap = False  # the C decode kernel does not soft-cap
     supports_paged_decode_args = True  # decode-only steps: the C kernel's arguments

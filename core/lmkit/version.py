@@ -18,4 +18,5 @@ PLUGIN_API_VERSION = "1.10"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_c
 # SamplingKernels.warm_up (optional); 1.9: draft-tree attention
 # (AttentionMetadata.tree_region / tree_mask, AttentionBackend.supports_tree_mask, the
 # ``tree_mask`` feature, MAX_TREE_REGION); 1.10: AttentionBackend.paged_decode_args(
-# multi_token=True) may describe a causal step of multi-token queries, a row per token
+# multi_token=True) may describe a causal step of multi-token queries, a row per token;
+# lmkit.api.switched_off

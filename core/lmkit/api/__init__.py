@@ -85,6 +85,7 @@ from lmkit.errors import (
     PluginError,
     RequestFaultError,
 )
+from lmkit.platform import switched_off
 from lmkit.plugin_host.hookspecs import hookimpl
 from lmkit.version import PLUGIN_API_VERSION
 
@@ -155,7 +156,7 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError", "ModelNotFoundError", "ModelRunnerOutput", "ModelSource", "Needs",
     "NewRequestData", "NoOptions", "OffloadManager", "PluginError", "PluginHost", "PrefixTier", "Proposal", "Proposer", "ProposerInput",
-    "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext",
+    "RUNNER_HOSTED_FEATURES", "RunnerProposer", "DraftHeadContext", "switched_off",
     "ClassifierHead", "Model", "ModelPooling", "Pooler", "PoolingModel", "PoolingOutput", "PoolingParams",
     "QuantizationMethod", "QuantizedLinear", "QuantizedNormLinear", "QuantizedSiluLinear",
     "QuantizedTensor",

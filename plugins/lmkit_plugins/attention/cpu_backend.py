@@ -21,11 +21,10 @@ logs why once and runs every step as the reference.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
-from lmkit.api import AttentionMetadata
+from lmkit.api import AttentionMetadata, switched_off
 
 from lmkit_plugins.attention.torch_ref import TorchAttention
 
@@ -68,8 +67,8 @@ class CpuAttention(TorchAttention):
 
             kernel = decode_attention_kernel()
         self._decode_kernel = kernel
-        self._flat_queries = kernel is not None and self.causal and os.environ.get(
-            FLAT_QUERIES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        self._flat_queries = (kernel is not None and self.causal
+                              and not switched_off(FLAT_QUERIES_ENV))
         encoder = None
         if (torch.device(self.device).type == "cpu" and not self.causal
                 and self.head_size % 16 == 0):

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lmkit.api import switched_off
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 SMALL_BATCH = 8  # rows up to which projections use the weight-streaming Triton kernel
@@ -60,9 +61,6 @@ DEFAULT_GEMV_FOLDS = ("norm",)
 GLU_EPILOGUE_ENV = "LMKIT_GLU_EPILOGUE"
 
 
-def _switched_off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
 
 def fused_ops_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a layer built for ``device`` and ``dtype`` should use the fused kernels:
@@ -74,7 +72,7 @@ def fused_moe_enabled(device: torch.device | str) -> bool:
     """Whether a mixture-of-experts layer on ``device`` runs lmkit's fused MoE kernel
     (:func:`lmkit_kernels.moe.fused_moe`, any float dtype): CUDA, Triton installed, and
     ``LMKIT_FUSED_OPS`` not ``0``; otherwise its torch reference."""
-    if _switched_off("LMKIT_FUSED_OPS"):
+    if switched_off("LMKIT_FUSED_OPS"):
         return False
     return (torch.device(device).type == "cuda"
             and importlib.util.find_spec("triton") is not None)
@@ -272,7 +270,7 @@ def glu_epilogue(device: torch.device | str, dtype: torch.dtype, out_features: i
     (``bench/decode_chain.py``, batch-1 decode steps of 28 layers, interleaved rounds,
     with / without): SmolLM2-135M (96 programs on 132 SMs) 0.614 / 0.649 ms,
     Qwen3-0.6B (192) 0.965 / 0.955 ms, Llama-3.1-8B (896) 3.902 / 3.826 ms."""
-    if not fused_ops_enabled(device, dtype) or _switched_off(GLU_EPILOGUE_ENV):
+    if not fused_ops_enabled(device, dtype) or switched_off(GLU_EPILOGUE_ENV):
         return False
     sms = _sm_count(torch.device(device))
     programs = -(-out_features // small_m_tiles(out_features)["block_n"])
@@ -306,7 +304,7 @@ def gemv_folds() -> frozenset[str]:
         return frozenset(DEFAULT_GEMV_FOLDS)
     if raw in ("1", "true", "yes", "on"):
         return frozenset(GEMV_FOLDS)
-    if _switched_off(GEMV_FOLD_ENV):
+    if switched_off(GEMV_FOLD_ENV):
         return frozenset()
     folds = {part.strip() for part in raw.split(",") if part.strip()}
     unknown = sorted(folds - set(GEMV_FOLDS))

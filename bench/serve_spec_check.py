@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -35,7 +34,6 @@ REQUIRED = ("lmkit_spec_decode_num_draft_tokens_total",
             "lmkit_spec_decode_num_accepted_tokens_total",
             "lmkit_spec_decode_mean_accepted_length")
 PER_POSITION = "lmkit_spec_decode_acceptance_rate_per_position"
-_SAMPLE = re.compile(r'^(lmkit_spec_decode_[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)$')
 
 
 def server_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -52,20 +50,21 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def spec_metrics(text: str) -> dict[str, Any]:
-    """The ``lmkit_spec_decode_*`` samples of a Prometheus exposition: name -> value, the
-    per-position rate as ``{position: value}`` (samples of several engines summed)."""
+    """The ``lmkit_spec_decode_*`` samples of a Prometheus exposition (parsed by
+    ``prometheus_client``): name -> value, the per-position rate as ``{position: value}``
+    (samples of several engines summed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, Any] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line.strip())
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == PER_POSITION:
-            pos = re.search(r'position="(\d+)"', labels)
-            if pos:
-                out.setdefault(name, {})[int(pos.group(1))] = value
-        else:
-            out[name] = out.get(name, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("lmkit_spec_decode_"):
+                continue
+            if sample.name == PER_POSITION:
+                if "position" in sample.labels:
+                    out.setdefault(PER_POSITION, {})[int(sample.labels["position"])] = sample.value
+            else:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

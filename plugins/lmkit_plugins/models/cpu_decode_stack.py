@@ -83,9 +83,9 @@ class CpuDecodeStack:
         if not self._caches_fit(ctx.kv_caches):
             return None
         slot_mapping, block_tables, seq_lens = args
-        taps = ctx.aux_hidden_layers  # a draft head's features: copied out in C
+        # a draft head's features (aux_hidden_layers) are copied out in C
         return self._stack.run(hidden, cos, sin, slot_mapping, block_tables, seq_lens,
-                               ctx.kv_caches, taps, ctx.aux_hidden_states if taps else None)
+                               ctx.kv_caches, ctx.aux_hidden_layers, ctx.aux_hidden_states)
 
 
 def _qlinear(method: Any, linear: Linear, kernel: Any, segments: int = 1

@@ -74,6 +74,24 @@ def test_llm_keyword_named_like_an_old_flag_gets_a_hint() -> None:
     assert (cfg.speculative.backend, cfg.structured_output.backend) == ("ngram", "none")
 
 
+def test_a_plugin_option_given_a_mapping_says_where_its_settings_go() -> None:
+    # vLLM's speculative_config style: the plugin's name is a string, its settings have
+    # their own options (or dotted paths)
+    with pytest.raises(TypeError, match=r"LLM\(speculative=...\) takes the speculative "
+                       r"plugin's name \(a string\), got a dict with keys 'method', 'model'\. "
+                       r"Pass the name as speculative='NAME', the section's other settings "
+                       r"with num_speculative_tokens=\.\.\., speculative_adaptive=\.\.\., "
+                       r"speculative_model=\.\.\., speculative_tree=\.\.\., or any setting"):
+        build_config(None, None, {"speculative": {"method": "eagle3", "model": "HEAD"}})
+    with pytest.raises(TypeError, match=r"LLM\(attention=...\) takes the attention plugin's "
+                       r"name .* e\.g\. \*\*\{'attention\.options': \{\.\.\.\}\}"):
+        build_config(None, None, {"attention": {"backend": "triton"}})
+    cfg = build_config(None, None, {"speculative": "eagle3", "speculative_model": "HEAD",
+                                    "num_speculative_tokens": 2})
+    assert (cfg.speculative.backend, cfg.speculative.model,
+            cfg.speculative.num_speculative_tokens) == ("eagle3", "HEAD", 2)
+
+
 def test_old_scaffold_kinds_are_deprecated_aliases(tmp_path) -> None:
     result = run("plugin", "new", "my-drafts", "--kind", "proposer", "--dir", str(tmp_path))
     assert result.exit_code == 0, result.output

@@ -81,6 +81,8 @@ def build_config(model: str | None, config: LMKitConfig | str | Path | None,
             raise TypeError(f"LLM() got an unknown option {key!r}; use a dotted config path "
                             f"(e.g. 'scheduler.max_num_seqs') or one of: {known}."
                             + _option_hint(key))
+        if path.endswith(".backend") and isinstance(value, Mapping):
+            raise TypeError(_section_mapping_error(key, path, value))
         cli[path] = value
     if isinstance(config, LMKitConfig):  # the keywords override the given config
         cfg, _ = load_config(None, cli, env={}, base=config.model_dump())
@@ -99,6 +101,21 @@ def _plugin_names(plugins: Sequence[str] | str) -> list[str]:
     if bad:
         raise TypeError(f"LLM(plugins=...) takes plugin names (strings), got {bad[0]!r}.")
     return names
+
+
+def _section_mapping_error(key: str, path: str, value: Mapping[str, Any]) -> str:
+    """The error for a mapping given to a short option that names a plugin
+    (``LLM(speculative={"method": "eagle3", ...})``, vLLM's ``speculative_config`` style):
+    which string it takes and where each of the mapping's other settings goes."""
+    section = path.rsplit(".", 1)[0]
+    related = sorted(name for name, p in SHORT_OPTIONS.items()
+                     if p.startswith(section + ".") and name != key)
+    where = (f"the section's other settings with {', '.join(f'{n}=...' for n in related)}, "
+             if related else "")
+    return (f"LLM({key}=...) takes the {section} plugin's name (a string), got a "
+            f"{type(value).__name__} with keys {', '.join(map(repr, value))}. Pass the name "
+            f"as {key}='NAME', {where}or any setting of the section as a dotted path, e.g. "
+            f"**{{'{section}.options': {{...}}}} (see `lmkit config show`).")
 
 
 def _option_hint(key: str) -> str:

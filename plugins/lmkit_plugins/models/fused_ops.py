@@ -196,7 +196,9 @@ NORM_FOLD_STAGES = 3
 #: norm fold at up to 4 rows with a prologue computing every row's 1/rms in one pass (a
 #: batch-1 verification of 3 drafts is 4 rows): SmolLM2 with an EAGLE-3 head at batch 1 ran
 #: 11% slower end to end on an H200 (1,768 against 1,972 tok/s, bench/engine_ab.py), so
-#: it was not kept
+#: it was not kept; session 37's forms without a prologue (1 / rms applied after the
+#: product, with and without tensor cores) were also slower at 4 rows than the two
+#: separate kernels (docs/gpu.md, "Session 37")
 FOLD_MAX_ROWS = 1
 
 

@@ -18,6 +18,18 @@
  * block passing over a chunk of 16 weight rows while the chunk is in cache; the kernel
  * is meant for decode batches (m up to a few dozen), not prefill.
  *
+ * Tiles of three or four x rows do twelve to sixteen FMAs per weight vector they load,
+ * so their loads come too slowly for the hardware prefetcher to keep enough of the
+ * stream in flight: with each weight vector they prefetch the one ROWS rows further
+ * on, the next tile's (a prefetch never faults, so addresses past the matrix's end are
+ * harmless). Measured on a 2-core AMD EPYC (Zen 5) VM over every decode projection of a
+ * model's layers, this build against one without prefetches alternating in one process
+ * (median per-round speedup): SmolLM2-135M 1.11x at 4 rows, 1.07x at 3 and 8; Qwen3-0.6B
+ * 1.13x at 4 rows, 1.09x at 8. At one and two rows prefetching measured neutral to
+ * slower (0.98-1.01x; at one row with a fixed 8 KiB distance 6-10% slower), and a fixed
+ * distance in bytes lost on Qwen3-0.6B's longer rows (0.95x at 4 rows), so one- and
+ * two-row tiles leave the stream to the hardware. The results are the same bits.
+ *
  * Built at run time by lmkit_kernels/cpu/build.py with -fopenmp; in-process it shares
  * torch's OpenMP runtime (same libgomp), so it uses the same worker threads.
  */
@@ -59,6 +71,8 @@ static void tile_##ISA##_##R##_##MM(const float* x, long ldx, const float* w, lo
         V_TYPE xv[MM];                                                                    \
         for (int i = 0; i < MM; i++) xv[i] = V_LOAD(x + i * ldx + kk);                    \
         for (int r = 0; r < R; r++) {                                                     \
+            if (MM > 2) /* the next tile's row (see the header) */                       \
+                _mm_prefetch((const char*)(w + (r + ROWS) * ldw + kk), _MM_HINT_T0);       \
             V_TYPE wv = V_LOAD(w + r * ldw + kk);                                         \
             for (int i = 0; i < MM; i++) acc[r][i] = V_FMADD(wv, xv[i], acc[r][i]);       \
         }                                                                                 \

@@ -298,3 +298,26 @@ def test_the_source_ships_with_the_package():
     assert row_gemv.SOURCE.exists() and row_gemv.SOURCE.suffix == ".c"
     text = Path(row_gemv.SOURCE).read_text()
     assert all(f"void lmkit_row_gemv_{isa}(" in text for isa in row_gemv.ISAS)
+
+
+def test_tiles_of_three_or_four_rows_prefetch_the_next_tile(best_kernel):
+    # the prefetch must be in the built library (a compiler once dropped _mm_prefetch
+    # from target("avx512...") code without a word, see qgemv), in the 3- and 4-row
+    # tiles of both builds, and not in the 1- and 2-row tiles, which leave the stream to
+    # the hardware prefetcher
+    import shutil
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump not installed")
+    listing = subprocess.run([objdump, "-d", str(build.compile_library(row_gemv.SOURCE))],
+                             capture_output=True, text=True, check=True).stdout
+    functions = {}
+    for block in listing.split("\n\n"):  # objdump separates functions by a blank line
+        head = block.strip().splitlines()[0] if block.strip() else ""
+        if head.endswith(">:") and "<tile_" in head:
+            functions[head.split("<")[1].rstrip(">:")] = block
+    assert {"tile_avx512f_4_4", "tile_avx512f_4_1", "tile_avx2_4_3"} <= set(functions)
+    for name, body in functions.items():
+        x_rows = int(name.rsplit("_", 1)[1])
+        assert ("prefetcht0" in body) == (x_rows > 2), name

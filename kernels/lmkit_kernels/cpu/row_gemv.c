@@ -72,7 +72,7 @@ static void tile_##ISA##_##R##_##MM(const float* x, long ldx, const float* w, lo
         for (int i = 0; i < MM; i++) xv[i] = V_LOAD(x + i * ldx + kk);                    \
         for (int r = 0; r < R; r++) {                                                     \
             if (MM > 2) /* the next tile's row (see the header) */                       \
-                _mm_prefetch((const char*)(w + (r + ROWS) * ldw + kk), _MM_HINT_T0);       \
+                __builtin_prefetch(w + (r + ROWS) * ldw + kk, 0, 3); /* prefetcht0 */   \
             V_TYPE wv = V_LOAD(w + r * ldw + kk);                                         \
             for (int i = 0; i < MM; i++) acc[r][i] = V_FMADD(wv, xv[i], acc[r][i]);       \
         }                                                                                 \

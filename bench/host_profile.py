@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_engine(model_dir: Path, args: argparse.Namespace) -> Any:
     import torch
     from lmkit.engine.core import EngineCore
-    from lmkit.frontend.llm import build_config
+    from lmkit.frontend.llm_options import build_config
 
     options: dict[str, Any] = dict(ENGINE_OPTIONS, attention=args.attention)
     if not torch.cuda.is_available():  # the CPU smoke run

@@ -44,7 +44,7 @@ def test_fp8_decode_bytes_of_the_llama_8b_shape():
         "quantization": "fp8",
         "quantization.options": {"quantize_lm_head": True, "gemv_block_k": 1024}}
     assert gpu_engine.quantization_options("none") == {"quantization": "none"}
-    from lmkit.frontend.llm import build_config
+    from lmkit.frontend.llm_options import build_config
 
     cfg = build_config("/m", None, gpu_engine.quantization_options("fp8-lm-head"))
     assert (cfg.quantization.backend, cfg.quantization.options) == (

@@ -11,7 +11,7 @@ import pytest
 from lmkit.cli.main import build_app
 from lmkit.cli.options import FLAGS
 from lmkit.config.schema import LMKitConfig
-from lmkit.frontend.llm import SHORT_OPTIONS, build_config
+from lmkit.frontend.llm_options import SHORT_OPTIONS, build_config
 from lmkit.plugin_host.kinds import KINDS, REGISTER_HOOKS, STACK_KINDS
 from lmkit.plugin_host.manager import PluginHost
 from lmkit.scaffold.kinds import SCAFFOLD_KINDS

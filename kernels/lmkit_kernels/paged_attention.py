@@ -36,7 +36,8 @@ from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
 from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled, switch_on
 
-__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MID_SPLITS_ENV", "check_decode_tiles",
+__all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MERGE_AT_ONCE_ENV", "MID_SPLITS_ENV",
+           "check_decode_tiles",
            "choose_decode_splits",
            "choose_num_splits", "paged_attention",
            "prefill_config", "split_counters"]
@@ -48,6 +49,9 @@ MID_PROGRAMS_PER_SM = 16
 #: ...in at most this many slices per request
 MID_MAX_SPLITS = 4
 MID_SPLITS_ENV = "LMKIT_DECODE_MID_SPLITS"
+#: ``0``: the decode kernel's in-launch merge loads the partials slice after slice (a
+#: round trip each) instead of all at once (:func:`lmkit_kernels.paged_decode.merge_partials`)
+MERGE_AT_ONCE_ENV = "LMKIT_DECODE_MERGE_AT_ONCE"
 _LOG2E = 1.4426950408889634
 
 
@@ -315,6 +319,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             ROWS=max(16, next_power_of_2(group)), NUM_SPLITS=splits, FUSED_MERGE=fused_merge,
+            MERGE_AT_ONCE=switch_on(MERGE_AT_ONCE_ENV), MERGE_ROWS=next_power_of_2(group),
             BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages,
             **_kv_prefetch(k_cache, head_size), **pdl_launch_args(device),
             **_fp8_decode_layout(kv_cache.dtype == torch.float8_e4m3fn

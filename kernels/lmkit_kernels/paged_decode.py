@@ -55,6 +55,7 @@ def paged_decode_kernel(
     PAGE_SIZE: tl.constexpr, DOT_F32: tl.constexpr, DOT_IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
     KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, V_PRESCALE: tl.constexpr = False,
+    MERGE_AT_ONCE: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16,
 ):
     # K_ROWS: keys loaded token-major ([BLOCK_N, HEAD_PAD]) and transposed in registers;
     # V_PRESCALE: FP8 values widened and times v_scale where loaded (both for FP8 caches,
@@ -159,17 +160,34 @@ def paged_decode_kernel(
                 counter = counter_ptr + req.to(tl.int64) * NUM_KV_HEADS + kv_head
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if arrived == active - 1:  # the last slice: merge, then reset the counter
-                    merged = merge_partials(part_out_ptr, part_lse_ptr, rows, g_ok, active,
-                                            NUM_SPLITS, ROWS, HEAD_PAD)
-                    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask)
+                    if MERGE_AT_ONCE:  # over the group's heads only, not the dot's rows
+                        offs_m = tl.arange(0, MERGE_ROWS)
+                        m_ok = offs_m < GROUP
+                        m_head = kv_head * GROUP + offs_m
+                        merged = merge_partials(part_out_ptr, part_lse_ptr,
+                                                req.to(tl.int64) * NUM_HEADS + m_head, m_ok,
+                                                active, NUM_SPLITS, MERGE_ROWS, HEAD_PAD, True)
+                        tl.store(out_ptr + q_row * stride_o_tok + m_head[:, None] * stride_o_head
+                                 + offs_d[None, :], merged.to(out_ptr.dtype.element_ty),
+                                 mask=m_ok[:, None] & d_ok[None, :])
+                    else:
+                        merged = merge_partials(part_out_ptr, part_lse_ptr, rows, g_ok, active,
+                                                NUM_SPLITS, ROWS, HEAD_PAD, False)
+                        tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=mask)
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def merge_partials(part_out_ptr, part_lse_ptr, rows, row_ok, active,
-                   NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   AT_ONCE: tl.constexpr = False):
     """``[ROWS, HEAD_PAD]``: the first ``active`` partials of each of ``rows``, weighted
-    by their sums of exps. Loads bypass L1 (``.cg``): other programs wrote them."""
+    by their sums of exps. Loads bypass L1 (``.cg``): other programs wrote them.
+
+    ``AT_ONCE`` unrolls the loop over all ``NUM_SPLITS`` slices with masked loads, so
+    that no partial's load waits for the previous one's (a loop to ``active`` issues
+    them one round trip after another: the merge's latency at batch 1); the sum runs in
+    the same order, so the result is the same bits."""
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_PAD)
     s_ok = offs_s < active
@@ -181,12 +199,20 @@ def merge_partials(part_out_ptr, part_lse_ptr, rows, row_ok, active,
     w = tl.exp2(lse - lse_max[:, None])  # 0 past the active slices
     total = tl.sum(w, axis=1)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    for s in range(0, active):
-        part = tl.load(part_out_ptr + (rows * NUM_SPLITS + s)[:, None] * HEAD_PAD
-                       + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                       cache_modifier=".cg")
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
-        acc += part * w_s[:, None]
+    if AT_ONCE:
+        for s in tl.static_range(NUM_SPLITS):
+            live = (row_ok & (tl.full([ROWS], s, tl.int32) < active))[:, None]  # [ROWS, 1]
+            part = tl.load(part_out_ptr + (rows * NUM_SPLITS + s)[:, None] * HEAD_PAD
+                           + offs_d[None, :], mask=live, other=0.0, cache_modifier=".cg")
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+            acc = tl.where(live, acc + part * w_s[:, None], acc)
+    else:
+        for s in range(0, active):
+            part = tl.load(part_out_ptr + (rows * NUM_SPLITS + s)[:, None] * HEAD_PAD
+                           + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                           cache_modifier=".cg")
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)
+            acc += part * w_s[:, None]
     return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 

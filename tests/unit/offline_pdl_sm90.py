@@ -47,7 +47,7 @@ def _variants(pdl: bool) -> list[tuple[str, object, dict, int]]:
           "IEEE_DOT": False, "ACCURATE_EXP": True, "PF_LINE": 64, "PF_LINES": lines}, 3),
         ("paged_decode", paged_decode_kernel,
          {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "GROUP": 4, "ROWS": 16, "NUM_SPLITS": 16,
-          "FUSED_MERGE": True, "BLOCK_N": 64, "HEAD_SIZE": 128, "HEAD_PAD": 128,
+          "FUSED_MERGE": True, "MERGE_ROWS": 4, "BLOCK_N": 64, "HEAD_SIZE": 128, "HEAD_PAD": 128,
           "PAGE_SIZE": 16, "DOT_F32": False, "DOT_IEEE": False, "KV_LINE": 64,
           "KV_LINES": 2 if pdl else 0}, 2),
         ("reduce_splits", reduce_splits_kernel,

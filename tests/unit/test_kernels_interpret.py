@@ -63,7 +63,8 @@ def test_decode(dtype, block_size, head_size, num_heads, num_kv_heads, num_split
 
 
 @pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "num_splits"),
-                         [(torch.float32, 2, 2, 2), (torch.bfloat16, 8, 2, 8)])
+                         [(torch.float32, 2, 2, 2), (torch.bfloat16, 8, 2, 8),
+                          (torch.bfloat16, 6, 2, 16)])
 def test_decode_merges_slices_in_one_launch(dtype, num_heads, num_kv_heads, num_splits):
     """With a counter buffer the last slice to finish merges the partials: the same
     result, the counters left at zero for the next launch (run twice), and short
@@ -83,6 +84,25 @@ def test_decode_merges_slices_in_one_launch(dtype, num_heads, num_kv_heads, num_
     assert torch.all(_attend(batch, num_splits=num_splits, split_counters=counters)[4] == 0)
     with pytest.raises(ValueError, match="split_counters has 3 entries"):
         _attend(batch, num_splits=num_splits, split_counters=counters[:3])
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 8)])
+def test_decode_merge_at_once_is_the_loops_bits(monkeypatch, num_heads, num_kv_heads):
+    """The in-launch merge loads every slice's partial at once (unrolled, masked past
+    the active slices); with ``LMKIT_DECODE_MERGE_AT_ONCE=0`` it loops slice by slice.
+    Both sum in the same order: the same bits, for groups of 3 (padded to 4 rows) and 1."""
+    from lmkit_kernels.paged_attention import MERGE_AT_ONCE_ENV
+
+    reqs = [(40, 1), (150, 1), (300, 1), (1, 1)]
+    batch = make_paged_batch(reqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=64, block_size=16, dtype=torch.bfloat16, seed=11)
+    counters = split_counters(batch.num_reqs, num_kv_heads, "cpu")
+    at_once = _attend(batch, num_splits=8, split_counters=counters, decode_tiles=(16, 4, 2))
+    monkeypatch.setenv(MERGE_AT_ONCE_ENV, "0")
+    looped = _attend(batch, num_splits=8, split_counters=counters, decode_tiles=(16, 4, 2))
+    assert torch.equal(at_once, looped)
+    assert torch.all(counters == 0)
+    _check_attention(batch, at_once, torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

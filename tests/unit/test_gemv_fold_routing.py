@@ -169,3 +169,43 @@ def test_a_replaced_input_norm_is_never_folded(fused_on_cpu, monkeypatch):
     assert _folded(unfolded) == (False, False)
     unfolded.model.layers[0].replace_input_norm(Identity())
     torch.testing.assert_close(folded_out, _run(unfolded, 1), rtol=0, atol=0)
+
+
+def test_wide_tiles_for_plain_projections_only(fused_on_cpu, monkeypatch):
+    """From WIDE_TILES_MIN_OUT outputs a plain small-batch projection (an LM head, a
+    gate-up without the SwiGLU epilogue) streams 64-row, 8-warp programs over 256-wide
+    slices; smaller ones, the folds and ``LMKIT_GEMV_WIDE_TILES=0`` keep the narrow
+    tiles. The linear layer launches with exactly those tiles, and both compute the
+    product (over four 256-wide slices or two 512-wide ones)."""
+    wide = {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 3}
+    n = fused_ops.WIDE_TILES_MIN_OUT
+    assert fused_ops.small_m_tiles(n) == wide == fused_ops.small_m_tiles(151936)
+    assert fused_ops.small_m_tiles(n - 1) == fused_ops.narrow_tiles(n - 1)
+    assert fused_ops.narrow_tiles(n)["block_n"] == 32
+    assert fused_ops.narrow_tiles(2048)["block_n"] == 16
+    assert GemvFold.tiles("norm", 28672) == {**fused_ops.narrow_tiles(28672),
+                                             "num_stages": fused_ops.NORM_FOLD_STAGES}
+    assert GemvFold.tiles("silu_mul", 28672) == fused_ops.narrow_tiles(28672)
+
+    launched = []
+    import lmkit_kernels.gemv as gemv
+
+    real = gemv.small_m_linear
+
+    def spy(x, weight, bias=None, **tiles):
+        launched.append(tiles)
+        return real(x, weight, bias, **tiles)
+
+    monkeypatch.setattr(gemv, "small_m_linear", spy)
+    linear = fused_ops.linear_kernel(CPU, torch.bfloat16, lambda *a: None)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1024, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, 1024, generator=g) * 0.03).to(torch.bfloat16)
+    out_wide = linear(x, weight, None)
+    monkeypatch.setenv(fused_ops.WIDE_TILES_ENV, "0")
+    assert fused_ops.small_m_tiles(n) == fused_ops.narrow_tiles(n)
+    out_narrow = linear(x, weight, None)
+    assert launched == [wide, fused_ops.narrow_tiles(n)]
+    reference = gemv.small_m_linear_ref(x, weight)
+    torch.testing.assert_close(out_wide, reference)
+    torch.testing.assert_close(out_narrow, reference)

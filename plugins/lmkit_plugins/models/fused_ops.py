@@ -29,7 +29,6 @@ the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -59,6 +58,10 @@ GEMV_FOLDS = ("norm", "silu_mul")  # the transforms GemvFold folds into a projec
 DEFAULT_GEMV_FOLDS = ("norm",)
 #: ``0`` turns off SwiGLU in the gate-up projection's epilogue (:func:`glu_epilogue`)
 GLU_EPILOGUE_ENV = "LMKIT_GLU_EPILOGUE"
+#: ``0``: every projection keeps the narrow tiles (:func:`small_m_tiles`)
+WIDE_TILES_ENV = "LMKIT_GEMV_WIDE_TILES"
+#: outputs from which a weight-streaming projection takes the wide tiles
+WIDE_TILES_MIN_OUT = 6144
 
 
 
@@ -177,9 +180,32 @@ def linear_kernel(device: torch.device | str, dtype: torch.dtype,
 
 
 def small_m_tiles(out_features: int) -> dict[str, int]:
-    """The launch parameters of the weight-streaming kernels for a projection with
-    ``out_features`` outputs: narrow programs for small outputs so that every SM gets
-    work."""
+    """The launch parameters of the weight-streaming kernel for a plain projection with
+    ``out_features`` outputs (:func:`linear_kernel`; the folds and the SwiGLU epilogue
+    keep :func:`narrow_tiles`): from :data:`WIDE_TILES_MIN_OUT` outputs on (LM heads,
+    gate-up projections) 64-row programs of 8 warps over 256-wide ``K`` slices, unless
+    ``LMKIT_GEMV_WIDE_TILES=0``; below, :func:`narrow_tiles`.
+
+    Measured on an H200 (``bench/gemv_bandwidth.py``, each call in a CUDA graph; narrow
+    32/512/4/4 against wide 64/256/8/3, 1 row): Qwen3-0.6B's LM head 104.3 / 72.6 us (its
+    1,024-wide rows are two 512-wide slices, too few for 4 stages to overlap), its gate-up
+    6.9 / 5.8, Llama-3.1-8B's gate-up 60.6 / 57.4, LM head 247.8 / 240.1, QKV (6,144
+    outputs) 16.8 / 16.6; below 6,144 outputs the narrow tiles won (Llama's output
+    projection 10.2 / 14.2, down 29.3 / 42.7; Qwen's QKV 3.9 / 5.0). Decode steps
+    (``bench/decode_chain.py``, session 38): Llama-8B at 4 rows 4.388 against 4.681 ms,
+    Qwen3-0.6B at 16 rows 1.113 against 1.208, SmolLM2-135M at 1 row 0.631 against 0.644.
+    The folded kernels measured far slower with them (Llama-8B at 1 row: 5.86 against
+    4.44 ms), so they keep the narrow tiles."""
+    if out_features >= WIDE_TILES_MIN_OUT and not switched_off(WIDE_TILES_ENV):
+        return {"block_n": 64, "block_k": 256, "num_warps": 8, "num_stages": 3}
+    return narrow_tiles(out_features)
+
+
+def narrow_tiles(out_features: int) -> dict[str, int]:
+    """The weight-streaming launch of the folded projections (:class:`GemvFold`), of the
+    gate-up projection with SwiGLU in its epilogue (:func:`glu_epilogue`), and of plain
+    projections below :data:`WIDE_TILES_MIN_OUT` outputs: narrow programs for small
+    outputs so that every SM gets work."""
     return {"block_n": 16 if out_features <= 2048 else 32, "block_k": 512, "num_warps": 4,
             "num_stages": 4}
 
@@ -236,11 +262,10 @@ class GemvFold:
                                      **self.tiles("silu_mul", weight.shape[0]))
 
     @staticmethod
-    @functools.cache  # per projection shape, once (the result is only unpacked)
     def tiles(fold: str, out_features: int) -> dict[str, int]:
         """The launch parameters of ``fold``'s kernel (one of :data:`GEMV_FOLDS`) for a
         projection with ``out_features`` outputs."""
-        tiles = small_m_tiles(out_features)
+        tiles = narrow_tiles(out_features)
         return {**tiles, "num_stages": NORM_FOLD_STAGES} if fold == "norm" else tiles
 
 
@@ -275,7 +300,7 @@ def glu_epilogue(device: torch.device | str, dtype: torch.dtype, out_features: i
     if not fused_ops_enabled(device, dtype) or switched_off(GLU_EPILOGUE_ENV):
         return False
     sms = _sm_count(torch.device(device))
-    programs = -(-out_features // small_m_tiles(out_features)["block_n"])
+    programs = -(-out_features // narrow_tiles(out_features)["block_n"])
     return sms is None or programs <= GLU_MAX_PROGRAMS_PER_SM * sms
 
 
@@ -288,11 +313,13 @@ def _sm_count(device: torch.device) -> int | None:
 
 def glu_small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        ) -> torch.Tensor:
-    """``silu(gate) * up`` of ``x @ weight.T + bias`` (``weight`` ``[gate | up]``) at the
-    tiles :func:`linear_kernel` runs the projection with (the same sums)."""
+    """``silu(gate) * up`` of ``x @ weight.T + bias`` (``weight`` ``[gate | up]``) at
+    :func:`narrow_tiles` (the tiles :func:`linear_kernel` runs the projections that
+    :func:`glu_epilogue` takes, fewer than :data:`WIDE_TILES_MIN_OUT` outputs: the same
+    sums)."""
     from lmkit_kernels.gemv import small_m_linear
 
-    return small_m_linear(x, weight, bias, glu_out=True, **small_m_tiles(weight.shape[0]))
+    return small_m_linear(x, weight, bias, glu_out=True, **narrow_tiles(weight.shape[0]))
 
 
 def gemv_folds() -> frozenset[str]:

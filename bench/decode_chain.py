@@ -12,13 +12,23 @@ fp8_gemv_fold`; ``--fp8-lm-head`` quantizes the LM head too).
 Each setting is a set of environment variables read when the kernels launch, e.g.
 ``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``, and optionally ``TILES=BN/BK/WARPS/STAGES``:
 the bf16 GEMVs' (and their folds') launch parameters for every projection instead of
-:func:`lmkit_plugins.models.fused_ops.small_m_tiles`; for FP8, ``FP8_TILES=BN/BK/WARPS``
-and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
+:func:`lmkit_plugins.models.fused_ops.small_m_tiles` and ``narrow_tiles``,
+``TILES<N>=...`` for the projections of ``N`` outputs only (``TILES28672=64/256/8/3``:
+Llama-8B's gate-up); for FP8, ``FP8_TILES=BN/BK/WARPS`` and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
 ``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
 as the model switches); ``LMKIT_GLU_EPILOGUE=0`` (bf16: SiLU-and-multiply not in the
-gate-up projection's epilogue, where the model runs it by default; then the SiLU fold
-or the separate kernel); ``SPLITS=N``: decode attention cuts each context into ``N``
-slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count. One CUDA graph is captured per setting, and
+gate-up projection's epilogue, where the model runs it when
+:func:`lmkit_plugins.models.fused_ops.glu_epilogue` says so, and so does the chain;
+then the SiLU fold or the separate kernel); ``SPLITS=N``: decode attention cuts each context into ``N``
+slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count,
+``ATILES=BN/WARPS/STAGES`` its tiles (``decode_tiles``);
+``SKIP=KIND[+KIND...]`` leaves kernels of those kinds out of the chain (``norm``: the
+separate RMSNorms, ``rope``: RoPE + cache write, ``attn``: decode attention, ``head``:
+the final norm, LM head and argmax), so the difference to ``default`` is what those
+kernels cost inside the chain, launch gaps included. ``--rows N`` runs the chain for
+``N`` decode rows (requests) instead of one; above one row the model runs the norms as
+separate kernels (:data:`lmkit_plugins.models.fused_ops.FOLD_MAX_ROWS`), and so does the
+chain. One CUDA graph is captured per setting, and
 the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
 setting's median step time, its spread, and the weight bytes per step over that time::
 
@@ -60,8 +70,12 @@ from lmkit_plugins.models.fused_ops import GemvFold  # noqa: E402
 #: the FP8 one-row launch of the setting being captured (FP8_TILES / FP8_PIPE)
 FP8_LAUNCH: dict[str, object] = {}
 
-#: decode attention's launch of the setting being captured (SPLITS)
-ATTENTION: dict[str, int] = {}
+#: decode attention's launch of the setting being captured (SPLITS, ATILES)
+ATTENTION: dict[str, object] = {}
+
+#: the kernel kinds the setting being captured leaves out (SKIP)
+SKIP: set[str] = set()
+SKIP_KINDS = ("norm", "rope", "attn", "head")
 
 #: name: (hidden, heads, kv_heads, head_size, intermediate, vocab)
 MODELS = {"llama8b": (4096, 32, 8, 128, 14336, 128256),
@@ -85,6 +99,10 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     parameters instead), then restore what was there."""
     values = dict(values)
     tiles = values.pop("TILES", None)
+    by_size = {int(k[5:]): v for k, v in list(values.items())
+               if k.startswith("TILES") and k[5:].isdigit()}
+    for n in by_size:
+        values.pop(f"TILES{n}")
     bn, bk, warps = (int(t) for t in values.pop("FP8_TILES", "/".join(
         map(str, ROW_TILES))).split("/"))
     FP8_LAUNCH.clear()
@@ -94,17 +112,32 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     ATTENTION.clear()
     if splits is not None:
         ATTENTION["num_splits"] = int(splits)
+    tiles_attn = values.pop("ATILES", None)
+    if tiles_attn is not None:
+        ATTENTION["decode_tiles"] = tuple(int(t) for t in tiles_attn.split("/"))
+    SKIP.clear()
+    SKIP.update(k for k in values.pop("SKIP", "").split("+") if k)
+    if SKIP - set(SKIP_KINDS):
+        raise SystemExit(f"SKIP takes {'+'.join(SKIP_KINDS)}; got {sorted(SKIP)}")
     saved = {k: os.environ.get(k) for k in values}
-    original = fused_ops.small_m_tiles
-    if tiles is not None:
-        bn, bk, warps, stages = (int(t) for t in tiles.split("/"))
-        fused_ops.small_m_tiles = lambda out_features: {  # type: ignore[assignment]
-            "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+    original, original_narrow = fused_ops.small_m_tiles, fused_ops.narrow_tiles
+    if tiles is not None or by_size:
+        def launch(text: str) -> dict[str, int]:
+            bn, bk, warps, stages = (int(t) for t in text.split("/"))
+            return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+        fixed = {n: launch(t) for n, t in by_size.items()}
+        every = launch(tiles) if tiles is not None else None
+        fused_ops.small_m_tiles = lambda out_features: fixed.get(  # type: ignore[assignment]
+            out_features, every or original(out_features))
+        fused_ops.narrow_tiles = lambda out_features: fixed.get(  # type: ignore[assignment]
+            out_features, every or original_narrow(out_features))
     os.environ.update(values)
     try:
         yield
     finally:
         fused_ops.small_m_tiles = original  # type: ignore[assignment]
+        fused_ops.narrow_tiles = original_narrow  # type: ignore[assignment]
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -116,7 +149,7 @@ class Chain:
     """Random weights of ``layers`` decoder layers and the step's inputs, and the step."""
 
     def __init__(self, model: str, layers: int, context: int, weights: str,
-                 fp8_lm_head: bool) -> None:
+                 fp8_lm_head: bool, rows: int = 1) -> None:
         hidden, heads, kv_heads, head, inter, vocab = MODELS[model]
         self.dims = (hidden, heads, kv_heads, head)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -139,14 +172,15 @@ class Chain:
         self.weight_bytes = sum(t.numel() * t.element_size() for p in self.layers
                                 for t, _ in (p["qkv"], p["o"], p["gate_up"], p["down"]))
         self.weight_bytes += self.lm_head[0].numel() * self.lm_head[0].element_size()
-        self.batch = make_paged_batch([(context, 1)], num_heads=heads, num_kv_heads=kv_heads,
+        self.rows = rows
+        self.batch = make_paged_batch([(context, 1)] * rows, num_heads=heads, num_kv_heads=kv_heads,
                                       head_size=head, block_size=16, dtype=torch.bfloat16,
                                       device="cuda", seed=1)
         self.caches = torch.stack([self.batch.kv_cache] * layers)
-        self.counters = split_counters(1, kv_heads, "cuda")
-        self.cos = torch.randn(1, head, device="cuda", generator=g)
-        self.sin = torch.randn(1, head, device="cuda", generator=g)
-        self.x = torch.randn(1, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+        self.counters = split_counters(rows, kv_heads, "cuda")
+        self.cos = torch.randn(rows, head, device="cuda", generator=g)
+        self.sin = torch.randn(rows, head, device="cuda", generator=g)
+        self.x = torch.randn(rows, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
         self.fold = GemvFold()
 
     def _linear(self, x: torch.Tensor, wt: tuple) -> torch.Tensor:
@@ -160,8 +194,12 @@ class Chain:
         hidden, heads, kv_heads, head = self.dims
         batch, x, residual = self.batch, self.x, None
         fold = os.environ.get("LMKIT_GEMV_FOLD", "1")  # 1, 0, or the one fold kept
+        if self.rows > fused_ops.FOLD_MAX_ROWS:  # as the model: separate kernels
+            fold = "0"
         norm_fold, silu_fold = fold in ("1", "norm"), fold in ("1", "silu_mul")
-        glu = os.environ.get("LMKIT_GLU_EPILOGUE", "1") != "0"  # bf16 only
+        # bf16 only: as the model decides (one wave of programs at most)
+        glu = fused_ops.glu_epilogue(self.x.device, torch.bfloat16,
+                                     self.layers[0]["gate_up"][0].shape[0])
         for i, p in enumerate(self.layers):
             if self.fp8 and norm_fold:
                 qkv, residual = norm_fp8_row_linear(x, residual, p["ln1"], 1e-5, *p["qkv"],
@@ -176,17 +214,18 @@ class Chain:
                 qkv, residual = self.fold.norm_linear(x, residual, p["ln1"], 1e-5,
                                                       p["qkv"][0], None)
             else:
-                h, residual = (rms_norm(x, p["ln1"], 1e-5), x) if residual is None \
-                    else rms_norm(x, p["ln1"], 1e-5, residual)
+                h, residual = self._norm(x, p["ln1"], residual)
                 qkv = self._linear(h, p["qkv"])
-            rotary_qk_(qkv, self.cos, self.sin, num_heads=heads, num_kv_heads=kv_heads,
-                       head_size=head, kv_cache=self.caches[i],
-                       slot_mapping=batch.slot_mapping)
-            attn = paged_attention(qkv[:, :heads * head].view(1, heads, head), self.caches[i],
-                                   batch.query_start_loc, batch.seq_lens, batch.block_tables,
-                                   max_query_len=1, scale=head ** -0.5,
-                                   split_counters=self.counters, **ATTENTION)
-            h = self._linear(attn.reshape(1, heads * head), p["o"])
+            if "rope" not in SKIP:
+                rotary_qk_(qkv, self.cos, self.sin, num_heads=heads, num_kv_heads=kv_heads,
+                           head_size=head, kv_cache=self.caches[i],
+                           slot_mapping=batch.slot_mapping)
+            q = qkv[:, :heads * head]
+            attn = q if "attn" in SKIP else paged_attention(
+                q.view(self.rows, heads, head), self.caches[i], batch.query_start_loc,
+                batch.seq_lens, batch.block_tables, max_query_len=1, scale=head ** -0.5,
+                split_counters=self.counters, **ATTENTION)
+            h = self._linear(attn.reshape(self.rows, heads * head), p["o"])
             if self.fp8:
                 if norm_fold:
                     gate_up, residual = norm_fp8_row_linear(h, residual, p["ln2"], 1e-5,
@@ -201,7 +240,7 @@ class Chain:
                     act, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
                                                           p["gate_up"][0], None, glu_out=True)
                 else:
-                    h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                    h, residual = self._norm(h, p["ln2"], residual)
                     act = fused_ops.glu_small_m_linear(h, p["gate_up"][0], None)
                 x = self._linear(act, p["down"])
             else:
@@ -209,12 +248,25 @@ class Chain:
                     gate_up, residual = self.fold.norm_linear(h, residual, p["ln2"], 1e-5,
                                                               p["gate_up"][0], None)
                 else:
-                    h, residual = rms_norm(h, p["ln2"], 1e-5, residual)
+                    h, residual = self._norm(h, p["ln2"], residual)
                     gate_up = self._linear(h, p["gate_up"])
                 x = self.fold.silu_mul_linear(gate_up, p["down"][0], None) if silu_fold \
                     else self._linear(silu_and_mul(gate_up), p["down"])
+        if "head" in SKIP:
+            return x
         h, _ = rms_norm(x, self.norm, 1e-5, residual)
         return self._linear(h, self.lm_head).argmax(dim=-1)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The separate (residual add +) RMSNorm: ``(normed, residual)``; with ``norm`` in
+        :data:`SKIP`, ``x`` itself (and ``x`` as the residual)."""
+        if "norm" in SKIP:
+            return x, x
+        if residual is None:
+            return rms_norm(x, weight, 1e-5), x
+        return rms_norm(x, weight, 1e-5, residual)
 
 
 def main() -> None:
@@ -222,6 +274,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama8b")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=256, help="tokens in the cache")
+    ap.add_argument("--rows", type=int, default=1, help="decode rows (requests), at most 16")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--fp8-lm-head", action="store_true")
     ap.add_argument("--settings", nargs="+", default=["LMKIT_PDL=0", "default"],
@@ -233,7 +286,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_chain.py needs a CUDA GPU")
     settings = [(s, parse_setting(s)) for s in args.settings]
-    chain = Chain(args.model, args.layers, args.context, args.weights, args.fp8_lm_head)
+    if not 1 <= args.rows <= 16:
+        raise SystemExit(f"--rows takes 1-16 (the weight-streaming kernel's rows); got {args.rows}")
+    chain = Chain(args.model, args.layers, args.context, args.weights, args.fp8_lm_head,
+                  args.rows)
     graphs = {}
     for name, env in settings:
         with environment(env):
@@ -242,7 +298,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"{args.model} x {args.layers} layers, {args.weights} weights "
-          f"({chain.weight_bytes / 1e9:.2f} GB per step), context {args.context}")
+          f"({chain.weight_bytes / 1e9:.2f} GB per step), {args.rows} row(s), "
+          f"context {args.context}")
     rows = []
     for name, _ in settings:
         ms = statistics.median(times[name])

@@ -41,3 +41,24 @@ def test_environment_applies_and_restores(monkeypatch):
     assert "LMKIT_PDL" not in os.environ and fused_ops.small_m_tiles is original
     with decode_chain.environment({}):  # the defaults
         assert decode_chain.ATTENTION == {} and decode_chain.FP8_LAUNCH["pipeline"] is False
+        assert decode_chain.SKIP == set()
+
+
+def test_per_size_tiles_skips_and_attention_tiles():
+    """``TILES<N>`` patches the projections of ``N`` outputs only (plain and folded
+    launches), the rest keep the model's choice; ``SKIP`` and ``ATILES`` are the chain's,
+    never the environment's; an unknown kind is refused."""
+    narrow, plain = fused_ops.narrow_tiles, fused_ops.small_m_tiles
+    with decode_chain.environment({"TILES28672": "16/256/8/3", "SKIP": "norm+attn",
+                                   "ATILES": "32/4/3"}):
+        wide = {"block_n": 16, "block_k": 256, "num_warps": 8, "num_stages": 3}
+        assert fused_ops.small_m_tiles(28672) == wide == fused_ops.narrow_tiles(28672)
+        assert fused_ops.small_m_tiles(4096) == plain(4096)
+        assert fused_ops.narrow_tiles(6144) == narrow(6144)
+        assert decode_chain.SKIP == {"norm", "attn"}
+        assert decode_chain.ATTENTION == {"decode_tiles": (32, 4, 3)}
+        assert not any(k.startswith(("TILES", "SKIP", "ATILES")) for k in os.environ)
+    assert fused_ops.narrow_tiles is narrow and fused_ops.small_m_tiles is plain
+    with pytest.raises(SystemExit, match="SKIP takes"), \
+            decode_chain.environment({"SKIP": "rope+lm"}):
+        pass

@@ -192,8 +192,9 @@ def small_m_tiles(out_features: int) -> dict[str, int]:
     6.9 / 5.8, Llama-3.1-8B's gate-up 60.6 / 57.4, LM head 247.8 / 240.1, QKV (6,144
     outputs) 16.8 / 16.6; below 6,144 outputs the narrow tiles won (Llama's output
     projection 10.2 / 14.2, down 29.3 / 42.7; Qwen's QKV 3.9 / 5.0). Decode steps
-    (``bench/decode_chain.py``, session 38): Llama-8B at 4 rows 4.388 against 4.681 ms,
-    Qwen3-0.6B at 16 rows 1.113 against 1.208, SmolLM2-135M at 1 row 0.631 against 0.644.
+    (``bench/decode_chain.py``, session 38): Llama-8B at 4 rows 4.336 against 4.639 ms,
+    Qwen3-0.6B at 4 / 16 rows 1.025 / 1.152 against 1.115 / 1.214, SmolLM2-135M at 1 row
+    0.632 against 0.647.
     The folded kernels measured far slower with them (Llama-8B at 1 row: 5.86 against
     4.44 ms), so they keep the narrow tiles."""
     if out_features >= WIDE_TILES_MIN_OUT and not switched_off(WIDE_TILES_ENV):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -52,6 +53,9 @@ MID_SPLITS_ENV = "LMKIT_DECODE_MID_SPLITS"
 #: ``0``: the decode kernel's in-launch merge loads the partials slice after slice (a
 #: round trip each) instead of all at once (:func:`lmkit_kernels.paged_decode.merge_partials`)
 MERGE_AT_ONCE_ENV = "LMKIT_DECODE_MERGE_AT_ONCE"
+#: how many of its slice's K/V tiles a decode program prefetches into L2 before its PDL
+#: wait (1, the default, 2, 4 or 8)
+PREFETCH_TILES_ENV = "LMKIT_DECODE_PREFETCH_TILES"
 _LOG2E = 1.4426950408889634
 
 
@@ -108,7 +112,10 @@ def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
     lines = head_size // line
     if not prefetch_enabled(k_cache.device) or head_size % line or lines & (lines - 1):
         return {"KV_LINE": line, "KV_LINES": 0}
-    return {"KV_LINE": line, "KV_LINES": lines}
+    tiles = os.environ.get(PREFETCH_TILES_ENV, "1").strip() or "1"
+    if tiles not in ("1", "2", "4", "8"):
+        raise ValueError(f"{PREFETCH_TILES_ENV}={tiles!r}: expected 1 (the default), 2, 4 or 8")
+    return {"KV_LINE": line, "KV_LINES": lines, "KV_TILES": int(tiles)}
 
 
 def _fp8_decode_layout(fp8_half: bool, v_scale: float) -> dict[str, bool]:

@@ -1,36 +1,39 @@
-"""A batch-1 decode step's kernel chain, replayed from CUDA graphs under several kernel
-settings in one process.
+"""A decode step's kernel chain, replayed from CUDA graphs under several kernel settings
+in one process.
 
-The chain is what the Llama family runs on CUDA for one token: per layer the QKV
-projection (bf16: with the residual add + RMSNorm folded in), RoPE + cache write,
-decode attention over ``--context`` tokens, the output projection, the gate-up
-projection (folded norm), the down projection (folded SiLU); then the final norm, the
-LM head and an argmax. ``--weights fp8`` runs the FP8 path instead (separate RMSNorm and
-SiLU folded into the one-row FP8 GEMV as the model runs them, :mod:`lmkit_kernels.
-fp8_gemv_fold`; ``--fp8-lm-head`` quantizes the LM head too).
+The chain is what the Llama family runs on CUDA for one token per request: per layer the
+QKV projection (bf16 at one row: with the residual add + RMSNorm folded in), RoPE + cache
+write, decode attention over ``--context`` tokens, the output projection, the gate-up
+projection (folded norm at one row; SwiGLU in its epilogue where
+:func:`lmkit_plugins.models.fused_ops.glu_epilogue` says so), the down projection; then
+the final norm, the LM head and an argmax. ``--rows N`` runs it for ``N`` requests
+(above :data:`lmkit_plugins.models.fused_ops.FOLD_MAX_ROWS` the norms are separate
+kernels, as in the model). ``--weights fp8`` runs the FP8 path instead (separate
+RMSNorm and SiLU folded into the one-row FP8 GEMV as the model runs them,
+:mod:`lmkit_kernels.fp8_gemv_fold`; ``--fp8-lm-head`` quantizes the LM head too).
 
-Each setting is a set of environment variables read when the kernels launch, e.g.
-``LMKIT_PDL=0`` or ``LMKIT_PDL_PREFETCH=2``, and optionally ``TILES=BN/BK/WARPS/STAGES``:
-the bf16 GEMVs' (and their folds') launch parameters for every projection instead of
-:func:`lmkit_plugins.models.fused_ops.small_m_tiles` and ``narrow_tiles``,
-``TILES<N>=...`` for the projections of ``N`` outputs only (``TILES28672=64/256/8/3``:
-Llama-8B's gate-up); for FP8, ``FP8_TILES=BN/BK/WARPS`` and ``FP8_PIPE=1`` (the one-row kernel's launch and its pipelined variant), and
-``LMKIT_GEMV_FOLD=0`` (separate RMSNorm and SiLU kernels instead of the one-row folds,
-as the model switches); ``LMKIT_GLU_EPILOGUE=0`` (bf16: SiLU-and-multiply not in the
-gate-up projection's epilogue, where the model runs it when
-:func:`lmkit_plugins.models.fused_ops.glu_epilogue` says so, and so does the chain;
-then the SiLU fold or the separate kernel); ``SPLITS=N``: decode attention cuts each context into ``N``
-slices instead of :func:`lmkit_kernels.paged_attention.choose_num_splits`' count,
-``ATILES=BN/WARPS/STAGES`` its tiles (``decode_tiles``);
-``SKIP=KIND[+KIND...]`` leaves kernels of those kinds out of the chain (``norm``: the
-separate RMSNorms, ``rope``: RoPE + cache write, ``attn``: decode attention, ``head``:
-the final norm, LM head and argmax), so the difference to ``default`` is what those
-kernels cost inside the chain, launch gaps included. ``--rows N`` runs the chain for
-``N`` decode rows (requests) instead of one; above one row the model runs the norms as
-separate kernels (:data:`lmkit_plugins.models.fused_ops.FOLD_MAX_ROWS`), and so does the
-chain. One CUDA graph is captured per setting, and
-the graphs replay in interleaved rounds (A, B, C, A, B, C, ...). The report gives each
-setting's median step time, its spread, and the weight bytes per step over that time::
+A setting is ``default`` or ``NAME=VALUE[,NAME=VALUE...]``. Names other than the ones
+below are environment variables read when the kernels launch (``LMKIT_PDL=0``,
+``LMKIT_PDL_PREFETCH=2``, ``LMKIT_GEMV_FOLD=0``, ``LMKIT_GLU_EPILOGUE=0``,
+``LMKIT_GEMV_WIDE_TILES=0``, ``LMKIT_DECODE_PREFETCH_TILES=4``, ...). The chain's own:
+
+* ``TILES=BN/BK/WARPS/STAGES``: the bf16 GEMVs' (and their folds') launch for every
+  projection instead of :func:`lmkit_plugins.models.fused_ops.small_m_tiles` /
+  ``narrow_tiles``; ``TILES<N>=...`` for the projections of ``N`` outputs only
+  (``TILES28672=64/256/8/3``: Llama-8B's gate-up);
+* ``FP8_TILES=BN/BK/WARPS`` and ``FP8_PIPE=1``: the one-row FP8 kernel's launch and its
+  pipelined variant;
+* ``SPLITS=N``: decode attention cuts each context into ``N`` slices instead of
+  :func:`lmkit_kernels.paged_attention.choose_num_splits`' count; ``ATILES=BN/WARPS/
+  STAGES``: its tiles (``decode_tiles``);
+* ``SKIP=KIND[+KIND...]``: kernels of those kinds left out (``norm``: the separate
+  RMSNorms, ``rope``: RoPE + cache write, ``attn``: decode attention, ``head``: the final
+  norm, LM head and argmax), so the difference to ``default`` is what they cost inside
+  the chain, launch gaps included.
+
+One CUDA graph is captured per setting, and the graphs replay in interleaved rounds (A,
+B, C, A, B, C, ...). The report gives each setting's median step time, its spread, and
+the weight bytes per step over that time::
 
     python bench/decode_chain.py --settings LMKIT_PDL=0 LMKIT_PDL=1 \\
         LMKIT_PDL=1,LMKIT_PDL_PREFETCH=2 --out chain.json
@@ -173,9 +176,9 @@ class Chain:
                                 for t, _ in (p["qkv"], p["o"], p["gate_up"], p["down"]))
         self.weight_bytes += self.lm_head[0].numel() * self.lm_head[0].element_size()
         self.rows = rows
-        self.batch = make_paged_batch([(context, 1)] * rows, num_heads=heads, num_kv_heads=kv_heads,
-                                      head_size=head, block_size=16, dtype=torch.bfloat16,
-                                      device="cuda", seed=1)
+        self.batch = make_paged_batch([(context, 1)] * rows, num_heads=heads,
+                                      num_kv_heads=kv_heads, head_size=head, block_size=16,
+                                      dtype=torch.bfloat16, device="cuda", seed=1)
         self.caches = torch.stack([self.batch.kv_cache] * layers)
         self.counters = split_counters(rows, kv_heads, "cuda")
         self.cos = torch.randn(rows, head, device="cuda", generator=g)

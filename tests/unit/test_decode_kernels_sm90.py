@@ -1,9 +1,9 @@
 """Decode attention (:mod:`lmkit_kernels.paged_decode`) and the plain weight-streaming
 GEMV (:mod:`lmkit_kernels.gemv`) compiled for sm_90 (H100/H200) without a GPU, with
 Triton's bundled ``ptxas``: at the launches the engine makes for Llama-3.1-8B, Qwen3-0.6B,
-SmolLM2-135M and a wide query group (batch 1 to 256, the slice merge at once and looped,
-up to 8 K/V tiles prefetched before the PDL wait; the wide and narrow GEMV tiles), every variant fits in shared memory and spills no
-registers."""
+SmolLM2-135M and a wide query group (batch 1 to 256; the slice merge at once and looped;
+up to 8 K/V tiles prefetched before the PDL wait; the wide and narrow GEMV tiles), every
+variant fits in shared memory and spills no registers."""
 
 from __future__ import annotations
 

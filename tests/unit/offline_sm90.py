@@ -35,6 +35,21 @@ def bundled_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+def run_offline(script: str, variants: list | None = None, timeout: int = 900) -> list[dict]:
+    """Run the offline-compile ``script`` (beside this file) in a subprocess without
+    Triton's interpreter, with ``variants`` as its JSON argument when given, and return
+    the JSON objects it printed, one per line.
+
+    :raises AssertionError: the script failed (its stderr's tail in the message)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script)]
+    if variants is not None:
+        args.append(json.dumps(variants))
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
 def resource_usage(kernel) -> dict[str, str]:
     """``{"REG": registers, "STACK": bytes}`` of a compiled kernel, read from its cubin
     with the bundled ``cuobjdump -res-usage``."""

@@ -7,9 +7,6 @@ variant fits in shared memory and spills no registers."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_sm90 import SM90_MAX_SHARED, bundled_tool  # noqa: E402
+from offline_sm90 import SM90_MAX_SHARED, bundled_tool, run_offline  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     bundled_tool("ptxas") is None or bundled_tool("cuobjdump") is None,
@@ -32,12 +29,7 @@ VARIANTS += [["gemv", n] for n in (128256, 28672, 6144, 4096, 1024)]
 
 
 def test_sm90_decode_launches_fit_and_do_not_spill():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "offline_sm90_decode.py"),
-                           json.dumps(VARIANTS)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = run_offline("offline_sm90_decode.py", VARIANTS)
     assert len(results) == len(VARIANTS)
     for r in results:
         assert r["shared"] <= SM90_MAX_SHARED, r

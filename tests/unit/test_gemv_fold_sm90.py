@@ -6,9 +6,6 @@ registers (16 rows of SiLU over 512-wide slices spilled 3 KiB per thread, 8 rows
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_sm90 import SM90_MAX_SHARED, SM90_SM_SHARED, bundled_tool  # noqa: E402
+from offline_sm90 import SM90_MAX_SHARED, SM90_SM_SHARED, bundled_tool, run_offline  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     bundled_tool("ptxas") is None or bundled_tool("cuobjdump") is None,
@@ -33,11 +30,7 @@ VARIANTS += [[1, "norm", True, 28672, True], [1, "norm", True, 3072, True]]
 
 
 def test_sm90_variants_fit_and_do_not_spill():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "offline_sm90.py"), json.dumps(VARIANTS)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = run_offline("offline_sm90.py", VARIANTS, timeout=600)
     assert len(results) == len(VARIANTS)
     for r in results:
         assert r["shared"] <= SM90_MAX_SHARED, r

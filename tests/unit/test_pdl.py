@@ -4,9 +4,6 @@ dependency instructions exactly when it is on (no GPU needed: Triton's bundled p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +13,7 @@ from lmkit_kernels import pdl
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_sm90 import bundled_tool  # noqa: E402
+from offline_sm90 import bundled_tool, run_offline  # noqa: E402
 
 KERNELS = {"small_m_linear", "gemv_fold", "paged_decode", "reduce_splits", "rotary_qk",
            "rms_norm", "silu_and_mul", "reshape_and_cache", "rotary_cos_sin",
@@ -82,11 +79,7 @@ def test_a_bad_switch_value_is_refused_by_name(monkeypatch, value):
 @pytest.mark.skipif(bundled_tool("ptxas") is None,
                     reason="Triton's bundled ptxas is not installed")
 def test_every_decode_step_kernel_waits_exactly_when_launched_with_pdl():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "offline_pdl_sm90.py")], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = run_offline("offline_pdl_sm90.py")
     assert {(r["kernel"], r["pdl"]) for r in results} == {
         (k, on) for k in KERNELS for on in (True, False)}
     for r in results:

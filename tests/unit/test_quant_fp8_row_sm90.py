@@ -6,9 +6,6 @@ previous kernel (``griddepcontrol.wait``), without PDL neither."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from offline_sm90 import bundled_tool  # noqa: E402
+from offline_sm90 import bundled_tool, run_offline  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     bundled_tool("ptxas") is None or bundled_tool("cuobjdump") is None,
@@ -35,12 +32,7 @@ VARIANTS = [[*shape, pipeline, True] for shape in SHAPES for pipeline in (False,
 
 
 def test_sm90_variants_do_not_spill_and_wait_with_pdl():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "offline_sm90_fp8.py"),
-                           json.dumps(VARIANTS)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    results = run_offline("offline_sm90_fp8.py", VARIANTS)
     assert len(results) == len(VARIANTS)
     for r in results:
         assert r["stack"] == 0, r  # no register spills

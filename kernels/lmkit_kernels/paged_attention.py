@@ -105,9 +105,12 @@ def choose_decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device)
 
 
 def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
-    """``KV_LINE`` / ``KV_LINES`` of the decode kernel: one KV head's row of a token as
-    128-byte lines, prefetched for a slice's first tile before the PDL wait (none when
-    prefetching is off or the head's row is not a whole number of lines)."""
+    """``KV_LINE`` / ``KV_LINES`` / ``KV_TILES`` of the decode kernel: one KV head's row
+    of a token as 128-byte lines, prefetched for a slice's first tile (or first
+    ``LMKIT_DECODE_PREFETCH_TILES`` tiles) before the PDL wait; none when prefetching is
+    off or the head's row is not a whole number of lines.
+
+    :raises ValueError: ``LMKIT_DECODE_PREFETCH_TILES`` not one of 1, 2, 4, 8."""
     line = max(1, 128 // k_cache.element_size())
     lines = head_size // line
     if not prefetch_enabled(k_cache.device) or head_size % line or lines & (lines - 1):

@@ -96,6 +96,15 @@ def parse_setting(text: str) -> dict[str, str]:
     return dict(pairs)
 
 
+def launch_ints(name: str, text: str, count: int) -> tuple[int, ...]:
+    """``"64/256/8/3"`` -> ``(64, 256, 8, 3)``: ``count`` positive integers joined by
+    ``/``, the value of setting ``name``; anything else ends the run with a message."""
+    parts = text.split("/")
+    if len(parts) != count or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"{name} takes {count} positive integers joined by '/'; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 @contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
     """Set ``values`` in ``os.environ`` for the block (``TILES`` patches the GEMV launch
@@ -106,18 +115,18 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                if k.startswith("TILES") and k[5:].isdigit()}
     for n in by_size:
         values.pop(f"TILES{n}")
-    bn, bk, warps = (int(t) for t in values.pop("FP8_TILES", "/".join(
-        map(str, ROW_TILES))).split("/"))
+    bn, bk, warps = launch_ints("FP8_TILES", values.pop("FP8_TILES", "/".join(
+        map(str, ROW_TILES))), 3)
     FP8_LAUNCH.clear()
     FP8_LAUNCH.update(block_n=bn, block_k=bk, num_warps=warps,
                       pipeline=values.pop("FP8_PIPE", "0") == "1")
     splits = values.pop("SPLITS", None)
     ATTENTION.clear()
     if splits is not None:
-        ATTENTION["num_splits"] = int(splits)
+        ATTENTION["num_splits"] = launch_ints("SPLITS", splits, 1)[0]
     tiles_attn = values.pop("ATILES", None)
     if tiles_attn is not None:
-        ATTENTION["decode_tiles"] = tuple(int(t) for t in tiles_attn.split("/"))
+        ATTENTION["decode_tiles"] = launch_ints("ATILES", tiles_attn, 3)
     SKIP.clear()
     SKIP.update(k for k in values.pop("SKIP", "").split("+") if k)
     if SKIP - set(SKIP_KINDS):
@@ -125,12 +134,12 @@ def environment(values: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     original, original_narrow = fused_ops.small_m_tiles, fused_ops.narrow_tiles
     if tiles is not None or by_size:
-        def launch(text: str) -> dict[str, int]:
-            bn, bk, warps, stages = (int(t) for t in text.split("/"))
+        def launch(name: str, text: str) -> dict[str, int]:
+            bn, bk, warps, stages = launch_ints(name, text, 4)
             return {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 
-        fixed = {n: launch(t) for n, t in by_size.items()}
-        every = launch(tiles) if tiles is not None else None
+        fixed = {n: launch(f"TILES{n}", t) for n, t in by_size.items()}
+        every = launch("TILES", tiles) if tiles is not None else None
         fused_ops.small_m_tiles = lambda out_features: fixed.get(  # type: ignore[assignment]
             out_features, every or original(out_features))
         fused_ops.narrow_tiles = lambda out_features: fixed.get(  # type: ignore[assignment]

@@ -62,3 +62,10 @@ def test_per_size_tiles_skips_and_attention_tiles():
     with pytest.raises(SystemExit, match="SKIP takes"), \
             decode_chain.environment({"SKIP": "rope+lm"}):
         pass
+    for bad in ({"ATILES": "32/4"}, {"TILES6144": "64/256/8/x"}, {"SPLITS": "0"},
+                {"FP8_TILES": "8/1024"}):
+        name = next(iter(bad))
+        with pytest.raises(SystemExit, match=f"{name} takes .* joined by '/'"), \
+                decode_chain.environment(bad):
+            pass
+    assert fused_ops.narrow_tiles is narrow and fused_ops.small_m_tiles is plain

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -35,7 +34,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
-from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled, switch_on
+from lmkit_kernels.pdl import count_setting, pdl_launch_args, prefetch_enabled, switch_on
 
 __all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MERGE_AT_ONCE_ENV", "MID_SPLITS_ENV",
            "check_decode_tiles",
@@ -115,10 +114,8 @@ def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
     lines = head_size // line
     if not prefetch_enabled(k_cache.device) or head_size % line or lines & (lines - 1):
         return {"KV_LINE": line, "KV_LINES": 0}
-    tiles = os.environ.get(PREFETCH_TILES_ENV, "1").strip() or "1"
-    if tiles not in ("1", "2", "4", "8"):
-        raise ValueError(f"{PREFETCH_TILES_ENV}={tiles!r}: expected 1 (the default), 2, 4 or 8")
-    return {"KV_LINE": line, "KV_LINES": lines, "KV_TILES": int(tiles)}
+    tiles = count_setting(PREFETCH_TILES_ENV, (1, 2, 4, 8), "K/V tiles")
+    return {"KV_LINE": line, "KV_LINES": lines, "KV_TILES": tiles}
 
 
 def _fp8_decode_layout(fp8_half: bool, v_scale: float) -> dict[str, bool]:

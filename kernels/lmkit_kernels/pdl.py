@@ -48,7 +48,7 @@ import triton.language as tl
 
 from lmkit_kernels.checks import is_interpreting
 
-__all__ = ["ENV", "PREFETCH_ENV", "pdl_enabled", "pdl_launch_args", "pdl_wait", "switch_on",
+__all__ = ["ENV", "PREFETCH_ENV", "count_setting", "pdl_enabled", "pdl_launch_args", "pdl_wait", "switch_on",
            "prefetch_args", "prefetch_depth", "prefetch_enabled", "prefetch_l2",
            "prefetch_weight_rows"]
 
@@ -139,12 +139,22 @@ def pdl_launch_args(device: torch.device) -> dict[str, Any]:
     return {"USE_PDL": False}
 
 
-def _prefetch_slices() -> int:
-    value = os.environ.get(PREFETCH_ENV, "1").strip().lower() or "1"
-    if value in ("0", "1", "2", "4", "8"):
+def count_setting(name: str, allowed: tuple[int, ...], what: str) -> int:
+    """Environment setting ``name``: one of the counts ``allowed`` (unset or empty: 1,
+    the default), e.g. how many slices or tiles a kernel prefetches.
+
+    :raises ValueError: set to anything else, naming the setting, the counts it takes
+        and ``what`` they count."""
+    value = os.environ.get(name, "1").strip() or "1"
+    if value.isdigit() and int(value) in allowed:
         return int(value)
-    raise ValueError(f"{PREFETCH_ENV}={value!r}: expected 0 (no prefetch), or 1 (the "
-                     "default), 2, 4 or 8 weight slices")
+    named = [str(n) + (" (the default)" if n == 1 else "") for n in allowed]
+    choices = ", ".join(named[:-1]) + " or " + named[-1]
+    raise ValueError(f"{name}={value!r}: expected {choices} {what}")
+
+
+def _prefetch_slices() -> int:
+    return count_setting(PREFETCH_ENV, (0, 1, 2, 4, 8), "weight slices (0: no prefetch)")
 
 
 def prefetch_depth(device: torch.device) -> int:

@@ -74,12 +74,12 @@ def paged_decode_kernel(
     has_work = (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active)
     if KV_LINES > 0:  # the slice's first K and V tiles into L2 while the previous kernel ends
         if has_work:
+            lines = tl.arange(0, KV_LINES) * KV_LINE
+            p_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
             for t in tl.static_range(KV_TILES):
                 offs_p = split * split_len + t * BLOCK_N + tl.arange(0, BLOCK_N)
                 p_ok = (offs_p < seq_len) & (offs_p < (split + 1) * split_len)
-                p_block = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt_req
-                                  + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
-                lines = tl.arange(0, KV_LINES) * KV_LINE
+                p_block = tl.load(p_row + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
                 p_slot = tl.where(p_ok, offs_p % PAGE_SIZE, 0)
                 prefetch_l2(k_cache_ptr + p_block[:, None] * stride_kc_block
                             + p_slot[:, None] * stride_kc_slot + kv_head * stride_kc_head

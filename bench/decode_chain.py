@@ -145,11 +145,13 @@ def environment(values: dict[str, str]) -> Iterator[None]:
         fused_ops.narrow_tiles = lambda out_features: fixed.get(  # type: ignore[assignment]
             out_features, every or original_narrow(out_features))
     os.environ.update(values)
+    GemvFold.tiles.cache_clear()  # the folds' launch, cached per size, follows the patch
     try:
         yield
     finally:
         fused_ops.small_m_tiles = original  # type: ignore[assignment]
         fused_ops.narrow_tiles = original_narrow  # type: ignore[assignment]
+        GemvFold.tiles.cache_clear()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

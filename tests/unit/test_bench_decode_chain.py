@@ -55,6 +55,7 @@ def test_per_size_tiles_skips_and_attention_tiles():
         assert fused_ops.small_m_tiles(28672) == wide == fused_ops.narrow_tiles(28672)
         assert fused_ops.small_m_tiles(4096) == plain(4096)
         assert fused_ops.narrow_tiles(6144) == narrow(6144)
+        assert fused_ops.GemvFold.tiles("silu_mul", 28672) == wide  # not a cached launch
         assert decode_chain.SKIP == {"norm", "attn"}
         assert decode_chain.ATTENTION == {"decode_tiles": (32, 4, 3)}
         assert not any(k.startswith(("TILES", "SKIP", "ATILES")) for k in os.environ)

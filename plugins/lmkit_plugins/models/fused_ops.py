@@ -29,6 +29,7 @@ the CPU). ``LMKIT_FUSED_OPS=0`` turns the kernels off everywhere (for A/B checks
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -263,6 +264,7 @@ class GemvFold:
                                      **self.tiles("silu_mul", weight.shape[0]))
 
     @staticmethod
+    @functools.cache  # per projection shape, once (the result is only unpacked)
     def tiles(fold: str, out_features: int) -> dict[str, int]:
         """The launch parameters of ``fold``'s kernel (one of :data:`GEMV_FOLDS`) for a
         projection with ``out_features`` outputs."""

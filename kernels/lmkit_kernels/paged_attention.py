@@ -34,7 +34,7 @@ from lmkit_kernels.checks import (
 )
 from lmkit_kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
 from lmkit_kernels.paged_prefill import paged_prefill_kernel
-from lmkit_kernels.pdl import count_setting, pdl_launch_args, prefetch_enabled, switch_on
+from lmkit_kernels.pdl import pdl_launch_args, prefetch_enabled, switch_on
 
 __all__ = ["MAX_HEAD_SIZE", "MAX_SPLITS", "MERGE_AT_ONCE_ENV", "MID_SPLITS_ENV",
            "check_decode_tiles",
@@ -52,9 +52,6 @@ MID_SPLITS_ENV = "LMKIT_DECODE_MID_SPLITS"
 #: ``0``: the decode kernel's in-launch merge loads the partials slice after slice (a
 #: round trip each) instead of all at once (:func:`lmkit_kernels.paged_decode.merge_partials`)
 MERGE_AT_ONCE_ENV = "LMKIT_DECODE_MERGE_AT_ONCE"
-#: how many of its slice's K/V tiles a decode program prefetches into L2 before its PDL
-#: wait (1, the default, 2, 4 or 8)
-PREFETCH_TILES_ENV = "LMKIT_DECODE_PREFETCH_TILES"
 _LOG2E = 1.4426950408889634
 
 
@@ -104,18 +101,14 @@ def choose_decode_splits(num_reqs: int, num_kv_heads: int, device: torch.device)
 
 
 def _kv_prefetch(k_cache: torch.Tensor, head_size: int) -> dict[str, int]:
-    """``KV_LINE`` / ``KV_LINES`` / ``KV_TILES`` of the decode kernel: one KV head's row
-    of a token as 128-byte lines, prefetched for a slice's first tile (or first
-    ``LMKIT_DECODE_PREFETCH_TILES`` tiles) before the PDL wait; none when prefetching is
-    off or the head's row is not a whole number of lines.
-
-    :raises ValueError: ``LMKIT_DECODE_PREFETCH_TILES`` not one of 1, 2, 4, 8."""
+    """``KV_LINE`` / ``KV_LINES`` of the decode kernel: one KV head's row of a token as
+    128-byte lines, prefetched for a slice's first tile before the PDL wait; none when
+    prefetching is off or the head's row is not a whole number of lines."""
     line = max(1, 128 // k_cache.element_size())
     lines = head_size // line
     if not prefetch_enabled(k_cache.device) or head_size % line or lines & (lines - 1):
         return {"KV_LINE": line, "KV_LINES": 0}
-    tiles = count_setting(PREFETCH_TILES_ENV, (1, 2, 4, 8), "K/V tiles")
-    return {"KV_LINE": line, "KV_LINES": lines, "KV_TILES": tiles}
+    return {"KV_LINE": line, "KV_LINES": lines}
 
 
 def _fp8_decode_layout(fp8_half: bool, v_scale: float) -> dict[str, bool]:

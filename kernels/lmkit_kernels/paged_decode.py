@@ -56,7 +56,6 @@ def paged_decode_kernel(
     USE_PDL: tl.constexpr = False, KV_LINE: tl.constexpr = 1, KV_LINES: tl.constexpr = 0,
     KV_FP8: tl.constexpr = False, K_ROWS: tl.constexpr = False, V_PRESCALE: tl.constexpr = False,
     MERGE_AT_ONCE: tl.constexpr = True, MERGE_ROWS: tl.constexpr = 16,
-    KV_TILES: tl.constexpr = 1,
 ):
     # K_ROWS: keys loaded token-major ([BLOCK_N, HEAD_PAD]) and transposed in registers;
     # V_PRESCALE: FP8 values widened and times v_scale where loaded (both for FP8 caches,
@@ -72,21 +71,20 @@ def paged_decode_kernel(
     split_len, active = decode_split(seq_len, NUM_SPLITS, BLOCK_N)
     # a request with no query row (padding) has nothing to write; idle slices exit
     has_work = (tl.load(query_start_loc_ptr + req + 1) > q_row) & (split < active)
-    if KV_LINES > 0:  # the slice's first K and V tiles into L2 while the previous kernel ends
+    if KV_LINES > 0:  # the slice's first K and V tile into L2 while the previous kernel ends
         if has_work:
+            offs_p = split * split_len + tl.arange(0, BLOCK_N)
+            p_ok = offs_p < seq_len
+            p_block = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt_req
+                              + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
             lines = tl.arange(0, KV_LINES) * KV_LINE
-            p_row = block_tables_ptr + req.to(tl.int64) * stride_bt_req
-            for t in tl.static_range(KV_TILES):
-                offs_p = split * split_len + t * BLOCK_N + tl.arange(0, BLOCK_N)
-                p_ok = (offs_p < seq_len) & (offs_p < (split + 1) * split_len)
-                p_block = tl.load(p_row + offs_p // PAGE_SIZE, mask=p_ok, other=0).to(tl.int64)
-                p_slot = tl.where(p_ok, offs_p % PAGE_SIZE, 0)
-                prefetch_l2(k_cache_ptr + p_block[:, None] * stride_kc_block
-                            + p_slot[:, None] * stride_kc_slot + kv_head * stride_kc_head
-                            + lines[None, :])
-                prefetch_l2(v_cache_ptr + p_block[:, None] * stride_vc_block
-                            + p_slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
-                            + lines[None, :])
+            p_slot = tl.where(p_ok, offs_p % PAGE_SIZE, 0)
+            prefetch_l2(k_cache_ptr + p_block[:, None] * stride_kc_block
+                        + p_slot[:, None] * stride_kc_slot + kv_head * stride_kc_head
+                        + lines[None, :])
+            prefetch_l2(v_cache_ptr + p_block[:, None] * stride_vc_block
+                        + p_slot[:, None] * stride_vc_slot + kv_head * stride_vc_head
+                        + lines[None, :])
     pdl_wait(USE_PDL)
     if has_work:
         kv_start = split * split_len

@@ -5,9 +5,8 @@ variant's shared memory, registers and register spills (``cuobjdump -res-usage``
 Run as a script (Triton must not be in interpreter mode, so the test runs it in a
 subprocess): ``python offline_sm90_decode.py '[VARIANT, ...]'`` prints one JSON object
 per variant. A variant is ``["decode", num_heads, num_kv_heads, head_size, num_reqs,
-merge_at_once, prefetch_tiles=1]`` (:func:`lmkit_kernels.paged_attention.paged_attention`'s
-decode launch: its tiles, split count and merge as it chooses them on a 132-SM GPU; K/V
-tiles prefetched before the PDL wait, ``LMKIT_DECODE_PREFETCH_TILES``) or ``["gemv",
+merge_at_once]`` (:func:`lmkit_kernels.paged_attention.paged_attention`'s decode launch:
+its tiles, split count and merge as it chooses them on a 132-SM GPU) or ``["gemv",
 out_features]`` (:func:`lmkit_plugins.models.fused_ops.small_m_tiles`' launch of
 :func:`lmkit_kernels.gemv.small_m_linear`). Arguments are specialised as a launch
 specialises them: pointers 16-byte aligned, strides and sizes divisible by 16 (the
@@ -45,7 +44,7 @@ def _compile(kernel, signature: dict, constants: dict, aligned: list[str], num_w
 
 
 def decode(num_heads: int, num_kv_heads: int, head_size: int, num_reqs: int,
-           merge_at_once: bool, prefetch_tiles: int = 1) -> dict:
+           merge_at_once: bool) -> dict:
     import torch
     from lmkit_kernels import paged_attention as pa
     from lmkit_kernels.paged_decode import paged_decode_kernel
@@ -66,7 +65,7 @@ def decode(num_heads: int, num_kv_heads: int, head_size: int, num_reqs: int,
                  "MERGE_ROWS": 1 << (group - 1).bit_length(), "BLOCK_N": block_n,
                  "HEAD_SIZE": head_size, "HEAD_PAD": head_pad, "PAGE_SIZE": 16,
                  "DOT_F32": False, "DOT_IEEE": False, "USE_PDL": True, "KV_LINE": 64,
-                 "KV_LINES": head_size // 64, "KV_TILES": prefetch_tiles}
+                 "KV_LINES": head_size // 64}
     for param in paged_decode_kernel.params:
         name = param.name
         if name in constants or param.is_constexpr:
@@ -85,7 +84,6 @@ def decode(num_heads: int, num_kv_heads: int, head_size: int, num_reqs: int,
     fields = resource_usage(kernel)
     return {"kind": "decode", "num_heads": num_heads, "num_kv_heads": num_kv_heads,
             "head_size": head_size, "num_reqs": num_reqs, "merge_at_once": merge_at_once,
-            "prefetch_tiles": prefetch_tiles,
             "splits": splits, "tiles": [block_n, num_warps, num_stages],
             "prefetches": kernel.asm["ptx"].count("prefetch.global.L2"),
             "shared": kernel.metadata.shared, "registers": int(fields["REG"]),

@@ -59,21 +59,14 @@ def test_prefetch_lines_follow_the_weight_dtype(monkeypatch):
         "PF_LINE": 64, "PF_LINES": 32}
 
 
-def test_decode_prefetches_its_first_tiles(monkeypatch):
+def test_decode_prefetches_its_first_tile(monkeypatch):
     """Decode attention prefetches a K/V row's 128-byte lines for the first tile of its
-    slice, or ``LMKIT_DECODE_PREFETCH_TILES`` tiles; a bad count is refused by name; no
-    prefetch (and no reading of the switch) where prefetching is off."""
+    slice; none where prefetching is off."""
     from lmkit_kernels import paged_attention as pa
 
     cache = torch.empty(2, 16, 8, 128, dtype=torch.bfloat16)  # [blocks, slots, heads, d]
-    monkeypatch.delenv(pa.PREFETCH_TILES_ENV, raising=False)
     monkeypatch.setattr(pa, "prefetch_enabled", lambda device: True)
-    assert pa._kv_prefetch(cache, 128) == {"KV_LINE": 64, "KV_LINES": 2, "KV_TILES": 1}
-    monkeypatch.setenv(pa.PREFETCH_TILES_ENV, "4")
-    assert pa._kv_prefetch(cache, 128)["KV_TILES"] == 4
-    monkeypatch.setenv(pa.PREFETCH_TILES_ENV, "3")
-    with pytest.raises(ValueError, match="LMKIT_DECODE_PREFETCH_TILES='3': expected 1"):
-        pa._kv_prefetch(cache, 128)
+    assert pa._kv_prefetch(cache, 128) == {"KV_LINE": 64, "KV_LINES": 2}
     monkeypatch.setattr(pa, "prefetch_enabled", lambda device: False)
     assert pa._kv_prefetch(cache, 128) == {"KV_LINE": 64, "KV_LINES": 0}
 

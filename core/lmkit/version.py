@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # additions to hookspecs or interfaces; bump the major number for breaking changes.
 # Plugins declare the range they support with a module attribute, e.g.
 # ``LMKIT_PLUGIN_API = ">=1.0,<2"``.
-PLUGIN_API_VERSION = "1.10"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_cache_dtype
+PLUGIN_API_VERSION = "1.11"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_cache_dtype
 # (AttentionBackend.supports_fp8_kv_cache, ModelBuildContext.kv_cache_dtype); 1.3: KV heads
 # split unevenly over tensor-parallel ranks (kv_heads_of_rank); 1.4:
 # SamplingKernels.plan_device_step / finish_device_step (optional); 1.5: request faults
@@ -19,4 +19,4 @@ PLUGIN_API_VERSION = "1.10"  # 1.1: SamplingKernels.argmax (optional); 1.2: kv_c
 # (AttentionMetadata.tree_region / tree_mask, AttentionBackend.supports_tree_mask, the
 # ``tree_mask`` feature, MAX_TREE_REGION); 1.10: AttentionBackend.paged_decode_args(
 # multi_token=True) may describe a causal step of multi-token queries, a row per token;
-# lmkit.api.switched_off
+# lmkit.api.switched_off; 1.11: CausalLM.compute_greedy_logits (optional)

@@ -215,6 +215,21 @@ class CausalLM(Model):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
 
+    def compute_greedy_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> logits ``[n, vocab_size]`` read only by an argmax: each row's
+        first maximal index must be that of :meth:`compute_logits`' row (NaNs included).
+
+        The engine calls it for the greedy steps it launches ahead (decode steps,
+        speculative verifications), which read nothing but the argmax. Optional: the
+        default is :meth:`compute_logits`. A model whose float32 logits are its head's
+        output converted exactly (bfloat16 or float16 to float32 keeps every value and
+        their order) may return that output unconverted, saving the conversion's read and
+        write of ``n x vocab`` values per step; a model that transforms its logits after
+        the head (e.g. soft-capping, which can round distinct values together in half
+        precision) keeps the default. Added in plugin API 1.11.
+        """
+        return self.compute_logits(hidden_states)
+
 
 class PoolingModel(Model):
     """A :class:`Model` without a language-model head: it serves pooling requests only

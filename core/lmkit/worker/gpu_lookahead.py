@@ -322,8 +322,7 @@ class DecodeLookahead(LaunchAhead):
                 r: (s.generator, s.generator.get_state())
                 for r, s in zip(order, states, strict=True)
                 if s.generator is not None and s.sampling_params.temperature > 0}
-            tokens = draw_ahead(self.sampler, states, order, self.model.compute_logits(hidden),
-                                device_ids)
+            tokens = draw_ahead(self.sampler, states, order, self.model, hidden, device_ids)
             host, ready = read_back(tokens)
             # the head's catch-up behind the step (after the read: the tokens need not wait)
             caught_up = (drafter is not None and features is not None and self.launch_catch_ups

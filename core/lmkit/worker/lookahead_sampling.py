@@ -12,6 +12,7 @@ from lmkit.sample.row_cache import with_row_tokens
 from lmkit.spec_decode.rows import is_plain_greedy
 
 if TYPE_CHECKING:
+    from lmkit.api.model import CausalLM
     from lmkit.api.sampling_kernels import PenaltyRows
     from lmkit.api.sampling_params import SamplingParams
     from lmkit.sample.sampler import Sampler
@@ -42,16 +43,21 @@ def count_unread(penalties: PenaltyRows, unread: torch.Tensor) -> PenaltyRows:
 
 
 def draw_ahead(sampler: Sampler | None, states: list[CachedRequestState], order: list[str],
-               logits: torch.Tensor, unread: torch.Tensor | None) -> torch.Tensor:
-    """A launched step's tokens for the requests ``states`` (ids ``order``): the argmax
-    (the sampler kernels', :meth:`~lmkit.api.SamplingKernels.argmax`) where every one is
-    plain greedy (or there is no ``sampler``: ``torch.argmax``), else the sampler's draw
-    with the requests' kept tensors, their penalty counts plus ``unread`` (the tokens the
-    step before drew, not yet in the output lists; ``None``: they are). Uploads are
-    asynchronous: the host does not wait for the device."""
+               model: CausalLM, hidden: torch.Tensor, unread: torch.Tensor | None
+               ) -> torch.Tensor:
+    """A launched step's tokens for the requests ``states`` (ids ``order``) from the
+    ``model``'s final ``hidden`` states: the argmax (the sampler kernels',
+    :meth:`~lmkit.api.SamplingKernels.argmax`) of its greedy logits
+    (:meth:`~lmkit.api.CausalLM.compute_greedy_logits`) where every one is plain greedy
+    (or there is no ``sampler``: ``torch.argmax``), else the sampler's draw from its
+    float32 logits with the requests' kept tensors, their penalty counts plus ``unread``
+    (the tokens the step before drew, not yet in the output lists; ``None``: they are).
+    Uploads are asynchronous: the host does not wait for the device."""
     if sampler is None or all(is_plain_greedy(s.sampling_params, len(s.output_token_ids))
                               for s in states):
+        logits = model.compute_greedy_logits(hidden)
         return logits.argmax(dim=-1) if sampler is None else sampler.kernels.argmax(logits)
+    logits = model.compute_logits(hidden)
     vocab, device = logits.shape[-1], logits.device
     md = SamplingMetadata.build(
         [s.sampling_params for s in states], [s.prompt_token_ids for s in states],

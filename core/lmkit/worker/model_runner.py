@@ -229,6 +229,11 @@ class ModelRunner:
             self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
             self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
             self.sampler.kernels.warm_up(self.vocab_size, self.config.scheduler.max_num_seqs)
+            if (graphs is not None and self.device.type == "cuda"
+                    and (self.lookahead or self.spec_lookahead)):
+                with torch.inference_mode():  # their argmax at the greedy logits' dtype
+                    self.sampler.kernels.argmax(
+                        self.model.compute_greedy_logits(graphs.hidden_like(1)))
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the

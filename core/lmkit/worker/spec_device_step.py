@@ -205,7 +205,7 @@ class DeviceSpecStep:
         # what the head reads, kept past the graph's next replay
         features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
         # the first maximal index, as verify_greedy takes it (the engine's kernels')
-        targets = self.kernels.argmax(self.model.compute_logits(hidden))
+        targets = self.kernels.argmax(self.model.compute_greedy_logits(hidden))
         return DeviceVerify(inputs, positions, slots, features, targets)
 
     def step(self, v: DeviceVerify, tables: torch.Tensor) -> DeviceStepResult:
@@ -307,7 +307,7 @@ class _StepGraphs:
         device = like.inputs.device
         state = DeviceVerify(*(torch.zeros_like(t) for t in like.tensors()))
         with torch.inference_mode():  # the one kernel the runners' captures did not compile
-            step.model.compute_logits(step.graphs.hidden_like(n * width))
+            step.model.compute_greedy_logits(step.graphs.hidden_like(n * width))
             torch.cuda.synchronize(device)
         tables = torch.zeros(n, step.graphs.max_blocks, dtype=torch.int32, device=device)
         decided = torch.zeros(n, 2 * width, dtype=torch.int64, device=device)

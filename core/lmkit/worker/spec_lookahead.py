@@ -190,7 +190,7 @@ class SpecLookahead(LaunchAhead):
             # what the head reads, kept past the graph's next replay
             features = hidden.clone() if aux is None else torch.cat(aux, dim=-1)
             # the first maximal index, as verify_greedy takes it (accepted in take())
-            targets = self.kernels.argmax(self.model.compute_logits(hidden))
+            targets = self.kernels.argmax(self.model.compute_greedy_logits(hidden))
             step_tables = self._step_tables(order, rows, start)
             after = None
             if step_tables is not None:

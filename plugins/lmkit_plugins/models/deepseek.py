@@ -162,9 +162,18 @@ class DeepseekV2ForCausalLM(nn.Module, CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
+        return self._logits(hidden_states, float32=True)
+
+    def compute_greedy_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> the LM head's logits in its own dtype (see
+        :meth:`lmkit.api.CausalLM.compute_greedy_logits`)."""
+        return self._logits(hidden_states, float32=False)
+
+    def _logits(self, hidden_states: torch.Tensor, float32: bool) -> torch.Tensor:
         if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden_states)
-        return self.lm_head(hidden_states).float().contiguous()
+            return self.model.embed_tokens.logits(hidden_states, float32)
+        logits = self.lm_head(hidden_states)
+        return (logits.float() if float32 else logits).contiguous()
 
     # ------------------------------------------------------------------ loading
 

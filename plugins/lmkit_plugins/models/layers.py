@@ -357,10 +357,12 @@ class VocabEmbedding(nn.Module):
             return self._quant.dense_rows(self._qtable, input_ids)  # type: ignore[union-attr]
         return F.embedding(input_ids, self.weight)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head over this table: ``[n, hidden]`` -> float32 ``[n, vocab]`` (contiguous)."""
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """LM head over this table: ``[n, hidden]`` -> float32 ``[n, vocab]`` (contiguous);
+        ``float32=False``: in the head's own output dtype (for an argmax alone)."""
         if self._qkernel is not None:
             return self._qkernel(hidden, None)
         if self._padded_weight is None:
-            return self.kernel(hidden, self.weight, None).float()
+            logits = self.kernel(hidden, self.weight, None)
+            return logits.float() if float32 else logits
         return self.kernel(hidden, self._padded_weight, None)[:, :self.vocab_size].contiguous()

@@ -299,10 +299,20 @@ class LlamaForCausalLM(LlamaStack, CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]``."""
+        return self._logits(hidden_states, float32=True)
+
+    def compute_greedy_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> the LM head's logits in its own dtype (see
+        :meth:`lmkit.api.CausalLM.compute_greedy_logits`): the float32 logits are their
+        exact conversion."""
+        return self._logits(hidden_states, float32=False)
+
+    def _logits(self, hidden_states: torch.Tensor, float32: bool) -> torch.Tensor:
         if self.lm_head is None:
-            return self.model.embed_tokens.logits(hidden_states)
+            return self.model.embed_tokens.logits(hidden_states, float32)
+        logits = self.lm_head(hidden_states)
         # contiguous: a CPU head whose vocabulary is a multiple of 512 returns a view
-        logits = self.lm_head(hidden_states).float().contiguous()
+        logits = (logits.float() if float32 else logits).contiguous()
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.dims.vocab_size)
 
 

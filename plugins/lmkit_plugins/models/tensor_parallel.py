@@ -112,6 +112,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: ``[n, hidden]`` -> float32 ``[n, vocab]`` on every rank."""
-        return self.tp.gather_vocab(super().logits(hidden), self.full_vocab_size)
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Tied LM head: ``[n, hidden]`` -> float32 ``[n, vocab]`` on every rank
+        (``float32=False``: the head's own dtype)."""
+        return self.tp.gather_vocab(super().logits(hidden, float32), self.full_vocab_size)

@@ -26,15 +26,17 @@ Workload = dict[str, Any]  # {"name", "prompts": [[ids]], "output_lens": [n]}
 
 
 def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload],
-              facts: dict[str, Any] | None = None, profile_run: bool = False
-              ) -> dict[str, Any]:
+              facts: dict[str, Any] | None = None, profile_run: bool = False,
+              repeats: int = 1) -> dict[str, Any]:
     """Start vLLM's ``LLM`` for ``model_dir`` with lmkit's engine limits; run each
-    workload (warm-up, then timed); results in the same shape as lmkit's side. With
+    workload (warm-up, then ``repeats`` timed runs as lmkit's side times them:
+    ``gpu_bench_sides.repeat_runs``); results in the same shape as lmkit's side. With
     ``profile_run``, each batch workload runs once more under the profiler
     (:mod:`gpu_run_profile`), as on lmkit's side."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm
+    from gpu_bench_sides import repeat_runs
 
     t0 = time.perf_counter()
     llm = vllm.LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
@@ -58,9 +60,9 @@ def vllm_side(model_dir: str, options: dict[str, Any], workloads: list[Workload]
         _generate(llm, warm)
         if len(wl["prompts"]) == 1:
             _step_one(llm, warm)  # the hand-stepped path warms up too
-            info["results"].append(_step_one(llm, wl))
+            info["results"].append(repeat_runs(lambda w: _step_one(llm, w), wl, repeats))
         else:
-            info["results"].append(_generate(llm, wl))
+            info["results"].append(repeat_runs(lambda w: _generate(llm, w), wl, repeats))
     info["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
     if profile_run:
         from gpu_bench_sides import shifted

@@ -137,12 +137,13 @@ def _side_main(side: str, job_file: Path, result_file: Path) -> None:
     elif side == "lmkit":
         result = sides.lmkit_side(job["model_dir"], job["options"], job["workloads"],
                                   job["facts"], job.get("profile_steps", 0),
-                                  job.get("profile_run", False))
+                                  job.get("profile_run", False), job.get("repeats", 1))
     elif side == "vllm":
         import gpu_bench_vllm
 
         result = gpu_bench_vllm.vllm_side(job["model_dir"], job["options"], job["workloads"],
-                                          job["facts"], job.get("profile_run", False))
+                                          job["facts"], job.get("profile_run", False),
+                                          job.get("repeats", 1))
     elif job.get("hf_generate_batch"):
         result = sides.hf_generate_side(job["model_dir"], job["workloads"],
                                         job["hf_generate_batch"])
@@ -251,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                     help='sampling parameters for every request of both sides, as JSON, e.g. '
                     '\'{"temperature": 0.7, "repetition_penalty": 1.1}\' (default: greedy; '
                     'max_tokens and ignore_eos stay the workload\'s)')
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time each workload this many times on each side, in one process "
+                    "(later runs on shifted token ids); rows show the median run, and "
+                    "every run's figure is listed")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="run the first fraction of W1/W3's requests (quick runs)")
     ap.add_argument("--side", choices=("lmkit", "vllm", "hf"), help=argparse.SUPPRESS)
@@ -271,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown workload {', '.join(unknown)}; choose from "
                  f"{', '.join(wl.WORKLOAD_MODELS)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be at least 1, got {args.layers}")
     all_workloads = wl.make_workloads(args.smoke)
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             wls = [all_workloads[n] for n in wl_names]
             job = {"tag": key, "model_dir": str(model_dir), "options": options,
                    "workloads": wls, "facts": facts, "profile_steps": args.profile_steps,
-                   "profile_run": args.profile_run}
+                   "profile_run": args.profile_run, "repeats": args.repeats}
             if not args.skip_lmkit:
                 report["lmkit"][key] = run_side("lmkit", job, root, args.side_timeout)
                 if ab_env or ab_set:

@@ -34,10 +34,14 @@ def combine(report: dict[str, Any], workload_models: dict[str, str]) -> list[dic
                 limit_ms = 1e3 * lm["decode_bytes_per_step"] / bw if "decode_bytes_per_step" \
                     in lm else None
                 row["bandwidth_limit_ms_per_token"] = limit_ms
+        if lm and "runs_tok_s" in lm:
+            row["lmkit_runs_tok_s"] = lm["runs_tok_s"]
         for tag, peer in (("vllm", vl), ("baseline", base)):
             if not peer:
                 continue
             row[f"{tag}_tok_s"] = peer["output_tokens_per_s"]
+            if "runs_tok_s" in peer:
+                row[f"{tag}_runs_tok_s"] = peer["runs_tok_s"]
             for key in ("tpot_ms", "ttft_ms"):
                 if key in peer:
                     row[f"{tag}_{key}"] = peer[key]
@@ -88,6 +92,13 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{f('baseline_tok_s', '.0f'):>10} {f('ratio_vs_baseline', '.3f'):>7}")
     if subset:
         lines.append("* HF ran the first N requests of the workload (see hf_requests)")
+    for r in report["rows"]:
+        runs = [f"{side} {' / '.join(f'{v:.0f}' for v in r[key])}"
+                for side, key in (("lmkit", "lmkit_runs_tok_s"), ("vLLM", "vllm_runs_tok_s"),
+                                  ("base", "baseline_runs_tok_s")) if key in r]
+        if runs:
+            lines.append(f"{r['workload']} timed runs (tok/s; the table shows each side's "
+                         f"median): {'; '.join(runs)}")
     for key, facts in report.get("models", {}).items():
         if "of_layers" in facts:
             lines.append(f"{key}: {facts['num_hidden_layers']} of its {facts['of_layers']} "

@@ -105,20 +105,27 @@ class DenseEagle:
                 .argmax())
         return d + int(w["d2t"][d]) if "d2t" in w else d
 
-    def ranked(self, h, width):
-        """The target ids of the head's ``width`` best drafts from its output ``h``."""
+    def logits(self, h):
+        """The head's logits from its output ``h`` and the target id of each (EAGLE-3:
+        over its draft vocabulary, mapped by ``d2t``)."""
         if not self.eagle3:
-            return (h @ self.emb.T).topk(width).indices.tolist()
+            logits = h @ self.emb.T
+            return logits, torch.arange(len(logits))
         w = self.w
         logits = rms(h, w["norm.weight"], self.cfg["rms_norm_eps"]) @ w["lm_head.weight"].T
-        return [d + int(w["d2t"][d]) if "d2t" in w else d
-                for d in logits.topk(width).indices.tolist()]
+        ids = torch.arange(len(logits))
+        return logits, ids + w["d2t"] if "d2t" in w else ids
 
-    def tree_drafts(self, tokens, tree, num):
-        """The first ``num`` nodes of a draft tree (``lmkit.spec_decode.tree.DraftTree``)
-        after ``tokens``: each node's children are the head's best drafts after the
-        path to it, ranked as the tree names them."""
-        base_feats, drafts = self.features(tokens[:-1]), {}
+    def ranked(self, h, width):
+        """The target ids of the head's ``width`` best drafts from its output ``h``."""
+        logits, ids = self.logits(h)
+        return ids[logits.topk(width).indices].tolist()
+
+    def _tree_nodes(self, tokens, tree, num, drafts):
+        """``(children as (rank, node), the head's output after the node's path)`` for
+        each of the first ``num`` nodes of ``tree`` with children, the path's tokens
+        read from ``drafts`` (node -> id) as the caller has them then."""
+        base_feats = self.features(tokens[:-1])
         with torch.no_grad():
             for node in range(num + 1):
                 kids = tree.child_ranks(node, num)
@@ -130,10 +137,34 @@ class DenseEagle:
                     next_tokens.append(drafts[c])
                     feats = torch.cat((feats, h[-1:]), 0)
                     h = self.head(next_tokens, feats)
-                top = self.ranked(h[-1], 1 + max(rank for rank, _ in kids))
-                for rank, c in kids:
-                    drafts[c] = top[rank]
+                yield kids, h[-1]
+
+    def tree_drafts(self, tokens, tree, num):
+        """The first ``num`` nodes of a draft tree (``lmkit.spec_decode.tree.DraftTree``)
+        after ``tokens``: each node's children are the head's best drafts after the
+        path to it, ranked as the tree names them."""
+        drafts = {}
+        for kids, h in self._tree_nodes(tokens, tree, num, drafts):
+            top = self.ranked(h, 1 + max(rank for rank, _ in kids))
+            for rank, c in kids:
+                drafts[c] = top[rank]
         return [drafts[c] for c in range(1, num + 1)]
+
+    def tree_mismatches(self, tokens, tree, drafts, tol=1e-4):
+        """The nodes (1-based) of a drafted tree's first nodes ``drafts`` (ids, as
+        :meth:`tree_drafts` lists them) that are not the head's draft of their rank
+        after their path, the path taken as drafted. A draft whose logit is within
+        ``tol`` of that rank's counts as it: two float32 computations of the head may
+        order near-equal logits differently."""
+        drafted, bad = dict(enumerate(drafts, start=1)), []
+        for kids, h in self._tree_nodes(tokens, tree, len(drafts), drafted):
+            logits, ids = self.logits(h)
+            best = logits.topk(1 + max(rank for rank, _ in kids)).values
+            for rank, c in kids:
+                at = (ids == drafted[c]).nonzero().flatten()
+                if len(at) == 0 or abs(float(logits[at[0]] - best[rank])) > tol:
+                    bad.append(c)
+        return bad
 
     def drafts(self, tokens, num):
         """``num`` greedy drafts after ``tokens`` (the last one was just sampled)."""

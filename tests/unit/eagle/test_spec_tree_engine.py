@@ -53,7 +53,9 @@ def test_greedy_outputs_identical_with_a_tree(tiny, heads, baseline, proposer, m
 def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer, replays):
     """Every tree the paged head drafted (level passes with tree attention over its own
     KV cache; eagerly, or through the graph runners' padded replays: a decode row per
-    node) equals the head run densely along each node's path."""
+    node) equals the head run densely along each node's path (a node whose logit ties
+    the dense head's for its rank within 1e-4 counts as equal: the two order float32
+    near-ties differently; the root of one tree here has ranks 2 and 3 6.7e-6 apart)."""
     if replays:
         padded_replays(monkeypatch)
     got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer,
@@ -63,8 +65,8 @@ def test_tree_drafts_equal_a_dense_reference(tiny, heads, monkeypatch, proposer,
     tree = DraftTree.from_paths(TREE)
     reference = DenseEagle(tiny, heads[proposer])
     wrong = {key: (drafts, reference.tree_drafts(list(key[1]), tree, len(drafts)))
-             for key, drafts in got.items()}
-    wrong = {key: pair for key, pair in wrong.items() if pair[0] != pair[1]}
+             for key, drafts in got.items()
+             if reference.tree_mismatches(list(key[1]), tree, drafts)}
     assert not wrong, f"{len(wrong)} of {len(got)} trees differ, e.g. {next(iter(wrong.values()))}"
 
 

@@ -15,7 +15,7 @@ RMSNorm and SiLU folded into the one-row FP8 GEMV as the model runs them,
 A setting is ``default`` or ``NAME=VALUE[,NAME=VALUE...]``. Names other than the ones
 below are environment variables read when the kernels launch (``LMKIT_PDL=0``,
 ``LMKIT_PDL_PREFETCH=2``, ``LMKIT_GEMV_FOLD=0``, ``LMKIT_GLU_EPILOGUE=0``,
-``LMKIT_GEMV_WIDE_TILES=0``, ``LMKIT_DECODE_PREFETCH_TILES=4``, ...). The chain's own:
+``LMKIT_GEMV_WIDE_TILES=0``, ``LMKIT_DECODE_MERGE_AT_ONCE=0``, ...). The chain's own:
 
 * ``TILES=BN/BK/WARPS/STAGES``: the bf16 GEMVs' (and their folds') launch for every
   projection instead of :func:`lmkit_plugins.models.fused_ops.small_m_tiles` /

@@ -52,7 +52,8 @@ from backends import unavailable  # noqa: E402
 from lmkit import SamplingParams  # noqa: E402
 from lmkit.frontend.llm import LLM  # noqa: E402
 from lmkit.testing.model_shapes import DEEPSEEK_V2_LITE  # noqa: E402
-from test_engine_gpu import ENGINE, NEW_TOKENS, _check_against_hf, _hf_model  # noqa: E402
+from teacher_forcing import check_against_hf, hf_model  # noqa: E402
+from test_engine_gpu import ENGINE, NEW_TOKENS  # noqa: E402
 
 NUM_FREQS = 8  # RoPE pairs the copy circuit uses (the fastest): neighbours score 13% lower
 PEAK_SCORE = 150.0  # the attended key's score: the next-best key scores ~20 less
@@ -168,7 +169,7 @@ def v2_lite(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_pair(v2_lite):
     """transformers' DeepseekV2 on the saved weights: (bf16, float32)."""
-    pair = (_hf_model(v2_lite, torch.bfloat16), _hf_model(v2_lite, torch.float32))
+    pair = (hf_model(v2_lite, torch.bfloat16), hf_model(v2_lite, torch.float32))
     yield pair
     del pair
     if DEVICE == "cuda":
@@ -202,7 +203,7 @@ def _copies_the_previous_token(out) -> bool:
 def test_teacher_forced_logits_match_hf(v2_lite, hf_pair, attention):
     outs = _generate(v2_lite, random_prompts(V2_LITE["vocab_size"]), logprobs=5,
                      attention=attention)
-    stats = _check_against_hf(outs, *hf_pair)
+    stats = check_against_hf(outs, *hf_pair)
     assert stats["argmax_agreement"] >= 0.99, stats  # the copy circuit decides every argmax
     assert all(_copies_the_previous_token(out) for out in outs)
 

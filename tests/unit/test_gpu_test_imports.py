@@ -5,8 +5,8 @@ renamed or moved (``tests/gpu/teacher_forcing.py`` took ``test_engine_gpu``'s
 ``_hf_model`` and ``_check_against_hf`` in 2ebbed6) breaks the module only on a GPU
 machine: ``test_deepseek_gpu.py`` failed to collect there from then on. This checks
 on the CPU, from the source, that every ``from SIBLING import NAME`` in ``tests/gpu``
-(and the other test folders with helper modules) names something the sibling defines
-at its top level.
+(and the other test folders with helper modules, and ``bench/``, whose GPU scripts
+import each other) names something the sibling defines at its top level.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
-FOLDERS = [TESTS / "gpu", TESTS / "unit" / "eagle", TESTS / "unit", TESTS / "integration"]
+FOLDERS = [TESTS / "gpu", TESTS / "unit" / "eagle", TESTS / "unit", TESTS / "integration",
+           TESTS.parent / "bench"]
 
 
 def top_level_names(path: Path) -> set[str]:
@@ -59,7 +60,7 @@ def sibling_imports(folder: Path) -> list[tuple[str, str, str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=lambda f: str(f.relative_to(TESTS)))
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda f: str(f.relative_to(TESTS.parent)))
 def test_sibling_imports_resolve(folder: Path) -> None:
     imports = sibling_imports(folder)
     missing = [f"{module}: from {sibling} import {name}" for module, sibling, name in imports

@@ -221,13 +221,16 @@ class ModelRunner:
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
         # decode steps, verifications launched ahead: not when a processor applied to every
-        # request may change the argmax, nor with draft trees; a pooling model never decodes
-        graphs = None if self.logits_processors.affects_greedy or self.tree else self.cuda_graphs
+        # request may change the argmax; with draft trees only the plain decode steps (of
+        # batches above speculative.disable_by_batch_size, or while the adaptive switch
+        # holds drafting off), tree steps run normally; a pooling model never decodes
+        graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
         if self.facts.generates:
             args = (self.config, self.stack, graphs, self.model, self.input_batch,
                     self.requests, self.max_model_len, self.drafter)
             self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
-            self.spec_lookahead = SpecLookahead.maybe(*args, self.sampler.kernels)
+            self.spec_lookahead = (None if self.tree else
+                                   SpecLookahead.maybe(*args, self.sampler.kernels))
             self.sampler.kernels.warm_up(self.vocab_size, self.config.scheduler.max_num_seqs)
             if (graphs is not None and self.device.type == "cuda"
                     and (self.lookahead or self.spec_lookahead)):

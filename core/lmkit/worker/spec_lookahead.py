@@ -386,14 +386,15 @@ def verify_step_inputs(batch: InputBatch, order: list[str], start: np.ndarray,
 
 def spec_lookahead_slots(config: LMKitConfig, stack: ResolvedStack) -> int:
     """KV slots per request the scheduler must reserve past the scheduled tokens for
-    the runner to launch verifications ahead: ``k + 1`` with a draft head where decode
-    steps can be launched ahead (:func:`~lmkit.worker.gpu_lookahead.
+    the runner to launch verifications ahead: ``k + 1`` with a draft head drafting chains
+    where decode steps can be launched ahead (:func:`~lmkit.worker.gpu_lookahead.
     decode_lookahead_slots`) and ``LMKIT_SPEC_LOOKAHEAD`` is not ``0`` -- ``2 (k + 1)``
     unless ``LMKIT_SPEC_DEVICE_STEP`` is ``0`` (a device step writes up to ``2k + 1``
-    positions past the first it verifies) --, else 0."""
+    positions past the first it verifies) --, else 0 (draft trees' verifications are not
+    launched ahead)."""
     reg = stack.get("speculative")
     k = config.speculative.num_speculative_tokens
     if (switched_off(ENV) or reg is None or not RUNNER_HOSTED_FEATURES & reg.spec.caps.features
-            or k < 1 or not decode_lookahead_slots(config, stack)):
+            or k < 1 or config.speculative.tree or not decode_lookahead_slots(config, stack)):
         return 0
     return k + 1 if switched_off(DEVICE_STEP_ENV) else 2 * (k + 1)

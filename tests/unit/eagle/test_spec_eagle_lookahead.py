@@ -116,3 +116,48 @@ def test_a_catch_up_missing_at_the_launch_shows(tiny, heads, monkeypatch):
                         max_num_seqs=8, disable_by_batch_size=2)
     reference = DenseEagle(tiny, heads["eagle3"])
     assert any(d != reference.drafts(list(key[1]), len(d)) for key, d in got.items())
+
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("proposer", ["eagle", "eagle3"])
+def test_plain_steps_beside_draft_trees_launch_ahead(tiny, heads, monkeypatch, proposer):
+    """With draft trees (``speculative.tree``) the steps of batches above the limit are
+    plain decode steps and launch ahead too (tree steps run normally: no verification is
+    launched ahead of a tree); the head's catch-up over them keeps its KV cache whole,
+    so the trees drafted once the batch drains equal the dense reference, and every
+    token and tree equals the run without the lookahead."""
+    import lmkit.worker.model_runner as model_runner
+    import lmkit.worker.spec_lookahead as spec_lookahead
+    from lmkit.spec_decode.tree import DraftTree
+    from lmkit.worker.spec_lookahead import SpecLookahead
+
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in MAX_TOKENS]
+    settings = dict(max_num_seqs=8, disable_by_batch_size=2, tree=TREE, k=len(TREE))
+    padded_replays(monkeypatch)
+    without, _ = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                            **settings)
+    spec = lookaheads_on_the_cpu(monkeypatch, SpecLookahead)
+    made = lookahead_on_the_cpu(monkeypatch)
+    slots: list[int] = []
+
+    def record_slots(config, stack):
+        slots.append(spec_lookahead.spec_lookahead_slots(config, stack))
+        return slots[-1]
+
+    monkeypatch.setattr(model_runner, "spec_lookahead_slots", record_slots)
+    got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
+                            **settings)
+    # no verification launched ahead, so none of its 2 (k + 1) slots reserved
+    assert spec == [] and slots == [0]
+    assert len(made) == 1 and made[0].min_batch == 2
+    assert made[0].stats.used > 5  # large-batch steps taken from the lookahead
+    assert stats["spec_num_steps_off"] > 5 and stats["spec_num_verifications"] > 5
+    assert got == without  # same tokens (the keys) and the same trees
+    tree = DraftTree.from_paths(TREE)
+    reference = DenseEagle(tiny, heads[proposer])
+    wrong = [key for key, drafts in got.items()
+             if reference.tree_mismatches(list(key[1]), tree, drafts)]
+    assert len(got) > 5 and not wrong, f"{len(wrong)} of {len(got)} trees differ"

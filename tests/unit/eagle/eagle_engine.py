@@ -147,3 +147,19 @@ def lookaheads_on_the_cpu(monkeypatch, cls) -> list:
         monkeypatch.setattr(module, "decode_lookahead_slots", lambda config, stack: 1)
     monkeypatch.setattr(cls, "__init__", record)
     return made
+
+
+def spec_slots_reserved(monkeypatch) -> list[int]:
+    """Record the runner's ``spec_lookahead_slots`` answers (one per runner built);
+    returns the list they are appended to."""
+    import lmkit.worker.model_runner as model_runner
+    import lmkit.worker.spec_lookahead as spec_lookahead
+
+    slots: list[int] = []
+
+    def record(config, stack):
+        slots.append(spec_lookahead.spec_lookahead_slots(config, stack))
+        return slots[-1]
+
+    monkeypatch.setattr(model_runner, "spec_lookahead_slots", record)
+    return slots

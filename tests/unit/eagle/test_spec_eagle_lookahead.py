@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import PROMPTS, lookaheads_on_the_cpu, padded_replays, run_engine
+from eagle_engine import (
+    PROMPTS,
+    lookaheads_on_the_cpu,
+    padded_replays,
+    run_engine,
+    spec_slots_reserved,
+)
 from lmkit import SamplingParams
 
 # requests finish at different steps: 5 running (speculation off), then 2 (drafting)
@@ -128,8 +134,6 @@ def test_plain_steps_beside_draft_trees_launch_ahead(tiny, heads, monkeypatch, p
     launched ahead of a tree); the head's catch-up over them keeps its KV cache whole,
     so the trees drafted once the batch drains equal the dense reference, and every
     token and tree equals the run without the lookahead."""
-    import lmkit.worker.model_runner as model_runner
-    import lmkit.worker.spec_lookahead as spec_lookahead
     from lmkit.spec_decode.tree import DraftTree
     from lmkit.worker.spec_lookahead import SpecLookahead
 
@@ -141,13 +145,7 @@ def test_plain_steps_beside_draft_trees_launch_ahead(tiny, heads, monkeypatch, p
                             **settings)
     spec = lookaheads_on_the_cpu(monkeypatch, SpecLookahead)
     made = lookahead_on_the_cpu(monkeypatch)
-    slots: list[int] = []
-
-    def record_slots(config, stack):
-        slots.append(spec_lookahead.spec_lookahead_slots(config, stack))
-        return slots[-1]
-
-    monkeypatch.setattr(model_runner, "spec_lookahead_slots", record_slots)
+    slots = spec_slots_reserved(monkeypatch)
     got, stats = run_engine(tiny, heads[proposer], monkeypatch, PROMPTS, proposer, params,
                             **settings)
     # no verification launched ahead, so none of its 2 (k + 1) slots reserved

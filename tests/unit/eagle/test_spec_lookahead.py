@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 from dense_eagle import DenseEagle
-from eagle_engine import PROMPTS, lookaheads_on_the_cpu, padded_replays, run_engine
+from eagle_engine import (
+    PROMPTS,
+    lookaheads_on_the_cpu,
+    padded_replays,
+    run_engine,
+    spec_slots_reserved,
+)
 from lmkit import SamplingParams
 from lmkit.testing.eagle_head import make_tiny_eagle_head
 
@@ -135,18 +141,11 @@ def test_slots_reserved_and_switch(tiny, heads, monkeypatch):
     """``2 (k + 1)`` lookahead slots with a draft head where decode steps can launch
     ahead (``k + 1`` without device steps); none with ``LMKIT_SPEC_LOOKAHEAD=0`` (and then
     no lookahead is built)."""
-    import lmkit.worker.model_runner as model_runner
     import lmkit.worker.spec_lookahead as spec_lookahead
 
     padded_replays(monkeypatch)
     made = spec_lookahead_on_the_cpu(monkeypatch)
-    slots: list[int] = []
-
-    def record_slots(config, stack):
-        slots.append(spec_lookahead.spec_lookahead_slots(config, stack))
-        return slots[-1]
-
-    monkeypatch.setattr(model_runner, "spec_lookahead_slots", record_slots)
+    slots = spec_slots_reserved(monkeypatch)
     monkeypatch.setenv("LMKIT_SPEC_LOOKAHEAD", "0")
     without, _ = run_engine(tiny, heads["eagle"], monkeypatch, PROMPTS[:2], "eagle",
                             max_num_seqs=8, k=3)

@@ -40,6 +40,7 @@ from lmkit.worker.gpu_lookahead import DecodeLookahead, decode_lookahead_slots
 from lmkit.worker.graph_capture import maybe_capture
 from lmkit.worker.input_batch import CachedRequestState, DeviceInputs, InputBatch, StepInputs
 from lmkit.worker.kv_scales import set_kv_cache_scales
+from lmkit.worker.lookaheads import build_lookaheads
 from lmkit.worker.model_build import (
     build_draft_proposer,
     check_load_format,
@@ -220,23 +221,12 @@ class ModelRunner:
         if self.drafter is not None:  # (with a tree: the catch-up graphs only)
             self.drafter.capture_graphs(self.cuda_graphs, self.config.scheduler.max_num_seqs,
                                         self.dtype)
-        # decode steps, verifications launched ahead: not when a processor applied to every
-        # request may change the argmax; with draft trees only the plain decode steps (of
-        # batches above speculative.disable_by_batch_size, or while the adaptive switch
-        # holds drafting off), tree steps run normally; a pooling model never decodes
-        graphs = None if self.logits_processors.affects_greedy else self.cuda_graphs
-        if self.facts.generates:
-            args = (self.config, self.stack, graphs, self.model, self.input_batch,
-                    self.requests, self.max_model_len, self.drafter)
-            self.lookahead = DecodeLookahead.maybe(*args, sampler=self.sampler)
-            self.spec_lookahead = (None if self.tree else
-                                   SpecLookahead.maybe(*args, self.sampler.kernels))
+        if self.facts.generates:  # (a pooling model never decodes)
+            self.lookahead, self.spec_lookahead = build_lookaheads(
+                self.config, self.stack, self.cuda_graphs, self.model, self.input_batch,
+                self.requests, self.max_model_len, self.drafter, self.sampler,
+                self.logits_processors.affects_greedy)
             self.sampler.kernels.warm_up(self.vocab_size, self.config.scheduler.max_num_seqs)
-            if (graphs is not None and self.device.type == "cuda"
-                    and (self.lookahead or self.spec_lookahead)):
-                with torch.inference_mode():  # their argmax at the greedy logits' dtype
-                    self.sampler.kernels.argmax(
-                        self.model.compute_greedy_logits(graphs.hidden_like(1)))
 
     def dummy_step_model(self) -> DummyStepModel:
         """What :mod:`lmkit.worker.dummy_steps` needs of this runner (eager forward); the

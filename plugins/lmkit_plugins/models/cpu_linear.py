@@ -30,12 +30,20 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @functools.cache
-def _onednn_works() -> bool:
+def _onednn_works(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's linear kernel, and its residual-add post-op
+    (:meth:`~lmkit_plugins.models.layers.Linear.forward_add`), run in ``dtype`` on this
+    CPU and compute the right thing. oneDNN's bfloat16 kernels need AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (seen: an AMD EPYC without AVX-512)
+    they raise, and bfloat16 projections run ``F.linear`` instead."""
+    x, w, b = (torch.ones(*shape, dtype=dtype) for shape in ((2, 3), (4, 3), (4,)))
     try:
-        out = _onednn_linear(torch.ones(2, 3), torch.ones(4, 3), torch.ones(4))
+        out = _onednn_linear(x, w, b)
+        added = _linear_binary(x, out, w, b, "add") if _linear_binary is not None else out
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-    return bool(torch.equal(out, torch.full((2, 4), 4.0)))
+    return bool(torch.equal(out.float(), torch.full((2, 4), 4.0))
+                and torch.equal(added.float(), torch.full((2, 4), 8.0)))
 
 
 def cpu_linear_kernel(device: torch.device | str, dtype: torch.dtype) -> LinearFn:
@@ -44,11 +52,12 @@ def cpu_linear_kernel(device: torch.device | str, dtype: torch.dtype) -> LinearF
     On the CPU: for float32, when the C row-GEMV kernel builds on this machine, that
     kernel for inputs of up to :data:`lmkit_kernels.cpu.row_gemv.MAX_ROWS` rows and
     oneDNN for larger ones (:func:`_row_gemv_or_onednn`); otherwise oneDNN for
-    float32/bfloat16 when this torch build has it. Else ``F.linear`` (CUDA, float16,
-    or a torch without oneDNN).
+    float32/bfloat16 when this torch build has it and it runs that dtype on this CPU
+    (:func:`_onednn_works`). Else ``F.linear`` (CUDA, float16, a torch without oneDNN,
+    or bfloat16 on a CPU without AVX-512).
     """
     if (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and _onednn_works()):
+            and torch.backends.mkldnn.is_available() and _onednn_works(dtype)):
         if dtype == torch.float32 and _row_gemv() is not None:
             return _row_gemv_or_onednn
         return _onednn_linear

@@ -3,7 +3,8 @@ tree's, on one training set: a random-weight target of SmolLM2-135M's shape (576
 9/3 heads, 49,152 tokens; ``--layers`` of them) answers ``--prompts`` (512) prompts once, its features
 go to a disk cache, and each round runs both sides (each in its own process, the
 revision's ``lmkit_plugins`` from an archive of its ``plugins/``, alternating order)
-resuming ``--steps`` more steps of 32 sequences from the same data. A side's time per
+resuming ``--steps`` more steps of ``--batch-size`` (32) sequences from the same data
+(answers of up to ``--max-new-tokens``, 128). A side's time per
 step is its call's time less the time of a call that runs no step (loading the target,
 the cache and the checkpoint, saving); medians over ``--rounds``::
 
@@ -31,14 +32,14 @@ OPTIONS = dict(max_new_tokens=128, draft_vocab_size=8192, batch_size=32, lr=1e-3
                save_every=10**6, holdout=0, feature_batch=64, feature_cache="disk")
 
 
-def side(model: str, out: str, device: str, steps: int) -> None:
+def side(model: str, out: str, device: str, steps: int, options: dict | None = None) -> None:
     """One side's timing (run in its own process): a call with no step left, then one
     of ``steps`` more; prints seconds per step and the new losses as JSON."""
     from lmkit_plugins.spec.train_eagle import train
 
     done = json.loads((Path(out) / "steps.json").read_text())["steps"]
     kw = dict(device=device, prompts=Path(out).parent / "prompts.jsonl", progress=False,
-              **OPTIONS)
+              **{**OPTIONS, **(options or {})})
     start = time.perf_counter()
     train(model, Path(out), max_steps=done, **kw)
     load = time.perf_counter() - start
@@ -49,7 +50,7 @@ def side(model: str, out: str, device: str, steps: int) -> None:
     print(json.dumps({"per_step": (run - load) / steps, "losses": result["losses"]}))
 
 
-def prepare(work: Path, layers: int, device: str, prompts: int) -> str:
+def prepare(work: Path, layers: int, device: str, prompts: int, options: dict) -> str:
     """The target, ``prompts`` prompts and one step (data and feature cache) in
     ``work/before``, copied to ``work/after``; returns the target's directory."""
     from lmkit.testing.tiny_model import make_tiny_model
@@ -62,7 +63,7 @@ def prepare(work: Path, layers: int, device: str, prompts: int) -> str:
         json.dumps({"prompt": f"Question {i}: tell me about item {i * 7919 % 1000}."}) + "\n"
         for i in range(prompts)))
     train(str(model), work / "before", max_steps=1, device=device,
-          prompts=work / "prompts.jsonl", progress=True, **OPTIONS)
+          prompts=work / "prompts.jsonl", progress=True, **options)
     (work / "before" / "train_state.pt").unlink()  # both sides start from step 0
     shutil.copytree(work / "before", work / "after")
     for name in ("before", "after"):
@@ -78,26 +79,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30, help="the target's layers")
     ap.add_argument("--prompts", type=int, default=512, help="training prompts")
+    ap.add_argument("--batch-size", type=int, default=OPTIONS["batch_size"],
+                    help="sequences per step")
+    ap.add_argument("--max-new-tokens", type=int, default=OPTIONS["max_new_tokens"],
+                    help="the target's answers' length limit")
     args = ap.parse_args()
+    changed = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
     losses: dict[str, list[float]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "rev").mkdir()
         plugins = revision_tree(args.rev, "plugins", work / "rev")
-        model = prepare(work, args.layers, args.device, args.prompts)
+        model = prepare(work, args.layers, args.device, args.prompts, {**OPTIONS, **changed})
 
         def run(name: str) -> float:
             env = env_first_on_path(plugins if name == "before" else None)
             code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import eagle_train_steps as b; b.side({model!r}, "
-                    f"{str(work / name)!r}, {args.device!r}, {args.steps})")
+                    f"{str(work / name)!r}, {args.device!r}, {args.steps}, {changed!r})")
             out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                  capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             losses[name] += result["losses"]
             return float(result["per_step"])
 
-        before_after(f"train-eagle steps of 32 ({args.device})", run, args.rounds)
+        before_after(f"train-eagle steps of {args.batch_size} ({args.device})", run, args.rounds)
     pairs = list(zip(losses["before"], losses["after"], strict=True))
     print(f"losses, before / after: step 1 {pairs[0][0]:.4f} / {pairs[0][1]:.4f}, step "
           f"{len(pairs)} {pairs[-1][0]:.4f} / {pairs[-1][1]:.4f}; largest difference "

@@ -11,7 +11,8 @@
 #
 # The prompt set is written once ($OUT/prompts.jsonl; delete it to write another).
 # FEATURES=disk FEATURE_GB=N set the feature cache (train-eagle's --feature-cache, -gb).
-# PROMPTS (task prompts, default 4000), SELF_PROMPTS (16000), STEPS (default 4000), BATCH (32), LR (1e-3), VOCAB (8192),
+# PROMPTS (task prompts, default 4000), SELF_PROMPTS (16000), STEPS (default 10000:
+# session 42's 1.45x head; 5000 accepted 5% fewer tokens a step), BATCH (32), LR (1e-3), VOCAB (8192),
 # ANSWER (max new tokens per training answer, 128), K (draft tokens, 3) and ATTN
 # (triton) set the run. Bench runs, each beside plain decoding: eagle3, ngram, eagle3-off
 # (speculation off above OFF_ABOVE requests, default 16: batch 32 decodes plainly, run
@@ -25,8 +26,9 @@
 # prompts after the first PROMPTS (held out from training): one tree of each size in
 # TREE_NODES (default "8 16"), at most TREE_DEPTH (3) deep, in $OUT/tree<N>.json. HEAD (default $OUT/head) reuses or resumes a head; DEVICE=cpu
 # DTYPE=float32 ATTN=auto runs it on the CPU (a smoke run: small PROMPTS and STEPS). With
-# no step named both run (training ~13 minutes on an H200 at the defaults: prompts ~3,
-# answers ~4, features ~1, 4000 steps ~5; SOURCE=tasks PROMPTS=4000 takes ~6).
+# no step named both run (training ~16 minutes on an H200 at the defaults: prompts,
+# answers and features ~7, 10000 steps ~9 at 51 s per 1000; SOURCE=tasks PROMPTS=4000
+# saves the ~3 minutes of prompts the model writes).
 set -euo pipefail
 out=${OUT:-eagle-gpu}
 gguf=${GGUF:?set GGUF to the SmolLM2-135M-Instruct GGUF file}
@@ -47,7 +49,7 @@ for step in $steps; do
           > "$out/prompts.jsonl"
       fi
       lmkit spec train-eagle "$gguf" --out "$head" --device "${DEVICE:-cuda}" --prompts "$out/prompts.jsonl" \
-        --max-steps "${STEPS:-4000}" --batch-size "${BATCH:-32}" --lr "${LR:-1e-3}" \
+        --max-steps "${STEPS:-10000}" --batch-size "${BATCH:-32}" --lr "${LR:-1e-3}" \
         --lr-schedule cosine --warmup-steps 100 --max-new-tokens "${ANSWER:-128}" \
         --draft-vocab-size "${VOCAB:-8192}" --feature-batch 64 --save-every 1000 --eval-prompts bench \
         --feature-cache "${FEATURES:-memory}" --feature-cache-gb "${FEATURE_GB:-8}" \

@@ -32,14 +32,15 @@ OPTIONS = dict(max_new_tokens=128, draft_vocab_size=8192, batch_size=32, lr=1e-3
                save_every=10**6, holdout=0, feature_batch=64, feature_cache="disk")
 
 
-def side(model: str, out: str, device: str, steps: int, options: dict | None = None) -> None:
+def side(model: str, out: str, device: str, steps: int, options: dict) -> None:
     """One side's timing (run in its own process): a call with no step left, then one
-    of ``steps`` more; prints seconds per step and the new losses as JSON."""
+    of ``steps`` more, with train-eagle's ``options``; prints seconds per step and the
+    new losses as JSON."""
     from lmkit_plugins.spec.train_eagle import train
 
     done = json.loads((Path(out) / "steps.json").read_text())["steps"]
     kw = dict(device=device, prompts=Path(out).parent / "prompts.jsonl", progress=False,
-              **{**OPTIONS, **(options or {})})
+              **options)
     start = time.perf_counter()
     train(model, Path(out), max_steps=done, **kw)
     load = time.perf_counter() - start
@@ -84,19 +85,19 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=OPTIONS["max_new_tokens"],
                     help="the target's answers' length limit")
     args = ap.parse_args()
-    changed = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    options = {**OPTIONS, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens}
     losses: dict[str, list[float]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "rev").mkdir()
         plugins = revision_tree(args.rev, "plugins", work / "rev")
-        model = prepare(work, args.layers, args.device, args.prompts, {**OPTIONS, **changed})
+        model = prepare(work, args.layers, args.device, args.prompts, options)
 
         def run(name: str) -> float:
             env = env_first_on_path(plugins if name == "before" else None)
             code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import eagle_train_steps as b; b.side({model!r}, "
-                    f"{str(work / name)!r}, {args.device!r}, {args.steps}, {changed!r})")
+                    f"{str(work / name)!r}, {args.device!r}, {args.steps}, {options!r})")
             out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                  capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
